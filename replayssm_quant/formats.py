@@ -1,0 +1,180 @@
+"""Format definitions: every limit of every state format lives here, as a named constant.
+
+DESIGN.md section 4 is the contract. Sources:
+
+* IEEE 754-2019 for binary16 (fp16) and the bfloat16 truncation of binary32.
+* OCP 8-bit Floating Point Specification (OFP8) rev 1.0 for E4M3 ("FN": no infinities,
+  max 448, NaN = S.1111.111) and E5M2 (IEEE-like, max 57344).
+* OCP Microscaling Formats (MX) v1.0 for E2M1 (max 6, no inf/NaN), MXFP8/MXFP4
+  (block of 32, E8M0 shared scale) and the scale rule X = 2^(floor(log2 amax) - emax_elem).
+* NVIDIA NVFP4: E2M1 elements, one E4M3 scale per 16 consecutive elements and one FP32
+  scale per tensor; here the "tensor" is one state matrix (sequence, head),
+  s_g = amax / (E4M3_MAX * E2M1_MAX).
+
+Saturation policy (documented choice, DESIGN.md section 4): finite values beyond the
+largest finite value of a grid saturate to +-max (also for bf16/fp16, which IEEE would
+round to inf); NaN stays NaN; +-inf stays +-inf on grids that have infinities (bf16,
+fp16, fp8e5m2 unscaled) and becomes NaN on grids that have none (E4M3, E2M1). Scaled
+formats compute their scales from the finite values only, and a non-finite value in a
+scaling block makes that whole block NaN (the block scale is stored as the NaN code).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = [
+    "FloatGrid",
+    "QuantSpec",
+    "FORMATS",
+    "FORMAT_NAMES",
+    "parse_spec",
+    "E4M3",
+    "E5M2",
+    "E2M1",
+    "BF16",
+    "FP16",
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "E2M1_MAX",
+    "NVFP4_BLOCK",
+    "MX_BLOCK",
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "E4M3_NAN_CODE",
+    "SR_RANDOM_BITS",
+]
+
+
+@dataclass(frozen=True)
+class FloatGrid:
+    """An unscaled sign-magnitude floating-point grid.
+
+    ``emin`` is the exponent of the smallest normal number; the spacing (quantum) of the
+    grid at a value with exponent ``e`` is ``2**(max(e, emin) - mbits)``, which also
+    covers the subnormals.
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    emin: int
+    max: float
+    has_inf: bool
+    has_nan: bool
+
+    @property
+    def min_subnormal(self) -> float:
+        return math.ldexp(1.0, self.emin - self.mbits)
+
+
+# OFP8 E4M3FN: bias 7, emin = 1 - 7 = -6, max = 1.75 * 2^8 = 448, NaN = 0x7F/0xFF, no inf.
+E4M3 = FloatGrid("e4m3", 4, 3, -6, 448.0, has_inf=False, has_nan=True)
+# OFP8 E5M2: bias 15, emin = -14, max = 1.75 * 2^15 = 57344, IEEE inf/NaN.
+E5M2 = FloatGrid("e5m2", 5, 2, -14, 57344.0, has_inf=True, has_nan=True)
+# OCP MX E2M1: bias 1, emin = 0, values +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; no inf, no NaN.
+E2M1 = FloatGrid("e2m1", 2, 1, 0, 6.0, has_inf=False, has_nan=False)
+# bfloat16: binary32 exponent, 7 stored mantissa bits; max = (2 - 2^-7) * 2^127.
+BF16 = FloatGrid("bf16", 8, 7, -126, float.fromhex("0x1.fe00000000000p+127"), True, True)
+# IEEE binary16: emin = -14, max = 65504.
+FP16 = FloatGrid("fp16", 5, 10, -14, 65504.0, has_inf=True, has_nan=True)
+
+E4M3_MAX = E4M3.max  # 448: fp8e4m3 matrix scale maps amax -> 448; NVFP4 block-scale max
+E5M2_MAX = E5M2.max  # 57344: fp8e5m2 matrix scale maps amax -> 57344
+E2M1_MAX = E2M1.max  # 6: largest E2M1 magnitude
+E4M3_NAN_CODE = 0x7F  # OFP8 E4M3FN NaN code (0xFF with the sign bit)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7, sign in bit 3
+
+NVFP4_BLOCK = 16  # NVFP4: one E4M3 scale per 16 consecutive elements (along the key axis)
+MX_BLOCK = 32  # OCP MX v1.0: one E8M0 scale per 32 elements
+E8M0_BIAS = 127  # OCP MX v1.0: E8M0 scale = 2^(code - 127), codes 0..254
+E8M0_NAN = 0xFF  # OCP MX v1.0: E8M0 code 0xFF is NaN
+E8M0_MIN_EXP = -127
+E8M0_MAX_EXP = 127
+MXFP8_EMAX = 8  # exponent of the largest E4M3 normal (448 = 1.75 * 2^8), OCP MX Table 1
+MXFP4_EMAX = 2  # exponent of the largest E2M1 normal (6 = 1.5 * 2^2), OCP MX Table 1
+
+# Stochastic rounding draws 32 uniform random bits per element (one Philox-4x32-10 output).
+# After scaling, x = q * (n + f) with q the target quantum and 0 <= f < 1. An FP32 input
+# with |x| >= q has at most 23 mantissa bits below q, and f is a multiple of 2^-23, so the
+# round-up probability f is exact. (For E2M1, the normal range keeps 1 mantissa bit, so at
+# most 22 bits lie below the grid; 32 >= 22.) For |x| < q * 2^-9 the probability is f
+# rounded up to a multiple of 2^-32 (bias below 2^-32 q per element).
+SR_RANDOM_BITS = 32
+
+
+@dataclass(frozen=True)
+class _FormatInfo:
+    name: str
+    element: FloatGrid | None  # None for fp32
+    scaling: str  # "none" | "matrix" | "nvfp4" | "mx"
+    block: int  # scaling block length along the last dim (0 if none)
+    code_bits: int  # bits per stored element code
+    description: str
+
+
+FORMATS: dict[str, _FormatInfo] = {
+    "fp32": _FormatInfo("fp32", None, "none", 0, 32, "IEEE binary32, the reference"),
+    "bf16": _FormatInfo("bf16", BF16, "none", 0, 16, "bfloat16, saturating"),
+    "fp16": _FormatInfo("fp16", FP16, "none", 0, 16, "IEEE binary16, saturating"),
+    "fp8e4m3": _FormatInfo("fp8e4m3", E4M3, "matrix", 0, 8, "E4M3FN + FP32 scale per matrix"),
+    "fp8e5m2": _FormatInfo("fp8e5m2", E5M2, "matrix", 0, 8, "E5M2 + FP32 scale per matrix"),
+    "nvfp4": _FormatInfo(
+        "nvfp4", E2M1, "nvfp4", NVFP4_BLOCK, 4, "E2M1 + E4M3 scale per 16 + FP32 per matrix"
+    ),
+    "mxfp8": _FormatInfo("mxfp8", E4M3, "mx", MX_BLOCK, 8, "E4M3 + E8M0 scale per 32"),
+    "mxfp4": _FormatInfo("mxfp4", E2M1, "mx", MX_BLOCK, 4, "E2M1 + E8M0 scale per 32"),
+}
+FORMAT_NAMES: tuple[str, ...] = tuple(FORMATS)
+SR_SUFFIX = "+sr"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """A parsed format token: ``name`` in :data:`FORMAT_NAMES`, ``sr`` for stochastic rounding.
+
+    ``str(spec)`` gives the canonical token back (``"nvfp4+sr"``).
+    """
+
+    name: str
+    sr: bool = False
+
+    def __post_init__(self):
+        if self.name not in FORMATS:
+            raise ValueError(
+                f"unknown state format {self.name!r}; expected one of {', '.join(FORMAT_NAMES)}"
+            )
+
+    def __str__(self) -> str:
+        return self.name + (SR_SUFFIX if self.sr else "")
+
+    @property
+    def info(self) -> _FormatInfo:
+        return FORMATS[self.name]
+
+    @property
+    def is_identity(self) -> bool:
+        """True for ``fp32`` (RTN or SR): FP32 values are stored unchanged."""
+        return self.name == "fp32"
+
+
+def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
+    """Parse a format token such as ``"nvfp4"``, ``"fp8e4m3+sr"`` (DESIGN.md section 3).
+
+    Raises:
+        ValueError: naming the bad token and listing the accepted ones.
+    """
+    if isinstance(spec, QuantSpec):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"format spec must be a string, got {type(spec).__name__} {spec!r}")
+    token = spec.strip().lower()
+    sr = token.endswith(SR_SUFFIX)
+    name = token[: -len(SR_SUFFIX)] if sr else token
+    if name not in FORMATS:
+        raise ValueError(
+            f"bad format spec {spec!r}: expected one of {', '.join(FORMAT_NAMES)}, "
+            f"optionally followed by '{SR_SUFFIX}' (stochastic rounding; RTN is the default)"
+        )
+    return QuantSpec(name, sr)

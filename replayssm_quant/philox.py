@@ -1,0 +1,116 @@
+"""Counter-based random bits for stochastic rounding (DESIGN.md section 3, last paragraph).
+
+Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011),
+written in plain torch so that it reproduces, bit for bit, ``tl.philox(seed, c0, c1, c2, c3)``
+of Triton (``triton/language/random.py``), which the kernels call. The mapping is:
+
+* key  (k0, k1) = (seed & 0xffffffff, seed >> 32) with ``seed`` a 64-bit user seed;
+* counter c0 = element index inside the matrix (row-major over the last two dims, padded
+  row length for blocked formats is NOT used: the index is ``m * K + k``);
+* counter (c1, c2) = low and high 32 bits of the 64-bit ``stream`` key of the matrix;
+* counter c3 = 0 (reserved).
+
+The first output word is the element's 32 random bits. Because every draw is a pure
+function of (seed, stream, element), stepwise decoding, chunked emulation and any batch
+composition draw identical bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["philox4x32", "random_bits", "stream_key", "STREAM_FIELDS"]
+
+_M32 = 0xFFFFFFFF
+PHILOX_KEY_A = 0x9E3779B9
+PHILOX_KEY_B = 0xBB67AE85
+PHILOX_ROUND_A = 0xD2511F53
+PHILOX_ROUND_B = 0xCD9E8D57
+PHILOX_ROUNDS = 10  # Triton's N_ROUNDS_DEFAULT
+
+
+def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit words of the 64-bit product of constant ``a`` and uint32 values ``b``
+    held in int64, computed with 16-bit halves so that nothing overflows int64."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    t = a_hi * b  # < 2^48
+    u = a_lo * b  # < 2^48
+    hi = (t + (u >> 16)) >> 16
+    lo = (((t & 0xFFFF) << 16) + u) & _M32
+    return hi & _M32, lo
+
+
+def philox4x32(
+    c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, k0: int, k1: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox-4x32-10 on int64 tensors holding uint32 values (broadcasting).
+
+    Returns the four output words as int64 tensors in [0, 2^32). Matches Triton's
+    ``philox_impl`` round for round.
+    """
+    c0, c1, c2, c3 = torch.broadcast_tensors(
+        *(torch.as_tensor(c, dtype=torch.int64) & _M32 for c in (c0, c1, c2, c3))
+    )
+    k0 &= _M32
+    k1 &= _M32
+    for _ in range(PHILOX_ROUNDS):
+        hi_b, lo_b = _mul32(PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul32(PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + PHILOX_KEY_A) & _M32
+        k1 = (k1 + PHILOX_KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def random_bits(seed: int, stream: torch.Tensor, element: torch.Tensor) -> torch.Tensor:
+    """32 random bits per element, as int64 in [0, 2^32).
+
+    Args:
+        seed: user seed, 0 <= seed < 2^64 (Philox key).
+        stream: int64 tensor of 64-bit stream keys, broadcastable against ``element``.
+        element: int64 tensor of element indices (< 2^32) inside the matrix.
+    """
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2^64), got {seed}")
+    stream = torch.as_tensor(stream, dtype=torch.int64)
+    out, _, _, _ = philox4x32(
+        element, stream & _M32, (stream >> 32) & _M32, torch.zeros((), dtype=torch.int64),
+        seed & _M32, (seed >> 32) & _M32,
+    )
+    return out
+
+
+# Bit fields of a stream key (low to high). 63 bits in all, so the key is a positive int64.
+STREAM_FIELDS: tuple[tuple[str, int], ...] = (
+    ("copy", 1),  # 0 = recurrence anchor, 1 = read copy
+    ("head", 10),
+    ("layer", 8),
+    ("sequence", 20),
+    ("flush", 24),
+)
+
+
+def stream_key(*, layer=0, sequence=0, head=0, flush=0, copy=0) -> torch.Tensor:
+    """Pack (layer, sequence, head, flush index, copy) into one int64 stream key per matrix.
+
+    Arguments are ints or integer tensors (broadcast together). ``copy`` is 0 for the
+    recurrence anchor and 1 for the read copy, so the two casts of one flush draw
+    independent bits (DESIGN.md section 3, "Flush").
+
+    Raises:
+        ValueError: a field is negative or does not fit its bit width (see ``STREAM_FIELDS``).
+    """
+    values = dict(layer=layer, sequence=sequence, head=head, flush=flush, copy=copy)
+    key = torch.zeros((), dtype=torch.int64)
+    shift = 0
+    for name, width in STREAM_FIELDS:
+        v = torch.as_tensor(values[name], dtype=torch.int64)
+        if v.numel() and (int(v.min()) < 0 or int(v.max()) >= (1 << width)):
+            raise ValueError(
+                f"stream field {name}={v.min().item()}..{v.max().item()} out of range "
+                f"[0, {1 << width}) ({width} bits)"
+            )
+        key = key | (v << shift)
+        shift += width
+    return key

@@ -1,0 +1,478 @@
+"""Quantizers: fake quantisation (``quantize``) and real packed storage (``pack``).
+
+This module is the plain torch reference. The Triton kernels in
+``replayssm_quant.kernels.quant`` implement the same arithmetic in the same order and are
+tested against it bit for bit (``tests/test_quant_kernels.py``). DESIGN.md section 4 is
+the contract; every format constant comes from :mod:`replayssm_quant.formats`.
+
+Layout: ``x`` has shape ``[..., M, K]``. The last two dims form one matrix (one state matrix
+of one sequence and head); matrix-scaled formats keep one FP32 scale per matrix; block
+scales run along the last dim K (the key axis: d_state for Mamba-2, d_k for GDN). A row
+length that the block does not divide is padded with zeros to whole blocks; no scale is
+ever shared across rows.
+
+Arithmetic, per element, after scaling ``y = x / s`` (IEEE correctly rounded division):
+
+* ``e = max(floor(log2|y|), emin)`` read from the FP32 exponent bits, quantum
+  ``q = 2^(e - mbits)``, ``m = |y| / q`` (exact: q is a power of two);
+* RTN: ``n = round_half_even(m)``; SR: ``n = floor(m) + [r < frac(m) * 2^32]`` with ``r``
+  32 Philox bits keyed by (seed, stream, element) (:mod:`replayssm_quant.philox`);
+* ``v = min(n * q, max)`` (a carry into the next binade is kept; saturation at max),
+  sign restored with copysign (so -0.0 stays -0.0, SR of 0 is 0);
+* dequantised value ``v * s`` (exact for every format here: element grids have at most
+  4 significant bits and scales are powers of two or FP32 numbers whose product with such
+  a value is formed once, identically, in both the fake and the packed path).
+
+Scale rules (scales themselves always use RTN, never SR):
+
+* fp8e4m3 / fp8e5m2: ``s = amax / FMAX`` per matrix (amax over finite |x|; s = 1 if it is 0).
+* nvfp4: ``s_g = amax / (448 * 6)`` per matrix; per block of 16,
+  ``s_b = E4M3_RTN(block_amax / (s_g * 6))``, element scale ``s_b * s_g``. Because ``s_b``
+  is rounded to nearest, ``6 * s_b`` may be below the block amax: the largest element then
+  clips to +-6 (E2M1 max). Example: block amax 3.1875, ``s_g`` = 1 -> 0.53125 is a tie ->
+  ``s_b = 0.5``, 3.1875 / 0.5 = 6.375 -> 6. SR never exceeds 6 (saturation after rounding).
+  A block whose ``s_b`` underflows to 0 (all zeros) gives exact zeros, never NaN.
+* mxfp8 / mxfp4 (OCP MX v1.0 section 6.3): per block of 32,
+  ``X = 2^clamp(floor(log2 block_amax) - emax_elem, -127, 127)`` with the exponent read from
+  the bits; block_amax = 0 gives code 0 (2^-127) and zeros.
+
+Non-finite values: see :mod:`replayssm_quant.formats` (NaN stays NaN; scaled formats turn
+a block holding a non-finite value into a NaN block, stored through the scale's NaN code).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import formats as F
+from .formats import QuantSpec, parse_spec
+from .philox import random_bits
+
+__all__ = [
+    "quantize",
+    "pack",
+    "PackedTensor",
+    "round_to_grid",
+    "quantize_reference",
+    "pack_reference",
+    "BACKENDS",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+_BACKEND_ENV = "REPLAYSSM_QUANT_BACKEND"
+
+
+# ----------------------------------------------------------------------------------------
+# element grids
+# ----------------------------------------------------------------------------------------
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """Exact 2^e as float32 for integer tensor e in [-149, 127], built from the bits."""
+    e = e.to(torch.int32)
+    normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
+    sub = (torch.ones_like(e) << (e + 149).clamp(0, 22)).view(torch.float32)
+    return torch.where(e >= -126, normal, sub)
+
+
+def _float_exponent(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2 a) for finite float32 a > 0, from the exponent bits (-127 for subnormals,
+    which every caller clamps to a larger emin)."""
+    return ((a.view(torch.int32) >> 23) & 0xFF) - 127
+
+
+def _exact_log2_floor(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2 a) for finite float32 a > 0, exact also for FP32 subnormals (MX scales)."""
+    _, e = torch.frexp(a)
+    return e - 1
+
+
+def round_to_grid(
+    y: torch.Tensor, grid: F.FloatGrid, rbits: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Round float32 ``y`` onto the unscaled grid ``grid`` (RTN, or SR if ``rbits`` given).
+
+    Args:
+        y: float32 tensor, any shape.
+        grid: element grid from :mod:`replayssm_quant.formats`.
+        rbits: int64 tensor of 32-bit random integers broadcastable to ``y`` (SR), or None
+            for round-half-to-even.
+
+    Returns:
+        float32 tensor of grid values (saturated at +-grid.max; NaN stays NaN; +-inf stays
+        +-inf if the grid has infinities, else NaN).
+    """
+    if y.dtype != torch.float32:
+        raise ValueError(f"round_to_grid expects float32, got {y.dtype}")
+    a = y.abs()
+    finite = torch.isfinite(y)
+    a_f = torch.where(finite, a, torch.zeros_like(a))
+    e = _float_exponent(a_f).clamp(min=grid.emin)
+    q = _pow2(e - grid.mbits)
+    m = a_f / q  # exact
+    if rbits is None:
+        n = torch.round(m)  # half to even
+    else:
+        fl = torch.floor(m)
+        frac = (m - fl).double()
+        up = rbits.double() < frac * 4294967296.0
+        n = fl + up.to(torch.float32)
+    v = torch.clamp(n * q, max=grid.max)
+    v = torch.copysign(v, y)
+    if grid.has_inf:
+        v = torch.where(torch.isinf(y), y, v)
+    else:
+        v = torch.where(torch.isinf(y), torch.full_like(y, float("nan")), v)
+    return torch.where(torch.isnan(y), y, v)
+
+
+# ----------------------------------------------------------------------------------------
+# codes
+# ----------------------------------------------------------------------------------------
+
+_E2M1_LUT = torch.tensor(list(F.E2M1_VALUES) + [-v for v in F.E2M1_VALUES], dtype=torch.float32)
+
+
+def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 grid values (NaN allowed, encoded as 0) -> uint8 codes 0..15 (sign in bit 3)."""
+    mag = torch.nan_to_num(v.abs(), nan=0.0)
+    idx = torch.where(mag < 2, mag * 2, torch.where(mag < 4, mag + 2, mag / 2 + 4)).to(torch.uint8)
+    sign = torch.signbit(v) & ~torch.isnan(v)
+    return idx | (sign.to(torch.uint8) << 3)
+
+
+def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    return _E2M1_LUT.to(codes.device)[codes.long()]
+
+
+def _fp8_encode(v: torch.Tensor, grid: F.FloatGrid) -> torch.Tensor:
+    dt = torch.float8_e4m3fn if grid is F.E4M3 else torch.float8_e5m2
+    return v.to(dt).view(torch.uint8)
+
+
+def _fp8_decode(codes: torch.Tensor, grid: F.FloatGrid) -> torch.Tensor:
+    dt = torch.float8_e4m3fn if grid is F.E4M3 else torch.float8_e5m2
+    return codes.view(dt).to(torch.float32)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] uint8 codes (K even) -> [..., K/2] bytes, element 2i in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+# ----------------------------------------------------------------------------------------
+# reference quantisation
+# ----------------------------------------------------------------------------------------
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(
+            f"x must have shape [..., M, K] (at least 2 dims: one matrix), got shape "
+            f"{tuple(x.shape)}"
+        )
+    if x.shape[-1] == 0 or x.shape[-2] == 0:
+        raise ValueError(f"x must have non-empty matrix dims [M, K], got shape {tuple(x.shape)}")
+
+
+def _element_index(shape, device) -> torch.Tensor:
+    m, k = shape[-2], shape[-1]
+    return torch.arange(m * k, device=device, dtype=torch.int64).view(m, k)
+
+
+def _sr_bits(spec: QuantSpec, x: torch.Tensor, seed: int, stream) -> torch.Tensor | None:
+    """Per-element Philox bits for SR: stream broadcast to x.shape[:-2] (one key per matrix)."""
+    if not spec.sr:
+        return None
+    lead = x.shape[:-2]
+    stream = torch.as_tensor(stream, dtype=torch.int64, device=x.device)
+    try:
+        stream = torch.broadcast_to(stream, lead)
+    except RuntimeError:
+        raise ValueError(
+            f"stream of shape {tuple(stream.shape)} does not broadcast to the leading dims "
+            f"{tuple(lead)} of x {tuple(x.shape)}"
+        ) from None
+    return random_bits(seed, stream[..., None, None], _element_index(x.shape, x.device))
+
+
+def _pad_blocks(t: torch.Tensor, block: int) -> torch.Tensor:
+    k = t.shape[-1]
+    pad = (-k) % block
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))  # zeros: padding is initialised
+    return t
+
+
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
+
+
+@dataclass
+class _Parts:
+    """Intermediate of the reference: element grid values and the scales."""
+
+    elem: torch.Tensor  # float32 [..., M, Kp] values on the element grid (NaN possible)
+    scale_eff: torch.Tensor | None  # float32, broadcastable to elem (None: unscaled)
+    matrix_scale: torch.Tensor | None  # float32 [...]
+    block_codes: torch.Tensor | None  # uint8 [..., M, Kp/block] (E4M3 or E8M0 codes)
+
+
+def _parts(x: torch.Tensor, spec: QuantSpec, seed: int, stream) -> _Parts:
+    info = spec.info
+    x = x.to(torch.float32)
+    rbits = _sr_bits(spec, x, seed, stream)
+    grid = info.element
+    if info.scaling == "none":
+        return _Parts(round_to_grid(x, grid, rbits), None, None, None)
+    if info.scaling == "matrix":
+        amax = _finite_abs(x).amax(dim=(-2, -1))
+        s = amax / grid.max
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        y = x / s[..., None, None]
+        return _Parts(round_to_grid(y, grid, rbits), s[..., None, None], s, None)
+
+    block = info.block
+    k = x.shape[-1]
+    xp = _pad_blocks(x, block)
+    if rbits is not None:
+        rbits = _pad_blocks(rbits, block)
+    nb = xp.shape[-1] // block
+    xb = xp.unflatten(-1, (nb, block))  # [..., M, nb, block]
+    bamax = _finite_abs(xb).amax(dim=-1)  # [..., M, nb]
+    bad = (~torch.isfinite(xb)).any(dim=-1)  # non-finite block -> NaN block
+    nan = torch.tensor(float("nan"), device=x.device)
+
+    if info.scaling == "nvfp4":
+        amax = _finite_abs(x).amax(dim=(-2, -1))
+        s_g = amax / (F.E4M3_MAX * F.E2M1_MAX)
+        s_g = torch.where(s_g > 0, s_g, torch.ones_like(s_g))
+        enc = bamax / (s_g * F.E2M1_MAX)[..., None, None]
+        s_b = round_to_grid(enc, F.E4M3)  # RTN, saturating at 448
+        s_b = torch.where(bad, nan, s_b)
+        block_codes = _fp8_encode(s_b, F.E4M3)
+        scale = s_b * s_g[..., None, None]  # [..., M, nb]; NaN for bad blocks
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # 0 and NaN -> 1
+        y = xb / safe[..., None]
+        elem = round_to_grid(y, grid, None if rbits is None else rbits.unflatten(-1, (nb, block)))
+        elem = torch.where((scale > 0)[..., None], elem, torch.zeros_like(elem))
+        elem = torch.where(bad[..., None], nan, elem)
+        return _Parts(elem.flatten(-2), scale.repeat_interleave(block, -1), s_g, block_codes)
+
+    # OCP MX
+    emax = F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX
+    pos = bamax > 0
+    e = _exact_log2_floor(torch.where(pos, bamax, torch.ones_like(bamax)))
+    sexp = torch.where(pos, e - emax, torch.full_like(e, F.E8M0_MIN_EXP))
+    sexp = sexp.clamp(F.E8M0_MIN_EXP, F.E8M0_MAX_EXP)
+    block_codes = (sexp + F.E8M0_BIAS).to(torch.uint8)
+    block_codes = torch.where(bad, torch.full_like(block_codes, F.E8M0_NAN), block_codes)
+    scale = _e8m0_decode(block_codes)
+    safe = torch.where(torch.isnan(scale), torch.ones_like(scale), scale)
+    y = xb / safe[..., None]
+    elem = round_to_grid(y, grid, None if rbits is None else rbits.unflatten(-1, (nb, block)))
+    elem = torch.where(bad[..., None], nan, elem)
+    del k
+    return _Parts(elem.flatten(-2), scale.repeat_interleave(block, -1), None, block_codes)
+
+
+def _e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E8M0 codes -> float32 2^(code-127); 0xFF -> NaN (OCP MX v1.0 section 5.4)."""
+    val = _pow2(codes.to(torch.int32) - F.E8M0_BIAS)
+    return torch.where(codes == F.E8M0_NAN, torch.full_like(val, float("nan")), val)
+
+
+def _dequant(parts: _Parts, k: int) -> torch.Tensor:
+    if parts.scale_eff is None:
+        out = parts.elem
+    else:
+        out = parts.elem * parts.scale_eff
+    return out[..., :k]
+
+
+def quantize_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> torch.Tensor:
+    """Torch reference of :func:`quantize` (runs on any device)."""
+    spec = parse_spec(spec)
+    _check_input(x)
+    if spec.is_identity:
+        return x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return _dequant(_parts(x, spec, seed, stream), x.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------
+# packed storage
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedTensor:
+    """Real low-precision storage of a ``[..., M, K]`` tensor.
+
+    Attributes:
+        spec: the :class:`QuantSpec` used.
+        shape: logical shape ``[..., M, K]``.
+        codes: element codes. fp32: float32 values; bf16/fp16: bfloat16/float16 values;
+            fp8 and mxfp8: uint8 codes ``[..., M, Kp]``; nvfp4/mxfp4: uint8 ``[..., M, Kp/2]``
+            with two E2M1 codes per byte, element 2i in the low nibble. ``Kp`` is K padded to
+            whole scaling blocks.
+        block_scales: uint8 ``[..., M, Kp/block]``: E4M3 codes (nvfp4) or E8M0 codes (mx),
+            else None.
+        matrix_scale: float32 ``[...]`` (fp8 and nvfp4), else None.
+    """
+
+    spec: QuantSpec
+    shape: torch.Size
+    codes: torch.Tensor
+    block_scales: torch.Tensor | None = None
+    matrix_scale: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of real storage: codes + block scales + matrix scales."""
+        n = self.codes.numel() * self.codes.element_size()
+        for t in (self.block_scales, self.matrix_scale):
+            if t is not None:
+                n += t.numel() * t.element_size()
+        return n
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dequantize(self) -> torch.Tensor:
+        """Decode to float32 ``shape``; identical values to :func:`quantize`."""
+        info = self.spec.info
+        k = self.shape[-1]
+        if info.scaling == "none":
+            return self.codes.to(torch.float32)
+        grid = info.element
+        if grid is F.E2M1:
+            elem = _e2m1_decode(_unpack_nibbles(self.codes))
+        else:
+            elem = _fp8_decode(self.codes, grid)
+        if info.scaling == "matrix":
+            return elem * self.matrix_scale[..., None, None]
+        block = info.block
+        if info.scaling == "nvfp4":
+            s_b = _fp8_decode(self.block_scales, F.E4M3)
+            scale = s_b * self.matrix_scale[..., None, None]
+            bad = torch.isnan(scale)
+        else:
+            scale = _e8m0_decode(self.block_scales)
+            bad = torch.isnan(scale)
+        elem = torch.where(bad.repeat_interleave(block, -1), float("nan"), elem)
+        return (elem * scale.repeat_interleave(block, -1))[..., :k]
+
+    def to(self, device) -> "PackedTensor":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PackedTensor(self.spec, self.shape, self.codes.to(device),
+                            mv(self.block_scales), mv(self.matrix_scale))
+
+    def __repr__(self) -> str:
+        return (f"PackedTensor(spec={self.spec}, shape={tuple(self.shape)}, "
+                f"nbytes={self.nbytes}, device={self.device})")
+
+
+def pack_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedTensor:
+    """Torch reference of :func:`pack`."""
+    spec = parse_spec(spec)
+    _check_input(x)
+    info = spec.info
+    shape = x.shape
+    if info.scaling == "none":
+        if spec.is_identity:
+            return PackedTensor(spec, shape, x.to(torch.float32).clone())
+        elem = _parts(x, spec, seed, stream).elem
+        dt = torch.bfloat16 if info.element is F.BF16 else torch.float16
+        return PackedTensor(spec, shape, elem.to(dt))
+    parts = _parts(x, spec, seed, stream)
+    grid = info.element
+    if grid is F.E2M1:
+        codes = _pack_nibbles(_e2m1_encode(parts.elem))
+    else:
+        codes = _fp8_encode(parts.elem, grid)
+    return PackedTensor(spec, shape, codes, parts.block_codes, parts.matrix_scale)
+
+
+# ----------------------------------------------------------------------------------------
+# public API with backend dispatch
+# ----------------------------------------------------------------------------------------
+
+
+def _backend(x: torch.Tensor, backend: str | None) -> str:
+    b = backend or os.environ.get(_BACKEND_ENV, "auto")
+    if b not in BACKENDS:
+        raise ValueError(f"backend {b!r} not one of {BACKENDS}")
+    if b == "auto":
+        return "triton" if x.is_cuda else "torch"
+    return b
+
+
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
+    return seed
+
+
+def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None = None):
+    """Fake-quantise ``x`` to the format ``spec`` and return the dequantised values.
+
+    Implements DESIGN.md section 4 (formats, RTN, SR, saturation) for one state matrix per
+    ``[M, K]`` slice.
+
+    Args:
+        x: float tensor ``[..., M, K]`` (float16/bfloat16/float32/float64; computed in float32).
+        spec: format token (``fp32 bf16 fp16 fp8e4m3 fp8e5m2 nvfp4 mxfp8 mxfp4``, optional
+            ``+sr``) or a :class:`~replayssm_quant.formats.QuantSpec`.
+        seed: Philox key for SR, int in [0, 2^63).
+        stream: int or int64 tensor broadcastable to ``x.shape[:-2]``: the 64-bit stream key
+            of each matrix (see :func:`replayssm_quant.philox.stream_key`).
+        backend: ``"torch"`` (reference), ``"triton"`` (kernels; CPU only under
+            ``TRITON_INTERPRET=1``) or ``None``/``"auto"`` (kernels on CUDA, reference
+            elsewhere); the environment variable ``REPLAYSSM_QUANT_BACKEND`` sets the default.
+
+    Returns:
+        float32 tensor of x's shape (``fp32`` returns float32/float64 input unchanged).
+
+    Raises:
+        ValueError: bad spec, seed, stream shape, or shape (fewer than 2 dims, empty matrix).
+    """
+    spec = parse_spec(spec)
+    _check_seed(seed)
+    _check_input(x)
+    if spec.is_identity:
+        return quantize_reference(x, spec)
+    if _backend(x, backend) == "triton":
+        from .kernels.quant import quantize_triton
+
+        return quantize_triton(x, spec, seed=seed, stream=stream)
+    return quantize_reference(x, spec, seed=seed, stream=stream)
+
+
+def pack(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None = None):
+    """Quantise ``x`` and return its real packed storage as a :class:`PackedTensor`.
+
+    Same arguments, values and errors as :func:`quantize`;
+    ``pack(x, s).dequantize()`` equals ``quantize(x, s)`` bit for bit.
+    """
+    spec = parse_spec(spec)
+    _check_seed(seed)
+    _check_input(x)
+    if not spec.is_identity and _backend(x, backend) == "triton":
+        from .kernels.quant import pack_triton
+
+        return pack_triton(x, spec, seed=seed, stream=stream)
+    return pack_reference(x, spec, seed=seed, stream=stream)

@@ -1,0 +1,256 @@
+"""Pure torch reference functions of ReplaySSM (DESIGN.md section 3).
+
+These are the readable references that the state objects (:mod:`.mamba2`, :mod:`.gdn`), the
+teacher-forced window form (:mod:`.window`) and the Triton kernels all have to match. They
+know nothing about ring buffers, policies' bookkeeping or validation; they take plain tensors.
+
+Conventions (shared by every function here):
+
+* A state / checkpoint is ``[B, H, V, K]`` in "value x key" orientation, so the output is
+  ``o = S q`` and blocked formats (nvfp4, mx) run their blocks along the key axis (last dim).
+  Mamba-2: ``[B, H, P, N]`` (head dim x d_state), the Hugging Face ``ssm_state`` layout.
+  GDN: ``[B, HV, DV, DK]``; note fla stores its recurrent state as ``[B, H, K, V]`` (the
+  transpose), so convert with ``.transpose(-1, -2)`` at that boundary.
+* Buffer records are *head-expanded* (grouped B/C or grouped q/k repeated to the value heads
+  the way Hugging Face / fla do, ``repeat_interleave`` over the head dim) and stacked along a
+  window axis ``J`` after the batch axis, fla style:
+  ``la [B, J, H]`` log decay (Mamba-2: ``dt * A``; GDN: ``g``), ``w [B, J, H, V]`` the value
+  written (Mamba-2: ``v = dt * x``; GDN: the correction ``u``), ``k [B, J, H, K]``,
+  ``q [B, H, K]`` (one token) or ``[B, J, H, K]`` (a window), ``beta [B, J, H]`` (GDN).
+* Decay products ``gamma_{i:j} = exp(c_j - c_{i-1})`` with ``c = cumsum(la)`` along J.
+* Everything runs in the dtype of its inputs (float32 or float64). Casting to a storage
+  format goes through :func:`cast_state`: formats other than ``fp32`` round in FP32 (a float64
+  state is cast to float32 first by the quantizer, so a stored state has FP32 precision at
+  most) and the dequantised values come back in the working dtype; ``fp32`` is treated as
+  "no rounding" and keeps the input dtype (float64 stays float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import QuantSpec
+from ..philox import stream_key
+from ..quant import PackedTensor, pack, quantize
+
+ANCHOR_COPY = 0  # stream_key copy bit of the recurrence anchor A (and of a shared checkpoint)
+READ_COPY = 1  # stream_key copy bit of the read copy R
+PREFILL_FLUSH_INDEX = 0  # the cast of a prefill (or of the initial zero state) is flush 0
+
+
+# ------------------------------------------------------------------------------ small helpers
+def matvec(S: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``S x`` for ``S [..., V, K]`` and ``x [..., K]`` -> ``[..., V]`` (one matmul per matrix)."""
+    return torch.matmul(S, x.unsqueeze(-1)).squeeze(-1)
+
+
+def expand_heads(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """Repeat grouped heads to ``heads`` along ``dim`` (``repeat_interleave``, as HF and fla do:
+    head ``h`` uses group ``h // (heads // groups)``)."""
+    groups = t.shape[dim]
+    if groups == heads:
+        return t
+    return t.repeat_interleave(heads // groups, dim=dim)
+
+
+def length_mask(length: torch.Tensor, J: int) -> torch.Tensor:
+    """``[B, J]`` bool: record slot ``j`` is live (``j < length[b]``)."""
+    return torch.arange(J, device=length.device)[None, :] < length[:, None]
+
+
+def mask_records(length: torch.Tensor | None, la: torch.Tensor, *rest: torch.Tensor):
+    """Neutralise records at slots ``>= length[b]``: log decay 0 (decay 1) and zeros for the
+    other record tensors (``w``, ``beta``: no contribution). ``length=None`` keeps everything."""
+    if length is None:
+        return (la, *rest)
+    live = length_mask(length, la.shape[1])
+    out = [torch.where(live[:, :, None], la, torch.zeros((), dtype=la.dtype))]
+    for t in rest:
+        shape = live.shape + (1,) * (t.dim() - 2)
+        out.append(torch.where(live.view(shape), t, torch.zeros((), dtype=t.dtype)))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------ casting
+def cast_state(S: torch.Tensor, spec: QuantSpec, *, seed: int, stream, store: bool = False):
+    """Round ``S [B, H, V, K]`` to ``spec`` (one FP32 scale per ``[V, K]`` matrix where the
+    format has one; blocks along K).
+
+    Returns ``(values, stored)``: ``values`` are the dequantised values in ``S.dtype``;
+    ``stored`` is the real storage when ``store`` is true (a :class:`PackedTensor`, or ``S``
+    itself for ``fp32``), else None. ``pack(...).dequantize()`` equals ``quantize(...)`` bit
+    for bit (quantizer contract), so stored and fake-quantised paths round identically.
+    """
+    if spec.is_identity:
+        return S, (S if store else None)
+    if store:
+        packed = pack(S, spec, seed=seed, stream=stream)
+        return packed.dequantize().to(S.dtype), packed
+    return quantize(S, spec, seed=seed, stream=stream).to(S.dtype), None
+
+
+def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
+                       flush_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream keys ``[B, H]`` of the anchor and read casts of one flush, keyed by
+    (layer, sequence id, head, flush index, copy) only: never by call order or batch position."""
+    seq = sequence_ids.to(torch.int64)[:, None]
+    fl = torch.as_tensor(flush_index, dtype=torch.int64).reshape(-1)[:, None]
+    head = torch.arange(heads, dtype=torch.int64)[None, :]
+    sa = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(), copy=ANCHOR_COPY)
+    sr = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(), copy=READ_COPY)
+    return sa.to(sequence_ids.device), sr.to(sequence_ids.device)
+
+
+@dataclass
+class Checkpoints:
+    """Result of :func:`cast_checkpoints`: dequantised A and R (working dtype) and, when
+    requested, their real storage. For single-checkpoint policies ``read is anchor``."""
+
+    anchor: torch.Tensor
+    read: torch.Tensor
+    anchor_stored: "PackedTensor | torch.Tensor | None" = None
+    read_stored: "PackedTensor | torch.Tensor | None" = None
+
+
+def cast_checkpoints(S: torch.Tensor, policy, *, seed: int, layer: int,
+                     sequence_ids: torch.Tensor, flush_index: torch.Tensor,
+                     store: bool = False) -> Checkpoints:
+    """The flush cast: ``A <- Q_rec(S)``, ``R <- Q_read(S)``, two independent casts of the same
+    unrounded ``S`` (R is never derived from the rounded A), each with its own SR stream
+    (copy bit 0 / 1). Single-checkpoint policies (``fp32``, ``shared``, ``eager``) cast once,
+    with the anchor stream, and return R = A.
+
+    Args:
+        S: unrounded state ``[B, H, V, K]``.
+        policy: :class:`~replayssm_quant.policy.StatePolicy`.
+        sequence_ids, flush_index: int64 ``[B]``.
+    """
+    sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=S.shape[1],
+                                flush_index=flush_index)
+    a, a_st = cast_state(S, policy.rec, seed=seed, stream=sa, store=store)
+    if policy.single_checkpoint:
+        return Checkpoints(a, a, a_st, a_st)
+    r, r_st = cast_state(S, policy.read, seed=seed, stream=sr, store=store)
+    return Checkpoints(a, r, a_st, r_st)
+
+
+# ------------------------------------------------------------------------------ recurrences
+def reconstruct(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``S_J = gamma_{1:J} C + sum_{j<=J} gamma_{j+1:J} w_j k_j^T`` (materialises the state).
+
+    Args: ``C [B, H, V, K]``, ``la [B, J, H]``, ``w [B, J, H, V]``, ``k [B, J, H, K]``.
+    Returns ``[B, H, V, K]``. ``J = 0`` returns ``C``.
+    """
+    if la.shape[1] == 0:
+        return C
+    c = la.cumsum(1)
+    total = c[:, -1]  # [B, H]
+    m = torch.exp(total[:, None, :] - c)  # gamma_{j+1:J}, [B, J, H]
+    wm = (w * m[..., None]).permute(0, 2, 3, 1)  # [B, H, V, J]
+    kt = k.permute(0, 2, 1, 3)  # [B, H, J, K]
+    return torch.exp(total)[..., None, None] * C + torch.matmul(wm, kt)
+
+
+def step_output(R: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                q: torch.Tensor) -> torch.Tensor:
+    """Output-only step: ``o = gamma_{1:h} (R q) + W (m * (K^T q))``, ``m_j = gamma_{j+1:h}``,
+    for the last of the ``h = J`` records (the current token is record ``h``). Never forms S.
+
+    Args: ``R [B, H, V, K]``, records ``la [B, J, H]``, ``w [B, J, H, V]``, ``k [B, J, H, K]``
+    (J >= 1), ``q [B, H, K]``. Returns ``[B, H, V]``.
+    """
+    c = la.cumsum(1)
+    total = c[:, -1]
+    m = torch.exp(total[:, None, :] - c)  # [B, J, H]
+    kq = (k * q[:, None]).sum(-1)  # [B, J, H]
+    return torch.exp(total)[..., None] * matvec(R, q) + ((m * kq)[..., None] * w).sum(1)
+
+
+def window_outputs(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                   q: torch.Tensor) -> torch.Tensor:
+    """Outputs of every position of a window read from checkpoint ``C`` (output-only, causal):
+    ``o_t = gamma_{1:t} (C q_t) + sum_{j<=t} gamma_{j+1:t} (k_j . q_t) w_j``.
+
+    Args: ``C [B, H, V, K]``, ``la [B, J, H]``, ``w [B, J, H, V]``, ``k, q [B, J, H, K]``.
+    Returns ``[B, J, H, V]``.
+    """
+    J = la.shape[1]
+    c = la.cumsum(1)  # [B, J, H]
+    causal = torch.ones(J, J, dtype=torch.bool, device=la.device).tril()  # [t, j]: j <= t
+    diff = c[:, :, None, :] - c[:, None, :, :]  # [B, t, j, H]
+    neg_inf = torch.tensor(float("-inf"), dtype=la.dtype, device=la.device)
+    dec = torch.exp(torch.where(causal[None, :, :, None], diff, neg_inf))  # gamma_{j+1:t}
+    qk = torch.einsum("bthk,bjhk->btjh", q, k)
+    intra = torch.einsum("btjh,bjhv->bthv", dec * qk, w)
+    Cq = torch.einsum("bhvk,bthk->bthv", C, q)
+    return torch.exp(c)[..., None] * Cq + intra
+
+
+def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,
+                      k: torch.Tensor, *, start: torch.Tensor | None = None,
+                      u_known: torch.Tensor | None = None) -> torch.Tensor:
+    """GDN corrections of a run of records against checkpoint ``C``: forward substitution of
+    the unit lower-triangular system
+
+        u_j + sum_{i<j} beta_j gamma_{i+1:j} (k_i . k_j) u_i = beta_j (v_j - gamma_{1:j} C k_j).
+
+    Rows ``j < start[b]`` are taken from ``u_known`` (already computed corrections, e.g. the
+    committed read-path ones when solving for drafts), so only rows ``start..J-1`` are solved
+    (a ``(J - start) x (J - start)`` solve). ``start=None`` solves all rows (a flush).
+
+    Args: ``C [B, H, V, K]``, ``la, beta [B, J, H]``, ``v [B, J, H, V]``, ``k [B, J, H, K]``,
+    ``start`` int64 ``[B]``, ``u_known [B, >=J, H, V]``. Returns ``u [B, J, H, V]``.
+    """
+    B, J, H = la.shape
+    u = torch.zeros_like(v)
+    if J == 0:
+        return u
+    c = la.cumsum(1)
+    Ck = torch.matmul(C, k.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # C k_j: [B, J, H, V]
+    rhs = beta[..., None] * (v - torch.exp(c)[..., None] * Ck)
+    kk = torch.einsum("bihk,bjhk->bjih", k, k)  # [B, j, i, H]: k_i . k_j
+    first = 0
+    if start is not None:
+        first = int(start.min().clamp(0, J))
+        u[:, :first] = u_known[:, :first]
+    for j in range(first, J):
+        acc = rhs[:, j]
+        if j > 0:
+            coef = beta[:, j, None, :] * torch.exp(c[:, j, None, :] - c[:, :j]) * kk[:, j, :j]  # [B, i, H]
+            acc = acc - (coef[..., None] * u[:, :j]).sum(1)
+        if start is not None:
+            known = (j < start).view(B, 1, 1)
+            acc = torch.where(known, u_known[:, j], acc)
+        u[:, j] = acc
+    return u
+
+
+# ------------------------------------------------------------------------------ flush
+@dataclass
+class FlushResult:
+    """What a flush produces: the unrounded reconstructed ``state`` (the flush token's output is
+    read from it), the new checkpoints and the values ``w`` that were folded (GDN: the
+    corrections used)."""
+
+    state: torch.Tensor
+    checkpoints: Checkpoints
+    w: torch.Tensor
+
+
+def flush(anchor: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Tensor, policy, *,
+          seed: int, layer: int, sequence_ids: torch.Tensor, flush_index: torch.Tensor,
+          store: bool = False) -> FlushResult:
+    """THE flush routine (used by the state objects, the teacher-forced window form and, as the
+    reference, by the flush kernel): reconstruct ``S`` in the working precision from the
+    dequantised anchor and the committed records, then cast A and R independently from it
+    (:func:`cast_checkpoints`). Mamba-2 passes ``w = v``; GDN passes the corrections from
+    :func:`solve_corrections` against the anchor (or, in the cached-fold variant, the cached
+    read-path corrections). Records beyond a sequence's committed count must be neutralised
+    first (:func:`mask_records`).
+    """
+    S = reconstruct(anchor, la, w, k)
+    cps = cast_checkpoints(S, policy, seed=seed, layer=layer, sequence_ids=sequence_ids,
+                           flush_index=flush_index, store=store)
+    return FlushResult(S, cps, w)

@@ -1,0 +1,171 @@
+"""ReplaySSM state of one Gated DeltaNet layer (DESIGN.md section 3).
+
+Layout (fla conventions for inputs; DESIGN.md's "value x key" for the state): state
+``[B, HV, DV, DK]`` so that ``o = S q`` and nvfp4 blocks run along d_k (fla keeps
+``[B, H, K, V]``: transpose at that boundary). Inputs are post-activation:
+``q, k [B, HK, DK]`` (L2-normalised; q also scaled by DK^-1/2), ``v [B, HV, DV]``,
+``g [B, HV]`` log decay (alpha = exp(g)), ``beta [B, HV]``; value head h uses key head
+``h // (HV // HK)`` (fla's ``repeat_interleave``). A buffer record is ``(g, beta, v, k)`` plus
+the cached read-path correction ``uR`` used for outputs.
+
+Corrections. Non-flush outputs use corrections computed against the read path
+(R plus earlier read-path corrections). At a flush the corrections are recomputed against the
+anchor by a unit lower-triangular solve (:func:`core.solve_corrections`), so read-path
+rounding never reaches A. ``fold_cached_corrections=True`` instead folds the cached read-path
+corrections into A (no solve); it lets read rounding into the recurrence and is offered only
+to study that instability.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import core
+from ._state import ReplayStateBase, check_tensor
+
+
+def gdn_flush(anchor, la, beta, v, k, policy, *, seed: int, layer: int, sequence_ids,
+              flush_index, length=None, u_cached=None, fold_cached_corrections: bool = False,
+              store: bool = False) -> core.FlushResult:
+    """Flush of GDN records (the one flush routine; see :func:`core.flush`).
+
+    Args:
+        anchor: dequantised A ``[B, HV, DV, DK]``.
+        la, beta: ``[B, J, HV]``; v: ``[B, J, HV, DV]``; k: grouped ``[B, J, HK, DK]``.
+        length: int64 ``[B]`` committed records per sequence, or None (all J).
+        u_cached: ``[B, J, HV, DV]`` read-path corrections; used only with
+            ``fold_cached_corrections=True``.
+
+    Returns a :class:`core.FlushResult` whose ``w`` holds the corrections that were folded.
+    """
+    k = core.expand_heads(k, anchor.shape[1], 2)
+    if fold_cached_corrections:
+        if u_cached is None:
+            raise ValueError("fold_cached_corrections=True needs u_cached")
+        la, w = core.mask_records(length, la, u_cached)
+    else:
+        la, beta, v = core.mask_records(length, la, beta, v)
+        w = core.solve_corrections(anchor, la, beta, v, k)
+    return core.flush(anchor, la, w, k, policy, seed=seed, layer=layer,
+                      sequence_ids=sequence_ids, flush_index=flush_index, store=store)
+
+
+class GDNReplayState(ReplayStateBase):
+    """Dual-checkpoint ReplaySSM state of one Gated DeltaNet layer.
+
+    Args:
+        policy, window, max_drafts, seed, layer, sequence_ids, dtype, device: as
+            :class:`~replayssm_quant.replay.mamba2.Mamba2ReplayState`.
+        batch, key_heads (HK), value_heads (HV, a multiple of HK), key_dim (DK), value_dim (DV).
+        fold_cached_corrections: fold the cached read-path corrections at a flush instead of
+            re-solving them against the anchor (not the default; see the module docstring).
+    """
+
+    def __init__(self, policy, *, batch: int, key_heads: int, value_heads: int, key_dim: int,
+                 value_dim: int, window: int = 16, max_drafts: int = 0, seed: int = 0,
+                 layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu",
+                 fold_cached_corrections: bool = False):
+        for name, val in (("key_heads", key_heads), ("value_heads", value_heads),
+                          ("key_dim", key_dim), ("value_dim", value_dim)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if value_heads % key_heads:
+            raise ValueError(f"key_heads={key_heads} must divide value_heads={value_heads}")
+        self.key_heads = key_heads
+        self.fold_cached_corrections = bool(fold_cached_corrections)
+        self._RING = {"la": (value_heads,), "beta": (value_heads,), "v": (value_heads, value_dim),
+                      "k": (key_heads, key_dim), "uR": (value_heads, value_dim)}
+        super().__init__(policy, batch=batch, heads=value_heads, value_dim=value_dim,
+                         key_dim=key_dim, window=window, max_drafts=max_drafts, seed=seed,
+                         layer=layer, sequence_ids=sequence_ids, dtype=dtype, device=device)
+
+    # ------------------------------------------------------------------ validation
+    def _check_inputs(self, q, k, v, g, beta, T=None):
+        Bz, HK, HV, DK, DV = self.batch, self.key_heads, self.heads, self.key_dim, self.value_dim
+        lead = (Bz,) if T is None else (Bz, T)
+        args = (self.dtype, self.device)
+        check_tensor("q", q, lead + (HK, DK), *args)
+        check_tensor("k", k, lead + (HK, DK), *args)
+        check_tensor("v", v, lead + (HV, DV), *args)
+        check_tensor("g", g, lead + (HV,), *args)
+        check_tensor("beta", beta, lead + (HV,), *args)
+
+    def _flush_records(self, anchor, recs, length, sequence_ids, flush_index):
+        return gdn_flush(anchor, recs["la"], recs["beta"], recs["v"], recs["k"], self.policy,
+                         seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
+                         flush_index=flush_index, length=length, u_cached=recs["uR"],
+                         fold_cached_corrections=self.fold_cached_corrections, store=True)
+
+    def _live(self, J, length):
+        r = self._ring
+        la, beta, v = core.mask_records(length, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J])
+        return la, beta, v, core.expand_heads(r["k"][:, :J], self.heads, 2)
+
+    def _read_corrections(self, J, length, start):
+        """Solve the read-path corrections of slots ``start..length-1`` (rows before ``start``
+        are the cached ones) and cache them in the ring."""
+        la, beta, v, k = self._live(J, length)
+        uR = core.solve_corrections(self._R, la, beta, v, k, start=start,
+                                    u_known=self._ring["uR"][:, :J])
+        self._ring["uR"][:, :J] = uR
+        return la, beta, v, k, uR
+
+    # ------------------------------------------------------------------ decoding
+    def step(self, q, k, v, g, beta) -> torch.Tensor:
+        """Decode one token per sequence; returns ``o [B, HV, DV]``.
+
+        The token's read-path correction is solved against R plus the cached corrections and
+        cached; a sequence reaching h = L flushes (corrections re-solved against A) and reads
+        its output from the unrounded flushed state.
+        """
+        self._check_not_pending("step")
+        self._check_inputs(q, k, v, g, beta)
+        start = self._h.clone()
+        self._append({"la": g, "beta": beta, "v": v, "k": k})
+        qe = core.expand_heads(q, self.heads, 1)
+        J = int(self._h.max())
+        la, _, _, ke, uR = self._read_corrections(J, self._h, start)
+        o = core.step_output(self._R, la, uR, ke, qe)
+        flushed = self._flush_seqs(self._h == self.window)
+        if flushed is not None:
+            idx, res = flushed
+            if idx is None:
+                o = core.matvec(res.state, qe)
+            else:
+                o[idx] = core.matvec(res.state, qe[idx])
+        return o
+
+    def verify(self, q, k, v, g, beta) -> torch.Tensor:
+        """Outputs of T drafts per sequence (``q, k [B, T, HK, DK]``, ``v [B, T, HV, DV]``,
+        ``g, beta [B, T, HV]``) in output-only form: one T x T triangular solve for the draft
+        corrections against the read path, no state materialised.
+
+        Sequences with h + T > L flush their committed part first; a draft landing on slot L
+        reads the flushed state's value (corrections against A). Call :meth:`commit` next.
+        Returns ``o [B, T, HV, DV]``.
+        """
+        self._check_not_pending("verify")
+        if not isinstance(v, torch.Tensor) or v.dim() != 4:
+            raise ValueError(f"verify() v must be [B, T, HV, DV], got "
+                             f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v)}")
+        T = v.shape[1]
+        self._check_drafts(T)
+        self._check_inputs(q, k, v, g, beta, T=T)
+        self._begin_verify(T)
+        pos = self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
+        self._pending = T
+        if T == 0:
+            return v.new_zeros(self.batch, 0, self.heads, self.value_dim)
+        length = self._h + T
+        J = int(length.max())
+        la, beta_, v_, ke, uR = self._read_corrections(J, length, self._h)
+        b = torch.arange(self.batch, device=self.device)[:, None]
+        Q = torch.zeros(self.batch, J, self.heads, self.key_dim, dtype=self.dtype, device=self.device)
+        Q[b, pos] = core.expand_heads(q, self.heads, 2)
+        o = core.window_outputs(self._R, la, uR, ke, Q)[b, pos]
+        at_flush = length == self.window
+        if bool(at_flush.any()):
+            uA = uR if self.fold_cached_corrections else core.solve_corrections(self._A, la, beta_, v_, ke)
+            oA = core.window_outputs(self._A, la, uA, ke, Q)[b, pos]
+            o[at_flush, T - 1] = oA[at_flush, T - 1]
+        return o

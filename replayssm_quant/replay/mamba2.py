@@ -1,0 +1,162 @@
+"""ReplaySSM state of one Mamba-2 layer (DESIGN.md section 3).
+
+Layout (Hugging Face Mamba-2 / fla conventions): state ``[B, H, P, N]`` (head dim P x d_state
+N, "value x key"; nvfp4 blocks run along N). Inputs are post-activation: ``x [B, H, P]``,
+``dt [B, H]`` after softplus (+ dt_bias, no clamp on the decode path), ``A [H]`` negative
+(``-exp(A_log)``), grouped ``B, C [B, G, N]`` (head h uses group ``h // (H // G)``), ``D [H]``.
+A buffer record is ``(la = dt * A, v = dt * x, k = B)``; ``y = S C + D x``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import core
+from ._state import ReplayStateBase, check_tensor
+
+
+def mamba2_records(x, dt, A, B):
+    """Records of tokens: ``(la = dt * A, v = dt * x, k = B)``; works for one token
+    (``x [B, H, P]``) or a run (``x [B, J, H, P]``)."""
+    return dt * A, dt[..., None] * x, B
+
+
+def mamba2_flush(anchor, la, v, k, policy, *, seed: int, layer: int, sequence_ids, flush_index,
+                 length=None, store: bool = False) -> core.FlushResult:
+    """Flush of Mamba-2 records (the one flush routine; see :func:`core.flush`).
+
+    Args:
+        anchor: dequantised A ``[B, H, P, N]``.
+        la: ``[B, J, H]``; v: ``[B, J, H, P]``; k: grouped ``[B, J, G, N]``.
+        length: int64 ``[B]`` committed records per sequence (slots beyond are ignored), or
+            None (all J).
+    """
+    la, v = core.mask_records(length, la, v)
+    k = core.expand_heads(k, anchor.shape[1], 2)
+    return core.flush(anchor, la, v, k, policy, seed=seed, layer=layer,
+                      sequence_ids=sequence_ids, flush_index=flush_index, store=store)
+
+
+class Mamba2ReplayState(ReplayStateBase):
+    """Dual-checkpoint ReplaySSM state of one Mamba-2 layer, batched over sequences and heads.
+
+    Args:
+        policy: a :class:`~replayssm_quant.policy.StatePolicy` or its string, e.g.
+            ``"read:nvfp4/rec:fp16+sr"``. ``eager:F`` runs conventional decoding (window 1).
+        batch, heads, head_dim (P), d_state (N), groups (G, divides heads).
+        window: L >= 1, tokens between flushes.
+        max_drafts: T, 0 <= T <= L, most drafts one ``verify`` may take.
+        seed, layer: SR stream keys (with sequence_ids, head, flush index, copy).
+        sequence_ids: int ``[B]`` stable ids for the SR streams (default ``arange(B)``); give
+            each sequence its own id so results do not depend on batch composition.
+        dtype: working dtype, float32 or float64. Stored states have FP32 precision at most
+            (formats round in FP32); ``fp32`` keeps the working dtype.
+        device: where the state lives; every input must be there.
+
+    The state starts as zeros (cast as flush 0). See ``step``, ``verify``, ``commit``,
+    ``flush``, ``prefill`` and the properties of
+    :class:`~replayssm_quant.replay._state.ReplayStateBase`.
+    """
+
+    def __init__(self, policy, *, batch: int, heads: int, head_dim: int, d_state: int,
+                 groups: int = 1, window: int = 16, max_drafts: int = 0, seed: int = 0,
+                 layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu"):
+        for name, val in (("heads", heads), ("head_dim", head_dim), ("d_state", d_state),
+                          ("groups", groups)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if heads % groups:
+            raise ValueError(f"groups={groups} must divide heads={heads}")
+        self.groups = groups
+        self._RING = {"la": (heads,), "v": (heads, head_dim), "k": (groups, d_state)}
+        super().__init__(policy, batch=batch, heads=heads, value_dim=head_dim, key_dim=d_state,
+                         window=window, max_drafts=max_drafts, seed=seed, layer=layer,
+                         sequence_ids=sequence_ids, dtype=dtype, device=device)
+
+    # ------------------------------------------------------------------ validation
+    def _check_inputs(self, x, dt, A, B, C, D, T=None):
+        Bz, H, P, N, G = self.batch, self.heads, self.value_dim, self.key_dim, self.groups
+        lead = (Bz,) if T is None else (Bz, T)
+        args = (self.dtype, self.device)
+        check_tensor("x", x, lead + (H, P), *args)
+        check_tensor("dt", dt, lead + (H,), *args)
+        check_tensor("A", A, (H,), *args)
+        check_tensor("B", B, lead + (G, N), *args)
+        check_tensor("C", C, lead + (G, N), *args)
+        if D is not None:
+            check_tensor("D", D, (H,), *args)
+
+    def _flush_records(self, anchor, recs, length, sequence_ids, flush_index):
+        return mamba2_flush(anchor, recs["la"], recs["v"], recs["k"], self.policy,
+                            seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
+                            flush_index=flush_index, length=length, store=True)
+
+    def _live(self, J, length):
+        la, v = core.mask_records(length, self._ring["la"][:, :J], self._ring["v"][:, :J])
+        return la, v, core.expand_heads(self._ring["k"][:, :J], self.heads, 2)
+
+    # ------------------------------------------------------------------ decoding
+    def step(self, x, dt, A, B, C, D=None) -> torch.Tensor:
+        """Decode one token per sequence; returns ``y [B, H, P]`` (including ``D x``).
+
+        Appends the record; a sequence reaching h = L flushes and reads its output from the
+        unrounded flushed state, the others read R plus the buffer in output-only form.
+        """
+        self._check_not_pending("step")
+        self._check_inputs(x, dt, A, B, C, D)
+        la, v, k = mamba2_records(x, dt, A, B)
+        self._append({"la": la, "v": v, "k": k})
+        q = core.expand_heads(C, self.heads, 1)
+        J = int(self._h.max())
+        y = core.step_output(self._R, *self._live(J, self._h), q)
+        flushed = self._flush_seqs(self._h == self.window)
+        if flushed is not None:
+            idx, res = flushed
+            if idx is None:
+                y = core.matvec(res.state, q)
+            else:
+                y[idx] = core.matvec(res.state, q[idx])
+        if D is not None:
+            y = y + D[:, None] * x
+        return y
+
+    def verify(self, x, dt, A, B, C, D=None) -> torch.Tensor:
+        """Outputs of T drafts per sequence (``x [B, T, H, P]``, ``dt [B, T, H]``,
+        ``B, C [B, T, G, N]``) in output-only form, without materialising any state.
+
+        Sequences with h + T > L flush their committed part first. Drafts are written after
+        the h committed records; a draft landing on slot L reads the flushed state's value
+        (from A), as stepwise decoding would. Call :meth:`commit` next.
+        Returns ``y [B, T, H, P]``.
+        """
+        self._check_not_pending("verify")
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"verify() x must be [B, T, H, P], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
+        T = x.shape[1]
+        self._check_drafts(T)
+        self._check_inputs(x, dt, A, B, C, D, T=T)
+        self._begin_verify(T)
+        la, v, k = mamba2_records(x, dt, A, B)
+        pos = self._write_drafts({"la": la, "v": v, "k": k}, T)
+        self._pending = T
+        y = x.new_zeros(self.batch, T, self.heads, self.value_dim)
+        if T > 0:
+            y = self._draft_outputs(pos, core.expand_heads(C, self.heads, 2), T)
+        if D is not None:
+            y = y + D[:, None] * x
+        return y
+
+    def _draft_outputs(self, pos, q, T):
+        length = self._h + T
+        J = int(length.max())
+        la, v, k = self._live(J, length)
+        b = torch.arange(self.batch, device=self.device)[:, None]
+        Q = torch.zeros(self.batch, J, self.heads, self.key_dim, dtype=self.dtype, device=self.device)
+        Q[b, pos] = q
+        y = core.window_outputs(self._R, la, v, k, Q)[b, pos]
+        at_flush = length == self.window
+        if bool(at_flush.any()):
+            yA = core.window_outputs(self._A, la, v, k, Q)[b, pos]
+            y[at_flush, T - 1] = yA[at_flush, T - 1]
+        return y

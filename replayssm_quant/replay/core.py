@@ -33,6 +33,7 @@ import torch
 
 from ..formats import QuantSpec
 from ..philox import stream_key
+from ..policy import StatePolicy
 from ..quant import PackedTensor, pack, quantize
 
 ANCHOR_COPY = 0  # stream_key copy bit of the recurrence anchor A (and of a shared checkpoint)
@@ -124,9 +125,10 @@ def cast_checkpoints(S: torch.Tensor, policy, *, seed: int, layer: int,
 
     Args:
         S: unrounded state ``[B, H, V, K]``.
-        policy: :class:`~replayssm_quant.policy.StatePolicy`.
+        policy: :class:`~replayssm_quant.policy.StatePolicy` or its string.
         sequence_ids, flush_index: int64 ``[B]``.
     """
+    policy = StatePolicy.parse(policy)
     sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=S.shape[1],
                                 flush_index=flush_index)
     a, a_st = cast_state(S, policy.rec, seed=seed, stream=sa, store=store)

@@ -1,0 +1,59 @@
+import pytest
+from hypothesis import given, strategies as st
+
+from replayssm_quant.formats import FORMAT_NAMES, QuantSpec
+from replayssm_quant.policy import StatePolicy
+
+TOKENS = [f + s for f in FORMAT_NAMES for s in ("", "+sr")]
+
+
+@pytest.mark.parametrize("s,kind,read,rec", [
+    ("fp32", "fp32", "fp32", "fp32"),
+    ("shared:nvfp4+sr", "shared", "nvfp4+sr", "nvfp4+sr"),
+    ("eager:fp8e4m3", "eager", "fp8e4m3", "fp8e4m3"),
+    ("read:nvfp4/rec:fp32", "separate", "nvfp4", "fp32"),
+    ("read:nvfp4/rec:fp16+sr", "separate", "nvfp4", "fp16+sr"),
+    ("read:fp8e4m3/rec:fp8e4m3+sr", "separate", "fp8e4m3", "fp8e4m3+sr"),
+    ("eager:fp32", "eager", "fp32", "fp32"),
+])
+def test_parse_examples(s, kind, read, rec):
+    p = StatePolicy.parse(s)
+    assert (p.kind, str(p.read), str(p.rec)) == (kind, read, rec)
+    assert str(p) == s and p.canonical == s
+    assert isinstance(p.read, QuantSpec) and isinstance(p.rec, QuantSpec)
+    assert StatePolicy.parse(p) is p
+
+
+@pytest.mark.parametrize("s,canon", [
+    ("  Shared:NVFP4+SR ", "shared:nvfp4+sr"),
+    ("shared:fp32", "fp32"),
+    ("read:fp32/rec:fp32+sr", "fp32"),
+    ("READ:MXFP4/REC:BF16", "read:mxfp4/rec:bf16"),
+])
+def test_canonical_form(s, canon):
+    assert str(StatePolicy.parse(s)) == canon
+
+
+@pytest.mark.parametrize("bad", [
+    "", "nvfp4", "shared:", "shared:nvfp5", "eager", "read:nvfp4", "rec:fp32/read:nvfp4",
+    "read:nvfp4,rec:fp32", "read:nvfp4/rec:", "shared:nvfp4/rec:fp32", "fp8+rtn",
+    "shared:fp8+rtn", "read:nvfp4/rec:fp16/x", "separate:fp16", "fp32:fp32",
+])
+def test_bad_policies_list_grammar(bad):
+    with pytest.raises(ValueError) as e:
+        StatePolicy.parse(bad)
+    msg = str(e.value)
+    assert repr(bad) in msg and "read:F/rec:G" in msg and "nvfp4" in msg
+
+
+def test_non_string():
+    with pytest.raises(ValueError, match="read:F/rec:G"):
+        StatePolicy.parse(3)
+
+
+@given(st.sampled_from(TOKENS), st.sampled_from(TOKENS), st.sampled_from(["shared", "eager", "read"]))
+def test_roundtrip(f, g, kind):
+    s = f"read:{f}/rec:{g}" if kind == "read" else f"{kind}:{f}"
+    p = StatePolicy.parse(s)
+    assert StatePolicy.parse(str(p)) == p
+    assert StatePolicy.parse(s.upper()) == p

@@ -79,7 +79,9 @@ def run_steps(state, tok, inp, T, t0=0):
 
 
 def rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max())
+    """max |a - b| / max |b| (0 when both are all zero)."""
+    d = float((a - b).abs().max())
+    return d if d == 0 else d / float(b.abs().max())
 
 
 def tslice(inp, s):

@@ -1,0 +1,547 @@
+"""Triton kernels of the quantizers: fused amax, scale, rounding and packing.
+
+Same arithmetic, in the same order, as the torch reference in :mod:`replayssm_quant.quant`
+(read its module docstring first); ``tests/test_quant_kernels.py`` checks the two agree bit
+for bit (values, NaN positions, -0.0, SR bits, packed bytes).
+
+Kernels (one launch per call):
+
+* ``_unscaled_kernel`` (bf16, fp16): one program per tile of elements.
+* ``_matrix_kernel`` (fp8e4m3, fp8e5m2): one program per ``[M, K]`` matrix; a first loop
+  over tiles takes the finite amax, a second one scales, rounds and writes.
+* ``_nvfp4_kernel``: one program per matrix; amax loop, then a loop over tiles of
+  "block rows" (one scaling block of 16 elements of one row each).
+* ``_mx_kernel`` (mxfp8, mxfp4): one program per tile of block rows (32 elements each).
+
+Blocked formats hold a tile as two ``[R, block/2]`` halves, the even and the odd elements
+of each block, so that two E2M1 codes go to one byte (element 2i in the low nibble) with no
+reshuffle.
+
+Rounding never uses floating-point arithmetic on the element: ``_grid_code`` reads sign,
+exponent and significand from the FP32 bits and computes the code of the target grid point
+with integer shifts (round half to even, or SR against 32 Philox bits), which is the exact
+result the reference gets from its exact float steps. Divisions use ``tl.math.div_rn``
+(IEEE round-to-nearest, subnormals kept); every other float operation (the scale products
+and the final ``value * scale``) is a single IEEE multiplication, as in the reference.
+
+GPU notes: non-FTZ ``div.rn.f32`` and ``mul.rn.f32`` are assumed; ``tl.philox`` reproduces
+:func:`replayssm_quant.philox.random_bits` (key = seed, counter = (element, stream lo,
+stream hi, 0)). NaN handling never relies on ``tl.max``/``tl.maximum`` NaN semantics:
+non-finite values are replaced by zero before every max and tracked by a separate flag.
+Written for Triton 3.6 and 3.9 (interpreter included).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import formats as F
+from ..formats import QuantSpec, parse_spec
+from ..quant import PackedTensor
+
+__all__ = ["quantize_triton", "pack_triton"]
+
+# Tile sizes (elements per loop step; power-of-two)
+_TILE = 2048  # unscaled and matrix-scaled kernels
+_NV_ROWS = 128  # nvfp4: block rows per tile (x 16 elements)
+_MX_ROWS = 64  # mx: block rows per program (x 32 elements)
+
+
+# ----------------------------------------------------------------------------------------
+# per-format constants handed to the kernels as constexpr
+# ----------------------------------------------------------------------------------------
+
+
+def _grid_consts(grid: F.FloatGrid) -> dict:
+    """Code-level description of a grid: codes are sign | ((e - emin) << mbits) + n."""
+    total = grid.ebits + grid.mbits
+    maxcode = _magnitude_code(grid, grid.max)
+    if grid is F.BF16:
+        nan_pos, nan_neg = 0xFFFF, 0xFFFF  # torch float32 -> bfloat16 gives 0xFFFF for NaN
+    elif grid is F.FP16:
+        nan_pos, nan_neg = 0x7E00, 0xFE00  # torch float32 -> float16: quiet NaN, sign kept
+    elif grid is F.E2M1:
+        nan_pos, nan_neg = 0, 0  # reference _e2m1_encode maps NaN to code 0
+    else:  # E4M3 / E5M2: torch float32 -> float8 gives 0x7F | sign for NaN
+        nan_pos, nan_neg = 0x7F, 0xFF
+    if grid.has_inf:
+        inf_pos = ((1 << grid.ebits) - 1) << grid.mbits
+        inf_neg = inf_pos | (1 << total)
+    else:  # inf -> (positive) NaN on grids without infinities
+        inf_pos = inf_neg = nan_pos
+    return dict(
+        EMIN=grid.emin,
+        MBITS=grid.mbits,
+        MAXCODE=maxcode,
+        SUBQ=math.ldexp(1.0, grid.emin - grid.mbits),
+        SIGN_SHIFT=total,
+        HAS_INF=grid.has_inf,
+        NAN_POS=nan_pos,
+        NAN_NEG=nan_neg,
+        INF_POS=inf_pos,
+        INF_NEG=inf_neg,
+    )
+
+
+def _magnitude_code(grid: F.FloatGrid, v: float) -> int:
+    m, e = math.frexp(v)  # v = m * 2^e, 0.5 <= m < 1
+    e -= 1
+    e = max(e, grid.emin)
+    n = int(v / math.ldexp(1.0, e - grid.mbits))
+    return ((e - grid.emin) << grid.mbits) + n
+
+
+# ----------------------------------------------------------------------------------------
+# jit helpers
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pow2(e):
+    """Exact 2^e as float32 for int32 e in [-149, 127] (subnormals built from the bits)."""
+    normal = tl.maximum(e + 127, 1) << 23
+    sub = 1 << tl.minimum(tl.maximum(e + 149, 0), 22)
+    return tl.where(e >= -126, normal, sub).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _random_bits(seed, elem, st_lo, st_hi):
+    """32 Philox bits (uint32) per element: tl.philox(seed, elem, stream lo, stream hi, 0)."""
+    c0 = elem.to(tl.uint32)
+    c1 = st_lo + c0 * 0
+    c2 = st_hi + c0 * 0
+    r, _, _, _ = tl.philox(seed, c0, c1, c2, c0 * 0)
+    return r
+
+
+@triton.jit
+def _stream_words(st):
+    """(lo, hi) uint32 words of int64 stream keys."""
+    lo = (st & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((st >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return lo, hi
+
+
+@triton.jit
+def _grid_code(bits, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+               MAXCODE: tl.constexpr):
+    """Saturated magnitude code of |y| rounded onto the grid (y finite, given as int32 bits).
+
+    e = max(floor(log2|y|), emin), quantum q = 2^(e - mbits), m = |y| / q = S >> shift
+    exactly (S the 24-bit significand); RTN rounds half to even, SR adds 1 when
+    r < ceil(frac(m) * 2^32). The code of n * q is ((e - emin) << mbits) + n, which also
+    covers subnormals and a carry into the next binade; min(code, MAXCODE) saturates.
+    """
+    ex = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    sub = ex == 0
+    sig = tl.where(sub, mant, mant | 0x800000)
+    ea = tl.where(sub, -126, ex - 127)
+    e = tl.maximum(ea, EMIN)
+    shift = (23 - MBITS) + (e - ea)  # >= 13
+    if SR:
+        s64 = sig.to(tl.int64)
+        sh = tl.minimum(shift, 60).to(tl.int64)
+        fl = s64 >> sh
+        rem = s64 & ((tl.full(sh.shape, 1, tl.int64) << sh) - 1)
+        lo_sh = tl.maximum(32 - sh, 0)
+        hi_sh = tl.maximum(sh - 32, 0)
+        # frac(m) * 2^32 = rem * 2^(32 - sh); threshold = its ceiling
+        thr = tl.where(sh <= 32, rem << lo_sh,
+                       (rem + (tl.full(sh.shape, 1, tl.int64) << hi_sh) - 1) >> hi_sh)
+        up = r.to(tl.int64) < thr
+        n = fl.to(tl.int32) + up.to(tl.int32)
+    else:
+        sh = tl.minimum(shift, 30)
+        fl = sig >> sh
+        rem = sig & ((1 << sh) - 1)
+        half = 1 << (sh - 1)
+        up = (rem > half) | ((rem == half) & ((fl & 1) == 1))
+        n = fl + up.to(tl.int32)
+    code = ((e - EMIN) << MBITS) + n
+    return tl.minimum(code, MAXCODE)
+
+
+@triton.jit
+def _grid_value(code, EMIN: tl.constexpr, MBITS: tl.constexpr, SUBQ: tl.constexpr):
+    """Float32 magnitude of a (non-negative, finite) grid code."""
+    if EMIN == -126:  # bfloat16: float32 bits are the code shifted up by 16
+        val = (code << 16).to(tl.float32, bitcast=True)
+    else:
+        be = code >> MBITS
+        mt = code & ((1 << MBITS) - 1)
+        nbits = ((be + (EMIN + 126)) << 23) | (mt << (23 - MBITS))
+        val = tl.where(be == 0, mt.to(tl.float32) * SUBQ, nbits.to(tl.float32, bitcast=True))
+    return val
+
+
+@triton.jit
+def _quant(y, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+           MAXCODE: tl.constexpr, SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+           HAS_INF: tl.constexpr, NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr,
+           INF_POS: tl.constexpr, INF_NEG: tl.constexpr):
+    """Reference ``round_to_grid`` of float32 y: returns (value float32, code int32 with sign).
+
+    NaN stays y (and gets the NaN code); +-inf stays +-inf on grids with infinities, else
+    becomes NaN; finite values are rounded, saturated and get y's sign (copysign).
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    neg = bits < 0
+    is_nan = y != y
+    is_inf = tl.abs(y) == float("inf")
+    finite = ~(is_nan | is_inf)
+    code = _grid_code(tl.where(finite, bits, 0), r, SR, EMIN, MBITS, MAXCODE)
+    mag = _grid_value(code, EMIN, MBITS, SUBQ)
+    vbits = mag.to(tl.int32, bitcast=True) | tl.where(neg, -2147483648, 0)
+    val = vbits.to(tl.float32, bitcast=True)
+    if HAS_INF:
+        val = tl.where(is_inf, y, val)
+    else:
+        val = tl.where(is_inf, float("nan"), val)
+    val = tl.where(is_nan, y, val)
+    code = code | tl.where(neg, 1 << SIGN_SHIFT, 0)
+    code = tl.where(is_inf, tl.where(neg, INF_NEG, INF_POS), code)
+    code = tl.where(is_nan, tl.where(neg, NAN_NEG, NAN_POS), code)
+    return val, code
+
+
+@triton.jit
+def _finite_abs(x):
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)
+
+
+# ----------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unscaled_kernel(x_ptr, out_ptr, stream_ptr, seed, N, MK,
+                     BLOCK: tl.constexpr, SR: tl.constexpr, PACK: tl.constexpr,
+                     EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
+                     SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
+                     NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
+                     INF_NEG: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if SR:
+        mat = offs // MK
+        st = tl.load(stream_ptr + mat, mask=mask, other=0)
+        lo, hi = _stream_words(st)
+        r = _random_bits(seed, offs - mat * MK, lo, hi)
+    else:
+        r = 0
+    val, code = _quant(x, r, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                       NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+    if PACK:
+        tl.store(out_ptr + offs, code.to(tl.int16), mask=mask)
+    else:
+        tl.store(out_ptr + offs, val, mask=mask)
+
+
+@triton.jit
+def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
+                   FMAX: tl.constexpr, BLOCK: tl.constexpr, SR: tl.constexpr,
+                   PACK: tl.constexpr,
+                   EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
+                   SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
+                   NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
+                   INF_NEG: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    base = b * MK
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, MK, BLOCK):
+        offs = start + cols
+        x = tl.load(x_ptr + base + offs, mask=offs < MK, other=0.0)
+        acc = tl.maximum(acc, _finite_abs(x))
+    amax = tl.max(acc, axis=0)
+    s = tl.math.div_rn(amax, tl.full([], FMAX, tl.float32))
+    s = tl.where(s > 0, s, 1.0)
+    if SR:
+        lo, hi = _stream_words(tl.load(stream_ptr + b))
+    for start in range(0, MK, BLOCK):
+        offs = start + cols
+        mask = offs < MK
+        x = tl.load(x_ptr + base + offs, mask=mask, other=0.0)
+        y = tl.where(x != x, x, tl.math.div_rn(x, tl.broadcast_to(s, [BLOCK])))
+        if SR:
+            r = _random_bits(seed, offs, lo, hi)
+        else:
+            r = 0
+        val, code = _quant(y, r, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+        if PACK:
+            tl.store(out_ptr + base + offs, code.to(tl.uint8), mask=mask)
+        else:
+            tl.store(out_ptr + base + offs, val * s, mask=mask)
+    if PACK:
+        tl.store(scale_ptr + b, s)
+
+
+@triton.jit
+def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
+                NV: tl.constexpr, FP4: tl.constexpr, HALF: tl.constexpr, SR: tl.constexpr,
+                PACK: tl.constexpr, EMAX: tl.constexpr,
+                EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
+                SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
+                NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
+                INF_NEG: tl.constexpr):
+    """Quantise the block rows ``g`` ([R] int64 global indices, valid where g < g_end):
+    block row g is scaling block ``blk`` of row ``m`` of matrix ``b``."""
+    rvalid = g < g_end
+    mnb = M * NB
+    b = g // mnb
+    gl = g - b * mnb
+    m = gl // NB
+    blk = gl - m * NB
+    j = tl.arange(0, HALF)
+    ke = blk[:, None] * (2 * HALF) + 2 * j[None, :]  # even element of each pair
+    ko = ke + 1
+    row = (b * M + m) * K
+    me = rvalid[:, None] & (ke < K)
+    mo = rvalid[:, None] & (ko < K)
+    xe = tl.load(x_ptr + row[:, None] + ke, mask=me, other=0.0)  # padding: zeros
+    xo = tl.load(x_ptr + row[:, None] + ko, mask=mo, other=0.0)
+    bamax = tl.maximum(tl.max(_finite_abs(xe), axis=1), tl.max(_finite_abs(xo), axis=1))
+    nonfin = (tl.abs(xe) < float("inf")).to(tl.int32) + (tl.abs(xo) < float("inf")).to(tl.int32)
+    bad = tl.min(nonfin, axis=1) < 2  # a NaN or inf in the block
+    nan = float("nan")
+
+    if NV:
+        # s_b = E4M3_RTN(block_amax / (s_g * 6)); element scale s_b * s_g
+        t = s_g * 6.0
+        enc = tl.math.div_rn(bamax, tl.broadcast_to(t, bamax.shape))
+        sb, sb_code = _quant(enc, 0, False, -6, 3, 0x7E, 0.001953125, 3, False,
+                             0x7F, 0xFF, 0x7F, 0x7F)
+        sb = tl.where(bad, nan, sb)
+        sb_code = tl.where(bad, 0x7F, sb_code)
+        scale = sb * s_g
+        safe = tl.where(scale > 0, scale, 1.0)
+        ok = scale > 0
+    else:
+        # OCP MX: X = 2^clamp(floor(log2 block_amax) - emax, -127, 127), exponent from bits
+        abits = bamax.to(tl.int32, bitcast=True)
+        aex = (abits >> 23) & 0xFF
+        sub_e = (((abits & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True) >> 23)
+                 & 0xFF) - 127 - 149
+        e = tl.where(aex == 0, sub_e, aex - 127)
+        sexp = tl.where(bamax > 0, e - EMAX, -127)
+        sexp = tl.minimum(tl.maximum(sexp, -127), 127)
+        sb_code = tl.where(bad, 0xFF, sexp + 127)
+        scale = tl.where(bad, nan, _pow2(sexp))
+        safe = tl.where(bad, 1.0, scale)
+
+    if SR:
+        st = tl.load(stream_ptr + b, mask=rvalid, other=0)
+        lo, hi = _stream_words(st)
+        elem_row = m * K
+        re = _random_bits(seed, elem_row[:, None] + ke, lo[:, None], hi[:, None])
+        ro = _random_bits(seed, elem_row[:, None] + ko, lo[:, None], hi[:, None])
+    else:
+        re = 0
+        ro = 0
+    ye = tl.math.div_rn(xe, tl.broadcast_to(safe[:, None], xe.shape))
+    yo = tl.math.div_rn(xo, tl.broadcast_to(safe[:, None], xo.shape))
+    ve, ce = _quant(ye, re, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                    NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+    vo, co = _quant(yo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                    NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+    if NV:
+        ve = tl.where(ok[:, None], ve, 0.0)
+        vo = tl.where(ok[:, None], vo, 0.0)
+        ce = tl.where(ok[:, None], ce, 0)  # also the bad blocks: E2M1 NaN encodes as 0
+        co = tl.where(ok[:, None], co, 0)
+    else:
+        bad_code = NAN_POS  # positive NaN: 0x7F for E4M3, 0 for E2M1
+        ce = tl.where(bad[:, None], bad_code, ce)
+        co = tl.where(bad[:, None], bad_code, co)
+    ve = tl.where(bad[:, None], nan, ve)
+    vo = tl.where(bad[:, None], nan, vo)
+
+    if PACK:
+        tl.store(bscale_ptr + g, sb_code.to(tl.uint8), mask=rvalid)
+        rowp = (b * M + m) * (NB * 2 * HALF)  # padded row start, in elements
+        if FP4:
+            byte = (ce | (co << 4)).to(tl.uint8)
+            tl.store(out_ptr + rowp[:, None] // 2 + blk[:, None] * HALF + j[None, :], byte,
+                     mask=rvalid[:, None])
+        else:
+            tl.store(out_ptr + rowp[:, None] + ke, ce.to(tl.uint8), mask=rvalid[:, None])
+            tl.store(out_ptr + rowp[:, None] + ko, co.to(tl.uint8), mask=rvalid[:, None])
+    else:
+        tl.store(out_ptr + row[:, None] + ke, ve * scale[:, None], mask=me)
+        tl.store(out_ptr + row[:, None] + ko, vo * scale[:, None], mask=mo)
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K, NB,
+                  ROWS: tl.constexpr, TILE: tl.constexpr, SR: tl.constexpr,
+                  PACK: tl.constexpr,
+                  EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
+                  SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
+                  NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
+                  INF_NEG: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    MK = M * K
+    base = b * MK
+    cols = tl.arange(0, TILE)
+    acc = tl.zeros([TILE], tl.float32)
+    for start in range(0, MK, TILE):
+        offs = start + cols
+        x = tl.load(x_ptr + base + offs, mask=offs < MK, other=0.0)
+        acc = tl.maximum(acc, _finite_abs(x))
+    amax = tl.max(acc, axis=0)
+    # s_g = amax / (448 * 6); 1 where that is 0
+    s_g = tl.math.div_rn(amax, tl.full([], 2688.0, tl.float32))
+    s_g = tl.where(s_g > 0, s_g, 1.0)
+    mnb = M * NB
+    g0 = b * mnb
+    for t in range(0, mnb, ROWS):
+        g = g0 + t + tl.arange(0, ROWS)
+        _block_rows(g, g0 + mnb, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
+                    True, True, 8, SR, PACK, 0,
+                    EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF, NAN_POS, NAN_NEG,
+                    INF_POS, INF_NEG)
+    if PACK:
+        tl.store(mscale_ptr + b, s_g)
+
+
+@triton.jit
+def _mx_kernel(x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB, G,
+               ROWS: tl.constexpr, FP4: tl.constexpr, EMAX: tl.constexpr, SR: tl.constexpr,
+               PACK: tl.constexpr,
+               EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
+               SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
+               NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
+               INF_NEG: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    _block_rows(g, G, 1.0, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
+                False, FP4, 16, SR, PACK, EMAX,
+                EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF, NAN_POS, NAN_NEG,
+                INF_POS, INF_NEG)
+
+
+# ----------------------------------------------------------------------------------------
+# host wrappers
+# ----------------------------------------------------------------------------------------
+
+
+def _streams(spec: QuantSpec, x: torch.Tensor, stream) -> torch.Tensor:
+    """int64 [B] stream keys (one per matrix), broadcast as in the reference (SR only)."""
+    if not spec.sr:
+        return torch.zeros(1, dtype=torch.int64, device=x.device)
+    lead = x.shape[:-2]
+    st = torch.as_tensor(stream, dtype=torch.int64, device=x.device)
+    try:
+        st = torch.broadcast_to(st, lead)
+    except RuntimeError:
+        raise ValueError(
+            f"stream of shape {tuple(st.shape)} does not broadcast to the leading dims "
+            f"{tuple(lead)} of x {tuple(x.shape)}"
+        ) from None
+    st = st.reshape(-1).contiguous()
+    if st.numel() == 0:
+        st = torch.zeros(1, dtype=torch.int64, device=x.device)
+    return st
+
+
+def _check(x, spec) -> QuantSpec:
+    spec = parse_spec(spec)
+    if spec.is_identity:
+        raise ValueError("fp32 is the identity format and has no kernel; use quantize()")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 2:
+        raise ValueError(f"x must be a floating-point tensor [..., M, K], got {x!r:.80}")
+    if x.shape[-1] == 0 or x.shape[-2] == 0:
+        raise ValueError(f"x must have non-empty matrix dims [M, K], got shape {tuple(x.shape)}")
+    return spec
+
+
+def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
+    """Launch the kernel of ``spec``; returns (out or codes, block scales, matrix scale)."""
+    info = spec.info
+    grid = info.element
+    lead = x.shape[:-2]
+    m, k = x.shape[-2], x.shape[-1]
+    bsz = math.prod(lead)
+    xf = x.to(torch.float32).contiguous()  # same conversion as the reference
+    st = _streams(spec, x, stream)
+    seed = int(seed)
+    c = _grid_consts(grid)
+    dev = x.device
+    if info.scaling == "none":
+        n = xf.numel()
+        out = torch.empty(x.shape, dtype=torch.int16 if pack else torch.float32, device=dev)
+        if n:
+            _unscaled_kernel[(triton.cdiv(n, _TILE),)](
+                xf, out, st, seed, n, m * k, BLOCK=_TILE, SR=spec.sr, PACK=pack, **c)
+        return out, None, None
+    if info.scaling == "matrix":
+        if pack:
+            out = torch.empty(x.shape, dtype=torch.uint8, device=dev)
+        else:
+            out = torch.empty(x.shape, dtype=torch.float32, device=dev)
+        mscale = torch.empty(lead, dtype=torch.float32, device=dev)
+        if bsz:
+            _matrix_kernel[(bsz,)](
+                xf, out, mscale, st, seed, m * k, FMAX=grid.max, BLOCK=_TILE, SR=spec.sr,
+                PACK=pack, **c)
+        return out, None, mscale
+    block = info.block
+    nb = triton.cdiv(k, block)
+    kp = nb * block
+    fp4 = grid is F.E2M1
+    if pack:
+        out = torch.empty((*lead, m, kp // 2 if fp4 else kp), dtype=torch.uint8, device=dev)
+        bscale = torch.empty((*lead, m, nb), dtype=torch.uint8, device=dev)
+    else:
+        out = torch.empty(x.shape, dtype=torch.float32, device=dev)
+        bscale = torch.empty(1, dtype=torch.uint8, device=dev)
+    if info.scaling == "nvfp4":
+        mscale = torch.empty(lead, dtype=torch.float32, device=dev)
+        if bsz:
+            _nvfp4_kernel[(bsz,)](
+                xf, out, bscale, mscale, st, seed, m, k, nb, ROWS=_NV_ROWS, TILE=_TILE,
+                SR=spec.sr, PACK=pack, **c)
+        return out, bscale, mscale
+    g = bsz * m * nb
+    emax = F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX
+    if g:
+        _mx_kernel[(triton.cdiv(g, _MX_ROWS),)](
+            xf, out, bscale, st, seed, m, k, nb, g, ROWS=_MX_ROWS, FP4=fp4, EMAX=emax,
+            SR=spec.sr, PACK=pack, **c)
+    return out, bscale, None
+
+
+def quantize_triton(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> torch.Tensor:
+    """Kernel version of :func:`replayssm_quant.quant.quantize_reference` (bit-identical).
+
+    Args:
+        x: float tensor ``[..., M, K]`` on CUDA (or on CPU under ``TRITON_INTERPRET=1``).
+        spec: any non-fp32 format token or QuantSpec.
+        seed: Philox key for SR, int in [0, 2^63).
+        stream: int or int64 tensor broadcastable to ``x.shape[:-2]`` (SR stream keys).
+
+    Returns:
+        float32 tensor of x's shape.
+    """
+    spec = _check(x, spec)
+    out, _, _ = _run(x, spec, seed, stream, pack=False)
+    return out
+
+
+def pack_triton(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedTensor:
+    """Kernel version of :func:`replayssm_quant.quant.pack_reference` (same bytes)."""
+    spec = _check(x, spec)
+    info = spec.info
+    codes, bscale, mscale = _run(x, spec, seed, stream, pack=True)
+    if info.scaling == "none":
+        codes = codes.view(torch.bfloat16 if info.element is F.BF16 else torch.float16)
+    return PackedTensor(spec, x.shape, codes, bscale, mscale)

@@ -1,0 +1,305 @@
+"""Triton quantizer kernels against the torch reference, bit for bit.
+
+Runs on CPU under the Triton interpreter (``TRITON_INTERPRET=1``, set by conftest.py and
+again here before the kernels are imported), or on CUDA when the interpreter is switched off
+(``TRITON_INTERPRET=0``) and a GPU is present. Shapes are small: the interpreter runs each
+program in Python.
+
+Compared: fake-quant values (int32 views of float32, NaN positions equal), packed codes, block
+scales and matrix scales (bytes equal), and ``pack(x).dequantize() == quantize(x)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import zlib
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from replayssm_quant import formats as F  # noqa: E402
+from replayssm_quant.quant import pack, pack_reference, quantize, quantize_reference  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+import replayssm_quant.kernels.quant as kq  # noqa: E402
+
+if DEVICE == "cpu" and not INTERPRET:
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+if INTERPRET and type(kq._matrix_kernel).__name__ != "InterpretedFunction":
+    # imported before TRITON_INTERPRET was set: decorate the kernels again
+    kq = importlib.reload(kq)
+
+FORMATS = ["bf16", "fp16", "fp8e4m3", "fp8e5m2", "nvfp4", "mxfp8", "mxfp4"]
+MODES = ["rtn", "sr"]
+SEED = 0x1234_5678_9ABC  # > 2^32: both Philox key words matter
+NAN, INF = float("nan"), float("inf")
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def _spec(fmt: str, mode: str) -> str:
+    return fmt + ("+sr" if mode == "sr" else "")
+
+
+def _streams(lead) -> torch.Tensor:
+    n = math.prod(lead)
+    # distinct keys with non-zero high words
+    keys = torch.arange(n, dtype=torch.int64) * 0x1_0000_0001 + 17
+    return keys.view(lead)
+
+
+# ----------------------------------------------------------------------------------------
+# comparison helpers
+# ----------------------------------------------------------------------------------------
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str = "values") -> None:
+    """float32 tensors equal bit for bit, except that NaN payloads are not compared."""
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype == torch.float32, (what, got.dtype, want.dtype)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    gn, wn = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(gn, wn), f"{what}: NaN positions differ at {(gn != wn).nonzero()[:5]}"
+    gi = torch.where(gn, 0, got.view(torch.int32))
+    wi = torch.where(wn, 0, want.view(torch.int32))
+    bad = (gi != wi).nonzero()
+    assert bad.numel() == 0, (
+        f"{what}: {bad.shape[0]} of {got.numel()} differ; first at {bad[0].tolist()}: "
+        f"got {got[tuple(bad[0])].item()!r}, want {want[tuple(bad[0])].item()!r}"
+    )
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.cpu().contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.uint8)
+
+
+def assert_same_bytes(got, want, what: str) -> None:
+    if want is None:
+        assert got is None, what
+        return
+    assert got is not None, what
+    assert got.dtype == want.dtype, (what, got.dtype, want.dtype)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    gb, wb = _bytes(got), _bytes(want)
+    bad = (gb != wb).nonzero()
+    assert bad.numel() == 0, f"{what}: {bad.shape[0]} bytes differ, first at byte {bad[0].item()}"
+
+
+def check_against_reference(x: torch.Tensor, spec: str, stream, seed: int = SEED) -> None:
+    """Kernel vs reference: fake values, packed storage, and packed decode."""
+    xd = x.to(DEVICE)
+    sd = stream.to(DEVICE) if isinstance(stream, torch.Tensor) else stream
+    want = quantize_reference(x, spec, seed=seed, stream=stream)
+    got = kq.quantize_triton(xd, spec, seed=seed, stream=sd)
+    assert_bitwise(got, want, f"{spec} quantize")
+
+    pw = pack_reference(x, spec, seed=seed, stream=stream)
+    pg = kq.pack_triton(xd, spec, seed=seed, stream=sd)
+    assert str(pg.spec) == str(pw.spec) and tuple(pg.shape) == tuple(pw.shape)
+    assert_same_bytes(pg.codes, pw.codes, f"{spec} codes")
+    assert_same_bytes(pg.block_scales, pw.block_scales, f"{spec} block scales")
+    assert_same_bytes(pg.matrix_scale, pw.matrix_scale, f"{spec} matrix scale")
+    assert pg.nbytes == pw.nbytes
+    assert_bitwise(pg.dequantize(), got, f"{spec} pack(x).dequantize() vs quantize(x)")
+
+
+# ----------------------------------------------------------------------------------------
+# random data across many binades
+# ----------------------------------------------------------------------------------------
+
+# (leading dims, M, K): K = 40 and 20 leave tail blocks for MX (32) and NVFP4 (16); K = 64
+# divides both; the last shape spans several loop tiles of every kernel.
+SHAPES = [((2,), 3, 40), ((1,), 2, 20), ((2, 1), 2, 64)]
+BIG_SHAPE = ((2,), 24, 100)
+
+
+def _shape_id(shape) -> str:
+    lead, m, k = shape
+    return f"B{'x'.join(map(str, lead))}-M{m}-K{k}"
+
+
+def _random(shape, seed: int) -> torch.Tensor:
+    lead, m, k = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, m, k, generator=g)
+    # per-row magnitudes over 12 decades, and some elements much smaller than their row
+    rows = torch.pow(10.0, torch.empty(*lead, m, 1).uniform_(-6, 6, generator=g))
+    elems = torch.pow(10.0, torch.empty(*lead, m, k).uniform_(-8, 0, generator=g))
+    return (x * rows * torch.where(torch.rand(x.shape, generator=g) < 0.2, elems, 1.0)).float()
+
+
+CASES = [
+    pytest.param(fmt, mode, shape, id=f"{fmt}-{mode}-{_shape_id(shape)}")
+    for fmt in FORMATS
+    for mode in MODES
+    for shape in SHAPES
+] + [
+    pytest.param(fmt, "sr", BIG_SHAPE, id=f"{fmt}-sr-{_shape_id(BIG_SHAPE)}")
+    for fmt in FORMATS
+]
+
+
+@pytest.mark.parametrize("fmt,mode,shape", CASES)
+def test_kernel_matches_reference_random(fmt, mode, shape):
+    x = _random(shape, seed=zlib.crc32(f"{fmt}-{mode}-{_shape_id(shape)}".encode()))
+    check_against_reference(x, _spec(fmt, mode), _streams(shape[0]))
+
+
+# ----------------------------------------------------------------------------------------
+# special values
+# ----------------------------------------------------------------------------------------
+
+
+def _anchor(fmt: str) -> float:
+    """A block value that makes the element scale exactly 1 (so ties stay ties)."""
+    return {"fp8e4m3": 448.0, "fp8e5m2": 57344.0, "nvfp4": 6.0, "mxfp8": 448.0,
+            "mxfp4": 6.0}.get(fmt, 1.0)
+
+
+def _ties(fmt: str, n: int, g: torch.Generator) -> torch.Tensor:
+    """Exact midpoints between neighbouring points of the element grid (normal binades and
+    the subnormal range), random signs."""
+    grid = F.FORMATS[fmt].element
+    e = torch.randint(grid.emin - 1, grid.emin + 6, (n,), generator=g)
+    e = torch.maximum(e, torch.tensor(grid.emin))
+    odd = 2 * torch.randint(0, 2 ** (grid.mbits + 1), (n,), generator=g) + 1
+    v = odd.double() * torch.pow(2.0, (e - grid.mbits - 1).double())
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    return (v * sign).clamp(-grid.max, grid.max).float()
+
+
+def _special(fmt: str) -> torch.Tensor:
+    """[6, 4, 40]: one scenario per matrix (K = 40 leaves tail blocks for 16 and 32)."""
+    g = torch.Generator().manual_seed(7)
+    m, k = 4, 40
+    x = torch.randn(6, m, k, generator=g)
+    # 0: non-finite values, -0.0, zeros, huge and subnormal values mixed with ordinary ones
+    x[0, 0, :8] = torch.tensor([NAN, -NAN, INF, -INF, -0.0, 0.0, 1e-40, -1.4e-45])
+    x[0, 1, :16] = 0.0  # an all-zero block (nvfp4) next to a normal one
+    x[0, 1, 16:32] = -0.0
+    x[0, 2, 33] = -INF  # non-finite in the padded tail block
+    x[0, 3, :] = torch.randn(k, generator=g) * 1e-38
+    # 1: all zeros, half of them -0.0
+    x[1] = 0.0
+    x[1, :, ::2] = -0.0
+    # 2: only subnormals and tiny normals (amax is subnormal in row 0)
+    x[2] = torch.randn(m, k, generator=g) * 1e-39
+    x[2, 0] = torch.randn(k, generator=g) * 1e-44
+    x[2, 1, :5] = torch.tensor([1.4e-45, -2.8e-45, 1.2e-38, -1.1755e-38, 5e-39])
+    # 3: huge values up to FLT_MAX and one tiny element per row
+    x[3] = torch.randn(m, k, generator=g) * 1e37
+    x[3, :, 0] = torch.tensor([FLT_MAX, -FLT_MAX, 3.0e38, -2.9e38])
+    x[3, :, 7] = 1e-30
+    # 4: grid midpoints with unit scale (anchor at the format's maximum in every block)
+    x[4] = _ties(fmt, m * k, g).view(m, k)
+    if fmt == "nvfp4":
+        x[4, 0, 0] = F.E4M3_MAX * F.E2M1_MAX  # s_g = 1
+        x[4, 1:, ::16] = _anchor(fmt)
+        x[4, 2, 16:32] = torch.tensor([3.1875, -3.0] + [0.25, 0.75, 1.25, 2.5] * 3 + [1.0, -1.5])
+    elif fmt.startswith("mx"):
+        x[4, :, ::32] = _anchor(fmt)
+    else:
+        x[4, 0, 0] = _anchor(fmt)
+    # 5: the ties the issue names, plus saturation inputs, unscaled where the format is
+    row = [0.25, 0.75, 1.25, 2.5, 5.0, 1.00048828125, 248.0, 465.0, 1e9, -1e9, 1.0 + 2**-8,
+           65520.0, 65519.0, 57344.0 * 1.125, -0.0, 3.39e38]
+    x[5, 0, :len(row)] = torch.tensor(row)
+    x[5, 1] = torch.linspace(-500, 500, k)
+    return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_matches_reference_special_values(fmt, mode):
+    x = _special(fmt)
+    check_against_reference(x, _spec(fmt, mode), _streams((x.shape[0],)))
+
+
+# ----------------------------------------------------------------------------------------
+# batch composition, streams, dtypes, dispatch
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_result_does_not_depend_on_batch(fmt):
+    """A matrix's result is the same alone or in a batch (its stream key travels with it);
+    for formats without a matrix scale, also a row's result whatever the other rows hold."""
+    spec = _spec(fmt, "sr")
+    x = _random(((3,), 3, 40), seed=11).to(DEVICE)
+    st = _streams((3,)).to(DEVICE)
+    full = kq.quantize_triton(x, spec, seed=SEED, stream=st)
+    for i in (0, 2):
+        alone = kq.quantize_triton(x[i : i + 1], spec, seed=SEED, stream=st[i : i + 1])
+        assert_bitwise(alone[0], full[i], f"{spec} matrix {i} alone")
+    if F.FORMATS[fmt].scaling in ("none", "mx"):
+        y = x.clone()
+        y[1, 0] *= 1e6  # other rows of the same matrix change
+        y[1, 2] = NAN
+        got = kq.quantize_triton(y, spec, seed=SEED, stream=st)
+        assert_bitwise(got[1, 1], full[1, 1], f"{spec} row 1 of matrix 1")
+
+
+def test_stream_broadcast_and_errors():
+    x = _random(((2, 3), 2, 40), seed=3)
+    st = torch.tensor([[5], [2**40 + 9]])  # [2, 1] -> [2, 3]
+    check_against_reference(x, "mxfp4+sr", st)
+    check_against_reference(x, "fp8e5m2+sr", 123)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        kq.quantize_triton(x.to(DEVICE), "nvfp4+sr", stream=torch.zeros(4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_input_dtypes_and_layouts(dtype):
+    x = _random(((2,), 40, 3), seed=5).transpose(-1, -2).to(dtype)  # non-contiguous [2,3,40]
+    check_against_reference(x, "nvfp4+sr", _streams((2,)))
+
+
+def test_public_api_dispatches_to_kernels(monkeypatch):
+    x = _random(((2,), 3, 40), seed=9).to(DEVICE)
+    for spec in ("fp8e4m3+sr", "mxfp8"):
+        want = kq.quantize_triton(x, spec, seed=3, stream=4)
+        assert_bitwise(quantize(x, spec, seed=3, stream=4, backend="triton"), want, spec)
+        p = pack(x, spec, seed=3, stream=4, backend="triton")
+        assert_same_bytes(p.codes, kq.pack_triton(x, spec, seed=3, stream=4).codes, spec)
+    monkeypatch.setenv("REPLAYSSM_QUANT_BACKEND", "triton")
+    assert_bitwise(quantize(x, "mxfp4+sr", seed=1, stream=2),
+                   kq.quantize_triton(x, "mxfp4+sr", seed=1, stream=2), "env backend")
+
+
+def test_rejects_identity_and_bad_specs():
+    x = torch.zeros(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="identity"):
+        kq.quantize_triton(x, "fp32")
+    with pytest.raises(ValueError, match="nvfp5"):
+        kq.pack_triton(x, "nvfp5")
+    with pytest.raises(ValueError):
+        kq.quantize_triton(torch.zeros(16, device=DEVICE), "nvfp4")
+
+
+def test_sr_threshold_is_exact():
+    """SR rounds up iff r < frac * 2^32, exactly at the boundary: with unit MX scale and
+    E2M1 quantum 0.5, an element y = t * 2^-33 has frac * 2^32 = t. Setting t = r with its
+    low 8 bits cleared (t == r for about 1 in 256 elements) must never round up; t one
+    step of 256 above must always round up."""
+    from replayssm_quant.philox import random_bits
+
+    m, k, stream = 64, 64, 77
+    elem = torch.arange(m * k, dtype=torch.int64).view(m, k)
+    r = random_bits(SEED, torch.tensor(stream), elem)
+    t = torch.where(elem % 2 == 0, r & ~0xFF, (r | 0xFF) + 1)
+    x = (t.double() * 2.0**-33).float()
+    x[:, ::32] = F.E2M1_MAX  # block amax 6 -> E8M0 scale 2^0
+    assert int(((r & 0xFF) == 0)[:, ::2].sum()) > 0  # the boundary r == t occurs
+    want = torch.where(elem % 2 == 0, 0.0, 0.5)
+    want[:, ::32] = F.E2M1_MAX
+    want = torch.where(x == 2.0**-1, 0.5, want)  # t = 2^32: y = 0.5 exactly, no rounding
+    got = kq.quantize_triton(x[None].to(DEVICE), "mxfp4+sr", seed=SEED, stream=stream)[0]
+    assert_bitwise(got, want, "kernel")
+    ref = quantize_reference(x[None], "mxfp4+sr", seed=SEED, stream=stream)[0]
+    assert_bitwise(ref, want, "reference")

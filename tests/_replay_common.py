@@ -180,3 +180,17 @@ def check_dtype_float64_keeps_fp32_exact(M):
     run_steps(st, M.tok, inp, 8)
     assert st.anchor.dtype == torch.float64
     assert torch.equal(st.anchor, st.anchor.float().half().double())
+
+
+def check_rmse_ordering(model, seed=0):
+    """Test 7: over 512 steps with alpha in [0.9, 0.9999] (window 16), output RMSE against fp32
+    orders read:fp8e4m3/rec:fp32 < read:nvfp4/rec:fp16+sr < shared:nvfp4+sr; the anchor RMSE is
+    exactly 0 for rec:fp32, small for rec:fp16+sr and large for shared:nvfp4+sr."""
+    from replayssm_quant.replay.drift import policy_drift
+
+    fp8_fp32, nv_fp16sr, shared = policy_drift(model, steps=512, window=16, seed=seed)
+    assert fp8_fp32["out_rmse"] < nv_fp16sr["out_rmse"] < shared["out_rmse"]
+    assert fp8_fp32["anchor_rmse"] == 0.0
+    assert 0 < nv_fp16sr["anchor_rmse"] < 1e-3
+    assert shared["anchor_rmse"] > 0.05
+    assert shared["anchor_rmse"] > 100 * nv_fp16sr["anchor_rmse"]

@@ -85,3 +85,7 @@ def test_corrections_solve_matches_sequential_delta_rule():
         us.append(ut)
     assert rel_err(u, torch.stack(us, 1)) < 1e-12
     assert rel_err(core.reconstruct(S0, inp["g"], u, k), S) < 1e-12
+
+
+def test_rmse_ordering_512_steps():
+    C.check_rmse_ordering("gdn")

@@ -41,3 +41,7 @@ def test_bad_inputs_leave_state_unchanged():
 
 def test_float64_working_dtype():
     C.check_dtype_float64_keeps_fp32_exact(M)
+
+
+def test_rmse_ordering_512_steps():
+    C.check_rmse_ordering("mamba2")

@@ -21,3 +21,9 @@ __all__ = [
     "pack",
     "quantize",
 ]
+
+# ReplaySSM layer (issue 3): state policies and the dual-checkpoint state objects.
+from .policy import StatePolicy  # noqa: E402
+from .replay import GDNReplayState, Mamba2ReplayState  # noqa: E402
+
+__all__ += ["StatePolicy", "Mamba2ReplayState", "GDNReplayState"]

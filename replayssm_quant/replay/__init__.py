@@ -6,7 +6,9 @@
 * :mod:`.window`: teacher-forced window form for emulation.
 """
 
-from .gdn import GDNReplayState, gdn_flush
-from .mamba2 import Mamba2ReplayState, mamba2_flush, mamba2_records
+from .gdn import GDNReplayState, gdn_flush, gdn_step_output, gdn_verify
+from .mamba2 import (Mamba2ReplayState, mamba2_flush, mamba2_records, mamba2_step_output,
+                     mamba2_verify)
 
-__all__ = ["Mamba2ReplayState", "GDNReplayState", "mamba2_flush", "gdn_flush", "mamba2_records"]
+__all__ = ["Mamba2ReplayState", "GDNReplayState", "mamba2_flush", "gdn_flush", "mamba2_records",
+           "mamba2_step_output", "gdn_step_output", "mamba2_verify", "gdn_verify"]

@@ -190,6 +190,25 @@ def window_outputs(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.
     return torch.exp(c)[..., None] * Cq + intra
 
 
+def draft_outputs(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+                  q: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Verify reference (output-only): outputs of ``T`` drafts sitting at slots
+    ``start[b] .. start[b] + T - 1`` of the records, read from checkpoint ``C``; records before
+    ``start`` are the committed ones. Never materialises a state.
+
+    Args: ``C [B, H, V, K]``; records ``la [B, J, H]``, ``w [B, J, H, V]``, ``k [B, J, H, K]``
+    with ``J >= max(start) + T`` (slots after a sequence's last draft are ignored: causal);
+    ``q [B, T, H, K]``; ``start`` int64 ``[B]``. Returns ``[B, T, H, V]``.
+    """
+    B, T = q.shape[:2]
+    J = la.shape[1]
+    pos = start[:, None] + torch.arange(T, device=q.device)[None, :]
+    b = torch.arange(B, device=q.device)[:, None]
+    Q = q.new_zeros(B, J, *q.shape[2:])
+    Q[b, pos] = q
+    return window_outputs(C, la, w, k, Q)[b, pos]
+
+
 def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,
                       k: torch.Tensor, *, start: torch.Tensor | None = None,
                       u_known: torch.Tensor | None = None) -> torch.Tensor:

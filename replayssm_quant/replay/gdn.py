@@ -50,6 +50,53 @@ def gdn_flush(anchor, la, beta, v, k, policy, *, seed: int, layer: int, sequence
                       sequence_ids=sequence_ids, flush_index=flush_index, store=store)
 
 
+def gdn_step_output(read, la, beta, v, k, q, u_known, length):
+    """Output-only step reference for GDN (what a step kernel must match): solve the new
+    token's read-path correction (row ``h - 1``; earlier rows are the cached ones)
+    ``u_h = beta_h (v_h - gamma_{1:h} R k_h - sum_{i<h} gamma_{i+1:h} (k_i . k_h) u_i)``, then
+    ``o = gamma_{1:h} (R q) + U (m * (K^T q))``, never forming S (a token that fills the window
+    reads the flushed state instead, see ``step``).
+
+    Args: ``read [B, HV, DV, DK]``; records ``la, beta [B, J, HV]``, ``v [B, J, HV, DV]``,
+    grouped ``k [B, J, HK, DK]`` with the new token appended; grouped ``q [B, HK, DK]``;
+    ``u_known [B, J, HV, DV]`` cached corrections; ``length`` int64 ``[B]`` = h including the
+    new token. Returns ``(o [B, HV, DV], uR [B, J, HV, DV])``.
+    """
+    HV = read.shape[1]
+    la, beta, v = core.mask_records(length, la, beta, v)
+    k = core.expand_heads(k, HV, 2)
+    uR = core.solve_corrections(read, la, beta, v, k, start=length - 1, u_known=u_known)
+    return core.step_output(read, la, uR, k, core.expand_heads(q, HV, 1)), uR
+
+
+def gdn_verify(read, anchor, la, beta, v, k, q, u_known, start, window: int,
+               fold_cached_corrections: bool = False):
+    """Verify reference for GDN (what a verify kernel must match): one T x T triangular solve
+    for the drafts' read-path corrections (rows before ``start`` are the cached committed
+    ones), then the drafts' outputs from R plus the buffer in output-only form; a draft on
+    slot ``window`` reads the flushed state (corrections re-solved against A, or the cached
+    ones with ``fold_cached_corrections``).
+
+    Args: ``read, anchor [B, HV, DV, DK]``; records ``la, beta [B, J, HV]``,
+    ``v [B, J, HV, DV]``, grouped ``k [B, J, HK, DK]``; grouped ``q [B, T, HK, DK]``;
+    ``u_known [B, J, HV, DV]`` cached read-path corrections; ``start`` int64 ``[B]``.
+    Returns ``(o [B, T, HV, DV], uR [B, J, HV, DV])`` (uR: the read-path corrections of all
+    rows, for the buffer).
+    """
+    HV, T = read.shape[1], q.shape[1]
+    la, beta, v = core.mask_records(start + T, la, beta, v)
+    k = core.expand_heads(k, HV, 2)
+    q = core.expand_heads(q, HV, 2)
+    uR = core.solve_corrections(read, la, beta, v, k, start=start, u_known=u_known)
+    o = core.draft_outputs(read, la, uR, k, q, start)
+    at_flush = start + T == window
+    if T > 0 and bool(at_flush.any()):
+        uA = uR if fold_cached_corrections else core.solve_corrections(anchor, la, beta, v, k)
+        oA = core.draft_outputs(anchor, la, uA, k, q, start)
+        o[at_flush, T - 1] = oA[at_flush, T - 1]
+    return o, uR
+
+
 class GDNReplayState(ReplayStateBase):
     """Dual-checkpoint ReplaySSM state of one Gated DeltaNet layer.
 
@@ -96,20 +143,6 @@ class GDNReplayState(ReplayStateBase):
                          flush_index=flush_index, length=length, u_cached=recs["uR"],
                          fold_cached_corrections=self.fold_cached_corrections, store=True)
 
-    def _live(self, J, length):
-        r = self._ring
-        la, beta, v = core.mask_records(length, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J])
-        return la, beta, v, core.expand_heads(r["k"][:, :J], self.heads, 2)
-
-    def _read_corrections(self, J, length, start):
-        """Solve the read-path corrections of slots ``start..length-1`` (rows before ``start``
-        are the cached ones) and cache them in the ring."""
-        la, beta, v, k = self._live(J, length)
-        uR = core.solve_corrections(self._R, la, beta, v, k, start=start,
-                                    u_known=self._ring["uR"][:, :J])
-        self._ring["uR"][:, :J] = uR
-        return la, beta, v, k, uR
-
     # ------------------------------------------------------------------ decoding
     def step(self, q, k, v, g, beta) -> torch.Tensor:
         """Decode one token per sequence; returns ``o [B, HV, DV]``.
@@ -120,12 +153,13 @@ class GDNReplayState(ReplayStateBase):
         """
         self._check_not_pending("step")
         self._check_inputs(q, k, v, g, beta)
-        start = self._h.clone()
         self._append({"la": g, "beta": beta, "v": v, "k": k})
         qe = core.expand_heads(q, self.heads, 1)
         J = int(self._h.max())
-        la, _, _, ke, uR = self._read_corrections(J, self._h, start)
-        o = core.step_output(self._R, la, uR, ke, qe)
+        r = self._ring
+        o, uR = gdn_step_output(self._R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
+                                r["k"][:, :J], q, r["uR"][:, :J], self._h)
+        r["uR"][:, :J] = uR
         flushed = self._flush_seqs(self._h == self.window)
         if flushed is not None:
             idx, res = flushed
@@ -154,18 +188,10 @@ class GDNReplayState(ReplayStateBase):
         self._begin_verify(T)
         pos = self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
         self._pending = T
-        if T == 0:
-            return v.new_zeros(self.batch, 0, self.heads, self.value_dim)
-        length = self._h + T
-        J = int(length.max())
-        la, beta_, v_, ke, uR = self._read_corrections(J, length, self._h)
-        b = torch.arange(self.batch, device=self.device)[:, None]
-        Q = torch.zeros(self.batch, J, self.heads, self.key_dim, dtype=self.dtype, device=self.device)
-        Q[b, pos] = core.expand_heads(q, self.heads, 2)
-        o = core.window_outputs(self._R, la, uR, ke, Q)[b, pos]
-        at_flush = length == self.window
-        if bool(at_flush.any()):
-            uA = uR if self.fold_cached_corrections else core.solve_corrections(self._A, la, beta_, v_, ke)
-            oA = core.window_outputs(self._A, la, uA, ke, Q)[b, pos]
-            o[at_flush, T - 1] = oA[at_flush, T - 1]
+        J = int(self._h.max()) + T
+        r = self._ring
+        o, uR = gdn_verify(self._R, self._A, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
+                           r["k"][:, :J], q, r["uR"][:, :J], self._h, self.window,
+                           self.fold_cached_corrections)
+        r["uR"][:, :J] = uR
         return o

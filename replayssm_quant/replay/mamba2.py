@@ -37,6 +37,42 @@ def mamba2_flush(anchor, la, v, k, policy, *, seed: int, layer: int, sequence_id
                       sequence_ids=sequence_ids, flush_index=flush_index, store=store)
 
 
+def mamba2_step_output(read, la, v, k, q, length) -> torch.Tensor:
+    """Output-only step reference for Mamba-2 (what a step kernel must match):
+    ``y = gamma_{1:h} (R q) + V (m * (K^T q))`` for the token in slot ``h - 1``, never forming S
+    (no ``D x``; a token that fills the window reads the flushed state instead, see ``step``).
+
+    Args: ``read [B, H, P, N]``; records ``la [B, J, H]``, ``v [B, J, H, P]``, grouped
+    ``k [B, J, G, N]`` with the new token appended; grouped ``q [B, G, N]``; ``length`` int64
+    ``[B]`` = h including the new token (``J = max(h)``). Returns ``[B, H, P]``.
+    """
+    H = read.shape[1]
+    la, v = core.mask_records(length, la, v)
+    return core.step_output(read, la, v, core.expand_heads(k, H, 2), core.expand_heads(q, H, 1))
+
+
+def mamba2_verify(read, anchor, la, v, k, q, start, window: int) -> torch.Tensor:
+    """Verify reference for Mamba-2 (what a verify kernel must match): outputs ``S q`` of the
+    ``T`` drafts at slots ``start..start+T-1`` (no ``D x``), from R plus the buffer in
+    output-only form; a draft on slot ``window`` (the flush slot) reads the flushed state,
+    i.e. the same form from A.
+
+    Args: ``read, anchor [B, H, P, N]``; records ``la [B, J, H]``, ``v [B, J, H, P]``, grouped
+    ``k [B, J, G, N]`` (committed records then drafts; ``J >= max(start) + T``);
+    grouped ``q [B, T, G, N]``; ``start`` int64 ``[B]``. Returns ``[B, T, H, P]``.
+    """
+    H, T = read.shape[1], q.shape[1]
+    la, v = core.mask_records(start + T, la, v)
+    k = core.expand_heads(k, H, 2)
+    q = core.expand_heads(q, H, 2)
+    y = core.draft_outputs(read, la, v, k, q, start)
+    at_flush = start + T == window
+    if T > 0 and bool(at_flush.any()):
+        yA = core.draft_outputs(anchor, la, v, k, q, start)
+        y[at_flush, T - 1] = yA[at_flush, T - 1]
+    return y
+
+
 class Mamba2ReplayState(ReplayStateBase):
     """Dual-checkpoint ReplaySSM state of one Mamba-2 layer, batched over sequences and heads.
 
@@ -91,10 +127,6 @@ class Mamba2ReplayState(ReplayStateBase):
                             seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
                             flush_index=flush_index, length=length, store=True)
 
-    def _live(self, J, length):
-        la, v = core.mask_records(length, self._ring["la"][:, :J], self._ring["v"][:, :J])
-        return la, v, core.expand_heads(self._ring["k"][:, :J], self.heads, 2)
-
     # ------------------------------------------------------------------ decoding
     def step(self, x, dt, A, B, C, D=None) -> torch.Tensor:
         """Decode one token per sequence; returns ``y [B, H, P]`` (including ``D x``).
@@ -108,7 +140,8 @@ class Mamba2ReplayState(ReplayStateBase):
         self._append({"la": la, "v": v, "k": k})
         q = core.expand_heads(C, self.heads, 1)
         J = int(self._h.max())
-        y = core.step_output(self._R, *self._live(J, self._h), q)
+        r = self._ring
+        y = mamba2_step_output(self._R, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], C, self._h)
         flushed = self._flush_seqs(self._h == self.window)
         if flushed is not None:
             idx, res = flushed
@@ -140,23 +173,10 @@ class Mamba2ReplayState(ReplayStateBase):
         la, v, k = mamba2_records(x, dt, A, B)
         pos = self._write_drafts({"la": la, "v": v, "k": k}, T)
         self._pending = T
-        y = x.new_zeros(self.batch, T, self.heads, self.value_dim)
-        if T > 0:
-            y = self._draft_outputs(pos, core.expand_heads(C, self.heads, 2), T)
+        J = int(self._h.max()) + T
+        r = self._ring
+        y = mamba2_verify(self._R, self._A, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], C,
+                          self._h, self.window)
         if D is not None:
             y = y + D[:, None] * x
-        return y
-
-    def _draft_outputs(self, pos, q, T):
-        length = self._h + T
-        J = int(length.max())
-        la, v, k = self._live(J, length)
-        b = torch.arange(self.batch, device=self.device)[:, None]
-        Q = torch.zeros(self.batch, J, self.heads, self.key_dim, dtype=self.dtype, device=self.device)
-        Q[b, pos] = q
-        y = core.window_outputs(self._R, la, v, k, Q)[b, pos]
-        at_flush = length == self.window
-        if bool(at_flush.any()):
-            yA = core.window_outputs(self._A, la, v, k, Q)[b, pos]
-            y[at_flush, T - 1] = yA[at_flush, T - 1]
         return y

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replayssm_quant import parse_spec, quantize, stream_key
+from replayssm_quant import quantize, stream_key
 from replayssm_quant.quant import PackedTensor
 
-from _replay_inputs import rel_err, run_steps, same_snapshot, snapshot, tslice
+from _replay_inputs import rel_err, run_steps, same_snapshot, snapshot
 
 FORMATS_READ = ["fp32", "fp16", "fp8e4m3", "nvfp4", "nvfp4+sr"]
 

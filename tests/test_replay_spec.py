@@ -5,7 +5,7 @@ import torch
 
 from replayssm_quant.replay import core
 
-from _replay_inputs import Model, bslice, rel_err, tslice
+from _replay_inputs import Model, bslice, rel_err
 
 MODELS = [Model("mamba2"), Model("gdn")]
 IDS = ["mamba2", "gdn"]

@@ -1,0 +1,240 @@
+"""Seaborn figures of KL runs (``replayssm-kl`` output) and of theory versus simulation.
+
+Every function takes a tidy frame, checks its columns (ValueError naming the missing ones),
+returns the matplotlib Figure, and saves it when ``path`` is given (the suffix picks the format:
+``.png`` or ``.svg``; :func:`save_figure` writes several). KL is in nats; ``N`` is the number of
+tokens seen (position + 1), bucketed in octaves by :func:`analysis.results.kl_by_position`.
+matplotlib picks its backend (Agg when headless, inline under Jupyter).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from analysis.results import (  # noqa: E402
+    kl_by_position,
+    require_columns,
+    shared_separate_ratio,
+)
+
+__all__ = [
+    "plot_kl_vs_n",
+    "plot_kl_vs_window",
+    "plot_ratio_vs_n",
+    "plot_top1_agreement",
+    "plot_nonfinite",
+    "plot_theory_vs_simulation",
+    "save_figure",
+    "POSITION_PLOT_COLUMNS",
+]
+
+POSITION_PLOT_COLUMNS = ("doc", "position", "policy", "window", "kl", "nonfinite")
+_FIGSIZE = (6.4, 4.2)
+
+
+def save_figure(fig, path, formats: Iterable[str] | None = None) -> list[Path]:
+    """Save ``fig`` to ``path``; with ``formats`` (e.g. ``("png", "svg")``) one file per
+    format with that suffix. Returns the written paths. Raises ValueError for a format other
+    than png/svg/pdf."""
+    path = Path(path)
+    fmts = list(formats) if formats else [path.suffix.lstrip(".") or "png"]
+    out = []
+    for f in fmts:
+        if f not in ("png", "svg", "pdf"):
+            raise ValueError(f"unsupported figure format {f!r} (png, svg or pdf)")
+        p = path.with_suffix("." + f)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(p, dpi=120, bbox_inches="tight")
+        out.append(p)
+    return out
+
+
+def _finish(fig, path):
+    fig.tight_layout()
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _select_window(df: pd.DataFrame, window):
+    if window is None:
+        return df
+    sel = df[df["window"] == window]
+    if sel.empty:
+        raise ValueError(f"no rows with window={window}; windows present: {sorted(df['window'].unique())}")
+    return sel
+
+
+def _bands(ax, agg: pd.DataFrame, hue: str, x: str = "n_mid", y: str = "mean"):
+    n = agg[hue].nunique()
+    colors = sns.color_palette(n_colors=n) if n <= 10 else sns.color_palette("husl", n)
+    palette = dict(zip(agg[hue].unique(), colors))
+    for key, g in agg.groupby(hue, sort=False):
+        g = g.sort_values(x)
+        ax.plot(g[x], g[y], marker="o", ms=3, label=str(key), color=palette[key])
+        if {"ci_lo", "ci_hi"} <= set(g.columns) and g["ci_lo"].notna().any():
+            ax.fill_between(g[x], g["ci_lo"], g["ci_hi"], alpha=0.2, color=palette[key], lw=0)
+
+
+def plot_kl_vs_n(df: pd.DataFrame, window: int | None = None, path=None, include_fp32=False):
+    """Mean KL (nats) versus tokens seen ``N``, log-log, one line per policy (and window),
+    with 95% confidence bands over documents (ReplaySSM paper figure style: shared precision
+    grows with ``N``, separate precision stays flat, appendix C.6).
+
+    Args:
+        df: positions frame; needs :data:`POSITION_PLOT_COLUMNS`.
+        window: plot only this window ``L`` (default: all, labelled ``policy L=..``).
+        path: optional output file (.png / .svg). include_fp32: keep the (zero) reference.
+
+    Returns: the Figure. Raises ValueError for missing columns or an absent window.
+    """
+    require_columns(df, POSITION_PLOT_COLUMNS, "plot_kl_vs_n")
+    d = _select_window(df, window)
+    if not include_fp32:
+        d = d[d["policy"] != "fp32"]
+    agg = kl_by_position(d, by=("policy", "window"))
+    agg["curve"] = agg["policy"] + (" L=" + agg["window"].astype(str) if window is None else "")
+    agg = agg[agg["mean"] > 0]
+    fig, ax = plt.subplots(figsize=_FIGSIZE)
+    _bands(ax, agg, "curve")
+    ax.set_xscale("log")
+    if len(agg):
+        ax.set_yscale("log")
+    ax.set_xlabel("tokens seen N")
+    ax.set_ylabel("mean KL(P_fp32 || P_policy) [nats]")
+    ax.set_title("KL versus N" + (f" (L={window})" if window is not None else ""))
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _finish(fig, path)
+
+
+def plot_kl_vs_window(df: pd.DataFrame, n: int | None = None, path=None):
+    """Mean KL (nats) versus window ``L`` at a fixed ``N`` bucket, one line per policy.
+
+    Args:
+        df: positions frame (needs :data:`POSITION_PLOT_COLUMNS`).
+        n: tokens seen; the octave bucket holding ``n`` is used (default: the last bucket).
+        path: optional output file.
+    Returns: the Figure. Raises ValueError for missing columns or no data at ``n``.
+    """
+    require_columns(df, POSITION_PLOT_COLUMNS, "plot_kl_vs_window")
+    agg = kl_by_position(df[df["policy"] != "fp32"], by=("policy", "window"))
+    if agg.empty:
+        raise ValueError("plot_kl_vs_window: no non-reference policies")
+    if n is None:
+        bucket = int(agg["bucket"].max())
+    else:
+        bucket = int(np.floor(np.log2(n) + 1e-12))
+    sel = agg[agg["bucket"] == bucket]
+    if sel.empty:
+        raise ValueError(f"plot_kl_vs_window: no positions with N near {n}")
+    fig, ax = plt.subplots(figsize=_FIGSIZE)
+    _bands(ax, sel, "policy", x="window")
+    ax.set_xscale("log", base=2)
+    if (sel["mean"] > 0).any():
+        ax.set_yscale("log")
+    ax.set_xlabel("window L")
+    ax.set_ylabel("mean KL [nats]")
+    lo, hi = sel["n_lo"].iloc[0], sel["n_hi"].iloc[0]
+    ax.set_title(f"KL versus window at N in [{lo:.0f}, {hi:.0f}]")
+    ax.legend(fontsize=7)
+    return _finish(fig, path)
+
+
+def plot_ratio_vs_n(df: pd.DataFrame, path=None):
+    """Shared/separate KL ratio versus ``N`` (log-log), one line per (read format, rec, L).
+
+    Pairs ``read:F/rec:G`` with ``shared:F`` (see
+    :func:`analysis.results.shared_separate_ratio`). Returns the Figure.
+    Raises ValueError for missing columns or when no separate policy has a shared partner.
+    """
+    require_columns(df, POSITION_PLOT_COLUMNS, "plot_ratio_vs_n")
+    r = shared_separate_ratio(df)
+    r = r[np.isfinite(r["ratio"]) & (r["ratio"] > 0)]
+    if r.empty:
+        raise ValueError("plot_ratio_vs_n: no read:F/rec:G policy with a shared:F partner")
+    r = r.assign(curve=r["read"] + "/rec:" + r["rec"] + " L=" + r["window"].astype(str))
+    fig, ax = plt.subplots(figsize=_FIGSIZE)
+    _bands(ax, r, "curve", y="ratio")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens seen N")
+    ax.set_ylabel("KL(shared) / KL(separate)")
+    ax.set_title("Shared over separate precision")
+    ax.legend(fontsize=7)
+    return _finish(fig, path)
+
+
+def plot_top1_agreement(df: pd.DataFrame, window: int | None = None, path=None):
+    """Top-1 agreement with the FP32-state reference versus ``N`` (log x), per policy, with
+    95% bands over documents. Needs the position columns and ``top1_agree``."""
+    require_columns(df, (*POSITION_PLOT_COLUMNS, "top1_agree"), "plot_top1_agreement")
+    d = _select_window(df, window)
+    d = d[d["policy"] != "fp32"].assign(top1_agree=lambda x: x["top1_agree"].astype(float))
+    agg = kl_by_position(d, metric="top1_agree", by=("policy", "window"))
+    agg["curve"] = agg["policy"] + (" L=" + agg["window"].astype(str) if window is None else "")
+    fig, ax = plt.subplots(figsize=_FIGSIZE)
+    _bands(ax, agg, "curve")
+    ax.set_xscale("log")
+    ax.set_ylim(min(0.0, float(agg["mean"].min()) if len(agg) else 0.0), 1.02)
+    ax.set_xlabel("tokens seen N")
+    ax.set_ylabel("top-1 agreement")
+    ax.set_title("Top-1 agreement with FP32-state decoding")
+    ax.legend(fontsize=7)
+    return _finish(fig, path)
+
+
+def plot_nonfinite(df: pd.DataFrame, path=None):
+    """Non-finite incidence: fraction of (document, seed) sequences whose state went
+    non-finite, per policy and window (bar plot; 0 bars are drawn as empty).
+    Needs ``doc, seed, policy, window, nonfinite``."""
+    require_columns(df, ("doc", "seed", "policy", "window", "nonfinite"), "plot_nonfinite")
+    seq = df.groupby(["policy", "window", "doc", "seed"], as_index=False)["nonfinite"].any()
+    inc = seq.groupby(["policy", "window"], as_index=False)["nonfinite"].mean()
+    inc["window"] = inc["window"].astype(str)
+    fig, ax = plt.subplots(figsize=_FIGSIZE)
+    sns.barplot(data=inc, x="policy", y="nonfinite", hue="window", ax=ax)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("fraction of sequences non-finite")
+    ax.set_xlabel("")
+    ax.tick_params(axis="x", rotation=30, labelsize=7)
+    ax.set_title("Non-finite state incidence")
+    return _finish(fig, path)
+
+
+def plot_theory_vs_simulation(
+    frame: pd.DataFrame,
+    measured: str = "state_var",
+    predicted: Sequence[str] = ("pred_state_var", "cf_state_var"),
+    path=None,
+):
+    """Measured error variance versus step with the closed-form predictions (eqs. C6.4/C6.6),
+    log y, one panel per format, one colour per decay (from :func:`analysis.simulate.simulate`).
+
+    Args: frame: simulation frame; measured / predicted: its column names. Returns the Figure.
+    Raises ValueError for missing columns.
+    """
+    require_columns(frame, ("format", "decay", "step", measured, *predicted), "plot_theory_vs_simulation")
+    fmts = list(dict.fromkeys(frame["format"]))
+    fig, axes = plt.subplots(1, len(fmts), figsize=(3.6 * len(fmts), 3.4), squeeze=False)
+    styles = ["--", ":", "-."]
+    for ax, f in zip(axes[0], fmts):
+        d = frame[frame["format"] == f]
+        pal = dict(zip(sorted(d["decay"].unique()), sns.color_palette(n_colors=d["decay"].nunique())))
+        for a, g in d.groupby("decay"):
+            g = g.sort_values("step")
+            ax.plot(g["step"], g[measured], color=pal[a], lw=1.2, label=f"a={a} measured")
+            for s, c in zip(styles, predicted):
+                ax.plot(g["step"], g[c], color=pal[a], ls=s, lw=1, label=f"a={a} {c}")
+        ax.set_yscale("log")
+        ax.set_title(f)
+        ax.set_xlabel("step t")
+    axes[0][0].set_ylabel(measured)
+    axes[0][-1].legend(fontsize=6)
+    return _finish(fig, path)

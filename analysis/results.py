@@ -1,0 +1,440 @@
+"""Load and validate output directories of the teacher-forced KL runner (``replayssm-kl``).
+
+A run directory (issue 4) holds:
+
+* ``positions.parquet``: one row per (document, position, policy, window, seed) with columns
+  :data:`POSITION_COLUMNS` -- ``kl`` is KL(P_fp32 || P_policy) in nats, ``top1_agree`` whether
+  the arg-max tokens agree, ``dp_ref`` the change of the reference token's probability,
+  ``nll_ref`` / ``nll`` the reference and policy negative log-likelihoods (nats), ``nonfinite``
+  whether the policy's state went non-finite;
+* ``summary.csv``: the runner's own per (policy, window, position bucket) summary;
+* ``manifest.json``: command, versions, model and data identity, git commit, timings.
+
+:func:`load_runs` reads several directories into one frame (a ``run`` column tells them apart)
+and :func:`kl_by_position` aggregates KL per position bucket with confidence intervals over
+documents, which is what the plots and the report consume. :func:`write_synthetic_run` writes a
+clearly labelled *synthetic* directory with the same schema (for tests and notebook fallbacks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from replayssm_quant.policy import StatePolicy
+
+__all__ = [
+    "POSITION_COLUMNS",
+    "Runs",
+    "load_run",
+    "load_runs",
+    "validate_positions",
+    "require_columns",
+    "policy_parts",
+    "add_policy_columns",
+    "position_buckets",
+    "kl_by_position",
+    "summarize",
+    "shared_separate_ratio",
+    "synthetic_positions",
+    "write_synthetic_run",
+]
+
+POSITION_COLUMNS = (
+    "doc", "position", "policy", "window", "seed",
+    "kl", "top1_agree", "dp_ref", "nll_ref", "nll", "nonfinite",
+)  # fmt: skip
+_NUMERIC = ("position", "window", "seed", "kl", "dp_ref", "nll_ref", "nll")
+KL_NEGATIVE_TOL = -1e-4  # nats: KL computed in FP32 may round slightly below 0
+
+
+def require_columns(df: pd.DataFrame, columns: Iterable[str], who: str) -> None:
+    """Raise ValueError naming every column of ``columns`` missing from ``df``.
+
+    Args: df: a frame; columns: the required names; who: the caller, quoted in the message.
+    """
+    if not isinstance(df, pd.DataFrame):
+        raise ValueError(f"{who}: expected a pandas DataFrame, got {type(df).__name__}")
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(
+            f"{who}: missing required column(s) {', '.join(missing)}; "
+            f"got columns {', '.join(map(str, df.columns))}"
+        )
+
+
+def validate_positions(df: pd.DataFrame, source: str = "positions") -> pd.DataFrame:
+    """Check a positions frame against the issue-4 schema and normalise dtypes.
+
+    Checks: all :data:`POSITION_COLUMNS` present; numeric columns numeric; ``position >= 0``;
+    ``window >= 1``; ``kl >= -1e-4`` nats on finite rows (FP32 round-off); policies parse
+    (:class:`replayssm_quant.policy.StatePolicy`); no duplicate (run, doc, position, policy,
+    window, seed) rows. Non-finite rows (``nonfinite`` true) may hold NaN/inf metrics.
+
+    Returns:
+        A copy with ``top1_agree`` / ``nonfinite`` as bool and ``position`` / ``window`` /
+        ``seed`` as int64.
+    Raises:
+        ValueError: naming ``source`` and what is wrong.
+    """
+    require_columns(df, POSITION_COLUMNS, source)
+    out = df.copy()
+    for c in _NUMERIC:
+        if not pd.api.types.is_numeric_dtype(out[c]):
+            try:
+                out[c] = pd.to_numeric(out[c])
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{source}: column {c!r} is not numeric ({e})") from None
+    for c in ("position", "window", "seed"):
+        if out[c].isna().any():
+            raise ValueError(f"{source}: column {c!r} has missing values")
+        out[c] = out[c].astype("int64")
+    out["nonfinite"] = out["nonfinite"].astype(bool)
+    out["top1_agree"] = out["top1_agree"].fillna(False).astype(bool)
+    out["policy"] = out["policy"].astype(str)
+    if (out["position"] < 0).any():
+        raise ValueError(f"{source}: negative positions")
+    if (out["window"] < 1).any():
+        raise ValueError(f"{source}: window must be >= 1")
+    fin = ~out["nonfinite"]
+    kl = out.loc[fin, "kl"]
+    if (~np.isfinite(kl)).any():
+        raise ValueError(f"{source}: non-finite kl on rows not flagged nonfinite")
+    if (kl < KL_NEGATIVE_TOL).any():
+        raise ValueError(f"{source}: kl below {KL_NEGATIVE_TOL} nats (min {kl.min():.3g})")
+    for p in out["policy"].unique():
+        try:
+            StatePolicy.parse(p)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+    key = [c for c in ("run", "doc", "position", "policy", "window", "seed") if c in out]
+    if out.duplicated(key).any():
+        raise ValueError(f"{source}: duplicate rows for {key}")
+    return out
+
+
+@dataclass
+class Runs:
+    """Several loaded run directories.
+
+    Attributes:
+        positions: validated positions of all runs, with a ``run`` column (directory name).
+        summaries: the runners' ``summary.csv`` files (``run`` column added; may be empty).
+        manifests: ``{run: manifest dict}`` (empty dict where a run has no manifest).
+        paths: ``{run: Path}``.
+    """
+
+    positions: pd.DataFrame
+    summaries: pd.DataFrame
+    manifests: dict = field(default_factory=dict)
+    paths: dict = field(default_factory=dict)
+
+
+def load_run(path) -> Runs:
+    """Load one run directory; see :func:`load_runs`."""
+    return load_runs([path])
+
+
+def load_runs(paths: Sequence) -> Runs:
+    """Load one or several ``replayssm-kl`` output directories into one validated frame.
+
+    Args:
+        paths: directories holding ``positions.parquet`` (required), ``summary.csv`` and
+            ``manifest.json`` (optional). Run names are the directory names, made unique.
+
+    Returns:
+        :class:`Runs`.
+    Raises:
+        FileNotFoundError: a directory or its ``positions.parquet`` is missing.
+        ValueError: no paths, an unreadable file, or a schema violation (see
+            :func:`validate_positions`), naming the file.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ValueError("load_runs: no run directories given")
+    frames, sums, manifests, where = [], [], {}, {}
+    for p in paths:
+        if not p.is_dir():
+            raise FileNotFoundError(f"run directory not found: {p}")
+        pq = p / "positions.parquet"
+        if not pq.is_file():
+            raise FileNotFoundError(f"{p}: no positions.parquet (is this a replayssm-kl output?)")
+        name, k = p.resolve().name, 2
+        while name in where:
+            name, k = f"{p.resolve().name}-{k}", k + 1
+        where[name] = p
+        try:
+            df = pd.read_parquet(pq)
+        except Exception as e:  # pyarrow raises several types
+            raise ValueError(f"{pq}: cannot read parquet ({e})") from None
+        df = validate_positions(df, str(pq))
+        df.insert(0, "run", name)
+        frames.append(df)
+        sc = p / "summary.csv"
+        if sc.is_file():
+            try:
+                s = pd.read_csv(sc)
+            except Exception as e:
+                raise ValueError(f"{sc}: cannot read csv ({e})") from None
+            s.insert(0, "run", name)
+            sums.append(s)
+        mf = p / "manifest.json"
+        if mf.is_file():
+            try:
+                manifests[name] = json.loads(mf.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{mf}: invalid JSON ({e})") from None
+        else:
+            manifests[name] = {}
+    positions = pd.concat(frames, ignore_index=True)
+    summaries = pd.concat(sums, ignore_index=True) if sums else pd.DataFrame()
+    return Runs(positions, summaries, manifests, where)
+
+
+def policy_parts(policy: str) -> tuple[str, str, str]:
+    """``(kind, read, rec)`` of a policy string, e.g. ``read:nvfp4/rec:fp32`` ->
+    ``('separate', 'nvfp4', 'fp32')``; ``shared:fp8e4m3+sr`` -> ``('shared', 'fp8e4m3+sr',
+    'fp8e4m3+sr')``. Raises ValueError for a bad policy (DESIGN.md section 3 grammar)."""
+    p = StatePolicy.parse(policy)
+    return p.kind, str(p.read), str(p.rec)
+
+
+def add_policy_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """Copy of ``df`` with ``kind``, ``read``, ``rec`` columns parsed from ``policy``."""
+    require_columns(df, ["policy"], "add_policy_columns")
+    parts = {p: policy_parts(p) for p in df["policy"].unique()}
+    out = df.copy()
+    out["kind"] = out["policy"].map(lambda p: parts[p][0])
+    out["read"] = out["policy"].map(lambda p: parts[p][1])
+    out["rec"] = out["policy"].map(lambda p: parts[p][2])
+    return out
+
+
+def position_buckets(positions, base: float = 2.0) -> np.ndarray:
+    """Log-spaced bucket index of token positions: bucket ``b`` holds ``[base^b, base^(b+1))``
+    with position 0 in bucket 0 (positions are 0-based; ``N = position + 1`` tokens seen)."""
+    n = np.asarray(positions, dtype=np.float64) + 1.0
+    return np.floor(np.log(n) / math.log(base) + 1e-12).astype(np.int64)
+
+
+def _ci(values: np.ndarray, level: float) -> tuple[float, float, float]:
+    v = values[np.isfinite(values)]
+    if v.size == 0:
+        return math.nan, math.nan, math.nan
+    m = float(v.mean())
+    if v.size < 2:
+        return m, math.nan, math.nan
+    half = stats.t.ppf(0.5 + level / 2, v.size - 1) * v.std(ddof=1) / math.sqrt(v.size)
+    return m, m - half, m + half
+
+
+def kl_by_position(
+    df: pd.DataFrame,
+    metric: str = "kl",
+    by: Sequence[str] = ("policy", "window"),
+    base: float = 2.0,
+    level: float = 0.95,
+) -> pd.DataFrame:
+    """Mean of ``metric`` per log-spaced position bucket with a confidence interval.
+
+    The interval is a Student-t interval over *documents* (per-document bucket means are the
+    independent units; positions within a document are correlated), so it needs >= 2 documents
+    (NaN bounds otherwise). Non-finite rows (``nonfinite``) are excluded from the mean and
+    counted in ``nonfinite``.
+
+    Args:
+        df: positions frame (needs ``doc, position, nonfinite``, ``metric`` and ``by``).
+        metric: ``kl`` (nats), ``top1_agree``, ``dp_ref``, ... ; by: grouping columns.
+        base: bucket base (2: octaves). level: CI coverage.
+
+    Returns:
+        Frame with ``by`` columns plus ``bucket, n_lo, n_hi, n_mid`` (tokens seen, ``N``),
+        ``mean, ci_lo, ci_hi, docs, count, nonfinite``.
+    Raises:
+        ValueError: missing columns.
+    """
+    by = list(by)
+    require_columns(df, ["doc", "position", "nonfinite", metric, *by], "kl_by_position")
+    d = df[["doc", "position", "nonfinite", metric, *by]].copy()
+    d["bucket"] = position_buckets(d["position"], base)
+    d[metric] = d[metric].astype(float)
+    d["nonfinite"] = d["nonfinite"].astype(bool)
+    keys = by + ["bucket"]
+    g_all = d.groupby(keys, sort=True, dropna=False)
+    out = g_all.agg(nonfinite=("nonfinite", "sum"), pos_max=("position", "max")).reset_index()
+    fin = d[~d["nonfinite"]]
+    per_doc = fin.groupby(keys + ["doc"], dropna=False)[metric].mean().reset_index()
+    per_doc = per_doc[np.isfinite(per_doc[metric])]
+    agg = per_doc.groupby(keys, dropna=False)[metric].agg(["mean", "std", "count"]).reset_index()
+    agg = agg.rename(columns={"count": "docs"})
+    cnt = fin.groupby(keys, dropna=False)[metric].size().rename("count").reset_index()
+    out = out.merge(agg, on=keys, how="left").merge(cnt, on=keys, how="left")
+    out["docs"] = out["docs"].fillna(0).astype(int)
+    out["count"] = out["count"].fillna(0).astype(int)
+    dfree = np.maximum(out["docs"].to_numpy() - 1, 1)
+    half = stats.t.ppf(0.5 + level / 2, dfree) * out["std"] / np.sqrt(np.maximum(out["docs"], 1))
+    half = half.where(out["docs"] >= 2)
+    out["ci_lo"], out["ci_hi"] = out["mean"] - half, out["mean"] + half
+    b = out["bucket"].to_numpy()
+    out["n_lo"] = base ** b.astype(float)
+    out["n_hi"] = np.minimum(base ** (b + 1.0) - 1, out["pos_max"].to_numpy() + 1.0)
+    out["n_mid"] = np.sqrt(out["n_lo"] * out["n_hi"])
+    out["nonfinite"] = out["nonfinite"].astype(int)
+    cols = keys + ["n_lo", "n_hi", "n_mid", "mean", "ci_lo", "ci_hi", "docs", "count",
+                   "nonfinite"]  # fmt: skip
+    return out[cols]
+
+
+def summarize(df: pd.DataFrame, by: Sequence[str] = ("policy", "window")) -> pd.DataFrame:
+    """Whole-run summary per ``by``: mean KL (nats) with a 95% CI over documents, median,
+    p90, p99, p99.9, max, top-1 agreement, non-finite count and fraction.
+
+    Raises ValueError for missing columns."""
+    by = list(by)
+    require_columns(df, ["doc", "kl", "top1_agree", "nonfinite", *by], "summarize")
+    rows = []
+    for key, g in df.groupby(by, sort=True):
+        key = key if isinstance(key, tuple) else (key,)
+        fin = g[~g["nonfinite"].astype(bool)]
+        kl = fin["kl"].to_numpy(dtype=float)
+        m, lo, hi = _ci(fin.groupby("doc")["kl"].mean().to_numpy(dtype=float), 0.95)
+        q = np.percentile(kl, [50, 90, 99, 99.9]) if kl.size else [math.nan] * 4
+        rows.append(
+            dict(
+                zip(by, key), positions=len(g), kl_mean=m, kl_ci_lo=lo, kl_ci_hi=hi,
+                kl_median=q[0], kl_p90=q[1], kl_p99=q[2], kl_p999=q[3],
+                kl_max=float(kl.max()) if kl.size else math.nan,
+                top1_agree=float(fin["top1_agree"].mean()) if len(fin) else math.nan,
+                nonfinite=int(g["nonfinite"].sum()),
+                nonfinite_frac=float(g["nonfinite"].mean()),
+            )  # fmt: skip
+        )
+    return pd.DataFrame(rows)
+
+
+def shared_separate_ratio(df: pd.DataFrame, base: float = 2.0) -> pd.DataFrame:
+    """Ratio of mean KL, shared over separate, per position bucket.
+
+    Each separate policy ``read:F/rec:G`` is paired with ``shared:F`` (same read format and
+    rounding) at the same window (and run, when a ``run`` column exists); an ``eager:F`` run is
+    used as the shared side when no ``shared:F`` exists at that window.
+
+    Returns:
+        Frame with ``read, rec, window, bucket, n_mid, kl_shared, kl_separate, ratio`` (plus
+        ``run``); empty (same columns) when nothing pairs.
+    Raises:
+        ValueError: missing columns.
+    """
+    require_columns(df, ["policy", "window", "doc", "position", "kl", "nonfinite"], "ratio")
+    extra = ["run"] if "run" in df.columns else []
+    agg = add_policy_columns(
+        kl_by_position(df, by=extra + ["policy", "window"], base=base)
+    )
+    cols = extra + ["read", "rec", "window", "bucket", "n_mid", "kl_shared", "kl_separate",
+                    "ratio"]  # fmt: skip
+    sep = agg[agg["kind"] == "separate"]
+    shared = agg[agg["kind"].isin(["shared", "eager"])]
+    if sep.empty or shared.empty:
+        return pd.DataFrame(columns=cols)
+    key = extra + ["read", "window", "bucket"]
+    sh = shared.sort_values("kind", ascending=False).drop_duplicates(key)  # prefer shared
+    m = sep.merge(sh[key + ["mean"]], on=key, suffixes=("_sep", "_sh"))
+    m = m.rename(columns={"mean_sh": "kl_shared", "mean_sep": "kl_separate"})
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m["ratio"] = m["kl_shared"] / m["kl_separate"]
+    return m[cols].reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------- synthetic data
+
+
+def synthetic_positions(
+    policies: Sequence[str] = (
+        "fp32", "shared:nvfp4+sr", "read:nvfp4+sr/rec:fp32", "shared:fp8e4m3", "read:fp8e4m3/rec:fp32",
+    ),
+    windows: Sequence[int] = (1, 4, 16, 64),
+    n_tokens: int = 512,
+    docs: int = 4,
+    seeds: Sequence[int] = (0,),
+    decay: float = 0.995,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """A SYNTHETIC positions frame with the issue-4 schema (not measured; for tests/demos).
+
+    KL per position follows the appendix C.6 scaling with log-normal noise: shared policies
+    ``kl ~ c * Var[e]`` of eq. C6.6 with ``sigma2`` per format (grows with ``N``, saturating at
+    ``1/(1 - a^(2L))``), separate policies a single-rounding level (eq. C6.7, flat in ``N``);
+    ``fp32`` is exactly 0. Top-1 agreement falls with KL. No state goes non-finite except
+    ``shared:*fp4*`` at window 1, flagged on a few late positions so the non-finite plot has data.
+
+    Returns: frame with :data:`POSITION_COLUMNS` plus ``synthetic = True``.
+    """
+    from analysis import theory
+
+    rng = np.random.default_rng(seed)
+    level = {"nvfp4": 3e-2, "mxfp4": 4e-2, "fp8e4m3": 2e-3, "fp8e5m2": 8e-3, "mxfp8": 2e-3,
+             "fp16": 1e-6, "bf16": 2e-5, "fp32": 0.0}  # fmt: skip
+    pos = np.arange(n_tokens)
+    frames = []
+    for pol in policies:
+        kind, read, _ = policy_parts(pol)
+        base = level[read.removesuffix("+sr")] * (0.5 if read.endswith("+sr") else 1.0)
+        for w in windows:
+            for s in seeds:
+                for d in range(docs):
+                    if kind == "fp32":
+                        kl = np.zeros(n_tokens)
+                    elif kind == "separate":
+                        kl = base * rng.lognormal(0, 0.5, n_tokens)
+                    else:
+                        v = theory.error_variance(decay, pos + 1, 1.0, window=w, point="read")
+                        kl = base * (1 + v) * rng.lognormal(0, 0.5, n_tokens)
+                    nonfinite = np.zeros(n_tokens, bool)
+                    if kind in ("shared", "eager") and "fp4" in read and w == 1:
+                        nonfinite[-max(1, n_tokens // 50):] = rng.random() < 0.5
+                    p_agree = np.exp(-3 * kl)
+                    nll_ref = rng.gamma(2.0, 1.5, n_tokens)
+                    dnll = kl * rng.normal(1, 0.5, n_tokens)
+                    frames.append(
+                        pd.DataFrame(
+                            dict(
+                                doc=f"doc{d}", position=pos, policy=pol, window=w, seed=s,
+                                kl=np.where(nonfinite, np.nan, kl),
+                                top1_agree=rng.random(n_tokens) < p_agree,
+                                dp_ref=-np.sign(dnll) * np.minimum(np.abs(dnll), 1) * 0.1,
+                                nll_ref=nll_ref, nll=np.where(nonfinite, np.nan, nll_ref + dnll),
+                                nonfinite=nonfinite,
+                            )  # fmt: skip
+                        )
+                    )
+    out = pd.concat(frames, ignore_index=True)
+    out["synthetic"] = True
+    return out
+
+
+def write_synthetic_run(path, **kwargs) -> Path:
+    """Write a SYNTHETIC run directory (positions.parquet, summary.csv, manifest.json with
+    ``"synthetic": true``) from :func:`synthetic_positions`; returns the directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    df = synthetic_positions(**kwargs)
+    df.to_parquet(path / "positions.parquet", index=False)
+    summ = summarize(df.assign(bucket=position_buckets(df["position"])),
+                     by=("policy", "window", "bucket"))  # fmt: skip
+    summ.to_csv(path / "summary.csv", index=False)
+    manifest = {
+        "synthetic": True,
+        "note": "SYNTHETIC data from analysis.results.synthetic_positions; not a measurement",
+        "command": "analysis.results.write_synthetic_run(" + repr(kwargs) + ")",
+    }
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return path

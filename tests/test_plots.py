@@ -1,0 +1,143 @@
+"""Plots, result loading and the report command on small synthetic frames (issue 7)."""
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+
+from analysis import plots, report, results  # noqa: E402
+
+POLICIES = ("fp32", "shared:nvfp4+sr", "read:nvfp4+sr/rec:fp32", "eager:fp8e4m3",
+            "read:fp8e4m3/rec:fp32")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def frame():
+    df = results.synthetic_positions(POLICIES, windows=(1, 16), n_tokens=64, docs=3, seed=1)
+    return results.validate_positions(df)
+
+
+PLOTS = [
+    (plots.plot_kl_vs_n, {}, ("kl",)),
+    (plots.plot_kl_vs_n, {"window": 16}, ("position",)),
+    (plots.plot_kl_vs_window, {}, ("window",)),
+    (plots.plot_kl_vs_window, {"n": 20}, ("doc",)),
+    (plots.plot_ratio_vs_n, {}, ("policy",)),
+    (plots.plot_top1_agreement, {}, ("top1_agree",)),
+    (plots.plot_nonfinite, {}, ("nonfinite",)),
+]
+
+
+@pytest.mark.parametrize("fn,kw,drop", PLOTS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_plot_makes_figure_and_rejects_missing_columns(frame, fn, kw, drop, tmp_path):
+    fig = fn(frame, path=tmp_path / "f.png", **kw)
+    assert isinstance(fig, matplotlib.figure.Figure)
+    assert fig.axes and any(ax.has_data() for ax in fig.axes)
+    assert (tmp_path / "f.png").stat().st_size > 1000
+    plt.close(fig)
+    with pytest.raises(ValueError, match="missing required column.*" + drop[0]):
+        fn(frame.drop(columns=list(drop)), **kw)
+
+
+def test_plot_values_are_the_aggregates(frame):
+    """The KL-vs-N line carries the per-bucket document means (not raw positions)."""
+    fig = plots.plot_kl_vs_n(frame, window=16)
+    agg = results.kl_by_position(frame[(frame["window"] == 16) & (frame["policy"] != "fp32")])
+    line = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}["shared:nvfp4+sr"]
+    want = agg[agg["policy"] == "shared:nvfp4+sr"].sort_values("n_mid")
+    np.testing.assert_allclose(line.get_ydata(), want["mean"].to_numpy())
+    plt.close(fig)
+
+
+def test_theory_vs_simulation_plot():
+    steps = np.arange(1, 11)
+    sim = pd.DataFrame({"format": "bf16", "decay": 0.9, "step": steps, "state_var": steps * 1e-5,
+                        "pred_state_var": steps * 1.1e-5, "cf_state_var": steps * 1e-5})  # fmt: skip
+    fig = plots.plot_theory_vs_simulation(sim)
+    assert len(fig.axes[0].get_lines()) == 3
+    plt.close(fig)
+    with pytest.raises(ValueError, match="pred_state_var"):
+        plots.plot_theory_vs_simulation(sim.drop(columns="pred_state_var"))
+
+
+def test_save_figure_png_and_svg(frame, tmp_path):
+    fig = plots.plot_nonfinite(frame)
+    paths = plots.save_figure(fig, tmp_path / "nf", ("png", "svg"))
+    assert [p.suffix for p in paths] == [".png", ".svg"]
+    assert paths[1].read_text().lstrip().startswith("<?xml")
+    with pytest.raises(ValueError, match="unsupported"):
+        plots.save_figure(fig, tmp_path / "nf", ("gif",))
+    plt.close(fig)
+
+
+def test_kl_by_position_ci_against_hand_computation():
+    df = pd.DataFrame({
+        "doc": ["a", "a", "b", "b", "c", "c"], "position": [3, 4, 3, 5, 4, 6],
+        "policy": "shared:fp16", "window": 1, "kl": [1.0, 3.0, 2.0, 2.0, 5.0, 7.0],
+        "nonfinite": False,
+    })  # fmt: skip
+    out = results.kl_by_position(df)
+    assert len(out) == 1 and out["bucket"].iloc[0] == 2  # N = 4..7 -> octave [4, 8)
+    per_doc = np.array([2.0, 2.0, 6.0])
+    half = 4.302652729911275 * per_doc.std(ddof=1) / np.sqrt(3)  # t_{0.975, 2}
+    assert out["mean"].iloc[0] == pytest.approx(per_doc.mean())
+    assert out["ci_hi"].iloc[0] == pytest.approx(per_doc.mean() + half)
+
+
+def test_load_runs_validation(tmp_path, frame):
+    run = results.write_synthetic_run(tmp_path / "r1", policies=POLICIES[:3], windows=(1,),
+                                      n_tokens=16, docs=2)  # fmt: skip
+    runs = results.load_runs([run, run])  # the same dir twice -> two distinct run names
+    assert set(runs.positions["run"]) == {"r1", "r1-2"}
+    assert runs.manifests["r1"]["synthetic"] is True
+    with pytest.raises(FileNotFoundError):
+        results.load_runs([tmp_path / "nope"])
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    frame.drop(columns=["nll"]).to_parquet(bad / "positions.parquet")
+    with pytest.raises(ValueError, match="missing required column.*nll"):
+        results.load_runs([bad])
+    neg = frame.copy()
+    neg.loc[neg.index[1], "kl"] = -0.5
+    neg.to_parquet(bad / "positions.parquet")
+    with pytest.raises(ValueError, match="kl below"):
+        results.load_runs([bad])
+    pol = frame.assign(policy="shared:fp6")
+    pol.to_parquet(bad / "positions.parquet")
+    with pytest.raises(ValueError, match="fp6"):
+        results.load_runs([bad])
+
+
+def test_shared_separate_ratio_pairs_by_read_format(frame):
+    r = results.shared_separate_ratio(frame)
+    assert set(r["read"]) == {"nvfp4+sr", "fp8e4m3"}
+    # no shared:fp8e4m3 exists: eager:fp8e4m3 is its shared-side partner
+    assert set(r.loc[r["read"] == "fp8e4m3", "window"]) == {1, 16}
+    sub = r[(r["read"] == "nvfp4+sr") & (r["window"] == 16)]
+    agg = results.kl_by_position(frame[frame["window"] == 16])
+    m = agg.set_index(["policy", "bucket"])["mean"]
+    for _, row in sub.iterrows():
+        want = m[("shared:nvfp4+sr", row["bucket"])] / m[("read:nvfp4+sr/rec:fp32", row["bucket"])]
+        assert row["ratio"] == pytest.approx(want)
+
+
+def test_report_command(tmp_path):
+    run = results.write_synthetic_run(tmp_path / "run", policies=POLICIES, windows=(1, 16),
+                                      n_tokens=32, docs=2)  # fmt: skip
+    out = tmp_path / "rep" / "report.md"
+    out.parent.mkdir()
+    assert report.main([str(run), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "SYNTHETIC DATA" in text and "| shared:nvfp4+sr |" not in text.split("## Summary")[0]
+    assert "## Summary per policy and window" in text and "read:nvfp4+sr/rec:fp32" in text
+    for name in ("kl_vs_n", "kl_vs_window", "ratio_vs_n", "top1_agreement", "nonfinite"):
+        assert f"report_figures/{name}.png" in text
+        assert (out.parent / "report_figures" / f"{name}.png").is_file()
+    assert report.main([str(tmp_path / "missing"), "-o", str(out)]) == 2
+    json.loads((run / "manifest.json").read_text())

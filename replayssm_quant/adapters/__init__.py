@@ -45,7 +45,7 @@ import torch
 from ..policy import StatePolicy
 from . import gdn as _gdn
 from . import mamba2 as _mamba2
-from .state import GDN_FOLDS, LayerState, Records, prefill_scan
+from .state import GDN_FOLDS, LayerState, prefill_scan, state_dims
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -56,7 +56,6 @@ __all__ = [
     "find_ssm_mixers",
     "architecture_of",
     "LayerState",
-    "Records",
 ]
 
 #: model_type -> family. ``*_text`` variants (text-only configs of multimodal models) map to
@@ -226,27 +225,28 @@ def _make_forward(handle: StatePolicyHandle, family: str):
             has_prev = getattr(entry, "has_previous_state", {0: False}).get(0, False)
             state = getattr(entry, _STATE_ATTR, None) if has_prev else None
         fresh = state is None
-        rec, ctx = fam.extract(self, hidden_states, cache, attention_mask,
+        inp, ctx = fam.extract(self, hidden_states, cache, attention_mask,
                                clamp_dt=fresh and handle.prefill)
-        Bsz = rec.la.shape[0]
-        H, V, K = fam.dims(self)
+        Bsz, H, V, K = state_dims(family, inp)
+        T = hidden_states.shape[1]
         if fresh:
             kw = dict(family=family, policy=handle.policy, window=handle.window,
                       seed=handle.seed, layer=layer_idx,
-                      sequence_ids=handle._sequence_ids(Bsz, rec.la.device),
+                      sequence_ids=handle._sequence_ids(Bsz, hidden_states.device),
                       gdn_fold=handle.gdn_fold)
             if handle.prefill:
-                o, S = prefill_scan(rec)
+                o, S = prefill_scan(family, inp)
                 if entry is not None:
-                    setattr(entry, _STATE_ATTR, LayerState.from_state(S, **kw))
+                    setattr(entry, _STATE_ATTR, LayerState(S, **kw))
                 return fam.output(self, ctx, o)
-            state = LayerState.from_state(rec.v.new_zeros(Bsz, H, V, K), **kw)
+            wd = inp["v"].dtype if family == "gdn" else inp["x"].dtype
+            state = LayerState(torch.zeros(Bsz, H, V, K, dtype=wd, device=hidden_states.device), **kw)
             if entry is not None:
                 setattr(entry, _STATE_ATTR, state)
         elif state.batch_size != Bsz:
             raise ValueError(f"batch size changed from {state.batch_size} to {Bsz} on a cache "
                              f"that carries ReplaySSM state (layer {layer_idx})")
-        o = state.step(rec) if rec.length == 1 else state.advance(rec)
+        o = state.step(inp) if T == 1 else state.advance(inp)
         return fam.output(self, ctx, o)
 
     return forward

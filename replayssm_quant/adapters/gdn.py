@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from .conv import causal_conv, mask_padding
-from .state import Records
 
 __all__ = ["GDN_MIXERS", "extract", "output", "dims", "L2NORM_EPS"]
 
@@ -62,7 +61,11 @@ def _project(mixer, hs):
 
 
 def extract(mixer, hidden_states, cache, attention_mask, *, clamp_dt: bool = False):
-    """Run the mixer up to the recurrence: returns ``(records, ctx)``; updates the conv state."""
+    """Run the mixer up to the recurrence: returns ``(inputs, ctx)``; updates the conv state.
+
+    ``inputs``: grouped ``q, k [B, T, HK, DK]`` (L2-normalised, q scaled), ``v [B, T, HV, DV]``,
+    ``g, beta [B, T, HV]`` in the working dtype.
+    """
     del clamp_dt  # GDN has no time-step clamp
     Bsz, T, _ = hidden_states.shape
     dtype = hidden_states.dtype
@@ -75,15 +78,14 @@ def extract(mixer, hidden_states, cache, attention_mask, *, clamp_dt: bool = Fal
     q = q.to(wd).reshape(Bsz, T, -1, DK)
     k = k.to(wd).reshape(Bsz, T, -1, DK)
     v = v.to(wd).reshape(Bsz, T, HV, DV)
-    rep = HV // q.shape[2]
-    q = _l2norm(q.repeat_interleave(rep, dim=2)) / (DK ** 0.5)
-    k = _l2norm(k.repeat_interleave(rep, dim=2))
+    q = _l2norm(q) / (DK ** 0.5)
+    k = _l2norm(k)
     beta = b.sigmoid()
     if getattr(mixer, "allow_neg_eigval", False):
         beta = beta * 2.0
     g = -mixer.A_log.to(wd).exp() * F.softplus(a.to(wd) + mixer.dt_bias.to(wd))
-    rec = Records(la=g, v=v, k=k, q=q, beta=beta.to(wd))
-    return rec, {"z": z, "dtype": dtype}
+    inp = {"q": q, "k": k, "v": v, "g": g, "beta": beta.to(wd)}
+    return inp, {"z": z, "dtype": dtype}
 
 
 def output(mixer, ctx, o: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from .conv import causal_conv, mask_padding
-from .state import Records
 
 __all__ = ["MAMBA2_MIXERS", "extract", "output", "dims"]
 
@@ -48,7 +47,10 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def extract(mixer, hidden_states, cache, attention_mask, *, clamp_dt: bool):
-    """Run the mixer up to the SSM: returns ``(records, ctx)``; updates the conv state.
+    """Run the mixer up to the SSM: returns ``(inputs, ctx)``; updates the conv state.
+
+    ``inputs``: post-activation ``x [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``, grouped
+    ``B, C [B, T, G, N]`` in the working dtype (float64 for a float64 model, else float32).
 
     ``ctx`` keeps what :func:`output` needs (gate, x for the D skip, model dtype).
     """
@@ -76,10 +78,9 @@ def extract(mixer, hidden_states, cache, attention_mask, *, clamp_dt: bool):
         if lo > 0.0 or hi != math.inf:
             dt = torch.clamp(dt, min=lo, max=hi)
     x = x.to(wd).view(Bsz, T, H, P)
-    Bm = Bm.to(wd).view(Bsz, T, G, N).repeat_interleave(H // G, dim=2)
-    Cm = Cm.to(wd).view(Bsz, T, G, N).repeat_interleave(H // G, dim=2)
-    rec = Records(la=dt * A, v=dt[..., None] * x, k=Bm, q=Cm)
-    return rec, {"gate": gate, "x": x, "dtype": dtype}
+    inp = {"x": x, "dt": dt, "A": A, "B": Bm.to(wd).view(Bsz, T, G, N),
+           "C": Cm.to(wd).view(Bsz, T, G, N)}
+    return inp, {"gate": gate, "x": x, "dtype": dtype}
 
 
 def output(mixer, ctx, o: torch.Tensor) -> torch.Tensor:

@@ -29,12 +29,32 @@ import triton
 import triton.testing
 
 from replayssm_quant.kernels.quant import pack_triton, quantize_triton
-from replayssm_quant.philox import stream_key
+import replayssm_quant.quant as _quant_ref
+from replayssm_quant.philox import philox4x32, stream_key
 from replayssm_quant.quant import pack_reference, quantize_reference
 
 FORMATS = ["bf16", "fp16", "fp8e4m3", "fp8e5m2", "nvfp4", "mxfp8", "mxfp4"]
 SEED = 0x1234_5678_9ABC
 DEVICE = "cuda"
+
+
+def _random_bits_on_device(seed, stream, element):
+    """``philox.random_bits`` with its zero counter word made on ``element``'s device.
+
+    The reference's ``random_bits`` builds c3 with ``torch.zeros(())`` on the CPU, which fails
+    next to CUDA tensors; this is the same arithmetic (same ``philox4x32``) with c3 on the
+    right device, so that the reference can run on the GPU.
+    """
+    seed = int(seed)
+    stream = torch.as_tensor(stream, dtype=torch.int64, device=element.device)
+    m32 = 0xFFFFFFFF
+    out, _, _, _ = philox4x32(
+        element, stream & m32, (stream >> 32) & m32,
+        torch.zeros((), dtype=torch.int64, device=element.device), seed & m32, (seed >> 32) & m32)
+    return out
+
+
+_quant_ref.random_bits = _random_bits_on_device
 
 
 def value_mismatches(got: torch.Tensor, want: torch.Tensor) -> int:
@@ -101,6 +121,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="256,32,128,128")
     ap.add_argument("--chunk", type=int, default=128, help="sequences per reference chunk")
+    ap.add_argument("--cpu-check", type=int, default=4,
+                    help="leading sequences also compared with the reference run on the CPU")
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="")
     ap.add_argument("--formats", default=",".join(FORMATS))
@@ -144,6 +166,20 @@ def main() -> None:
                     pmis[key] = -1 if v < 0 or pmis[key] < 0 else pmis[key] + v
                 del pw
             dec_mis = value_mismatches(pk.dequantize(), out)
+            # the first sequences of the serving input: GPU kernel vs the reference on the CPU
+            # (torch on CUDA divides by a Python scalar through its reciprocal, so the
+            # reference's `amax / FMAX` is not correctly rounded there; on the CPU it is)
+            cs = slice(0, args.cpu_check)
+            xc, stc = x[cs].cpu(), streams[cs].cpu()
+            cpu_vmis = value_mismatches(out[cs].cpu(), quantize_reference(xc, spec, seed=SEED,
+                                                                          stream=stc))
+            cview = SimpleNamespace(
+                codes=pk.codes[cs],
+                block_scales=None if pk.block_scales is None else pk.block_scales[cs],
+                matrix_scale=None if pk.matrix_scale is None else pk.matrix_scale[cs],
+                device=pk.codes.device)
+            cpu_pmis = packed_mismatches(
+                cview, pack_reference(xc, spec, seed=SEED, stream=stc).to(pk.codes.device))
             # special values: GPU kernel vs CPU reference
             sp_want = quantize_reference(xs, spec, seed=SEED, stream=st_s)
             sp_got = quantize_triton(xs.to(DEVICE), spec, seed=SEED, stream=st_s.to(DEVICE)).cpu()
@@ -162,6 +198,9 @@ def main() -> None:
                 "value_mismatches": vmis,
                 "packed_mismatches": pmis,
                 "pack_dequantize_mismatches": dec_mis,
+                "cpu_reference_sequences": args.cpu_check,
+                "cpu_reference_value_mismatches": cpu_vmis,
+                "cpu_reference_packed_mismatches": cpu_pmis,
                 "special_value_mismatches": sp_vmis,
                 "special_packed_mismatches": sp_pmis,
                 "quantize_ms": ms_q,
@@ -178,7 +217,7 @@ def main() -> None:
     ms_copy = bench(lambda: x_copy.copy_(x))
     result = {
         "command": "python benchmarks/check_quant_kernels.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(args).items() if v),
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v),
         "commit": args.commit,
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
@@ -193,6 +232,12 @@ def main() -> None:
             r["value_mismatches"] == 0 and r["pack_dequantize_mismatches"] == 0
             and r["special_value_mismatches"] == 0
             and all(v == 0 for v in r["packed_mismatches"].values())
+            and all(v == 0 for v in r["special_packed_mismatches"].values())
+            for r in rows),
+        "all_equal_cpu_reference": all(
+            r["cpu_reference_value_mismatches"] == 0 and r["pack_dequantize_mismatches"] == 0
+            and r["special_value_mismatches"] == 0
+            and all(v == 0 for v in r["cpu_reference_packed_mismatches"].values())
             and all(v == 0 for v in r["special_packed_mismatches"].values())
             for r in rows),
         "rows": rows,

@@ -1,0 +1,107 @@
+"""The ``replayssm-kl`` runner end to end on a tiny random model (CPU, offline)."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from evals.kl import COLUMNS, main
+from replayssm_quant.adapters.tiny import tiny_model
+
+TEXT = ("In the beginning God created the heaven and the earth. And the earth was without "
+        "form, and void; and darkness was upon the face of the deep. ") * 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tinygdn")
+    tiny_model("qwen3_5").save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    f = d / "docs.jsonl"
+    f.write_text("\n".join(json.dumps({"id": f"d{i}", "text": TEXT[i * 7:]}) for i in range(3)))
+    return str(f)
+
+
+def _args(model_dir, data_file, out, *extra):
+    return ["--model", model_dir, "--dataset", data_file, "--max-tokens", "24", "--segment-len",
+            "10", "--prefill", "3", "--windows", "4", "--max-docs", "2", "--batch-size", "2",
+            "--policies", "shared:nvfp4+sr", "eager:fp8e4m3", "-o", str(out), "--no-progress",
+            *extra]
+
+
+def test_run_outputs_and_resume(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_args(model_dir, data_file, out)) == 0
+    pos = pd.read_parquet(out / "positions.parquet")
+    assert tuple(pos.columns) == COLUMNS
+    assert len(pos) == 2 * 2 * (24 - 3)  # docs x policies x reported positions
+    assert pos["position"].min() == 3 and pos["position"].max() == 23
+    assert (pos["kl"] >= -1e-5).all() and not pos["nonfinite"].any()
+    assert pos.groupby("policy")["kl"].mean().min() > 0
+    summ = pd.read_csv(out / "summary.csv")
+    for c in ("kl_mean", "kl_ci_lo", "kl_ci_hi", "kl_median", "kl_p90", "kl_p99", "kl_p999",
+              "kl_max", "top1_agree", "nonfinite"):
+        assert c in summ.columns
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["cells_computed_this_run"] == 4 and man["model"]["model_type"] == "qwen3_5"
+    assert "git_commit" in man and "versions" in man and "timings" in man
+    assert "shared:nvfp4+sr" in capsys.readouterr().out
+    # resume: nothing recomputed, same table
+    assert main(_args(model_dir, data_file, out)) == 0
+    man2 = json.loads((out / "manifest.json").read_text())
+    assert man2["cells_computed_this_run"] == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "positions.parquet"), pos)
+    # batch composition does not change a document's rows (SR keyed by document index)
+    out1 = tmp_path / "run1"
+    assert main(_args(model_dir, data_file, out1, "--batch-size", "1")) == 0
+    pos1 = pd.read_parquet(out1 / "positions.parquet")
+    assert (pos1["kl"] - pos["kl"]).abs().max() < 1e-4
+
+
+def test_fp32_policy_gives_zero_kl(model_dir, data_file, tmp_path):
+    out = tmp_path / "ref"
+    args = _args(model_dir, data_file, out)
+    args[args.index("shared:nvfp4+sr")] = "fp32"
+    assert main(args) == 0
+    pos = pd.read_parquet(out / "positions.parquet")
+    assert pos.loc[pos.policy == "fp32", "kl"].abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("bad", [
+    ["--policies", "shared:fp7"],
+    ["--max-tokens", "0"],
+    ["--dataset", "/nonexistent/file.txt"],
+    ["--windows", "0"],
+    ["--prefill", "30"],
+])
+def test_bad_arguments_exit_2(model_dir, data_file, tmp_path, bad, capsys):
+    args = _args(model_dir, data_file, tmp_path / "bad")
+    for i in range(0, len(bad), 2):
+        k = args.index(bad[i])
+        args[k + 1] = bad[i + 1]
+    assert main(args) == 2
+    assert "error" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_model_without_ssm_layers_exit_2(data_file, tmp_path, capsys):
+    import transformers as T
+
+    d = tmp_path / "llama"
+    T.LlamaForCausalLM(T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=4)).save_pretrained(d)
+    assert main(["--model", str(d), "--dataset", data_file, "-o", str(tmp_path / "x")]) == 2
+    assert "supported" in capsys.readouterr().err
+
+
+def test_dry_run(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "dry"
+    assert main(_args(model_dir, data_file, out, "--dry-run")) == 0
+    text = capsys.readouterr().out
+    assert "plan:" in text and "memory estimate" in text
+    assert not out.exists()

@@ -74,8 +74,10 @@ def random_bits(seed: int, stream: torch.Tensor, element: torch.Tensor) -> torch
     if not 0 <= seed < 2**64:
         raise ValueError(f"seed must be in [0, 2^64), got {seed}")
     stream = torch.as_tensor(stream, dtype=torch.int64)
+    element = torch.as_tensor(element, dtype=torch.int64, device=stream.device)
     out, _, _, _ = philox4x32(
-        element, stream & _M32, (stream >> 32) & _M32, torch.zeros((), dtype=torch.int64),
+        element, stream & _M32, (stream >> 32) & _M32,
+        torch.zeros((), dtype=torch.int64, device=stream.device),
         seed & _M32, (seed >> 32) & _M32,
     )
     return out

@@ -217,6 +217,13 @@ def _pad_blocks(t: torch.Tensor, block: int) -> torch.Tensor:
     return t
 
 
+def _const(like: torch.Tensor, value: float) -> torch.Tensor:
+    """``value`` as a float32 tensor of ``like``'s shape and device. Dividing by it is an IEEE
+    division on every device (torch on CUDA turns division by a Python or CPU scalar into a
+    multiplication by its rounded reciprocal, which rounds twice)."""
+    return torch.full_like(like, value, dtype=torch.float32)
+
+
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x.abs(), torch.zeros_like(x))
 
@@ -240,7 +247,7 @@ def _parts(x: torch.Tensor, spec: QuantSpec, seed: int, stream) -> _Parts:
         return _Parts(round_to_grid(x, grid, rbits), None, None, None)
     if info.scaling == "matrix":
         amax = _finite_abs(x).amax(dim=(-2, -1))
-        s = amax / grid.max
+        s = amax / _const(amax, grid.max)
         s = torch.where(s > 0, s, torch.ones_like(s))
         y = x / s[..., None, None]
         return _Parts(round_to_grid(y, grid, rbits), s[..., None, None], s, None)
@@ -258,9 +265,9 @@ def _parts(x: torch.Tensor, spec: QuantSpec, seed: int, stream) -> _Parts:
 
     if info.scaling == "nvfp4":
         amax = _finite_abs(x).amax(dim=(-2, -1))
-        s_g = amax / (F.E4M3_MAX * F.E2M1_MAX)
+        s_g = amax / _const(amax, F.E4M3_MAX * F.E2M1_MAX)
         s_g = torch.where(s_g > 0, s_g, torch.ones_like(s_g))
-        enc = bamax / (s_g * F.E2M1_MAX)[..., None, None]
+        enc = bamax / (s_g * _const(s_g, F.E2M1_MAX))[..., None, None]
         s_b = round_to_grid(enc, F.E4M3)  # RTN, saturating at 448
         s_b = torch.where(bad, nan, s_b)
         block_codes = _fp8_encode(s_b, F.E4M3)

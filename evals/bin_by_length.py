@@ -1,0 +1,128 @@
+"""Bin lm-eval per-sample results by generation length (``replayssm-bin-by-length``).
+
+State error grows with the number of decoded tokens, so downstream accuracy is best read
+per generation-length bucket. Run lm-eval with ``--log_samples``; this reads the
+``samples_<task>_*.jsonl`` files of one or more output directories (one per state policy),
+measures each response's length in tokens of the given tokenizer (or in whitespace words
+without one), and writes a tidy table: one row per (run, task, metric, length bin) with the
+sample count, mean and its standard error.
+
+Example::
+
+    replayssm-bin-by-length runs/fp32 runs/shared_nvfp4 --tokenizer Qwen/Qwen3.5-4B \\
+        --bins 0 512 1024 2048 4096 8192 32768 -o by_length.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["load_samples", "bin_by_length", "main"]
+
+
+def _run_label(results_dir: Path) -> str:
+    """The state policy recorded in the run's results JSON, else the directory name."""
+    for f in sorted(results_dir.rglob("results_*.json")):
+        try:
+            cfg = json.loads(f.read_text()).get("config", {})
+        except (OSError, json.JSONDecodeError):
+            continue
+        if cfg.get("replayssm_state"):
+            return f"{cfg['replayssm_state']} L={cfg.get('replayssm_window')}"
+    return results_dir.name
+
+
+def load_samples(paths, tokenizer=None):
+    """Per-sample rows from lm-eval ``--log_samples`` output directories.
+
+    Args:
+        paths: output directories (searched recursively for ``samples_*.jsonl``).
+        tokenizer: None (length in whitespace words) or an object with ``encode``.
+
+    Returns:
+        pandas DataFrame with columns ``run, task, doc_id, gen_len, metric, value``.
+
+    Raises:
+        FileNotFoundError: a path does not exist or holds no samples files.
+    """
+    import pandas as pd
+
+    rows = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"no such lm-eval output directory: {p}")
+        files = sorted(p.rglob("samples_*.jsonl"))
+        if not files:
+            raise FileNotFoundError(f"{p} holds no samples_*.jsonl files (run lm-eval with --log_samples)")
+        label = _run_label(p)
+        for f in files:
+            task = f.name[len("samples_"):].rsplit("_", 1)[0]
+            for line in f.read_text().splitlines():
+                rec = json.loads(line)
+                resp = rec.get("resps") or [[""]]
+                text = resp[0][0] if isinstance(resp[0], list) else resp[0]
+                if not isinstance(text, str):  # loglikelihood tasks: no generation
+                    continue
+                n = len(tokenizer.encode(text)) if tokenizer is not None else len(text.split())
+                for m in rec.get("metrics", []):
+                    v = rec.get(m)
+                    if isinstance(v, (int, float, bool)):
+                        rows.append(dict(run=label, task=task, doc_id=rec.get("doc_id"),
+                                         gen_len=n, metric=m, value=float(v)))
+    return pd.DataFrame(rows, columns=["run", "task", "doc_id", "gen_len", "metric", "value"])
+
+
+def bin_by_length(df, bins):
+    """Mean and standard error of each metric per (run, task, metric, length bin).
+
+    ``bins`` are increasing edges; lengths fall in ``[edge_i, edge_{i+1})``.
+
+    Raises:
+        ValueError: fewer than two edges, or edges not increasing.
+    """
+    import pandas as pd
+
+    bins = [int(b) for b in bins]
+    if len(bins) < 2 or any(b >= c for b, c in zip(bins, bins[1:])):
+        raise ValueError(f"bins must be at least two increasing edges, got {bins}")
+    df = df.copy()
+    df["bin"] = pd.cut(df["gen_len"], bins=bins, right=False)
+    g = df.groupby(["run", "task", "metric", "bin"], observed=True)["value"]
+    out = g.agg(n="count", mean="mean", std="std").reset_index()
+    out["sem"] = out["std"] / np.sqrt(out["n"])
+    out["bin"] = out["bin"].astype(str)
+    return out.drop(columns="std")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="replayssm-bin-by-length", description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="lm-eval --output_path directories (with --log_samples)")
+    ap.add_argument("--tokenizer", help="HF tokenizer (id or local dir) to count tokens; default: words")
+    ap.add_argument("--bins", nargs="+", type=int, default=[0, 64, 256, 1024, 4096, 16384, 1 << 20])
+    ap.add_argument("-o", "--output", help="CSV path for the binned table")
+    a = ap.parse_args(argv)
+    tok = None
+    if a.tokenizer:
+        from transformers import AutoTokenizer
+
+        from replayssm_quant.models import resolve_model_path
+
+        tok = AutoTokenizer.from_pretrained(str(resolve_model_path(a.tokenizer)))
+    try:
+        table = bin_by_length(load_samples(a.runs, tok), a.bins)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table.to_string(index=False))
+    if a.output:
+        table.to_csv(a.output, index=False)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

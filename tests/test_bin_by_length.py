@@ -1,0 +1,46 @@
+"""Binning lm-eval samples by generation length (issue 6 docs tooling)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from evals.bin_by_length import bin_by_length, load_samples, main
+
+
+def _write_run(d, policy, lengths, values):
+    d.mkdir(parents=True)
+    (d / "results_x.json").write_text(json.dumps({"config": {"replayssm_state": policy,
+                                                             "replayssm_window": 16}}))
+    with open(d / "samples_mytask_2026-11-29T00.jsonl", "w") as f:
+        for i, (n, v) in enumerate(zip(lengths, values)):
+            f.write(json.dumps({"doc_id": i, "resps": [[" ".join(["w"] * n)]],
+                                "metrics": ["exact_match"], "exact_match": v}) + "\n")
+
+
+def test_bins_match_hand_computation(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 100, 200)
+    values = rng.integers(0, 2, 200).astype(float)
+    _write_run(tmp_path / "a", "shared:nvfp4", lengths, values)
+    df = load_samples([tmp_path / "a"])
+    assert set(df["run"]) == {"shared:nvfp4 L=16"} and set(df["task"]) == {"mytask"}
+    out = bin_by_length(df, [0, 10, 50, 100])
+    for lo, hi in ((0, 10), (10, 50), (50, 100)):
+        sel = values[(lengths >= lo) & (lengths < hi)]
+        row = out[out["bin"] == f"[{lo}, {hi})"].iloc[0]
+        assert row["n"] == len(sel)
+        assert row["mean"] == pytest.approx(sel.mean())
+        assert row["sem"] == pytest.approx(sel.std(ddof=1) / np.sqrt(len(sel)))
+
+
+def test_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such"):
+        load_samples([tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="log_samples"):
+        load_samples([tmp_path / "empty"])
+    with pytest.raises(ValueError, match="increasing"):
+        bin_by_length(load_samples.__globals__["__builtins"] if False else None or
+                      __import__("pandas").DataFrame(columns=["gen_len"]), [5, 5])
+    assert main([str(tmp_path / "missing")]) == 2

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from evals.bin_by_length import bin_by_length, load_samples, main
@@ -41,6 +42,5 @@ def test_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="log_samples"):
         load_samples([tmp_path / "empty"])
     with pytest.raises(ValueError, match="increasing"):
-        bin_by_length(load_samples.__globals__["__builtins"] if False else None or
-                      __import__("pandas").DataFrame(columns=["gen_len"]), [5, 5])
+        bin_by_length(pd.DataFrame(columns=["run", "task", "metric", "gen_len", "value"]), [5, 5])
     assert main([str(tmp_path / "missing")]) == 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import replay_kernels_enabled
 from . import core
 from ._state import ReplayStateBase, check_tensor
 
@@ -106,12 +107,16 @@ class GDNReplayState(ReplayStateBase):
         batch, key_heads (HK), value_heads (HV, a multiple of HK), key_dim (DK), value_dim (DV).
         fold_cached_corrections: fold the cached read-path corrections at a flush instead of
             re-solving them against the anchor (not the default; see the module docstring).
+        backend: ``"auto"`` (Triton kernels of :mod:`replayssm_quant.kernels.replay` for step,
+            verify and flush on CUDA, float32, key_dim a power of two >= 32), ``"torch"`` or
+            ``"triton"``; see :mod:`replayssm_quant.kernels.dispatch`.
     """
 
     def __init__(self, policy, *, batch: int, key_heads: int, value_heads: int, key_dim: int,
                  value_dim: int, window: int = 16, max_drafts: int = 0, seed: int = 0,
                  layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu",
-                 fold_cached_corrections: bool = False):
+                 fold_cached_corrections: bool = False, backend: str | None = None):
+        self._kernels = replay_kernels_enabled(backend, device, dtype, key_dim)  # kernel dispatch
         for name, val in (("key_heads", key_heads), ("value_heads", value_heads),
                           ("key_dim", key_dim), ("value_dim", value_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -138,6 +143,14 @@ class GDNReplayState(ReplayStateBase):
         check_tensor("beta", beta, lead + (HV,), *args)
 
     def _flush_records(self, anchor, recs, length, sequence_ids, flush_index):
+        if self._kernels:  # kernel dispatch: correction solve + flush kernels (kernels/replay.py)
+            from ..kernels import replay as kr
+
+            return kr.gdn_flush_kernel(
+                anchor, recs["la"], recs["beta"], recs["v"], recs["k"], length, self.policy,
+                seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
+                flush_index=flush_index, u_cached=recs["uR"],
+                fold_cached_corrections=self.fold_cached_corrections)[0]
         return gdn_flush(anchor, recs["la"], recs["beta"], recs["v"], recs["k"], self.policy,
                          seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
                          flush_index=flush_index, length=length, u_cached=recs["uR"],
@@ -153,13 +166,19 @@ class GDNReplayState(ReplayStateBase):
         """
         self._check_not_pending("step")
         self._check_inputs(q, k, v, g, beta)
-        self._append({"la": g, "beta": beta, "v": v, "k": k})
         qe = core.expand_heads(q, self.heads, 1)
-        J = int(self._h.max())
-        r = self._ring
-        o, uR = gdn_step_output(self._R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
-                                r["k"][:, :J], q, r["uR"][:, :J], self._h)
-        r["uR"][:, :J] = uR
+        if self._kernels:  # kernel dispatch: append + correction + output-only read, one launch
+            from ..kernels import replay as kr
+
+            o = kr.gdn_step_kernel(self._R_st, self._ring, q, k, v, g, beta, self._h)
+            self._h += 1
+        else:
+            self._append({"la": g, "beta": beta, "v": v, "k": k})
+            J = int(self._h.max())
+            r = self._ring
+            o, uR = gdn_step_output(self._R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
+                                    r["k"][:, :J], q, r["uR"][:, :J], self._h)
+            r["uR"][:, :J] = uR
         flushed = self._flush_seqs(self._h == self.window)
         if flushed is not None:
             idx, res = flushed
@@ -190,8 +209,16 @@ class GDNReplayState(ReplayStateBase):
         self._pending = T
         J = int(self._h.max()) + T
         r = self._ring
-        o, uR = gdn_verify(self._R, self._A, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
-                           r["k"][:, :J], q, r["uR"][:, :J], self._h, self.window,
-                           self.fold_cached_corrections)
+        if self._kernels:  # kernel dispatch: the verify kernel reads the stored copies
+            from ..kernels import replay as kr
+
+            o, uR = kr.gdn_verify_kernel(self._R_st, self._A_st, r["la"][:, :J],
+                                         r["beta"][:, :J], r["v"][:, :J], r["k"][:, :J], q,
+                                         r["uR"][:, :J], self._h, self.window,
+                                         self.fold_cached_corrections)
+        else:
+            o, uR = gdn_verify(self._R, self._A, r["la"][:, :J], r["beta"][:, :J],
+                               r["v"][:, :J], r["k"][:, :J], q, r["uR"][:, :J], self._h,
+                               self.window, self.fold_cached_corrections)
         r["uR"][:, :J] = uR
         return o

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import replay_kernels_enabled
 from . import core
 from ._state import ReplayStateBase, check_tensor
 
@@ -88,6 +89,9 @@ class Mamba2ReplayState(ReplayStateBase):
         dtype: working dtype, float32 or float64. Stored states have FP32 precision at most
             (formats round in FP32); ``fp32`` keeps the working dtype.
         device: where the state lives; every input must be there.
+        backend: ``"auto"`` (Triton kernels of :mod:`replayssm_quant.kernels.replay` for step,
+            verify and flush on CUDA, float32, d_state a power of two >= 32), ``"torch"``
+            (the references here) or ``"triton"``; see :mod:`replayssm_quant.kernels.dispatch`.
 
     The state starts as zeros (cast as flush 0). See ``step``, ``verify``, ``commit``,
     ``flush``, ``prefill`` and the properties of
@@ -96,7 +100,9 @@ class Mamba2ReplayState(ReplayStateBase):
 
     def __init__(self, policy, *, batch: int, heads: int, head_dim: int, d_state: int,
                  groups: int = 1, window: int = 16, max_drafts: int = 0, seed: int = 0,
-                 layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu"):
+                 layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu",
+                 backend: str | None = None):
+        self._kernels = replay_kernels_enabled(backend, device, dtype, d_state)  # kernel dispatch
         for name, val in (("heads", heads), ("head_dim", head_dim), ("d_state", d_state),
                           ("groups", groups)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -123,6 +129,12 @@ class Mamba2ReplayState(ReplayStateBase):
             check_tensor("D", D, (H,), *args)
 
     def _flush_records(self, anchor, recs, length, sequence_ids, flush_index):
+        if self._kernels:  # kernel dispatch: the flush kernel (kernels/replay.py)
+            from ..kernels import replay as kr
+
+            return kr.mamba2_flush_kernel(anchor, recs["la"], recs["v"], recs["k"], length,
+                                          self.policy, seed=self.seed, layer=self.layer,
+                                          sequence_ids=sequence_ids, flush_index=flush_index)[0]
         return mamba2_flush(anchor, recs["la"], recs["v"], recs["k"], self.policy,
                             seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
                             flush_index=flush_index, length=length, store=True)
@@ -137,11 +149,18 @@ class Mamba2ReplayState(ReplayStateBase):
         self._check_not_pending("step")
         self._check_inputs(x, dt, A, B, C, D)
         la, v, k = mamba2_records(x, dt, A, B)
-        self._append({"la": la, "v": v, "k": k})
         q = core.expand_heads(C, self.heads, 1)
-        J = int(self._h.max())
-        r = self._ring
-        y = mamba2_step_output(self._R, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], C, self._h)
+        if self._kernels:  # kernel dispatch: append + output-only read of R in one launch
+            from ..kernels import replay as kr
+
+            y = kr.mamba2_step_kernel(self._R_st, self._ring, la, v, k, C, self._h)
+            self._h += 1
+        else:
+            self._append({"la": la, "v": v, "k": k})
+            J = int(self._h.max())
+            r = self._ring
+            y = mamba2_step_output(self._R, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], C,
+                                   self._h)
         flushed = self._flush_seqs(self._h == self.window)
         if flushed is not None:
             idx, res = flushed
@@ -175,8 +194,14 @@ class Mamba2ReplayState(ReplayStateBase):
         self._pending = T
         J = int(self._h.max()) + T
         r = self._ring
-        y = mamba2_verify(self._R, self._A, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], C,
-                          self._h, self.window)
+        if self._kernels:  # kernel dispatch: the verify kernel reads the stored copies
+            from ..kernels import replay as kr
+
+            y = kr.mamba2_verify_kernel(self._R_st, self._A_st, r["la"][:, :J], r["v"][:, :J],
+                                        r["k"][:, :J], C, self._h, self.window)
+        else:
+            y = mamba2_verify(self._R, self._A, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J],
+                              C, self._h, self.window)
         if D is not None:
             y = y + D[:, None] * x
         return y

@@ -1,0 +1,853 @@
+"""Triton kernels of the ReplaySSM layer: decode step, verify, GDN correction solve, flush.
+
+Each kernel has its torch reference in :mod:`replayssm_quant.replay` (``core.py``, ``mamba2.py``,
+``gdn.py``); this module only re-states the maths where the kernel's order of operations
+matters. ``tests/test_replay_kernels.py`` compares every kernel with its reference; the
+design, the numbers measured on an H200 and the command are in ``docs/kernels-replay.md``.
+
+Two kernels do all the work:
+
+* ``_records_kernel`` -- everything that reads a checkpoint C plus buffer records in
+  *output-only* form, one program per (sequence, head, tile of ``BV`` value rows):
+
+  - outputs ``o_p = gamma_{1:p} (C q) + sum_{j<=p} gamma_{j+1:p} (k_j . q) w_j`` for
+    ``TQ`` query positions ``p = os .. os + TQ - 1`` (decode step: ``TQ = 1``; verify: ``T``);
+  - (GDN) the unit lower-triangular solve for the corrections of rows ``ss .. n - 1``
+    ``u_p = beta_p (v_p - gamma_{1:p} C k_p) - sum_{i<p} beta_p gamma_{i+1:p} (k_i . k_p) u_i``
+    with the rows before ``ss`` taken from the ring (the cached read-path corrections), i.e.
+    :func:`core.solve_corrections` (step: one row against R; verify: T rows against R; flush:
+    every row against the anchor A);
+  - (decode step) the append: the new record is written into the ring in the same launch.
+
+  Rows are separable along the value axis (``C k``, ``C q`` and every ``u``/``w`` are per value
+  row), so a program never needs another program's rows and S is never formed. The records of
+  a program (``la``, ``k`` of up to ``LP`` slots, ``w`` of its rows) are held in registers.
+
+* ``_flush_kernel`` -- one program per (sequence, head) matrix: reconstruct
+  ``S = gamma_{1:J} A + sum_j gamma_{j+1:J} w_j k_j^T`` tile by tile from the (dequantised in
+  kernel) anchor and the committed records, then round the same unrounded FP32 tile twice:
+  ``A <- Q_rec(S)`` and ``R <- Q_read(S)``, writing packed codes and scales, with SR bits keyed
+  by :func:`core.checkpoint_streams` (copy bit 0 / 1), exactly as :func:`core.cast_checkpoints`.
+  Formats with a matrix scale (fp8, nvfp4) need the matrix amax before rounding: a first pass
+  reconstructs the tiles for the amax only, a second reconstructs them again (the same FP32
+  operations in the same order, so the same values) and rounds. Optionally it writes S (the
+  state objects read the flush token's output from it) and/or the flush token's output S q.
+  GDN corrections for the flush come from ``_records_kernel`` (C = A, every row solved) in a
+  launch before; the folded values are then plain ``w`` as for Mamba-2.
+
+Stored copies are read in their real layout (:class:`~replayssm_quant.quant.PackedTensor`):
+fp32 / bf16 / fp16 values, fp8 codes + FP32 matrix scale, nvfp4 nibbles + E4M3 block scales +
+FP32 matrix scale, mx codes + E8M0 block scales, and decoded in registers to exactly the values
+``PackedTensor.dequantize`` gives (integer decode of the codes, one IEEE multiplication by the
+scale). Key-axis tiles are held as two halves, the even and the odd elements, which is how FP4
+bytes hold them (element 2i in the low nibble); 8-bit and wider formats are loaded contiguously
+and split in registers.
+
+Rounding uses the jit helpers of :mod:`replayssm_quant.kernels.quant` (integer-exact code
+computation, ``div_rn`` divisions, ``tl.philox`` SR bits), so a flush kernel cast is bit-identical
+to :func:`replayssm_quant.quant.pack_reference` of the same FP32 S. The reconstruction itself
+adds in a different order than ``torch.matmul`` (so S may differ in its last bit from
+:func:`core.reconstruct`); see the tests for how bit-exactness is checked.
+
+Limits (the wrappers raise ValueError otherwise; the state objects then keep the torch path):
+float32 only; the key dim K a power of two >= 32 (whole nvfp4/mx blocks); any value dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import formats as F
+from ..formats import QuantSpec, parse_spec
+from ..policy import StatePolicy
+from ..quant import PackedTensor
+from ..replay import core
+from .quant import _finite_abs, _grid_consts, _grid_value, _pow2, _quant, _random_bits, _stream_words
+
+__all__ = [
+    "records_outputs",
+    "mamba2_step_kernel",
+    "gdn_step_kernel",
+    "mamba2_verify_kernel",
+    "gdn_verify_kernel",
+    "gdn_corrections_kernel",
+    "flush_kernel",
+    "mamba2_flush_kernel",
+    "gdn_flush_kernel",
+    "kernels_supported",
+]
+
+# Format kinds (constexpr KIND of a stored copy / of a cast)
+_K_FLOAT = 0  # fp32 values (identity)
+_K_HALF = 1  # bf16 / fp16 values (stored as torch.bfloat16 / torch.float16)
+_K_MATRIX = 2  # fp8e4m3 / fp8e5m2 codes + FP32 scale per matrix
+_K_NVFP4 = 3  # E2M1 nibbles + E4M3 scale per 16 + FP32 scale per matrix
+_K_MX = 4  # E4M3 / E2M1 codes + E8M0 scale per 32
+
+DEFAULT_BV = 32  # value rows per program of the records kernel / per tile of the flush kernel
+MIN_LP = 16  # smallest register tile of record slots
+
+
+def _kind(spec: QuantSpec) -> int:
+    info = spec.info
+    if spec.is_identity:
+        return _K_FLOAT
+    return {"none": _K_HALF, "matrix": _K_MATRIX, "nvfp4": _K_NVFP4, "mx": _K_MX}[info.scaling]
+
+
+def _decode_consts(spec, prefix: str) -> dict:
+    """constexprs that decode a stored copy of format ``spec`` (see ``_load_copy``)."""
+    spec = parse_spec(spec)
+    kind = _kind(spec)
+    grid = spec.info.element
+    d = dict(KIND=kind, FP4=False, EB=8, MB=23, EMIN=-126, SUBQ=1.0, NANF=0)
+    if kind in (_K_MATRIX, _K_NVFP4, _K_MX):
+        nanf = 0 if grid is F.E2M1 else (1 if grid is F.E4M3 else 2)
+        d.update(FP4=grid is F.E2M1, EB=grid.ebits, MB=grid.mbits, EMIN=grid.emin,
+                 SUBQ=grid.min_subnormal, NANF=nanf)
+    return {prefix + k: v for k, v in d.items()}
+
+
+def _cast_consts(spec, prefix: str) -> dict:
+    """constexprs of a cast to ``spec`` (see ``_cast_store``)."""
+    spec = parse_spec(spec)
+    kind = _kind(spec)
+    grid = spec.info.element
+    if grid is None:
+        g = _grid_consts(F.FP16)  # unused (identity)
+    else:
+        g = _grid_consts(grid)
+    d = dict(KIND=kind, FP4=grid is F.E2M1, SR=spec.sr, FMAX=(grid.max if grid else 1.0),
+             EMAX=(F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX),
+             BLK=(spec.info.block or 1), MS=kind in (_K_MATRIX, _K_NVFP4), **g)
+    return {prefix + k: v for k, v in d.items()}
+
+
+# ----------------------------------------------------------------------------------------
+# jit helpers: decode a stored tile, cast-and-store a tile
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_code(code, EB: tl.constexpr, MB: tl.constexpr, EMIN: tl.constexpr,
+                 SUBQ: tl.constexpr, NANF: tl.constexpr):
+    """Float32 value of sign|exponent|mantissa minifloat codes (E4M3, E5M2, E2M1): the same
+    value torch's float8 conversion / the E2M1 table give (NANF: 0 none, 1 E4M3FN 0x7F,
+    2 IEEE-style all-ones exponent)."""
+    code = code.to(tl.int32)
+    neg = ((code >> (EB + MB)) & 1) == 1
+    mag = code & ((1 << (EB + MB)) - 1)
+    val = _grid_value(mag, EMIN, MB, SUBQ)
+    vbits = val.to(tl.int32, bitcast=True) | tl.where(neg, -2147483648, 0)
+    val = vbits.to(tl.float32, bitcast=True)
+    if NANF == 1:
+        val = tl.where(mag == (1 << (EB + MB)) - 1, float("nan"), val)
+    if NANF == 2:
+        special = (mag >> MB) == (1 << EB) - 1
+        inf = tl.where(neg, float("-inf"), float("inf"))
+        val = tl.where(special, tl.where((mag & ((1 << MB) - 1)) == 0, inf, float("nan")), val)
+    return val
+
+
+@triton.jit
+def _split_halves(x, R: tl.constexpr, KH: tl.constexpr):
+    """[R, 2*KH] -> (even, odd) columns, each [R, KH]."""
+    return tl.split(tl.reshape(x, [R, KH, 2]))
+
+
+@triton.jit
+def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
+               K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
+               KIND: tl.constexpr, FP4: tl.constexpr, EB: tl.constexpr, MB: tl.constexpr,
+               EMIN: tl.constexpr, SUBQ: tl.constexpr, NANF: tl.constexpr):
+    """Rows ``rows`` of matrix ``mat`` of a stored copy, dequantised: (even, odd) [BV, KH]."""
+    j = tl.arange(0, KH)
+    rowg = mat * V + rows.to(tl.int64)
+    m2 = rmask[:, None]
+    if FP4:
+        byte = tl.load(c_ptr + rowg[:, None] * KH + j[None, :], mask=m2, other=0).to(tl.int32)
+        e = _decode_code(byte & 15, EB, MB, EMIN, SUBQ, NANF)
+        o = _decode_code(byte >> 4, EB, MB, EMIN, SUBQ, NANF)
+    else:
+        kk = tl.arange(0, K)
+        x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=m2, other=0)
+        if KIND <= 1:
+            x = x.to(tl.float32)
+        else:
+            x = _decode_code(x, EB, MB, EMIN, SUBQ, NANF)
+        e, o = _split_halves(x, BV, KH)
+    if KIND == 2:
+        s = tl.load(ms_ptr + mat)
+        e = e * s
+        o = o * s
+    if KIND == 3:
+        nb = K // 16
+        sbc = tl.load(bs_ptr + rowg[:, None] * nb + (j // 8)[None, :], mask=m2, other=0)
+        sb = _decode_code(sbc, 4, 3, -6, 0.001953125, 1)
+        scale = sb * tl.load(ms_ptr + mat)
+        e = e * scale
+        o = o * scale
+    if KIND == 4:
+        nb = K // 32
+        sc = tl.load(bs_ptr + rowg[:, None] * nb + (j // 16)[None, :], mask=m2, other=0)
+        sc = sc.to(tl.int32)
+        scale = tl.where(sc == 255, float("nan"), _pow2(sc - 127))
+        e = e * scale
+        o = o * scale
+    return e, o
+
+
+@triton.jit
+def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr):
+    """fp8: s = amax / FMAX; nvfp4: s_g = amax / (448 * 6); 1 where that is 0 (reference
+    ``quant._parts``)."""
+    if KIND == 3:
+        s = tl.math.div_rn(amax, tl.full([], 2688.0, tl.float32))
+    else:
+        s = tl.math.div_rn(amax, tl.full([], FMAX, tl.float32))
+    return tl.where(s > 0, s, 1.0)
+
+
+@triton.jit
+def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_ptr,
+                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
+                KIND: tl.constexpr, FP4: tl.constexpr, SR: tl.constexpr, FMAX: tl.constexpr,
+                EMAX: tl.constexpr, BLK: tl.constexpr,
+                EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
+                SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
+                NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
+                INF_NEG: tl.constexpr):
+    """Round the unrounded FP32 rows (even/odd halves [BV, KH]) of one matrix to a format and
+    store the packed codes (and block scale codes); same steps as ``quant._parts`` /
+    ``kernels.quant._block_rows``. ``s_mat``: the matrix scale (fp8: s; nvfp4: s_g)."""
+    j = tl.arange(0, KH)
+    kk = tl.arange(0, K)
+    rowg = mat * V + rows.to(tl.int64)
+    m2 = rmask[:, None]
+    if KIND == 0:
+        x = tl.reshape(tl.join(xe, xo), [BV, K])
+        tl.store(out_ptr + rowg[:, None] * K + kk[None, :], x, mask=m2)
+    else:
+        if SR:
+            lo, hi = _stream_words(tl.load(st_ptr + mat))
+            eidx = rows[:, None] * K + 2 * j[None, :]
+            re = _random_bits(seed, eidx, lo, hi)
+            ro = _random_bits(seed, eidx + 1, lo, hi)
+        else:
+            re = 0
+            ro = 0
+        if KIND == 1:
+            _, ce = _quant(xe, re, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+            _, co = _quant(xo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+            c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.int16)
+            tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+        if KIND == 2:
+            ye = tl.where(xe != xe, xe, tl.math.div_rn(xe, tl.broadcast_to(s_mat, [BV, KH])))
+            yo = tl.where(xo != xo, xo, tl.math.div_rn(xo, tl.broadcast_to(s_mat, [BV, KH])))
+            _, ce = _quant(ye, re, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+            _, co = _quant(yo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+            c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
+            tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+        if KIND >= 3:
+            NB: tl.constexpr = K // BLK
+            HB: tl.constexpr = BLK // 2
+            xe3 = tl.reshape(xe, [BV, NB, HB])
+            xo3 = tl.reshape(xo, [BV, NB, HB])
+            bamax = tl.maximum(tl.max(_finite_abs(xe3), axis=2), tl.max(_finite_abs(xo3), axis=2))
+            fin = tl.minimum(tl.min((tl.abs(xe3) < float("inf")).to(tl.int32), axis=2),
+                             tl.min((tl.abs(xo3) < float("inf")).to(tl.int32), axis=2))
+            bad = fin < 1  # a NaN or inf in the block
+            if KIND == 3:
+                t = s_mat * 6.0
+                enc = tl.math.div_rn(bamax, tl.broadcast_to(t, bamax.shape))
+                sb, sb_code = _quant(enc, 0, False, -6, 3, 0x7E, 0.001953125, 3, False,
+                                     0x7F, 0xFF, 0x7F, 0x7F)
+                sb = tl.where(bad, float("nan"), sb)
+                sb_code = tl.where(bad, 0x7F, sb_code)
+                scale = sb * s_mat
+                safe = tl.where(scale > 0, scale, 1.0)
+                ok = scale > 0
+            else:
+                abits = bamax.to(tl.int32, bitcast=True)
+                aex = (abits >> 23) & 0xFF
+                sub_e = (((abits & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True) >> 23)
+                         & 0xFF) - 127 - 149
+                ee = tl.where(aex == 0, sub_e, aex - 127)
+                sexp = tl.where(bamax > 0, ee - EMAX, -127)
+                sexp = tl.minimum(tl.maximum(sexp, -127), 127)
+                sb_code = tl.where(bad, 0xFF, sexp + 127)
+                scale = tl.where(bad, float("nan"), _pow2(sexp))
+                safe = tl.where(bad, 1.0, scale)
+            safe3 = tl.broadcast_to(safe[:, :, None], [BV, NB, HB])
+            ye = tl.math.div_rn(xe3, safe3)
+            yo = tl.math.div_rn(xo3, safe3)
+            if SR:
+                re = tl.reshape(re, [BV, NB, HB])
+                ro = tl.reshape(ro, [BV, NB, HB])
+            _, ce = _quant(ye, re, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+            _, co = _quant(yo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
+                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+            if KIND == 3:
+                ce = tl.where(ok[:, :, None], ce, 0)  # also the bad blocks: E2M1 NaN is 0
+                co = tl.where(ok[:, :, None], co, 0)
+            else:
+                ce = tl.where(bad[:, :, None], NAN_POS, ce)
+                co = tl.where(bad[:, :, None], NAN_POS, co)
+            nbi = tl.arange(0, NB)
+            tl.store(bs_ptr + rowg[:, None] * NB + nbi[None, :], sb_code.to(tl.uint8), mask=m2)
+            if FP4:
+                byte = tl.reshape((ce | (co << 4)).to(tl.uint8), [BV, KH])
+                tl.store(out_ptr + rowg[:, None] * KH + j[None, :], byte, mask=m2)
+            else:
+                c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
+                tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+
+
+# ----------------------------------------------------------------------------------------
+# records kernel: step / verify / GDN correction solve, output-only
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _records_kernel(
+        c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
+        rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
+        dla_ptr, dk_ptr, dv_ptr, dbeta_ptr,  # rows >= ss: [B,TD,H], [B,TD,G,K], [B,TD,H,V], [B,TD,H]
+        q_ptr, o_ptr,  # q [B,TQ,G,K], o [B,TQ,H,V]
+        ss_ptr, n_ptr, os_ptr,  # int64 [B]: first solved/draft row, rows, first output position
+        wout_ptr,  # [B,WCAP,H,V]: solved rows ss..n-1 (WRITE_W)
+        ala_ptr, ak_ptr, av_ptr, abeta_ptr,  # ring outputs of the append (APPEND)
+        H, G, V, CAP, TD, TQ, WCAP,
+        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+        GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
+        C_KIND: tl.constexpr, C_FP4: tl.constexpr, C_EB: tl.constexpr, C_MB: tl.constexpr,
+        C_EMIN: tl.constexpr, C_SUBQ: tl.constexpr, C_NANF: tl.constexpr):
+    mat = tl.program_id(0).to(tl.int64)
+    vt = tl.program_id(1)
+    b = mat // H
+    h = mat - b * H
+    g = h // (H // G)
+    rows = vt * BV + tl.arange(0, BV)
+    rmask = rows < V
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    o0 = tl.load(os_ptr + b)
+    idx = tl.arange(0, LP).to(tl.int64)
+    kk = tl.arange(0, K)
+
+    # ---- records of this (sequence, head): la, k of every slot, w of this program's rows
+    ring = idx < ss
+    drf = (idx >= ss) & (idx < n)
+    if D_REL:
+        di = idx - ss  # draft tensors hold rows ss.. at index 0..
+    else:
+        di = idx  # draft tensors are indexed by slot
+    di = tl.where(drf, di, 0)
+    ri = tl.where(ring, idx, 0)
+    la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
+                  tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))
+    cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
+    kr = tl.load(rk_ptr + ((b * CAP + ri) * G + g)[:, None] * K + kk[None, :],
+                 mask=ring[:, None], other=0.0)
+    kd = tl.load(dk_ptr + ((b * TD + di) * G + g)[:, None] * K + kk[None, :],
+                 mask=drf[:, None], other=0.0)
+    ke, ko = _split_halves(tl.where(ring[:, None], kr, kd), LP, KH)
+    m2 = ring[:, None] & rmask[None, :]
+    U = tl.load(rw_ptr + ((b * CAP + ri) * H + h)[:, None] * V + rows[None, :], mask=m2,
+                other=0.0)
+    if not GDN:  # Mamba-2: w = v for the draft rows too
+        md = drf[:, None] & rmask[None, :]
+        vd = tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :], mask=md,
+                     other=0.0)
+        U = tl.where(drf[:, None], vd, U)
+
+    ce, co = _load_copy(c_ptr, cbs_ptr, cms_ptr, mat, rows, rmask, V, K, KH, BV,
+                        C_KIND, C_FP4, C_EB, C_MB, C_EMIN, C_SUBQ, C_NANF)
+
+    # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time)
+    if GDN:
+        beta = tl.load(dbeta_ptr + (b * TD + di) * H + h, mask=drf, other=0.0)
+        for p in range(ss, n):
+            sel = idx == p
+            kpe = tl.sum(tl.where(sel[:, None], ke, 0.0), axis=0)
+            kpo = tl.sum(tl.where(sel[:, None], ko, 0.0), axis=0)
+            ck = tl.sum(ce * kpe[None, :], axis=1) + tl.sum(co * kpo[None, :], axis=1)
+            kkp = tl.sum(ke * kpe[None, :], axis=1) + tl.sum(ko * kpo[None, :], axis=1)
+            cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
+            bp = tl.sum(tl.where(sel, beta, 0.0), axis=0)
+            if D_REL:
+                pd = p - ss
+            else:
+                pd = p
+            vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + rows, mask=rmask, other=0.0)
+            before = idx < p
+            coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
+            u = bp * (vp - tl.exp(cp) * ck) - tl.sum(coef[:, None] * U, axis=0)
+            U = tl.where(sel[:, None], u[None, :], U)
+            if WRITE_W:
+                tl.store(wout_ptr + ((b * WCAP + p) * H + h) * V + rows, u, mask=rmask)
+
+    # ---- append the new records (decode step): slots ss..n-1 of the ring
+    if APPEND:
+        first_head = (h % (H // G)) == 0
+        for p in range(ss, n):
+            if D_REL:
+                pd = p - ss
+            else:
+                pd = p
+            vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + rows, mask=rmask, other=0.0)
+            tl.store(av_ptr + ((b * CAP + p) * H + h) * V + rows, vp, mask=rmask)
+            if vt == 0:
+                tl.store(ala_ptr + (b * CAP + p) * H + h, tl.load(dla_ptr + (b * TD + pd) * H + h))
+                if GDN:
+                    tl.store(abeta_ptr + (b * CAP + p) * H + h,
+                             tl.load(dbeta_ptr + (b * TD + pd) * H + h))
+                if first_head:
+                    kp = tl.load(dk_ptr + ((b * TD + pd) * G + g) * K + kk)
+                    tl.store(ak_ptr + ((b * CAP + p) * G + g) * K + kk, kp)
+
+    # ---- outputs at positions o0 .. o0 + TQ - 1
+    for t in range(0, TQ):
+        p = o0 + t
+        qv = tl.load(q_ptr + ((b * TQ + t) * G + g) * K + kk)
+        qe, qo = tl.split(tl.reshape(qv, [KH, 2]))
+        cq = tl.sum(ce * qe[None, :], axis=1) + tl.sum(co * qo[None, :], axis=1)
+        kq = tl.sum(ke * qe[None, :], axis=1) + tl.sum(ko * qo[None, :], axis=1)
+        cp = tl.sum(tl.where(idx == p, cvec, 0.0), axis=0)
+        upto = idx <= p
+        m = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)), 0.0)
+        o = tl.exp(cp) * cq + tl.sum((m * kq)[:, None] * U, axis=0)
+        tl.store(o_ptr + ((b * TQ + t) * H + h) * V + rows, o, mask=rmask)
+
+
+# ----------------------------------------------------------------------------------------
+# flush kernel: reconstruct from A, cast A and R independently
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g, rows, rmask,
+                      n, total, H, G, V, J,
+                      K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
+                      A_KIND: tl.constexpr, A_FP4: tl.constexpr, A_EB: tl.constexpr,
+                      A_MB: tl.constexpr, A_EMIN: tl.constexpr, A_SUBQ: tl.constexpr,
+                      A_NANF: tl.constexpr):
+    """Rows of ``S = gamma_{1:n} A + sum_{j<n} gamma_{j+1:n} w_j k_j^T`` as (even, odd)."""
+    ae, ao = _load_copy(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV,
+                        A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
+    kk = tl.arange(0, K)
+    acc_e = tl.zeros([BV, KH], tl.float32)
+    acc_o = tl.zeros([BV, KH], tl.float32)
+    c = total * 0.0
+    for jj in range(0, n):
+        c = c + tl.load(la_ptr + (b * J + jj) * H + h)
+        m = tl.exp(total - c)
+        wj = tl.load(w_ptr + ((b * J + jj) * H + h) * V + rows, mask=rmask, other=0.0) * m
+        kj = tl.load(k_ptr + ((b * J + jj) * G + g) * K + kk)
+        kje, kjo = tl.split(tl.reshape(kj, [KH, 2]))
+        acc_e += wj[:, None] * kje[None, :]
+        acc_o += wj[:, None] * kjo[None, :]
+    eg = tl.exp(total)
+    return eg * ae + acc_e, eg * ao + acc_o
+
+
+@triton.jit
+def _flush_kernel(
+        a_ptr, abs_ptr, ams_ptr,  # stored anchor (decoded with A_*)
+        la_ptr, w_ptr, k_ptr, len_ptr,  # records [B,J,H], [B,J,H,V], [B,J,G,K]; length [B]
+        sta_ptr, str_ptr, seed,  # stream keys [B*H] of the anchor / read casts
+        oa_ptr, oabs_ptr, oams_ptr,  # new anchor: codes, block scales, matrix scale
+        or_ptr, orbs_ptr, orms_ptr,  # new read copy
+        s_ptr, q_ptr, y_ptr,  # S [B,H,V,K] (STORE_S); q [B,G,K] -> y = S q [B,H,V] (Q_OUT)
+        H, G, V, J,
+        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
+        TWO: tl.constexpr, STORE_S: tl.constexpr, Q_OUT: tl.constexpr,
+        NEED_AMAX: tl.constexpr,
+        A_KIND: tl.constexpr, A_FP4: tl.constexpr, A_EB: tl.constexpr, A_MB: tl.constexpr,
+        A_EMIN: tl.constexpr, A_SUBQ: tl.constexpr, A_NANF: tl.constexpr,
+        CA_KIND: tl.constexpr, CA_FP4: tl.constexpr, CA_SR: tl.constexpr,
+        CA_FMAX: tl.constexpr, CA_EMAX: tl.constexpr, CA_BLK: tl.constexpr,
+        CA_MS: tl.constexpr,
+        CA_EMIN: tl.constexpr, CA_MBITS: tl.constexpr, CA_MAXCODE: tl.constexpr,
+        CA_SUBQ: tl.constexpr, CA_SIGN_SHIFT: tl.constexpr, CA_HAS_INF: tl.constexpr,
+        CA_NAN_POS: tl.constexpr, CA_NAN_NEG: tl.constexpr, CA_INF_POS: tl.constexpr,
+        CA_INF_NEG: tl.constexpr,
+        CR_KIND: tl.constexpr, CR_FP4: tl.constexpr, CR_SR: tl.constexpr,
+        CR_FMAX: tl.constexpr, CR_EMAX: tl.constexpr, CR_BLK: tl.constexpr,
+        CR_MS: tl.constexpr,
+        CR_EMIN: tl.constexpr, CR_MBITS: tl.constexpr, CR_MAXCODE: tl.constexpr,
+        CR_SUBQ: tl.constexpr, CR_SIGN_SHIFT: tl.constexpr, CR_HAS_INF: tl.constexpr,
+        CR_NAN_POS: tl.constexpr, CR_NAN_NEG: tl.constexpr, CR_INF_POS: tl.constexpr,
+        CR_INF_NEG: tl.constexpr):
+    mat = tl.program_id(0).to(tl.int64)
+    b = mat // H
+    h = mat - b * H
+    g = h // (H // G)
+    n = tl.load(len_ptr + b)
+    total = tl.zeros([], tl.float32)
+    for jj in range(0, n):
+        total = total + tl.load(la_ptr + (b * J + jj) * H + h)
+    kk = tl.arange(0, K)
+    j = tl.arange(0, KH)
+    amax = tl.zeros([], tl.float32)
+    if NEED_AMAX:
+        for v0 in range(0, V, BV):
+            rows = v0 + tl.arange(0, BV)
+            rmask = rows < V
+            se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h,
+                                       g, rows, rmask, n, total, H, G, V, J, K, KH, BV,
+                                       A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
+            fe = tl.where(rmask[:, None], _finite_abs(se), 0.0)
+            fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
+            amax = tl.maximum(amax, tl.maximum(tl.max(tl.max(fe, axis=1), axis=0),
+                                               tl.max(tl.max(fo, axis=1), axis=0)))
+    sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
+    sr = _matrix_scale(amax, CR_KIND, CR_FMAX)
+    if Q_OUT:
+        qv = tl.load(q_ptr + (b * G + g) * K + kk)
+        qe, qo = tl.split(tl.reshape(qv, [KH, 2]))
+    for v0 in range(0, V, BV):
+        rows = v0 + tl.arange(0, BV)
+        rmask = rows < V
+        se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g,
+                                   rows, rmask, n, total, H, G, V, J, K, KH, BV,
+                                   A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
+        if STORE_S:
+            x = tl.reshape(tl.join(se, so), [BV, K])
+            tl.store(s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
+                     mask=rmask[:, None])
+        if Q_OUT:
+            y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
+            tl.store(y_ptr + mat * V + rows, y, mask=rmask)
+        _cast_store(se, so, rows, rmask, mat, V, sa, seed, sta_ptr, oa_ptr, oabs_ptr, K, KH, BV,
+                    CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN, CA_MBITS, CA_MAXCODE,
+                    CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF, CA_NAN_POS, CA_NAN_NEG, CA_INF_POS,
+                    CA_INF_NEG)
+        if TWO:
+            _cast_store(se, so, rows, rmask, mat, V, sr, seed, str_ptr, or_ptr, orbs_ptr, K, KH,
+                        BV, CR_KIND, CR_FP4, CR_SR, CR_FMAX, CR_EMAX, CR_BLK, CR_EMIN, CR_MBITS,
+                        CR_MAXCODE, CR_SUBQ, CR_SIGN_SHIFT, CR_HAS_INF, CR_NAN_POS, CR_NAN_NEG,
+                        CR_INF_POS, CR_INF_NEG)
+    if CA_MS:
+        tl.store(oams_ptr + mat, sa)
+    if TWO:
+        if CR_MS:
+            tl.store(orms_ptr + mat, sr)
+
+
+# ----------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------
+
+
+def kernels_supported(key_dim: int, dtype: torch.dtype) -> bool:
+    """Shapes/dtypes the kernels handle: float32, key dim a power of two >= 32."""
+    return dtype == torch.float32 and key_dim >= 32 and (key_dim & (key_dim - 1)) == 0
+
+
+def _check_supported(key_dim: int, dtype) -> None:
+    if not kernels_supported(key_dim, dtype):
+        raise ValueError(f"replay kernels need float32 and a key dim that is a power of two "
+                         f">= 32, got {dtype} and K={key_dim}")
+
+
+def _stored_args(stored) -> tuple[tuple, QuantSpec]:
+    """(pointer tensors, spec) of a stored copy: a PackedTensor or an FP32 tensor."""
+    if isinstance(stored, PackedTensor):
+        dummy = stored.codes
+        return ((stored.codes, stored.block_scales if stored.block_scales is not None else dummy,
+                 stored.matrix_scale if stored.matrix_scale is not None else dummy),
+                stored.spec)
+    if stored.dtype != torch.float32:
+        raise ValueError(f"a stored FP32 copy must be float32, got {stored.dtype}")
+    return (stored.contiguous(), stored, stored), parse_spec("fp32")
+
+
+def _lp(cap: int) -> int:
+    return max(MIN_LP, triton.next_power_of_2(cap))
+
+
+def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_start,
+                    draft=None, draft_relative: bool = True, gdn: bool = False,
+                    w_out=None, append=None, block_v: int = DEFAULT_BV) -> torch.Tensor:
+    """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
+
+    Args:
+        checkpoint: stored C ``[B, H, V, K]`` (PackedTensor or float32 tensor).
+        ring_la, ring_k, ring_w: ``[B, CAP, H]``, ``[B, CAP, G, K]``, ``[B, CAP, H, V]``: the
+            records of slots ``< start[b]`` (w: Mamba-2 v, GDN cached corrections).
+        q: ``[B, TQ, G, K]``; outputs at slots ``out_start[b] + t``.
+        start, rows, out_start: int64 ``[B]``: rows ``start..rows-1`` come from ``draft``
+            (GDN: their corrections are solved against C).
+        draft: dict ``la [B,TD,H]``, ``k [B,TD,G,K]``, ``v [B,TD,H,V]``, ``beta [B,TD,H]``
+            (GDN), indexed by ``slot - start`` (``draft_relative``) or by slot.
+        w_out: ``[B, WCAP, H, V]`` receives the solved corrections of rows ``start..rows-1``.
+        append: dict of ring tensors ``la, k, v, beta`` that receive the draft rows at their
+            slots (decode step's append).
+    Returns ``o [B, TQ, H, V]``.
+    """
+    (c, cbs, cms), spec = _stored_args(checkpoint)
+    ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
+    for name, t in [("w_out", w_out)] + list((append or {}).items()):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
+    B, CAP, G, K = ring_k.shape
+    H = ring_la.shape[2]
+    V = ring_w.shape[3]
+    _check_supported(K, q.dtype)
+    TQ = q.shape[1]
+    if draft is None:
+        draft = {"la": ring_la, "k": ring_k, "v": ring_w, "beta": ring_la}
+        draft_relative = False
+    TD = draft["la"].shape[1]
+    beta = draft.get("beta", draft["la"])
+    o = torch.empty(B, TQ, H, V, dtype=torch.float32, device=q.device)
+    if TQ == 0:  # nothing to output: hand the kernel valid (unused) pointers
+        q = ring_k
+        o_arg = ring_k
+    else:
+        o_arg = o
+    wo = w_out if w_out is not None else o_arg
+    ap = append or {}
+    a_la, a_k, a_v = ap.get("la", o_arg), ap.get("k", o_arg), ap.get("v", o_arg)
+    a_beta = ap.get("beta", o_arg)
+    grid = (B * H, triton.cdiv(V, block_v))
+    _records_kernel[grid](
+        c, cbs, cms, ring_la, ring_k, ring_w,
+        draft["la"].contiguous(), draft["k"].contiguous(), draft["v"].contiguous(),
+        beta.contiguous(), q.contiguous(), o_arg,
+        start, rows, out_start, wo, a_la, a_k, a_v, a_beta,
+        H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
+        K=K, KH=K // 2, BV=block_v, LP=_lp(max(CAP, TD)), GDN=gdn, D_REL=draft_relative,
+        WRITE_W=w_out is not None, APPEND=append is not None,
+        **_decode_consts(spec, "C_"))
+    return o
+
+
+# ---------------------------------------------------------------- decode step
+def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int = DEFAULT_BV):
+    """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
+    append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
+    (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
+    return ``y = gamma_{1:h+1} (R q) + V (m * (K^T q))`` ``[B, H, P]`` (no ``D x``) from the
+    stored read copy ``read`` and grouped ``q [B, G, N]``. ``h``: int64 ``[B]`` records before
+    the append (the caller then does h += 1)."""
+    draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
+    y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
+                        q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
+                        append={"la": ring["la"], "k": ring["k"], "v": ring["v"]},
+                        block_v=block_v)
+    return y[:, 0]
+
+
+def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int = DEFAULT_BV):
+    """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
+    write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
+    solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
+    (k_i . k) u_i)`` against the stored read copy and the cached corrections, cache it in
+    ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
+    [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place)."""
+    draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
+    o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
+                        q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,
+                        w_out=ring["uR"],
+                        append={"la": ring["la"], "k": ring["k"], "v": ring["v"],
+                                "beta": ring["beta"]},
+                        block_v=block_v)
+    return o[:, 0]
+
+
+# ---------------------------------------------------------------- verify
+def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
+                         block_v: int = DEFAULT_BV):
+    """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
+    ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
+    Returns ``y [B, T, H, P]``."""
+    T = q.shape[1]
+    B = q.shape[0]
+    if T == 0:
+        return q.new_zeros(B, 0, la.shape[2], v.shape[3])
+    n = start + T
+    kw = dict(ring_la=la, ring_k=k, ring_w=v, q=q, start=n, rows=n, out_start=start,
+              block_v=block_v)
+    y = records_outputs(read, **kw)
+    at_flush = n == window
+    if bool(at_flush.any()):
+        yA = records_outputs(anchor, **kw)
+        y[at_flush, T - 1] = yA[at_flush, T - 1]
+    return y
+
+
+def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: int,
+                      fold_cached_corrections: bool = False, *, block_v: int = DEFAULT_BV):
+    """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
+    against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
+    then the T outputs; a draft on the flush slot reads the A path (every row re-solved
+    against A, or the cached corrections with ``fold_cached_corrections``).
+    Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``."""
+    T = q.shape[1]
+    B, J = la.shape[:2]
+    uR = u_known.clone()
+    if T == 0:
+        return q.new_zeros(B, 0, la.shape[2], v.shape[3]), uR
+    n = start + T
+    draft = {"la": la, "k": k, "v": v, "beta": beta}
+    o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start, rows=n,
+                        out_start=start, draft=draft, draft_relative=False, gdn=True, w_out=uR,
+                        block_v=block_v)
+    uR = torch.where(core.length_mask(n, J)[:, :, None, None], uR, 0.0)
+    at_flush = n == window
+    if bool(at_flush.any()):
+        if fold_cached_corrections:
+            oA = records_outputs(anchor, ring_la=la, ring_k=k, ring_w=uR, q=q, start=n,
+                                 rows=n, out_start=start, block_v=block_v)
+        else:
+            oA = records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known, q=q,
+                                 start=torch.zeros_like(start), rows=n, out_start=start,
+                                 draft=draft, draft_relative=False, gdn=True, block_v=block_v)
+        o[at_flush, T - 1] = oA[at_flush, T - 1]
+    return o, uR
+
+
+# ---------------------------------------------------------------- GDN flush corrections
+def gdn_corrections_kernel(anchor, la, beta, v, k, length, *, block_v: int = DEFAULT_BV):
+    """Kernel of :func:`core.solve_corrections` for a flush: the corrections of rows
+    ``0..length[b]-1`` against the stored anchor (records ``la, beta [B,J,HV]``,
+    ``v [B,J,HV,DV]``, grouped ``k [B,J,HK,DK]``). Rows at or beyond ``length`` are zero.
+    Returns ``u [B, J, HV, DV]``."""
+    B, J, H = la.shape
+    u = torch.zeros_like(v)
+    if J == 0:
+        return u
+    q = v.new_zeros(B, 0, k.shape[2], k.shape[3])
+    zero = torch.zeros_like(length)
+    records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u, q=q, start=zero, rows=length,
+                    out_start=zero, draft={"la": la, "k": k, "v": v, "beta": beta},
+                    draft_relative=False, gdn=True, w_out=u, block_v=block_v)
+    return u
+
+
+# ---------------------------------------------------------------- flush
+def _alloc_copy(spec: QuantSpec, shape, device):
+    """Output buffers (codes, block scales, matrix scale) of a copy in ``spec``."""
+    B, H, V, K = shape
+    info = spec.info
+    kind = _kind(spec)
+    if kind == _K_FLOAT:
+        return torch.empty(shape, dtype=torch.float32, device=device), None, None
+    if kind == _K_HALF:
+        return torch.empty(shape, dtype=torch.int16, device=device), None, None
+    ms = torch.empty(B, H, dtype=torch.float32, device=device)
+    if kind == _K_MATRIX:
+        return torch.empty(shape, dtype=torch.uint8, device=device), None, ms
+    fp4 = info.element is F.E2M1
+    codes = torch.empty(B, H, V, K // 2 if fp4 else K, dtype=torch.uint8, device=device)
+    bs = torch.empty(B, H, V, K // info.block, dtype=torch.uint8, device=device)
+    return codes, bs, (ms if kind == _K_NVFP4 else None)
+
+
+def _as_stored(spec: QuantSpec, shape, bufs):
+    codes, bs, ms = bufs
+    if spec.is_identity:
+        return codes
+    if _kind(spec) == _K_HALF:
+        codes = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
+    return PackedTensor(spec, torch.Size(shape), codes, bs, ms)
+
+
+def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, sequence_ids,
+                 flush_index, q=None, store_state: bool = True, block_v: int = DEFAULT_BV):
+    """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
+    the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
+    ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
+    ``A <- Q_rec(S)`` and ``R <- Q_read(S)`` independently in the same kernel (one cast for
+    single-checkpoint policies), SR streams from :func:`core.checkpoint_streams`.
+
+    Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
+    its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
+    and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
+    policy = StatePolicy.parse(policy)
+    (a, abs_, ams), aspec = _stored_args(anchor)
+    B, H, V, K = (anchor.shape if isinstance(anchor, PackedTensor) else anchor.shape)
+    B, H, V, K = int(B), int(H), int(V), int(K)
+    _check_supported(K, w.dtype)
+    J = la.shape[1]
+    G = k.shape[2]
+    dev = w.device
+    sa, sr = core.checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
+                                     flush_index=flush_index)
+    two = not policy.single_checkpoint
+    shape = (B, H, V, K)
+    bufa = _alloc_copy(policy.rec, shape, dev)
+    bufr = _alloc_copy(policy.read, shape, dev) if two else bufa
+    S = torch.empty(shape, dtype=torch.float32, device=dev) if store_state else bufa[0]
+    y = torch.empty(B, H, V, dtype=torch.float32, device=dev) if q is not None else bufa[0]
+    qq = q.contiguous() if q is not None else bufa[0]
+    if J == 0:  # no records: S = A; keep shapes valid for the kernel
+        la = torch.zeros(B, 1, H, dtype=torch.float32, device=dev)
+        w = torch.zeros(B, 1, H, V, dtype=torch.float32, device=dev)
+        k = torch.zeros(B, 1, G, K, dtype=torch.float32, device=dev)
+        length = torch.zeros_like(length)
+        J = 1
+    pick = lambda t, d: t if t is not None else d  # noqa: E731
+    _flush_kernel[(B * H,)](
+        a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
+        sa.reshape(-1).contiguous(), sr.reshape(-1).contiguous(), int(seed),
+        bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
+        bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
+        S, qq, y, H, G, V, J,
+        K=K, KH=K // 2, BV=block_v, TWO=two, STORE_S=store_state, Q_OUT=q is not None,
+        NEED_AMAX=_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
+        or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)),
+        **_decode_consts(aspec, "A_"), **_cast_consts(policy.rec, "CA_"),
+        **_cast_consts(policy.read if two else policy.rec, "CR_"))
+    a_st = _as_stored(policy.rec, shape, bufa)
+    r_st = _as_stored(policy.read, shape, bufr) if two else a_st
+
+    def deq(st):
+        return st if isinstance(st, torch.Tensor) else st.dequantize()
+
+    a_val = deq(a_st)
+    r_val = deq(r_st) if two else a_val
+    cps = core.Checkpoints(a_val, r_val, a_st, r_st)
+    res = core.FlushResult(S if store_state else None, cps, w)
+    return res, (y if q is not None else None)
+
+
+def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequence_ids,
+                        flush_index, q=None, store_state: bool = True,
+                        block_v: int = DEFAULT_BV):
+    """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
+    grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
+    return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
+                        sequence_ids=sequence_ids, flush_index=flush_index, q=q,
+                        store_state=store_state, block_v=block_v)
+
+
+def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
+                     flush_index, u_cached=None, fold_cached_corrections: bool = False, q=None,
+                     store_state: bool = True, block_v: int = DEFAULT_BV):
+    """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
+    stored anchor by :func:`gdn_corrections_kernel` (a launch before the flush kernel), or the
+    cached ones are folded (``fold_cached_corrections``). ``FlushResult.w`` holds the folded
+    corrections. Returns ``(FlushResult, y)``."""
+    if fold_cached_corrections:
+        if u_cached is None:
+            raise ValueError("fold_cached_corrections=True needs u_cached")
+        live = core.length_mask(length, la.shape[1])
+        u = torch.where(live[:, :, None, None], u_cached, torch.zeros((), dtype=v.dtype,
+                                                                      device=v.device))
+    else:
+        u = gdn_corrections_kernel(anchor, la, beta, v, k, length, block_v=block_v)
+    return flush_kernel(anchor, la, u, k, length, policy, seed=seed, layer=layer,
+                        sequence_ids=sequence_ids, flush_index=flush_index, q=q,
+                        store_state=store_state, block_v=block_v)

@@ -1,0 +1,325 @@
+"""ReplaySSM Triton kernels (replayssm_quant/kernels/replay.py) against their torch references.
+
+Runs on CPU under the Triton interpreter (``TRITON_INTERPRET=1``, set by conftest.py), float32,
+small shapes: B=2, H=4 (2 key/B-C groups), P/DV=16, N/DK=32, L=4, T=3.
+
+What is compared, and how tightly:
+
+* Flush, state bits. The casts must be bit-identical to the reference for every read and rec
+  format, RTN and SR (int32 views of the dequantised copies, and the packed bytes). The flush
+  kernel adds the reconstruction's terms in a different order than ``torch.matmul``, so on
+  general inputs S can differ in its last bit and a rounding can flip (DESIGN.md section 3,
+  testing note). Two checks therefore cover it: (a) inputs on which every reconstruction
+  operation is exact (decays 1, small dyadic values): S and every state bit equal the
+  reference :func:`mamba2_flush` exactly; (b) realistic random inputs: S equals the
+  reference S to 1e-6 relative and A, R are bit-identical to the reference cast
+  (:func:`core.cast_checkpoints`, the one flush routine's cast) of the kernel's own S.
+* Outputs (step, verify, flush token output) and corrections: the kernels reassociate sums
+  (dot products along K, the sum over records), so they match to ``atol = rtol = 1e-5`` on
+  O(1) values (float32 eps is 1.2e-7; sums of 32-64 terms).
+* The decode step's append writes the ring records exactly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
+from replayssm_quant.replay import (core, gdn_flush, gdn_step_output, gdn_verify,  # noqa: E402
+                                    mamba2_flush, mamba2_step_output, mamba2_verify)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+if DEVICE == "cpu" and not INTERPRET:
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+import replayssm_quant.kernels.replay as kr  # noqa: E402
+
+if INTERPRET and type(kr._flush_kernel).__name__ != "InterpretedFunction":
+    kr = importlib.reload(kr)
+
+B, H, G, V, K, L, T = 2, 4, 2, 16, 32, 4, 3
+CAP = L + T
+SEED = 0x1234_5678_9ABC
+TOL = dict(atol=1e-5, rtol=1e-5)
+STREAMS = dict(seed=SEED, layer=3, sequence_ids=torch.tensor([5, 9], device=DEVICE),
+               flush_index=torch.tensor([1, 4], device=DEVICE))
+
+# Every format, RTN and SR, once (read and rec casts run the same code with other constants;
+# the interpreter's cost per launch keeps the list short); "fp32" covers single-checkpoint.
+FLUSH_POLICIES = [
+    "fp32", "read:nvfp4+sr/rec:nvfp4", "read:fp16+sr/rec:bf16", "read:bf16+sr/rec:fp16",
+    "read:fp8e4m3/rec:fp8e5m2+sr", "read:fp8e5m2/rec:fp8e4m3+sr", "read:mxfp8+sr/rec:mxfp4",
+    "read:mxfp4+sr/rec:mxfp8",
+]
+READ_FORMATS = ["fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2", "nvfp4", "mxfp8", "mxfp4"]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _t(x):
+    return x.to(DEVICE)
+
+
+def _dyadic(gen, shape, scale=8):
+    return _t(torch.randint(-8, 9, shape, generator=gen).float() / scale)
+
+
+def _records(gen, J=L, groups=G, gdn=False):
+    """Realistic records: decays in [0.9, 0.9999], k normalised (GDN) or ~1/sqrt(K)."""
+    la = torch.log(0.9 + 0.0999 * torch.rand(B, J, H, generator=gen))
+    k = torch.randn(B, J, groups, K, generator=gen)
+    k = torch.nn.functional.normalize(k, dim=-1) if gdn else k / K ** 0.5
+    w = torch.randn(B, J, H, V, generator=gen)
+    beta = torch.sigmoid(torch.randn(B, J, H, generator=gen))
+    return _t(la), _t(w), _t(k), _t(beta)
+
+
+def _stored(S, spec, stream=0):
+    """Real storage of S in ``spec`` (PackedTensor; the FP32 tensor for fp32)."""
+    return S if spec == "fp32" else pack(S, spec, seed=SEED, stream=stream, backend="torch")
+
+
+def _bits(x):
+    return x.contiguous().view(torch.int32)
+
+
+def _bytes(st):
+    if isinstance(st, PackedTensor):
+        return [None if t is None else t.contiguous().view(torch.uint8)
+                for t in (st.codes, st.block_scales, st.matrix_scale)]
+    return [st.contiguous().view(torch.uint8)]
+
+
+def _same_copies(got: core.Checkpoints, want: core.Checkpoints):
+    for g, w in ((got.anchor, want.anchor), (got.read, want.read)):
+        assert torch.equal(_bits(g), _bits(w))
+    for g, w in ((got.anchor_stored, want.anchor_stored), (got.read_stored, want.read_stored)):
+        for a, b in zip(_bytes(g), _bytes(w), strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ flush
+@pytest.mark.parametrize("policy", FLUSH_POLICIES)
+def test_flush_exact_inputs_bit_identical(policy):
+    """(a) Exact reconstruction (decay 1, dyadic values): S, A, R and the packed bytes equal
+    the reference flush bit for bit; also the flush token's output S q."""
+    gen = _gen(1)
+    A = _dyadic(gen, (B, H, V, K))
+    la = torch.zeros(B, L, H, device=DEVICE)
+    w, k, q = _dyadic(gen, (B, L, H, V)), _dyadic(gen, (B, L, G, K)), _dyadic(gen, (B, G, K))
+    length = _t(torch.tensor([L, 2]))
+    ref = mamba2_flush(A, la, w, k, policy, length=length, store=True, **STREAMS)
+    res, y = kr.mamba2_flush_kernel(A, la, w, k, length, policy, q=q, **STREAMS)
+    assert torch.equal(res.state, ref.state)
+    _same_copies(res.checkpoints, ref.checkpoints)
+    torch.testing.assert_close(y, core.matvec(ref.state, core.expand_heads(q, H, 1)), **TOL)
+
+
+@pytest.mark.parametrize("policy", ["read:nvfp4+sr/rec:fp32", "shared:mxfp4+sr"])
+def test_flush_random_inputs(policy):
+    """(b) Realistic inputs: S to 1e-6 relative; A and R bit-identical to the reference cast of
+    the kernel's S (the same SR streams)."""
+    gen = _gen(2)
+    A = _t(torch.randn(B, H, V, K, generator=gen))
+    la, w, k, _ = _records(gen)
+    length = _t(torch.tensor([L, 3]))
+    ref = mamba2_flush(A, la, w, k, policy, length=length, store=True, **STREAMS)
+    res, _ = kr.mamba2_flush_kernel(A, la, w, k, length, policy, **STREAMS)
+    torch.testing.assert_close(res.state, ref.state, atol=1e-6, rtol=1e-6)
+    want = core.cast_checkpoints(res.state, policy, store=True, **STREAMS)
+    _same_copies(res.checkpoints, want)
+
+
+@pytest.mark.parametrize("rec", ["nvfp4", "fp8e4m3"])
+def test_flush_reads_packed_anchor(rec):
+    """The flush kernel dequantises a packed anchor in-kernel to the values of
+    ``PackedTensor.dequantize`` (exact inputs: bit-identical result)."""
+    gen = _gen(3)
+    A_st = _stored(_dyadic(gen, (B, H, V, K)), rec, stream=_t(torch.arange(B * H).view(B, H)))
+    A = A_st.dequantize()
+    la = torch.zeros(B, L, H, device=DEVICE)
+    w, k = _dyadic(gen, (B, L, H, V)), _dyadic(gen, (B, L, G, K))
+    length = _t(torch.tensor([1, 3]))
+    policy = f"read:nvfp4+sr/rec:{rec}"
+    ref = mamba2_flush(A, la, w, k, policy, length=length, store=True, **STREAMS)
+    res, _ = kr.mamba2_flush_kernel(A_st, la, w, k, length, policy, **STREAMS)
+    assert torch.equal(res.state, ref.state)
+    _same_copies(res.checkpoints, ref.checkpoints)
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["solve", "fold-cached"])
+def test_gdn_flush(fold):
+    """GDN flush: corrections re-solved against A by the records kernel (or the cached ones
+    folded) match :func:`core.solve_corrections`; casts bit-identical to the reference cast of
+    the kernel's S."""
+    gen = _gen(4)
+    A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
+    la, v, k, beta = _records(gen, gdn=True)
+    u_cached = _t(torch.randn(B, L, H, V, generator=gen))
+    length = _t(torch.tensor([L, 2]))
+    policy = "read:nvfp4+sr/rec:fp16+sr"
+    ref = gdn_flush(A, la, beta, v, k, policy, length=length, u_cached=u_cached,
+                    fold_cached_corrections=fold, store=True, **STREAMS)
+    res, _ = kr.gdn_flush_kernel(A, la, beta, v, k, length, policy, u_cached=u_cached,
+                                 fold_cached_corrections=fold, **STREAMS)
+    live = core.length_mask(length, L)[:, :, None, None]
+    torch.testing.assert_close(torch.where(live, res.w, 0.0), torch.where(live, ref.w, 0.0), **TOL)
+    torch.testing.assert_close(res.state, ref.state, **TOL)
+    _same_copies(res.checkpoints, core.cast_checkpoints(res.state, policy, store=True, **STREAMS))
+
+
+# ------------------------------------------------------------------------------ decode step
+def _ring_state(gen, read_fmt, gdn):
+    """A read copy (stored in ``read_fmt``) and a ring with h = [2, 0] committed records."""
+    S = _t(torch.randn(B, H, V, K, generator=gen) * (0.3 if gdn else 1.0))
+    R_st = _stored(S, read_fmt, stream=_t(torch.arange(B * H).view(B, H)))
+    R = R_st if isinstance(R_st, torch.Tensor) else R_st.dequantize()
+    la, w, k, beta = _records(gen, J=CAP, gdn=gdn)
+    ring = {"la": la, "v": w.clone(), "k": k}
+    if gdn:
+        ring.update(beta=beta, uR=_t(torch.randn(B, CAP, H, V, generator=gen)))
+    return R, R_st, ring, _t(torch.tensor([2, 0]))
+
+
+@pytest.mark.parametrize("read_fmt", READ_FORMATS)
+def test_mamba2_step(read_fmt):
+    gen = _gen(5)
+    R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=False)
+    la, v, k = _records(gen, J=1)[:3]
+    la, v, k = la[:, 0], v[:, 0], k[:, 0]
+    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
+    ref_ring = {n: t.clone() for n, t in ring.items()}
+    b = torch.arange(B, device=DEVICE)
+    for n, t in (("la", la), ("v", v), ("k", k)):
+        ref_ring[n][b, h] = t
+    J = int(h.max()) + 1
+    want = mamba2_step_output(R, ref_ring["la"][:, :J], ref_ring["v"][:, :J],
+                              ref_ring["k"][:, :J], q, h + 1)
+    got = kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h)
+    torch.testing.assert_close(got, want, **TOL)
+    for n in ring:
+        assert torch.equal(ring[n], ref_ring[n]), n
+
+
+@pytest.mark.parametrize("read_fmt", READ_FORMATS)
+def test_gdn_step(read_fmt):
+    gen = _gen(6)
+    R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=True)
+    la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
+    q = _t(torch.nn.functional.normalize(torch.randn(B, G, K, generator=gen), dim=-1) * K ** -0.5)
+    ref_ring = {n: t.clone() for n, t in ring.items()}
+    b = torch.arange(B, device=DEVICE)
+    for n, t in (("la", la), ("v", v), ("k", k), ("beta", beta)):
+        ref_ring[n][b, h] = t
+    J = int(h.max()) + 1
+    r = ref_ring
+    want, uR = gdn_step_output(R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
+                               r["k"][:, :J], q, r["uR"][:, :J], h + 1)
+    got = kr.gdn_step_kernel(R_st, ring, q, k, v, la, beta, h)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(ring["uR"][b, h], uR[b, h], **TOL)  # the new correction
+    for n in ("la", "v", "k", "beta"):
+        assert torch.equal(ring[n], ref_ring[n]), n
+    untouched = torch.ones(B, CAP, dtype=torch.bool, device=DEVICE)
+    untouched[b, h] = False
+    assert torch.equal(ring["uR"][untouched], ref_ring["uR"][untouched])
+
+
+# ------------------------------------------------------------------------------ verify
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+def test_mamba2_verify(read_fmt):
+    """T = 3 drafts after h = [1, 0]: sequence 0's last draft lands on the flush slot (L = 4)
+    and reads the A path."""
+    gen = _gen(7)
+    R, R_st, ring, _ = _ring_state(gen, read_fmt, gdn=False)
+    A = _t(torch.randn(B, H, V, K, generator=gen))
+    A_st = _stored(A, "fp16")
+    A = A_st.dequantize()
+    start = _t(torch.tensor([1, 0]))
+    q = _t(torch.randn(B, T, G, K, generator=gen) / K ** 0.5)
+    J = int(start.max()) + T
+    args = (ring["la"][:, :J], ring["v"][:, :J], ring["k"][:, :J], q, start, L)
+    want = mamba2_verify(R, A, *args)
+    got = kr.mamba2_verify_kernel(R_st, A_st, *args)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("read_fmt,fold", [("nvfp4", False), ("fp8e4m3", True)],
+                         ids=["nvfp4", "fp8e4m3-fold-cached"])
+def test_gdn_verify(read_fmt, fold):
+    """T x T solve of the draft corrections against R (cached corrections before), outputs,
+    and the A path for the draft on the flush slot."""
+    gen = _gen(8)
+    R, R_st, ring, _ = _ring_state(gen, read_fmt, gdn=True)
+    A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
+    start = _t(torch.tensor([1, 0]))
+    q = _t(torch.nn.functional.normalize(torch.randn(B, T, G, K, generator=gen), dim=-1)
+           * K ** -0.5)
+    J = int(start.max()) + T
+    r = ring
+    args = (r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J], r["k"][:, :J], q, r["uR"][:, :J],
+            start, L, fold)
+    want, uR_want = gdn_verify(R, A, *args)
+    got, uR_got = kr.gdn_verify_kernel(R_st, A, *args)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(uR_got, uR_want, **TOL)
+
+
+def test_verify_zero_drafts():
+    gen = _gen(9)
+    R, R_st, ring, h = _ring_state(gen, "fp32", gdn=True)
+    q = torch.zeros(B, 0, G, K, device=DEVICE)
+    o, uR = kr.gdn_verify_kernel(R_st, R, ring["la"][:, :2], ring["beta"][:, :2],
+                                 ring["v"][:, :2], ring["k"][:, :2], q, ring["uR"][:, :2], h, L)
+    assert o.shape == (B, 0, H, V) and torch.equal(uR, ring["uR"][:, :2])
+
+
+def test_unsupported_shapes_raise():
+    with pytest.raises(ValueError, match="power of two"):
+        kr.flush_kernel(torch.zeros(1, 1, 4, 24), torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 4),
+                        torch.zeros(1, 1, 1, 24), torch.ones(1, dtype=torch.int64), "fp32",
+                        seed=0, layer=0, sequence_ids=torch.zeros(1, dtype=torch.int64),
+                        flush_index=torch.ones(1, dtype=torch.int64))
+
+
+# ------------------------------------------------------------------------------ state dispatch
+@pytest.mark.parametrize("model", ["mamba2", "gdn"])
+def test_state_objects_dispatch_to_kernels(model):
+    """``backend="triton"`` state objects (step, flush, verify, commit through the kernels)
+    follow the torch path: outputs to TOL, and the anchor (rec fp32) to 1e-6 relative after
+    two flushes. The read copy is fp16, so a last-bit difference of S can flip one rounding of
+    R (one fp16 quantum, 5e-4 relative); outputs are compared to 1e-4 after that."""
+    from _replay_inputs import gdn_inputs, gdn_state, gdn_tok, mamba2_inputs, mamba2_state
+    from _replay_inputs import mamba2_tok
+
+    if model == "mamba2":
+        inp = mamba2_inputs(B=B, T=8, H=H, G=G, P=V, N=K, dtype=torch.float32, seed=3)
+        make, tok = mamba2_state, mamba2_tok
+    else:
+        inp = gdn_inputs(B=B, T=8, HK=G, HV=H, DK=K, DV=V, dtype=torch.float32, seed=3)
+        make, tok = gdn_state, gdn_tok
+    inp = {n: _t(t) for n, t in inp.items()}
+    policy = "read:fp16/rec:fp32"
+    states = [make(inp, policy, window=L, max_drafts=2, seed=11, layer=2, backend=be,
+                   device=DEVICE) for be in ("torch", "triton")]
+    outs = [[], []]
+    for i, st in enumerate(states):
+        for t in range(5):  # one flush at t = 3
+            outs[i].append(st.step(*tok(inp, t)))
+        outs[i].append(st.verify(*tok(inp, slice(5, 7))))  # h = 1 + 2 drafts
+        st.commit(torch.tensor([2, 1], device=DEVICE))
+        outs[i].append(st.step(*tok(inp, 7)))  # sequence 0 flushes (h = 4)
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states[1].anchor, states[0].anchor, atol=1e-6, rtol=1e-6)
+    assert torch.equal(states[1].committed, states[0].committed)
+    assert states[1]._kernels and not states[0]._kernels

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-gdn",
                    help="embedded name (tiny-gdn, tiny-mamba2), local model directory or hub id "
                    "(default: tiny-gdn)")
-    p.add_argument("--dataset", default="kjv",
+    p.add_argument("--dataset", default=["kjv"],
                    help="'kjv' (embedded), 'pg19' (hub), or local .txt/.jsonl/.parquet files or "
                    "directories (several allowed, comma-free paths)", nargs="+")
     p.add_argument("--split", default=None, help="corpus split (kjv: heldout [default]; pg19: test)")
@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
                    help="state policies, e.g. shared:nvfp4+sr read:nvfp4/rec:fp16+sr eager:fp8e4m3")
     p.add_argument("--windows", nargs="+", type=int, default=[16], help="flush windows L (default 16)")
-    p.add_argument("--max-tokens", "-N", type=int, default=1024, dest="max_tokens",
-                   help="positions per document N (default 1024); documents shorter than N+1 "
+    p.add_argument("--max-tokens", "-N", type=int, default=512, dest="max_tokens",
+                   help="positions per document N (default 512); documents shorter than N+1 "
                    "tokens are joined with the next ones")
     p.add_argument("--prefill", type=int, default=0,
                    help="prompt tokens run through the exact scan before emulation starts "

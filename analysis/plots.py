@@ -62,6 +62,15 @@ def _finish(fig, path):
     return fig
 
 
+def _runs(df: pd.DataFrame) -> list[str]:
+    """``["run"]`` when the frame mixes several runs (curves are then labelled by run)."""
+    return ["run"] if "run" in df.columns and df["run"].nunique() > 1 else []
+
+
+def _label(agg: pd.DataFrame, runs: list[str], base: pd.Series) -> pd.Series:
+    return (agg["run"].astype(str) + ": " + base) if runs else base
+
+
 def _select_window(df: pd.DataFrame, window):
     if window is None:
         return df
@@ -98,8 +107,10 @@ def plot_kl_vs_n(df: pd.DataFrame, window: int | None = None, path=None, include
     d = _select_window(df, window)
     if not include_fp32:
         d = d[d["policy"] != "fp32"]
-    agg = kl_by_position(d, by=("policy", "window"))
-    agg["curve"] = agg["policy"] + (" L=" + agg["window"].astype(str) if window is None else "")
+    runs = _runs(d)
+    agg = kl_by_position(d, by=(*runs, "policy", "window"))
+    base = agg["policy"] + (" L=" + agg["window"].astype(str) if window is None else "")
+    agg["curve"] = _label(agg, runs, base)
     agg = agg[agg["mean"] > 0]
     fig, ax = plt.subplots(figsize=_FIGSIZE)
     _bands(ax, agg, "curve")
@@ -123,7 +134,9 @@ def plot_kl_vs_window(df: pd.DataFrame, n: int | None = None, path=None):
     Returns: the Figure. Raises ValueError for missing columns or no data at ``n``.
     """
     require_columns(df, POSITION_PLOT_COLUMNS, "plot_kl_vs_window")
-    agg = kl_by_position(df[df["policy"] != "fp32"], by=("policy", "window"))
+    runs = _runs(df)
+    agg = kl_by_position(df[df["policy"] != "fp32"], by=(*runs, "policy", "window"))
+    agg["curve"] = _label(agg, runs, agg["policy"])
     if agg.empty:
         raise ValueError("plot_kl_vs_window: no non-reference policies")
     if n is None:
@@ -134,7 +147,7 @@ def plot_kl_vs_window(df: pd.DataFrame, n: int | None = None, path=None):
     if sel.empty:
         raise ValueError(f"plot_kl_vs_window: no positions with N near {n}")
     fig, ax = plt.subplots(figsize=_FIGSIZE)
-    _bands(ax, sel, "policy", x="window")
+    _bands(ax, sel, "curve", x="window")
     ax.set_xscale("log", base=2)
     if (sel["mean"] > 0).any():
         ax.set_yscale("log")
@@ -158,7 +171,8 @@ def plot_ratio_vs_n(df: pd.DataFrame, path=None):
     r = r[np.isfinite(r["ratio"]) & (r["ratio"] > 0)]
     if r.empty:
         raise ValueError("plot_ratio_vs_n: no read:F/rec:G policy with a shared:F partner")
-    r = r.assign(curve=r["read"] + "/rec:" + r["rec"] + " L=" + r["window"].astype(str))
+    runs = _runs(df)
+    r = r.assign(curve=_label(r, runs, r["read"] + "/rec:" + r["rec"] + " L=" + r["window"].astype(str)))
     fig, ax = plt.subplots(figsize=_FIGSIZE)
     _bands(ax, r, "curve", y="ratio")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
@@ -177,8 +191,10 @@ def plot_top1_agreement(df: pd.DataFrame, window: int | None = None, path=None):
     require_columns(df, (*POSITION_PLOT_COLUMNS, "top1_agree"), "plot_top1_agreement")
     d = _select_window(df, window)
     d = d[d["policy"] != "fp32"].assign(top1_agree=lambda x: x["top1_agree"].astype(float))
-    agg = kl_by_position(d, metric="top1_agree", by=("policy", "window"))
-    agg["curve"] = agg["policy"] + (" L=" + agg["window"].astype(str) if window is None else "")
+    runs = _runs(d)
+    agg = kl_by_position(d, metric="top1_agree", by=(*runs, "policy", "window"))
+    base = agg["policy"] + (" L=" + agg["window"].astype(str) if window is None else "")
+    agg["curve"] = _label(agg, runs, base)
     fig, ax = plt.subplots(figsize=_FIGSIZE)
     _bands(ax, agg, "curve")
     ax.set_xscale("log")
@@ -195,9 +211,12 @@ def plot_nonfinite(df: pd.DataFrame, path=None):
     non-finite, per policy and window (bar plot; 0 bars are drawn as empty).
     Needs ``doc, seed, policy, window, nonfinite``."""
     require_columns(df, ("doc", "seed", "policy", "window", "nonfinite"), "plot_nonfinite")
-    seq = df.groupby(["policy", "window", "doc", "seed"], as_index=False)["nonfinite"].any()
-    inc = seq.groupby(["policy", "window"], as_index=False)["nonfinite"].mean()
+    runs = _runs(df)
+    seq = df.groupby([*runs, "policy", "window", "doc", "seed"], as_index=False)["nonfinite"].any()
+    inc = seq.groupby([*runs, "policy", "window"], as_index=False)["nonfinite"].mean()
     inc["window"] = inc["window"].astype(str)
+    if runs:
+        inc["policy"] = inc["run"].astype(str) + ": " + inc["policy"]
     fig, ax = plt.subplots(figsize=_FIGSIZE)
     sns.barplot(data=inc, x="policy", y="nonfinite", hue="window", ax=ax)
     ax.set_ylim(0, 1)

@@ -37,6 +37,15 @@ def _fmt(v) -> str:
     return str(v).replace("|", "\\|")
 
 
+def _describe(v, key: str) -> str:
+    """A short label for a manifest entry that may be a dict (``{"name": ...}``) or a list."""
+    if isinstance(v, dict):
+        v = v.get(key, v.get("name", "?"))
+    if isinstance(v, (list, tuple)):
+        v = "+".join(map(str, v))
+    return str(v)
+
+
 def markdown_table(df: pd.DataFrame, max_rows: int | None = None) -> str:
     """A GitHub-flavoured markdown table of ``df`` (floats to 4 significant digits)."""
     if max_rows is not None and len(df) > max_rows:
@@ -76,15 +85,19 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False) -> P
         sub = df[df["run"] == name]
         rows.append(
             dict(
-                run=name, path=str(path), model=str(m.get("model", m.get("model_id", "?"))),
-                data=str(m.get("dataset", m.get("data", "?"))),
+                run=name, path=str(path), model=_describe(m.get("model", "?"), "name"),
+                data=_describe(m.get("data", m.get("dataset", "?")), "dataset"),
                 commit=str(m.get("git_commit", m.get("commit", "?")))[:12],
                 docs=sub["doc"].nunique(), max_N=int(sub["position"].max()) + 1,
                 policies=sub["policy"].nunique(), windows=sub["window"].nunique(),
             )  # fmt: skip
         )
-        if m.get("command"):
-            lines.append(f"- `{name}` command: `{m['command']}`")
+        cmd = m.get("command")
+        if cmd:
+            cmd = " ".join(map(str, cmd)) if isinstance(cmd, (list, tuple)) else str(cmd)
+            lines.append(f"- `{name}` command: `{cmd}`")
+        if isinstance(m.get("timings"), dict) and "total_s" in m["timings"]:
+            lines.append(f"- `{name}` run time: {m['timings']['total_s']:.1f} s")
     lines += ["", markdown_table(pd.DataFrame(rows)), "", "## Summary per policy and window", ""]
     summ = results.summarize(df, by=("run", "policy", "window"))
     lines += [markdown_table(summ), ""]

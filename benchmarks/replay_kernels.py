@@ -105,7 +105,7 @@ def eager_torch(S, k, q, v, la, beta, gdn):
 
 
 # ------------------------------------------------------------------------------ helpers
-def bench(fn, warmup=20, rep=60):
+def bench(fn, warmup=10, rep=40):
     if INTERPRET:
         t = time.perf_counter()
         fn()
@@ -262,65 +262,99 @@ def check_flush(M, gen, policy, n_ref, res):
 
 
 # ------------------------------------------------------------------------------ timing
-def time_model(M, gen, out, bvs):
-    B, H, G, V, K, L = M.B, M.H, M.G, M.V, M.K, M.L
+STEP_CFGS = [(32, 4), (64, 4), (32, 8), (64, 8)]  # (block_v, num_warps)
+FLUSH_CFGS = [(32, 4), (32, 8), (64, 8)]
+
+
+def timing_tasks(M, gen, small=False):
+    """[(key, fn)] of everything timed for model M (the same list drives the warm-up)."""
+    B, H, L = M.B, M.H, M.L
     streams = torch.arange(B * H, device=DEV).view(B, H)
     S = M.state(gen)
     la, w, k, beta = M.records(gen, M.cap)
     nla, nv, nk, nbeta = (t[:, 0] for t in M.records(gen, 1))
     q = M.query(gen)
-    state_fp32_bytes = S.numel() * 4
-    out["state_fp32_bytes"] = state_fp32_bytes
-    # conventional eager FP32 step
-    S2 = S.clone()
-    t_eager = bench(lambda: eager_triton(S2, nk, q, nv, nla, nbeta, M.gdn))
-    S3 = S.clone()
-    t_torch = bench(lambda: eager_torch(S3, nk, q, nv, nla, nbeta, M.gdn))
-    out["eager_fp32_triton_us"] = t_eager * 1e3
-    out["eager_fp32_torch_us"] = t_torch * 1e3
-    out["eager_fp32_triton_GBps"] = 2 * state_fp32_bytes / (t_eager * 1e-3) / 1e9
-    steps = {}
+    step_cfgs = [(16, 4)] if small else STEP_CFGS
+    flush_cfgs = [(16, 4)] if small else FLUSH_CFGS
+    tasks = []
+    S2, S3 = S.clone(), S.clone()
+    tasks.append(("eager_fp32_triton", lambda: eager_triton(S2, nk, q, nv, nla, nbeta, M.gdn)))
+    tasks.append(("eager_fp32_torch", lambda: eager_torch(S3, nk, q, nv, nla, nbeta, M.gdn)))
     for fmt in READ_FORMATS:
         R_st = stored(S, fmt, streams)
         ring = {"la": la.clone(), "v": w.clone(), "k": k.clone()}
         if M.gdn:
             ring.update(beta=beta.clone(), uR=torch.randn_like(w))
-        r = {"read_bytes": nbytes(R_st)}
-        for bv in bvs:
-            for hh in (0, L // 2 - 1, L - 2):
-                h = torch.full((B,), hh, dtype=torch.int64, device=DEV)
-                if M.gdn:
-                    fn = lambda: kr.gdn_step_kernel(R_st, ring, q, nk, nv, nla, nbeta, h,  # noqa
-                                                    block_v=bv)
-                else:
-                    fn = lambda: kr.mamba2_step_kernel(R_st, ring, nla, nv, nk, q, h,  # noqa
-                                                       block_v=bv)
-                r[f"step_us_h{hh}_bv{bv}"] = bench(fn) * 1e3
-        steps[fmt] = r
-        print(M.name, fmt, {a: round(b, 1) for a, b in r.items() if a.startswith("step")},
-              flush=True)
-    out["step"] = steps
-    # flush: read:F/rec:fp32 (FP32 anchor in, A and R out, flush token output S q)
+        for hh in (0, L // 2 - 1, L - 2):
+            h = torch.full((B,), hh, dtype=torch.int64, device=DEV)
+            for bv, nw in step_cfgs:
+                def fn(R_st=R_st, ring=ring, h=h, bv=bv, nw=nw):
+                    if M.gdn:
+                        return kr.gdn_step_kernel(R_st, ring, q, nk, nv, nla, nbeta, h,
+                                                  block_v=bv, num_warps=nw)
+                    return kr.mamba2_step_kernel(R_st, ring, nla, nv, nk, q, h, block_v=bv,
+                                                 num_warps=nw)
+                tasks.append((f"step|{fmt}|h{hh}|bv{bv}|w{nw}", fn))
+        tasks.append((f"bytes|{fmt}", nbytes(R_st)))
     A = S.clone()
-    fl = {}
     length = torch.full((B,), L, dtype=torch.int64, device=DEV)
-    recs = (la[:, :L].contiguous(), w[:, :L].contiguous(), k[:, :L].contiguous(),
-            beta[:, :L].contiguous())
+    la_, w_, k_, beta_ = (t[:, :L].contiguous() for t in (la, w, k, beta))
     kw = dict(seed=SEED, layer=0, sequence_ids=torch.arange(B, device=DEV),
               flush_index=torch.ones(B, dtype=torch.int64, device=DEV))
-    for pol in [p for f in READ_FORMATS for p in FLUSH_POLICIES[f]]:
+    u = w_
+    for bv, nw in flush_cfgs:
         if M.gdn:
-            u = kr.gdn_corrections_kernel(A, recs[0], recs[3], recs[1], recs[2], length)
-            t_corr = bench(lambda: kr.gdn_corrections_kernel(A, recs[0], recs[3], recs[1],
-                                                              recs[2], length))
-        else:
-            u, t_corr = recs[1], 0.0
-        t_fl = bench(lambda: kr.flush_kernel(A, recs[0], u, recs[2], length, pol, q=q,  # noqa
-                                             store_state=False, **kw))
-        fl[pol] = {"flush_kernel_us": t_fl * 1e3, "corrections_kernel_us": t_corr * 1e3,
-                   "total_us": (t_fl + t_corr) * 1e3}
-        print(M.name, pol, {a: round(b, 1) for a, b in fl[pol].items()}, flush=True)
-    out["flush"] = fl
+            u = kr.gdn_corrections_kernel(A, la_, beta_, w_, k_, length)
+            tasks.append((f"corr|bv{bv}|w{nw}", lambda bv=bv, nw=nw: kr.gdn_corrections_kernel(
+                A, la_, beta_, w_, k_, length, block_v=bv, num_warps=nw)))
+        for pol in [p for f in READ_FORMATS for p in FLUSH_POLICIES[f]]:
+            tasks.append((f"flush|{pol}|bv{bv}|w{nw}", lambda pol=pol, bv=bv, nw=nw: kr.flush_kernel(
+                A, la_, u, k_, length, pol, q=q, store_state=False, block_v=bv, num_warps=nw,
+                **kw)))
+    return tasks
+
+
+def run_timing(M, gen, out, small=False):
+    """Time every task; summarise: eager, best step config per format, flush per policy."""
+    raw = out["raw_us"] = {}
+    out["state_fp32_bytes"] = M.B * M.H * M.V * M.K * 4
+    for key, fn in timing_tasks(M, gen, small):
+        if key.startswith("bytes|"):
+            out.setdefault("read_copy_bytes", {})[key[6:]] = fn
+            continue
+        raw[key] = bench(fn) * 1e3
+        if not key.startswith("step") or key.endswith("h7|bv32|w4"):
+            print(M.name, key, round(raw[key], 1), flush=True)
+    out["eager_fp32_triton_us"] = raw["eager_fp32_triton"]
+    out["eager_fp32_torch_us"] = raw["eager_fp32_torch"]
+    out["eager_fp32_triton_GBps"] = 2 * out["state_fp32_bytes"] / (raw["eager_fp32_triton"] * 1e-6) / 1e9
+    best = out["step_best"] = {}
+    for fmt in READ_FORMATS:
+        for hh in (0, M.L // 2 - 1, M.L - 2):
+            cands = {k_: v for k_, v in raw.items() if k_.startswith(f"step|{fmt}|h{hh}|")}
+            k_best = min(cands, key=cands.get)
+            best.setdefault(fmt, {})[f"h{hh}"] = {"us": cands[k_best], "cfg": k_best.split("|", 3)[3]}
+    fl = out["flush_best"] = {}
+    corr = {k_: v for k_, v in raw.items() if k_.startswith("corr|")}
+    c_best = min(corr.values()) if corr else 0.0
+    for pol in [p for f in READ_FORMATS for p in FLUSH_POLICIES[f]]:
+        cands = {k_: v for k_, v in raw.items() if k_.startswith(f"flush|{pol}|")}
+        k_best = min(cands, key=cands.get)
+        fl[pol] = {"flush_kernel_us": cands[k_best], "cfg": k_best.split("|", 2)[2],
+                   "corrections_kernel_us": c_best, "total_us": cands[k_best] + c_best}
+
+
+def warm(models, part, nparts, small):
+    """Compile (run once) the timing tasks with index % nparts == part (parallel warm-up)."""
+    i = 0
+    for M in models:
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        for key, fn in timing_tasks(M, gen, small):
+            if not key.startswith("bytes|") and i % nparts == part:
+                fn()
+            i += 1
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------------------ main
@@ -332,6 +366,8 @@ def main():
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--models", default="gdn,mamba2")
+    ap.add_argument("--warm", default=None, help="i/n: only compile part i of n of the timing "
+                    "tasks (run n of these in parallel before timing)")
     args = ap.parse_args()
     L = 16
     if args.small:
@@ -340,6 +376,10 @@ def main():
     else:
         models = [Model("gdn", 256, 32, 16, 128, 128, L), Model("mamba2", 256, 128, 1, 64, 128, L)]
     models = [m for m in models if m.name in args.models.split(",")]
+    if args.warm:
+        part, nparts = (int(x) for x in args.warm.split("/"))
+        warm(models, part, nparts, args.small)
+        return
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
@@ -385,8 +425,7 @@ def main():
             torch.cuda.empty_cache()
         if not args.skip_timing:
             try:
-                time_model(M, gen, mres.setdefault("timing", {}), (32,) if not args.small
-                           else (16,))
+                run_timing(M, gen, mres.setdefault("timing", {}), args.small)
             except Exception:  # noqa: BLE001
                 mres.setdefault("timing", {})["error"] = traceback.format_exc()[-2000:]
                 print(mres["timing"]["error"], flush=True)
@@ -399,14 +438,13 @@ def main():
         t = m.get("timing", {})
         print(f"== {name}: eager fp32 triton {t.get('eager_fp32_triton_us', float('nan')):.1f} us,"
               f" torch {t.get('eager_fp32_torch_us', float('nan')):.1f} us")
-        for fmt, r in t.get("step", {}).items():
-            print(f"   step {fmt:8s} " + " ".join(f"{a[5:]}={b:.1f}" for a, b in r.items()
-                                                  if a.startswith("step")))
-        for pol, r in t.get("flush", {}).items():
-            print(f"   flush {pol:24s} total={r['total_us']:.1f} us")
+        for fmt, r in t.get("step_best", {}).items():
+            print(f"   step {fmt:8s} " + " ".join(f"{a}={b['us']:.1f}({b['cfg']})"
+                                                  for a, b in r.items()))
+        for pol, r in t.get("flush_best", {}).items():
+            print(f"   flush {pol:26s} total={r['total_us']:.1f} us ({r['cfg']})")
         bad = {k: v for k, v in m.get("check", {}).items() if "error" in v}
-        print("   check errors:", list(bad) or "none")
-
+        print("   check errors:", list(bad) or "none", "timing error:", "error" in t)
 
 if __name__ == "__main__":
     main()

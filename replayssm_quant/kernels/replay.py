@@ -89,6 +89,8 @@ _K_NVFP4 = 3  # E2M1 nibbles + E4M3 scale per 16 + FP32 scale per matrix
 _K_MX = 4  # E4M3 / E2M1 codes + E8M0 scale per 32
 
 DEFAULT_BV = 32  # value rows per program of the records kernel / per tile of the flush kernel
+DEFAULT_WARPS = 4
+_PSEUDO_BLOCK = 32  # records kernel: block length of a C tile for formats without blocks
 MIN_LP = 16  # smallest register tile of record slots
 
 
@@ -154,12 +156,6 @@ def _decode_code(code, EB: tl.constexpr, MB: tl.constexpr, EMIN: tl.constexpr,
 
 
 @triton.jit
-def _split_halves(x, R: tl.constexpr, KH: tl.constexpr):
-    """[R, 2*KH] -> (even, odd) columns, each [R, KH]."""
-    return tl.split(tl.reshape(x, [R, KH, 2]))
-
-
-@triton.jit
 def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
                KIND: tl.constexpr, FP4: tl.constexpr, EB: tl.constexpr, MB: tl.constexpr,
@@ -172,14 +168,15 @@ def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
         byte = tl.load(c_ptr + rowg[:, None] * KH + j[None, :], mask=m2, other=0).to(tl.int32)
         e = _decode_code(byte & 15, EB, MB, EMIN, SUBQ, NANF)
         o = _decode_code(byte >> 4, EB, MB, EMIN, SUBQ, NANF)
-    else:
-        kk = tl.arange(0, K)
-        x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=m2, other=0)
+    else:  # two strided loads (even, odd elements): no register shuffles
+        e = tl.load(c_ptr + rowg[:, None] * K + 2 * j[None, :], mask=m2, other=0)
+        o = tl.load(c_ptr + rowg[:, None] * K + 2 * j[None, :] + 1, mask=m2, other=0)
         if KIND <= 1:
-            x = x.to(tl.float32)
+            e = e.to(tl.float32)
+            o = o.to(tl.float32)
         else:
-            x = _decode_code(x, EB, MB, EMIN, SUBQ, NANF)
-        e, o = _split_halves(x, BV, KH)
+            e = _decode_code(e, EB, MB, EMIN, SUBQ, NANF)
+            o = _decode_code(o, EB, MB, EMIN, SUBQ, NANF)
     if KIND == 2:
         s = tl.load(ms_ptr + mat)
         e = e * s
@@ -225,12 +222,12 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
     store the packed codes (and block scale codes); same steps as ``quant._parts`` /
     ``kernels.quant._block_rows``. ``s_mat``: the matrix scale (fp8: s; nvfp4: s_g)."""
     j = tl.arange(0, KH)
-    kk = tl.arange(0, K)
     rowg = mat * V + rows.to(tl.int64)
     m2 = rmask[:, None]
+    pe = out_ptr + rowg[:, None] * K + 2 * j[None, :]  # even / odd element addresses
     if KIND == 0:
-        x = tl.reshape(tl.join(xe, xo), [BV, K])
-        tl.store(out_ptr + rowg[:, None] * K + kk[None, :], x, mask=m2)
+        tl.store(pe, xe, mask=m2)
+        tl.store(pe + 1, xo, mask=m2)
     else:
         if SR:
             lo, hi = _stream_words(tl.load(st_ptr + mat))
@@ -245,8 +242,8 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
             _, co = _quant(xo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.int16)
-            tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+            tl.store(pe, ce.to(tl.int16), mask=m2)
+            tl.store(pe + 1, co.to(tl.int16), mask=m2)
         if KIND == 2:
             ye = tl.where(xe != xe, xe, tl.math.div_rn(xe, tl.broadcast_to(s_mat, [BV, KH])))
             yo = tl.where(xo != xo, xo, tl.math.div_rn(xo, tl.broadcast_to(s_mat, [BV, KH])))
@@ -254,8 +251,8 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
             _, co = _quant(yo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
-            tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+            tl.store(pe, ce.to(tl.uint8), mask=m2)
+            tl.store(pe + 1, co.to(tl.uint8), mask=m2)
         if KIND >= 3:
             NB: tl.constexpr = K // BLK
             HB: tl.constexpr = BLK // 2
@@ -308,13 +305,70 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                 byte = tl.reshape((ce | (co << 4)).to(tl.uint8), [BV, KH])
                 tl.store(out_ptr + rowg[:, None] * KH + j[None, :], byte, mask=m2)
             else:
-                c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
-                tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+                tl.store(pe, tl.reshape(ce, [BV, KH]).to(tl.uint8), mask=m2)
+                tl.store(pe + 1, tl.reshape(co, [BV, KH]).to(tl.uint8), mask=m2)
 
 
 # ----------------------------------------------------------------------------------------
 # records kernel: step / verify / GDN correction solve, output-only
 # ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_c_blocks(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
+                   K: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
+                   KIND: tl.constexpr, FP4: tl.constexpr, EB: tl.constexpr, MB: tl.constexpr,
+                   EMIN: tl.constexpr, SUBQ: tl.constexpr, NANF: tl.constexpr):
+    """Rows of a stored copy as blocks: element values ``[BV, NB, W]`` before scaling (FP4:
+    the even and the odd elements of each block, W = block / 2; otherwise the whole block,
+    ``xo`` unused) and the scale of each block ``[BV, NB]`` (1 for fp32/bf16/fp16; the matrix
+    scale for fp8; ``s_b * s_g`` for nvfp4; the E8M0 scale for mx). ``value = elem * scale``
+    is the dequantised value; the records kernel applies the scale after the dot product
+    over the block (outputs only: a reassociation)."""
+    nb = tl.arange(0, NB)
+    jj = tl.arange(0, W)
+    rowg = mat * V + rows.to(tl.int64)
+    m3 = rmask[:, None, None]
+    col = nb[:, None] * W + jj[None, :]  # [NB, W]
+    if FP4:
+        byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2) + col[None, :, :], mask=m3,
+                       other=0).to(tl.int32)
+        xe = _decode_code(byte & 15, EB, MB, EMIN, SUBQ, NANF)
+        xo = _decode_code(byte >> 4, EB, MB, EMIN, SUBQ, NANF)
+    else:
+        x = tl.load(c_ptr + rowg[:, None, None] * K + col[None, :, :], mask=m3, other=0)
+        if KIND <= 1:
+            xe = x.to(tl.float32)
+        else:
+            xe = _decode_code(x, EB, MB, EMIN, SUBQ, NANF)
+        xo = xe
+    m2 = rmask[:, None]
+    if KIND <= 1:
+        sc = tl.full([rows.shape[0], NB], 1.0, tl.float32)
+    if KIND == 2:
+        sc = tl.full([rows.shape[0], NB], 1.0, tl.float32) * tl.load(ms_ptr + mat)
+    if KIND == 3:
+        sbc = tl.load(bs_ptr + rowg[:, None] * NB + nb[None, :], mask=m2, other=0)
+        sc = _decode_code(sbc, 4, 3, -6, 0.001953125, 1) * tl.load(ms_ptr + mat)
+    if KIND == 4:
+        e8 = tl.load(bs_ptr + rowg[:, None] * NB + nb[None, :], mask=m2, other=0).to(tl.int32)
+        sc = tl.where(e8 == 255, float("nan"), _pow2(e8 - 127))
+    return xe, xo, sc
+
+
+@triton.jit
+def _dot_blocks(xe, xo, sc, v_ptr, NB: tl.constexpr, W: tl.constexpr, FP4: tl.constexpr):
+    """``C v`` for C as returned by ``_load_c_blocks`` and a K-vector at ``v_ptr``: [BV]."""
+    nb = tl.arange(0, NB)
+    jj = tl.arange(0, W)
+    col = nb[:, None] * W + jj[None, :]
+    if FP4:
+        ve = tl.load(v_ptr + 2 * col)
+        vo = tl.load(v_ptr + 2 * col + 1)
+        part = tl.sum(xe * ve[None, :, :], axis=2) + tl.sum(xo * vo[None, :, :], axis=2)
+    else:
+        part = tl.sum(xe * tl.load(v_ptr + col)[None, :, :], axis=2)
+    return tl.sum(part * sc, axis=1)
 
 
 @triton.jit
@@ -327,7 +381,8 @@ def _records_kernel(
         wout_ptr,  # [B,WCAP,H,V]: solved rows ss..n-1 (WRITE_W)
         ala_ptr, ak_ptr, av_ptr, abeta_ptr,  # ring outputs of the append (APPEND)
         H, G, V, CAP, TD, TQ, WCAP,
-        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+        K: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
+        LP: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         C_KIND: tl.constexpr, C_FP4: tl.constexpr, C_EB: tl.constexpr, C_MB: tl.constexpr,
         C_EMIN: tl.constexpr, C_SUBQ: tl.constexpr, C_NANF: tl.constexpr):
@@ -360,34 +415,32 @@ def _records_kernel(
                  mask=ring[:, None], other=0.0)
     kd = tl.load(dk_ptr + ((b * TD + di) * G + g)[:, None] * K + kk[None, :],
                  mask=drf[:, None], other=0.0)
-    ke, ko = _split_halves(tl.where(ring[:, None], kr, kd), LP, KH)
+    kmat = kr + kd  # [LP, K] (disjoint masks)
     m2 = ring[:, None] & rmask[None, :]
     U = tl.load(rw_ptr + ((b * CAP + ri) * H + h)[:, None] * V + rows[None, :], mask=m2,
                 other=0.0)
     if not GDN:  # Mamba-2: w = v for the draft rows too
         md = drf[:, None] & rmask[None, :]
-        vd = tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :], mask=md,
+        U += tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :], mask=md,
                      other=0.0)
-        U = tl.where(drf[:, None], vd, U)
 
-    ce, co = _load_copy(c_ptr, cbs_ptr, cms_ptr, mat, rows, rmask, V, K, KH, BV,
-                        C_KIND, C_FP4, C_EB, C_MB, C_EMIN, C_SUBQ, C_NANF)
+    xe, xo, sc = _load_c_blocks(c_ptr, cbs_ptr, cms_ptr, mat, rows, rmask, V, K, NB, W,
+                                C_KIND, C_FP4, C_EB, C_MB, C_EMIN, C_SUBQ, C_NANF)
 
     # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time)
     if GDN:
         beta = tl.load(dbeta_ptr + (b * TD + di) * H + h, mask=drf, other=0.0)
         for p in range(ss, n):
-            sel = idx == p
-            kpe = tl.sum(tl.where(sel[:, None], ke, 0.0), axis=0)
-            kpo = tl.sum(tl.where(sel[:, None], ko, 0.0), axis=0)
-            ck = tl.sum(ce * kpe[None, :], axis=1) + tl.sum(co * kpo[None, :], axis=1)
-            kkp = tl.sum(ke * kpe[None, :], axis=1) + tl.sum(ko * kpo[None, :], axis=1)
-            cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
-            bp = tl.sum(tl.where(sel, beta, 0.0), axis=0)
             if D_REL:
                 pd = p - ss
             else:
                 pd = p
+            kp_ptr = dk_ptr + ((b * TD + pd) * G + g) * K
+            ck = _dot_blocks(xe, xo, sc, kp_ptr, NB, W, C_FP4)  # C k_p
+            kkp = tl.sum(kmat * tl.load(kp_ptr + kk)[None, :], axis=1)  # k_i . k_p
+            sel = idx == p
+            cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
+            bp = tl.load(dbeta_ptr + (b * TD + pd) * H + h)
             vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + rows, mask=rmask, other=0.0)
             before = idx < p
             coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
@@ -418,10 +471,9 @@ def _records_kernel(
     # ---- outputs at positions o0 .. o0 + TQ - 1
     for t in range(0, TQ):
         p = o0 + t
-        qv = tl.load(q_ptr + ((b * TQ + t) * G + g) * K + kk)
-        qe, qo = tl.split(tl.reshape(qv, [KH, 2]))
-        cq = tl.sum(ce * qe[None, :], axis=1) + tl.sum(co * qo[None, :], axis=1)
-        kq = tl.sum(ke * qe[None, :], axis=1) + tl.sum(ko * qo[None, :], axis=1)
+        qp_ptr = q_ptr + ((b * TQ + t) * G + g) * K
+        cq = _dot_blocks(xe, xo, sc, qp_ptr, NB, W, C_FP4)  # C q
+        kq = tl.sum(kmat * tl.load(qp_ptr + kk)[None, :], axis=1)  # k_j . q
         cp = tl.sum(tl.where(idx == p, cvec, 0.0), axis=0)
         upto = idx <= p
         m = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)), 0.0)
@@ -444,7 +496,7 @@ def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, 
     """Rows of ``S = gamma_{1:n} A + sum_{j<n} gamma_{j+1:n} w_j k_j^T`` as (even, odd)."""
     ae, ao = _load_copy(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV,
                         A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
-    kk = tl.arange(0, K)
+    kh = tl.arange(0, KH)
     acc_e = tl.zeros([BV, KH], tl.float32)
     acc_o = tl.zeros([BV, KH], tl.float32)
     c = total * 0.0
@@ -452,8 +504,9 @@ def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, 
         c = c + tl.load(la_ptr + (b * J + jj) * H + h)
         m = tl.exp(total - c)
         wj = tl.load(w_ptr + ((b * J + jj) * H + h) * V + rows, mask=rmask, other=0.0) * m
-        kj = tl.load(k_ptr + ((b * J + jj) * G + g) * K + kk)
-        kje, kjo = tl.split(tl.reshape(kj, [KH, 2]))
+        kb = k_ptr + ((b * J + jj) * G + g) * K + 2 * kh
+        kje = tl.load(kb)
+        kjo = tl.load(kb + 1)
         acc_e += wj[:, None] * kje[None, :]
         acc_o += wj[:, None] * kjo[None, :]
     eg = tl.exp(total)
@@ -496,7 +549,6 @@ def _flush_kernel(
     total = tl.zeros([], tl.float32)
     for jj in range(0, n):
         total = total + tl.load(la_ptr + (b * J + jj) * H + h)
-    kk = tl.arange(0, K)
     j = tl.arange(0, KH)
     amax = tl.zeros([], tl.float32)
     if NEED_AMAX:
@@ -513,8 +565,8 @@ def _flush_kernel(
     sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
     sr = _matrix_scale(amax, CR_KIND, CR_FMAX)
     if Q_OUT:
-        qv = tl.load(q_ptr + (b * G + g) * K + kk)
-        qe, qo = tl.split(tl.reshape(qv, [KH, 2]))
+        qe = tl.load(q_ptr + (b * G + g) * K + 2 * j)
+        qo = tl.load(q_ptr + (b * G + g) * K + 2 * j + 1)
     for v0 in range(0, V, BV):
         rows = v0 + tl.arange(0, BV)
         rmask = rows < V
@@ -522,9 +574,9 @@ def _flush_kernel(
                                    rows, rmask, n, total, H, G, V, J, K, KH, BV,
                                    A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
         if STORE_S:
-            x = tl.reshape(tl.join(se, so), [BV, K])
-            tl.store(s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
-                     mask=rmask[:, None])
+            ps = s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + 2 * j[None, :]
+            tl.store(ps, se, mask=rmask[:, None])
+            tl.store(ps + 1, so, mask=rmask[:, None])
         if Q_OUT:
             y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
             tl.store(y_ptr + mat * V + rows, y, mask=rmask)
@@ -578,7 +630,8 @@ def _lp(cap: int) -> int:
 
 def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_start,
                     draft=None, draft_relative: bool = True, gdn: bool = False,
-                    w_out=None, append=None, block_v: int = DEFAULT_BV) -> torch.Tensor:
+                    w_out=None, append=None, block_v: int = DEFAULT_BV,
+                    num_warps: int = DEFAULT_WARPS) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -621,20 +674,23 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     a_la, a_k, a_v = ap.get("la", o_arg), ap.get("k", o_arg), ap.get("v", o_arg)
     a_beta = ap.get("beta", o_arg)
     grid = (B * H, triton.cdiv(V, block_v))
+    fp4 = spec.info.element is F.E2M1
+    blk = spec.info.block or _PSEUDO_BLOCK  # C is held as [BV, K / blk, blk] (FP4: 2 halves)
     _records_kernel[grid](
         c, cbs, cms, ring_la, ring_k, ring_w,
         draft["la"].contiguous(), draft["k"].contiguous(), draft["v"].contiguous(),
         beta.contiguous(), q.contiguous(), o_arg,
         start, rows, out_start, wo, a_la, a_k, a_v, a_beta,
         H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
-        K=K, KH=K // 2, BV=block_v, LP=_lp(max(CAP, TD)), GDN=gdn, D_REL=draft_relative,
-        WRITE_W=w_out is not None, APPEND=append is not None,
-        **_decode_consts(spec, "C_"))
+        K=K, NB=K // blk, W=blk // 2 if fp4 else blk, BV=block_v, LP=_lp(max(CAP, TD)),
+        GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
+        num_warps=num_warps, **_decode_consts(spec, "C_"))
     return o
 
 
 # ---------------------------------------------------------------- decode step
-def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int = DEFAULT_BV):
+def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int = DEFAULT_BV,
+        num_warps: int = DEFAULT_WARPS):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -645,11 +701,12 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int = DEFAU
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
                         append={"la": ring["la"], "k": ring["k"], "v": ring["v"]},
-                        block_v=block_v)
+                        block_v=block_v, num_warps=num_warps)
     return y[:, 0]
 
 
-def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int = DEFAULT_BV):
+def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int = DEFAULT_BV,
+        num_warps: int = DEFAULT_WARPS):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -662,7 +719,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int = DEF
                         w_out=ring["uR"],
                         append={"la": ring["la"], "k": ring["k"], "v": ring["v"],
                                 "beta": ring["beta"]},
-                        block_v=block_v)
+                        block_v=block_v, num_warps=num_warps)
     return o[:, 0]
 
 
@@ -719,7 +776,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
 
 
 # ---------------------------------------------------------------- GDN flush corrections
-def gdn_corrections_kernel(anchor, la, beta, v, k, length, *, block_v: int = DEFAULT_BV):
+def gdn_corrections_kernel(anchor, la, beta, v, k, length, *, block_v: int = DEFAULT_BV,
+        num_warps: int = DEFAULT_WARPS):
     """Kernel of :func:`core.solve_corrections` for a flush: the corrections of rows
     ``0..length[b]-1`` against the stored anchor (records ``la, beta [B,J,HV]``,
     ``v [B,J,HV,DV]``, grouped ``k [B,J,HK,DK]``). Rows at or beyond ``length`` are zero.
@@ -732,7 +790,7 @@ def gdn_corrections_kernel(anchor, la, beta, v, k, length, *, block_v: int = DEF
     zero = torch.zeros_like(length)
     records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u, q=q, start=zero, rows=length,
                     out_start=zero, draft={"la": la, "k": k, "v": v, "beta": beta},
-                    draft_relative=False, gdn=True, w_out=u, block_v=block_v)
+                    draft_relative=False, gdn=True, w_out=u, block_v=block_v, num_warps=num_warps)
     return u
 
 
@@ -765,7 +823,8 @@ def _as_stored(spec: QuantSpec, shape, bufs):
 
 
 def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, sequence_ids,
-                 flush_index, q=None, store_state: bool = True, block_v: int = DEFAULT_BV):
+                 flush_index, q=None, store_state: bool = True, block_v: int = DEFAULT_BV,
+                 num_warps: int = DEFAULT_WARPS):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -807,7 +866,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         S, qq, y, H, G, V, J,
         K=K, KH=K // 2, BV=block_v, TWO=two, STORE_S=store_state, Q_OUT=q is not None,
         NEED_AMAX=_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
-        or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)),
+        or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)), num_warps=num_warps,
         **_decode_consts(aspec, "A_"), **_cast_consts(policy.rec, "CA_"),
         **_cast_consts(policy.read if two else policy.rec, "CR_"))
     a_st = _as_stored(policy.rec, shape, bufa)

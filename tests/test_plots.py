@@ -141,3 +141,15 @@ def test_report_command(tmp_path):
         assert (out.parent / "report_figures" / f"{name}.png").is_file()
     assert report.main([str(tmp_path / "missing"), "-o", str(out)]) == 2
     json.loads((run / "manifest.json").read_text())
+
+
+def test_several_runs_are_separate_curves(tmp_path):
+    a = results.write_synthetic_run(tmp_path / "ra", policies=POLICIES[:2], windows=(1,),
+                                    n_tokens=16, docs=2, seed=1)  # fmt: skip
+    b = results.write_synthetic_run(tmp_path / "rb", policies=POLICIES[:2], windows=(1,),
+                                    n_tokens=16, docs=2, seed=2)  # fmt: skip
+    df = results.load_runs([a, b]).positions
+    fig = plots.plot_kl_vs_n(df)
+    labels = {ln.get_label() for ln in fig.axes[0].get_lines()}
+    assert labels == {"ra: shared:nvfp4+sr L=1", "rb: shared:nvfp4+sr L=1"}
+    plt.close(fig)

@@ -513,7 +513,7 @@ def rtn_stuck_threshold(x, fmt: str):
     ``RTN(a x) = x`` while the decay step ``(1 - a) x`` is under half the grid spacing *below*
     ``x`` (which at a power of two is half the spacing above): threshold ``delta_below / (2 x)``
     (ties to even may also hold at equality). For bf16 and ``x = 1`` this is ``2^-9 ~
-    0.00195``, so every ``a > 0.998`` is stuck, e.g. ``a = 0.999``.
+    0.00195``, so every ``a > 1 - 2^-9 ~ 0.99805`` is stuck, e.g. ``a = 0.999``.
 
     Args: ``x > 0`` values on the grid of an unscaled format (``bf16`` or ``fp16``).
     Returns: float64 array. Raises ValueError for scaled formats or ``x <= 0``.

@@ -318,6 +318,20 @@ def write_card(stats: dict, out: Path) -> None:
     cands = "\n".join(
         f"| {Path(c['run']).name} | {c['steps']} | {c['dropout']} | {c['best_val_nll']:.3f} | {c['heldout_nll']:.3f} |"
         for c in sel.get("candidates", []))
+    sup = sel.get("superseded")
+    superseded = ""
+    if sup:
+        rows = "\n".join(
+            f"| {Path(c['run']).name} | {c['steps']} | {c['dropout']} | {c['best_val_nll']:.3f} | {c['heldout_nll']:.3f} |"
+            for c in sup["candidates"])
+        superseded = (f"\n\nDiscarded earlier candidates: {sup['note']}\n\n"
+                      "| discarded candidate | steps | dropout | best validation NLL | held-out NLL |\n"
+                      f"|---|---|---|---|---|\n{rows}")
+    init_note = ""
+    if arch != "nemotron_h":
+        init_note = (f" Gated DeltaNet `dt_bias` initialised as in flash-linear-attention's GatedDeltaNet "
+                     f"(`--gdn-dt-init {a.get('gdn_dt_init', 'hf')}`: dt log-uniform in [1e-3, 0.1], then "
+                     "softplus^-1; A_log keeps transformers' init, A uniform in [0.01, 16]).")
     heldout_books = ", ".join(stats["heldout_books"])
     mb = stats["safetensors_bytes"] / 1e6
     probe = tl["log"].get("probe", {})
@@ -363,7 +377,7 @@ Recipe: `scripts/train_reference_models.py` (seeded; seed {a['seed']}). AdamW (0
 clip {a['clip']}, batch {a['batch']} x {a['seq_len']} tokens, {tl['steps_run']} steps
 ({tl['tokens']['seen'] / 1e6:.1f} M tokens, about {tl['tokens']['seen'] / tl['tokens']['train']:.0f} passes over the
 training stream), FP32 weights with TF32 matmuls, training-only residual dropout {a.get('dropout', 0.0)}
-(forward hooks; not part of the saved model). Checkpoint: lowest validation NLL, at step
+(forward hooks; not part of the saved model).{init_note} Checkpoint: lowest validation NLL, at step
 {tl['best_step']} (validation NLL {tl['best_val_nll']:.3f}).
 
 Hardware and time: one NVIDIA H200 ({tl['versions'].get('gpu', 'GPU')}), torch {tl['versions']['torch']},
@@ -384,7 +398,7 @@ Two candidate schedules were trained per model and the one with the lower *valid
 
 | candidate | steps | dropout | best validation NLL | held-out NLL |
 |---|---|---|---|---|
-{cands}
+{cands}{superseded}
 
 Loss curve (train loss is one batch; full curve every 10 steps in
 `docs/models/training/{name}-training.json`):

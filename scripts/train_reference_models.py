@@ -13,12 +13,18 @@ Everything needed to rebuild ``replayssm_quant/models/tiny_gdn`` and
    format; both models share it.
 3. models: ``nemotron_h`` (Mamba-2 hybrid) and ``qwen3_5_text`` (Gated DeltaNet hybrid),
    configs in :func:`model_config`, initialised by transformers' own ``_init_weights``
-   under ``torch.manual_seed(seed)``.
+   under ``torch.manual_seed(seed)``, except the Gated DeltaNet ``dt_bias``, which is
+   initialised as in flash-linear-attention (:func:`init_gdn_dt_bias`; transformers'
+   ``dt_bias = 1`` starts every head at alpha ~ 0 and the trained model kept almost no slow
+   heads). Mamba-2 uses ``time_step_min = 1e-5`` so that transformers' chunked-path dt clamp
+   (absent from the decode step) does not bind.
 4. schedule: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices only), linear warm-up
-   then cosine decay to 10% of the peak, gradient clipping at 1.0, batches of ``--batch``
-   windows of ``--seq-len`` tokens drawn uniformly at random (seeded) from the training
-   stream (books joined by ``<|endoftext|>``); validation every ``--eval-every`` steps;
-   the checkpoint with the lowest validation loss is saved (FP32 weights).
+   then cosine decay to 10% of the peak (2e-3), gradient clipping at 1.0, batches of
+   ``--batch`` (32) windows of ``--seq-len`` (512) tokens drawn uniformly at random (seeded)
+   from the training stream (books joined by ``<|endoftext|>``), training-only residual
+   dropout 0.2 (:func:`add_residual_dropout`), 800 steps; validation every ``--eval-every``
+   (20) steps; the checkpoint with the lowest validation loss is saved (FP32 weights).
+   The defaults are the recipe of the shipped models (``docs/models/training/README.md``).
 
 Commands::
 
@@ -179,6 +185,27 @@ def model_config(arch: str, vocab_size: int, eos_id: int):
     raise ValueError(f"unknown arch {arch!r}; expected 'gdn' or 'mamba2'")
 
 
+def init_gdn_dt_bias(model, seed: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> int:
+    """Re-initialise every Gated DeltaNet ``dt_bias`` as flash-linear-attention's
+    ``GatedDeltaNet`` (and Mamba-2) do: dt log-uniform in [dt_min, dt_max], floored, then
+    ``dt_bias = softplus^-1(dt)``. transformers' Qwen3.5 init sets ``dt_bias = 1`` instead,
+    which with A in [0.01, 16] starts every head at alpha = exp(-A * softplus(a + 1)) ~ 0
+    (forget at once); a first model trained from that init kept almost no slow heads."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for layer in model.model.layers:
+            la = getattr(layer, "linear_attn", None)
+            if la is None:
+                continue
+            h = la.dt_bias.numel()
+            dt = torch.exp(torch.rand(h, generator=gen) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            dt = dt.clamp(min=floor)
+            la.dt_bias.copy_((dt + torch.log(-torch.expm1(-dt))).to(la.dt_bias))
+            n += 1
+    return n
+
+
 def add_residual_dropout(model, p: float) -> list:
     """Training-only regularisation: dropout on the embedding output and on every
     sub-layer's output before it is added to the residual stream (forward hooks, so the
@@ -299,6 +326,8 @@ def train(args) -> dict:
     cfg = model_config(args.arch, len(tok), eos_id)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
     n_params = sum(p.numel() for p in model.parameters())
+    if args.arch == "gdn" and args.gdn_dt_init == "fla":
+        init_gdn_dt_bias(model, args.seed + 2)
     hooks = add_residual_dropout(model, args.dropout)
     print(f"[{args.arch}] {type(model).__name__}: {n_params / 1e6:.3f} M params; "
           f"train {len(train_ids)} tokens, val {len(val_ids)}, heldout {sum(map(len, heldout.values()))}", flush=True)
@@ -449,17 +478,20 @@ def main(argv=None):
             s.add_argument("--arch", choices=sorted(NAMES), required=True)
         s.add_argument("--seed", type=int, default=1234)
         s.add_argument("--steps", type=int, default=800)
-        s.add_argument("--warmup", type=int, default=100)
+        s.add_argument("--warmup", type=int, default=80)
         s.add_argument("--batch", type=int, default=32)
         s.add_argument("--seq-len", type=int, default=512)
         s.add_argument("--lr", type=float, default=2e-3)
         s.add_argument("--weight-decay", type=float, default=0.1)
-        s.add_argument("--dropout", type=float, default=0.0,
+        s.add_argument("--dropout", type=float, default=0.2,
                        help="training-only residual dropout (forward hooks), see add_residual_dropout")
+        s.add_argument("--gdn-dt-init", choices=("fla", "hf"), default="fla",
+                       help="GDN dt_bias init: 'fla' (dt log-uniform in [1e-3, 0.1], as fla/Mamba-2) or "
+                            "'hf' (transformers' Qwen3.5 init, dt_bias = 1)")
         s.add_argument("--tokenizer", default=None, help="tokenizer dir (default <out>/tokenizer; trained if missing)")
         s.add_argument("--clip", type=float, default=1.0)
         s.add_argument("--val-frac", type=float, default=0.03)
-        s.add_argument("--eval-every", type=int, default=50)
+        s.add_argument("--eval-every", type=int, default=20)
         s.add_argument("--eval-batch", type=int, default=32)
         s.add_argument("--log-every", type=int, default=10)
         s.add_argument("--amp", choices=("fp32", "bf16"), default="fp32",

@@ -487,30 +487,23 @@ def _records_kernel(
 
 
 @triton.jit
-def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g, rows, rmask,
-                      n, total, H, G, V, J,
+def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, lidx, live, m,
+                      ke, ko, total, H, V, J,
                       K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
                       A_KIND: tl.constexpr, A_FP4: tl.constexpr, A_EB: tl.constexpr,
                       A_MB: tl.constexpr, A_EMIN: tl.constexpr, A_SUBQ: tl.constexpr,
                       A_NANF: tl.constexpr):
-    """Rows of ``S = gamma_{1:n} A + sum_{j<n} gamma_{j+1:n} w_j k_j^T`` as (even, odd)."""
+    """Rows of ``S = gamma_{1:n} A + sum_{j<n} gamma_{j+1:n} w_j k_j^T`` as (even, odd):
+    ``(W m)^T K`` as one IEEE-FP32 ``tl.dot`` per half (``ke, ko [LP, KH]``; ``m [LP]``
+    the decays, 0 on dead slots)."""
     ae, ao = _load_copy(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV,
                         A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
-    kh = tl.arange(0, KH)
-    acc_e = tl.zeros([BV, KH], tl.float32)
-    acc_o = tl.zeros([BV, KH], tl.float32)
-    c = total * 0.0
-    for jj in range(0, n):
-        c = c + tl.load(la_ptr + (b * J + jj) * H + h)
-        m = tl.exp(total - c)
-        wj = tl.load(w_ptr + ((b * J + jj) * H + h) * V + rows, mask=rmask, other=0.0) * m
-        kb = k_ptr + ((b * J + jj) * G + g) * K + 2 * kh
-        kje = tl.load(kb)
-        kjo = tl.load(kb + 1)
-        acc_e += wj[:, None] * kje[None, :]
-        acc_o += wj[:, None] * kjo[None, :]
+    wt = tl.load(w_ptr + ((b * J + lidx) * H + h)[None, :] * V + rows[:, None],
+                 mask=rmask[:, None] & live[None, :], other=0.0) * m[None, :]  # [BV, LP]
     eg = tl.exp(total)
-    return eg * ae + acc_e, eg * ao + acc_o
+    se = eg * ae + tl.dot(wt, ke, input_precision="ieee")
+    so = eg * ao + tl.dot(wt, ko, input_precision="ieee")
+    return se, so
 
 
 @triton.jit
@@ -522,7 +515,7 @@ def _flush_kernel(
         or_ptr, orbs_ptr, orms_ptr,  # new read copy
         s_ptr, q_ptr, y_ptr,  # S [B,H,V,K] (STORE_S); q [B,G,K] -> y = S q [B,H,V] (Q_OUT)
         H, G, V, J,
-        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
+        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         TWO: tl.constexpr, STORE_S: tl.constexpr, Q_OUT: tl.constexpr,
         NEED_AMAX: tl.constexpr,
         A_KIND: tl.constexpr, A_FP4: tl.constexpr, A_EB: tl.constexpr, A_MB: tl.constexpr,
@@ -546,17 +539,25 @@ def _flush_kernel(
     h = mat - b * H
     g = h // (H // G)
     n = tl.load(len_ptr + b)
-    total = tl.zeros([], tl.float32)
-    for jj in range(0, n):
-        total = total + tl.load(la_ptr + (b * J + jj) * H + h)
     j = tl.arange(0, KH)
+    # the records, once per matrix: la -> decays m_j = gamma_{j+1:n}, k halves [LP, KH]
+    lidx = tl.arange(0, LP).to(tl.int64)
+    live = lidx < n
+    lsafe = tl.where(live, lidx, 0)
+    la = tl.load(la_ptr + (b * J + lsafe) * H + h, mask=live, other=0.0)
+    cvec = tl.cumsum(la, axis=0)
+    total = tl.sum(tl.where(lidx == n - 1, cvec, 0.0), axis=0)  # c_n (0 when n == 0)
+    m = tl.where(live, tl.exp(tl.where(live, total - cvec, 0.0)), 0.0)
+    kb = k_ptr + ((b * J + lsafe) * G + g)[:, None] * K + 2 * j[None, :]
+    ke = tl.load(kb, mask=live[:, None], other=0.0)
+    ko = tl.load(kb + 1, mask=live[:, None], other=0.0)
     amax = tl.zeros([], tl.float32)
     if NEED_AMAX:
         for v0 in range(0, V, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
-            se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h,
-                                       g, rows, rmask, n, total, H, G, V, J, K, KH, BV,
+            se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
+                                       lidx, live, m, ke, ko, total, H, V, J, K, KH, BV,
                                        A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
             fe = tl.where(rmask[:, None], _finite_abs(se), 0.0)
             fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
@@ -570,8 +571,8 @@ def _flush_kernel(
     for v0 in range(0, V, BV):
         rows = v0 + tl.arange(0, BV)
         rmask = rows < V
-        se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g,
-                                   rows, rmask, n, total, H, G, V, J, K, KH, BV,
+        se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
+                                   lidx, live, m, ke, ko, total, H, V, J, K, KH, BV,
                                    A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
         if STORE_S:
             ps = s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + 2 * j[None, :]
@@ -864,7 +865,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
         bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
         S, qq, y, H, G, V, J,
-        K=K, KH=K // 2, BV=block_v, TWO=two, STORE_S=store_state, Q_OUT=q is not None,
+        K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
+        Q_OUT=q is not None,
         NEED_AMAX=_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
         or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)), num_warps=num_warps,
         **_decode_consts(aspec, "A_"), **_cast_consts(policy.rec, "CA_"),

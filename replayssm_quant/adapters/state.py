@@ -70,14 +70,7 @@ def prefill_scan(family: str, inp: dict, chunk: int = PREFILL_CHUNK):
     """
     la, v, k, q, beta = _expanded(family, inp)
     Bz, H, V, K = state_dims(family, inp)
-    S = v.new_zeros(Bz, H, V, K)
-    outs = []
-    for a in range(0, la.shape[1], chunk):
-        s = slice(a, a + chunk)
-        w = v[:, s] if beta is None else core.solve_corrections(S, la[:, s], beta[:, s], v[:, s], k[:, s])
-        outs.append(core.window_outputs(S, la[:, s], w, k[:, s], q[:, s]))
-        S = core.reconstruct(S, la[:, s], w, k[:, s])
-    return (torch.cat(outs, 1) if outs else v.new_zeros(Bz, 0, H, V)), S
+    return W.exact_scan(v.new_zeros(Bz, H, V, K), la, k, q, v, beta, chunk=chunk)
 
 
 class LayerState:
@@ -134,12 +127,14 @@ class LayerState:
 
     # ------------------------------------------------------------------ teacher-forced
     def advance(self, inp: dict) -> torch.Tensor:
-        """T tokens, window by window (``window.py``): outputs ``[B, T, H, V]``."""
+        """T tokens teacher-forced (``window.*_emulate_fast``: the partial windows at the ends
+        window by window, the full windows in between batched; equal to T steps up to float
+        reassociation, with the same casts): outputs ``[B, T, H, V]``."""
         if self.family == "mamba2":
-            y, self.carry = W.mamba2_emulate(self.carry, inp["x"], inp["dt"], inp["A"], inp["B"],
+            y, self.carry = W.mamba2_emulate_fast(self.carry, inp["x"], inp["dt"], inp["A"], inp["B"],
                                              inp["C"], None, **self._kw())
         else:
-            y, self.carry = W.gdn_emulate(self.carry, inp["q"], inp["k"], inp["v"], inp["g"],
+            y, self.carry = W.gdn_emulate_fast(self.carry, inp["q"], inp["k"], inp["v"], inp["g"],
                                           inp["beta"], fold_cached_corrections=self.fold_cached,
                                           **self._kw())
         return y

@@ -213,3 +213,255 @@ def gdn_emulate(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, se
         os_.append(o)
         t += n
     return (torch.cat(os_, 1) if os_ else v.new_zeros(v.shape)), carry
+
+
+# ------------------------------------------------------------------------------ batched form
+# The functions above run one window per call (the readable reference of the window form).
+# The functions below compute the same thing for a whole segment with only the inherently
+# sequential part left sequential: the anchor recurrence across windows,
+#     S_{w+1} = reconstruct(A_w, records_w),   A_{w+1} = Q_rec(S_{w+1}),
+# which touches state-sized tensors only. Everything that does not depend on the anchor
+# (decay cumsums, the GDN triangular systems, their inverses, the records' contribution to
+# S_{w+1}) is precomputed for all windows in one batched call, and once every R_w is known the
+# outputs of all windows (intra-window causal sums, decayed read-copy terms, GDN read-path
+# corrections) come from one batched call too. The read casts R_w = Q_read(S_w) of dual
+# policies never feed the anchor, so they are done in one batched cast after the recurrence;
+# anchors of ``rec:fp32`` policies are exact, so their recurrence has no cast at all.
+#
+# Per window (B, H batched) the recurrence is one fused step in "WY" form:
+#   Mamba-2: S_{w+1} = gamma_w A_w + P_w,             P_w = sum_j m_j v_j k_j^T
+#   GDN:     S_{w+1} = A_w G_w + P_w,  G_w = gamma_w I - K^T diag(beta gamma_{1:j}) T^-T diag(m) K,
+#            P_w = (beta v)^T T^-T diag(m) K, with T the unit lower-triangular correction system
+#            (DESIGN.md: u_j + sum_{i<j} beta_j gamma_{i+1:j} (k_i.k_j) u_i = beta_j (v_j - gamma_{1:j} A k_j)).
+# This is the flush's reconstruct in another association, so the unrounded S_{w+1} equals the
+# stepwise flush's up to float reassociation; casts go through core.cast_state with the same
+# stream keys as core.cast_checkpoints (one key per (layer, sequence, head, flush, copy)), so
+# SR bits are identical and, in float64, the rounding decisions are identical (DESIGN.md's
+# testing note; tests/test_emulation_fast.py).
+
+GROUP_ELEMENTS = 1 << 24  # bound on the elements of a per-group stacked tensor (memory)
+
+
+@dataclass
+class _Prep:
+    """Anchor-independent quantities of ``n`` windows of length ``L`` (one group)."""
+
+    cc: torch.Tensor  # [B, n, H, L] cumsum of log decays inside each window
+    gtot: torch.Tensor  # [B, n, H] log decay of the whole window
+    K: torch.Tensor  # [B, n, H, L, K]
+    Qm: torch.Tensor  # [B, n, H, L, K]
+    D: torch.Tensor  # [B, n, H, L, L] gamma_{j+1:t} for j <= t, else 0
+    Wt: torch.Tensor | None  # Mamba-2: v^T [B, n, H, V, L]
+    BVt: torch.Tensor | None  # GDN: (beta v)^T T^-T  [B, n, H, V, L]
+    BG: torch.Tensor | None  # GDN: beta_j gamma_{1:j} [B, n, H, L]
+    TinvT: torch.Tensor | None  # GDN: T^-T [B, n, H, L, L]
+    G: torch.Tensor | None  # GDN: [B, n, H, K, K]
+    P: torch.Tensor  # [B, n, H, V, K]
+
+
+def _prep(la, k, q, v, beta, L: int) -> _Prep:
+    """``la [B, n*L, H]``, ``k, q [B, n*L, H, K]`` (head-expanded), ``v [B, n*L, H, V]``,
+    ``beta [B, n*L, H]`` (GDN) or None (Mamba-2: the written value is v)."""
+    Bz, T, H = la.shape
+    n = T // L
+    cc = la.reshape(Bz, n, L, H).cumsum(2).permute(0, 1, 3, 2)  # [B, n, H, L]
+    gtot = cc[..., -1]
+    K = k.reshape(Bz, n, L, H, -1).permute(0, 1, 3, 2, 4)
+    Qm = q.reshape(Bz, n, L, H, -1).permute(0, 1, 3, 2, 4)
+    Vt = v.reshape(Bz, n, L, H, -1).permute(0, 1, 3, 4, 2)  # [B, n, H, V, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=la.device).tril()
+    neg_inf = torch.tensor(float("-inf"), dtype=la.dtype, device=la.device)
+    D = torch.exp(torch.where(causal, cc[..., :, None] - cc[..., None, :], neg_inf))
+    m = torch.exp(gtot[..., None] - cc)  # gamma_{j+1:L}, [B, n, H, L]
+    mK = m[..., None] * K
+    if beta is None:
+        P = torch.matmul(Vt, mK)
+        return _Prep(cc, gtot, K, Qm, D, Vt, None, None, None, None, P)
+    be = beta.reshape(Bz, n, L, H).permute(0, 1, 3, 2)  # [B, n, H, L]
+    kk = torch.matmul(K, K.transpose(-1, -2))  # [.., j, i] = k_j . k_i
+    eye = torch.eye(L, dtype=la.dtype, device=la.device)
+    Tm = eye + (be[..., :, None] * D * kk).tril(-1)
+    TinvT = torch.linalg.solve_triangular(Tm, eye.expand_as(Tm), upper=False,
+                                          unitriangular=True).transpose(-1, -2)
+    BVt = torch.matmul(be[..., None, :] * Vt, TinvT)
+    BG = be * torch.exp(cc)
+    P = torch.matmul(BVt, mK)
+    G = torch.exp(gtot)[..., None, None] * torch.eye(K.shape[-1], dtype=la.dtype, device=la.device) \
+        - torch.matmul(K.transpose(-1, -2) * BG[..., None, :], torch.matmul(TinvT, mK))
+    return _Prep(cc, gtot, K, Qm, D, None, BVt, BG, TinvT, G, P)
+
+
+def _advance_state(C: torch.Tensor, p: _Prep, w: int) -> torch.Tensor:
+    """Unrounded state after window ``w`` from the state ``C [B, H, V, K]`` before it."""
+    if p.G is None:
+        return torch.exp(p.gtot[:, w])[..., None, None] * C + p.P[:, w]
+    return torch.matmul(C, p.G[:, w]) + p.P[:, w]
+
+
+def _written(p: _Prep, R: torch.Tensor) -> torch.Tensor:
+    """Values written by the records of every window when read from ``R [B, n, H, V, K]``:
+    Mamba-2 v^T; GDN the corrections solved against R, ``u^T = (beta v)^T T^-T -
+    (R K^T diag(beta gamma_{1:j})) T^-T``. Returns ``[B, n, H, V, L]``."""
+    if p.BVt is None:
+        return p.Wt
+    RK = torch.matmul(R, p.K.transpose(-1, -2))  # [B, n, H, V, L]
+    return p.BVt - torch.matmul(RK * p.BG[..., None, :], p.TinvT)
+
+
+def _outputs(p: _Prep, R: torch.Tensor) -> torch.Tensor:
+    """Outputs ``[B, n, H, V, L]`` of every position of every window read from ``R_w``
+    plus the window's records: ``gamma_{1:t} (R q_t) + sum_{j<=t} gamma_{j+1:t} (k_j.q_t) w_j``."""
+    Wt = _written(p, R)
+    RQ = torch.matmul(R, p.Qm.transpose(-1, -2))  # [B, n, H, V, L]
+    QK = torch.matmul(p.Qm, p.K.transpose(-1, -2)) * p.D  # [t, j]
+    return torch.exp(p.cc)[..., None, :] * RQ + torch.matmul(Wt, QK.transpose(-1, -2))
+
+
+def _group_size(Bz: int, H: int, V: int, K: int, L: int) -> int:
+    per_window = Bz * H * (3 * V * K + K * K + 4 * L * (V + K))
+    return max(1, GROUP_ELEMENTS // per_window)
+
+
+def exact_scan(S0: torch.Tensor, la, k, q, v, beta=None, *, chunk: int = 64):
+    """Exact (unrounded) chunked scan from state ``S0 [B, H, V, K]``: outputs ``S_t q_t``
+    ``[B, T, H, V]`` and the final state. Head-expanded inputs as :func:`_prep`; ``beta`` None
+    for Mamba-2 (written value v), else GDN. The prefill of a prompt (DESIGN.md "Prefill")."""
+    Bz, T, H = la.shape
+    V, K = S0.shape[-2:]
+    outs, S, t = [], S0, 0
+    while t < T:
+        L = min(chunk, T - t)
+        n = min((T - t) // L, _group_size(Bz, H, V, K, L))
+        s = slice(t, t + n * L)
+        p = _prep(la[:, s], k[:, s], q[:, s], v[:, s], None if beta is None else beta[:, s], L)
+        states = [S]
+        for w in range(n):
+            states.append(_advance_state(states[-1], p, w))
+        o = _outputs(p, torch.stack(states[:-1], 1))
+        outs.append(o.permute(0, 1, 4, 2, 3).reshape(Bz, n * L, H, V))
+        S = states[-1]
+        t += n * L
+    return (torch.cat(outs, 1) if outs else v.new_zeros(Bz, 0, H, V)), S
+
+
+def _stream_keys(layer, ids, H, flush, copy):
+    """Stream keys ``[B, n, H]`` (as core.checkpoint_streams, for n flushes at once)."""
+    from ..philox import stream_key
+
+    key = stream_key(layer=layer, sequence=ids.to(torch.int64).cpu()[:, None, None],
+                     head=torch.arange(H, dtype=torch.int64)[None, None, :],
+                     flush=flush.to(torch.int64).cpu()[:, :, None], copy=copy)
+    return key.to(ids.device)
+
+
+def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int, seed: int,
+           layer: int, ids):
+    """Full windows (``carry.h == 0``, length a multiple of L): returns ``(o [B, T, H, V], carry)``."""
+    Bz, T, H = la.shape
+    V, K = carry.anchor.shape[-2:]
+    rec_exact = policy.rec.is_identity
+    read_exact = policy.read.is_identity
+    single = policy.single_checkpoint
+    outs, t = [], 0
+    A, R, fi = carry.anchor, carry.read, carry.flush_index
+    while t < T:
+        n = min((T - t) // L, _group_size(Bz, H, V, K, L))
+        s = slice(t, t + n * L)
+        p = _prep(la[:, s], k[:, s], q[:, s], v[:, s], None if beta is None else beta[:, s], L)
+        flush = fi[:, None] + torch.arange(n, device=fi.device)[None, :]  # [B, n]
+        ka = None if rec_exact else _stream_keys(layer, ids, H, flush, core.ANCHOR_COPY)
+        states, anchors = [], []
+        for w in range(n):  # the sequential part: the anchor recurrence
+            S = _advance_state(A, p, w)
+            states.append(S)
+            if not rec_exact:
+                A = core.cast_state(S, policy.rec, seed=seed, stream=ka[:, w])[0]
+                anchors.append(A)
+            else:
+                A = S
+        Sst = torch.stack(states, 1)  # [B, n, H, V, K] unrounded S_{w+1}
+        if single:  # one checkpoint: R is A (cast once per flush, with the anchor stream)
+            Rst = Sst if rec_exact else torch.stack(anchors, 1)
+        elif read_exact:
+            Rst = Sst
+        else:  # dual: R never feeds the anchor, so all read casts of the group at once
+            kr = _stream_keys(layer, ids, H, flush, core.READ_COPY)
+            Rst = core.cast_state(Sst, policy.read, seed=seed, stream=kr)[0]
+        Rin = torch.cat([R[:, None], Rst[:, :-1]], 1)  # R_w, read by window w
+        o = _outputs(p, Rin)  # [B, n, H, V, L]
+        o[..., -1] = torch.matmul(Sst, p.Qm[..., -1, :, None])[..., 0]  # flush token: unrounded S
+        outs.append(o.permute(0, 1, 4, 2, 3).reshape(Bz, n * L, H, V))
+        R = A if single else Rst[:, -1].contiguous()
+        fi = fi + n
+        t += n * L
+    return torch.cat(outs, 1), WindowCarry(A, R, {}, fi)
+
+
+def _split(h: int, T: int, L: int) -> tuple[int, int]:
+    """(tokens that complete the current partial window, tokens in full windows after it)."""
+    head = min((L - h) % L, T)
+    return head, (T - head) // L * L
+
+
+def mamba2_emulate_fast(carry: WindowCarry, x, dt, A, B, C, D=None, *, policy, window: int,
+                        seed: int = 0, layer: int = 0, sequence_ids=None):
+    """Batched form of :func:`mamba2_emulate` (same arguments and results, up to float
+    reassociation; same casts and SR bits): the partial window at each end runs through
+    :func:`mamba2_window`, the full windows in between through the batched form above."""
+    policy = StatePolicy.parse(policy)
+    L = effective_window(policy, window)
+    T = x.shape[1]
+    head, full = _split(carry.h, T, L)
+    ys = []
+    if head:
+        y, carry = mamba2_window(carry, x[:, :head], dt[:, :head], A, B[:, :head], C[:, :head], D,
+                                 policy=policy, window=L, seed=seed, layer=layer,
+                                 sequence_ids=sequence_ids)
+        ys.append(y)
+    if full:
+        s = slice(head, head + full)
+        H = x.shape[2]
+        la, v, k = mamba2_records(x[:, s], dt[:, s], A, B[:, s])
+        ids = _seq_ids(sequence_ids, x.shape[0], x.device)
+        y, carry = _block(carry, la, core.expand_heads(k, H, 2), core.expand_heads(C[:, s], H, 2), v,
+                          None, policy=policy, L=L, seed=seed, layer=layer, ids=ids)
+        if D is not None:
+            y = y + D[:, None] * x[:, s]
+        ys.append(y)
+    if head + full < T:
+        s = slice(head + full, T)
+        y, carry = mamba2_window(carry, x[:, s], dt[:, s], A, B[:, s], C[:, s], D, policy=policy,
+                                 window=L, seed=seed, layer=layer, sequence_ids=sequence_ids)
+        ys.append(y)
+    return (torch.cat(ys, 1) if ys else x.new_zeros(x.shape)), carry
+
+
+def gdn_emulate_fast(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, seed: int = 0,
+                     layer: int = 0, sequence_ids=None, fold_cached_corrections: bool = False):
+    """Batched form of :func:`gdn_emulate` (same arguments and results, up to float
+    reassociation; same casts and SR bits). The cached-fold variant (anchor built from the
+    read-path corrections, so every read cast is sequential) runs :func:`gdn_emulate`."""
+    policy = StatePolicy.parse(policy)
+    L = effective_window(policy, window)
+    kw = dict(policy=policy, window=L, seed=seed, layer=layer, sequence_ids=sequence_ids)
+    if fold_cached_corrections:
+        return gdn_emulate(carry, q, k, v, g, beta, fold_cached_corrections=True, **kw)
+    T, HV = v.shape[1], v.shape[2]
+    head, full = _split(carry.h, T, L)
+    os_ = []
+    if head:
+        o, carry = gdn_window(carry, q[:, :head], k[:, :head], v[:, :head], g[:, :head],
+                              beta[:, :head], **kw)
+        os_.append(o)
+    if full:
+        s = slice(head, head + full)
+        ids = _seq_ids(sequence_ids, v.shape[0], v.device)
+        o, carry = _block(carry, g[:, s], core.expand_heads(k[:, s], HV, 2),
+                          core.expand_heads(q[:, s], HV, 2), v[:, s], beta[:, s], policy=policy,
+                          L=L, seed=seed, layer=layer, ids=ids)
+        os_.append(o)
+    if head + full < T:
+        s = slice(head + full, T)
+        o, carry = gdn_window(carry, q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], **kw)
+        os_.append(o)
+    return (torch.cat(os_, 1) if os_ else v.new_zeros(v.shape)), carry

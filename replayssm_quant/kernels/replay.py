@@ -22,6 +22,9 @@ Two kernels do all the work:
   Rows are separable along the value axis (``C k``, ``C q`` and every ``u``/``w`` are per value
   row), so a program never needs another program's rows and S is never formed. The records of
   a program (``la``, ``k`` of up to ``LP`` slots, ``w`` of its rows) are held in registers.
+  C is held as scaling blocks ``[BV, K / block, block]`` (FP4: the even and the odd element of
+  each block in two tensors, as the nibbles hold them) and each block's scale multiplies the
+  block's partial dot product, not every element (an output-only reassociation).
 
 * ``_flush_kernel`` -- one program per (sequence, head) matrix: reconstruct
   ``S = gamma_{1:J} A + sum_j gamma_{j+1:J} w_j k_j^T`` tile by tile from the (dequantised in
@@ -39,9 +42,10 @@ Stored copies are read in their real layout (:class:`~replayssm_quant.quant.Pack
 fp32 / bf16 / fp16 values, fp8 codes + FP32 matrix scale, nvfp4 nibbles + E4M3 block scales +
 FP32 matrix scale, mx codes + E8M0 block scales, and decoded in registers to exactly the values
 ``PackedTensor.dequantize`` gives (integer decode of the codes, one IEEE multiplication by the
-scale). Key-axis tiles are held as two halves, the even and the odd elements, which is how FP4
-bytes hold them (element 2i in the low nibble); 8-bit and wider formats are loaded contiguously
-and split in registers.
+scale). The flush kernel holds key-axis tiles as two halves, the even and the odd elements,
+which is how FP4 bytes hold them (element 2i in the low nibble); 8-bit and wider formats are
+loaded contiguously and split in registers (on the H200 this measured 2x faster for the flush
+than two strided accesses; see docs/kernels-replay.md).
 
 Rounding uses the jit helpers of :mod:`replayssm_quant.kernels.quant` (integer-exact code
 computation, ``div_rn`` divisions, ``tl.philox`` SR bits), so a flush kernel cast is bit-identical
@@ -88,7 +92,10 @@ _K_MATRIX = 2  # fp8e4m3 / fp8e5m2 codes + FP32 scale per matrix
 _K_NVFP4 = 3  # E2M1 nibbles + E4M3 scale per 16 + FP32 scale per matrix
 _K_MX = 4  # E4M3 / E2M1 codes + E8M0 scale per 32
 
-DEFAULT_BV = 32  # value rows per program of the records kernel / per tile of the flush kernel
+# Value rows per program of the records kernel (step/verify/solve) and per tile of the flush
+# kernel: the best of the configurations timed on an H200 (docs/kernels-replay.md).
+DEFAULT_BV = 64
+DEFAULT_BV_FLUSH = 32
 DEFAULT_WARPS = 4
 _PSEUDO_BLOCK = 32  # records kernel: block length of a C tile for formats without blocks
 MIN_LP = 16  # smallest register tile of record slots
@@ -156,6 +163,12 @@ def _decode_code(code, EB: tl.constexpr, MB: tl.constexpr, EMIN: tl.constexpr,
 
 
 @triton.jit
+def _split_halves(x, R: tl.constexpr, KH: tl.constexpr):
+    """[R, 2*KH] -> (even, odd) columns, each [R, KH]."""
+    return tl.split(tl.reshape(x, [R, KH, 2]))
+
+
+@triton.jit
 def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
                KIND: tl.constexpr, FP4: tl.constexpr, EB: tl.constexpr, MB: tl.constexpr,
@@ -168,15 +181,14 @@ def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
         byte = tl.load(c_ptr + rowg[:, None] * KH + j[None, :], mask=m2, other=0).to(tl.int32)
         e = _decode_code(byte & 15, EB, MB, EMIN, SUBQ, NANF)
         o = _decode_code(byte >> 4, EB, MB, EMIN, SUBQ, NANF)
-    else:  # two strided loads (even, odd elements): no register shuffles
-        e = tl.load(c_ptr + rowg[:, None] * K + 2 * j[None, :], mask=m2, other=0)
-        o = tl.load(c_ptr + rowg[:, None] * K + 2 * j[None, :] + 1, mask=m2, other=0)
+    else:
+        kk = tl.arange(0, K)
+        x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=m2, other=0)
         if KIND <= 1:
-            e = e.to(tl.float32)
-            o = o.to(tl.float32)
+            x = x.to(tl.float32)
         else:
-            e = _decode_code(e, EB, MB, EMIN, SUBQ, NANF)
-            o = _decode_code(o, EB, MB, EMIN, SUBQ, NANF)
+            x = _decode_code(x, EB, MB, EMIN, SUBQ, NANF)
+        e, o = _split_halves(x, BV, KH)
     if KIND == 2:
         s = tl.load(ms_ptr + mat)
         e = e * s
@@ -222,12 +234,12 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
     store the packed codes (and block scale codes); same steps as ``quant._parts`` /
     ``kernels.quant._block_rows``. ``s_mat``: the matrix scale (fp8: s; nvfp4: s_g)."""
     j = tl.arange(0, KH)
+    kk = tl.arange(0, K)
     rowg = mat * V + rows.to(tl.int64)
     m2 = rmask[:, None]
-    pe = out_ptr + rowg[:, None] * K + 2 * j[None, :]  # even / odd element addresses
     if KIND == 0:
-        tl.store(pe, xe, mask=m2)
-        tl.store(pe + 1, xo, mask=m2)
+        x = tl.reshape(tl.join(xe, xo), [BV, K])
+        tl.store(out_ptr + rowg[:, None] * K + kk[None, :], x, mask=m2)
     else:
         if SR:
             lo, hi = _stream_words(tl.load(st_ptr + mat))
@@ -242,8 +254,8 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
             _, co = _quant(xo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            tl.store(pe, ce.to(tl.int16), mask=m2)
-            tl.store(pe + 1, co.to(tl.int16), mask=m2)
+            c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.int16)
+            tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
         if KIND == 2:
             ye = tl.where(xe != xe, xe, tl.math.div_rn(xe, tl.broadcast_to(s_mat, [BV, KH])))
             yo = tl.where(xo != xo, xo, tl.math.div_rn(xo, tl.broadcast_to(s_mat, [BV, KH])))
@@ -251,8 +263,8 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
             _, co = _quant(yo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            tl.store(pe, ce.to(tl.uint8), mask=m2)
-            tl.store(pe + 1, co.to(tl.uint8), mask=m2)
+            c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
+            tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
         if KIND >= 3:
             NB: tl.constexpr = K // BLK
             HB: tl.constexpr = BLK // 2
@@ -305,8 +317,8 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                 byte = tl.reshape((ce | (co << 4)).to(tl.uint8), [BV, KH])
                 tl.store(out_ptr + rowg[:, None] * KH + j[None, :], byte, mask=m2)
             else:
-                tl.store(pe, tl.reshape(ce, [BV, KH]).to(tl.uint8), mask=m2)
-                tl.store(pe + 1, tl.reshape(co, [BV, KH]).to(tl.uint8), mask=m2)
+                c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
+                tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
 
 
 # ----------------------------------------------------------------------------------------
@@ -487,23 +499,29 @@ def _records_kernel(
 
 
 @triton.jit
-def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, lidx, live, m,
-                      ke, ko, total, H, V, J,
+def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g, rows, rmask,
+                      n, total, H, G, V, J,
                       K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
                       A_KIND: tl.constexpr, A_FP4: tl.constexpr, A_EB: tl.constexpr,
                       A_MB: tl.constexpr, A_EMIN: tl.constexpr, A_SUBQ: tl.constexpr,
                       A_NANF: tl.constexpr):
-    """Rows of ``S = gamma_{1:n} A + sum_{j<n} gamma_{j+1:n} w_j k_j^T`` as (even, odd):
-    ``(W m)^T K`` as one IEEE-FP32 ``tl.dot`` per half (``ke, ko [LP, KH]``; ``m [LP]``
-    the decays, 0 on dead slots)."""
+    """Rows of ``S = gamma_{1:n} A + sum_{j<n} gamma_{j+1:n} w_j k_j^T`` as (even, odd)."""
     ae, ao = _load_copy(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV,
                         A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
-    wt = tl.load(w_ptr + ((b * J + lidx) * H + h)[None, :] * V + rows[:, None],
-                 mask=rmask[:, None] & live[None, :], other=0.0) * m[None, :]  # [BV, LP]
+    kk = tl.arange(0, K)
+    acc_e = tl.zeros([BV, KH], tl.float32)
+    acc_o = tl.zeros([BV, KH], tl.float32)
+    c = total * 0.0
+    for jj in range(0, n):
+        c = c + tl.load(la_ptr + (b * J + jj) * H + h)
+        m = tl.exp(total - c)
+        wj = tl.load(w_ptr + ((b * J + jj) * H + h) * V + rows, mask=rmask, other=0.0) * m
+        kj = tl.load(k_ptr + ((b * J + jj) * G + g) * K + kk)
+        kje, kjo = tl.split(tl.reshape(kj, [KH, 2]))
+        acc_e += wj[:, None] * kje[None, :]
+        acc_o += wj[:, None] * kjo[None, :]
     eg = tl.exp(total)
-    se = eg * ae + tl.dot(wt, ke, input_precision="ieee")
-    so = eg * ao + tl.dot(wt, ko, input_precision="ieee")
-    return se, so
+    return eg * ae + acc_e, eg * ao + acc_o
 
 
 @triton.jit
@@ -515,7 +533,7 @@ def _flush_kernel(
         or_ptr, orbs_ptr, orms_ptr,  # new read copy
         s_ptr, q_ptr, y_ptr,  # S [B,H,V,K] (STORE_S); q [B,G,K] -> y = S q [B,H,V] (Q_OUT)
         H, G, V, J,
-        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
         TWO: tl.constexpr, STORE_S: tl.constexpr, Q_OUT: tl.constexpr,
         NEED_AMAX: tl.constexpr,
         A_KIND: tl.constexpr, A_FP4: tl.constexpr, A_EB: tl.constexpr, A_MB: tl.constexpr,
@@ -539,25 +557,18 @@ def _flush_kernel(
     h = mat - b * H
     g = h // (H // G)
     n = tl.load(len_ptr + b)
+    total = tl.zeros([], tl.float32)
+    for jj in range(0, n):
+        total = total + tl.load(la_ptr + (b * J + jj) * H + h)
+    kk = tl.arange(0, K)
     j = tl.arange(0, KH)
-    # the records, once per matrix: la -> decays m_j = gamma_{j+1:n}, k halves [LP, KH]
-    lidx = tl.arange(0, LP).to(tl.int64)
-    live = lidx < n
-    lsafe = tl.where(live, lidx, 0)
-    la = tl.load(la_ptr + (b * J + lsafe) * H + h, mask=live, other=0.0)
-    cvec = tl.cumsum(la, axis=0)
-    total = tl.sum(tl.where(lidx == n - 1, cvec, 0.0), axis=0)  # c_n (0 when n == 0)
-    m = tl.where(live, tl.exp(tl.where(live, total - cvec, 0.0)), 0.0)
-    kb = k_ptr + ((b * J + lsafe) * G + g)[:, None] * K + 2 * j[None, :]
-    ke = tl.load(kb, mask=live[:, None], other=0.0)
-    ko = tl.load(kb + 1, mask=live[:, None], other=0.0)
     amax = tl.zeros([], tl.float32)
     if NEED_AMAX:
         for v0 in range(0, V, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
-            se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
-                                       lidx, live, m, ke, ko, total, H, V, J, K, KH, BV,
+            se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h,
+                                       g, rows, rmask, n, total, H, G, V, J, K, KH, BV,
                                        A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
             fe = tl.where(rmask[:, None], _finite_abs(se), 0.0)
             fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
@@ -566,18 +577,18 @@ def _flush_kernel(
     sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
     sr = _matrix_scale(amax, CR_KIND, CR_FMAX)
     if Q_OUT:
-        qe = tl.load(q_ptr + (b * G + g) * K + 2 * j)
-        qo = tl.load(q_ptr + (b * G + g) * K + 2 * j + 1)
+        qv = tl.load(q_ptr + (b * G + g) * K + kk)
+        qe, qo = tl.split(tl.reshape(qv, [KH, 2]))
     for v0 in range(0, V, BV):
         rows = v0 + tl.arange(0, BV)
         rmask = rows < V
-        se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
-                                   lidx, live, m, ke, ko, total, H, V, J, K, KH, BV,
+        se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g,
+                                   rows, rmask, n, total, H, G, V, J, K, KH, BV,
                                    A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
         if STORE_S:
-            ps = s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + 2 * j[None, :]
-            tl.store(ps, se, mask=rmask[:, None])
-            tl.store(ps + 1, so, mask=rmask[:, None])
+            x = tl.reshape(tl.join(se, so), [BV, K])
+            tl.store(s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
+                     mask=rmask[:, None])
         if Q_OUT:
             y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
             tl.store(y_ptr + mat * V + rows, y, mask=rmask)
@@ -824,7 +835,7 @@ def _as_stored(spec: QuantSpec, shape, bufs):
 
 
 def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, sequence_ids,
-                 flush_index, q=None, store_state: bool = True, block_v: int = DEFAULT_BV,
+                 flush_index, q=None, store_state: bool = True, block_v: int = DEFAULT_BV_FLUSH,
                  num_warps: int = DEFAULT_WARPS):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
@@ -865,8 +876,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
         bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
         S, qq, y, H, G, V, J,
-        K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
-        Q_OUT=q is not None,
+        K=K, KH=K // 2, BV=block_v, TWO=two, STORE_S=store_state, Q_OUT=q is not None,
         NEED_AMAX=_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
         or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)), num_warps=num_warps,
         **_decode_consts(aspec, "A_"), **_cast_consts(policy.rec, "CA_"),
@@ -886,7 +896,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
 
 def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequence_ids,
                         flush_index, q=None, store_state: bool = True,
-                        block_v: int = DEFAULT_BV):
+                        block_v: int = DEFAULT_BV_FLUSH):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
@@ -896,7 +906,7 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
                      flush_index, u_cached=None, fold_cached_corrections: bool = False, q=None,
-                     store_state: bool = True, block_v: int = DEFAULT_BV):
+                     store_state: bool = True, block_v: int = DEFAULT_BV_FLUSH):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor by :func:`gdn_corrections_kernel` (a launch before the flush kernel), or the
     cached ones are folded (``fold_cached_corrections``). ``FlushResult.w`` holds the folded
@@ -908,7 +918,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
         u = torch.where(live[:, :, None, None], u_cached, torch.zeros((), dtype=v.dtype,
                                                                       device=v.device))
     else:
-        u = gdn_corrections_kernel(anchor, la, beta, v, k, length, block_v=block_v)
+        u = gdn_corrections_kernel(anchor, la, beta, v, k, length)
     return flush_kernel(anchor, la, u, k, length, policy, seed=seed, layer=layer,
                         sequence_ids=sequence_ids, flush_index=flush_index, q=q,
                         store_state=store_state, block_v=block_v)

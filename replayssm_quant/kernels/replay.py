@@ -59,7 +59,6 @@ float32 only; the key dim K a power of two >= 32 (whole nvfp4/mx blocks); any va
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

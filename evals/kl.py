@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
                    help="state policies, e.g. shared:nvfp4+sr read:nvfp4/rec:fp16+sr eager:fp8e4m3")
     p.add_argument("--windows", nargs="+", type=int, default=[16], help="flush windows L (default 16)")
-    p.add_argument("--max-tokens", "-N", type=int, default=512, dest="max_tokens",
-                   help="positions per document N (default 512); documents shorter than N+1 "
+    p.add_argument("--max-tokens", "-N", type=int, default=1024, dest="max_tokens",
+                   help="positions per document N (default 1024); documents shorter than N+1 "
                    "tokens are joined with the next ones")
     p.add_argument("--prefill", type=int, default=0,
                    help="prompt tokens run through the exact scan before emulation starts "
@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"),
                    help="model dtype (default float32)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU intra-op threads (default 0 = auto: torch's default, or 1 when the "
+                   "load average already exceeds the core count, where extra threads of many "
+                   "small ops mostly wait on each other)")
     p.add_argument("--output-dir", "-o", default="kl-run", help="output directory (default ./kl-run)")
     p.add_argument("--gdn-fold", default="recompute", choices=("recompute", "cached"),
                    help="GDN flush: re-solve corrections against A (default) or fold cached ones")
@@ -85,6 +89,8 @@ def _check_args(a) -> list:
         raise BadArgs(f"--max-tokens must be > 0, got {a.max_tokens}")
     if a.prefill < 0 or a.prefill >= a.max_tokens:
         raise BadArgs(f"--prefill must be in [0, max-tokens) = [0, {a.max_tokens}), got {a.prefill}")
+    if a.threads < 0:
+        raise BadArgs(f"--threads must be >= 0, got {a.threads}")
     for name in ("segment_len", "batch_size", "max_docs"):
         if getattr(a, name) <= 0:
             raise BadArgs(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
@@ -297,6 +303,22 @@ def _versions() -> dict:
             "platform": platform.platform()}
 
 
+def _set_threads(a) -> int:
+    """Apply ``--threads`` (0 = auto) on CPU; returns the intra-op thread count used."""
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    elif a.device == "cpu":
+        try:
+            busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
+        except OSError:
+            busy = False
+        if busy:
+            torch.set_num_threads(1)
+    return torch.get_num_threads()
+
+
 def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
     import numpy as np
     import pandas as pd
@@ -308,6 +330,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
     from replayssm_quant.models import load_model
 
     t0 = time.time()
+    threads = _set_threads(a)
     out = Path(a.output_dir)
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
@@ -397,7 +420,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
                  "documents": [d["id"] for d in token_docs], "tokens": n_tok,
                  "token_sha256": hashlib.sha256(json.dumps([d["ids"] for d in token_docs]).encode()).hexdigest()},
         "policies": [str(p) for p in policies], "windows": a.windows, "seeds": a.seeds,
-        "cells_computed_this_run": n_new, "timings": timings,
+        "cells_computed_this_run": n_new, "timings": timings, "threads": threads,
         "nonfinite_rows": int(pos["nonfinite"].sum()),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))

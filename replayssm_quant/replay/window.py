@@ -233,11 +233,13 @@ def gdn_emulate(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, se
 #   GDN:     S_{w+1} = A_w G_w + P_w,  G_w = gamma_w I - K^T diag(beta gamma_{1:j}) T^-T diag(m) K,
 #            P_w = (beta v)^T T^-T diag(m) K, with T the unit lower-triangular correction system
 #            (DESIGN.md: u_j + sum_{i<j} beta_j gamma_{i+1:j} (k_i.k_j) u_i = beta_j (v_j - gamma_{1:j} A k_j)).
-# This is the flush's reconstruct in another association, so the unrounded S_{w+1} equals the
-# stepwise flush's up to float reassociation; casts go through core.cast_state with the same
-# stream keys as core.cast_checkpoints (one key per (layer, sequence, head, flush, copy)), so
-# SR bits are identical and, in float64, the rounding decisions are identical (DESIGN.md's
-# testing note; tests/test_emulation_fast.py).
+# That step is used only where the anchor is exact (``rec:fp32``, ``fp32``, and the prefill
+# scan): nothing rounds, so reassociation only moves last bits. Where the anchor is rounded,
+# each window runs the flush's own arithmetic (core.solve_corrections + core.reconstruct, what
+# gdn_flush / mamba2_flush compute before casting), so identical inputs give a bit-identical
+# S_{w+1} and identical rounding decisions even in float32. Casts go through core.cast_state
+# with the same stream keys as core.cast_checkpoints (one key per (layer, sequence, head,
+# flush, copy)), so SR bits are identical (tests/test_emulation_fast.py).
 
 GROUP_ELEMENTS = 1 << 24  # bound on the elements of a per-group stacked tensor (memory)
 
@@ -372,13 +374,17 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
         ka = None if rec_exact else _stream_keys(layer, ids, H, flush, core.ANCHOR_COPY)
         states, anchors = [], []
         for w in range(n):  # the sequential part: the anchor recurrence
-            S = _advance_state(A, p, w)
-            states.append(S)
-            if not rec_exact:
+            if rec_exact:  # nothing rounds: the batched WY step
+                S = A = _advance_state(A, p, w)
+            else:  # the flush's own arithmetic (gdn_flush / mamba2_flush), so identical
+                # inputs give a bit-identical S and identical rounding, in float32 too
+                r = slice(t + w * L, t + (w + 1) * L)
+                wv = v[:, r] if beta is None else core.solve_corrections(
+                    A, la[:, r], beta[:, r], v[:, r], k[:, r])
+                S = core.reconstruct(A, la[:, r], wv, k[:, r])
                 A = core.cast_state(S, policy.rec, seed=seed, stream=ka[:, w])[0]
                 anchors.append(A)
-            else:
-                A = S
+            states.append(S)
         Sst = torch.stack(states, 1)  # [B, n, H, V, K] unrounded S_{w+1}
         if single:  # one checkpoint: R is A (cast once per flush, with the anchor stream)
             Rst = Sst if rec_exact else torch.stack(anchors, 1)

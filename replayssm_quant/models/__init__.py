@@ -5,14 +5,10 @@ on the KJV training split (``scripts/train_reference_models.py``) and shipped in
 package as ordinary Hugging Face model directories (config.json, model.safetensors,
 tokenizer files; FP32 weights):
 
-========================  ===============================  ===================================
-short name                directory                        architecture
-========================  ===============================  ===================================
-``tiny-gdn``              ``replayssm_quant/models/tiny_gdn``     ``qwen3_5_text`` (Gated DeltaNet
-                                                                   + full attention)
-``tiny-mamba2``           ``replayssm_quant/models/tiny_mamba2``  ``nemotron_h`` (Mamba-2 + MLP
-                                                                   + attention)
-========================  ===============================  ===================================
+- ``tiny-gdn``: ``replayssm_quant/models/tiny_gdn``, ``qwen3_5_text`` (``Qwen3_5ForCausalLM``:
+  Gated DeltaNet layers and one full-attention layer);
+- ``tiny-mamba2``: ``replayssm_quant/models/tiny_mamba2``, ``nemotron_h``
+  (``NemotronHForCausalLM``: Mamba-2, MLP and one attention layer).
 
 They are small demonstration models (model cards in ``docs/models/``), not substitutes
 for the models studied in the ReplaySSM paper.

@@ -43,7 +43,12 @@ import torch
 
 from analysis import theory
 
-__all__ = ["simulate", "stuck_state", "MODELS", "POLICIES", "FRAME_COLUMNS"]
+__all__ = [
+    "simulate", "stuck_state", "sr_acceptance", "MODELS", "POLICIES", "FRAME_COLUMNS",
+    "ALL_FORMATS",
+]  # fmt: skip
+
+ALL_FORMATS = ("bf16", "fp16", "fp8e4m3", "fp8e5m2", "nvfp4", "mxfp8", "mxfp4")
 
 MODELS = ("scalar", "mamba2", "gdn")
 POLICIES = ("shared", "separate")
@@ -389,3 +394,78 @@ def _stuck_loop(fmt, decay, x0, steps, trials, seed, quantizer, rows, streams):
                 )  # fmt: skip
             )
     return pd.DataFrame(rows)
+
+
+SUMMARY_COLUMNS = (
+    "format", "decay", "window", "flushes", "elements", "sigma2_drv", "rho", "kappa",
+    "clip_fraction", "clip_rel_bias", "clip_bias2_share", "measured_var", "closed_form_var",
+    "ratio", "ratio_tv", "ratio_onpath", "mean", "sem", "mean_over_se",
+)  # fmt: skip
+
+
+def sr_acceptance(
+    formats: Iterable[str] = ALL_FORMATS,
+    decays: Sequence[float] = (0.9, 0.99, 0.999),
+    windows: dict | None = None,
+    per_round_decay: float = 0.9,
+    flushes: int = 60,
+    late_flushes: int = 20,
+    trials: int = 16,
+    shape: tuple[int, int] = (4, 32),
+    seed: int = 0,
+    stationary_samples: int = 1024,
+    quantizer: Callable | None = None,
+) -> pd.DataFrame:
+    """SR acceptance experiment of issue 7 in the driven regime (eqs. C6.6, C6.11, C6.12).
+
+    Scalar driven recurrences ``x_t = a x_{t-1} + sqrt(1 - a^2) u_t`` (stationary ``N(0, 1)``),
+    shared policy, SR with the real quantizer, rounding once per window ``L``. For each format
+    and decay the window is ``windows[a]`` if given, else :func:`analysis.theory.driven_window`
+    (smallest power of two with ``a^L <= per_round_decay``: 1, 16, 128 for 0.9, 0.99, 0.999).
+
+    The prediction is fully a priori: ``sigma2_drv`` (C6.11) is evaluated by the float64 grid
+    model on ``stationary_samples`` fresh draws of the exact stationary state (``N(0, 1)``
+    matrices of ``shape``), independently of the simulation, and the closed form is the
+    stationary variance ``sigma2_drv / (1 - a^(2L))`` (C6.6). The measurement averages the error
+    variance over flushes ``late_flushes+1 .. flushes`` (the transient has decayed by
+    ``a^(2L late_flushes)``, under 1e-2 for ``a^L <= 0.9``).
+
+    Returns:
+        one row per (format, decay) with :data:`SUMMARY_COLUMNS`: ``ratio`` = measured /
+        closed form; ``ratio_tv`` = measured / C6.4 along the exact trajectory (the frame's
+        ``apriori_state_var``); ``ratio_onpath`` = measured / C6.4 at the simulated pre-rounding
+        values (``pred_state_var``); ``mean`` / ``sem``: late-window average of the per-flush
+        mean error and of its standard error (sd / sqrt(elements)); ``kappa`` (C6.12), ``rho``
+        and the clipping statistics of :func:`analysis.theory.clipping_stats` at the stationary
+        state.
+    """
+    formats = list(formats)
+    rng = np.random.default_rng(10_000 + seed)
+    z = rng.standard_normal((stationary_samples, *shape))
+    drv = {f: theory.driven_sigma2(z, f) for f in formats}
+    rows = []
+    for i, a in enumerate(decays):
+        L = int(windows[a]) if windows and a in windows else theory.driven_window(a, per_round_decay)
+        df = simulate(
+            "scalar", formats=formats, roundings=["sr"], policies=["shared"], decays=[a],
+            windows=[L], steps=flushes * L, trials=trials, shape=shape, seed=seed * 10 + i,
+            record_every=L, quantizer=quantizer,
+        )  # fmt: skip
+        late = df[df["flush"] & (df["step"] > late_flushes * L)]
+        for f, g in late.groupby("format", sort=False):
+            s2, parts = drv[f]
+            cf = float(theory.stationary_variance(a, s2, L))
+            meas = float(g["state_var"].mean())
+            mean, sem = float(g["state_mean"].mean()), float(g["state_sem"].mean())
+            rows.append(dict(
+                format=f, decay=float(a), window=L, flushes=flushes,
+                elements=int(g["elements"].iloc[0]), sigma2_drv=s2, rho=parts["rho"],
+                kappa=float(theory.driven_kappa(a, s2, L, parts["state_ms"])),
+                clip_fraction=parts["clip_fraction"], clip_rel_bias=parts["clip_rel_bias"],
+                clip_bias2_share=parts["clip_bias2_share"], measured_var=meas,
+                closed_form_var=cf, ratio=meas / cf,
+                ratio_tv=meas / float(g["apriori_state_var"].mean()),
+                ratio_onpath=meas / float(g["pred_state_var"].mean()),
+                mean=mean, sem=sem, mean_over_se=mean / sem,
+            ))  # fmt: skip
+    return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))

@@ -234,3 +234,21 @@ def test_bad_arguments_raise():
         theory.grid_neighbours(np.ones((2, 20)), "nvfp4")
     with pytest.raises(ValueError, match="rtn_stuck_threshold"):
         theory.rtn_stuck_threshold(1.0, "nvfp4")
+
+
+def test_driven_regime_helpers():
+    """C6.11/C6.12: sigma2_drv = mean of p(1-p) delta^2 + b^2 over exact states; kappa; windows."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(64, 4, 32))
+    for f in ("bf16", "fp8e4m3", "mxfp8"):
+        s2, parts = theory.driven_sigma2(x, f)
+        b, v = theory.sr_moments(x, f)
+        assert s2 == pytest.approx(float((v + b * b).mean()), rel=1e-12)
+        assert parts["rho"] == pytest.approx(s2 / float((x * x).mean()), rel=1e-12)
+    assert theory.clipping_stats(x, "fp8e4m3")["clip_fraction"] == 0.0
+    c = theory.clipping_stats(x, "mxfp4")
+    assert 0 < c["clip_fraction"] < 0.1 and 0 < c["clip_rel_bias"] < 0.25
+    assert float(theory.driven_kappa(0.99, 0.02, 16, 1.0)) == pytest.approx(0.02 / (1 - 0.99**32))
+    assert [theory.driven_window(a) for a in (0.9, 0.99, 0.999)] == [1, 16, 128]
+    with pytest.raises(ValueError):
+        theory.driven_window(0.99999)

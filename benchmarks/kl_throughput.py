@@ -93,10 +93,15 @@ def main(argv=None):
     p.add_argument("--step-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("-o", "--output", default=None)
+    p.add_argument("--check-chain", default=None, metavar="JSON",
+                   help="only check the anchor-chain kernel against the torch flush chain at "
+                        "serving shapes (mismatch counts, timings) and write JSON here")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
+    if a.check_chain:
+        return check_chain(dev, a.check_chain)
     model = load(a.model, dev, a.hidden, a.layers)
     vocab = model.config.get_text_config().vocab_size
     n_params = sum(q.numel() for q in model.parameters())
@@ -105,7 +110,8 @@ def main(argv=None):
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
            "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
            "torch": torch.__version__, "window": a.window, "segment_len": a.segment_len,
-           "step_tokens": a.step_tokens, "runs": []}
+           "step_tokens": a.step_tokens, "runs": [],
+           "anchor_chain": os.environ.get("REPLAYSSM_ANCHOR_CHAIN", "auto")}
     import transformers
 
     res["transformers"] = transformers.__version__
@@ -160,6 +166,75 @@ def main(argv=None):
             print(f"N={N:6d} plain forward {r['plain_s']:.3f} s ({N / r['plain_s']:.0f} tok/s), patched prefill "
                   f"{r['prefill_s']:.3f} s, fp32 reference {r['reference_s']:.3f} s", flush=True)
             save()
+    return 0
+
+
+def check_chain(dev, out):
+    """Anchor-chain kernel vs the torch flush chain (core.solve_corrections + core.reconstruct
+    + core.cast_state) at serving shapes: per window, the kernel's A against the torch cast of
+    the kernel's own S (must be 0 mismatches) and the kernel's S against the torch flush
+    arithmetic from the kernel's previous anchor; then both chains free-running."""
+    from replayssm_quant.kernels import replay as kr
+    from replayssm_quant.policy import StatePolicy
+    from replayssm_quant.replay import core
+    from replayssm_quant.replay import window as W
+
+    res = {"device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "cases": []}
+    g = torch.Generator(device=dev).manual_seed(0)
+    for fam, H, V, K in (("gdn", 16, 128, 128), ("mamba2", 32, 64, 128)):
+        for pol in ("shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3", "shared:mxfp4"):
+            P = StatePolicy.parse(pol)
+            L = W.effective_window(P, 16)
+            T = 2048 if L > 1 else 256
+            NW = T // L
+            la = -0.05 * torch.rand(1, T, H, device=dev, generator=g)
+            k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev, generator=g), dim=-1)
+            v = torch.randn(1, T, H, V, device=dev, generator=g)
+            beta = torch.rand(1, T, H, device=dev, generator=g) if fam == "gdn" else None
+            ids = torch.tensor([3], device=dev)
+            A0 = core.cast_state(torch.randn(1, H, V, K, device=dev, generator=g), P.rec, seed=1,
+                                 stream=5)[0]
+            ka = W._stream_keys(7, ids, H, torch.arange(1, NW + 1, device=dev)[None], core.ANCHOR_COPY)
+            S, A = kr.anchor_chain(A0, la, k, v, beta, P.rec, L=L, seed=1, streams=ka)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            S, A = kr.anchor_chain(A0, la, k, v, beta, P.rec, L=L, seed=1, streams=ka)
+            torch.cuda.synchronize()
+            t_kernel = time.perf_counter() - t0
+            own_mis, s_err, prev = 0, 0.0, A0
+            for w in range(NW):
+                r = slice(w * L, (w + 1) * L)
+                wv = v[:, r] if beta is None else core.solve_corrections(prev, la[:, r], beta[:, r], v[:, r], k[:, r])
+                Sref = core.reconstruct(prev, la[:, r], wv, k[:, r])
+                s_err = max(s_err, float((S[:, w] - Sref).norm() / Sref.norm()))
+                Ac = core.cast_state(S[:, w], P.rec, seed=1, stream=ka[:, w])[0]
+                own_mis += int((Ac.view(torch.int32) != A[:, w].view(torch.int32)).sum())
+                prev = A[:, w]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            At, flips = A0, []
+            for w in range(NW):  # free-running torch chain (what _block ran before)
+                r = slice(w * L, (w + 1) * L)
+                wv = v[:, r] if beta is None else core.solve_corrections(At, la[:, r], beta[:, r], v[:, r], k[:, r])
+                St = core.reconstruct(At, la[:, r], wv, k[:, r])
+                At = core.cast_state(St, P.rec, seed=1, stream=ka[:, w])[0]
+                flips.append(At.view(torch.int32) != A[:, w].view(torch.int32))
+            torch.cuda.synchronize()
+            t_torch = time.perf_counter() - t0
+            first = next((w for w, f in enumerate(flips) if bool(f.any())), None)
+            c = {"family": fam, "policy": pol, "shape": [1, H, V, K], "L": L, "windows": NW,
+                 "A_vs_cast_of_own_S_mismatches": own_mis, "elements_per_window": H * V * K,
+                 "S_vs_torch_flush_rel_err_max": s_err,
+                 "free_running_A_mismatches_window1": int(flips[0].sum()),
+                 "free_running_first_window_with_mismatch": first,
+                 "free_running_A_mismatches_last": int(flips[-1].sum()),
+                 "free_running_final_A_rel_diff": float((At - A[:, -1]).norm() / At.norm()),
+                 "kernel_s": t_kernel, "torch_s": t_torch}
+            res["cases"].append(c)
+            print(c, flush=True)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=2))
     return 0
 
 

@@ -9,9 +9,10 @@ state and the attention KV cache, so a document processed in segments carries ev
 one call to the next by passing the same cache object.
 
 Entry points (all built on :mod:`replayssm_quant.replay`; the flush is always
-:func:`~replayssm_quant.replay.mamba2.mamba2_flush` / :func:`~replayssm_quant.replay.gdn.gdn_flush`,
-called with the same arguments on both paths, so a layer given identical inputs rounds
-identically):
+:func:`~replayssm_quant.replay.window.flush_window` -- the anchor-chain kernel for rounded
+anchors on CUDA, else :func:`~replayssm_quant.replay.mamba2.mamba2_flush` /
+:func:`~replayssm_quant.replay.gdn.gdn_flush` -- and the batched teacher-forced form takes the
+same dispatch decision, so a layer given identical inputs rounds identically):
 
 * :func:`prefill_scan`: the exact chunked scan in the working precision (no rounding) that a
   prompt runs through; its final state is cast as flush 0 (``window.initial_carry``).
@@ -34,8 +35,7 @@ import torch
 
 from ..replay import core
 from ..replay import window as W
-from ..replay.gdn import gdn_flush
-from ..replay.mamba2 import mamba2_flush, mamba2_records
+from ..replay.mamba2 import mamba2_records
 
 __all__ = ["LayerState", "prefill_scan", "PREFILL_CHUNK", "GDN_FOLDS"]
 
@@ -146,17 +146,16 @@ class LayerState:
         h = c.h
         J = h + 1
         Bz = self.batch_size
-        length = torch.full_like(c.flush_index, J)
         if self.family == "mamba2":
             H = inp["x"].shape[2]
             la, v, k = mamba2_records(inp["x"], inp["dt"], inp["A"], inp["B"])
             recs = W._cat_records(c, {"la": la, "v": v, "k": k})
             q = core.expand_heads(inp["C"][:, 0], H, 1)
             if J == self.window:
-                res = mamba2_flush(c.anchor, recs["la"], recs["v"], recs["k"], self.policy,
-                                   seed=self.seed, layer=self.layer, sequence_ids=self.sequence_ids,
-                                   flush_index=c.flush_index, length=length)
-                y = core.matvec(res.state, q)
+                S, An, Rn = W.flush_window("mamba2", c.anchor, recs, self.policy, seed=self.seed,
+                                           layer=self.layer, sequence_ids=self.sequence_ids,
+                                           flush_index=c.flush_index)
+                y = core.matvec(S, q)
             else:
                 y = core.step_output(c.read, recs["la"], recs["v"],
                                      core.expand_heads(recs["k"], H, 2), q)
@@ -172,17 +171,15 @@ class LayerState:
             recs["uR"] = uR
             q = core.expand_heads(inp["q"][:, 0], HV, 1)
             if J == self.window:
-                res = gdn_flush(c.anchor, recs["la"], recs["beta"], recs["v"], recs["k"],
-                                self.policy, seed=self.seed, layer=self.layer,
-                                sequence_ids=self.sequence_ids, flush_index=c.flush_index,
-                                length=length, u_cached=uR,
-                                fold_cached_corrections=self.fold_cached)
-                y = core.matvec(res.state, q)
+                S, An, Rn = W.flush_window("gdn", c.anchor, recs, self.policy, seed=self.seed,
+                                           layer=self.layer, sequence_ids=self.sequence_ids,
+                                           flush_index=c.flush_index, u_cached=uR,
+                                           fold_cached=self.fold_cached)
+                y = core.matvec(S, q)
             else:
                 y = core.step_output(c.read, recs["la"], uR, ke, q)
         if J == self.window:
-            cp = res.checkpoints
-            self.carry = W.WindowCarry(cp.anchor, cp.read, {}, c.flush_index + 1)
+            self.carry = W.WindowCarry(An, Rn, {}, c.flush_index + 1)
         else:
             self.carry = W.WindowCarry(c.anchor, c.read, recs, c.flush_index)
         return y[:, None]

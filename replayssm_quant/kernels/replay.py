@@ -920,3 +920,214 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     return flush_kernel(anchor, la, u, k, length, policy, seed=seed, layer=layer,
                         sequence_ids=sequence_ids, flush_index=flush_index, q=q,
                         store_state=store_state, block_v=block_v)
+
+
+# ----------------------------------------------------------------------------------------
+# anchor chain: the rounded-anchor recurrence of a run of windows, one launch
+# ----------------------------------------------------------------------------------------
+# One program per (sequence, head) matrix loops over NW windows of L records each:
+#   (GDN) u = corrections of the window solved against A (forward substitution, row-separable
+#         along the value axis, as core.solve_corrections),
+#   S = gamma_{1:L} A + sum_j gamma_{j+1:L} w_j k_j^T  (w = v for Mamba-2, u for GDN),
+#   A <- Q_rec(S)  (stored packed, SR stream of that flush; the matrix amax over the whole S).
+# The next window reads A back from the packed copy just written (decoded as _load_copy does,
+# which equals PackedTensor.dequantize). This is THE flush arithmetic of rounded anchors on
+# the kernel path: the adapters' step path calls it with NW = 1, the teacher-forced window
+# form with NW = all full windows of a group, so identical inputs round identically. The
+# read copies R = Q_read(S) are cast by the host from the returned S (torch quantizer).
+
+
+@triton.jit
+def _chain_tile(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask,
+                la_ptr, k_ptr, v_ptr, beta_ptr, b, h, t0, H, V, T, L,
+                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+                GDN: tl.constexpr,
+                P_KIND: tl.constexpr, P_FP4: tl.constexpr, P_EB: tl.constexpr,
+                P_MB: tl.constexpr, P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr,
+                P_NANF: tl.constexpr):
+    """Rows ``rows`` of the unrounded S after window ``w`` as (even, odd) [BV, KH]."""
+    if w == 0:
+        ae, ao = _load_copy(a0_ptr, a0_ptr, a0_ptr, mat0, rows, rmask, V, K, KH, BV,
+                            0, False, 8, 23, -126, 1.0, 0)
+    else:
+        ae, ao = _load_copy(ap_ptr, apbs_ptr, apms_ptr, pmat, rows, rmask, V, K, KH, BV,
+                            P_KIND, P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)
+    idx = tl.arange(0, LP)
+    live = idx < L
+    tt = (b * T + t0 + idx).to(tl.int64)
+    la = tl.load(la_ptr + tt * H + h, mask=live, other=0.0)
+    cvec = tl.cumsum(la, axis=0)
+    total = tl.sum(tl.where(idx == L - 1, cvec, 0.0), axis=0)
+    kk = tl.arange(0, K)
+    kmat = tl.load(k_ptr + (tt * H + h)[:, None] * K + kk[None, :], mask=live[:, None], other=0.0)
+    kme, kmo = _split_halves(kmat, LP, KH)
+    m2 = live[:, None] & rmask[None, :]
+    vm = tl.load(v_ptr + (tt * H + h)[:, None] * V + rows[None, :], mask=m2, other=0.0)
+    if GDN:
+        bt = tl.load(beta_ptr + tt * H + h, mask=live, other=0.0)
+        U = tl.zeros([LP, BV], tl.float32)
+        for p in range(0, L):
+            sel = idx == p
+            kpe = tl.sum(tl.where(sel[:, None], kme, 0.0), axis=0)
+            kpo = tl.sum(tl.where(sel[:, None], kmo, 0.0), axis=0)
+            ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)  # A k_p
+            kkp = tl.sum(kme * kpe[None, :], axis=1) + tl.sum(kmo * kpo[None, :], axis=1)
+            cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
+            bp = tl.sum(tl.where(sel, bt, 0.0), axis=0)
+            vp = tl.sum(tl.where(sel[:, None], vm, 0.0), axis=0)
+            before = idx < p
+            coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
+            u = bp * (vp - tl.exp(cp) * ak) - tl.sum(coef[:, None] * U, axis=0)
+            U = tl.where(sel[:, None], u[None, :], U)
+        wm = U
+    else:
+        wm = vm
+    m = tl.where(live, tl.exp(total - cvec), 0.0)
+    wm = wm * m[:, None]
+    eg = tl.exp(total)
+    se = eg * ae
+    so = eg * ao
+    for j in range(0, L):
+        sel = idx == j
+        wj = tl.sum(tl.where(sel[:, None], wm, 0.0), axis=0)
+        kje = tl.sum(tl.where(sel[:, None], kme, 0.0), axis=0)
+        kjo = tl.sum(tl.where(sel[:, None], kmo, 0.0), axis=0)
+        se += wj[:, None] * kje[None, :]
+        so += wj[:, None] * kjo[None, :]
+    return se, so
+
+
+@triton.jit
+def _tile_amax(se, so, rmask):
+    fe = tl.where(rmask[:, None], _finite_abs(se), 0.0)
+    fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
+    return tl.maximum(tl.max(tl.max(fe, axis=1), axis=0), tl.max(tl.max(fo, axis=1), axis=0))
+
+
+@triton.jit
+def _chain_kernel(
+        a0_ptr,  # starting anchor, dequantised FP32 [B, H, V, K]
+        la_ptr, k_ptr, v_ptr, beta_ptr,  # records [B,T,H], [B,T,H,K] (expanded), [B,T,H,V], [B,T,H]
+        st_ptr, seed,  # anchor stream keys [B, NW, H]
+        oa_ptr, oabs_ptr, oams_ptr,  # anchors of every window, packed [B, NW, H, V, .]
+        ap_ptr,  # the same codes as typed for decoding (bf16 / fp16 view for half formats)
+        s_ptr,  # unrounded S of every window [B, NW, H, V, K]
+        H, V, T, L, NW,
+        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+        GDN: tl.constexpr, ONE_TILE: tl.constexpr, NEED_AMAX: tl.constexpr,
+        P_KIND: tl.constexpr, P_FP4: tl.constexpr, P_EB: tl.constexpr, P_MB: tl.constexpr,
+        P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr, P_NANF: tl.constexpr,
+        CA_KIND: tl.constexpr, CA_FP4: tl.constexpr, CA_SR: tl.constexpr,
+        CA_FMAX: tl.constexpr, CA_EMAX: tl.constexpr, CA_BLK: tl.constexpr,
+        CA_MS: tl.constexpr,
+        CA_EMIN: tl.constexpr, CA_MBITS: tl.constexpr, CA_MAXCODE: tl.constexpr,
+        CA_SUBQ: tl.constexpr, CA_SIGN_SHIFT: tl.constexpr, CA_HAS_INF: tl.constexpr,
+        CA_NAN_POS: tl.constexpr, CA_NAN_NEG: tl.constexpr, CA_INF_POS: tl.constexpr,
+        CA_INF_NEG: tl.constexpr):
+    mat0 = tl.program_id(0).to(tl.int64)
+    b = mat0 // H
+    h = mat0 - b * H
+    kk = tl.arange(0, K)
+    for w in range(0, NW):
+        wmat = (b * NW + w) * H + h
+        pmat = wmat - H
+        t0 = w * L
+        if ONE_TILE:
+            rows = tl.arange(0, BV)
+            rmask = rows < V
+            se, so = _chain_tile(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows, rmask,
+                                 la_ptr, k_ptr, v_ptr, beta_ptr, b, h, t0, H, V, T, L,
+                                 K, KH, BV, LP, GDN, P_KIND, P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ,
+                                 P_NANF)
+            amax = tl.zeros([], tl.float32)
+            if NEED_AMAX:
+                amax = _tile_amax(se, so, rmask)
+            sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
+            x = tl.reshape(tl.join(se, so), [BV, K])
+            tl.store(s_ptr + (wmat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
+                     mask=rmask[:, None])
+            _cast_store(se, so, rows, rmask, wmat, V, sa, seed, st_ptr, oa_ptr, oabs_ptr, K, KH,
+                        BV, CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN, CA_MBITS,
+                        CA_MAXCODE, CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF, CA_NAN_POS, CA_NAN_NEG,
+                        CA_INF_POS, CA_INF_NEG)
+        else:
+            amax = tl.zeros([], tl.float32)
+            if NEED_AMAX:
+                for v0 in range(0, V, BV):
+                    rows = v0 + tl.arange(0, BV)
+                    rmask = rows < V
+                    se, so = _chain_tile(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
+                                         rmask, la_ptr, k_ptr, v_ptr, beta_ptr, b, h, t0, H, V, T,
+                                         L, K, KH, BV, LP, GDN, P_KIND, P_FP4, P_EB, P_MB,
+                                         P_EMIN, P_SUBQ, P_NANF)
+                    amax = tl.maximum(amax, _tile_amax(se, so, rmask))
+            sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
+            for v0 in range(0, V, BV):
+                rows = v0 + tl.arange(0, BV)
+                rmask = rows < V
+                se, so = _chain_tile(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
+                                     rmask, la_ptr, k_ptr, v_ptr, beta_ptr, b, h, t0, H, V, T,
+                                     L, K, KH, BV, LP, GDN, P_KIND, P_FP4, P_EB, P_MB,
+                                     P_EMIN, P_SUBQ, P_NANF)
+                x = tl.reshape(tl.join(se, so), [BV, K])
+                tl.store(s_ptr + (wmat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
+                         mask=rmask[:, None])
+                _cast_store(se, so, rows, rmask, wmat, V, sa, seed, st_ptr, oa_ptr, oabs_ptr, K,
+                            KH, BV, CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN,
+                            CA_MBITS, CA_MAXCODE, CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF,
+                            CA_NAN_POS, CA_NAN_NEG, CA_INF_POS, CA_INF_NEG)
+        if CA_MS:
+            tl.store(oams_ptr + wmat, sa)
+        tl.debug_barrier()  # the next window reads this window's anchor (other threads' rows)
+
+
+CHAIN_TILE_ELEMENTS = 128 * 128  # whole matrix in one register tile up to this many elements
+
+
+def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams,
+                 block_v: int | None = None, num_warps: int | None = None):
+    """Rounded-anchor recurrence over ``NW = T // L`` full windows in one launch.
+
+    Args:
+        anchor: dequantised FP32 anchor ``[B, H, V, K]`` before the first window.
+        la ``[B, T, H]``, head-expanded ``k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``
+        (GDN) or None (Mamba-2: the written value is v).
+        spec: the anchor format (``policy.rec``, not fp32); streams: int64 ``[B, NW, H]`` anchor
+        stream keys of the NW flushes (``core.checkpoint_streams`` copy 0).
+
+    Returns ``(S [B, NW, H, V, K] unrounded, A [B, NW, H, V, K] dequantised anchors)``.
+    """
+    spec = parse_spec(spec)
+    B, H, V, K = (int(d) for d in anchor.shape)
+    _check_supported(K, anchor.dtype)
+    if spec.is_identity:
+        raise ValueError("anchor_chain is for rounded anchors (rec not fp32)")
+    T = la.shape[1]
+    NW = T // L
+    if NW * L != T or NW < 1:
+        raise ValueError(f"T={T} must be a positive multiple of L={L}")
+    dev = anchor.device
+    gdn = beta is not None
+    la, k, v = la.contiguous(), k.contiguous(), v.contiguous()
+    beta = beta.contiguous() if gdn else la
+    bufs = _alloc_copy(spec, (B * NW, H, V, K), dev)
+    codes = bufs[0]
+    ap = codes
+    if _kind(spec) == _K_HALF:
+        ap = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
+    S = torch.empty(B, NW, H, V, K, dtype=torch.float32, device=dev)
+    vp2 = triton.next_power_of_2(V)
+    one = vp2 * K <= CHAIN_TILE_ELEMENTS if block_v is None else block_v >= vp2
+    bv = vp2 if one else (block_v or max(1, CHAIN_TILE_ELEMENTS // K // 4))
+    nw = num_warps or (8 if one and vp2 * K >= 8192 else 4)
+    st = torch.as_tensor(streams, dtype=torch.int64).to(dev).reshape(-1).contiguous()
+    pick = lambda t: t if t is not None else codes  # noqa: E731
+    _chain_kernel[(B * H,)](
+        anchor.contiguous(), la, k, v, beta, st, int(seed),
+        codes, pick(bufs[1]), pick(bufs[2]), ap, S, H, V, T, L, NW,
+        K=K, KH=K // 2, BV=bv, LP=_lp(L), GDN=gdn, ONE_TILE=one,
+        NEED_AMAX=_kind(spec) in (_K_MATRIX, _K_NVFP4), num_warps=nw,
+        **_decode_consts(spec, "P_"), **_cast_consts(spec, "CA_"))
+    packed = _as_stored(spec, (B * NW, H, V, K), bufs)
+    A = packed if isinstance(packed, torch.Tensor) else packed.dequantize()
+    return S, A.to(torch.float32).reshape(B, NW, H, V, K)

@@ -26,6 +26,7 @@ Typical use for one layer (Mamba-2)::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,59 @@ def initial_carry(S: torch.Tensor, policy, *, seed: int = 0, layer: int = 0,
     return WindowCarry(cps.anchor, cps.read, {}, fi + 1)
 
 
+# ------------------------------------------------------------------------------ flush dispatch
+CHAIN_ENV = "REPLAYSSM_ANCHOR_CHAIN"  # "auto" (default: kernel on CUDA), "torch" or "triton"
+
+
+def chain_kernel_enabled(policy, anchor: torch.Tensor, fold_cached: bool = False) -> bool:
+    """True when rounded-anchor flushes run the anchor-chain kernel
+    (:func:`replayssm_quant.kernels.replay.anchor_chain`): a rounded anchor (``rec`` not fp32),
+    not the cached-fold variant, float32, key dim a power of two >= 32, on CUDA (``auto``) or
+    forced with ``REPLAYSSM_ANCHOR_CHAIN=triton`` (CPU: under ``TRITON_INTERPRET=1``).
+    Every flush of a layer (stepping and teacher-forced, batched or window by window) takes
+    the same decision, so a layer given identical inputs rounds identically."""
+    from ..kernels.dispatch import replay_kernels_enabled
+
+    policy = StatePolicy.parse(policy)
+    if policy.rec.is_identity or fold_cached:
+        return False
+    return replay_kernels_enabled(os.environ.get(CHAIN_ENV) or None, anchor.device, anchor.dtype,
+                                  anchor.shape[-1])
+
+
+def flush_window(family: str, anchor, recs: dict, policy, *, seed: int, layer: int,
+                 sequence_ids, flush_index, u_cached=None, fold_cached: bool = False):
+    """The flush of one full window of records (every sequence at h == L), dispatched:
+    the anchor-chain kernel with one window where :func:`chain_kernel_enabled`, else
+    :func:`mamba2_flush` / :func:`gdn_flush`. ``recs``: ``la, v, k`` (grouped k) and GDN
+    ``beta``. Returns ``(S, A, R)``: unrounded state and dequantised checkpoints."""
+    policy = StatePolicy.parse(policy)
+    J = recs["la"].shape[1]
+    if chain_kernel_enabled(policy, anchor, fold_cached):
+        from ..kernels import replay as kr
+
+        H = anchor.shape[1]
+        sa, sr = core.checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
+                                         flush_index=flush_index)
+        S, A = kr.anchor_chain(anchor, recs["la"], core.expand_heads(recs["k"], H, 2), recs["v"],
+                               recs["beta"] if family == "gdn" else None, policy.rec, L=J,
+                               seed=seed, streams=sa[:, None])
+        S, A = S[:, 0], A[:, 0]
+        if policy.single_checkpoint:
+            return S, A, A
+        return S, A, core.cast_state(S, policy.read, seed=seed, stream=sr)[0]
+    length = torch.full_like(flush_index, J)
+    if family == "mamba2":
+        res = mamba2_flush(anchor, recs["la"], recs["v"], recs["k"], policy, seed=seed,
+                           layer=layer, sequence_ids=sequence_ids, flush_index=flush_index,
+                           length=length)
+    else:
+        res = gdn_flush(anchor, recs["la"], recs["beta"], recs["v"], recs["k"], policy, seed=seed,
+                        layer=layer, sequence_ids=sequence_ids, flush_index=flush_index,
+                        length=length, u_cached=u_cached, fold_cached_corrections=fold_cached)
+    return res.state, res.checkpoints.anchor, res.checkpoints.read
+
+
 def _cat_records(carry: WindowCarry, new: dict) -> dict:
     if not carry.records:
         return {n: t.contiguous() for n, t in new.items()}
@@ -130,11 +184,10 @@ def mamba2_window(carry: WindowCarry, x, dt, A, B, C, D=None, *, policy, window:
     y = core.window_outputs(carry.read, recs["la"], recs["v"], ke, Q)[:, h0:]
     if J == L:
         ids = _seq_ids(sequence_ids, x.shape[0], x.device)
-        res = mamba2_flush(carry.anchor, recs["la"], recs["v"], recs["k"], policy, seed=seed,
-                           layer=layer, sequence_ids=ids, flush_index=carry.flush_index,
-                           length=torch.full_like(carry.flush_index, J))
-        y[:, -1] = core.matvec(res.state, q[:, -1])
-        carry = WindowCarry(res.checkpoints.anchor, res.checkpoints.read, {}, carry.flush_index + 1)
+        S, An, Rn = flush_window("mamba2", carry.anchor, recs, policy, seed=seed, layer=layer,
+                                 sequence_ids=ids, flush_index=carry.flush_index)
+        y[:, -1] = core.matvec(S, q[:, -1])
+        carry = WindowCarry(An, Rn, {}, carry.flush_index + 1)
     else:
         carry = WindowCarry(carry.anchor, carry.read, recs, carry.flush_index)
     if D is not None:
@@ -187,12 +240,11 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, see
     o = core.window_outputs(carry.read, recs["la"], uR, ke, Q)[:, h0:]
     if J == L:
         ids = _seq_ids(sequence_ids, Bz, v.device)
-        res = gdn_flush(carry.anchor, recs["la"], recs["beta"], recs["v"], recs["k"], policy,
-                        seed=seed, layer=layer, sequence_ids=ids, flush_index=carry.flush_index,
-                        length=torch.full_like(carry.flush_index, J), u_cached=uR,
-                        fold_cached_corrections=fold_cached_corrections)
-        o[:, -1] = core.matvec(res.state, qe[:, -1])
-        carry = WindowCarry(res.checkpoints.anchor, res.checkpoints.read, {}, carry.flush_index + 1)
+        S, An, Rn = flush_window("gdn", carry.anchor, recs, policy, seed=seed, layer=layer,
+                                 sequence_ids=ids, flush_index=carry.flush_index, u_cached=uR,
+                                 fold_cached=fold_cached_corrections)
+        o[:, -1] = core.matvec(S, qe[:, -1])
+        carry = WindowCarry(An, Rn, {}, carry.flush_index + 1)
     else:
         carry = WindowCarry(carry.anchor, carry.read, recs, carry.flush_index)
     return o, carry
@@ -242,6 +294,7 @@ def gdn_emulate(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, se
 # flush, copy)), so SR bits are identical (tests/test_emulation_fast.py).
 
 GROUP_ELEMENTS = 1 << 24  # bound on the elements of a per-group stacked tensor (memory)
+GROUP_ELEMENTS_CUDA = 1 << 26  # on CUDA: fewer, larger groups (launches), ~256 MB per tensor
 
 
 @dataclass
@@ -319,9 +372,11 @@ def _outputs(p: _Prep, R: torch.Tensor) -> torch.Tensor:
     return torch.exp(p.cc)[..., None, :] * RQ + torch.matmul(Wt, QK.transpose(-1, -2))
 
 
-def _group_size(Bz: int, H: int, V: int, K: int, L: int) -> int:
+def _group_size(Bz: int, H: int, V: int, K: int, L: int, device=None) -> int:
     per_window = Bz * H * (3 * V * K + K * K + 4 * L * (V + K))
-    return max(1, GROUP_ELEMENTS // per_window)
+    cap = GROUP_ELEMENTS_CUDA if device is not None and torch.device(device).type == "cuda" \
+        else GROUP_ELEMENTS
+    return max(1, cap // per_window)
 
 
 def exact_scan(S0: torch.Tensor, la, k, q, v, beta=None, *, chunk: int = 64):
@@ -366,14 +421,24 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
     single = policy.single_checkpoint
     outs, t = [], 0
     A, R, fi = carry.anchor, carry.read, carry.flush_index
+    use_chain = chain_kernel_enabled(policy, A)
     while t < T:
-        n = min((T - t) // L, _group_size(Bz, H, V, K, L))
+        n = min((T - t) // L, _group_size(Bz, H, V, K, L, A.device))
         s = slice(t, t + n * L)
         p = _prep(la[:, s], k[:, s], q[:, s], v[:, s], None if beta is None else beta[:, s], L)
         flush = fi[:, None] + torch.arange(n, device=fi.device)[None, :]  # [B, n]
         ka = None if rec_exact else _stream_keys(layer, ids, H, flush, core.ANCHOR_COPY)
         states, anchors = [], []
-        for w in range(n):  # the sequential part: the anchor recurrence
+        if use_chain:  # the whole anchor recurrence of the group in one kernel launch
+            from ..kernels import replay as kr
+
+            r = slice(t, t + n * L)
+            Sst, Ast = kr.anchor_chain(A, la[:, r], k[:, r], v[:, r],
+                                       None if beta is None else beta[:, r], policy.rec, L=L,
+                                       seed=seed, streams=ka)
+            states, anchors = list(Sst.unbind(1)), list(Ast.unbind(1))
+            A = anchors[-1]
+        for w in range(0 if use_chain else n):  # the sequential part: the anchor recurrence
             if rec_exact:  # nothing rounds: the batched WY step
                 S = A = _advance_state(A, p, w)
             else:  # the flush's own arithmetic (gdn_flush / mamba2_flush), so identical
@@ -385,9 +450,10 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
                 A = core.cast_state(S, policy.rec, seed=seed, stream=ka[:, w])[0]
                 anchors.append(A)
             states.append(S)
-        Sst = torch.stack(states, 1)  # [B, n, H, V, K] unrounded S_{w+1}
+        if not use_chain:
+            Sst = torch.stack(states, 1)  # [B, n, H, V, K] unrounded S_{w+1}
         if single:  # one checkpoint: R is A (cast once per flush, with the anchor stream)
-            Rst = Sst if rec_exact else torch.stack(anchors, 1)
+            Rst = Sst if rec_exact else (Ast if use_chain else torch.stack(anchors, 1))
         elif read_exact:
             Rst = Sst
         else:  # dual: R never feeds the anchor, so all read casts of the group at once

@@ -1,0 +1,124 @@
+"""Anchor-chain kernel (kernels/replay.py ``anchor_chain``): the rounded-anchor recurrence of
+the teacher-forced form and of the adapters' step flush on the kernel path.
+
+Runs on CPU under the Triton interpreter (TRITON_INTERPRET=1, conftest.py), float32, tiny
+shapes. Checks:
+
+* per window, the kernel's anchor is bit-identical to the torch cast (``core.cast_state`` with
+  the flush's stream key, i.e. ``core.cast_checkpoints``) of the kernel's own unrounded S, and
+  that S equals the torch flush arithmetic (``core.solve_corrections`` + ``core.reconstruct``)
+  run from the kernel's previous anchor to 1e-5 (the kernel sums in another order);
+  one-tile and row-tiled (two-pass amax) programs;
+* on the kernel path (``REPLAYSSM_ANCHOR_CHAIN=triton``), teacher-forced emulation
+  (``LayerState.advance``) and stepping (``LayerState.step``) give bit-identical anchors and
+  read copies and outputs to 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from replayssm_quant.adapters.state import LayerState  # noqa: E402
+from replayssm_quant.policy import StatePolicy  # noqa: E402
+from replayssm_quant.replay import core  # noqa: E402
+from replayssm_quant.replay import window as W  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+if DEVICE == "cpu" and not INTERPRET:
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from replayssm_quant.kernels import replay as kr  # noqa: E402
+
+POLICIES = ["shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3", "shared:mxfp4",
+            "read:fp8e4m3+sr/rec:bf16"]
+
+
+def _records(gdn: bool, B=2, T=12, H=2, V=6, K=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    la = -0.3 * torch.rand(B, T, H, generator=g)
+    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
+    v = r(B, T, H, V)
+    beta = torch.rand(B, T, H, generator=g) if gdn else None
+    return la, k, v, beta
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("block_v", [None, 4])
+def test_chain_matches_torch_flush(gdn, policy, block_v):
+    pol = StatePolicy.parse(policy)
+    L = W.effective_window(pol, 4)
+    B, T, H, V, K = 2, 12 if L > 1 else 5, 2, 6, 32
+    la, k, v, beta = _records(gdn, B, T, H, V, K, seed=3)
+    ids = torch.tensor([5, 1])
+    A0 = core.cast_state(torch.randn(B, H, V, K), pol.rec, seed=9, stream=7)[0]
+    NW = T // L
+    flush = torch.tensor([3, 8])[:, None] + torch.arange(NW)[None, :]
+    ka = W._stream_keys(2, ids, H, flush, core.ANCHOR_COPY)
+    S, A = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=9, streams=ka,
+                           block_v=block_v)
+    prev = A0
+    for w in range(NW):
+        r = slice(w * L, (w + 1) * L)
+        wv = v[:, r] if beta is None else core.solve_corrections(prev, la[:, r], beta[:, r],
+                                                                 v[:, r], k[:, r])
+        S_ref = core.reconstruct(prev, la[:, r], wv, k[:, r])
+        assert (S[:, w] - S_ref).abs().max() <= 1e-5 * max(1.0, float(S_ref.abs().max()))
+        A_ref = core.cast_state(S[:, w], pol.rec, seed=9, stream=ka[:, w])[0]
+        assert torch.equal(A[:, w].view(torch.int32), A_ref.view(torch.int32))
+        prev = A[:, w]
+
+
+def _inputs(family, B, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    if family == "gdn":
+        HK, HV, DK, DV = 1, 2, 32, 8
+        return {"q": torch.nn.functional.normalize(r(B, T, HK, DK), dim=-1) * DK ** -0.5,
+                "k": torch.nn.functional.normalize(r(B, T, HK, DK), dim=-1),
+                "v": r(B, T, HV, DV), "g": -0.2 * torch.rand(B, T, HV, generator=g),
+                "beta": torch.rand(B, T, HV, generator=g)}
+    H, P, G, N = 2, 8, 1, 32
+    return {"x": r(B, T, H, P), "dt": 0.5 * torch.rand(B, T, H, generator=g),
+            "A": -torch.rand(H, generator=g) - 0.1, "B": r(B, T, G, N) * 0.3,
+            "C": r(B, T, G, N) * 0.3}
+
+
+def _slice(inp, s):
+    return {n: (t if n == "A" else t[:, s]) for n, t in inp.items()}
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+@pytest.mark.parametrize("policy", ["shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3"])
+def test_step_equals_emulation_on_kernel_path(family, policy, monkeypatch):
+    monkeypatch.setenv(W.CHAIN_ENV, "triton")
+    B, T, L = 2, 19, 4
+    inp = _inputs(family, B, T, seed=5)
+    ids = torch.tensor([4, 9])
+    if family == "gdn":
+        shape = (B, 2, 8, 32)
+    else:
+        shape = (B, 2, 8, 32)
+    S0 = torch.randn(*shape) * 0.5
+    kw = dict(family=family, policy=policy, window=L, seed=3, layer=1, sequence_ids=ids)
+    em = LayerState(S0, **kw)
+    st = LayerState(S0, **kw)
+    assert W.chain_kernel_enabled(policy, em.anchor)
+    ys_em, ys_st = [], []
+    done = 0
+    for cut in (6, 17, T):  # partial head, full windows (batched chain), partial tail
+        ys_em.append(em.advance(_slice(inp, slice(done, cut))))
+        done = cut
+    for t in range(T):
+        ys_st.append(st.step(_slice(inp, slice(t, t + 1))))
+    ye, ys = torch.cat(ys_em, 1), torch.cat(ys_st, 1)
+    assert torch.allclose(ye, ys, atol=1e-5, rtol=1e-5)
+    assert torch.equal(em.anchor, st.anchor) and torch.equal(em.read, st.read)
+    assert em.flushes == st.flushes and em.h == st.h

@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"),
                    help="model dtype (default float32)")
     p.add_argument("--threads", type=int, default=0,
-                   help="CPU intra-op threads (default 0 = auto: torch's default, or 1 when the "
-                   "load average already exceeds the core count, where extra threads of many "
+                   help="CPU intra-op threads (default 0 = auto: 1 for models under 50 M parameters "
+                   "or when the load average already exceeds the core count, else torch's default; "
+                   "extra threads of many "
                    "small ops mostly wait on each other)")
     p.add_argument("--output-dir", "-o", default="kl-run", help="output directory (default ./kl-run)")
     p.add_argument("--gdn-fold", default="recompute", choices=("recompute", "cached"),
@@ -303,8 +304,16 @@ def _versions() -> dict:
             "platform": platform.platform()}
 
 
-def _set_threads(a) -> int:
-    """Apply ``--threads`` (0 = auto) on CPU; returns the intra-op thread count used."""
+SMALL_MODEL_PARAMS = 50_000_000  # below this, CPU intra-op threads cost more than they give
+
+
+def _set_threads(a, model=None) -> int:
+    """Apply ``--threads`` (0 = auto) on CPU; returns the intra-op thread count used.
+
+    Auto uses 1 thread for small models (< 50 M parameters, e.g. the embedded ones: their many
+    small ops run several times slower with 2 threads, far more so on a loaded machine) or when
+    the load average already exceeds the core count, else torch's default.
+    """
     import torch
 
     if a.threads:
@@ -314,7 +323,8 @@ def _set_threads(a) -> int:
             busy = os.getloadavg()[0] >= (os.cpu_count() or 1)
         except OSError:
             busy = False
-        if busy:
+        small = model is not None and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS
+        if busy or small:
             torch.set_num_threads(1)
     return torch.get_num_threads()
 
@@ -330,12 +340,12 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
     from replayssm_quant.models import load_model
 
     t0 = time.time()
-    threads = _set_threads(a)
     out = Path(a.output_dir)
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, a.dtype)
     model, _ = load_model(a.model, dtype=dtype, device=a.device, tokenizer=False)
+    threads = _set_threads(a, model)
     t_load = time.time() - t0
     cells = [(str(p), w, s) for p in policies for w in a.windows for s in a.seeds]
     handle = apply_state_policy(model, "fp32", window=a.windows[0], seed=0,

@@ -92,6 +92,8 @@ def _check_args(a) -> list:
         raise BadArgs(f"--prefill must be in [0, max-tokens) = [0, {a.max_tokens}), got {a.prefill}")
     if a.threads < 0:
         raise BadArgs(f"--threads must be >= 0, got {a.threads}")
+    if Path(a.output_dir).exists() and not Path(a.output_dir).is_dir():
+        raise BadArgs(f"--output-dir {a.output_dir!r} exists and is not a directory")
     for name in ("segment_len", "batch_size", "max_docs"):
         if getattr(a, name) <= 0:
             raise BadArgs(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
@@ -280,8 +282,38 @@ def summarize(df):
 
 
 # ------------------------------------------------------------------------------ run
-def _cell_key(doc_idx, policy, window, seed) -> str:
-    return hashlib.sha1(f"{doc_idx}|{policy}|{window}|{seed}".encode()).hexdigest()[:16]
+def _cell_key(doc, policy, window, seed) -> str:
+    """Part-file key of one (document, policy, window, seed) cell. The document enters by the
+    hash of its tokens, so a different corpus, tokenizer or N never reuses a finished cell."""
+    return hashlib.sha1(f"{doc['sha']}|{policy}|{window}|{seed}".encode()).hexdigest()[:16]
+
+
+IDENTITY_FILE = "run_identity.json"
+
+
+def run_identity(a, cfg) -> dict:
+    """Settings that change every number of a run besides the documents and cells: a resumed
+    run must match them (checked before any compute)."""
+    return {"model": str(a.model),
+            "config_sha256": hashlib.sha256(cfg.to_json_string().encode()).hexdigest(),
+            "dtype": a.dtype, "device_type": str(a.device).split(":")[0], "prefill": a.prefill,
+            "segment_len": a.segment_len, "gdn_fold": a.gdn_fold, "max_tokens": a.max_tokens}
+
+
+def _check_identity(a, cfg) -> None:
+    f = Path(a.output_dir) / IDENTITY_FILE
+    if not f.exists():
+        return
+    try:
+        old = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BadArgs(f"cannot read {f}: {e}") from None
+    new = run_identity(a, cfg)
+    diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
+    if diff:
+        desc = ", ".join(f"{k}: {o!r} there vs {n!r} now" for k, (o, n) in diff.items())
+        raise BadArgs(f"--output-dir {a.output_dir!r} holds a run with other settings ({desc}); "
+                      "use another --output-dir or remove it")
 
 
 def _git_commit() -> str | None:
@@ -343,6 +375,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
     out = Path(a.output_dir)
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
+    (out / IDENTITY_FILE).write_text(json.dumps(run_identity(a, cfg), indent=2))
     dtype = getattr(torch, a.dtype)
     model, _ = load_model(a.model, dtype=dtype, device=a.device, tokenizer=False)
     threads = _set_threads(a, model)
@@ -363,7 +396,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
     bar = tqdm(batches, desc="documents", unit="batch", disable=a.no_progress)
     with torch.no_grad():
         for batch in bar:
-            todo = [c for c in cells if any(not (parts / f"{_cell_key(d, *c)}.parquet").exists()
+            todo = [c for c in cells if any(not (parts / f"{_cell_key(token_docs[d], *c)}.parquet").exists()
                                             for d in batch)]
             if not todo:
                 continue
@@ -394,7 +427,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
                     rows[c].append(m)
             for c in todo:
                 for bi, d in enumerate(batch):
-                    f = parts / f"{_cell_key(d, *c)}.parquet"
+                    f = parts / f"{_cell_key(token_docs[d], *c)}.parquet"
                     if f.exists():
                         continue
                     cols = {k: np.concatenate([m[k][bi] for m in rows[c]]) for k in rows[c][0]}
@@ -410,7 +443,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
     frames = []
     for d in range(len(token_docs)):
         for c in cells:
-            f = parts / f"{_cell_key(d, *c)}.parquet"
+            f = parts / f"{_cell_key(token_docs[d], *c)}.parquet"
             if f.exists():
                 frames.append(pd.read_parquet(f))
     pos = pd.concat(frames, ignore_index=True)
@@ -455,6 +488,9 @@ def main(argv=None) -> int:
         vocab = cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size
         encode, tok_name = _load_tokenizer(cfg_path, vocab)
         token_docs = _make_documents(docs, encode, a.max_tokens + 1, a.max_docs)
+        for d in token_docs:
+            d["sha"] = hashlib.sha256(json.dumps(list(d["ids"])).encode()).hexdigest()[:24]
+        _check_identity(a, cfg)
         if not token_docs:
             raise BadArgs(f"dataset {a.dataset} has fewer than {a.max_tokens} tokens in all; "
                           "lower --max-tokens")
@@ -475,7 +511,13 @@ def main(argv=None) -> int:
     except BadArgs as e:
         print(f"replayssm-kl: error: {e}", file=sys.stderr)
         return EXIT_BAD_ARGS
-    return run(a, policies, cfg_path, cfg, arch, token_docs, tok_name)
+    try:
+        return run(a, policies, cfg_path, cfg, arch, token_docs, tok_name)
+    except KeyboardInterrupt:
+        done = len(list((Path(a.output_dir) / "parts").glob("*.parquet")))
+        print(f"\nreplayssm-kl: interrupted; {done} finished cells are saved in "
+              f"{a.output_dir}/parts; run the same command again to resume", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -246,14 +246,62 @@ class ReplaySSMLM(HFLM):
         return result
 
 
-def cli(argv: list[str] | None = None) -> None:
-    """``replayssm-lm-eval``: lm_eval's command line with the ``replayssm`` model registered."""
+def _model_args(argv: list[str]) -> tuple[str | None, str | None]:
+    """The ``--model`` and ``--model_args`` values of an lm_eval command line."""
+    vals: dict[str, str | None] = {"--model": None, "--model_args": None}
+    for i, tok in enumerate(argv):
+        for flag in vals:
+            if tok == flag and i + 1 < len(argv):
+                vals[flag] = argv[i + 1]
+            elif tok.startswith(flag + "="):
+                vals[flag] = tok[len(flag) + 1:]
+    return vals["--model"], vals["--model_args"]
+
+
+def check_model_args(model_args: str | None) -> None:
+    """Validate the ReplaySSM model arguments of a ``--model_args`` string before lm-eval runs.
+
+    Raises:
+        ValueError: a bad ``state``, ``window``, ``seed``, ``max_drafts`` or ``gdn_fold``.
+    """
+    if not model_args:
+        return
+    s = model_args.strip()
+    if s.startswith("{"):
+        import json
+
+        kv = {k: str(v) for k, v in json.loads(s).items()}
+    else:
+        kv = dict(p.split("=", 1) for p in s.split(",") if "=" in p)
+    if "state" in kv:
+        _parse_policy(kv["state"])
+    for name, minimum in (("window", 1), ("seed", 0), ("max_drafts", 0)):
+        if name in kv:
+            _as_int(name, kv[name], minimum)
+    if kv.get("gdn_fold", "recompute") not in ("recompute", "cached"):
+        raise ValueError(f"model argument gdn_fold must be 'recompute' or 'cached', got {kv['gdn_fold']!r}")
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``replayssm-lm-eval``: lm_eval's command line with the ``replayssm`` model registered.
+
+    Bad ReplaySSM model arguments (``--model replayssm --model_args state=...``) are reported
+    in one line with exit code 2 before lm-eval starts.
+    """
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    model, margs = _model_args(sys.argv[1:])
+    if model == "replayssm":
+        try:
+            check_model_args(margs)
+        except ValueError as e:
+            print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
+            return 2
     cli_evaluate()
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    cli()
+    sys.exit(cli())

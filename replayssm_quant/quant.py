@@ -198,6 +198,8 @@ def _sr_bits(spec: QuantSpec, x: torch.Tensor, seed: int, stream) -> torch.Tenso
     if not spec.sr:
         return None
     lead = x.shape[:-2]
+    if isinstance(stream, torch.Tensor) and (stream.is_floating_point() or stream.is_complex()):
+        raise ValueError(f"stream must be an int or an integer tensor, got dtype {stream.dtype}")
     stream = torch.as_tensor(stream, dtype=torch.int64, device=x.device)
     try:
         stream = torch.broadcast_to(stream, lead)
@@ -425,6 +427,11 @@ def _backend(x: torch.Tensor, backend: str | None) -> str:
         raise ValueError(f"backend {b!r} not one of {BACKENDS}")
     if b == "auto":
         return "triton" if x.is_cuda else "torch"
+    if b == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend 'triton' on a {x.device} tensor needs the Triton interpreter: set "
+            "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
+        )
     return b
 
 
@@ -446,7 +453,9 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
             ``+sr``) or a :class:`~replayssm_quant.formats.QuantSpec`.
         seed: Philox key for SR, int in [0, 2^63).
         stream: int or int64 tensor broadcastable to ``x.shape[:-2]``: the 64-bit stream key
-            of each matrix (see :func:`replayssm_quant.philox.stream_key`).
+            of each matrix (see :func:`replayssm_quant.philox.stream_key`). Only SR uses it;
+            the default 0 gives every matrix the same random bits, so pass distinct keys
+            (e.g. ``stream_key(sequence=..., head=...)``) for independent rounding.
         backend: ``"torch"`` (reference), ``"triton"`` (kernels; CPU only under
             ``TRITON_INTERPRET=1``) or ``None``/``"auto"`` (kernels on CUDA, reference
             elsewhere); the environment variable ``REPLAYSSM_QUANT_BACKEND`` sets the default.

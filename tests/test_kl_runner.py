@@ -105,3 +105,29 @@ def test_dry_run(model_dir, data_file, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "plan:" in text and "memory estimate" in text
     assert not out.exists()
+
+
+def test_resume_never_reuses_cells_of_other_settings(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_args(model_dir, data_file, out)) == 0
+    # other run settings in the same directory: refused before any compute
+    args = _args(model_dir, data_file, out)
+    args[args.index("--max-tokens") + 1] = "20"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "max_tokens" in err and "another --output-dir" in err
+    # other documents, same settings: their cells are computed, not taken from the old ones
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps({"id": f"o{i}", "text": TEXT[::-1][i * 5:]}) for i in range(2)))
+    assert main(_args(model_dir, str(other), out)) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["cells_computed_this_run"] == 4
+    pos = pd.read_parquet(out / "positions.parquet")
+    assert set(pos["doc"]) == {"o0", "o1"}
+
+
+def test_output_dir_that_is_a_file_exit_2(model_dir, data_file, tmp_path, capsys):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    assert main(_args(model_dir, data_file, f)) == 2
+    assert "not a directory" in capsys.readouterr().err

@@ -170,3 +170,15 @@ def test_cli_runs_offline_on_embedded_model(tmp_path):
 def test_cli_issue_command_limit8_both_forms(tmp_path):
     res = _cli(tmp_path, 8, "kjv_longctx_mc,kjv_longctx_gen", 12000)
     assert set(res["results"]) >= {"kjv_longctx_mc", "kjv_longctx_gen"}
+
+
+@pytest.mark.parametrize("margs,word", [("pretrained=tiny-gdn,state=bogus", "state"),
+                                        ("pretrained=tiny-gdn,window=0", "window"),
+                                        ('{"pretrained": "tiny-gdn", "seed": -2}', "seed")])
+def test_cli_bad_model_args_exit_2(margs, word, capsys):
+    from evals.lm_eval_adapter import cli
+
+    rc = cli(["--model", "replayssm", "--model_args", margs, "--tasks", "kjv_longctx_mc"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("replayssm-lm-eval: error:") and word in err

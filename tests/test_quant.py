@@ -396,3 +396,11 @@ def test_bad_shapes_and_inputs_raise():
         quantize(torch.zeros(2, 2), "nvfp4+sr", seed=-1)
     with pytest.raises(ValueError, match="backend"):
         quantize(torch.zeros(2, 2), "nvfp4", backend="cuda")
+
+
+def test_backend_and_stream_errors(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        quantize(torch.zeros(2, 2), "nvfp4", backend="triton")
+    with pytest.raises(ValueError, match="integer"):
+        quantize(torch.zeros(3, 2, 2), "nvfp4+sr", stream=torch.zeros(3))

@@ -217,7 +217,8 @@ def _grid_values(spec: str) -> np.ndarray:
     elif grid is F.FP16:
         v = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float64)
     else:
-        v = np.arange(2**16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+        with np.errstate(invalid="ignore"):  # NaN payload codes cast to NaN
+            v = np.arange(2**16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
     return np.unique(v[np.isfinite(v) & (v >= 0)])
 
 

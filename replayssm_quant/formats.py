@@ -42,6 +42,22 @@ __all__ = [
     "MX_BLOCK",
     "E8M0_BIAS",
     "E8M0_NAN",
+    "E8M0_MIN_EXP",
+    "E8M0_MAX_EXP",
+    "MXFP8_EMAX",
+    "MXFP4_EMAX",
+    "NVFP4_SCALE_DIVISOR",
+    "E4M3_MAX_CODE",
+    "E4M3_NAN_CODE_NEG",
+    "E4M3_MIN_SUBNORMAL",
+    "E2M1_MIN_SUBNORMAL",
+    "FP32_EBITS",
+    "FP32_MBITS",
+    "FP32_EXP_BIAS",
+    "FP32_EXP_MASK",
+    "FP32_MANT_MASK",
+    "FP32_EMIN",
+    "FP32_MIN_SUBNORMAL_EXP",
     "E4M3_NAN_CODE",
     "SR_RANDOM_BITS",
 ]
@@ -94,6 +110,23 @@ E8M0_MIN_EXP = -127
 E8M0_MAX_EXP = 127
 MXFP8_EMAX = 8  # exponent of the largest E4M3 normal (448 = 1.75 * 2^8), OCP MX Table 1
 MXFP4_EMAX = 2  # exponent of the largest E2M1 normal (6 = 1.5 * 2^2), OCP MX Table 1
+
+# Derived limits used by the kernels (kernels/quant.py, kernels/replay.py).
+NVFP4_SCALE_DIVISOR = E4M3_MAX * E2M1_MAX  # 2688: NVFP4 matrix scale s_g = amax / (448 * 6)
+E4M3_MAX_CODE = 0x7E  # OFP8 E4M3FN magnitude code of 448 (S.1111.110); 0x7F is NaN
+E4M3_NAN_CODE_NEG = 0xFF  # E4M3_NAN_CODE with the sign bit (torch float32 -> float8 of -NaN)
+E4M3_MIN_SUBNORMAL = E4M3.min_subnormal  # 2^-9 = 0.001953125: E4M3 subnormal quantum
+E2M1_MIN_SUBNORMAL = E2M1.min_subnormal  # 2^-1 = 0.5: E2M1 subnormal quantum
+
+# IEEE 754 binary32 bit layout (sign | 8-bit exponent, bias 127 | 23-bit fraction): the
+# kernels read exponents and significands from the FP32 bits.
+FP32_EBITS = 8
+FP32_MBITS = 23
+FP32_EXP_BIAS = 127
+FP32_EXP_MASK = 0xFF  # exponent field after >> FP32_MBITS
+FP32_MANT_MASK = 0x7FFFFF  # fraction field
+FP32_EMIN = -126  # exponent of the smallest normal
+FP32_MIN_SUBNORMAL_EXP = -149  # smallest subnormal = 2^-149 = 2^(FP32_EMIN - FP32_MBITS)
 
 # Stochastic rounding draws 32 uniform random bits per element (one Philox-4x32-10 output).
 # After scaling, x = q * (n + f) with q the target quantum and 0 <= f < 1. An FP32 input

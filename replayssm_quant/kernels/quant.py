@@ -56,18 +56,25 @@ _MX_ROWS = 64  # mx: block rows per program (x 32 elements)
 # ----------------------------------------------------------------------------------------
 
 
+# NaN codes that torch's float32 conversions produce (the reference packs with them)
+_BF16_NAN_CODE = 0xFFFF  # torch float32 -> bfloat16 gives 0xFFFF for NaN of either sign
+_FP16_NAN_CODE, _FP16_NAN_CODE_NEG = 0x7E00, 0xFE00  # float32 -> float16: quiet NaN, sign kept
+_E2M1_NAN_CODE = 0  # reference _e2m1_encode maps NaN to code 0 (E2M1 has no NaN)
+# E4M3 / E5M2: torch float32 -> float8 gives 0x7F | sign for NaN (F.E4M3_NAN_CODE[_NEG])
+
+
 def _grid_consts(grid: F.FloatGrid) -> dict:
     """Code-level description of a grid: codes are sign | ((e - emin) << mbits) + n."""
     total = grid.ebits + grid.mbits
     maxcode = _magnitude_code(grid, grid.max)
     if grid is F.BF16:
-        nan_pos, nan_neg = 0xFFFF, 0xFFFF  # torch float32 -> bfloat16 gives 0xFFFF for NaN
+        nan_pos, nan_neg = _BF16_NAN_CODE, _BF16_NAN_CODE
     elif grid is F.FP16:
-        nan_pos, nan_neg = 0x7E00, 0xFE00  # torch float32 -> float16: quiet NaN, sign kept
+        nan_pos, nan_neg = _FP16_NAN_CODE, _FP16_NAN_CODE_NEG
     elif grid is F.E2M1:
-        nan_pos, nan_neg = 0, 0  # reference _e2m1_encode maps NaN to code 0
-    else:  # E4M3 / E5M2: torch float32 -> float8 gives 0x7F | sign for NaN
-        nan_pos, nan_neg = 0x7F, 0xFF
+        nan_pos, nan_neg = _E2M1_NAN_CODE, _E2M1_NAN_CODE
+    else:
+        nan_pos, nan_neg = F.E4M3_NAN_CODE, F.E4M3_NAN_CODE_NEG
     if grid.has_inf:
         inf_pos = ((1 << grid.ebits) - 1) << grid.mbits
         inf_neg = inf_pos | (1 << total)
@@ -95,17 +102,44 @@ def _magnitude_code(grid: F.FloatGrid, v: float) -> int:
     return ((e - grid.emin) << grid.mbits) + n
 
 
+def _quant_args(grid: F.FloatGrid) -> tuple:
+    """The grid constexprs of ``_quant`` after ``SR``, in its order (EMIN .. INF_NEG)."""
+    c = _grid_consts(grid)
+    return tuple(c[k] for k in _QUANT_ARG_NAMES)
+
+
+_QUANT_ARG_NAMES = ("EMIN", "MBITS", "MAXCODE", "SUBQ", "SIGN_SHIFT", "HAS_INF", "NAN_POS",
+                    "NAN_NEG", "INF_POS", "INF_NEG")
+
+# Module constants reach the jit helpers as defaults of constexpr parameters (the one way a
+# jit function may read a plain module global, compiled and under TRITON_INTERPRET=1 alike).
+# E4M3 grid of the NVFP4 block scales:
+(_E4M3_EMIN, _E4M3_MBITS, _E4M3_MAXCODE, _E4M3_SUBQ, _E4M3_SIGN_SHIFT, _E4M3_HAS_INF,
+ _E4M3_NAN_POS, _E4M3_NAN_NEG, _E4M3_INF_POS, _E4M3_INF_NEG) = _quant_args(F.E4M3)
+assert _E4M3_MAXCODE == F.E4M3_MAX_CODE and _E4M3_SUBQ == F.E4M3_MIN_SUBNORMAL
+assert _E4M3_NAN_POS == F.E4M3_NAN_CODE and _E4M3_NAN_NEG == F.E4M3_NAN_CODE_NEG
+# binary32 bit layout
+_FP32_MBITS = F.FP32_MBITS
+_FP32_BIAS = F.FP32_EXP_BIAS
+_FP32_EXP_MASK = F.FP32_EXP_MASK
+_FP32_MANT_MASK = F.FP32_MANT_MASK
+_FP32_EMIN = F.FP32_EMIN
+_FP32_SUB_EXP = F.FP32_MIN_SUBNORMAL_EXP
+_SR_BITS = F.SR_RANDOM_BITS
+
+
 # ----------------------------------------------------------------------------------------
 # jit helpers
 # ----------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _pow2(e):
+def _pow2(e, BIAS: tl.constexpr = _FP32_BIAS, MB: tl.constexpr = _FP32_MBITS,
+          EMIN: tl.constexpr = _FP32_EMIN, SUB_EXP: tl.constexpr = _FP32_SUB_EXP):
     """Exact 2^e as float32 for int32 e in [-149, 127] (subnormals built from the bits)."""
-    normal = tl.maximum(e + 127, 1) << 23
-    sub = 1 << tl.minimum(tl.maximum(e + 149, 0), 22)
-    return tl.where(e >= -126, normal, sub).to(tl.float32, bitcast=True)
+    normal = tl.maximum(e + BIAS, 1) << MB
+    sub = 1 << tl.minimum(tl.maximum(e - SUB_EXP, 0), MB - 1)
+    return tl.where(e >= EMIN, normal, sub).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -128,7 +162,10 @@ def _stream_words(st):
 
 @triton.jit
 def _grid_code(bits, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
-               MAXCODE: tl.constexpr):
+               MAXCODE: tl.constexpr, FMB: tl.constexpr = _FP32_MBITS,
+               FBIAS: tl.constexpr = _FP32_BIAS, FEMIN: tl.constexpr = _FP32_EMIN,
+               EXP_MASK: tl.constexpr = _FP32_EXP_MASK, MANT_MASK: tl.constexpr = _FP32_MANT_MASK,
+               RBITS: tl.constexpr = _SR_BITS):
     """Saturated magnitude code of |y| rounded onto the grid (y finite, given as int32 bits).
 
     e = max(floor(log2|y|), emin), quantum q = 2^(e - mbits), m = |y| / q = S >> shift
@@ -136,22 +173,22 @@ def _grid_code(bits, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexp
     r < ceil(frac(m) * 2^32). The code of n * q is ((e - emin) << mbits) + n, which also
     covers subnormals and a carry into the next binade; min(code, MAXCODE) saturates.
     """
-    ex = (bits >> 23) & 0xFF
-    mant = bits & 0x7FFFFF
+    ex = (bits >> FMB) & EXP_MASK
+    mant = bits & MANT_MASK
     sub = ex == 0
-    sig = tl.where(sub, mant, mant | 0x800000)
-    ea = tl.where(sub, -126, ex - 127)
+    sig = tl.where(sub, mant, mant | (1 << FMB))
+    ea = tl.where(sub, FEMIN, ex - FBIAS)
     e = tl.maximum(ea, EMIN)
-    shift = (23 - MBITS) + (e - ea)  # >= 13
+    shift = (FMB - MBITS) + (e - ea)  # >= 13
     if SR:
         s64 = sig.to(tl.int64)
         sh = tl.minimum(shift, 60).to(tl.int64)
         fl = s64 >> sh
         rem = s64 & ((tl.full(sh.shape, 1, tl.int64) << sh) - 1)
-        lo_sh = tl.maximum(32 - sh, 0)
-        hi_sh = tl.maximum(sh - 32, 0)
+        lo_sh = tl.maximum(RBITS - sh, 0)
+        hi_sh = tl.maximum(sh - RBITS, 0)
         # frac(m) * 2^32 = rem * 2^(32 - sh); threshold = its ceiling
-        thr = tl.where(sh <= 32, rem << lo_sh,
+        thr = tl.where(sh <= RBITS, rem << lo_sh,
                        (rem + (tl.full(sh.shape, 1, tl.int64) << hi_sh) - 1) >> hi_sh)
         up = r.to(tl.int64) < thr
         n = fl.to(tl.int32) + up.to(tl.int32)
@@ -167,14 +204,15 @@ def _grid_code(bits, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexp
 
 
 @triton.jit
-def _grid_value(code, EMIN: tl.constexpr, MBITS: tl.constexpr, SUBQ: tl.constexpr):
+def _grid_value(code, EMIN: tl.constexpr, MBITS: tl.constexpr, SUBQ: tl.constexpr,
+                FMB: tl.constexpr = _FP32_MBITS, FEMIN: tl.constexpr = _FP32_EMIN):
     """Float32 magnitude of a (non-negative, finite) grid code."""
-    if EMIN == -126:  # bfloat16: float32 bits are the code shifted up by 16
-        val = (code << 16).to(tl.float32, bitcast=True)
+    if EMIN == FEMIN:  # bfloat16: float32 bits are the code shifted up by 16
+        val = (code << (FMB - MBITS)).to(tl.float32, bitcast=True)
     else:
         be = code >> MBITS
         mt = code & ((1 << MBITS) - 1)
-        nbits = ((be + (EMIN + 126)) << 23) | (mt << (23 - MBITS))
+        nbits = ((be + (EMIN - FEMIN)) << FMB) | (mt << (FMB - MBITS))
         val = tl.where(be == 0, mt.to(tl.float32) * SUBQ, nbits.to(tl.float32, bitcast=True))
     return val
 
@@ -213,6 +251,86 @@ def _quant(y, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
 def _finite_abs(x):
     a = tl.abs(x)
     return tl.where(a < float("inf"), a, 0.0)
+
+
+@triton.jit
+def _matrix_amax(x_ptr, base, MK, TILE: tl.constexpr):
+    """Finite amax of the MK elements at ``x_ptr + base`` (tiles of TILE elements)."""
+    cols = tl.arange(0, TILE)
+    acc = tl.zeros([TILE], tl.float32)
+    for start in range(0, MK, TILE):
+        offs = start + cols
+        x = tl.load(x_ptr + base + offs, mask=offs < MK, other=0.0)
+        acc = tl.maximum(acc, _finite_abs(x))
+    return tl.max(acc, axis=0)
+
+
+@triton.jit
+def _amax_scale(amax, DIV: tl.constexpr):
+    """Matrix scale amax / DIV (fp8: DIV = the grid max; nvfp4: F.NVFP4_SCALE_DIVISOR);
+    1 where that is 0 (reference ``quant._parts``)."""
+    s = tl.math.div_rn(amax, tl.full([], DIV, tl.float32))
+    return tl.where(s > 0, s, 1.0)
+
+
+@triton.jit
+def _e4m3_rtn(y, EMIN: tl.constexpr = _E4M3_EMIN, MBITS: tl.constexpr = _E4M3_MBITS,
+              MAXCODE: tl.constexpr = _E4M3_MAXCODE, SUBQ: tl.constexpr = _E4M3_SUBQ,
+              SIGN_SHIFT: tl.constexpr = _E4M3_SIGN_SHIFT, HAS_INF: tl.constexpr = _E4M3_HAS_INF,
+              NAN_POS: tl.constexpr = _E4M3_NAN_POS, NAN_NEG: tl.constexpr = _E4M3_NAN_NEG,
+              INF_POS: tl.constexpr = _E4M3_INF_POS, INF_NEG: tl.constexpr = _E4M3_INF_NEG):
+    """``_quant`` of y onto the E4M3 grid with RTN: (value, code)."""
+    return _quant(y, 0, False, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF, NAN_POS,
+                  NAN_NEG, INF_POS, INF_NEG)
+
+
+@triton.jit
+def _e8m0_value(code, BIAS: tl.constexpr = F.E8M0_BIAS, NAN: tl.constexpr = F.E8M0_NAN):
+    """Float32 value of E8M0 scale codes (int32): 2^(code - 127), NaN for code 0xFF."""
+    return tl.where(code == NAN, float("nan"), _pow2(code - BIAS))
+
+
+@triton.jit
+def _block_scale(bamax, bad, s_g, NV: tl.constexpr, EMAX: tl.constexpr,
+                 E2M1_MAX: tl.constexpr = F.E2M1_MAX, E4M3_NAN: tl.constexpr = F.E4M3_NAN_CODE,
+                 FMB: tl.constexpr = _FP32_MBITS, FBIAS: tl.constexpr = _FP32_BIAS,
+                 EXP_MASK: tl.constexpr = _FP32_EXP_MASK,
+                 MANT_MASK: tl.constexpr = _FP32_MANT_MASK, SUB_EXP: tl.constexpr = _FP32_SUB_EXP,
+                 MIN_EXP: tl.constexpr = F.E8M0_MIN_EXP, MAX_EXP: tl.constexpr = F.E8M0_MAX_EXP,
+                 E8M0_BIAS: tl.constexpr = F.E8M0_BIAS, E8M0_NAN: tl.constexpr = F.E8M0_NAN):
+    """Scale of each scaling block from its finite amax ``bamax`` (any shape) and ``bad`` (a
+    NaN or inf in the block); ``s_g`` is the NVFP4 matrix scale (unused for MX).
+
+    NVFP4: s_b = E4M3_RTN(bamax / (s_g * 6)), element scale s_b * s_g, code the E4M3 code
+    of s_b. OCP MX: X = 2^clamp(floor(log2 bamax) - EMAX, -127, 127), the exponent read from
+    the bits, code the E8M0 code of X. Bad blocks get scale NaN and the NaN code.
+
+    Returns ``(scale, safe, ok, code)``: ``safe`` is the divisor of the elements (1 where
+    the scale is 0 or NaN); ``ok`` (NVFP4 only) marks scale > 0.
+    """
+    if NV:
+        t = s_g * E2M1_MAX
+        enc = tl.math.div_rn(bamax, tl.broadcast_to(t, bamax.shape))
+        sb, code = _e4m3_rtn(enc)
+        sb = tl.where(bad, float("nan"), sb)
+        code = tl.where(bad, E4M3_NAN, code)
+        scale = sb * s_g
+        safe = tl.where(scale > 0, scale, 1.0)
+        ok = scale > 0
+    else:
+        abits = bamax.to(tl.int32, bitcast=True)
+        aex = (abits >> FMB) & EXP_MASK
+        # subnormal amax: its exponent is that of the fraction field read as an integer
+        sub_e = (((abits & MANT_MASK).to(tl.float32).to(tl.int32, bitcast=True) >> FMB)
+                 & EXP_MASK) - FBIAS + SUB_EXP
+        e = tl.where(aex == 0, sub_e, aex - FBIAS)
+        sexp = tl.where(bamax > 0, e - EMAX, MIN_EXP)
+        sexp = tl.minimum(tl.maximum(sexp, MIN_EXP), MAX_EXP)
+        code = tl.where(bad, E8M0_NAN, sexp + E8M0_BIAS)
+        scale = tl.where(bad, float("nan"), _pow2(sexp))
+        safe = tl.where(bad, 1.0, scale)
+        ok = ~bad
+    return scale, safe, ok, code
 
 
 # ----------------------------------------------------------------------------------------
@@ -257,14 +375,7 @@ def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
     b = tl.program_id(0).to(tl.int64)
     base = b * MK
     cols = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, MK, BLOCK):
-        offs = start + cols
-        x = tl.load(x_ptr + base + offs, mask=offs < MK, other=0.0)
-        acc = tl.maximum(acc, _finite_abs(x))
-    amax = tl.max(acc, axis=0)
-    s = tl.math.div_rn(amax, tl.full([], FMAX, tl.float32))
-    s = tl.where(s > 0, s, 1.0)
+    s = _amax_scale(_matrix_amax(x_ptr, base, MK, BLOCK), FMAX)
     if SR:
         lo, hi = _stream_words(tl.load(stream_ptr + b))
     for start in range(0, MK, BLOCK):
@@ -314,30 +425,7 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
     nonfin = (tl.abs(xe) < float("inf")).to(tl.int32) + (tl.abs(xo) < float("inf")).to(tl.int32)
     bad = tl.min(nonfin, axis=1) < 2  # a NaN or inf in the block
     nan = float("nan")
-
-    if NV:
-        # s_b = E4M3_RTN(block_amax / (s_g * 6)); element scale s_b * s_g
-        t = s_g * 6.0
-        enc = tl.math.div_rn(bamax, tl.broadcast_to(t, bamax.shape))
-        sb, sb_code = _quant(enc, 0, False, -6, 3, 0x7E, 0.001953125, 3, False,
-                             0x7F, 0xFF, 0x7F, 0x7F)
-        sb = tl.where(bad, nan, sb)
-        sb_code = tl.where(bad, 0x7F, sb_code)
-        scale = sb * s_g
-        safe = tl.where(scale > 0, scale, 1.0)
-        ok = scale > 0
-    else:
-        # OCP MX: X = 2^clamp(floor(log2 block_amax) - emax, -127, 127), exponent from bits
-        abits = bamax.to(tl.int32, bitcast=True)
-        aex = (abits >> 23) & 0xFF
-        sub_e = (((abits & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True) >> 23)
-                 & 0xFF) - 127 - 149
-        e = tl.where(aex == 0, sub_e, aex - 127)
-        sexp = tl.where(bamax > 0, e - EMAX, -127)
-        sexp = tl.minimum(tl.maximum(sexp, -127), 127)
-        sb_code = tl.where(bad, 0xFF, sexp + 127)
-        scale = tl.where(bad, nan, _pow2(sexp))
-        safe = tl.where(bad, 1.0, scale)
+    scale, safe, ok, sb_code = _block_scale(bamax, bad, s_g, NV, EMAX)
 
     if SR:
         st = tl.load(stream_ptr + b, mask=rvalid, other=0)
@@ -384,30 +472,20 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
 @triton.jit
 def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K, NB,
                   ROWS: tl.constexpr, TILE: tl.constexpr, SR: tl.constexpr,
-                  PACK: tl.constexpr,
+                  PACK: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
                   EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
                   SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
                   NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
                   INF_NEG: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     MK = M * K
-    base = b * MK
-    cols = tl.arange(0, TILE)
-    acc = tl.zeros([TILE], tl.float32)
-    for start in range(0, MK, TILE):
-        offs = start + cols
-        x = tl.load(x_ptr + base + offs, mask=offs < MK, other=0.0)
-        acc = tl.maximum(acc, _finite_abs(x))
-    amax = tl.max(acc, axis=0)
-    # s_g = amax / (448 * 6); 1 where that is 0
-    s_g = tl.math.div_rn(amax, tl.full([], 2688.0, tl.float32))
-    s_g = tl.where(s_g > 0, s_g, 1.0)
+    s_g = _amax_scale(_matrix_amax(x_ptr, b * MK, MK, TILE), GDIV)  # amax / (448 * 6), or 1
     mnb = M * NB
     g0 = b * mnb
     for t in range(0, mnb, ROWS):
         g = g0 + t + tl.arange(0, ROWS)
         _block_rows(g, g0 + mnb, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                    True, True, 8, SR, PACK, 0,
+                    True, True, HALF, SR, PACK, 0,
                     EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF, NAN_POS, NAN_NEG,
                     INF_POS, INF_NEG)
     if PACK:
@@ -417,14 +495,14 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
 @triton.jit
 def _mx_kernel(x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB, G,
                ROWS: tl.constexpr, FP4: tl.constexpr, EMAX: tl.constexpr, SR: tl.constexpr,
-               PACK: tl.constexpr,
+               PACK: tl.constexpr, HALF: tl.constexpr,
                EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
                SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
                NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
                INF_NEG: tl.constexpr):
     g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     _block_rows(g, G, 1.0, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                False, FP4, 16, SR, PACK, EMAX,
+                False, FP4, HALF, SR, PACK, EMAX,
                 EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF, NAN_POS, NAN_NEG,
                 INF_POS, INF_NEG)
 
@@ -509,14 +587,14 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
         if bsz:
             _nvfp4_kernel[(bsz,)](
                 xf, out, bscale, mscale, st, seed, m, k, nb, ROWS=_NV_ROWS, TILE=_TILE,
-                SR=spec.sr, PACK=pack, **c)
+                SR=spec.sr, PACK=pack, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR, **c)
         return out, bscale, mscale
     g = bsz * m * nb
     emax = F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX
     if g:
         _mx_kernel[(triton.cdiv(g, _MX_ROWS),)](
             xf, out, bscale, st, seed, m, k, nb, g, ROWS=_MX_ROWS, FP4=fp4, EMAX=emax,
-            SR=spec.sr, PACK=pack, **c)
+            SR=spec.sr, PACK=pack, HALF=block // 2, **c)
     return out, bscale, None
 
 

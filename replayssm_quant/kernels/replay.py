@@ -68,7 +68,8 @@ from ..formats import QuantSpec, parse_spec
 from ..policy import StatePolicy
 from ..quant import PackedTensor
 from ..replay import core
-from .quant import _finite_abs, _grid_consts, _grid_value, _pow2, _quant, _random_bits, _stream_words
+from .quant import (_amax_scale, _block_scale, _e8m0_value, _finite_abs, _grid_consts,
+                    _grid_value, _quant, _random_bits, _stream_words)
 
 __all__ = [
     "records_outputs",
@@ -98,6 +99,26 @@ DEFAULT_WARPS = 4
 _PSEUDO_BLOCK = 32  # records kernel: block length of a C tile for formats without blocks
 MIN_LP = 16  # smallest register tile of record slots
 
+# NaN rule of a decoded minifloat (constexpr NANF of ``_decode_code``)
+_NANF_NONE = 0  # E2M1: no NaN
+_NANF_E4M3 = 1  # OFP8 E4M3FN: magnitude code 0x7F (all ones) is NaN, no inf
+_NANF_IEEE = 2  # E5M2: all-ones exponent is inf (zero mantissa) or NaN
+
+# Decode constexprs of an FP32 copy (KIND _K_FLOAT; only KIND is read)
+_FP32_EB = F.FP32_EBITS
+_FP32_MB = F.FP32_MBITS
+_FP32_EMIN = F.FP32_EMIN
+_FP32_DECODE = dict(KIND=_K_FLOAT, FP4=False, EB=_FP32_EB, MB=_FP32_MB, EMIN=_FP32_EMIN,
+                    SUBQ=1.0, NANF=_NANF_NONE)
+# Scale blocks of the stored copies, and the E4M3 grid of the NVFP4 block scales (read by the
+# jit helpers as constexpr defaults)
+_NV_BLOCK = F.NVFP4_BLOCK
+_MX_BLOCK = F.MX_BLOCK
+_E4M3_EB = F.E4M3.ebits
+_E4M3_MB = F.E4M3.mbits
+_E4M3_EMIN = F.E4M3.emin
+_E4M3_SUBQ = F.E4M3_MIN_SUBNORMAL
+
 
 def _kind(spec: QuantSpec) -> int:
     info = spec.info
@@ -111,9 +132,9 @@ def _decode_consts(spec, prefix: str) -> dict:
     spec = parse_spec(spec)
     kind = _kind(spec)
     grid = spec.info.element
-    d = dict(KIND=kind, FP4=False, EB=8, MB=23, EMIN=-126, SUBQ=1.0, NANF=0)
+    d = dict(_FP32_DECODE, KIND=kind)
     if kind in (_K_MATRIX, _K_NVFP4, _K_MX):
-        nanf = 0 if grid is F.E2M1 else (1 if grid is F.E4M3 else 2)
+        nanf = _NANF_NONE if grid is F.E2M1 else (_NANF_E4M3 if grid is F.E4M3 else _NANF_IEEE)
         d.update(FP4=grid is F.E2M1, EB=grid.ebits, MB=grid.mbits, EMIN=grid.emin,
                  SUBQ=grid.min_subnormal, NANF=nanf)
     return {prefix + k: v for k, v in d.items()}
@@ -161,6 +182,14 @@ def _decode_code(code, EB: tl.constexpr, MB: tl.constexpr, EMIN: tl.constexpr,
 
 
 @triton.jit
+def _decode_e4m3(code, EB: tl.constexpr = _E4M3_EB, MB: tl.constexpr = _E4M3_MB,
+                 EMIN: tl.constexpr = _E4M3_EMIN, SUBQ: tl.constexpr = _E4M3_SUBQ,
+                 NANF: tl.constexpr = _NANF_E4M3):
+    """Float32 value of E4M3 codes (the NVFP4 block scales)."""
+    return _decode_code(code, EB, MB, EMIN, SUBQ, NANF)
+
+
+@triton.jit
 def _split_halves(x, R: tl.constexpr, KH: tl.constexpr):
     """[R, 2*KH] -> (even, odd) columns, each [R, KH]."""
     return tl.split(tl.reshape(x, [R, KH, 2]))
@@ -169,9 +198,13 @@ def _split_halves(x, R: tl.constexpr, KH: tl.constexpr):
 @triton.jit
 def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
-               KIND: tl.constexpr, FP4: tl.constexpr, EB: tl.constexpr, MB: tl.constexpr,
-               EMIN: tl.constexpr, SUBQ: tl.constexpr, NANF: tl.constexpr):
-    """Rows ``rows`` of matrix ``mat`` of a stored copy, dequantised: (even, odd) [BV, KH]."""
+               KIND: tl.constexpr = _K_FLOAT, FP4: tl.constexpr = False,
+               EB: tl.constexpr = _FP32_EB, MB: tl.constexpr = _FP32_MB,
+               EMIN: tl.constexpr = _FP32_EMIN, SUBQ: tl.constexpr = 1.0,
+               NANF: tl.constexpr = _NANF_NONE,
+               NV_BLOCK: tl.constexpr = _NV_BLOCK, MX_BLOCK: tl.constexpr = _MX_BLOCK):
+    """Rows ``rows`` of matrix ``mat`` of a stored copy, dequantised: (even, odd) [BV, KH].
+    The format constexprs default to an FP32 copy."""
     j = tl.arange(0, KH)
     rowg = mat * V + rows.to(tl.int64)
     m2 = rmask[:, None]
@@ -192,31 +225,34 @@ def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
         e = e * s
         o = o * s
     if KIND == 3:
-        nb = K // 16
-        sbc = tl.load(bs_ptr + rowg[:, None] * nb + (j // 8)[None, :], mask=m2, other=0)
-        sb = _decode_code(sbc, 4, 3, -6, 0.001953125, 1)
+        nb = K // NV_BLOCK
+        sbc = tl.load(bs_ptr + rowg[:, None] * nb + (j // (NV_BLOCK // 2))[None, :], mask=m2,
+                      other=0)
+        sb = _decode_e4m3(sbc)
         scale = sb * tl.load(ms_ptr + mat)
         e = e * scale
         o = o * scale
     if KIND == 4:
-        nb = K // 32
-        sc = tl.load(bs_ptr + rowg[:, None] * nb + (j // 16)[None, :], mask=m2, other=0)
+        nb = K // MX_BLOCK
+        sc = tl.load(bs_ptr + rowg[:, None] * nb + (j // (MX_BLOCK // 2))[None, :], mask=m2,
+                     other=0)
         sc = sc.to(tl.int32)
-        scale = tl.where(sc == 255, float("nan"), _pow2(sc - 127))
+        scale = _e8m0_value(sc)
         e = e * scale
         o = o * scale
     return e, o
 
 
 @triton.jit
-def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr):
+def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr,
+                  GDIV: tl.constexpr = F.NVFP4_SCALE_DIVISOR):
     """fp8: s = amax / FMAX; nvfp4: s_g = amax / (448 * 6); 1 where that is 0 (reference
     ``quant._parts``)."""
     if KIND == 3:
-        s = tl.math.div_rn(amax, tl.full([], 2688.0, tl.float32))
+        s = _amax_scale(amax, GDIV)
     else:
-        s = tl.math.div_rn(amax, tl.full([], FMAX, tl.float32))
-    return tl.where(s > 0, s, 1.0)
+        s = _amax_scale(amax, FMAX)
+    return s
 
 
 @triton.jit
@@ -272,27 +308,7 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
             fin = tl.minimum(tl.min((tl.abs(xe3) < float("inf")).to(tl.int32), axis=2),
                              tl.min((tl.abs(xo3) < float("inf")).to(tl.int32), axis=2))
             bad = fin < 1  # a NaN or inf in the block
-            if KIND == 3:
-                t = s_mat * 6.0
-                enc = tl.math.div_rn(bamax, tl.broadcast_to(t, bamax.shape))
-                sb, sb_code = _quant(enc, 0, False, -6, 3, 0x7E, 0.001953125, 3, False,
-                                     0x7F, 0xFF, 0x7F, 0x7F)
-                sb = tl.where(bad, float("nan"), sb)
-                sb_code = tl.where(bad, 0x7F, sb_code)
-                scale = sb * s_mat
-                safe = tl.where(scale > 0, scale, 1.0)
-                ok = scale > 0
-            else:
-                abits = bamax.to(tl.int32, bitcast=True)
-                aex = (abits >> 23) & 0xFF
-                sub_e = (((abits & 0x7FFFFF).to(tl.float32).to(tl.int32, bitcast=True) >> 23)
-                         & 0xFF) - 127 - 149
-                ee = tl.where(aex == 0, sub_e, aex - 127)
-                sexp = tl.where(bamax > 0, ee - EMAX, -127)
-                sexp = tl.minimum(tl.maximum(sexp, -127), 127)
-                sb_code = tl.where(bad, 0xFF, sexp + 127)
-                scale = tl.where(bad, float("nan"), _pow2(sexp))
-                safe = tl.where(bad, 1.0, scale)
+            _, safe, ok, sb_code = _block_scale(bamax, bad, s_mat, KIND == 3, EMAX)
             safe3 = tl.broadcast_to(safe[:, :, None], [BV, NB, HB])
             ye = tl.math.div_rn(xe3, safe3)
             yo = tl.math.div_rn(xo3, safe3)
@@ -359,10 +375,10 @@ def _load_c_blocks(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
         sc = tl.full([rows.shape[0], NB], 1.0, tl.float32) * tl.load(ms_ptr + mat)
     if KIND == 3:
         sbc = tl.load(bs_ptr + rowg[:, None] * NB + nb[None, :], mask=m2, other=0)
-        sc = _decode_code(sbc, 4, 3, -6, 0.001953125, 1) * tl.load(ms_ptr + mat)
+        sc = _decode_e4m3(sbc) * tl.load(ms_ptr + mat)
     if KIND == 4:
         e8 = tl.load(bs_ptr + rowg[:, None] * NB + nb[None, :], mask=m2, other=0).to(tl.int32)
-        sc = tl.where(e8 == 255, float("nan"), _pow2(e8 - 127))
+        sc = _e8m0_value(e8)
     return xe, xo, sc
 
 
@@ -947,8 +963,7 @@ def _chain_tile(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask,
                 P_NANF: tl.constexpr):
     """Rows ``rows`` of the unrounded S after window ``w`` as (even, odd) [BV, KH]."""
     if w == 0:
-        ae, ao = _load_copy(a0_ptr, a0_ptr, a0_ptr, mat0, rows, rmask, V, K, KH, BV,
-                            0, False, 8, 23, -126, 1.0, 0)
+        ae, ao = _load_copy(a0_ptr, a0_ptr, a0_ptr, mat0, rows, rmask, V, K, KH, BV)  # FP32
     else:
         ae, ao = _load_copy(ap_ptr, apbs_ptr, apms_ptr, pmat, rows, rmask, V, K, KH, BV,
                             P_KIND, P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)

@@ -35,6 +35,7 @@ from collections import defaultdict
 
 import torch
 
+from replayssm_quant.adapters.segments import forward_segment
 from replayssm_quant.policy import StatePolicy
 
 try:
@@ -45,7 +46,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the eval e
         "evals.lm_eval_adapter needs lm-eval: pip install 'replayssm-quant[eval]'"
     ) from e
 
-__all__ = ["ReplaySSMLM", "cli", "POLICY_GRAMMAR", "sequence_id", "cache_kwargs", "returned_cache"]
+__all__ = ["ReplaySSMLM", "cli", "POLICY_GRAMMAR", "sequence_id", "check_model_args"]
 
 POLICY_GRAMMAR = (
     "fp32 | shared:F | eager:F | read:F/rec:G, with F, G in "
@@ -73,21 +74,6 @@ def _as_int(name: str, value, minimum: int) -> int:
     if v < minimum:
         raise ValueError(f"model argument {name} must be an integer >= {minimum}, got {value!r}")
     return v
-
-
-def cache_kwargs(model, cache) -> dict:
-    """Keyword passing ``cache`` to ``model``'s forward: ``cache=`` (transformers >= 5.24) or
-    ``past_key_values=`` (earlier)."""
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
-
-
-def returned_cache(output):
-    """The cache a forward returned (``output.cache`` or ``output.past_key_values``)."""
-    c = getattr(output, "cache", None)
-    return c if c is not None else getattr(output, "past_key_values", None)
 
 
 def sequence_id(tokens) -> int:
@@ -206,12 +192,10 @@ class ReplaySSMLM(HFLM):
             for (n, pre), idx in groups.items():
                 ids = inps[idx, :n]
                 self.handle.sequence_ids = [sequence_id(rows[b][:n]) for b in idx]
-                first = self.model(ids[:, :pre], use_cache=True)
-                parts = [first.logits]
-                if n > pre:
-                    rest = self.model(ids[:, pre:n], use_cache=True,
-                                      **cache_kwargs(self.model, returned_cache(first)))
-                    parts.append(rest.logits)
+                first, cache = forward_segment(self.model, ids[:, :pre])  # exact prefill
+                parts = [first]
+                if n > pre:  # the continuation, teacher-forced under the policy
+                    parts.append(forward_segment(self.model, ids[:, pre:n], cache, start=pre)[0])
                 lg = torch.cat(parts, dim=1)
                 if logits is None:
                     logits = lg.new_zeros(inps.shape[0], inps.shape[1], lg.shape[-1])

@@ -19,8 +19,8 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
-from evals.lm_eval_adapter import (POLICY_GRAMMAR, ReplaySSMLM, cache_kwargs, returned_cache,
-                                   sequence_id)  # noqa: E402
+from replayssm_quant.adapters.segments import forward_segment  # noqa: E402
+from evals.lm_eval_adapter import POLICY_GRAMMAR, ReplaySSMLM, sequence_id  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,13 +110,12 @@ def test_loglikelihood_equals_stepwise_decoding(tiny_dir):
     lm.handle.sequence_ids = [sequence_id(inp)]
     model = lm.model
     with torch.no_grad():
-        out = model(torch.tensor([ctx_ids]), use_cache=True)  # exact prefill
-        total = torch.log_softmax(out.logits[0, -1].double(), -1)[cont_ids[0]].item()
-        cache = returned_cache(out)
-        for prev, nxt in zip(cont_ids[:-1], cont_ids[1:]):
-            out = model(torch.tensor([[prev]]), use_cache=True, **cache_kwargs(model, cache))
-            cache = returned_cache(out)
-            total += torch.log_softmax(out.logits[0, -1].double(), -1)[nxt].item()
+        logits, cache = forward_segment(model, torch.tensor([ctx_ids]))  # exact prefill
+        total = torch.log_softmax(logits[0, -1].double(), -1)[cont_ids[0]].item()
+        for i, (prev, nxt) in enumerate(zip(cont_ids[:-1], cont_ids[1:])):
+            logits, cache = forward_segment(model, torch.tensor([[prev]]), cache,
+                                            start=len(ctx_ids) + i)
+            total += torch.log_softmax(logits[0, -1].double(), -1)[nxt].item()
     lm.handle.sequence_ids = None
     assert abs(got - total) <= 1e-6 * max(1.0, abs(total)), (got, total)
 

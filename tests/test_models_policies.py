@@ -9,6 +9,7 @@ import torch
 
 from replayssm_quant import FORMAT_NAMES
 from replayssm_quant.adapters import state_policy
+from replayssm_quant.adapters.segments import forward_segment
 from replayssm_quant.models import EMBEDDED_MODELS, load_model
 
 TEXT = ("Now after the death of Moses the servant of the LORD it came to pass, that the LORD spake "
@@ -24,15 +25,14 @@ def _run(model, ids, policy):
     """Logits of the last 2*WINDOW+2 positions: prefill, teacher-forced segment, 2 steps."""
     pre, seg = ids[:, :-(2 * WINDOW + 2)], ids[:, -(2 * WINDOW + 2):-2]
     with state_policy(model, policy, window=WINDOW, seed=0), torch.no_grad():
-        out = model(pre, use_cache=True)
-        cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-        parts = [out.logits[:, -1:]]
-        out = model(seg, cache=cache, use_cache=True)
-        parts.append(out.logits)
-        for t in range(2):
-            tok = ids[:, ids.shape[1] - 2 + t].unsqueeze(1)
-            out = model(tok, cache=out.cache, use_cache=True)
-            parts.append(out.logits)
+        logits, cache = forward_segment(model, pre)  # exact prefill
+        parts = [logits[:, -1:]]
+        logits, cache = forward_segment(model, seg, cache, start=pre.shape[1])  # teacher-forced
+        parts.append(logits)
+        for t in range(2):  # steps
+            pos = ids.shape[1] - 2 + t
+            logits, cache = forward_segment(model, ids[:, pos:pos + 1], cache, start=pos)
+            parts.append(logits)
     return torch.cat(parts, 1)[:, :-1].double()
 
 

@@ -8,9 +8,18 @@ segment calls pass explicit ``position_ids``.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-__all__ = ["cache_of", "forward_segment"]
+__all__ = ["cache_of", "cache_kwarg", "forward_segment"]
+
+
+def cache_kwarg(model) -> str:
+    """Name of ``model``'s cache argument: ``cache`` (transformers >= 5.24) or
+    ``past_key_values`` (earlier releases)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def cache_of(output):
@@ -33,7 +42,7 @@ def forward_segment(model, input_ids: torch.Tensor, cache=None, *, start: int = 
     B, T = input_ids.shape
     kw = dict(use_cache=True)
     if cache is not None:
-        kw["cache"] = cache
+        kw[cache_kwarg(model)] = cache
     if _has_attention(model):
         kw["position_ids"] = torch.arange(start, start + T, device=input_ids.device)[None].expand(B, -1)
     if logits_to_keep:

@@ -219,7 +219,10 @@ class ReplayStateBase:
         return idx, res
 
     def _flush_records(self, anchor, recs, length, sequence_ids, flush_index) -> FlushResult:
-        raise NotImplementedError
+        """Family-specific flush of the committed records (the shared flush routine with the
+        family's records); implemented by :class:`Mamba2ReplayState` and :class:`GDNReplayState`,
+        this base class is never instantiated on its own."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _flush_records")
 
     def flush(self) -> None:
         """Fold the committed records of every sequence with h > 0 into new checkpoints now

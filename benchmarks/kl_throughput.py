@@ -72,6 +72,12 @@ def timed(fn, device):
     return time.perf_counter() - t0, out
 
 
+def timed_median(fn, device, repeat: int):
+    """Median wall time of ``repeat`` runs (seconds) and every run's time."""
+    ts = [timed(fn, device)[0] for _ in range(max(1, repeat))]
+    return sorted(ts)[len(ts) // 2], ts
+
+
 def run_cell(model, ids, targets, ref, seg):
     cache, N = None, ids.shape[1]
     for lo in range(0, N, seg):
@@ -92,7 +98,14 @@ def main(argv=None):
     p.add_argument("--segment-len", type=int, default=2048)
     p.add_argument("--step-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time the plain forward and each policy this many times (median)")
     p.add_argument("-o", "--output", default=None)
+    p.add_argument("--profile", nargs="*", default=[], metavar="POLICY",
+                   help="after the timings, profile one cell of each POLICY at the last N with "
+                        "torch.profiler and write the CUDA/CPU op tables next to --output")
+    p.add_argument("--tune", action="store_true",
+                   help="with --check-chain: also time row tiles x warps of the split launch")
     p.add_argument("--check-chain", default=None, metavar="JSON",
                    help="only check the anchor-chain kernel against the torch flush chain at "
                         "serving shapes (mismatch counts, timings) and write JSON here")
@@ -101,7 +114,7 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
     if a.check_chain:
-        return check_chain(dev, a.check_chain)
+        return check_chain(dev, a.check_chain, a.tune)
     model = load(a.model, dev, a.hidden, a.layers)
     vocab = model.config.get_text_config().vocab_size
     n_params = sum(q.numel() for q in model.parameters())
@@ -110,7 +123,7 @@ def main(argv=None):
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
            "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
            "torch": torch.__version__, "window": a.window, "segment_len": a.segment_len,
-           "step_tokens": a.step_tokens, "runs": [],
+           "step_tokens": a.step_tokens, "repeat": a.repeat, "runs": [],
            "anchor_chain": os.environ.get("REPLAYSSM_ANCHOR_CHAIN", "auto")}
     import transformers
 
@@ -123,16 +136,18 @@ def main(argv=None):
 
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
-        warm = torch.randint(3, vocab, (1, 2 * a.window + 3), generator=gen).to(dev)
+        # warm-up (Triton compiles, allocator) at the shapes of the timed runs: a full segment
+        # and a partial window
+        warm = torch.randint(3, vocab, (1, min(a.segment_len, max(a.N)) + 3), generator=gen).to(dev)
         model(warm)
-        for pol in a.policies:  # warm-up (Triton compiles, allocator)
+        for pol in a.policies:
             with apply_state_policy(model, pol, window=a.window, prefill=False):
                 forward_segment(model, warm)
         for N in a.N:
             full = torch.randint(3, vocab, (1, N + 1), generator=gen).to(dev)
             ids, targets = full[:, :N], full[:, 1:]
             r = {"N": N}
-            r["plain_s"], _ = timed(lambda: model(ids).logits, dev)
+            r["plain_s"], r["plain_runs_s"] = timed_median(lambda: model(ids).logits, dev, a.repeat)
             with apply_state_policy(model, "fp32", window=a.window, prefill=True):
                 r["prefill_s"], _ = timed(lambda: forward_segment(model, ids), dev)
             with apply_state_policy(model, "fp32", window=a.window, prefill=False):
@@ -147,7 +162,8 @@ def main(argv=None):
             res["runs"].append(r)
             for pol in a.policies:
                 with apply_state_policy(model, pol, window=a.window, prefill=False):
-                    t, _ = timed(lambda: run_cell(model, ids, targets, ref, a.segment_len), dev)
+                    t, runs = timed_median(lambda: run_cell(model, ids, targets, ref, a.segment_len), dev,
+                                           a.repeat)
                     n_step = min(a.step_tokens, N)
 
                     def steps():
@@ -156,12 +172,27 @@ def main(argv=None):
                             _, c = forward_segment(model, ids[:, i:i + 1], c, start=i)
                     ts, _ = timed(steps, dev)
                 step_est = ts / n_step * N
-                r["policies"][pol] = {"emulate_s": t, "tok_per_s": N / t, "vs_plain": t / r["plain_s"],
+                r["policies"][pol] = {"emulate_s": t, "emulate_runs_s": runs, "tok_per_s": N / t,
+                                      "vs_plain": t / r["plain_s"],
                                       "step_measured_tokens": n_step, "step_measured_s": ts,
                                       "step_extrapolated_s": step_est, "speedup_vs_step": step_est / t}
                 print(f"N={N:6d} {pol:24s} emulate {t:8.3f} s ({N / t:9.0f} tok/s, {t / r['plain_s']:5.2f}x plain)"
                       f"  stepwise ~{step_est:9.1f} s ({step_est / t:6.1f}x slower)", flush=True)
                 save()
+            for pol in a.profile if N == a.N[-1] else []:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+                with apply_state_policy(model, pol, window=a.window, prefill=False):
+                    with profile(activities=acts) as prof:
+                        run_cell(model, ids, targets, ref, a.segment_len)
+                        sync(dev)
+                key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+                table = prof.key_averages().table(sort_by=key, row_limit=40)
+                print(table, flush=True)
+                if a.output:
+                    name = "profile_" + pol.replace(":", "-").replace("/", "_").replace("+", "-") + ".txt"
+                    (Path(a.output).parent / name).write_text(table)
             del ref
             print(f"N={N:6d} plain forward {r['plain_s']:.3f} s ({N / r['plain_s']:.0f} tok/s), patched prefill "
                   f"{r['prefill_s']:.3f} s, fp32 reference {r['reference_s']:.3f} s", flush=True)
@@ -169,72 +200,159 @@ def main(argv=None):
     return 0
 
 
-def check_chain(dev, out):
-    """Anchor-chain kernel vs the torch flush chain (core.solve_corrections + core.reconstruct
-    + core.cast_state) at serving shapes: per window, the kernel's A against the torch cast of
-    the kernel's own S (must be 0 mismatches) and the kernel's S against the torch flush
-    arithmetic from the kernel's previous anchor; then both chains free-running."""
+def _torch_chain(A0, la, k, v, beta, spec, L, ka, upto=None):
+    """Free-running torch flush chain (core.solve_corrections + reconstruct + cast_state)."""
+    from replayssm_quant.replay import core
+
+    At, out = A0, []
+    for w in range(upto or la.shape[1] // L):
+        r = slice(w * L, (w + 1) * L)
+        wv = v[:, r] if beta is None else core.solve_corrections(At, la[:, r], beta[:, r], v[:, r], k[:, r])
+        St = core.reconstruct(At, la[:, r], wv, k[:, r])
+        At = core.cast_state(St, spec, seed=1, stream=ka[:, w])[0]
+        out.append(At)
+    return out
+
+
+def check_chain(dev, out, tune: bool = False):
+    """Anchor-chain kernel at serving shapes on the GPU. Per case: (1) the split launch (one
+    program per row tile, matrix amax through atomics) against one program per matrix: S and
+    A bit-identical; (2) each window's A against the torch cast of the kernel's own S (0
+    mismatches) and S against the torch flush arithmetic from the kernel's previous anchor;
+    (3) one launch per window (the step path) against one launch for all windows: A
+    bit-identical; (4) batch independence: the sequence alone and inside a batch of 3;
+    (5) single-checkpoint policies: the outputs written by the kernel against a float64
+    reference from its own anchors, and the last-anchor-only launch against the full chain;
+    (6) timings (split, unsplit, torch loop) and the free-running torch chain's divergence;
+    (7) with ``tune``, the split launch's time per window for row tiles x warps."""
     from replayssm_quant.kernels import replay as kr
     from replayssm_quant.policy import StatePolicy
     from replayssm_quant.replay import core
     from replayssm_quant.replay import window as W
 
+    def bits_diff(a, b):
+        return int((a.contiguous().view(torch.int32) != b.contiguous().view(torch.int32)).sum())
+
+    def clock(fn):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, r
+
     res = {"device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "cases": []}
+           "torch": torch.__version__, "cases": []}
     g = torch.Generator(device=dev).manual_seed(0)
     for fam, H, V, K in (("gdn", 16, 128, 128), ("mamba2", 32, 64, 128)):
-        for pol in ("shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3", "shared:mxfp4"):
+        for pol in ("shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3", "shared:mxfp4", "fp32",
+                    "read:nvfp4/rec:fp32"):
             P = StatePolicy.parse(pol)
             L = W.effective_window(P, 16)
-            T = 2048 if L > 1 else 256
+            T = 2048
             NW = T // L
-            la = -0.05 * torch.rand(1, T, H, device=dev, generator=g)
-            k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev, generator=g), dim=-1)
-            v = torch.randn(1, T, H, V, device=dev, generator=g)
-            beta = torch.rand(1, T, H, device=dev, generator=g) if fam == "gdn" else None
-            ids = torch.tensor([3], device=dev)
-            A0 = core.cast_state(torch.randn(1, H, V, K, device=dev, generator=g), P.rec, seed=1,
+            B = 3
+            la = -0.05 * torch.rand(B, T, H, device=dev, generator=g)
+            k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev, generator=g), dim=-1)
+            q = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev, generator=g), dim=-1)
+            v = torch.randn(B, T, H, V, device=dev, generator=g)
+            beta = torch.rand(B, T, H, device=dev, generator=g) if fam == "gdn" else None
+            ids = torch.tensor([3, 4, 5], device=dev)
+            A0 = core.cast_state(torch.randn(B, H, V, K, device=dev, generator=g), P.rec, seed=1,
                                  stream=5)[0]
-            ka = W._stream_keys(7, ids, H, torch.arange(1, NW + 1, device=dev)[None], core.ANCHOR_COPY)
-            S, A = kr.anchor_chain(A0, la, k, v, beta, P.rec, L=L, seed=1, streams=ka)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            S, A = kr.anchor_chain(A0, la, k, v, beta, P.rec, L=L, seed=1, streams=ka)
-            torch.cuda.synchronize()
-            t_kernel = time.perf_counter() - t0
-            own_mis, s_err, prev = 0, 0.0, A0
-            for w in range(NW):
-                r = slice(w * L, (w + 1) * L)
-                wv = v[:, r] if beta is None else core.solve_corrections(prev, la[:, r], beta[:, r], v[:, r], k[:, r])
-                Sref = core.reconstruct(prev, la[:, r], wv, k[:, r])
-                s_err = max(s_err, float((S[:, w] - Sref).norm() / Sref.norm()))
-                Ac = core.cast_state(S[:, w], P.rec, seed=1, stream=ka[:, w])[0]
-                own_mis += int((Ac.view(torch.int32) != A[:, w].view(torch.int32)).sum())
-                prev = A[:, w]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            At, flips = A0, []
-            for w in range(NW):  # free-running torch chain (what _block ran before)
-                r = slice(w * L, (w + 1) * L)
-                wv = v[:, r] if beta is None else core.solve_corrections(At, la[:, r], beta[:, r], v[:, r], k[:, r])
-                St = core.reconstruct(At, la[:, r], wv, k[:, r])
-                At = core.cast_state(St, P.rec, seed=1, stream=ka[:, w])[0]
-                flips.append(At.view(torch.int32) != A[:, w].view(torch.int32))
-            torch.cuda.synchronize()
-            t_torch = time.perf_counter() - t0
-            first = next((w for w, f in enumerate(flips) if bool(f.any())), None)
+            ka = W._stream_keys(7, ids, H, torch.arange(1, NW + 1, device=dev)[None].expand(B, -1),
+                                core.ANCHOR_COPY)
+            one = lambda t: None if t is None else t[1:2]  # noqa: E731  the middle sequence alone
+            args1 = (A0[1:2], one(la), one(k), one(v), one(beta), P.rec)
+            kw1 = dict(L=L, seed=1, streams=ka[1:2])
+            t_split, r = clock(lambda: kr.anchor_chain(*args1, **kw1))
+            t_unsplit, u = clock(lambda: kr.anchor_chain(*args1, **kw1, split=False))
+            S, A = r.states, r.anchors
             c = {"family": fam, "policy": pol, "shape": [1, H, V, K], "L": L, "windows": NW,
-                 "A_vs_cast_of_own_S_mismatches": own_mis, "elements_per_window": H * V * K,
-                 "S_vs_torch_flush_rel_err_max": s_err,
-                 "free_running_A_mismatches_window1": int(flips[0].sum()),
-                 "free_running_first_window_with_mismatch": first,
-                 "free_running_A_mismatches_last": int(flips[-1].sum()),
-                 "free_running_final_A_rel_diff": float((At - A[:, -1]).norm() / At.norm()),
-                 "kernel_s": t_kernel, "torch_s": t_torch}
+                 "block_v": kr.chain_block_v(V, K), "elements_per_window": H * V * K,
+                 "split_vs_unsplit_S_mismatches": bits_diff(S, u.states),
+                 "split_vs_unsplit_A_mismatches": bits_diff(A, u.anchors)}
+            own_mis, s_err, prev = 0, 0.0, A0[1:2]
+            for w in range(NW):
+                r_ = slice(w * L, (w + 1) * L)
+                wv = one(v)[:, r_] if beta is None else core.solve_corrections(
+                    prev, one(la)[:, r_], one(beta)[:, r_], one(v)[:, r_], one(k)[:, r_])
+                Sref = core.reconstruct(prev, one(la)[:, r_], wv, one(k)[:, r_])
+                s_err = max(s_err, float((S[:, w] - Sref).norm() / Sref.norm()))
+                Ac = core.cast_state(S[:, w], P.rec, seed=1, stream=ka[1:2, w])[0]
+                own_mis += bits_diff(Ac, A[:, w])
+                prev = A[:, w]
+            c.update({"A_vs_cast_of_own_S_mismatches": own_mis, "S_vs_torch_flush_rel_err_max": s_err})
+            steps = min(NW, 256)  # (3) one launch per window, as the step path
+            At, step_mis = A0[1:2], 0
+            for w in range(steps):
+                r_ = slice(w * L, (w + 1) * L)
+                st = kr.anchor_chain(At, one(la)[:, r_], one(k)[:, r_], one(v)[:, r_],
+                                     None if beta is None else one(beta)[:, r_], P.rec, L=L, seed=1,
+                                     streams=ka[1:2, w:w + 1])
+                At = st.anchors[:, 0]
+                step_mis += bits_diff(At, A[:, w])
+            c.update({"stepwise_windows": steps, "stepwise_vs_chain_A_mismatches": step_mis})
+            rb = kr.anchor_chain(A0, la, k, v, beta, P.rec, L=L, seed=1, streams=ka)  # (4)
+            c["batch3_vs_alone_A_mismatches"] = bits_diff(rb.anchors[1:2], A)
+            if P.single_checkpoint:  # (5)
+                t_out, ro = clock(lambda: kr.anchor_chain(*args1, **kw1, q=one(q), store_states=False,
+                                                          all_anchors=False))
+                c["outputs_launch_s"] = t_out
+                c["last_anchor_mismatches"] = bits_diff(ro.anchors[:, 0], A[:, -1])
+                d = torch.float64
+                err, prev = 0.0, A0[1:2].to(d)
+                for w in range(NW):
+                    r_ = slice(w * L, (w + 1) * L)
+                    la_w, k_w, q_w = (one(x)[:, r_].to(d) for x in (la, k, q))
+                    wv = one(v)[:, r_].to(d) if beta is None else core.solve_corrections(
+                        prev, la_w, one(beta)[:, r_].to(d), one(v)[:, r_].to(d), k_w)
+                    ref = core.window_outputs(prev, la_w, wv, k_w, q_w)
+                    ref[:, -1] = core.matvec(S[:, w].to(d), q_w[:, -1])
+                    err = max(err, float((ro.outputs[:, r_].to(d) - ref).norm() / ref.norm()))
+                    prev = A[:, w].to(d)
+                c["outputs_vs_float64_rel_err_max"] = err
+            torch.cuda.synchronize()  # (6)
+            t0 = time.perf_counter()
+            tw = min(NW, 128)
+            free = _torch_chain(A0[1:2], one(la), one(k), one(v), one(beta), P.rec, L, ka[1:2], upto=tw)
+            torch.cuda.synchronize()
+            c.update({"kernel_split_s": t_split, "kernel_unsplit_s": t_unsplit,
+                      "torch_loop_s_per_window": (time.perf_counter() - t0) / tw,
+                      "free_running_A_mismatches_window1": bits_diff(free[0], A[:, 0]),
+                      "free_running_final_A_rel_diff": float((free[-1] - A[:, tw - 1]).norm() / free[-1].norm())})
             res["cases"].append(c)
             print(c, flush=True)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(res, indent=2))
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(res, indent=2))
+    res["tuning"] = []  # (7) row tile and warps of the split launch, B = 1
+    for fam, H, V, K, pol in (("gdn", 16, 128, 128, "shared:nvfp4+sr"), ("gdn", 16, 128, 128, "eager:fp8e4m3"),
+                              ("gdn", 16, 128, 128, "read:nvfp4/rec:fp16+sr"),
+                              ("mamba2", 32, 64, 128, "shared:nvfp4+sr")) if tune else ():
+        P = StatePolicy.parse(pol)
+        L = W.effective_window(P, 16)
+        T = 2048
+        NW = T // L
+        la = -0.05 * torch.rand(1, T, H, device=dev, generator=g)
+        k = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev, generator=g), dim=-1)
+        q = torch.nn.functional.normalize(torch.randn(1, T, H, K, device=dev, generator=g), dim=-1)
+        v = torch.randn(1, T, H, V, device=dev, generator=g)
+        beta = torch.rand(1, T, H, device=dev, generator=g) if fam == "gdn" else None
+        A0 = core.cast_state(torch.randn(1, H, V, K, device=dev, generator=g), P.rec, seed=1, stream=5)[0]
+        ka = W._stream_keys(7, torch.tensor([0]), H, torch.arange(1, NW + 1)[None], core.ANCHOR_COPY)
+        qq = q if P.single_checkpoint else None
+        for bv, nw in ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4)):
+            try:
+                t, _ = clock(lambda: kr.anchor_chain(A0, la, k, v, beta, P.rec, L=L, seed=1, streams=ka,
+                                                     q=qq, store_states=qq is None, all_anchors=False,
+                                                     block_v=bv, num_warps=nw))
+            except Exception as e:  # noqa: BLE001  (a config that does not compile)
+                t = repr(e)[:200]
+            row = {"family": fam, "policy": pol, "windows": NW, "block_v": bv, "num_warps": nw,
+                   "seconds": t, "us_per_window": t / NW * 1e6 if isinstance(t, float) else None}
+            res["tuning"].append(row)
+            print(row, flush=True)
+        Path(out).write_text(json.dumps(res, indent=2))
     return 0
 
 

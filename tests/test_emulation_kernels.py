@@ -8,7 +8,9 @@ shapes. Checks:
   the flush's stream key, i.e. ``core.cast_checkpoints``) of the kernel's own unrounded S, and
   that S equals the torch flush arithmetic (``core.solve_corrections`` + ``core.reconstruct``)
   run from the kernel's previous anchor to 1e-5 (the kernel sums in another order);
-  one-tile and row-tiled (two-pass amax) programs;
+  the kernel's default row tiles and smaller ones;
+* with queries (single-checkpoint policies) the outputs it writes, against float64
+  references from its own anchors, and the last-anchor-only launch against the full chain;
 * on the kernel path (``REPLAYSSM_ANCHOR_CHAIN=triton``), teacher-forced emulation
   (``LayerState.advance``) and stepping (``LayerState.step``) give bit-identical anchors and
   read copies and outputs to 1e-5.
@@ -36,7 +38,7 @@ if DEVICE == "cpu" and not INTERPRET:
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 
 POLICIES = ["shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3", "shared:mxfp4",
-            "read:fp8e4m3+sr/rec:bf16"]
+            "read:fp8e4m3+sr/rec:bf16", "fp32", "read:nvfp4/rec:fp32"]
 
 
 def _records(gdn: bool, B=2, T=12, H=2, V=6, K=32, seed=0):
@@ -62,8 +64,10 @@ def test_chain_matches_torch_flush(gdn, policy, block_v):
     NW = T // L
     flush = torch.tensor([3, 8])[:, None] + torch.arange(NW)[None, :]
     ka = W._stream_keys(2, ids, H, flush, core.ANCHOR_COPY)
-    S, A = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=9, streams=ka,
-                           block_v=block_v)
+    res = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=9, streams=ka,
+                          block_v=block_v)
+    S, A = res.states, res.anchors
+    assert res.outputs is None and S.shape == A.shape == (B, NW, H, V, K)
     prev = A0
     for w in range(NW):
         r = slice(w * L, (w + 1) * L)
@@ -74,6 +78,56 @@ def test_chain_matches_torch_flush(gdn, policy, block_v):
         A_ref = core.cast_state(S[:, w], pol.rec, seed=9, stream=ka[:, w])[0]
         assert torch.equal(A[:, w].view(torch.int32), A_ref.view(torch.int32))
         prev = A[:, w]
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+@pytest.mark.parametrize("policy", ["shared:nvfp4+sr", "eager:fp8e4m3", "shared:bf16+sr", "fp32"])
+def test_chain_outputs_of_single_checkpoint_policies(gdn, policy):
+    """With queries, the kernel also writes every output (the read copy is the anchor):
+    against core.window_outputs from the kernel's previous anchor (positions before the flush
+    token) and S q (the flush token), float64 references; the last anchor alone (no S stored)
+    is bit-identical to the full chain's."""
+    pol = StatePolicy.parse(policy)
+    L = W.effective_window(pol, 4)
+    B, T, H, V, K = 2, 12 if L > 1 else 5, 2, 6, 32
+    la, k, v, beta = _records(gdn, B, T, H, V, K, seed=4)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+    A0 = core.cast_state(torch.randn(B, H, V, K), pol.rec, seed=2, stream=3)[0]
+    NW = T // L
+    ka = W._stream_keys(1, torch.tensor([0, 7]), H, torch.arange(1, NW + 1)[None].expand(B, -1),
+                        core.ANCHOR_COPY)
+    full = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=2, streams=ka)
+    last = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=2, streams=ka, q=q,
+                           store_states=False, all_anchors=False, block_v=4)
+    assert last.states is None and last.anchors.shape == (B, 1, H, V, K)
+    assert torch.equal(last.anchors[:, 0].view(torch.int32), full.anchors[:, -1].view(torch.int32))
+    d = torch.float64
+    prev = A0.to(d)
+    for w in range(NW):
+        r = slice(w * L, (w + 1) * L)
+        wv = v[:, r].to(d) if beta is None else core.solve_corrections(
+            prev, la[:, r].to(d), beta[:, r].to(d), v[:, r].to(d), k[:, r].to(d))
+        ref = core.window_outputs(prev, la[:, r].to(d), wv, k[:, r].to(d), q[:, r].to(d))
+        ref[:, -1] = core.matvec(full.states[:, w].to(d), q[:, r][:, -1].to(d))
+        got = last.outputs[:, r].to(d)
+        assert (got - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max())), w
+        prev = full.anchors[:, w].to(d)
+
+
+def test_chain_rejects_bad_input():
+    la, k, v, beta = _records(True, 1, 8, 2, 6, 32)
+    A0 = torch.zeros(1, 2, 6, 32)
+    keys = torch.zeros(1, 2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="multiple of L"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=3, seed=0, streams=keys)
+    with pytest.raises(ValueError, match=r"v must be float32 \[1, 8, 2, 6\]"):
+        kr.anchor_chain(A0, la, k, v[..., :5], beta, "fp16", L=4, seed=0, streams=keys)
+    with pytest.raises(ValueError, match="q must be float32"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=k.double())
+    with pytest.raises(ValueError, match="streams must hold"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys[:, :1])
+    with pytest.raises(ValueError, match="split=True needs a GPU"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, split=True)
 
 
 def _inputs(family, B, T, seed):
@@ -96,7 +150,8 @@ def _slice(inp, s):
 
 
 @pytest.mark.parametrize("family", ["mamba2", "gdn"])
-@pytest.mark.parametrize("policy", ["shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3"])
+@pytest.mark.parametrize("policy", ["shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3",
+                                    "fp32", "read:nvfp4/rec:fp32"])
 def test_step_equals_emulation_on_kernel_path(family, policy, monkeypatch):
     monkeypatch.setenv(W.CHAIN_ENV, "triton")
     B, T, L = 2, 19, 4

@@ -9,8 +9,8 @@ state and the attention KV cache, so a document processed in segments carries ev
 one call to the next by passing the same cache object.
 
 Entry points (all built on :mod:`replayssm_quant.replay`; the flush is always
-:func:`~replayssm_quant.replay.window.flush_window` -- the anchor-chain kernel for rounded
-anchors on CUDA, else :func:`~replayssm_quant.replay.mamba2.mamba2_flush` /
+:func:`~replayssm_quant.replay.window.flush_window` -- the anchor-chain kernel on CUDA
+(every ``rec`` format; fp32 is the exact recurrence), else :func:`~replayssm_quant.replay.mamba2.mamba2_flush` /
 :func:`~replayssm_quant.replay.gdn.gdn_flush` -- and the batched teacher-forced form takes the
 same dispatch decision, so a layer given identical inputs rounds identically):
 
@@ -95,7 +95,7 @@ class LayerState:
         self.window = W.effective_window(policy, int(window))
         self.seed = int(seed)
         self.layer = int(layer)
-        self.sequence_ids = sequence_ids.to(torch.int64)
+        self.sequence_ids = torch.as_tensor(sequence_ids).to(torch.int64).cpu()  # SR keys: host
         self.fold_cached = gdn_fold == "cached"
         self.carry = W.initial_carry(S, policy, seed=self.seed, layer=self.layer,
                                      sequence_ids=self.sequence_ids)

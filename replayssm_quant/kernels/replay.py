@@ -939,29 +939,55 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
 
 
 # ----------------------------------------------------------------------------------------
-# anchor chain: the rounded-anchor recurrence of a run of windows, one launch
+# anchor chain: the anchor recurrence of a run of windows, one launch
 # ----------------------------------------------------------------------------------------
-# One program per (sequence, head) matrix loops over NW windows of L records each:
-#   (GDN) u = corrections of the window solved against A (forward substitution, row-separable
+# Each program owns a tile of BV value rows of one (sequence, head) matrix and loops over NW
+# windows of L records each:
+#   (GDN) u = corrections of the window solved against A (forward substitution; row-separable
 #         along the value axis, as core.solve_corrections),
 #   S = gamma_{1:L} A + sum_j gamma_{j+1:L} w_j k_j^T  (w = v for Mamba-2, u for GDN),
 #   A <- Q_rec(S)  (stored packed, SR stream of that flush; the matrix amax over the whole S).
-# The next window reads A back from the packed copy just written (decoded as _load_copy does,
-# which equals PackedTensor.dequantize). This is THE flush arithmetic of rounded anchors on
-# the kernel path: the adapters' step path calls it with NW = 1, the teacher-forced window
-# form with NW = all full windows of a group, so identical inputs round identically. The
-# read copies R = Q_read(S) are cast by the host from the returned S (torch quantizer).
+# Every step is row-separable except the matrix amax of fp8 / nvfp4 anchors, so the programs
+# of a matrix only exchange one number per window: each adds its tile's amax to a per-(matrix,
+# window) slot (integer atomic max of the float bits, all non-negative), arrives on a counter
+# and spins until the matrix's NT tiles have arrived (SPLIT). Programs take logical ids from a
+# ticket counter in the order they start, so the tiles of a matrix are always co-resident or
+# waiting behind finished ones (no deadlock for any grid size once NT programs fit). Without
+# SPLIT (the Triton interpreter runs programs one after another) one program per matrix loops
+# over the same tiles, twice where an amax is needed; either way each row gets the same FP32
+# operations, so SPLIT and non-SPLIT give the same bits (checked on the H200).
+# Optionally (OUT, single-checkpoint policies, whose read copy is the anchor) the program also
+# writes the window's outputs for its rows: position t < L reads the previous anchor plus the
+# records, gamma_{1:t} (A q_t) + sum_{j<=t} gamma_{j+1:t} (k_j . q_t) w_j (core.window_outputs,
+# GDN corrections against R = A are the flush's), and the flush token reads S q_L.
+# The next window reads A back from the packed copy just written by the same program (decoded
+# as _load_copy does, which equals PackedTensor.dequantize). This is THE flush arithmetic on
+# the kernel path (every anchor format; an fp32 anchor is the exact recurrence, A = S): the
+# adapters' step path calls it with NW = 1, the teacher-forced window form with every full
+# window of a segment, so identical inputs round identically. Read copies of dual policies
+# (R = Q_read(S)) are cast by the host from S.
+# FP contraction is off for this kernel (enable_fp_fusion=False): which mul+add pairs the
+# backend fuses into an FMA depends on the surrounding code, so with it on the variants
+# (SPLIT or not, OUT or not, STORE_S or not) rounded S differently in the last bit (measured
+# on the H200: up to all anchors of an fp8/nvfp4 chain differed); with it off every variant
+# gives the same bits.
 
 
 @triton.jit
 def _chain_tile(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask,
-                la_ptr, k_ptr, v_ptr, beta_ptr, b, h, t0, H, V, T, L,
+                la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V, T, L,
                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-                GDN: tl.constexpr,
+                GDN: tl.constexpr, OUT: tl.constexpr,
                 P_KIND: tl.constexpr, P_FP4: tl.constexpr, P_EB: tl.constexpr,
                 P_MB: tl.constexpr, P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr,
                 P_NANF: tl.constexpr):
-    """Rows ``rows`` of the unrounded S after window ``w`` as (even, odd) [BV, KH]."""
+    """Rows ``rows`` of the unrounded S after window ``w`` as (even, odd) [BV, KH]; with OUT,
+    also stores the window's outputs of these rows at ``o_ptr``.
+
+    One pass over the window's records p = 0 .. L-1: (GDN) the correction u_p of these rows
+    against the previous anchor, then ``S += gamma_{p+1:L} w_p k_p^T`` (S starts at
+    ``gamma_{1:L} A``), then (OUT) the output of position p. Record rows are loaded where
+    they are used; the corrections are kept transposed ``[BV, LP]`` for the coupling sums."""
     if w == 0:
         ae, ao = _load_copy(a0_ptr, a0_ptr, a0_ptr, mat0, rows, rmask, V, K, KH, BV)  # FP32
     else:
@@ -973,42 +999,55 @@ def _chain_tile(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask,
     la = tl.load(la_ptr + tt * H + h, mask=live, other=0.0)
     cvec = tl.cumsum(la, axis=0)
     total = tl.sum(tl.where(idx == L - 1, cvec, 0.0), axis=0)
+    j = tl.arange(0, KH)
     kk = tl.arange(0, K)
-    kmat = tl.load(k_ptr + (tt * H + h)[:, None] * K + kk[None, :], mask=live[:, None], other=0.0)
-    kme, kmo = _split_halves(kmat, LP, KH)
-    m2 = live[:, None] & rmask[None, :]
-    vm = tl.load(v_ptr + (tt * H + h)[:, None] * V + rows[None, :], mask=m2, other=0.0)
-    if GDN:
-        bt = tl.load(beta_ptr + tt * H + h, mask=live, other=0.0)
-        U = tl.zeros([LP, BV], tl.float32)
-        for p in range(0, L):
-            sel = idx == p
-            kpe = tl.sum(tl.where(sel[:, None], kme, 0.0), axis=0)
-            kpo = tl.sum(tl.where(sel[:, None], kmo, 0.0), axis=0)
-            ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)  # A k_p
-            kkp = tl.sum(kme * kpe[None, :], axis=1) + tl.sum(kmo * kpo[None, :], axis=1)
-            cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
-            bp = tl.sum(tl.where(sel, bt, 0.0), axis=0)
-            vp = tl.sum(tl.where(sel[:, None], vm, 0.0), axis=0)
-            before = idx < p
-            coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
-            u = bp * (vp - tl.exp(cp) * ak) - tl.sum(coef[:, None] * U, axis=0)
-            U = tl.where(sel[:, None], u[None, :], U)
-        wm = U
-    else:
-        wm = vm
-    m = tl.where(live, tl.exp(total - cvec), 0.0)
-    wm = wm * m[:, None]
     eg = tl.exp(total)
     se = eg * ae
     so = eg * ao
-    for j in range(0, L):
-        sel = idx == j
-        wj = tl.sum(tl.where(sel[:, None], wm, 0.0), axis=0)
-        kje = tl.sum(tl.where(sel[:, None], kme, 0.0), axis=0)
-        kjo = tl.sum(tl.where(sel[:, None], kmo, 0.0), axis=0)
-        se += wj[:, None] * kje[None, :]
-        so += wj[:, None] * kjo[None, :]
+    if GDN or OUT:
+        kmat = tl.load(k_ptr + (tt * H + h)[:, None] * K + kk[None, :], mask=live[:, None],
+                       other=0.0)
+        kme, kmo = _split_halves(kmat, LP, KH)
+    if GDN:
+        bt = tl.load(beta_ptr + tt * H + h, mask=live, other=0.0)
+    # written values of the records so far, transposed [BV, LP] (GDN: corrections; Mamba-2: v)
+    Wt = tl.zeros([BV, LP], tl.float32)
+    for p in range(0, L):
+        sel = idx == p
+        rp = ((b * T + t0 + p) * H + h).to(tl.int64)
+        kpe = tl.load(k_ptr + rp * K + 2 * j)
+        kpo = tl.load(k_ptr + rp * K + 2 * j + 1)
+        vp = tl.load(v_ptr + rp * V + rows, mask=rmask, other=0.0)
+        cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
+        if GDN:
+            bp = tl.sum(tl.where(sel, bt, 0.0), axis=0)
+            ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)  # A k_p
+            kkp = tl.sum(kme * kpe[None, :], axis=1) + tl.sum(kmo * kpo[None, :], axis=1)
+            before = idx < p
+            coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
+            wp = bp * (vp - tl.exp(cp) * ak) - tl.sum(Wt * coef[None, :], axis=1)
+        else:
+            wp = vp
+        Wt = tl.where(sel[None, :], wp[:, None], Wt)
+        mw = tl.exp(total - cp) * wp
+        se += mw[:, None] * kpe[None, :]
+        so += mw[:, None] * kpo[None, :]
+        if OUT:
+            if p < L - 1:  # reads the previous anchor (R = A) and the records up to p
+                qpe = tl.load(q_ptr + rp * K + 2 * j)
+                qpo = tl.load(q_ptr + rp * K + 2 * j + 1)
+                aq = tl.sum(ae * qpe[None, :], axis=1) + tl.sum(ao * qpo[None, :], axis=1)
+                kq = tl.sum(kme * qpe[None, :], axis=1) + tl.sum(kmo * qpo[None, :], axis=1)
+                upto = idx <= p
+                co = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)) * kq, 0.0)
+                o = tl.exp(cp) * aq + tl.sum(Wt * co[None, :], axis=1)
+                tl.store(o_ptr + rp * V + rows, o, mask=rmask)
+    if OUT:  # the flush token reads the unrounded S
+        rl = ((b * T + t0 + L - 1) * H + h).to(tl.int64)
+        qle = tl.load(q_ptr + rl * K + 2 * j)
+        qlo = tl.load(q_ptr + rl * K + 2 * j + 1)
+        o = tl.sum(se * qle[None, :], axis=1) + tl.sum(so * qlo[None, :], axis=1)
+        tl.store(o_ptr + rl * V + rows, o, mask=rmask)
     return se, so
 
 
@@ -1020,16 +1059,30 @@ def _tile_amax(se, so, rmask):
 
 
 @triton.jit
+def _matrix_amax(part, sync_ptr, slot, NT: tl.constexpr):
+    """Max of the NT programs' ``part`` (non-negative) for one (matrix, window): atomic max of
+    the float bits at ``sync_ptr[slot]``, arrival count at ``sync_ptr[slot + 1]``, spin."""
+    tl.atomic_max(sync_ptr + slot, part.to(tl.int32, bitcast=True), sem="relaxed")
+    seen = tl.atomic_add(sync_ptr + slot + 1, 1, sem="acq_rel") + 1
+    while seen < NT:
+        seen = tl.atomic_add(sync_ptr + slot + 1, 0, sem="acquire")
+    return tl.atomic_max(sync_ptr + slot, 0, sem="acquire").to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["seed", "H", "V", "T", "L", "NW", "NSLOT"])
 def _chain_kernel(
         a0_ptr,  # starting anchor, dequantised FP32 [B, H, V, K]
         la_ptr, k_ptr, v_ptr, beta_ptr,  # records [B,T,H], [B,T,H,K] (expanded), [B,T,H,V], [B,T,H]
+        q_ptr, o_ptr,  # OUT: queries [B, T, H, K] (expanded), outputs [B, T, H, V]
         st_ptr, seed,  # anchor stream keys [B, NW, H]
-        oa_ptr, oabs_ptr, oams_ptr,  # anchors of every window, packed [B, NW, H, V, .]
+        oa_ptr, oabs_ptr, oams_ptr,  # anchors in NSLOT slots, packed [B, NSLOT, H, V, .]
         ap_ptr,  # the same codes as typed for decoding (bf16 / fp16 view for half formats)
-        s_ptr,  # unrounded S of every window [B, NW, H, V, K]
-        H, V, T, L, NW,
+        s_ptr,  # STORE_S: unrounded S of every window [B, NW, H, V, K]
+        sync_ptr,  # SPLIT: int32 [1 + 2 B H NW]: ticket, then (amax bits, arrivals) per window
+        H, V, T, L, NW, NSLOT,
         K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-        GDN: tl.constexpr, ONE_TILE: tl.constexpr, NEED_AMAX: tl.constexpr,
+        NT: tl.constexpr, GDN: tl.constexpr, OUT: tl.constexpr, STORE_S: tl.constexpr,
+        SPLIT: tl.constexpr, NEED_AMAX: tl.constexpr,
         P_KIND: tl.constexpr, P_FP4: tl.constexpr, P_EB: tl.constexpr, P_MB: tl.constexpr,
         P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr, P_NANF: tl.constexpr,
         CA_KIND: tl.constexpr, CA_FP4: tl.constexpr, CA_SR: tl.constexpr,
@@ -1039,110 +1092,190 @@ def _chain_kernel(
         CA_SUBQ: tl.constexpr, CA_SIGN_SHIFT: tl.constexpr, CA_HAS_INF: tl.constexpr,
         CA_NAN_POS: tl.constexpr, CA_NAN_NEG: tl.constexpr, CA_INF_POS: tl.constexpr,
         CA_INF_NEG: tl.constexpr):
-    mat0 = tl.program_id(0).to(tl.int64)
+    if SPLIT:
+        pid = tl.atomic_add(sync_ptr, 1)  # logical id in start order (see above)
+        mat0 = (pid // NT).to(tl.int64)
+        tile = pid % NT
+    else:
+        mat0 = tl.program_id(0).to(tl.int64)
+        tile = 0
     b = mat0 // H
     h = mat0 - b * H
     kk = tl.arange(0, K)
     for w in range(0, NW):
-        wmat = (b * NW + w) * H + h
-        pmat = wmat - H
+        smat = (b * NW + w) * H + h  # S and stream key index of this window
+        amat = (b * NSLOT + w % NSLOT) * H + h  # anchor slot written
+        pmat = (b * NSLOT + (w + NSLOT - 1) % NSLOT) * H + h  # slot of the previous anchor
         t0 = w * L
-        if ONE_TILE:
-            rows = tl.arange(0, BV)
+        # _cast_store reads the stream key at st_ptr[mat] for the matrix it stores: shift the
+        # base so that the store slot amat finds this window's key smat
+        stw_ptr = st_ptr + (smat - amat)
+        if SPLIT:
+            rows = tile * BV + tl.arange(0, BV)
             rmask = rows < V
             se, so = _chain_tile(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows, rmask,
-                                 la_ptr, k_ptr, v_ptr, beta_ptr, b, h, t0, H, V, T, L,
-                                 K, KH, BV, LP, GDN, P_KIND, P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ,
-                                 P_NANF)
+                                 la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V,
+                                 T, L, K, KH, BV, LP, GDN, OUT, P_KIND, P_FP4, P_EB, P_MB,
+                                 P_EMIN, P_SUBQ, P_NANF)
             amax = tl.zeros([], tl.float32)
             if NEED_AMAX:
-                amax = _tile_amax(se, so, rmask)
+                amax = _matrix_amax(_tile_amax(se, so, rmask), sync_ptr, 1 + 2 * (mat0 * NW + w),
+                                    NT)
             sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
-            x = tl.reshape(tl.join(se, so), [BV, K])
-            tl.store(s_ptr + (wmat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
-                     mask=rmask[:, None])
-            _cast_store(se, so, rows, rmask, wmat, V, sa, seed, st_ptr, oa_ptr, oabs_ptr, K, KH,
+            if STORE_S:
+                x = tl.reshape(tl.join(se, so), [BV, K])
+                tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
+                         mask=rmask[:, None])
+            _cast_store(se, so, rows, rmask, amat, V, sa, seed, stw_ptr, oa_ptr, oabs_ptr, K, KH,
                         BV, CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN, CA_MBITS,
                         CA_MAXCODE, CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF, CA_NAN_POS, CA_NAN_NEG,
                         CA_INF_POS, CA_INF_NEG)
         else:
             amax = tl.zeros([], tl.float32)
-            if NEED_AMAX:
+            if NEED_AMAX:  # first pass: the tiles for the amax only
                 for v0 in range(0, V, BV):
                     rows = v0 + tl.arange(0, BV)
                     rmask = rows < V
                     se, so = _chain_tile(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
-                                         rmask, la_ptr, k_ptr, v_ptr, beta_ptr, b, h, t0, H, V, T,
-                                         L, K, KH, BV, LP, GDN, P_KIND, P_FP4, P_EB, P_MB,
-                                         P_EMIN, P_SUBQ, P_NANF)
+                                         rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h,
+                                         t0, H, V, T, L, K, KH, BV, LP, GDN, False, P_KIND,
+                                         P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)
                     amax = tl.maximum(amax, _tile_amax(se, so, rmask))
             sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
             for v0 in range(0, V, BV):
                 rows = v0 + tl.arange(0, BV)
                 rmask = rows < V
                 se, so = _chain_tile(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
-                                     rmask, la_ptr, k_ptr, v_ptr, beta_ptr, b, h, t0, H, V, T,
-                                     L, K, KH, BV, LP, GDN, P_KIND, P_FP4, P_EB, P_MB,
-                                     P_EMIN, P_SUBQ, P_NANF)
-                x = tl.reshape(tl.join(se, so), [BV, K])
-                tl.store(s_ptr + (wmat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
-                         mask=rmask[:, None])
-                _cast_store(se, so, rows, rmask, wmat, V, sa, seed, st_ptr, oa_ptr, oabs_ptr, K,
+                                     rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h,
+                                     t0, H, V, T, L, K, KH, BV, LP, GDN, OUT, P_KIND, P_FP4,
+                                     P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)
+                if STORE_S:
+                    x = tl.reshape(tl.join(se, so), [BV, K])
+                    tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :],
+                             x, mask=rmask[:, None])
+                _cast_store(se, so, rows, rmask, amat, V, sa, seed, stw_ptr, oa_ptr, oabs_ptr, K,
                             KH, BV, CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN,
                             CA_MBITS, CA_MAXCODE, CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF,
                             CA_NAN_POS, CA_NAN_NEG, CA_INF_POS, CA_INF_NEG)
         if CA_MS:
-            tl.store(oams_ptr + wmat, sa)
+            tl.store(oams_ptr + amat, sa)  # every tile of the matrix stores the same value
         tl.debug_barrier()  # the next window reads this window's anchor (other threads' rows)
 
 
-CHAIN_TILE_ELEMENTS = 128 * 128  # whole matrix in one register tile up to this many elements
+CHAIN_TILE_ELEMENTS = 2048  # elements of a program's row tile: BV = 2048 // K rows
+CHAIN_WARPS = 4
 
 
-def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams,
-                 block_v: int | None = None, num_warps: int | None = None):
-    """Rounded-anchor recurrence over ``NW = T // L`` full windows in one launch.
+def chain_block_v(V: int, K: int) -> int:
+    """Value rows per program of the anchor-chain kernel: a function of the matrix shape only,
+    so that every call on a layer (any batch, any number of windows, step or teacher-forced)
+    adds in the same order."""
+    return max(1, min(triton.next_power_of_2(V), CHAIN_TILE_ELEMENTS // K))
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class ChainResult(tuple):
+    """``(states, anchors, outputs)`` of :func:`anchor_chain` (a plain tuple with names)."""
+
+    __slots__ = ()
+
+    def __new__(cls, states, anchors, outputs):
+        return super().__new__(cls, (states, anchors, outputs))
+
+    states = property(lambda self: self[0])
+    anchors = property(lambda self: self[1])
+    outputs = property(lambda self: self[2])
+
+
+def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=None,
+                 store_states: bool = True, all_anchors: bool = True, split: bool | None = None,
+                 block_v: int | None = None, num_warps: int = CHAIN_WARPS) -> ChainResult:
+    """Anchor recurrence over ``NW = T // L`` full windows in one launch (DESIGN.md "Flush":
+    reconstruct, then ``A <- Q_rec(S)``; GDN corrections re-solved against A). An ``fp32``
+    ``spec`` is the exact recurrence (``A = S``, nothing rounds).
 
     Args:
         anchor: dequantised FP32 anchor ``[B, H, V, K]`` before the first window.
         la ``[B, T, H]``, head-expanded ``k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``
-        (GDN) or None (Mamba-2: the written value is v).
-        spec: the anchor format (``policy.rec``, not fp32); streams: int64 ``[B, NW, H]`` anchor
-        stream keys of the NW flushes (``core.checkpoint_streams`` copy 0).
+        (GDN) or None (Mamba-2: the written value is v); float32.
+        spec: the anchor format (``policy.rec``); streams: int64 ``[B, NW, H]`` anchor stream
+        keys of the NW flushes (``core.checkpoint_streams`` copy 0; host or device).
+        q: head-expanded queries ``[B, T, H, K]``: also return the outputs of every position for
+            a single-checkpoint policy (read copy = anchor; ``core.window_outputs`` inside a
+            window, ``S q`` at the flush token).
+        store_states: return the unrounded S of every window.
+        all_anchors: return the anchor of every window, else only the last one.
+        split: one program per (matrix, row tile) with the matrix amax exchanged through
+            atomics (default: on CUDA; the interpreter runs one program per matrix, which gives
+            the same bits).
+        block_v: value rows per tile (default :func:`chain_block_v`: tests only).
 
-    Returns ``(S [B, NW, H, V, K] unrounded, A [B, NW, H, V, K] dequantised anchors)``.
+    Returns :class:`ChainResult` ``(states [B, NW, H, V, K] or None, anchors [B, NW or 1, H, V, K]
+    dequantised FP32, outputs [B, T, H, V] or None)``.
+
+    Raises:
+        ValueError: T not a positive multiple of L, unsupported K or dtype,
+            mismatched shapes, ``split`` under the Triton interpreter.
     """
     spec = parse_spec(spec)
     B, H, V, K = (int(d) for d in anchor.shape)
     _check_supported(K, anchor.dtype)
-    if spec.is_identity:
-        raise ValueError("anchor_chain is for rounded anchors (rec not fp32)")
     T = la.shape[1]
     NW = T // L
     if NW * L != T or NW < 1:
         raise ValueError(f"T={T} must be a positive multiple of L={L}")
+    want = {"la": (B, T, H), "k": (B, T, H, K), "v": (B, T, H, V)}
+    got = {"la": la, "k": k, "v": v}
+    if beta is not None:
+        want["beta"], got["beta"] = (B, T, H), beta
+    if q is not None:
+        want["q"], got["q"] = (B, T, H, K), q
+    for n, shape in want.items():
+        if tuple(got[n].shape) != shape or got[n].dtype != torch.float32:
+            raise ValueError(f"{n} must be float32 {list(shape)}, got {got[n].dtype} "
+                             f"{list(got[n].shape)}")
+    interp = _interpreting()
+    split = (not interp) if split is None else bool(split)
+    if split and interp:
+        raise ValueError("split=True needs a GPU: the Triton interpreter runs programs one "
+                         "after another, so tiles cannot wait for each other")
     dev = anchor.device
     gdn = beta is not None
     la, k, v = la.contiguous(), k.contiguous(), v.contiguous()
     beta = beta.contiguous() if gdn else la
-    bufs = _alloc_copy(spec, (B * NW, H, V, K), dev)
+    nslot = NW if all_anchors else min(NW, 2)
+    bufs = _alloc_copy(spec, (B * nslot, H, V, K), dev)
     codes = bufs[0]
     ap = codes
     if _kind(spec) == _K_HALF:
         ap = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
-    S = torch.empty(B, NW, H, V, K, dtype=torch.float32, device=dev)
-    vp2 = triton.next_power_of_2(V)
-    one = vp2 * K <= CHAIN_TILE_ELEMENTS if block_v is None else block_v >= vp2
-    bv = vp2 if one else (block_v or max(1, CHAIN_TILE_ELEMENTS // K // 4))
-    nw = num_warps or (8 if one and vp2 * K >= 8192 else 4)
+    S = torch.empty(B, NW, H, V, K, dtype=torch.float32, device=dev) if store_states else None
+    out = torch.empty(B, T, H, V, dtype=torch.float32, device=dev) if q is not None else None
+    bv = block_v or chain_block_v(V, K)
+    nt = triton.cdiv(V, bv)
+    need_amax = _kind(spec) in (_K_MATRIX, _K_NVFP4)
+    sync = torch.zeros(1 + (2 * B * H * NW if split and need_amax else 0), dtype=torch.int32,
+                       device=dev)
     st = torch.as_tensor(streams, dtype=torch.int64).to(dev).reshape(-1).contiguous()
+    if st.numel() != B * NW * H:
+        raise ValueError(f"streams must hold B*NW*H = {B * NW * H} keys, got {st.numel()}")
     pick = lambda t: t if t is not None else codes  # noqa: E731
-    _chain_kernel[(B * H,)](
-        anchor.contiguous(), la, k, v, beta, st, int(seed),
-        codes, pick(bufs[1]), pick(bufs[2]), ap, S, H, V, T, L, NW,
-        K=K, KH=K // 2, BV=bv, LP=_lp(L), GDN=gdn, ONE_TILE=one,
-        NEED_AMAX=_kind(spec) in (_K_MATRIX, _K_NVFP4), num_warps=nw,
+    _chain_kernel[(B * H * (nt if split else 1),)](
+        anchor.contiguous(), la, k, v, beta, pick(None if q is None else q.contiguous()),
+        pick(out), st, int(seed), codes, pick(bufs[1]), pick(bufs[2]), ap, pick(S), sync,
+        H, V, T, L, NW, nslot,
+        K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn, OUT=q is not None,
+        STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax, num_warps=num_warps,
+        enable_fp_fusion=False,
         **_decode_consts(spec, "P_"), **_cast_consts(spec, "CA_"))
-    packed = _as_stored(spec, (B * NW, H, V, K), bufs)
+    packed = _as_stored(spec, (B * nslot, H, V, K), bufs)
     A = packed if isinstance(packed, torch.Tensor) else packed.dequantize()
-    return S, A.to(torch.float32).reshape(B, NW, H, V, K)
+    A = A.to(torch.float32).reshape(B, nslot, H, V, K)
+    if not all_anchors:
+        A = A[:, (NW - 1) % nslot][:, None]
+    return ChainResult(S, A, out)

@@ -46,7 +46,7 @@ class WindowCarry:
             for single-checkpoint policies).
         records: records since the last flush, each ``[B, h, ...]`` (Mamba-2: ``la, v, k``
             with grouped k; GDN: ``la, beta, v, k, uR``).
-        flush_index: int64 ``[B]`` index of the next flush (SR streams).
+        flush_index: int64 ``[B]`` index of the next flush (SR streams), on the host.
     """
 
     anchor: torch.Tensor
@@ -60,9 +60,12 @@ class WindowCarry:
         return next(iter(self.records.values())).shape[1] if self.records else 0
 
 
-def _seq_ids(sequence_ids, batch, device):
+def _seq_ids(sequence_ids, batch, device=None):
+    """Sequence ids as a host int64 ``[B]`` tensor: like the flush indices they only key SR
+    streams, which are built on the host (``device`` is ignored), so keeping them there spares
+    a device synchronisation per flush."""
     ids = torch.arange(batch) if sequence_ids is None else torch.as_tensor(sequence_ids)
-    return ids.to(torch.int64).to(device)
+    return ids.to(torch.int64).cpu()
 
 
 def effective_window(policy, window: int) -> int:
@@ -80,7 +83,7 @@ def initial_carry(S: torch.Tensor, policy, *, seed: int = 0, layer: int = 0,
     policy = StatePolicy.parse(policy)
     B = S.shape[0]
     ids = _seq_ids(sequence_ids, B, S.device)
-    fi = torch.full((B,), core.PREFILL_FLUSH_INDEX, dtype=torch.int64, device=S.device)
+    fi = torch.full((B,), core.PREFILL_FLUSH_INDEX, dtype=torch.int64)  # host bookkeeping
     cps = core.cast_checkpoints(S, policy, seed=seed, layer=layer, sequence_ids=ids, flush_index=fi)
     return WindowCarry(cps.anchor, cps.read, {}, fi + 1)
 
@@ -90,16 +93,17 @@ CHAIN_ENV = "REPLAYSSM_ANCHOR_CHAIN"  # "auto" (default: kernel on CUDA), "torch
 
 
 def chain_kernel_enabled(policy, anchor: torch.Tensor, fold_cached: bool = False) -> bool:
-    """True when rounded-anchor flushes run the anchor-chain kernel
-    (:func:`replayssm_quant.kernels.replay.anchor_chain`): a rounded anchor (``rec`` not fp32),
-    not the cached-fold variant, float32, key dim a power of two >= 32, on CUDA (``auto``) or
-    forced with ``REPLAYSSM_ANCHOR_CHAIN=triton`` (CPU: under ``TRITON_INTERPRET=1``).
-    Every flush of a layer (stepping and teacher-forced, batched or window by window) takes
-    the same decision, so a layer given identical inputs rounds identically."""
+    """True when flushes run the anchor-chain kernel
+    (:func:`replayssm_quant.kernels.replay.anchor_chain`, any ``rec`` format; fp32 is the exact
+    recurrence): not the cached-fold variant, float32, key dim a power of two >= 32, on CUDA
+    (``auto``) or forced with ``REPLAYSSM_ANCHOR_CHAIN=triton`` (CPU: under
+    ``TRITON_INTERPRET=1``). Every flush of a layer (stepping and teacher-forced, batched or
+    window by window) takes the same decision, so a layer given identical inputs rounds
+    identically."""
     from ..kernels.dispatch import replay_kernels_enabled
 
-    policy = StatePolicy.parse(policy)
-    if policy.rec.is_identity or fold_cached:
+    StatePolicy.parse(policy)
+    if fold_cached:
         return False
     return replay_kernels_enabled(os.environ.get(CHAIN_ENV) or None, anchor.device, anchor.dtype,
                                   anchor.shape[-1])
@@ -119,14 +123,14 @@ def flush_window(family: str, anchor, recs: dict, policy, *, seed: int, layer: i
         H = anchor.shape[1]
         sa, sr = core.checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
                                          flush_index=flush_index)
-        S, A = kr.anchor_chain(anchor, recs["la"], core.expand_heads(recs["k"], H, 2), recs["v"],
-                               recs["beta"] if family == "gdn" else None, policy.rec, L=J,
-                               seed=seed, streams=sa[:, None])
-        S, A = S[:, 0], A[:, 0]
+        res = kr.anchor_chain(anchor, recs["la"], core.expand_heads(recs["k"], H, 2), recs["v"],
+                              recs["beta"] if family == "gdn" else None, policy.rec, L=J,
+                              seed=seed, streams=sa[:, None])
+        S, A = res.states[:, 0], res.anchors[:, 0]
         if policy.single_checkpoint:
             return S, A, A
         return S, A, core.cast_state(S, policy.read, seed=seed, stream=sr)[0]
-    length = torch.full_like(flush_index, J)
+    length = torch.full((anchor.shape[0],), J, dtype=torch.int64, device=anchor.device)
     if family == "mamba2":
         res = mamba2_flush(anchor, recs["la"], recs["v"], recs["k"], policy, seed=seed,
                            layer=layer, sequence_ids=sequence_ids, flush_index=flush_index,
@@ -285,7 +289,11 @@ def gdn_emulate(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, se
 #   GDN:     S_{w+1} = A_w G_w + P_w,  G_w = gamma_w I - K^T diag(beta gamma_{1:j}) T^-T diag(m) K,
 #            P_w = (beta v)^T T^-T diag(m) K, with T the unit lower-triangular correction system
 #            (DESIGN.md: u_j + sum_{i<j} beta_j gamma_{i+1:j} (k_i.k_j) u_i = beta_j (v_j - gamma_{1:j} A k_j)).
-# That step is used only where the anchor is exact (``rec:fp32``, ``fp32``, and the prefill
+# On CUDA (float32) the whole anchor recurrence of a segment is instead one launch of the
+# anchor-chain kernel (kernels/replay.py ``anchor_chain``) for every policy, the same kernel
+# the step path's flush calls; for single-checkpoint policies (R is A) that launch also writes
+# every output, so nothing else runs. Elsewhere:
+# the WY step is used only where the anchor is exact (``rec:fp32``, ``fp32``, and the prefill
 # scan): nothing rounds, so reassociation only moves last bits. Where the anchor is rounded,
 # each window runs the flush's own arithmetic (core.solve_corrections + core.reconstruct, what
 # gdn_flush / mamba2_flush compute before casting), so identical inputs give a bit-identical
@@ -310,13 +318,14 @@ class _Prep:
     BVt: torch.Tensor | None  # GDN: (beta v)^T T^-T  [B, n, H, V, L]
     BG: torch.Tensor | None  # GDN: beta_j gamma_{1:j} [B, n, H, L]
     TinvT: torch.Tensor | None  # GDN: T^-T [B, n, H, L, L]
-    G: torch.Tensor | None  # GDN: [B, n, H, K, K]
-    P: torch.Tensor  # [B, n, H, V, K]
+    G: torch.Tensor | None  # GDN: [B, n, H, K, K] (wy only)
+    P: torch.Tensor | None  # [B, n, H, V, K] (wy only)
 
 
-def _prep(la, k, q, v, beta, L: int) -> _Prep:
+def _prep(la, k, q, v, beta, L: int, wy: bool = True) -> _Prep:
     """``la [B, n*L, H]``, ``k, q [B, n*L, H, K]`` (head-expanded), ``v [B, n*L, H, V]``,
-    ``beta [B, n*L, H]`` (GDN) or None (Mamba-2: the written value is v)."""
+    ``beta [B, n*L, H]`` (GDN) or None (Mamba-2: the written value is v). ``wy``: also the
+    WY-form step (``G``, ``P``) of the exact-anchor recurrence (``_advance_state``)."""
     Bz, T, H = la.shape
     n = T // L
     cc = la.reshape(Bz, n, L, H).cumsum(2).permute(0, 1, 3, 2)  # [B, n, H, L]
@@ -330,7 +339,7 @@ def _prep(la, k, q, v, beta, L: int) -> _Prep:
     m = torch.exp(gtot[..., None] - cc)  # gamma_{j+1:L}, [B, n, H, L]
     mK = m[..., None] * K
     if beta is None:
-        P = torch.matmul(Vt, mK)
+        P = torch.matmul(Vt, mK) if wy else None
         return _Prep(cc, gtot, K, Qm, D, Vt, None, None, None, None, P)
     be = beta.reshape(Bz, n, L, H).permute(0, 1, 3, 2)  # [B, n, H, L]
     kk = torch.matmul(K, K.transpose(-1, -2))  # [.., j, i] = k_j . k_i
@@ -340,6 +349,8 @@ def _prep(la, k, q, v, beta, L: int) -> _Prep:
                                           unitriangular=True).transpose(-1, -2)
     BVt = torch.matmul(be[..., None, :] * Vt, TinvT)
     BG = be * torch.exp(cc)
+    if not wy:
+        return _Prep(cc, gtot, K, Qm, D, None, BVt, BG, TinvT, None, None)
     P = torch.matmul(BVt, mK)
     G = torch.exp(gtot)[..., None, None] * torch.eye(K.shape[-1], dtype=la.dtype, device=la.device) \
         - torch.matmul(K.transpose(-1, -2) * BG[..., None, :], torch.matmul(TinvT, mK))
@@ -408,7 +419,7 @@ def _stream_keys(layer, ids, H, flush, copy):
     key = stream_key(layer=layer, sequence=ids.to(torch.int64).cpu()[:, None, None],
                      head=torch.arange(H, dtype=torch.int64)[None, None, :],
                      flush=flush.to(torch.int64).cpu()[:, :, None], copy=copy)
-    return key.to(ids.device)
+    return key
 
 
 def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int, seed: int,
@@ -422,22 +433,30 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
     outs, t = [], 0
     A, R, fi = carry.anchor, carry.read, carry.flush_index
     use_chain = chain_kernel_enabled(policy, A)
+    if use_chain:
+        from ..kernels import replay as kr
+    if use_chain and single:  # one launch: the anchor chain and every output (R is A)
+        n = T // L
+        flush = fi[:, None] + torch.arange(n, device=fi.device)[None, :]
+        res = kr.anchor_chain(A, la, k, v, beta, policy.rec, L=L, seed=seed,
+                              streams=_stream_keys(layer, ids, H, flush, core.ANCHOR_COPY), q=q,
+                              store_states=False, all_anchors=False)
+        A = res.anchors[:, 0].contiguous()
+        return res.outputs, WindowCarry(A, A, {}, fi + n)
     while t < T:
         n = min((T - t) // L, _group_size(Bz, H, V, K, L, A.device))
         s = slice(t, t + n * L)
-        p = _prep(la[:, s], k[:, s], q[:, s], v[:, s], None if beta is None else beta[:, s], L)
+        p = _prep(la[:, s], k[:, s], q[:, s], v[:, s], None if beta is None else beta[:, s], L,
+                  wy=rec_exact and not use_chain)
         flush = fi[:, None] + torch.arange(n, device=fi.device)[None, :]  # [B, n]
-        ka = None if rec_exact else _stream_keys(layer, ids, H, flush, core.ANCHOR_COPY)
+        ka = _stream_keys(layer, ids, H, flush, core.ANCHOR_COPY) if use_chain or not rec_exact \
+            else None
         states, anchors = [], []
         if use_chain:  # the whole anchor recurrence of the group in one kernel launch
-            from ..kernels import replay as kr
-
-            r = slice(t, t + n * L)
-            Sst, Ast = kr.anchor_chain(A, la[:, r], k[:, r], v[:, r],
-                                       None if beta is None else beta[:, r], policy.rec, L=L,
-                                       seed=seed, streams=ka)
-            states, anchors = list(Sst.unbind(1)), list(Ast.unbind(1))
-            A = anchors[-1]
+            res = kr.anchor_chain(A, la[:, s], k[:, s], v[:, s],
+                                  None if beta is None else beta[:, s], policy.rec, L=L,
+                                  seed=seed, streams=ka, all_anchors=False)
+            Sst, A = res.states, res.anchors[:, 0].contiguous()
         for w in range(0 if use_chain else n):  # the sequential part: the anchor recurrence
             if rec_exact:  # nothing rounds: the batched WY step
                 S = A = _advance_state(A, p, w)
@@ -453,12 +472,12 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
         if not use_chain:
             Sst = torch.stack(states, 1)  # [B, n, H, V, K] unrounded S_{w+1}
         if single:  # one checkpoint: R is A (cast once per flush, with the anchor stream)
-            Rst = Sst if rec_exact else (Ast if use_chain else torch.stack(anchors, 1))
+            Rst = Sst if rec_exact else torch.stack(anchors, 1)
         elif read_exact:
             Rst = Sst
         else:  # dual: R never feeds the anchor, so all read casts of the group at once
-            kr = _stream_keys(layer, ids, H, flush, core.READ_COPY)
-            Rst = core.cast_state(Sst, policy.read, seed=seed, stream=kr)[0]
+            kread = _stream_keys(layer, ids, H, flush, core.READ_COPY)
+            Rst = core.cast_state(Sst, policy.read, seed=seed, stream=kread)[0]
         Rin = torch.cat([R[:, None], Rst[:, :-1]], 1)  # R_w, read by window w
         o = _outputs(p, Rin)  # [B, n, H, V, L]
         o[..., -1] = torch.matmul(Sst, p.Qm[..., -1, :, None])[..., 0]  # flush token: unrounded S

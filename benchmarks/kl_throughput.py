@@ -216,8 +216,10 @@ def _torch_chain(A0, la, k, v, beta, spec, L, ka, upto=None):
 
 def check_chain(dev, out, tune: bool = False):
     """Anchor-chain kernel at serving shapes on the GPU. Per case: (1) the split launch (one
-    program per row tile, matrix amax through atomics) against one program per matrix: S and
-    A bit-identical; (2) each window's A against the torch cast of the kernel's own S (0
+    program per row tile, matrix amax through atomics, anchor kept in registers) against one
+    program per matrix (what the interpreter runs; reads the anchor back from memory):
+    mismatch counts of S and A (0 expected except GDN with FP4 anchors, where the reduction
+    order of A k follows the register layout, see docs/kl-throughput.md); (2) each window's A against the torch cast of the kernel's own S (0
     mismatches) and S against the torch flush arithmetic from the kernel's previous anchor;
     (3) one launch per window (the step path) against one launch for all windows: A
     bit-identical; (4) batch independence: the sequence alone and inside a batch of 3;

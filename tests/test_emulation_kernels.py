@@ -8,7 +8,9 @@ shapes. Checks:
   the flush's stream key, i.e. ``core.cast_checkpoints``) of the kernel's own unrounded S, and
   that S equals the torch flush arithmetic (``core.solve_corrections`` + ``core.reconstruct``)
   run from the kernel's previous anchor to 1e-5 (the kernel sums in another order);
-  the kernel's default row tiles and smaller ones;
+  the kernel's default row tiles (here one tile per matrix: the anchor stays in registers,
+  decoded from the codes just stored) and smaller ones (read back from memory), every
+  stored layout (fp32, fp16, bf16, fp8 E4M3/E5M2, NVFP4, MXFP4, MXFP8);
 * with queries (single-checkpoint policies) the outputs it writes, against float64
   references from its own anchors, and the last-anchor-only launch against the full chain;
 * on the kernel path (``REPLAYSSM_ANCHOR_CHAIN=triton``), teacher-forced emulation
@@ -38,7 +40,8 @@ if DEVICE == "cpu" and not INTERPRET:
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 
 POLICIES = ["shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3", "shared:mxfp4",
-            "read:fp8e4m3+sr/rec:bf16", "fp32", "read:nvfp4/rec:fp32"]
+            "read:fp8e4m3+sr/rec:bf16", "fp32", "read:nvfp4/rec:fp32", "shared:mxfp8+sr",
+            "shared:fp8e5m2+sr"]
 
 
 def _records(gdn: bool, B=2, T=12, H=2, V=6, K=32, seed=0):

@@ -266,7 +266,11 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                 INF_NEG: tl.constexpr):
     """Round the unrounded FP32 rows (even/odd halves [BV, KH]) of one matrix to a format and
     store the packed codes (and block scale codes); same steps as ``quant._parts`` /
-    ``kernels.quant._block_rows``. ``s_mat``: the matrix scale (fp8: s; nvfp4: s_g)."""
+    ``kernels.quant._block_rows``. ``s_mat``: the matrix scale (fp8: s; nvfp4: s_g).
+
+    Returns what was stored, for ``_dequant_tile``: ``(even, odd, block scale codes)``:
+    fp32 values (KIND 0), element codes [BV, KH] (1, 2) or [BV, NB, BLK // 2] (3, 4; the
+    block scale codes [BV, NB]; 0 where the format has none)."""
     j = tl.arange(0, KH)
     kk = tl.arange(0, K)
     rowg = mat * V + rows.to(tl.int64)
@@ -274,6 +278,7 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
     if KIND == 0:
         x = tl.reshape(tl.join(xe, xo), [BV, K])
         tl.store(out_ptr + rowg[:, None] * K + kk[None, :], x, mask=m2)
+        r0, r1, r2 = xe, xo, 0
     else:
         if SR:
             lo, hi = _stream_words(tl.load(st_ptr + mat))
@@ -290,6 +295,7 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
             c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.int16)
             tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+            r0, r1, r2 = ce, co, 0
         if KIND == 2:
             ye = tl.where(xe != xe, xe, tl.math.div_rn(xe, tl.broadcast_to(s_mat, [BV, KH])))
             yo = tl.where(xo != xo, xo, tl.math.div_rn(xo, tl.broadcast_to(s_mat, [BV, KH])))
@@ -299,6 +305,7 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
             c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
             tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+            r0, r1, r2 = ce, co, 0
         if KIND >= 3:
             NB: tl.constexpr = K // BLK
             HB: tl.constexpr = BLK // 2
@@ -333,6 +340,46 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
             else:
                 c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
                 tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+            r0, r1, r2 = ce, co, sb_code
+    return r0, r1, r2
+
+
+@triton.jit
+def _dequant_tile(ce, co, sbc, s_mat, BV: tl.constexpr, KH: tl.constexpr,
+                  KIND: tl.constexpr, FP4: tl.constexpr, EB: tl.constexpr, MB: tl.constexpr,
+                  EMIN: tl.constexpr, SUBQ: tl.constexpr, NANF: tl.constexpr,
+                  BF16: tl.constexpr):
+    """The values ``_load_copy`` would read back from what ``_cast_store`` just stored
+    (its return value; ``s_mat`` the matrix scale it stored): the same integer decode and
+    the same FP32 multiplications, without the round trip through memory. (even, odd) [BV, KH]."""
+    if KIND == 0:
+        e = ce
+        o = co
+    if KIND == 1:
+        if BF16:
+            e = ce.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            o = co.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        else:
+            e = ce.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            o = co.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if KIND == 2:
+        e = _decode_code(ce.to(tl.uint8), EB, MB, EMIN, SUBQ, NANF) * s_mat
+        o = _decode_code(co.to(tl.uint8), EB, MB, EMIN, SUBQ, NANF) * s_mat
+    if KIND >= 3:
+        if FP4:  # the byte as stored: even element in the low nibble
+            byte = (ce | (co << 4)).to(tl.uint8).to(tl.int32)
+            e3 = _decode_code(byte & 15, EB, MB, EMIN, SUBQ, NANF)
+            o3 = _decode_code(byte >> 4, EB, MB, EMIN, SUBQ, NANF)
+        else:
+            e3 = _decode_code(ce.to(tl.uint8), EB, MB, EMIN, SUBQ, NANF)
+            o3 = _decode_code(co.to(tl.uint8), EB, MB, EMIN, SUBQ, NANF)
+        if KIND == 3:
+            scale = _decode_e4m3(sbc.to(tl.uint8)) * s_mat
+        else:
+            scale = _e8m0_value(sbc.to(tl.uint8).to(tl.int32))
+        e = tl.reshape(e3 * scale[:, :, None], [BV, KH])
+        o = tl.reshape(o3 * scale[:, :, None], [BV, KH])
+    return e, o
 
 
 # ----------------------------------------------------------------------------------------
@@ -954,45 +1001,61 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
 # ticket counter in the order they start, so the tiles of a matrix are always co-resident or
 # waiting behind finished ones (no deadlock for any grid size once NT programs fit). Without
 # SPLIT (the Triton interpreter runs programs one after another) one program per matrix loops
-# over the same tiles, twice where an amax is needed; either way each row gets the same FP32
-# operations, so SPLIT and non-SPLIT give the same bits (checked on the H200).
+# over the same tiles, twice where an amax is needed.
+# A program that owns its rows for the whole chain (SPLIT, or a single tile) keeps the anchor
+# in registers: the next window's A is decoded from the codes it just stored (_dequant_tile,
+# the same integer decode and FP32 multiplications as _load_copy, which equals
+# PackedTensor.dequantize); a program looping over several tiles reads it back from memory.
 # Optionally (OUT, single-checkpoint policies, whose read copy is the anchor) the program also
 # writes the window's outputs for its rows: position t < L reads the previous anchor plus the
 # records, gamma_{1:t} (A q_t) + sum_{j<=t} gamma_{j+1:t} (k_j . q_t) w_j (core.window_outputs,
 # GDN corrections against R = A are the flush's), and the flush token reads S q_L.
-# The next window reads A back from the packed copy just written by the same program (decoded
-# as _load_copy does, which equals PackedTensor.dequantize). This is THE flush arithmetic on
-# the kernel path (every anchor format; an fp32 anchor is the exact recurrence, A = S): the
-# adapters' step path calls it with NW = 1, the teacher-forced window form with every full
-# window of a segment, so identical inputs round identically. Read copies of dual policies
+# This is THE flush arithmetic on the kernel path (every anchor format; an fp32 anchor is the
+# exact recurrence, A = S): the adapters' step path calls it with NW = 1, the teacher-forced
+# window form with every full window of a segment (the same binary: runtime ints are not
+# specialised), so identical inputs round identically. Read copies of dual policies
 # (R = Q_read(S)) are cast by the host from S.
 # FP contraction is off for this kernel (enable_fp_fusion=False): which mul+add pairs the
 # backend fuses into an FMA depends on the surrounding code, so with it on the variants
 # (SPLIT or not, OUT or not, STORE_S or not) rounded S differently in the last bit (measured
-# on the H200: up to all anchors of an fp8/nvfp4 chain differed); with it off every variant
-# gives the same bits.
+# on the H200: up to most anchors of an fp8/nvfp4 chain differed). With it off the production
+# variants agree bit for bit (step path, teacher-forced with and without outputs, any batch;
+# checked on the H200). The one remaining order difference: a GPU reduction over a tile (A k,
+# A q) follows the tile's register layout, which differs between an anchor carried in
+# registers and one loaded from memory, so the one-program-per-matrix launch (tests, under the
+# interpreter, where order is fixed) can differ in last bits from the split launch on the GPU
+# (GDN with FP4 anchors; docs/kl-throughput.md).
 
 
 @triton.jit
-def _chain_tile(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask,
-                la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V, T, L,
-                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-                GDN: tl.constexpr, OUT: tl.constexpr,
-                P_KIND: tl.constexpr, P_FP4: tl.constexpr, P_EB: tl.constexpr,
-                P_MB: tl.constexpr, P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr,
-                P_NANF: tl.constexpr):
-    """Rows ``rows`` of the unrounded S after window ``w`` as (even, odd) [BV, KH]; with OUT,
-    also stores the window's outputs of these rows at ``o_ptr``.
-
-    One pass over the window's records p = 0 .. L-1: (GDN) the correction u_p of these rows
-    against the previous anchor, then ``S += gamma_{p+1:L} w_p k_p^T`` (S starts at
-    ``gamma_{1:L} A``), then (OUT) the output of position p. Record rows are loaded where
-    they are used; the corrections are kept transposed ``[BV, LP]`` for the coupling sums."""
+def _prev_anchor(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask, V,
+                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
+                 P_KIND: tl.constexpr, P_FP4: tl.constexpr, P_EB: tl.constexpr,
+                 P_MB: tl.constexpr, P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr,
+                 P_NANF: tl.constexpr):
+    """Rows of the anchor before window ``w`` read from memory: the FP32 start (w = 0) or
+    the packed anchor of window w - 1 (slot ``pmat``)."""
     if w == 0:
         ae, ao = _load_copy(a0_ptr, a0_ptr, a0_ptr, mat0, rows, rmask, V, K, KH, BV)  # FP32
     else:
         ae, ao = _load_copy(ap_ptr, apbs_ptr, apms_ptr, pmat, rows, rmask, V, K, KH, BV,
                             P_KIND, P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)
+    return ae, ao
+
+
+@triton.jit
+def _chain_tile(ae, ao, rows, rmask,
+                la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V, T, L,
+                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+                GDN: tl.constexpr, OUT: tl.constexpr):
+    """Rows ``rows`` of the unrounded S after the window starting at token ``t0``, from these
+    rows of the previous anchor ``(ae, ao)``, as (even, odd) [BV, KH]; with OUT, also stores
+    the window's outputs of these rows at ``o_ptr``.
+
+    One pass over the window's records p = 0 .. L-1: (GDN) the correction u_p of these rows
+    against the previous anchor, then ``S += gamma_{p+1:L} w_p k_p^T`` (S starts at
+    ``gamma_{1:L} A``), then (OUT) the output of position p. Record rows are loaded where
+    they are used; the corrections are kept transposed ``[BV, LP]`` for the coupling sums."""
     idx = tl.arange(0, LP)
     live = idx < L
     tt = (b * T + t0 + idx).to(tl.int64)
@@ -1066,7 +1129,8 @@ def _matrix_amax(part, sync_ptr, slot, NT: tl.constexpr):
     seen = tl.atomic_add(sync_ptr + slot + 1, 1, sem="acq_rel") + 1
     while seen < NT:
         seen = tl.atomic_add(sync_ptr + slot + 1, 0, sem="acquire")
-    return tl.atomic_max(sync_ptr + slot, 0, sem="acquire").to(tl.float32, bitcast=True)
+    # every max happened before its program's arrival (release); read it from L2
+    return tl.load(sync_ptr + slot, cache_modifier=".cg").to(tl.float32, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["seed", "H", "V", "T", "L", "NW", "NSLOT"])
@@ -1084,7 +1148,7 @@ def _chain_kernel(
         NT: tl.constexpr, GDN: tl.constexpr, OUT: tl.constexpr, STORE_S: tl.constexpr,
         SPLIT: tl.constexpr, NEED_AMAX: tl.constexpr,
         P_KIND: tl.constexpr, P_FP4: tl.constexpr, P_EB: tl.constexpr, P_MB: tl.constexpr,
-        P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr, P_NANF: tl.constexpr,
+        P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr, P_NANF: tl.constexpr, P_BF16: tl.constexpr,
         CA_KIND: tl.constexpr, CA_FP4: tl.constexpr, CA_SR: tl.constexpr,
         CA_FMAX: tl.constexpr, CA_EMAX: tl.constexpr, CA_BLK: tl.constexpr,
         CA_MS: tl.constexpr,
@@ -1102,64 +1166,77 @@ def _chain_kernel(
     b = mat0 // H
     h = mat0 - b * H
     kk = tl.arange(0, K)
-    for w in range(0, NW):
-        smat = (b * NW + w) * H + h  # S and stream key index of this window
-        amat = (b * NSLOT + w % NSLOT) * H + h  # anchor slot written
-        pmat = (b * NSLOT + (w + NSLOT - 1) % NSLOT) * H + h  # slot of the previous anchor
-        t0 = w * L
-        # _cast_store reads the stream key at st_ptr[mat] for the matrix it stores: shift the
-        # base so that the store slot amat finds this window's key smat
-        stw_ptr = st_ptr + (smat - amat)
-        if SPLIT:
-            rows = tile * BV + tl.arange(0, BV)
-            rmask = rows < V
-            se, so = _chain_tile(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows, rmask,
-                                 la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V,
-                                 T, L, K, KH, BV, LP, GDN, OUT, P_KIND, P_FP4, P_EB, P_MB,
-                                 P_EMIN, P_SUBQ, P_NANF)
+    if SPLIT or NT == 1:  # this program owns its rows for the whole chain: A stays in registers
+        rows = tile * BV + tl.arange(0, BV)
+        rmask = rows < V
+        ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, 0, mat0, mat0, rows, rmask, V,
+                              K, KH, BV, P_KIND, P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)
+        for w in range(0, NW):
+            smat = (b * NW + w) * H + h  # S and stream key index of this window
+            amat = (b * NSLOT + w % NSLOT) * H + h  # anchor slot written
+            se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
+                                 o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT)
             amax = tl.zeros([], tl.float32)
             if NEED_AMAX:
-                amax = _matrix_amax(_tile_amax(se, so, rmask), sync_ptr, 1 + 2 * (mat0 * NW + w),
-                                    NT)
+                if SPLIT:
+                    amax = _matrix_amax(_tile_amax(se, so, rmask), sync_ptr,
+                                        1 + 2 * (mat0 * NW + w), NT)
+                else:
+                    amax = _tile_amax(se, so, rmask)
             sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
             if STORE_S:
                 x = tl.reshape(tl.join(se, so), [BV, K])
                 tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
                          mask=rmask[:, None])
-            _cast_store(se, so, rows, rmask, amat, V, sa, seed, stw_ptr, oa_ptr, oabs_ptr, K, KH,
-                        BV, CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN, CA_MBITS,
-                        CA_MAXCODE, CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF, CA_NAN_POS, CA_NAN_NEG,
-                        CA_INF_POS, CA_INF_NEG)
-        else:
+            # _cast_store reads the stream key at st_ptr[mat] for the matrix it stores: shift
+            # the base so that the store slot amat finds this window's key smat
+            ce, co, sbc = _cast_store(se, so, rows, rmask, amat, V, sa, seed,
+                                      st_ptr + (smat - amat), oa_ptr, oabs_ptr, K, KH, BV,
+                                      CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN,
+                                      CA_MBITS, CA_MAXCODE, CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF,
+                                      CA_NAN_POS, CA_NAN_NEG, CA_INF_POS, CA_INF_NEG)
+            if CA_MS:
+                tl.store(oams_ptr + amat, sa)  # every tile of the matrix stores the same value
+            ae, ao = _dequant_tile(ce, co, sbc, sa, BV, KH, P_KIND, P_FP4, P_EB, P_MB, P_EMIN,
+                                   P_SUBQ, P_NANF, P_BF16)
+    else:  # one program loops over the row tiles of its matrix (interpreter, tests)
+        for w in range(0, NW):
+            smat = (b * NW + w) * H + h
+            amat = (b * NSLOT + w % NSLOT) * H + h
+            pmat = (b * NSLOT + (w + NSLOT - 1) % NSLOT) * H + h  # slot of the previous anchor
             amax = tl.zeros([], tl.float32)
             if NEED_AMAX:  # first pass: the tiles for the amax only
                 for v0 in range(0, V, BV):
                     rows = v0 + tl.arange(0, BV)
                     rmask = rows < V
-                    se, so = _chain_tile(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
-                                         rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h,
-                                         t0, H, V, T, L, K, KH, BV, LP, GDN, False, P_KIND,
-                                         P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)
+                    ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
+                                          rmask, V, K, KH, BV, P_KIND, P_FP4, P_EB, P_MB, P_EMIN,
+                                          P_SUBQ, P_NANF)
+                    se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr,
+                                         q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP,
+                                         GDN, False)
                     amax = tl.maximum(amax, _tile_amax(se, so, rmask))
             sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
             for v0 in range(0, V, BV):
                 rows = v0 + tl.arange(0, BV)
                 rmask = rows < V
-                se, so = _chain_tile(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
-                                     rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h,
-                                     t0, H, V, T, L, K, KH, BV, LP, GDN, OUT, P_KIND, P_FP4,
-                                     P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)
+                ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
+                                      rmask, V, K, KH, BV, P_KIND, P_FP4, P_EB, P_MB, P_EMIN,
+                                      P_SUBQ, P_NANF)
+                se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
+                                     o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT)
                 if STORE_S:
                     x = tl.reshape(tl.join(se, so), [BV, K])
                     tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :],
                              x, mask=rmask[:, None])
-                _cast_store(se, so, rows, rmask, amat, V, sa, seed, stw_ptr, oa_ptr, oabs_ptr, K,
-                            KH, BV, CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN,
-                            CA_MBITS, CA_MAXCODE, CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF,
-                            CA_NAN_POS, CA_NAN_NEG, CA_INF_POS, CA_INF_NEG)
-        if CA_MS:
-            tl.store(oams_ptr + amat, sa)  # every tile of the matrix stores the same value
-        tl.debug_barrier()  # the next window reads this window's anchor (other threads' rows)
+                _cast_store(se, so, rows, rmask, amat, V, sa, seed, st_ptr + (smat - amat),
+                            oa_ptr, oabs_ptr, K, KH, BV, CA_KIND, CA_FP4, CA_SR, CA_FMAX,
+                            CA_EMAX, CA_BLK, CA_EMIN, CA_MBITS, CA_MAXCODE, CA_SUBQ,
+                            CA_SIGN_SHIFT, CA_HAS_INF, CA_NAN_POS, CA_NAN_NEG, CA_INF_POS,
+                            CA_INF_NEG)
+            if CA_MS:
+                tl.store(oams_ptr + amat, sa)
+            tl.debug_barrier()  # the next window reads this window's anchor (other threads' rows)
 
 
 CHAIN_TILE_ELEMENTS = 2048  # elements of a program's row tile: BV = 2048 // K rows
@@ -1271,6 +1348,7 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         H, V, T, L, NW, nslot,
         K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn, OUT=q is not None,
         STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax, num_warps=num_warps,
+        P_BF16=spec.info.element is F.BF16,
         enable_fp_fusion=False,
         **_decode_consts(spec, "P_"), **_cast_consts(spec, "CA_"))
     packed = _as_stored(spec, (B * nslot, H, V, K), bufs)

@@ -10,8 +10,9 @@ one call to the next by passing the same cache object.
 
 Entry points (all built on :mod:`replayssm_quant.replay`; the flush is always
 :func:`~replayssm_quant.replay.window.flush_window` -- the anchor-chain kernel on CUDA
-(every ``rec`` format; fp32 is the exact recurrence), else :func:`~replayssm_quant.replay.mamba2.mamba2_flush` /
-:func:`~replayssm_quant.replay.gdn.gdn_flush` -- and the batched teacher-forced form takes the
+(every ``rec`` format; fp32 is the exact recurrence), else
+:func:`~replayssm_quant.replay.mamba2.mamba2_flush` / :func:`~replayssm_quant.replay.gdn.gdn_flush`
+-- and the batched teacher-forced form takes the
 same dispatch decision, so a layer given identical inputs rounds identically):
 
 * :func:`prefill_scan`: the exact chunked scan in the working precision (no rounding) that a

@@ -1346,8 +1346,8 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         anchor.contiguous(), la, k, v, beta, pick(None if q is None else q.contiguous()),
         pick(out), st, int(seed), codes, pick(bufs[1]), pick(bufs[2]), ap, pick(S), sync,
         H, V, T, L, NW, nslot,
-        K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn, OUT=q is not None,
-        STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax, num_warps=num_warps,
+        K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn,
+        OUT=q is not None, STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax, num_warps=num_warps,
         P_BF16=spec.info.element is F.BF16,
         enable_fp_fusion=False,
         **_decode_consts(spec, "P_"), **_cast_consts(spec, "CA_"))

@@ -60,10 +60,10 @@ class WindowCarry:
         return next(iter(self.records.values())).shape[1] if self.records else 0
 
 
-def _seq_ids(sequence_ids, batch, device=None):
+def _seq_ids(sequence_ids, batch):
     """Sequence ids as a host int64 ``[B]`` tensor: like the flush indices they only key SR
-    streams, which are built on the host (``device`` is ignored), so keeping them there spares
-    a device synchronisation per flush."""
+    streams, which are built on the host, so keeping them there spares a device
+    synchronisation per flush."""
     ids = torch.arange(batch) if sequence_ids is None else torch.as_tensor(sequence_ids)
     return ids.to(torch.int64).cpu()
 
@@ -82,7 +82,7 @@ def initial_carry(S: torch.Tensor, policy, *, seed: int = 0, layer: int = 0,
     A and R cast independently from S as flush 0, empty buffer (as ``prefill`` does)."""
     policy = StatePolicy.parse(policy)
     B = S.shape[0]
-    ids = _seq_ids(sequence_ids, B, S.device)
+    ids = _seq_ids(sequence_ids, B)
     fi = torch.full((B,), core.PREFILL_FLUSH_INDEX, dtype=torch.int64)  # host bookkeeping
     cps = core.cast_checkpoints(S, policy, seed=seed, layer=layer, sequence_ids=ids, flush_index=fi)
     return WindowCarry(cps.anchor, cps.read, {}, fi + 1)
@@ -187,7 +187,7 @@ def mamba2_window(carry: WindowCarry, x, dt, A, B, C, D=None, *, policy, window:
     ke = core.expand_heads(recs["k"], H, 2)
     y = core.window_outputs(carry.read, recs["la"], recs["v"], ke, Q)[:, h0:]
     if J == L:
-        ids = _seq_ids(sequence_ids, x.shape[0], x.device)
+        ids = _seq_ids(sequence_ids, x.shape[0])
         S, An, Rn = flush_window("mamba2", carry.anchor, recs, policy, seed=seed, layer=layer,
                                  sequence_ids=ids, flush_index=carry.flush_index)
         y[:, -1] = core.matvec(S, q[:, -1])
@@ -243,7 +243,7 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, see
     Q = torch.cat([qe.new_zeros(Bz, h0, *qe.shape[2:]), qe], 1) if h0 else qe
     o = core.window_outputs(carry.read, recs["la"], uR, ke, Q)[:, h0:]
     if J == L:
-        ids = _seq_ids(sequence_ids, Bz, v.device)
+        ids = _seq_ids(sequence_ids, Bz)
         S, An, Rn = flush_window("gdn", carry.anchor, recs, policy, seed=seed, layer=layer,
                                  sequence_ids=ids, flush_index=carry.flush_index, u_cached=uR,
                                  fold_cached=fold_cached_corrections)
@@ -513,7 +513,7 @@ def mamba2_emulate_fast(carry: WindowCarry, x, dt, A, B, C, D=None, *, policy, w
         s = slice(head, head + full)
         H = x.shape[2]
         la, v, k = mamba2_records(x[:, s], dt[:, s], A, B[:, s])
-        ids = _seq_ids(sequence_ids, x.shape[0], x.device)
+        ids = _seq_ids(sequence_ids, x.shape[0])
         y, carry = _block(carry, la, core.expand_heads(k, H, 2), core.expand_heads(C[:, s], H, 2), v,
                           None, policy=policy, L=L, seed=seed, layer=layer, ids=ids)
         if D is not None:
@@ -546,7 +546,7 @@ def gdn_emulate_fast(carry: WindowCarry, q, k, v, g, beta, *, policy, window: in
         os_.append(o)
     if full:
         s = slice(head, head + full)
-        ids = _seq_ids(sequence_ids, v.shape[0], v.device)
+        ids = _seq_ids(sequence_ids, v.shape[0])
         o, carry = _block(carry, g[:, s], core.expand_heads(k[:, s], HV, 2),
                           core.expand_heads(q[:, s], HV, 2), v[:, s], beta[:, s], policy=policy,
                           L=L, seed=seed, layer=layer, ids=ids)

@@ -59,6 +59,8 @@ float32 only; the key dim K a power of two >= 32 (whole nvfp4/mx blocks); any va
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -1243,6 +1245,19 @@ CHAIN_TILE_ELEMENTS = 2048  # elements of a program's row tile: BV = 2048 // K r
 CHAIN_WARPS = 4
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 elsewhere)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def chain_block_v(V: int, K: int) -> int:
     """Value rows per program of the anchor-chain kernel: a function of the matrix shape only,
     so that every call on a layer (any batch, any number of windows, step or teacher-forced)
@@ -1288,24 +1303,29 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         store_states: return the unrounded S of every window.
         all_anchors: return the anchor of every window, else only the last one.
         split: one program per (matrix, row tile) with the matrix amax exchanged through
-            atomics (default: on CUDA; the interpreter runs one program per matrix, which gives
-            the same bits).
+            atomics (default: on CUDA when a matrix has several tiles and they fit on the SMs;
+            else one program per matrix, as the interpreter runs). The choice depends on
+            (V, K) and the device only, so every call on a layer takes the same.
         block_v: value rows per tile (default :func:`chain_block_v`: tests only).
 
     Returns :class:`ChainResult` ``(states [B, NW, H, V, K] or None, anchors [B, NW or 1, H, V, K]
     dequantised FP32, outputs [B, T, H, V] or None)``.
 
     Raises:
-        ValueError: T not a positive multiple of L, unsupported K or dtype,
-            mismatched shapes, ``split`` under the Triton interpreter.
+        ValueError: L < 1 or T not a positive multiple of L, unsupported K or dtype, mismatched
+            shapes, dtypes or devices, streams not integer ``[B, NW, H]``, ``block_v`` not a
+            power of two, ``split`` under the Triton interpreter.
     """
     spec = parse_spec(spec)
     B, H, V, K = (int(d) for d in anchor.shape)
     _check_supported(K, anchor.dtype)
+    if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+        raise ValueError(f"window L must be an int >= 1, got {L!r}")
     T = la.shape[1]
     NW = T // L
     if NW * L != T or NW < 1:
         raise ValueError(f"T={T} must be a positive multiple of L={L}")
+    dev = anchor.device
     want = {"la": (B, T, H), "k": (B, T, H, K), "v": (B, T, H, V)}
     got = {"la": la, "k": k, "v": v}
     if beta is not None:
@@ -1316,12 +1336,23 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         if tuple(got[n].shape) != shape or got[n].dtype != torch.float32:
             raise ValueError(f"{n} must be float32 {list(shape)}, got {got[n].dtype} "
                              f"{list(got[n].shape)}")
+        if got[n].device != dev:
+            raise ValueError(f"{n} is on {got[n].device}, the anchor on {dev}")
+    streams = torch.as_tensor(streams)
+    if streams.is_floating_point() or streams.is_complex() or tuple(streams.shape) != (B, NW, H):
+        raise ValueError(f"streams must be integer stream keys [B, NW, H] = {[B, NW, H]}, got "
+                         f"{streams.dtype} {list(streams.shape)}")
+    if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
     interp = _interpreting()
-    split = (not interp) if split is None else bool(split)
+    bv = block_v or chain_block_v(V, K)
+    nt = triton.cdiv(V, bv)
+    if split is None:  # split only where tiles can wait for each other: all NT of a matrix
+        split = not interp and nt > 1 and nt <= _sm_count(dev)  # resident (ticket order)
+    split = bool(split)
     if split and interp:
         raise ValueError("split=True needs a GPU: the Triton interpreter runs programs one "
                          "after another, so tiles cannot wait for each other")
-    dev = anchor.device
     gdn = beta is not None
     la, k, v = la.contiguous(), k.contiguous(), v.contiguous()
     beta = beta.contiguous() if gdn else la
@@ -1333,27 +1364,25 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         ap = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
     S = torch.empty(B, NW, H, V, K, dtype=torch.float32, device=dev) if store_states else None
     out = torch.empty(B, T, H, V, dtype=torch.float32, device=dev) if q is not None else None
-    bv = block_v or chain_block_v(V, K)
-    nt = triton.cdiv(V, bv)
     need_amax = _kind(spec) in (_K_MATRIX, _K_NVFP4)
     sync = torch.zeros(1 + (2 * B * H * NW if split and need_amax else 0), dtype=torch.int32,
                        device=dev)
-    st = torch.as_tensor(streams, dtype=torch.int64).to(dev).reshape(-1).contiguous()
-    if st.numel() != B * NW * H:
-        raise ValueError(f"streams must hold B*NW*H = {B * NW * H} keys, got {st.numel()}")
+    st = core.to_device(streams.to(torch.int64).reshape(-1).contiguous(), dev)
     pick = lambda t: t if t is not None else codes  # noqa: E731
     _chain_kernel[(B * H * (nt if split else 1),)](
         anchor.contiguous(), la, k, v, beta, pick(None if q is None else q.contiguous()),
         pick(out), st, int(seed), codes, pick(bufs[1]), pick(bufs[2]), ap, pick(S), sync,
         H, V, T, L, NW, nslot,
         K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn,
-        OUT=q is not None, STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax, num_warps=num_warps,
-        P_BF16=spec.info.element is F.BF16,
-        enable_fp_fusion=False,
+        OUT=q is not None, STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax,
+        num_warps=num_warps, P_BF16=spec.info.element is F.BF16, enable_fp_fusion=False,
         **_decode_consts(spec, "P_"), **_cast_consts(spec, "CA_"))
+    if not all_anchors:  # dequantise the last slot only
+        last = (NW - 1) % nslot
+        bufs = tuple(None if t is None else t.reshape(B, nslot, *t.shape[1:])[:, last].contiguous()
+                     for t in bufs)
+        nslot = 1
     packed = _as_stored(spec, (B * nslot, H, V, K), bufs)
     A = packed if isinstance(packed, torch.Tensor) else packed.dequantize()
     A = A.to(torch.float32).reshape(B, nslot, H, V, K)
-    if not all_anchors:
-        A = A[:, (NW - 1) % nslot][:, None]
     return ChainResult(S, A, out)

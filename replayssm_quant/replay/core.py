@@ -92,6 +92,19 @@ def cast_state(S: torch.Tensor, spec: QuantSpec, *, seed: int, stream, store: bo
     return quantize(S, spec, seed=seed, stream=stream).to(S.dtype), None
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device`` without waiting for the device: a host tensor bound for CUDA goes
+    through pinned memory with a non-blocking copy (a copy from pageable memory makes the
+    host wait for every queued kernel). Stream keys and flush indices are built on the host
+    and reach the kernels this way."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
                        flush_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stream keys ``[B, H]`` of the anchor and read casts of one flush, keyed by

@@ -5,9 +5,13 @@ window at a time: inside a window, the outputs are the intra-window causal sum p
 decayed read-copy term (GDN: with corrections solved against the read path); at the window
 end the *same* flush routine as the state objects (:func:`~.mamba2.mamba2_flush`,
 :func:`~.gdn.gdn_flush`) folds the records into the anchor and casts A and R independently,
-with the same SR streams. Stepping token by token through :class:`~.Mamba2ReplayState` /
-:class:`~.GDNReplayState` and running these functions give the same checkpoints bit for bit
-(identical flush inputs) and the same outputs up to float reassociation.
+with the same SR streams. On the torch path (CPU, float64, ``REPLAYSSM_ANCHOR_CHAIN=torch``)
+stepping token by token through :class:`~.Mamba2ReplayState` / :class:`~.GDNReplayState` and
+running these functions give the same checkpoints bit for bit (identical flush inputs) and the
+same outputs up to float reassociation. On CUDA the window form and the adapters' step path
+(``adapters.state.LayerState.step``) share the anchor-chain kernel (:func:`flush_window`),
+so they round identically; the state objects' flush kernel applies the same rounding rules
+but sums in another order, so its chain is a different, equally valid realisation.
 
 A :class:`WindowCarry` holds what passes between windows and between segments of a long
 document: the dequantised checkpoints, the records of the current partial window and the
@@ -129,6 +133,7 @@ def flush_window(family: str, anchor, recs: dict, policy, *, seed: int, layer: i
         S, A = res.states[:, 0], res.anchors[:, 0]
         if policy.single_checkpoint:
             return S, A, A
+        sr = core.to_device(sr, S.device)
         return S, A, core.cast_state(S, policy.read, seed=seed, stream=sr)[0]
     length = torch.full((anchor.shape[0],), J, dtype=torch.int64, device=anchor.device)
     if family == "mamba2":
@@ -457,6 +462,8 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
                                   None if beta is None else beta[:, s], policy.rec, L=L,
                                   seed=seed, streams=ka, all_anchors=False)
             Sst, A = res.states, res.anchors[:, 0].contiguous()
+        if not use_chain and ka is not None:
+            ka = core.to_device(ka, A.device)
         for w in range(0 if use_chain else n):  # the sequential part: the anchor recurrence
             if rec_exact:  # nothing rounds: the batched WY step
                 S = A = _advance_state(A, p, w)
@@ -476,7 +483,8 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
         elif read_exact:
             Rst = Sst
         else:  # dual: R never feeds the anchor, so all read casts of the group at once
-            kread = _stream_keys(layer, ids, H, flush, core.READ_COPY)
+            kread = core.to_device(_stream_keys(layer, ids, H, flush, core.READ_COPY),
+                                   Sst.device)
             Rst = core.cast_state(Sst, policy.read, seed=seed, stream=kread)[0]
         Rin = torch.cat([R[:, None], Rst[:, :-1]], 1)  # R_w, read by window w
         o = _outputs(p, Rin)  # [B, n, H, V, L]

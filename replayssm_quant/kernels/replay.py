@@ -38,6 +38,13 @@ Two kernels do all the work:
   GDN corrections for the flush come from ``_records_kernel`` (C = A, every row solved) in a
   launch before; the folded values are then plain ``w`` as for Mamba-2.
 
+A third kernel, ``_chain_kernel`` (:func:`anchor_chain`, end of this module), runs the anchor
+recurrence of many windows in one launch for the adapters and the teacher-forced emulation
+(``replay/window.py``): per window the GDN corrections against A, the reconstruction, the
+anchor cast and (single-checkpoint policies) every output, one program per tile of value rows
+with the matrix amax exchanged through atomics; see the comment block there and
+docs/kl-throughput.md.
+
 Stored copies are read in their real layout (:class:`~replayssm_quant.quant.PackedTensor`):
 fp32 / bf16 / fp16 values, fp8 codes + FP32 matrix scale, nvfp4 nibbles + E4M3 block scales +
 FP32 matrix scale, mx codes + E8M0 block scales, and decoded in registers to exactly the values

@@ -35,9 +35,9 @@ def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a_hi, a_lo = a >> 16, a & 0xFFFF
     t = a_hi * b  # < 2^48
     u = a_lo * b  # < 2^48
-    hi = (t + (u >> 16)) >> 16
+    hi = (t + (u >> 16)) >> 16  # floor(a b / 2^32) < 2^32: no mask needed
     lo = (((t & 0xFFFF) << 16) + u) & _M32
-    return hi & _M32, lo
+    return hi, lo
 
 
 def philox4x32(
@@ -48,18 +48,19 @@ def philox4x32(
     Returns the four output words as int64 tensors in [0, 2^32). Matches Triton's
     ``philox_impl`` round for round.
     """
-    c0, c1, c2, c3 = torch.broadcast_tensors(
-        *(torch.as_tensor(c, dtype=torch.int64) & _M32 for c in (c0, c1, c2, c3))
-    )
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) & _M32 for c in (c0, c1, c2, c3))
+    shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape, c3.shape)
     k0 &= _M32
     k1 &= _M32
+    # The words are not broadcast up front: with per-matrix stream words (c1, c2, c3) and a
+    # per-element counter c0, the first two rounds then work on the small operands only.
     for _ in range(PHILOX_ROUNDS):
         hi_b, lo_b = _mul32(PHILOX_ROUND_B, c2)
         hi_a, lo_a = _mul32(PHILOX_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = (k0 + PHILOX_KEY_A) & _M32
         k1 = (k1 + PHILOX_KEY_B) & _M32
-    return c0, c1, c2, c3
+    return tuple(torch.broadcast_to(c, shape) for c in (c0, c1, c2, c3))
 
 
 def random_bits(seed: int, stream: torch.Tensor, element: torch.Tensor) -> torch.Tensor:

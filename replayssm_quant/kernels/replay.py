@@ -1009,8 +1009,9 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
 # and spins until the matrix's NT tiles have arrived (SPLIT). Programs take logical ids from a
 # ticket counter in the order they start, so the tiles of a matrix are always co-resident or
 # waiting behind finished ones (no deadlock for any grid size once NT programs fit). Without
-# SPLIT (the Triton interpreter runs programs one after another) one program per matrix loops
-# over the same tiles, twice where an amax is needed.
+# SPLIT (under the Triton interpreter, which runs programs one after another; for a matrix of
+# one tile; for more tiles than SMs) one program per matrix loops over the same tiles, twice
+# where an amax is needed.
 # A program that owns its rows for the whole chain (SPLIT, or a single tile) keeps the anchor
 # in registers: the next window's A is decoded from the codes it just stored (_dequant_tile,
 # the same integer decode and FP32 multiplications as _load_copy, which equals

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["philox4x32", "random_bits", "stream_key", "STREAM_FIELDS"]
+__all__ = ["philox4x32", "random_bits", "stream_key", "stream_keys_to", "STREAM_FIELDS"]
 
 _M32 = 0xFFFFFFFF
 PHILOX_KEY_A = 0x9E3779B9
@@ -82,6 +82,22 @@ def random_bits(seed: int, stream: torch.Tensor, element: torch.Tensor) -> torch
         seed & _M32, (seed >> 32) & _M32,
     )
     return out
+
+
+def stream_keys_to(stream, device) -> torch.Tensor:
+    """Integer stream keys (an int or an integer tensor) as int64 on ``device``. Keys are built
+    on the host (:func:`stream_key`); a host tensor bound for CUDA goes through pinned memory
+    with a non-blocking copy, since a copy from pageable memory makes the host wait for every
+    queued kernel. The caller rejects float keys first."""
+    device = torch.device(device)
+    if not isinstance(stream, torch.Tensor):
+        return torch.as_tensor(stream, dtype=torch.int64, device=device)
+    t = stream.to(torch.int64)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 # Bit fields of a stream key (low to high). 63 bits in all, so the key is a positive int64.

@@ -49,7 +49,7 @@ import torch
 
 from . import formats as F
 from .formats import QuantSpec, parse_spec
-from .philox import random_bits
+from .philox import random_bits, stream_keys_to
 
 __all__ = [
     "quantize",
@@ -200,7 +200,7 @@ def _sr_bits(spec: QuantSpec, x: torch.Tensor, seed: int, stream) -> torch.Tenso
     lead = x.shape[:-2]
     if isinstance(stream, torch.Tensor) and (stream.is_floating_point() or stream.is_complex()):
         raise ValueError(f"stream must be an int or an integer tensor, got dtype {stream.dtype}")
-    stream = torch.as_tensor(stream, dtype=torch.int64, device=x.device)
+    stream = stream_keys_to(stream, x.device)
     try:
         stream = torch.broadcast_to(stream, lead)
     except RuntimeError:

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .. import formats as F
 from ..formats import QuantSpec, parse_spec
+from ..philox import stream_keys_to
 from ..quant import PackedTensor
 
 __all__ = ["quantize_triton", "pack_triton"]
@@ -517,7 +518,7 @@ def _streams(spec: QuantSpec, x: torch.Tensor, stream) -> torch.Tensor:
     if not spec.sr:
         return torch.zeros(1, dtype=torch.int64, device=x.device)
     lead = x.shape[:-2]
-    st = torch.as_tensor(stream, dtype=torch.int64, device=x.device)
+    st = stream_keys_to(stream, x.device)
     try:
         st = torch.broadcast_to(st, lead)
     except RuntimeError:

@@ -75,6 +75,7 @@ import triton.language as tl
 from .. import formats as F
 from ..formats import QuantSpec, parse_spec
 from ..policy import StatePolicy
+from ..philox import stream_keys_to
 from ..quant import PackedTensor
 from ..replay import core
 from .quant import (_amax_scale, _block_scale, _e8m0_value, _finite_abs, _grid_consts,
@@ -942,7 +943,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     pick = lambda t, d: t if t is not None else d  # noqa: E731
     _flush_kernel[(B * H,)](
         a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
-        sa.reshape(-1).contiguous(), sr.reshape(-1).contiguous(), int(seed),
+        stream_keys_to(sa.reshape(-1).contiguous(), dev),
+        stream_keys_to(sr.reshape(-1).contiguous(), dev), int(seed),
         bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
         bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
         S, qq, y, H, G, V, J,
@@ -1375,7 +1377,7 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     need_amax = _kind(spec) in (_K_MATRIX, _K_NVFP4)
     sync = torch.zeros(1 + (2 * B * H * NW if split and need_amax else 0), dtype=torch.int32,
                        device=dev)
-    st = core.to_device(streams.to(torch.int64).reshape(-1).contiguous(), dev)
+    st = stream_keys_to(streams.reshape(-1).contiguous(), dev)
     pick = lambda t: t if t is not None else codes  # noqa: E731
     _chain_kernel[(B * H * (nt if split else 1),)](
         anchor.contiguous(), la, k, v, beta, pick(None if q is None else q.contiguous()),

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import QuantSpec
-from ..philox import stream_key
+from ..philox import stream_key, stream_keys_to
 from ..policy import StatePolicy
 from ..quant import PackedTensor, pack, quantize
 
@@ -92,19 +92,6 @@ def cast_state(S: torch.Tensor, spec: QuantSpec, *, seed: int, stream, store: bo
     return quantize(S, spec, seed=seed, stream=stream).to(S.dtype), None
 
 
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """``t`` on ``device`` without waiting for the device: a host tensor bound for CUDA goes
-    through pinned memory with a non-blocking copy (a copy from pageable memory makes the
-    host wait for every queued kernel). Stream keys and flush indices are built on the host
-    and reach the kernels this way."""
-    device = torch.device(device)
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
                        flush_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stream keys ``[B, H]`` of the anchor and read casts of one flush, keyed by
@@ -114,7 +101,7 @@ def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
     head = torch.arange(heads, dtype=torch.int64)[None, :]
     sa = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(), copy=ANCHOR_COPY)
     sr = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(), copy=READ_COPY)
-    return sa.to(sequence_ids.device), sr.to(sequence_ids.device)
+    return stream_keys_to(sa, sequence_ids.device), stream_keys_to(sr, sequence_ids.device)
 
 
 @dataclass

@@ -133,7 +133,6 @@ def flush_window(family: str, anchor, recs: dict, policy, *, seed: int, layer: i
         S, A = res.states[:, 0], res.anchors[:, 0]
         if policy.single_checkpoint:
             return S, A, A
-        sr = core.to_device(sr, S.device)
         return S, A, core.cast_state(S, policy.read, seed=seed, stream=sr)[0]
     length = torch.full((anchor.shape[0],), J, dtype=torch.int64, device=anchor.device)
     if family == "mamba2":
@@ -462,8 +461,6 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
                                   None if beta is None else beta[:, s], policy.rec, L=L,
                                   seed=seed, streams=ka, all_anchors=False)
             Sst, A = res.states, res.anchors[:, 0].contiguous()
-        if not use_chain and ka is not None:
-            ka = core.to_device(ka, A.device)
         for w in range(0 if use_chain else n):  # the sequential part: the anchor recurrence
             if rec_exact:  # nothing rounds: the batched WY step
                 S = A = _advance_state(A, p, w)
@@ -483,8 +480,7 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
         elif read_exact:
             Rst = Sst
         else:  # dual: R never feeds the anchor, so all read casts of the group at once
-            kread = core.to_device(_stream_keys(layer, ids, H, flush, core.READ_COPY),
-                                   Sst.device)
+            kread = _stream_keys(layer, ids, H, flush, core.READ_COPY)
             Rst = core.cast_state(Sst, policy.read, seed=seed, stream=kread)[0]
         Rin = torch.cat([R[:, None], Rst[:, :-1]], 1)  # R_w, read by window w
         o = _outputs(p, Rin)  # [B, n, H, V, L]

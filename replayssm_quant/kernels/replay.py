@@ -298,23 +298,21 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
         else:
             re = 0
             ro = 0
-        if KIND == 1:
-            _, ce = _quant(xe, re, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            _, co = _quant(xo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.int16)
-            tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
-            r0, r1, r2 = ce, co, 0
-        if KIND == 2:
-            ye = tl.where(xe != xe, xe, tl.math.div_rn(xe, tl.broadcast_to(s_mat, [BV, KH])))
-            yo = tl.where(xo != xo, xo, tl.math.div_rn(xo, tl.broadcast_to(s_mat, [BV, KH])))
+        if KIND <= 2:  # one code per element: half formats (bit patterns), fp8 (matrix scale)
+            ye = xe
+            yo = xo
+            if KIND == 2:
+                ye = tl.where(xe != xe, xe, tl.math.div_rn(xe, tl.broadcast_to(s_mat, [BV, KH])))
+                yo = tl.where(xo != xo, xo, tl.math.div_rn(xo, tl.broadcast_to(s_mat, [BV, KH])))
             _, ce = _quant(ye, re, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
             _, co = _quant(yo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
                            NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
-            tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+            c = tl.reshape(tl.join(ce, co), [BV, K])
+            if KIND == 1:
+                tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c.to(tl.int16), mask=m2)
+            else:
+                tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c.to(tl.uint8), mask=m2)
             r0, r1, r2 = ce, co, 0
         if KIND >= 3:
             NB: tl.constexpr = K // BLK

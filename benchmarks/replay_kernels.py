@@ -43,6 +43,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from replayssm_quant.kernels import replay as kr  # noqa: E402
+from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import (core, gdn_flush, gdn_step_output, gdn_verify,  # noqa: E402
                                     mamba2_flush, mamba2_step_output, mamba2_verify)
@@ -54,7 +55,7 @@ FLUSH_POLICIES = {"fp32": ["fp32"], "fp16": ["read:fp16/rec:fp32"],
                   "fp8e4m3": ["read:fp8e4m3/rec:fp32"],
                   "nvfp4": ["read:nvfp4/rec:fp32", "read:nvfp4+sr/rec:fp16+sr"]}
 SEED = 0x1234_5678_9ABC
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = triton_interpreting()
 DEV = "cpu" if INTERPRET else "cuda"
 
 

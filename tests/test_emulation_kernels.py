@@ -32,7 +32,9 @@ from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.replay import core  # noqa: E402
 from replayssm_quant.replay import window as W  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
+
+INTERPRET = triton_interpreting()
 if not INTERPRET:  # the GPU checks are `benchmarks/kl_throughput.py --check-chain`
     pytest.skip("CPU tests of the chain kernel run under TRITON_INTERPRET=1",
                 allow_module_level=True)

@@ -24,7 +24,9 @@ import torch  # noqa: E402
 from replayssm_quant import formats as F  # noqa: E402
 from replayssm_quant.quant import pack, pack_reference, quantize, quantize_reference  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
+
+INTERPRET = triton_interpreting()
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 
 import replayssm_quant.kernels.quant as kq  # noqa: E402

@@ -34,7 +34,9 @@ from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import (core, gdn_flush, gdn_step_output, gdn_verify,  # noqa: E402
                                     mamba2_flush, mamba2_step_output, mamba2_verify)
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
+
+INTERPRET = triton_interpreting()
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 if DEVICE == "cpu" and not INTERPRET:
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)

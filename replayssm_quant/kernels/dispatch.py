@@ -22,6 +22,12 @@ def _supported(key_dim: int, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and key_dim >= 32 and (key_dim & (key_dim - 1)) == 0
 
 
+def triton_interpreting() -> bool:
+    """True when ``TRITON_INTERPRET`` asks for Triton's interpreter (kernels run on CPU, one
+    program after another)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def replay_kernels_enabled(backend: str | None, device, dtype: torch.dtype, key_dim: int) -> bool:
     """True when the state object should call the Triton kernels."""
     b = backend or os.environ.get(_ENV, "auto")
@@ -35,7 +41,6 @@ def replay_kernels_enabled(backend: str | None, device, dtype: torch.dtype, key_
     if not ok:
         raise ValueError(f"backend='triton' needs float32 and a key dim that is a power of two "
                          f">= 32, got {dtype} and key_dim={key_dim}")
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if torch.device(device).type != "cuda" and not interp:
+    if torch.device(device).type != "cuda" and not triton_interpreting():
         raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
     return True

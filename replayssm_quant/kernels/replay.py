@@ -67,6 +67,7 @@ float32 only; the key dim K a power of two >= 32 (whole nvfp4/mx blocks); any va
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -76,6 +77,7 @@ from .. import formats as F
 from ..formats import QuantSpec, parse_spec
 from ..policy import StatePolicy
 from ..philox import stream_keys_to
+from .dispatch import triton_interpreting
 from ..quant import PackedTensor
 from ..replay import core
 from .quant import (_amax_scale, _block_scale, _e8m0_value, _finite_abs, _grid_consts,
@@ -1273,23 +1275,12 @@ def chain_block_v(V: int, K: int) -> int:
     return max(1, min(triton.next_power_of_2(V), CHAIN_TILE_ELEMENTS // K))
 
 
-def _interpreting() -> bool:
-    import os
+class ChainResult(NamedTuple):
+    """What :func:`anchor_chain` returns (see there for shapes)."""
 
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-class ChainResult(tuple):
-    """``(states, anchors, outputs)`` of :func:`anchor_chain` (a plain tuple with names)."""
-
-    __slots__ = ()
-
-    def __new__(cls, states, anchors, outputs):
-        return super().__new__(cls, (states, anchors, outputs))
-
-    states = property(lambda self: self[0])
-    anchors = property(lambda self: self[1])
-    outputs = property(lambda self: self[2])
+    states: torch.Tensor | None
+    anchors: torch.Tensor
+    outputs: torch.Tensor | None
 
 
 def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=None,
@@ -1352,7 +1343,7 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
                          f"{streams.dtype} {list(streams.shape)}")
     if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
-    interp = _interpreting()
+    interp = triton_interpreting()
     bv = block_v or chain_block_v(V, K)
     nt = triton.cdiv(V, bv)
     if split is None:  # split only where tiles can wait for each other: all NT of a matrix

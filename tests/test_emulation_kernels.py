@@ -170,6 +170,11 @@ def test_chain_rejects_bad_input():
         kr.anchor_chain(A0, la, k, v, beta, "fp16", L=3, seed=0, streams=keys)
     with pytest.raises(ValueError, match=r"v must be float32 \[1, 8, 2, 6\]"):
         kr.anchor_chain(A0, la, k, v[..., :5], beta, "fp16", L=4, seed=0, streams=keys)
+    with pytest.raises(ValueError, match=r"k must be float32 \[1, 8, 2, 32\] \(B, H, V, K from the "
+                                         r"anchor, T from la\)"):
+        kr.anchor_chain(A0, la, k[:, :4], v, beta, "fp16", L=4, seed=0, streams=keys)
+    with pytest.raises(ValueError, match=r"anchor must be \[B, H, V, K\], got shape \[2, 6, 32\]"):
+        kr.anchor_chain(A0[0], la, k, v, beta, "fp16", L=4, seed=0, streams=keys)
     with pytest.raises(ValueError, match="q must be float32"):
         kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=k.double())
     with pytest.raises(ValueError, match=r"streams must be integer stream keys \[B, NW, H\]"):

@@ -1316,6 +1316,8 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
             power of two, ``split`` under the Triton interpreter.
     """
     spec = parse_spec(spec)
+    if anchor.dim() != 4:
+        raise ValueError(f"anchor must be [B, H, V, K], got shape {list(anchor.shape)}")
     B, H, V, K = (int(d) for d in anchor.shape)
     _check_supported(K, anchor.dtype)
     if isinstance(L, bool) or not isinstance(L, int) or L < 1:
@@ -1333,8 +1335,8 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         want["q"], got["q"] = (B, T, H, K), q
     for n, shape in want.items():
         if tuple(got[n].shape) != shape or got[n].dtype != torch.float32:
-            raise ValueError(f"{n} must be float32 {list(shape)}, got {got[n].dtype} "
-                             f"{list(got[n].shape)}")
+            raise ValueError(f"{n} must be float32 {list(shape)} (B, H, V, K from the anchor, "
+                             f"T from la), got {got[n].dtype} {list(got[n].shape)}")
         if got[n].device != dev:
             raise ValueError(f"{n} is on {got[n].device}, the anchor on {dev}")
     streams = torch.as_tensor(streams)

@@ -18,11 +18,14 @@ same dispatch decision, so a layer given identical inputs rounds identically):
 * :func:`prefill_scan`: the exact chunked scan in the working precision (no rounding) that a
   prompt runs through; its final state is cast as flush 0 (``window.initial_carry``).
 * :meth:`LayerState.step`: one token, DESIGN.md "Step": append; at h == L flush and read the
-  token's output from the unrounded flushed state; else the output-only read
-  ``gamma (R q) + W (m * (K^T q))`` (``core.step_output``; GDN: the token's read-path
-  correction solved against R and the cached corrections first).
-* :meth:`LayerState.advance`: T tokens teacher-forced with ``window.mamba2_emulate`` /
-  ``window.gdn_emulate`` (window by window; equal to T steps up to float reassociation).
+  token's output from the unrounded flushed state; else the output-only read of R plus the
+  buffer (GDN: the token's read-path correction solved against R and the cached corrections
+  first). It is the window form (``window.mamba2_window`` / ``window.gdn_window``) with one
+  token.
+* :meth:`LayerState.advance`: T tokens teacher-forced with ``window.mamba2_emulate_fast`` /
+  ``window.gdn_emulate_fast`` (window by window; equal to T steps). On the torch path a
+  sequence's results are bit-identical for any batch and any cut into calls
+  (``window`` module, "Invariance").
 
 Inputs are post-activation, as the issue-3 state objects take them: Mamba-2 ``x [B, T, H, P]``,
 ``dt [B, T, H]`` (after softplus), ``A [H]``, grouped ``B, C [B, T, G, N]``; GDN grouped
@@ -128,59 +131,31 @@ class LayerState:
 
     # ------------------------------------------------------------------ teacher-forced
     def advance(self, inp: dict) -> torch.Tensor:
-        """T tokens teacher-forced (``window.*_emulate_fast``: the partial windows at the ends
-        window by window, the full windows in between batched; equal to T steps up to float
-        reassociation, with the same casts): outputs ``[B, T, H, V]``."""
+        """T tokens teacher-forced (``window.*_emulate_fast``: the window form; on the kernel
+        path the full windows batched through the anchor-chain kernel): outputs
+        ``[B, T, H, V]``, equal to T steps."""
         if self.family == "mamba2":
-            y, self.carry = W.mamba2_emulate_fast(self.carry, inp["x"], inp["dt"], inp["A"], inp["B"],
-                                             inp["C"], None, **self._kw())
+            y, self.carry = W.mamba2_emulate_fast(self.carry, inp["x"], inp["dt"], inp["A"],
+                                                  inp["B"], inp["C"], None, **self._kw())
         else:
             y, self.carry = W.gdn_emulate_fast(self.carry, inp["q"], inp["k"], inp["v"], inp["g"],
-                                          inp["beta"], fold_cached_corrections=self.fold_cached,
-                                          **self._kw())
+                                               inp["beta"], fold_cached_corrections=self.fold_cached,
+                                               **self._kw())
         return y
 
     # ------------------------------------------------------------------ stepping
     def step(self, inp: dict) -> torch.Tensor:
-        """One token per sequence (inputs with T = 1): output ``[B, 1, H, V]``."""
-        c = self.carry
-        h = c.h
-        J = h + 1
-        Bz = self.batch_size
+        """One token per sequence (inputs with T = 1): output ``[B, 1, H, V]``. DESIGN.md
+        "Step": append the record; at h == L flush and read the output from the unrounded
+        flushed state, else the output-only read of R plus the buffer (GDN: the token's
+        read-path correction solved against R and the cached corrections first). It is the
+        window form with one token, so stepping and teacher-forced segments of any length
+        give the same bits (``window`` module, "Invariance")."""
         if self.family == "mamba2":
-            H = inp["x"].shape[2]
-            la, v, k = mamba2_records(inp["x"], inp["dt"], inp["A"], inp["B"])
-            recs = W._cat_records(c, {"la": la, "v": v, "k": k})
-            q = core.expand_heads(inp["C"][:, 0], H, 1)
-            if J == self.window:
-                S, An, Rn = W.flush_window("mamba2", c.anchor, recs, self.policy, seed=self.seed,
-                                           layer=self.layer, sequence_ids=self.sequence_ids,
-                                           flush_index=c.flush_index)
-                y = core.matvec(S, q)
-            else:
-                y = core.step_output(c.read, recs["la"], recs["v"],
-                                     core.expand_heads(recs["k"], H, 2), q)
+            y, self.carry = W.mamba2_window(self.carry, inp["x"], inp["dt"], inp["A"], inp["B"],
+                                            inp["C"], None, **self._kw())
         else:
-            HV = inp["v"].shape[2]
-            new = {"la": inp["g"], "beta": inp["beta"], "v": inp["v"], "k": inp["k"],
-                   "uR": torch.zeros_like(inp["v"])}
-            recs = W._cat_records(c, new)
-            ke = core.expand_heads(recs["k"], HV, 2)
-            start = torch.full((Bz,), h, dtype=torch.int64, device=ke.device)
-            uR = core.solve_corrections(c.read, recs["la"], recs["beta"], recs["v"], ke,
-                                        start=start, u_known=recs["uR"])
-            recs["uR"] = uR
-            q = core.expand_heads(inp["q"][:, 0], HV, 1)
-            if J == self.window:
-                S, An, Rn = W.flush_window("gdn", c.anchor, recs, self.policy, seed=self.seed,
-                                           layer=self.layer, sequence_ids=self.sequence_ids,
-                                           flush_index=c.flush_index, u_cached=uR,
-                                           fold_cached=self.fold_cached)
-                y = core.matvec(S, q)
-            else:
-                y = core.step_output(c.read, recs["la"], uR, ke, q)
-        if J == self.window:
-            self.carry = W.WindowCarry(An, Rn, {}, c.flush_index + 1)
-        else:
-            self.carry = W.WindowCarry(c.anchor, c.read, recs, c.flush_index)
-        return y[:, None]
+            y, self.carry = W.gdn_window(self.carry, inp["q"], inp["k"], inp["v"], inp["g"],
+                                         inp["beta"], fold_cached_corrections=self.fold_cached,
+                                         **self._kw())
+        return y

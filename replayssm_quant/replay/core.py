@@ -27,6 +27,7 @@ Conventions (shared by every function here):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +42,45 @@ READ_COPY = 1  # stream_key copy bit of the read copy R
 PREFILL_FLUSH_INDEX = 0  # the cast of a prefill (or of the initial zero state) is flush 0
 
 
+# ------------------------------------------------------------------------------ invariance
+def per_sequence(fn):
+    """Run a reference reduction one sequence at a time (batch-invariant arithmetic).
+
+    Every tensor argument of ``fn`` is batched along dim 0 (``[B, ...]``). On CPU (any tensor
+    not on CUDA) with ``B > 1``, ``fn`` is called once per sequence on ``[1, ...]`` slices and
+    the results are joined along dim 0, so a sequence's result is the same bits whatever batch
+    or batch position it comes in: each call has the same shapes and strides as the sequence
+    alone, and BLAS picks its kernel (hence its summation order) by shape and stride, never by
+    value. On CUDA the batched call runs (the kernels are the fast path there;
+    ``docs/invariance.md`` says what is checked on the device). Issue 12, item 1.
+
+    Only reductions need this: elementwise products and sums are exactly rounded, and the
+    transcendental ops here (``exp``) run inside the split functions (on CPU their
+    vectorised and scalar-tail code paths can differ in the last bit, and which elements fall
+    in the tail depends on the tensor's total size).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(first, *args, **kwargs):
+        B = first.shape[0]
+        if B <= 1 or first.is_cuda:
+            return fn(first, *args, **kwargs)
+
+        def row(a, b):
+            return a[b: b + 1] if isinstance(a, torch.Tensor) else a
+
+        parts = [fn(first[b: b + 1], *(row(a, b) for a in args),
+                    **{n: row(a, b) for n, a in kwargs.items()}) for b in range(B)]
+        return torch.cat(parts)
+
+    return wrapper
+
+
 # ------------------------------------------------------------------------------ small helpers
+@per_sequence
 def matvec(S: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``S x`` for ``S [..., V, K]`` and ``x [..., K]`` -> ``[..., V]`` (one matmul per matrix)."""
+    """``S x`` for ``S [B, ..., V, K]`` and ``x [B, ..., K]`` -> ``[B, ..., V]`` (one matmul per
+    matrix; :func:`per_sequence`)."""
     return torch.matmul(S, x.unsqueeze(-1)).squeeze(-1)
 
 
@@ -139,6 +176,7 @@ def cast_checkpoints(S: torch.Tensor, policy, *, seed: int, layer: int,
 
 
 # ------------------------------------------------------------------------------ recurrences
+@per_sequence
 def reconstruct(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``S_J = gamma_{1:J} C + sum_{j<=J} gamma_{j+1:J} w_j k_j^T`` (materialises the state).
 
@@ -155,6 +193,7 @@ def reconstruct(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Ten
     return torch.exp(total)[..., None, None] * C + torch.matmul(wm, kt)
 
 
+@per_sequence
 def step_output(R: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                 q: torch.Tensor) -> torch.Tensor:
     """Output-only step: ``o = gamma_{1:h} (R q) + W (m * (K^T q))``, ``m_j = gamma_{j+1:h}``,
@@ -170,6 +209,7 @@ def step_output(R: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Ten
     return torch.exp(total)[..., None] * matvec(R, q) + ((m * kq)[..., None] * w).sum(1)
 
 
+@per_sequence
 def window_outputs(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
                    q: torch.Tensor) -> torch.Tensor:
     """Outputs of every position of a window read from checkpoint ``C`` (output-only, causal):
@@ -209,9 +249,10 @@ def draft_outputs(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.T
     return window_outputs(C, la, w, k, Q)[b, pos]
 
 
+@per_sequence
 def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,
                       k: torch.Tensor, *, start: torch.Tensor | None = None,
-                      u_known: torch.Tensor | None = None) -> torch.Tensor:
+                      u_known: torch.Tensor | None = None, stop: int | None = None) -> torch.Tensor:
     """GDN corrections of a run of records against checkpoint ``C``: forward substitution of
     the unit lower-triangular system
 
@@ -221,8 +262,12 @@ def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: 
     committed read-path ones when solving for drafts), so only rows ``start..J-1`` are solved
     (a ``(J - start) x (J - start)`` solve). ``start=None`` solves all rows (a flush).
 
+    Rows ``j >= stop`` are not solved and stay zero (a window padded to its full length whose
+    later slots are still empty; the solved rows do not depend on them).
+
     Args: ``C [B, H, V, K]``, ``la, beta [B, J, H]``, ``v [B, J, H, V]``, ``k [B, J, H, K]``,
-    ``start`` int64 ``[B]``, ``u_known [B, >=J, H, V]``. Returns ``u [B, J, H, V]``.
+    ``start`` int64 ``[B]``, ``u_known [B, >=J, H, V]``, ``stop`` int (default J).
+    Returns ``u [B, J, H, V]``.
     """
     B, J, H = la.shape
     u = torch.zeros_like(v)
@@ -236,7 +281,7 @@ def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: 
     if start is not None:
         first = int(start.min().clamp(0, J))
         u[:, :first] = u_known[:, :first]
-    for j in range(first, J):
+    for j in range(first, J if stop is None else min(stop, J)):
         acc = rhs[:, j]
         if j > 0:
             coef = beta[:, j, None, :] * torch.exp(c[:, j, None, :] - c[:, :j]) * kk[:, j, :j]  # [B, i, H]

@@ -6,12 +6,14 @@ decayed read-copy term (GDN: with corrections solved against the read path); at 
 end the *same* flush routine as the state objects (:func:`~.mamba2.mamba2_flush`,
 :func:`~.gdn.gdn_flush`) folds the records into the anchor and casts A and R independently,
 with the same SR streams. On the torch path (CPU, float64, ``REPLAYSSM_ANCHOR_CHAIN=torch``)
-stepping token by token through :class:`~.Mamba2ReplayState` / :class:`~.GDNReplayState` and
-running these functions give the same checkpoints bit for bit (identical flush inputs) and the
-same outputs up to float reassociation. On CUDA the window form and the adapters' step path
-(``adapters.state.LayerState.step``) share the anchor-chain kernel (:func:`flush_window`),
-so they round identically; the state objects' flush kernel applies the same rounding rules
-but sums in another order, so its chain is a different, equally valid realisation.
+each sequence's outputs, anchors and read copies are bit-identical for any batch, batch
+position and cut of the tokens into calls, one token per call included (the adapters' step
+path is this form with one token; see "Invariance" below); stepping through
+:class:`~.Mamba2ReplayState` / :class:`~.GDNReplayState` gives the same checkpoints bit for bit
+(identical flush inputs) and the same outputs up to float reassociation. On CUDA the window
+form and its batched full windows share the anchor-chain kernel (:func:`flush_window`), so
+they round identically; the state objects' flush kernel applies the same rounding rules but
+sums in another order, so its chain is a different, equally valid realisation.
 
 A :class:`WindowCarry` holds what passes between windows and between segments of a long
 document: the dequantised checkpoints, the records of the current partial window and the
@@ -152,12 +154,47 @@ def _cat_records(carry: WindowCarry, new: dict) -> dict:
     return {n: torch.cat([carry.records[n], new[n]], 1) for n in new}
 
 
+def _padded(t: torch.Tensor, L: int, at: int = 0) -> torch.Tensor:
+    """A fresh zero tensor of ``L`` slots along dim 1 with ``t`` written at slots
+    ``at .. at + t.shape[1] - 1``: a window's records (or queries) at the window's full length,
+    so every window runs the same arithmetic on tensors of the same shape (see "Invariance")."""
+    out = t.new_zeros(t.shape[0], L, *t.shape[2:])
+    out[:, at: at + t.shape[1]] = t
+    return out
+
+
 def _check_fit(h0: int, W: int, L: int) -> None:
     if W < 1:
         raise ValueError(f"a window call needs at least one token, got {W}")
     if h0 + W > L:
         raise ValueError(f"{W} tokens after {h0} buffered records exceed the window {L}; "
                          "split the run (see mamba2_emulate / gdn_emulate)")
+
+
+# ------------------------------------------------------------------------------ invariance
+# Results must not depend on the batch a sequence shares, its position in it, or how a document
+# is cut into segments (DESIGN.md section 3; issue 12). A last-bit difference in an unrounded
+# state can put a value on the other side of a rounding boundary, and the flipped quantum then
+# propagates through the anchor, so "equal up to reassociation" is not enough. On the torch
+# path (CPU, float64, ``REPLAYSSM_ANCHOR_CHAIN=torch``):
+#   * every reduction of the references in ``core`` runs one sequence at a time
+#     (``core.per_sequence``), so its calls have the same shapes and strides whatever batch
+#     the sequence came in (BLAS picks kernels by shape and stride: a batched
+#     ``[B, H, V, K] @ [B, H, K, 1]`` and the same row alone sum in different orders);
+#   * the window form pads a window's records and queries to the full window L
+#     (``_padded``), so a token's output, its read-path correction and the flush see tensors
+#     of the same shape whether the window arrives whole, in pieces across segments, or one
+#     token at a time (stepping is this form with one token): identical calls;
+#   * full windows run through the same window routine (no batched multi-window form).
+# So a sequence's outputs, anchors and read copies are bit-identical for any batch, batch
+# position and segmentation (tests/test_invariance.py). On the kernel path (CUDA) the anchor
+# chain runs one program per matrix, so its anchors do not depend on the batch either; the
+# batched torch parts around it are checked on the device (docs/invariance.md).
+
+
+def _torch_path(policy, anchor: torch.Tensor, fold_cached: bool = False) -> bool:
+    """True where the window form runs in torch, window by window (see "Invariance")."""
+    return not chain_kernel_enabled(policy, anchor, fold_cached)
 
 
 # ------------------------------------------------------------------------------ Mamba-2
@@ -176,7 +213,9 @@ def mamba2_window(carry: WindowCarry, x, dt, A, B, C, D=None, *, policy, window:
     Returns:
         ``(y [B, W, H, P], carry)``: tokens before the window end read R plus the buffer
         (:func:`core.window_outputs`); the token that fills the window reads the unrounded
-        flushed state, after which A and R are recast by :func:`mamba2_flush`.
+        flushed state, after which A and R are recast by :func:`flush_window`. Each sequence's
+        results are independent of the batch and of how the window is split into calls
+        (see "Invariance").
     """
     policy = StatePolicy.parse(policy)
     L = effective_window(policy, window)
@@ -186,15 +225,15 @@ def mamba2_window(carry: WindowCarry, x, dt, A, B, C, D=None, *, policy, window:
     la, v, k = mamba2_records(x, dt, A, B)
     recs = _cat_records(carry, {"la": la, "v": v, "k": k})
     J = h0 + W
-    q = core.expand_heads(C, H, 2)
-    Q = torch.cat([q.new_zeros(q.shape[0], h0, *q.shape[2:]), q], 1) if h0 else q
-    ke = core.expand_heads(recs["k"], H, 2)
-    y = core.window_outputs(carry.read, recs["la"], recs["v"], ke, Q)[:, h0:]
+    Q = _padded(core.expand_heads(C, H, 2), L, at=h0)
+    ke = core.expand_heads(_padded(recs["k"], L), H, 2)
+    y = core.window_outputs(carry.read, _padded(recs["la"], L), _padded(recs["v"], L), ke,
+                            Q)[:, h0:J]
     if J == L:
         ids = _seq_ids(sequence_ids, x.shape[0])
         S, An, Rn = flush_window("mamba2", carry.anchor, recs, policy, seed=seed, layer=layer,
                                  sequence_ids=ids, flush_index=carry.flush_index)
-        y[:, -1] = core.matvec(S, q[:, -1])
+        y[:, -1] = core.matvec(S, Q[:, -1])
         carry = WindowCarry(An, Rn, {}, carry.flush_index + 1)
     else:
         carry = WindowCarry(carry.anchor, carry.read, recs, carry.flush_index)
@@ -226,8 +265,8 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, see
 
     Inputs ``q, k [B, W, HK, DK]``, ``v [B, W, HV, DV]``, ``g, beta [B, W, HV]`` as for
     :meth:`GDNReplayState.step`. Read-path corrections of the new tokens are solved against
-    R and the cached corrections (one W x W triangular solve); at the window end the
-    corrections are re-solved against A inside :func:`gdn_flush` (or, with
+    R and the cached corrections (forward substitution, :func:`core.solve_corrections`); at
+    the window end the corrections are re-solved against A inside :func:`gdn_flush` (or, with
     ``fold_cached_corrections``, the cached ones are folded). Returns ``(o [B, W, HV, DV], carry)``.
     """
     policy = StatePolicy.parse(policy)
@@ -238,20 +277,20 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, see
     new = {"la": g, "beta": beta, "v": v, "k": k, "uR": torch.zeros_like(v)}
     recs = _cat_records(carry, new)
     J = h0 + W
-    ke = core.expand_heads(recs["k"], HV, 2)
+    P = {n: _padded(t, L) for n, t in recs.items()}
+    ke = core.expand_heads(P["k"], HV, 2)
     start = torch.full((Bz,), h0, dtype=torch.int64, device=v.device)
-    uR = core.solve_corrections(carry.read, recs["la"], recs["beta"], recs["v"], ke,
-                                start=start, u_known=recs["uR"])
-    recs["uR"] = uR
-    qe = core.expand_heads(q, HV, 2)
-    Q = torch.cat([qe.new_zeros(Bz, h0, *qe.shape[2:]), qe], 1) if h0 else qe
-    o = core.window_outputs(carry.read, recs["la"], uR, ke, Q)[:, h0:]
+    uR = core.solve_corrections(carry.read, P["la"], P["beta"], P["v"], ke,
+                                start=start, u_known=P["uR"], stop=J)
+    recs["uR"] = uR[:, :J]
+    Q = _padded(core.expand_heads(q, HV, 2), L, at=h0)
+    o = core.window_outputs(carry.read, P["la"], uR, ke, Q)[:, h0:J]
     if J == L:
         ids = _seq_ids(sequence_ids, Bz)
         S, An, Rn = flush_window("gdn", carry.anchor, recs, policy, seed=seed, layer=layer,
-                                 sequence_ids=ids, flush_index=carry.flush_index, u_cached=uR,
-                                 fold_cached=fold_cached_corrections)
-        o[:, -1] = core.matvec(S, qe[:, -1])
+                                 sequence_ids=ids, flush_index=carry.flush_index,
+                                 u_cached=recs["uR"], fold_cached=fold_cached_corrections)
+        o[:, -1] = core.matvec(S, Q[:, -1])
         carry = WindowCarry(An, Rn, {}, carry.flush_index + 1)
     else:
         carry = WindowCarry(carry.anchor, carry.read, recs, carry.flush_index)
@@ -276,34 +315,25 @@ def gdn_emulate(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, se
 
 
 # ------------------------------------------------------------------------------ batched form
-# The functions above run one window per call (the readable reference of the window form).
-# The functions below compute the same thing for a whole segment with only the inherently
-# sequential part left sequential: the anchor recurrence across windows,
+# The functions above run one window per call (the readable reference of the window form, and
+# the torch path). On the kernel path (CUDA, float32) the functions below compute the full
+# windows of a segment with only the inherently sequential part left sequential, the anchor
+# recurrence across windows,
 #     S_{w+1} = reconstruct(A_w, records_w),   A_{w+1} = Q_rec(S_{w+1}),
-# which touches state-sized tensors only. Everything that does not depend on the anchor
-# (decay cumsums, the GDN triangular systems, their inverses, the records' contribution to
-# S_{w+1}) is precomputed for all windows in one batched call, and once every R_w is known the
-# outputs of all windows (intra-window causal sums, decayed read-copy terms, GDN read-path
-# corrections) come from one batched call too. The read casts R_w = Q_read(S_w) of dual
-# policies never feed the anchor, so they are done in one batched cast after the recurrence;
-# anchors of ``rec:fp32`` policies are exact, so their recurrence has no cast at all.
-#
-# Per window (B, H batched) the recurrence is one fused step in "WY" form:
-#   Mamba-2: S_{w+1} = gamma_w A_w + P_w,             P_w = sum_j m_j v_j k_j^T
-#   GDN:     S_{w+1} = A_w G_w + P_w,  G_w = gamma_w I - K^T diag(beta gamma_{1:j}) T^-T diag(m) K,
+# as one launch of the anchor-chain kernel (kernels/replay.py ``anchor_chain``), the same
+# kernel the window form's flush calls (``flush_window``), so a layer given identical inputs
+# rounds identically on both. For single-checkpoint policies (R is A) that launch also writes
+# every output, so nothing else runs. For dual policies the read casts R_w = Q_read(S_w) never
+# feed the anchor, so they are done in one batched cast after the recurrence, and the outputs
+# of all windows (intra-window causal sums, decayed read-copy terms, GDN read-path corrections
+# u^T = (beta v)^T T^-T - (R K^T diag(beta gamma_{1:j})) T^-T) come from one batched call.
+# Casts use the same stream keys as core.cast_checkpoints (one key per (layer, sequence, head,
+# flush, copy)), so SR bits are identical. The exact prefill scan (``exact_scan``) uses the
+# same anchor-independent precomputation with the "WY" form of a window step:
+#   Mamba-2: S_{w+1} = gamma_w S_w + P_w,             P_w = sum_j m_j v_j k_j^T
+#   GDN:     S_{w+1} = S_w G_w + P_w,  G_w = gamma_w I - K^T diag(beta gamma_{1:j}) T^-T diag(m) K,
 #            P_w = (beta v)^T T^-T diag(m) K, with T the unit lower-triangular correction system
 #            (DESIGN.md: u_j + sum_{i<j} beta_j gamma_{i+1:j} (k_i.k_j) u_i = beta_j (v_j - gamma_{1:j} A k_j)).
-# On CUDA (float32) the whole anchor recurrence of a segment is instead one launch of the
-# anchor-chain kernel (kernels/replay.py ``anchor_chain``) for every policy, the same kernel
-# the step path's flush calls; for single-checkpoint policies (R is A) that launch also writes
-# every output, so nothing else runs. Elsewhere:
-# the WY step is used only where the anchor is exact (``rec:fp32``, ``fp32``, and the prefill
-# scan): nothing rounds, so reassociation only moves last bits. Where the anchor is rounded,
-# each window runs the flush's own arithmetic (core.solve_corrections + core.reconstruct, what
-# gdn_flush / mamba2_flush compute before casting), so identical inputs give a bit-identical
-# S_{w+1} and identical rounding decisions even in float32. Casts go through core.cast_state
-# with the same stream keys as core.cast_checkpoints (one key per (layer, sequence, head,
-# flush, copy)), so SR bits are identical (tests/test_emulation_fast.py).
 
 GROUP_ELEMENTS = 1 << 24  # bound on the elements of a per-group stacked tensor (memory)
 GROUP_ELEMENTS_CUDA = 1 << 26  # on CUDA: fewer, larger groups (launches), ~256 MB per tensor
@@ -400,6 +430,11 @@ def exact_scan(S0: torch.Tensor, la, k, q, v, beta=None, *, chunk: int = 64):
     for Mamba-2 (written value v), else GDN. The prefill of a prompt (DESIGN.md "Prefill")."""
     Bz, T, H = la.shape
     V, K = S0.shape[-2:]
+    if Bz > 1 and not S0.is_cuda:  # every sequence alone (see "Invariance")
+        parts = [exact_scan(S0[b: b + 1], la[b: b + 1], k[b: b + 1], q[b: b + 1], v[b: b + 1],
+                            None if beta is None else beta[b: b + 1], chunk=chunk)
+                 for b in range(Bz)]
+        return torch.cat([o for o, _ in parts]), torch.cat([S for _, S in parts])
     outs, S, t = [], S0, 0
     while t < T:
         L = min(chunk, T - t)
@@ -428,18 +463,15 @@ def _stream_keys(layer, ids, H, flush, copy):
 
 def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int, seed: int,
            layer: int, ids):
-    """Full windows (``carry.h == 0``, length a multiple of L): returns ``(o [B, T, H, V], carry)``."""
+    """Full windows on the kernel path (``carry.h == 0``, length a multiple of L): the anchor
+    recurrence of a group of windows in one anchor-chain launch, then the read casts and the
+    outputs of every window batched. Returns ``(o [B, T, H, V], carry)``."""
+    from ..kernels import replay as kr
+
     Bz, T, H = la.shape
     V, K = carry.anchor.shape[-2:]
-    rec_exact = policy.rec.is_identity
-    read_exact = policy.read.is_identity
-    single = policy.single_checkpoint
-    outs, t = [], 0
     A, R, fi = carry.anchor, carry.read, carry.flush_index
-    use_chain = chain_kernel_enabled(policy, A)
-    if use_chain:
-        from ..kernels import replay as kr
-    if use_chain and single:  # one launch: the anchor chain and every output (R is A)
+    if policy.single_checkpoint:  # one launch: the anchor chain and every output (R is A)
         n = T // L
         flush = fi[:, None] + torch.arange(n, device=fi.device)[None, :]
         res = kr.anchor_chain(A, la, k, v, beta, policy.rec, L=L, seed=seed,
@@ -447,46 +479,28 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
                               store_states=False, all_anchors=False)
         A = res.anchors[:, 0].contiguous()
         return res.outputs, WindowCarry(A, A, {}, fi + n)
+    outs, t = [], 0
     while t < T:
         n = min((T - t) // L, _group_size(Bz, H, V, K, L, A.device))
         s = slice(t, t + n * L)
         p = _prep(la[:, s], k[:, s], q[:, s], v[:, s], None if beta is None else beta[:, s], L,
-                  wy=rec_exact and not use_chain)
+                  wy=False)
         flush = fi[:, None] + torch.arange(n, device=fi.device)[None, :]  # [B, n]
-        ka = _stream_keys(layer, ids, H, flush, core.ANCHOR_COPY) if use_chain or not rec_exact \
-            else None
-        states, anchors = [], []
-        if use_chain:  # the whole anchor recurrence of the group in one kernel launch
-            res = kr.anchor_chain(A, la[:, s], k[:, s], v[:, s],
-                                  None if beta is None else beta[:, s], policy.rec, L=L,
-                                  seed=seed, streams=ka, all_anchors=False)
-            Sst, A = res.states, res.anchors[:, 0].contiguous()
-        for w in range(0 if use_chain else n):  # the sequential part: the anchor recurrence
-            if rec_exact:  # nothing rounds: the batched WY step
-                S = A = _advance_state(A, p, w)
-            else:  # the flush's own arithmetic (gdn_flush / mamba2_flush), so identical
-                # inputs give a bit-identical S and identical rounding, in float32 too
-                r = slice(t + w * L, t + (w + 1) * L)
-                wv = v[:, r] if beta is None else core.solve_corrections(
-                    A, la[:, r], beta[:, r], v[:, r], k[:, r])
-                S = core.reconstruct(A, la[:, r], wv, k[:, r])
-                A = core.cast_state(S, policy.rec, seed=seed, stream=ka[:, w])[0]
-                anchors.append(A)
-            states.append(S)
-        if not use_chain:
-            Sst = torch.stack(states, 1)  # [B, n, H, V, K] unrounded S_{w+1}
-        if single:  # one checkpoint: R is A (cast once per flush, with the anchor stream)
-            Rst = Sst if rec_exact else torch.stack(anchors, 1)
-        elif read_exact:
+        res = kr.anchor_chain(A, la[:, s], k[:, s], v[:, s], None if beta is None else beta[:, s],
+                              policy.rec, L=L, seed=seed,
+                              streams=_stream_keys(layer, ids, H, flush, core.ANCHOR_COPY),
+                              all_anchors=False)
+        Sst, A = res.states, res.anchors[:, 0].contiguous()  # Sst: [B, n, H, V, K] unrounded
+        if policy.read.is_identity:
             Rst = Sst
-        else:  # dual: R never feeds the anchor, so all read casts of the group at once
+        else:  # R never feeds the anchor, so all read casts of the group at once
             kread = _stream_keys(layer, ids, H, flush, core.READ_COPY)
             Rst = core.cast_state(Sst, policy.read, seed=seed, stream=kread)[0]
         Rin = torch.cat([R[:, None], Rst[:, :-1]], 1)  # R_w, read by window w
         o = _outputs(p, Rin)  # [B, n, H, V, L]
         o[..., -1] = torch.matmul(Sst, p.Qm[..., -1, :, None])[..., 0]  # flush token: unrounded S
         outs.append(o.permute(0, 1, 4, 2, 3).reshape(Bz, n * L, H, V))
-        R = A if single else Rst[:, -1].contiguous()
+        R = Rst[:, -1].contiguous()
         fi = fi + n
         t += n * L
     return torch.cat(outs, 1), WindowCarry(A, R, {}, fi)
@@ -500,18 +514,21 @@ def _split(h: int, T: int, L: int) -> tuple[int, int]:
 
 def mamba2_emulate_fast(carry: WindowCarry, x, dt, A, B, C, D=None, *, policy, window: int,
                         seed: int = 0, layer: int = 0, sequence_ids=None):
-    """Batched form of :func:`mamba2_emulate` (same arguments and results, up to float
-    reassociation; same casts and SR bits): the partial window at each end runs through
-    :func:`mamba2_window`, the full windows in between through the batched form above."""
+    """:func:`mamba2_emulate` with the full windows batched on the kernel path (same arguments
+    and results, up to float reassociation; same casts and SR bits): the partial window at
+    each end runs through :func:`mamba2_window`, the full windows in between through the
+    anchor-chain kernel. On the torch path it is :func:`mamba2_emulate` (see "Invariance")."""
     policy = StatePolicy.parse(policy)
     L = effective_window(policy, window)
+    kw = dict(policy=policy, window=L, seed=seed, layer=layer, sequence_ids=sequence_ids)
+    if _torch_path(policy, carry.anchor):
+        return mamba2_emulate(carry, x, dt, A, B, C, D, **kw)
     T = x.shape[1]
     head, full = _split(carry.h, T, L)
     ys = []
     if head:
         y, carry = mamba2_window(carry, x[:, :head], dt[:, :head], A, B[:, :head], C[:, :head], D,
-                                 policy=policy, window=L, seed=seed, layer=layer,
-                                 sequence_ids=sequence_ids)
+                                 **kw)
         ys.append(y)
     if full:
         s = slice(head, head + full)
@@ -525,22 +542,21 @@ def mamba2_emulate_fast(carry: WindowCarry, x, dt, A, B, C, D=None, *, policy, w
         ys.append(y)
     if head + full < T:
         s = slice(head + full, T)
-        y, carry = mamba2_window(carry, x[:, s], dt[:, s], A, B[:, s], C[:, s], D, policy=policy,
-                                 window=L, seed=seed, layer=layer, sequence_ids=sequence_ids)
+        y, carry = mamba2_window(carry, x[:, s], dt[:, s], A, B[:, s], C[:, s], D, **kw)
         ys.append(y)
     return (torch.cat(ys, 1) if ys else x.new_zeros(x.shape)), carry
 
 
 def gdn_emulate_fast(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, seed: int = 0,
                      layer: int = 0, sequence_ids=None, fold_cached_corrections: bool = False):
-    """Batched form of :func:`gdn_emulate` (same arguments and results, up to float
-    reassociation; same casts and SR bits). The cached-fold variant (anchor built from the
-    read-path corrections, so every read cast is sequential) runs :func:`gdn_emulate`."""
+    """GDN counterpart of :func:`mamba2_emulate_fast`. The cached-fold variant (anchor built
+    from the read-path corrections, so every read cast is sequential) runs :func:`gdn_emulate`."""
     policy = StatePolicy.parse(policy)
     L = effective_window(policy, window)
     kw = dict(policy=policy, window=L, seed=seed, layer=layer, sequence_ids=sequence_ids)
-    if fold_cached_corrections:
-        return gdn_emulate(carry, q, k, v, g, beta, fold_cached_corrections=True, **kw)
+    if fold_cached_corrections or _torch_path(policy, carry.anchor):
+        return gdn_emulate(carry, q, k, v, g, beta,
+                           fold_cached_corrections=fold_cached_corrections, **kw)
     T, HV = v.shape[1], v.shape[2]
     head, full = _split(carry.h, T, L)
     os_ = []

@@ -318,7 +318,7 @@ def _check_identity(a, cfg) -> None:
 
 def _git_commit() -> str | None:
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or None
     except Exception:  # noqa: BLE001

@@ -389,6 +389,7 @@ def stepwise_summary(step) -> list:
                      "path_kl_max": float(path.max()) if path.size else math.nan,
                      "kl_mean": kl, "kl_step_mean": mean("kl_step"),
                      "path_to_effect": (mean("kl_path") / kl) if kl and kl > 0 else math.nan,
+                     "mean_rel_diff": (kl / mean("kl_step") - 1) if mean("kl_step") > 0 else math.nan,
                      "path_kl_ref_mean": mean("kl_path_ref"),
                      "top1_path_agree": float(g["top1_path_agree"].mean()),
                      "nonfinite": int(g["nonfinite"].sum())})
@@ -565,7 +566,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
             print(f"\nstepwise check, positions {P}..{step_end - 1}: path noise KL(stepping || "
                   "emulation) versus the policy's KL on the same positions")
             print(sw[["policy", "window", "path_kl_mean", "path_kl_max", "kl_mean", "kl_step_mean",
-                      "path_to_effect", "path_kl_ref_mean"]].to_string(
+                      "path_to_effect", "mean_rel_diff", "path_kl_ref_mean"]].to_string(
                 index=False, float_format=lambda v: f"{v:.3g}"))
     return 0
 

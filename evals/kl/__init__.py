@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from .documents import BOS_CHOICES, BadTokenizer, load_tokenization, make_documents
-from .metrics import PERCENTILES, pair_kl, position_metrics, summarize
+from .metrics import PERCENTILES, pair_kl, position_metrics, summarize  # noqa: F401 (re-exported)
 
 EXIT_BAD_ARGS = 2
 DEFAULT_POLICIES = ("shared:nvfp4+sr", "read:nvfp4/rec:fp32", "read:nvfp4/rec:fp16+sr",

@@ -168,7 +168,8 @@ def plot_ratio_vs_n(df: pd.DataFrame, path=None):
     """
     require_columns(df, POSITION_PLOT_COLUMNS, "plot_ratio_vs_n")
     r = shared_separate_ratio(df)
-    r = r[np.isfinite(r["ratio"]) & (r["ratio"] > 0)]
+    ratio = r["ratio"].astype(float)  # an empty result has object columns
+    r = r[np.isfinite(ratio) & (ratio > 0)]
     if r.empty:
         raise ValueError("plot_ratio_vs_n: no read:F/rec:G policy with a shared:F partner")
     runs = _runs(df)

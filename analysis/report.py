@@ -3,7 +3,9 @@
 The report holds, for the given ``replayssm-kl`` output directories (issue 4 schema): the runs
 and their manifests (command, model, data, commit), a whole-run summary table per (run, policy,
 window) -- mean KL in nats with a 95% interval over documents, median, p90, p99, p99.9, max,
-top-1 agreement, non-finite count --, mean KL per position octave, and the figures of
+top-1 agreement, non-finite count (and per side where the run records it), the emulation path
+noise of the ``--stepwise-check`` (KL(stepping || emulation) next to the policy's KL) --, mean
+KL per position octave, and the figures of
 :mod:`analysis.plots` (KL versus N, KL versus L, shared/separate ratio, top-1 agreement,
 non-finite incidence) written as PNG (and SVG with ``--svg``) into ``<report stem>_figures/``
 next to the report. Runs marked ``"synthetic": true`` in their manifest are flagged loudly.
@@ -44,6 +46,44 @@ def _describe(v, key: str) -> str:
     if isinstance(v, (list, tuple)):
         v = "+".join(map(str, v))
     return str(v)
+
+
+def _bos(manifest: dict) -> str:
+    b = manifest.get("bos")
+    if not isinstance(b, dict):
+        return "?"  # runs before 2026-12-01 never added special tokens
+    return (f"{b.get('add_bos_token', '?')} ({b.get('documents_starting_with_bos', '?')}/"
+            f"{b.get('documents', '?')} docs start with BOS)")
+
+
+def _path_noise_section(noise: pd.DataFrame) -> list:
+    lines = ["## Emulation path noise (stepping versus teacher-forced emulation)", ""]
+    if noise.empty:
+        return lines + ["_No stepwise check in these runs: rerun `replayssm-kl` with "
+                        "`--stepwise-check K` (default 64) to measure it._", ""]
+    lines += [
+        "KL runs use teacher-forced emulation, which is a different float32 computation than "
+        "decoding token by token: the input projections of T tokens and of 1 token differ in "
+        "their last bits, and a rounding decision of the state format can then flip. On the "
+        "first K positions of every cell the runner also decoded token by token; "
+        "`path_kl_mean` is the mean per-position KL(P_stepping || P_emulation) of the cell "
+        "(nats), `kl_mean` the policy's KL on the same positions (emulation), `kl_step_mean` the "
+        "same with reference and policy both stepped, `path_to_effect` = path_kl_mean / kl_mean, "
+        "`mean_rel_diff` = kl_mean / kl_step_mean - 1 (how far the emulated mean is from the "
+        "decoded one), `path_kl_ref_mean` the fp32 reference's own path noise. Where "
+        "`path_to_effect` is not small, per-position values of that size are path noise, not "
+        "the policy; compare such cells through means over many positions (`mean_rel_diff`).",
+        "",
+        markdown_table(noise),
+        "",
+    ]
+    loud = noise[noise["path_to_effect"] > 0.1]
+    if len(loud):
+        lines += ["> **Path noise above 10% of the policy's KL** for: "
+                  + ", ".join(f"`{r.policy}` L={r.window} ({r.run}: {r.path_to_effect:.0%})"
+                              for r in loud.itertuples())
+                  + ". Compare these cells only through means over many positions.", ""]
+    return lines
 
 
 def markdown_table(df: pd.DataFrame, max_rows: int | None = None) -> str:
@@ -90,6 +130,7 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False) -> P
                 commit=str(m.get("git_commit", m.get("commit", "?")))[:12],
                 docs=sub["doc"].nunique(), max_N=int(sub["position"].max()) + 1,
                 policies=sub["policy"].nunique(), windows=sub["window"].nunique(),
+                bos=_bos(m),
             )  # fmt: skip
         )
         cmd = m.get("command")
@@ -100,7 +141,17 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False) -> P
             lines.append(f"- `{name}` run time: {m['timings']['total_s']:.1f} s")
     lines += ["", markdown_table(pd.DataFrame(rows)), "", "## Summary per policy and window", ""]
     summ = results.summarize(df, by=("run", "policy", "window"))
+    noise = (results.path_noise(runs.stepwise, by=("run", "policy", "window"))
+             if len(runs.stepwise) else pd.DataFrame())
+    if len(noise):
+        summ = summ.merge(noise[["run", "policy", "window", "path_kl_mean"]],
+                          on=["run", "policy", "window"], how="left")
     lines += [markdown_table(summ), ""]
+    if len(noise):
+        lines += ["`path_kl_mean`: emulation path noise of the cell, measured on its first "
+                  "positions (next section): per-position KL values of that size can come from "
+                  "the float32 emulation path rather than the policy.", ""]
+    lines += _path_noise_section(noise)
 
     lines += ["## Mean KL per position octave (nats)", ""]
     agg = results.kl_by_position(df, by=("run", "policy", "window"))

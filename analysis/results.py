@@ -6,8 +6,12 @@ A run directory (issue 4) holds:
   :data:`POSITION_COLUMNS` -- ``kl`` is KL(P_fp32 || P_policy) in nats, ``top1_agree`` whether
   the arg-max tokens agree, ``dp_ref`` the change of the reference token's probability,
   ``nll_ref`` / ``nll`` the reference and policy negative log-likelihoods (nats), ``nonfinite``
-  whether the policy's state went non-finite;
+  whether the logits of either side were not finite (runs since 2026-12-01 also say which:
+  ``nonfinite_ref``, ``nonfinite_policy``);
 * ``summary.csv``: the runner's own per (policy, window, position bucket) summary;
+* ``stepwise.parquet`` (optional, ``--stepwise-check``): per checked position and cell,
+  ``kl_path`` = KL(stepping || emulation), the float32 path noise of teacher-forced emulation,
+  next to the policy's KL on the same positions (:data:`STEPWISE_COLUMNS`, :func:`path_noise`);
 * ``manifest.json``: command, versions, model and data identity, git commit, timings.
 
 :func:`load_runs` reads several directories into one frame (a ``run`` column tells them apart)
@@ -42,6 +46,8 @@ __all__ = [
     "position_buckets",
     "kl_by_position",
     "summarize",
+    "path_noise",
+    "STEPWISE_COLUMNS",
     "shared_separate_ratio",
     "synthetic_positions",
     "write_synthetic_run",
@@ -51,8 +57,16 @@ POSITION_COLUMNS = (
     "doc", "position", "policy", "window", "seed",
     "kl", "top1_agree", "dp_ref", "nll_ref", "nll", "nonfinite",
 )  # fmt: skip
+#: optional columns (runs since 2026-12-01): which side was not finite
+NONFINITE_SIDES = ("nonfinite_ref", "nonfinite_policy")
+STEPWISE_COLUMNS = (
+    "doc", "position", "policy", "window", "seed",
+    "kl_path", "kl_path_ref", "kl", "kl_step", "top1_path_agree", "nonfinite",
+)  # fmt: skip
 _NUMERIC = ("position", "window", "seed", "kl", "dp_ref", "nll_ref", "nll")
-KL_NEGATIVE_TOL = -1e-4  # nats: KL computed in FP32 may round slightly below 0
+#: nats: runs before 2026-12-01 computed KL in FP32, which rounds slightly below 0; the current
+#: runner's KL is >= 0 by construction (docs/kl-runner.md)
+KL_NEGATIVE_TOL = -1e-4
 
 
 def require_columns(df: pd.DataFrame, columns: Iterable[str], who: str) -> None:
@@ -97,6 +111,11 @@ def validate_positions(df: pd.DataFrame, source: str = "positions") -> pd.DataFr
             raise ValueError(f"{source}: column {c!r} has missing values")
         out[c] = out[c].astype("int64")
     out["nonfinite"] = out["nonfinite"].astype(bool)
+    for c in NONFINITE_SIDES:
+        if c in out:
+            out[c] = out[c].astype(bool)
+            if (out[c] & ~out["nonfinite"]).any():
+                raise ValueError(f"{source}: rows with {c} set but nonfinite not set")
     out["top1_agree"] = out["top1_agree"].fillna(False).astype(bool)
     out["policy"] = out["policy"].astype(str)
     if (out["position"] < 0).any():
@@ -127,6 +146,8 @@ class Runs:
     Attributes:
         positions: validated positions of all runs, with a ``run`` column (directory name).
         summaries: the runners' ``summary.csv`` files (``run`` column added; may be empty).
+        stepwise: the ``stepwise.parquet`` tables (``run`` column added; empty when no run has
+            one).
         manifests: ``{run: manifest dict}`` (empty dict where a run has no manifest).
         paths: ``{run: Path}``.
     """
@@ -135,6 +156,7 @@ class Runs:
     summaries: pd.DataFrame
     manifests: dict = field(default_factory=dict)
     paths: dict = field(default_factory=dict)
+    stepwise: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def load_run(path) -> Runs:
@@ -161,7 +183,7 @@ def load_runs(paths: Sequence) -> Runs:
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("load_runs: no run directories given")
-    frames, sums, manifests, where = [], [], {}, {}
+    frames, sums, steps, manifests, where = [], [], [], {}, {}
     for p in paths:
         if not p.is_dir():
             raise FileNotFoundError(f"run directory not found: {p}")
@@ -179,6 +201,15 @@ def load_runs(paths: Sequence) -> Runs:
         df = validate_positions(df, str(pq))
         df.insert(0, "run", name)
         frames.append(df)
+        sw = p / "stepwise.parquet"
+        if sw.is_file():
+            try:
+                st = pd.read_parquet(sw)
+            except Exception as e:  # pyarrow raises several types
+                raise ValueError(f"{sw}: cannot read parquet ({e})") from None
+            require_columns(st, STEPWISE_COLUMNS, str(sw))
+            st.insert(0, "run", name)
+            steps.append(st)
         sc = p / "summary.csv"
         if sc.is_file():
             try:
@@ -197,7 +228,8 @@ def load_runs(paths: Sequence) -> Runs:
             manifests[name] = {}
     positions = pd.concat(frames, ignore_index=True)
     summaries = pd.concat(sums, ignore_index=True) if sums else pd.DataFrame()
-    return Runs(positions, summaries, manifests, where)
+    stepwise = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame()
+    return Runs(positions, summaries, manifests, where, stepwise)
 
 
 def policy_parts(policy: str) -> tuple[str, str, str]:
@@ -296,7 +328,8 @@ def kl_by_position(
 
 def summarize(df: pd.DataFrame, by: Sequence[str] = ("policy", "window")) -> pd.DataFrame:
     """Whole-run summary per ``by``: mean KL (nats) with a 95% CI over documents, median,
-    p90, p99, p99.9, max, top-1 agreement, non-finite count and fraction.
+    p90, p99, p99.9, max, top-1 agreement, non-finite count and fraction (either side; with
+    ``nonfinite_ref`` / ``nonfinite_policy`` columns also the count per side).
 
     Raises ValueError for missing columns."""
     by = list(by)
@@ -316,6 +349,48 @@ def summarize(df: pd.DataFrame, by: Sequence[str] = ("policy", "window")) -> pd.
                 top1_agree=float(fin["top1_agree"].mean()) if len(fin) else math.nan,
                 nonfinite=int(g["nonfinite"].sum()),
                 nonfinite_frac=float(g["nonfinite"].mean()),
+                **{c: int(g[c].sum()) for c in NONFINITE_SIDES if c in g},
+            )  # fmt: skip
+        )
+    return pd.DataFrame(rows)
+
+
+def path_noise(stepwise: pd.DataFrame, by: Sequence[str] = ("policy", "window")) -> pd.DataFrame:
+    """Emulation path noise per ``by`` from a ``stepwise.parquet`` table.
+
+    ``path_kl_mean`` / ``path_kl_max``: KL(stepping || emulation) of the cell over the checked
+    positions (nats); ``kl_mean``: the policy's KL on the same positions as the runner measures
+    it (emulation), ``kl_step_mean``: the same with both sides stepped token by token;
+    ``path_to_effect`` = ``path_kl_mean / kl_mean``; ``mean_rel_diff`` = ``kl_mean /
+    kl_step_mean - 1`` (how far the emulated mean KL is from the decoded one);
+    ``path_kl_ref_mean``: the reference's own path noise. Rows with ``nonfinite`` are left out of the means and counted.
+
+    Raises ValueError for missing columns."""
+    by = list(by)
+    require_columns(stepwise, [*STEPWISE_COLUMNS, *by], "path_noise")
+    rows = []
+    for key, g in stepwise.groupby(by, sort=True):
+        key = key if isinstance(key, tuple) else (key,)
+        fin = g[~g["nonfinite"].astype(bool)]
+
+        def mean(c):
+            v = fin[c].to_numpy(dtype=float)
+            return float(v.mean()) if v.size else math.nan
+
+        kl = mean("kl")
+        path = fin["kl_path"].to_numpy(dtype=float)
+        rows.append(
+            dict(
+                zip(by, key), positions=len(g), docs=g["doc"].nunique(),
+                checked=f"{int(g['position'].min())}..{int(g['position'].max())}",
+                path_kl_mean=mean("kl_path"),
+                path_kl_max=float(path.max()) if path.size else math.nan,
+                kl_mean=kl, kl_step_mean=mean("kl_step"),
+                path_to_effect=mean("kl_path") / kl if kl > 0 else math.nan,
+                mean_rel_diff=kl / mean("kl_step") - 1 if mean("kl_step") > 0 else math.nan,
+                path_kl_ref_mean=mean("kl_path_ref"),
+                top1_path_agree=float(fin["top1_path_agree"].mean()) if len(fin) else math.nan,
+                nonfinite=int(g["nonfinite"].astype(bool).sum()),
             )  # fmt: skip
         )
     return pd.DataFrame(rows)

@@ -153,3 +153,76 @@ def test_several_runs_are_separate_curves(tmp_path):
     labels = {ln.get_label() for ln in fig.axes[0].get_lines()}
     assert labels == {"ra: shared:nvfp4+sr L=1", "rb: shared:nvfp4+sr L=1"}
     plt.close(fig)
+
+
+@pytest.fixture(scope="module")
+def kl_run(tmp_path_factory):
+    """A real ``replayssm-kl`` run (tiny random GDN model, CPU, a few seconds) with the
+    stepwise check on its first 6 positions."""
+    from evals.kl import main as kl_main
+    from replayssm_quant.adapters.tiny import tiny_model
+
+    root = tmp_path_factory.mktemp("klrun")
+    tiny_model("qwen3_5").save_pretrained(root / "model")
+    text = "In the beginning God created the heaven and the earth. " * 4
+    (root / "docs.jsonl").write_text("\n".join(json.dumps({"id": f"d{i}", "text": text[i:]})
+                                               for i in range(2)))
+    out = root / "run"
+    assert kl_main(["--model", str(root / "model"), "--dataset", str(root / "docs.jsonl"),
+                    "-N", "16", "--max-docs", "2", "--windows", "4", "--stepwise-check", "6",
+                    "--policies", "eager:fp8e4m3", "shared:nvfp4+sr", "-o", str(out),
+                    "--no-progress"]) == 0
+    return out
+
+
+def _table(text: str, section: str) -> list[dict]:
+    """The first markdown table after ``section`` as a list of {column: cell}."""
+    body = text.split(section, 1)[1].split("\n## ", 1)[0]
+    lines = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in body.splitlines()
+             if ln.startswith("|")]
+    return [dict(zip(lines[0], r)) for r in lines[2:]]
+
+
+def test_report_shows_path_noise(kl_run, tmp_path):
+    """The report's path-noise table holds the means of the run's stepwise.parquet."""
+    out = tmp_path / "report.md"
+    assert report.main([str(kl_run), "-o", str(out)]) == 0
+    text = out.read_text()
+    rows = _table(text, "## Emulation path noise")
+    step = pd.read_parquet(kl_run / "stepwise.parquet")
+    assert len(rows) == 2
+    for got in rows:
+        g = step[step["policy"] == got["policy"]]
+        assert int(got["positions"]) == len(g) == 2 * 6
+        for col, want in (("path_kl_mean", g["kl_path"].mean()), ("kl_mean", g["kl"].mean()),
+                          ("kl_step_mean", g["kl_step"].mean())):
+            assert float(got[col]) == pytest.approx(want, rel=2e-3, abs=1e-300), col
+    # the summary table carries the cell's path noise next to its KL
+    summ = {r["policy"]: r for r in _table(text, "## Summary per policy and window")}
+    for pol, g in step.groupby("policy"):
+        assert float(summ[pol]["path_kl_mean"]) == pytest.approx(g["kl_path"].mean(), rel=2e-3)
+
+
+def test_report_without_stepwise_check_says_so(tmp_path):
+    run = results.write_synthetic_run(tmp_path / "run", policies=POLICIES[:2], windows=(1,),
+                                      n_tokens=16, docs=2)  # fmt: skip
+    out = tmp_path / "report.md"
+    assert report.main([str(run), "-o", str(out)]) == 0
+    assert "No stepwise check in these runs" in out.read_text()
+
+
+def test_nonfinite_sides_are_summarised_and_checked(frame):
+    df = frame.copy()
+    df["nonfinite_ref"] = False
+    df["nonfinite_policy"] = df["nonfinite"]
+    i = df.index[df["policy"] == "eager:fp8e4m3"][:3]
+    df.loc[i, ["nonfinite", "nonfinite_ref"]] = True
+    df.loc[i, "kl"] = np.nan
+    s = results.summarize(results.validate_positions(df))
+    row = s[(s["policy"] == "eager:fp8e4m3") & (s["window"] == df.loc[i[0], "window"])].iloc[0]
+    assert row["nonfinite_ref"] == 3 and s["nonfinite_ref"].sum() == 3
+    assert s["nonfinite_policy"].sum() == df["nonfinite_policy"].sum()
+    bad = df.copy()
+    bad.loc[bad.index[0], ["nonfinite_ref", "nonfinite"]] = [True, False]
+    with pytest.raises(ValueError, match="nonfinite_ref set but nonfinite not set"):
+        results.validate_positions(bad)

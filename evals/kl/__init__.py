@@ -6,10 +6,19 @@ each with its own cache (ReplaySSM state, conv state and attention KV cache carr
 segments). The reference logits of a segment are computed once and shared by all cells; KL and
 the other metrics are reduced on the fly, so logits are never stored whole.
 
+KL is computed in float64 and is >= 0 by construction; a non-finite value on either side is
+recorded (``nonfinite_ref`` / ``nonfinite_policy``) and counted, never dropped silently
+(:mod:`evals.kl.metrics`). Documents get BOS as the tokenizer's own default, like lm-eval's
+HFLM (``--add-bos-token``, :mod:`evals.kl.documents`). The first ``--stepwise-check K``
+positions of every cell are also decoded token by token, and KL(stepping || emulation) -- the
+float32 path noise of teacher-forced emulation -- is reported next to the policy's KL.
+
 Outputs (``--output-dir``): ``positions.parquet`` (one row per document, position, policy,
-window, seed), ``summary.csv`` (per policy, window and log2 position bucket), ``manifest.json``
-(command, versions, model and data identity, git commit, timings). Finished (document, cell)
-pieces are kept under ``parts/``; a rerun with the same arguments skips them (resume).
+window, seed), ``summary.csv`` (per policy, window and log2 position bucket),
+``stepwise.parquet`` (the stepwise check, one row per checked position and cell),
+``manifest.json`` (command, versions, model and data identity, BOS choice, non-finite counts,
+path noise, git commit, timings). Finished (document, cell) pieces are kept under ``parts/``;
+a rerun with the same arguments skips them (resume); other settings are refused.
 
 Run ``replayssm-kl --help`` for the arguments; docs/kl-runner.md has the decisions and numbers.
 """
@@ -27,12 +36,23 @@ import sys
 import time
 from pathlib import Path
 
+from .documents import BOS_CHOICES, BadTokenizer, load_tokenization, make_documents
+from .metrics import PERCENTILES, pair_kl, position_metrics, summarize  # noqa: F401 (re-exported)
+
 EXIT_BAD_ARGS = 2
 DEFAULT_POLICIES = ("shared:nvfp4+sr", "read:nvfp4/rec:fp32", "read:nvfp4/rec:fp16+sr",
                     "eager:fp8e4m3")
 COLUMNS = ("doc", "position", "policy", "window", "seed", "kl", "top1_agree", "dp_ref",
-           "nll_ref", "nll", "nonfinite")
-PERCENTILES = (50, 90, 99, 99.9)
+           "nll_ref", "nll", "nonfinite", "nonfinite_ref", "nonfinite_policy")
+#: ``stepwise.parquet``: kl_path = KL(stepping || emulation) of the cell, kl_path_ref the same for
+#: the fp32 reference, kl = KL(ref || cell) as the runner measures it (emulation), kl_step the
+#: same with both sides stepped token by token.
+STEP_COLUMNS = ("doc", "position", "policy", "window", "seed", "kl_path", "kl_path_ref", "kl",
+                "kl_step", "top1_path_agree", "nonfinite")
+DEFAULT_STEPWISE_CHECK = 64
+#: Part of the resume identity: how the stored numbers were computed. Change it whenever a
+#: metric's definition or the tokenisation changes, so old part files are never mixed in.
+METRICS_VERSION = "2026-12-01: float64 KL >= 0 by construction; non-finite per side; BOS"
 
 
 class BadArgs(Exception):
@@ -77,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", "-o", default="kl-run", help="output directory (default ./kl-run)")
     p.add_argument("--gdn-fold", default="recompute", choices=("recompute", "cached"),
                    help="GDN flush: re-solve corrections against A (default) or fold cached ones")
+    p.add_argument("--add-bos-token", default="auto", choices=BOS_CHOICES,
+                   help="BOS at the start of each document, as lm-eval's HFLM add_bos_token: auto "
+                   "(default) = the tokenizer's own default (add_special_tokens=True), true = "
+                   "always, false = never (add_special_tokens=False)")
+    p.add_argument("--stepwise-check", type=int, default=None, metavar="K", dest="stepwise_check",
+                   help="also decode the first K reported positions of every cell token by token "
+                   "(one forward call per token with the cache) and report KL(stepping || "
+                   f"emulation), the float32 path noise of emulation (default min({DEFAULT_STEPWISE_CHECK}, "
+                   "N - prefill); 0 = off)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and a memory estimate, then exit")
     p.add_argument("--no-progress", action="store_true", help="disable progress bars")
     return p
@@ -101,15 +130,30 @@ def _check_args(a) -> list:
         raise BadArgs(f"--windows must be >= 1, got {a.windows}")
     if any(s < 0 for s in a.seeds):
         raise BadArgs(f"--seeds must be >= 0, got {a.seeds}")
+    for flag, vals in (("--windows", a.windows), ("--seeds", a.seeds)):
+        rep = sorted({v for v in vals if vals.count(v) > 1})
+        if rep:
+            raise BadArgs(f"{flag} repeats {', '.join(map(str, rep))} (got {' '.join(map(str, vals))}); "
+                          "give each value once: every (policy, window, seed) cell must be unique")
+    if a.stepwise_check is None:
+        a.stepwise_check = min(DEFAULT_STEPWISE_CHECK, a.max_tokens - a.prefill)
+    elif not 0 <= a.stepwise_check <= a.max_tokens - a.prefill:
+        raise BadArgs(f"--stepwise-check must be in [0, max-tokens - prefill] = "
+                      f"[0, {a.max_tokens - a.prefill}], got {a.stepwise_check}")
     pols = []
     for s in a.policies:
         try:
             pols.append(StatePolicy.parse(s))
         except ValueError as e:
             raise BadArgs(str(e)) from None
-    names = [str(p) for p in pols]
-    if len(set(names)) != len(names):
-        raise BadArgs(f"duplicate policies: {names}")
+    same = {}
+    for s, p in zip(a.policies, pols):
+        same.setdefault(str(p), []).append(s)
+    dup = {k: v for k, v in same.items() if len(v) > 1}
+    if dup:
+        desc = "; ".join(" and ".join(repr(x) for x in v) + f" are both the policy {k!r}"
+                         for k, v in dup.items())
+        raise BadArgs(f"duplicate policies: {desc}; give each policy once")
     if a.device.startswith("cuda"):
         import torch
 
@@ -155,37 +199,6 @@ def _load_docs(a):
     return docs
 
 
-def _load_tokenizer(path: str, vocab: int):
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path))
-        probe = tok("In the beginning", add_special_tokens=False)["input_ids"]
-        if probe and max(probe) < vocab:  # a directory without tokenizer files can load an empty one
-            return (lambda s: tok(s, add_special_tokens=False)["input_ids"]), type(tok).__name__
-    except Exception:  # noqa: BLE001 - model directories without a tokenizer
-        pass
-    return (lambda s: [b % vocab for b in s.encode("utf-8")]), f"utf8-bytes-mod-{vocab}"
-
-
-def _make_documents(docs, encode, n_tokens: int, max_docs: int):
-    """Token documents of exactly n_tokens ids: each corpus document alone if long enough, else
-    joined with the following ones (blank-line separator), in corpus order."""
-    out, ids, members = [], [], []
-    sep = encode("\n\n")
-    for d in docs:
-        if ids:
-            ids = ids + sep
-        ids = ids + encode(d["text"])
-        members.append(str(d.get("id", d.get("title", len(out)))))
-        if len(ids) >= n_tokens:
-            out.append({"id": "+".join(members), "ids": ids[:n_tokens]})
-            ids, members = [], []
-            if len(out) == max_docs:
-                break
-    return out
-
-
 # ------------------------------------------------------------------------------ estimates
 def _meta_model(cfg):
     import torch
@@ -221,64 +234,16 @@ def memory_estimate(cfg, a, n_cells: int) -> dict:
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // max(1, text.num_attention_heads or 1))
     kv = n_attn * 2 * B * N * kv_heads * head_dim * bytes_per
     vocab = text.vocab_size
-    logits = B * min(a.segment_len, N) * vocab * 4 * 6
+    # two FP32 segments of logits + float64 temporaries of the metrics (chunked, metrics.py)
+    logits = B * min(a.segment_len, N) * vocab * 4 * 2 + 6 * 8 * min(B * min(a.segment_len, N) * vocab, 1 << 24)
+    K = a.stepwise_check or 0
+    logits += (1 + n_cells) * B * K * vocab * 4 * 2  # kept emulation + stepping logits
     per_cache = state + kv
-    total = n_params * bytes_per + per_cache * (1 + n_cells) + logits
+    total = n_params * bytes_per + per_cache * (1 + n_cells + (2 if K else 0)) + logits
     del torch
     return {"params": n_params, "weights_bytes": n_params * bytes_per, "state_bytes_per_cache": state,
-            "kv_bytes_per_cache": kv, "caches": 1 + n_cells, "logits_bytes": logits,
+            "kv_bytes_per_cache": kv, "caches": 1 + n_cells + (2 if K else 0), "logits_bytes": logits,
             "total_bytes": total}
-
-
-# ------------------------------------------------------------------------------ metrics
-def position_metrics(ref_logits, logits, targets):
-    """Per-position metrics in FP32 from log_softmax of both logits.
-
-    Returns a dict of 1-D numpy arrays: kl (nats), top1_agree, dp_ref = |p(target) - p_ref(target)|
-    for the document's next token, nll_ref, nll, nonfinite (policy logits not all finite)."""
-    import torch
-
-    lr = torch.log_softmax(ref_logits.float(), -1)
-    lq = torch.log_softmax(logits.float(), -1)
-    nonfinite = ~torch.isfinite(logits).all(-1)
-    kl = (lr.exp() * (lr - lq)).sum(-1)
-    t = targets[..., None]
-    lrt, lqt = lr.gather(-1, t)[..., 0], lq.gather(-1, t)[..., 0]
-    out = {
-        "kl": kl, "top1_agree": lr.argmax(-1) == lq.argmax(-1),
-        "dp_ref": (lqt.exp() - lrt.exp()).abs(), "nll_ref": -lrt, "nll": -lqt,
-        "nonfinite": nonfinite,
-    }
-    nan = torch.tensor(float("nan"))
-    for k in ("kl", "dp_ref", "nll"):
-        out[k] = torch.where(nonfinite, nan, out[k])
-    return {k: v.detach().cpu().numpy() for k, v in out.items()}
-
-
-def summarize(df):
-    """Per (policy, window, log2 position bucket) summary (``bucket`` = ``floor(log2(position+1))``)."""
-    import numpy as np
-    import pandas as pd
-
-    d = df.copy()
-    d["bucket"] = np.floor(np.log2(d["position"].to_numpy(np.float64) + 1.0) + 1e-12).astype(np.int64)
-    rows = []
-    for (pol, win, b), g in d.groupby(["policy", "window", "bucket"], sort=True):
-        fin = g.loc[~g["nonfinite"], "kl"].to_numpy(np.float64)
-        fin = fin[np.isfinite(fin)]
-        n = fin.size
-        mean = float(fin.mean()) if n else math.nan
-        half = 1.96 * float(fin.std(ddof=1)) / math.sqrt(n) if n > 1 else math.nan
-        pct = np.percentile(fin, PERCENTILES) if n else [math.nan] * len(PERCENTILES)
-        rows.append({
-            "policy": pol, "window": int(win), "bucket": int(b),
-            "pos_lo": int(2 ** b - 1), "pos_hi": int(2 ** (b + 1) - 2), "n": int(len(g)),
-            "kl_mean": mean, "kl_ci_lo": mean - half, "kl_ci_hi": mean + half,
-            "kl_median": float(pct[0]), "kl_p90": float(pct[1]), "kl_p99": float(pct[2]),
-            "kl_p999": float(pct[3]), "kl_max": float(fin.max()) if n else math.nan,
-            "top1_agree": float(g["top1_agree"].mean()), "nonfinite": int(g["nonfinite"].sum()),
-        })
-    return pd.DataFrame(rows)
 
 
 # ------------------------------------------------------------------------------ run
@@ -297,7 +262,8 @@ def run_identity(a, cfg) -> dict:
     return {"model": str(a.model),
             "config_sha256": hashlib.sha256(cfg.to_json_string().encode()).hexdigest(),
             "dtype": a.dtype, "device_type": str(a.device).split(":")[0], "prefill": a.prefill,
-            "segment_len": a.segment_len, "gdn_fold": a.gdn_fold, "max_tokens": a.max_tokens}
+            "segment_len": a.segment_len, "gdn_fold": a.gdn_fold, "max_tokens": a.max_tokens,
+            "add_bos_token": a.add_bos_token, "metrics": METRICS_VERSION}
 
 
 def _check_identity(a, cfg) -> None:
@@ -318,7 +284,7 @@ def _check_identity(a, cfg) -> None:
 
 def _git_commit() -> str | None:
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or None
     except Exception:  # noqa: BLE001
@@ -361,7 +327,76 @@ def _set_threads(a, model=None) -> int:
     return torch.get_num_threads()
 
 
-def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
+def _segments(N: int, P: int, S: int) -> list:
+    """``(lo, hi)`` of every forward call: the prefill ``(0, P)`` if any, then segments of S."""
+    bounds = [(0, P)] if P else []
+    start = P
+    while start < N:
+        bounds.append((start, min(N, start + S)))
+        start = bounds[-1][1]
+    return bounds
+
+
+def _step_logits(model, forward_segment, ids, P: int, end: int):
+    """Logits ``[B, end - P, V]`` of positions ``P .. end-1`` decoded token by token: the
+    prefill ``ids[:, :P]`` in one call (as in the emulated run), then one forward call per token
+    with the cache (the adapters' ReplaySSM step path)."""
+    import torch
+
+    cache = None
+    if P:
+        _, cache = forward_segment(model, ids[:, :P], None, start=0)
+    out = []
+    for t in range(P, end):
+        lg, cache = forward_segment(model, ids[:, t:t + 1], cache, start=t)
+        out.append(lg[:, -1].float())
+    return torch.stack(out, 1)
+
+
+def _stepwise_rows(ref_emul, ref_step, emul, step) -> dict:
+    """Per-position stepwise-check metrics of one cell (numpy ``[B, K]`` each)."""
+    import numpy as np
+
+    kl_path, top1, nf1 = pair_kl(step, emul)
+    kl_path_ref, _, nf2 = pair_kl(ref_step, ref_emul)
+    kl, _, nf3 = pair_kl(ref_emul, emul)
+    kl_step, _, nf4 = pair_kl(ref_step, step)
+    return {"kl_path": kl_path, "kl_path_ref": kl_path_ref, "kl": kl, "kl_step": kl_step,
+            "top1_path_agree": top1, "nonfinite": np.logical_or.reduce([nf1, nf2, nf3, nf4])}
+
+
+def _step_dir(out: Path, K: int) -> Path:
+    return out / "parts" / f"stepwise-K{K}"
+
+
+def stepwise_summary(step) -> list:
+    """Per (policy, window): the path noise KL(stepping || emulation) of the checked positions
+    next to the policy's KL on the same positions (emulated and stepped)."""
+    import numpy as np
+
+    rows = []
+    for (pol, win), g in step.groupby(["policy", "window"], sort=True):
+        def mean(c):
+            v = g[c].to_numpy(np.float64)
+            v = v[np.isfinite(v)]
+            return float(v.mean()) if v.size else math.nan
+        path = g["kl_path"].to_numpy(np.float64)
+        path = path[np.isfinite(path)]
+        kl = mean("kl")
+        rows.append({"policy": pol, "window": int(win), "positions": int(len(g)),
+                     "path_kl_mean": mean("kl_path"),
+                     "path_kl_p99": float(np.percentile(path, 99)) if path.size else math.nan,
+                     "path_kl_max": float(path.max()) if path.size else math.nan,
+                     "kl_mean": kl, "kl_step_mean": mean("kl_step"),
+                     "path_to_effect": (mean("kl_path") / kl) if kl and kl > 0 else math.nan,
+                     "mean_rel_diff": (kl / mean("kl_step") - 1) if mean("kl_step") > 0 else math.nan,
+                     "path_kl_ref_mean": mean("kl_path_ref"),
+                     "top1_path_agree": float(g["top1_path_agree"].mean()),
+                     "nonfinite": int(g["nonfinite"].sum())})
+    return rows
+
+
+def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     import numpy as np
     import pandas as pd
     import torch
@@ -381,23 +416,36 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
     threads = _set_threads(a, model)
     t_load = time.time() - t0
     cells = [(str(p), w, s) for p in policies for w in a.windows for s in a.seeds]
-    handle = apply_state_policy(model, "fp32", window=a.windows[0], seed=0,
+    ref_window = a.windows[0]  # the fp32 reference: one fixed setting for every document
+    handle = apply_state_policy(model, "fp32", window=ref_window, seed=0,
                                 prefill=a.prefill > 0, gdn_fold=a.gdn_fold)
-    N, P, S = a.max_tokens, a.prefill, a.segment_len
-    timings = {"load_s": t_load, "reference_s": 0.0, "policies_s": {c[0]: 0.0 for c in cells}}
-    bounds = [(0, P)] if P else []
-    start = P
-    while start < N:
-        bounds.append((start, min(N, start + S)))
-        start = bounds[-1][1]
+    N, P, S, K = a.max_tokens, a.prefill, a.segment_len, a.stepwise_check
+    step_end = P + K
+    step_dir = _step_dir(out, K)
+    if K:
+        step_dir.mkdir(parents=True, exist_ok=True)
+    timings = {"load_s": t_load, "reference_s": 0.0, "policies_s": {c[0]: 0.0 for c in cells},
+               "stepwise_s": 0.0}
+    bounds = _segments(N, P, S)
+    reported = np.concatenate([np.arange(lo, hi) for lo, hi in bounds if hi > P])
+    assert reported.tolist() == list(range(P, N)), "segment bounds do not tile [prefill, N)"
+
+    def part(d, c):
+        return parts / f"{_cell_key(token_docs[d], *c)}.parquet"
+
+    def step_part(d, c):
+        return step_dir / f"{_cell_key(token_docs[d], *c)}.parquet"
+
+    def missing(d, c):
+        return not part(d, c).exists() or (K and not step_part(d, c).exists())
+
     n_new = 0
     batches = [list(range(i, min(len(token_docs), i + a.batch_size)))
                for i in range(0, len(token_docs), a.batch_size)]
     bar = tqdm(batches, desc="documents", unit="batch", disable=a.no_progress)
     with torch.no_grad():
         for batch in bar:
-            todo = [c for c in cells if any(not (parts / f"{_cell_key(token_docs[d], *c)}.parquet").exists()
-                                            for d in batch)]
+            todo = [c for c in cells if any(missing(d, c) for d in batch)]
             if not todo:
                 continue
             full = torch.tensor([token_docs[d]["ids"] for d in batch], device=a.device)
@@ -406,9 +454,11 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
             caches = {c: None for c in todo}
             ref_cache = None
             rows = {c: [] for c in todo}
+            kept = {c: [] for c in todo}  # emulated logits of the stepwise-checked positions
+            ref_kept = []
             for (lo, hi) in bounds:
                 tr = time.time()
-                handle.set_policy("fp32")
+                handle.set_policy("fp32", window=ref_window, seed=0)
                 ref, ref_cache = forward_segment(model, ids[:, lo:hi], ref_cache, start=lo)
                 timings["reference_s"] += time.time() - tr
                 if hi <= P:  # prefill positions are exact in every cell: not reported
@@ -418,64 +468,146 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tok_name) -> int:
                         _, caches[c] = forward_segment(model, ids[:, lo:hi], caches[c], start=lo)
                         timings["policies_s"][c[0]] += time.time() - tp
                     continue
+                ks, ke = max(lo, P) - lo, min(hi, step_end) - lo  # checked part of this segment
+                if ke > ks:
+                    ref_kept.append(ref[:, ks:ke].float().clone())
                 for c in tqdm(todo, desc="cells", leave=False, disable=a.no_progress):
                     tp = time.time()
                     handle.set_policy(c[0], window=c[1], seed=c[2])
                     lg, caches[c] = forward_segment(model, ids[:, lo:hi], caches[c], start=lo)
-                    m = position_metrics(ref, lg, targets[:, lo:hi])
+                    rows[c].append(position_metrics(ref, lg, targets[:, lo:hi]))
+                    if ke > ks:
+                        kept[c].append(lg[:, ks:ke].float().clone())
                     timings["policies_s"][c[0]] += time.time() - tp
-                    rows[c].append(m)
+            del caches, ref_cache
+            step_rows = {}
+            if K:
+                ts = time.time()
+                handle.set_policy("fp32", window=ref_window, seed=0)
+                ref_step = _step_logits(model, forward_segment, ids, P, step_end)
+                ref_emul = torch.cat(ref_kept, 1)
+                for c in todo:
+                    handle.set_policy(c[0], window=c[1], seed=c[2])
+                    step = _step_logits(model, forward_segment, ids, P, step_end)
+                    step_rows[c] = _stepwise_rows(ref_emul, ref_step, torch.cat(kept[c], 1), step)
+                timings["stepwise_s"] += time.time() - ts
             for c in todo:
                 for bi, d in enumerate(batch):
-                    f = parts / f"{_cell_key(token_docs[d], *c)}.parquet"
-                    if f.exists():
-                        continue
-                    cols = {k: np.concatenate([m[k][bi] for m in rows[c]]) for k in rows[c][0]}
-                    n = cols["kl"].shape[0]
-                    df = pd.DataFrame({"doc": token_docs[d]["id"], "position": np.arange(N - n, N),
-                                       "policy": c[0], "window": c[1], "seed": c[2], **cols})
-                    df["nonfinite"] = df["nonfinite"].astype(bool)
-                    df["top1_agree"] = df["top1_agree"].astype(bool)
-                    df[list(COLUMNS)].to_parquet(f.with_suffix(".tmp"), index=False)
-                    os.replace(f.with_suffix(".tmp"), f)
-                    n_new += 1
+                    key = {"doc": token_docs[d]["id"], "policy": c[0], "window": c[1], "seed": c[2]}
+                    f = part(d, c)
+                    if not f.exists():
+                        cols = {k: np.concatenate([m[k][bi] for m in rows[c]]) for k in rows[c][0]}
+                        if cols["kl"].shape[0] != reported.size:
+                            raise RuntimeError(f"cell {c}: {cols['kl'].shape[0]} positions for "
+                                               f"{reported.size} reported ones (runner bug)")
+                        df = pd.DataFrame({**key, "position": reported, **cols})
+                        _write_parquet(df[list(COLUMNS)], f)
+                        n_new += 1
+                    if K and not step_part(d, c).exists():
+                        sr = {k: v[bi] for k, v in step_rows[c].items()}
+                        df = pd.DataFrame({**key, "position": np.arange(P, step_end), **sr})
+                        _write_parquet(df[list(STEP_COLUMNS)], step_part(d, c))
     handle.remove()
-    frames = []
-    for d in range(len(token_docs)):
-        for c in cells:
-            f = parts / f"{_cell_key(token_docs[d], *c)}.parquet"
-            if f.exists():
-                frames.append(pd.read_parquet(f))
-    pos = pd.concat(frames, ignore_index=True)
+    pos = _assemble(token_docs, cells, part, COLUMNS, np.arange(P, N))
     pos.to_parquet(out / "positions.parquet", index=False)
-    summ = summarize(pos)
+    step = None
+    if K:
+        step = _assemble(token_docs, cells, step_part, STEP_COLUMNS, np.arange(P, step_end))
+        step.to_parquet(out / "stepwise.parquet", index=False)
+    summ = summarize(pos, step)
     summ.to_csv(out / "summary.csv", index=False)
     timings["total_s"] = time.time() - t0
     n_tok = sum(len(d["ids"]) for d in token_docs)  # N + 1 per document (the last is a target only)
+    nf_by_policy = pos.groupby("policy")[["nonfinite", "nonfinite_ref", "nonfinite_policy"]].sum()
     manifest = {
         "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
         "args": vars(a), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": _git_commit(),
-        "versions": _versions(),
+        "versions": _versions(), "metrics": METRICS_VERSION,
         "model": {"name": a.model, "path": cfg_path, "model_type": arch, "dtype": a.dtype,
                   "config_sha256": hashlib.sha256(cfg.to_json_string().encode()).hexdigest(),
                   "params": int(sum(p.numel() for p in model.parameters()))},
-        "data": {"dataset": a.dataset, "split": a.split, "tokenizer": tok_name,
+        "data": {"dataset": a.dataset, "split": a.split, "tokenizer": tokz.name,
                  "documents": [d["id"] for d in token_docs], "tokens": n_tok,
                  "token_sha256": hashlib.sha256(json.dumps([d["ids"] for d in token_docs]).encode()).hexdigest()},
+        "bos": tokz.manifest(),
         "policies": [str(p) for p in policies], "windows": a.windows, "seeds": a.seeds,
+        "reference": {"policy": "fp32", "window": ref_window, "seed": 0},
         "cells_computed_this_run": n_new, "timings": timings, "threads": threads,
         "nonfinite_rows": int(pos["nonfinite"].sum()),
+        "nonfinite_ref_rows": int(pos["nonfinite_ref"].sum()),
+        "nonfinite_policy_rows": int(pos["nonfinite_policy"].sum()),
+        "nonfinite_ref_positions": int(pos.loc[pos["nonfinite_ref"], ["doc", "position"]]
+                                       .drop_duplicates().shape[0]),
+        "nonfinite_by_policy": {p: {k: int(v) for k, v in r.items()}
+                                for p, r in nf_by_policy.iterrows()},
+        "stepwise_check": {
+            "tokens": K, "positions": [P, step_end],
+            "what": "KL(P_stepping || P_emulation) per position: the same cell decoded token by "
+                    "token (one forward call per token with the cache) versus teacher-forced "
+                    "emulation; kl_mean/kl_step_mean: the policy's KL on the same positions",
+            "per_policy": stepwise_summary(step) if K else [],
+        },
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-    overall = pos.groupby(["policy", "window"]).agg(
-        kl_mean=("kl", "mean"), kl_p99=("kl", lambda s: float(np.nanpercentile(s, 99)) if s.notna().any() else math.nan),
-        kl_max=("kl", "max"), top1_agree=("top1_agree", "mean"), nonfinite=("nonfinite", "sum"),
-        positions=("kl", "size")).reset_index()
+    fin = pos[~pos["nonfinite"]]
+    overall = fin.groupby(["policy", "window"]).agg(
+        kl_mean=("kl", "mean"), kl_p99=("kl", lambda s: float(np.percentile(s, 99)) if len(s) else math.nan),
+        kl_max=("kl", "max")).reset_index().merge(
+        pos.groupby(["policy", "window"]).agg(
+            top1_agree=("top1_agree", "mean"), nonfinite_ref=("nonfinite_ref", "sum"),
+            nonfinite_policy=("nonfinite_policy", "sum"), positions=("kl", "size")).reset_index(),
+        on=["policy", "window"], how="right")
     print(f"\nreplayssm-kl: {len(token_docs)} documents x {N} tokens, model {a.model} ({arch}), "
           f"{timings['total_s']:.1f} s; output {out}")
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print(overall.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        if K:
+            sw = pd.DataFrame(manifest["stepwise_check"]["per_policy"])
+            print(f"\nstepwise check, positions {P}..{step_end - 1}: path noise KL(stepping || "
+                  "emulation) versus the policy's KL on the same positions")
+            print(sw[["policy", "window", "path_kl_mean", "path_kl_max", "kl_mean", "kl_step_mean",
+                      "path_to_effect", "mean_rel_diff", "path_kl_ref_mean"]].to_string(
+                index=False, float_format=lambda v: f"{v:.3g}"))
     return 0
+
+
+def _write_parquet(df, f: Path) -> None:
+    tmp = f.with_suffix(".tmp")
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, f)
+
+
+def _assemble(token_docs, cells, part, columns, positions):
+    """All part files of the run's documents and cells, labelled with the current document id
+    (a document's cells are keyed by its tokens). Each must hold exactly ``positions``."""
+    import numpy as np
+    import pandas as pd
+
+    frames = []
+    for d in range(len(token_docs)):
+        for c in cells:
+            f = part(d, c)
+            df = pd.read_parquet(f)
+            if not np.array_equal(df["position"].to_numpy(), positions):
+                raise RuntimeError(f"{f} holds positions {df['position'].min()}..{df['position'].max()} "
+                                   f"({len(df)} rows), expected {positions[0]}..{positions[-1]}; "
+                                   "delete it and rerun")
+            df["doc"] = token_docs[d]["id"]
+            frames.append(df[list(columns)])
+    return pd.concat(frames, ignore_index=True)
+
+
+def _check_documents(token_docs) -> None:
+    """Refuse repeated documents (same id, or same tokens): their rows would collide."""
+    seen_id, seen_sha = {}, {}
+    for d in token_docs:
+        if d["id"] in seen_id:
+            raise BadArgs(f"document id {d['id']!r} occurs twice in --dataset; give each "
+                          "document once (or give them distinct ids)")
+        if d["sha"] in seen_sha:
+            raise BadArgs(f"documents {seen_sha[d['sha']]!r} and {d['id']!r} have the same tokens; "
+                          "give each document once")
+        seen_id[d["id"]] = seen_sha[d["sha"]] = d["id"]
 
 
 def main(argv=None) -> int:
@@ -486,22 +618,28 @@ def main(argv=None) -> int:
         cfg_path, cfg, arch = _load_config(a.model)
         docs = _load_docs(a)
         vocab = cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size
-        encode, tok_name = _load_tokenizer(cfg_path, vocab)
-        token_docs = _make_documents(docs, encode, a.max_tokens + 1, a.max_docs)
-        for d in token_docs:
-            d["sha"] = hashlib.sha256(json.dumps(list(d["ids"])).encode()).hexdigest()[:24]
+        try:
+            tokz = load_tokenization(cfg_path, vocab, a.add_bos_token)
+        except BadTokenizer as e:
+            raise BadArgs(str(e)) from None
+        token_docs = make_documents(docs, tokz, a.max_tokens + 1, a.max_docs)
         _check_identity(a, cfg)
         if not token_docs:
             raise BadArgs(f"dataset {a.dataset} has fewer than {a.max_tokens} tokens in all; "
                           "lower --max-tokens")
+        _check_documents(token_docs)
         n_cells = len(policies) * len(a.windows) * len(a.seeds)
         if a.dry_run:
             est = memory_estimate(cfg, a, n_cells)
+            bos = tokz.manifest()
             print(f"plan: model {a.model} ({arch}, {est['params']:,} parameters, {a.dtype}, {a.device})")
             print(f"      {len(token_docs)} documents x N={a.max_tokens} tokens (prefill {a.prefill}), "
-                  f"segments of {a.segment_len}, batch {a.batch_size}, tokenizer {tok_name}")
+                  f"segments of {a.segment_len}, batch {a.batch_size}, tokenizer {tokz.name}, "
+                  f"BOS {a.add_bos_token} ({bos['documents_starting_with_bos']} of "
+                  f"{bos['documents']} documents start with BOS)")
             print(f"      {n_cells} cells = policies {[str(p) for p in policies]} x windows {a.windows} "
-                  f"x seeds {a.seeds}; reference fp32 computed once per document")
+                  f"x seeds {a.seeds}; reference fp32 computed once per document; stepwise check of "
+                  f"the first {a.stepwise_check} positions")
             print(f"      output -> {a.output_dir}")
             print(f"memory estimate: {est['total_bytes'] / 2**20:.1f} MiB (weights "
                   f"{est['weights_bytes'] / 2**20:.1f} MiB, per cache: state "
@@ -512,7 +650,7 @@ def main(argv=None) -> int:
         print(f"replayssm-kl: error: {e}", file=sys.stderr)
         return EXIT_BAD_ARGS
     try:
-        return run(a, policies, cfg_path, cfg, arch, token_docs, tok_name)
+        return run(a, policies, cfg_path, cfg, arch, token_docs, tokz)
     except KeyboardInterrupt:
         done = len(list((Path(a.output_dir) / "parts").glob("*.parquet")))
         print(f"\nreplayssm-kl: interrupted; {done} finished cells are saved in "

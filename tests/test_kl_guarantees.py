@@ -1,0 +1,336 @@
+"""What ``replayssm-kl`` guarantees (issue 12), each against an independent oracle.
+
+KL >= 0 (float64 oracle on the same logits), non-finite values on either side (NaN injected
+into the reference or policy logits), BOS (the tokenizer's own ``add_special_tokens``
+output), the stepwise check (token-by-token decoding done here with the adapters), repeated
+windows / seeds / policies / documents (exit 2).
+"""
+
+import json
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import replayssm_quant.adapters as adapters
+import replayssm_quant.adapters.segments as segments
+from evals.kl import main, position_metrics
+from replayssm_quant.adapters.tiny import tiny_model
+from replayssm_quant.models import EMBEDDED_MODELS
+
+TEXT = ("In the beginning God created the heaven and the earth. And the earth was without "
+        "form, and void; and darkness was upon the face of the deep. ") * 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tinygdn")
+    tiny_model("qwen3_5").save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    f = d / "docs.jsonl"
+    f.write_text("\n".join(json.dumps({"id": f"d{i}", "text": TEXT[i * 7:]}) for i in range(3)))
+    return str(f)
+
+
+def _args(model_dir, data_file, out, *extra, policies=("shared:nvfp4+sr", "eager:fp8e4m3")):
+    return ["--model", model_dir, "--dataset", data_file, "--max-tokens", "24", "--segment-len",
+            "10", "--prefill", "3", "--windows", "4", "--max-docs", "2", "--batch-size", "2",
+            "--policies", *policies, "-o", str(out), "--no-progress", *extra]
+
+
+class Spy:
+    """Records every forward_segment call (policy, start, input ids) and can overwrite logits."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.inject = []  # (policy predicate, batch row, position, value)
+        self.policy = None
+        orig_fs = segments.forward_segment
+        orig_sp = adapters.StatePolicyHandle.set_policy
+        spy = self
+
+        def set_policy(handle, policy, **kw):
+            orig_sp(handle, policy, **kw)
+            spy.policy = str(handle.policy)
+
+        def forward_segment(model, input_ids, cache=None, *, start=0, **kw):
+            logits, cache = orig_fs(model, input_ids, cache, start=start, **kw)
+            spy.calls.append((spy.policy, start, input_ids.detach().clone()))
+            for pred, row, pos, value in spy.inject:
+                if pred(spy.policy) and start <= pos < start + input_ids.shape[1]:
+                    logits = logits.clone()
+                    logits[row, pos - start, 5] = value
+            return logits, cache
+
+        monkeypatch.setattr(adapters.StatePolicyHandle, "set_policy", set_policy)
+        monkeypatch.setattr(segments, "forward_segment", forward_segment)
+
+
+# ------------------------------------------------------------------------------ 6: KL >= 0
+def _oracle_kl(ref, pol):
+    """Textbook sum p (log p - log q) in float64 (for runner-level comparisons)."""
+    lr = torch.log_softmax(ref.double(), -1)
+    lq = torch.log_softmax(pol.double(), -1)
+    return (lr.exp() * (lr - lq)).sum(-1).numpy()
+
+
+def _oracle_kl_extended(ref, pol):
+    """The same in numpy long double (x87 80-bit on x86-64: 11 more bits than float64), accurate
+    to ~1e-18 nats, so float64 rounding of the runner's KL is resolvable."""
+    def log_softmax(x):
+        x = x.numpy().astype(np.longdouble)
+        m = x.max(-1, keepdims=True)
+        return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+    lr, lq = log_softmax(ref), log_softmax(pol)
+    return (np.exp(lr) * (lr - lq)).sum(-1)
+
+
+@pytest.mark.parametrize("scale", [1e-7, 1e-5, 1e-3, 1.0])
+def test_kl_is_float64_and_never_negative(scale):
+    """Near-identical logits are where FP32 KL went negative (issue 12, item 6): the runner's KL
+    must equal an extended-precision KL computed here to float64 rounding and never be below 0
+    (a plain float64 sum p (log p - log q) is not enough: at scale 1e-7 it goes to -1e-15)."""
+    if np.finfo(np.longdouble).eps > 1e-18:
+        pytest.skip("numpy long double is not extended precision on this platform")
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(4, 256, 2048, generator=g) * 3
+    pol = ref + scale * torch.randn(ref.shape, generator=g)
+    tgt = torch.randint(0, 2048, (4, 256), generator=g)
+    m = position_metrics(ref, pol, tgt)
+    want = _oracle_kl_extended(ref, pol).astype(np.float64)
+    assert m["kl"].dtype == np.float64
+    assert (m["kl"] >= 0).all()
+    np.testing.assert_allclose(m["kl"], want, rtol=1e-6, atol=1e-17)
+
+
+def test_kl_exact_zero_and_extreme_logits():
+    ref = torch.randn(3, 64)
+    m = position_metrics(ref, ref.clone(), torch.zeros(3, dtype=torch.int64))
+    assert (m["kl"] == 0).all()
+    # one side puts ~all mass where the other has log-prob ~ -1000 (expm1 would overflow)
+    ref = torch.zeros(2, 8)
+    ref[:, 0] = 1000.0
+    pol = torch.zeros(2, 8)
+    pol[:, 1] = 1000.0
+    m = position_metrics(ref, pol, torch.zeros(2, dtype=torch.int64))
+    want = _oracle_kl(ref, pol)
+    assert np.isfinite(m["kl"]).all() and (m["kl"] >= 0).all()
+    np.testing.assert_allclose(m["kl"], want, rtol=1e-12)
+    back = position_metrics(pol, ref, torch.zeros(2, dtype=torch.int64))
+    np.testing.assert_allclose(back["kl"], _oracle_kl(pol, ref), rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------ 7: non-finite
+def test_nonfinite_reference_and_policy_are_recorded(model_dir, data_file, tmp_path, monkeypatch):
+    spy = Spy(monkeypatch)
+    spy.inject.append((lambda p: p == "fp32", 0, 7, float("nan")))            # reference, doc 0
+    spy.inject.append((lambda p: p == "eager:fp8e4m3", 1, 12, float("inf")))  # one policy, doc 1
+    out = tmp_path / "nf"
+    assert main(_args(model_dir, data_file, out)) == 0
+    pos = pd.read_parquet(out / "positions.parquet")
+    docs = list(dict.fromkeys(pos["doc"]))
+    at_ref = (pos["doc"] == docs[0]) & (pos["position"] == 7)
+    at_pol = (pos["doc"] == docs[1]) & (pos["position"] == 12) & (pos["policy"] == "eager:fp8e4m3")
+    assert at_ref.sum() == 2 and at_pol.sum() == 1
+    r = pos[at_ref]
+    assert r["nonfinite"].all() and r["nonfinite_ref"].all() and not r["nonfinite_policy"].any()
+    assert r["kl"].isna().all() and r["nll_ref"].isna().all() and r["nll"].notna().all()
+    p = pos[at_pol]
+    assert p["nonfinite"].all() and p["nonfinite_policy"].all() and not p["nonfinite_ref"].any()
+    assert p["kl"].isna().all() and p["nll"].isna().all() and p["nll_ref"].notna().all()
+    rest = pos[~at_ref & ~at_pol]
+    assert not rest["nonfinite"].any() and rest["kl"].notna().all()
+    summ = pd.read_csv(out / "summary.csv")
+    assert summ["nonfinite_ref"].sum() == 2 and summ["nonfinite_policy"].sum() == 1
+    assert summ["nonfinite"].sum() == 3
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["nonfinite_ref_rows"] == 2 and man["nonfinite_policy_rows"] == 1
+    assert man["nonfinite_rows"] == 3 and man["nonfinite_ref_positions"] == 1
+    assert man["nonfinite_by_policy"]["eager:fp8e4m3"]["nonfinite_policy"] == 1
+
+
+# ------------------------------------------------------------------------------ 8: BOS
+@pytest.fixture(scope="module")
+def bos_model_dir(tmp_path_factory):
+    """The embedded tiny-gdn with a tokenizer whose own default adds BOS (Llama-style)."""
+    from transformers import AutoTokenizer
+
+    src = EMBEDDED_MODELS["tiny-gdn"]
+    d = tmp_path_factory.mktemp("bosgdn")
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        os.symlink(src / f, d / f)
+    AutoTokenizer.from_pretrained(src, add_bos_token=True).save_pretrained(d)
+    return str(d)
+
+
+def _first_input(spy):
+    policy, start, ids = spy.calls[0]
+    assert policy == "fp32" and start == 0
+    return ids[0].tolist()
+
+
+@pytest.mark.parametrize("choice", ["auto", "false", "true"])
+def test_bos_follows_the_tokenizer(bos_model_dir, data_file, tmp_path, monkeypatch, choice):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bos_model_dir)
+    text = json.loads(open(data_file).readline())["text"]
+    default = tok(text)["input_ids"]
+    assert default[0] == tok.bos_token_id  # the premise: this tokenizer adds BOS by default
+    want = {"auto": default, "true": default,
+            "false": tok(text, add_special_tokens=False)["input_ids"]}[choice]
+    spy = Spy(monkeypatch)
+    out = tmp_path / choice
+    args = ["--model", bos_model_dir, "--dataset", data_file, "-N", "12", "--max-docs", "1",
+            "--policies", "shared:nvfp4", "-o", str(out), "--no-progress"]
+    if choice != "auto":
+        args += ["--add-bos-token", choice]
+    assert main(args) == 0
+    seen = _first_input(spy)
+    assert seen == want[:len(seen)] and len(seen) == 12
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["bos"]["add_bos_token"] == choice
+    assert man["bos"]["documents_starting_with_bos"] == (0 if choice == "false" else 1)
+    # another BOS choice in the same directory is another setting: refused before compute
+    other = "false" if choice != "false" else "true"
+    a2 = [x for x in args if x not in ("--add-bos-token", choice)] + ["--add-bos-token", other]
+    assert main(a2) == 2
+
+
+def test_bos_true_on_a_tokenizer_without_default_bos(data_file, tmp_path, monkeypatch):
+    """Embedded tiny-gdn: its tokenizer adds no BOS by default; ``true`` adds it (as HFLM's
+    add_bos_token=True does through from_pretrained)."""
+    from transformers import AutoTokenizer
+
+    path = str(EMBEDDED_MODELS["tiny-gdn"])
+    text = json.loads(open(data_file).readline())["text"]
+    spy = Spy(monkeypatch)
+    base = ["--model", "tiny-gdn", "--dataset", data_file, "-N", "12", "--max-docs", "1",
+            "--policies", "shared:nvfp4", "--stepwise-check", "0", "--no-progress"]
+    assert main(base + ["-o", str(tmp_path / "auto")]) == 0
+    assert _first_input(spy) == AutoTokenizer.from_pretrained(path)(text)["input_ids"][:12]
+    spy.calls.clear()
+    assert main(base + ["-o", str(tmp_path / "true"), "--add-bos-token", "true"]) == 0
+    want = AutoTokenizer.from_pretrained(path, add_bos_token=True)(text)["input_ids"]
+    assert want[0] == 0 and _first_input(spy) == want[:12]
+
+
+def test_bos_true_without_tokenizer_exit_2(model_dir, data_file, tmp_path, capsys):
+    assert main(_args(model_dir, data_file, tmp_path / "x", "--add-bos-token", "true")) == 2
+    err = capsys.readouterr().err
+    assert "--add-bos-token true" in err and "no usable tokenizer" in err
+
+
+# ------------------------------------------------------------------------------ 11: stepwise
+def test_stepwise_check_against_token_by_token_decoding(model_dir, data_file, tmp_path, monkeypatch):
+    """kl_path = KL(stepping || emulation) per position equals what the adapters give when this
+    test decodes the same cell token by token itself."""
+    spy = Spy(monkeypatch)
+    out = tmp_path / "sw"
+    args = ["--model", model_dir, "--dataset", data_file, "-N", "24", "--segment-len", "24",
+            "--windows", "4", "--max-docs", "1", "--stepwise-check", "10", "--policies",
+            "eager:fp8e4m3", "shared:nvfp4+sr", "-o", str(out), "--no-progress"]
+    assert main(args) == 0
+    ids = _first_input(spy)
+    # the stepping really is one forward call per token with the cache, for every cell and the
+    # reference (so kl_path is not emulation against itself, even where both give the same bits)
+    for pol in ("fp32", "eager:fp8e4m3", "shared:nvfp4+sr"):
+        starts = [st for p, st, x in spy.calls if p == pol and x.shape[1] == 1]
+        assert starts == list(range(10)), pol
+    step = pd.read_parquet(out / "stepwise.parquet")
+    assert len(step) == 2 * 10 and sorted(set(step["position"])) == list(range(10))
+    monkeypatch.undo()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    x = torch.tensor([ids])
+
+    def logits(policy, window, stepwise):
+        with adapters.state_policy(model, policy, window=window, seed=0, prefill=False,
+                                   sequence_ids=[0]), torch.no_grad():
+            if not stepwise:
+                return segments.forward_segment(model, x[:, :24])[0][0, :10]
+            cache, out_ = None, []
+            for t in range(10):
+                lg, cache = segments.forward_segment(model, x[:, t:t + 1], cache, start=t)
+                out_.append(lg[0, -1])
+            return torch.stack(out_)
+
+    ref_e, ref_s = logits("fp32", 4, False), logits("fp32", 4, True)
+    for pol in ("eager:fp8e4m3", "shared:nvfp4+sr"):
+        e, s = logits(pol, 4, False), logits(pol, 4, True)
+        got = step[step["policy"] == pol].sort_values("position")
+        np.testing.assert_allclose(got["kl_path"], _oracle_kl(s, e), rtol=1e-6, atol=1e-13)
+        np.testing.assert_allclose(got["kl_step"], _oracle_kl(ref_s, s), rtol=1e-6, atol=1e-13)
+        np.testing.assert_allclose(got["kl"], _oracle_kl(ref_e, e), rtol=1e-6, atol=1e-13)
+        np.testing.assert_allclose(got["kl_path_ref"], _oracle_kl(ref_s, ref_e), rtol=1e-6, atol=1e-13)
+    # the positions table and the stepwise table agree on the emulated KL
+    pos = pd.read_parquet(out / "positions.parquet")
+    m = step.merge(pos, on=["doc", "position", "policy", "window", "seed"], suffixes=("", "_pos"))
+    np.testing.assert_array_equal(m["kl"], m["kl_pos"])
+    man = json.loads((out / "manifest.json").read_text())
+    per = {r["policy"]: r for r in man["stepwise_check"]["per_policy"]}
+    for pol, g in step.groupby("policy"):
+        assert per[pol]["path_kl_mean"] == pytest.approx(g["kl_path"].mean(), rel=1e-12)
+        assert per[pol]["kl_mean"] == pytest.approx(g["kl"].mean(), rel=1e-12)
+    summ = pd.read_csv(out / "summary.csv")
+    assert summ["path_n"].sum() == 2 * 10 and summ["path_kl_mean"].notna().any()
+
+
+def test_stepwise_check_resume_and_bad_value(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(_args(model_dir, data_file, out, "--stepwise-check", "5")) == 0
+    step = pd.read_parquet(out / "stepwise.parquet")
+    assert main(_args(model_dir, data_file, out, "--stepwise-check", "5")) == 0
+    assert json.loads((out / "manifest.json").read_text())["cells_computed_this_run"] == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "stepwise.parquet"), step)
+    assert main(_args(model_dir, data_file, tmp_path / "b", "--stepwise-check", "22")) == 2
+    assert "--stepwise-check must be in [0, max-tokens - prefill] = [0, 21], got 22" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ 12 and 15: repeats
+@pytest.mark.parametrize("flag,values,needle", [
+    ("--windows", ["4", "4"], "--windows repeats 4"),
+    ("--seeds", ["0", "0"], "--seeds repeats 0"),
+    ("--policies", ["fp32", "shared:fp32"], "'fp32' and 'shared:fp32' are both the policy 'fp32'"),
+    ("--policies", ["read:fp32/rec:fp32", "fp32"], "'read:fp32/rec:fp32' and 'fp32' are both"),
+])
+def test_repeated_cells_exit_2(model_dir, data_file, tmp_path, capsys, flag, values, needle):
+    args = [x for x in _args(model_dir, data_file, tmp_path / "rep") if x != "eager:fp8e4m3"]
+    args += ["--seeds", "0"]
+    k = args.index(flag)
+    args[k + 1:k + 2] = values
+    assert main(args) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "rep").exists()
+
+
+def test_repeated_documents_exit_2(model_dir, data_file, tmp_path, capsys):
+    args = _args(model_dir, data_file, tmp_path / "rep")
+    k = args.index("--dataset")
+    args[k + 1:k + 2] = [data_file, data_file]
+    args[args.index("--max-docs") + 1] = "6"
+    assert main(args) == 2
+    assert "occurs twice" in capsys.readouterr().err
+
+
+def test_positions_and_buckets_of_a_multi_cell_run(model_dir, data_file, tmp_path):
+    out = tmp_path / "multi"
+    args = _args(model_dir, data_file, out, "--seeds", "0", "1")
+    args[args.index("--windows") + 1:args.index("--windows") + 2] = ["4", "8"]
+    assert main(args) == 0
+    pos = pd.read_parquet(out / "positions.parquet")
+    key = ["doc", "position", "policy", "window", "seed"]
+    assert not pos.duplicated(key).any() and len(pos) == 2 * 2 * 2 * 2 * 21
+    assert pos["position"].min() == 3 and pos["position"].max() == 23
+    summ = pd.read_csv(out / "summary.csv")
+    want = np.floor(np.log2(pos["position"] + 1)).astype(int)
+    assert sorted(summ["bucket"].unique()) == sorted(want.unique())
+    assert (summ["n"].sum()) == len(pos)

@@ -288,20 +288,21 @@ class StatePolicyHandle:
         content-keyed sequence ids from ``input_ids`` (and ``attention_mask``)."""
         self._auto_ids = None
         try:
-            bound = self._signature.bind_partial(*args, **kwargs).arguments
+            named = dict(self._signature.bind_partial(*args, **kwargs).arguments)
         except TypeError:
             return None
-        extra = bound.get("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
-        get = lambda name: bound.get(name, extra.get(name))  # noqa: E731
-        cache = get("cache")
+        for p in self._signature.parameters.values():  # fold **kwargs into the named arguments
+            if p.kind is inspect.Parameter.VAR_KEYWORD and isinstance(named.get(p.name), dict):
+                named.update(named.pop(p.name))
+        cache = named.get("cache")
         if cache is None:
-            cache = get("past_key_values")
+            cache = named.get("past_key_values")
         if self._cache_has_state(cache):
             return None
-        input_ids = get("input_ids")
-        if (self.sequence_ids is None and isinstance(input_ids, torch.Tensor)
-                and input_ids.dim() == 2 and input_ids.shape[1] > 0 and get("inputs_embeds") is None):
-            self._auto_ids = content_sequence_ids(input_ids, get("attention_mask"))
+        input_ids = named.get("input_ids")
+        if (self.sequence_ids is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
+                and input_ids.shape[1] > 0 and named.get("inputs_embeds") is None):
+            self._auto_ids = content_sequence_ids(input_ids, named.get("attention_mask"))
         return None
 
     def _post_forward(self, module, args, output):

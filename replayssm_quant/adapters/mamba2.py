@@ -87,6 +87,7 @@ def apply_dt_limit(dt: torch.Tensor, time_step_limit, rule: DtLimit) -> torch.Te
             dt = torch.clamp(dt, min=lo, max=hi)
     return dt
 
+
 MAMBA2_MIXERS = {
     "Mamba2Mixer": "mamba2",
     "NemotronHMamba2Mixer": "mamba2",
@@ -137,7 +138,7 @@ def extract(mixer, hidden_states, cache, attention_mask, *, dt_limit: DtLimit = 
 
     A = -torch.exp(mixer.A_log.to(wd))
     dt = F.softplus(dt.to(wd) + mixer.dt_bias.to(wd))
-    dt = apply_dt_limit(dt, mixer.time_step_limit, dt_limit)
+    dt = apply_dt_limit(dt, getattr(mixer, "time_step_limit", (0.0, math.inf)), dt_limit)
     dt = padding_noop(dt, attention_mask)
     x = x.to(wd).view(Bsz, T, H, P)
     inp = {"x": x, "dt": dt, "A": A, "B": Bm.to(wd).view(Bsz, T, G, N),

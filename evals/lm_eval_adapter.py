@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import os
 import sys
-import zlib
 from collections import defaultdict
 
 import torch
 
+from replayssm_quant.adapters import sequence_id
 from replayssm_quant.adapters.segments import forward_segment
 from replayssm_quant.policy import StatePolicy
 
@@ -53,7 +53,6 @@ POLICY_GRAMMAR = (
     "{fp32, bf16, fp16, fp8e4m3, fp8e5m2, nvfp4, mxfp8, mxfp4}, each optionally followed by "
     "'+sr' (e.g. state=read:nvfp4/rec:fp16+sr)"
 )
-_SEQ_ID_BITS = 20  # stream_key's sequence field width
 
 
 def _parse_policy(state) -> StatePolicy:
@@ -74,12 +73,6 @@ def _as_int(name: str, value, minimum: int) -> int:
     if v < minimum:
         raise ValueError(f"model argument {name} must be an integer >= {minimum}, got {value!r}")
     return v
-
-
-def sequence_id(tokens) -> int:
-    """Stable SR sequence id of a token row: CRC-32 of its tokens, folded to 20 bits."""
-    data = torch.as_tensor(list(tokens), dtype=torch.int64).numpy().tobytes()
-    return zlib.crc32(data) & ((1 << _SEQ_ID_BITS) - 1)
 
 
 @register_model("replayssm")

@@ -30,21 +30,45 @@ causal_conv1d kernels that transformers may pick, so the CPU path works with fla
 Under ``fp32`` the patched model reproduces the unpatched model's logits (teacher-forced and
 ``generate``) to float reassociation.
 
-Stochastic-rounding streams are keyed by (seed, layer, sequence id, head, flush index, copy);
-sequence ids default to the batch row; set ``handle.sequence_ids`` (one id per row, < 2^20)
-before the first call so results do not depend on batch composition.
+Decisions of 2026-12-01 (issue 12; docs/adapters.md):
+
+* **Sequence ids.** Stochastic-rounding streams are keyed by (seed, layer, sequence id, head,
+  flush index, copy). ``handle.sequence_ids`` (one int in [0, 2^20) per batch row), when set,
+  wins. Otherwise each row's id is derived from its own content on the first call of a fresh
+  cache: :func:`sequence_id` (CRC-32 folded to 20 bits) of the row's unpadded ``input_ids``
+  (positions where the 2-D ``attention_mask`` is 1), seen by a forward pre-hook on the patched
+  model. The same request therefore draws the same bits alone or anywhere in a batch, left-
+  or right-padded; identical rows draw identical bits. A first call that shows no token ids
+  (``inputs_embeds``, or a call into a submodule that bypasses the patched model) under a
+  policy with stochastic rounding raises ``ValueError`` asking for ``handle.sequence_ids``; RTN
+  policies never draw bits and use id 0.
+* **dt limit** (Mamba-2 family): one rule, :class:`DtLimit`, on every call (prefill, emulation,
+  steps): ``"decode"`` (default; no clamp, the model's decode step) or ``"clamp"`` (the
+  model's ``time_step_limit`` everywhere, as its chunked scan does). ``handle.dt_limit``;
+  a cache keeps the rule its state was created with.
+* **Padding.** On the first call of a fresh cache with ``prefill=True`` a padded position
+  (2-D ``attention_mask`` 0, left or right padding) is a no-op for the row's state and its
+  conv state ends on the row's last real inputs (:mod:`.conv`), so a padded row's prefill
+  state, logits at real positions and later decode steps equal the row run alone. Later calls
+  (teacher-forced emulation, and every call with ``prefill=False``) count tokens in windows of
+  L for the whole batch, so a padded position would shift that row's flushes: a mask with
+  padding there raises ``ValueError`` naming the rows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
+import zlib
 
 import torch
 
+from ..philox import STREAM_FIELDS
 from ..policy import StatePolicy
 from . import gdn as _gdn
 from . import mamba2 as _mamba2
+from .mamba2 import DtLimit
 from .state import GDN_FOLDS, LayerState, prefill_scan, state_dims
 
 __all__ = [
@@ -56,6 +80,10 @@ __all__ = [
     "find_ssm_mixers",
     "architecture_of",
     "LayerState",
+    "DtLimit",
+    "SEQ_ID_BITS",
+    "sequence_id",
+    "content_sequence_ids",
 ]
 
 #: model_type -> family. ``*_text`` variants (text-only configs of multimodal models) map to
@@ -74,7 +102,52 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 _STATE_ATTR = "replayssm"  # attribute of a cache layer holding its LayerState
+_DT_ATTR = "replayssm_dt_limit"  # attribute of a cache layer: the DtLimit its state was made with
 _ORIG_ATTR = "_replayssm_orig_forward"
+
+#: Width of the sequence field of a stochastic-rounding stream key (philox.STREAM_FIELDS):
+#: sequence ids are ints in [0, 2^SEQ_ID_BITS).
+SEQ_ID_BITS: int = dict(STREAM_FIELDS)["sequence"]
+
+
+def sequence_id(tokens) -> int:
+    """Stable SR sequence id of one token row (DESIGN.md section 3, "Stochastic rounding
+    randomness ... keyed by sequence"): CRC-32 of the tokens as little-endian int64 bytes,
+    folded to :data:`SEQ_ID_BITS` (20) bits.
+
+    Args:
+        tokens: a sequence of ints or a 1-D integer tensor (the row's real tokens, no padding).
+
+    Returns:
+        an int in ``[0, 2^20)``; equal rows give equal ids, wherever they sit in a batch.
+    """
+    data = torch.as_tensor(list(tokens) if not isinstance(tokens, torch.Tensor) else tokens,
+                           dtype=torch.int64).cpu().reshape(-1).numpy().astype("<i8").tobytes()
+    return zlib.crc32(data) & ((1 << SEQ_ID_BITS) - 1)
+
+
+def content_sequence_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Content-keyed SR sequence ids of a batch (the default when ``handle.sequence_ids`` is
+    None; DESIGN.md section 3).
+
+    Args:
+        input_ids: integer ``[B, T]``.
+        attention_mask: ``[B, T]`` (1 real token, 0 padding) or None (every position real).
+
+    Returns:
+        int64 ``[B]`` on the CPU: :func:`sequence_id` of each row's real tokens.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+    ids = input_ids.detach().cpu()
+    mask = None
+    if attention_mask is not None and attention_mask.dim() == 2:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match "
+                             f"input_ids shape {tuple(input_ids.shape)}")
+        mask = attention_mask.detach().cpu().bool()
+    out = [sequence_id(row if mask is None else row[mask[b]]) for b, row in enumerate(ids)]
+    return torch.tensor(out, dtype=torch.int64)
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -127,12 +200,17 @@ class StatePolicyHandle:
     settings it was created with):
         policy: the :class:`~replayssm_quant.policy.StatePolicy`.
         window: L. seed: SR seed. prefill: see the module docstring.
-        sequence_ids: None (batch rows) or one int per batch row, keying SR streams.
+        sequence_ids: None (default: content-keyed ids, :func:`content_sequence_ids`, of the
+            first call on a fresh cache) or one int in [0, 2^20) per batch row, keying SR
+            streams; explicit ids win.
         gdn_fold: ``"recompute"`` (default, DESIGN.md) or ``"cached"`` (the studied unstable
             variant that folds cached read-path corrections).
+        dt_limit: :class:`DtLimit` of the Mamba-2 family (``str(handle.dt_limit)`` is
+            ``"decode"`` or ``"clamp"``, for run manifests); assign a member or its name.
     """
 
-    def __init__(self, model, policy, window, seed, prefill, gdn_fold, sequence_ids):
+    def __init__(self, model, policy, window, seed, prefill, gdn_fold, sequence_ids,
+                 dt_limit="decode"):
         self.model = model
         self.mixers = find_ssm_mixers(model)
         self.set_policy(policy, window=window, seed=seed)
@@ -141,7 +219,20 @@ class StatePolicyHandle:
             raise ValueError(f"gdn_fold must be one of {GDN_FOLDS}, got {gdn_fold!r}")
         self.gdn_fold = gdn_fold
         self.sequence_ids = sequence_ids
+        self.dt_limit = dt_limit
         self.active = False
+        self._hooks: list = []
+        self._auto_ids: torch.Tensor | None = None  # content ids of the current fresh-cache call
+        self._signature = inspect.signature(model.forward)
+
+    @property
+    def dt_limit(self) -> DtLimit:
+        """The Mamba-2 time-step rule for states created from now on (:class:`DtLimit`)."""
+        return self._dt_limit
+
+    @dt_limit.setter
+    def dt_limit(self, value) -> None:
+        self._dt_limit = DtLimit.parse(value)
 
     def set_policy(self, policy, *, window=None, seed=None) -> None:
         """Switch policy (and optionally window / seed) for states created from now on."""
@@ -163,6 +254,10 @@ class StatePolicyHandle:
         for _, mixer, family in self.mixers:
             setattr(mixer, _ORIG_ATTR, mixer.__dict__.get("forward"))
             mixer.forward = types.MethodType(_make_forward(self, family), mixer)
+        self._hooks = [
+            self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            self.model.register_forward_hook(self._post_forward, always_call=True),
+        ]
         self.active = True
 
     def remove(self) -> None:
@@ -175,6 +270,10 @@ class StatePolicyHandle:
                     mixer.__dict__.pop("forward", None)
                 else:
                     mixer.forward = orig
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._auto_ids = None
         self.active = False
 
     def __enter__(self) -> "StatePolicyHandle":
@@ -182,6 +281,68 @@ class StatePolicyHandle:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+    # ------------------------------------------------------------------ sequence ids
+    def _pre_forward(self, module, args, kwargs):
+        """Forward pre-hook of the patched model: on the first call of a fresh cache, derive
+        content-keyed sequence ids from ``input_ids`` (and ``attention_mask``)."""
+        self._auto_ids = None
+        try:
+            named = dict(self._signature.bind_partial(*args, **kwargs).arguments)
+        except TypeError:
+            return None
+        for p in self._signature.parameters.values():  # fold **kwargs into the named arguments
+            if p.kind is inspect.Parameter.VAR_KEYWORD and isinstance(named.get(p.name), dict):
+                named.update(named.pop(p.name))
+        cache = named.get("cache")
+        if cache is None:
+            cache = named.get("past_key_values")
+        if self._cache_has_state(cache):
+            return None
+        input_ids = named.get("input_ids")
+        if (self.sequence_ids is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
+                and input_ids.shape[1] > 0 and named.get("inputs_embeds") is None):
+            self._auto_ids = content_sequence_ids(input_ids, named.get("attention_mask"))
+        return None
+
+    def _post_forward(self, module, args, output):
+        self._auto_ids = None
+        return None
+
+    def _cache_has_state(self, cache) -> bool:
+        if cache is None:
+            return False
+        layers = getattr(cache, "layers", None)
+        if not layers:
+            return False
+        for _, mixer, _ in self.mixers:
+            i = getattr(mixer, "layer_idx", None)
+            if i is not None and i < len(layers) and _live_state(layers[i]) is not None:
+                return True
+        return False
+
+    def _ids_for_new_state(self, batch: int, device) -> torch.Tensor:
+        """Sequence ids ``[B]`` (int64) of a state created now: explicit ids, else the content
+        ids of this call; without either, 0 for RTN policies and an error under SR."""
+        if self.sequence_ids is not None:
+            ids = torch.as_tensor(self.sequence_ids, dtype=torch.int64).reshape(-1)
+            if ids.numel() != batch:
+                raise ValueError(f"handle.sequence_ids has {ids.numel()} entries for a batch of {batch}")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= 1 << SEQ_ID_BITS):
+                raise ValueError(f"handle.sequence_ids must be ints in [0, 2^{SEQ_ID_BITS}), got "
+                                 f"{ids.tolist()}")
+            return ids.to(device)
+        if self._auto_ids is not None and self._auto_ids.numel() == batch:
+            return self._auto_ids.to(device)
+        if _uses_sr(self.policy):
+            raise ValueError(
+                f"policy {self.policy} uses stochastic rounding, whose random streams are keyed by "
+                f"sequence id, and this first call on a fresh cache shows no input_ids to derive "
+                f"content-keyed ids from (inputs_embeds, or a call into a submodule rather than the "
+                f"model apply_state_policy was given); set handle.sequence_ids to one int in "
+                f"[0, 2^{SEQ_ID_BITS}) per batch row ({batch} rows) before the call, e.g. "
+                f"replayssm_quant.adapters.sequence_id(tokens) of each row")
+        return torch.zeros(batch, dtype=torch.int64, device=device)
 
     # ------------------------------------------------------------------ inspection
     @staticmethod
@@ -194,17 +355,28 @@ class StatePolicyHandle:
                 out[i] = st
         return out
 
-    def _sequence_ids(self, batch: int, device) -> torch.Tensor:
-        if self.sequence_ids is None:
-            return torch.arange(batch, dtype=torch.int64, device=device)
-        ids = torch.as_tensor(self.sequence_ids, dtype=torch.int64, device=device).reshape(-1)
-        if ids.numel() != batch:
-            raise ValueError(f"sequence_ids has {ids.numel()} entries for a batch of {batch}")
-        return ids
-
     def __repr__(self) -> str:
         return (f"StatePolicyHandle(policy={self.policy}, window={self.window}, seed={self.seed}, "
-                f"prefill={self.prefill}, layers={len(self.mixers)}, active={self.active})")
+                f"prefill={self.prefill}, dt_limit={self.dt_limit}, layers={len(self.mixers)}, "
+                f"active={self.active})")
+
+
+def _uses_sr(policy: StatePolicy) -> bool:
+    """Whether a cast under ``policy`` draws random bits."""
+    return any(spec.sr and not spec.is_identity for spec in (policy.read, policy.rec))
+
+
+def _live_state(entry):
+    """The LayerState on a cache layer, or None when the layer has no (current) state."""
+    has_prev = getattr(entry, "has_previous_state", {0: False}).get(0, False)
+    return getattr(entry, _STATE_ATTR, None) if has_prev else None
+
+
+def _padded_rows(attention_mask) -> list[int]:
+    """Rows of a 2-D mask with at least one padded position ([] for None / 4-D masks)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return []
+    return (~attention_mask.bool()).any(dim=1).nonzero().flatten().tolist()
 
 
 def _family_module(family: str):
@@ -222,18 +394,30 @@ def _make_forward(handle: StatePolicyHandle, family: str):
         state = None
         if cache is not None:
             entry = cache.layers[layer_idx]
-            has_prev = getattr(entry, "has_previous_state", {0: False}).get(0, False)
-            state = getattr(entry, _STATE_ATTR, None) if has_prev else None
+            state = _live_state(entry)
         fresh = state is None
-        inp, ctx = fam.extract(self, hidden_states, cache, attention_mask,
-                               clamp_dt=fresh and handle.prefill)
+        exact_prefill = fresh and handle.prefill
+        if not exact_prefill:
+            rows = _padded_rows(attention_mask)
+            if rows:
+                raise ValueError(
+                    f"attention_mask pads rows {rows} in a call that "
+                    f"{'emulates from the zero state (prefill=False)' if fresh else 'continues a cache'} "
+                    f"(layer {layer_idx}): ReplaySSM counts tokens in windows of L={handle.window} for "
+                    f"the whole batch, so a padded position would shift that row's flushes. Padding is "
+                    f"supported in the exact prefill only (first call on a fresh cache, prefill=True); "
+                    f"run later segments unpadded (rows of equal length)")
+        dt_limit = handle.dt_limit if fresh else getattr(entry, _DT_ATTR, handle.dt_limit)
+        inp, ctx = fam.extract(self, hidden_states, cache, attention_mask, dt_limit=dt_limit)
         Bsz, H, V, K = state_dims(family, inp)
         T = hidden_states.shape[1]
         if fresh:
             kw = dict(family=family, policy=handle.policy, window=handle.window,
                       seed=handle.seed, layer=layer_idx,
-                      sequence_ids=handle._sequence_ids(Bsz, hidden_states.device),
+                      sequence_ids=handle._ids_for_new_state(Bsz, hidden_states.device),
                       gdn_fold=handle.gdn_fold)
+            if entry is not None:
+                setattr(entry, _DT_ATTR, dt_limit)
             if handle.prefill:
                 o, S = prefill_scan(family, inp)
                 if entry is not None:
@@ -254,7 +438,7 @@ def _make_forward(handle: StatePolicyHandle, family: str):
 
 def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
                        prefill: bool = True, gdn_fold: str = "recompute",
-                       sequence_ids=None) -> StatePolicyHandle:
+                       sequence_ids=None, dt_limit: "str | DtLimit" = "decode") -> StatePolicyHandle:
     """Put every SSM mixer of ``model`` under ReplaySSM state with ``policy``.
 
     Args:
@@ -266,7 +450,13 @@ def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
         prefill: first call on a cache runs the exact prefill scan (True) or emulates from
             the zero state (False).
         gdn_fold: ``"recompute"`` (DESIGN.md default) or ``"cached"``.
-        sequence_ids: SR stream ids per batch row (default: the row index).
+        sequence_ids: SR stream ids, one int in [0, 2^20) per batch row; default None:
+            content-keyed (:func:`sequence_id` of each row's unpadded ``input_ids`` on the first
+            call of a fresh cache; module docstring).
+        dt_limit: Mamba-2 time-step rule on every call, :class:`DtLimit` or its name:
+            ``"decode"`` (default: no clamp, the model's decode step) or ``"clamp"`` (the
+            mixer's ``time_step_limit``, as the model's chunked scan). Recorded as
+            ``handle.dt_limit``.
 
     Returns:
         a :class:`StatePolicyHandle` (also a context manager that removes the patch on exit).
@@ -274,9 +464,12 @@ def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
     Raises:
         UnsupportedArchitectureError: the model is not a supported hybrid (lists the
             supported architectures) or has no SSM layers.
-        ValueError: bad policy, window or seed.
+        ValueError: bad policy, window, seed or dt_limit (naming the value).
+
+    Implements DESIGN.md section 3 (state semantics, prefill, teacher-forced emulation).
     """
-    handle = StatePolicyHandle(model, policy, window, seed, prefill, gdn_fold, sequence_ids)
+    handle = StatePolicyHandle(model, policy, window, seed, prefill, gdn_fold, sequence_ids,
+                               dt_limit)
     handle._install()
     return handle
 

@@ -9,6 +9,10 @@ DESIGN.md section 3: q and k L2-normalised (eps 1e-6) after the conv, q scaled b
 ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` (x2 where allowed), grouped
 q/k heads repeated (``repeat_interleave``) to the value heads; output gated RMSNorm per value
 head, then the output projection.
+
+Padded positions (2-D attention mask; rule in :mod:`.conv`, 2026-12-01) get ``g = 0`` and
+``beta = 0``: decay ``alpha = 1`` and correction ``u = beta (...) = 0``, so they neither decay nor
+write the state.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .conv import causal_conv, mask_padding
+from .conv import causal_conv, mask_padding, padding_noop
 
 __all__ = ["GDN_MIXERS", "extract", "output", "dims", "L2NORM_EPS"]
 
@@ -60,20 +64,23 @@ def _project(mixer, hs):
     return qkv, z, b, a
 
 
-def extract(mixer, hidden_states, cache, attention_mask, *, clamp_dt: bool = False):
+def extract(mixer, hidden_states, cache, attention_mask, *, dt_limit=None):
     """Run the mixer up to the recurrence: returns ``(inputs, ctx)``; updates the conv state.
 
-    ``inputs``: grouped ``q, k [B, T, HK, DK]`` (L2-normalised, q scaled), ``v [B, T, HV, DV]``,
-    ``g, beta [B, T, HV]`` in the working dtype.
+    ``hidden_states [B, T, D]`` (model dtype); ``attention_mask`` ``[B, T]`` (1 real, 0 padding)
+    or None. ``inputs``: grouped ``q, k [B, T, HK, DK]`` (L2-normalised, q scaled),
+    ``v [B, T, HV, DV]``, ``g, beta [B, T, HV]`` in the working dtype; padded positions have
+    ``g = beta = 0`` (no-op records). ``dt_limit`` is accepted for a uniform signature and
+    ignored (GDN has no time-step limit).
     """
-    del clamp_dt  # GDN has no time-step clamp
+    del dt_limit
     Bsz, T, _ = hidden_states.shape
     dtype = hidden_states.dtype
     wd = torch.float64 if dtype == torch.float64 else torch.float32
     HV, DV, DK = dims(mixer)
     hs = mask_padding(hidden_states, attention_mask)
     qkv, z, b, a = _project(mixer, hs)
-    qkv = causal_conv(mixer, qkv, cache)
+    qkv = causal_conv(mixer, mask_padding(qkv, attention_mask), cache, attention_mask)
     q, k, v = torch.split(qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
     q = q.to(wd).reshape(Bsz, T, -1, DK)
     k = k.to(wd).reshape(Bsz, T, -1, DK)
@@ -84,7 +91,9 @@ def extract(mixer, hidden_states, cache, attention_mask, *, clamp_dt: bool = Fal
     if getattr(mixer, "allow_neg_eigval", False):
         beta = beta * 2.0
     g = -mixer.A_log.to(wd).exp() * F.softplus(a.to(wd) + mixer.dt_bias.to(wd))
-    inp = {"q": q, "k": k, "v": v, "g": g, "beta": beta.to(wd)}
+    g = padding_noop(g, attention_mask)
+    beta = padding_noop(beta.to(wd), attention_mask)
+    inp = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     return inp, {"z": z, "dtype": dtype}
 
 

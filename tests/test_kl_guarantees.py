@@ -46,13 +46,14 @@ def _args(model_dir, data_file, out, *extra, policies=("shared:nvfp4+sr", "eager
 
 
 class Spy:
-    """Records every forward_segment call (policy, start, input ids) and can overwrite logits."""
+    """Records every model call of the runner (policy, start, input ids ``[B, T]``; the runner
+    goes through ``segments.forward_each``) and can overwrite logits of a batch row."""
 
     def __init__(self, monkeypatch):
         self.calls = []
         self.inject = []  # (policy predicate, batch row, position, value)
         self.policy = None
-        orig_fs = segments.forward_segment
+        orig_fe = segments.forward_each
         orig_sp = adapters.StatePolicyHandle.set_policy
         spy = self
 
@@ -60,17 +61,17 @@ class Spy:
             orig_sp(handle, policy, **kw)
             spy.policy = str(handle.policy)
 
-        def forward_segment(model, input_ids, cache=None, *, start=0, **kw):
-            logits, cache = orig_fs(model, input_ids, cache, start=start, **kw)
+        def forward_each(model, input_ids, caches=None, *, start=0, **kw):
+            logits, caches = orig_fe(model, input_ids, caches, start=start, **kw)
             spy.calls.append((spy.policy, start, input_ids.detach().clone()))
             for pred, row, pos, value in spy.inject:
                 if pred(spy.policy) and start <= pos < start + input_ids.shape[1]:
                     logits = logits.clone()
                     logits[row, pos - start, 5] = value
-            return logits, cache
+            return logits, caches
 
         monkeypatch.setattr(adapters.StatePolicyHandle, "set_policy", set_policy)
-        monkeypatch.setattr(segments, "forward_segment", forward_segment)
+        monkeypatch.setattr(segments, "forward_each", forward_each)
 
 
 # ------------------------------------------------------------------------------ 6: KL >= 0

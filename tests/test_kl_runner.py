@@ -131,3 +131,14 @@ def test_output_dir_that_is_a_file_exit_2(model_dir, data_file, tmp_path, capsys
     f.write_text("x")
     assert main(_args(model_dir, data_file, f)) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_dt_limit_recorded_and_part_of_resume_identity(tmp_path):
+    """``--dt-limit`` reaches the adapters (``handle.dt_limit``), is written to the manifest,
+    and a resume with the other rule is refused before any compute (exit 2)."""
+    out = tmp_path / "run"
+    args = ["--model", "tiny-mamba2", "--max-docs", "1", "-N", "16", "--policies", "fp32",
+            "--stepwise-check", "0", "--no-progress", "-o", str(out)]
+    assert main(args + ["--dt-limit", "clamp"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["dt_limit"] == "clamp"
+    assert main(args + ["--dt-limit", "decode"]) == 2

@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens run through the exact scan before emulation starts "
                    "(their positions are not reported; default 0)")
     p.add_argument("--segment-len", type=int, default=512, help="tokens per forward call (default 512)")
-    p.add_argument("--batch-size", type=int, default=1, help="documents per forward call (default 1)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="documents processed together (default 1); each document still runs "
+                   "through the model alone, so results do not depend on it (docs/invariance.md)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="SR seeds (default 0)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"),
@@ -95,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "extra threads of many "
                    "small ops mostly wait on each other)")
     p.add_argument("--output-dir", "-o", default="kl-run", help="output directory (default ./kl-run)")
+    p.add_argument("--dt-limit", default="decode", choices=("decode", "clamp"),
+                   help="Mamba-2 time_step_limit rule on every call: 'decode' (default: no clamp, as "
+                   "transformers' decode step and serving) or 'clamp' (as its chunked scan); "
+                   "docs/adapters.md")
     p.add_argument("--gdn-fold", default="recompute", choices=("recompute", "cached"),
                    help="GDN flush: re-solve corrections against A (default) or fold cached ones")
     p.add_argument("--add-bos-token", default="auto", choices=BOS_CHOICES,
@@ -262,7 +268,8 @@ def run_identity(a, cfg) -> dict:
     return {"model": str(a.model),
             "config_sha256": hashlib.sha256(cfg.to_json_string().encode()).hexdigest(),
             "dtype": a.dtype, "device_type": str(a.device).split(":")[0], "prefill": a.prefill,
-            "segment_len": a.segment_len, "gdn_fold": a.gdn_fold, "max_tokens": a.max_tokens,
+            "segment_len": a.segment_len, "gdn_fold": a.gdn_fold, "dt_limit": a.dt_limit,
+            "max_tokens": a.max_tokens,
             "add_bos_token": a.add_bos_token, "metrics": METRICS_VERSION}
 
 
@@ -337,7 +344,7 @@ def _segments(N: int, P: int, S: int) -> list:
     return bounds
 
 
-def _step_logits(model, forward_segment, ids, P: int, end: int):
+def _step_logits(model, forward, ids, P: int, end: int):
     """Logits ``[B, end - P, V]`` of positions ``P .. end-1`` decoded token by token: the
     prefill ``ids[:, :P]`` in one call (as in the emulated run), then one forward call per token
     with the cache (the adapters' ReplaySSM step path)."""
@@ -345,10 +352,10 @@ def _step_logits(model, forward_segment, ids, P: int, end: int):
 
     cache = None
     if P:
-        _, cache = forward_segment(model, ids[:, :P], None, start=0)
+        _, cache = forward(model, ids[:, :P], None, start=0)
     out = []
     for t in range(P, end):
-        lg, cache = forward_segment(model, ids[:, t:t + 1], cache, start=t)
+        lg, cache = forward(model, ids[:, t:t + 1], cache, start=t)
         out.append(lg[:, -1].float())
     return torch.stack(out, 1)
 
@@ -403,7 +410,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     from tqdm.auto import tqdm
 
     from replayssm_quant.adapters import apply_state_policy
-    from replayssm_quant.adapters.segments import forward_segment
+    from replayssm_quant.adapters.segments import forward_each
     from replayssm_quant.models import load_model
 
     t0 = time.time()
@@ -418,7 +425,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     cells = [(str(p), w, s) for p in policies for w in a.windows for s in a.seeds]
     ref_window = a.windows[0]  # the fp32 reference: one fixed setting for every document
     handle = apply_state_policy(model, "fp32", window=ref_window, seed=0,
-                                prefill=a.prefill > 0, gdn_fold=a.gdn_fold)
+                                prefill=a.prefill > 0, gdn_fold=a.gdn_fold, dt_limit=a.dt_limit)
     N, P, S, K = a.max_tokens, a.prefill, a.segment_len, a.stepwise_check
     step_end = P + K
     step_dir = _step_dir(out, K)
@@ -450,7 +457,12 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
                 continue
             full = torch.tensor([token_docs[d]["ids"] for d in batch], device=a.device)
             ids, targets = full[:, :N], full[:, 1:N + 1]  # position t predicts token t + 1
-            handle.sequence_ids = list(batch)
+            # every document alone through the model, SR keyed by its index
+            row_ids = dict(handle=handle, sequence_ids=list(batch))
+
+            def forward_rows(m, x, cache, start):
+                return forward_each(m, x, cache, start=start, **row_ids)
+
             caches = {c: None for c in todo}
             ref_cache = None
             rows = {c: [] for c in todo}
@@ -459,13 +471,13 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
             for (lo, hi) in bounds:
                 tr = time.time()
                 handle.set_policy("fp32", window=ref_window, seed=0)
-                ref, ref_cache = forward_segment(model, ids[:, lo:hi], ref_cache, start=lo)
+                ref, ref_cache = forward_each(model, ids[:, lo:hi], ref_cache, start=lo, **row_ids)
                 timings["reference_s"] += time.time() - tr
                 if hi <= P:  # prefill positions are exact in every cell: not reported
                     for c in todo:
                         tp = time.time()
                         handle.set_policy(c[0], window=c[1], seed=c[2])
-                        _, caches[c] = forward_segment(model, ids[:, lo:hi], caches[c], start=lo)
+                        _, caches[c] = forward_each(model, ids[:, lo:hi], caches[c], start=lo, **row_ids)
                         timings["policies_s"][c[0]] += time.time() - tp
                     continue
                 ks, ke = max(lo, P) - lo, min(hi, step_end) - lo  # checked part of this segment
@@ -474,7 +486,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
                 for c in tqdm(todo, desc="cells", leave=False, disable=a.no_progress):
                     tp = time.time()
                     handle.set_policy(c[0], window=c[1], seed=c[2])
-                    lg, caches[c] = forward_segment(model, ids[:, lo:hi], caches[c], start=lo)
+                    lg, caches[c] = forward_each(model, ids[:, lo:hi], caches[c], start=lo, **row_ids)
                     rows[c].append(position_metrics(ref, lg, targets[:, lo:hi]))
                     if ke > ks:
                         kept[c].append(lg[:, ks:ke].float().clone())
@@ -484,11 +496,11 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
             if K:
                 ts = time.time()
                 handle.set_policy("fp32", window=ref_window, seed=0)
-                ref_step = _step_logits(model, forward_segment, ids, P, step_end)
+                ref_step = _step_logits(model, forward_rows, ids, P, step_end)
                 ref_emul = torch.cat(ref_kept, 1)
                 for c in todo:
                     handle.set_policy(c[0], window=c[1], seed=c[2])
-                    step = _step_logits(model, forward_segment, ids, P, step_end)
+                    step = _step_logits(model, forward_rows, ids, P, step_end)
                     step_rows[c] = _stepwise_rows(ref_emul, ref_step, torch.cat(kept[c], 1), step)
                 timings["stepwise_s"] += time.time() - ts
             for c in todo:
@@ -532,6 +544,9 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
         "bos": tokz.manifest(),
         "policies": [str(p) for p in policies], "windows": a.windows, "seeds": a.seeds,
         "reference": {"policy": "fp32", "window": ref_window, "seed": 0},
+        "dt_limit": str(handle.dt_limit),
+        "invariance": "each document runs through the model alone (adapters.segments.forward_each); "
+                      "SR streams keyed by document index; docs/invariance.md",
         "cells_computed_this_run": n_new, "timings": timings, "threads": threads,
         "nonfinite_rows": int(pos["nonfinite"].sum()),
         "nonfinite_ref_rows": int(pos["nonfinite_ref"].sum()),

@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-__all__ = ["cache_of", "cache_kwarg", "forward_segment"]
+__all__ = ["cache_of", "cache_kwarg", "forward_segment", "forward_each"]
 
 
 def cache_kwarg(model) -> str:
@@ -49,3 +49,44 @@ def forward_segment(model, input_ids: torch.Tensor, cache=None, *, start: int = 
         kw["logits_to_keep"] = logits_to_keep
     out = model(input_ids, **kw)
     return out.logits, cache_of(out)
+
+
+def forward_each(model, input_ids: torch.Tensor, caches=None, *, start: int = 0, handle=None,
+                 sequence_ids=None):
+    """:func:`forward_segment` for every row of ``input_ids [B, T]`` alone, each with its own
+    cache: returns ``(logits [B, T, V], caches)`` with ``caches`` a list of B caches (pass it
+    back for the next segment).
+
+    Why: a batched forward is not batch-invariant on CPU or GPU. GEMM kernels and tiles are
+    chosen by the number of rows ``B*T`` (a row in an edge tile is summed in another order),
+    and some elementwise kernels (``softplus`` on CPU) compute a tensor's tail elements on a
+    scalar path; a last-bit change can then flip a state rounding decision. Run alone, a
+    document sees the same calls in any batch at any position (issue 12; docs/invariance.md).
+
+    Args:
+        caches: None (fresh) or the list returned by the previous call.
+        handle: the :class:`~replayssm_quant.adapters.StatePolicyHandle` of a patched model,
+            with ``sequence_ids``: one SR sequence id per row, set for that row's first call
+            (fresh state); None keeps the handle's default (content-keyed ids).
+    Raises:
+        ValueError: ``caches`` or ``sequence_ids`` do not have one entry per row.
+    """
+    B = input_ids.shape[0]
+    if caches is not None and len(caches) != B:
+        raise ValueError(f"caches has {len(caches)} entries for a batch of {B} rows")
+    if sequence_ids is not None and len(sequence_ids) != B:
+        raise ValueError(f"sequence_ids has {len(sequence_ids)} entries for a batch of {B} rows")
+    logits, out = [], []
+    saved = handle.sequence_ids if handle is not None else None
+    try:
+        for b in range(B):
+            if handle is not None and sequence_ids is not None:
+                handle.sequence_ids = [int(sequence_ids[b])]
+            lg, c = forward_segment(model, input_ids[b: b + 1], None if caches is None else caches[b],
+                                    start=start)
+            logits.append(lg)
+            out.append(c)
+    finally:
+        if handle is not None:
+            handle.sequence_ids = saved
+    return torch.cat(logits), out

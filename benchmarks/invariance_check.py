@@ -82,6 +82,7 @@ def runner_checks(device: str) -> list[dict]:
                 main(["--model", model, "--max-docs", "4", "-N", "1024", "--windows", "16",
                       "--policies", "eager:fp8e4m3", "shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr",
                       "read:nvfp4/rec:fp32", "--device", device, "--batch-size", str(bs),
+                      "--stepwise-check", "16",
                       "--no-progress", "-o", f"{d}/bs{bs}"])
                 times.append(time.time() - t0)
                 t = pd.read_parquet(f"{d}/bs{bs}/positions.parquet")

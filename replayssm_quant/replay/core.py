@@ -137,7 +137,7 @@ def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
     fl = torch.as_tensor(flush_index, dtype=torch.int64).reshape(-1)[:, None]
     head = torch.arange(heads, dtype=torch.int64)[None, :]
     sa = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(), copy=ANCHOR_COPY)
-    sr = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(), copy=READ_COPY)
+    sr = sa | READ_COPY  # the copy bit is the key's lowest field (philox.STREAM_FIELDS)
     return stream_keys_to(sa, sequence_ids.device), stream_keys_to(sr, sequence_ids.device)
 
 
@@ -253,17 +253,20 @@ def draft_outputs(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.T
 def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: torch.Tensor,
                       k: torch.Tensor, *, start: torch.Tensor | None = None,
                       u_known: torch.Tensor | None = None, stop: int | None = None) -> torch.Tensor:
-    """GDN corrections of a run of records against checkpoint ``C``: forward substitution of
-    the unit lower-triangular system
+    """GDN corrections of a run of records against checkpoint ``C``: the unit lower-triangular
+    system (DESIGN.md section 3, "Flush")
 
         u_j + sum_{i<j} beta_j gamma_{i+1:j} (k_i . k_j) u_i = beta_j (v_j - gamma_{1:j} C k_j).
 
-    Rows ``j < start[b]`` are taken from ``u_known`` (already computed corrections, e.g. the
-    committed read-path ones when solving for drafts), so only rows ``start..J-1`` are solved
-    (a ``(J - start) x (J - start)`` solve). ``start=None`` solves all rows (a flush).
+    ``start=None`` solves all rows in one triangular solve (``torch.linalg.solve_triangular``;
+    row ``j`` depends only on rows ``<= j``, and the solve's summation order only on ``J``, so
+    records appended after row ``j`` -- or zero padding -- never change its bits).
+    With ``start``, rows ``j < start[b]`` are taken from ``u_known`` (already computed
+    corrections, e.g. the committed read-path ones when solving for drafts) and rows
+    ``start..J-1`` are solved by forward substitution against them.
 
-    Rows ``j >= stop`` are not solved and stay zero (a window padded to its full length whose
-    later slots are still empty; the solved rows do not depend on them).
+    Rows ``j >= stop`` are returned as zero (a window padded to its full length whose later
+    slots are still empty).
 
     Args: ``C [B, H, V, K]``, ``la, beta [B, J, H]``, ``v [B, J, H, V]``, ``k [B, J, H, K]``,
     ``start`` int64 ``[B]``, ``u_known [B, >=J, H, V]``, ``stop`` int (default J).
@@ -273,6 +276,31 @@ def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: 
     u = torch.zeros_like(v)
     if J == 0:
         return u
+    c = la.cumsum(1)
+    Ck = torch.matmul(C, k.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # C k_j: [B, J, H, V]
+    rhs = beta[..., None] * (v - torch.exp(c)[..., None] * Ck)
+    kk = torch.einsum("bihk,bjhk->bjih", k, k)  # [B, j, i, H]: k_i . k_j
+    if start is None:
+        strict = torch.ones(J, J, dtype=torch.bool, device=la.device).tril(-1)[None, :, :, None]
+        neg_inf = torch.tensor(float("-inf"), dtype=la.dtype, device=la.device)
+        decay = torch.exp(torch.where(strict, c[:, :, None, :] - c[:, None, :, :], neg_inf))
+        low = (beta[:, :, None, :] * decay * kk).permute(0, 3, 1, 2)  # [B, H, j, i], i < j
+        eye = torch.eye(J, dtype=la.dtype, device=la.device)
+        u = torch.linalg.solve_triangular(eye + low, rhs.permute(0, 2, 1, 3), upper=False,
+                                          unitriangular=True).permute(0, 2, 1, 3)
+        if stop is not None and stop < J:
+            u[:, stop:] = 0
+        return u
+    first = int(start.min().clamp(0, J))
+    u[:, :first] = u_known[:, :first]
+    for j in range(first, J if stop is None else min(stop, J)):
+        acc = rhs[:, j]
+        if j > 0:
+            coef = beta[:, j, None, :] * torch.exp(c[:, j, None, :] - c[:, :j]) * kk[:, j, :j]  # [B, i, H]
+            acc = acc - (coef[..., None] * u[:, :j]).sum(1)
+        known = (j < start).view(B, 1, 1)
+        u[:, j] = torch.where(known, u_known[:, j], acc)
+    return u
     c = la.cumsum(1)
     Ck = torch.matmul(C, k.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # C k_j: [B, J, H, V]
     rhs = beta[..., None] * (v - torch.exp(c)[..., None] * Ck)

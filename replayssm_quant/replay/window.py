@@ -226,14 +226,20 @@ def mamba2_window(carry: WindowCarry, x, dt, A, B, C, D=None, *, policy, window:
     recs = _cat_records(carry, {"la": la, "v": v, "k": k})
     J = h0 + W
     Q = _padded(core.expand_heads(C, H, 2), L, at=h0)
-    ke = core.expand_heads(_padded(recs["k"], L), H, 2)
-    y = core.window_outputs(carry.read, _padded(recs["la"], L), _padded(recs["v"], L), ke,
-                            Q)[:, h0:J]
+    y = None
+    if J < L or W > 1:  # some token reads R (else: only the flush token, from S)
+        ke = core.expand_heads(_padded(recs["k"], L), H, 2)
+        y = core.window_outputs(carry.read, _padded(recs["la"], L), _padded(recs["v"], L), ke,
+                                Q)[:, h0:J]
     if J == L:
         ids = _seq_ids(sequence_ids, x.shape[0])
         S, An, Rn = flush_window("mamba2", carry.anchor, recs, policy, seed=seed, layer=layer,
                                  sequence_ids=ids, flush_index=carry.flush_index)
-        y[:, -1] = core.matvec(S, Q[:, -1])
+        last = core.matvec(S, Q[:, -1])  # the flush token reads the unrounded S
+        if y is None:
+            y = last[:, None]
+        else:
+            y[:, -1] = last
         carry = WindowCarry(An, Rn, {}, carry.flush_index + 1)
     else:
         carry = WindowCarry(carry.anchor, carry.read, recs, carry.flush_index)
@@ -265,7 +271,7 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, see
 
     Inputs ``q, k [B, W, HK, DK]``, ``v [B, W, HV, DV]``, ``g, beta [B, W, HV]`` as for
     :meth:`GDNReplayState.step`. Read-path corrections of the new tokens are solved against
-    R and the cached corrections (forward substitution, :func:`core.solve_corrections`); at
+    R (one triangular solve of the window padded to L, :func:`core.solve_corrections`); at
     the window end the corrections are re-solved against A inside :func:`gdn_flush` (or, with
     ``fold_cached_corrections``, the cached ones are folded). Returns ``(o [B, W, HV, DV], carry)``.
     """
@@ -277,20 +283,26 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, policy, window: int, see
     new = {"la": g, "beta": beta, "v": v, "k": k, "uR": torch.zeros_like(v)}
     recs = _cat_records(carry, new)
     J = h0 + W
-    P = {n: _padded(t, L) for n, t in recs.items()}
-    ke = core.expand_heads(P["k"], HV, 2)
-    start = torch.full((Bz,), h0, dtype=torch.int64, device=v.device)
-    uR = core.solve_corrections(carry.read, P["la"], P["beta"], P["v"], ke,
-                                start=start, u_known=P["uR"], stop=J)
-    recs["uR"] = uR[:, :J]
     Q = _padded(core.expand_heads(q, HV, 2), L, at=h0)
-    o = core.window_outputs(carry.read, P["la"], uR, ke, Q)[:, h0:J]
+    o = None
+    if J < L or W > 1 or fold_cached_corrections:  # some token reads R (else: only the flush)
+        P = {n: _padded(t, L) for n, t in recs.items()}
+        ke = core.expand_heads(P["k"], HV, 2)
+        # all rows of the padded window in one solve: the rows of earlier calls come out with
+        # the same bits as when they were cached, and the new rows see exactly those
+        uR = core.solve_corrections(carry.read, P["la"], P["beta"], P["v"], ke, stop=J)
+        recs["uR"] = uR[:, :J]
+        o = core.window_outputs(carry.read, P["la"], uR, ke, Q)[:, h0:J]
     if J == L:
         ids = _seq_ids(sequence_ids, Bz)
         S, An, Rn = flush_window("gdn", carry.anchor, recs, policy, seed=seed, layer=layer,
                                  sequence_ids=ids, flush_index=carry.flush_index,
                                  u_cached=recs["uR"], fold_cached=fold_cached_corrections)
-        o[:, -1] = core.matvec(S, Q[:, -1])
+        last = core.matvec(S, Q[:, -1])  # the flush token reads the unrounded S
+        if o is None:
+            o = last[:, None]
+        else:
+            o[:, -1] = last
         carry = WindowCarry(An, Rn, {}, carry.flush_index + 1)
     else:
         carry = WindowCarry(carry.anchor, carry.read, recs, carry.flush_index)

@@ -185,7 +185,7 @@ def test_cli_bad_model_args_exit_2(margs, word, capsys):
     assert err.startswith("replayssm-lm-eval: error:") and word in err
 
 
-# ---------------------------------------------------------------- issue 12: numbers a user can trust
+# ------------------------------------------------ issue 12: numbers a user can trust
 def _embedded_lm(name, **kw):
     kw.setdefault("device", "cpu")
     return ReplaySSMLM(pretrained=name, **kw)
@@ -257,7 +257,8 @@ def test_batch_size_auto_matches_batch_size_1():
     auto = _embedded_lm("tiny-mamba2", batch_size="auto", max_batch_size=4, **kw)
     one = _embedded_lm("tiny-mamba2", batch_size=1, **kw)
     assert _ll(auto) == _ll(one)
-    text = [Instance("loglikelihood_rolling", {}, (a + b,), i) for i, (a, b) in enumerate(LL_REQUESTS)]
+    text = [Instance("loglikelihood_rolling", {}, (a + b,), i)
+            for i, (a, b) in enumerate(LL_REQUESTS)]
     assert (auto.loglikelihood_rolling(text, disable_tqdm=True)
             == one.loglikelihood_rolling(text, disable_tqdm=True))
 

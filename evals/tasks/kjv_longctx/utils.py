@@ -67,9 +67,8 @@ def _dataset(**kw):
     import datasets
 
     allowed = {"context_chars", "n_items", "n_words", "item_seed"}  # no model-argument names
-    return datasets.DatasetDict(
-        {"test": datasets.Dataset.from_list(_items(**{k: v for k, v in kw.items() if k in allowed}))}
-    )
+    items = _items(**{k: v for k, v in kw.items() if k in allowed})
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(items)})
 
 
 def load_mc(**kwargs):

@@ -9,17 +9,25 @@ Usage (exactly lm_eval's command line, with our model registered)::
 The model class subclasses lm-eval's ``HFLM`` and overrides only what the state semantics
 need (DESIGN.md section 3):
 
-* ``loglikelihood`` / ``loglikelihood_rolling``: HFLM batches and scores as usual; each row's
-  context is prefilled exactly (the chunked scan in the model's precision, its final state
-  cast as flush 0), and the continuation is run teacher-forced under the policy through the
-  adapters' window-by-window emulation (``replayssm_quant.adapters``), which equals stepping
-  through the continuation token by token.
+* ``_loglikelihood_tokens`` (used by ``loglikelihood`` and ``loglikelihood_rolling``) queues,
+  in the order HFLM batches its rows, each row's true length and prefill length (taken from
+  the request, never guessed from the padded row); ``_model_call`` takes one batch's entries
+  and, row by row (identical rows once), prefills the context exactly (the chunked scan in
+  the model's precision, its final state cast as flush 0) and runs the continuation
+  teacher-forced under the policy through the adapters' window-by-window emulation
+  (``replayssm_quant.adapters``), which equals stepping through it token by token. HFLM's
+  right padding never enters the state, and a row's logits never depend on its batch.
+* ``_detect_batch_size`` (``batch_size=auto``): HFLM's probe, its test rows scored through the
+  same policy path.
 * ``generate_until``: the prompt is prefilled exactly, then ``model.generate`` decodes step by
   step with ReplaySSM state under the policy. Rows are generated one at a time so left
   padding never enters the recurrent state.
 
-Stochastic-rounding streams are keyed by a hash of each row's tokens (not its batch position),
-so scores do not depend on batching and are reproducible for a fixed ``seed``.
+Log-probabilities are FP32 ``log_softmax`` of the logits by default (HFLM's ``softmax_dtype``
+set to ``float32``), whatever the model's dtype. Stochastic-rounding streams are keyed by a
+hash of each row's own request tokens (not its batch position or padding), so per-request
+scores do not depend on batching and are reproducible for a fixed ``seed``. Unknown model
+arguments are refused before the model loads (:func:`accepted_model_args`).
 
 lm-eval 0.4.13 has no plugin (entry-point) discovery of models, so ``replayssm-lm-eval``
 imports this module (which registers ``replayssm``) and hands the command line to lm_eval.
@@ -28,9 +36,11 @@ imports this module (which registers ``replayssm``) and hands the command line t
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
+from typing import NamedTuple
 
 import torch
 
@@ -41,12 +51,14 @@ from replayssm_quant.policy import StatePolicy
 try:
     from lm_eval.api.registry import register_model
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.utils import Collator
 except ImportError as e:  # pragma: no cover - exercised only without the eval extra
     raise ImportError(
         "evals.lm_eval_adapter needs lm-eval: pip install 'replayssm-quant[eval]'"
     ) from e
 
-__all__ = ["ReplaySSMLM", "cli", "POLICY_GRAMMAR", "sequence_id", "check_model_args"]
+__all__ = ["ReplaySSMLM", "cli", "POLICY_GRAMMAR", "sequence_id", "check_model_args",
+           "accepted_model_args"]
 
 POLICY_GRAMMAR = (
     "fp32 | shared:F | eager:F | read:F/rec:G, with F, G in "
@@ -75,6 +87,24 @@ def _as_int(name: str, value, minimum: int) -> int:
     return v
 
 
+class _Row(NamedTuple):
+    """One loglikelihood row as HFLM builds it: its input tokens without padding, and how many
+    of them are prefilled exactly (the rest run under the policy)."""
+
+    tokens: tuple[int, ...]
+    prefill: int
+
+
+def _hflm_row_order(request) -> tuple:
+    """The sort key HFLM's ``_loglikelihood_tokens`` hands its ``Collator`` (lm-eval 0.4.x):
+    longest ``context + continuation`` first, ties broken by the tokens (rows with the same
+    tokens keep their request order: both sorts are stable). ``_model_call`` checks every row
+    it receives against the queue built with it, so a different order in a later lm-eval
+    stops the run with an error instead of mis-scoring."""
+    toks = request[1] + request[2]
+    return -len(toks), tuple(toks)
+
+
 @register_model("replayssm")
 class ReplaySSMLM(HFLM):
     """HFLM with every SSM layer's state under a ReplaySSM precision policy.
@@ -86,115 +116,144 @@ class ReplaySSMLM(HFLM):
         max_drafts: drafts T for speculative decoding studies (accepted and recorded; lm-eval's
             generate path decodes one token at a time, so it has no effect there).
         gdn_fold: ``recompute`` (default) or ``cached`` (the unstable variant, for study).
-        every other argument: as HFLM (``device``, ``dtype``, ``batch_size``, ...).
+        softmax_dtype: as HFLM, but defaults to ``float32``: log-probabilities are FP32
+            ``log_softmax`` of the logits whatever the model's ``dtype``.
+        every other named argument of HFLM (``device``, ``dtype``, ``batch_size``, ...); the
+            full list is :func:`accepted_model_args`.
 
     Raises:
-        ValueError: bad ``state``/``window``/``seed``/``max_drafts`` (before the model loads).
+        ValueError: an unknown argument, or a bad ``state``/``window``/``seed``/``max_drafts``/
+            ``gdn_fold``, or ``logits_cache=True`` (all before the model loads).
     """
 
     def __init__(self, pretrained="tiny-gdn", state="fp32", window=16, seed=0, max_drafts=0,
                  gdn_fold="recompute", **kwargs):
+        _refuse_unknown(kwargs)
         self.policy = _parse_policy(state)
         self.window = _as_int("window", window, 1)
         self.seed = _as_int("seed", seed, 0)
         self.max_drafts = _as_int("max_drafts", max_drafts, 0)
-        if gdn_fold not in ("recompute", "cached"):
-            raise ValueError(f"model argument gdn_fold must be 'recompute' or 'cached', got {gdn_fold!r}")
+        _check_gdn_fold(gdn_fold)
+        # lm-eval's logits cache shares one forward between requests whose tokens agree; under
+        # a state policy the logits also depend on where the prefill ends, so it stays off.
+        _check_logits_cache(kwargs.get("logits_cache", False))
         if isinstance(pretrained, str) and not os.path.isdir(pretrained):
             from replayssm_quant.models import resolve_model_path
 
             pretrained = str(resolve_model_path(pretrained))
         if "device" not in kwargs or kwargs["device"] is None:
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-        # lm-eval's logits cache shares one forward between requests whose tokens agree; under
-        # a state policy the logits also depend on where the prefill ends, so it is off.
         kwargs["logits_cache"] = False
+        kwargs.setdefault("softmax_dtype", "float32")
+        self._rows: deque[_Row] | None = None  # scored rows queued in HFLM's batch order
         super().__init__(pretrained=pretrained, **kwargs)
 
         from replayssm_quant.adapters import apply_state_policy
 
         self.handle = apply_state_policy(self.model, self.policy, window=self.window,
                                          seed=self.seed, gdn_fold=gdn_fold)
-        self._prefill: dict[tuple, int] = {}
-        self._lengths: list[int] = []
 
     # ------------------------------------------------------------------ bookkeeping
     def get_model_info(self) -> dict:
+        """HFLM's model info plus the state policy, window, seed and drafts."""
         info = super().get_model_info()
         info.update(replayssm_state=str(self.policy), replayssm_window=self.window,
                     replayssm_seed=self.seed, replayssm_max_drafts=self.max_drafts)
         return info
 
-    def _row_input(self, context_enc, continuation_enc):
-        """(input tokens, prefill length) of one request, as HFLM builds its row."""
-        whole = (list(context_enc) + list(continuation_enc))[-(self.max_length + 1):]
-        inp = whole[:-1]
-        prefill = max(len(inp) - len(continuation_enc) + 1, 1)
-        return tuple(inp), prefill
+    def _row(self, context_enc, continuation_enc) -> _Row:
+        """The row HFLM builds for one request (left-truncated to ``max_length``) and its
+        prefill length: the context, i.e. everything before the first continuation logit."""
+        inp = (list(context_enc) + list(continuation_enc))[-(self.max_length + 1):][:-1]
+        return _Row(tuple(inp), max(len(inp) - len(continuation_enc) + 1, 1))
 
     # ------------------------------------------------------------------ loglikelihood
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-        """HFLM's scoring, with the prefill length of every row made known to ``_model_call``.
+        """HFLM's scoring, with every row's length and prefill length queued for
+        ``_model_call`` in the order HFLM batches the rows (its ``Collator`` order)."""
+        ordered = next(iter(Collator(requests, sort_fn=_hflm_row_order)
+                            .get_batched(n=len(requests))), [])
+        self._rows = deque(self._row(ctx, cont) for _, ctx, cont in ordered)
+        try:
+            res = super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm,
+                                                override_bs=override_bs)
+            unscored = len(self._rows)
+        finally:
+            self._rows = None
+        if unscored:
+            raise RuntimeError(f"internal error: lm-eval scored {len(requests) - unscored} of "
+                               f"{len(requests)} loglikelihood rows through _model_call")
+        return res
 
-        Requests whose input rows coincide but whose prefill differs are scored in separate
-        rounds so that a row always identifies its prefill length.
-        """
-        rounds: list[list[int]] = []
-        seen: list[dict] = []
-        for i, (_, ctx, cont) in enumerate(requests):
-            key, pre = self._row_input(ctx, cont)
-            for r, table in enumerate(seen):
-                if table.get(key, pre) == pre:
-                    table[key] = pre
-                    rounds[r].append(i)
-                    break
-            else:
-                seen.append({key: pre})
-                rounds.append([i])
-        out: list = [None] * len(requests)
-        for idx, table in zip(rounds, seen):
-            self._prefill = table
-            self._lengths = sorted({len(k) for k in table}, reverse=True)
-            try:
-                res = super()._loglikelihood_tokens([requests[i] for i in idx],
-                                                    disable_tqdm=disable_tqdm, override_bs=override_bs)
-            finally:
-                self._prefill, self._lengths = {}, []
-            for i, r in zip(idx, res):
-                out[i] = r
-        return out
+    def _detect_batch_size(self, requests=None, pos: int = 0):
+        """HFLM's batch-size probe (``batch_size=auto``). Its test rows never consume the
+        queue of scored rows; ``_model_call`` runs them through the policy path."""
+        queued, self._rows = self._rows, None
+        try:
+            return super()._detect_batch_size(requests, pos)
+        finally:
+            self._rows = queued
 
-    def _lookup(self, row: list[int]) -> tuple[int, int]:
-        for n in self._lengths:
-            pre = self._prefill.get(tuple(row[:n]))
-            if pre is not None:
-                return n, pre
-        raise RuntimeError("internal error: a scored row has no registered prefill length")
+    def _take_rows(self, inps: torch.Tensor) -> list[_Row]:
+        """The next ``B`` queued rows, checked against the batch HFLM built from them."""
+        B, W = inps.shape
+        if len(self._rows) < B:
+            raise RuntimeError(f"internal error: a batch of {B} rows but {len(self._rows)} "
+                               "queued loglikelihood rows")
+        rows = [self._rows.popleft() for _ in range(B)]
+        got = inps.tolist()
+        for b, r in enumerate(rows):
+            n = len(r.tokens)
+            if n > W or tuple(got[b][:n]) != r.tokens:
+                raise RuntimeError(
+                    f"internal error: row {b} of a batch of {B} is not the request queued for "
+                    "it; this lm-eval version batches loglikelihood rows in another order "
+                    "than evals.lm_eval_adapter expects")
+        return rows
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-        """Logits ``[B, T, V]`` of right-padded rows: per row, exact prefill of its context, then
-        the continuation teacher-forced under the policy (padding positions are left 0)."""
-        if not self._prefill:  # e.g. HFLM's batch-size probe
-            return super()._model_call(inps, attn_mask, labels)
-        rows = inps.tolist()
-        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for b, row in enumerate(rows):
-            groups[self._lookup(row)].append(b)
+        """Logits ``[B, T, V]`` of HFLM's right-padded rows: per row, exact prefill of its
+        context, then the continuation teacher-forced under the policy; positions past a row's
+        end are 0 and never enter the state.
+
+        Each distinct row runs on its own (batch of 1, its own length), and identical rows
+        (same tokens, same prefill) share one run, so a row's logits are bit-identical whatever
+        else is in the batch: batched float GEMMs are not batch-invariant even in the
+        unpatched model (CPU and GPU BLAS choose kernels by the number of rows).
+
+        Inside ``_loglikelihood_tokens`` each row's length and prefill come from the queue.
+        Otherwise (HFLM's batch-size probe, a direct call) every row is taken as full width
+        with a one-token prefill, so all of it runs under the policy."""
+        if self._rows is None:
+            rows = [_Row(tuple(r), 1) for r in inps.tolist()]
+        else:
+            rows = self._take_rows(inps)
+        where: dict[_Row, list[int]] = defaultdict(list)
+        for b, r in enumerate(rows):
+            where[r].append(b)
         logits = None
-        with torch.no_grad():
-            for (n, pre), idx in groups.items():
-                ids = inps[idx, :n]
-                self.handle.sequence_ids = [sequence_id(rows[b][:n]) for b in idx]
-                first, cache = forward_segment(self.model, ids[:, :pre])  # exact prefill
-                parts = [first]
-                if n > pre:  # the continuation, teacher-forced under the policy
-                    parts.append(forward_segment(self.model, ids[:, pre:n], cache, start=pre)[0])
-                lg = torch.cat(parts, dim=1)
-                if logits is None:
-                    logits = lg.new_zeros(inps.shape[0], inps.shape[1], lg.shape[-1])
-                logits[idx, :n] = lg
-        self.handle.sequence_ids = None
+        for r, idx in where.items():
+            lg = self._row_logits(inps[idx[0]: idx[0] + 1, : len(r.tokens)], r.prefill)
+            if logits is None:
+                logits = lg.new_zeros(inps.shape[0], inps.shape[1], lg.shape[-1])
+            logits[idx, : len(r.tokens)] = lg[0]
         return logits
+
+    def _row_logits(self, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+        """Logits ``[1, n, V]`` of one row ``ids [1, n]``: exact prefill of ``ids[:, :prefill]``,
+        the rest teacher-forced under the policy; SR streams keyed by the row's tokens."""
+        autocast = torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                  enabled=self.mixed_precision_dtype is not None)  # as HFLM
+        self.handle.sequence_ids = [sequence_id(ids[0].tolist())]
+        try:
+            with torch.no_grad(), autocast:
+                first, cache = forward_segment(self.model, ids[:, :prefill])  # exact prefill
+                if ids.shape[1] == prefill:
+                    return first
+                rest = forward_segment(self.model, ids[:, prefill:], cache, start=prefill)[0]
+                return torch.cat([first, rest], dim=1)
+        finally:
+            self.handle.sequence_ids = None
 
     # ------------------------------------------------------------------ generation
     def _model_generate(self, context, max_length: int, stop, **generation_kwargs):
@@ -206,15 +265,17 @@ class ReplaySSMLM(HFLM):
         if pad is None:
             pad = self.tokenizer.eos_token_id or 0
         outs = []
-        for b in range(context.shape[0]):
-            row = context[b: b + 1]
-            if mask is not None:
-                row = row[:, mask[b].bool()]
-            self.handle.sequence_ids = [sequence_id(row[0].tolist())]
-            gen = super()._model_generate(row, row.shape[1] + new_tokens, stop,
-                                          **dict(generation_kwargs))
-            outs.append(gen[0, row.shape[1]:])
-        self.handle.sequence_ids = None
+        try:
+            for b in range(context.shape[0]):
+                row = context[b: b + 1]
+                if mask is not None:
+                    row = row[:, mask[b].bool()]
+                self.handle.sequence_ids = [sequence_id(row[0].tolist())]
+                gen = super()._model_generate(row, row.shape[1] + new_tokens, stop,
+                                              **dict(generation_kwargs))
+                outs.append(gen[0, row.shape[1]:])
+        finally:
+            self.handle.sequence_ids = None
         width = max((o.numel() for o in outs), default=0)
         result = context.new_full((context.shape[0], context.shape[1] + width), pad)
         result[:, : context.shape[1]] = context
@@ -223,60 +284,112 @@ class ReplaySSMLM(HFLM):
         return result
 
 
-def _model_args(argv: list[str]) -> tuple[str | None, str | None]:
-    """The ``--model`` and ``--model_args`` values of an lm_eval command line."""
-    vals: dict[str, str | None] = {"--model": None, "--model_args": None}
-    for i, tok in enumerate(argv):
-        for flag in vals:
-            if tok == flag and i + 1 < len(argv):
-                vals[flag] = argv[i + 1]
-            elif tok.startswith(flag + "="):
-                vals[flag] = tok[len(flag) + 1:]
-    return vals["--model"], vals["--model_args"]
+def accepted_model_args() -> tuple[str, ...]:
+    """Names of the model arguments ``replayssm`` accepts, sorted: its own (``state``,
+    ``window``, ``seed``, ``max_drafts``, ``gdn_fold``, ``pretrained``) and every named
+    parameter of the installed lm-eval's ``HFLM.__init__``, read from its signature (HFLM's
+    ``**kwargs``, which it would pass on to ``from_pretrained``, are not accepted)."""
+    names = set()
+    for fn in (ReplaySSMLM.__init__, HFLM.__init__):
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                names.add(p.name)
+    return tuple(sorted(names))
 
 
-def check_model_args(model_args: str | None) -> None:
-    """Validate the ReplaySSM model arguments of a ``--model_args`` string before lm-eval runs.
+def _refuse_unknown(args) -> None:
+    accepted = accepted_model_args()
+    unknown = [k for k in args if k not in accepted]
+    if unknown:
+        bad = ", ".join(f"{k}={args[k]!r}" for k in unknown)
+        raise ValueError(f"unknown model argument {bad}; replayssm accepts: {', '.join(accepted)}")
+
+
+def _check_gdn_fold(value) -> None:
+    if value not in ("recompute", "cached"):
+        raise ValueError(f"model argument gdn_fold must be 'recompute' or 'cached', got {value!r}")
+
+
+def _check_logits_cache(value) -> None:
+    if value not in (False, None):
+        raise ValueError(f"model argument logits_cache must be False for replayssm (a policy's "
+                         f"logits depend on where the prefill ends), got {value!r}")
+
+
+def check_model_args(model_args: str | dict | None) -> None:
+    """Validate ReplaySSM model arguments before lm-eval loads anything.
+
+    Args:
+        model_args: ``"key=value,key=value"`` or a JSON object string (as ``--model_args``
+            takes them), a dict (as lm-eval's command line parses them), or None.
 
     Raises:
-        ValueError: a bad ``state``, ``window``, ``seed``, ``max_drafts`` or ``gdn_fold``.
+        ValueError: an unknown key (the message lists :func:`accepted_model_args`), or a bad
+            ``state``, ``window``, ``seed``, ``max_drafts``, ``gdn_fold`` or ``logits_cache``.
     """
     if not model_args:
         return
-    s = model_args.strip()
-    if s.startswith("{"):
-        import json
+    if isinstance(model_args, str):
+        s = model_args.strip()
+        if s.startswith("{"):
+            import json
 
-        kv = {k: str(v) for k, v in json.loads(s).items()}
+            kv = json.loads(s)
+        else:
+            from lm_eval.utils import simple_parse_args_string
+
+            kv = simple_parse_args_string(s)
     else:
-        kv = dict(p.split("=", 1) for p in s.split(",") if "=" in p)
+        kv = dict(model_args)
+    _refuse_unknown(kv)
     if "state" in kv:
         _parse_policy(kv["state"])
     for name, minimum in (("window", 1), ("seed", 0), ("max_drafts", 0)):
         if name in kv:
             _as_int(name, kv[name], minimum)
-    if kv.get("gdn_fold", "recompute") not in ("recompute", "cached"):
-        raise ValueError(f"model argument gdn_fold must be 'recompute' or 'cached', got {kv['gdn_fold']!r}")
+    _check_gdn_fold(kv.get("gdn_fold", "recompute"))
+    _check_logits_cache(kv.get("logits_cache", False))
+
+
+def _cli_model_args(args) -> tuple[str | None, object]:
+    """``model`` and ``model_args`` of a parsed lm-eval command line, as lm-eval's
+    ``EvaluatorConfig.from_cli`` resolves them (command line over ``--config`` YAML)."""
+    model, margs = getattr(args, "model", None), getattr(args, "model_args", None)
+    if getattr(args, "config", None):
+        from lm_eval.config.evaluate_config import EvaluatorConfig
+
+        try:
+            yaml_cfg = EvaluatorConfig.load_yaml_config(args.config)
+        except (OSError, ValueError, TypeError):
+            return model, margs  # lm-eval reports a bad config file itself
+        model = model or yaml_cfg.get("model")
+        margs = margs or yaml_cfg.get("model_args")
+    return model, margs
 
 
 def cli(argv: list[str] | None = None) -> int:
     """``replayssm-lm-eval``: lm_eval's command line with the ``replayssm`` model registered.
 
-    Bad ReplaySSM model arguments (``--model replayssm --model_args state=...``) are reported
-    in one line with exit code 2 before lm-eval starts.
+    The command line is parsed by lm-eval's own parser (so ``--model_args`` takes the same
+    forms: ``k=v,k=v``, ``k=v k=v`` or JSON); bad or unknown ReplaySSM model arguments are
+    reported in one line with exit code 2 before anything loads.
     """
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli.harness import HarnessCLI
+    from lm_eval.utils import setup_logging
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    model, margs = _model_args(sys.argv[1:])
+    setup_logging()  # as lm_eval.__main__.cli_evaluate, with the check between parse and run
+    parser = HarnessCLI()
+    args = parser.parse_args()
+    model, margs = _cli_model_args(args)
     if model == "replayssm":
         try:
             check_model_args(margs)
         except ValueError as e:
             print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
             return 2
-    cli_evaluate()
+    parser.execute(args)
     return 0
 
 

@@ -141,13 +141,13 @@ def test_bad_numeric_args(tiny_dir, arg, val):
         _lm(tiny_dir, **{arg: val})
 
 
-def _cli(tmp_path, limit, tasks, context_chars):
+def _cli(tmp_path, limit, tasks, context_chars, *extra):
     out = tmp_path / "lm_eval_out"
     cmd = [sys.executable, "-m", "evals.lm_eval_adapter", "--model", "replayssm",
            "--model_args", "pretrained=tiny-gdn,state=read:nvfp4/rec:fp32",
            "--tasks", tasks, "--include_path", str(REPO / "evals" / "tasks"),
            "--limit", str(limit), "--device", "cpu", "--output_path", str(out),
-           "--metadata", json.dumps({"context_chars": context_chars})]
+           "--metadata", json.dumps({"context_chars": context_chars}), *extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -160,8 +160,10 @@ def _cli(tmp_path, limit, tasks, context_chars):
 
 
 def test_cli_runs_offline_on_embedded_model(tmp_path):
+    """Also issue 12 item 3: ``--batch_size auto`` (HFLM's probe) runs from the command line."""
     pytest.importorskip("replayssm_quant.models")
-    res = _cli(tmp_path, 2, "kjv_longctx_mc", 600)
+    res = _cli(tmp_path, 2, "kjv_longctx_mc", 600, "--batch_size", "auto", "--max_batch_size", "4")
+    assert str(res["config"]["batch_size"]).startswith("auto")
     assert 0.0 <= res["results"]["kjv_longctx_mc"]["acc,none"] <= 1.0
 
 
@@ -181,3 +183,192 @@ def test_cli_bad_model_args_exit_2(margs, word, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith("replayssm-lm-eval: error:") and word in err
+
+
+# ------------------------------------------------ issue 12: numbers a user can trust
+def _embedded_lm(name, **kw):
+    kw.setdefault("device", "cpu")
+    return ReplaySSMLM(pretrained=name, **kw)
+
+
+def _tricky_requests(lm):
+    """Requests whose rows collide under right padding or content lookup: A; a row that is
+    A's row plus the pad token 0 (and one that adds two 0s); A's tokens split elsewhere
+    (same row, other prefill); two continuations of one context with equal token counts (one
+    group of the batch); and a longer unrelated request."""
+    ctx, cont = lm._encode_pair("In the beginning God created the heaven", " and the earth")
+    row = (ctx + cont)[:-1]
+    c2, d1 = lm._encode_pair("And God said, Let there be light:", " and there was light.")
+    _, d2 = lm._encode_pair("And God said, Let there be light:", " and there was night.")
+    assert len(d1) == len(d2)
+    reqs = [(ctx, cont), (row + [0], [cont[-1]]), (ctx, cont[:-1] + [0, 0, cont[-1]]),
+            (ctx[:-2], ctx[-2:] + cont), (c2, d1), (c2, d2),
+            lm._encode_pair(LL_REQUESTS[0][0], LL_REQUESTS[0][1])]
+    return [(None, list(c), list(k)) for c, k in reqs]
+
+
+def _scores(lm, reqs, bs):
+    return [r[0] for r in lm._loglikelihood_tokens(reqs, disable_tqdm=True, override_bs=bs)]
+
+
+BATCH_CASES = [
+    pytest.param("tiny-mamba2", "fp32", id="mamba2-fp32"),
+    pytest.param("tiny-mamba2", "shared:nvfp4", id="mamba2-shared_nvfp4"),
+    pytest.param("tiny-mamba2", "shared:nvfp4+sr", id="mamba2-shared_nvfp4_sr"),
+    pytest.param("tiny-mamba2", "read:nvfp4/rec:fp16+sr", id="mamba2-read_nvfp4_rec_fp16_sr"),
+    pytest.param("tiny-mamba2", "eager:fp8e4m3", id="mamba2-eager_fp8e4m3"),
+    pytest.param("tiny-gdn", "fp32", id="gdn-fp32"),
+    pytest.param("tiny-gdn", "shared:nvfp4", id="gdn-shared_nvfp4"),
+    pytest.param("tiny-gdn", "shared:nvfp4+sr", id="gdn-shared_nvfp4_sr"),
+    pytest.param("tiny-gdn", "read:nvfp4/rec:fp16+sr", id="gdn-read_nvfp4_rec_fp16_sr"),
+    pytest.param("tiny-gdn", "eager:fp8e4m3", id="gdn-eager_fp8e4m3"),
+]
+
+
+@pytest.mark.parametrize("model,state", BATCH_CASES)
+def test_scores_bit_identical_for_every_batch_size_and_position(model, state):
+    """Issue 12 item 2: a request scored alone (its own call, batch of 1) is the oracle; every
+    batch size, ``batch_size=auto`` and a reversed request list give bit-identical scores,
+    including rows that collide under padding and rows of equal length and prefill."""
+    lm = _embedded_lm(model, state=state, window=4, seed=5, batch_size="auto", max_batch_size=4)
+    reqs = _tricky_requests(lm)
+    alone = [_scores(lm, [r], 1)[0] for r in reqs]
+    for bs in (2, 3, len(reqs), None):  # None: HFLM's batch_size=auto probe and schedule
+        assert _scores(lm, reqs, bs) == alone, (bs, _scores(lm, reqs, bs), alone)
+    assert _scores(lm, reqs[::-1], 2)[::-1] == alone
+
+
+def test_rows_out_of_the_queued_order_stop_the_run(monkeypatch):
+    """If lm-eval batched rows in another order than the adapter queued them, scoring stops
+    with an error (no request is scored with another row's prefill)."""
+    import evals.lm_eval_adapter as adapter
+
+    lm = _embedded_lm("tiny-mamba2", state="shared:nvfp4", window=4, batch_size=2)
+    reqs = _tricky_requests(lm)
+    monkeypatch.setattr(adapter, "_hflm_row_order", lambda r: len(r[1] + r[2]))  # shortest first
+    with pytest.raises(RuntimeError, match="another order"):
+        _scores(lm, reqs, None)
+
+
+def test_batch_size_auto_matches_batch_size_1():
+    """Issue 12 item 3: ``batch_size=auto`` (HFLM's probe, then its schedule) scores through
+    ``loglikelihood`` and ``loglikelihood_rolling`` exactly as ``batch_size=1``."""
+    kw = dict(state="shared:nvfp4+sr", window=4, seed=2, max_length=64)  # probe width
+    auto = _embedded_lm("tiny-mamba2", batch_size="auto", max_batch_size=4, **kw)
+    one = _embedded_lm("tiny-mamba2", batch_size=1, **kw)
+    assert _ll(auto) == _ll(one)
+    text = [Instance("loglikelihood_rolling", {}, (a + b,), i)
+            for i, (a, b) in enumerate(LL_REQUESTS)]
+    assert (auto.loglikelihood_rolling(text, disable_tqdm=True)
+            == one.loglikelihood_rolling(text, disable_tqdm=True))
+
+
+def test_logprobs_are_fp32_log_softmax_of_the_logits():
+    """Issue 12 item 4: with a bfloat16 model the score is the FP32 log_softmax of the logits
+    ``_model_call`` returned (oracle: float64 log_softmax of the same logits); an explicit
+    ``softmax_dtype`` still goes through HFLM's mechanism."""
+    def scored(lm):
+        seen = []
+        call = lm._model_call
+        lm._model_call = lambda *a, **k: seen.append(call(*a, **k)) or seen[-1]
+        ctx, cont = lm._encode_pair(*LL_REQUESTS[0])
+        score = _scores(lm, [(None, ctx, cont)], 1)[0]
+        (logits,) = seen
+        assert logits.dtype == torch.bfloat16
+        n = len(ctx) + len(cont) - 1
+        pos = torch.arange(n - len(cont), n)
+        picked = logits[0, pos].double().log_softmax(-1)[torch.arange(len(cont)), cont]
+        bf16 = logits[0, pos].log_softmax(-1)[torch.arange(len(cont)), cont]  # HFLM sums in it
+        return score, picked.sum().item(), bf16.sum().item()
+
+    lm = _embedded_lm("tiny-gdn", state="shared:nvfp4", window=4, dtype="bfloat16")
+    score, oracle, bf16 = scored(lm)
+    assert abs(bf16 - oracle) > 1e-3  # the example tells the two apart
+    assert abs(score - oracle) <= 1e-5 * abs(oracle), (score, oracle, bf16)
+    lm = _embedded_lm("tiny-gdn", state="shared:nvfp4", window=4, dtype="bfloat16",
+                      softmax_dtype="bfloat16")
+    score, oracle, bf16 = scored(lm)
+    assert score == bf16, (score, oracle, bf16)
+
+
+def _task_doc_ids(model_args: dict, metadata: dict) -> list[str]:
+    """Doc ids of kjv_longctx_mc as lm-eval's command line builds the task (its config merges
+    the model arguments into the task metadata)."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.tasks import TaskManager
+
+    tasks = str(REPO / "evals" / "tasks")
+    cfg = EvaluatorConfig(model="replayssm", model_args=dict(model_args), tasks="kjv_longctx_mc",
+                          include_path=tasks, metadata=dict(metadata))._configure()
+    assert cfg.metadata.items() >= cfg.model_args.items()  # lm-eval's merge, as on its CLI
+    manager = TaskManager(include_path=tasks, include_defaults=False, metadata=cfg.metadata)
+    task = manager.load("kjv_longctx_mc")["tasks"]["kjv_longctx_mc"]
+    return [d["id"] for d in task.test_docs()]
+
+
+def test_task_items_do_not_depend_on_model_args():
+    """Issue 12 item 13: the README's model arguments (``window=16,seed=0``), another SR seed
+    or none at all leave the shipped task's items unchanged; its own ``item_seed`` changes them."""
+    meta = {"context_chars": 600, "n_items": 6}
+    base = {"pretrained": "tiny-gdn", "state": "read:nvfp4/rec:fp32"}
+    plain = _task_doc_ids(base, meta)
+    assert len(plain) == 6
+    assert _task_doc_ids(base | {"window": 16, "seed": 0}, meta) == plain
+    assert _task_doc_ids(base | {"seed": 1}, meta) == plain
+    assert _task_doc_ids(base, meta | {"item_seed": 7}) != plain
+
+
+def _no_load(init):
+    """A stand-in for HFLM.__init__ with its signature that fails if anything loads."""
+    import functools
+
+    @functools.wraps(init)
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    return no_load
+
+
+def test_unknown_model_arg_refused_before_loading(monkeypatch):
+    """Issue 12 item 14: an unknown key is refused before the model loads, naming it and the
+    accepted keys (ours and every named parameter of HFLM.__init__)."""
+    import inspect
+
+    monkeypatch.setattr(HFLM, "__init__", _no_load(HFLM.__init__))
+    with pytest.raises(ValueError) as e:
+        ReplaySSMLM(pretrained="tiny-gdn", frobnicate=3)
+    msg = str(e.value)
+    assert "frobnicate=3" in msg and "\n" not in msg
+    hflm = [p.name for p in inspect.signature(HFLM.__init__).parameters.values()
+            if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "self"]
+    listed = set(msg.split("accepts: ", 1)[1].split(", "))
+    assert set(hflm) | {"state", "window", "seed", "max_drafts", "gdn_fold"} <= listed
+
+
+@pytest.mark.parametrize("margs,word", [
+    (["pretrained=tiny-gdn,frobnicate=3"], "frobnicate=3"),
+    (["pretrained=tiny-gdn", "frobnicate=3"], "frobnicate=3"),  # lm-eval's space-separated form
+    (['{"pretrained": "tiny-gdn", "frobnicate": 3}'], "frobnicate=3"),
+    (["pretrained=tiny-gdn,logits_cache=True"], "logits_cache"),
+])
+def test_cli_unknown_model_arg_exit_2_before_loading(margs, word, capsys, monkeypatch):
+    from evals.lm_eval_adapter import cli
+
+    monkeypatch.setattr(HFLM, "__init__", _no_load(HFLM.__init__))
+    rc = cli(["--model", "replayssm", "--model_args", *margs, "--tasks", "kjv_longctx_mc",
+              "--include_path", str(REPO / "evals" / "tasks"), "--limit", "1",
+              "--metadata", '{"context_chars": 600, "n_items": 1}'])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("replayssm-lm-eval: error:") and word in err and "\n" not in err
+    if word.startswith("frobnicate"):
+        assert "accepts: " in err and "softmax_dtype" in err and "window" in err
+
+
+def test_cli_accepts_hflm_model_args():
+    """Every accepted key passes the pre-load check (e.g. HFLM's max_length, softmax_dtype)."""
+    from evals.lm_eval_adapter import accepted_model_args, check_model_args
+
+    check_model_args("pretrained=tiny-gdn,max_length=64,softmax_dtype=float32,dtype=bfloat16")
+    check_model_args({k: None for k in accepted_model_args() if k not in
+                      ("state", "window", "seed", "max_drafts", "gdn_fold")})

@@ -8,7 +8,13 @@ generation scored by leading-word agreement. Long contexts are where recurrent-s
 rounding has had time to accumulate, so these tasks show its downstream cost.
 
 Options (``--metadata '{"context_chars": 4000, "n_items": 32}'``): context_chars, n_items,
-n_words, seed. Nothing is downloaded: the text comes from the installed corpus package.
+n_words, item_seed. Nothing is downloaded: the text comes from the installed corpus package.
+
+lm-eval hands a task's ``custom_dataset`` its metadata merged with the model arguments, so
+the options must not share a name with any model argument: the sampling seed is
+``item_seed``, never ``seed`` (the model's stochastic-rounding seed), and the items scored
+depend only on these options (version 2.0; version 1.0 read ``seed`` and so sampled other
+items when the model had a ``seed`` argument).
 """
 
 from __future__ import annotations
@@ -21,14 +27,14 @@ _SENTENCE_END = re.compile(r"(?<=[.;:?!])\s+")
 _WORD = re.compile(r"[^\w']+")
 
 
-def _items(context_chars=12000, n_items=64, n_words=8, seed=1234, n_choices=4):
+def _items(context_chars=12000, n_items=64, n_words=8, item_seed=1234, n_choices=4):
     from replayssm_quant.data import load_corpus
 
     context_chars, n_items, n_words = int(context_chars), int(n_items), int(n_words)
     if context_chars < 1 or n_items < 1 or n_words < 1:
         raise ValueError(f"context_chars, n_items and n_words must be >= 1, got "
                          f"{context_chars}, {n_items}, {n_words}")
-    rng = random.Random(int(seed))
+    rng = random.Random(int(item_seed))
     docs = load_corpus("kjv", "heldout")
     per_book = math.ceil(n_items / len(docs))
     items = []
@@ -60,10 +66,9 @@ def _items(context_chars=12000, n_items=64, n_words=8, seed=1234, n_choices=4):
 def _dataset(**kw):
     import datasets
 
-    allowed = {"context_chars", "n_items", "n_words", "seed"}
-    return datasets.DatasetDict(
-        {"test": datasets.Dataset.from_list(_items(**{k: v for k, v in kw.items() if k in allowed}))}
-    )
+    allowed = {"context_chars", "n_items", "n_words", "item_seed"}  # no model-argument names
+    items = _items(**{k: v for k, v in kw.items() if k in allowed})
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(items)})
 
 
 def load_mc(**kwargs):

@@ -17,26 +17,9 @@ import torch
 import replayssm_quant.adapters as adapters
 import replayssm_quant.adapters.segments as segments
 from evals.kl import main, position_metrics
-from replayssm_quant.adapters.tiny import tiny_model
 from replayssm_quant.models import EMBEDDED_MODELS
 
-TEXT = ("In the beginning God created the heaven and the earth. And the earth was without "
-        "form, and void; and darkness was upon the face of the deep. ") * 2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tinygdn")
-    tiny_model("qwen3_5").save_pretrained(d)
-    return str(d)
-
-
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    f = d / "docs.jsonl"
-    f.write_text("\n".join(json.dumps({"id": f"d{i}", "text": TEXT[i * 7:]}) for i in range(3)))
-    return str(f)
+from conftest import KL_TEXT as TEXT
 
 
 def _args(model_dir, data_file, out, *extra, policies=("shared:nvfp4+sr", "eager:fp8e4m3")):

@@ -301,24 +301,6 @@ def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: 
         known = (j < start).view(B, 1, 1)
         u[:, j] = torch.where(known, u_known[:, j], acc)
     return u
-    c = la.cumsum(1)
-    Ck = torch.matmul(C, k.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # C k_j: [B, J, H, V]
-    rhs = beta[..., None] * (v - torch.exp(c)[..., None] * Ck)
-    kk = torch.einsum("bihk,bjhk->bjih", k, k)  # [B, j, i, H]: k_i . k_j
-    first = 0
-    if start is not None:
-        first = int(start.min().clamp(0, J))
-        u[:, :first] = u_known[:, :first]
-    for j in range(first, J if stop is None else min(stop, J)):
-        acc = rhs[:, j]
-        if j > 0:
-            coef = beta[:, j, None, :] * torch.exp(c[:, j, None, :] - c[:, :j]) * kk[:, j, :j]  # [B, i, H]
-            acc = acc - (coef[..., None] * u[:, :j]).sum(1)
-        if start is not None:
-            known = (j < start).view(B, 1, 1)
-            acc = torch.where(known, u_known[:, j], acc)
-        u[:, j] = acc
-    return u
 
 
 # ------------------------------------------------------------------------------ flush

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from evals.kl import position_metrics  # noqa: E402
 from replayssm_quant.adapters import apply_state_policy  # noqa: E402
 from replayssm_quant.adapters.segments import forward_segment  # noqa: E402
+from replayssm_quant.config import StateConfig  # noqa: E402
 
 POLICIES = ("fp32", "read:nvfp4/rec:fp32", "shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr",
             "eager:fp8e4m3")
@@ -230,7 +231,7 @@ def check_chain(dev, out, tune: bool = False):
     from replayssm_quant.kernels import replay as kr
     from replayssm_quant.policy import StatePolicy
     from replayssm_quant.replay import core
-    from replayssm_quant.replay import window as W
+    from replayssm_quant.replay import window_fast as WF
 
     def bits_diff(a, b):
         return int((a.contiguous().view(torch.int32) != b.contiguous().view(torch.int32)).sum())
@@ -250,7 +251,7 @@ def check_chain(dev, out, tune: bool = False):
         for pol in ("shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3", "shared:mxfp4", "fp32",
                     "read:nvfp4/rec:fp32"):
             P = StatePolicy.parse(pol)
-            L = W.effective_window(P, 16)
+            L = StateConfig.build(P, window=16).window
             T = 2048
             NW = T // L
             B = 3
@@ -262,7 +263,7 @@ def check_chain(dev, out, tune: bool = False):
             ids = torch.tensor([3, 4, 5], device=dev)
             A0 = core.cast_state(torch.randn(B, H, V, K, device=dev, generator=g), P.rec, seed=1,
                                  stream=5)[0]
-            ka = W._stream_keys(7, ids, H, torch.arange(1, NW + 1, device=dev)[None].expand(B, -1),
+            ka = WF._stream_keys(7, ids, H, torch.arange(1, NW + 1, device=dev)[None].expand(B, -1),
                                 core.ANCHOR_COPY)
             one = lambda t: None if t is None else t[1:2]  # noqa: E731  the middle sequence alone
             args1 = (A0[1:2], one(la), one(k), one(v), one(beta), P.rec)
@@ -332,7 +333,7 @@ def check_chain(dev, out, tune: bool = False):
                               ("gdn", 16, 128, 128, "read:nvfp4/rec:fp16+sr"),
                               ("mamba2", 32, 64, 128, "shared:nvfp4+sr")) if tune else ():
         P = StatePolicy.parse(pol)
-        L = W.effective_window(P, 16)
+        L = StateConfig.build(P, window=16).window
         T = 2048
         NW = T // L
         la = -0.05 * torch.rand(1, T, H, device=dev, generator=g)
@@ -341,7 +342,7 @@ def check_chain(dev, out, tune: bool = False):
         v = torch.randn(1, T, H, V, device=dev, generator=g)
         beta = torch.rand(1, T, H, device=dev, generator=g) if fam == "gdn" else None
         A0 = core.cast_state(torch.randn(1, H, V, K, device=dev, generator=g), P.rec, seed=1, stream=5)[0]
-        ka = W._stream_keys(7, torch.tensor([0]), H, torch.arange(1, NW + 1)[None], core.ANCHOR_COPY)
+        ka = WF._stream_keys(7, torch.tensor([0]), H, torch.arange(1, NW + 1)[None], core.ANCHOR_COPY)
         qq = q if P.single_checkpoint else None
         for bv, nw in ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4)):
             try:

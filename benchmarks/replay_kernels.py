@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
@@ -223,6 +224,7 @@ def check_flush(M, gen, policy, n_ref, res):
     sid = torch.arange(M.B, device=DEV) * 3 + 1
     fi = torch.arange(M.B, device=DEV) % 7 + 1
     kw = dict(seed=SEED, layer=2, sequence_ids=sid, flush_index=fi)
+    policy = StatePolicy.parse(policy)
     if M.gdn:
         out, _ = kr.gdn_flush_kernel(A, la, beta, w, k, length, policy, **kw)
     else:

@@ -46,7 +46,8 @@ import torch
 
 from replayssm_quant.adapters import sequence_id
 from replayssm_quant.adapters.segments import forward_segment
-from replayssm_quant.policy import StatePolicy
+from replayssm_quant.config import GDNFold
+from replayssm_quant.policy import GRAMMAR, StatePolicy
 
 try:
     from lm_eval.api.registry import register_model
@@ -60,18 +61,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the eval e
 __all__ = ["ReplaySSMLM", "cli", "POLICY_GRAMMAR", "sequence_id", "check_model_args",
            "accepted_model_args"]
 
-POLICY_GRAMMAR = (
-    "fp32 | shared:F | eager:F | read:F/rec:G, with F, G in "
-    "{fp32, bf16, fp16, fp8e4m3, fp8e5m2, nvfp4, mxfp8, mxfp4}, each optionally followed by "
-    "'+sr' (e.g. state=read:nvfp4/rec:fp16+sr)"
-)
+POLICY_GRAMMAR = GRAMMAR  # the policy grammar text, written once in replayssm_quant.policy
 
 
 def _parse_policy(state) -> StatePolicy:
     try:
         return StatePolicy.parse(state)
-    except ValueError as e:
-        raise ValueError(f"bad model argument state={state!r}: {e}. Grammar: {POLICY_GRAMMAR}") from e
+    except ValueError as e:  # the message names the string and gives the grammar
+        raise ValueError(f"bad model argument state={state!r}: {e}") from e
 
 
 def _as_int(name: str, value, minimum: int) -> int:
@@ -305,9 +302,11 @@ def _refuse_unknown(args) -> None:
         raise ValueError(f"unknown model argument {bad}; replayssm accepts: {', '.join(accepted)}")
 
 
-def _check_gdn_fold(value) -> None:
-    if value not in ("recompute", "cached"):
-        raise ValueError(f"model argument gdn_fold must be 'recompute' or 'cached', got {value!r}")
+def _check_gdn_fold(value) -> GDNFold:
+    try:
+        return GDNFold.parse(value)
+    except ValueError as e:
+        raise ValueError(f"model argument {e}") from None
 
 
 def _check_logits_cache(value) -> None:

@@ -119,6 +119,9 @@ class Model:
         """Unrounded state the flush routine reconstructs from ``anchor`` and the tokens of inp."""
         from replayssm_quant.replay import gdn_flush, mamba2_flush, mamba2_records
 
+        from replayssm_quant.policy import StatePolicy
+
+        policy = StatePolicy.parse(policy)
         B = anchor.shape[0]
         common = dict(seed=0, layer=0, sequence_ids=torch.arange(B),
                       flush_index=torch.ones(B, dtype=torch.int64), **kw)

@@ -8,7 +8,9 @@ import torch
 
 from replayssm_quant.policy import StatePolicy
 from replayssm_quant.replay import core
+from replayssm_quant.config import StateConfig
 from replayssm_quant.replay import window as W
+from replayssm_quant.replay import window_fast as WF
 
 from _replay_inputs import Model, rel_err, run_steps, tslice
 
@@ -24,7 +26,7 @@ def _run(fn, M, carry, inp, **kw):
     return fn[1](carry, *(inp[n] for n in ("q", "k", "v", "g", "beta")), **kw)
 
 
-FAST = (W.mamba2_emulate_fast, W.gdn_emulate_fast)
+FAST = (WF.mamba2_emulate_fast, WF.gdn_emulate_fast)
 REF = (W.mamba2_emulate, W.gdn_emulate)
 
 
@@ -38,12 +40,13 @@ def test_fast_equals_reference_and_stepping(name, policy):
     L, T = 5, 42
     ids = torch.tensor([7, 3])
     inp = M.inputs(B=2, T=T, seed=11)
-    kw = dict(policy=policy, window=L, seed=4, layer=6, sequence_ids=ids)
+    config = StateConfig.build(policy, window=L, seed=4)
+    kw = dict(config=config)
     S0 = torch.randn(M.state_shape(inp), dtype=torch.float64)
     st = M.state(inp, policy, window=L, seed=4, layer=6, sequence_ids=ids)
     st.prefill(S0)
-    cf = W.initial_carry(S0, policy, seed=4, layer=6, sequence_ids=ids)
-    cr = W.initial_carry(S0, policy, seed=4, layer=6, sequence_ids=ids)
+    cf = W.initial_carry(S0, config, layer=6, sequence_ids=ids)
+    cr = W.initial_carry(S0, config, layer=6, sequence_ids=ids)
     pol = StatePolicy.parse(policy)
     done = 0
     for cut in (7, 37, T):
@@ -71,7 +74,7 @@ def test_exact_scan_equals_recurrence(name):
 
     family = "mamba2" if name == "mamba2" else "gdn"
     la, v, k, q, beta = _expanded(family, inp)
-    o, S = W.exact_scan(S0, la, k, q, v, beta, chunk=16)
+    o, S = WF.exact_scan(S0, la, k, q, v, beta, chunk=16)
     # conventional recurrence, token by token
     R = S0
     outs = []

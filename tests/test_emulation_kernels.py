@@ -30,7 +30,9 @@ import torch  # noqa: E402
 from replayssm_quant.adapters.state import LayerState  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.replay import core  # noqa: E402
+from replayssm_quant.config import StateConfig  # noqa: E402
 from replayssm_quant.replay import window as W  # noqa: E402
+from replayssm_quant.replay import window_fast as WF  # noqa: E402
 
 from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
 
@@ -61,14 +63,14 @@ def _records(gdn: bool, B=2, T=12, H=2, V=6, K=32, seed=0):
 @pytest.mark.parametrize("block_v", [None, 4])
 def test_chain_matches_torch_flush(gdn, policy, block_v):
     pol = StatePolicy.parse(policy)
-    L = W.effective_window(pol, 4)
+    L = StateConfig.build(pol, window=4).window
     B, T, H, V, K = 2, 12 if L > 1 else 5, 2, 6, 32
     la, k, v, beta = _records(gdn, B, T, H, V, K, seed=3)
     ids = torch.tensor([5, 1])
     A0 = core.cast_state(torch.randn(B, H, V, K), pol.rec, seed=9, stream=7)[0]
     NW = T // L
     flush = torch.tensor([3, 8])[:, None] + torch.arange(NW)[None, :]
-    ka = W._stream_keys(2, ids, H, flush, core.ANCHOR_COPY)
+    ka = WF._stream_keys(2, ids, H, flush, core.ANCHOR_COPY)
     res = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=9, streams=ka,
                           block_v=block_v)
     S, A = res.states, res.anchors
@@ -93,13 +95,13 @@ def test_chain_outputs_of_single_checkpoint_policies(gdn, policy):
     token) and S q (the flush token), float64 references; the last anchor alone (no S stored)
     is bit-identical to the full chain's."""
     pol = StatePolicy.parse(policy)
-    L = W.effective_window(pol, 4)
+    L = StateConfig.build(pol, window=4).window
     B, T, H, V, K = 2, 12 if L > 1 else 5, 2, 6, 32
     la, k, v, beta = _records(gdn, B, T, H, V, K, seed=4)
     q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
     A0 = core.cast_state(torch.randn(B, H, V, K), pol.rec, seed=2, stream=3)[0]
     NW = T // L
-    ka = W._stream_keys(1, torch.tensor([0, 7]), H, torch.arange(1, NW + 1)[None].expand(B, -1),
+    ka = WF._stream_keys(1, torch.tensor([0, 7]), H, torch.arange(1, NW + 1)[None].expand(B, -1),
                         core.ANCHOR_COPY)
     full = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=2, streams=ka)
     last = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=2, streams=ka, q=q,
@@ -127,7 +129,7 @@ def test_anchor_in_registers_equals_anchor_from_memory(policy):
     starting state (non-finite blocks, zero-scale blocks, saturation), GDN, V not a multiple
     of the tile."""
     pol = StatePolicy.parse(policy)
-    L = W.effective_window(pol, 4)
+    L = StateConfig.build(pol, window=4).window
     B, T, H, V, K = 1, 8 if L > 1 else 3, 2, 7, 32
     la, k, v, beta = _records(True, B, T, H, V, K, seed=6)
     S0 = torch.randn(B, H, V, K)
@@ -136,7 +138,7 @@ def test_anchor_in_registers_equals_anchor_from_memory(policy):
     S0[0, 1, 6] *= 1e4
     A0 = core.cast_state(S0, pol.rec, seed=1, stream=2)[0]
     NW = T // L
-    ka = W._stream_keys(0, torch.tensor([3]), H, torch.arange(1, NW + 1)[None], core.ANCHOR_COPY)
+    ka = WF._stream_keys(0, torch.tensor([3]), H, torch.arange(1, NW + 1)[None], core.ANCHOR_COPY)
     reg = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=1, streams=ka)  # one tile
     mem = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=1, streams=ka, block_v=2)
     assert kr.chain_block_v(V, K) >= V  # the default launch above keeps A in registers
@@ -151,11 +153,11 @@ def test_dual_policy_in_several_groups_equals_one_group(monkeypatch):
     monkeypatch.setenv(W.CHAIN_ENV, "triton")
     inp = _inputs("gdn", 2, 26, seed=8)
     S0 = torch.randn(2, 2, 8, 32) * 0.5
-    kw = dict(family="gdn", policy="read:nvfp4/rec:fp16+sr", window=4, seed=3, layer=1,
-              sequence_ids=torch.tensor([4, 9]))
+    kw = dict(family="gdn", config=StateConfig.build("read:nvfp4/rec:fp16+sr", window=4, seed=3),
+              layer=1, sequence_ids=torch.tensor([4, 9]))
     one = LayerState(S0, **kw)
     y1 = one.advance(inp)
-    monkeypatch.setattr(W, "GROUP_ELEMENTS", 1)  # one window per group
+    monkeypatch.setattr(WF, "GROUP_ELEMENTS", 1)  # one window per group
     many = LayerState(S0, **kw)
     ym = many.advance(inp)
     assert torch.equal(one.anchor, many.anchor) and torch.equal(one.read, many.read)
@@ -221,10 +223,11 @@ def test_step_equals_emulation_on_kernel_path(family, policy, monkeypatch):
     else:
         shape = (B, 2, 8, 32)
     S0 = torch.randn(*shape) * 0.5
-    kw = dict(family=family, policy=policy, window=L, seed=3, layer=1, sequence_ids=ids)
+    kw = dict(family=family, config=StateConfig.build(policy, window=L, seed=3), layer=1,
+              sequence_ids=ids)
     em = LayerState(S0, **kw)
     st = LayerState(S0, **kw)
-    assert W.chain_kernel_enabled(policy, em.anchor)
+    assert W.chain_kernel_enabled(em.anchor)
     ys_em, ys_st = [], []
     done = 0
     for cut in (6, 17, T):  # partial head, full windows (batched chain), partial tail

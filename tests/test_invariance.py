@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from replayssm_quant.adapters.state import LayerState, prefill_scan
+from replayssm_quant.config import StateConfig
 
 # Every kind of policy: exact, single checkpoint (RTN / SR, block and tensor scales), eager,
 # separate precision with an exact, a half and an FP8 anchor.
@@ -54,7 +55,7 @@ def _run(family, policy, inp, ids, cuts, prefill: int = 5):
     of one token is a step). Returns (outputs [B, T, H, V], LayerState)."""
     pre = _seg(inp, slice(0, prefill))
     o0, S = prefill_scan(family, pre)
-    st = LayerState(S, family=family, policy=policy, window=L, seed=3, layer=2,
+    st = LayerState(S, family=family, config=StateConfig.build(policy, window=L, seed=3), layer=2,
                     sequence_ids=torch.as_tensor(ids))
     outs, done = [o0], prefill
     for cut in cuts:

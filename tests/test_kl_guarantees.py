@@ -38,10 +38,15 @@ class Spy:
         self.policy = None
         orig_fe = segments.forward_each
         orig_sp = adapters.StatePolicyHandle.set_policy
+        orig_use = adapters.StatePolicyHandle.use
         spy = self
 
         def set_policy(handle, policy, **kw):
             orig_sp(handle, policy, **kw)
+            spy.policy = str(handle.policy)
+
+        def use(handle, config):
+            orig_use(handle, config)
             spy.policy = str(handle.policy)
 
         def forward_each(model, input_ids, caches=None, *, start=0, **kw):
@@ -54,6 +59,7 @@ class Spy:
             return logits, caches
 
         monkeypatch.setattr(adapters.StatePolicyHandle, "set_policy", set_policy)
+        monkeypatch.setattr(adapters.StatePolicyHandle, "use", use)
         monkeypatch.setattr(segments, "forward_each", forward_each)
 
 

@@ -30,6 +30,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from replayssm_quant.config import GDNFold  # noqa: E402
+from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import (core, gdn_flush, gdn_step_output, gdn_verify,  # noqa: E402
                                     mamba2_flush, mamba2_step_output, mamba2_verify)
@@ -119,7 +121,7 @@ def test_flush_exact_inputs_bit_identical(policy):
     la = torch.zeros(B, L, H, device=DEVICE)
     w, k, q = _dyadic(gen, (B, L, H, V)), _dyadic(gen, (B, L, G, K)), _dyadic(gen, (B, G, K))
     length = _t(torch.tensor([L, 2]))
-    ref = mamba2_flush(A, la, w, k, policy, length=length, store=True, **STREAMS)
+    ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
     res, y = kr.mamba2_flush_kernel(A, la, w, k, length, policy, q=q, **STREAMS)
     assert torch.equal(res.state, ref.state)
     _same_copies(res.checkpoints, ref.checkpoints)
@@ -134,10 +136,10 @@ def test_flush_random_inputs(policy):
     A = _t(torch.randn(B, H, V, K, generator=gen))
     la, w, k, _ = _records(gen)
     length = _t(torch.tensor([L, 3]))
-    ref = mamba2_flush(A, la, w, k, policy, length=length, store=True, **STREAMS)
+    ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
     res, _ = kr.mamba2_flush_kernel(A, la, w, k, length, policy, **STREAMS)
     torch.testing.assert_close(res.state, ref.state, atol=1e-6, rtol=1e-6)
-    want = core.cast_checkpoints(res.state, policy, store=True, **STREAMS)
+    want = core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS)
     _same_copies(res.checkpoints, want)
 
 
@@ -152,7 +154,7 @@ def test_flush_reads_packed_anchor(rec):
     w, k = _dyadic(gen, (B, L, H, V)), _dyadic(gen, (B, L, G, K))
     length = _t(torch.tensor([1, 3]))
     policy = f"read:nvfp4+sr/rec:{rec}"
-    ref = mamba2_flush(A, la, w, k, policy, length=length, store=True, **STREAMS)
+    ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
     res, _ = kr.mamba2_flush_kernel(A_st, la, w, k, length, policy, **STREAMS)
     assert torch.equal(res.state, ref.state)
     _same_copies(res.checkpoints, ref.checkpoints)
@@ -169,14 +171,14 @@ def test_gdn_flush(fold):
     u_cached = _t(torch.randn(B, L, H, V, generator=gen))
     length = _t(torch.tensor([L, 2]))
     policy = "read:nvfp4+sr/rec:fp16+sr"
-    ref = gdn_flush(A, la, beta, v, k, policy, length=length, u_cached=u_cached,
-                    fold_cached_corrections=fold, store=True, **STREAMS)
+    ref = gdn_flush(A, la, beta, v, k, StatePolicy.parse(policy), length=length, u_cached=u_cached,
+                    fold=GDNFold.CACHED if fold else GDNFold.RECOMPUTE, store=True, **STREAMS)
     res, _ = kr.gdn_flush_kernel(A, la, beta, v, k, length, policy, u_cached=u_cached,
                                  fold_cached_corrections=fold, **STREAMS)
     live = core.length_mask(length, L)[:, :, None, None]
     torch.testing.assert_close(torch.where(live, res.w, 0.0), torch.where(live, ref.w, 0.0), **TOL)
     torch.testing.assert_close(res.state, ref.state, **TOL)
-    _same_copies(res.checkpoints, core.cast_checkpoints(res.state, policy, store=True, **STREAMS))
+    _same_copies(res.checkpoints, core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS))
 
 
 # ------------------------------------------------------------------------------ decode step
@@ -270,7 +272,7 @@ def test_gdn_verify(read_fmt, fold):
     r = ring
     args = (r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J], r["k"][:, :J], q, r["uR"][:, :J],
             start, L, fold)
-    want, uR_want = gdn_verify(R, A, *args)
+    want, uR_want = gdn_verify(R, A, *args[:-1], GDNFold.CACHED if fold else GDNFold.RECOMPUTE)
     got, uR_got = kr.gdn_verify_kernel(R_st, A, *args)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(uR_got, uR_want, **TOL)

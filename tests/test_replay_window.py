@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from replayssm_quant.config import StateConfig
 from replayssm_quant.replay import window as W
 
 from _replay_inputs import Model, rel_err, run_steps, tslice
@@ -29,14 +30,15 @@ def test_window_form_equals_stepping(M, policy, fold):
     L, T = 5, 18
     inp = M.inputs(B=3, T=T, seed=20)
     extra = dict(fold_cached_corrections=True) if fold else {}
-    kw = dict(policy=policy, window=L, seed=4, layer=6, sequence_ids=torch.tensor([7, 3, 9]))
+    config = StateConfig.build(policy, window=L, seed=4, fold="cached" if fold else "recompute")
+    ids = torch.tensor([7, 3, 9])
     S0 = torch.randn(M.state_shape(inp), dtype=torch.float64)
-    st = M.state(inp, policy, window=L, seed=4, layer=6, sequence_ids=kw["sequence_ids"], **extra)
+    st = M.state(inp, policy, window=L, seed=4, layer=6, sequence_ids=ids, **extra)
     st.prefill(S0)
-    carry = W.initial_carry(S0, policy, seed=4, layer=6, sequence_ids=kw["sequence_ids"])
+    carry = W.initial_carry(S0, config, layer=6, sequence_ids=ids)
     done = 0
     for cut in (7, 15, T):  # segments of 7, 8 and 3 tokens
-        y, carry = _emulate(M, carry, tslice(inp, slice(done, cut)), **kw, **extra)
+        y, carry = _emulate(M, carry, tslice(inp, slice(done, cut)), config=config)
         y_step = run_steps(st, M.tok, inp, cut - done, t0=done)
         assert rel_err(y, y_step) < 1e-12
         if policy == "fp32" and fold:  # cached read-path corrections are summed in another
@@ -52,10 +54,14 @@ def test_window_form_equals_stepping(M, policy, fold):
 def test_window_errors():
     M = MODELS[0]
     inp = M.inputs(B=1, T=6)
-    carry = W.initial_carry(torch.zeros(M.state_shape(inp), dtype=torch.float64), "fp32")
+    config = StateConfig.build("fp32", window=4)
+    carry = W.initial_carry(torch.zeros(M.state_shape(inp), dtype=torch.float64), config)
     args = [inp[n] for n in ("x", "dt", "A", "B", "C", "D")]
     with pytest.raises(ValueError, match="exceed the window"):
-        W.mamba2_window(carry, *args, policy="fp32", window=4)
-    with pytest.raises(ValueError, match="window"):
-        W.mamba2_emulate(carry, *args, policy="fp32", window=0)
-    assert W.effective_window("eager:nvfp4", 16) == 1
+        W.mamba2_window(carry, *args, config=config)
+    with pytest.raises(ValueError, match="window must be an int >= 1, got 0"):
+        StateConfig.build("fp32", window=0)
+    assert StateConfig.build("eager:nvfp4", window=16).window == 1
+    with pytest.raises(TypeError, match="parsed StatePolicy"):
+        W.initial_carry(torch.zeros(M.state_shape(inp), dtype=torch.float64),
+                        StateConfig("fp32", 4))

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from replayssm_quant.config import GDNFold
+
 from .documents import BOS_CHOICES, BadTokenizer, load_tokenization, make_documents
 from .metrics import PERCENTILES, pair_kl, position_metrics, summarize  # noqa: F401 (re-exported)
 
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Mamba-2 time_step_limit rule on every call: 'decode' (default: no clamp, as "
                    "transformers' decode step and serving) or 'clamp' (as its chunked scan); "
                    "docs/adapters.md")
-    p.add_argument("--gdn-fold", default="recompute", choices=("recompute", "cached"),
+    p.add_argument("--gdn-fold", default="recompute", choices=[f.value for f in GDNFold],
                    help="GDN flush: re-solve corrections against A (default) or fold cached ones")
     p.add_argument("--add-bos-token", default="auto", choices=BOS_CHOICES,
                    help="BOS at the start of each document, as lm-eval's HFLM add_bos_token: auto "
@@ -411,6 +413,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
 
     from replayssm_quant.adapters import apply_state_policy
     from replayssm_quant.adapters.segments import forward_each
+    from replayssm_quant.config import StateConfig
     from replayssm_quant.models import load_model
 
     t0 = time.time()
@@ -423,9 +426,14 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     threads = _set_threads(a, model)
     t_load = time.time() - t0
     cells = [(str(p), w, s) for p in policies for w in a.windows for s in a.seeds]
+    cell_policies = [p for p in policies for _ in a.windows for _ in a.seeds]
     ref_window = a.windows[0]  # the fp32 reference: one fixed setting for every document
     handle = apply_state_policy(model, "fp32", window=ref_window, seed=0,
                                 prefill=a.prefill > 0, gdn_fold=a.gdn_fold, dt_limit=a.dt_limit)
+    # every cell's settings parsed once (the policies were parsed by the argument checks)
+    ref_config = handle.config
+    configs = {c: StateConfig.build(pol, window=c[1], seed=c[2], fold=a.gdn_fold)
+               for c, pol in zip(cells, cell_policies)}
     N, P, S, K = a.max_tokens, a.prefill, a.segment_len, a.stepwise_check
     step_end = P + K
     step_dir = _step_dir(out, K)
@@ -470,13 +478,13 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
             ref_kept = []
             for (lo, hi) in bounds:
                 tr = time.time()
-                handle.set_policy("fp32", window=ref_window, seed=0)
+                handle.use(ref_config)
                 ref, ref_cache = forward_each(model, ids[:, lo:hi], ref_cache, start=lo, **row_ids)
                 timings["reference_s"] += time.time() - tr
                 if hi <= P:  # prefill positions are exact in every cell: not reported
                     for c in todo:
                         tp = time.time()
-                        handle.set_policy(c[0], window=c[1], seed=c[2])
+                        handle.use(configs[c])
                         _, caches[c] = forward_each(model, ids[:, lo:hi], caches[c], start=lo, **row_ids)
                         timings["policies_s"][c[0]] += time.time() - tp
                     continue
@@ -485,7 +493,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
                     ref_kept.append(ref[:, ks:ke].float().clone())
                 for c in tqdm(todo, desc="cells", leave=False, disable=a.no_progress):
                     tp = time.time()
-                    handle.set_policy(c[0], window=c[1], seed=c[2])
+                    handle.use(configs[c])
                     lg, caches[c] = forward_each(model, ids[:, lo:hi], caches[c], start=lo, **row_ids)
                     rows[c].append(position_metrics(ref, lg, targets[:, lo:hi]))
                     if ke > ks:
@@ -495,11 +503,11 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
             step_rows = {}
             if K:
                 ts = time.time()
-                handle.set_policy("fp32", window=ref_window, seed=0)
+                handle.use(ref_config)
                 ref_step = _step_logits(model, forward_rows, ids, P, step_end)
                 ref_emul = torch.cat(ref_kept, 1)
                 for c in todo:
-                    handle.set_policy(c[0], window=c[1], seed=c[2])
+                    handle.use(configs[c])
                     step = _step_logits(model, forward_rows, ids, P, step_end)
                     step_rows[c] = _stepwise_rows(ref_emul, ref_step, torch.cat(kept[c], 1), step)
                 timings["stepwise_s"] += time.time() - ts

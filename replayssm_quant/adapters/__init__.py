@@ -65,11 +65,12 @@ import zlib
 import torch
 
 from ..philox import STREAM_FIELDS
+from ..config import GDNFold, StateConfig
 from ..policy import StatePolicy
 from . import gdn as _gdn
 from . import mamba2 as _mamba2
 from .mamba2 import DtLimit
-from .state import GDN_FOLDS, LayerState, prefill_scan, state_dims
+from .state import LayerState, prefill_scan, state_dims
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -198,13 +199,16 @@ class StatePolicyHandle:
 
     Attributes (may be changed between documents; a state already on a cache keeps the
     settings it was created with):
-        policy: the :class:`~replayssm_quant.policy.StatePolicy`.
-        window: L. seed: SR seed. prefill: see the module docstring.
+        config: the parsed :class:`~replayssm_quant.config.StateConfig` states are created
+            with (change it with :meth:`set_policy`); ``policy``, ``seed`` and ``gdn_fold``
+            read from it.
+        window: the window L asked for (``config.window`` is 1 under ``eager:`` policies).
+        prefill: see the module docstring.
         sequence_ids: None (default: content-keyed ids, :func:`content_sequence_ids`, of the
             first call on a fresh cache) or one int in [0, 2^20) per batch row, keying SR
             streams; explicit ids win.
-        gdn_fold: ``"recompute"`` (default, DESIGN.md) or ``"cached"`` (the studied unstable
-            variant that folds cached read-path corrections).
+        gdn_fold: :class:`~replayssm_quant.config.GDNFold` (``RECOMPUTE``, the DESIGN.md
+            default, or ``CACHED``, the studied unstable variant).
         dt_limit: :class:`DtLimit` of the Mamba-2 family (``str(handle.dt_limit)`` is
             ``"decode"`` or ``"clamp"``, for run manifests); assign a member or its name.
     """
@@ -213,11 +217,9 @@ class StatePolicyHandle:
                  dt_limit="decode"):
         self.model = model
         self.mixers = find_ssm_mixers(model)
-        self.set_policy(policy, window=window, seed=seed)
+        self.config = StateConfig.build(policy, window=window, seed=seed, fold=gdn_fold)
+        self.window = window  # as asked for (config.window is 1 under eager policies)
         self.prefill = bool(prefill)
-        if gdn_fold not in GDN_FOLDS:
-            raise ValueError(f"gdn_fold must be one of {GDN_FOLDS}, got {gdn_fold!r}")
-        self.gdn_fold = gdn_fold
         self.sequence_ids = sequence_ids
         self.dt_limit = dt_limit
         self.active = False
@@ -235,16 +237,35 @@ class StatePolicyHandle:
         self._dt_limit = DtLimit.parse(value)
 
     def set_policy(self, policy, *, window=None, seed=None) -> None:
-        """Switch policy (and optionally window / seed) for states created from now on."""
-        self.policy = StatePolicy.parse(policy)
-        if window is not None:
-            if isinstance(window, bool) or int(window) != window or int(window) < 1:
-                raise ValueError(f"window must be an int >= 1, got {window!r}")
-            self.window = int(window)
-        if seed is not None:
-            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-                raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
-            self.seed = seed
+        """Switch policy (and optionally window / seed) for states created from now on: the
+        settings are parsed here, once, into :attr:`config`."""
+        window = self.window if window is None else window
+        seed = self.config.seed if seed is None else seed
+        self.config = StateConfig.build(policy, window=window, seed=seed, fold=self.config.fold)
+        self.window = window
+
+    def use(self, config: StateConfig) -> None:
+        """Create states from now on with an already parsed ``config`` (a runner that switches
+        between cells parses each cell's settings once and switches with this)."""
+        if not isinstance(config, StateConfig):
+            raise TypeError(f"use() takes a StateConfig, got {type(config).__name__}; "
+                            "use set_policy() for strings")
+        self.config = config
+
+    @property
+    def policy(self) -> StatePolicy:
+        """The parsed policy of states created from now on (``config.policy``)."""
+        return self.config.policy
+
+    @property
+    def seed(self) -> int:
+        """The SR seed of states created from now on (``config.seed``)."""
+        return self.config.seed
+
+    @property
+    def gdn_fold(self) -> GDNFold:
+        """What GDN flushes fold (``config.fold``, a :class:`~replayssm_quant.config.GDNFold`)."""
+        return self.config.fold
 
     # ------------------------------------------------------------------ patching
     def _install(self) -> None:
@@ -403,7 +424,7 @@ def _make_forward(handle: StatePolicyHandle, family: str):
                 raise ValueError(
                     f"attention_mask pads rows {rows} in a call that "
                     f"{'emulates from the zero state (prefill=False)' if fresh else 'continues a cache'} "
-                    f"(layer {layer_idx}): ReplaySSM counts tokens in windows of L={handle.window} for "
+                    f"(layer {layer_idx}): ReplaySSM counts tokens in windows of L={handle.config.window} for "
                     f"the whole batch, so a padded position would shift that row's flushes. Padding is "
                     f"supported in the exact prefill only (first call on a fresh cache, prefill=True); "
                     f"run later segments unpadded (rows of equal length)")
@@ -412,10 +433,8 @@ def _make_forward(handle: StatePolicyHandle, family: str):
         Bsz, H, V, K = state_dims(family, inp)
         T = hidden_states.shape[1]
         if fresh:
-            kw = dict(family=family, policy=handle.policy, window=handle.window,
-                      seed=handle.seed, layer=layer_idx,
-                      sequence_ids=handle._ids_for_new_state(Bsz, hidden_states.device),
-                      gdn_fold=handle.gdn_fold)
+            kw = dict(family=family, config=handle.config, layer=layer_idx,
+                      sequence_ids=handle._ids_for_new_state(Bsz, hidden_states.device))
             if entry is not None:
                 setattr(entry, _DT_ATTR, dt_limit)
             if handle.prefill:

@@ -22,8 +22,8 @@ same dispatch decision, so a layer given identical inputs rounds identically):
   buffer (GDN: the token's read-path correction solved against R and the cached corrections
   first). It is the window form (``window.mamba2_window`` / ``window.gdn_window``) with one
   token.
-* :meth:`LayerState.advance`: T tokens teacher-forced with ``window.mamba2_emulate_fast`` /
-  ``window.gdn_emulate_fast`` (window by window; equal to T steps). On the torch path a
+* :meth:`LayerState.advance`: T tokens teacher-forced with ``window_fast.mamba2_emulate_fast``
+  / ``window_fast.gdn_emulate_fast`` (window by window; equal to T steps). On the torch path a
   sequence's results are bit-identical for any batch and any cut into calls
   (``window`` module, "Invariance").
 
@@ -37,14 +37,15 @@ from __future__ import annotations
 
 import torch
 
+from ..config import Family, StateConfig
 from ..replay import core
 from ..replay import window as W
+from ..replay import window_fast as WF
 from ..replay.mamba2 import mamba2_records
 
-__all__ = ["LayerState", "prefill_scan", "PREFILL_CHUNK", "GDN_FOLDS"]
+__all__ = ["LayerState", "prefill_scan", "PREFILL_CHUNK"]
 
 PREFILL_CHUNK = 64  # chunk length of the exact prefill scan (any length gives the same values)
-GDN_FOLDS = ("recompute", "cached")  # DESIGN.md: re-solve against A (default) / cached read-path
 
 
 def _expanded(family: str, inp: dict):
@@ -74,7 +75,7 @@ def prefill_scan(family: str, inp: dict, chunk: int = PREFILL_CHUNK):
     """
     la, v, k, q, beta = _expanded(family, inp)
     Bz, H, V, K = state_dims(family, inp)
-    return W.exact_scan(v.new_zeros(Bz, H, V, K), la, k, q, v, beta, chunk=chunk)
+    return WF.exact_scan(v.new_zeros(Bz, H, V, K), la, k, q, v, beta, chunk=chunk)
 
 
 class LayerState:
@@ -83,26 +84,15 @@ class LayerState:
     Args:
         S: unrounded starting state ``[B, H, V, K]`` (a prefill's final state, or zeros), cast
             as flush 0.
-        family: ``"mamba2"`` or ``"gdn"``; policy: :class:`~replayssm_quant.policy.StatePolicy`;
-        window: L (``eager:`` policies use 1); seed, layer: SR key parts;
-        sequence_ids: int64 ``[B]``; gdn_fold: ``"recompute"`` or ``"cached"``.
+        family: :class:`~replayssm_quant.config.Family` (or ``"mamba2"`` / ``"gdn"``).
+        config: the parsed :class:`~replayssm_quant.config.StateConfig`.
+        layer: layer index; sequence_ids: int64 ``[B]`` (both key the SR streams).
     """
 
-    def __init__(self, S, *, family, policy, window, seed, layer, sequence_ids,
-                 gdn_fold="recompute"):
-        if family not in ("mamba2", "gdn"):
-            raise ValueError(f"family must be 'mamba2' or 'gdn', got {family!r}")
-        if gdn_fold not in GDN_FOLDS:
-            raise ValueError(f"gdn_fold must be one of {GDN_FOLDS}, got {gdn_fold!r}")
-        self.family = family
-        self.policy = policy
-        self.window = W.effective_window(policy, int(window))
-        self.seed = int(seed)
-        self.layer = int(layer)
-        self.sequence_ids = torch.as_tensor(sequence_ids).to(torch.int64).cpu()  # SR keys: host
-        self.fold_cached = gdn_fold == "cached"
-        self.carry = W.initial_carry(S, policy, seed=self.seed, layer=self.layer,
-                                     sequence_ids=self.sequence_ids)
+    def __init__(self, S, *, family, config: StateConfig, layer: int, sequence_ids):
+        self.family = Family.parse(family)
+        self.config = config
+        self.carry = W.initial_carry(S, config, layer=int(layer), sequence_ids=sequence_ids)
 
     @property
     def batch_size(self) -> int:
@@ -125,22 +115,37 @@ class LayerState:
         """Flushes done since the prefill (the next flush index minus 1)."""
         return int(self.carry.flush_index[0]) - 1
 
-    def _kw(self) -> dict:
-        return dict(policy=self.policy, window=self.window, seed=self.seed, layer=self.layer,
-                    sequence_ids=self.sequence_ids)
+    @property
+    def window(self) -> int:
+        """The window L this layer runs with (``config.window``)."""
+        return self.config.window
+
+    @property
+    def policy(self):
+        """The parsed policy (``config.policy``)."""
+        return self.config.policy
+
+    @property
+    def sequence_ids(self) -> torch.Tensor:
+        """int64 ``[B]`` SR sequence ids of the batch rows (host)."""
+        return self.carry.sequence_ids
+
+    @property
+    def layer(self) -> int:
+        """The layer index keying the SR streams."""
+        return self.carry.layer
 
     # ------------------------------------------------------------------ teacher-forced
     def advance(self, inp: dict) -> torch.Tensor:
-        """T tokens teacher-forced (``window.*_emulate_fast``: the window form; on the kernel
-        path the full windows batched through the anchor-chain kernel): outputs
+        """T tokens teacher-forced (``window_fast.*_emulate_fast``: the window form; on the
+        kernel path the full windows batched through the anchor-chain kernel): outputs
         ``[B, T, H, V]``, equal to T steps."""
-        if self.family == "mamba2":
-            y, self.carry = W.mamba2_emulate_fast(self.carry, inp["x"], inp["dt"], inp["A"],
-                                                  inp["B"], inp["C"], None, **self._kw())
+        if self.family is Family.MAMBA2:
+            y, self.carry = WF.mamba2_emulate_fast(self.carry, inp["x"], inp["dt"], inp["A"],
+                                                   inp["B"], inp["C"], None, config=self.config)
         else:
-            y, self.carry = W.gdn_emulate_fast(self.carry, inp["q"], inp["k"], inp["v"], inp["g"],
-                                               inp["beta"], fold_cached_corrections=self.fold_cached,
-                                               **self._kw())
+            y, self.carry = WF.gdn_emulate_fast(self.carry, inp["q"], inp["k"], inp["v"], inp["g"],
+                                                inp["beta"], config=self.config)
         return y
 
     # ------------------------------------------------------------------ stepping
@@ -151,11 +156,10 @@ class LayerState:
         read-path correction solved against R and the cached corrections first). It is the
         window form with one token, so stepping and teacher-forced segments of any length
         give the same bits (``window`` module, "Invariance")."""
-        if self.family == "mamba2":
+        if self.family is Family.MAMBA2:
             y, self.carry = W.mamba2_window(self.carry, inp["x"], inp["dt"], inp["A"], inp["B"],
-                                            inp["C"], None, **self._kw())
+                                            inp["C"], None, config=self.config)
         else:
             y, self.carry = W.gdn_window(self.carry, inp["q"], inp["k"], inp["v"], inp["g"],
-                                         inp["beta"], fold_cached_corrections=self.fold_cached,
-                                         **self._kw())
+                                         inp["beta"], config=self.config)
         return y

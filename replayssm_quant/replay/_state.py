@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..config import GDNFold, StateConfig
 from ..philox import stream_key
-from ..policy import StatePolicy
 from ..quant import PackedTensor
 from .core import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult, cast_checkpoints
 
@@ -75,15 +75,17 @@ class ReplayStateBase:
 
     def __init__(self, policy, *, batch: int, heads: int, value_dim: int, key_dim: int,
                  window: int, max_drafts: int, seed: int, layer: int, sequence_ids,
-                 dtype: torch.dtype, device) -> None:
-        self.policy = StatePolicy.parse(policy)
+                 dtype: torch.dtype, device, fold: GDNFold = GDNFold.RECOMPUTE) -> None:
         _check_int("window", window, 1)
         _check_int("max_drafts", max_drafts, 0)
         _check_int("batch", batch, 1)
         _check_int("seed", seed, 0, 2**63 - 1)
         _check_int("layer", layer, 0)
-        if self.policy.is_eager:
-            window = 1  # conventional decoding: every token rounds the state once
+        # the edge: parse once (eager policies run with window 1: conventional decoding rounds
+        # the state after every token)
+        self.config = StateConfig.build(policy, window=window, seed=seed, fold=fold)
+        self.policy = self.config.policy
+        window = self.config.window
         if max_drafts > window:
             raise ValueError(
                 f"max_drafts={max_drafts} must be <= window={window}"

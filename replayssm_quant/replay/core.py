@@ -112,6 +112,19 @@ def mask_records(length: torch.Tensor | None, la: torch.Tensor, *rest: torch.Ten
 
 
 # ------------------------------------------------------------------------------ casting
+def require_policy(policy) -> StatePolicy:
+    """``policy`` if it is a parsed :class:`~replayssm_quant.policy.StatePolicy`; inner
+    functions never parse strings (``StatePolicy.parse`` / ``StateConfig.build`` at the edges).
+
+    Raises:
+        TypeError: naming what was passed and where to parse it.
+    """
+    if not isinstance(policy, StatePolicy):
+        raise TypeError(f"expected a parsed StatePolicy, got {type(policy).__name__} {policy!r}; "
+                        "parse it where it enters (StatePolicy.parse or StateConfig.build)")
+    return policy
+
+
 def cast_state(S: torch.Tensor, spec: QuantSpec, *, seed: int, stream, store: bool = False):
     """Round ``S [B, H, V, K]`` to ``spec`` (one FP32 scale per ``[V, K]`` matrix where the
     format has one; blocks along K).
@@ -162,10 +175,13 @@ def cast_checkpoints(S: torch.Tensor, policy, *, seed: int, layer: int,
 
     Args:
         S: unrounded state ``[B, H, V, K]``.
-        policy: :class:`~replayssm_quant.policy.StatePolicy` or its string.
+        policy: a parsed :class:`~replayssm_quant.policy.StatePolicy` (parse at the edges).
         sequence_ids, flush_index: int64 ``[B]``.
+
+    Raises:
+        TypeError: ``policy`` is not a parsed StatePolicy.
     """
-    policy = StatePolicy.parse(policy)
+    require_policy(policy)
     sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=S.shape[1],
                                 flush_index=flush_index)
     a, a_st = cast_state(S, policy.rec, seed=seed, stream=sa, store=store)

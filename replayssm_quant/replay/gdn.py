@@ -11,22 +11,24 @@ the cached read-path correction ``uR`` used for outputs.
 Corrections. Non-flush outputs use corrections computed against the read path
 (R plus earlier read-path corrections). At a flush the corrections are recomputed against the
 anchor by a unit lower-triangular solve (:func:`core.solve_corrections`), so read-path
-rounding never reaches A. ``fold_cached_corrections=True`` instead folds the cached read-path
-corrections into A (no solve); it lets read rounding into the recurrence and is offered only
-to study that instability.
+rounding never reaches A. :attr:`~replayssm_quant.config.GDNFold.CACHED` (the state's
+``fold_cached_corrections=True``) instead folds the cached read-path corrections into A (no
+solve); it lets read rounding into the recurrence and is offered only to study that
+instability.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..config import GDNFold
 from ..kernels.dispatch import replay_kernels_enabled
 from . import core
 from ._state import ReplayStateBase, check_tensor
 
 
 def gdn_flush(anchor, la, beta, v, k, policy, *, seed: int, layer: int, sequence_ids,
-              flush_index, length=None, u_cached=None, fold_cached_corrections: bool = False,
+              flush_index, length=None, u_cached=None, fold: GDNFold = GDNFold.RECOMPUTE,
               store: bool = False) -> core.FlushResult:
     """Flush of GDN records (the one flush routine; see :func:`core.flush`).
 
@@ -34,15 +36,16 @@ def gdn_flush(anchor, la, beta, v, k, policy, *, seed: int, layer: int, sequence
         anchor: dequantised A ``[B, HV, DV, DK]``.
         la, beta: ``[B, J, HV]``; v: ``[B, J, HV, DV]``; k: grouped ``[B, J, HK, DK]``.
         length: int64 ``[B]`` committed records per sequence, or None (all J).
-        u_cached: ``[B, J, HV, DV]`` read-path corrections; used only with
-            ``fold_cached_corrections=True``.
+        policy: a parsed :class:`~replayssm_quant.policy.StatePolicy`.
+        u_cached: ``[B, J, HV, DV]`` read-path corrections; folded with
+            ``fold=GDNFold.CACHED`` (default :attr:`GDNFold.RECOMPUTE`: re-solved against A).
 
     Returns a :class:`core.FlushResult` whose ``w`` holds the corrections that were folded.
     """
     k = core.expand_heads(k, anchor.shape[1], 2)
-    if fold_cached_corrections:
+    if GDNFold.parse(fold) is GDNFold.CACHED:
         if u_cached is None:
-            raise ValueError("fold_cached_corrections=True needs u_cached")
+            raise ValueError("fold=GDNFold.CACHED needs u_cached")
         la, w = core.mask_records(length, la, u_cached)
     else:
         la, beta, v = core.mask_records(length, la, beta, v)
@@ -71,12 +74,12 @@ def gdn_step_output(read, la, beta, v, k, q, u_known, length):
 
 
 def gdn_verify(read, anchor, la, beta, v, k, q, u_known, start, window: int,
-               fold_cached_corrections: bool = False):
+               fold: GDNFold = GDNFold.RECOMPUTE):
     """Verify reference for GDN (what a verify kernel must match): one T x T triangular solve
     for the drafts' read-path corrections (rows before ``start`` are the cached committed
     ones), then the drafts' outputs from R plus the buffer in output-only form; a draft on
     slot ``window`` reads the flushed state (corrections re-solved against A, or the cached
-    ones with ``fold_cached_corrections``).
+    ones with ``fold=GDNFold.CACHED``).
 
     Args: ``read, anchor [B, HV, DV, DK]``; records ``la, beta [B, J, HV]``,
     ``v [B, J, HV, DV]``, grouped ``k [B, J, HK, DK]``; grouped ``q [B, T, HK, DK]``;
@@ -92,7 +95,8 @@ def gdn_verify(read, anchor, la, beta, v, k, q, u_known, start, window: int,
     o = core.draft_outputs(read, la, uR, k, q, start)
     at_flush = start + T == window
     if T > 0 and bool(at_flush.any()):
-        uA = uR if fold_cached_corrections else core.solve_corrections(anchor, la, beta, v, k)
+        uA = uR if GDNFold.parse(fold) is GDNFold.CACHED else \
+            core.solve_corrections(anchor, la, beta, v, k)
         oA = core.draft_outputs(anchor, la, uA, k, q, start)
         o[at_flush, T - 1] = oA[at_flush, T - 1]
     return o, uR
@@ -125,11 +129,13 @@ class GDNReplayState(ReplayStateBase):
             raise ValueError(f"key_heads={key_heads} must divide value_heads={value_heads}")
         self.key_heads = key_heads
         self.fold_cached_corrections = bool(fold_cached_corrections)
+        fold = GDNFold.CACHED if self.fold_cached_corrections else GDNFold.RECOMPUTE
         self._RING = {"la": (value_heads,), "beta": (value_heads,), "v": (value_heads, value_dim),
                       "k": (key_heads, key_dim), "uR": (value_heads, value_dim)}
         super().__init__(policy, batch=batch, heads=value_heads, value_dim=value_dim,
                          key_dim=key_dim, window=window, max_drafts=max_drafts, seed=seed,
-                         layer=layer, sequence_ids=sequence_ids, dtype=dtype, device=device)
+                         layer=layer, sequence_ids=sequence_ids, dtype=dtype, device=device,
+                         fold=fold)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, q, k, v, g, beta, T=None):
@@ -154,7 +160,7 @@ class GDNReplayState(ReplayStateBase):
         return gdn_flush(anchor, recs["la"], recs["beta"], recs["v"], recs["k"], self.policy,
                          seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
                          flush_index=flush_index, length=length, u_cached=recs["uR"],
-                         fold_cached_corrections=self.fold_cached_corrections, store=True)
+                         fold=self.config.fold, store=True)
 
     # ------------------------------------------------------------------ decoding
     def step(self, q, k, v, g, beta) -> torch.Tensor:
@@ -219,6 +225,6 @@ class GDNReplayState(ReplayStateBase):
         else:
             o, uR = gdn_verify(self._R, self._A, r["la"][:, :J], r["beta"][:, :J],
                                r["v"][:, :J], r["k"][:, :J], q, r["uR"][:, :J], self._h,
-                               self.window, self.fold_cached_corrections)
+                               self.window, self.config.fold)
         r["uR"][:, :J] = uR
         return o

@@ -1,0 +1,127 @@
+"""The parsed state configuration, built once where settings enter and passed inward.
+
+Settings arrive as strings and ints at the edges -- the ``replayssm-kl`` command line, lm-eval
+``model_args``, :func:`~replayssm_quant.adapters.apply_state_policy` / ``state_policy``, the
+state constructors -- and are parsed and validated there, once, into a frozen
+:class:`StateConfig`. Everything further in (the window form, flushes, casts) takes the parsed
+object and never re-parses a string (torchao's ``config.py`` pattern: modes are documented
+enums, parsed where they enter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .policy import StatePolicy
+
+__all__ = ["Family", "GDNFold", "StateConfig", "check_window", "check_seed"]
+
+
+class Family(str, Enum):
+    """The recurrence a state belongs to (DESIGN.md section 3)."""
+
+    #: Mamba-2 (SSD): scalar decay per head, ``S_t = a_t S_{t-1} + (dt_t x_t) B_t^T``; the
+    #: written value of a record is ``v = dt x``.
+    MAMBA2 = "mamba2"
+    #: Gated DeltaNet: ``S_t = alpha_t S_{t-1} + u_t k_t^T`` with the correction
+    #: ``u_t = beta_t (v_t - alpha_t S_{t-1} k_t)``; the written value is ``u``.
+    GDN = "gdn"
+
+    @classmethod
+    def parse(cls, value) -> "Family":
+        """``"mamba2"``/``"gdn"`` (or a member) -> member; ValueError naming the choices."""
+        return _parse_enum(cls, value, "family")
+
+
+class GDNFold(str, Enum):
+    """What a GDN flush folds into the recurrence anchor (DESIGN.md section 3, "Flush")."""
+
+    #: Re-solve the window's corrections against the anchor A from the raw records (the unit
+    #: lower-triangular system), so read-path rounding never reaches A. The default.
+    RECOMPUTE = "recompute"
+    #: Fold the corrections cached on the read path (solved against R): read-copy rounding
+    #: enters the anchor. Unstable; offered only to study that instability.
+    CACHED = "cached"
+
+    @classmethod
+    def parse(cls, value) -> "GDNFold":
+        """``"recompute"``/``"cached"`` (or a member) -> member; ValueError naming the choices."""
+        return _parse_enum(cls, value, "gdn_fold")
+
+
+def _parse_enum(cls, value, name: str):
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
+
+
+def check_window(window) -> int:
+    """``window`` as an int >= 1 (ValueError naming the value otherwise)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    return window
+
+
+def check_seed(seed) -> int:
+    """``seed`` as an int in [0, 2^63) (ValueError naming the value otherwise)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
+    return seed
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    """A parsed, validated state configuration (build it with :meth:`build`).
+
+    Attributes:
+        policy: the parsed :class:`~replayssm_quant.policy.StatePolicy`.
+        window: the window L the state runs with: the requested one, or 1 for ``eager:``
+            policies (conventional decoding rounds after every token).
+        seed: Philox key of stochastic rounding.
+        fold: :class:`GDNFold` (GDN layers only).
+    """
+
+    policy: StatePolicy
+    window: int
+    seed: int = 0
+    fold: GDNFold = GDNFold.RECOMPUTE
+
+    def __post_init__(self):
+        if not isinstance(self.policy, StatePolicy):
+            raise TypeError(f"StateConfig.policy must be a parsed StatePolicy, got "
+                            f"{type(self.policy).__name__}; use StateConfig.build(...)")
+        check_window(self.window)
+        check_seed(self.seed)
+        if self.policy.is_eager and self.window != 1:
+            raise ValueError(f"an eager policy runs with window 1, got {self.window}; "
+                             "use StateConfig.build(...)")
+        if not isinstance(self.fold, GDNFold):
+            raise TypeError(f"StateConfig.fold must be a GDNFold, got {self.fold!r}")
+
+    @classmethod
+    def build(cls, policy="fp32", window: int = 16, seed: int = 0,
+              fold="recompute") -> "StateConfig":
+        """Parse and validate the settings once.
+
+        Args:
+            policy: policy string (grammar: :mod:`replayssm_quant.policy`) or StatePolicy.
+            window: requested window L (int >= 1); ``eager:`` policies use 1.
+            seed: int in [0, 2^63). fold: ``"recompute"``/``"cached"`` or a :class:`GDNFold`.
+
+        Raises:
+            ValueError: naming the bad value and what was expected.
+        """
+        pol = StatePolicy.parse(policy)
+        check_window(window)
+        return cls(pol, 1 if pol.is_eager else window, check_seed(seed), GDNFold.parse(fold))
+
+    @property
+    def fold_cached(self) -> bool:
+        """True for the cached-fold variant (:attr:`GDNFold.CACHED`)."""
+        return self.fold is GDNFold.CACHED
+

@@ -387,6 +387,43 @@ def _uses_sr(policy: StatePolicy) -> bool:
     return any(spec.sr and not spec.is_identity for spec in (policy.read, policy.rec))
 
 
+def _attach(entry, state: LayerState) -> None:
+    """Put ``state`` on the cache layer ``entry`` and make the layer's batch operations carry
+    it along: ``reorder_cache`` (beam search), ``batch_select_indices`` and
+    ``batch_repeat_interleave`` apply the same row selection to the ReplaySSM state as to the
+    conv state and KV cache; ``crop`` (speculative rollback of the cache) is refused, since a
+    rounded anchor cannot be rolled back."""
+    setattr(entry, _STATE_ATTR, state)
+    if getattr(entry, "_replayssm_follows", False):
+        return
+
+    def follow(name, apply):
+        orig = getattr(entry, name, None)
+        if orig is None:
+            return
+
+        def wrapped(arg, *args, **kwargs):
+            out = orig(arg, *args, **kwargs)
+            st = getattr(entry, _STATE_ATTR, None)
+            if st is not None:
+                apply(st, arg)
+            return out
+
+        setattr(entry, name, wrapped)
+
+    follow("reorder_cache", lambda st, idx: st.select_rows(idx))
+    follow("batch_select_indices", lambda st, idx: st.select_rows(idx))
+    follow("batch_repeat_interleave", lambda st, n: st.repeat_rows(n))
+    if getattr(entry, "crop", None) is not None:
+        def crop(*args, **kwargs):
+            raise NotImplementedError(
+                "crop() of a cache that carries ReplaySSM state: a rounded recurrence anchor "
+                "cannot be rolled back (use the replay state objects' verify/commit for "
+                "speculative decoding, replayssm_quant.replay)")
+        entry.crop = crop
+    entry._replayssm_follows = True
+
+
 def _live_state(entry):
     """The LayerState on a cache layer, or None when the layer has no (current) state."""
     has_prev = getattr(entry, "has_previous_state", {0: False}).get(0, False)
@@ -440,12 +477,12 @@ def _make_forward(handle: StatePolicyHandle, family: str):
             if handle.prefill:
                 o, S = prefill_scan(family, inp)
                 if entry is not None:
-                    setattr(entry, _STATE_ATTR, LayerState(S, **kw))
+                    _attach(entry, LayerState(S, **kw))
                 return fam.output(self, ctx, o)
             wd = inp["v"].dtype if family == "gdn" else inp["x"].dtype
             state = LayerState(torch.zeros(Bsz, H, V, K, dtype=wd, device=hidden_states.device), **kw)
             if entry is not None:
-                setattr(entry, _STATE_ATTR, state)
+                _attach(entry, state)
         elif state.batch_size != Bsz:
             raise ValueError(f"batch size changed from {state.batch_size} to {Bsz} on a cache "
                              f"that carries ReplaySSM state (layer {layer_idx})")

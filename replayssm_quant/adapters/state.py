@@ -135,6 +135,18 @@ class LayerState:
         """The layer index keying the SR streams."""
         return self.carry.layer
 
+    # ------------------------------------------------------------------ batch rows
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` (int64 ``[B']``, any order, repeats allowed) of the whole
+        state (checkpoints, buffer, flush indices, sequence ids): beam search's
+        ``reorder_cache`` and a cache's ``batch_select_indices`` call this through the cache
+        layer, so every row's ReplaySSM state follows its hypothesis."""
+        self.carry = self.carry.select(torch.as_tensor(rows, dtype=torch.int64))
+
+    def repeat_rows(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place (``batch_repeat_interleave``)."""
+        self.select_rows(torch.arange(self.batch_size).repeat_interleave(int(repeats)))
+
     # ------------------------------------------------------------------ teacher-forced
     def advance(self, inp: dict) -> torch.Tensor:
         """T tokens teacher-forced (``window_fast.*_emulate_fast``: the window form; on the

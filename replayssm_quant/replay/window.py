@@ -70,6 +70,17 @@ class WindowCarry:
     sequence_ids: torch.Tensor | None = None
     layer: int = 0
 
+    def select(self, rows: torch.Tensor) -> "WindowCarry":
+        """The carry of batch rows ``rows`` (int64 ``[B']``, any order, repeats allowed): what a
+        cache reorder for beam search, or a batch selection, does to every row's state."""
+        dev = rows.to(self.anchor.device)
+        host = rows.cpu()
+        a = self.anchor.index_select(0, dev)
+        r = a if self.read is self.anchor else self.read.index_select(0, dev)
+        recs = {n: t.index_select(0, dev) for n, t in self.records.items()}
+        return WindowCarry(a, r, recs, self.flush_index.index_select(0, host),
+                           self.sequence_ids.index_select(0, host), self.layer)
+
     def buffered(self, records: dict) -> "WindowCarry":
         """The carry after a call that did not complete the window: same checkpoints, the
         records since the last flush."""

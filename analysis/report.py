@@ -196,9 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("-o", "--output", default="report.md", help="report file (default report.md)")
     ap.add_argument("--svg", action="store_true", help="also write SVG figures")
     args = ap.parse_args(argv)
+    for d in args.run_dirs:
+        if Path(d).exists() and not Path(d).is_dir():
+            print(f"replayssm-report: error: {d!r} is a file, not a replayssm-kl output directory",
+                  file=sys.stderr)
+            return 2
     try:
         path = write_report(args.run_dirs, args.output, svg=args.svg)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"replayssm-report: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {path}")

@@ -73,14 +73,16 @@ def _parse_policy(state) -> StatePolicy:
 
 def _as_int(name: str, value, minimum: int) -> int:
     """An integer model argument (lm-eval passes strings), with a clear error."""
+    # lm-eval's argument parser turns "-3" into -3.0: show such values as the user typed them
+    shown = repr(int(value)) if isinstance(value, float) and value.is_integer() else repr(value)
     try:
         if isinstance(value, bool) or isinstance(value, float):
             raise ValueError
         v = int(str(value).strip())
     except (TypeError, ValueError):
-        raise ValueError(f"model argument {name} must be an integer >= {minimum}, got {value!r}") from None
+        raise ValueError(f"model argument {name} must be an integer >= {minimum}, got {shown}") from None
     if v < minimum:
-        raise ValueError(f"model argument {name} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"model argument {name} must be an integer >= {minimum}, got {shown}")
     return v
 
 
@@ -134,10 +136,7 @@ class ReplaySSMLM(HFLM):
         # lm-eval's logits cache shares one forward between requests whose tokens agree; under
         # a state policy the logits also depend on where the prefill ends, so it stays off.
         _check_logits_cache(kwargs.get("logits_cache", False))
-        if isinstance(pretrained, str) and not os.path.isdir(pretrained):
-            from replayssm_quant.models import resolve_model_path
-
-            pretrained = str(resolve_model_path(pretrained))
+        pretrained = _check_pretrained(pretrained)
         if "device" not in kwargs or kwargs["device"] is None:
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         kwargs["logits_cache"] = False
@@ -348,6 +347,21 @@ def check_model_args(model_args: str | dict | None) -> None:
             _as_int(name, kv[name], minimum)
     _check_gdn_fold(kv.get("gdn_fold", "recompute"))
     _check_logits_cache(kv.get("logits_cache", False))
+    if "pretrained" in kv:
+        _check_pretrained(kv["pretrained"])
+
+
+def _check_pretrained(pretrained) -> str:
+    """``pretrained`` resolved as the model loader will (embedded name, local directory, hub
+    id ``org/name``); a bad one is refused before anything loads."""
+    if not isinstance(pretrained, str) or os.path.isdir(pretrained):
+        return pretrained
+    from replayssm_quant.models import resolve_model_path
+
+    try:
+        return str(resolve_model_path(pretrained))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"model argument pretrained={pretrained!r}: {e}") from None
 
 
 def _cli_model_args(args) -> tuple[str | None, object]:

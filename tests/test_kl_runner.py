@@ -125,3 +125,29 @@ def test_dt_limit_recorded_and_part_of_resume_identity(tmp_path):
     assert main(args + ["--dt-limit", "clamp"]) == 0
     assert json.loads((out / "manifest.json").read_text())["dt_limit"] == "clamp"
     assert main(args + ["--dt-limit", "decode"]) == 2
+
+
+def test_output_dir_under_a_file_exit_2(tmp_path, capsys):
+    """An --output-dir that cannot be created is refused in one line before any compute."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert main(["--model", "tiny-gdn", "-N", "8", "--max-docs", "1", "--no-progress",
+                 "-o", str(f / "sub")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_resume_keeps_timings_and_drops_a_stale_stepwise_table(tmp_path):
+    """A resume that computes nothing keeps the compute times of the run that produced the
+    tables (they add up), and a resume with --stepwise-check 0 removes the earlier
+    stepwise.parquet, which would describe another setting."""
+    out = tmp_path / "run"
+    args = ["--model", "tiny-mamba2", "--max-docs", "1", "-N", "16", "--policies", "fp32",
+            "--no-progress", "-o", str(out)]
+    assert main(args + ["--stepwise-check", "4"]) == 0
+    first = json.loads((out / "manifest.json").read_text())
+    assert (out / "stepwise.parquet").exists()
+    assert main(args + ["--stepwise-check", "0"]) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["cells_computed_this_run"] == 0 and not (out / "stepwise.parquet").exists()
+    assert man["timings"]["policies_s"]["fp32"] >= first["timings"]["policies_s"]["fp32"] > 0
+    assert len(man["commands"]) == 2

@@ -175,7 +175,9 @@ def test_cli_issue_command_limit8_both_forms(tmp_path):
 
 @pytest.mark.parametrize("margs,word", [("pretrained=tiny-gdn,state=bogus", "state"),
                                         ("pretrained=tiny-gdn,window=0", "window"),
-                                        ('{"pretrained": "tiny-gdn", "seed": -2}', "seed")])
+                                        ('{"pretrained": "tiny-gdn", "seed": -2}', "seed"),
+                                        ("pretrained=no-such-model", "pretrained='no-such-model'"),
+                                        ("pretrained=tiny-gdn,window=-3", "got -3\n")])
 def test_cli_bad_model_args_exit_2(margs, word, capsys):
     from evals.lm_eval_adapter import cli
 

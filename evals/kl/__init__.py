@@ -131,6 +131,12 @@ def _check_args(a) -> list:
         raise BadArgs(f"--threads must be >= 0, got {a.threads}")
     if Path(a.output_dir).exists() and not Path(a.output_dir).is_dir():
         raise BadArgs(f"--output-dir {a.output_dir!r} exists and is not a directory")
+    for parent in Path(a.output_dir).absolute().parents:  # the nearest existing ancestor
+        if parent.exists():
+            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+                raise BadArgs(f"--output-dir {a.output_dir!r} cannot be created: {str(parent)!r} "
+                              f"is {'not a directory' if not parent.is_dir() else 'not writable'}")
+            break
     for name in ("segment_len", "batch_size", "max_docs"):
         if getattr(a, name) <= 0:
             raise BadArgs(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
@@ -291,6 +297,28 @@ def _check_identity(a, cfg) -> None:
                       "use another --output-dir or remove it")
 
 
+def _earlier_manifest(out: Path) -> dict:
+    """The manifest an earlier invocation left in ``out`` (empty if none or unreadable)."""
+    try:
+        return json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _add_timings(old, new: dict) -> dict:
+    """``new`` plus the compute seconds of ``old`` (same keys; nested dicts per policy)."""
+    if not isinstance(old, dict):
+        return new
+    out = {}
+    for k, v in new.items():
+        o = old.get(k)
+        if isinstance(v, dict):
+            out[k] = _add_timings(o if isinstance(o, dict) else {}, v)
+        else:
+            out[k] = v + (o if isinstance(o, (int, float)) else 0.0)
+    return out
+
+
 def _git_commit() -> str | None:
     try:
         root = Path(__file__).resolve().parents[2]
@@ -422,6 +450,10 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     parts.mkdir(parents=True, exist_ok=True)
     (out / IDENTITY_FILE).write_text(json.dumps(run_identity(a, cfg), indent=2))
     dtype = getattr(torch, a.dtype)
+    if a.no_progress:  # transformers' weight-loading bar too
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     model, _ = load_model(a.model, dtype=dtype, device=a.device, tokenizer=False)
     threads = _set_threads(a, model)
     t_load = time.time() - t0
@@ -534,13 +566,17 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     if K:
         step = _assemble(token_docs, cells, step_part, STEP_COLUMNS, np.arange(P, step_end))
         step.to_parquet(out / "stepwise.parquet", index=False)
+    else:  # a stepwise table of an earlier invocation would describe another run
+        (out / "stepwise.parquet").unlink(missing_ok=True)
     summ = summarize(pos, step)
     summ.to_csv(out / "summary.csv", index=False)
     timings["total_s"] = time.time() - t0
+    earlier = _earlier_manifest(out)
     n_tok = sum(len(d["ids"]) for d in token_docs)  # N + 1 per document (the last is a target only)
     nf_by_policy = pos.groupby("policy")[["nonfinite", "nonfinite_ref", "nonfinite_policy"]].sum()
     manifest = {
         "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
+        "commands": earlier.get("commands", []) + [[os.path.basename(sys.argv[0])] + sys.argv[1:]],
         "args": vars(a), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": _git_commit(),
         "versions": _versions(), "metrics": METRICS_VERSION,
         "model": {"name": a.model, "path": cfg_path, "model_type": arch, "dtype": a.dtype,
@@ -555,7 +591,11 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
         "dt_limit": str(handle.dt_limit),
         "invariance": "each document runs through the model alone (adapters.segments.forward_each); "
                       "SR streams keyed by document index; docs/invariance.md",
-        "cells_computed_this_run": n_new, "timings": timings, "threads": threads,
+        "cells_computed_this_run": n_new, "threads": threads,
+        # compute of every invocation that contributed to these tables (a resume adds to it)
+        "timings": _add_timings(earlier.get("timings"), timings) if n_new < len(cells) * len(token_docs)
+        else timings,
+        "timings_this_invocation": timings,
         "nonfinite_rows": int(pos["nonfinite"].sum()),
         "nonfinite_ref_rows": int(pos["nonfinite_ref"].sum()),
         "nonfinite_policy_rows": int(pos["nonfinite_policy"].sum()),

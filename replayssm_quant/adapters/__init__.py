@@ -228,6 +228,28 @@ class StatePolicyHandle:
         self._signature = inspect.signature(model.forward)
 
     @property
+    def sequence_ids(self) -> torch.Tensor | None:
+        """None (content-keyed ids) or the int64 SR sequence ids of the batch rows."""
+        return self._sequence_ids
+
+    @sequence_ids.setter
+    def sequence_ids(self, value) -> None:
+        if value is None:
+            self._sequence_ids = None
+            return
+        try:
+            ids = torch.as_tensor(value).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            ids = None
+        if ids is None or ids.is_floating_point() or ids.dtype == torch.bool:
+            raise ValueError(f"sequence_ids must be ints in [0, 2^{SEQ_ID_BITS}), one per batch "
+                             f"row, got {value!r}")
+        ids = ids.to(torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= 1 << SEQ_ID_BITS):
+            raise ValueError(f"sequence_ids must be ints in [0, 2^{SEQ_ID_BITS}), got {ids.tolist()}")
+        self._sequence_ids = ids
+
+    @property
     def dt_limit(self) -> DtLimit:
         """The Mamba-2 time-step rule for states created from now on (:class:`DtLimit`)."""
         return self._dt_limit
@@ -346,12 +368,9 @@ class StatePolicyHandle:
         """Sequence ids ``[B]`` (int64) of a state created now: explicit ids, else the content
         ids of this call; without either, 0 for RTN policies and an error under SR."""
         if self.sequence_ids is not None:
-            ids = torch.as_tensor(self.sequence_ids, dtype=torch.int64).reshape(-1)
+            ids = self.sequence_ids
             if ids.numel() != batch:
                 raise ValueError(f"handle.sequence_ids has {ids.numel()} entries for a batch of {batch}")
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= 1 << SEQ_ID_BITS):
-                raise ValueError(f"handle.sequence_ids must be ints in [0, 2^{SEQ_ID_BITS}), got "
-                                 f"{ids.tolist()}")
             return ids.to(device)
         if self._auto_ids is not None and self._auto_ids.numel() == batch:
             return self._auto_ids.to(device)

@@ -42,7 +42,7 @@ import triton.language as tl
 from .. import formats as F
 from ..formats import QuantSpec, parse_spec
 from ..philox import stream_keys_to
-from ..quant import PackedTensor
+from ..packed import PackedTensor
 
 __all__ = ["quantize_triton", "pack_triton"]
 

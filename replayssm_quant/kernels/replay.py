@@ -30,7 +30,7 @@ Two kernels do all the work:
   ``S = gamma_{1:J} A + sum_j gamma_{j+1:J} w_j k_j^T`` tile by tile from the (dequantised in
   kernel) anchor and the committed records, then round the same unrounded FP32 tile twice:
   ``A <- Q_rec(S)`` and ``R <- Q_read(S)``, writing packed codes and scales, with SR bits keyed
-  by :func:`core.checkpoint_streams` (copy bit 0 / 1), exactly as :func:`core.cast_checkpoints`.
+  by :func:`checkpoint_streams` (copy bit 0 / 1), exactly as :func:`core.cast_checkpoints`.
   Formats with a matrix scale (fp8, nvfp4) need the matrix amax before rounding: a first pass
   reconstructs the tiles for the amax only, a second reconstructs them again (the same FP32
   operations in the same order, so the same values) and rounds. Optionally it writes S (the
@@ -74,12 +74,12 @@ import triton
 import triton.language as tl
 
 from .. import formats as F
+from ..capabilities import replay_kernels_supported, triton_interpreting
+from ..checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
 from ..formats import QuantSpec, parse_spec
-from ..policy import StatePolicy
+from ..packed import PackedTensor
 from ..philox import stream_keys_to
-from .dispatch import triton_interpreting
-from ..quant import PackedTensor
-from ..replay import core
+from ..policy import StatePolicy
 from .quant import (_amax_scale, _block_scale, _e8m0_value, _finite_abs, _grid_consts,
                     _grid_value, _quant, _random_bits, _stream_words)
 
@@ -686,7 +686,7 @@ def _flush_kernel(
 
 def kernels_supported(key_dim: int, dtype: torch.dtype) -> bool:
     """Shapes/dtypes the kernels handle: float32, key dim a power of two >= 32."""
-    return dtype == torch.float32 and key_dim >= 32 and (key_dim & (key_dim - 1)) == 0
+    return replay_kernels_supported(key_dim, dtype)
 
 
 def _check_supported(key_dim: int, dtype) -> None:
@@ -844,7 +844,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start, rows=n,
                         out_start=start, draft=draft, draft_relative=False, gdn=True, w_out=uR,
                         block_v=block_v)
-    uR = torch.where(core.length_mask(n, J)[:, :, None, None], uR, 0.0)
+    uR = torch.where(length_mask(n, J)[:, :, None, None], uR, 0.0)
     at_flush = n == window
     if bool(at_flush.any()):
         if fold_cached_corrections:
@@ -912,7 +912,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
     ``A <- Q_rec(S)`` and ``R <- Q_read(S)`` independently in the same kernel (one cast for
-    single-checkpoint policies), SR streams from :func:`core.checkpoint_streams`.
+    single-checkpoint policies), SR streams from :func:`checkpoint_streams`.
 
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
@@ -925,7 +925,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     J = la.shape[1]
     G = k.shape[2]
     dev = w.device
-    sa, sr = core.checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
+    sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
                                      flush_index=flush_index)
     two = not policy.single_checkpoint
     shape = (B, H, V, K)
@@ -961,8 +961,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
 
     a_val = deq(a_st)
     r_val = deq(r_st) if two else a_val
-    cps = core.Checkpoints(a_val, r_val, a_st, r_st)
-    res = core.FlushResult(S if store_state else None, cps, w)
+    cps = Checkpoints(a_val, r_val, a_st, r_st)
+    res = FlushResult(S if store_state else None, cps, w)
     return res, (y if q is not None else None)
 
 
@@ -986,7 +986,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")
-        live = core.length_mask(length, la.shape[1])
+        live = length_mask(length, la.shape[1])
         u = torch.where(live[:, :, None, None], u_cached, torch.zeros((), dtype=v.dtype,
                                                                       device=v.device))
     else:
@@ -1295,7 +1295,7 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         la ``[B, T, H]``, head-expanded ``k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``
         (GDN) or None (Mamba-2: the written value is v); float32.
         spec: the anchor format (``policy.rec``); streams: int64 ``[B, NW, H]`` anchor stream
-        keys of the NW flushes (``core.checkpoint_streams`` copy 0; host or device).
+        keys of the NW flushes (``checkpoint_streams`` copy 0; host or device).
         q: head-expanded queries ``[B, T, H, K]``: also return the outputs of every position for
             a single-checkpoint policy (read copy = anchor; ``core.window_outputs`` inside a
             window, ``S q`` at the flush token).

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
+from ..packed import PackedTensor
 from ..philox import stream_key
 from ..policy import StatePolicy
-from ..quant import PackedTensor
-from .core import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult, cast_checkpoints
+from .core import cast_checkpoints
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from evals.kl import position_metrics  # noqa: E402
 from replayssm_quant.adapters import apply_state_policy  # noqa: E402
 from replayssm_quant.adapters.segments import forward_segment  # noqa: E402
+from replayssm_quant.backend import requested_backend  # noqa: E402
 
 POLICIES = ("fp32", "read:nvfp4/rec:fp32", "shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr",
             "eager:fp8e4m3")
@@ -124,7 +125,7 @@ def main(argv=None):
            "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
            "torch": torch.__version__, "window": a.window, "segment_len": a.segment_len,
            "step_tokens": a.step_tokens, "repeat": a.repeat, "runs": [],
-           "anchor_chain": os.environ.get("REPLAYSSM_ANCHOR_CHAIN", "auto")}
+           "anchor_chain": requested_backend("chain").value}  # REPLAYSSM_BACKEND (backend.py)
     import transformers
 
     res["transformers"] = transformers.__version__

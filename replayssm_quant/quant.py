@@ -42,11 +42,11 @@ a block holding a non-finite value into a NaN block, stored through the scale's 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from . import backend as B
 from . import formats as F
 from .formats import QuantSpec, parse_spec
 from .packed import PackedTensor, _e2m1_encode, _e8m0_decode, _fp8_encode, _pack_nibbles, _pow2
@@ -62,8 +62,7 @@ __all__ = [
     "BACKENDS",
 ]
 
-BACKENDS = ("auto", "torch", "triton")
-_BACKEND_ENV = "REPLAYSSM_QUANT_BACKEND"
+BACKENDS = tuple(b.value for b in B.Backend)  # accepted ``backend=`` values (backend.Backend)
 
 
 # ----------------------------------------------------------------------------------------
@@ -259,6 +258,7 @@ def _dequant(parts: _Parts, k: int) -> torch.Tensor:
     return out[..., :k]
 
 
+@B.reference("quantize")
 def quantize_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> torch.Tensor:
     """Torch reference of :func:`quantize` (runs on any device)."""
     spec = parse_spec(spec)
@@ -273,6 +273,7 @@ def quantize_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> tor
 # ----------------------------------------------------------------------------------------
 
 
+@B.reference("pack")
 def pack_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedTensor:
     """Torch reference of :func:`pack`."""
     spec = parse_spec(spec)
@@ -295,22 +296,13 @@ def pack_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedT
 
 
 # ----------------------------------------------------------------------------------------
-# public API with backend dispatch
+# public API: the backend seam picks reference or kernel
 # ----------------------------------------------------------------------------------------
 
 
-def _backend(x: torch.Tensor, backend: str | None) -> str:
-    b = backend or os.environ.get(_BACKEND_ENV, "auto")
-    if b not in BACKENDS:
-        raise ValueError(f"backend {b!r} not one of {BACKENDS}")
-    if b == "auto":
-        return "triton" if x.is_cuda else "torch"
-    if b == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"backend 'triton' on a {x.device} tensor needs the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
-        )
-    return b
+def _use_kernels(x: torch.Tensor, backend) -> bool:
+    """The seam's decision for a quantizer call on ``x`` (:mod:`replayssm_quant.backend`)."""
+    return B.use_kernels(B.Family.QUANT, backend, device=x.device)
 
 
 def _check_seed(seed) -> int:
@@ -336,7 +328,7 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
             (e.g. ``stream_key(sequence=..., head=...)``) for independent rounding.
         backend: ``"torch"`` (reference), ``"triton"`` (kernels; CPU only under
             ``TRITON_INTERPRET=1``) or ``None``/``"auto"`` (kernels on CUDA, reference
-            elsewhere); the environment variable ``REPLAYSSM_QUANT_BACKEND`` sets the default.
+            elsewhere); ``None`` defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
 
     Returns:
         float32 tensor of x's shape (``fp32`` returns float32/float64 input unchanged).
@@ -349,11 +341,8 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
     _check_input(x)
     if spec.is_identity:
         return quantize_reference(x, spec)
-    if _backend(x, backend) == "triton":
-        from .kernels.quant import quantize_triton
-
-        return quantize_triton(x, spec, seed=seed, stream=stream)
-    return quantize_reference(x, spec, seed=seed, stream=stream)
+    impl = B.select(quantize_reference, _use_kernels(x, backend))
+    return impl(x, spec, seed=seed, stream=stream)
 
 
 def pack(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None = None):
@@ -365,8 +354,5 @@ def pack(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None 
     spec = parse_spec(spec)
     _check_seed(seed)
     _check_input(x)
-    if not spec.is_identity and _backend(x, backend) == "triton":
-        from .kernels.quant import pack_triton
-
-        return pack_triton(x, spec, seed=seed, stream=stream)
-    return pack_reference(x, spec, seed=seed, stream=stream)
+    kernels = not spec.is_identity and _use_kernels(x, backend)
+    return B.select(pack_reference, kernels)(x, spec, seed=seed, stream=stream)

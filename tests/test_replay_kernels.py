@@ -34,7 +34,7 @@ from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import (core, gdn_flush, gdn_step_output, gdn_verify,  # noqa: E402
                                     mamba2_flush, mamba2_step_output, mamba2_verify)
 
-from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
+from replayssm_quant.capabilities import triton_interpreting  # noqa: E402
 
 INTERPRET = triton_interpreting()
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"

@@ -996,6 +996,49 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                         store_state=store_state, block_v=block_v)
 
 
+# ---------------------------------------------------------------- state-object entry points
+# The kernels of the state objects' operations, with the signatures of their torch references
+# (replay/mamba2.py, replay/gdn.py: ``mamba2_state_step`` ...); the backend seam
+# (replayssm_quant/backend.py) swaps one for the other. They read the stored checkpoints.
+def mamba2_state_step(cps: Checkpoints, ring: dict, h, la, v, k, q):
+    """Kernel of :func:`replay.mamba2.mamba2_state_step`: :func:`mamba2_step_kernel`."""
+    return mamba2_step_kernel(cps.read_stored, ring, la, v, k, q, h)
+
+
+def mamba2_state_verify(cps: Checkpoints, la, v, k, q, start, window: int):
+    """Kernel of :func:`replay.mamba2.mamba2_state_verify`: :func:`mamba2_verify_kernel`."""
+    return mamba2_verify_kernel(cps.read_stored, cps.anchor_stored, la, v, k, q, start, window)
+
+
+def mamba2_state_flush(anchor, recs: dict, length, policy, *, seed, layer, sequence_ids,
+                       flush_index) -> FlushResult:
+    """Kernel of :func:`replay.mamba2.mamba2_state_flush`: :func:`mamba2_flush_kernel`."""
+    return mamba2_flush_kernel(anchor, recs["la"], recs["v"], recs["k"], length, policy,
+                               seed=seed, layer=layer, sequence_ids=sequence_ids,
+                               flush_index=flush_index)[0]
+
+
+def gdn_state_step(cps: Checkpoints, ring: dict, h, q, k, v, g, beta):
+    """Kernel of :func:`replay.gdn.gdn_state_step`: :func:`gdn_step_kernel`."""
+    return gdn_step_kernel(cps.read_stored, ring, q, k, v, g, beta, h)
+
+
+def gdn_state_verify(cps: Checkpoints, la, beta, v, k, q, u_known, start, window: int,
+                     fold_cached_corrections: bool = False):
+    """Kernel of :func:`replay.gdn.gdn_state_verify`: :func:`gdn_verify_kernel`."""
+    return gdn_verify_kernel(cps.read_stored, cps.anchor_stored, la, beta, v, k, q, u_known,
+                             start, window, fold_cached_corrections)
+
+
+def gdn_state_flush(anchor, recs: dict, length, policy, *, seed, layer, sequence_ids,
+                    flush_index, fold_cached_corrections: bool = False) -> FlushResult:
+    """Kernel of :func:`replay.gdn.gdn_state_flush`: :func:`gdn_flush_kernel`."""
+    return gdn_flush_kernel(anchor, recs["la"], recs["beta"], recs["v"], recs["k"], length,
+                            policy, seed=seed, layer=layer, sequence_ids=sequence_ids,
+                            flush_index=flush_index, u_cached=recs["uR"],
+                            fold_cached_corrections=fold_cached_corrections)[0]
+
+
 # ----------------------------------------------------------------------------------------
 # anchor chain: the anchor recurrence of a run of windows, one launch
 # ----------------------------------------------------------------------------------------

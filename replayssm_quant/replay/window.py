@@ -5,7 +5,7 @@ window at a time: inside a window, the outputs are the intra-window causal sum p
 decayed read-copy term (GDN: with corrections solved against the read path); at the window
 end the *same* flush routine as the state objects (:func:`~.mamba2.mamba2_flush`,
 :func:`~.gdn.gdn_flush`) folds the records into the anchor and casts A and R independently,
-with the same SR streams. On the torch path (CPU, float64, ``REPLAYSSM_ANCHOR_CHAIN=torch``)
+with the same SR streams. On the torch path (CPU, float64, ``REPLAYSSM_BACKEND=torch``)
 each sequence's outputs, anchors and read copies are bit-identical for any batch, batch
 position and cut of the tokens into calls, one token per call included (the adapters' step
 path is this form with one token; see "Invariance" below); stepping through
@@ -32,11 +32,12 @@ Typical use for one layer (Mamba-2)::
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import backend as B
+from ..backend import kernel_ops as kr  # kernel entry points, through the backend seam
 from ..policy import StatePolicy
 from . import core
 from .gdn import gdn_flush
@@ -95,24 +96,23 @@ def initial_carry(S: torch.Tensor, policy, *, seed: int = 0, layer: int = 0,
 
 
 # ------------------------------------------------------------------------------ flush dispatch
-CHAIN_ENV = "REPLAYSSM_ANCHOR_CHAIN"  # "auto" (default: kernel on CUDA), "torch" or "triton"
+CHAIN_ENV = "REPLAYSSM_ANCHOR_CHAIN"  # deprecated: the seam's REPLAYSSM_BACKEND (backend.py)
 
 
 def chain_kernel_enabled(policy, anchor: torch.Tensor, fold_cached: bool = False) -> bool:
     """True when flushes run the anchor-chain kernel
     (:func:`replayssm_quant.kernels.replay.anchor_chain`, any ``rec`` format; fp32 is the exact
     recurrence): not the cached-fold variant, float32, key dim a power of two >= 32, on CUDA
-    (``auto``) or forced with ``REPLAYSSM_ANCHOR_CHAIN=triton`` (CPU: under
-    ``TRITON_INTERPRET=1``). Every flush of a layer (stepping and teacher-forced, batched or
+    (``auto``) or forced with ``REPLAYSSM_BACKEND=triton`` (CPU: under
+    ``TRITON_INTERPRET=1``); the decision is the backend seam's (:mod:`replayssm_quant.backend`,
+    family ``chain``). Every flush of a layer (stepping and teacher-forced, batched or
     window by window) takes the same decision, so a layer given identical inputs rounds
     identically."""
-    from ..kernels.dispatch import replay_kernels_enabled
-
     StatePolicy.parse(policy)
     if fold_cached:
         return False
-    return replay_kernels_enabled(os.environ.get(CHAIN_ENV) or None, anchor.device, anchor.dtype,
-                                  anchor.shape[-1])
+    return B.use_kernels(B.Family.CHAIN, None, device=anchor.device, dtype=anchor.dtype,
+                         key_dim=anchor.shape[-1])
 
 
 def flush_window(family: str, anchor, recs: dict, policy, *, seed: int, layer: int,
@@ -124,8 +124,6 @@ def flush_window(family: str, anchor, recs: dict, policy, *, seed: int, layer: i
     policy = StatePolicy.parse(policy)
     J = recs["la"].shape[1]
     if chain_kernel_enabled(policy, anchor, fold_cached):
-        from ..kernels import replay as kr
-
         H = anchor.shape[1]
         sa, sr = core.checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
                                          flush_index=flush_index)
@@ -176,7 +174,7 @@ def _check_fit(h0: int, W: int, L: int) -> None:
 # is cut into segments (DESIGN.md section 3; issue 12). A last-bit difference in an unrounded
 # state can put a value on the other side of a rounding boundary, and the flipped quantum then
 # propagates through the anchor, so "equal up to reassociation" is not enough. On the torch
-# path (CPU, float64, ``REPLAYSSM_ANCHOR_CHAIN=torch``):
+# path (CPU, float64, ``REPLAYSSM_BACKEND=torch``):
 #   * every reduction of the references in ``core`` runs one sequence at a time
 #     (``core.per_sequence``), so its calls have the same shapes and strides whatever batch
 #     the sequence came in (BLAS picks kernels by shape and stride: a batched
@@ -478,8 +476,6 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, policy: StatePolicy, L: int
     """Full windows on the kernel path (``carry.h == 0``, length a multiple of L): the anchor
     recurrence of a group of windows in one anchor-chain launch, then the read casts and the
     outputs of every window batched. Returns ``(o [B, T, H, V], carry)``."""
-    from ..kernels import replay as kr
-
     Bz, T, H = la.shape
     V, K = carry.anchor.shape[-2:]
     A, R, fi = carry.anchor, carry.read, carry.flush_index

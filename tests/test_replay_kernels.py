@@ -43,7 +43,10 @@ if DEVICE == "cpu" and not INTERPRET:
 
 import replayssm_quant.kernels.replay as kr  # noqa: E402
 
-if INTERPRET and type(kr._flush_kernel).__name__ != "InterpretedFunction":
+if INTERPRET and type(kr.flush._flush_kernel).__name__ != "InterpretedFunction":
+    # imported before TRITON_INTERPRET was set: decorate the kernels again
+    for _m in (kr.codec, kr.records, kr.flush, kr.chain):
+        importlib.reload(_m)
     kr = importlib.reload(kr)
 
 B, H, G, V, K, L, T = 2, 4, 2, 16, 32, 4, 3

@@ -44,12 +44,13 @@ Callers outside ``replayssm_quant.kernels`` reach these through the backend seam
 (:mod:`replayssm_quant.backend`), never by importing this package (``docs/architecture.md``).
 """
 
-from .chain import CHAIN_TILE_ELEMENTS, CHAIN_WARPS, ChainResult, anchor_chain, chain_block_v
+from .chain import (CHAIN_TILE_ELEMENTS, CHAIN_WARPS, ChainResult, anchor_chain,
+                    chain_block_v)
 from .codec import kernels_supported
 from .flush import (DEFAULT_BV_FLUSH, flush_kernel, gdn_flush_kernel, gdn_state_flush,
                     mamba2_flush_kernel, mamba2_state_flush)
-from .records import (DEFAULT_BV, DEFAULT_WARPS, MIN_LP, gdn_corrections_kernel, gdn_state_step, gdn_state_verify, gdn_step_kernel,
-                      gdn_verify_kernel, mamba2_state_step, mamba2_state_verify,
+from .records import (DEFAULT_BV, DEFAULT_WARPS, MIN_LP, gdn_corrections_kernel, gdn_state_step,
+                      gdn_state_verify, gdn_step_kernel, gdn_verify_kernel, mamba2_state_step, mamba2_state_verify,
                       mamba2_step_kernel, mamba2_verify_kernel, records_outputs)
 
 __all__ = [

@@ -23,7 +23,7 @@ from ...formats import parse_spec
 from ...philox import stream_keys_to
 from .codec import (_K_HALF, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts,
                     _cast_store, _check_supported, _decode_consts, _dequant_tile, _finite_abs,
-                    _kind, _load_copy, _matrix_scale, _split_halves)
+                    _kind, _load_copy, _load_stored, _matrix_scale, _split_halves)
 
 # ----------------------------------------------------------------------------------------
 # anchor chain: the anchor recurrence of a run of windows, one launch
@@ -70,17 +70,13 @@ from .codec import (_K_HALF, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast
 
 @triton.jit
 def _prev_anchor(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask, V,
-                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
-                 P_KIND: tl.constexpr, P_FP4: tl.constexpr, P_EB: tl.constexpr,
-                 P_MB: tl.constexpr, P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr,
-                 P_NANF: tl.constexpr):
+                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, P: tl.constexpr):
     """Rows of the anchor before window ``w`` read from memory: the FP32 start (w = 0) or
-    the packed anchor of window w - 1 (slot ``pmat``)."""
+    the packed anchor of window w - 1 (slot ``pmat``, decoded with ``P``)."""
     if w == 0:
         ae, ao = _load_copy(a0_ptr, a0_ptr, a0_ptr, mat0, rows, rmask, V, K, KH, BV)  # FP32
     else:
-        ae, ao = _load_copy(ap_ptr, apbs_ptr, apms_ptr, pmat, rows, rmask, V, K, KH, BV,
-                            P_KIND, P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)
+        ae, ao = _load_stored(ap_ptr, apbs_ptr, apms_ptr, pmat, rows, rmask, V, K, KH, BV, P)
     return ae, ao
 
 
@@ -188,15 +184,8 @@ def _chain_kernel(
         K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NT: tl.constexpr, GDN: tl.constexpr, OUT: tl.constexpr, STORE_S: tl.constexpr,
         SPLIT: tl.constexpr, NEED_AMAX: tl.constexpr,
-        P_KIND: tl.constexpr, P_FP4: tl.constexpr, P_EB: tl.constexpr, P_MB: tl.constexpr,
-        P_EMIN: tl.constexpr, P_SUBQ: tl.constexpr, P_NANF: tl.constexpr, P_BF16: tl.constexpr,
-        CA_KIND: tl.constexpr, CA_FP4: tl.constexpr, CA_SR: tl.constexpr,
-        CA_FMAX: tl.constexpr, CA_EMAX: tl.constexpr, CA_BLK: tl.constexpr,
-        CA_MS: tl.constexpr,
-        CA_EMIN: tl.constexpr, CA_MBITS: tl.constexpr, CA_MAXCODE: tl.constexpr,
-        CA_SUBQ: tl.constexpr, CA_SIGN_SHIFT: tl.constexpr, CA_HAS_INF: tl.constexpr,
-        CA_NAN_POS: tl.constexpr, CA_NAN_NEG: tl.constexpr, CA_INF_POS: tl.constexpr,
-        CA_INF_NEG: tl.constexpr):
+        P: tl.constexpr, CA: tl.constexpr):
+    # P: DecodeConsts of the stored anchors; CA: CastConsts of the anchor cast
     if SPLIT:
         pid = tl.atomic_add(sync_ptr, 1)  # logical id in start order (see above)
         mat0 = (pid // NT).to(tl.int64)
@@ -211,7 +200,7 @@ def _chain_kernel(
         rows = tile * BV + tl.arange(0, BV)
         rmask = rows < V
         ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, 0, mat0, mat0, rows, rmask, V,
-                              K, KH, BV, P_KIND, P_FP4, P_EB, P_MB, P_EMIN, P_SUBQ, P_NANF)
+                              K, KH, BV, P)
         for w in range(0, NW):
             smat = (b * NW + w) * H + h  # S and stream key index of this window
             amat = (b * NSLOT + w % NSLOT) * H + h  # anchor slot written
@@ -224,7 +213,7 @@ def _chain_kernel(
                                         1 + 2 * (mat0 * NW + w), NT)
                 else:
                     amax = _tile_amax(se, so, rmask)
-            sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
+            sa = _matrix_scale(amax, CA.KIND, CA.FMAX)
             if STORE_S:
                 x = tl.reshape(tl.join(se, so), [BV, K])
                 tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
@@ -232,14 +221,10 @@ def _chain_kernel(
             # _cast_store reads the stream key at st_ptr[mat] for the matrix it stores: shift
             # the base so that the store slot amat finds this window's key smat
             ce, co, sbc = _cast_store(se, so, rows, rmask, amat, V, sa, seed,
-                                      st_ptr + (smat - amat), oa_ptr, oabs_ptr, K, KH, BV,
-                                      CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN,
-                                      CA_MBITS, CA_MAXCODE, CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF,
-                                      CA_NAN_POS, CA_NAN_NEG, CA_INF_POS, CA_INF_NEG)
-            if CA_MS:
+                                      st_ptr + (smat - amat), oa_ptr, oabs_ptr, K, KH, BV, CA)
+            if CA.MS:
                 tl.store(oams_ptr + amat, sa)  # every tile of the matrix stores the same value
-            ae, ao = _dequant_tile(ce, co, sbc, sa, BV, KH, P_KIND, P_FP4, P_EB, P_MB, P_EMIN,
-                                   P_SUBQ, P_NANF, P_BF16)
+            ae, ao = _dequant_tile(ce, co, sbc, sa, BV, KH, P)
     else:  # one program loops over the row tiles of its matrix (interpreter, tests)
         for w in range(0, NW):
             smat = (b * NW + w) * H + h
@@ -251,19 +236,17 @@ def _chain_kernel(
                     rows = v0 + tl.arange(0, BV)
                     rmask = rows < V
                     ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
-                                          rmask, V, K, KH, BV, P_KIND, P_FP4, P_EB, P_MB, P_EMIN,
-                                          P_SUBQ, P_NANF)
+                                          rmask, V, K, KH, BV, P)
                     se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr,
                                          q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP,
                                          GDN, False)
                     amax = tl.maximum(amax, _tile_amax(se, so, rmask))
-            sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
+            sa = _matrix_scale(amax, CA.KIND, CA.FMAX)
             for v0 in range(0, V, BV):
                 rows = v0 + tl.arange(0, BV)
                 rmask = rows < V
                 ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
-                                      rmask, V, K, KH, BV, P_KIND, P_FP4, P_EB, P_MB, P_EMIN,
-                                      P_SUBQ, P_NANF)
+                                      rmask, V, K, KH, BV, P)
                 se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
                                      o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT)
                 if STORE_S:
@@ -271,11 +254,8 @@ def _chain_kernel(
                     tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :],
                              x, mask=rmask[:, None])
                 _cast_store(se, so, rows, rmask, amat, V, sa, seed, st_ptr + (smat - amat),
-                            oa_ptr, oabs_ptr, K, KH, BV, CA_KIND, CA_FP4, CA_SR, CA_FMAX,
-                            CA_EMAX, CA_BLK, CA_EMIN, CA_MBITS, CA_MAXCODE, CA_SUBQ,
-                            CA_SIGN_SHIFT, CA_HAS_INF, CA_NAN_POS, CA_NAN_NEG, CA_INF_POS,
-                            CA_INF_NEG)
-            if CA_MS:
+                            oa_ptr, oabs_ptr, K, KH, BV, CA)
+            if CA.MS:
                 tl.store(oams_ptr + amat, sa)
             tl.debug_barrier()  # the next window reads this window's anchor (other threads' rows)
 
@@ -405,8 +385,8 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         H, V, T, L, NW, nslot,
         K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn,
         OUT=q is not None, STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax,
-        num_warps=num_warps, P_BF16=spec.info.element is F.BF16, enable_fp_fusion=False,
-        **_decode_consts(spec, "P_"), **_cast_consts(spec, "CA_"))
+        num_warps=num_warps, enable_fp_fusion=False, P=_decode_consts(spec),
+        CA=_cast_consts(spec))
     if not all_anchors:  # dequantise the last slot only
         last = (NW - 1) % nslot
         bufs = tuple(None if t is None else t.reshape(B, nslot, *t.shape[1:])[:, last].contiguous()

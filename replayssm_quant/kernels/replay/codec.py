@@ -17,6 +17,8 @@ Torch reference: :meth:`replayssm_quant.packed.PackedTensor.dequantize` (decode)
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -44,8 +46,6 @@ _NANF_IEEE = 2  # E5M2: all-ones exponent is inf (zero mantissa) or NaN
 _FP32_EB = F.FP32_EBITS
 _FP32_MB = F.FP32_MBITS
 _FP32_EMIN = F.FP32_EMIN
-_FP32_DECODE = dict(KIND=_K_FLOAT, FP4=False, EB=_FP32_EB, MB=_FP32_MB, EMIN=_FP32_EMIN,
-                    SUBQ=1.0, NANF=_NANF_NONE)
 # Scale blocks of the stored copies, and the E4M3 grid of the NVFP4 block scales (read by the
 # jit helpers as constexpr defaults)
 _NV_BLOCK = F.NVFP4_BLOCK
@@ -63,21 +63,63 @@ def _kind(spec: QuantSpec) -> int:
     return {"none": _K_HALF, "matrix": _K_MATRIX, "nvfp4": _K_NVFP4, "mx": _K_MX}[info.scaling]
 
 
-def _decode_consts(spec, prefix: str) -> dict:
-    """constexprs that decode a stored copy of format ``spec`` (see ``_load_copy``)."""
+# The format constants of a launch, written once: a kernel takes one constexpr bundle per stored
+# copy it reads (DecodeConsts: ``C`` of the records kernel, ``A`` of the flush kernel, ``P`` of
+# the chain kernel) and per cast it writes (CastConsts: ``CA`` anchor, ``CR`` read copy), and the
+# jit helpers read them by field (``D.KIND``, ``C.SR``).
+class DecodeConsts(NamedTuple):
+    """How to decode a stored copy (``_load_stored``, ``_load_c_blocks``, ``_dequant_tile``)."""
+
+    KIND: int  # _K_FLOAT, _K_HALF, _K_MATRIX, _K_NVFP4, _K_MX
+    FP4: bool  # two E2M1 codes per byte
+    EB: int  # element exponent bits (minifloat codes)
+    MB: int  # element mantissa bits
+    EMIN: int  # element smallest normal exponent
+    SUBQ: float  # element subnormal quantum
+    NANF: int  # NaN rule of the element codes (_NANF_*)
+    BF16: bool  # half-precision values are bfloat16 (else float16)
+
+
+class CastConsts(NamedTuple):
+    """How to round and pack a new copy (``_cast_store``): the cast's layout and the element
+    grid's fields of :class:`~replayssm_quant.kernels.quant.GridConsts` (so the bundle is also
+    the grid ``G`` of ``_quant``)."""
+
+    KIND: int  # _K_FLOAT, _K_HALF, _K_MATRIX, _K_NVFP4, _K_MX
+    FP4: bool  # two E2M1 codes per byte
+    SR: bool  # stochastic rounding
+    FMAX: float  # element grid max (fp8 matrix scale amax / FMAX)
+    EMAX: int  # OCP MX element emax (E8M0 scale exponent)
+    BLK: int  # scaling block (1 without blocks)
+    MS: bool  # the format stores a matrix scale (fp8, nvfp4)
+    EMIN: int  # GridConsts fields of the element grid, from here on
+    MBITS: int
+    MAXCODE: int
+    SUBQ: float
+    SIGN_SHIFT: int
+    HAS_INF: bool
+    NAN_POS: int
+    NAN_NEG: int
+    INF_POS: int
+    INF_NEG: int
+
+
+def _decode_consts(spec) -> DecodeConsts:
+    """The :class:`DecodeConsts` of a stored copy of format ``spec`` (see ``_load_copy``)."""
     spec = parse_spec(spec)
     kind = _kind(spec)
     grid = spec.info.element
-    d = dict(_FP32_DECODE, KIND=kind)
     if kind in (_K_MATRIX, _K_NVFP4, _K_MX):
         nanf = _NANF_NONE if grid is F.E2M1 else (_NANF_E4M3 if grid is F.E4M3 else _NANF_IEEE)
-        d.update(FP4=grid is F.E2M1, EB=grid.ebits, MB=grid.mbits, EMIN=grid.emin,
-                 SUBQ=grid.min_subnormal, NANF=nanf)
-    return {prefix + k: v for k, v in d.items()}
+        return DecodeConsts(KIND=kind, FP4=grid is F.E2M1, EB=grid.ebits, MB=grid.mbits,
+                            EMIN=grid.emin, SUBQ=grid.min_subnormal, NANF=nanf, BF16=False)
+    # FP32 / half values: only KIND (and BF16) are read
+    return DecodeConsts(KIND=kind, FP4=False, EB=_FP32_EB, MB=_FP32_MB, EMIN=_FP32_EMIN,
+                        SUBQ=1.0, NANF=_NANF_NONE, BF16=grid is F.BF16)
 
 
-def _cast_consts(spec, prefix: str) -> dict:
-    """constexprs of a cast to ``spec`` (see ``_cast_store``)."""
+def _cast_consts(spec) -> CastConsts:
+    """The :class:`CastConsts` of a cast to ``spec`` (see ``_cast_store``)."""
     spec = parse_spec(spec)
     kind = _kind(spec)
     grid = spec.info.element
@@ -85,10 +127,11 @@ def _cast_consts(spec, prefix: str) -> dict:
         g = _grid_consts(F.FP16)  # unused (identity)
     else:
         g = _grid_consts(grid)
-    d = dict(KIND=kind, FP4=grid is F.E2M1, SR=spec.sr, FMAX=(grid.max if grid else 1.0),
-             EMAX=(F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX),
-             BLK=(spec.info.block or 1), MS=kind in (_K_MATRIX, _K_NVFP4), **g)
-    return {prefix + k: v for k, v in d.items()}
+    return CastConsts(KIND=kind, FP4=grid is F.E2M1, SR=spec.sr,
+                      FMAX=(grid.max if grid else 1.0),
+                      EMAX=(F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX),
+                      BLK=(spec.info.block or 1), MS=kind in (_K_MATRIX, _K_NVFP4),
+                      **g._asdict())
 
 
 # ----------------------------------------------------------------------------------------
@@ -179,6 +222,14 @@ def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
     return e, o
 
 
+
+@triton.jit
+def _load_stored(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
+                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, D: tl.constexpr):
+    """:func:`_load_copy` of a stored copy described by ``D`` (a :class:`DecodeConsts`)."""
+    return _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V, K, KH, BV, D.KIND, D.FP4,
+                      D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+
 @triton.jit
 def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr,
                   GDIV: tl.constexpr = F.NVFP4_SCALE_DIVISOR):
@@ -193,16 +244,11 @@ def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr,
 
 @triton.jit
 def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_ptr,
-                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
-                KIND: tl.constexpr, FP4: tl.constexpr, SR: tl.constexpr, FMAX: tl.constexpr,
-                EMAX: tl.constexpr, BLK: tl.constexpr,
-                EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
-                SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
-                NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
-                INF_NEG: tl.constexpr):
+                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
     """Round the unrounded FP32 rows (even/odd halves [BV, KH]) of one matrix to a format and
     store the packed codes (and block scale codes); same steps as ``quant._parts`` /
-    ``kernels.quant._block_rows``. ``s_mat``: the matrix scale (fp8: s; nvfp4: s_g).
+    ``kernels.quant._block_rows``. ``C``: the cast (a :class:`CastConsts`); ``s_mat``: the
+    matrix scale (fp8: s; nvfp4: s_g).
 
     Returns what was stored, for ``_dequant_tile``: ``(even, odd, block scale codes)``:
     fp32 values (KIND 0), element codes [BV, KH] (1, 2) or [BV, NB, BLK // 2] (3, 4; the
@@ -211,12 +257,12 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
     kk = tl.arange(0, K)
     rowg = mat * V + rows.to(tl.int64)
     m2 = rmask[:, None]
-    if KIND == 0:
+    if C.KIND == 0:
         x = tl.reshape(tl.join(xe, xo), [BV, K])
         tl.store(out_ptr + rowg[:, None] * K + kk[None, :], x, mask=m2)
         r0, r1, r2 = xe, xo, 0
     else:
-        if SR:
+        if C.SR:
             lo, hi = _stream_words(tl.load(st_ptr + mat))
             eidx = rows[:, None] * K + 2 * j[None, :]
             re = _random_bits(seed, eidx, lo, hi)
@@ -224,51 +270,47 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
         else:
             re = 0
             ro = 0
-        if KIND <= 2:  # one code per element: half formats (bit patterns), fp8 (matrix scale)
+        if C.KIND <= 2:  # one code per element: half formats (bit patterns), fp8 (matrix scale)
             ye = xe
             yo = xo
-            if KIND == 2:
+            if C.KIND == 2:
                 ye = tl.where(xe != xe, xe, tl.math.div_rn(xe, tl.broadcast_to(s_mat, [BV, KH])))
                 yo = tl.where(xo != xo, xo, tl.math.div_rn(xo, tl.broadcast_to(s_mat, [BV, KH])))
-            _, ce = _quant(ye, re, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            _, co = _quant(yo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+            _, ce = _quant(ye, re, C.SR, C)
+            _, co = _quant(yo, ro, C.SR, C)
             c = tl.reshape(tl.join(ce, co), [BV, K])
-            if KIND == 1:
+            if C.KIND == 1:
                 tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c.to(tl.int16), mask=m2)
             else:
                 tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c.to(tl.uint8), mask=m2)
             r0, r1, r2 = ce, co, 0
-        if KIND >= 3:
-            NB: tl.constexpr = K // BLK
-            HB: tl.constexpr = BLK // 2
+        if C.KIND >= 3:
+            NB: tl.constexpr = K // C.BLK
+            HB: tl.constexpr = C.BLK // 2
             xe3 = tl.reshape(xe, [BV, NB, HB])
             xo3 = tl.reshape(xo, [BV, NB, HB])
             bamax = tl.maximum(tl.max(_finite_abs(xe3), axis=2), tl.max(_finite_abs(xo3), axis=2))
             fin = tl.minimum(tl.min((tl.abs(xe3) < float("inf")).to(tl.int32), axis=2),
                              tl.min((tl.abs(xo3) < float("inf")).to(tl.int32), axis=2))
             bad = fin < 1  # a NaN or inf in the block
-            _, safe, ok, sb_code = _block_scale(bamax, bad, s_mat, KIND == 3, EMAX)
+            _, safe, ok, sb_code = _block_scale(bamax, bad, s_mat, C.KIND == 3, C.EMAX)
             safe3 = tl.broadcast_to(safe[:, :, None], [BV, NB, HB])
             ye = tl.math.div_rn(xe3, safe3)
             yo = tl.math.div_rn(xo3, safe3)
-            if SR:
+            if C.SR:
                 re = tl.reshape(re, [BV, NB, HB])
                 ro = tl.reshape(ro, [BV, NB, HB])
-            _, ce = _quant(ye, re, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            _, co = _quant(yo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-            if KIND == 3:
+            _, ce = _quant(ye, re, C.SR, C)
+            _, co = _quant(yo, ro, C.SR, C)
+            if C.KIND == 3:
                 ce = tl.where(ok[:, :, None], ce, 0)  # also the bad blocks: E2M1 NaN is 0
                 co = tl.where(ok[:, :, None], co, 0)
             else:
-                ce = tl.where(bad[:, :, None], NAN_POS, ce)
-                co = tl.where(bad[:, :, None], NAN_POS, co)
+                ce = tl.where(bad[:, :, None], C.NAN_POS, ce)
+                co = tl.where(bad[:, :, None], C.NAN_POS, co)
             nbi = tl.arange(0, NB)
             tl.store(bs_ptr + rowg[:, None] * NB + nbi[None, :], sb_code.to(tl.uint8), mask=m2)
-            if FP4:
+            if C.FP4:
                 byte = tl.reshape((ce | (co << 4)).to(tl.uint8), [BV, KH])
                 tl.store(out_ptr + rowg[:, None] * KH + j[None, :], byte, mask=m2)
             else:
@@ -279,35 +321,33 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
 
 
 @triton.jit
-def _dequant_tile(ce, co, sbc, s_mat, BV: tl.constexpr, KH: tl.constexpr,
-                  KIND: tl.constexpr, FP4: tl.constexpr, EB: tl.constexpr, MB: tl.constexpr,
-                  EMIN: tl.constexpr, SUBQ: tl.constexpr, NANF: tl.constexpr,
-                  BF16: tl.constexpr):
-    """The values ``_load_copy`` would read back from what ``_cast_store`` just stored
-    (its return value; ``s_mat`` the matrix scale it stored): the same integer decode and
+def _dequant_tile(ce, co, sbc, s_mat, BV: tl.constexpr, KH: tl.constexpr, D: tl.constexpr):
+    """The values ``_load_stored`` would read back (with ``D`` the copy's
+    :class:`DecodeConsts`) from what ``_cast_store`` just stored (its return value; ``s_mat``
+    the matrix scale it stored): the same integer decode and
     the same FP32 multiplications, without the round trip through memory. (even, odd) [BV, KH]."""
-    if KIND == 0:
+    if D.KIND == 0:
         e = ce
         o = co
-    if KIND == 1:
-        if BF16:
+    if D.KIND == 1:
+        if D.BF16:
             e = ce.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
             o = co.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
         else:
             e = ce.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             o = co.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    if KIND == 2:
-        e = _decode_code(ce.to(tl.uint8), EB, MB, EMIN, SUBQ, NANF) * s_mat
-        o = _decode_code(co.to(tl.uint8), EB, MB, EMIN, SUBQ, NANF) * s_mat
-    if KIND >= 3:
-        if FP4:  # the byte as stored: even element in the low nibble
+    if D.KIND == 2:
+        e = _decode_code(ce.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF) * s_mat
+        o = _decode_code(co.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF) * s_mat
+    if D.KIND >= 3:
+        if D.FP4:  # the byte as stored: even element in the low nibble
             byte = (ce | (co << 4)).to(tl.uint8).to(tl.int32)
-            e3 = _decode_code(byte & 15, EB, MB, EMIN, SUBQ, NANF)
-            o3 = _decode_code(byte >> 4, EB, MB, EMIN, SUBQ, NANF)
+            e3 = _decode_code(byte & 15, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+            o3 = _decode_code(byte >> 4, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
         else:
-            e3 = _decode_code(ce.to(tl.uint8), EB, MB, EMIN, SUBQ, NANF)
-            o3 = _decode_code(co.to(tl.uint8), EB, MB, EMIN, SUBQ, NANF)
-        if KIND == 3:
+            e3 = _decode_code(ce.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+            o3 = _decode_code(co.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+        if D.KIND == 3:
             scale = _decode_e4m3(sbc.to(tl.uint8)) * s_mat
         else:
             scale = _e8m0_value(sbc.to(tl.uint8).to(tl.int32))

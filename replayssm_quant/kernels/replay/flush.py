@@ -31,7 +31,7 @@ from ...packed import PackedTensor
 from ...philox import stream_keys_to
 from ...policy import StatePolicy
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
-                    _check_supported, _decode_consts, _finite_abs, _kind, _load_copy,
+                    _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
                     _matrix_scale, _stored_args)
 from .records import DEFAULT_WARPS, gdn_corrections_kernel
 
@@ -41,13 +41,10 @@ DEFAULT_BV_FLUSH = 32  # value rows per tile: the best timed on an H200 (docs/ke
 @triton.jit
 def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g, rows, rmask,
                       n, total, H, G, V, J,
-                      K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
-                      A_KIND: tl.constexpr, A_FP4: tl.constexpr, A_EB: tl.constexpr,
-                      A_MB: tl.constexpr, A_EMIN: tl.constexpr, A_SUBQ: tl.constexpr,
-                      A_NANF: tl.constexpr):
-    """Rows of ``S = gamma_{1:n} A + sum_{j<n} gamma_{j+1:n} w_j k_j^T`` as (even, odd)."""
-    ae, ao = _load_copy(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV,
-                        A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
+                      K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, A: tl.constexpr):
+    """Rows of ``S = gamma_{1:n} A + sum_{j<n} gamma_{j+1:n} w_j k_j^T`` as (even, odd); the
+    stored anchor is decoded with ``A`` (its :class:`~.codec.DecodeConsts`)."""
+    ae, ao = _load_stored(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
     kk = tl.arange(0, K)
     acc_e = tl.zeros([BV, KH], tl.float32)
     acc_o = tl.zeros([BV, KH], tl.float32)
@@ -66,7 +63,7 @@ def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, 
 
 @triton.jit
 def _flush_kernel(
-        a_ptr, abs_ptr, ams_ptr,  # stored anchor (decoded with A_*)
+        a_ptr, abs_ptr, ams_ptr,  # stored anchor (decoded with A)
         la_ptr, w_ptr, k_ptr, len_ptr,  # records [B,J,H], [B,J,H,V], [B,J,G,K]; length [B]
         sta_ptr, str_ptr, seed,  # stream keys [B*H] of the anchor / read casts
         oa_ptr, oabs_ptr, oams_ptr,  # new anchor: codes, block scales, matrix scale
@@ -76,22 +73,8 @@ def _flush_kernel(
         K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
         TWO: tl.constexpr, STORE_S: tl.constexpr, Q_OUT: tl.constexpr,
         NEED_AMAX: tl.constexpr,
-        A_KIND: tl.constexpr, A_FP4: tl.constexpr, A_EB: tl.constexpr, A_MB: tl.constexpr,
-        A_EMIN: tl.constexpr, A_SUBQ: tl.constexpr, A_NANF: tl.constexpr,
-        CA_KIND: tl.constexpr, CA_FP4: tl.constexpr, CA_SR: tl.constexpr,
-        CA_FMAX: tl.constexpr, CA_EMAX: tl.constexpr, CA_BLK: tl.constexpr,
-        CA_MS: tl.constexpr,
-        CA_EMIN: tl.constexpr, CA_MBITS: tl.constexpr, CA_MAXCODE: tl.constexpr,
-        CA_SUBQ: tl.constexpr, CA_SIGN_SHIFT: tl.constexpr, CA_HAS_INF: tl.constexpr,
-        CA_NAN_POS: tl.constexpr, CA_NAN_NEG: tl.constexpr, CA_INF_POS: tl.constexpr,
-        CA_INF_NEG: tl.constexpr,
-        CR_KIND: tl.constexpr, CR_FP4: tl.constexpr, CR_SR: tl.constexpr,
-        CR_FMAX: tl.constexpr, CR_EMAX: tl.constexpr, CR_BLK: tl.constexpr,
-        CR_MS: tl.constexpr,
-        CR_EMIN: tl.constexpr, CR_MBITS: tl.constexpr, CR_MAXCODE: tl.constexpr,
-        CR_SUBQ: tl.constexpr, CR_SIGN_SHIFT: tl.constexpr, CR_HAS_INF: tl.constexpr,
-        CR_NAN_POS: tl.constexpr, CR_NAN_NEG: tl.constexpr, CR_INF_POS: tl.constexpr,
-        CR_INF_NEG: tl.constexpr):
+        A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr):
+    # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts
     mat = tl.program_id(0).to(tl.int64)
     b = mat // H
     h = mat - b * H
@@ -101,21 +84,19 @@ def _flush_kernel(
     for jj in range(0, n):
         total = total + tl.load(la_ptr + (b * J + jj) * H + h)
     kk = tl.arange(0, K)
-    j = tl.arange(0, KH)
     amax = tl.zeros([], tl.float32)
     if NEED_AMAX:
         for v0 in range(0, V, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
             se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h,
-                                       g, rows, rmask, n, total, H, G, V, J, K, KH, BV,
-                                       A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
+                                       g, rows, rmask, n, total, H, G, V, J, K, KH, BV, A)
             fe = tl.where(rmask[:, None], _finite_abs(se), 0.0)
             fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
             amax = tl.maximum(amax, tl.maximum(tl.max(tl.max(fe, axis=1), axis=0),
                                                tl.max(tl.max(fo, axis=1), axis=0)))
-    sa = _matrix_scale(amax, CA_KIND, CA_FMAX)
-    sr = _matrix_scale(amax, CR_KIND, CR_FMAX)
+    sa = _matrix_scale(amax, CA.KIND, CA.FMAX)
+    sr = _matrix_scale(amax, CR.KIND, CR.FMAX)
     if Q_OUT:
         qv = tl.load(q_ptr + (b * G + g) * K + kk)
         qe, qo = tl.split(tl.reshape(qv, [KH, 2]))
@@ -123,8 +104,7 @@ def _flush_kernel(
         rows = v0 + tl.arange(0, BV)
         rmask = rows < V
         se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g,
-                                   rows, rmask, n, total, H, G, V, J, K, KH, BV,
-                                   A_KIND, A_FP4, A_EB, A_MB, A_EMIN, A_SUBQ, A_NANF)
+                                   rows, rmask, n, total, H, G, V, J, K, KH, BV, A)
         if STORE_S:
             x = tl.reshape(tl.join(se, so), [BV, K])
             tl.store(s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
@@ -132,19 +112,14 @@ def _flush_kernel(
         if Q_OUT:
             y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
             tl.store(y_ptr + mat * V + rows, y, mask=rmask)
-        _cast_store(se, so, rows, rmask, mat, V, sa, seed, sta_ptr, oa_ptr, oabs_ptr, K, KH, BV,
-                    CA_KIND, CA_FP4, CA_SR, CA_FMAX, CA_EMAX, CA_BLK, CA_EMIN, CA_MBITS, CA_MAXCODE,
-                    CA_SUBQ, CA_SIGN_SHIFT, CA_HAS_INF, CA_NAN_POS, CA_NAN_NEG, CA_INF_POS,
-                    CA_INF_NEG)
+        _cast_store(se, so, rows, rmask, mat, V, sa, seed, sta_ptr, oa_ptr, oabs_ptr, K, KH, BV, CA)
         if TWO:
             _cast_store(se, so, rows, rmask, mat, V, sr, seed, str_ptr, or_ptr, orbs_ptr, K, KH,
-                        BV, CR_KIND, CR_FP4, CR_SR, CR_FMAX, CR_EMAX, CR_BLK, CR_EMIN, CR_MBITS,
-                        CR_MAXCODE, CR_SUBQ, CR_SIGN_SHIFT, CR_HAS_INF, CR_NAN_POS, CR_NAN_NEG,
-                        CR_INF_POS, CR_INF_NEG)
-    if CA_MS:
+                        BV, CR)
+    if CA.MS:
         tl.store(oams_ptr + mat, sa)
     if TWO:
-        if CR_MS:
+        if CR.MS:
             tl.store(orms_ptr + mat, sr)
 
 
@@ -199,8 +174,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         K=K, KH=K // 2, BV=block_v, TWO=two, STORE_S=store_state, Q_OUT=q is not None,
         NEED_AMAX=_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
         or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)), num_warps=num_warps,
-        **_decode_consts(aspec, "A_"), **_cast_consts(policy.rec, "CA_"),
-        **_cast_consts(policy.read if two else policy.rec, "CR_"))
+        A=_decode_consts(aspec), CA=_cast_consts(policy.rec),
+        CR=_cast_consts(policy.read if two else policy.rec))
     a_st = _as_stored(policy.rec, shape, bufa)
     r_st = _as_stored(policy.read, shape, bufr) if two else a_st
 

@@ -53,9 +53,7 @@ MIN_LP = 16  # smallest register tile of record slots
 
 @triton.jit
 def _load_c_blocks(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
-                   K: tl.constexpr, NB: tl.constexpr, W: tl.constexpr,
-                   KIND: tl.constexpr, FP4: tl.constexpr, EB: tl.constexpr, MB: tl.constexpr,
-                   EMIN: tl.constexpr, SUBQ: tl.constexpr, NANF: tl.constexpr):
+                   K: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
     """Rows of a stored copy as blocks: element values ``[BV, NB, W]`` before scaling (FP4:
     the even and the odd elements of each block, W = block / 2; otherwise the whole block,
     ``xo`` unused) and the scale of each block ``[BV, NB]`` (1 for fp32/bf16/fp16; the matrix
@@ -67,27 +65,27 @@ def _load_c_blocks(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
     rowg = mat * V + rows.to(tl.int64)
     m3 = rmask[:, None, None]
     col = nb[:, None] * W + jj[None, :]  # [NB, W]
-    if FP4:
+    if D.FP4:
         byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2) + col[None, :, :], mask=m3,
                        other=0).to(tl.int32)
-        xe = _decode_code(byte & 15, EB, MB, EMIN, SUBQ, NANF)
-        xo = _decode_code(byte >> 4, EB, MB, EMIN, SUBQ, NANF)
+        xe = _decode_code(byte & 15, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+        xo = _decode_code(byte >> 4, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
     else:
         x = tl.load(c_ptr + rowg[:, None, None] * K + col[None, :, :], mask=m3, other=0)
-        if KIND <= 1:
+        if D.KIND <= 1:
             xe = x.to(tl.float32)
         else:
-            xe = _decode_code(x, EB, MB, EMIN, SUBQ, NANF)
+            xe = _decode_code(x, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
         xo = xe
     m2 = rmask[:, None]
-    if KIND <= 1:
+    if D.KIND <= 1:
         sc = tl.full([rows.shape[0], NB], 1.0, tl.float32)
-    if KIND == 2:
+    if D.KIND == 2:
         sc = tl.full([rows.shape[0], NB], 1.0, tl.float32) * tl.load(ms_ptr + mat)
-    if KIND == 3:
+    if D.KIND == 3:
         sbc = tl.load(bs_ptr + rowg[:, None] * NB + nb[None, :], mask=m2, other=0)
         sc = _decode_e4m3(sbc) * tl.load(ms_ptr + mat)
-    if KIND == 4:
+    if D.KIND == 4:
         e8 = tl.load(bs_ptr + rowg[:, None] * NB + nb[None, :], mask=m2, other=0).to(tl.int32)
         sc = _e8m0_value(e8)
     return xe, xo, sc
@@ -121,8 +119,7 @@ def _records_kernel(
         K: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
         LP: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
-        C_KIND: tl.constexpr, C_FP4: tl.constexpr, C_EB: tl.constexpr, C_MB: tl.constexpr,
-        C_EMIN: tl.constexpr, C_SUBQ: tl.constexpr, C_NANF: tl.constexpr):
+        C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -161,19 +158,17 @@ def _records_kernel(
         U += tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :], mask=md,
                      other=0.0)
 
-    xe, xo, sc = _load_c_blocks(c_ptr, cbs_ptr, cms_ptr, mat, rows, rmask, V, K, NB, W,
-                                C_KIND, C_FP4, C_EB, C_MB, C_EMIN, C_SUBQ, C_NANF)
+    xe, xo, sc = _load_c_blocks(c_ptr, cbs_ptr, cms_ptr, mat, rows, rmask, V, K, NB, W, C)
 
     # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time)
     if GDN:
-        beta = tl.load(dbeta_ptr + (b * TD + di) * H + h, mask=drf, other=0.0)
         for p in range(ss, n):
             if D_REL:
                 pd = p - ss
             else:
                 pd = p
             kp_ptr = dk_ptr + ((b * TD + pd) * G + g) * K
-            ck = _dot_blocks(xe, xo, sc, kp_ptr, NB, W, C_FP4)  # C k_p
+            ck = _dot_blocks(xe, xo, sc, kp_ptr, NB, W, C.FP4)  # C k_p
             kkp = tl.sum(kmat * tl.load(kp_ptr + kk)[None, :], axis=1)  # k_i . k_p
             sel = idx == p
             cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
@@ -209,7 +204,7 @@ def _records_kernel(
     for t in range(0, TQ):
         p = o0 + t
         qp_ptr = q_ptr + ((b * TQ + t) * G + g) * K
-        cq = _dot_blocks(xe, xo, sc, qp_ptr, NB, W, C_FP4)  # C q
+        cq = _dot_blocks(xe, xo, sc, qp_ptr, NB, W, C.FP4)  # C q
         kq = tl.sum(kmat * tl.load(qp_ptr + kk)[None, :], axis=1)  # k_j . q
         cp = tl.sum(tl.where(idx == p, cvec, 0.0), axis=0)
         upto = idx <= p
@@ -283,7 +278,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
         K=K, NB=K // blk, W=blk // 2 if fp4 else blk, BV=block_v, LP=_lp(max(CAP, TD)),
         GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
-        num_warps=num_warps, **_decode_consts(spec, "C_"))
+        num_warps=num_warps, C=_decode_consts(spec))
     return o
 
 

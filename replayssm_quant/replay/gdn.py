@@ -230,7 +230,7 @@ class GDNReplayState(ReplayStateBase):
         self._check_drafts(T)
         self._check_inputs(q, k, v, g, beta, T=T)
         self._begin_verify(T)
-        pos = self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
+        self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
         self._pending = T
         J = int(self._h.max()) + T
         r = self._ring

@@ -215,7 +215,7 @@ class Mamba2ReplayState(ReplayStateBase):
         self._check_inputs(x, dt, A, B, C, D, T=T)
         self._begin_verify(T)
         la, v, k = mamba2_records(x, dt, A, B)
-        pos = self._write_drafts({"la": la, "v": v, "k": k}, T)
+        self._write_drafts({"la": la, "v": v, "k": k}, T)
         self._pending = T
         J = int(self._h.max()) + T
         r = self._ring

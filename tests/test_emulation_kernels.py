@@ -13,7 +13,7 @@ shapes. Checks:
   stored layout (fp32, fp16, bf16, fp8 E4M3/E5M2, NVFP4, MXFP4, MXFP8);
 * with queries (single-checkpoint policies) the outputs it writes, against float64
   references from its own anchors, and the last-anchor-only launch against the full chain;
-* on the kernel path (``REPLAYSSM_ANCHOR_CHAIN=triton``), teacher-forced emulation
+* on the kernel path (``REPLAYSSM_BACKEND=triton``), teacher-forced emulation
   (``LayerState.advance``) and stepping (``LayerState.step``) give bit-identical anchors and
   read copies and outputs to 1e-5.
 """

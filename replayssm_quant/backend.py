@@ -15,7 +15,7 @@ Setting, in order of precedence:
    the anchor chain), ``REPLAYSSM_ANCHOR_CHAIN`` (anchor chain; before the previous one);
 4. ``auto``.
 
-Operations come in families (:class:`Family`) that share one decision rule
+Operations come in families (:class:`OpFamily`) that share one decision rule
 (:func:`use_kernels`): the quantizers run their kernels on CUDA tensors; the replay state objects
 and the anchor chain run theirs on CUDA for float32 and a key dim that is a power of two >= 32
 (:func:`replayssm_quant.capabilities.replay_kernels_supported`), the torch references otherwise.
@@ -44,7 +44,7 @@ import torch
 
 from .capabilities import REPLAY_MIN_KEY_DIM, replay_kernels_supported, triton_interpreting
 
-__all__ = ["Backend", "Family", "ENV", "DEPRECATED_ENV", "parse_backend", "requested_backend",
+__all__ = ["Backend", "OpFamily", "ENV", "DEPRECATED_ENV", "parse_backend", "requested_backend",
            "use_kernels", "reference", "select", "ops", "kernel", "kernel_ops",
            "triton_interpreting"]
 
@@ -64,7 +64,7 @@ class Backend(str, enum.Enum):
     TRITON = "triton"
 
 
-class Family(str, enum.Enum):
+class OpFamily(str, enum.Enum):
     """Groups of operations that share one decision rule (and one deprecated variable)."""
 
     #: ``quantize``, ``pack``: kernels on CUDA tensors (any shape and dtype).
@@ -77,10 +77,10 @@ class Family(str, enum.Enum):
 
 #: Old per-family variables, still read (with a DeprecationWarning) when ``REPLAYSSM_BACKEND``
 #: is unset; the first one set wins.
-DEPRECATED_ENV: dict[Family, tuple[str, ...]] = {
-    Family.QUANT: ("REPLAYSSM_QUANT_BACKEND",),
-    Family.REPLAY: ("REPLAYSSM_REPLAY_BACKEND",),
-    Family.CHAIN: ("REPLAYSSM_ANCHOR_CHAIN", "REPLAYSSM_REPLAY_BACKEND"),
+DEPRECATED_ENV: dict[OpFamily, tuple[str, ...]] = {
+    OpFamily.QUANT: ("REPLAYSSM_QUANT_BACKEND",),
+    OpFamily.REPLAY: ("REPLAYSSM_REPLAY_BACKEND",),
+    OpFamily.CHAIN: ("REPLAYSSM_ANCHOR_CHAIN", "REPLAYSSM_REPLAY_BACKEND"),
 }
 
 _ACCEPTED = ", ".join(repr(b.value) for b in Backend)
@@ -103,7 +103,7 @@ def parse_backend(value, *, source: str = "backend") -> Backend:
 def requested_backend(family, backend=None) -> Backend:
     """The backend asked for by ``backend`` (per call; None or "" defer), ``REPLAYSSM_BACKEND``
     or, deprecated, the family's old variable (module docstring)."""
-    family = Family(family)
+    family = OpFamily(family)
     if backend is not None and backend != "":
         return parse_backend(backend)
     value = os.environ.get(ENV) or None
@@ -127,13 +127,13 @@ def use_kernels(family, backend=None, *, device, dtype: torch.dtype | None = Non
     Raises:
         ValueError: a bad backend value, or ``triton`` where the kernel cannot run.
     """
-    family = Family(family)
+    family = OpFamily(family)
     b = requested_backend(family, backend)
     if b is Backend.TORCH:
         return False
     device = torch.device(device)
     on_cuda = device.type == "cuda"
-    if family is Family.QUANT:
+    if family is OpFamily.QUANT:
         if b is Backend.AUTO:
             return on_cuda
         if not on_cuda and not triton_interpreting():

@@ -302,7 +302,7 @@ def pack_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedT
 
 def _use_kernels(x: torch.Tensor, backend) -> bool:
     """The seam's decision for a quantizer call on ``x`` (:mod:`replayssm_quant.backend`)."""
-    return B.use_kernels(B.Family.QUANT, backend, device=x.device)
+    return B.use_kernels(B.OpFamily.QUANT, backend, device=x.device)
 
 
 def _check_seed(seed) -> int:

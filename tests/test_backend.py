@@ -28,7 +28,7 @@ def clean_env(monkeypatch):
 def test_default_is_auto_without_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for fam in B.Family:
+        for fam in B.OpFamily:
             assert B.requested_backend(fam) is B.Backend.AUTO
         assert not B.use_kernels("quant", device="cpu")
         assert not B.use_kernels("replay", device="cpu", dtype=torch.float32, key_dim=32)
@@ -63,7 +63,7 @@ def test_old_variables_still_work_with_a_deprecation_warning(monkeypatch, old, f
     monkeypatch.setenv(old, "triton")
     with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: set REPLAYSSM_BACKEND"):
         assert B.requested_backend(family) is B.Backend.TRITON
-    others = [f for f in B.Family if old not in B.DEPRECATED_ENV[f]]
+    others = [f for f in B.OpFamily if old not in B.DEPRECATED_ENV[f]]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for fam in others:  # an old variable keeps its old scope

@@ -156,7 +156,7 @@ class GDNReplayState(ReplayStateBase):
                  value_dim: int, window: int = 16, max_drafts: int = 0, seed: int = 0,
                  layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu",
                  fold_cached_corrections: bool = False, backend: str | None = None):
-        self._kernels = B.use_kernels(B.Family.REPLAY, backend, device=device, dtype=dtype,
+        self._kernels = B.use_kernels(B.OpFamily.REPLAY, backend, device=device, dtype=dtype,
                                       key_dim=key_dim)
         self._ops = B.ops(self._kernels, step=gdn_state_step, verify=gdn_state_verify,
                           flush=gdn_state_flush)  # torch references or their kernels

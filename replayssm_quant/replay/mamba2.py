@@ -139,7 +139,7 @@ class Mamba2ReplayState(ReplayStateBase):
                  groups: int = 1, window: int = 16, max_drafts: int = 0, seed: int = 0,
                  layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu",
                  backend: str | None = None):
-        self._kernels = B.use_kernels(B.Family.REPLAY, backend, device=device, dtype=dtype,
+        self._kernels = B.use_kernels(B.OpFamily.REPLAY, backend, device=device, dtype=dtype,
                                       key_dim=d_state)
         self._ops = B.ops(self._kernels, step=mamba2_state_step, verify=mamba2_state_verify,
                           flush=mamba2_state_flush)  # torch references or their kernels

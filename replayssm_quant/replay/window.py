@@ -111,7 +111,7 @@ def chain_kernel_enabled(policy, anchor: torch.Tensor, fold_cached: bool = False
     StatePolicy.parse(policy)
     if fold_cached:
         return False
-    return B.use_kernels(B.Family.CHAIN, None, device=anchor.device, dtype=anchor.dtype,
+    return B.use_kernels(B.OpFamily.CHAIN, None, device=anchor.device, dtype=anchor.dtype,
                          key_dim=anchor.shape[-1])
 
 

@@ -21,7 +21,8 @@ SOURCES = {ROOT / PKG: PKG, ROOT / "evals": f"{PKG}.evals", ROOT / "analysis": f
 
 # Rooms, lowest first. A module belongs to the room of the longest matching prefix.
 ROOMS = {
-    "leaf": ["formats", "philox", "packed", "checkpoints", "capabilities", "policy"],
+    # "config": the parsed StateConfig of the parse-once change (imports only policy), a leaf
+    "leaf": ["formats", "philox", "packed", "checkpoints", "capabilities", "policy", "config"],
     "kernels": ["kernels"],
     "backend": ["backend"],
     "reference": ["quant", "reference", "replay"],

@@ -3,7 +3,7 @@
 Every function takes a tidy frame, checks its columns (ValueError naming the missing ones),
 returns the matplotlib Figure, and saves it when ``path`` is given (the suffix picks the format:
 ``.png`` or ``.svg``; :func:`save_figure` writes several). KL is in nats; ``N`` is the number of
-tokens seen (position + 1), bucketed in octaves by :func:`analysis.results.kl_by_position`.
+tokens seen (position + 1), bucketed in octaves by :func:`replayssm_quant.analysis.results.kl_by_position`.
 matplotlib picks its backend (Agg when headless, inline under Jupyter).
 """
 
@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from analysis.results import (  # noqa: E402
+from .results import (  # noqa: E402
     kl_by_position,
     require_columns,
     shared_separate_ratio,
@@ -163,7 +163,7 @@ def plot_ratio_vs_n(df: pd.DataFrame, path=None):
     """Shared/separate KL ratio versus ``N`` (log-log), one line per (read format, rec, L).
 
     Pairs ``read:F/rec:G`` with ``shared:F`` (see
-    :func:`analysis.results.shared_separate_ratio`). Returns the Figure.
+    :func:`replayssm_quant.analysis.results.shared_separate_ratio`). Returns the Figure.
     Raises ValueError for missing columns or when no separate policy has a shared partner.
     """
     require_columns(df, POSITION_PLOT_COLUMNS, "plot_ratio_vs_n")
@@ -235,7 +235,7 @@ def plot_theory_vs_simulation(
     path=None,
 ):
     """Measured error variance versus step with the closed-form predictions (eqs. C6.4/C6.6),
-    log y, one panel per format, one colour per decay (from :func:`analysis.simulate.simulate`).
+    log y, one panel per format, one colour per decay (from :func:`replayssm_quant.analysis.simulate.simulate`).
 
     Args: frame: simulation frame; measured / predicted: its column names. Returns the Figure.
     Raises ValueError for missing columns.

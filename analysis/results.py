@@ -453,7 +453,7 @@ def synthetic_positions(
 
     Returns: frame with :data:`POSITION_COLUMNS` plus ``synthetic = True``.
     """
-    from analysis import theory
+    from . import theory
 
     rng = np.random.default_rng(seed)
     level = {"nvfp4": 3e-2, "mxfp4": 4e-2, "fp8e4m3": 2e-3, "fp8e5m2": 8e-3, "mxfp8": 2e-3,
@@ -508,8 +508,8 @@ def write_synthetic_run(path, **kwargs) -> Path:
     summ.to_csv(path / "summary.csv", index=False)
     manifest = {
         "synthetic": True,
-        "note": "SYNTHETIC data from analysis.results.synthetic_positions; not a measurement",
-        "command": "analysis.results.write_synthetic_run(" + repr(kwargs) + ")",
+        "note": "SYNTHETIC data from replayssm_quant.analysis.results.synthetic_positions; not a measurement",
+        "command": "replayssm_quant.analysis.results.write_synthetic_run(" + repr(kwargs) + ")",
     }
     (path / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return path

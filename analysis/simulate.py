@@ -21,7 +21,7 @@ Recurrences (DESIGN.md section 3; the state is ``[M, K]`` = value x key per tria
 * ``gdn``: the delta rule ``S_t = a S_{t-1} (I - beta k k^T) + beta v_t k_t^T`` with unit keys.
 
 For each (configuration, step) the tidy frame holds measured moments of the error of the stored
-state and of the state the output is read from, and predictions from :mod:`analysis.theory`
+state and of the state the output is read from, and predictions from :mod:`replayssm_quant.analysis.theory`
 (ReplaySSM arXiv 2610.13778, appendix C.6) fed with per-rounding moments from the independent
 float64 grid model: ``pred_*`` evaluates them at the simulated pre-rounding values (exact for SR
 up to saturation), ``apriori_*`` at the exact state (independent of the quantised path, valid
@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis import theory
+from . import theory
 
 __all__ = [
     "simulate", "stuck_state", "sr_acceptance", "MODELS", "POLICIES", "FRAME_COLUMNS",
@@ -353,7 +353,7 @@ def stuck_state(
 
     The textbook failure of the additive model (eq. C6.9): with bf16 RTN, ``a = 0.999`` and
     ``x_0 = 1``, ``a x`` is within half a spacing of ``x`` (see
-    :func:`analysis.theory.rtn_stuck_threshold`), so the state never moves, while the exact value
+    :func:`replayssm_quant.analysis.theory.rtn_stuck_threshold`), so the state never moves, while the exact value
     is ``a^t``. SR is unbiased, so ``E[x_t] = a^t`` exactly (a martingale argument).
 
     Args:
@@ -420,7 +420,7 @@ def sr_acceptance(
 
     Scalar driven recurrences ``x_t = a x_{t-1} + sqrt(1 - a^2) u_t`` (stationary ``N(0, 1)``),
     shared policy, SR with the real quantizer, rounding once per window ``L``. For each format
-    and decay the window is ``windows[a]`` if given, else :func:`analysis.theory.driven_window`
+    and decay the window is ``windows[a]`` if given, else :func:`replayssm_quant.analysis.theory.driven_window`
     (smallest power of two with ``a^L <= per_round_decay``: 1, 16, 128 for 0.9, 0.99, 0.999).
 
     The prediction is fully a priori: ``sigma2_drv`` (C6.11) is evaluated by the float64 grid
@@ -436,7 +436,7 @@ def sr_acceptance(
         ``apriori_state_var``); ``ratio_onpath`` = measured / C6.4 at the simulated pre-rounding
         values (``pred_state_var``); ``mean`` / ``sem``: late-window average of the per-flush
         mean error and of its standard error (sd / sqrt(elements)); ``kappa`` (C6.12), ``rho``
-        and the clipping statistics of :func:`analysis.theory.clipping_stats` at the stationary
+        and the clipping statistics of :func:`replayssm_quant.analysis.theory.clipping_stats` at the stationary
         state.
     """
     formats = list(formats)

@@ -76,7 +76,7 @@ def layer_checks(device: str) -> list[dict]:
 def runner_checks(device: str) -> list[dict]:
     import pandas as pd
 
-    from evals.kl import main
+    from replayssm_quant.evals.kl import main
 
     out = []
     keys = ["doc", "policy", "window", "seed", "position"]

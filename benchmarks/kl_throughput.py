@@ -26,9 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from evals.kl import position_metrics  # noqa: E402
+from replayssm_quant.evals.kl import position_metrics  # noqa: E402
 from replayssm_quant.adapters import apply_state_policy  # noqa: E402
 from replayssm_quant.adapters.segments import forward_segment  # noqa: E402
+from replayssm_quant.backend import requested_backend  # noqa: E402
 from replayssm_quant.config import StateConfig  # noqa: E402
 
 POLICIES = ("fp32", "read:nvfp4/rec:fp32", "shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr",
@@ -125,7 +126,7 @@ def main(argv=None):
            "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
            "torch": torch.__version__, "window": a.window, "segment_len": a.segment_len,
            "step_tokens": a.step_tokens, "repeat": a.repeat, "runs": [],
-           "anchor_chain": os.environ.get("REPLAYSSM_ANCHOR_CHAIN", "auto")}
+           "anchor_chain": requested_backend("chain").value}  # REPLAYSSM_BACKEND (backend.py)
     import transformers
 
     res["transformers"] = transformers.__version__
@@ -163,7 +164,7 @@ def main(argv=None):
             res["runs"].append(r)
             for pol in a.policies:
                 with apply_state_policy(model, pol, window=a.window, prefill=False):
-                    t, runs = timed_median(lambda: run_cell(model, ids, targets, ref, a.segment_len), dev,
+                    t, runs = timed_median(lambda ref=ref: run_cell(model, ids, targets, ref, a.segment_len), dev,
                                            a.repeat)
                     n_step = min(a.step_tokens, N)
 
@@ -220,8 +221,9 @@ def check_chain(dev, out, tune: bool = False):
     program per row tile, matrix amax through atomics, anchor kept in registers) against one
     program per matrix (what the interpreter runs; reads the anchor back from memory):
     mismatch counts of S and A (0 expected except GDN with FP4 anchors, where the reduction
-    order of A k follows the register layout, see docs/kl-throughput.md); (2) each window's A against the torch cast of the kernel's own S (0
-    mismatches) and S against the torch flush arithmetic from the kernel's previous anchor;
+    order of A k follows the register layout, see docs/kl-throughput.md); (2) each window's A
+    against the torch cast of the kernel's own S (0 mismatches) and S against the torch flush
+    arithmetic from the kernel's previous anchor;
     (3) one launch per window (the step path) against one launch for all windows: A
     bit-identical; (4) batch independence: the sequence alone and inside a batch of 3;
     (5) single-checkpoint policies: the outputs written by the kernel against a float64

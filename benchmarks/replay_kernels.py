@@ -12,7 +12,7 @@ Mamba-2 B=256, 128 heads, 1 group, P=64, N=128; window L=16. Float32 records.
     can move a rounding: reported, not required to be 0). The flush reference runs on the
     first ``--ref-seqs`` sequences only (it is batch-independent: streams are keyed by
     sequence id). References run in torch on the same GPU (quantizers forced to the torch
-    reference with REPLAYSSM_QUANT_BACKEND=torch).
+    reference with REPLAYSSM_BACKEND=torch; the kernels' inputs are packed with backend="triton").
 (b) Timing (``triton.testing.do_bench``, median): the non-flush decode step kernel (append +
     correction + output-only read of R) at h = 0, 7 and 14 committed records; the flush
     (``read:F/rec:fp32``: reads the FP32 anchor, writes A and R, outputs the flush token's
@@ -36,7 +36,7 @@ import subprocess
 import time
 import traceback
 
-os.environ.setdefault("REPLAYSSM_QUANT_BACKEND", "torch")  # references: torch quantizers
+os.environ.setdefault("REPLAYSSM_BACKEND", "torch")  # references: torch quantizers
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -44,7 +44,7 @@ import triton.language as tl  # noqa: E402
 
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
-from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
+from replayssm_quant.capabilities import triton_interpreting  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import (core, gdn_flush, gdn_step_output, gdn_verify,  # noqa: E402
                                     mamba2_flush, mamba2_step_output, mamba2_verify)

@@ -55,7 +55,7 @@ try:
     from lm_eval.models.utils import Collator
 except ImportError as e:  # pragma: no cover - exercised only without the eval extra
     raise ImportError(
-        "evals.lm_eval_adapter needs lm-eval: pip install 'replayssm-quant[eval]'"
+        "replayssm_quant.evals.lm_eval_adapter needs lm-eval: pip install 'replayssm-quant[eval]'"
     ) from e
 
 __all__ = ["ReplaySSMLM", "cli", "POLICY_GRAMMAR", "sequence_id", "check_model_args",
@@ -204,7 +204,7 @@ class ReplaySSMLM(HFLM):
                 raise RuntimeError(
                     f"internal error: row {b} of a batch of {B} is not the request queued for "
                     "it; this lm-eval version batches loglikelihood rows in another order "
-                    "than evals.lm_eval_adapter expects")
+                    "than replayssm_quant.evals.lm_eval_adapter expects")
         return rows
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:

@@ -119,3 +119,16 @@ class StatePolicy:
     def is_eager(self) -> bool:
         """Conventional decoding: the state objects force window L = 1."""
         return self.kind == "eager"
+
+
+def require_policy(policy) -> "StatePolicy":
+    """``policy`` if it is a parsed :class:`~replayssm_quant.policy.StatePolicy`; inner
+    functions never parse strings (``StatePolicy.parse`` / ``StateConfig.build`` at the edges).
+
+    Raises:
+        TypeError: naming what was passed and where to parse it.
+    """
+    if not isinstance(policy, StatePolicy):
+        raise TypeError(f"expected a parsed StatePolicy, got {type(policy).__name__} {policy!r}; "
+                        "parse it where it enters (StatePolicy.parse or StateConfig.build)")
+    return policy

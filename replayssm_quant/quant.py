@@ -42,13 +42,14 @@ a block holding a non-finite value into a NaN block, stored through the scale's 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from . import backend as B
 from . import formats as F
 from .formats import QuantSpec, parse_spec
+from .packed import PackedTensor, _e2m1_encode, _e8m0_decode, _fp8_encode, _pack_nibbles, _pow2
 from .philox import random_bits, stream_keys_to
 
 __all__ = [
@@ -61,21 +62,12 @@ __all__ = [
     "BACKENDS",
 ]
 
-BACKENDS = ("auto", "torch", "triton")
-_BACKEND_ENV = "REPLAYSSM_QUANT_BACKEND"
+BACKENDS = tuple(b.value for b in B.Backend)  # accepted ``backend=`` values (backend.Backend)
 
 
 # ----------------------------------------------------------------------------------------
 # element grids
 # ----------------------------------------------------------------------------------------
-
-
-def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """Exact 2^e as float32 for integer tensor e in [-149, 127], built from the bits."""
-    e = e.to(torch.int32)
-    normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
-    sub = (torch.ones_like(e) << (e + 149).clamp(0, 22)).view(torch.float32)
-    return torch.where(e >= -126, normal, sub)
 
 
 def _float_exponent(a: torch.Tensor) -> torch.Tensor:
@@ -127,46 +119,6 @@ def round_to_grid(
     else:
         v = torch.where(torch.isinf(y), torch.full_like(y, float("nan")), v)
     return torch.where(torch.isnan(y), y, v)
-
-
-# ----------------------------------------------------------------------------------------
-# codes
-# ----------------------------------------------------------------------------------------
-
-_E2M1_LUT = torch.tensor(list(F.E2M1_VALUES) + [-v for v in F.E2M1_VALUES], dtype=torch.float32)
-
-
-def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
-    """E2M1 grid values (NaN allowed, encoded as 0) -> uint8 codes 0..15 (sign in bit 3)."""
-    mag = torch.nan_to_num(v.abs(), nan=0.0)
-    idx = torch.where(mag < 2, mag * 2, torch.where(mag < 4, mag + 2, mag / 2 + 4)).to(torch.uint8)
-    sign = torch.signbit(v) & ~torch.isnan(v)
-    return idx | (sign.to(torch.uint8) << 3)
-
-
-def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return _E2M1_LUT.to(codes.device)[codes.long()]
-
-
-def _fp8_encode(v: torch.Tensor, grid: F.FloatGrid) -> torch.Tensor:
-    dt = torch.float8_e4m3fn if grid is F.E4M3 else torch.float8_e5m2
-    return v.to(dt).view(torch.uint8)
-
-
-def _fp8_decode(codes: torch.Tensor, grid: F.FloatGrid) -> torch.Tensor:
-    dt = torch.float8_e4m3fn if grid is F.E4M3 else torch.float8_e5m2
-    return codes.view(dt).to(torch.float32)
-
-
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """[..., K] uint8 codes (K even) -> [..., K/2] bytes, element 2i in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    lo = packed & 0x0F
-    hi = packed >> 4
-    return torch.stack([lo, hi], dim=-1).flatten(-2)
 
 
 # ----------------------------------------------------------------------------------------
@@ -298,12 +250,6 @@ def _parts(x: torch.Tensor, spec: QuantSpec, seed: int, stream) -> _Parts:
     return _Parts(elem.flatten(-2), scale.repeat_interleave(block, -1), None, block_codes)
 
 
-def _e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E8M0 codes -> float32 2^(code-127); 0xFF -> NaN (OCP MX v1.0 section 5.4)."""
-    val = _pow2(codes.to(torch.int32) - F.E8M0_BIAS)
-    return torch.where(codes == F.E8M0_NAN, torch.full_like(val, float("nan")), val)
-
-
 def _dequant(parts: _Parts, k: int) -> torch.Tensor:
     if parts.scale_eff is None:
         out = parts.elem
@@ -312,6 +258,7 @@ def _dequant(parts: _Parts, k: int) -> torch.Tensor:
     return out[..., :k]
 
 
+@B.reference("quantize")
 def quantize_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> torch.Tensor:
     """Torch reference of :func:`quantize` (runs on any device)."""
     spec = parse_spec(spec)
@@ -322,79 +269,11 @@ def quantize_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> tor
 
 
 # ----------------------------------------------------------------------------------------
-# packed storage
+# packed storage (the type and its codecs: replayssm_quant.packed)
 # ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class PackedTensor:
-    """Real low-precision storage of a ``[..., M, K]`` tensor.
-
-    Attributes:
-        spec: the :class:`QuantSpec` used.
-        shape: logical shape ``[..., M, K]``.
-        codes: element codes. fp32: float32 values; bf16/fp16: bfloat16/float16 values;
-            fp8 and mxfp8: uint8 codes ``[..., M, Kp]``; nvfp4/mxfp4: uint8 ``[..., M, Kp/2]``
-            with two E2M1 codes per byte, element 2i in the low nibble. ``Kp`` is K padded to
-            whole scaling blocks.
-        block_scales: uint8 ``[..., M, Kp/block]``: E4M3 codes (nvfp4) or E8M0 codes (mx),
-            else None.
-        matrix_scale: float32 ``[...]`` (fp8 and nvfp4), else None.
-    """
-
-    spec: QuantSpec
-    shape: torch.Size
-    codes: torch.Tensor
-    block_scales: torch.Tensor | None = None
-    matrix_scale: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of real storage: codes + block scales + matrix scales."""
-        n = self.codes.numel() * self.codes.element_size()
-        for t in (self.block_scales, self.matrix_scale):
-            if t is not None:
-                n += t.numel() * t.element_size()
-        return n
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    def dequantize(self) -> torch.Tensor:
-        """Decode to float32 ``shape``; identical values to :func:`quantize`."""
-        info = self.spec.info
-        k = self.shape[-1]
-        if info.scaling == "none":
-            return self.codes.to(torch.float32)
-        grid = info.element
-        if grid is F.E2M1:
-            elem = _e2m1_decode(_unpack_nibbles(self.codes))
-        else:
-            elem = _fp8_decode(self.codes, grid)
-        if info.scaling == "matrix":
-            return elem * self.matrix_scale[..., None, None]
-        block = info.block
-        if info.scaling == "nvfp4":
-            s_b = _fp8_decode(self.block_scales, F.E4M3)
-            scale = s_b * self.matrix_scale[..., None, None]
-            bad = torch.isnan(scale)
-        else:
-            scale = _e8m0_decode(self.block_scales)
-            bad = torch.isnan(scale)
-        elem = torch.where(bad.repeat_interleave(block, -1), float("nan"), elem)
-        return (elem * scale.repeat_interleave(block, -1))[..., :k]
-
-    def to(self, device) -> "PackedTensor":
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return PackedTensor(self.spec, self.shape, self.codes.to(device),
-                            mv(self.block_scales), mv(self.matrix_scale))
-
-    def __repr__(self) -> str:
-        return (f"PackedTensor(spec={self.spec}, shape={tuple(self.shape)}, "
-                f"nbytes={self.nbytes}, device={self.device})")
-
-
+@B.reference("pack")
 def pack_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedTensor:
     """Torch reference of :func:`pack`."""
     spec = parse_spec(spec)
@@ -417,22 +296,13 @@ def pack_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedT
 
 
 # ----------------------------------------------------------------------------------------
-# public API with backend dispatch
+# public API: the backend seam picks reference or kernel
 # ----------------------------------------------------------------------------------------
 
 
-def _backend(x: torch.Tensor, backend: str | None) -> str:
-    b = backend or os.environ.get(_BACKEND_ENV, "auto")
-    if b not in BACKENDS:
-        raise ValueError(f"backend {b!r} not one of {BACKENDS}")
-    if b == "auto":
-        return "triton" if x.is_cuda else "torch"
-    if b == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"backend 'triton' on a {x.device} tensor needs the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'"
-        )
-    return b
+def _use_kernels(x: torch.Tensor, backend) -> bool:
+    """The seam's decision for a quantizer call on ``x`` (:mod:`replayssm_quant.backend`)."""
+    return B.use_kernels(B.OpFamily.QUANT, backend, device=x.device)
 
 
 def _check_seed(seed) -> int:
@@ -458,7 +328,7 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
             (e.g. ``stream_key(sequence=..., head=...)``) for independent rounding.
         backend: ``"torch"`` (reference), ``"triton"`` (kernels; CPU only under
             ``TRITON_INTERPRET=1``) or ``None``/``"auto"`` (kernels on CUDA, reference
-            elsewhere); the environment variable ``REPLAYSSM_QUANT_BACKEND`` sets the default.
+            elsewhere); ``None`` defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
 
     Returns:
         float32 tensor of x's shape (``fp32`` returns float32/float64 input unchanged).
@@ -471,11 +341,8 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
     _check_input(x)
     if spec.is_identity:
         return quantize_reference(x, spec)
-    if _backend(x, backend) == "triton":
-        from .kernels.quant import quantize_triton
-
-        return quantize_triton(x, spec, seed=seed, stream=stream)
-    return quantize_reference(x, spec, seed=seed, stream=stream)
+    impl = B.select(quantize_reference, _use_kernels(x, backend))
+    return impl(x, spec, seed=seed, stream=stream)
 
 
 def pack(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None = None):
@@ -487,8 +354,5 @@ def pack(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None 
     spec = parse_spec(spec)
     _check_seed(seed)
     _check_input(x)
-    if not spec.is_identity and _backend(x, backend) == "triton":
-        from .kernels.quant import pack_triton
-
-        return pack_triton(x, spec, seed=seed, stream=stream)
-    return pack_reference(x, spec, seed=seed, stream=stream)
+    kernels = not spec.is_identity and _use_kernels(x, backend)
+    return B.select(pack_reference, kernels)(x, spec, seed=seed, stream=stream)

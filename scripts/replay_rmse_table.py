@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     rows = [r for m in args.models for s in args.seeds
             for r in policy_drift(m, args.policies, steps=args.steps, window=args.window, seed=s)]
-    print(f"| model | policy | seed | output RMSE (rel.) | anchor RMSE (rel.) |")
+    print("| model | policy | seed | output RMSE (rel.) | anchor RMSE (rel.) |")
     print("|---|---|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | `{r['policy']}` | {r['seed']} | {r['out_rmse']:.3e} | {r['anchor_rmse']:.3e} |")

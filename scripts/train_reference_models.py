@@ -265,7 +265,8 @@ def mean_nll(model, ids: torch.Tensor, seq_len: int, batch: int, device, amp_dty
         x = x.to(device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+        loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                               reduction="sum")
         tot += loss.item()
         cnt += x[:, 1:].numel()
     model.train()
@@ -473,7 +474,8 @@ def select(runs: list[str], out: Path) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("prepare", "train", "all"):
         s = sub.add_parser(name)

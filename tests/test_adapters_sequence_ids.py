@@ -91,7 +91,7 @@ def test_sequence_id_and_content_ids():
 
 def test_lm_eval_adapter_uses_the_library_function():
     pytest.importorskip("lm_eval")
-    import evals.lm_eval_adapter as ev
+    import replayssm_quant.evals.lm_eval_adapter as ev
 
     assert ev.sequence_id is sequence_id
 

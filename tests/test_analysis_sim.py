@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from analysis import simulate as sim
-from analysis import theory
+from replayssm_quant.analysis import simulate as sim
+from replayssm_quant.analysis import theory
 
 ALL_FORMATS = sim.ALL_FORMATS
 DECAYS = (0.9, 0.99, 0.999)

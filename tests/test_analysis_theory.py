@@ -1,4 +1,4 @@
-"""Closed forms of analysis.theory against independent float64 references (appendix C.6).
+"""Closed forms of replayssm_quant.analysis.theory against independent float64 references (appendix C.6).
 
 References: explicit float64 loops and double sums for the moment recursions, ml_dtypes value
 tables for the element grids, the project's quantizer (a separate implementation) for scaled
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import theory
+from replayssm_quant.analysis import theory
 from replayssm_quant import quantize
 
 ALL_FORMATS = ("bf16", "fp16", "fp8e4m3", "fp8e5m2", "nvfp4", "mxfp8", "mxfp4")

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from evals.bin_by_length import bin_by_length, load_samples, main
+from replayssm_quant.evals.bin_by_length import bin_by_length, load_samples, main
 
 
 def _write_run(d, policy, lengths, values):

@@ -13,7 +13,7 @@ shapes. Checks:
   stored layout (fp32, fp16, bf16, fp8 E4M3/E5M2, NVFP4, MXFP4, MXFP8);
 * with queries (single-checkpoint policies) the outputs it writes, against float64
   references from its own anchors, and the last-anchor-only launch against the full chain;
-* on the kernel path (``REPLAYSSM_ANCHOR_CHAIN=triton``), teacher-forced emulation
+* on the kernel path (``REPLAYSSM_BACKEND=triton``), teacher-forced emulation
   (``LayerState.advance``) and stepping (``LayerState.step``) give bit-identical anchors and
   read copies and outputs to 1e-5.
 """
@@ -27,6 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from replayssm_quant.backend import ENV as BACKEND_ENV  # noqa: E402
 from replayssm_quant.adapters.state import LayerState  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.replay import core  # noqa: E402
@@ -34,7 +35,7 @@ from replayssm_quant.config import StateConfig  # noqa: E402
 from replayssm_quant.replay import window as W  # noqa: E402
 from replayssm_quant.replay import window_fast as WF  # noqa: E402
 
-from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
+from replayssm_quant.capabilities import triton_interpreting  # noqa: E402
 
 INTERPRET = triton_interpreting()
 if not INTERPRET:  # the GPU checks are `benchmarks/kl_throughput.py --check-chain`
@@ -150,7 +151,7 @@ def test_anchor_in_registers_equals_anchor_from_memory(policy):
 def test_dual_policy_in_several_groups_equals_one_group(monkeypatch):
     """The teacher-forced dual path on the kernel cuts a segment into groups of windows when
     stacked tensors would be large: outputs and checkpoints do not depend on the cut."""
-    monkeypatch.setenv(W.CHAIN_ENV, "triton")
+    monkeypatch.setenv(BACKEND_ENV, "triton")
     inp = _inputs("gdn", 2, 26, seed=8)
     S0 = torch.randn(2, 2, 8, 32) * 0.5
     kw = dict(family="gdn", config=StateConfig.build("read:nvfp4/rec:fp16+sr", window=4, seed=3),
@@ -214,7 +215,7 @@ def _slice(inp, s):
 @pytest.mark.parametrize("policy", ["shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3",
                                     "fp32", "read:nvfp4/rec:fp32"])
 def test_step_equals_emulation_on_kernel_path(family, policy, monkeypatch):
-    monkeypatch.setenv(W.CHAIN_ENV, "triton")
+    monkeypatch.setenv(BACKEND_ENV, "triton")
     B, T, L = 2, 19, 4
     inp = _inputs(family, B, T, seed=5)
     ids = torch.tensor([4, 9])

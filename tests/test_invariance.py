@@ -126,7 +126,7 @@ def test_kl_runner_batch_invariance(model, tmp_path):
     """``replayssm-kl`` on an embedded model and the KJV held-out text: every row of
     ``positions.parquet`` (reference NLL, KL, top-1, ...) is bit-identical with batch size 1
     and 3 (documents 1 and 2 change batch position), for rounded policies of every kind."""
-    from evals.kl import main
+    from replayssm_quant.evals.kl import main
 
     common = ["--model", model, "--max-docs", "3", "-N", "48", "--windows", "4",
               "--segment-len", "20", "--policies", "eager:fp8e4m3", "shared:nvfp4+sr",

@@ -16,10 +16,8 @@ import torch
 
 import replayssm_quant.adapters as adapters
 import replayssm_quant.adapters.segments as segments
-from evals.kl import main, position_metrics
+from replayssm_quant.evals.kl import main, position_metrics
 from replayssm_quant.models import EMBEDDED_MODELS
-
-from conftest import KL_TEXT as TEXT
 
 
 def _args(model_dir, data_file, out, *extra, policies=("shared:nvfp4+sr", "eager:fp8e4m3")):

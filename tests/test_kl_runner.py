@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from evals.kl import COLUMNS, main
+from replayssm_quant.evals.kl import COLUMNS, main
 
 from conftest import KL_TEXT as TEXT
 

@@ -20,7 +20,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from replayssm_quant.adapters.segments import forward_segment  # noqa: E402
-from evals.lm_eval_adapter import POLICY_GRAMMAR, ReplaySSMLM, sequence_id  # noqa: E402
+from replayssm_quant.evals.lm_eval_adapter import POLICY_GRAMMAR, ReplaySSMLM, sequence_id  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,7 +143,7 @@ def test_bad_numeric_args(tiny_dir, arg, val):
 
 def _cli(tmp_path, limit, tasks, context_chars, *extra):
     out = tmp_path / "lm_eval_out"
-    cmd = [sys.executable, "-m", "evals.lm_eval_adapter", "--model", "replayssm",
+    cmd = [sys.executable, "-m", "replayssm_quant.evals.lm_eval_adapter", "--model", "replayssm",
            "--model_args", "pretrained=tiny-gdn,state=read:nvfp4/rec:fp32",
            "--tasks", tasks, "--include_path", str(REPO / "evals" / "tasks"),
            "--limit", str(limit), "--device", "cpu", "--output_path", str(out),
@@ -179,7 +179,7 @@ def test_cli_issue_command_limit8_both_forms(tmp_path):
                                         ("pretrained=no-such-model", "pretrained='no-such-model'"),
                                         ("pretrained=tiny-gdn,window=-3", "got -3\n")])
 def test_cli_bad_model_args_exit_2(margs, word, capsys):
-    from evals.lm_eval_adapter import cli
+    from replayssm_quant.evals.lm_eval_adapter import cli
 
     rc = cli(["--model", "replayssm", "--model_args", margs, "--tasks", "kjv_longctx_mc"])
     assert rc == 2
@@ -243,7 +243,7 @@ def test_scores_bit_identical_for_every_batch_size_and_position(model, state):
 def test_rows_out_of_the_queued_order_stop_the_run(monkeypatch):
     """If lm-eval batched rows in another order than the adapter queued them, scoring stops
     with an error (no request is scored with another row's prefill)."""
-    import evals.lm_eval_adapter as adapter
+    import replayssm_quant.evals.lm_eval_adapter as adapter
 
     lm = _embedded_lm("tiny-mamba2", state="shared:nvfp4", window=4, batch_size=2)
     reqs = _tricky_requests(lm)
@@ -354,7 +354,7 @@ def test_unknown_model_arg_refused_before_loading(monkeypatch):
     (["pretrained=tiny-gdn,logits_cache=True"], "logits_cache"),
 ])
 def test_cli_unknown_model_arg_exit_2_before_loading(margs, word, capsys, monkeypatch):
-    from evals.lm_eval_adapter import cli
+    from replayssm_quant.evals.lm_eval_adapter import cli
 
     monkeypatch.setattr(HFLM, "__init__", _no_load(HFLM.__init__))
     rc = cli(["--model", "replayssm", "--model_args", *margs, "--tasks", "kjv_longctx_mc",
@@ -369,7 +369,7 @@ def test_cli_unknown_model_arg_exit_2_before_loading(margs, word, capsys, monkey
 
 def test_cli_accepts_hflm_model_args():
     """Every accepted key passes the pre-load check (e.g. HFLM's max_length, softmax_dtype)."""
-    from evals.lm_eval_adapter import accepted_model_args, check_model_args
+    from replayssm_quant.evals.lm_eval_adapter import accepted_model_args, check_model_args
 
     check_model_args("pretrained=tiny-gdn,max_length=64,softmax_dtype=float32,dtype=bfloat16")
     check_model_args({k: None for k in accepted_model_args() if k not in

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from analysis import results
+from replayssm_quant.analysis import results
 
 NB_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = ("error_propagation", "kl_curves")

@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
-from analysis import plots, report, results  # noqa: E402
+from replayssm_quant.analysis import plots, report, results  # noqa: E402
 
 POLICIES = ("fp32", "shared:nvfp4+sr", "read:nvfp4+sr/rec:fp32", "eager:fp8e4m3",
             "read:fp8e4m3/rec:fp32")  # fmt: skip
@@ -159,7 +159,7 @@ def test_several_runs_are_separate_curves(tmp_path):
 def kl_run(tmp_path_factory):
     """A real ``replayssm-kl`` run (tiny random GDN model, CPU, a few seconds) with the
     stepwise check on its first 6 positions."""
-    from evals.kl import main as kl_main
+    from replayssm_quant.evals.kl import main as kl_main
     from replayssm_quant.adapters.tiny import tiny_model
 
     root = tmp_path_factory.mktemp("klrun")

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from replayssm_quant import formats as F  # noqa: E402
 from replayssm_quant.quant import pack, pack_reference, quantize, quantize_reference  # noqa: E402
 
-from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
+from replayssm_quant.capabilities import triton_interpreting  # noqa: E402
 
 INTERPRET = triton_interpreting()
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -269,7 +269,7 @@ def test_public_api_dispatches_to_kernels(monkeypatch):
         assert_bitwise(quantize(x, spec, seed=3, stream=4, backend="triton"), want, spec)
         p = pack(x, spec, seed=3, stream=4, backend="triton")
         assert_same_bytes(p.codes, kq.pack_triton(x, spec, seed=3, stream=4).codes, spec)
-    monkeypatch.setenv("REPLAYSSM_QUANT_BACKEND", "triton")
+    monkeypatch.setenv("REPLAYSSM_BACKEND", "triton")
     assert_bitwise(quantize(x, "mxfp4+sr", seed=1, stream=2),
                    kq.quantize_triton(x, "mxfp4+sr", seed=1, stream=2), "env backend")
 

@@ -36,7 +36,7 @@ from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import (core, gdn_flush, gdn_step_output, gdn_verify,  # noqa: E402
                                     mamba2_flush, mamba2_step_output, mamba2_verify)
 
-from replayssm_quant.kernels.dispatch import triton_interpreting  # noqa: E402
+from replayssm_quant.capabilities import triton_interpreting  # noqa: E402
 
 INTERPRET = triton_interpreting()
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -45,7 +45,10 @@ if DEVICE == "cpu" and not INTERPRET:
 
 import replayssm_quant.kernels.replay as kr  # noqa: E402
 
-if INTERPRET and type(kr._flush_kernel).__name__ != "InterpretedFunction":
+if INTERPRET and type(kr.flush._flush_kernel).__name__ != "InterpretedFunction":
+    # imported before TRITON_INTERPRET was set: decorate the kernels again
+    for _m in (kr.codec, kr.records, kr.flush, kr.chain):
+        importlib.reload(_m)
     kr = importlib.reload(kr)
 
 B, H, G, V, K, L, T = 2, 4, 2, 16, 32, 4, 3
@@ -122,7 +125,7 @@ def test_flush_exact_inputs_bit_identical(policy):
     w, k, q = _dyadic(gen, (B, L, H, V)), _dyadic(gen, (B, L, G, K)), _dyadic(gen, (B, G, K))
     length = _t(torch.tensor([L, 2]))
     ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
-    res, y = kr.mamba2_flush_kernel(A, la, w, k, length, policy, q=q, **STREAMS)
+    res, y = kr.mamba2_flush_kernel(A, la, w, k, length, StatePolicy.parse(policy), q=q, **STREAMS)
     assert torch.equal(res.state, ref.state)
     _same_copies(res.checkpoints, ref.checkpoints)
     torch.testing.assert_close(y, core.matvec(ref.state, core.expand_heads(q, H, 1)), **TOL)
@@ -137,7 +140,7 @@ def test_flush_random_inputs(policy):
     la, w, k, _ = _records(gen)
     length = _t(torch.tensor([L, 3]))
     ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
-    res, _ = kr.mamba2_flush_kernel(A, la, w, k, length, policy, **STREAMS)
+    res, _ = kr.mamba2_flush_kernel(A, la, w, k, length, StatePolicy.parse(policy), **STREAMS)
     torch.testing.assert_close(res.state, ref.state, atol=1e-6, rtol=1e-6)
     want = core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS)
     _same_copies(res.checkpoints, want)
@@ -155,7 +158,7 @@ def test_flush_reads_packed_anchor(rec):
     length = _t(torch.tensor([1, 3]))
     policy = f"read:nvfp4+sr/rec:{rec}"
     ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
-    res, _ = kr.mamba2_flush_kernel(A_st, la, w, k, length, policy, **STREAMS)
+    res, _ = kr.mamba2_flush_kernel(A_st, la, w, k, length, StatePolicy.parse(policy), **STREAMS)
     assert torch.equal(res.state, ref.state)
     _same_copies(res.checkpoints, ref.checkpoints)
 
@@ -173,7 +176,7 @@ def test_gdn_flush(fold):
     policy = "read:nvfp4+sr/rec:fp16+sr"
     ref = gdn_flush(A, la, beta, v, k, StatePolicy.parse(policy), length=length, u_cached=u_cached,
                     fold=GDNFold.CACHED if fold else GDNFold.RECOMPUTE, store=True, **STREAMS)
-    res, _ = kr.gdn_flush_kernel(A, la, beta, v, k, length, policy, u_cached=u_cached,
+    res, _ = kr.gdn_flush_kernel(A, la, beta, v, k, length, StatePolicy.parse(policy), u_cached=u_cached,
                                  fold_cached_corrections=fold, **STREAMS)
     live = core.length_mask(length, L)[:, :, None, None]
     torch.testing.assert_close(torch.where(live, res.w, 0.0), torch.where(live, ref.w, 0.0), **TOL)
@@ -290,7 +293,8 @@ def test_verify_zero_drafts():
 def test_unsupported_shapes_raise():
     with pytest.raises(ValueError, match="power of two"):
         kr.flush_kernel(torch.zeros(1, 1, 4, 24), torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 4),
-                        torch.zeros(1, 1, 1, 24), torch.ones(1, dtype=torch.int64), "fp32",
+                        torch.zeros(1, 1, 1, 24), torch.ones(1, dtype=torch.int64),
+                        StatePolicy.parse("fp32"),
                         seed=0, layer=0, sequence_ids=torch.zeros(1, dtype=torch.int64),
                         flush_index=torch.ones(1, dtype=torch.int64))
 

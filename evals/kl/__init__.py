@@ -8,8 +8,8 @@ the other metrics are reduced on the fly, so logits are never stored whole.
 
 KL is computed in float64 and is >= 0 by construction; a non-finite value on either side is
 recorded (``nonfinite_ref`` / ``nonfinite_policy``) and counted, never dropped silently
-(:mod:`evals.kl.metrics`). Documents get BOS as the tokenizer's own default, like lm-eval's
-HFLM (``--add-bos-token``, :mod:`evals.kl.documents`). The first ``--stepwise-check K``
+(:mod:`replayssm_quant.evals.kl.metrics`). Documents get BOS as the tokenizer's own default, like lm-eval's
+HFLM (``--add-bos-token``, :mod:`replayssm_quant.evals.kl.documents`). The first ``--stepwise-check K``
 positions of every cell are also decoded token by token, and KL(stepping || emulation) -- the
 float32 path noise of teacher-forced emulation -- is reported next to the policy's KL.
 

@@ -1,7 +1,7 @@
-"""``python -m evals.kl``: the same as the ``replayssm-kl`` command."""
+"""``python -m replayssm_quant.evals.kl``: the same as the ``replayssm-kl`` command."""
 
 import sys
 
-from evals.kl import main
+from replayssm_quant.evals.kl import main
 
 sys.exit(main())

@@ -34,6 +34,7 @@ Written for Triton 3.6 and 3.9 (interpreter included).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,7 +43,7 @@ import triton.language as tl
 from .. import formats as F
 from ..formats import QuantSpec, parse_spec
 from ..philox import stream_keys_to
-from ..quant import PackedTensor
+from ..packed import PackedTensor
 
 __all__ = ["quantize_triton", "pack_triton"]
 
@@ -53,7 +54,7 @@ _MX_ROWS = 64  # mx: block rows per program (x 32 elements)
 
 
 # ----------------------------------------------------------------------------------------
-# per-format constants handed to the kernels as constexpr
+# per-format constants handed to the kernels as one constexpr bundle
 # ----------------------------------------------------------------------------------------
 
 
@@ -64,8 +65,25 @@ _E2M1_NAN_CODE = 0  # reference _e2m1_encode maps NaN to code 0 (E2M1 has no NaN
 # E4M3 / E5M2: torch float32 -> float8 gives 0x7F | sign for NaN (F.E4M3_NAN_CODE[_NEG])
 
 
-def _grid_consts(grid: F.FloatGrid) -> dict:
-    """Code-level description of a grid: codes are sign | ((e - emin) << mbits) + n."""
+class GridConsts(NamedTuple):
+    """Code-level description of an element grid, handed to a kernel as ONE constexpr
+    (``GRID``) and read by the jit helpers by field (``GRID.EMIN``); codes are
+    ``sign | ((e - emin) << mbits) + n``. Built by :func:`_grid_consts`."""
+
+    EMIN: int  # smallest normal exponent (subnormals share it)
+    MBITS: int  # stored mantissa bits
+    MAXCODE: int  # magnitude code of the largest finite value (saturation)
+    SUBQ: float  # quantum of the subnormals, 2^(EMIN - MBITS)
+    SIGN_SHIFT: int  # bit of the sign in a code
+    HAS_INF: bool  # the grid has infinities (bf16, fp16, E5M2)
+    NAN_POS: int  # code of +NaN (as torch's conversions produce it)
+    NAN_NEG: int  # code of -NaN
+    INF_POS: int  # code of +inf (NaN code where the grid has no inf)
+    INF_NEG: int  # code of -inf
+
+
+def _grid_consts(grid: F.FloatGrid) -> GridConsts:
+    """The :class:`GridConsts` of ``grid``."""
     total = grid.ebits + grid.mbits
     maxcode = _magnitude_code(grid, grid.max)
     if grid is F.BF16:
@@ -81,7 +99,7 @@ def _grid_consts(grid: F.FloatGrid) -> dict:
         inf_neg = inf_pos | (1 << total)
     else:  # inf -> (positive) NaN on grids without infinities
         inf_pos = inf_neg = nan_pos
-    return dict(
+    return GridConsts(
         EMIN=grid.emin,
         MBITS=grid.mbits,
         MAXCODE=maxcode,
@@ -103,20 +121,12 @@ def _magnitude_code(grid: F.FloatGrid, v: float) -> int:
     return ((e - grid.emin) << grid.mbits) + n
 
 
-def _quant_args(grid: F.FloatGrid) -> tuple:
-    """The grid constexprs of ``_quant`` after ``SR``, in its order (EMIN .. INF_NEG)."""
-    c = _grid_consts(grid)
-    return tuple(c[k] for k in _QUANT_ARG_NAMES)
-
-
-_QUANT_ARG_NAMES = ("EMIN", "MBITS", "MAXCODE", "SUBQ", "SIGN_SHIFT", "HAS_INF", "NAN_POS",
-                    "NAN_NEG", "INF_POS", "INF_NEG")
-
-# Module constants reach the jit helpers as defaults of constexpr parameters (the one way a
-# jit function may read a plain module global, compiled and under TRITON_INTERPRET=1 alike).
-# E4M3 grid of the NVFP4 block scales:
+# Module constants reach the jit helpers as defaults of scalar constexpr parameters (the one way
+# a jit function may read a plain module global, compiled and under TRITON_INTERPRET=1 alike;
+# a NamedTuple works as a kernel argument but not as a default or global on Triton 3.6, and a
+# tl.constexpr-wrapped one not under the 3.9 interpreter). E4M3 grid of the NVFP4 block scales:
 (_E4M3_EMIN, _E4M3_MBITS, _E4M3_MAXCODE, _E4M3_SUBQ, _E4M3_SIGN_SHIFT, _E4M3_HAS_INF,
- _E4M3_NAN_POS, _E4M3_NAN_NEG, _E4M3_INF_POS, _E4M3_INF_NEG) = _quant_args(F.E4M3)
+ _E4M3_NAN_POS, _E4M3_NAN_NEG, _E4M3_INF_POS, _E4M3_INF_NEG) = _grid_consts(F.E4M3)
 assert _E4M3_MAXCODE == F.E4M3_MAX_CODE and _E4M3_SUBQ == F.E4M3_MIN_SUBNORMAL
 assert _E4M3_NAN_POS == F.E4M3_NAN_CODE and _E4M3_NAN_NEG == F.E4M3_NAN_CODE_NEG
 # binary32 bit layout
@@ -219,11 +229,12 @@ def _grid_value(code, EMIN: tl.constexpr, MBITS: tl.constexpr, SUBQ: tl.constexp
 
 
 @triton.jit
-def _quant(y, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+def _round(y, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
            MAXCODE: tl.constexpr, SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr,
            HAS_INF: tl.constexpr, NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr,
            INF_POS: tl.constexpr, INF_NEG: tl.constexpr):
     """Reference ``round_to_grid`` of float32 y: returns (value float32, code int32 with sign).
+    The grid as scalar constexprs (the one place they are listed; see :func:`_quant`).
 
     NaN stays y (and gets the NaN code); +-inf stays +-inf on grids with infinities, else
     becomes NaN; finite values are rounded, saturated and get y's sign (copysign).
@@ -246,6 +257,14 @@ def _quant(y, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
     code = tl.where(is_inf, tl.where(neg, INF_NEG, INF_POS), code)
     code = tl.where(is_nan, tl.where(neg, NAN_NEG, NAN_POS), code)
     return val, code
+
+
+@triton.jit
+def _quant(y, r, SR: tl.constexpr, G: tl.constexpr):
+    """:func:`_round` onto the grid ``G`` (a :class:`GridConsts`, or any bundle with its
+    fields): returns (value float32, code int32 with sign)."""
+    return _round(y, r, SR, G.EMIN, G.MBITS, G.MAXCODE, G.SUBQ, G.SIGN_SHIFT, G.HAS_INF,
+                  G.NAN_POS, G.NAN_NEG, G.INF_POS, G.INF_NEG)
 
 
 @triton.jit
@@ -280,8 +299,8 @@ def _e4m3_rtn(y, EMIN: tl.constexpr = _E4M3_EMIN, MBITS: tl.constexpr = _E4M3_MB
               SIGN_SHIFT: tl.constexpr = _E4M3_SIGN_SHIFT, HAS_INF: tl.constexpr = _E4M3_HAS_INF,
               NAN_POS: tl.constexpr = _E4M3_NAN_POS, NAN_NEG: tl.constexpr = _E4M3_NAN_NEG,
               INF_POS: tl.constexpr = _E4M3_INF_POS, INF_NEG: tl.constexpr = _E4M3_INF_NEG):
-    """``_quant`` of y onto the E4M3 grid with RTN: (value, code)."""
-    return _quant(y, 0, False, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF, NAN_POS,
+    """``_round`` of y onto the E4M3 grid with RTN: (value, code)."""
+    return _round(y, 0, False, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF, NAN_POS,
                   NAN_NEG, INF_POS, INF_NEG)
 
 
@@ -342,10 +361,7 @@ def _block_scale(bamax, bad, s_g, NV: tl.constexpr, EMAX: tl.constexpr,
 @triton.jit
 def _unscaled_kernel(x_ptr, out_ptr, stream_ptr, seed, N, MK,
                      BLOCK: tl.constexpr, SR: tl.constexpr, PACK: tl.constexpr,
-                     EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
-                     SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
-                     NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
-                     INF_NEG: tl.constexpr):
+                     GRID: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -357,8 +373,7 @@ def _unscaled_kernel(x_ptr, out_ptr, stream_ptr, seed, N, MK,
         r = _random_bits(seed, offs - mat * MK, lo, hi)
     else:
         r = 0
-    val, code = _quant(x, r, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                       NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+    val, code = _quant(x, r, SR, GRID)
     if PACK:
         tl.store(out_ptr + offs, code.to(tl.int16), mask=mask)
     else:
@@ -368,11 +383,7 @@ def _unscaled_kernel(x_ptr, out_ptr, stream_ptr, seed, N, MK,
 @triton.jit
 def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
                    FMAX: tl.constexpr, BLOCK: tl.constexpr, SR: tl.constexpr,
-                   PACK: tl.constexpr,
-                   EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
-                   SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
-                   NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
-                   INF_NEG: tl.constexpr):
+                   PACK: tl.constexpr, GRID: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     base = b * MK
     cols = tl.arange(0, BLOCK)
@@ -388,8 +399,7 @@ def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
             r = _random_bits(seed, offs, lo, hi)
         else:
             r = 0
-        val, code = _quant(y, r, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                           NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+        val, code = _quant(y, r, SR, GRID)
         if PACK:
             tl.store(out_ptr + base + offs, code.to(tl.uint8), mask=mask)
         else:
@@ -401,11 +411,7 @@ def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
 @triton.jit
 def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
                 NV: tl.constexpr, FP4: tl.constexpr, HALF: tl.constexpr, SR: tl.constexpr,
-                PACK: tl.constexpr, EMAX: tl.constexpr,
-                EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
-                SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
-                NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
-                INF_NEG: tl.constexpr):
+                PACK: tl.constexpr, EMAX: tl.constexpr, GRID: tl.constexpr):
     """Quantise the block rows ``g`` ([R] int64 global indices, valid where g < g_end):
     block row g is scaling block ``blk`` of row ``m`` of matrix ``b``."""
     rvalid = g < g_end
@@ -439,17 +445,15 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
         ro = 0
     ye = tl.math.div_rn(xe, tl.broadcast_to(safe[:, None], xe.shape))
     yo = tl.math.div_rn(xo, tl.broadcast_to(safe[:, None], xo.shape))
-    ve, ce = _quant(ye, re, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                    NAN_POS, NAN_NEG, INF_POS, INF_NEG)
-    vo, co = _quant(yo, ro, SR, EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF,
-                    NAN_POS, NAN_NEG, INF_POS, INF_NEG)
+    ve, ce = _quant(ye, re, SR, GRID)
+    vo, co = _quant(yo, ro, SR, GRID)
     if NV:
         ve = tl.where(ok[:, None], ve, 0.0)
         vo = tl.where(ok[:, None], vo, 0.0)
         ce = tl.where(ok[:, None], ce, 0)  # also the bad blocks: E2M1 NaN encodes as 0
         co = tl.where(ok[:, None], co, 0)
     else:
-        bad_code = NAN_POS  # positive NaN: 0x7F for E4M3, 0 for E2M1
+        bad_code = GRID.NAN_POS  # positive NaN: 0x7F for E4M3, 0 for E2M1
         ce = tl.where(bad[:, None], bad_code, ce)
         co = tl.where(bad[:, None], bad_code, co)
     ve = tl.where(bad[:, None], nan, ve)
@@ -474,10 +478,7 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
 def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K, NB,
                   ROWS: tl.constexpr, TILE: tl.constexpr, SR: tl.constexpr,
                   PACK: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
-                  EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
-                  SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
-                  NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
-                  INF_NEG: tl.constexpr):
+                  GRID: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     MK = M * K
     s_g = _amax_scale(_matrix_amax(x_ptr, b * MK, MK, TILE), GDIV)  # amax / (448 * 6), or 1
@@ -486,9 +487,7 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
     for t in range(0, mnb, ROWS):
         g = g0 + t + tl.arange(0, ROWS)
         _block_rows(g, g0 + mnb, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                    True, True, HALF, SR, PACK, 0,
-                    EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF, NAN_POS, NAN_NEG,
-                    INF_POS, INF_NEG)
+                    True, True, HALF, SR, PACK, 0, GRID)
     if PACK:
         tl.store(mscale_ptr + b, s_g)
 
@@ -496,16 +495,10 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
 @triton.jit
 def _mx_kernel(x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB, G,
                ROWS: tl.constexpr, FP4: tl.constexpr, EMAX: tl.constexpr, SR: tl.constexpr,
-               PACK: tl.constexpr, HALF: tl.constexpr,
-               EMIN: tl.constexpr, MBITS: tl.constexpr, MAXCODE: tl.constexpr,
-               SUBQ: tl.constexpr, SIGN_SHIFT: tl.constexpr, HAS_INF: tl.constexpr,
-               NAN_POS: tl.constexpr, NAN_NEG: tl.constexpr, INF_POS: tl.constexpr,
-               INF_NEG: tl.constexpr):
+               PACK: tl.constexpr, HALF: tl.constexpr, GRID: tl.constexpr):
     g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     _block_rows(g, G, 1.0, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                False, FP4, HALF, SR, PACK, EMAX,
-                EMIN, MBITS, MAXCODE, SUBQ, SIGN_SHIFT, HAS_INF, NAN_POS, NAN_NEG,
-                INF_POS, INF_NEG)
+                False, FP4, HALF, SR, PACK, EMAX, GRID)
 
 
 # ----------------------------------------------------------------------------------------
@@ -553,14 +546,14 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
     xf = x.to(torch.float32).contiguous()  # same conversion as the reference
     st = _streams(spec, x, stream)
     seed = int(seed)
-    c = _grid_consts(grid)
+    gc = _grid_consts(grid)  # the format's constexpr bundle: one kernel argument, GRID
     dev = x.device
     if info.scaling == "none":
         n = xf.numel()
         out = torch.empty(x.shape, dtype=torch.int16 if pack else torch.float32, device=dev)
         if n:
             _unscaled_kernel[(triton.cdiv(n, _TILE),)](
-                xf, out, st, seed, n, m * k, BLOCK=_TILE, SR=spec.sr, PACK=pack, **c)
+                xf, out, st, seed, n, m * k, BLOCK=_TILE, SR=spec.sr, PACK=pack, GRID=gc)
         return out, None, None
     if info.scaling == "matrix":
         if pack:
@@ -571,7 +564,7 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
         if bsz:
             _matrix_kernel[(bsz,)](
                 xf, out, mscale, st, seed, m * k, FMAX=grid.max, BLOCK=_TILE, SR=spec.sr,
-                PACK=pack, **c)
+                PACK=pack, GRID=gc)
         return out, None, mscale
     block = info.block
     nb = triton.cdiv(k, block)
@@ -588,14 +581,14 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
         if bsz:
             _nvfp4_kernel[(bsz,)](
                 xf, out, bscale, mscale, st, seed, m, k, nb, ROWS=_NV_ROWS, TILE=_TILE,
-                SR=spec.sr, PACK=pack, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR, **c)
+                SR=spec.sr, PACK=pack, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR, GRID=gc)
         return out, bscale, mscale
     g = bsz * m * nb
     emax = F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX
     if g:
         _mx_kernel[(triton.cdiv(g, _MX_ROWS),)](
             xf, out, bscale, st, seed, m, k, nb, g, ROWS=_MX_ROWS, FP4=fp4, EMAX=emax,
-            SR=spec.sr, PACK=pack, HALF=block // 2, **c)
+            SR=spec.sr, PACK=pack, HALF=block // 2, GRID=gc)
     return out, bscale, None
 
 

@@ -131,6 +131,7 @@ def load_model(
     model = model.to(device).eval()
     tok = None
     if tokenizer:
-        tok_kwargs = {k: v for k, v in kwargs.items() if k in ("local_files_only", "revision", "trust_remote_code", "token")}
+        tok_kwargs = {k: v for k, v in kwargs.items()
+                      if k in ("local_files_only", "revision", "trust_remote_code", "token")}
         tok = AutoTokenizer.from_pretrained(path, **tok_kwargs)
     return model, tok

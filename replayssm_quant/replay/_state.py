@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
 from ..config import GDNFold, StateConfig
+from ..packed import PackedTensor
 from ..philox import stream_key
-from ..quant import PackedTensor
-from .core import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult, cast_checkpoints
+from .core import cast_checkpoints
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 
@@ -174,6 +175,11 @@ class ReplayStateBase:
         for t in self._ring.values():
             t.zero_()
 
+    def _checkpoints(self) -> Checkpoints:
+        """The current checkpoints: dequantised A and R and their storage (what the step and
+        verify operations read: the references the values, the kernels the storage)."""
+        return Checkpoints(self._A, self._R, self._A_st, self._R_st)
+
     def _store(self, idx, cps: Checkpoints) -> None:
         if idx is None:
             self._A, self._R = cps.anchor, cps.read
@@ -242,13 +248,6 @@ class ReplayStateBase:
     def _check_drafts(self, T: int) -> None:
         if T > self.max_drafts:
             raise ValueError(f"verify() got {T} drafts, more than max_drafts={self.max_drafts}")
-
-    def _append(self, recs: dict) -> None:
-        """Write one record per sequence at slot h and advance h."""
-        b = torch.arange(self.batch, device=self.device)
-        for name, t in recs.items():
-            self._ring[name][b, self._h] = t
-        self._h += 1
 
     def _write_drafts(self, recs: dict, T: int) -> torch.Tensor:
         """Write T draft records per sequence at slots h..h+T-1 (h unchanged); return slots."""

@@ -28,18 +28,16 @@ Conventions (shared by every function here):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
+# The flush's data types, stream keys and length mask live in the leaf module
+# replayssm_quant.checkpoints (shared with the kernels); re-exported here.
+from ..checkpoints import (ANCHOR_COPY, PREFILL_FLUSH_INDEX, READ_COPY,  # noqa: F401
+                           Checkpoints, FlushResult, checkpoint_streams, length_mask)
 from ..formats import QuantSpec
-from ..philox import stream_key, stream_keys_to
-from ..policy import StatePolicy
-from ..quant import PackedTensor, pack, quantize
-
-ANCHOR_COPY = 0  # stream_key copy bit of the recurrence anchor A (and of a shared checkpoint)
-READ_COPY = 1  # stream_key copy bit of the read copy R
-PREFILL_FLUSH_INDEX = 0  # the cast of a prefill (or of the initial zero state) is flush 0
+from ..policy import StatePolicy, require_policy  # noqa: F401 (re-exported)
+from ..quant import pack, quantize
 
 
 # ------------------------------------------------------------------------------ invariance
@@ -93,11 +91,6 @@ def expand_heads(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
     return t.repeat_interleave(heads // groups, dim=dim)
 
 
-def length_mask(length: torch.Tensor, J: int) -> torch.Tensor:
-    """``[B, J]`` bool: record slot ``j`` is live (``j < length[b]``)."""
-    return torch.arange(J, device=length.device)[None, :] < length[:, None]
-
-
 def mask_records(length: torch.Tensor | None, la: torch.Tensor, *rest: torch.Tensor):
     """Neutralise records at slots ``>= length[b]``: log decay 0 (decay 1) and zeros for the
     other record tensors (``w``, ``beta``: no contribution). ``length=None`` keeps everything."""
@@ -112,18 +105,6 @@ def mask_records(length: torch.Tensor | None, la: torch.Tensor, *rest: torch.Ten
 
 
 # ------------------------------------------------------------------------------ casting
-def require_policy(policy) -> StatePolicy:
-    """``policy`` if it is a parsed :class:`~replayssm_quant.policy.StatePolicy`; inner
-    functions never parse strings (``StatePolicy.parse`` / ``StateConfig.build`` at the edges).
-
-    Raises:
-        TypeError: naming what was passed and where to parse it.
-    """
-    if not isinstance(policy, StatePolicy):
-        raise TypeError(f"expected a parsed StatePolicy, got {type(policy).__name__} {policy!r}; "
-                        "parse it where it enters (StatePolicy.parse or StateConfig.build)")
-    return policy
-
 
 def cast_state(S: torch.Tensor, spec: QuantSpec, *, seed: int, stream, store: bool = False):
     """Round ``S [B, H, V, K]`` to ``spec`` (one FP32 scale per ``[V, K]`` matrix where the
@@ -140,29 +121,6 @@ def cast_state(S: torch.Tensor, spec: QuantSpec, *, seed: int, stream, store: bo
         packed = pack(S, spec, seed=seed, stream=stream)
         return packed.dequantize().to(S.dtype), packed
     return quantize(S, spec, seed=seed, stream=stream).to(S.dtype), None
-
-
-def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
-                       flush_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stream keys ``[B, H]`` of the anchor and read casts of one flush, keyed by
-    (layer, sequence id, head, flush index, copy) only: never by call order or batch position."""
-    seq = sequence_ids.to(torch.int64)[:, None]
-    fl = torch.as_tensor(flush_index, dtype=torch.int64).reshape(-1)[:, None]
-    head = torch.arange(heads, dtype=torch.int64)[None, :]
-    sa = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(), copy=ANCHOR_COPY)
-    sr = sa | READ_COPY  # the copy bit is the key's lowest field (philox.STREAM_FIELDS)
-    return stream_keys_to(sa, sequence_ids.device), stream_keys_to(sr, sequence_ids.device)
-
-
-@dataclass
-class Checkpoints:
-    """Result of :func:`cast_checkpoints`: dequantised A and R (working dtype) and, when
-    requested, their real storage. For single-checkpoint policies ``read is anchor``."""
-
-    anchor: torch.Tensor
-    read: torch.Tensor
-    anchor_stored: "PackedTensor | torch.Tensor | None" = None
-    read_stored: "PackedTensor | torch.Tensor | None" = None
 
 
 def cast_checkpoints(S: torch.Tensor, policy, *, seed: int, layer: int,
@@ -320,17 +278,6 @@ def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: 
 
 
 # ------------------------------------------------------------------------------ flush
-@dataclass
-class FlushResult:
-    """What a flush produces: the unrounded reconstructed ``state`` (the flush token's output is
-    read from it), the new checkpoints and the values ``w`` that were folded (GDN: the
-    corrections used)."""
-
-    state: torch.Tensor
-    checkpoints: Checkpoints
-    w: torch.Tensor
-
-
 def flush(anchor: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.Tensor, policy, *,
           seed: int, layer: int, sequence_ids: torch.Tensor, flush_index: torch.Tensor,
           store: bool = False) -> FlushResult:

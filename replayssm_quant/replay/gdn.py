@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import backend as B
+from ..checkpoints import Checkpoints
 from ..config import GDNFold
-from ..kernels.dispatch import replay_kernels_enabled
 from . import core
 from ._state import ReplayStateBase, check_tensor
 
@@ -102,6 +103,51 @@ def gdn_verify(read, anchor, la, beta, v, k, q, u_known, start, window: int,
     return o, uR
 
 
+# ------------------------------------------------------------------ state-object operations
+# What GDNReplayState calls, with the signatures of their kernels in
+# replayssm_quant.kernels.replay (the backend seam swaps one for the other, once, at
+# construction); see replay/mamba2.py for ``cps``, ``ring`` and ``h``.
+@B.reference("gdn_state_step")
+def gdn_state_step(cps: Checkpoints, ring: dict, h, q, k, v, g, beta) -> torch.Tensor:
+    """Decode step: write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring
+    slot ``h[b]`` (``h`` is not advanced), solve and cache its read-path correction in
+    ``ring["uR"]`` and return the output-only read ``o [B, HV, DV]`` (:func:`gdn_step_output`)."""
+    b = torch.arange(h.shape[0], device=h.device)
+    for name, t in (("la", g), ("beta", beta), ("v", v), ("k", k)):
+        ring[name][b, h] = t
+    n = h + 1
+    J = int(n.max())
+    o, uR = gdn_step_output(cps.read, ring["la"][:, :J], ring["beta"][:, :J], ring["v"][:, :J],
+                            ring["k"][:, :J], q, ring["uR"][:, :J], n)
+    ring["uR"][:, :J] = uR
+    return o
+
+
+@B.reference("gdn_state_verify")
+def gdn_state_verify(cps: Checkpoints, la, beta, v, k, q, u_known, start, window: int,
+                     fold_cached_corrections: bool = False):
+    """:func:`gdn_verify` reading the checkpoints ``cps`` (the kernel boundary takes the fold
+    mode as the kernel's flag)."""
+    return gdn_verify(cps.read, cps.anchor, la, beta, v, k, q, u_known, start, window,
+                      _fold(fold_cached_corrections))
+
+
+@B.reference("gdn_state_flush")
+def gdn_state_flush(anchor, recs: dict, length, policy, *, seed: int, layer: int, sequence_ids,
+                    flush_index, fold_cached_corrections: bool = False) -> core.FlushResult:
+    """:func:`gdn_flush` of the ring records ``recs`` (``la, beta, v, k, uR``) up to
+    ``length``, storing the new checkpoints."""
+    return gdn_flush(anchor, recs["la"], recs["beta"], recs["v"], recs["k"], policy, seed=seed,
+                     layer=layer, sequence_ids=sequence_ids, flush_index=flush_index,
+                     length=length, u_cached=recs["uR"], fold=_fold(fold_cached_corrections),
+                     store=True)
+
+
+def _fold(cached: bool) -> GDNFold:
+    """The kernel flag ``fold_cached_corrections`` as the :class:`GDNFold` of the references."""
+    return GDNFold.CACHED if cached else GDNFold.RECOMPUTE
+
+
 class GDNReplayState(ReplayStateBase):
     """Dual-checkpoint ReplaySSM state of one Gated DeltaNet layer.
 
@@ -113,14 +159,17 @@ class GDNReplayState(ReplayStateBase):
             re-solving them against the anchor (not the default; see the module docstring).
         backend: ``"auto"`` (Triton kernels of :mod:`replayssm_quant.kernels.replay` for step,
             verify and flush on CUDA, float32, key_dim a power of two >= 32), ``"torch"`` or
-            ``"triton"``; see :mod:`replayssm_quant.kernels.dispatch`.
+            ``"triton"``; None defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
     """
 
     def __init__(self, policy, *, batch: int, key_heads: int, value_heads: int, key_dim: int,
                  value_dim: int, window: int = 16, max_drafts: int = 0, seed: int = 0,
                  layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu",
                  fold_cached_corrections: bool = False, backend: str | None = None):
-        self._kernels = replay_kernels_enabled(backend, device, dtype, key_dim)  # kernel dispatch
+        self._kernels = B.use_kernels(B.OpFamily.REPLAY, backend, device=device, dtype=dtype,
+                                      key_dim=key_dim)
+        self._ops = B.ops(self._kernels, step=gdn_state_step, verify=gdn_state_verify,
+                          flush=gdn_state_flush)  # torch references or their kernels
         for name, val in (("key_heads", key_heads), ("value_heads", value_heads),
                           ("key_dim", key_dim), ("value_dim", value_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -129,7 +178,7 @@ class GDNReplayState(ReplayStateBase):
             raise ValueError(f"key_heads={key_heads} must divide value_heads={value_heads}")
         self.key_heads = key_heads
         self.fold_cached_corrections = bool(fold_cached_corrections)
-        fold = GDNFold.CACHED if self.fold_cached_corrections else GDNFold.RECOMPUTE
+        fold = _fold(self.fold_cached_corrections)
         self._RING = {"la": (value_heads,), "beta": (value_heads,), "v": (value_heads, value_dim),
                       "k": (key_heads, key_dim), "uR": (value_heads, value_dim)}
         super().__init__(policy, batch=batch, heads=value_heads, value_dim=value_dim,
@@ -149,18 +198,10 @@ class GDNReplayState(ReplayStateBase):
         check_tensor("beta", beta, lead + (HV,), *args)
 
     def _flush_records(self, anchor, recs, length, sequence_ids, flush_index):
-        if self._kernels:  # kernel dispatch: correction solve + flush kernels (kernels/replay.py)
-            from ..kernels import replay as kr
-
-            return kr.gdn_flush_kernel(
-                anchor, recs["la"], recs["beta"], recs["v"], recs["k"], length, self.policy,
-                seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
-                flush_index=flush_index, u_cached=recs["uR"],
-                fold_cached_corrections=self.fold_cached_corrections)[0]
-        return gdn_flush(anchor, recs["la"], recs["beta"], recs["v"], recs["k"], self.policy,
-                         seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
-                         flush_index=flush_index, length=length, u_cached=recs["uR"],
-                         fold=self.config.fold, store=True)
+        return self._ops.flush(anchor, recs, length, self.policy, seed=self.seed,
+                               layer=self.layer, sequence_ids=sequence_ids,
+                               flush_index=flush_index,
+                               fold_cached_corrections=self.fold_cached_corrections)
 
     # ------------------------------------------------------------------ decoding
     def step(self, q, k, v, g, beta) -> torch.Tensor:
@@ -173,18 +214,8 @@ class GDNReplayState(ReplayStateBase):
         self._check_not_pending("step")
         self._check_inputs(q, k, v, g, beta)
         qe = core.expand_heads(q, self.heads, 1)
-        if self._kernels:  # kernel dispatch: append + correction + output-only read, one launch
-            from ..kernels import replay as kr
-
-            o = kr.gdn_step_kernel(self._R_st, self._ring, q, k, v, g, beta, self._h)
-            self._h += 1
-        else:
-            self._append({"la": g, "beta": beta, "v": v, "k": k})
-            J = int(self._h.max())
-            r = self._ring
-            o, uR = gdn_step_output(self._R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
-                                    r["k"][:, :J], q, r["uR"][:, :J], self._h)
-            r["uR"][:, :J] = uR
+        o = self._ops.step(self._checkpoints(), self._ring, self._h, q, k, v, g, beta)  # + append
+        self._h += 1
         flushed = self._flush_seqs(self._h == self.window)
         if flushed is not None:
             idx, res = flushed
@@ -211,20 +242,12 @@ class GDNReplayState(ReplayStateBase):
         self._check_drafts(T)
         self._check_inputs(q, k, v, g, beta, T=T)
         self._begin_verify(T)
-        pos = self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
+        self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
         self._pending = T
         J = int(self._h.max()) + T
         r = self._ring
-        if self._kernels:  # kernel dispatch: the verify kernel reads the stored copies
-            from ..kernels import replay as kr
-
-            o, uR = kr.gdn_verify_kernel(self._R_st, self._A_st, r["la"][:, :J],
-                                         r["beta"][:, :J], r["v"][:, :J], r["k"][:, :J], q,
-                                         r["uR"][:, :J], self._h, self.window,
-                                         self.fold_cached_corrections)
-        else:
-            o, uR = gdn_verify(self._R, self._A, r["la"][:, :J], r["beta"][:, :J],
-                               r["v"][:, :J], r["k"][:, :J], q, r["uR"][:, :J], self._h,
-                               self.window, self.config.fold)
+        o, uR = self._ops.verify(self._checkpoints(), r["la"][:, :J], r["beta"][:, :J],
+                                 r["v"][:, :J], r["k"][:, :J], q, r["uR"][:, :J], self._h,
+                                 self.window, self.fold_cached_corrections)
         r["uR"][:, :J] = uR
         return o

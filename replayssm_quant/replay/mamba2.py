@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import replay_kernels_enabled
+from .. import backend as B
+from ..checkpoints import Checkpoints
 from . import core
 from ._state import ReplayStateBase, check_tensor
 
@@ -74,6 +75,41 @@ def mamba2_verify(read, anchor, la, v, k, q, start, window: int) -> torch.Tensor
     return y
 
 
+# ------------------------------------------------------------------ state-object operations
+# What Mamba2ReplayState calls, with the signatures of their kernels in
+# replayssm_quant.kernels.replay (the backend seam swaps one for the other, once, at
+# construction). ``cps`` holds the dequantised checkpoints (read here) and their storage (read
+# by the kernels); ``ring`` is the state's ring of records, ``h`` its committed counts.
+@B.reference("mamba2_state_step")
+def mamba2_state_step(cps: Checkpoints, ring: dict, h, la, v, k, q) -> torch.Tensor:
+    """Decode step: write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot
+    ``h[b]`` (``h`` is not advanced) and return the output-only read of R plus the records
+    (:func:`mamba2_step_output`, grouped ``q [B,G,N]``) ``[B, H, P]``."""
+    b = torch.arange(h.shape[0], device=h.device)
+    for name, t in (("la", la), ("v", v), ("k", k)):
+        ring[name][b, h] = t
+    n = h + 1
+    J = int(n.max())
+    return mamba2_step_output(cps.read, ring["la"][:, :J], ring["v"][:, :J], ring["k"][:, :J],
+                              q, n)
+
+
+@B.reference("mamba2_state_verify")
+def mamba2_state_verify(cps: Checkpoints, la, v, k, q, start, window: int) -> torch.Tensor:
+    """:func:`mamba2_verify` reading the checkpoints ``cps``."""
+    return mamba2_verify(cps.read, cps.anchor, la, v, k, q, start, window)
+
+
+@B.reference("mamba2_state_flush")
+def mamba2_state_flush(anchor, recs: dict, length, policy, *, seed: int, layer: int,
+                       sequence_ids, flush_index) -> core.FlushResult:
+    """:func:`mamba2_flush` of the ring records ``recs`` (``la, v, k``) up to ``length``,
+    storing the new checkpoints."""
+    return mamba2_flush(anchor, recs["la"], recs["v"], recs["k"], policy, seed=seed, layer=layer,
+                        sequence_ids=sequence_ids, flush_index=flush_index, length=length,
+                        store=True)
+
+
 class Mamba2ReplayState(ReplayStateBase):
     """Dual-checkpoint ReplaySSM state of one Mamba-2 layer, batched over sequences and heads.
 
@@ -91,7 +127,8 @@ class Mamba2ReplayState(ReplayStateBase):
         device: where the state lives; every input must be there.
         backend: ``"auto"`` (Triton kernels of :mod:`replayssm_quant.kernels.replay` for step,
             verify and flush on CUDA, float32, d_state a power of two >= 32), ``"torch"``
-            (the references here) or ``"triton"``; see :mod:`replayssm_quant.kernels.dispatch`.
+            (the references here) or ``"triton"``; None defers to ``REPLAYSSM_BACKEND``
+            (:mod:`replayssm_quant.backend`).
 
     The state starts as zeros (cast as flush 0). See ``step``, ``verify``, ``commit``,
     ``flush``, ``prefill`` and the properties of
@@ -102,7 +139,10 @@ class Mamba2ReplayState(ReplayStateBase):
                  groups: int = 1, window: int = 16, max_drafts: int = 0, seed: int = 0,
                  layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu",
                  backend: str | None = None):
-        self._kernels = replay_kernels_enabled(backend, device, dtype, d_state)  # kernel dispatch
+        self._kernels = B.use_kernels(B.OpFamily.REPLAY, backend, device=device, dtype=dtype,
+                                      key_dim=d_state)
+        self._ops = B.ops(self._kernels, step=mamba2_state_step, verify=mamba2_state_verify,
+                          flush=mamba2_state_flush)  # torch references or their kernels
         for name, val in (("heads", heads), ("head_dim", head_dim), ("d_state", d_state),
                           ("groups", groups)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -129,15 +169,9 @@ class Mamba2ReplayState(ReplayStateBase):
             check_tensor("D", D, (H,), *args)
 
     def _flush_records(self, anchor, recs, length, sequence_ids, flush_index):
-        if self._kernels:  # kernel dispatch: the flush kernel (kernels/replay.py)
-            from ..kernels import replay as kr
-
-            return kr.mamba2_flush_kernel(anchor, recs["la"], recs["v"], recs["k"], length,
-                                          self.policy, seed=self.seed, layer=self.layer,
-                                          sequence_ids=sequence_ids, flush_index=flush_index)[0]
-        return mamba2_flush(anchor, recs["la"], recs["v"], recs["k"], self.policy,
-                            seed=self.seed, layer=self.layer, sequence_ids=sequence_ids,
-                            flush_index=flush_index, length=length, store=True)
+        return self._ops.flush(anchor, recs, length, self.policy, seed=self.seed,
+                               layer=self.layer, sequence_ids=sequence_ids,
+                               flush_index=flush_index)
 
     # ------------------------------------------------------------------ decoding
     def step(self, x, dt, A, B, C, D=None) -> torch.Tensor:
@@ -150,17 +184,8 @@ class Mamba2ReplayState(ReplayStateBase):
         self._check_inputs(x, dt, A, B, C, D)
         la, v, k = mamba2_records(x, dt, A, B)
         q = core.expand_heads(C, self.heads, 1)
-        if self._kernels:  # kernel dispatch: append + output-only read of R in one launch
-            from ..kernels import replay as kr
-
-            y = kr.mamba2_step_kernel(self._R_st, self._ring, la, v, k, C, self._h)
-            self._h += 1
-        else:
-            self._append({"la": la, "v": v, "k": k})
-            J = int(self._h.max())
-            r = self._ring
-            y = mamba2_step_output(self._R, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], C,
-                                   self._h)
+        y = self._ops.step(self._checkpoints(), self._ring, self._h, la, v, k, C)  # + append
+        self._h += 1
         flushed = self._flush_seqs(self._h == self.window)
         if flushed is not None:
             idx, res = flushed
@@ -190,18 +215,12 @@ class Mamba2ReplayState(ReplayStateBase):
         self._check_inputs(x, dt, A, B, C, D, T=T)
         self._begin_verify(T)
         la, v, k = mamba2_records(x, dt, A, B)
-        pos = self._write_drafts({"la": la, "v": v, "k": k}, T)
+        self._write_drafts({"la": la, "v": v, "k": k}, T)
         self._pending = T
         J = int(self._h.max()) + T
         r = self._ring
-        if self._kernels:  # kernel dispatch: the verify kernel reads the stored copies
-            from ..kernels import replay as kr
-
-            y = kr.mamba2_verify_kernel(self._R_st, self._A_st, r["la"][:, :J], r["v"][:, :J],
-                                        r["k"][:, :J], C, self._h, self.window)
-        else:
-            y = mamba2_verify(self._R, self._A, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J],
-                              C, self._h, self.window)
+        y = self._ops.verify(self._checkpoints(), r["la"][:, :J], r["v"][:, :J], r["k"][:, :J],
+                             C, self._h, self.window)
         if D is not None:
             y = y + D[:, None] * x
         return y

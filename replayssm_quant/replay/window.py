@@ -5,7 +5,7 @@ window at a time: inside a window, the outputs are the intra-window causal sum p
 decayed read-copy term (GDN: with corrections solved against the read path); at the window
 end the *same* flush routine as the state objects (:func:`~.mamba2.mamba2_flush`,
 :func:`~.gdn.gdn_flush`) folds the records into the anchor and casts A and R independently,
-with the same SR streams. On the torch path (CPU, float64, ``REPLAYSSM_ANCHOR_CHAIN=torch``)
+with the same SR streams. On the torch path (CPU, float64, ``REPLAYSSM_BACKEND=torch``)
 each sequence's outputs, anchors and read copies are bit-identical for any batch, batch
 position and cut of the tokens into calls, one token per call included (the adapters' step
 path is this form with one token; see "Invariance" below); stepping through
@@ -35,11 +35,12 @@ like the state objects. The batched form of full windows on the kernel path is
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import backend as B
+from ..backend import kernel_ops as kr  # kernel entry points, through the backend seam
 from ..config import Family, GDNFold, StateConfig
 from . import core
 from .gdn import gdn_flush
@@ -124,23 +125,22 @@ def initial_carry(S: torch.Tensor, config: StateConfig, *, layer: int = 0,
 
 
 # ------------------------------------------------------------------------------ flush dispatch
-CHAIN_ENV = "REPLAYSSM_ANCHOR_CHAIN"  # "auto" (default: kernel on CUDA), "torch" or "triton"
+CHAIN_ENV = "REPLAYSSM_ANCHOR_CHAIN"  # deprecated: the seam's REPLAYSSM_BACKEND (backend.py)
 
 
 def chain_kernel_enabled(anchor: torch.Tensor, fold: GDNFold = GDNFold.RECOMPUTE) -> bool:
     """True when flushes run the anchor-chain kernel
     (:func:`replayssm_quant.kernels.replay.anchor_chain`, any ``rec`` format; fp32 is the exact
     recurrence): not the cached-fold variant, float32, key dim a power of two >= 32, on CUDA
-    (``auto``) or forced with ``REPLAYSSM_ANCHOR_CHAIN=triton`` (CPU: under
-    ``TRITON_INTERPRET=1``). Every flush of a layer (stepping and teacher-forced, batched or
+    (``auto``) or forced with ``REPLAYSSM_BACKEND=triton`` (CPU: under
+    ``TRITON_INTERPRET=1``); the decision is the backend seam's (:mod:`replayssm_quant.backend`,
+    family ``chain``). Every flush of a layer (stepping and teacher-forced, batched or
     window by window) takes the same decision, so a layer given identical inputs rounds
     identically."""
-    from ..kernels.dispatch import replay_kernels_enabled
-
     if fold is GDNFold.CACHED:
         return False
-    return replay_kernels_enabled(os.environ.get(CHAIN_ENV) or None, anchor.device, anchor.dtype,
-                                  anchor.shape[-1])
+    return B.use_kernels(B.OpFamily.CHAIN, None, device=anchor.device, dtype=anchor.dtype,
+                         key_dim=anchor.shape[-1])
 
 
 def flush_window(family: Family, carry: WindowCarry, recs: dict, config: StateConfig,
@@ -154,8 +154,6 @@ def flush_window(family: Family, carry: WindowCarry, recs: dict, config: StateCo
     policy, seed, anchor = config.policy, config.seed, carry.anchor
     J = recs["la"].shape[1]
     if chain_kernel_enabled(anchor, config.fold):
-        from ..kernels import replay as kr
-
         H = anchor.shape[1]
         sa, sr = core.checkpoint_streams(layer=carry.layer, sequence_ids=carry.sequence_ids,
                                          heads=H, flush_index=carry.flush_index)
@@ -205,7 +203,7 @@ def _check_fit(h0: int, W: int, L: int) -> None:
 # is cut into segments (DESIGN.md section 3; issue 12). A last-bit difference in an unrounded
 # state can put a value on the other side of a rounding boundary, and the flipped quantum then
 # propagates through the anchor, so "equal up to reassociation" is not enough. On the torch
-# path (CPU, float64, ``REPLAYSSM_ANCHOR_CHAIN=torch``):
+# path (CPU, float64, ``REPLAYSSM_BACKEND=torch``):
 #   * every reduction of the references in ``core`` runs one sequence at a time
 #     (``core.per_sequence``), so its calls have the same shapes and strides whatever batch
 #     the sequence came in (BLAS picks kernels by shape and stride: a batched
@@ -299,7 +297,7 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, config: StateConfig):
     Returns ``(o [B, W, HV, DV], carry)``.
     """
     L = config.window
-    Bz, W, HV = v.shape[0], v.shape[1], v.shape[2]
+    W, HV = v.shape[1], v.shape[2]
     h0 = carry.h
     _check_fit(h0, W, L)
     new = {"la": g, "beta": beta, "v": v, "k": k, "uR": torch.zeros_like(v)}

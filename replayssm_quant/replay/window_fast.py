@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backend import kernel_ops as kr  # kernel entry points, through the backend seam
 from ..config import StateConfig
 from . import core
 from .mamba2 import mamba2_records
@@ -169,8 +170,6 @@ def _block(carry: WindowCarry, la, k, q, v, beta, *, config: StateConfig):
     """Full windows on the kernel path (``carry.h == 0``, length a multiple of L): the anchor
     recurrence of a group of windows in one anchor-chain launch, then the read casts and the
     outputs of every window batched. Returns ``(o [B, T, H, V], carry)``."""
-    from ..kernels import replay as kr
-
     Bz, T, H = la.shape
     V, K = carry.anchor.shape[-2:]
     policy, L, seed = config.policy, config.window, config.seed

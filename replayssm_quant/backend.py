@@ -1,0 +1,221 @@
+"""The one backend seam: torch reference or Triton kernel, for every operation.
+
+Modelled on flash-linear-attention's ``fla/ops/backends`` dispatch (STYLE.md, "One seam for the
+backend"): one setting chooses the implementation, one registry maps each operation's torch
+reference to its kernel, and callers never branch on the device or import kernels themselves.
+
+Setting, in order of precedence:
+
+1. ``backend=`` where the API has one (:func:`replayssm_quant.quantize`, :func:`~replayssm_quant.pack`,
+   the state objects :class:`~replayssm_quant.Mamba2ReplayState` / :class:`~replayssm_quant.GDNReplayState`);
+2. the environment variable ``REPLAYSSM_BACKEND`` = ``auto`` | ``torch`` | ``triton``
+   (:class:`Backend`), one setting for every operation;
+3. the deprecated per-family variables (a :class:`DeprecationWarning` names the new one):
+   ``REPLAYSSM_QUANT_BACKEND`` (quantizers), ``REPLAYSSM_REPLAY_BACKEND`` (state objects and
+   the anchor chain), ``REPLAYSSM_ANCHOR_CHAIN`` (anchor chain; before the previous one);
+4. ``auto``.
+
+Operations come in families (:class:`OpFamily`) that share one decision rule
+(:func:`use_kernels`): the quantizers run their kernels on CUDA tensors; the replay state objects
+and the anchor chain run theirs on CUDA for float32 and a key dim that is a power of two >= 32
+(:func:`replayssm_quant.capabilities.replay_kernels_supported`), the torch references otherwise.
+``triton`` forces the kernels (a ValueError where they cannot run; on CPU they run under
+``TRITON_INTERPRET=1``).
+
+Registry: a torch reference declares the operation it implements with :func:`reference`; the
+kernel of each operation is named in ``_KERNELS`` and imported on first use (so CPU-only runs
+never import Triton). :func:`select` / :func:`ops` swap a reference for its kernel when
+:func:`use_kernels` says so; :data:`kernel_ops` gives kernel-only entry points
+(``kernel_ops.anchor_chain``). Every kernel has the same signature as its reference.
+
+This module imports only leaf modules at import time; it is the one place outside
+``replayssm_quant.kernels`` that imports kernels (``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import types
+import warnings
+from typing import Callable
+
+import torch
+
+from .capabilities import REPLAY_MIN_KEY_DIM, replay_kernels_supported, triton_interpreting
+
+__all__ = ["Backend", "OpFamily", "ENV", "DEPRECATED_ENV", "parse_backend", "requested_backend",
+           "use_kernels", "reference", "select", "ops", "kernel", "kernel_ops",
+           "triton_interpreting"]
+
+ENV = "REPLAYSSM_BACKEND"
+
+
+class Backend(str, enum.Enum):
+    """Which implementation runs."""
+
+    #: the Triton kernel where it runs (CUDA tensors; replay ops: float32 and a key dim that is
+    #: a power of two >= 32), the torch reference everywhere else. The default.
+    AUTO = "auto"
+    #: the torch reference everywhere (any device, float32 or float64).
+    TORCH = "torch"
+    #: the Triton kernel, or a ValueError where it cannot run (on CPU only under
+    #: ``TRITON_INTERPRET=1``, set before triton is imported).
+    TRITON = "triton"
+
+
+class OpFamily(str, enum.Enum):
+    """Groups of operations that share one decision rule (and one deprecated variable)."""
+
+    #: ``quantize``, ``pack``: kernels on CUDA tensors (any shape and dtype).
+    QUANT = "quant"
+    #: the state objects' step, verify and flush: kernels on CUDA for supported shapes.
+    REPLAY = "replay"
+    #: the anchor-chain flush of the teacher-forced window form and of the adapters' step.
+    CHAIN = "chain"
+
+
+#: Old per-family variables, still read (with a DeprecationWarning) when ``REPLAYSSM_BACKEND``
+#: is unset; the first one set wins.
+DEPRECATED_ENV: dict[OpFamily, tuple[str, ...]] = {
+    OpFamily.QUANT: ("REPLAYSSM_QUANT_BACKEND",),
+    OpFamily.REPLAY: ("REPLAYSSM_REPLAY_BACKEND",),
+    OpFamily.CHAIN: ("REPLAYSSM_ANCHOR_CHAIN", "REPLAYSSM_REPLAY_BACKEND"),
+}
+
+_ACCEPTED = ", ".join(repr(b.value) for b in Backend)
+
+
+def parse_backend(value, *, source: str = "backend") -> Backend:
+    """``value`` (a :class:`Backend` or its string) as a :class:`Backend`.
+
+    Raises:
+        ValueError: naming ``source`` (the argument or variable), the value and the accepted ones.
+    """
+    if isinstance(value, Backend):
+        return value
+    try:
+        return Backend(value)
+    except ValueError:
+        raise ValueError(f"{source}={value!r} is not a backend: use one of {_ACCEPTED}") from None
+
+
+def requested_backend(family, backend=None) -> Backend:
+    """The backend asked for by ``backend`` (per call; None or "" defer), ``REPLAYSSM_BACKEND``
+    or, deprecated, the family's old variable (module docstring)."""
+    family = OpFamily(family)
+    if backend is not None and backend != "":
+        return parse_backend(backend)
+    value = os.environ.get(ENV) or None
+    old = [(n, os.environ[n]) for n in DEPRECATED_ENV[family] if os.environ.get(n)]
+    for name, _ in old:
+        warnings.warn(f"{name} is deprecated: set {ENV}=auto|torch|triton (one setting for "
+                      f"every operation)" + (f"; {ENV} is set and takes precedence" if value
+                                             else ""), DeprecationWarning, stacklevel=3)
+    if value is not None:
+        return parse_backend(value, source=ENV)
+    if old:
+        return parse_backend(old[0][1], source=old[0][0])
+    return Backend.AUTO
+
+
+def use_kernels(family, backend=None, *, device, dtype: torch.dtype | None = None,
+                key_dim: int | None = None) -> bool:
+    """True when an operation of ``family`` on ``device`` (replay and chain: with ``dtype`` and
+    key dim ``key_dim``) runs its Triton kernel, False for the torch reference.
+
+    Raises:
+        ValueError: a bad backend value, or ``triton`` where the kernel cannot run.
+    """
+    family = OpFamily(family)
+    b = requested_backend(family, backend)
+    if b is Backend.TORCH:
+        return False
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    if family is OpFamily.QUANT:
+        if b is Backend.AUTO:
+            return on_cuda
+        if not on_cuda and not triton_interpreting():
+            raise ValueError(
+                f"backend 'triton' on a {device} tensor needs the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
+        return True
+    ok = replay_kernels_supported(key_dim, dtype)
+    if b is Backend.AUTO:
+        return ok and on_cuda
+    if not ok:
+        raise ValueError(f"backend='triton' needs float32 and a key dim that is a power of two "
+                         f">= {REPLAY_MIN_KEY_DIM}, got {dtype} and key_dim={key_dim}")
+    if not on_cuda and not triton_interpreting():
+        raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    return True
+
+
+# ------------------------------------------------------------------------------ registry
+#: operation -> (kernel module under replayssm_quant.kernels, attribute). Each kernel takes the
+#: arguments of the reference registered under the same name.
+_KERNELS: dict[str, tuple[str, str]] = {
+    "quantize": ("quant", "quantize_triton"),
+    "pack": ("quant", "pack_triton"),
+    "mamba2_state_step": ("replay", "mamba2_state_step"),
+    "mamba2_state_verify": ("replay", "mamba2_state_verify"),
+    "mamba2_state_flush": ("replay", "mamba2_state_flush"),
+    "gdn_state_step": ("replay", "gdn_state_step"),
+    "gdn_state_verify": ("replay", "gdn_state_verify"),
+    "gdn_state_flush": ("replay", "gdn_state_flush"),
+    "anchor_chain": ("replay", "anchor_chain"),  # kernel only: the window form calls it
+}
+
+
+def reference(op: str) -> Callable:
+    """Decorator: declare a torch function the reference of kernel operation ``op``."""
+    if op not in _KERNELS:
+        raise ValueError(f"no kernel operation {op!r}; known: {sorted(_KERNELS)}")
+
+    def register(fn):
+        fn.backend_op = op
+        return fn
+
+    return register
+
+
+def kernel(op: str) -> Callable:
+    """The Triton entry point of operation ``op`` (imports its kernel module on first use)."""
+    try:
+        module, attr = _KERNELS[op]
+    except KeyError:
+        raise ValueError(f"no kernel operation {op!r}; known: {sorted(_KERNELS)}") from None
+    if module == "quant":
+        from .kernels import quant as m
+    else:
+        from .kernels import replay as m
+    return getattr(m, attr)
+
+
+def select(ref: Callable, kernels: bool) -> Callable:
+    """``ref`` (a function declared with :func:`reference`), or its kernel when ``kernels``."""
+    op = getattr(ref, "backend_op", None)
+    if op is None:
+        raise ValueError(f"{getattr(ref, '__qualname__', ref)!r} is not declared as the "
+                         "reference of a kernel operation (backend.reference)")
+    return kernel(op) if kernels else ref
+
+
+def ops(kernels: bool, **refs: Callable) -> types.SimpleNamespace:
+    """A namespace of implementations, looked up once: ``ops(k, step=ref_step, ...).step`` is
+    ``ref_step`` or its kernel."""
+    return types.SimpleNamespace(**{name: select(fn, kernels) for name, fn in refs.items()})
+
+
+class _KernelOps:
+    """Kernel entry points by operation name, imported on first use: ``kernel_ops.anchor_chain``
+    (for callers that decided with :func:`use_kernels` and have no torch twin to swap)."""
+
+    def __getattr__(self, op: str) -> Callable:
+        if op.startswith("__"):
+            raise AttributeError(op)
+        return kernel(op)
+
+
+kernel_ops = _KernelOps()

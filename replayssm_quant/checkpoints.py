@@ -1,0 +1,67 @@
+"""What a flush produces and how its casts are keyed (DESIGN.md section 3, "Flush").
+
+A leaf module (``docs/architecture.md``): plain data types and small helpers shared by the
+torch references (:mod:`replayssm_quant.replay`) and the Triton kernels
+(:mod:`replayssm_quant.kernels.replay`), importing only other leaves.
+
+* :class:`Checkpoints`: the dequantised recurrence anchor A and read copy R, and their storage;
+* :class:`FlushResult`: the unrounded state of a flush, its checkpoints and the folded values;
+* :func:`checkpoint_streams`: the SR stream keys of the two casts of one flush;
+* :func:`length_mask`: which record slots of a batch are live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .packed import PackedTensor
+from .philox import stream_key, stream_keys_to
+
+__all__ = ["ANCHOR_COPY", "READ_COPY", "PREFILL_FLUSH_INDEX", "Checkpoints", "FlushResult",
+           "checkpoint_streams", "length_mask"]
+
+ANCHOR_COPY = 0  # stream_key copy bit of the recurrence anchor A (and of a shared checkpoint)
+READ_COPY = 1  # stream_key copy bit of the read copy R
+PREFILL_FLUSH_INDEX = 0  # the cast of a prefill (or of the initial zero state) is flush 0
+
+
+def length_mask(length: torch.Tensor, J: int) -> torch.Tensor:
+    """``[B, J]`` bool: record slot ``j`` is live (``j < length[b]``)."""
+    return torch.arange(J, device=length.device)[None, :] < length[:, None]
+
+
+def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
+                       flush_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream keys ``[B, H]`` of the anchor and read casts of one flush, keyed by
+    (layer, sequence id, head, flush index, copy) only: never by call order or batch position."""
+    seq = sequence_ids.to(torch.int64)[:, None]
+    fl = torch.as_tensor(flush_index, dtype=torch.int64).reshape(-1)[:, None]
+    head = torch.arange(heads, dtype=torch.int64)[None, :]
+    sa = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(), copy=ANCHOR_COPY)
+    sr = sa | READ_COPY  # the copy bit is the key's lowest field (philox.STREAM_FIELDS)
+    return stream_keys_to(sa, sequence_ids.device), stream_keys_to(sr, sequence_ids.device)
+
+
+@dataclass
+class Checkpoints:
+    """Result of :func:`replayssm_quant.replay.core.cast_checkpoints`: dequantised A and R
+    (working dtype) and, when requested, their real storage. For single-checkpoint policies
+    ``read is anchor``."""
+
+    anchor: torch.Tensor
+    read: torch.Tensor
+    anchor_stored: "PackedTensor | torch.Tensor | None" = None
+    read_stored: "PackedTensor | torch.Tensor | None" = None
+
+
+@dataclass
+class FlushResult:
+    """What a flush produces: the unrounded reconstructed ``state`` (the flush token's output is
+    read from it), the new checkpoints and the values ``w`` that were folded (GDN: the
+    corrections used)."""
+
+    state: torch.Tensor
+    checkpoints: Checkpoints
+    w: torch.Tensor

@@ -1,0 +1,398 @@
+"""The anchor chain: the anchor recurrence of a run of windows in one launch, for the
+teacher-forced window form and the adapters' step flush.
+
+Torch reference: :func:`replayssm_quant.replay.core.solve_corrections` +
+:func:`~replayssm_quant.replay.core.reconstruct` + :func:`~replayssm_quant.replay.core.cast_state`
+window after window (:mod:`replayssm_quant.replay.window`); outputs as
+:func:`~replayssm_quant.replay.core.window_outputs`. Tests: ``tests/test_emulation_kernels.py``;
+design and measurements: ``docs/kl-throughput.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats as F
+from ...capabilities import triton_interpreting
+from ...formats import parse_spec
+from ...philox import stream_keys_to
+from .codec import (_K_HALF, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts,
+                    _cast_store, _check_supported, _decode_consts, _dequant_tile, _finite_abs,
+                    _kind, _load_copy, _load_stored, _matrix_scale, _split_halves)
+
+# ----------------------------------------------------------------------------------------
+# anchor chain: the anchor recurrence of a run of windows, one launch
+# ----------------------------------------------------------------------------------------
+# Each program owns a tile of BV value rows of one (sequence, head) matrix and loops over NW
+# windows of L records each:
+#   (GDN) u = corrections of the window solved against A (forward substitution; row-separable
+#         along the value axis, as core.solve_corrections),
+#   S = gamma_{1:L} A + sum_j gamma_{j+1:L} w_j k_j^T  (w = v for Mamba-2, u for GDN),
+#   A <- Q_rec(S)  (stored packed, SR stream of that flush; the matrix amax over the whole S).
+# Every step is row-separable except the matrix amax of fp8 / nvfp4 anchors, so the programs
+# of a matrix only exchange one number per window: each adds its tile's amax to a per-(matrix,
+# window) slot (integer atomic max of the float bits, all non-negative), arrives on a counter
+# and spins until the matrix's NT tiles have arrived (SPLIT). Programs take logical ids from a
+# ticket counter in the order they start, so the tiles of a matrix are always co-resident or
+# waiting behind finished ones (no deadlock for any grid size once NT programs fit). Without
+# SPLIT (under the Triton interpreter, which runs programs one after another; for a matrix of
+# one tile; for more tiles than SMs) one program per matrix loops over the same tiles, twice
+# where an amax is needed.
+# A program that owns its rows for the whole chain (SPLIT, or a single tile) keeps the anchor
+# in registers: the next window's A is decoded from the codes it just stored (_dequant_tile,
+# the same integer decode and FP32 multiplications as _load_copy, which equals
+# PackedTensor.dequantize); a program looping over several tiles reads it back from memory.
+# Optionally (OUT, single-checkpoint policies, whose read copy is the anchor) the program also
+# writes the window's outputs for its rows: position t < L reads the previous anchor plus the
+# records, gamma_{1:t} (A q_t) + sum_{j<=t} gamma_{j+1:t} (k_j . q_t) w_j (core.window_outputs,
+# GDN corrections against R = A are the flush's), and the flush token reads S q_L.
+# This is THE flush arithmetic on the kernel path (every anchor format; an fp32 anchor is the
+# exact recurrence, A = S): the adapters' step path calls it with NW = 1, the teacher-forced
+# window form with every full window of a segment (the same binary: runtime ints are not
+# specialised), so identical inputs round identically. Read copies of dual policies
+# (R = Q_read(S)) are cast by the host from S.
+# FP contraction is off for this kernel (enable_fp_fusion=False): which mul+add pairs the
+# backend fuses into an FMA depends on the surrounding code, so with it on the variants
+# (SPLIT or not, OUT or not, STORE_S or not) rounded S differently in the last bit (measured
+# on the H200: up to most anchors of an fp8/nvfp4 chain differed). With it off the production
+# variants agree bit for bit (step path, teacher-forced with and without outputs, any batch;
+# checked on the H200). The one remaining order difference: a GPU reduction over a tile (A k,
+# A q) follows the tile's register layout, which differs between an anchor carried in
+# registers and one loaded from memory, so the one-program-per-matrix launch (tests, under the
+# interpreter, where order is fixed) can differ in last bits from the split launch on the GPU
+# (GDN with FP4 anchors; docs/kl-throughput.md).
+
+
+@triton.jit
+def _prev_anchor(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask, V,
+                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, P: tl.constexpr):
+    """Rows of the anchor before window ``w`` read from memory: the FP32 start (w = 0) or
+    the packed anchor of window w - 1 (slot ``pmat``, decoded with ``P``)."""
+    if w == 0:
+        ae, ao = _load_copy(a0_ptr, a0_ptr, a0_ptr, mat0, rows, rmask, V, K, KH, BV)  # FP32
+    else:
+        ae, ao = _load_stored(ap_ptr, apbs_ptr, apms_ptr, pmat, rows, rmask, V, K, KH, BV, P)
+    return ae, ao
+
+
+@triton.jit
+def _chain_tile(ae, ao, rows, rmask,
+                la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V, T, L,
+                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+                GDN: tl.constexpr, OUT: tl.constexpr):
+    """Rows ``rows`` of the unrounded S after the window starting at token ``t0``, from these
+    rows of the previous anchor ``(ae, ao)``, as (even, odd) [BV, KH]; with OUT, also stores
+    the window's outputs of these rows at ``o_ptr``.
+
+    One pass over the window's records p = 0 .. L-1: (GDN) the correction u_p of these rows
+    against the previous anchor, then ``S += gamma_{p+1:L} w_p k_p^T`` (S starts at
+    ``gamma_{1:L} A``), then (OUT) the output of position p. Record rows are loaded where
+    they are used; the corrections are kept transposed ``[BV, LP]`` for the coupling sums."""
+    idx = tl.arange(0, LP)
+    live = idx < L
+    tt = (b * T + t0 + idx).to(tl.int64)
+    la = tl.load(la_ptr + tt * H + h, mask=live, other=0.0)
+    cvec = tl.cumsum(la, axis=0)
+    total = tl.sum(tl.where(idx == L - 1, cvec, 0.0), axis=0)
+    j = tl.arange(0, KH)
+    kk = tl.arange(0, K)
+    eg = tl.exp(total)
+    se = eg * ae
+    so = eg * ao
+    if GDN or OUT:
+        kmat = tl.load(k_ptr + (tt * H + h)[:, None] * K + kk[None, :], mask=live[:, None],
+                       other=0.0)
+        kme, kmo = _split_halves(kmat, LP, KH)
+    if GDN:
+        bt = tl.load(beta_ptr + tt * H + h, mask=live, other=0.0)
+    # written values of the records so far, transposed [BV, LP] (GDN: corrections; Mamba-2: v)
+    Wt = tl.zeros([BV, LP], tl.float32)
+    for p in range(0, L):
+        sel = idx == p
+        rp = ((b * T + t0 + p) * H + h).to(tl.int64)
+        kpe = tl.load(k_ptr + rp * K + 2 * j)
+        kpo = tl.load(k_ptr + rp * K + 2 * j + 1)
+        vp = tl.load(v_ptr + rp * V + rows, mask=rmask, other=0.0)
+        cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
+        if GDN:
+            bp = tl.sum(tl.where(sel, bt, 0.0), axis=0)
+            ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)  # A k_p
+            kkp = tl.sum(kme * kpe[None, :], axis=1) + tl.sum(kmo * kpo[None, :], axis=1)
+            before = idx < p
+            coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
+            wp = bp * (vp - tl.exp(cp) * ak) - tl.sum(Wt * coef[None, :], axis=1)
+        else:
+            wp = vp
+        Wt = tl.where(sel[None, :], wp[:, None], Wt)
+        mw = tl.exp(total - cp) * wp
+        se += mw[:, None] * kpe[None, :]
+        so += mw[:, None] * kpo[None, :]
+        if OUT:
+            if p < L - 1:  # reads the previous anchor (R = A) and the records up to p
+                qpe = tl.load(q_ptr + rp * K + 2 * j)
+                qpo = tl.load(q_ptr + rp * K + 2 * j + 1)
+                aq = tl.sum(ae * qpe[None, :], axis=1) + tl.sum(ao * qpo[None, :], axis=1)
+                kq = tl.sum(kme * qpe[None, :], axis=1) + tl.sum(kmo * qpo[None, :], axis=1)
+                upto = idx <= p
+                co = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)) * kq, 0.0)
+                o = tl.exp(cp) * aq + tl.sum(Wt * co[None, :], axis=1)
+                tl.store(o_ptr + rp * V + rows, o, mask=rmask)
+    if OUT:  # the flush token reads the unrounded S
+        rl = ((b * T + t0 + L - 1) * H + h).to(tl.int64)
+        qle = tl.load(q_ptr + rl * K + 2 * j)
+        qlo = tl.load(q_ptr + rl * K + 2 * j + 1)
+        o = tl.sum(se * qle[None, :], axis=1) + tl.sum(so * qlo[None, :], axis=1)
+        tl.store(o_ptr + rl * V + rows, o, mask=rmask)
+    return se, so
+
+
+@triton.jit
+def _tile_amax(se, so, rmask):
+    fe = tl.where(rmask[:, None], _finite_abs(se), 0.0)
+    fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
+    return tl.maximum(tl.max(tl.max(fe, axis=1), axis=0), tl.max(tl.max(fo, axis=1), axis=0))
+
+
+@triton.jit
+def _matrix_amax(part, sync_ptr, slot, NT: tl.constexpr):
+    """Max of the NT programs' ``part`` (non-negative) for one (matrix, window): atomic max of
+    the float bits at ``sync_ptr[slot]``, arrival count at ``sync_ptr[slot + 1]``, spin."""
+    tl.atomic_max(sync_ptr + slot, part.to(tl.int32, bitcast=True), sem="relaxed")
+    seen = tl.atomic_add(sync_ptr + slot + 1, 1, sem="acq_rel") + 1
+    while seen < NT:
+        seen = tl.atomic_add(sync_ptr + slot + 1, 0, sem="acquire")
+    # every max happened before its program's arrival (release); read it from L2
+    return tl.load(sync_ptr + slot, cache_modifier=".cg").to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["seed", "H", "V", "T", "L", "NW", "NSLOT"])
+def _chain_kernel(
+        a0_ptr,  # starting anchor, dequantised FP32 [B, H, V, K]
+        la_ptr, k_ptr, v_ptr, beta_ptr,  # records [B,T,H], [B,T,H,K] (expanded), [B,T,H,V], [B,T,H]
+        q_ptr, o_ptr,  # OUT: queries [B, T, H, K] (expanded), outputs [B, T, H, V]
+        st_ptr, seed,  # anchor stream keys [B, NW, H]
+        oa_ptr, oabs_ptr, oams_ptr,  # anchors in NSLOT slots, packed [B, NSLOT, H, V, .]
+        ap_ptr,  # the same codes as typed for decoding (bf16 / fp16 view for half formats)
+        s_ptr,  # STORE_S: unrounded S of every window [B, NW, H, V, K]
+        sync_ptr,  # SPLIT: int32 [1 + 2 B H NW]: ticket, then (amax bits, arrivals) per window
+        H, V, T, L, NW, NSLOT,
+        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+        NT: tl.constexpr, GDN: tl.constexpr, OUT: tl.constexpr, STORE_S: tl.constexpr,
+        SPLIT: tl.constexpr, NEED_AMAX: tl.constexpr,
+        P: tl.constexpr, CA: tl.constexpr):
+    # P: DecodeConsts of the stored anchors; CA: CastConsts of the anchor cast
+    if SPLIT:
+        pid = tl.atomic_add(sync_ptr, 1)  # logical id in start order (see above)
+        mat0 = (pid // NT).to(tl.int64)
+        tile = pid % NT
+    else:
+        mat0 = tl.program_id(0).to(tl.int64)
+        tile = 0
+    b = mat0 // H
+    h = mat0 - b * H
+    kk = tl.arange(0, K)
+    if SPLIT or NT == 1:  # this program owns its rows for the whole chain: A stays in registers
+        rows = tile * BV + tl.arange(0, BV)
+        rmask = rows < V
+        ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, 0, mat0, mat0, rows, rmask, V,
+                              K, KH, BV, P)
+        for w in range(0, NW):
+            smat = (b * NW + w) * H + h  # S and stream key index of this window
+            amat = (b * NSLOT + w % NSLOT) * H + h  # anchor slot written
+            se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
+                                 o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT)
+            amax = tl.zeros([], tl.float32)
+            if NEED_AMAX:
+                if SPLIT:
+                    amax = _matrix_amax(_tile_amax(se, so, rmask), sync_ptr,
+                                        1 + 2 * (mat0 * NW + w), NT)
+                else:
+                    amax = _tile_amax(se, so, rmask)
+            sa = _matrix_scale(amax, CA.KIND, CA.FMAX)
+            if STORE_S:
+                x = tl.reshape(tl.join(se, so), [BV, K])
+                tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
+                         mask=rmask[:, None])
+            # _cast_store reads the stream key at st_ptr[mat] for the matrix it stores: shift
+            # the base so that the store slot amat finds this window's key smat
+            ce, co, sbc = _cast_store(se, so, rows, rmask, amat, V, sa, seed,
+                                      st_ptr + (smat - amat), oa_ptr, oabs_ptr, K, KH, BV, CA)
+            if CA.MS:
+                tl.store(oams_ptr + amat, sa)  # every tile of the matrix stores the same value
+            ae, ao = _dequant_tile(ce, co, sbc, sa, BV, KH, P)
+    else:  # one program loops over the row tiles of its matrix (interpreter, tests)
+        for w in range(0, NW):
+            smat = (b * NW + w) * H + h
+            amat = (b * NSLOT + w % NSLOT) * H + h
+            pmat = (b * NSLOT + (w + NSLOT - 1) % NSLOT) * H + h  # slot of the previous anchor
+            amax = tl.zeros([], tl.float32)
+            if NEED_AMAX:  # first pass: the tiles for the amax only
+                for v0 in range(0, V, BV):
+                    rows = v0 + tl.arange(0, BV)
+                    rmask = rows < V
+                    ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
+                                          rmask, V, K, KH, BV, P)
+                    se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr,
+                                         q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP,
+                                         GDN, False)
+                    amax = tl.maximum(amax, _tile_amax(se, so, rmask))
+            sa = _matrix_scale(amax, CA.KIND, CA.FMAX)
+            for v0 in range(0, V, BV):
+                rows = v0 + tl.arange(0, BV)
+                rmask = rows < V
+                ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
+                                      rmask, V, K, KH, BV, P)
+                se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
+                                     o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT)
+                if STORE_S:
+                    x = tl.reshape(tl.join(se, so), [BV, K])
+                    tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :],
+                             x, mask=rmask[:, None])
+                _cast_store(se, so, rows, rmask, amat, V, sa, seed, st_ptr + (smat - amat),
+                            oa_ptr, oabs_ptr, K, KH, BV, CA)
+            if CA.MS:
+                tl.store(oams_ptr + amat, sa)
+            tl.debug_barrier()  # the next window reads this window's anchor (other threads' rows)
+
+
+CHAIN_TILE_ELEMENTS = 2048  # elements of a program's row tile: BV = 2048 // K rows
+CHAIN_WARPS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 elsewhere)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def chain_block_v(V: int, K: int) -> int:
+    """Value rows per program of the anchor-chain kernel: a function of the matrix shape only,
+    so that every call on a layer (any batch, any number of windows, step or teacher-forced)
+    adds in the same order."""
+    return max(1, min(triton.next_power_of_2(V), CHAIN_TILE_ELEMENTS // K))
+
+
+class ChainResult(NamedTuple):
+    """What :func:`anchor_chain` returns (see there for shapes)."""
+
+    states: torch.Tensor | None
+    anchors: torch.Tensor
+    outputs: torch.Tensor | None
+
+
+def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=None,
+                 store_states: bool = True, all_anchors: bool = True, split: bool | None = None,
+                 block_v: int | None = None, num_warps: int = CHAIN_WARPS) -> ChainResult:
+    """Anchor recurrence over ``NW = T // L`` full windows in one launch (DESIGN.md "Flush":
+    reconstruct, then ``A <- Q_rec(S)``; GDN corrections re-solved against A). An ``fp32``
+    ``spec`` is the exact recurrence (``A = S``, nothing rounds).
+
+    Args:
+        anchor: dequantised FP32 anchor ``[B, H, V, K]`` before the first window.
+        la ``[B, T, H]``, head-expanded ``k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``
+        (GDN) or None (Mamba-2: the written value is v); float32.
+        spec: the anchor format (``policy.rec``); streams: int64 ``[B, NW, H]`` anchor stream
+        keys of the NW flushes (``checkpoint_streams`` copy 0; host or device).
+        q: head-expanded queries ``[B, T, H, K]``: also return the outputs of every position for
+            a single-checkpoint policy (read copy = anchor; ``core.window_outputs`` inside a
+            window, ``S q`` at the flush token).
+        store_states: return the unrounded S of every window.
+        all_anchors: return the anchor of every window, else only the last one.
+        split: one program per (matrix, row tile) with the matrix amax exchanged through
+            atomics (default: on CUDA when a matrix has several tiles and they fit on the SMs;
+            else one program per matrix, as the interpreter runs). The choice depends on
+            (V, K) and the device only, so every call on a layer takes the same.
+        block_v: value rows per tile (default :func:`chain_block_v`: tests only).
+
+    Returns :class:`ChainResult` ``(states [B, NW, H, V, K] or None, anchors [B, NW or 1, H, V, K]
+    dequantised FP32, outputs [B, T, H, V] or None)``.
+
+    Raises:
+        ValueError: L < 1 or T not a positive multiple of L, unsupported K or dtype, mismatched
+            shapes, dtypes or devices, streams not integer ``[B, NW, H]``, ``block_v`` not a
+            power of two, ``split`` under the Triton interpreter.
+    """
+    spec = parse_spec(spec)
+    if anchor.dim() != 4:
+        raise ValueError(f"anchor must be [B, H, V, K], got shape {list(anchor.shape)}")
+    B, H, V, K = (int(d) for d in anchor.shape)
+    _check_supported(K, anchor.dtype)
+    if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+        raise ValueError(f"window L must be an int >= 1, got {L!r}")
+    T = la.shape[1]
+    NW = T // L
+    if NW * L != T or NW < 1:
+        raise ValueError(f"T={T} must be a positive multiple of L={L}")
+    dev = anchor.device
+    want = {"la": (B, T, H), "k": (B, T, H, K), "v": (B, T, H, V)}
+    got = {"la": la, "k": k, "v": v}
+    if beta is not None:
+        want["beta"], got["beta"] = (B, T, H), beta
+    if q is not None:
+        want["q"], got["q"] = (B, T, H, K), q
+    for n, shape in want.items():
+        if tuple(got[n].shape) != shape or got[n].dtype != torch.float32:
+            raise ValueError(f"{n} must be float32 {list(shape)} (B, H, V, K from the anchor, "
+                             f"T from la), got {got[n].dtype} {list(got[n].shape)}")
+        if got[n].device != dev:
+            raise ValueError(f"{n} is on {got[n].device}, the anchor on {dev}")
+    streams = torch.as_tensor(streams)
+    if streams.is_floating_point() or streams.is_complex() or tuple(streams.shape) != (B, NW, H):
+        raise ValueError(f"streams must be integer stream keys [B, NW, H] = {[B, NW, H]}, got "
+                         f"{streams.dtype} {list(streams.shape)}")
+    if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    interp = triton_interpreting()
+    bv = block_v or chain_block_v(V, K)
+    nt = triton.cdiv(V, bv)
+    if split is None:  # split only where tiles can wait for each other: all NT of a matrix
+        split = not interp and nt > 1 and nt <= _sm_count(dev)  # resident (ticket order)
+    split = bool(split)
+    if split and interp:
+        raise ValueError("split=True needs a GPU: the Triton interpreter runs programs one "
+                         "after another, so tiles cannot wait for each other")
+    gdn = beta is not None
+    la, k, v = la.contiguous(), k.contiguous(), v.contiguous()
+    beta = beta.contiguous() if gdn else la
+    nslot = NW if all_anchors else min(NW, 2)
+    bufs = _alloc_copy(spec, (B * nslot, H, V, K), dev)
+    codes = bufs[0]
+    ap = codes
+    if _kind(spec) == _K_HALF:
+        ap = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
+    S = torch.empty(B, NW, H, V, K, dtype=torch.float32, device=dev) if store_states else None
+    out = torch.empty(B, T, H, V, dtype=torch.float32, device=dev) if q is not None else None
+    need_amax = _kind(spec) in (_K_MATRIX, _K_NVFP4)
+    sync = torch.zeros(1 + (2 * B * H * NW if split and need_amax else 0), dtype=torch.int32,
+                       device=dev)
+    st = stream_keys_to(streams.reshape(-1).contiguous(), dev)
+    pick = lambda t: t if t is not None else codes  # noqa: E731
+    _chain_kernel[(B * H * (nt if split else 1),)](
+        anchor.contiguous(), la, k, v, beta, pick(None if q is None else q.contiguous()),
+        pick(out), st, int(seed), codes, pick(bufs[1]), pick(bufs[2]), ap, pick(S), sync,
+        H, V, T, L, NW, nslot,
+        K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn,
+        OUT=q is not None, STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax,
+        num_warps=num_warps, enable_fp_fusion=False, P=_decode_consts(spec),
+        CA=_cast_consts(spec))
+    if not all_anchors:  # dequantise the last slot only
+        last = (NW - 1) % nslot
+        bufs = tuple(None if t is None else t.reshape(B, nslot, *t.shape[1:])[:, last].contiguous()
+                     for t in bufs)
+        nslot = 1
+    packed = _as_stored(spec, (B * nslot, H, V, K), bufs)
+    A = packed if isinstance(packed, torch.Tensor) else packed.dequantize()
+    A = A.to(torch.float32).reshape(B, nslot, H, V, K)
+    return ChainResult(S, A, out)

@@ -1,0 +1,411 @@
+"""Stored copies in and out of registers: the format codec shared by the replay kernels.
+
+Every replay kernel reads a stored checkpoint (:class:`~replayssm_quant.packed.PackedTensor` or an
+FP32 tensor) and the flush and chain kernels write new ones. This module holds, written once:
+
+* the format constants of a launch, built on the host from a
+  :class:`~replayssm_quant.formats.QuantSpec` (``_decode_consts``: how to decode a stored copy;
+  ``_cast_consts``: how to round and pack a new one);
+* the jit helpers that decode a stored tile (``_load_copy``), round and store a tile
+  (``_cast_store``), and decode what was just stored without a round trip (``_dequant_tile``);
+* host helpers: the kernels' shape rule, a stored copy's pointer tensors, output buffers.
+
+Torch reference: :meth:`replayssm_quant.packed.PackedTensor.dequantize` (decode) and
+:func:`replayssm_quant.quant.pack_reference` (cast); rounding uses the jit helpers of
+:mod:`replayssm_quant.kernels.quant`, so a cast here is bit-identical to the reference's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats as F
+from ...capabilities import replay_kernels_supported
+from ...formats import QuantSpec, parse_spec
+from ...packed import PackedTensor
+from ..quant import (_amax_scale, _block_scale, _e8m0_value, _finite_abs, _grid_consts,
+                     _grid_value, _quant, _random_bits, _stream_words)
+
+# Format kinds (constexpr KIND of a stored copy / of a cast)
+_K_FLOAT = 0  # fp32 values (identity)
+_K_HALF = 1  # bf16 / fp16 values (stored as torch.bfloat16 / torch.float16)
+_K_MATRIX = 2  # fp8e4m3 / fp8e5m2 codes + FP32 scale per matrix
+_K_NVFP4 = 3  # E2M1 nibbles + E4M3 scale per 16 + FP32 scale per matrix
+_K_MX = 4  # E4M3 / E2M1 codes + E8M0 scale per 32
+
+# NaN rule of a decoded minifloat (constexpr NANF of ``_decode_code``)
+_NANF_NONE = 0  # E2M1: no NaN
+_NANF_E4M3 = 1  # OFP8 E4M3FN: magnitude code 0x7F (all ones) is NaN, no inf
+_NANF_IEEE = 2  # E5M2: all-ones exponent is inf (zero mantissa) or NaN
+
+# Decode constexprs of an FP32 copy (KIND _K_FLOAT; only KIND is read)
+_FP32_EB = F.FP32_EBITS
+_FP32_MB = F.FP32_MBITS
+_FP32_EMIN = F.FP32_EMIN
+# Scale blocks of the stored copies, and the E4M3 grid of the NVFP4 block scales (read by the
+# jit helpers as constexpr defaults)
+_NV_BLOCK = F.NVFP4_BLOCK
+_MX_BLOCK = F.MX_BLOCK
+_E4M3_EB = F.E4M3.ebits
+_E4M3_MB = F.E4M3.mbits
+_E4M3_EMIN = F.E4M3.emin
+_E4M3_SUBQ = F.E4M3_MIN_SUBNORMAL
+
+
+def _kind(spec: QuantSpec) -> int:
+    info = spec.info
+    if spec.is_identity:
+        return _K_FLOAT
+    return {"none": _K_HALF, "matrix": _K_MATRIX, "nvfp4": _K_NVFP4, "mx": _K_MX}[info.scaling]
+
+
+# The format constants of a launch, written once: a kernel takes one constexpr bundle per stored
+# copy it reads (DecodeConsts: ``C`` of the records kernel, ``A`` of the flush kernel, ``P`` of
+# the chain kernel) and per cast it writes (CastConsts: ``CA`` anchor, ``CR`` read copy), and the
+# jit helpers read them by field (``D.KIND``, ``C.SR``).
+class DecodeConsts(NamedTuple):
+    """How to decode a stored copy (``_load_stored``, ``_load_c_blocks``, ``_dequant_tile``)."""
+
+    KIND: int  # _K_FLOAT, _K_HALF, _K_MATRIX, _K_NVFP4, _K_MX
+    FP4: bool  # two E2M1 codes per byte
+    EB: int  # element exponent bits (minifloat codes)
+    MB: int  # element mantissa bits
+    EMIN: int  # element smallest normal exponent
+    SUBQ: float  # element subnormal quantum
+    NANF: int  # NaN rule of the element codes (_NANF_*)
+    BF16: bool  # half-precision values are bfloat16 (else float16)
+
+
+class CastConsts(NamedTuple):
+    """How to round and pack a new copy (``_cast_store``): the cast's layout and the element
+    grid's fields of :class:`~replayssm_quant.kernels.quant.GridConsts` (so the bundle is also
+    the grid ``G`` of ``_quant``)."""
+
+    KIND: int  # _K_FLOAT, _K_HALF, _K_MATRIX, _K_NVFP4, _K_MX
+    FP4: bool  # two E2M1 codes per byte
+    SR: bool  # stochastic rounding
+    FMAX: float  # element grid max (fp8 matrix scale amax / FMAX)
+    EMAX: int  # OCP MX element emax (E8M0 scale exponent)
+    BLK: int  # scaling block (1 without blocks)
+    MS: bool  # the format stores a matrix scale (fp8, nvfp4)
+    EMIN: int  # GridConsts fields of the element grid, from here on
+    MBITS: int
+    MAXCODE: int
+    SUBQ: float
+    SIGN_SHIFT: int
+    HAS_INF: bool
+    NAN_POS: int
+    NAN_NEG: int
+    INF_POS: int
+    INF_NEG: int
+
+
+def _decode_consts(spec) -> DecodeConsts:
+    """The :class:`DecodeConsts` of a stored copy of format ``spec`` (see ``_load_copy``)."""
+    spec = parse_spec(spec)
+    kind = _kind(spec)
+    grid = spec.info.element
+    if kind in (_K_MATRIX, _K_NVFP4, _K_MX):
+        nanf = _NANF_NONE if grid is F.E2M1 else (_NANF_E4M3 if grid is F.E4M3 else _NANF_IEEE)
+        return DecodeConsts(KIND=kind, FP4=grid is F.E2M1, EB=grid.ebits, MB=grid.mbits,
+                            EMIN=grid.emin, SUBQ=grid.min_subnormal, NANF=nanf, BF16=False)
+    # FP32 / half values: only KIND (and BF16) are read
+    return DecodeConsts(KIND=kind, FP4=False, EB=_FP32_EB, MB=_FP32_MB, EMIN=_FP32_EMIN,
+                        SUBQ=1.0, NANF=_NANF_NONE, BF16=grid is F.BF16)
+
+
+def _cast_consts(spec) -> CastConsts:
+    """The :class:`CastConsts` of a cast to ``spec`` (see ``_cast_store``)."""
+    spec = parse_spec(spec)
+    kind = _kind(spec)
+    grid = spec.info.element
+    if grid is None:
+        g = _grid_consts(F.FP16)  # unused (identity)
+    else:
+        g = _grid_consts(grid)
+    return CastConsts(KIND=kind, FP4=grid is F.E2M1, SR=spec.sr,
+                      FMAX=(grid.max if grid else 1.0),
+                      EMAX=(F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX),
+                      BLK=(spec.info.block or 1), MS=kind in (_K_MATRIX, _K_NVFP4),
+                      **g._asdict())
+
+
+# ----------------------------------------------------------------------------------------
+# jit helpers: decode a stored tile, cast-and-store a tile
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_code(code, EB: tl.constexpr, MB: tl.constexpr, EMIN: tl.constexpr,
+                 SUBQ: tl.constexpr, NANF: tl.constexpr):
+    """Float32 value of sign|exponent|mantissa minifloat codes (E4M3, E5M2, E2M1): the same
+    value torch's float8 conversion / the E2M1 table give (NANF: 0 none, 1 E4M3FN 0x7F,
+    2 IEEE-style all-ones exponent)."""
+    code = code.to(tl.int32)
+    neg = ((code >> (EB + MB)) & 1) == 1
+    mag = code & ((1 << (EB + MB)) - 1)
+    val = _grid_value(mag, EMIN, MB, SUBQ)
+    vbits = val.to(tl.int32, bitcast=True) | tl.where(neg, -2147483648, 0)
+    val = vbits.to(tl.float32, bitcast=True)
+    if NANF == 1:
+        val = tl.where(mag == (1 << (EB + MB)) - 1, float("nan"), val)
+    if NANF == 2:
+        special = (mag >> MB) == (1 << EB) - 1
+        inf = tl.where(neg, float("-inf"), float("inf"))
+        val = tl.where(special, tl.where((mag & ((1 << MB) - 1)) == 0, inf, float("nan")), val)
+    return val
+
+
+@triton.jit
+def _decode_e4m3(code, EB: tl.constexpr = _E4M3_EB, MB: tl.constexpr = _E4M3_MB,
+                 EMIN: tl.constexpr = _E4M3_EMIN, SUBQ: tl.constexpr = _E4M3_SUBQ,
+                 NANF: tl.constexpr = _NANF_E4M3):
+    """Float32 value of E4M3 codes (the NVFP4 block scales)."""
+    return _decode_code(code, EB, MB, EMIN, SUBQ, NANF)
+
+
+@triton.jit
+def _split_halves(x, R: tl.constexpr, KH: tl.constexpr):
+    """[R, 2*KH] -> (even, odd) columns, each [R, KH]."""
+    return tl.split(tl.reshape(x, [R, KH, 2]))
+
+
+@triton.jit
+def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
+               K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
+               KIND: tl.constexpr = _K_FLOAT, FP4: tl.constexpr = False,
+               EB: tl.constexpr = _FP32_EB, MB: tl.constexpr = _FP32_MB,
+               EMIN: tl.constexpr = _FP32_EMIN, SUBQ: tl.constexpr = 1.0,
+               NANF: tl.constexpr = _NANF_NONE,
+               NV_BLOCK: tl.constexpr = _NV_BLOCK, MX_BLOCK: tl.constexpr = _MX_BLOCK):
+    """Rows ``rows`` of matrix ``mat`` of a stored copy, dequantised: (even, odd) [BV, KH].
+    The format constexprs default to an FP32 copy."""
+    j = tl.arange(0, KH)
+    rowg = mat * V + rows.to(tl.int64)
+    m2 = rmask[:, None]
+    if FP4:
+        byte = tl.load(c_ptr + rowg[:, None] * KH + j[None, :], mask=m2, other=0).to(tl.int32)
+        e = _decode_code(byte & 15, EB, MB, EMIN, SUBQ, NANF)
+        o = _decode_code(byte >> 4, EB, MB, EMIN, SUBQ, NANF)
+    else:
+        kk = tl.arange(0, K)
+        x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=m2, other=0)
+        if KIND <= 1:
+            x = x.to(tl.float32)
+        else:
+            x = _decode_code(x, EB, MB, EMIN, SUBQ, NANF)
+        e, o = _split_halves(x, BV, KH)
+    if KIND == 2:
+        s = tl.load(ms_ptr + mat)
+        e = e * s
+        o = o * s
+    if KIND == 3:
+        nb = K // NV_BLOCK
+        sbc = tl.load(bs_ptr + rowg[:, None] * nb + (j // (NV_BLOCK // 2))[None, :], mask=m2,
+                      other=0)
+        sb = _decode_e4m3(sbc)
+        scale = sb * tl.load(ms_ptr + mat)
+        e = e * scale
+        o = o * scale
+    if KIND == 4:
+        nb = K // MX_BLOCK
+        sc = tl.load(bs_ptr + rowg[:, None] * nb + (j // (MX_BLOCK // 2))[None, :], mask=m2,
+                     other=0)
+        sc = sc.to(tl.int32)
+        scale = _e8m0_value(sc)
+        e = e * scale
+        o = o * scale
+    return e, o
+
+
+
+@triton.jit
+def _load_stored(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
+                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, D: tl.constexpr):
+    """:func:`_load_copy` of a stored copy described by ``D`` (a :class:`DecodeConsts`)."""
+    return _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V, K, KH, BV, D.KIND, D.FP4,
+                      D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+
+@triton.jit
+def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr,
+                  GDIV: tl.constexpr = F.NVFP4_SCALE_DIVISOR):
+    """fp8: s = amax / FMAX; nvfp4: s_g = amax / (448 * 6); 1 where that is 0 (reference
+    ``quant._parts``)."""
+    if KIND == 3:
+        s = _amax_scale(amax, GDIV)
+    else:
+        s = _amax_scale(amax, FMAX)
+    return s
+
+
+@triton.jit
+def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_ptr,
+                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+    """Round the unrounded FP32 rows (even/odd halves [BV, KH]) of one matrix to a format and
+    store the packed codes (and block scale codes); same steps as ``quant._parts`` /
+    ``kernels.quant._block_rows``. ``C``: the cast (a :class:`CastConsts`); ``s_mat``: the
+    matrix scale (fp8: s; nvfp4: s_g).
+
+    Returns what was stored, for ``_dequant_tile``: ``(even, odd, block scale codes)``:
+    fp32 values (KIND 0), element codes [BV, KH] (1, 2) or [BV, NB, BLK // 2] (3, 4; the
+    block scale codes [BV, NB]; 0 where the format has none)."""
+    j = tl.arange(0, KH)
+    kk = tl.arange(0, K)
+    rowg = mat * V + rows.to(tl.int64)
+    m2 = rmask[:, None]
+    if C.KIND == 0:
+        x = tl.reshape(tl.join(xe, xo), [BV, K])
+        tl.store(out_ptr + rowg[:, None] * K + kk[None, :], x, mask=m2)
+        r0, r1, r2 = xe, xo, 0
+    else:
+        if C.SR:
+            lo, hi = _stream_words(tl.load(st_ptr + mat))
+            eidx = rows[:, None] * K + 2 * j[None, :]
+            re = _random_bits(seed, eidx, lo, hi)
+            ro = _random_bits(seed, eidx + 1, lo, hi)
+        else:
+            re = 0
+            ro = 0
+        if C.KIND <= 2:  # one code per element: half formats (bit patterns), fp8 (matrix scale)
+            ye = xe
+            yo = xo
+            if C.KIND == 2:
+                ye = tl.where(xe != xe, xe, tl.math.div_rn(xe, tl.broadcast_to(s_mat, [BV, KH])))
+                yo = tl.where(xo != xo, xo, tl.math.div_rn(xo, tl.broadcast_to(s_mat, [BV, KH])))
+            _, ce = _quant(ye, re, C.SR, C)
+            _, co = _quant(yo, ro, C.SR, C)
+            c = tl.reshape(tl.join(ce, co), [BV, K])
+            if C.KIND == 1:
+                tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c.to(tl.int16), mask=m2)
+            else:
+                tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c.to(tl.uint8), mask=m2)
+            r0, r1, r2 = ce, co, 0
+        if C.KIND >= 3:
+            NB: tl.constexpr = K // C.BLK
+            HB: tl.constexpr = C.BLK // 2
+            xe3 = tl.reshape(xe, [BV, NB, HB])
+            xo3 = tl.reshape(xo, [BV, NB, HB])
+            bamax = tl.maximum(tl.max(_finite_abs(xe3), axis=2), tl.max(_finite_abs(xo3), axis=2))
+            fin = tl.minimum(tl.min((tl.abs(xe3) < float("inf")).to(tl.int32), axis=2),
+                             tl.min((tl.abs(xo3) < float("inf")).to(tl.int32), axis=2))
+            bad = fin < 1  # a NaN or inf in the block
+            _, safe, ok, sb_code = _block_scale(bamax, bad, s_mat, C.KIND == 3, C.EMAX)
+            safe3 = tl.broadcast_to(safe[:, :, None], [BV, NB, HB])
+            ye = tl.math.div_rn(xe3, safe3)
+            yo = tl.math.div_rn(xo3, safe3)
+            if C.SR:
+                re = tl.reshape(re, [BV, NB, HB])
+                ro = tl.reshape(ro, [BV, NB, HB])
+            _, ce = _quant(ye, re, C.SR, C)
+            _, co = _quant(yo, ro, C.SR, C)
+            if C.KIND == 3:
+                ce = tl.where(ok[:, :, None], ce, 0)  # also the bad blocks: E2M1 NaN is 0
+                co = tl.where(ok[:, :, None], co, 0)
+            else:
+                ce = tl.where(bad[:, :, None], C.NAN_POS, ce)
+                co = tl.where(bad[:, :, None], C.NAN_POS, co)
+            nbi = tl.arange(0, NB)
+            tl.store(bs_ptr + rowg[:, None] * NB + nbi[None, :], sb_code.to(tl.uint8), mask=m2)
+            if C.FP4:
+                byte = tl.reshape((ce | (co << 4)).to(tl.uint8), [BV, KH])
+                tl.store(out_ptr + rowg[:, None] * KH + j[None, :], byte, mask=m2)
+            else:
+                c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
+                tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
+            r0, r1, r2 = ce, co, sb_code
+    return r0, r1, r2
+
+
+@triton.jit
+def _dequant_tile(ce, co, sbc, s_mat, BV: tl.constexpr, KH: tl.constexpr, D: tl.constexpr):
+    """The values ``_load_stored`` would read back (with ``D`` the copy's
+    :class:`DecodeConsts`) from what ``_cast_store`` just stored (its return value; ``s_mat``
+    the matrix scale it stored): the same integer decode and
+    the same FP32 multiplications, without the round trip through memory. (even, odd) [BV, KH]."""
+    if D.KIND == 0:
+        e = ce
+        o = co
+    if D.KIND == 1:
+        if D.BF16:
+            e = ce.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            o = co.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        else:
+            e = ce.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            o = co.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if D.KIND == 2:
+        e = _decode_code(ce.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF) * s_mat
+        o = _decode_code(co.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF) * s_mat
+    if D.KIND >= 3:
+        if D.FP4:  # the byte as stored: even element in the low nibble
+            byte = (ce | (co << 4)).to(tl.uint8).to(tl.int32)
+            e3 = _decode_code(byte & 15, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+            o3 = _decode_code(byte >> 4, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+        else:
+            e3 = _decode_code(ce.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+            o3 = _decode_code(co.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+        if D.KIND == 3:
+            scale = _decode_e4m3(sbc.to(tl.uint8)) * s_mat
+        else:
+            scale = _e8m0_value(sbc.to(tl.uint8).to(tl.int32))
+        e = tl.reshape(e3 * scale[:, :, None], [BV, KH])
+        o = tl.reshape(o3 * scale[:, :, None], [BV, KH])
+    return e, o
+
+
+# ----------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------
+
+
+def kernels_supported(key_dim: int, dtype: torch.dtype) -> bool:
+    """Shapes/dtypes the kernels handle: float32, key dim a power of two >= 32."""
+    return replay_kernels_supported(key_dim, dtype)
+
+
+def _check_supported(key_dim: int, dtype) -> None:
+    if not kernels_supported(key_dim, dtype):
+        raise ValueError(f"replay kernels need float32 and a key dim that is a power of two "
+                         f">= 32, got {dtype} and K={key_dim}")
+
+
+def _stored_args(stored) -> tuple[tuple, QuantSpec]:
+    """(pointer tensors, spec) of a stored copy: a PackedTensor or an FP32 tensor."""
+    if isinstance(stored, PackedTensor):
+        dummy = stored.codes
+        return ((stored.codes, stored.block_scales if stored.block_scales is not None else dummy,
+                 stored.matrix_scale if stored.matrix_scale is not None else dummy),
+                stored.spec)
+    if stored.dtype != torch.float32:
+        raise ValueError(f"a stored FP32 copy must be float32, got {stored.dtype}")
+    return (stored.contiguous(), stored, stored), parse_spec("fp32")
+
+
+def _alloc_copy(spec: QuantSpec, shape, device):
+    """Output buffers (codes, block scales, matrix scale) of a copy in ``spec``."""
+    B, H, V, K = shape
+    info = spec.info
+    kind = _kind(spec)
+    if kind == _K_FLOAT:
+        return torch.empty(shape, dtype=torch.float32, device=device), None, None
+    if kind == _K_HALF:
+        return torch.empty(shape, dtype=torch.int16, device=device), None, None
+    ms = torch.empty(B, H, dtype=torch.float32, device=device)
+    if kind == _K_MATRIX:
+        return torch.empty(shape, dtype=torch.uint8, device=device), None, ms
+    fp4 = info.element is F.E2M1
+    codes = torch.empty(B, H, V, K // 2 if fp4 else K, dtype=torch.uint8, device=device)
+    bs = torch.empty(B, H, V, K // info.block, dtype=torch.uint8, device=device)
+    return codes, bs, (ms if kind == _K_NVFP4 else None)
+
+
+def _as_stored(spec: QuantSpec, shape, bufs):
+    codes, bs, ms = bufs
+    if spec.is_identity:
+        return codes
+    if _kind(spec) == _K_HALF:
+        codes = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
+    return PackedTensor(spec, torch.Size(shape), codes, bs, ms)

@@ -6,9 +6,11 @@ Public API (DESIGN.md is the contract):
   :func:`parse_spec`, :class:`QuantSpec`, :func:`stream_key`;
 * the ReplaySSM layer: :class:`StatePolicy`, :class:`Mamba2ReplayState`,
   :class:`GDNReplayState` (recurrence anchor + read copy + buffer of the last L inputs);
+* settings parsed once: :class:`StateConfig` (policy, effective window, seed, GDN fold);
 * real models under a policy: :func:`state_policy` (context manager) and
-  :func:`apply_state_policy`, from :mod:`.adapters` (imported on first use: they need the
-  ``eval`` extra, transformers);
+  :func:`apply_state_policy`, from :mod:`.adapters`; :func:`load_model` (embedded names, local
+  directories, hub ids), :func:`load_corpus` and :func:`long_documents` (imported on first use:
+  they need the ``eval`` extra, transformers / datasets);
 * subpackages: ``adapters`` (transformers models under a state policy), ``models`` (embedded
   trained models), ``data`` (corpora), ``reference`` (stepwise recurrences), ``kernels``
   (reached through :mod:`.backend`), ``evals`` (KL runner, lm-eval adapter) and ``analysis``
@@ -22,6 +24,7 @@ import importlib.util
 import os
 import sys
 
+from .config import StateConfig
 from .formats import FORMAT_NAMES, QuantSpec, parse_spec
 from .packed import PackedTensor
 from .philox import stream_key
@@ -44,21 +47,29 @@ __all__ = [
     "GDNReplayState",
     "state_policy",
     "apply_state_policy",
+    "StateConfig",
+    "load_model",
+    "load_corpus",
+    "long_documents",
 ]
 
-_FROM_ADAPTERS = ("state_policy", "apply_state_policy")
+
+_LAZY = {  # imported on first use: the adapters and models need transformers, data needs datasets
+    "state_policy": "adapters", "apply_state_policy": "adapters",
+    "load_model": "models", "load_corpus": "data", "long_documents": "data",
+}
 
 
 def __getattr__(name):
-    if name in _FROM_ADAPTERS:  # lazily: the adapters import transformers
-        from . import adapters
+    if name in _LAZY:
+        import importlib
 
-        return getattr(adapters, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_FROM_ADAPTERS))
+    return sorted(set(globals()) | set(_LAZY))
 
 
 # ------------------------------------------------------------------ source checkout

@@ -115,6 +115,8 @@ class ReplaySSMLM(HFLM):
         max_drafts: drafts T for speculative decoding studies (accepted and recorded; lm-eval's
             generate path decodes one token at a time, so it has no effect there).
         gdn_fold: ``recompute`` (default) or ``cached`` (the unstable variant, for study).
+        dt_limit: Mamba-2 ``time_step_limit`` rule, ``decode`` (default: no clamp, as the decode
+            step and serving) or ``clamp`` (as the chunked scan); docs/adapters.md.
         softmax_dtype: as HFLM, but defaults to ``float32``: log-probabilities are FP32
             ``log_softmax`` of the logits whatever the model's ``dtype``.
         every other named argument of HFLM (``device``, ``dtype``, ``batch_size``, ...); the
@@ -122,17 +124,18 @@ class ReplaySSMLM(HFLM):
 
     Raises:
         ValueError: an unknown argument, or a bad ``state``/``window``/``seed``/``max_drafts``/
-            ``gdn_fold``, or ``logits_cache=True`` (all before the model loads).
+            ``gdn_fold``/``dt_limit``, or ``logits_cache=True`` (all before the model loads).
     """
 
     def __init__(self, pretrained="tiny-gdn", state="fp32", window=16, seed=0, max_drafts=0,
-                 gdn_fold="recompute", **kwargs):
+                 gdn_fold="recompute", dt_limit="decode", **kwargs):
         _refuse_unknown(kwargs)
         self.policy = _parse_policy(state)
         self.window = _as_int("window", window, 1)
         self.seed = _as_int("seed", seed, 0)
         self.max_drafts = _as_int("max_drafts", max_drafts, 0)
         _check_gdn_fold(gdn_fold)
+        self.dt_limit = _check_dt_limit(dt_limit)
         # lm-eval's logits cache shares one forward between requests whose tokens agree; under
         # a state policy the logits also depend on where the prefill ends, so it stays off.
         _check_logits_cache(kwargs.get("logits_cache", False))
@@ -147,14 +150,16 @@ class ReplaySSMLM(HFLM):
         from replayssm_quant.adapters import apply_state_policy
 
         self.handle = apply_state_policy(self.model, self.policy, window=self.window,
-                                         seed=self.seed, gdn_fold=gdn_fold)
+                                         seed=self.seed, gdn_fold=gdn_fold,
+                                         dt_limit=self.dt_limit)
 
     # ------------------------------------------------------------------ bookkeeping
     def get_model_info(self) -> dict:
         """HFLM's model info plus the state policy, window, seed and drafts."""
         info = super().get_model_info()
         info.update(replayssm_state=str(self.policy), replayssm_window=self.window,
-                    replayssm_seed=self.seed, replayssm_max_drafts=self.max_drafts)
+                    replayssm_seed=self.seed, replayssm_max_drafts=self.max_drafts,
+                    replayssm_dt_limit=str(self.dt_limit))
         return info
 
     def _row(self, context_enc, continuation_enc) -> _Row:
@@ -301,6 +306,16 @@ def _refuse_unknown(args) -> None:
         raise ValueError(f"unknown model argument {bad}; replayssm accepts: {', '.join(accepted)}")
 
 
+def _check_dt_limit(value):
+    """The ``dt_limit`` model argument as the adapters' ``DtLimit``."""
+    from replayssm_quant.adapters.mamba2 import DtLimit
+
+    try:
+        return DtLimit.parse(value)
+    except ValueError as e:
+        raise ValueError(f"model argument {e}") from None
+
+
 def _check_gdn_fold(value) -> GDNFold:
     try:
         return GDNFold.parse(value)
@@ -346,6 +361,7 @@ def check_model_args(model_args: str | dict | None) -> None:
         if name in kv:
             _as_int(name, kv[name], minimum)
     _check_gdn_fold(kv.get("gdn_fold", "recompute"))
+    _check_dt_limit(kv.get("dt_limit", "decode"))
     _check_logits_cache(kv.get("logits_cache", False))
     if "pretrained" in kv:
         _check_pretrained(kv["pretrained"])

@@ -177,7 +177,8 @@ def test_cli_issue_command_limit8_both_forms(tmp_path):
                                         ("pretrained=tiny-gdn,window=0", "window"),
                                         ('{"pretrained": "tiny-gdn", "seed": -2}', "seed"),
                                         ("pretrained=no-such-model", "pretrained='no-such-model'"),
-                                        ("pretrained=tiny-gdn,window=-3", "got -3\n")])
+                                        ("pretrained=tiny-gdn,window=-3", "got -3\n"),
+                                        ("pretrained=tiny-mamba2,dt_limit=clip", "dt_limit")])
 def test_cli_bad_model_args_exit_2(margs, word, capsys):
     from replayssm_quant.evals.lm_eval_adapter import cli
 
@@ -374,3 +375,12 @@ def test_cli_accepts_hflm_model_args():
     check_model_args("pretrained=tiny-gdn,max_length=64,softmax_dtype=float32,dtype=bfloat16")
     check_model_args({k: None for k in accepted_model_args() if k not in
                       ("state", "window", "seed", "max_drafts", "gdn_fold")})
+
+
+def test_dt_limit_model_arg_reaches_the_adapters():
+    """``dt_limit=clamp`` is the adapters' rule for every state the model creates, and is
+    recorded in the results' model info (issue 12 item 9)."""
+    lm = _embedded_lm("tiny-mamba2", dt_limit="clamp")
+    assert str(lm.handle.dt_limit) == "clamp"
+    assert lm.get_model_info()["replayssm_dt_limit"] == "clamp"
+    assert str(_embedded_lm("tiny-mamba2").handle.dt_limit) == "decode"

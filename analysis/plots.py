@@ -80,15 +80,52 @@ def _select_window(df: pd.DataFrame, window):
     return sel
 
 
-def _bands(ax, agg: pd.DataFrame, hue: str, x: str = "n_mid", y: str = "mean"):
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+_DASHES = ("-", "--", "-.", ":")
+
+
+def _bands(ax, agg: pd.DataFrame, hue: str, x: str = "n_mid", y: str = "mean", *,
+           log: bool = False, clip=None) -> list[str]:
+    """One line per ``hue`` value with its 95% band; distinct colour, marker and dash so
+    overlapping curves stay visible. ``log``: the y axis is logarithmic, so a band whose lower
+    bound is <= 0 (few documents) is drawn down to a tenth of the mean. ``clip``: ``(lo, hi)``
+    bounds of the metric (top-1 agreement: 0..1). A bucket the run only partly covers
+    (``partial``: e.g. the last octave holding one position per document)
+    is drawn hollow and not joined to the line. Returns notes for the caption."""
     n = agg[hue].nunique()
     colors = sns.color_palette(n_colors=n) if n <= 10 else sns.color_palette("husl", n)
-    palette = dict(zip(agg[hue].unique(), colors))
-    for key, g in agg.groupby(hue, sort=False):
-        g = g.sort_values(x)
-        ax.plot(g[x], g[y], marker="o", ms=3, label=str(key), color=palette[key])
+    keys = list(agg[hue].unique())
+    notes = set()
+    for i, key in enumerate(keys):
+        g = agg[agg[hue] == key].sort_values(x)
+        style = dict(color=colors[i], marker=_MARKERS[i % len(_MARKERS)], ms=4)
+        partial = g["partial"].astype(bool) if "partial" in g.columns \
+            else pd.Series(False, index=g.index)
+        full = g[~partial]
+        ax.plot(full[x], full[y], ls=_DASHES[(i // len(_MARKERS)) % len(_DASHES)], lw=1.4,
+                label=str(key), **style)
+        if partial.any():
+            ax.plot(g.loc[partial, x], g.loc[partial, y], ls="none", mfc="none", **style)
+            notes.add("hollow markers: a position bucket the run covers only in part")
         if {"ci_lo", "ci_hi"} <= set(g.columns) and g["ci_lo"].notna().any():
-            ax.fill_between(g[x], g["ci_lo"], g["ci_hi"], alpha=0.2, color=palette[key], lw=0)
+            lo, hi = g["ci_lo"].astype(float), g["ci_hi"].astype(float)
+            if log and (lo <= 0).any():
+                lo = lo.where(lo > 0, g[y] / 10)
+                notes.add("bands: 95% CI over documents; a lower bound <= 0 is drawn at mean/10")
+            if clip is not None:
+                lo, hi = lo.clip(*clip), hi.clip(*clip)
+            ax.fill_between(g[x], lo, hi, alpha=0.15, color=colors[i], lw=0)
+    return sorted(notes)
+
+
+def _legend(ax, n: int) -> None:
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2 if n > 3 else 1,
+              frameon=False)
+
+
+def _caption(fig, notes: Sequence[str]) -> None:
+    if notes:
+        fig.text(0.01, -0.02, "\n".join(notes), fontsize=7, va="top", ha="left", color="0.3")
 
 
 def plot_kl_vs_n(df: pd.DataFrame, window: int | None = None, path=None, include_fp32=False):
@@ -111,16 +148,22 @@ def plot_kl_vs_n(df: pd.DataFrame, window: int | None = None, path=None, include
     agg = kl_by_position(d, by=(*runs, "policy", "window"))
     base = agg["policy"] + (" L=" + agg["window"].astype(str) if window is None else "")
     agg["curve"] = _label(agg, runs, base)
+    zero = agg[agg["mean"] == 0]
     agg = agg[agg["mean"] > 0]
     fig, ax = plt.subplots(figsize=_FIGSIZE)
-    _bands(ax, agg, "curve")
+    notes = _bands(ax, agg, "curve", log=True)
+    if len(zero):  # exact zeros cannot sit on a log axis: say where they are
+        first = zero.groupby("curve")["n_hi"].max().sort_index()
+        notes.append("KL exactly 0 (not drawn on the log axis) for "
+                     + "; ".join(f"{c}: N <= {int(v)}" for c, v in first.items()))
     ax.set_xscale("log")
     if len(agg):
         ax.set_yscale("log")
     ax.set_xlabel("tokens seen N")
     ax.set_ylabel("mean KL(P_fp32 || P_policy) [nats]")
     ax.set_title("KL versus N" + (f" (L={window})" if window is not None else ""))
-    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    _legend(ax, agg["curve"].nunique())
+    _caption(fig, notes)
     return _finish(fig, path)
 
 
@@ -147,15 +190,18 @@ def plot_kl_vs_window(df: pd.DataFrame, n: int | None = None, path=None):
     if sel.empty:
         raise ValueError(f"plot_kl_vs_window: no positions with N near {n}")
     fig, ax = plt.subplots(figsize=_FIGSIZE)
-    _bands(ax, sel, "curve", x="window")
+    log = bool((sel["mean"] > 0).all())
+    notes = _bands(ax, sel.drop(columns=["partial"], errors="ignore"), "curve", x="window",
+                   log=log)
     ax.set_xscale("log", base=2)
-    if (sel["mean"] > 0).any():
+    if log:
         ax.set_yscale("log")
     ax.set_xlabel("window L")
     ax.set_ylabel("mean KL [nats]")
     lo, hi = sel["n_lo"].iloc[0], sel["n_hi"].iloc[0]
     ax.set_title(f"KL versus window at N in [{lo:.0f}, {hi:.0f}]")
-    ax.legend(fontsize=7)
+    _legend(ax, sel["curve"].nunique())
+    _caption(fig, notes)
     return _finish(fig, path)
 
 
@@ -173,7 +219,8 @@ def plot_ratio_vs_n(df: pd.DataFrame, path=None):
     if r.empty:
         raise ValueError("plot_ratio_vs_n: no read:F/rec:G policy with a shared:F partner")
     runs = _runs(df)
-    r = r.assign(curve=_label(r, runs, r["read"] + "/rec:" + r["rec"] + " L=" + r["window"].astype(str)))
+    r = r.assign(curve=_label(r, runs, r["shared"] + " / read:" + r["read"] + "/rec:" + r["rec"]
+                              + " L=" + r["window"].astype(str)))
     fig, ax = plt.subplots(figsize=_FIGSIZE)
     _bands(ax, r, "curve", y="ratio")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
@@ -182,7 +229,7 @@ def plot_ratio_vs_n(df: pd.DataFrame, path=None):
     ax.set_xlabel("tokens seen N")
     ax.set_ylabel("KL(shared) / KL(separate)")
     ax.set_title("Shared over separate precision")
-    ax.legend(fontsize=7)
+    _legend(ax, r["curve"].nunique())
     return _finish(fig, path)
 
 
@@ -197,13 +244,15 @@ def plot_top1_agreement(df: pd.DataFrame, window: int | None = None, path=None):
     base = agg["policy"] + (" L=" + agg["window"].astype(str) if window is None else "")
     agg["curve"] = _label(agg, runs, base)
     fig, ax = plt.subplots(figsize=_FIGSIZE)
-    _bands(ax, agg, "curve")
+    notes = _bands(ax, agg, "curve", clip=(0.0, 1.0))
     ax.set_xscale("log")
-    ax.set_ylim(min(0.0, float(agg["mean"].min()) if len(agg) else 0.0), 1.02)
+    low = float(agg["ci_lo"].clip(0, 1).min()) if len(agg) and agg["ci_lo"].notna().any() else 0.0
+    ax.set_ylim(max(0.0, min(low, float(agg["mean"].min()) if len(agg) else 0.0) - 0.02), 1.005)
     ax.set_xlabel("tokens seen N")
     ax.set_ylabel("top-1 agreement")
     ax.set_title("Top-1 agreement with FP32-state decoding")
-    ax.legend(fontsize=7)
+    _legend(ax, agg["curve"].nunique())
+    _caption(fig, notes)
     return _finish(fig, path)
 
 
@@ -219,6 +268,12 @@ def plot_nonfinite(df: pd.DataFrame, path=None):
     if runs:
         inc["policy"] = inc["run"].astype(str) + ": " + inc["policy"]
     fig, ax = plt.subplots(figsize=_FIGSIZE)
+    if not inc["nonfinite"].any():  # nothing to draw: say so instead of empty axes
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"no non-finite values: {len(seq)} sequences of {inc['policy'].nunique()} "
+                "policies stayed finite", ha="center", va="center", fontsize=10)
+        ax.set_title("Non-finite state incidence")
+        return _finish(fig, path)
     sns.barplot(data=inc, x="policy", y="nonfinite", hue="window", ax=ax)
     ax.set_ylim(0, 1)
     ax.set_ylabel("fraction of sequences non-finite")

@@ -155,11 +155,15 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False) -> P
 
     lines += ["## Mean KL per position octave (nats)", ""]
     agg = results.kl_by_position(df, by=("run", "policy", "window"))
-    wide = agg.assign(N=agg["n_lo"].astype(int).astype(str) + "+").pivot_table(
+    label = agg["n_lo"].astype(int).astype(str) + "+" + agg["partial"].map({True: "*", False: ""})
+    wide = agg.assign(N=label).pivot_table(
         index=["run", "policy", "window"], columns="N", values="mean", sort=False
     )
-    wide = wide[sorted(wide.columns, key=lambda c: int(c[:-1]))].reset_index()
+    wide = wide[sorted(wide.columns, key=lambda c: int(c.split("+")[0]))].reset_index()
     lines += [markdown_table(wide), ""]
+    if agg["partial"].any():
+        lines += ["`*`: the run ends inside this octave, so it holds fewer positions per document "
+                  "than the octave's width (the last bucket of N = 1024 holds one).", ""]
 
     lines += ["## Figures", ""]
     figs = [

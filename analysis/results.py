@@ -290,6 +290,7 @@ def kl_by_position(
 
     Returns:
         Frame with ``by`` columns plus ``bucket, n_lo, n_hi, n_mid`` (tokens seen, ``N``),
+        ``partial`` (the run ends inside the bucket: fewer positions than the octave holds),
         ``mean, ci_lo, ci_hi, docs, count, nonfinite``.
     Raises:
         ValueError: missing columns.
@@ -320,8 +321,9 @@ def kl_by_position(
     out["n_lo"] = base ** b.astype(float)
     out["n_hi"] = np.minimum(base ** (b + 1.0) - 1, out["pos_max"].to_numpy() + 1.0)
     out["n_mid"] = np.sqrt(out["n_lo"] * out["n_hi"])
+    out["partial"] = out["pos_max"].to_numpy() + 1.0 < base ** (b + 1.0) - 1  # run ends inside
     out["nonfinite"] = out["nonfinite"].astype(int)
-    cols = keys + ["n_lo", "n_hi", "n_mid", "mean", "ci_lo", "ci_hi", "docs", "count",
+    cols = keys + ["n_lo", "n_hi", "n_mid", "partial", "mean", "ci_lo", "ci_hi", "docs", "count",
                    "nonfinite"]  # fmt: skip
     return out[cols]
 
@@ -399,13 +401,15 @@ def path_noise(stepwise: pd.DataFrame, by: Sequence[str] = ("policy", "window"))
 def shared_separate_ratio(df: pd.DataFrame, base: float = 2.0) -> pd.DataFrame:
     """Ratio of mean KL, shared over separate, per position bucket.
 
-    Each separate policy ``read:F/rec:G`` is paired with ``shared:F`` (same read format and
-    rounding) at the same window (and run, when a ``run`` column exists); an ``eager:F`` run is
-    used as the shared side when no ``shared:F`` exists at that window.
+    Each separate policy ``read:F/rec:G`` is paired with a single-checkpoint policy of the same
+    read format at the same window (and run, when a ``run`` column exists): ``shared:F`` with
+    the same rounding first, then ``shared:F`` with the other rounding (RTN vs ``+sr``: the
+    paper's comparison is by format), then ``eager:F`` likewise. The ``shared`` column names
+    the partner used.
 
     Returns:
-        Frame with ``read, rec, window, bucket, n_mid, kl_shared, kl_separate, ratio`` (plus
-        ``run``); empty (same columns) when nothing pairs.
+        Frame with ``read, rec, shared, window, bucket, n_mid, partial, kl_shared, kl_separate,
+        ratio`` (plus ``run``); empty (same columns) when nothing pairs.
     Raises:
         ValueError: missing columns.
     """
@@ -414,19 +418,27 @@ def shared_separate_ratio(df: pd.DataFrame, base: float = 2.0) -> pd.DataFrame:
     agg = add_policy_columns(
         kl_by_position(df, by=extra + ["policy", "window"], base=base)
     )
-    cols = extra + ["read", "rec", "window", "bucket", "n_mid", "kl_shared", "kl_separate",
-                    "ratio"]  # fmt: skip
+    cols = extra + ["read", "rec", "shared", "window", "bucket", "n_mid", "partial", "kl_shared",
+                    "kl_separate", "ratio"]  # fmt: skip
     sep = agg[agg["kind"] == "separate"]
     shared = agg[agg["kind"].isin(["shared", "eager"])]
     if sep.empty or shared.empty:
         return pd.DataFrame(columns=cols)
-    key = extra + ["read", "window", "bucket"]
-    sh = shared.sort_values("kind", ascending=False).drop_duplicates(key)  # prefer shared
-    m = sep.merge(sh[key + ["mean"]], on=key, suffixes=("_sep", "_sh"))
-    m = m.rename(columns={"mean_sh": "kl_shared", "mean_sep": "kl_separate"})
+
+    def fmt(read: pd.Series) -> pd.Series:  # the format without its rounding suffix
+        return read.astype(str).str.replace("+sr", "", regex=False)
+
+    key = extra + ["fmt", "window", "bucket"]
+    sep = sep.assign(fmt=fmt(sep["read"]))
+    sh = shared.assign(fmt=fmt(shared["read"]))[key + ["read", "kind", "policy", "mean"]]
+    m = sep.merge(sh, on=key, suffixes=("", "_sh"))
+    # preference: same rounding, then shared over eager
+    m["rank"] = 2 * (m["read"] != m["read_sh"]).astype(int) + (m["kind_sh"] == "eager").astype(int)
+    m = m.sort_values("rank", kind="stable").drop_duplicates(extra + ["policy", "window", "bucket"])
+    m = m.rename(columns={"mean_sh": "kl_shared", "mean": "kl_separate", "policy_sh": "shared"})
     with np.errstate(divide="ignore", invalid="ignore"):
         m["ratio"] = m["kl_shared"] / m["kl_separate"]
-    return m[cols].reset_index(drop=True)
+    return m[cols].sort_values(extra + ["read", "rec", "window", "bucket"]).reset_index(drop=True)
 
 
 # ------------------------------------------------------------------------- synthetic data

@@ -49,9 +49,14 @@ def test_plot_values_are_the_aggregates(frame):
     """The KL-vs-N line carries the per-bucket document means (not raw positions)."""
     fig = plots.plot_kl_vs_n(frame, window=16)
     agg = results.kl_by_position(frame[(frame["window"] == 16) & (frame["policy"] != "fp32")])
-    line = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}["shared:nvfp4+sr"]
+    lines = fig.axes[0].get_lines()
+    i = next(j for j, ln in enumerate(lines) if ln.get_label() == "shared:nvfp4+sr")
     want = agg[agg["policy"] == "shared:nvfp4+sr"].sort_values("n_mid")
-    np.testing.assert_allclose(line.get_ydata(), want["mean"].to_numpy())
+    full, part = want[~want["partial"]], want[want["partial"]]
+    np.testing.assert_allclose(lines[i].get_ydata(), full["mean"].to_numpy())
+    if len(part):  # a bucket the run covers in part: the hollow marker drawn right after
+        assert lines[i + 1].get_markerfacecolor() == "none"
+        np.testing.assert_allclose(lines[i + 1].get_ydata(), part["mean"].to_numpy())
     plt.close(fig)
 
 
@@ -150,7 +155,7 @@ def test_several_runs_are_separate_curves(tmp_path):
                                     n_tokens=16, docs=2, seed=2)  # fmt: skip
     df = results.load_runs([a, b]).positions
     fig = plots.plot_kl_vs_n(df)
-    labels = {ln.get_label() for ln in fig.axes[0].get_lines()}
+    labels = {ln.get_label() for ln in fig.axes[0].get_lines() if not ln.get_label().startswith("_")}
     assert labels == {"ra: shared:nvfp4+sr L=1", "rb: shared:nvfp4+sr L=1"}
     plt.close(fig)
 
@@ -226,3 +231,54 @@ def test_nonfinite_sides_are_summarised_and_checked(frame):
     bad.loc[bad.index[0], ["nonfinite_ref", "nonfinite"]] = [True, False]
     with pytest.raises(ValueError, match="nonfinite_ref set but nonfinite not set"):
         results.validate_positions(bad)
+
+
+# ------------------------------------------------ figures a reader can trust (issue 14 list)
+def _positions(policies, kl_of, docs=3, n=40, window=16):
+    """A tiny positions frame: ``kl_of(policy, doc, position)``; top-1 always agrees."""
+    rows = [dict(doc=f"d{d}", position=p, policy=pol, window=window, seed=0,
+                 kl=kl_of(pol, d, p), top1_agree=True, nonfinite=False)
+            for pol in policies for d in range(docs) for p in range(n)]
+    return pd.DataFrame(rows)
+
+
+def test_ratio_pairs_a_separate_policy_with_the_shared_format_of_other_rounding():
+    """The default run's policies (shared:nvfp4+sr, read:nvfp4/rec:fp32) pair by format;
+    the exact-rounding partner wins when both exist."""
+    kl = {"shared:nvfp4+sr": 4.0, "shared:nvfp4": 3.0, "read:nvfp4/rec:fp32": 1.0}
+    df = _positions(("shared:nvfp4+sr", "read:nvfp4/rec:fp32"), lambda pol, d, p: kl[pol])
+    r = results.shared_separate_ratio(df)
+    assert set(r["shared"]) == {"shared:nvfp4+sr"} and np.allclose(r["ratio"], 4.0)
+    df2 = _positions(tuple(kl), lambda pol, d, p: kl[pol])
+    r2 = results.shared_separate_ratio(df2)
+    assert set(r2["shared"]) == {"shared:nvfp4"} and np.allclose(r2["ratio"], 3.0)
+
+
+def test_kl_vs_n_says_where_kl_is_exactly_zero_and_marks_partial_buckets():
+    """Exact zeros before the first flush are named in the caption (a log axis cannot show
+    them); the last octave, which the run covers in part, is drawn hollow."""
+    df = _positions(("read:nvfp4/rec:fp32",), lambda pol, d, p: 0.0 if p < 15 else 1e-3 * (1 + d))
+    fig = plots.plot_kl_vs_n(df)
+    text = " ".join(t.get_text() for t in fig.texts)
+    assert "KL exactly 0" in text and "N <= 15" in text and "hollow" in text
+    hollow = [ln for ln in fig.axes[0].lines if ln.get_markerfacecolor() == "none"]
+    assert hollow and hollow[0].get_xdata()[0] > 32  # the bucket of N in [32, 40]
+    plt.close(fig)
+
+
+def test_top1_bands_stay_within_0_and_1():
+    df = _positions(("shared:nvfp4+sr",), lambda pol, d, p: 1e-3)
+    df["top1_agree"] = (np.arange(len(df)) % 3) != 0  # noisy agreement, wide CI over 3 docs
+    fig = plots.plot_top1_agreement(df)
+    for coll in fig.axes[0].collections:
+        for path in coll.get_paths():
+            y = path.vertices[:, 1]
+            assert y.max() <= 1.0 + 1e-12 and y.min() >= 0.0
+    plt.close(fig)
+
+
+def test_nonfinite_panel_says_so_when_nothing_is_non_finite():
+    df = _positions(("shared:nvfp4+sr", "eager:fp8e4m3"), lambda pol, d, p: 1e-3)
+    fig = plots.plot_nonfinite(df)
+    assert "no non-finite values: 6 sequences of 2 policies" in fig.axes[0].texts[0].get_text()
+    plt.close(fig)

@@ -374,7 +374,7 @@ def test_cli_accepts_hflm_model_args():
 
     check_model_args("pretrained=tiny-gdn,max_length=64,softmax_dtype=float32,dtype=bfloat16")
     check_model_args({k: None for k in accepted_model_args() if k not in
-                      ("state", "window", "seed", "max_drafts", "gdn_fold")})
+                      ("state", "window", "seed", "max_drafts", "gdn_fold", "dt_limit")})
 
 
 def test_dt_limit_model_arg_reaches_the_adapters():

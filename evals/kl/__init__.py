@@ -320,7 +320,7 @@ def main(argv=None) -> int:
             bos = tokz.manifest()
             print(f"plan: model {a.model} ({arch}, {est['params']:,} parameters, {a.dtype}, {a.device})")
             print(f"      {len(token_docs)} documents x N={a.max_tokens} tokens (prefill {a.prefill}), "
-                  f"segments of {a.segment_len}, batch {a.batch_size}, tokenizer {tokz.name}, "
+                  f"segments of {min(a.segment_len, a.max_tokens)}, batch {a.batch_size}, tokenizer {tokz.name}, "
                   f"BOS {a.add_bos_token} ({bos['documents_starting_with_bos']} of "
                   f"{bos['documents']} documents start with BOS)")
             print(f"      {n_cells} cells = policies {[str(p) for p in policies]} x windows {a.windows} "

@@ -400,7 +400,8 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
             top1_agree=("top1_agree", "mean"), nonfinite_ref=("nonfinite_ref", "sum"),
             nonfinite_policy=("nonfinite_policy", "sum"), positions=("kl", "size")).reset_index(),
         on=["policy", "window"], how="right")
-    print(f"\nreplayssm-kl: {len(token_docs)} documents x {N} tokens, model {a.model} ({arch}), "
+    print(f"{'' if a.no_progress else chr(10)}replayssm-kl: {len(token_docs)} documents x {N} tokens, "
+          f"model {a.model} ({arch}), "
           f"{timings['total_s']:.1f} s; output {out}")
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print(overall.to_string(index=False, float_format=lambda v: f"{v:.3g}"))

@@ -265,7 +265,8 @@ def load_pg19(split: str | None = "test", max_docs: int | None = None, **load_kw
     except Exception as e:  # hub unreachable, offline mode, script datasets unsupported, ...
         raise RuntimeError(
             f"could not load {PG19_HUB_ID!r} split {split!r} through datasets ({type(e).__name__}: {e}). "
-            "Offline, download a PG-19 parquet/JSONL shard and pass its path to load_corpus instead."
+            "Offline, download a PG-19 parquet/JSONL shard and pass its path instead "
+            "(load_corpus(path), or replayssm-kl --dataset PATH)."
         ) from e
     docs = []
     for i, rec in enumerate(ds):

@@ -176,7 +176,8 @@ def test_pg19_hub_path_without_network(monkeypatch):
         raise ConnectionError("offline")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(RuntimeError, match=r"pass its path instead \(load_corpus\(path\), or replayssm-kl --dataset PATH\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"pass its path instead \(load_corpus\(path\), or replayssm-kl --dataset PATH\)"):
         load_corpus("pg19")
     with pytest.raises(ValueError, match="unknown split 'heldout' for corpus 'pg19'"):
         load_corpus("pg19", split="heldout")

@@ -19,8 +19,8 @@ same dispatch decision, so a layer given identical inputs rounds identically):
   prompt runs through; its final state is cast as flush 0 (``window.initial_carry``).
 * :meth:`LayerState.step`: one token, DESIGN.md "Step": append; at h == L flush and read the
   token's output from the unrounded flushed state; else the output-only read of R plus the
-  buffer (GDN: the token's read-path correction solved against R and the cached corrections
-  first). It is the window form (``window.mamba2_window`` / ``window.gdn_window``) with one
+  buffer (GDN: the window's read-path corrections solved against R first). It is the window
+  form (``window.mamba2_window`` / ``window.gdn_window``) with one
   token.
 * :meth:`LayerState.advance`: T tokens teacher-forced with ``window_fast.mamba2_emulate_fast``
   / ``window_fast.gdn_emulate_fast`` (window by window; equal to T steps). On the torch path a
@@ -164,9 +164,9 @@ class LayerState:
     def step(self, inp: dict) -> torch.Tensor:
         """One token per sequence (inputs with T = 1): output ``[B, 1, H, V]``. DESIGN.md
         "Step": append the record; at h == L flush and read the output from the unrounded
-        flushed state, else the output-only read of R plus the buffer (GDN: the token's
-        read-path correction solved against R and the cached corrections first). It is the
-        window form with one token, so stepping and teacher-forced segments of any length
+        flushed state, else the output-only read of R plus the buffer (GDN: the window's
+        read-path corrections solved against R first; the rows of earlier tokens come out as
+        they were cached). It is the window form with one token, so stepping and teacher-forced segments of any length
         give the same bits (``window`` module, "Invariance")."""
         if self.family is Family.MAMBA2:
             y, self.carry = W.mamba2_window(self.carry, inp["x"], inp["dt"], inp["A"], inp["B"],

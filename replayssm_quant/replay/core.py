@@ -46,11 +46,12 @@ def per_sequence(fn):
 
     Every tensor argument of ``fn`` is batched along dim 0 (``[B, ...]``). On CPU (any tensor
     not on CUDA) with ``B > 1``, ``fn`` is called once per sequence on ``[1, ...]`` slices and
-    the results are joined along dim 0, so a sequence's result is the same bits whatever batch
-    or batch position it comes in: each call has the same shapes and strides as the sequence
-    alone, and BLAS picks its kernel (hence its summation order) by shape and stride, never by
-    value. On CUDA the batched call runs (the kernels are the fast path there;
-    ``docs/invariance.md`` says what is checked on the device). Issue 12, item 1.
+    the results (a tensor, or a tuple of tensors) are joined along dim 0, so a sequence's
+    result is the same bits whatever batch or batch position it comes in: each call has the
+    same shapes and strides as the sequence alone, and BLAS picks its kernel (hence its
+    summation order) by shape and stride, never by value. On CUDA the batched call runs (the
+    kernels are the fast path there; ``docs/invariance.md`` says what is checked on the
+    device). Issue 12, item 1.
 
     Only reductions need this: elementwise products and sums are exactly rounded, and the
     transcendental ops here (``exp``) run inside the split functions (on CPU their
@@ -69,6 +70,8 @@ def per_sequence(fn):
 
         parts = [fn(first[b: b + 1], *(row(a, b) for a in args),
                     **{n: row(a, b) for n, a in kwargs.items()}) for b in range(B)]
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(p) for p in zip(*parts))
         return torch.cat(parts)
 
     return wrapper
@@ -105,7 +108,6 @@ def mask_records(length: torch.Tensor | None, la: torch.Tensor, *rest: torch.Ten
 
 
 # ------------------------------------------------------------------------------ casting
-
 def cast_state(S: torch.Tensor, spec: QuantSpec, *, seed: int, stream, store: bool = False):
     """Round ``S [B, H, V, K]`` to ``spec`` (one FP32 scale per ``[V, K]`` matrix where the
     format has one; blocks along K).

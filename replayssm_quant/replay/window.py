@@ -306,7 +306,7 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, config: StateConfig):
     Q = _padded(core.expand_heads(q, HV, 2), L, at=h0)
     o = None
     if J < L or W > 1 or config.fold_cached:  # some token reads R (else: only the flush)
-        P = {n: _padded(t, L) for n, t in recs.items()}
+        P = {n: _padded(recs[n], L) for n in ("la", "beta", "v", "k")}  # uR: re-solved below
         ke = core.expand_heads(P["k"], HV, 2)
         # all rows of the padded window in one solve: the rows of earlier calls come out with
         # the same bits as when they were cached, and the new rows see exactly those

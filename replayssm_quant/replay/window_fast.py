@@ -129,17 +129,13 @@ def _group_size(Bz: int, H: int, V: int, K: int, L: int, device=None) -> int:
     return max(1, cap // per_window)
 
 
+@core.per_sequence  # every sequence alone on CPU (window module, "Invariance")
 def exact_scan(S0: torch.Tensor, la, k, q, v, beta=None, *, chunk: int = 64):
     """Exact (unrounded) chunked scan from state ``S0 [B, H, V, K]``: outputs ``S_t q_t``
     ``[B, T, H, V]`` and the final state. Head-expanded inputs as :func:`_prep`; ``beta`` None
     for Mamba-2 (written value v), else GDN. The prefill of a prompt (DESIGN.md "Prefill")."""
     Bz, T, H = la.shape
     V, K = S0.shape[-2:]
-    if Bz > 1 and not S0.is_cuda:  # every sequence alone (window module, "Invariance")
-        parts = [exact_scan(S0[b: b + 1], la[b: b + 1], k[b: b + 1], q[b: b + 1], v[b: b + 1],
-                            None if beta is None else beta[b: b + 1], chunk=chunk)
-                 for b in range(Bz)]
-        return torch.cat([o for o, _ in parts]), torch.cat([S for _, S in parts])
     outs, S, t = [], S0, 0
     while t < T:
         L = min(chunk, T - t)

@@ -273,6 +273,7 @@ class StatePolicyHandle:
             raise TypeError(f"use() takes a StateConfig, got {type(config).__name__}; "
                             "use set_policy() for strings")
         self.config = config
+        self.window = config.window  # what a later set_policy() without a window keeps
 
     @property
     def policy(self) -> StatePolicy:

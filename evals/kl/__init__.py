@@ -16,6 +16,8 @@ float32 path noise of teacher-forced emulation -- is reported next to the policy
 Outputs (``--output-dir``): ``positions.parquet`` (one row per document, position, policy,
 window, seed), ``summary.csv`` (per policy, window and log2 position bucket),
 ``stepwise.parquet`` (the stepwise check, one row per checked position and cell),
+``state_error.parquet`` (with ``--state-error``: per-layer, per-head state error against the
+reference and each head's mean decay, :mod:`.state_error`),
 ``manifest.json`` (command, versions, model and data identity, BOS choice, non-finite counts,
 path noise, git commit, timings). Finished (document, cell) pieces are kept under ``parts/``;
 a rerun with the same arguments skips them (resume); other settings are refused.
@@ -101,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(one forward call per token with the cache) and report KL(stepping || "
                    f"emulation), the float32 path noise of emulation (default min({DEFAULT_STEPWISE_CHECK}, "
                    "N - prefill); 0 = off)")
+    p.add_argument("--state-error", action="store_true", dest="state_error",
+                   help="also record, at segment boundaries that are powers of two (and at N) and on a "
+                   "flush, each SSM layer's and "
+                   "head's relative state error (read copy and recurrence anchor against the fp32 "
+                   "reference state) and the head's mean decay: state_error.parquet")
     p.add_argument("--dry-run", action="store_true", help="print the plan and a memory estimate, then exit")
     p.add_argument("--no-progress", action="store_true", help="disable progress bars")
     return p

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .metrics import pair_kl, position_metrics, summarize
+from .state_error import STATE_ERROR_COLUMNS, state_error_rows
 
 COLUMNS = ("doc", "position", "policy", "window", "seed", "kl", "top1_agree", "dp_ref",
            "nll_ref", "nll", "nonfinite", "nonfinite_ref", "nonfinite_policy")
@@ -33,7 +34,11 @@ STEP_COLUMNS = ("doc", "position", "policy", "window", "seed", "kl_path", "kl_pa
 
 #: Part of the resume identity: how the stored numbers were computed. Change it whenever a
 #: metric's definition or the tokenisation changes, so old part files are never mixed in.
-METRICS_VERSION = "2026-12-01: float64 KL >= 0 by construction; non-finite per side; BOS"
+METRICS_VERSION = ("2026-12-01b: float64 KL >= 0 by construction; non-finite per side; BOS; "
+                   "reference fp32 with L = 1")
+
+#: The fp32 reference's window: L = 1 is FP32-state decoding token by token.
+REFERENCE_WINDOW = 1
 
 
 class BadArgs(Exception):
@@ -186,6 +191,25 @@ def _step_dir(out: Path, K: int) -> Path:
     return out / "parts" / f"stepwise-K{K}"
 
 
+def _state_dir(out: Path) -> Path:
+    return out / "parts" / "state-error"
+
+
+def _uses_sr(config) -> bool:
+    """Whether a cast under ``config.policy`` draws random bits (else the seed changes nothing)."""
+    pol = config.policy
+    return any(spec.sr and not spec.is_identity for spec in (pol.read, pol.rec))
+
+
+def canonical_cells(cells, configs, seeds) -> dict:
+    """``{cell: computed cell}``: cells that cannot differ are computed once. An ``eager:``
+    policy runs with window 1 whatever L was asked (``StateConfig.build``), and a policy that
+    draws no random bits gives the same bits for every seed; such cells share the part file of
+    ``(policy, effective window, seed if SR else seeds[0])`` and are labelled with their own
+    window and seed in the tables."""
+    return {c: (c[0], configs[c].window, c[2] if _uses_sr(configs[c]) else seeds[0]) for c in cells}
+
+
 def stepwise_summary(step) -> list:
     """Per (policy, window): the path noise KL(stepping || emulation) of the checked positions
     next to the policy's KL on the same positions (emulated and stepped)."""
@@ -239,13 +263,26 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     t_load = time.time() - t0
     cells = [(str(p), w, s) for p in policies for w in a.windows for s in a.seeds]
     cell_policies = [p for p in policies for _ in a.windows for _ in a.seeds]
-    ref_window = a.windows[0]  # the fp32 reference: one fixed setting for every document
+    # the fp32 reference: the sequential FP32 recurrence (L = 1: every token's output read
+    # from the freshly updated unrounded state), whatever --windows asks, so a cell's numbers
+    # do not depend on the other cells of the run
+    ref_window = REFERENCE_WINDOW
     handle = apply_state_policy(model, "fp32", window=ref_window, seed=0,
                                 prefill=a.prefill > 0, gdn_fold=a.gdn_fold, dt_limit=a.dt_limit)
     # every cell's settings parsed once (the policies were parsed by the argument checks)
     ref_config = handle.config
     configs = {c: StateConfig.build(pol, window=c[1], seed=c[2], fold=a.gdn_fold)
                for c, pol in zip(cells, cell_policies)}
+    canon = canonical_cells(cells, configs, a.seeds)
+    ucells = list(dict.fromkeys(canon.values()))  # what is computed, in request order
+    for c, pol in zip(cells, cell_policies):
+        if canon[c] not in configs:
+            configs[canon[c]] = StateConfig.build(pol, window=canon[c][1], seed=canon[c][2],
+                                                  fold=a.gdn_fold)
+    E = bool(getattr(a, "state_error", False))
+    state_dir = _state_dir(out)
+    if E:
+        state_dir.mkdir(parents=True, exist_ok=True)
     N, P, S, K = a.max_tokens, a.prefill, a.segment_len, a.stepwise_check
     step_end = P + K
     step_dir = _step_dir(out, K)
@@ -258,13 +295,17 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     assert reported.tolist() == list(range(P, N)), "segment bounds do not tile [prefill, N)"
 
     def part(d, c):
-        return parts / f"{_cell_key(token_docs[d], *c)}.parquet"
+        return parts / f"{_cell_key(token_docs[d], *canon.get(c, c))}.parquet"
 
     def step_part(d, c):
-        return step_dir / f"{_cell_key(token_docs[d], *c)}.parquet"
+        return step_dir / f"{_cell_key(token_docs[d], *canon.get(c, c))}.parquet"
+
+    def state_part(d, c):
+        return state_dir / f"{_cell_key(token_docs[d], *canon.get(c, c))}.parquet"
 
     def missing(d, c):
-        return not part(d, c).exists() or (K and not step_part(d, c).exists())
+        return (not part(d, c).exists() or (K and not step_part(d, c).exists())
+                or (E and not state_part(d, c).exists()))
 
     n_new = 0
     batches = [list(range(i, min(len(token_docs), i + a.batch_size)))
@@ -272,7 +313,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     bar = tqdm(batches, desc="documents", unit="batch", disable=a.no_progress)
     with torch.no_grad():
         for batch in bar:
-            todo = [c for c in cells if any(missing(d, c) for d in batch)]
+            todo = [c for c in ucells if any(missing(d, c) for d in batch)]
             if not todo:
                 continue
             full = torch.tensor([token_docs[d]["ids"] for d in batch], device=a.device)
@@ -286,6 +327,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
             caches = {c: None for c in todo}
             ref_cache = None
             rows = {c: [] for c in todo}
+            err_rows = {c: [[] for _ in batch] for c in todo}
             kept = {c: [] for c in todo}  # emulated logits of the stepwise-checked positions
             ref_kept = []
             for (lo, hi) in bounds:
@@ -310,6 +352,10 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
                     rows[c].append(position_metrics(ref, lg, targets[:, lo:hi]))
                     if ke > ks:
                         kept[c].append(lg[:, ks:ke].float().clone())
+                    if E and (hi & (hi - 1) == 0 or hi == N):  # octave boundaries and the end
+                        for bi in range(len(batch)):
+                            err_rows[c][bi] += state_error_rows(
+                                handle.states(ref_cache[bi]), handle.states(caches[c][bi]), hi)
                     timings["policies_s"][c[0]] += time.time() - tp
             del caches, ref_cache
             step_rows = {}
@@ -339,6 +385,12 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
                         sr = {k: v[bi] for k, v in step_rows[c].items()}
                         df = pd.DataFrame({**key, "position": np.arange(P, step_end), **sr})
                         _write_parquet(df[list(STEP_COLUMNS)], step_part(d, c))
+                    if E and not state_part(d, c).exists():
+                        df = pd.DataFrame(err_rows[c][bi], columns=[
+                            k for k in STATE_ERROR_COLUMNS if k not in key])
+                        for k, v in key.items():
+                            df[k] = v
+                        _write_parquet(df[list(STATE_ERROR_COLUMNS)], state_part(d, c))
     handle.remove()
     pos = _assemble(token_docs, cells, part, COLUMNS, np.arange(P, N))
     pos.to_parquet(out / "positions.parquet", index=False)
@@ -348,6 +400,11 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
         step.to_parquet(out / "stepwise.parquet", index=False)
     else:  # a stepwise table of an earlier invocation would describe another run
         (out / "stepwise.parquet").unlink(missing_ok=True)
+    if E:
+        _assemble(token_docs, cells, state_part, STATE_ERROR_COLUMNS, None).to_parquet(
+            out / "state_error.parquet", index=False)
+    else:
+        (out / "state_error.parquet").unlink(missing_ok=True)
     summ = summarize(pos, step)
     summ.to_csv(out / "summary.csv", index=False)
     timings["total_s"] = time.time() - t0
@@ -372,8 +429,14 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
         "invariance": "each document runs through the model alone (adapters.segments.forward_each); "
                       "SR streams keyed by document index; docs/invariance.md",
         "cells_computed_this_run": n_new, "threads": threads,
+        "shared_cells": {f"{c[0]} L={c[1]} seed={c[2]}": f"{k[0]} L={k[1]} seed={k[2]}"
+                         for c, k in canon.items() if c != k},
+        "shared_cells_note": "cells that cannot differ (eager: policies run with L = 1; policies "
+                             "without SR ignore the seed) are computed once and labelled with "
+                             "each requested window and seed",
+        "state_error": bool(E),
         # compute of every invocation that contributed to these tables (a resume adds to it)
-        "timings": _add_timings(earlier.get("timings"), timings) if n_new < len(cells) * len(token_docs)
+        "timings": _add_timings(earlier.get("timings"), timings) if n_new < len(ucells) * len(token_docs)
         else timings,
         "timings_this_invocation": timings,
         "nonfinite_rows": int(pos["nonfinite"].sum()),
@@ -432,7 +495,8 @@ def _assemble(token_docs, cells, part, columns, positions):
         for c in cells:
             f = part(d, c)
             df = pd.read_parquet(f)
-            if not np.array_equal(df["position"].to_numpy(), positions):
+            df["policy"], df["window"], df["seed"] = c[0], c[1], c[2]  # a shared part's labels
+            if positions is not None and not np.array_equal(df["position"].to_numpy(), positions):
                 raise RuntimeError(f"{f} holds positions {df['position'].min()}..{df['position'].max()} "
                                    f"({len(df)} rows), expected {positions[0]}..{positions[-1]}; "
                                    "delete it and rerun")

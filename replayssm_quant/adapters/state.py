@@ -93,6 +93,11 @@ class LayerState:
         self.family = Family.parse(family)
         self.config = config
         self.carry = W.initial_carry(S, config, layer=int(layer), sequence_ids=sequence_ids)
+        B, H = S.shape[:2]
+        # input statistics of the tokens run through advance/step (not the prefill):
+        # sums over tokens per (row, head), float64; see input_stats()
+        self._stats = torch.zeros(3, B, H, dtype=torch.float64, device=S.device)
+        self._tokens = 0
 
     @property
     def batch_size(self) -> int:
@@ -141,17 +146,42 @@ class LayerState:
         state (checkpoints, buffer, flush indices, sequence ids): beam search's
         ``reorder_cache`` and a cache's ``batch_select_indices`` call this through the cache
         layer, so every row's ReplaySSM state follows its hypothesis."""
-        self.carry = self.carry.select(torch.as_tensor(rows, dtype=torch.int64))
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        self.carry = self.carry.select(rows)
+        self._stats = self._stats.index_select(1, rows.to(self._stats.device))
 
     def repeat_rows(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times in place (``batch_repeat_interleave``)."""
         self.select_rows(torch.arange(self.batch_size).repeat_interleave(int(repeats)))
+
+    # ------------------------------------------------------------------ input statistics
+    def _record_stats(self, inp: dict) -> None:
+        """Add the per-token decays of ``inp`` to the running sums (no effect on the state)."""
+        if self.family is Family.MAMBA2:
+            log_a = inp["dt"].double() * inp["A"].double()  # [B, T, H]: log decay dt * A
+            beta = torch.ones_like(log_a)
+        else:
+            log_a, beta = inp["g"].double(), inp["beta"].double()  # [B, T, HV]
+        self._stats += torch.stack([log_a.exp().sum(1), log_a.sum(1), beta.sum(1)])
+        self._tokens += log_a.shape[1]
+
+    def input_stats(self) -> dict:
+        """Per (row, head) means over the tokens run through :meth:`advance` / :meth:`step`
+        since this state was created (prefill tokens excluded): ``decay`` = mean of the
+        per-token decay alpha_t (Mamba-2 ``exp(dt_t A)``, GDN ``exp(g_t)``; DESIGN.md section 2),
+        ``log_decay`` = mean of log alpha_t, ``beta`` = mean GDN write strength (1 for Mamba-2),
+        each float64 ``[B, H]`` on the state's device, and ``tokens`` (int). NaN before any
+        token."""
+        n = self._tokens if self._tokens else float("nan")
+        d, lg, b = (self._stats / n).unbind(0)
+        return {"decay": d, "log_decay": lg, "beta": b, "tokens": self._tokens}
 
     # ------------------------------------------------------------------ teacher-forced
     def advance(self, inp: dict) -> torch.Tensor:
         """T tokens teacher-forced (``window_fast.*_emulate_fast``: the window form; on the
         kernel path the full windows batched through the anchor-chain kernel): outputs
         ``[B, T, H, V]``, equal to T steps."""
+        self._record_stats(inp)
         if self.family is Family.MAMBA2:
             y, self.carry = WF.mamba2_emulate_fast(self.carry, inp["x"], inp["dt"], inp["A"],
                                                    inp["B"], inp["C"], None, config=self.config)
@@ -168,6 +198,7 @@ class LayerState:
         read-path corrections solved against R first; the rows of earlier tokens come out as
         they were cached). It is the window form with one token, so stepping and teacher-forced segments of any length
         give the same bits (``window`` module, "Invariance")."""
+        self._record_stats(inp)
         if self.family is Family.MAMBA2:
             y, self.carry = W.mamba2_window(self.carry, inp["x"], inp["dt"], inp["A"], inp["B"],
                                             inp["C"], None, config=self.config)

@@ -16,6 +16,8 @@ float32 path noise of teacher-forced emulation -- is reported next to the policy
 Outputs (``--output-dir``): ``positions.parquet`` (one row per document, position, policy,
 window, seed), ``summary.csv`` (per policy, window and log2 position bucket),
 ``stepwise.parquet`` (the stepwise check, one row per checked position and cell),
+``buckets.parquet`` (sums per document, cell and quarter octave of N: what the report's
+means, intervals and incidences need when ``positions.parquet`` is too large to keep),
 ``state_error.parquet`` (with ``--state-error``: per-layer, per-head state error against the
 reference and each head's mean decay, :mod:`.state_error`),
 ``manifest.json`` (command, versions, model and data identity, BOS choice, non-finite counts,

@@ -30,8 +30,8 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["kl_nonneg", "position_metrics", "pair_kl", "summarize", "PERCENTILES",
-           "EXPM1_LIMIT", "CHUNK_ELEMENTS"]
+__all__ = ["kl_nonneg", "position_metrics", "pair_kl", "summarize", "bucket_sums",
+           "PERCENTILES", "EXPM1_LIMIT", "CHUNK_ELEMENTS", "BUCKETS_PER_OCTAVE", "BUCKET_COLUMNS"]
 
 PERCENTILES = (50, 90, 99, 99.9)
 #: below ``d = -EXPM1_LIMIT`` the term uses ``q - p + p d`` (float64 exp overflows at ~709.78)
@@ -121,6 +121,49 @@ def _bucket(position: np.ndarray) -> np.ndarray:
         raise ValueError(f"positions must be >= 0 (got minimum {int(pos.min())}); "
                          "this is a runner bug, not a result")
     return (np.frexp((pos + 1).astype(np.float64))[1] - 1).astype(np.int64)
+
+
+#: ``buckets.parquet`` resolution: quarter octaves of N = position + 1
+BUCKETS_PER_OCTAVE = 4
+BUCKET_COLUMNS = ("doc", "policy", "window", "seed", "qbucket", "pos_min", "pos_max", "n",
+                  "kl_n", "kl_sum", "kl_max", "top1_sum", "nonfinite", "nonfinite_ref",
+                  "nonfinite_policy")
+
+
+def quarter_bucket(position: np.ndarray) -> np.ndarray:
+    """``floor(4 log2(position + 1))``: quarter-octave bucket of each position (>= 0), so four
+    consecutive buckets make one octave of :func:`_bucket`."""
+    n = np.asarray(position, dtype=np.int64) + 1
+    q = np.floor(BUCKETS_PER_OCTAVE * np.log2(n.astype(np.float64))).astype(np.int64)
+    # guard the float log at the exact boundaries 2^(q/4): the bucket's lower bound must hold
+    lo = np.ceil(2.0 ** (q / BUCKETS_PER_OCTAVE) - 1e-9)
+    q = np.where(n < lo, q - 1, q)
+    return q
+
+
+def bucket_sums(df):
+    """Sums per (doc, policy, window, seed, quarter-octave bucket of N) of a positions frame:
+    ``n`` positions, ``kl_n`` / ``kl_sum`` / ``kl_max`` over the finite rows (nats),
+    ``top1_sum`` and the non-finite counts. Exact building blocks of every mean, CI over
+    documents and seeds, and incidence the report draws, small enough to keep where
+    ``positions.parquet`` (one row per position) is too large to move (``buckets.parquet``)."""
+    import pandas as pd
+
+    d = df[["doc", "policy", "window", "seed", "position", "kl", "top1_agree", "nonfinite",
+            "nonfinite_ref", "nonfinite_policy"]].copy()
+    d["qbucket"] = quarter_bucket(d["position"].to_numpy())
+    fin = ~d["nonfinite"].to_numpy(bool) & np.isfinite(d["kl"].to_numpy(np.float64))
+    d["kl_fin"] = np.where(fin, d["kl"].to_numpy(np.float64), 0.0)
+    d["kl_n"] = fin.astype(np.int64)
+    d["kl_mx"] = np.where(fin, d["kl"].to_numpy(np.float64), -np.inf)
+    g = d.groupby(["doc", "policy", "window", "seed", "qbucket"], sort=True)
+    out = g.agg(pos_min=("position", "min"), pos_max=("position", "max"), n=("position", "size"),
+                kl_n=("kl_n", "sum"), kl_sum=("kl_fin", "sum"), kl_max=("kl_mx", "max"),
+                top1_sum=("top1_agree", "sum"), nonfinite=("nonfinite", "sum"),
+                nonfinite_ref=("nonfinite_ref", "sum"),
+                nonfinite_policy=("nonfinite_policy", "sum")).reset_index()
+    out["kl_max"] = out["kl_max"].where(out["kl_n"] > 0)
+    return pd.DataFrame(out)[list(BUCKET_COLUMNS)]
 
 
 def _stats(values: np.ndarray) -> dict:

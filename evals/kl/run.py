@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from .metrics import pair_kl, position_metrics, summarize
+from .metrics import bucket_sums, pair_kl, position_metrics, summarize
 from .state_error import STATE_ERROR_COLUMNS, state_error_rows
 
 COLUMNS = ("doc", "position", "policy", "window", "seed", "kl", "top1_agree", "dp_ref",
@@ -394,6 +394,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     handle.remove()
     pos = _assemble(token_docs, cells, part, COLUMNS, np.arange(P, N))
     pos.to_parquet(out / "positions.parquet", index=False)
+    bucket_sums(pos).to_parquet(out / "buckets.parquet", index=False)
     step = None
     if K:
         step = _assemble(token_docs, cells, step_part, STEP_COLUMNS, np.arange(P, step_end))

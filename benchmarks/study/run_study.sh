@@ -4,6 +4,9 @@
 #
 #   benchmarks/study/run_study.sh OUT NAME N MAX_DOCS STEPWISE_K [--state-error]
 #
+# SKIP_REPORT=1 leaves the report for later (replayssm-report reads buckets.parquet when
+# positions.parquet is not kept).
+#
 # For each model the four windows run as four replayssm-kl processes writing into one output
 # directory (each cell is its own part file, so they never collide); a last replayssm-kl call
 # with every window then finds every cell done (resume) and writes the merged tables. The
@@ -35,6 +38,8 @@ for m in tiny-gdn tiny-mamba2; do
       --device $DEVICE --stepwise-check $K "${EXTRA[@]}" --no-progress -o "$OUT/$NAME-$m" \
       > "$OUT/log-$NAME-$m-merge.txt" 2>&1
   echo "$m merge rc=$?" >> "$OUT/walltimes-$NAME.txt"
-  $REPORT "$OUT/$NAME-$m" -o "$OUT/report-$NAME-$m/report.md" >> "$OUT/log-$NAME-$m-merge.txt" 2>&1
+  if [ "${SKIP_REPORT:-0}" != 1 ]; then
+    $REPORT "$OUT/$NAME-$m" -o "$OUT/report-$NAME-$m/report.md" >> "$OUT/log-$NAME-$m-merge.txt" 2>&1
+  fi
 done
 cat "$OUT/walltimes-$NAME.txt"

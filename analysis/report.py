@@ -96,16 +96,57 @@ def markdown_table(df: pd.DataFrame, max_rows: int | None = None) -> str:
     return "\n".join([head, sep, *body])
 
 
-def write_report(run_dirs: Sequence, output="report.md", svg: bool = False) -> Path:
+def _key_dim(manifest: dict) -> int | None:
+    """GDN key dimension d_k of a run's model (its config, found from the manifest's model
+    name or path), None for Mamba-2 or when the config cannot be found here."""
+    import json as _json
+
+    from replayssm_quant.models import resolve_model_path
+
+    m = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
+    for name in (m.get("name"), m.get("path")):
+        if not name:
+            continue
+        try:
+            cfg = _json.loads((Path(resolve_model_path(str(name))) / "config.json").read_text())
+        except Exception:  # noqa: BLE001 -- a hub id or a path of another machine
+            continue
+        cfg = cfg.get("text_config", cfg)
+        return cfg.get("linear_key_head_dim")
+    return None
+
+
+def _main_window(df: pd.DataFrame, window: int | None) -> int | None:
+    """The window of the per-N figures: the one asked, else 16 if the run has it, else the
+    only one, else the largest (None if the frame has none)."""
+    ws = sorted(int(w) for w in df["window"].unique())
+    if window is not None:
+        return window
+    if not ws:
+        return None
+    return 16 if 16 in ws else ws[-1]
+
+
+def write_report(run_dirs: Sequence, output="report.md", svg: bool = False,
+                 window: int | None = None, unit: str = "doc") -> Path:
     """Write the markdown report for ``run_dirs`` to ``output``; returns its path.
 
+    Args:
+        window: the window L of the per-N figures (KL, top-1 agreement, RTN vs SR versus N;
+            default 16 if present, else the largest); the KL-versus-L figures use every window.
+        unit: confidence-interval unit: ``"doc"`` (documents) or ``"sequence"`` ((document,
+            SR seed) pairs; :func:`replayssm_quant.analysis.results.kl_by_position`).
     Raises:
-        FileNotFoundError / ValueError: from :func:`replayssm_quant.analysis.results.load_runs`.
+        FileNotFoundError / ValueError: from :func:`replayssm_quant.analysis.results.load_runs`,
+            or an absent window.
     """
     from . import plots, results
 
     runs = results.load_runs(run_dirs)
     df = runs.positions
+    main_w = _main_window(df, window)
+    if window is not None and window not in set(df["window"]):
+        raise ValueError(f"--window {window}: the runs hold windows {sorted(set(df['window']))}")
     out = Path(output)
     figdir = out.parent / (out.stem + "_figures")
     figdir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +159,18 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False) -> P
             "",
         ]
     lines += ["KL(P_fp32 || P_policy) per position, in nats; N = tokens seen (position + 1).",
-              "Intervals are 95% Student-t intervals over documents.", "", "## Runs", ""]  # fmt: skip
+              "Intervals are 95% Student-t intervals over "
+              + ("documents." if unit == "doc" else
+                 "(document, SR seed) sequences (a policy without SR counts once per "
+                 "document): they cover rounding and position noise; with few documents they "
+                 "do not cover document-to-document variation."), ""]
+    if runs.bucket_only:
+        lines += [f"Run(s) {', '.join(runs.bucket_only)} were read from `buckets.parquet` "
+                  "(sums per document, cell and quarter octave; `positions.parquet` not kept): "
+                  "means, intervals, agreement and incidence are exact, per-position "
+                  "percentiles are not available there (`summary.csv` of the run has them per "
+                  "octave).", ""]
+    lines += ["## Runs", ""]
     rows = []
     for name, path in runs.paths.items():
         m = runs.manifests.get(name, {})
@@ -140,7 +192,7 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False) -> P
         if isinstance(m.get("timings"), dict) and "total_s" in m["timings"]:
             lines.append(f"- `{name}` run time: {m['timings']['total_s']:.1f} s")
     lines += ["", markdown_table(pd.DataFrame(rows)), "", "## Summary per policy and window", ""]
-    summ = results.summarize(df, by=("run", "policy", "window"))
+    summ = results.summarize(df, by=("run", "policy", "window"), unit=unit)
     noise = (results.path_noise(runs.stepwise, by=("run", "policy", "window"))
              if len(runs.stepwise) else pd.DataFrame())
     if len(noise):
@@ -154,7 +206,7 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False) -> P
     lines += _path_noise_section(noise)
 
     lines += ["## Mean KL per position octave (nats)", ""]
-    agg = results.kl_by_position(df, by=("run", "policy", "window"))
+    agg = results.kl_by_position(df, by=("run", "policy", "window"), unit=unit)
     label = agg["n_lo"].astype(int).astype(str) + "+" + agg["partial"].map({True: "*", False: ""})
     wide = agg.assign(N=label).pivot_table(
         index=["run", "policy", "window"], columns="N", values="mean", sort=False
@@ -166,26 +218,53 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False) -> P
                   "than the octave's width (the last bucket of N = 1024 holds one).", ""]
 
     lines += ["## Figures", ""]
+    wkw = {"window": main_w} if df["window"].nunique() > 1 else {}
+    wt = f" (L = {main_w})" if wkw else ""
+    big = int(df["position"].max()) + 1
     figs = [
-        ("KL versus N", plots.plot_kl_vs_n, {}),
-        ("KL versus window L at the largest N", plots.plot_kl_vs_window, {}),
-        ("Shared / separate KL ratio versus N", plots.plot_ratio_vs_n, {}),
-        ("Top-1 agreement versus N", plots.plot_top1_agreement, {}),
-        ("Non-finite incidence", plots.plot_nonfinite, {}),
+        (f"KL versus N{wt}", plots.plot_kl_vs_n, {**wkw, "unit": unit}, "kl_vs_n"),
+        ("KL versus window L at N = 1024-2047", plots.plot_kl_vs_window,
+         {"n": 1024, "unit": unit}, "kl_vs_window_n1024"),
+        ("KL versus window L at the largest N", plots.plot_kl_vs_window, {"unit": unit},
+         "kl_vs_window"),
+        (f"Shared / separate KL ratio versus N{wt}", plots.plot_ratio_vs_n, wkw, "ratio_vs_n"),
+        (f"RTN / SR KL ratio versus N{wt}", plots.plot_rtn_vs_sr, wkw, "rtn_vs_sr"),
+        (f"Top-1 agreement versus N{wt}", plots.plot_top1_agreement, {**wkw, "unit": unit},
+         "top1_agreement"),
+        ("Non-finite incidence", plots.plot_nonfinite, {}, "nonfinite"),
     ]
+    if big < 2048:  # the N = 1K figure would be the largest-N one
+        figs = [f for f in figs if f[3] != "kl_vs_window_n1024"]
     import matplotlib.pyplot as plt
 
-    for title, fn, kw in figs:
+    def draw(title, make, stem_name):
+        nonlocal lines
         try:
-            fig = fn(df, **kw)
+            fig = make()
         except ValueError as e:  # e.g. no separate/shared pair: say so instead of failing
             lines += [f"### {title}", "", f"_not drawn: {e}_", ""]
-            continue
-        stem = figdir / fn.__name__.removeprefix("plot_")
+            return
+        stem = figdir / stem_name
         written = plots.save_figure(fig, stem, ("png", "svg") if svg else ("png",))
         plt.close(fig)
         rel = written[0].relative_to(out.parent)
         lines += [f"### {title}", "", f"![{title}]({rel.as_posix()})", ""]
+
+    for title, fn, kw, stem_name in figs:
+        draw(title, lambda fn=fn, kw=kw: fn(df, **kw), stem_name)
+    se = runs.state_error
+    if len(se):
+        lines += ["## State error versus decay", "",
+                  "Per-layer, per-head relative error of the read copy against the fp32 "
+                  "reference state at the run's last position (`replayssm-kl --state-error`), "
+                  "against each head's per-token decay, with the driven-regime prediction "
+                  "(`analysis.plots.predicted_state_error`).", ""]
+        for name in sorted(se["run"].unique()):
+            sub = se[se["run"] == name]
+            kd = _key_dim(runs.manifests.get(name, {})) if not (sub["beta"] == 1).all() else None
+            draw(f"State error versus decay: {name}",
+                 lambda sub=sub, kd=kd: plots.plot_state_error_vs_decay(sub, key_dim=kd),
+                 f"state_error_vs_decay_{name}")
     out.write_text("\n".join(lines))
     return out
 
@@ -199,6 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="replayssm-kl output dirs")
     ap.add_argument("-o", "--output", default="report.md", help="report file (default report.md)")
     ap.add_argument("--svg", action="store_true", help="also write SVG figures")
+    ap.add_argument("--window", type=int, default=None,
+                    help="window L of the per-N figures (default 16 if present, else the largest)")
+    ap.add_argument("--ci-unit", choices=("doc", "sequence"), default="doc",
+                    help="confidence-interval unit: documents (default) or (document, SR seed) "
+                    "sequences")
     args = ap.parse_args(argv)
     for d in args.run_dirs:
         if Path(d).exists() and not Path(d).is_dir():
@@ -206,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     try:
-        path = write_report(args.run_dirs, args.output, svg=args.svg)
+        path = write_report(args.run_dirs, args.output, svg=args.svg, window=args.window,
+                            unit=args.ci_unit)
     except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"replayssm-report: error: {e}", file=sys.stderr)
         return 2

@@ -49,6 +49,9 @@ __all__ = [
     "path_noise",
     "STEPWISE_COLUMNS",
     "shared_separate_ratio",
+    "rtn_sr_ratio",
+    "positions_from_buckets",
+    "uses_sr",
     "synthetic_positions",
     "write_synthetic_run",
 ]
@@ -116,7 +119,10 @@ def validate_positions(df: pd.DataFrame, source: str = "positions") -> pd.DataFr
             out[c] = out[c].astype(bool)
             if (out[c] & ~out["nonfinite"]).any():
                 raise ValueError(f"{source}: rows with {c} set but nonfinite not set")
-    out["top1_agree"] = out["top1_agree"].fillna(False).astype(bool)
+    if "weight" in out.columns:  # rows of buckets.parquet: agreement rates, not flags
+        out["top1_agree"] = out["top1_agree"].fillna(0.0).astype(float)
+    else:
+        out["top1_agree"] = out["top1_agree"].fillna(False).astype(bool)
     out["policy"] = out["policy"].astype(str)
     if (out["position"] < 0).any():
         raise ValueError(f"{source}: negative positions")
@@ -150,6 +156,12 @@ class Runs:
             one).
         manifests: ``{run: manifest dict}`` (empty dict where a run has no manifest).
         paths: ``{run: Path}``.
+        state_error, bucket_only: see the fields.
+
+    A run kept without ``positions.parquet`` (too large to move: one row per position) is
+    read from its ``buckets.parquet`` (:func:`positions_from_buckets`): ``positions`` then
+    holds one weighted row per (document, cell, quarter octave), which every mean, interval,
+    agreement and incidence here weighs exactly; only per-position percentiles are lost.
     """
 
     positions: pd.DataFrame
@@ -157,6 +169,10 @@ class Runs:
     manifests: dict = field(default_factory=dict)
     paths: dict = field(default_factory=dict)
     stepwise: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: ``state_error.parquet`` tables (``replayssm-kl --state-error``; ``run`` column added)
+    state_error: pd.DataFrame = field(default_factory=pd.DataFrame)
+    #: runs read from ``buckets.parquet`` (no per-position rows: no percentiles)
+    bucket_only: tuple = ()
 
 
 def load_run(path) -> Runs:
@@ -183,22 +199,28 @@ def load_runs(paths: Sequence) -> Runs:
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("load_runs: no run directories given")
-    frames, sums, steps, manifests, where = [], [], [], {}, {}
+    frames, sums, steps, manifests, where, errs, bucket_only = [], [], [], {}, {}, [], []
     for p in paths:
         if not p.is_dir():
             raise FileNotFoundError(f"run directory not found: {p}")
         pq = p / "positions.parquet"
-        if not pq.is_file():
-            raise FileNotFoundError(f"{p}: no positions.parquet (is this a replayssm-kl output?)")
+        bq = p / "buckets.parquet"
+        if not pq.is_file() and not bq.is_file():
+            raise FileNotFoundError(f"{p}: no positions.parquet or buckets.parquet (is this a "
+                                    "replayssm-kl output?)")
         name, k = p.resolve().name, 2
         while name in where:
             name, k = f"{p.resolve().name}-{k}", k + 1
         where[name] = p
+        src = pq if pq.is_file() else bq
         try:
-            df = pd.read_parquet(pq)
+            df = pd.read_parquet(src)
         except Exception as e:  # pyarrow raises several types
-            raise ValueError(f"{pq}: cannot read parquet ({e})") from None
-        df = validate_positions(df, str(pq))
+            raise ValueError(f"{src}: cannot read parquet ({e})") from None
+        if src is bq:
+            df = positions_from_buckets(df, str(bq))
+            bucket_only.append(name)
+        df = validate_positions(df, str(src))
         df.insert(0, "run", name)
         frames.append(df)
         sw = p / "stepwise.parquet"
@@ -210,6 +232,15 @@ def load_runs(paths: Sequence) -> Runs:
             require_columns(st, STEPWISE_COLUMNS, str(sw))
             st.insert(0, "run", name)
             steps.append(st)
+        se = p / "state_error.parquet"
+        if se.is_file():
+            try:
+                e = pd.read_parquet(se)
+            except Exception as ex:  # pyarrow raises several types
+                raise ValueError(f"{se}: cannot read parquet ({ex})") from None
+            require_columns(e, STATE_ERROR_COLUMNS, str(se))
+            e.insert(0, "run", name)
+            errs.append(e)
         sc = p / "summary.csv"
         if sc.is_file():
             try:
@@ -229,7 +260,80 @@ def load_runs(paths: Sequence) -> Runs:
     positions = pd.concat(frames, ignore_index=True)
     summaries = pd.concat(sums, ignore_index=True) if sums else pd.DataFrame()
     stepwise = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame()
-    return Runs(positions, summaries, manifests, where, stepwise)
+    state_error = pd.concat(errs, ignore_index=True) if errs else pd.DataFrame()
+    return Runs(positions, summaries, manifests, where, stepwise, state_error, tuple(bucket_only))
+
+
+#: ``buckets.parquet`` (replayssm-kl since 2026-12-01): sums per document, cell and quarter
+#: octave of N (``replayssm_quant.evals.kl.metrics.bucket_sums``)
+BUCKET_COLUMNS = ("doc", "policy", "window", "seed", "qbucket", "pos_min", "pos_max", "n",
+                  "kl_n", "kl_sum", "kl_max", "top1_sum", "nonfinite")
+
+#: ``state_error.parquet`` (``replayssm-kl --state-error``)
+STATE_ERROR_COLUMNS = ("doc", "position", "policy", "window", "seed", "layer", "head",
+                       "err_read", "err_anchor", "state_norm", "decay", "log_decay", "beta")
+
+
+def positions_from_buckets(b: pd.DataFrame, source: str = "buckets") -> pd.DataFrame:
+    """A positions-schema frame from a ``buckets.parquet`` table: per (document, cell, quarter
+    octave) one row of the finite positions (``kl`` = their mean, ``top1_agree`` = their
+    agreement rate, ``weight`` = their count, ``position`` = the bucket's last position) and,
+    where some positions were non-finite, one row of those (``nonfinite`` set, ``weight`` =
+    their count, ``position`` = the bucket's first). ``kl_max_bucket`` keeps each bucket's
+    maximum. Weighted means over these rows equal the means over the positions exactly
+    (up to float64 summation order).
+
+    Raises:
+        ValueError: missing columns (naming ``source``).
+    """
+    require_columns(b, BUCKET_COLUMNS, source)
+    b = b.copy()
+    fin_n = b["kl_n"].astype("int64")
+    nf_n = b["n"].astype("int64") - fin_n
+    side = {c: b[c] if c in b else 0 for c in NONFINITE_SIDES}
+    fin = b[fin_n > 0]
+    rows_f = pd.DataFrame({
+        "doc": fin["doc"], "position": fin["pos_max"], "policy": fin["policy"],
+        "window": fin["window"], "seed": fin["seed"],
+        "kl": fin["kl_sum"] / fin["kl_n"], "top1_agree": fin["top1_sum"] / fin["kl_n"],
+        "dp_ref": np.nan, "nll_ref": np.nan, "nll": np.nan, "nonfinite": False,
+        **{c: False for c in NONFINITE_SIDES},
+        "weight": fin["kl_n"].astype(float), "kl_max_bucket": fin["kl_max"]})
+    bad = b[nf_n > 0]
+    rows_n = pd.DataFrame({
+        "doc": bad["doc"], "position": bad["pos_min"], "policy": bad["policy"],
+        "window": bad["window"], "seed": bad["seed"], "kl": np.nan, "top1_agree": 0.0,
+        "dp_ref": np.nan, "nll_ref": np.nan, "nll": np.nan, "nonfinite": True,
+        **{c: (side[c][nf_n > 0] > 0) if isinstance(side[c], pd.Series) else False
+           for c in NONFINITE_SIDES},
+        "weight": nf_n[nf_n > 0].astype(float), "kl_max_bucket": np.nan})
+    out = pd.concat([rows_f, rows_n], ignore_index=True)
+    return out
+
+
+def uses_sr(policy: str) -> bool:
+    """Whether ``policy`` draws random bits (a rounded copy with ``+sr``)."""
+    pol = StatePolicy.parse(policy)
+    return any(spec.sr and not spec.is_identity for spec in (pol.read, pol.rec))
+
+
+def _weights(d: pd.DataFrame) -> pd.Series:
+    return d["weight"].astype(float) if "weight" in d.columns else pd.Series(1.0, index=d.index)
+
+
+def _units(d: pd.DataFrame, by: list, unit: str) -> tuple:
+    """The rows to use and the columns of the independent unit of a confidence interval:
+    ``"doc"`` (documents), or ``"sequence"`` ((document, seed) pairs; a policy without SR
+    gives the same bits for every seed, so only its first seed counts)."""
+    if unit == "doc" or "seed" not in d.columns or "seed" in by:
+        if unit not in ("doc", "sequence"):
+            raise ValueError(f"unit must be 'doc' or 'sequence', got {unit!r}")
+        return d, ["doc"]
+    if unit != "sequence":
+        raise ValueError(f"unit must be 'doc' or 'sequence', got {unit!r}")
+    sr = d["policy"].map({p: uses_sr(p) for p in d["policy"].unique()})
+    first = d.groupby([c for c in by if c != "seed"] + ["doc"])["seed"].transform("min")
+    return d[sr | (d["seed"] == first)], ["doc", "seed"]
 
 
 def policy_parts(policy: str) -> tuple[str, str, str]:
@@ -275,13 +379,16 @@ def kl_by_position(
     by: Sequence[str] = ("policy", "window"),
     base: float = 2.0,
     level: float = 0.95,
+    unit: str = "doc",
 ) -> pd.DataFrame:
     """Mean of ``metric`` per log-spaced position bucket with a confidence interval.
 
     The interval is a Student-t interval over *documents* (per-document bucket means are the
     independent units; positions within a document are correlated), so it needs >= 2 documents
-    (NaN bounds otherwise). Non-finite rows (``nonfinite``) are excluded from the mean and
-    counted in ``nonfinite``.
+    (NaN bounds otherwise); ``unit="sequence"`` makes (document, SR seed) pairs the units
+    (a policy without SR counts once per document). Non-finite rows (``nonfinite``) are
+    excluded from the mean and counted in ``nonfinite``. A ``weight`` column (rows read from
+    ``buckets.parquet``) weighs each row as that many positions.
 
     Args:
         df: positions frame (needs ``doc, position, nonfinite``, ``metric`` and ``by``).
@@ -297,19 +404,26 @@ def kl_by_position(
     """
     by = list(by)
     require_columns(df, ["doc", "position", "nonfinite", metric, *by], "kl_by_position")
-    d = df[["doc", "position", "nonfinite", metric, *by]].copy()
+    extra = [c for c in ("seed", "weight") if c in df.columns and c not in by]
+    d = df[["doc", "position", "nonfinite", metric, *by, *extra]].copy()
+    d, ucols = _units(d, by, unit)
+    d = d.copy()
     d["bucket"] = position_buckets(d["position"], base)
     d[metric] = d[metric].astype(float)
     d["nonfinite"] = d["nonfinite"].astype(bool)
+    d["_w"] = _weights(d)
+    d["_nf"] = d["_w"].where(d["nonfinite"], 0.0)
     keys = by + ["bucket"]
     g_all = d.groupby(keys, sort=True, dropna=False)
-    out = g_all.agg(nonfinite=("nonfinite", "sum"), pos_max=("position", "max")).reset_index()
-    fin = d[~d["nonfinite"]]
-    per_doc = fin.groupby(keys + ["doc"], dropna=False)[metric].mean().reset_index()
+    out = g_all.agg(nonfinite=("_nf", "sum"), pos_max=("position", "max")).reset_index()
+    fin = d[~d["nonfinite"]].copy()
+    fin["_wx"] = fin["_w"] * fin[metric]
+    per_doc = fin.groupby(keys + ucols, dropna=False)[["_wx", "_w"]].sum().reset_index()
+    per_doc[metric] = per_doc["_wx"] / per_doc["_w"]
     per_doc = per_doc[np.isfinite(per_doc[metric])]
     agg = per_doc.groupby(keys, dropna=False)[metric].agg(["mean", "std", "count"]).reset_index()
     agg = agg.rename(columns={"count": "docs"})
-    cnt = fin.groupby(keys, dropna=False)[metric].size().rename("count").reset_index()
+    cnt = fin.groupby(keys, dropna=False)["_w"].sum().rename("count").reset_index()
     out = out.merge(agg, on=keys, how="left").merge(cnt, on=keys, how="left")
     out["docs"] = out["docs"].fillna(0).astype(int)
     out["count"] = out["count"].fillna(0).astype(int)
@@ -328,30 +442,48 @@ def kl_by_position(
     return out[cols]
 
 
-def summarize(df: pd.DataFrame, by: Sequence[str] = ("policy", "window")) -> pd.DataFrame:
-    """Whole-run summary per ``by``: mean KL (nats) with a 95% CI over documents, median,
+def summarize(df: pd.DataFrame, by: Sequence[str] = ("policy", "window"),
+              unit: str = "doc") -> pd.DataFrame:
+    """Whole-run summary per ``by``: mean KL (nats) with a 95% CI over documents (or over
+    (document, seed) sequences with ``unit="sequence"``, see :func:`kl_by_position`), median,
     p90, p99, p99.9, max, top-1 agreement, non-finite count and fraction (either side; with
-    ``nonfinite_ref`` / ``nonfinite_policy`` columns also the count per side).
+    ``nonfinite_ref`` / ``nonfinite_policy`` columns also the count per side). Rows with a
+    ``weight`` (read from ``buckets.parquet``) count as that many positions; their percentiles
+    are NaN (not kept) and the maximum comes from ``kl_max_bucket``.
 
-    Raises ValueError for missing columns."""
+    Raises ValueError for missing columns or a bad ``unit``."""
     by = list(by)
     require_columns(df, ["doc", "kl", "top1_agree", "nonfinite", *by], "summarize")
     rows = []
+    weighted = "weight" in df.columns
     for key, g in df.groupby(by, sort=True):
         key = key if isinstance(key, tuple) else (key,)
-        fin = g[~g["nonfinite"].astype(bool)]
+        g, ucols = _units(g, by, unit)
+        w = _weights(g)
+        nf = g["nonfinite"].astype(bool)
+        fin = g[~nf]
+        wf = w[~nf]
         kl = fin["kl"].to_numpy(dtype=float)
-        m, lo, hi = _ci(fin.groupby("doc")["kl"].mean().to_numpy(dtype=float), 0.95)
-        q = np.percentile(kl, [50, 90, 99, 99.9]) if kl.size else [math.nan] * 4
+        per_unit = (fin.assign(_wx=wf * fin["kl"], _w=wf).groupby(ucols)[["_wx", "_w"]].sum())
+        m, lo, hi = _ci((per_unit["_wx"] / per_unit["_w"]).to_numpy(dtype=float), 0.95)
+        if weighted:
+            q = [math.nan] * 4
+            mx = fin["kl_max_bucket"].max() if "kl_max_bucket" in fin else math.nan
+        else:
+            q = np.percentile(kl, [50, 90, 99, 99.9]) if kl.size else [math.nan] * 4
+            mx = kl.max() if kl.size else math.nan
+        n = float(w.sum())
         rows.append(
             dict(
-                zip(by, key), positions=len(g), kl_mean=m, kl_ci_lo=lo, kl_ci_hi=hi,
+                zip(by, key), positions=int(round(n)), kl_mean=m, kl_ci_lo=lo, kl_ci_hi=hi,
                 kl_median=q[0], kl_p90=q[1], kl_p99=q[2], kl_p999=q[3],
-                kl_max=float(kl.max()) if kl.size else math.nan,
-                top1_agree=float(fin["top1_agree"].mean()) if len(fin) else math.nan,
-                nonfinite=int(g["nonfinite"].sum()),
-                nonfinite_frac=float(g["nonfinite"].mean()),
-                **{c: int(g[c].sum()) for c in NONFINITE_SIDES if c in g},
+                kl_max=float(mx),
+                top1_agree=float((wf * fin["top1_agree"].astype(float)).sum() / wf.sum())
+                if len(fin) else math.nan,
+                nonfinite=int(round(float(w[nf].sum()))),
+                nonfinite_frac=float(w[nf].sum()) / n if n else math.nan,
+                **{c: int(round(float(w[g[c].astype(bool)].sum()))) for c in NONFINITE_SIDES
+                   if c in g},
             )  # fmt: skip
         )
     return pd.DataFrame(rows)
@@ -439,6 +571,39 @@ def shared_separate_ratio(df: pd.DataFrame, base: float = 2.0) -> pd.DataFrame:
     with np.errstate(divide="ignore", invalid="ignore"):
         m["ratio"] = m["kl_shared"] / m["kl_separate"]
     return m[cols].sort_values(extra + ["read", "rec", "window", "bucket"]).reset_index(drop=True)
+
+
+def rtn_sr_ratio(df: pd.DataFrame, base: float = 2.0, unit: str = "doc") -> pd.DataFrame:
+    """KL of round-to-nearest over stochastic rounding, per position bucket: each policy with
+    ``+sr`` is paired with the same policy without it (``shared:nvfp4+sr`` with
+    ``shared:nvfp4``, ``read:nvfp4/rec:fp16+sr`` with ``read:nvfp4/rec:fp16``) at the same
+    window (and run). Paper, section 5: RTN has the lower KL at short N for NVFP4 (ratio < 1)
+    but grows faster with N.
+
+    Returns:
+        Frame with ``sr_policy, rtn_policy, window, bucket, n_mid, partial, kl_rtn, kl_sr,
+        ratio`` (plus ``run``); empty (same columns) when nothing pairs.
+    Raises:
+        ValueError: missing columns.
+    """
+    require_columns(df, ["policy", "window", "doc", "position", "kl", "nonfinite"], "rtn_sr_ratio")
+    extra = ["run"] if "run" in df.columns else []
+    cols = extra + ["sr_policy", "rtn_policy", "window", "bucket", "n_mid", "partial", "kl_rtn",
+                    "kl_sr", "ratio"]
+    agg = kl_by_position(df, by=extra + ["policy", "window"], base=base, unit=unit)
+    pols = set(agg["policy"])
+    pairs = {p: p.replace("+sr", "") for p in pols if "+sr" in p and p.replace("+sr", "") in pols}
+    if not pairs:
+        return pd.DataFrame(columns=cols)
+    key = extra + ["window", "bucket"]
+    sr = agg[agg["policy"].isin(list(pairs))].assign(rtn_policy=lambda x: x["policy"].map(pairs))
+    rtn = agg[agg["policy"].isin(list(pairs.values()))][key + ["policy", "mean"]]
+    m = sr.merge(rtn, left_on=key + ["rtn_policy"], right_on=key + ["policy"],
+                 suffixes=("", "_rtn"))
+    m = m.rename(columns={"policy": "sr_policy", "mean": "kl_sr", "mean_rtn": "kl_rtn"})
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m["ratio"] = m["kl_rtn"] / m["kl_sr"]
+    return m[cols].sort_values(extra + ["sr_policy", "window", "bucket"]).reset_index(drop=True)
 
 
 # ------------------------------------------------------------------------- synthetic data

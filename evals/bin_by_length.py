@@ -1,11 +1,14 @@
 """Bin lm-eval per-sample results by generation length (``replayssm-bin-by-length``).
 
-State error grows with the number of decoded tokens, so downstream accuracy is best read
-per generation-length bucket. Run lm-eval with ``--log_samples``; this reads the
-``samples_<task>_*.jsonl`` files of one or more output directories (one per state policy),
-measures each response's length in tokens of the given tokenizer (or in whitespace words
-without one), and writes a tidy table: one row per (run, task, metric, length bin) with the
-sample count, mean and its standard error.
+State error grows with the number of tokens run through the state, so downstream accuracy is
+best read per length bucket: the generated response's length (``--length response``, the
+default: decoded tokens) or the prompt's (``--length context``: the context a loglikelihood or
+multiple-choice request conditions on, which long-context tasks vary). Run lm-eval with
+``--log_samples``; this reads the ``samples_<task>_*.jsonl`` files of one or more output
+directories (one per state policy; several directories of one policy, e.g. runs at several
+context lengths, pool into one run), measures each length in tokens of the given tokenizer (or
+in whitespace words without one), and writes a tidy table: one row per (run, task, metric,
+length bin) with the sample count, mean and its standard error.
 
 Example::
 
@@ -37,21 +40,39 @@ def _run_label(results_dir: Path) -> str:
     return results_dir.name
 
 
-def load_samples(paths, tokenizer=None):
+def _context(rec) -> str | None:
+    """The prompt of a logged sample: the first argument of its first request (lm-eval
+    0.4: ``arguments = {"gen_args_0": {"arg_0": context, ...}}``; older: ``[[context, ...]]``)."""
+    args = rec.get("arguments")
+    if isinstance(args, dict) and args:
+        first = args[sorted(args)[0]]
+        if isinstance(first, dict):
+            return first.get("arg_0")
+    if isinstance(args, list) and args and isinstance(args[0], (list, tuple)) and args[0]:
+        return args[0][0]
+    return None
+
+
+def load_samples(paths, tokenizer=None, length: str = "response"):
     """Per-sample rows from lm-eval ``--log_samples`` output directories.
 
     Args:
         paths: output directories (searched recursively for ``samples_*.jsonl``).
         tokenizer: None (length in whitespace words) or an object with ``encode``.
+        length: ``"response"`` (the generated text; samples without one are skipped) or
+            ``"context"`` (the prompt of the sample's first request: every task type).
 
     Returns:
         pandas DataFrame with columns ``run, task, doc_id, gen_len, metric, value``.
 
     Raises:
         FileNotFoundError: a path does not exist or holds no samples files.
+        ValueError: ``length`` is neither ``"response"`` nor ``"context"``.
     """
     import pandas as pd
 
+    if length not in ("response", "context"):
+        raise ValueError(f"length must be 'response' or 'context', got {length!r}")
     rows = []
     for p in map(Path, paths):
         if not p.exists():
@@ -64,8 +85,11 @@ def load_samples(paths, tokenizer=None):
             task = f.name[len("samples_"):].rsplit("_", 1)[0]
             for line in f.read_text().splitlines():
                 rec = json.loads(line)
-                resp = rec.get("resps") or [[""]]
-                text = resp[0][0] if isinstance(resp[0], list) else resp[0]
+                if length == "context":
+                    text = _context(rec)
+                else:
+                    resp = rec.get("resps") or [[""]]
+                    text = resp[0][0] if isinstance(resp[0], list) else resp[0]
                 if not isinstance(text, str):  # loglikelihood tasks: no generation
                     continue
                 n = len(tokenizer.encode(text)) if tokenizer is not None else len(text.split())
@@ -104,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("runs", nargs="+", help="lm-eval --output_path directories (with --log_samples)")
     ap.add_argument("--tokenizer", help="HF tokenizer (id or local dir) to count tokens; default: words")
     ap.add_argument("--bins", nargs="+", type=int, default=[0, 64, 256, 1024, 4096, 16384, 1 << 20])
+    ap.add_argument("--length", choices=("response", "context"), default="response",
+                    help="what to bin by: the generated response (default) or the prompt")
     ap.add_argument("-o", "--output", help="CSV path for the binned table")
     a = ap.parse_args(argv)
     tok = None
@@ -114,7 +140,7 @@ def main(argv=None) -> int:
 
         tok = AutoTokenizer.from_pretrained(str(resolve_model_path(a.tokenizer)))
     try:
-        table = bin_by_length(load_samples(a.runs, tok), a.bins)
+        table = bin_by_length(load_samples(a.runs, tok, a.length), a.bins)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -143,8 +143,8 @@ def quarter_bucket(position: np.ndarray) -> np.ndarray:
 
 def bucket_sums(df):
     """Sums per (doc, policy, window, seed, quarter-octave bucket of N) of a positions frame:
-    ``n`` positions, ``kl_n`` / ``kl_sum`` / ``kl_max`` over the finite rows (nats),
-    ``top1_sum`` and the non-finite counts. Exact building blocks of every mean, CI over
+    ``n`` positions, ``kl_n`` / ``kl_sum`` / ``kl_max`` / ``top1_sum`` over the finite rows
+    (nats; agreements), and the non-finite counts. Exact building blocks of every mean, CI over
     documents and seeds, and incidence the report draws, small enough to keep where
     ``positions.parquet`` (one row per position) is too large to move (``buckets.parquet``)."""
     import pandas as pd
@@ -156,10 +156,11 @@ def bucket_sums(df):
     d["kl_fin"] = np.where(fin, d["kl"].to_numpy(np.float64), 0.0)
     d["kl_n"] = fin.astype(np.int64)
     d["kl_mx"] = np.where(fin, d["kl"].to_numpy(np.float64), -np.inf)
+    d["top1_fin"] = fin & d["top1_agree"].to_numpy(bool)
     g = d.groupby(["doc", "policy", "window", "seed", "qbucket"], sort=True)
     out = g.agg(pos_min=("position", "min"), pos_max=("position", "max"), n=("position", "size"),
                 kl_n=("kl_n", "sum"), kl_sum=("kl_fin", "sum"), kl_max=("kl_mx", "max"),
-                top1_sum=("top1_agree", "sum"), nonfinite=("nonfinite", "sum"),
+                top1_sum=("top1_fin", "sum"), nonfinite=("nonfinite", "sum"),
                 nonfinite_ref=("nonfinite_ref", "sum"),
                 nonfinite_policy=("nonfinite_policy", "sum")).reset_index()
     out["kl_max"] = out["kl_max"].where(out["kl_n"] > 0)

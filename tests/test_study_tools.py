@@ -1,0 +1,260 @@
+"""Tools the issue-14 study added to the runner and the report, each against an oracle.
+
+* shared cells: an ``eager:`` cell at any L and an RTN cell at any seed are computed once; a
+  run of that cell alone gives the same bits (so sharing is exact);
+* the fp32 reference is the same whatever ``--windows`` holds (a cell's rows do not depend on
+  the other cells of the run);
+* ``--state-error``: the state the runner compares against is the one the adapters give when
+  this test decodes the document itself, and the read copy's error is the format's cast
+  error (``replayssm_quant.quantize``) of that state;
+* ``LayerState.input_stats``: float64 means of the decays fed in;
+* ``buckets.parquet``: every mean, interval, agreement and count of the report equals the one
+  computed from ``positions.parquet``;
+* ``rtn_sr_ratio`` and ``predicted_state_error`` against hand-computed values;
+* ``replayssm-bin-by-length --length context``.
+"""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import replayssm_quant.adapters as adapters
+import replayssm_quant.adapters.segments as segments
+from replayssm_quant import quantize
+from replayssm_quant.adapters.state import LayerState
+from replayssm_quant.analysis import results as R
+from replayssm_quant.analysis import theory
+from replayssm_quant.analysis.plots import predicted_state_error
+from replayssm_quant.config import StateConfig
+from replayssm_quant.evals.kl import main
+from replayssm_quant.evals.kl.metrics import bucket_sums, quarter_bucket
+
+
+def _run(model_dir, data_file, out, *extra, policies=("eager:fp8e4m3", "shared:nvfp4")):
+    args = ["--model", model_dir, "--dataset", data_file, "-N", "32", "--segment-len", "16",
+            "--max-docs", "2", "--stepwise-check", "0", "--policies", *policies, "-o", str(out),
+            "--no-progress", *extra]
+    assert main(args) == 0
+    return pd.read_parquet(out / "positions.parquet")
+
+
+def _cell(df, policy, window, seed):
+    g = df[(df.policy == policy) & (df.window == window) & (df.seed == seed)]
+    return g.drop(columns=["policy", "window", "seed"]).sort_values(["doc", "position"]) \
+        .reset_index(drop=True)
+
+
+def test_shared_cells_equal_cells_run_alone(model_dir, data_file, tmp_path):
+    both = _run(model_dir, data_file, tmp_path / "a", "--windows", "4", "16", "--seeds", "0", "1",
+                policies=("eager:fp8e4m3", "shared:nvfp4", "shared:nvfp4+sr"))
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    shared = m["shared_cells"]
+    assert shared["eager:fp8e4m3 L=16 seed=1"] == "eager:fp8e4m3 L=1 seed=0"
+    assert shared["shared:nvfp4 L=16 seed=1"] == "shared:nvfp4 L=16 seed=0"
+    assert not any(k.startswith("shared:nvfp4+sr") for k in shared)  # SR seeds differ
+    alone = _run(model_dir, data_file, tmp_path / "b", "--windows", "16", "--seeds", "1",
+                 policies=("eager:fp8e4m3", "shared:nvfp4"))
+    for pol in ("eager:fp8e4m3", "shared:nvfp4"):
+        pd.testing.assert_frame_equal(_cell(both, pol, 16, 1), _cell(alone, pol, 16, 1))
+    a, b = _cell(both, "shared:nvfp4+sr", 16, 0), _cell(both, "shared:nvfp4+sr", 16, 1)
+    assert not np.array_equal(a["kl"].to_numpy(), b["kl"].to_numpy())
+
+
+def test_reference_does_not_depend_on_other_windows(model_dir, data_file, tmp_path):
+    one = _run(model_dir, data_file, tmp_path / "one", "--windows", "4",
+               policies=("shared:nvfp4+sr", "fp32"))
+    two = _run(model_dir, data_file, tmp_path / "two", "--windows", "16", "4",
+               policies=("shared:nvfp4+sr", "fp32"))
+    for pol in ("shared:nvfp4+sr", "fp32"):
+        pd.testing.assert_frame_equal(_cell(one, pol, 4, 0), _cell(two, pol, 4, 0))
+    # the fp32 policy at L = 1 is the reference itself
+    ref = _run(model_dir, data_file, tmp_path / "ref", "--windows", "1", policies=("fp32",))
+    assert (ref["kl"] == 0).all()
+
+
+def _states_after(model, ids, policy, window):
+    """{layer: LayerState} after decoding ``ids [1, T]`` in one call under ``policy``."""
+    with adapters.state_policy(model, policy, window=window, seed=0, prefill=False,
+                               sequence_ids=[0]) as h, torch.no_grad():
+        _, cache = segments.forward_segment(model, ids)
+        return h.states(cache)
+
+
+def test_state_error_against_adapters_and_quantize(model_dir, data_file, tmp_path):
+    out = tmp_path / "se"
+    _run(model_dir, data_file, out, "--windows", "4", "--state-error",
+         policies=("read:nvfp4/rec:fp32", "shared:nvfp4"))
+    se = pd.read_parquet(out / "state_error.parquet")
+    assert sorted(se["position"].unique()) == [16, 32]  # powers of two and N
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    # the runner's first document, as the runner tokenised it (spy-free: its manifest)
+    from replayssm_quant.evals.kl.documents import load_tokenization, make_documents
+    from replayssm_quant.evals.kl import _load_config, _load_docs, build_parser
+
+    a = build_parser().parse_args(["--model", model_dir, "--dataset", data_file, "-N", "32"])
+    cfg_path, cfg, _ = _load_config(a.model)
+    tokz = load_tokenization(cfg_path, cfg.vocab_size, "auto")
+    doc = make_documents(_load_docs(a), tokz, 33, 1)[0]
+    ids = torch.tensor([doc["ids"][:32]])
+    ref = _states_after(model, ids, "fp32", 1)
+    sep = _states_after(model, ids, "read:nvfp4/rec:fp32", 4)
+    rows = se[(se["doc"] == doc["id"]) & (se["position"] == 32)
+              & (se["policy"] == "read:nvfp4/rec:fp32")]
+    first = min(ref)
+    S = ref[first].anchor.double()[0]
+    cast = quantize(sep[first].anchor, "nvfp4").double()[0]  # the read copy: the anchor's cast
+    want = ((cast - S).flatten(1).norm(dim=1) / S.flatten(1).norm(dim=1)).numpy()
+    got = rows[rows["layer"] == first].sort_values("head")
+    np.testing.assert_allclose(got["err_read"].to_numpy(), want, rtol=1e-4)
+    # the first layer's anchor sees the reference's inputs: fp32 recurrence, float32 noise only
+    assert got["err_anchor"].max() < 1e-5
+    stats = ref[first].input_stats()
+    np.testing.assert_allclose(got["decay"].to_numpy(), stats["decay"][0].numpy(), rtol=1e-12)
+
+
+def test_input_stats_are_float64_means_of_the_decays():
+    torch.manual_seed(0)
+    B, H, HK, DK, DV, T = 2, 4, 2, 8, 8, 11
+    st = LayerState(torch.zeros(B, H, DV, DK), family="gdn",
+                    config=StateConfig.build("shared:nvfp4", window=4), layer=0,
+                    sequence_ids=torch.arange(B))
+    g = -torch.rand(B, T, H) * 0.5
+    beta = torch.rand(B, T, H)
+    unit = torch.nn.functional.normalize(torch.randn(B, T, HK, DK), dim=-1)
+    inp = dict(q=unit, k=unit, v=torch.randn(B, T, H, DV), g=g, beta=beta)
+    st.advance({k: v[:, :7] for k, v in inp.items()})
+    st.step({k: v[:, 7:8] for k, v in inp.items()})
+    st.advance({k: v[:, 8:] for k, v in inp.items()})
+    s = st.input_stats()
+    assert s["tokens"] == T
+    np.testing.assert_allclose(s["decay"].numpy(), g.double().exp().mean(1).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(s["log_decay"].numpy(), g.double().mean(1).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(s["beta"].numpy(), beta.double().mean(1).numpy(), rtol=1e-12)
+    st.select_rows(torch.tensor([1, 1]))
+    assert torch.equal(st.input_stats()["decay"][0], s["decay"][1])
+
+
+def test_quarter_buckets_are_exact():
+    pos = np.arange(0, 300000)
+    q = quarter_bucket(pos)
+    n = pos + 1
+    assert (2.0 ** (q / 4) <= n).all() and (n < 2.0 ** ((q + 1) / 4)).all()
+    assert np.array_equal(q // 4, np.frexp(n.astype(float))[1] - 1)  # octaves
+
+
+def _synthetic_positions(rng):
+    rows, rows_rtn = [], {}
+    for doc in ("a", "b", "c"):
+        for pol, sr in (("shared:nvfp4", False), ("shared:nvfp4+sr", True)):
+            for seed in (0, 1):
+                kl = rng.gamma(0.5, 1e-3, size=200) * (1.0 if sr else 0.5)
+                if not sr and seed == 1:  # RTN: the same bits for every seed
+                    kl = rows_rtn[doc]
+                if not sr and seed == 0:
+                    rows_rtn[doc] = kl
+                nf = np.zeros(200, bool)
+                if doc == "b" and sr:
+                    nf[150:160] = True
+                rows.append(pd.DataFrame({
+                    "doc": doc, "position": np.arange(200), "policy": pol, "window": 16,
+                    "seed": seed, "kl": np.where(nf, np.nan, kl),
+                    "top1_agree": rng.random(200) > 0.1, "dp_ref": 0.0, "nll_ref": 1.0,
+                    "nll": 1.0, "nonfinite": nf, "nonfinite_ref": False,
+                    "nonfinite_policy": nf}))
+    return pd.concat(rows, ignore_index=True)
+
+
+@pytest.mark.parametrize("unit", ["doc", "sequence"])
+def test_buckets_give_the_positions_statistics(unit):
+    pos = R.validate_positions(_synthetic_positions(np.random.default_rng(1)))
+    pb = R.validate_positions(R.positions_from_buckets(bucket_sums(pos)))
+    for metric in ("kl", "top1_agree"):
+        a = R.kl_by_position(pos.assign(top1_agree=pos["top1_agree"].astype(float)),
+                             metric=metric, unit=unit)
+        b = R.kl_by_position(pb, metric=metric, unit=unit)
+        for c in ("mean", "ci_lo", "ci_hi"):
+            np.testing.assert_allclose(a[c], b[c], rtol=1e-12, atol=1e-18)
+        for c in ("docs", "count", "nonfinite", "bucket", "partial"):
+            assert (a[c].to_numpy() == b[c].to_numpy()).all(), c
+    sa, sb = R.summarize(pos, unit=unit), R.summarize(pb, unit=unit)
+    for c in ("kl_mean", "kl_ci_lo", "kl_ci_hi", "kl_max", "top1_agree", "nonfinite_frac"):
+        np.testing.assert_allclose(sa[c], sb[c], rtol=1e-12)
+    assert (sa["positions"] == sb["positions"]).all() and (sa["nonfinite"] == sb["nonfinite"]).all()
+    assert sb["kl_p99"].isna().all()  # percentiles are not kept in buckets
+
+
+def test_sequence_unit_counts_rtn_once_per_document():
+    pos = R.validate_positions(_synthetic_positions(np.random.default_rng(2)))
+    agg = R.kl_by_position(pos, unit="sequence")
+    assert set(agg.loc[agg.policy == "shared:nvfp4", "docs"]) == {3}
+    assert set(agg.loc[agg.policy == "shared:nvfp4+sr", "docs"]) == {6}
+    with pytest.raises(ValueError, match="unit"):
+        R.kl_by_position(pos, unit="seed")
+
+
+def test_rtn_sr_ratio_is_the_ratio_of_bucket_means():
+    pos = R.validate_positions(_synthetic_positions(np.random.default_rng(3)))
+    r = R.rtn_sr_ratio(pos)
+    agg = R.kl_by_position(pos)
+    for row in r.itertuples():
+        sr = agg[(agg.policy == "shared:nvfp4+sr") & (agg.bucket == row.bucket)]["mean"].item()
+        rtn = agg[(agg.policy == "shared:nvfp4") & (agg.bucket == row.bucket)]["mean"].item()
+        assert row.ratio == pytest.approx(rtn / sr, rel=1e-12)
+    assert R.rtn_sr_ratio(pos[pos.policy == "shared:nvfp4"]).empty
+
+
+def test_report_reads_a_run_kept_as_buckets(tmp_path):
+    pos = _synthetic_positions(np.random.default_rng(4))
+    full, slim = tmp_path / "full", tmp_path / "slim"
+    for d in (full, slim):
+        d.mkdir()
+    pos.to_parquet(full / "positions.parquet")
+    bucket_sums(pos).to_parquet(slim / "buckets.parquet")
+    a = R.kl_by_position(R.load_runs([full]).positions)
+    runs = R.load_runs([slim])
+    assert runs.bucket_only == ("slim",)
+    np.testing.assert_allclose(a["mean"], R.kl_by_position(runs.positions)["mean"], rtol=1e-12)
+    from replayssm_quant.analysis import report
+
+    assert report.main([str(slim), "-o", str(tmp_path / "r" / "report.md"), "--ci-unit",
+                        "sequence"]) == 0
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "buckets.parquet" in text and "RTN / SR" in text
+    assert (tmp_path / "r" / "report_figures" / "rtn_vs_sr.png").exists()
+
+
+def test_predicted_state_error_is_the_driven_closed_form():
+    x = np.random.default_rng(0).standard_normal((64, 16, 64))
+    rho = theory.driven_sigma2(x, "nvfp4")[1]["rho"]
+    la = np.log(np.array([0.5, 0.9, 0.999]))
+    got = predicted_state_error(la, np.ones(3), "nvfp4", 4)
+    np.testing.assert_allclose(got, np.sqrt(rho / (1 - np.exp(la) ** 8)), rtol=1e-12)
+    a_rms = theory.gdn_effective_decay(np.exp(la), np.full(3, 0.5), 64)[1]
+    got = predicted_state_error(la, np.full(3, 0.5), "nvfp4", 4, key_dim=64)
+    np.testing.assert_allclose(got, np.sqrt(rho / (1 - a_rms ** 8)), rtol=1e-12)
+    assert got[-1] > got[0]  # slow heads accumulate more
+
+
+def test_bin_by_length_context(tmp_path):
+    from replayssm_quant.evals.bin_by_length import bin_by_length, load_samples
+
+    d = tmp_path / "run"
+    d.mkdir()
+    recs = [{"doc_id": i, "arguments": {"gen_args_0": {"arg_0": "w " * n, "arg_1": " x"}},
+             "resps": [[["-1.0", "False"]]], "metrics": ["acc"], "acc": float(i % 2)}
+            for i, n in enumerate((3, 5, 40, 41))]
+    (d / "samples_task_2026.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    df = load_samples([d], length="context")
+    assert df["gen_len"].tolist() == [3, 5, 40, 41]
+    assert load_samples([d]).empty  # no generated text: nothing to bin by response
+    t = bin_by_length(df, [0, 10, 100])
+    assert t["n"].tolist() == [2, 2] and t["mean"].tolist() == [0.5, 0.5]
+    with pytest.raises(ValueError, match="length"):
+        load_samples([d], length="prompt")
+    assert math.isclose(t["sem"].iloc[0], 0.5)

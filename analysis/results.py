@@ -405,8 +405,9 @@ def kl_by_position(
     by = list(by)
     require_columns(df, ["doc", "position", "nonfinite", metric, *by], "kl_by_position")
     extra = [c for c in ("seed", "weight") if c in df.columns and c not in by]
-    d = df[["doc", "position", "nonfinite", metric, *by, *extra]].copy()
+    d = df[list(dict.fromkeys(["doc", "position", "nonfinite", metric, *by, *extra]))].copy()
     d, ucols = _units(d, by, unit)
+    ucols = [c for c in ucols if c not in by]  # by = (..., "doc"): each document on its own
     d = d.copy()
     d["bucket"] = position_buckets(d["position"], base)
     d[metric] = d[metric].astype(float)

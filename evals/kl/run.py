@@ -413,8 +413,8 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
     n_tok = sum(len(d["ids"]) for d in token_docs)  # N + 1 per document (the last is a target only)
     nf_by_policy = pos.groupby("policy")[["nonfinite", "nonfinite_ref", "nonfinite_policy"]].sum()
     manifest = {
-        "command": [os.path.basename(sys.argv[0])] + sys.argv[1:],
-        "commands": earlier.get("commands", []) + [[os.path.basename(sys.argv[0])] + sys.argv[1:]],
+        "command": _command(),
+        "commands": earlier.get("commands", []) + [_command()],
         "args": vars(a), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": _git_commit(),
         "versions": _versions(), "metrics": METRICS_VERSION,
         "model": {"name": a.model, "path": cfg_path, "model_type": arch, "dtype": a.dtype,
@@ -477,6 +477,13 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
                       "path_to_effect", "mean_rel_diff", "path_kl_ref_mean"]].to_string(
                 index=False, float_format=lambda v: f"{v:.3g}"))
     return 0
+
+
+def _command() -> list:
+    """The command line as the user typed it (``python -m replayssm_quant.evals.kl`` shows as
+    ``replayssm-kl``, its console script)."""
+    prog = os.path.basename(sys.argv[0])
+    return ["replayssm-kl" if prog == "__main__.py" else prog] + sys.argv[1:]
 
 
 def _write_parquet(df, f: Path) -> None:

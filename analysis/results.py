@@ -313,8 +313,7 @@ def positions_from_buckets(b: pd.DataFrame, source: str = "buckets") -> pd.DataF
 
 def uses_sr(policy: str) -> bool:
     """Whether ``policy`` draws random bits (a rounded copy with ``+sr``)."""
-    pol = StatePolicy.parse(policy)
-    return any(spec.sr and not spec.is_identity for spec in (pol.read, pol.rec))
+    return StatePolicy.parse(policy).uses_sr
 
 
 def _weights(d: pd.DataFrame) -> pd.Series:

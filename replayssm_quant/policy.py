@@ -120,6 +120,12 @@ class StatePolicy:
         """Conventional decoding: the state objects force window L = 1."""
         return self.kind == "eager"
 
+    @property
+    def uses_sr(self) -> bool:
+        """Whether a cast under this policy draws random bits (a rounded copy with ``+sr``);
+        if not, the seed changes nothing."""
+        return any(spec.sr and not spec.is_identity for spec in (self.read, self.rec))
+
 
 def require_policy(policy) -> "StatePolicy":
     """``policy`` if it is a parsed :class:`~replayssm_quant.policy.StatePolicy`; inner

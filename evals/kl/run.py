@@ -195,19 +195,13 @@ def _state_dir(out: Path) -> Path:
     return out / "parts" / "state-error"
 
 
-def _uses_sr(config) -> bool:
-    """Whether a cast under ``config.policy`` draws random bits (else the seed changes nothing)."""
-    pol = config.policy
-    return any(spec.sr and not spec.is_identity for spec in (pol.read, pol.rec))
-
-
 def canonical_cells(cells, configs, seeds) -> dict:
     """``{cell: computed cell}``: cells that cannot differ are computed once. An ``eager:``
     policy runs with window 1 whatever L was asked (``StateConfig.build``), and a policy that
     draws no random bits gives the same bits for every seed; such cells share the part file of
     ``(policy, effective window, seed if SR else seeds[0])`` and are labelled with their own
     window and seed in the tables."""
-    return {c: (c[0], configs[c].window, c[2] if _uses_sr(configs[c]) else seeds[0]) for c in cells}
+    return {c: (c[0], configs[c].window, c[2] if configs[c].policy.uses_sr else seeds[0]) for c in cells}
 
 
 def stepwise_summary(step) -> list:

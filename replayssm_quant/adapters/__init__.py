@@ -375,7 +375,7 @@ class StatePolicyHandle:
             return ids.to(device)
         if self._auto_ids is not None and self._auto_ids.numel() == batch:
             return self._auto_ids.to(device)
-        if _uses_sr(self.policy):
+        if self.policy.uses_sr:
             raise ValueError(
                 f"policy {self.policy} uses stochastic rounding, whose random streams are keyed by "
                 f"sequence id, and this first call on a fresh cache shows no input_ids to derive "
@@ -400,11 +400,6 @@ class StatePolicyHandle:
         return (f"StatePolicyHandle(policy={self.policy}, window={self.window}, seed={self.seed}, "
                 f"prefill={self.prefill}, dt_limit={self.dt_limit}, layers={len(self.mixers)}, "
                 f"active={self.active})")
-
-
-def _uses_sr(policy: StatePolicy) -> bool:
-    """Whether a cast under ``policy`` draws random bits."""
-    return any(spec.sr and not spec.is_identity for spec in (policy.read, policy.rec))
 
 
 def _attach(entry, state: LayerState) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -63,7 +64,11 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
             ``"context"`` (the prompt of the sample's first request: every task type).
 
     Returns:
-        pandas DataFrame with columns ``run, task, doc_id, gen_len, metric, value``.
+        pandas DataFrame with columns ``run, task, doc_id, gen_len, metric, value``
+        (``gen_len``: the length measured, response or context; ``doc_hash``: lm-eval's hash
+        of the document, which pairs a sample across runs). A perplexity metric's per-sample
+        ``(log-likelihood, words or bytes)`` pair becomes the sample's negative log-likelihood
+        per word or byte, in nats (``bits_per_byte``: in bits; lower is better).
 
     Raises:
         FileNotFoundError: a path does not exist or holds no samples files.
@@ -95,19 +100,30 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
                 n = len(tokenizer.encode(text)) if tokenizer is not None else len(text.split())
                 for m in rec.get("metrics", []):
                     v = rec.get(m)
+                    if (isinstance(v, (list, tuple)) and len(v) == 2
+                            and all(isinstance(x, (int, float)) for x in v) and v[1]):
+                        v = -float(v[0]) / float(v[1])  # perplexity pair (loglik, count)
+                        if m == "bits_per_byte":
+                            v /= math.log(2)
                     if isinstance(v, (int, float, bool)):
                         rows.append(dict(run=label, task=task, doc_id=rec.get("doc_id"),
+                                         doc_hash=rec.get("doc_hash", rec.get("doc_id")),
                                          gen_len=n, metric=m, value=float(v)))
-    return pd.DataFrame(rows, columns=["run", "task", "doc_id", "gen_len", "metric", "value"])
+    return pd.DataFrame(rows, columns=["run", "task", "doc_id", "doc_hash", "gen_len", "metric",
+                                       "value"])
 
 
-def bin_by_length(df, bins):
+def bin_by_length(df, bins, baseline: str | None = None):
     """Mean and standard error of each metric per (run, task, metric, length bin).
 
-    ``bins`` are increasing edges; lengths fall in ``[edge_i, edge_{i+1})``.
+    ``bins`` are increasing edges; lengths fall in ``[edge_i, edge_{i+1})``. With
+    ``baseline`` (a run label, e.g. ``"fp32 L=16"``) also the paired difference of every run
+    from it: ``n_paired`` samples scored by both (same task, document hash and metric),
+    ``delta_mean`` and ``delta_sem`` of (value - baseline value). Paired differences remove the
+    item-to-item spread, which is far larger than a state policy's effect.
 
     Raises:
-        ValueError: fewer than two edges, or edges not increasing.
+        ValueError: fewer than two edges, edges not increasing, or ``baseline`` not a run.
     """
     import pandas as pd
 
@@ -119,6 +135,19 @@ def bin_by_length(df, bins):
     g = df.groupby(["run", "task", "metric", "bin"], observed=True)["value"]
     out = g.agg(n="count", mean="mean", std="std").reset_index()
     out["sem"] = out["std"] / np.sqrt(out["n"])
+    if baseline is not None:
+        if baseline not in set(df["run"]):
+            raise ValueError(f"baseline {baseline!r} is not one of the runs "
+                             f"{sorted(set(df['run']))}")
+        key = ["task", "doc_hash", "metric"]
+        base = df[df["run"] == baseline][key + ["value"]].drop_duplicates(key)
+        m = df.merge(base, on=key, suffixes=("", "_base"))
+        m["delta"] = m["value"] - m["value_base"]
+        d = m.groupby(["run", "task", "metric", "bin"], observed=True)["delta"].agg(
+            n_paired="count", delta_mean="mean", delta_std="std").reset_index()
+        d["delta_sem"] = d["delta_std"] / np.sqrt(d["n_paired"])
+        out = out.merge(d.drop(columns="delta_std"), on=["run", "task", "metric", "bin"],
+                        how="left")
     out["bin"] = out["bin"].astype(str)
     return out.drop(columns="std")
 
@@ -130,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bins", nargs="+", type=int, default=[0, 64, 256, 1024, 4096, 16384, 1 << 20])
     ap.add_argument("--length", choices=("response", "context"), default="response",
                     help="what to bin by: the generated response (default) or the prompt")
+    ap.add_argument("--baseline", help="run label (e.g. 'fp32 L=16') to pair every sample with: "
+                    "adds the mean and standard error of the paired differences")
     ap.add_argument("-o", "--output", help="CSV path for the binned table")
     a = ap.parse_args(argv)
     tok = None
@@ -140,7 +171,7 @@ def main(argv=None) -> int:
 
         tok = AutoTokenizer.from_pretrained(str(resolve_model_path(a.tokenizer)))
     try:
-        table = bin_by_length(load_samples(a.runs, tok, a.length), a.bins)
+        table = bin_by_length(load_samples(a.runs, tok, a.length), a.bins, a.baseline)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

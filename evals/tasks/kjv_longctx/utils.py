@@ -4,7 +4,8 @@ Each item takes a point where a sentence starts in a held-out book, gives the mo
 preceding ``context_chars`` characters (default 12,000: about 3,000 tokens of the tiny models'
 tokenizer), and asks for the next words of the passage: as multiple choice (true
 continuation versus three sentence openings from elsewhere in the same book) and as free
-generation scored by leading-word agreement. Long contexts are where recurrent-state
+generation scored by leading-word agreement; ``kjv_longctx_ppl`` scores the passage itself
+(rolling log-likelihood: every token under the policy). Long contexts are where recurrent-state
 rounding has had time to accumulate, so these tasks show its downstream cost.
 
 Options (``--metadata '{"context_chars": 4000, "n_items": 32}'``): context_chars, n_items,
@@ -78,6 +79,15 @@ def load_mc(**kwargs):
 
 def load_gen(**kwargs):
     """Dataset for ``kjv_longctx_gen`` (lm-eval ``custom_dataset``)."""
+    return _dataset(**kwargs)
+
+
+def load_ppl(**kwargs):
+    """Dataset for ``kjv_longctx_ppl`` (lm-eval ``custom_dataset``): the same passages of
+    ``context_chars`` characters, scored as a whole by ``loglikelihood_rolling``. Unlike the
+    multiple-choice and generation tasks, whose context runs through the exact prefill, every
+    token of the passage then runs under the state policy, so the state error of a passage of
+    that length reaches the score (word / byte perplexity)."""
     return _dataset(**kwargs)
 
 

@@ -167,6 +167,16 @@ def test_cli_runs_offline_on_embedded_model(tmp_path):
     assert 0.0 <= res["results"]["kjv_longctx_mc"]["acc,none"] <= 1.0
 
 
+def test_cli_rolling_perplexity_task(tmp_path):
+    """kjv_longctx_ppl: every passage token under the policy (loglikelihood_rolling)."""
+    import math
+
+    res = _cli(tmp_path, 2, "kjv_longctx_ppl", 600)
+    r = res["results"]["kjv_longctx_ppl"]
+    assert math.isfinite(r["word_perplexity,none"]) and r["word_perplexity,none"] > 1.0
+    assert 0.0 < r["bits_per_byte,none"] < 8.0
+
+
 @pytest.mark.slow
 def test_cli_issue_command_limit8_both_forms(tmp_path):
     res = _cli(tmp_path, 8, "kjv_longctx_mc,kjv_longctx_gen", 12000)

@@ -258,3 +258,35 @@ def test_bin_by_length_context(tmp_path):
     with pytest.raises(ValueError, match="length"):
         load_samples([d], length="prompt")
     assert math.isclose(t["sem"].iloc[0], 0.5)
+
+
+def _samples(d, label_state, recs):
+    d.mkdir(parents=True)
+    (d / "results_x.json").write_text(json.dumps({"config": {"replayssm_state": label_state,
+                                                             "replayssm_window": 16}}))
+    (d / "samples_kjv_longctx_ppl_2026.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+
+
+def test_bin_by_length_pairs_against_a_baseline(tmp_path):
+    from replayssm_quant.evals.bin_by_length import bin_by_length, load_samples
+
+    def recs(shift):
+        return [{"doc_id": i, "doc_hash": f"h{i}", "arguments": {"gen_args_0": {"arg_0": "w " * n}},
+                 "resps": [[-1.0]], "metrics": ["word_perplexity", "bits_per_byte"],
+                 "word_perplexity": [-(2.0 + i + shift) * n, n], "bits_per_byte": [-0.5 * n, n]}
+                for i, n in enumerate((10, 20, 30))]
+
+    _samples(tmp_path / "a", "fp32", recs(0.0))
+    _samples(tmp_path / "b", "shared:nvfp4", recs(0.25))
+    df = load_samples([tmp_path / "a", tmp_path / "b"], length="context")
+    wp = df[df.metric == "word_perplexity"]
+    # a (log-likelihood, words) pair becomes nats per word; bits_per_byte in bits
+    assert sorted(wp[wp.run == "fp32 L=16"]["value"]) == [2.0, 3.0, 4.0]
+    assert df[df.metric == "bits_per_byte"]["value"].tolist() == pytest.approx([0.5 / math.log(2)] * 6)
+    t = bin_by_length(df, [0, 100], baseline="fp32 L=16")
+    row = t[(t.run == "shared:nvfp4 L=16") & (t.metric == "word_perplexity")].iloc[0]
+    assert row["n_paired"] == 3 and row["delta_mean"] == pytest.approx(0.25)
+    assert row["delta_sem"] == pytest.approx(0.0, abs=1e-12)  # the same shift on every item
+    assert (t[t.run == "fp32 L=16"]["delta_mean"] == 0).all()
+    with pytest.raises(ValueError, match="baseline"):
+        bin_by_length(df, [0, 100], baseline="bf16")

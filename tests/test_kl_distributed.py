@@ -1,0 +1,194 @@
+"""``replayssm-kl`` on several processes (issue 16): the cells sharded over gloo ranks started
+by torchrun give the tables of one process bit for bit, and a run stopped or killed after some
+cells resumes with another world size to the same tables. CPU, 2 processes, tiny-gdn.
+
+Oracle: the same command in one plain process (no launcher), every column of
+``positions.parquet``, ``stepwise.parquet`` and ``summary.csv`` compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from replayssm_quant.evals.kl import main
+from replayssm_quant.evals.kl import dist as D
+
+# 2 documents x 64 tokens, 3 policies x 2 seeds = 12 (document, cell) pairs, stepwise check on
+# the first 8 positions, two segments per document
+def _args(docs: int = 2) -> list:
+    return ["--model", "tiny-gdn", "-N", "64", "--max-docs", str(docs), "--segment-len", "40",
+            "--policies", "shared:nvfp4+sr", "eager:fp8e4m3", "read:nvfp4/rec:fp16+sr",
+            "--seeds", "0", "1", "--stepwise-check", "8", "--no-progress", "--dist-timeout", "3"]
+
+
+ARGS = _args()
+TABLES = ("positions.parquet", "stepwise.parquet", "summary.csv")
+LAUNCH_TIMEOUT = 180
+
+
+def _launcher(nproc: int) -> list:
+    """torchrun (``python -m torch.distributed.run``) on a free port, running the installed
+    ``replayssm-kl`` script (``--no-python``) or, without it, the module."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), "--max-restarts", "0"]
+    script = Path(sys.executable).parent / "replayssm-kl"
+    return cmd + (["--no-python", str(script)] if script.exists() else ["-m", "replayssm_quant.evals.kl"])
+
+
+def _env():
+    env = dict(os.environ)
+    for k in D.LAUNCH_VARS:  # a launcher of the test session must not leak into the ranks
+        env.pop(k, None)
+    return env
+
+
+def _torchrun(nproc: int, out: Path, *extra) -> subprocess.CompletedProcess:
+    r = subprocess.run(_launcher(nproc) + ARGS + ["-o", str(out), *extra], capture_output=True,
+                       text=True, timeout=LAUNCH_TIMEOUT, env=_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _read(out: Path, name: str):
+    return pd.read_csv(out / name) if name.endswith(".csv") else pd.read_parquet(out / name)
+
+
+def _assert_same_tables(a: Path, b: Path) -> None:
+    for name in TABLES:
+        x, y = _read(a, name), _read(b, name)
+        assert list(x.columns) == list(y.columns)
+        pd.testing.assert_frame_equal(x, y, check_exact=True)  # every column, bit for bit
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The oracle: the sweep in one plain process."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    assert main(ARGS + ["-o", str(out)]) == 0
+    return out
+
+
+def test_two_gloo_ranks_equal_one_process(single, tmp_path):
+    out = tmp_path / "ranks2"
+    r = _torchrun(2, out)
+    _assert_same_tables(single, out)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["world_size"] == 2 and man["cells_computed_this_run"] == 12
+    ranks = man["distributed"]["ranks"]
+    assert [x["rank"] for x in ranks] == [0, 1]
+    assert [x["pairs"] for x in ranks] == [6, 6] and [x["references"] for x in ranks] == [1, 1]
+    assert len(man["distributed"]["memory_plan"]) == 2
+    assert "2 ranks" in r.stdout  # only rank 0 prints the summary
+    assert r.stdout.count("replayssm-kl: 2 documents") == 1
+    assert json.loads((single / "manifest.json").read_text())["world_size"] == 1
+
+
+def test_stopped_run_resumes_with_another_world_size(single, tmp_path, capsys):
+    """One process stops after 5 of 12 cells (--max-cells); two ranks finish the other 7."""
+    out = tmp_path / "resume"
+    assert main(ARGS + ["-o", str(out), "--max-cells", "5"]) == 0
+    assert "5 of 12 cells are done" in capsys.readouterr().out
+    assert len(list((out / "parts").glob("*.parquet"))) == 5
+    assert not (out / "positions.parquet").exists()  # tables only once every cell is done
+    _torchrun(2, out)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["cells_computed_this_run"] == 7 and man["world_size"] == 2
+    assert sum(x["pairs"] for x in man["distributed"]["ranks"]) == 7
+    _assert_same_tables(single, out)
+
+
+def test_killed_rank_loses_only_its_unfinished_cells(single, tmp_path):
+    """Rank 1 of a 2-rank run is killed (SIGKILL) once some cell is written; the launcher stops
+    rank 0; the finished part files stay, and one process resumes to the tables of the
+    uninterrupted run."""
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "killed"
+    # 4 documents so that every rank has a second document still to run when the first is done
+    args = _args(docs=4)
+    proc = subprocess.Popen(_launcher(2) + args + ["-o", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+    killed = None
+    try:
+        deadline = time.time() + LAUNCH_TIMEOUT
+        while time.time() < deadline and proc.poll() is None:
+            if list((out / "parts").glob("*.parquet")) if (out / "parts").exists() else []:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    try:
+                        if child.environ().get("RANK") == "1":
+                            child.send_signal(signal.SIGKILL)
+                            killed = child.pid
+                    except psutil.Error:
+                        pass
+                break
+            time.sleep(0.02)
+        proc.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    done = len(list((out / "parts").glob("*.parquet")))
+    if killed is not None and done < 24:
+        assert proc.returncode != 0  # the launcher reports the dead rank
+        assert not (out / "positions.parquet").exists()
+    # one process computes the rest; the oracle for 4 documents is the same command, uninterrupted
+    assert main(args + ["-o", str(out)]) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["cells_computed_this_run"] == 24 - done and man["world_size"] == 1
+    whole = tmp_path / "whole"
+    shutil.copytree(single, whole)  # its 12 parts are the first two documents' cells
+    assert main(args + ["-o", str(whole)]) == 0
+    _assert_same_tables(whole, out)
+
+
+# ------------------------------------------------------------------ pieces without processes
+def test_ranks_from_env_and_bad_values():
+    assert D.ranks_from_env({}) == D.Ranks()
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert D.ranks_from_env(env) == D.Ranks(3, 4, 1, 2, True)
+    for bad, words in ((dict(env, RANK="x"), "RANK='x' is not an integer"),
+                       (dict(env, RANK="4"), "RANK=4 must be in [0, WORLD_SIZE) = [0, 4)"),
+                       (dict(env, LOCAL_RANK="2"), "LOCAL_RANK=2 must be in"),
+                       ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR/MASTER_PORT"),
+                       ({"WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK is not set")):
+        with pytest.raises(D.BadArgs, match=words.replace("[", r"\[").replace(")", r"\)")):
+            D.ranks_from_env(bad)
+    # --dry-run plans for WORLD_SIZE ranks from one process
+    assert D.ranks_from_env({"WORLD_SIZE": "3"}, planning=True) == D.Ranks(0, 3, 0, 3, False)
+
+
+def test_shard_is_contiguous_balanced_and_complete():
+    pairs = [(d, c) for d in range(3) for c in range(5)]
+    for w in (1, 2, 4, 7, 20):
+        blocks = D.shard(pairs, w)
+        assert len(blocks) == w and sum(blocks, []) == pairs
+        assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+        # each document's cells sit in consecutive ranks: at most w - 1 extra references
+        refs = sum(len({d for d, _ in b}) for b in blocks)
+        assert refs <= 3 + w - 1
+
+
+def test_gpu_groups_and_rank_devices():
+    assert D.gpu_group(0, 2, 4) == [0, 1] and D.gpu_group(1, 2, 4) == [2, 3]
+    assert D.gpu_group(1, 2, 5) == [2, 3]  # the fifth GPU stays unused
+    assert D.gpu_group(0, 1, 1) == [0]
+    with pytest.raises(D.BadArgs, match="needs at least 4 visible GPUs"):
+        D.gpu_group(0, 4, 2)
+    launched = D.Ranks(1, 2, 1, 2, True)
+    assert D.rank_device("cpu", launched, 0) == "cpu"
+    assert D.rank_device("cuda", launched, 2) == "cuda:1"
+    assert D.rank_device("cuda:1", D.Ranks(), 2) == "cuda:1"
+    with pytest.raises(D.BadArgs, match="names one GPU"):
+        D.rank_device("cuda:0", launched, 2)
+    with pytest.raises(D.BadArgs, match="2 ranks on this node but 1 visible GPUs"):
+        D.rank_device("cuda", launched, 1)

@@ -192,3 +192,104 @@ def test_gpu_groups_and_rank_devices():
         D.rank_device("cuda:0", launched, 2)
     with pytest.raises(D.BadArgs, match="2 ranks on this node but 1 visible GPUs"):
         D.rank_device("cuda", launched, 1)
+
+
+# ------------------------------------------------------------------ memory plan, device map
+SMALL = ["--model", "tiny-gdn", "-N", "32", "--max-docs", "2", "--policies", "shared:nvfp4+sr",
+         "read:nvfp4/rec:fp32", "--stepwise-check", "4", "--no-progress"]
+
+
+def test_dry_run_plans_every_rank(tmp_path, capsys, monkeypatch):
+    """Under WORLD_SIZE=2 (as torchrun sets it) the dry run shows each rank's share and memory,
+    per device, and the cache of each policy (one checkpoint for shared:, two for read:/rec:)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "dry"
+    assert main(SMALL + ["-o", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "0 of 4 (document, cell) pairs already done" in text and "world size 2" in text
+    assert "rank 0: cpu: 2 pairs over 1 document(s)" in text
+    assert "rank 1: cpu: 2 pairs over 1 document(s)" in text
+    assert "memory estimate per rank" in text and text.count(": fits") == 2
+    lines = {ln.split()[0]: ln for ln in text.splitlines() if "state " in ln and " = " in ln}
+    assert "shared:nvfp4+sr" in lines and "read:nvfp4/rec:fp32" in lines
+    assert not out.exists()
+
+
+def test_plan_that_does_not_fit_is_refused_before_any_compute(tmp_path, capsys):
+    out = tmp_path / "nofit"
+    for extra in (["--dry-run"], []):
+        assert main(SMALL + ["-o", str(out), "--memory-budget", "0.2", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "the plan does not fit: rank 0 needs about" in err and "budget is 204.8 MiB" in err
+        assert "--device-map auto" in err and "\n" not in err.strip()
+        assert not out.exists()
+
+
+def test_memory_plan_of_a_finished_run_and_resume_state(tmp_path, capsys):
+    """The manifest records every rank's plan and measured peak; a dry run over a finished
+    directory reports nothing left to compute."""
+    out = tmp_path / "run"
+    assert main(SMALL + ["-o", str(out)]) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    plan = man["distributed"]["memory_plan"][0]
+    assert plan["pairs"] == 4 and plan["live_caches"] == 3 and plan["total"]["cpu"] > plan["weights"]["cpu"]
+    assert man["distributed"]["ranks"][0]["peak_memory"]["cpu"] > 0
+    capsys.readouterr()
+    assert main(SMALL + ["-o", str(out), "--dry-run"]) == 0
+    assert "4 of 4 (document, cell) pairs already done" in capsys.readouterr().out
+
+
+def test_device_map_auto_on_cpu_is_the_single_device_run(tmp_path):
+    a, b = tmp_path / "plain", tmp_path / "devmap"
+    assert main(SMALL + ["-o", str(a)]) == 0
+    assert main(SMALL + ["-o", str(b), "--device-map", "auto"]) == 0
+    _assert_same_tables(a, b)
+    assert json.loads((b / "manifest.json").read_text())["distributed"]["device_map"] == "auto"
+
+
+@pytest.mark.parametrize("bad,words", [
+    (["--max-cells", "0"], "--max-cells must be > 0, got 0"),
+    (["--memory-budget", "0"], "--memory-budget must be > 0 (GiB per device), got 0.0"),
+    (["--dist-timeout", "-1"], "--dist-timeout must be > 0 minutes, got -1.0"),
+    (["--device", "tpu"], "--device must be cpu, cuda or cuda:I, got 'tpu'"),
+])
+def test_bad_distributed_arguments_exit_2(bad, words, tmp_path, capsys):
+    assert main(SMALL + ["-o", str(tmp_path / "x"), *bad]) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_launcher_environment_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "two")
+    assert main(SMALL + ["-o", str(tmp_path / "x")]) == 2
+    assert "RANK='two' is not an integer" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")
+    assert main(SMALL + ["-o", str(tmp_path / "x")]) == 2  # no MASTER_ADDR: not a launcher
+    assert "start the ranks with torchrun or accelerate launch" in capsys.readouterr().err
+
+
+def test_device_map_plan_splits_weights_over_a_rank_gpus():
+    """The GPU placement of --device-map auto, computed on CPU from fake budgets: a rank with two
+    GPUs gets the decoder layers split over both (accelerate's balanced map, the map the run
+    loads with); budgets too small for the weights are refused, naming the offload."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from replayssm_quant.config import StateConfig
+    from replayssm_quant.evals.kl.memory import GIB, model_shape, plan_rank
+    from replayssm_quant.models import resolve_model_path
+
+    shape = model_shape(AutoConfig.from_pretrained(resolve_model_path("tiny-gdn")), "float32")
+    a = SimpleNamespace(max_tokens=64, prefill=0, segment_len=64, batch_size=1, stepwise_check=0)
+    ref = StateConfig.build("fp32")
+    cfgs = [StateConfig.build("shared:nvfp4+sr")]
+    budget = {"cuda:0": 3 * GIB, "cuda:1": 3 * GIB}
+    p = plan_rank(0, shape, a, [(0, 0)], cfgs, ref, ["cuda:0", "cuda:1"], budget, [0, 1])
+    assert p.fits and set(p.device_map.values()) == {0, 1}
+    assert sum(p.weights.values()) == shape.weights_bytes and min(p.weights.values()) > 0
+    # room for a quarter of the weights on each GPU besides caches, logits and activations
+    tight = {d: p.total(d) - p.weights[d] + shape.weights_bytes // 4 for d in budget}
+    p = plan_rank(0, shape, a, [(0, 0)], cfgs, ref, ["cuda:0", "cuda:1"], tight, [0, 1])
+    assert not p.fits and "do not fit on its 2 GPU(s) cuda:0,1" in p.why()

@@ -461,6 +461,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     import socket
 
     mine = {"rank": rank, "host": socket.gethostname(), "device": str(device),
+            "peak_memory": _peak_memory(device, device_map),
             "device_map": sorted({str(v) for v in device_map.values()}) if device_map else None,
             "pairs": len(work), "documents": len(docs), "references": n_refs,
             "cells_computed": n_new, "threads": threads, "params": params, "timings": timings}
@@ -588,6 +589,23 @@ def _command() -> list:
     ``replayssm-kl``, its console script)."""
     prog = os.path.basename(sys.argv[0])
     return ["replayssm-kl" if prog == "__main__.py" else prog] + sys.argv[1:]
+
+
+def _peak_memory(device, device_map) -> dict:
+    """Peak bytes this process used per device: ``torch.cuda.max_memory_allocated`` of each of
+    its GPUs (no CUDA context), or the peak resident set size on CPU (whole process)."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        gpus = sorted({v for v in device_map.values() if isinstance(v, int)}) if device_map else \
+            [torch.device(device).index or 0]
+        return {f"cuda:{i}": int(torch.cuda.max_memory_allocated(i)) for i in gpus}
+    try:
+        import resource
+
+        return {"cpu": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+    except (ImportError, OSError):
+        return {}
 
 
 def _sum_timings(items: list) -> dict:

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -93,6 +94,23 @@ def test_two_gloo_ranks_equal_one_process(single, tmp_path):
     assert json.loads((single / "manifest.json").read_text())["world_size"] == 1
 
 
+def test_accelerate_launch_equals_one_process(single, tmp_path):
+    """``accelerate launch --multi_gpu`` starts the ranks through torch's elastic launcher
+    (RANK, WORLD_SIZE, ... as torchrun); on CPU they form a gloo group."""
+    pytest.importorskip("accelerate")
+    with socket.socket() as s:  # a free port for the rendezvous (accelerate's default is 29500)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "acc"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(port), "-m", "replayssm_quant.evals.kl", *ARGS, "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _assert_same_tables(single, out)
+    assert json.loads((out / "manifest.json").read_text())["world_size"] == 2
+
+
 def test_stopped_run_resumes_with_another_world_size(single, tmp_path, capsys):
     """One process stops after 5 of 12 cells (--max-cells); two ranks finish the other 7."""
     out = tmp_path / "resume"
@@ -163,6 +181,8 @@ def test_ranks_from_env_and_bad_values():
                        ({"WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK is not set")):
         with pytest.raises(D.BadArgs, match=words.replace("[", r"\[").replace(")", r"\)")):
             D.ranks_from_env(bad)
+    with pytest.raises(D.BadArgs, match="started by MPI .OMPI_COMM_WORLD_SIZE=2."):
+        D.ranks_from_env({"OMPI_COMM_WORLD_SIZE": "2"})
     # --dry-run plans for WORLD_SIZE ranks from one process
     assert D.ranks_from_env({"WORLD_SIZE": "3"}, planning=True) == D.Ranks(0, 3, 0, 3, False)
 
@@ -293,3 +313,27 @@ def test_device_map_plan_splits_weights_over_a_rank_gpus():
     tight = {d: p.total(d) - p.weights[d] + shape.weights_bytes // 4 for d in budget}
     p = plan_rank(0, shape, a, [(0, 0)], cfgs, ref, ["cuda:0", "cuda:1"], tight, [0, 1])
     assert not p.fits and "do not fit on its 2 GPU(s) cuda:0,1" in p.why()
+
+
+def test_output_dir_not_shared_by_every_rank_is_refused(tmp_path):
+    """Rank 0 merges the part files every rank writes, so all ranks must see one --output-dir;
+    a rank that does not see rank 0's probe file stops the run (exit 2) before any compute."""
+    from transformers import AutoConfig
+
+    from replayssm_quant.evals.kl import _check_shared_output, build_parser
+    from replayssm_quant.models import resolve_model_path
+
+    class TwoRanks:  # rank 0's view of a group whose rank 1 mounts another filesystem
+        rank, world_size = 0, 2
+
+        def broadcast(self, obj):
+            return obj
+
+        def all_gather(self, obj):
+            return [obj, False if isinstance(obj, bool) else obj]
+
+    a = build_parser().parse_args(["-o", str(tmp_path / "o")])
+    cfg = AutoConfig.from_pretrained(resolve_model_path("tiny-gdn"))
+    with pytest.raises(D.BadArgs, match=r"is not shared: ranks \[1\] do not see"):
+        _check_shared_output(a, cfg, TwoRanks())
+    assert not [f for f in (tmp_path / "o" / "parts").iterdir() if f.name.startswith(".rank0-probe")]

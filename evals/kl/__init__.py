@@ -376,6 +376,30 @@ def _check_documents(token_docs) -> None:
         seen_id[d["id"]] = seen_sha[d["sha"]] = d["id"]
 
 
+def _check_shared_output(a, cfg, group) -> None:
+    """Every rank must see the same ``--output-dir`` (rank 0 merges the ranks' part files):
+    rank 0 writes a probe file there, every rank looks for it."""
+    import uuid
+
+    from .run import write_identity
+
+    out = Path(a.output_dir)
+    name = group.broadcast(f".rank0-probe-{uuid.uuid4().hex}" if group.rank == 0 else None)
+    if group.rank == 0:
+        write_identity(a, cfg)
+        (out / "parts" / name).write_text("")
+    group.all_gather(None)  # the probe exists before anyone looks
+    seen = group.all_gather((out / "parts" / name).exists())
+    group.all_gather(None)
+    if group.rank == 0:
+        (out / "parts" / name).unlink(missing_ok=True)
+    if not all(seen):
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        raise BadArgs(f"--output-dir {a.output_dir!r} is not shared: ranks {blind} do not see the "
+                      "files rank 0 writes there; put it on a filesystem every node mounts "
+                      "(each rank writes its part files there and rank 0 merges them)")
+
+
 def _plan_record(p) -> dict:
     """A rank's memory plan as the manifest records it (bytes)."""
     return {"rank": p.rank, "devices": p.devices, "pairs": p.pairs, "documents": p.documents,
@@ -438,6 +462,8 @@ def main(argv=None) -> int:
         msg = refusal(plans)
         if msg:
             raise BadArgs(msg)
+        if ranks.world_size > 1:
+            _check_shared_output(a, cfg, group)
     except BadArgs as e:
         # before the group exists every rank reports (ranks may differ, e.g. a missing GPU);
         # after it, the decision is common and rank 0 reports it

@@ -32,6 +32,8 @@ from .run import BadArgs
 __all__ = ["Ranks", "ranks_from_env", "shard", "gpu_group", "rank_device", "Group", "start_group",
            "LAUNCH_VARS"]
 
+#: Process counts set by MPI launchers (mpirun, accelerate launch's CPU mode): not supported.
+MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 #: The environment a launcher sets for every rank (torchrun, accelerate launch).
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -86,6 +88,11 @@ def ranks_from_env(env=None, *, planning: bool = False) -> Ranks:
     """
     env = os.environ if env is None else env
     if env.get("WORLD_SIZE") in (None, ""):
+        for name in MPI_SIZE_VARS:
+            if env.get(name, "1").strip() not in ("", "0", "1"):
+                raise BadArgs(f"started by MPI ({name}={env[name]}) without WORLD_SIZE/RANK: "
+                              "every process would compute every cell; launch with torchrun "
+                              "(or accelerate launch --multi_gpu), which set RANK and WORLD_SIZE")
         return Ranks()
     world = _env_int(env, "WORLD_SIZE")
     if world < 1:

@@ -168,6 +168,38 @@ def test_killed_rank_loses_only_its_unfinished_cells(single, tmp_path):
     _assert_same_tables(whole, out)
 
 
+def test_cells_in_passes_give_the_same_tables(single, tmp_path, capsys):
+    """--cells-per-pass 4 runs each document's 6 cells in passes of 4 and 2 (the reference once
+    per pass): the same tables. A budget that only passes of fewer cells fit is refused with the
+    largest --cells-per-pass that fits."""
+    import re
+
+    from replayssm_quant.evals.kl import _check_args, build_parser, plan_ranks, run_cells
+    from replayssm_quant.evals.kl.memory import GIB, model_shape
+    from replayssm_quant.models import load_model
+
+    out = tmp_path / "passes"
+    assert main(ARGS + ["-o", str(out), "--cells-per-pass", "4"]) == 0
+    _assert_same_tables(single, out)
+    assert json.loads((out / "manifest.json").read_text())["distributed"]["ranks"][0]["references"] == 4
+    a = build_parser().parse_args(ARGS + ["-o", str(tmp_path / "plan")])
+    cells = run_cells(_check_args(a), a)
+    shape = model_shape(load_model("tiny-gdn", tokenizer=False)[0].config, "float32")
+    todo = [(d, c) for d in range(2) for c in range(len(cells))]
+    need = {}
+    for g in (0, 2):
+        a.cells_per_pass = g
+        need[g] = plan_ranks(a, shape, cells, todo, D.Ranks())[0].total("cpu")
+    assert need[2] < need[0]
+    budget = (need[0] + need[2]) / 2 / GIB
+    capsys.readouterr()
+    assert main(ARGS + ["-o", str(tmp_path / "x"), "--dry-run", "--memory-budget", str(budget)]) == 2
+    g = int(re.search(r"--cells-per-pass (\d) \(fits\)", capsys.readouterr().err).group(1))
+    assert 2 <= g < 6
+    assert main(ARGS + ["-o", str(tmp_path / "x"), "--dry-run", "--memory-budget", str(budget),
+                        "--cells-per-pass", str(g)]) == 0
+
+
 # ------------------------------------------------------------------ pieces without processes
 def test_ranks_from_env_and_bad_values():
     assert D.ranks_from_env({}) == D.Ranks()
@@ -269,6 +301,7 @@ def test_device_map_auto_on_cpu_is_the_single_device_run(tmp_path):
 
 @pytest.mark.parametrize("bad,words", [
     (["--max-cells", "0"], "--max-cells must be > 0, got 0"),
+    (["--cells-per-pass", "-1"], "--cells-per-pass must be >= 0 (0 = all cells in one pass), got -1"),
     (["--memory-budget", "0"], "--memory-budget must be > 0 (GiB per device), got 0.0"),
     (["--dist-timeout", "-1"], "--dist-timeout must be > 0 minutes, got -1.0"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:I, got 'tpu'"),

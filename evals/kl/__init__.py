@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory per device and rank to plan with, in GiB (default: the free memory "
                    "of each GPU; on CPU the available memory divided among the node's ranks); a "
                    "plan that does not fit is refused before any compute (exit 2)")
+    p.add_argument("--cells-per-pass", type=int, default=0, metavar="G", dest="cells_per_pass",
+                   help="run a document's cells in passes of G cells, each pass with its own "
+                   "reference pass (G + 1 caches live instead of one per cell + 1; costs one "
+                   "reference forward per extra pass; results do not change). Default 0 = all "
+                   "cells of a document in one pass")
     p.add_argument("--max-cells", type=int, default=None, metavar="M", dest="max_cells",
                    help="compute at most M of the missing (document, policy, window, seed) cells in "
                    "this invocation (all ranks together), then stop; rerun to continue (for "
@@ -195,6 +200,8 @@ def _check_args(a) -> list:
     if a.device_map and a.device.startswith("cuda:"):
         raise BadArgs(f"--device-map auto places the model on the rank's GPUs itself; give "
                       f"--device cuda, not {a.device}")
+    if a.cells_per_pass < 0:
+        raise BadArgs(f"--cells-per-pass must be >= 0 (0 = all cells in one pass), got {a.cells_per_pass}")
     if a.max_cells is not None and a.max_cells <= 0:
         raise BadArgs(f"--max-cells must be > 0, got {a.max_cells}")
     if not a.dist_timeout > 0:
@@ -350,14 +357,34 @@ def print_plan(a, arch, shape, tokz, token_docs, policies, cells, ucells, todo, 
             print(f"      {p.problem}")
 
 
-def refusal(plans) -> str:
-    """The exit-2 message of a plan some rank cannot hold ('' if every rank fits)."""
+def passes_that_fit(a, shape, cells, todo, ranks, which=None) -> int | None:
+    """The largest ``--cells-per-pass`` below the current one with which every planned rank
+    fits (None if none does): the plan's suggestion when it refuses."""
+    import copy
+
+    current = a.cells_per_pass or len(cells)
+    lo, hi, best = 1, current - 1, None
+    while lo <= hi:  # fewer cells per pass never needs more memory: bisect
+        mid = (lo + hi) // 2
+        b = copy.copy(a)
+        b.cells_per_pass = mid
+        if all(p.fits for p in plan_ranks(b, shape, cells, todo, ranks, which)):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def refusal(plans, passes=None) -> str:
+    """The exit-2 message of a plan some rank cannot hold ('' if every rank fits); ``passes``:
+    a ``--cells-per-pass`` value that would fit, if any."""
     bad = [p for p in plans if not p.fits]
     if not bad:
         return ""
     more = f" (and {len(bad) - 1} more of the {len(plans)} ranks)" if len(bad) > 1 else ""
+    hint = f"--cells-per-pass {passes} (fits), " if passes else ""
     return ("the plan does not fit: " + bad[0].why() + more
-            + ". Use more ranks (each then holds fewer cells), --device-map auto over more GPUs, "
+            + f". Use {hint}more ranks (each then holds fewer cells), --device-map auto over more GPUs, "
             "a smaller --batch-size or --segment-len, fewer --stepwise-check positions, or "
             "fewer policies/windows/seeds per run (see --dry-run; --memory-budget overrides the "
             "detected budget)")
@@ -447,7 +474,8 @@ def main(argv=None) -> int:
             todo = todo[:a.max_cells] if a.max_cells else todo
             plans = plan_ranks(a, shape, ucells, todo, ranks)
             print_plan(a, arch, shape, tokz, token_docs, policies, cells, ucells, todo, ranks, plans)
-            msg = refusal(plans)
+            fits = all(p.fits for p in plans)
+            msg = refusal(plans, None if fits else passes_that_fit(a, shape, ucells, todo, ranks))
             if msg:
                 raise BadArgs(msg)
             return 0
@@ -458,8 +486,12 @@ def main(argv=None) -> int:
         missing = len(todo)
         todo = todo[:a.max_cells] if a.max_cells else todo
         mine = plan_ranks(a, shape, ucells, todo, ranks, which=[ranks.rank])[0]
-        plans = group.all_gather(mine)  # every rank refuses together, before any weight loads
-        msg = refusal(plans)
+        fit = mine.fits or passes_that_fit(a, shape, ucells, todo, ranks, which=[ranks.rank])
+        # every rank refuses together, before any weight loads
+        plans, fits = zip(*group.all_gather((mine, fit)))
+        passes = None if any(f is None for f in fits) else min(f for f in fits if f is not True) \
+            if not all(f is True for f in fits) else None
+        msg = refusal(plans, passes)
         if msg:
             raise BadArgs(msg)
         if ranks.world_size > 1:

@@ -247,14 +247,21 @@ def plan_rank(rank: int, shape: ModelShape, a, pairs: list, cell_configs: list, 
     caches = live_cells = live_caches = 0
     kept = 0
     rows = 0
+    G = getattr(a, "cells_per_pass", 0) or 0
     for batch in batches:
-        lock = sum(ref_cache + sum(per_cell[c] for c in by_doc[d]) for d in batch)
-        step = 2 * len(batch) * max([ref_cache] + per_cell) if K else 0
-        caches = max(caches, lock, step)
-        n_cells = sum(len(by_doc[d]) for d in batch)
-        live_cells = max(live_cells, n_cells)
-        live_caches = max(live_caches, len(batch) + n_cells)
-        kept = max(kept, (len(batch) + n_cells) * K * shape.vocab * 4)
+        # the batch's cells (union over its documents) run in passes of G; a pass holds, per
+        # document, the reference cache and the caches of its cells in that pass
+        union = sorted({c for d in batch for c in by_doc[d]})
+        passes = [union[i:i + G] for i in range(0, len(union), G)] if G else [union]
+        for pc in passes:
+            lock = sum(ref_cache + sum(per_cell[c] for c in by_doc[d] if c in pc) for d in batch)
+            n_cells = sum(1 for d in batch for c in by_doc[d] if c in pc)
+            caches = max(caches, lock)
+            live_cells = max(live_cells, n_cells)
+            live_caches = max(live_caches, len(batch) + n_cells)
+            kept = max(kept, (len(batch) + n_cells) * K * shape.vocab * 4)
+        if K:
+            caches = max(caches, 2 * len(batch) * max([ref_cache] + per_cell))
         rows = max(rows, len(batch))
     T = max(P, min(S, N - P))  # the longest forward call: the prefill or a segment
     seg_logits = rows * T * shape.vocab

@@ -373,7 +373,6 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
             # rows[c]: positions in the batch of the documents that need cell c
             rows = {c: [i for i, d in enumerate(batch) if c in cells_of[d]] for c in ucells}
             todo = [c for c in ucells if rows[c]]
-            n_refs += len(batch)
             full = torch.tensor([token_docs[d]["ids"] for d in batch], device=device)
             ids, targets = full[:, :N], full[:, 1:N + 1]  # position t predicts token t + 1
 
@@ -383,78 +382,87 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
                 return forward_each(model, x[r], cache, start=start, handle=handle,
                                     sequence_ids=[batch[i] for i in r])
 
-            caches = {c: None for c in todo}
-            ref_cache = None
-            metrics = {c: [] for c in todo}
-            err_rows = {c: [[] for _ in rows[c]] for c in todo}  # --state-error, per row
-            kept = {c: [] for c in todo}  # emulated logits of the stepwise-checked positions
-            ref_kept = []
-            for (lo, hi) in bounds:
-                tr = time.time()
-                handle.use(ref_config)
-                ref, ref_cache = fwd(None, ids[:, lo:hi], ref_cache, lo)
-                timings["reference_s"] += time.time() - tr
-                if hi <= P:  # prefill positions are exact in every cell: not reported
-                    for c in todo:
+            # cells in passes of --cells-per-pass (each pass runs the reference again: the
+            # caches of one pass's cells are live together)
+            G = a.cells_per_pass or len(todo)
+            ref_step = None
+            for pc in [todo[i:i + G] for i in range(0, len(todo), G)]:
+                n_refs += len(batch)
+                caches = {c: None for c in pc}
+                ref_cache = None
+                metrics = {c: [] for c in pc}
+                err_rows = {c: [[] for _ in rows[c]] for c in pc}  # --state-error, per row
+                kept = {c: [] for c in pc}  # emulated logits of the stepwise-checked positions
+                ref_kept = []
+                for (lo, hi) in bounds:
+                    tr = time.time()
+                    handle.use(ref_config)
+                    ref, ref_cache = fwd(None, ids[:, lo:hi], ref_cache, lo)
+                    timings["reference_s"] += time.time() - tr
+                    if hi <= P:  # prefill positions are exact in every cell: not reported
+                        for c in pc:
+                            tp = time.time()
+                            handle.use(configs[c])
+                            _, caches[c] = fwd(c, ids[:, lo:hi], caches[c], lo, rows[c])
+                            timings["policies_s"][c[0]] += time.time() - tp
+                        continue
+                    ks, ke = max(lo, P) - lo, min(hi, step_end) - lo  # checked part of this segment
+                    if ke > ks:
+                        ref_kept.append(ref[:, ks:ke].float().clone())
+                    for c in tqdm(pc, desc="cells", leave=False, disable=quiet):
                         tp = time.time()
                         handle.use(configs[c])
-                        _, caches[c] = fwd(c, ids[:, lo:hi], caches[c], lo, rows[c])
+                        lg, caches[c] = fwd(c, ids[:, lo:hi], caches[c], lo, rows[c])
+                        r = rows[c]
+                        metrics[c].append(position_metrics(ref[r], lg, targets[r, lo:hi]))
+                        if ke > ks:
+                            kept[c].append(lg[:, ks:ke].float().clone())
+                        if E and (hi & (hi - 1) == 0 or hi == N):  # octave boundaries and the end
+                            for j, bi in enumerate(r):
+                                err_rows[c][j] += state_error_rows(
+                                    handle.states(ref_cache[bi]), handle.states(caches[c][j]), hi)
                         timings["policies_s"][c[0]] += time.time() - tp
-                    continue
-                ks, ke = max(lo, P) - lo, min(hi, step_end) - lo  # checked part of this segment
-                if ke > ks:
-                    ref_kept.append(ref[:, ks:ke].float().clone())
-                for c in tqdm(todo, desc="cells", leave=False, disable=quiet):
-                    tp = time.time()
-                    handle.use(configs[c])
-                    lg, caches[c] = fwd(c, ids[:, lo:hi], caches[c], lo, rows[c])
-                    r = rows[c]
-                    metrics[c].append(position_metrics(ref[r], lg, targets[r, lo:hi]))
-                    if ke > ks:
-                        kept[c].append(lg[:, ks:ke].float().clone())
-                    if E and (hi & (hi - 1) == 0 or hi == N):  # octave boundaries and the end
-                        for j, bi in enumerate(r):
-                            err_rows[c][j] += state_error_rows(
-                                handle.states(ref_cache[bi]), handle.states(caches[c][j]), hi)
-                    timings["policies_s"][c[0]] += time.time() - tp
-            del caches, ref_cache
-            step_rows = {}
-            if K:
-                ts = time.time()
-                handle.use(ref_config)
-                ref_step = _step_logits(model, lambda m, x, cache, start: fwd(None, x, cache, start),
-                                        ids, P, step_end)
-                ref_emul = torch.cat(ref_kept, 1)
-                for c in todo:
-                    handle.use(configs[c])
-                    r = rows[c]
-                    step = _step_logits(model, lambda m, x, cache, start, c=c, r=r: fwd(c, x, cache, start, r),
-                                        ids, P, step_end)
-                    step_rows[c] = _stepwise_rows(ref_emul[r], ref_step[r], torch.cat(kept[c], 1), step)
-                timings["stepwise_s"] += time.time() - ts
-            for c in todo:
-                for j, bi in enumerate(rows[c]):
-                    doc = token_docs[batch[bi]]
-                    key = {"doc": doc["id"], "policy": c[0], "window": c[1], "seed": c[2]}
-                    f = part_path(out, doc, c)
-                    if not f.exists():
-                        cols = {k: np.concatenate([m[k][j] for m in metrics[c]]) for k in metrics[c][0]}
-                        if cols["kl"].shape[0] != reported.size:
-                            raise RuntimeError(f"cell {c}: {cols['kl'].shape[0]} positions for "
-                                               f"{reported.size} reported ones (runner bug)")
-                        df = pd.DataFrame({**key, "position": reported, **cols})
-                        _write_parquet(df[list(COLUMNS)], f)
-                        n_new += 1
-                    if K and not step_part_path(out, K, doc, c).exists():
-                        sr = {k: v[j] for k, v in step_rows[c].items()}
-                        df = pd.DataFrame({**key, "position": np.arange(P, step_end), **sr})
-                        _write_parquet(df[list(STEP_COLUMNS)], step_part_path(out, K, doc, c))
-                    if E and not state_part_path(out, doc, c).exists():
-                        df = pd.DataFrame(err_rows[c][j], columns=[
-                            k for k in STATE_ERROR_COLUMNS if k not in key])
-                        for k, v in key.items():
-                            df[k] = v
-                        _write_parquet(df[list(STATE_ERROR_COLUMNS)], state_part_path(out, doc, c))
+                del caches, ref_cache
+                step_rows = {}
+                if K:
+                    ts = time.time()
+                    if ref_step is None:  # the stepped reference: once per document batch
+                        handle.use(ref_config)
+                        ref_step = _step_logits(
+                            model, lambda m, x, cache, start: fwd(None, x, cache, start), ids, P, step_end)
+                    ref_emul = torch.cat(ref_kept, 1)
+                    for c in pc:
+                        handle.use(configs[c])
+                        r = rows[c]
+                        step = _step_logits(
+                            model, lambda m, x, cache, start, c=c, r=r: fwd(c, x, cache, start, r),
+                            ids, P, step_end)
+                        step_rows[c] = _stepwise_rows(ref_emul[r], ref_step[r], torch.cat(kept[c], 1), step)
+                    timings["stepwise_s"] += time.time() - ts
+                for c in pc:
+                    for j, bi in enumerate(rows[c]):
+                        doc = token_docs[batch[bi]]
+                        key = {"doc": doc["id"], "policy": c[0], "window": c[1], "seed": c[2]}
+                        f = part_path(out, doc, c)
+                        if not f.exists():
+                            cols = {k: np.concatenate([m[k][j] for m in metrics[c]])
+                                    for k in metrics[c][0]}
+                            if cols["kl"].shape[0] != reported.size:
+                                raise RuntimeError(f"cell {c}: {cols['kl'].shape[0]} positions for "
+                                                   f"{reported.size} reported ones (runner bug)")
+                            df = pd.DataFrame({**key, "position": reported, **cols})
+                            _write_parquet(df[list(COLUMNS)], f)
+                            n_new += 1
+                        if K and not step_part_path(out, K, doc, c).exists():
+                            sr = {k: v[j] for k, v in step_rows[c].items()}
+                            df = pd.DataFrame({**key, "position": np.arange(P, step_end), **sr})
+                            _write_parquet(df[list(STEP_COLUMNS)], step_part_path(out, K, doc, c))
+                        if E and not state_part_path(out, doc, c).exists():
+                            df = pd.DataFrame(err_rows[c][j], columns=[
+                                k for k in STATE_ERROR_COLUMNS if k not in key])
+                            for k, v in key.items():
+                                df[k] = v
+                            _write_parquet(df[list(STATE_ERROR_COLUMNS)], state_part_path(out, doc, c))
     if handle is not None:
         handle.remove()
     timings["total_s"] = time.time() - t0

@@ -489,8 +489,9 @@ def main(argv=None) -> int:
         fit = mine.fits or passes_that_fit(a, shape, ucells, todo, ranks, which=[ranks.rank])
         # every rank refuses together, before any weight loads
         plans, fits = zip(*group.all_gather((mine, fit)))
-        passes = None if any(f is None for f in fits) else min(f for f in fits if f is not True) \
-            if not all(f is True for f in fits) else None
+        # a --cells-per-pass that every rank fits with (True: the rank fits as it is)
+        needed = [f for f in fits if f is not True]
+        passes = min(needed) if needed and None not in needed else None
         msg = refusal(plans, passes)
         if msg:
             raise BadArgs(msg)

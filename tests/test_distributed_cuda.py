@@ -29,7 +29,7 @@ four_gpus = pytest.mark.skipif(GPUS < 4, reason="needs 4 CUDA GPUs")
 
 ARGS = ["--model", "tiny-gdn", "-N", "256", "--max-docs", "2", "--segment-len", "100",
         "--policies", "shared:nvfp4+sr", "eager:fp8e4m3", "read:nvfp4/rec:fp16+sr",
-        "--seeds", "0", "1", "--stepwise-check", "16", "--no-progress", "--device", "cuda",
+        "--seeds", "0", "1", "--stepwise-check", "16", "--no-progress", "--state-error", "--device", "cuda",
         "--dist-timeout", "10"]
 
 

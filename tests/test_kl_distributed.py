@@ -24,17 +24,19 @@ import pytest
 from replayssm_quant.evals.kl import main
 from replayssm_quant.evals.kl import dist as D
 
-# 2 documents x 64 tokens, 3 policies x 2 seeds, stepwise check on the first 8 positions, two
-# segments per document: 6 cells per document, 5 of them computed (eager:fp8e4m3 draws no
+# 2 documents x 64 tokens, 3 policies x 2 seeds, stepwise check on the first 8 positions, the
+# state error at N, two segments per document: 6 cells per document, 5 of them computed (eager:fp8e4m3 draws no
 # random bits, so its two seeds share one computed cell): 10 (document, computed cell) pairs
 def _args(docs: int = 2) -> list:
     return ["--model", "tiny-gdn", "-N", "64", "--max-docs", str(docs), "--segment-len", "40",
             "--policies", "shared:nvfp4+sr", "eager:fp8e4m3", "read:nvfp4/rec:fp16+sr",
-            "--seeds", "0", "1", "--stepwise-check", "8", "--no-progress", "--dist-timeout", "3"]
+            "--seeds", "0", "1", "--stepwise-check", "8", "--state-error", "--no-progress",
+            "--dist-timeout", "3"]
 
 
 ARGS = _args()
-TABLES = ("positions.parquet", "stepwise.parquet", "summary.csv")
+TABLES = ("positions.parquet", "stepwise.parquet", "summary.csv", "buckets.parquet",
+          "state_error.parquet")
 LAUNCH_TIMEOUT = 180
 
 
@@ -66,7 +68,11 @@ def _read(out: Path, name: str):
 
 
 def _assert_same_tables(a: Path, b: Path) -> None:
+    assert (a / "positions.parquet").exists()
     for name in TABLES:
+        assert (a / name).exists() == (b / name).exists(), name
+        if not (a / name).exists():  # e.g. state_error.parquet of a run without --state-error
+            continue
         x, y = _read(a, name), _read(b, name)
         assert list(x.columns) == list(y.columns)
         pd.testing.assert_frame_equal(x, y, check_exact=True)  # every column, bit for bit

@@ -5,10 +5,10 @@ One command (about 6-8 minutes on one H200; needs ~45 GB of free disk under --wo
     python benchmarks/distributed_check.py --out benchmarks/results/distributed_h200.json
 
 (a) **torchrun with 1 GPU equals the plain run**: the embedded tiny-gdn, 2 documents x 2048
-    tokens, 3 policies x 2 seeds, stepwise check of 16 positions, run by ``replayssm-kl
+    tokens, 3 policies x 2 seeds, stepwise check of 16 positions, ``--state-error``, run by ``replayssm-kl
     --device cuda`` and by ``torchrun --nproc-per-node 1 --no-python replayssm-kl --device
-    cuda`` (NCCL process group); every column of positions.parquet, stepwise.parquet and
-    summary.csv compared bit for bit.
+    cuda`` (NCCL process group); every column of positions.parquet, stepwise.parquet,
+    summary.csv, buckets.parquet and state_error.parquet compared bit for bit.
 (b) **a model larger than half the GPU in FP32**: a random-weight qwen3_5 of about 20 B
     parameters (hidden 5120, 48 layers: 81 GB in FP32, more than half of the H200's 141 GB),
     built on the GPU from a config with a fixed seed and saved once as a BF16 checkpoint
@@ -31,8 +31,10 @@ One command (about 6-8 minutes on one H200; needs ~45 GB of free disk under --wo
 
 ``--tiny`` runs the same steps at toy size on any device (a 4-layer qwen3_5, N = 64), in a few
 seconds on CPU (gloo instead of NCCL): tests/test_distributed_check.py runs it in CI.
-JSON: every run's command, wall time, exit code, memory plan and measured peak, and the
-comparisons; ``pass`` is true when (a) and (b)'s acceptance hold.
+JSON: every run's command, wall time, exit code, memory plan and measured peak, its cost
+(``cost``: compute seconds, mean seconds per cell, cells/hour per device: the numbers of
+docs/distributed.md's H200 table), and the comparisons; ``pass`` is true when (a) and (b)'s
+acceptance hold. ``--skip unsharded_bf16`` saves about a minute.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TABLES = ("positions.parquet", "stepwise.parquet", "summary.csv")
+TABLES = ("positions.parquet", "stepwise.parquet", "summary.csv", "buckets.parquet",
+          "state_error.parquet")
 #: FP32 tolerance of the reference path (the fp32-policy path agrees with the unpatched FP32
 #: model to 1.5e-6..3.3e-5 in the logits, docs/kl-runner.md): per position, nats
 FP32_TOL = {"nll_ref": 1e-4, "nll": 1e-4, "kl": 1e-5, "dp_ref": 1e-5}
@@ -129,6 +132,14 @@ def kl(args: list, out: Path, **kw) -> dict:
     man = out / "manifest.json"
     if rc == 0 and man.exists():
         m = json.loads(man.read_text())
+        t = m.get("timings_this_invocation") or {}
+        compute = t.get("reference_s", 0.0) + sum(t.get("policies_s", {}).values()) + t.get("stepwise_s", 0.0)
+        n = m.get("cells_computed_this_run") or 0
+        gpus = max(1, sum(len(p["devices"]) for p in m["distributed"]["memory_plan"]))
+        res["cost"] = {"cells": n, "compute_s": compute, "load_s": t.get("load_s"),
+                       "cell_s_mean": sum(t.get("policies_s", {}).values()) / n if n else None,
+                       "reference_s": t.get("reference_s"),
+                       "cells_per_hour_per_device": 3600 * n / compute / gpus if compute else None}
         res.update(world_size=m.get("world_size"), timings=m.get("timings_this_invocation"),
                    memory_plan=m["distributed"]["memory_plan"],
                    peak_memory=[r.get("peak_memory") for r in m["distributed"]["ranks"]],
@@ -232,8 +243,8 @@ def main(argv=None) -> int:
     if "torchrun" not in a.skip:
         small = ["--model", "tiny-gdn", "-N", "64" if a.tiny else "2048", "--max-docs", "2",
                  "--policies", "shared:nvfp4+sr", "eager:fp8e4m3", "read:nvfp4/rec:fp16+sr",
-                 "--seeds", "0", "1", "--stepwise-check", "8" if a.tiny else "16", "--no-progress",
-                 "--device", dev]
+                 "--seeds", "0", "1", "--stepwise-check", "8" if a.tiny else "16", "--state-error",
+                 "--no-progress", "--device", dev]
         for d in ("a_plain", "a_torchrun1"):
             shutil.rmtree(work / d, ignore_errors=True)
         res["runs"]["a_plain"] = kl(small, work / "a_plain", in_process=inproc)

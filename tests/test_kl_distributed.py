@@ -377,3 +377,19 @@ def test_output_dir_not_shared_by_every_rank_is_refused(tmp_path):
     with pytest.raises(D.BadArgs, match=r"is not shared: ranks \[1\] do not see"):
         _check_shared_output(a, cfg, TwoRanks())
     assert not [f for f in (tmp_path / "o" / "parts").iterdir() if f.name.startswith(".rank0-probe")]
+
+
+def test_run_without_a_memory_plan_warns_and_runs(tmp_path, capsys, monkeypatch):
+    """A config the meta model cannot be built from leaves no memory plan: the run warns and
+    goes on (loading is from_pretrained's business); --device-map auto on CUDA would need it."""
+    import replayssm_quant.evals.kl as K
+
+    def broken(cfg, dtype):
+        raise RuntimeError("custom code")
+
+    monkeypatch.setattr(K, "model_shape", broken)
+    out = tmp_path / "noplan"
+    assert main(SMALL + ["-o", str(out)]) == 0
+    assert "warning: no memory plan" in capsys.readouterr().err
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["model"]["params"] > 0 and man["distributed"]["memory_plan"] == []

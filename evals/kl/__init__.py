@@ -465,13 +465,24 @@ def main(argv=None) -> int:
         try:
             shape = model_shape(cfg, a.dtype)
         except Exception as e:  # noqa: BLE001 - a config the meta model cannot be built from
-            raise BadArgs(f"cannot build model {a.model!r} from its config: {e}") from None
+            # no plan (the run itself may still work: loading is from_pretrained's business)
+            if a.device_map and a.device.startswith("cuda"):
+                raise BadArgs(f"--device-map auto needs the memory plan, but model {a.model!r} "
+                              f"cannot be built from its config on the meta device: {e}") from None
+            if ranks.rank == 0:
+                print(f"replayssm-kl: warning: no memory plan (model {a.model!r} cannot be built "
+                      f"from its config on the meta device: {e})", file=sys.stderr)
+            shape = None
         out = Path(a.output_dir)
         if a.dry_run:
             if ranks.rank != 0:  # under a launcher: rank 0 plans for every rank
                 return 0
             todo = pending_pairs(out, token_docs, ucells, a.stepwise_check, a.state_error)
             todo = todo[:a.max_cells] if a.max_cells else todo
+            if shape is None:
+                print(f"plan: {len(todo)} (document, cell) pairs to compute over "
+                      f"{ranks.world_size} rank(s); no memory plan (see the warning)")
+                return 0
             plans = plan_ranks(a, shape, ucells, todo, ranks)
             print_plan(a, arch, shape, tokz, token_docs, policies, cells, ucells, todo, ranks, plans)
             fits = all(p.fits for p in plans)
@@ -485,16 +496,18 @@ def main(argv=None) -> int:
                                if ranks.rank == 0 else None)
         missing = len(todo)
         todo = todo[:a.max_cells] if a.max_cells else todo
-        mine = plan_ranks(a, shape, ucells, todo, ranks, which=[ranks.rank])[0]
-        fit = mine.fits or passes_that_fit(a, shape, ucells, todo, ranks, which=[ranks.rank])
-        # every rank refuses together, before any weight loads
-        plans, fits = zip(*group.all_gather((mine, fit)))
-        # a --cells-per-pass that every rank fits with (True: the rank fits as it is)
-        needed = [f for f in fits if f is not True]
-        passes = min(needed) if needed and None not in needed else None
-        msg = refusal(plans, passes)
-        if msg:
-            raise BadArgs(msg)
+        mine, plans = None, []
+        if shape is not None:
+            mine = plan_ranks(a, shape, ucells, todo, ranks, which=[ranks.rank])[0]
+            fit = mine.fits or passes_that_fit(a, shape, ucells, todo, ranks, which=[ranks.rank])
+            # every rank refuses together, before any weight loads
+            plans, fits = zip(*group.all_gather((mine, fit)))
+            # a --cells-per-pass that every rank fits with (True: the rank fits as it is)
+            needed = [f for f in fits if f is not True]
+            passes = min(needed) if needed and None not in needed else None
+            msg = refusal(plans, passes)
+            if msg:
+                raise BadArgs(msg)
         if ranks.world_size > 1:
             _check_shared_output(a, cfg, group)
     except BadArgs as e:
@@ -510,7 +523,8 @@ def main(argv=None) -> int:
     try:
         work = dist.shard(todo, ranks.world_size)[ranks.rank]
         return run(a, policies, cfg_path, cfg, arch, token_docs, tokz, work=work, group=group,
-                   device=devices[0], device_map=mine.device_map, params=shape.params,
+                   device=devices[0], device_map=mine.device_map if mine else None,
+                   params=shape.params if shape else None,
                    left=missing - len(todo), plans=[_plan_record(p) for p in plans])
     except KeyboardInterrupt:
         done = len(list((Path(a.output_dir) / "parts").glob("*.parquet")))

@@ -29,6 +29,13 @@ hash of each row's own request tokens (not its batch position or padding), so pe
 scores do not depend on batching and are reproducible for a fixed ``seed``. Unknown model
 arguments are refused before the model loads (:func:`accepted_model_args`).
 
+Model and data parallelism are HFLM's own: ``parallelize=True`` (optionally ``device_map``,
+``max_memory_per_gpu``, ``max_cpu_memory``, ``offload_folder``) loads the model with
+accelerate's ``device_map``, and ``accelerate launch`` on several GPUs splits the requests over
+processes. The adapter adds no rank-dependent state (SR streams are keyed by each row's
+tokens), and when accelerate hooks a mixer (CPU/disk offload) the policy forward runs inside
+the hook, with the offloaded weights loaded (docs/distributed.md).
+
 lm-eval 0.4.13 has no plugin (entry-point) discovery of models, so ``replayssm-lm-eval``
 imports this module (which registers ``replayssm``) and hands the command line to lm_eval.
 ``pyproject.toml`` also declares the ``lm_eval.models`` entry point for versions that scan it.
@@ -119,12 +126,14 @@ class ReplaySSMLM(HFLM):
             step and serving) or ``clamp`` (as the chunked scan); docs/adapters.md.
         softmax_dtype: as HFLM, but defaults to ``float32``: log-probabilities are FP32
             ``log_softmax`` of the logits whatever the model's ``dtype``.
-        every other named argument of HFLM (``device``, ``dtype``, ``batch_size``, ...); the
-            full list is :func:`accepted_model_args`.
+        every other named argument of HFLM (``device``, ``dtype``, ``batch_size``,
+            ``parallelize``, ``max_memory_per_gpu``, ...) and ``device_map`` (with
+            ``parallelize=True``); the full list is :func:`accepted_model_args`.
 
     Raises:
         ValueError: an unknown argument, or a bad ``state``/``window``/``seed``/``max_drafts``/
-            ``gdn_fold``/``dt_limit``, or ``logits_cache=True`` (all before the model loads).
+            ``gdn_fold``/``dt_limit``/``device_map``, or ``logits_cache=True`` (all before
+            the model loads).
     """
 
     def __init__(self, pretrained="tiny-gdn", state="fp32", window=16, seed=0, max_drafts=0,
@@ -139,6 +148,7 @@ class ReplaySSMLM(HFLM):
         # lm-eval's logits cache shares one forward between requests whose tokens agree; under
         # a state policy the logits also depend on where the prefill ends, so it stays off.
         _check_logits_cache(kwargs.get("logits_cache", False))
+        _check_device_map(kwargs.get("device_map"))
         pretrained = _check_pretrained(pretrained)
         if "device" not in kwargs or kwargs["device"] is None:
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
@@ -285,12 +295,21 @@ class ReplaySSMLM(HFLM):
         return result
 
 
+#: Keys of HFLM's ``**kwargs`` that HFLM itself reads (not only forwards to
+#: ``from_pretrained``): ``device_map`` picks accelerate's placement under ``parallelize=True``.
+HFLM_KWARGS = ("device_map",)
+#: ``device_map`` values for ``parallelize=True`` (accelerate's placement strategies).
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
 def accepted_model_args() -> tuple[str, ...]:
     """Names of the model arguments ``replayssm`` accepts, sorted: its own (``state``,
-    ``window``, ``seed``, ``max_drafts``, ``gdn_fold``, ``pretrained``) and every named
-    parameter of the installed lm-eval's ``HFLM.__init__``, read from its signature (HFLM's
-    ``**kwargs``, which it would pass on to ``from_pretrained``, are not accepted)."""
-    names = set()
+    ``window``, ``seed``, ``max_drafts``, ``gdn_fold``, ``pretrained``), every named
+    parameter of the installed lm-eval's ``HFLM.__init__``, read from its signature, and the
+    keys of HFLM's ``**kwargs`` that HFLM reads itself (:data:`HFLM_KWARGS`: ``device_map``,
+    with ``parallelize=True``); other ``**kwargs``, which HFLM would pass on to
+    ``from_pretrained``, are not accepted."""
+    names = set(HFLM_KWARGS)
     for fn in (ReplaySSMLM.__init__, HFLM.__init__):
         for p in inspect.signature(fn).parameters.values():
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
@@ -321,6 +340,12 @@ def _check_gdn_fold(value) -> GDNFold:
         return GDNFold.parse(value)
     except ValueError as e:
         raise ValueError(f"model argument {e}") from None
+
+
+def _check_device_map(value) -> None:
+    if value is not None and value not in DEVICE_MAPS:
+        raise ValueError(f"model argument device_map must be one of {', '.join(DEVICE_MAPS)} "
+                         f"(accelerate's placement under parallelize=True), got {value!r}")
 
 
 def _check_logits_cache(value) -> None:
@@ -363,6 +388,7 @@ def check_model_args(model_args: str | dict | None) -> None:
     _check_gdn_fold(kv.get("gdn_fold", "recompute"))
     _check_dt_limit(kv.get("dt_limit", "decode"))
     _check_logits_cache(kv.get("logits_cache", False))
+    _check_device_map(kv.get("device_map"))
     if "pretrained" in kv:
         _check_pretrained(kv["pretrained"])
 

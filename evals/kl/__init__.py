@@ -41,8 +41,11 @@ from replayssm_quant.config import GDNFold
 
 from .documents import BOS_CHOICES, BadTokenizer, load_tokenization, make_documents
 from .metrics import PERCENTILES, pair_kl, position_metrics, summarize  # noqa: F401 (re-exported)
+from .memory import cache_bytes, check_budget_arg, device_budget, format_bytes, model_shape, plan_rank
 from .run import (COLUMNS, IDENTITY_FILE, METRICS_VERSION, STEP_COLUMNS, BadArgs,  # noqa: F401
-                  _check_identity, _set_threads, run, run_identity, stepwise_summary)
+                  REFERENCE_WINDOW, _check_identity, _set_threads, cell_plan, pending_pairs, run,
+                  run_cells, run_identity,
+                  stepwise_summary)
 
 EXIT_BAD_ARGS = 2
 DEFAULT_POLICIES = ("shared:nvfp4+sr", "read:nvfp4/rec:fp32", "read:nvfp4/rec:fp16+sr",
@@ -110,7 +113,30 @@ def build_parser() -> argparse.ArgumentParser:
                    "flush, each SSM layer's and "
                    "head's relative state error (read copy and recurrence anchor against the fp32 "
                    "reference state) and the head's mean decay: state_error.parquet")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and a memory estimate, then exit")
+    p.add_argument("--device-map", default=None, choices=("auto",), dest="device_map",
+                   help="'auto': shard one model over the rank's GPUs with accelerate (as "
+                   "from_pretrained(device_map='auto')); under torchrun the node's GPUs are split "
+                   "among its ranks (4 GPUs, 2 ranks: 2 GPUs each); on CPU everything stays on the "
+                   "CPU. Default: the whole model on --device (docs/distributed.md)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB", dest="memory_budget",
+                   help="memory per device and rank to plan with, in GiB (default: the free memory "
+                   "of each GPU; on CPU the available memory divided among the node's ranks); a "
+                   "plan that does not fit is refused before any compute (exit 2)")
+    p.add_argument("--cells-per-pass", type=int, default=0, metavar="G", dest="cells_per_pass",
+                   help="run a document's cells in passes of G cells, each pass with its own "
+                   "reference pass (G + 1 caches live instead of one per cell + 1; costs one "
+                   "reference forward per extra pass; results do not change). Default 0 = all "
+                   "cells of a document in one pass")
+    p.add_argument("--max-cells", type=int, default=None, metavar="M", dest="max_cells",
+                   help="compute at most M of the missing (document, policy, window, seed) cells in "
+                   "this invocation (all ranks together), then stop; rerun to continue (for "
+                   "time-limited jobs). Tables are written once every cell is done")
+    p.add_argument("--dist-timeout", type=float, default=1440.0, metavar="MIN", dest="dist_timeout",
+                   help="timeout of the process group's collectives in minutes (default 1440); "
+                   "rank 0 waits this long at the end for the slowest rank")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (cells per rank) and the memory plan per rank, then exit; "
+                   "exit 2 if a rank's plan does not fit its devices")
     p.add_argument("--no-progress", action="store_true", help="disable progress bars")
     return p
 
@@ -169,6 +195,18 @@ def _check_args(a) -> list:
 
         if not torch.cuda.is_available():
             raise BadArgs(f"--device {a.device}: CUDA is not available")
+    elif a.device != "cpu":
+        raise BadArgs(f"--device must be cpu, cuda or cuda:I, got {a.device!r}")
+    if a.device_map and a.device.startswith("cuda:"):
+        raise BadArgs(f"--device-map auto places the model on the rank's GPUs itself; give "
+                      f"--device cuda, not {a.device}")
+    if a.cells_per_pass < 0:
+        raise BadArgs(f"--cells-per-pass must be >= 0 (0 = all cells in one pass), got {a.cells_per_pass}")
+    if a.max_cells is not None and a.max_cells <= 0:
+        raise BadArgs(f"--max-cells must be > 0, got {a.max_cells}")
+    if not a.dist_timeout > 0:
+        raise BadArgs(f"--dist-timeout must be > 0 minutes, got {a.dist_timeout}")
+    check_budget_arg(a.memory_budget)
     return pols
 
 
@@ -209,87 +247,147 @@ def _load_docs(a):
     return docs
 
 
-# ------------------------------------------------------------------------------ estimates
-def _meta_model(cfg):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
-
-
+# ------------------------------------------------------------------------------ plan
 def memory_estimate(cfg, a, n_cells: int) -> dict:
-    """Rough peak bytes: weights + per-cache state (ReplaySSM A, R, buffer; conv; KV) for the
-    reference and each live cell + one segment of logits (several FP32 copies)."""
+    """Rough peak bytes of a single-process run whose every document needs all ``n_cells``
+    cells (kept for callers of the old estimate; the runner plans per rank with
+    :func:`plan_ranks`)."""
+    from replayssm_quant.config import StateConfig
+
+    shape = model_shape(cfg, a.dtype)
+    ref = StateConfig.build("fp32", window=REFERENCE_WINDOW, seed=0, fold=a.gdn_fold)
+    configs = [StateConfig.build(p, window=w, seed=s, fold=a.gdn_fold)
+               for p in a.policies for w in a.windows for s in a.seeds][:n_cells]
+    pairs = [(d, c) for d in range(a.batch_size) for c in range(len(configs))]
+    plan = plan_rank(0, shape, a, pairs, configs, ref, ["cpu"], {"cpu": 1 << 62})
+    return {"params": shape.params, "weights_bytes": shape.weights_bytes,
+            "state_bytes_per_cache": cache_bytes(shape, ref, a.max_tokens)["state"],
+            "kv_bytes_per_cache": cache_bytes(shape, ref, a.max_tokens)["kv"],
+            "caches": plan.live_caches, "logits_bytes": plan.logits,
+            "total_bytes": plan.total("cpu")}
+
+
+def rank_devices(a, ranks, rank: int | None = None) -> tuple[list, list | None]:
+    """Devices of rank ``rank`` (default: this process's): ``(devices, device-map GPUs)``.
+    CPU: ``["cpu"]``; CUDA: ``["cuda:LOCAL_RANK"]``, or with ``--device-map auto`` the rank's
+    group of the node's GPUs (:func:`~replayssm_quant.evals.kl.dist.gpu_group`)."""
+    from . import dist
+
+    if rank is not None:  # planning for another rank of the same (homogeneous) launch
+        ranks = dist.Ranks(rank, ranks.world_size, rank % ranks.local_world_size,
+                           ranks.local_world_size, ranks.launched)
+    if not a.device.startswith("cuda"):
+        return ["cpu"], None
     import torch
 
-    from replayssm_quant.adapters import find_ssm_mixers
-    from replayssm_quant.adapters import gdn as G
-    from replayssm_quant.adapters import mamba2 as M
-
-    bytes_per = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}[a.dtype]
-    model = _meta_model(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    B, L, N = a.batch_size, max(a.windows), a.max_tokens
-    state = 0
-    for _, mixer, fam in find_ssm_mixers(model):
-        H, V, K = (M.dims(mixer) if fam == "mamba2" else G.dims(mixer))
-        work = 8 if a.dtype == "float64" else 4
-        state += B * H * V * K * work * 2  # A and R (dequantised, working dtype)
-        state += B * L * H * (V + K + 2) * work  # buffer records
-        state += B * mixer.conv_dim * mixer.conv_kernel_size * bytes_per
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    n_attn = sum(1 for m in model.modules() if type(m).__name__.endswith("Attention"))
-    kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // max(1, text.num_attention_heads or 1))
-    kv = n_attn * 2 * B * N * kv_heads * head_dim * bytes_per
-    vocab = text.vocab_size
-    # two FP32 segments of logits + float64 temporaries of the metrics (chunked, metrics.py)
-    logits = B * min(a.segment_len, N) * vocab * 4 * 2 + 6 * 8 * min(B * min(a.segment_len, N) * vocab, 1 << 24)
-    K = a.stepwise_check or 0
-    logits += (1 + n_cells) * B * K * vocab * 4 * 2  # kept emulation + stepping logits
-    per_cache = state + kv
-    total = n_params * bytes_per + per_cache * (1 + n_cells + (2 if K else 0)) + logits
-    del torch
-    return {"params": n_params, "weights_bytes": n_params * bytes_per, "state_bytes_per_cache": state,
-            "kv_bytes_per_cache": kv, "caches": 1 + n_cells + (2 if K else 0), "logits_bytes": logits,
-            "total_bytes": total}
+    n = torch.cuda.device_count()
+    if a.device_map:
+        gpus = dist.gpu_group(ranks.local_rank, ranks.local_world_size, n)
+        return [f"cuda:{i}" for i in gpus], gpus
+    dev = dist.rank_device(a.device, ranks, n)
+    return [dev if ":" in dev else "cuda:0"], None
 
 
+def plan_ranks(a, shape, cells, todo: list, ranks, which=None) -> list:
+    """The memory plan of every rank (``which``: only these ranks) for the pairs ``todo``."""
+    from replayssm_quant.config import StateConfig
+
+    from . import dist
+
+    ref = StateConfig.build("fp32", window=REFERENCE_WINDOW, seed=0, fold=a.gdn_fold)
+    configs = [StateConfig.build(p, window=w, seed=s, fold=a.gdn_fold) for p, w, s in cells]
+    shards = dist.shard(todo, ranks.world_size)
+    plans = []
+    for r in (range(ranks.world_size) if which is None else which):
+        devices, gpus = rank_devices(a, ranks, r)
+        budget = {d: device_budget(d, ranks.local_world_size, a.memory_budget) for d in devices}
+        plans.append(plan_rank(r, shape, a, shards[r], configs, ref, devices, budget, gpus))
+    return plans
 
 
+def print_plan(a, arch, shape, tokz, token_docs, policies, cells, ucells, todo, ranks, plans) -> None:
+    """The ``--dry-run`` report: run, cells, resume state, per-rank shares and memory."""
+    from replayssm_quant.config import StateConfig
+
+    bos = tokz.manifest()
+    n_pairs = len(ucells) * len(token_docs)
+    print(f"plan: model {a.model} ({arch}, {shape.params:,} parameters, {a.dtype}, {a.device}"
+          f"{', device map auto' if a.device_map else ''})")
+    print(f"      {len(token_docs)} documents x N={a.max_tokens} tokens (prefill {a.prefill}), "
+          f"segments of {min(a.segment_len, a.max_tokens)}, batch {a.batch_size}, tokenizer {tokz.name}, "
+          f"BOS {a.add_bos_token} ({bos['documents_starting_with_bos']} of "
+          f"{bos['documents']} documents start with BOS)")
+    print(f"      {len(cells)} cells = policies {[str(p) for p in policies]} x windows {a.windows} "
+          f"x seeds {a.seeds} ({len(ucells)} computed: eager: cells run with L = 1, cells "
+          f"without SR ignore the seed); reference fp32 (L = {REFERENCE_WINDOW}) computed once "
+          f"per document and rank; stepwise check of the first {a.stepwise_check} positions")
+    print(f"      {n_pairs - len(todo)} of {n_pairs} (document, cell) pairs already done in "
+          f"{a.output_dir} (resume); {len(todo)} to compute"
+          + (f", at most {a.max_cells} in this invocation (--max-cells)" if a.max_cells else ""))
+    print(f"      world size {ranks.world_size} ({ranks.local_world_size} per node): contiguous "
+          "document-major blocks of the pairs to compute")
+    print(f"      output -> {a.output_dir}")
+    print(f"memory per cache of one document (N={a.max_tokens}):")
+    ref = StateConfig.build("fp32", window=REFERENCE_WINDOW, seed=0, fold=a.gdn_fold)
+    seen = set()
+    for name, conf in [("reference fp32", ref)] + [
+            (f"{p} L={StateConfig.build(p, window=w).window}",
+             StateConfig.build(p, window=w, seed=0, fold=a.gdn_fold)) for p, w, _ in ucells]:
+        if name in seen:
+            continue
+        seen.add(name)
+        cb = cache_bytes(shape, conf, a.max_tokens)
+        print(f"      {name:32s} state {format_bytes(cb['state'])} + window buffer "
+              f"{format_bytes(cb['records'])} + conv {format_bytes(cb['conv'])} + KV "
+              f"{format_bytes(cb['kv'])} = {format_bytes(cb['total'])}")
+    print("memory estimate per rank (budget: free device memory, or --memory-budget):")
+    for p in plans:
+        devs = ",".join(p.devices)
+        print(f"  rank {p.rank}: {devs}: {p.pairs} pairs over {p.documents} document(s), "
+              f"{p.live_caches} caches live at once ({p.live_cells} cells + references)")
+        for d in p.devices:
+            w = p.weights.get(d, 0)
+            ok = p.total(d) <= p.budget[d] and not p.problem
+            print(f"      {d}: weights {format_bytes(w)} + caches "
+                  f"{format_bytes(p.caches // len(p.devices))} + logits {format_bytes(p.logits)} "
+                  f"+ activations {format_bytes(p.activations)} + overhead "
+                  f"{format_bytes(p.overhead)} = {format_bytes(p.total(d))} of "
+                  f"{format_bytes(p.budget[d])}: {'fits' if ok else 'DOES NOT FIT'}")
+        if p.problem:
+            print(f"      {p.problem}")
 
 
+def passes_that_fit(a, shape, cells, todo, ranks, which=None) -> int | None:
+    """The largest ``--cells-per-pass`` below the current one with which every planned rank
+    fits (None if none does): the plan's suggestion when it refuses."""
+    import copy
+
+    current = a.cells_per_pass or len(cells)
+    lo, hi, best = 1, current - 1, None
+    while lo <= hi:  # fewer cells per pass never needs more memory: bisect
+        mid = (lo + hi) // 2
+        b = copy.copy(a)
+        b.cells_per_pass = mid
+        if all(p.fits for p in plan_ranks(b, shape, cells, todo, ranks, which)):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+def refusal(plans, passes=None) -> str:
+    """The exit-2 message of a plan some rank cannot hold ('' if every rank fits); ``passes``:
+    a ``--cells-per-pass`` value that would fit, if any."""
+    bad = [p for p in plans if not p.fits]
+    if not bad:
+        return ""
+    more = f" (and {len(bad) - 1} more of the {len(plans)} ranks)" if len(bad) > 1 else ""
+    hint = f"--cells-per-pass {passes} (fits), " if passes else ""
+    return ("the plan does not fit: " + bad[0].why() + more
+            + f". Use {hint}more ranks (each then holds fewer cells), --device-map auto over more GPUs, "
+            "a smaller --batch-size or --segment-len, fewer --stepwise-check positions, or "
+            "fewer policies/windows/seeds per run (see --dry-run; --memory-budget overrides the "
+            "detected budget)")
 
 
 def _check_documents(token_docs) -> None:
@@ -305,11 +403,51 @@ def _check_documents(token_docs) -> None:
         seen_id[d["id"]] = seen_sha[d["sha"]] = d["id"]
 
 
+def _check_shared_output(a, cfg, group) -> None:
+    """Every rank must see the same ``--output-dir`` (rank 0 merges the ranks' part files):
+    rank 0 writes a probe file there, every rank looks for it."""
+    import uuid
+
+    from .run import write_identity
+
+    out = Path(a.output_dir)
+    name = group.broadcast(f".rank0-probe-{uuid.uuid4().hex}" if group.rank == 0 else None)
+    if group.rank == 0:
+        write_identity(a, cfg)
+        (out / "parts" / name).write_text("")
+    group.all_gather(None)  # the probe exists before anyone looks
+    seen = group.all_gather((out / "parts" / name).exists())
+    group.all_gather(None)
+    if group.rank == 0:
+        (out / "parts" / name).unlink(missing_ok=True)
+    if not all(seen):
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        raise BadArgs(f"--output-dir {a.output_dir!r} is not shared: ranks {blind} do not see the "
+                      "files rank 0 writes there; put it on a filesystem every node mounts "
+                      "(each rank writes its part files there and rank 0 merges them)")
+
+
+def _plan_record(p) -> dict:
+    """A rank's memory plan as the manifest records it (bytes)."""
+    return {"rank": p.rank, "devices": p.devices, "pairs": p.pairs, "documents": p.documents,
+            "live_caches": p.live_caches, "weights": p.weights, "caches": p.caches,
+            "logits": p.logits, "activations": p.activations, "overhead": p.overhead,
+            "total": {d: p.total(d) for d in p.devices}, "budget": p.budget}
+
+
 def main(argv=None) -> int:
+    """``replayssm-kl``: check the arguments and the plan, then run this process's share of the
+    cells (a plain run, or one rank under torchrun / accelerate launch). Returns the exit
+    code: 0, 2 for bad input or a plan that does not fit (before any compute), 130 when
+    interrupted."""
+    from . import dist
+
     parser = build_parser()
     a = parser.parse_args(argv)
+    ranks = group = None
     try:
         policies = _check_args(a)
+        ranks = dist.ranks_from_env(planning=a.dry_run)
         cfg_path, cfg, arch = _load_config(a.model)
         docs = _load_docs(a)
         vocab = cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size
@@ -323,34 +461,78 @@ def main(argv=None) -> int:
             raise BadArgs(f"dataset {a.dataset} has fewer than {a.max_tokens} tokens in all; "
                           "lower --max-tokens")
         _check_documents(token_docs)
-        n_cells = len(policies) * len(a.windows) * len(a.seeds)
+        cells, _canon, ucells, _configs = cell_plan(policies, a)  # ucells: the units of work
+        try:
+            shape = model_shape(cfg, a.dtype)
+        except Exception as e:  # noqa: BLE001 - a config the meta model cannot be built from
+            # no plan (the run itself may still work: loading is from_pretrained's business)
+            if a.device_map and a.device.startswith("cuda"):
+                raise BadArgs(f"--device-map auto needs the memory plan, but model {a.model!r} "
+                              f"cannot be built from its config on the meta device: {e}") from None
+            if ranks.rank == 0:
+                print(f"replayssm-kl: warning: no memory plan (model {a.model!r} cannot be built "
+                      f"from its config on the meta device: {e})", file=sys.stderr)
+            shape = None
+        out = Path(a.output_dir)
         if a.dry_run:
-            est = memory_estimate(cfg, a, n_cells)
-            bos = tokz.manifest()
-            print(f"plan: model {a.model} ({arch}, {est['params']:,} parameters, {a.dtype}, {a.device})")
-            print(f"      {len(token_docs)} documents x N={a.max_tokens} tokens (prefill {a.prefill}), "
-                  f"segments of {min(a.segment_len, a.max_tokens)}, batch {a.batch_size}, tokenizer {tokz.name}, "
-                  f"BOS {a.add_bos_token} ({bos['documents_starting_with_bos']} of "
-                  f"{bos['documents']} documents start with BOS)")
-            print(f"      {n_cells} cells = policies {[str(p) for p in policies]} x windows {a.windows} "
-                  f"x seeds {a.seeds}; reference fp32 computed once per document; stepwise check of "
-                  f"the first {a.stepwise_check} positions")
-            print(f"      output -> {a.output_dir}")
-            print(f"memory estimate: {est['total_bytes'] / 2**20:.1f} MiB (weights "
-                  f"{est['weights_bytes'] / 2**20:.1f} MiB, per cache: state "
-                  f"{est['state_bytes_per_cache'] / 2**20:.2f} MiB + KV {est['kv_bytes_per_cache'] / 2**20:.2f} "
-                  f"MiB, x{est['caches']} caches, logits {est['logits_bytes'] / 2**20:.1f} MiB)")
+            if ranks.rank != 0:  # under a launcher: rank 0 plans for every rank
+                return 0
+            todo = pending_pairs(out, token_docs, ucells, a.stepwise_check, a.state_error)
+            todo = todo[:a.max_cells] if a.max_cells else todo
+            if shape is None:
+                print(f"plan: {len(todo)} (document, cell) pairs to compute over "
+                      f"{ranks.world_size} rank(s); no memory plan (see the warning)")
+                return 0
+            plans = plan_ranks(a, shape, ucells, todo, ranks)
+            print_plan(a, arch, shape, tokz, token_docs, policies, cells, ucells, todo, ranks, plans)
+            fits = all(p.fits for p in plans)
+            msg = refusal(plans, None if fits else passes_that_fit(a, shape, ucells, todo, ranks))
+            if msg:
+                raise BadArgs(msg)
             return 0
+        devices, gpus = rank_devices(a, ranks)
+        group = dist.start_group(ranks, devices[0], a.dist_timeout)
+        todo = group.broadcast(pending_pairs(out, token_docs, ucells, a.stepwise_check, a.state_error)
+                               if ranks.rank == 0 else None)
+        missing = len(todo)
+        todo = todo[:a.max_cells] if a.max_cells else todo
+        mine, plans = None, []
+        if shape is not None:
+            mine = plan_ranks(a, shape, ucells, todo, ranks, which=[ranks.rank])[0]
+            fit = mine.fits or passes_that_fit(a, shape, ucells, todo, ranks, which=[ranks.rank])
+            # every rank refuses together, before any weight loads
+            plans, fits = zip(*group.all_gather((mine, fit)))
+            # a --cells-per-pass that every rank fits with (True: the rank fits as it is)
+            needed = [f for f in fits if f is not True]
+            passes = min(needed) if needed and None not in needed else None
+            msg = refusal(plans, passes)
+            if msg:
+                raise BadArgs(msg)
+        if ranks.world_size > 1:
+            _check_shared_output(a, cfg, group)
     except BadArgs as e:
-        print(f"replayssm-kl: error: {e}", file=sys.stderr)
+        # before the group exists every rank reports (ranks may differ, e.g. a missing GPU);
+        # after it, the decision is common and rank 0 reports it
+        if group is None or not group.active or group.rank == 0:
+            who = (f"rank {ranks.rank}: " if ranks is not None and ranks.world_size > 1
+                   and group is None and not a.dry_run else "")
+            print(f"replayssm-kl: error: {who}{e}", file=sys.stderr)
+        if group is not None:
+            group.close()
         return EXIT_BAD_ARGS
     try:
-        return run(a, policies, cfg_path, cfg, arch, token_docs, tokz)
+        work = dist.shard(todo, ranks.world_size)[ranks.rank]
+        return run(a, policies, cfg_path, cfg, arch, token_docs, tokz, work=work, group=group,
+                   device=devices[0], device_map=mine.device_map if mine else None,
+                   params=shape.params if shape else None,
+                   left=missing - len(todo), plans=[_plan_record(p) for p in plans])
     except KeyboardInterrupt:
         done = len(list((Path(a.output_dir) / "parts").glob("*.parquet")))
         print(f"\nreplayssm-kl: interrupted; {done} finished cells are saved in "
               f"{a.output_dir}/parts; run the same command again to resume", file=sys.stderr)
         return 130
+    finally:
+        group.close()
 
 
 if __name__ == "__main__":

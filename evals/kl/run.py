@@ -231,178 +231,284 @@ def stepwise_summary(step) -> list:
     return rows
 
 
-def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
+def part_path(out: Path, doc: dict, cell) -> Path:
+    """Part file of one finished (document, cell): ``parts/<key>.parquet``."""
+    return out / "parts" / f"{_cell_key(doc, *cell)}.parquet"
+
+
+def step_part_path(out: Path, K: int, doc: dict, cell) -> Path:
+    """Stepwise-check part file of one (document, cell): ``parts/stepwise-K<K>/<key>.parquet``."""
+    return _step_dir(out, K) / f"{_cell_key(doc, *cell)}.parquet"
+
+
+def state_part_path(out: Path, doc: dict, cell) -> Path:
+    """State-error part file of one (document, cell): ``parts/state-error/<key>.parquet``."""
+    return _state_dir(out) / f"{_cell_key(doc, *cell)}.parquet"
+
+
+def run_cells(policies, a) -> list:
+    """The run's cells ``(policy string, window, seed)``, policy-major, as the tables order them."""
+    return [(str(p), w, s) for p in policies for w in a.windows for s in a.seeds]
+
+
+def cell_plan(policies, a) -> tuple:
+    """``(cells, canon, ucells, configs)``: the requested cells (the tables' labels), the
+    computed cell of each (:func:`canonical_cells`), the computed cells in request order (the
+    units of work and of the part files), and the parsed ``StateConfig`` of every one."""
+    from replayssm_quant.config import StateConfig
+
+    cells = run_cells(policies, a)
+    pols = [p for p in policies for _ in a.windows for _ in a.seeds]
+    configs = {c: StateConfig.build(p, window=c[1], seed=c[2], fold=a.gdn_fold)
+               for c, p in zip(cells, pols)}
+    canon = canonical_cells(cells, configs, a.seeds)
+    ucells = list(dict.fromkeys(canon.values()))
+    for c, p in zip(cells, pols):
+        if canon[c] not in configs:
+            configs[canon[c]] = StateConfig.build(p, window=canon[c][1], seed=canon[c][2],
+                                                  fold=a.gdn_fold)
+    return cells, canon, ucells, configs
+
+
+def pending_pairs(out: Path, token_docs, ucells, K: int, E: bool = False) -> list:
+    """``(document index, computed-cell index)`` of every computed cell whose part file (or,
+    with the stepwise check / ``--state-error``, whose stepwise / state-error part) is
+    missing, document-major: the work left (resume)."""
+    return [(d, c) for d in range(len(token_docs)) for c in range(len(ucells))
+            if not part_path(out, token_docs[d], ucells[c]).exists()
+            or (K and not step_part_path(out, K, token_docs[d], ucells[c]).exists())
+            or (E and not state_part_path(out, token_docs[d], ucells[c]).exists())]
+
+
+def write_identity(a, cfg) -> None:
+    """Write ``run_identity.json`` (atomically: other ranks may be reading it)."""
+    out = Path(a.output_dir)
+    (out / "parts").mkdir(parents=True, exist_ok=True)
+    f = out / IDENTITY_FILE
+    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(run_identity(a, cfg), indent=2))
+    os.replace(tmp, f)
+
+
+def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=None,
+        device=None, device_map=None, params=None, left=0, plans=None) -> int:
+    """Compute this rank's (document, cell) pairs and, on rank 0, write the tables.
+
+    Args:
+        work: this rank's ``(document index, cell index)`` pairs (default: every missing one).
+        group: the :class:`~replayssm_quant.evals.kl.dist.Group` (default: a single process).
+        device: this rank's torch device for the inputs (default ``a.device``).
+        device_map: accelerate device map of ``--device-map auto`` on CUDA (None: one device).
+        params: parameter count (manifest; default: counted on the loaded model).
+        left: pairs that remain missing after this invocation (``--max-cells``): the tables
+            are then not written.
+        plans: the memory plan of every rank (recorded in the manifest).
+    Returns the exit code (0).
+    """
     import numpy as np
     import pandas as pd
     import torch
     from tqdm.auto import tqdm
 
     from replayssm_quant.adapters import apply_state_policy
+    from replayssm_quant.adapters.mamba2 import DtLimit
     from replayssm_quant.adapters.segments import forward_each
-    from replayssm_quant.config import StateConfig
     from replayssm_quant.models import load_model
 
     t0 = time.time()
     out = Path(a.output_dir)
-    parts = out / "parts"
-    parts.mkdir(parents=True, exist_ok=True)
-    (out / IDENTITY_FILE).write_text(json.dumps(run_identity(a, cfg), indent=2))
+    cells, canon, ucells, configs = cell_plan(policies, a)
+    N, P, S, K = a.max_tokens, a.prefill, a.segment_len, a.stepwise_check
+    E = bool(getattr(a, "state_error", False))
+    if work is None:
+        work = pending_pairs(out, token_docs, ucells, K, E)
+    rank = group.rank if group is not None else 0
+    world = group.world_size if group is not None else 1
+    device = device or a.device
+    quiet = a.no_progress or rank != 0
+    if rank == 0:
+        write_identity(a, cfg)
+    (out / "parts").mkdir(parents=True, exist_ok=True)
+    step_end = P + K
+    if K:
+        _step_dir(out, K).mkdir(parents=True, exist_ok=True)
+    if E:
+        _state_dir(out).mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, a.dtype)
     if a.no_progress:  # transformers' weight-loading bar too
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-    model, _ = load_model(a.model, dtype=dtype, device=a.device, tokenizer=False)
-    threads = _set_threads(a, model)
-    t_load = time.time() - t0
-    cells = [(str(p), w, s) for p in policies for w in a.windows for s in a.seeds]
-    cell_policies = [p for p in policies for _ in a.windows for _ in a.seeds]
+    timings = {"load_s": 0.0, "reference_s": 0.0, "policies_s": {c[0]: 0.0 for c in cells},
+               "stepwise_s": 0.0}
     # the fp32 reference: the sequential FP32 recurrence (L = 1: every token's output read
     # from the freshly updated unrounded state), whatever --windows asks, so a cell's numbers
     # do not depend on the other cells of the run
     ref_window = REFERENCE_WINDOW
-    handle = apply_state_policy(model, "fp32", window=ref_window, seed=0,
-                                prefill=a.prefill > 0, gdn_fold=a.gdn_fold, dt_limit=a.dt_limit)
-    # every cell's settings parsed once (the policies were parsed by the argument checks)
-    ref_config = handle.config
-    configs = {c: StateConfig.build(pol, window=c[1], seed=c[2], fold=a.gdn_fold)
-               for c, pol in zip(cells, cell_policies)}
-    canon = canonical_cells(cells, configs, a.seeds)
-    ucells = list(dict.fromkeys(canon.values()))  # what is computed, in request order
-    for c, pol in zip(cells, cell_policies):
-        if canon[c] not in configs:
-            configs[canon[c]] = StateConfig.build(pol, window=canon[c][1], seed=canon[c][2],
-                                                  fold=a.gdn_fold)
-    E = bool(getattr(a, "state_error", False))
-    state_dir = _state_dir(out)
-    if E:
-        state_dir.mkdir(parents=True, exist_ok=True)
-    N, P, S, K = a.max_tokens, a.prefill, a.segment_len, a.stepwise_check
-    step_end = P + K
-    step_dir = _step_dir(out, K)
-    if K:
-        step_dir.mkdir(parents=True, exist_ok=True)
-    timings = {"load_s": t_load, "reference_s": 0.0, "policies_s": {c[0]: 0.0 for c in cells},
-               "stepwise_s": 0.0}
     bounds = _segments(N, P, S)
     reported = np.concatenate([np.arange(lo, hi) for lo, hi in bounds if hi > P])
     assert reported.tolist() == list(range(P, N)), "segment bounds do not tile [prefill, N)"
+    model = handle = None
+    n_new = n_refs = 0
+    threads = _set_threads(a)
+    if work:
+        kw = {"device_map": device_map} if device_map else {}
+        model, _ = load_model(a.model, dtype=dtype, device=device, tokenizer=False, **kw)
+        threads = _set_threads(a, model)
+        if params is None:
+            params = int(sum(p.numel() for p in model.parameters()))
+        handle = apply_state_policy(model, "fp32", window=ref_window, seed=0,
+                                    prefill=a.prefill > 0, gdn_fold=a.gdn_fold, dt_limit=a.dt_limit)
+        ref_config = handle.config
+    timings["load_s"] = time.time() - t0
 
-    def part(d, c):
-        return parts / f"{_cell_key(token_docs[d], *canon.get(c, c))}.parquet"
-
-    def step_part(d, c):
-        return step_dir / f"{_cell_key(token_docs[d], *canon.get(c, c))}.parquet"
-
-    def state_part(d, c):
-        return state_dir / f"{_cell_key(token_docs[d], *canon.get(c, c))}.parquet"
-
-    def missing(d, c):
-        return (not part(d, c).exists() or (K and not step_part(d, c).exists())
-                or (E and not state_part(d, c).exists()))
-
-    n_new = 0
-    batches = [list(range(i, min(len(token_docs), i + a.batch_size)))
-               for i in range(0, len(token_docs), a.batch_size)]
-    bar = tqdm(batches, desc="documents", unit="batch", disable=a.no_progress)
+    cells_of: dict = {}  # document index -> this rank's computed cells of it, in order
+    for d, c in work:
+        cells_of.setdefault(d, []).append(ucells[c])
+    docs = sorted(cells_of)
+    batches = [docs[i:i + a.batch_size] for i in range(0, len(docs), a.batch_size)]
+    bar = tqdm(batches, desc="documents", unit="batch", disable=quiet)
     with torch.no_grad():
         for batch in bar:
-            todo = [c for c in ucells if any(missing(d, c) for d in batch)]
-            if not todo:
-                continue
-            full = torch.tensor([token_docs[d]["ids"] for d in batch], device=a.device)
+            # rows[c]: positions in the batch of the documents that need cell c
+            rows = {c: [i for i, d in enumerate(batch) if c in cells_of[d]] for c in ucells}
+            todo = [c for c in ucells if rows[c]]
+            full = torch.tensor([token_docs[d]["ids"] for d in batch], device=device)
             ids, targets = full[:, :N], full[:, 1:N + 1]  # position t predicts token t + 1
-            # every document alone through the model, SR keyed by its index
-            row_ids = dict(handle=handle, sequence_ids=list(batch))
 
-            def forward_rows(m, x, cache, start):
-                return forward_each(m, x, cache, start=start, **row_ids)
+            def fwd(c, x, cache, start, c_rows=None):
+                # every document alone through the model, SR keyed by its index in the run
+                r = list(range(len(batch))) if c_rows is None else c_rows
+                return forward_each(model, x[r], cache, start=start, handle=handle,
+                                    sequence_ids=[batch[i] for i in r])
 
-            caches = {c: None for c in todo}
-            ref_cache = None
-            rows = {c: [] for c in todo}
-            err_rows = {c: [[] for _ in batch] for c in todo}
-            kept = {c: [] for c in todo}  # emulated logits of the stepwise-checked positions
-            ref_kept = []
-            for (lo, hi) in bounds:
-                tr = time.time()
-                handle.use(ref_config)
-                ref, ref_cache = forward_each(model, ids[:, lo:hi], ref_cache, start=lo, **row_ids)
-                timings["reference_s"] += time.time() - tr
-                if hi <= P:  # prefill positions are exact in every cell: not reported
-                    for c in todo:
+            # cells in passes of --cells-per-pass (each pass runs the reference again: the
+            # caches of one pass's cells are live together)
+            G = a.cells_per_pass or len(todo)
+            ref_step = None
+            for pc in [todo[i:i + G] for i in range(0, len(todo), G)]:
+                n_refs += len(batch)
+                caches = {c: None for c in pc}
+                ref_cache = None
+                metrics = {c: [] for c in pc}
+                err_rows = {c: [[] for _ in rows[c]] for c in pc}  # --state-error, per row
+                kept = {c: [] for c in pc}  # emulated logits of the stepwise-checked positions
+                ref_kept = []
+                for (lo, hi) in bounds:
+                    tr = time.time()
+                    handle.use(ref_config)
+                    ref, ref_cache = fwd(None, ids[:, lo:hi], ref_cache, lo)
+                    timings["reference_s"] += time.time() - tr
+                    if hi <= P:  # prefill positions are exact in every cell: not reported
+                        for c in pc:
+                            tp = time.time()
+                            handle.use(configs[c])
+                            _, caches[c] = fwd(c, ids[:, lo:hi], caches[c], lo, rows[c])
+                            timings["policies_s"][c[0]] += time.time() - tp
+                        continue
+                    ks, ke = max(lo, P) - lo, min(hi, step_end) - lo  # checked part of this segment
+                    if ke > ks:
+                        ref_kept.append(ref[:, ks:ke].float().clone())
+                    for c in tqdm(pc, desc="cells", leave=False, disable=quiet):
                         tp = time.time()
                         handle.use(configs[c])
-                        _, caches[c] = forward_each(model, ids[:, lo:hi], caches[c], start=lo, **row_ids)
+                        lg, caches[c] = fwd(c, ids[:, lo:hi], caches[c], lo, rows[c])
+                        r = rows[c]
+                        metrics[c].append(position_metrics(ref[r], lg, targets[r, lo:hi]))
+                        if ke > ks:
+                            kept[c].append(lg[:, ks:ke].float().clone())
+                        if E and (hi & (hi - 1) == 0 or hi == N):  # octave boundaries and the end
+                            for j, bi in enumerate(r):
+                                err_rows[c][j] += state_error_rows(
+                                    handle.states(ref_cache[bi]), handle.states(caches[c][j]), hi)
                         timings["policies_s"][c[0]] += time.time() - tp
-                    continue
-                ks, ke = max(lo, P) - lo, min(hi, step_end) - lo  # checked part of this segment
-                if ke > ks:
-                    ref_kept.append(ref[:, ks:ke].float().clone())
-                for c in tqdm(todo, desc="cells", leave=False, disable=a.no_progress):
-                    tp = time.time()
-                    handle.use(configs[c])
-                    lg, caches[c] = forward_each(model, ids[:, lo:hi], caches[c], start=lo, **row_ids)
-                    rows[c].append(position_metrics(ref, lg, targets[:, lo:hi]))
-                    if ke > ks:
-                        kept[c].append(lg[:, ks:ke].float().clone())
-                    if E and (hi & (hi - 1) == 0 or hi == N):  # octave boundaries and the end
-                        for bi in range(len(batch)):
-                            err_rows[c][bi] += state_error_rows(
-                                handle.states(ref_cache[bi]), handle.states(caches[c][bi]), hi)
-                    timings["policies_s"][c[0]] += time.time() - tp
-            del caches, ref_cache
-            step_rows = {}
-            if K:
-                ts = time.time()
-                handle.use(ref_config)
-                ref_step = _step_logits(model, forward_rows, ids, P, step_end)
-                ref_emul = torch.cat(ref_kept, 1)
-                for c in todo:
-                    handle.use(configs[c])
-                    step = _step_logits(model, forward_rows, ids, P, step_end)
-                    step_rows[c] = _stepwise_rows(ref_emul, ref_step, torch.cat(kept[c], 1), step)
-                timings["stepwise_s"] += time.time() - ts
-            for c in todo:
-                for bi, d in enumerate(batch):
-                    key = {"doc": token_docs[d]["id"], "policy": c[0], "window": c[1], "seed": c[2]}
-                    f = part(d, c)
-                    if not f.exists():
-                        cols = {k: np.concatenate([m[k][bi] for m in rows[c]]) for k in rows[c][0]}
-                        if cols["kl"].shape[0] != reported.size:
-                            raise RuntimeError(f"cell {c}: {cols['kl'].shape[0]} positions for "
-                                               f"{reported.size} reported ones (runner bug)")
-                        df = pd.DataFrame({**key, "position": reported, **cols})
-                        _write_parquet(df[list(COLUMNS)], f)
-                        n_new += 1
-                    if K and not step_part(d, c).exists():
-                        sr = {k: v[bi] for k, v in step_rows[c].items()}
-                        df = pd.DataFrame({**key, "position": np.arange(P, step_end), **sr})
-                        _write_parquet(df[list(STEP_COLUMNS)], step_part(d, c))
-                    if E and not state_part(d, c).exists():
-                        df = pd.DataFrame(err_rows[c][bi], columns=[
-                            k for k in STATE_ERROR_COLUMNS if k not in key])
-                        for k, v in key.items():
-                            df[k] = v
-                        _write_parquet(df[list(STATE_ERROR_COLUMNS)], state_part(d, c))
-    handle.remove()
-    pos = _assemble(token_docs, cells, part, COLUMNS, np.arange(P, N))
+                del caches, ref_cache
+                step_rows = {}
+                if K:
+                    ts = time.time()
+                    if ref_step is None:  # the stepped reference: once per document batch
+                        handle.use(ref_config)
+                        ref_step = _step_logits(
+                            model, lambda m, x, cache, start: fwd(None, x, cache, start), ids, P, step_end)
+                    ref_emul = torch.cat(ref_kept, 1)
+                    for c in pc:
+                        handle.use(configs[c])
+                        r = rows[c]
+                        step = _step_logits(
+                            model, lambda m, x, cache, start, c=c, r=r: fwd(c, x, cache, start, r),
+                            ids, P, step_end)
+                        step_rows[c] = _stepwise_rows(ref_emul[r], ref_step[r], torch.cat(kept[c], 1), step)
+                    timings["stepwise_s"] += time.time() - ts
+                for c in pc:
+                    for j, bi in enumerate(rows[c]):
+                        doc = token_docs[batch[bi]]
+                        key = {"doc": doc["id"], "policy": c[0], "window": c[1], "seed": c[2]}
+                        f = part_path(out, doc, c)
+                        if not f.exists():
+                            cols = {k: np.concatenate([m[k][j] for m in metrics[c]])
+                                    for k in metrics[c][0]}
+                            if cols["kl"].shape[0] != reported.size:
+                                raise RuntimeError(f"cell {c}: {cols['kl'].shape[0]} positions for "
+                                                   f"{reported.size} reported ones (runner bug)")
+                            df = pd.DataFrame({**key, "position": reported, **cols})
+                            _write_parquet(df[list(COLUMNS)], f)
+                            n_new += 1
+                        if K and not step_part_path(out, K, doc, c).exists():
+                            sr = {k: v[j] for k, v in step_rows[c].items()}
+                            df = pd.DataFrame({**key, "position": np.arange(P, step_end), **sr})
+                            _write_parquet(df[list(STEP_COLUMNS)], step_part_path(out, K, doc, c))
+                        if E and not state_part_path(out, doc, c).exists():
+                            df = pd.DataFrame(err_rows[c][j], columns=[
+                                k for k in STATE_ERROR_COLUMNS if k not in key])
+                            for k, v in key.items():
+                                df[k] = v
+                            _write_parquet(df[list(STATE_ERROR_COLUMNS)], state_part_path(out, doc, c))
+    if handle is not None:
+        handle.remove()
+    timings["total_s"] = time.time() - t0
+    import socket
+
+    mine = {"rank": rank, "host": socket.gethostname(), "device": str(device),
+            "peak_memory": _peak_memory(device, device_map),
+            "device_map": sorted({str(v) for v in device_map.values()}) if device_map else None,
+            "pairs": len(work), "documents": len(docs), "references": n_refs,
+            "cells_computed": n_new, "threads": threads, "params": params, "timings": timings}
+    # every rank's statistics on rank 0; this waits for the slowest rank
+    ranks_stats = group.all_gather(mine) if group is not None else [mine]
+    if rank != 0:
+        return 0
+    n_new = sum(r["cells_computed"] for r in ranks_stats)
+    params = params if params is not None else next((r["params"] for r in ranks_stats
+                                                     if r["params"] is not None), None)
+    if left:
+        done = len(ucells) * len(token_docs) - left
+        print(f"replayssm-kl: stopped after --max-cells {a.max_cells}: {done} of "
+              f"{len(ucells) * len(token_docs)} cells are done ({n_new} in this run, on {world} "
+              f"rank(s)); rerun the same command to continue. Tables are written when every "
+              f"cell is done.")
+        return 0
+    timings = _sum_timings([r["timings"] for r in ranks_stats])
+    timings["total_s"] = time.time() - t0  # wall time of this invocation (rank 0)
+    # the tables: every requested cell, from its computed cell's part (labelled with its own
+    # window and seed)
+    pos = _assemble(token_docs, cells, lambda d, c: part_path(out, token_docs[d], canon[c]),
+                    COLUMNS, np.arange(P, N))
     pos.to_parquet(out / "positions.parquet", index=False)
     bucket_sums(pos).to_parquet(out / "buckets.parquet", index=False)
     step = None
     if K:
-        step = _assemble(token_docs, cells, step_part, STEP_COLUMNS, np.arange(P, step_end))
+        step = _assemble(token_docs, cells, lambda d, c: step_part_path(out, K, token_docs[d], canon[c]),
+                         STEP_COLUMNS, np.arange(P, step_end))
         step.to_parquet(out / "stepwise.parquet", index=False)
     else:  # a stepwise table of an earlier invocation would describe another run
         (out / "stepwise.parquet").unlink(missing_ok=True)
     if E:
-        _assemble(token_docs, cells, state_part, STATE_ERROR_COLUMNS, None).to_parquet(
-            out / "state_error.parquet", index=False)
+        _assemble(token_docs, cells, lambda d, c: state_part_path(out, token_docs[d], canon[c]),
+                  STATE_ERROR_COLUMNS, None).to_parquet(out / "state_error.parquet", index=False)
     else:
         (out / "state_error.parquet").unlink(missing_ok=True)
     summ = summarize(pos, step)
     summ.to_csv(out / "summary.csv", index=False)
-    timings["total_s"] = time.time() - t0
     earlier = _earlier_manifest(out)
     n_tok = sum(len(d["ids"]) for d in token_docs)  # N + 1 per document (the last is a target only)
     nf_by_policy = pos.groupby("policy")[["nonfinite", "nonfinite_ref", "nonfinite_policy"]].sum()
@@ -413,24 +519,34 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
         "versions": _versions(), "metrics": METRICS_VERSION,
         "model": {"name": a.model, "path": cfg_path, "model_type": arch, "dtype": a.dtype,
                   "config_sha256": hashlib.sha256(cfg.to_json_string().encode()).hexdigest(),
-                  "params": int(sum(p.numel() for p in model.parameters()))},
+                  "params": params},
         "data": {"dataset": a.dataset, "split": a.split, "tokenizer": tokz.name,
                  "documents": [d["id"] for d in token_docs], "tokens": n_tok,
                  "token_sha256": hashlib.sha256(json.dumps([d["ids"] for d in token_docs]).encode()).hexdigest()},
         "bos": tokz.manifest(),
         "policies": [str(p) for p in policies], "windows": a.windows, "seeds": a.seeds,
         "reference": {"policy": "fp32", "window": ref_window, "seed": 0},
-        "dt_limit": str(handle.dt_limit),
+        "dt_limit": str(DtLimit.parse(a.dt_limit)),
         "invariance": "each document runs through the model alone (adapters.segments.forward_each); "
                       "SR streams keyed by document index; docs/invariance.md",
-        "cells_computed_this_run": n_new, "threads": threads,
+        "world_size": world,
+        "distributed": {
+            "world_size": world,
+            "sharding": "the missing (document, computed cell) pairs, document-major, in contiguous blocks "
+                        "of equal size (docs/distributed.md); results do not depend on it",
+            "device_map": getattr(a, "device_map", None),
+            "ranks": [{k: v for k, v in r.items() if k != "params"} for r in ranks_stats],
+            "memory_plan": plans,
+        },
+        "cells_computed_this_run": n_new, "threads": ranks_stats[0]["threads"],
         "shared_cells": {f"{c[0]} L={c[1]} seed={c[2]}": f"{k[0]} L={k[1]} seed={k[2]}"
                          for c, k in canon.items() if c != k},
         "shared_cells_note": "cells that cannot differ (eager: policies run with L = 1; policies "
                              "without SR ignore the seed) are computed once and labelled with "
                              "each requested window and seed",
         "state_error": bool(E),
-        # compute of every invocation that contributed to these tables (a resume adds to it)
+        # compute of every invocation that contributed to these tables (a resume adds to it);
+        # seconds summed over ranks, total_s the wall time of the invocations
         "timings": _add_timings(earlier.get("timings"), timings) if n_new < len(ucells) * len(token_docs)
         else timings,
         "timings_this_invocation": timings,
@@ -449,7 +565,9 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
             "per_policy": stepwise_summary(step) if K else [],
         },
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, default=str))
+    os.replace(tmp, out / "manifest.json")
     fin = pos[~pos["nonfinite"]]
     overall = fin.groupby(["policy", "window"]).agg(
         kl_mean=("kl", "mean"), kl_p99=("kl", lambda s: float(np.percentile(s, 99)) if len(s) else math.nan),
@@ -458,9 +576,10 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz) -> int:
             top1_agree=("top1_agree", "mean"), nonfinite_ref=("nonfinite_ref", "sum"),
             nonfinite_policy=("nonfinite_policy", "sum"), positions=("kl", "size")).reset_index(),
         on=["policy", "window"], how="right")
+    where = f", {world} ranks" if world > 1 else ""
     print(f"{'' if a.no_progress else chr(10)}replayssm-kl: {len(token_docs)} documents x {N} tokens, "
           f"model {a.model} ({arch}), "
-          f"{timings['total_s']:.1f} s; output {out}")
+          f"{timings['total_s']:.1f} s{where}; output {out}")
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print(overall.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
         if K:
@@ -478,6 +597,32 @@ def _command() -> list:
     ``replayssm-kl``, its console script)."""
     prog = os.path.basename(sys.argv[0])
     return ["replayssm-kl" if prog == "__main__.py" else prog] + sys.argv[1:]
+
+
+def _peak_memory(device, device_map) -> dict:
+    """Peak bytes this process used per device: ``torch.cuda.max_memory_allocated`` of each of
+    its GPUs (no CUDA context), or the peak resident set size on CPU (whole process)."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        gpus = sorted({v for v in device_map.values() if isinstance(v, int)}) if device_map else \
+            [torch.device(device).index or 0]
+        return {f"cuda:{i}": int(torch.cuda.max_memory_allocated(i)) for i in gpus}
+    try:
+        import resource
+
+        return {"cpu": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+    except (ImportError, OSError):
+        return {}
+
+
+def _sum_timings(items: list) -> dict:
+    """Per-rank timing dicts added up key by key (nested per policy)."""
+    out: dict = {}
+    for t in items:
+        out = _add_timings(t, out) if out else {k: (dict(v) if isinstance(v, dict) else v)
+                                               for k, v in t.items()}
+    return out
 
 
 def _write_parquet(df, f: Path) -> None:

@@ -296,8 +296,15 @@ class StatePolicyHandle:
             if hasattr(mixer, _ORIG_ATTR):
                 raise RuntimeError("a state policy is already applied to this model; remove it first")
         for _, mixer, family in self.mixers:
-            setattr(mixer, _ORIG_ATTR, mixer.__dict__.get("forward"))
-            mixer.forward = types.MethodType(_make_forward(self, family), mixer)
+            fwd = types.MethodType(_make_forward(self, family), mixer)
+            if _accelerate_hooked(mixer):
+                # accelerate's hook (device_map / offload) wraps ``_old_forward``: replace that,
+                # so the hook still moves inputs and loads offloaded weights around our forward
+                setattr(mixer, _ORIG_ATTR, ("_old_forward", mixer.__dict__["_old_forward"]))
+                mixer._old_forward = fwd
+            else:
+                setattr(mixer, _ORIG_ATTR, ("forward", mixer.__dict__.get("forward")))
+                mixer.forward = fwd
         self._hooks = [
             self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             self.model.register_forward_hook(self._post_forward, always_call=True),
@@ -308,12 +315,12 @@ class StatePolicyHandle:
         """Restore the original mixers (idempotent)."""
         for _, mixer, _ in self.mixers:
             if hasattr(mixer, _ORIG_ATTR):
-                orig = getattr(mixer, _ORIG_ATTR)
+                attr, orig = getattr(mixer, _ORIG_ATTR)
                 delattr(mixer, _ORIG_ATTR)
                 if orig is None:
-                    mixer.__dict__.pop("forward", None)
+                    mixer.__dict__.pop(attr, None)
                 else:
-                    mixer.forward = orig
+                    setattr(mixer, attr, orig)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -456,10 +463,36 @@ def _family_module(family: str):
     return _mamba2 if family == "mamba2" else _gdn
 
 
+def _accelerate_hooked(module) -> bool:
+    """True if accelerate (``device_map``, CPU/disk offload) wrapped ``module.forward``."""
+    return hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__
+
+
+def _offloaded_weights(mixer):
+    """A context in which every offloaded submodule of ``mixer`` holds its weights on its
+    execution device: the replaced forward reads some weights directly (the conv kernel, the
+    mixer's own parameters) rather than through a hooked module call. A no-op unless
+    accelerate offloaded part of the mixer."""
+    mods = [m for m in mixer.modules() if getattr(m, "_hf_hook", None) is not None
+            and getattr(m._hf_hook, "offload", False)]
+    if not mods:
+        return contextlib.nullcontext()
+    from accelerate.utils import align_module_device
+
+    stack = contextlib.ExitStack()
+    for m in mods:
+        stack.enter_context(align_module_device(m))
+    return stack
+
+
 def _make_forward(handle: StatePolicyHandle, family: str):
     fam = _family_module(family)
 
     def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        with _offloaded_weights(self):
+            return _forward(self, hidden_states, cache, attention_mask, **kwargs)
+
+    def _forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
         if cache is None:
             cache = kwargs.pop("cache_params", None)
         layer_idx = self.layer_idx

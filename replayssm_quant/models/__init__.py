@@ -111,7 +111,9 @@ def load_model(
             embedded weights are stored in.
         device: where to put the model (default CPU).
         tokenizer: also load the tokenizer (otherwise the second element is ``None``).
-        **kwargs: passed to ``from_pretrained`` (e.g. ``attn_implementation="eager"``).
+        **kwargs: passed to ``from_pretrained`` (e.g. ``attn_implementation="eager"``). With
+            ``device_map`` (e.g. ``"auto"`` or a module -> device dict) accelerate places the
+            weights and ``device`` is not applied.
 
     The model is returned in ``eval()`` mode.
     """
@@ -128,7 +130,9 @@ def load_model(
     if is_embedded(os.fspath(name_or_path)):
         kwargs.setdefault("local_files_only", True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    model = model.to(device).eval()
+    if kwargs.get("device_map") is None:
+        model = model.to(device)
+    model = model.eval()  # a device-mapped model stays where accelerate placed it
     tok = None
     if tokenizer:
         tok_kwargs = {k: v for k, v in kwargs.items()

@@ -375,15 +375,26 @@ def predicted_state_error(decay_log_mean, beta_mean, fmt: str, window: int,
     format's per-rounding mean-square error relative to the state's (``theory.driven_sigma2`` on
     N(0, 1) draws; scaled formats make it scale-free) and ``a`` the head's per-token decay
     (geometric mean ``exp(mean log alpha)``; for GDN the delta rule's mean-square contraction
-    ``theory.gdn_effective_decay(alpha, beta, key_dim)``).
+    ``theory.gdn_effective_decay(alpha, beta, key_dim)``, beta clipped to its range [0, 2]).
+    ``rho`` is a Monte-Carlo mean over 65,536 N(0, 1) draws of the format's grid model
+    (``seed``; it moves by ~0.3% between seeds), so the prediction is closed-form up to that.
 
     Args:
-        decay_log_mean, beta_mean: float arrays ``[heads]`` (mean log alpha, mean beta).
-        fmt: rounded format (``nvfp4``, ``fp8e4m3``, ...); window: L.
+        decay_log_mean, beta_mean: float arrays ``[heads]`` (mean log alpha <= 0, mean beta).
+        fmt: bare rounded format (``nvfp4``, ``fp8e4m3``, ...; no ``+sr`` suffix); window: L >= 1.
         key_dim: GDN key dimension d_k (None: no delta-rule contraction, Mamba-2).
-    Returns: float64 array ``[heads]`` (dimensionless).
+        seed: of the N(0, 1) draws.
+    Returns: float64 array ``[heads]`` (dimensionless; inf for a head with alpha = 1).
+    Raises:
+        ValueError: ``window < 1``, a mean log decay above 0, or a format the grid model does
+            not know.
     """
     from . import theory
+
+    if int(window) < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if np.any(np.asarray(decay_log_mean, dtype=np.float64) > 0):
+        raise ValueError("decay_log_mean must be <= 0 (log of a decay in (0, 1])")
 
     x = np.random.default_rng(seed).standard_normal((64, 16, 64))
     _, parts = theory.driven_sigma2(x, fmt)
@@ -404,19 +415,27 @@ def plot_state_error_vs_decay(se: pd.DataFrame, policies: Sequence[str] | None =
     Args:
         se: ``state_error.parquet`` frame (``replayssm-kl --state-error``): ``policy, window,
             position, layer, head, err_read, log_decay, beta`` (``key_dim`` if present).
-        policies: panels (default: the single-checkpoint SR policies present, else all).
+        policies: panels (default: the single-checkpoint SR policies present, else the first
+            four policies). ``eager:`` policies round every token, so their prediction uses
+            L = 1.
         window: one L (default 16 if present, else the largest).
-        key_dim: GDN key dimension (default: the ``key_dim`` column; None for Mamba-2).
+        key_dim: GDN key dimension (default: the ``key_dim`` column; None for Mamba-2). The x
+            axis is the per-token decay itself; for GDN the prediction uses the delta rule's
+            effective decay computed from it and beta.
         path: optional output file.
-    Returns: the Figure. Raises ValueError for missing columns or nothing to draw.
+    Returns: the Figure. Raises ValueError for missing columns, a window the table does not
+    hold, or nothing to draw.
     """
     from scipy import stats as sstats
 
     require_columns(se, ("policy", "window", "position", "layer", "head", "err_read",
                          "log_decay", "beta"), "plot_state_error_vs_decay")
+    ws = sorted(int(w) for w in se["window"].unique())
     if window is None:
-        ws = sorted(se["window"].unique())
-        window = 16 if 16 in ws else int(ws[-1])
+        window = 16 if 16 in ws else ws[-1]
+    elif window not in ws:
+        raise ValueError(f"plot_state_error_vs_decay: window {window} not in the table's "
+                         f"windows {ws}")
     d = se[(se["window"] == window) & (se["policy"] != "fp32")]
     d = d[d["position"] == d["position"].max()]
     if policies is None:

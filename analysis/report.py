@@ -187,6 +187,9 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False,
         )
         cmd = m.get("command")
         if cmd:
+            if isinstance(cmd, (list, tuple)):  # runs before 2026-12-01 logged python -m as
+                cmd = ["replayssm-kl" if i == 0 and str(c) == "__main__.py" else str(c)
+                       for i, c in enumerate(cmd)]  # __main__.py
             cmd = " ".join(map(str, cmd)) if isinstance(cmd, (list, tuple)) else str(cmd)
             lines.append(f"- `{name}` command: `{cmd}`")
         if isinstance(m.get("timings"), dict) and "total_s" in m["timings"]:
@@ -263,7 +266,8 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False,
             sub = se[se["run"] == name]
             kd = _key_dim(runs.manifests.get(name, {})) if not (sub["beta"] == 1).all() else None
             draw(f"State error versus decay: {name}",
-                 lambda sub=sub, kd=kd: plots.plot_state_error_vs_decay(sub, key_dim=kd),
+                 lambda sub=sub, kd=kd: plots.plot_state_error_vs_decay(
+                     sub, key_dim=kd, window=main_w if main_w in set(sub["window"]) else None),
                  f"state_error_vs_decay_{name}")
     out.write_text("\n".join(lines))
     return out

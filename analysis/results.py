@@ -12,7 +12,11 @@ A run directory (issue 4) holds:
 * ``stepwise.parquet`` (optional, ``--stepwise-check``): per checked position and cell,
   ``kl_path`` = KL(stepping || emulation), the float32 path noise of teacher-forced emulation,
   next to the policy's KL on the same positions (:data:`STEPWISE_COLUMNS`, :func:`path_noise`);
-* ``manifest.json``: command, versions, model and data identity, git commit, timings.
+* ``manifest.json``: command, versions, model and data identity, git commit, timings;
+* ``buckets.parquet`` (since 2026-12-01): sums per document, cell and quarter octave, read in
+  place of ``positions.parquet`` when that was not kept (:func:`positions_from_buckets`);
+* ``state_error.parquet`` (optional, ``--state-error``): per-layer, per-head state error and
+  decay (:data:`STATE_ERROR_COLUMNS`).
 
 :func:`load_runs` reads several directories into one frame (a ``run`` column tells them apart)
 and :func:`kl_by_position` aggregates KL per position bucket with confidence intervals over
@@ -184,13 +188,15 @@ def load_runs(paths: Sequence) -> Runs:
     """Load one or several ``replayssm-kl`` output directories into one validated frame.
 
     Args:
-        paths: directories holding ``positions.parquet`` (required), ``summary.csv`` and
+        paths: directories holding ``positions.parquet`` or ``buckets.parquet`` (one of them
+            required), ``summary.csv``, ``stepwise.parquet``, ``state_error.parquet`` and
             ``manifest.json`` (optional). Run names are the directory names, made unique.
 
     Returns:
         :class:`Runs`.
     Raises:
-        FileNotFoundError: a directory or its ``positions.parquet`` is missing.
+        FileNotFoundError: a directory, or both its ``positions.parquet`` and
+            ``buckets.parquet``, are missing.
         ValueError: no paths, an unreadable file, or a schema violation (see
             :func:`validate_positions`), naming the file.
     """
@@ -281,12 +287,24 @@ def positions_from_buckets(b: pd.DataFrame, source: str = "buckets") -> pd.DataF
     where some positions were non-finite, one row of those (``nonfinite`` set, ``weight`` =
     their count, ``position`` = the bucket's first). ``kl_max_bucket`` keeps each bucket's
     maximum. Weighted means over these rows equal the means over the positions exactly
-    (up to float64 summation order).
+    (up to float64 summation order) for octave buckets (base 2).
 
+    Returns:
+        Frame with :data:`POSITION_COLUMNS`, ``nonfinite_ref`` / ``nonfinite_policy``,
+        ``weight`` (positions the row stands for) and ``kl_max_bucket``.
     Raises:
-        ValueError: missing columns (naming ``source``).
+        ValueError: missing columns, no rows, counts outside ``0 <= kl_n <= n``, ``n < 1``,
+            or duplicate (doc, policy, window, seed, qbucket) rows (naming ``source``).
     """
     require_columns(b, BUCKET_COLUMNS, source)
+    if b.empty:
+        raise ValueError(f"{source}: no rows")
+    n, kn = pd.to_numeric(b["n"], errors="coerce"), pd.to_numeric(b["kl_n"], errors="coerce")
+    if n.isna().any() or kn.isna().any() or (n < 1).any() or (kn < 0).any() or (kn > n).any():
+        raise ValueError(f"{source}: bucket counts must satisfy 0 <= kl_n <= n and n >= 1")
+    key = ["doc", "policy", "window", "seed", "qbucket"]
+    if b.duplicated(key).any():
+        raise ValueError(f"{source}: duplicate rows for {key}")
     b = b.copy()
     fin_n = b["kl_n"].astype("int64")
     nf_n = b["n"].astype("int64") - fin_n
@@ -312,7 +330,8 @@ def positions_from_buckets(b: pd.DataFrame, source: str = "buckets") -> pd.DataF
 
 
 def uses_sr(policy: str) -> bool:
-    """Whether ``policy`` draws random bits (a rounded copy with ``+sr``)."""
+    """Whether ``policy`` draws random bits (a rounded copy with ``+sr``; ``+sr`` on an
+    identity format such as fp32 draws none). Raises ValueError for an unparsable policy."""
     return StatePolicy.parse(policy).uses_sr
 
 
@@ -322,17 +341,17 @@ def _weights(d: pd.DataFrame) -> pd.Series:
 
 def _units(d: pd.DataFrame, by: list, unit: str) -> tuple:
     """The rows to use and the columns of the independent unit of a confidence interval:
-    ``"doc"`` (documents), or ``"sequence"`` ((document, seed) pairs; a policy without SR
-    gives the same bits for every seed, so only its first seed counts)."""
-    if unit == "doc" or "seed" not in d.columns or "seed" in by:
-        if unit not in ("doc", "sequence"):
-            raise ValueError(f"unit must be 'doc' or 'sequence', got {unit!r}")
-        return d, ["doc"]
-    if unit != "sequence":
+    ``"doc"`` (documents) or ``"sequence"`` ((document, seed) pairs). A policy without SR gives
+    the same bits for every seed (the runner computes such cells once and labels copies), so
+    only its first seed's rows count, whatever the unit: copies are not data."""
+    if unit not in ("doc", "sequence"):
         raise ValueError(f"unit must be 'doc' or 'sequence', got {unit!r}")
-    sr = d["policy"].map({p: uses_sr(p) for p in d["policy"].unique()})
+    if "seed" not in d.columns or "seed" in by:
+        return d, ["doc"]
+    sr = d["policy"].map({p: uses_sr(p) for p in d["policy"].unique()}).astype(bool)
     first = d.groupby([c for c in by if c != "seed"] + ["doc"])["seed"].transform("min")
-    return d[sr | (d["seed"] == first)], ["doc", "seed"]
+    d = d[sr | (d["seed"] == first)]
+    return d, (["doc", "seed"] if unit == "sequence" else ["doc"])
 
 
 def policy_parts(policy: str) -> tuple[str, str, str]:
@@ -392,17 +411,25 @@ def kl_by_position(
     Args:
         df: positions frame (needs ``doc, position, nonfinite``, ``metric`` and ``by``).
         metric: ``kl`` (nats), ``top1_agree``, ``dp_ref``, ... ; by: grouping columns.
-        base: bucket base (2: octaves). level: CI coverage.
+        base: bucket base (2: octaves; rows read from ``buckets.parquet`` need 2, since their
+            quarter-octave sums do not split at other boundaries). level: CI coverage.
+        unit: ``"doc"`` (default) or ``"sequence"``: the independent unit of the interval;
+            ``docs`` in the result counts these units. Without a ``seed`` column (or with
+            ``seed`` in ``by``) the unit is the document. With 2 units the t interval is
+            wide and its lower bound can be negative.
 
     Returns:
         Frame with ``by`` columns plus ``bucket, n_lo, n_hi, n_mid`` (tokens seen, ``N``),
         ``partial`` (the run ends inside the bucket: fewer positions than the octave holds),
         ``mean, ci_lo, ci_hi, docs, count, nonfinite``.
     Raises:
-        ValueError: missing columns.
+        ValueError: missing columns, a bad ``unit``, or ``base != 2`` on weighted rows.
     """
     by = list(by)
     require_columns(df, ["doc", "position", "nonfinite", metric, *by], "kl_by_position")
+    if "weight" in df.columns and base != 2.0:
+        raise ValueError(f"kl_by_position: rows read from buckets.parquet hold quarter-octave "
+                         f"sums; they give exact buckets for base 2 only, got base={base}")
     extra = [c for c in ("seed", "weight") if c in df.columns and c not in by]
     d = df[list(dict.fromkeys(["doc", "position", "nonfinite", metric, *by, *extra]))].copy()
     d, ucols = _units(d, by, unit)
@@ -575,10 +602,10 @@ def shared_separate_ratio(df: pd.DataFrame, base: float = 2.0) -> pd.DataFrame:
 
 def rtn_sr_ratio(df: pd.DataFrame, base: float = 2.0, unit: str = "doc") -> pd.DataFrame:
     """KL of round-to-nearest over stochastic rounding, per position bucket: each policy with
-    ``+sr`` is paired with the same policy without it (``shared:nvfp4+sr`` with
+    ``+sr`` is paired with the same policy with every ``+sr`` removed (``shared:nvfp4+sr`` with
     ``shared:nvfp4``, ``read:nvfp4/rec:fp16+sr`` with ``read:nvfp4/rec:fp16``) at the same
     window (and run). Paper, section 5: RTN has the lower KL at short N for NVFP4 (ratio < 1)
-    but grows faster with N.
+    but grows faster with N. ``unit``: as :func:`kl_by_position` (means do not depend on it).
 
     Returns:
         Frame with ``sr_policy, rtn_policy, window, bucket, n_mid, partial, kl_rtn, kl_sr,

@@ -54,6 +54,26 @@ def _context(rec) -> str | None:
     return None
 
 
+def _is_generation(rec) -> bool:
+    """Whether a logged sample is a generation request (its request carries generation
+    keyword arguments), as opposed to a (rolling) log-likelihood one. A sample that logs no
+    request arguments counts as a generation when its response is text."""
+    args = rec.get("arguments")
+    if args is None:
+        return True
+    if isinstance(args, dict) and args:
+        first = args[sorted(args)[0]]
+        return isinstance(first, dict) and isinstance(first.get("arg_1"), dict)
+    if isinstance(args, list) and args and isinstance(args[0], (list, tuple)):
+        return len(args[0]) > 1 and isinstance(args[0][1], dict)
+    return False
+
+
+#: a perplexity metric's per-sample (log-likelihood, count) pair is reported under this name
+PAIR_METRICS = {"word_perplexity": "nll_per_word", "byte_perplexity": "nll_per_byte",
+                "bits_per_byte": "bits_per_byte"}
+
+
 def load_samples(paths, tokenizer=None, length: str = "response"):
     """Per-sample rows from lm-eval ``--log_samples`` output directories.
 
@@ -68,7 +88,9 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
         (``gen_len``: the length measured, response or context; ``doc_hash``: lm-eval's hash
         of the document, which pairs a sample across runs). A perplexity metric's per-sample
         ``(log-likelihood, words or bytes)`` pair becomes the sample's negative log-likelihood
-        per word or byte, in nats (``bits_per_byte``: in bits; lower is better).
+        per word or byte in nats, renamed (:data:`PAIR_METRICS`: ``word_perplexity`` ->
+        ``nll_per_word``, ``byte_perplexity`` -> ``nll_per_byte``; ``bits_per_byte`` stays, in
+        bits); lower is better. With ``length="response"`` only generation samples count.
 
     Raises:
         FileNotFoundError: a path does not exist or holds no samples files.
@@ -92,6 +114,8 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
                 rec = json.loads(line)
                 if length == "context":
                     text = _context(rec)
+                elif not _is_generation(rec):  # log-likelihood requests generate nothing
+                    continue
                 else:
                     resp = rec.get("resps") or [[""]]
                     text = resp[0][0] if isinstance(resp[0], list) else resp[0]
@@ -105,6 +129,7 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
                         v = -float(v[0]) / float(v[1])  # perplexity pair (loglik, count)
                         if m == "bits_per_byte":
                             v /= math.log(2)
+                        m = PAIR_METRICS.get(m, m)
                     if isinstance(v, (int, float, bool)):
                         rows.append(dict(run=label, task=task, doc_id=rec.get("doc_id"),
                                          doc_hash=rec.get("doc_hash", rec.get("doc_id")),
@@ -169,11 +194,17 @@ def main(argv=None) -> int:
 
         from replayssm_quant.models import resolve_model_path
 
-        tok = AutoTokenizer.from_pretrained(str(resolve_model_path(a.tokenizer)))
+        try:
+            tok = AutoTokenizer.from_pretrained(str(resolve_model_path(a.tokenizer)))
+        except Exception as e:  # noqa: BLE001 -- OSError, ValueError, hub errors
+            print(f"replayssm-bin-by-length: error: cannot load tokenizer {a.tokenizer!r} "
+                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                  file=sys.stderr)
+            return 2
     try:
         table = bin_by_length(load_samples(a.runs, tok, a.length), a.bins, a.baseline)
     except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"replayssm-bin-by-length: error: {e}", file=sys.stderr)
         return 2
     print(table.to_string(index=False))
     if a.output:

@@ -27,7 +27,7 @@ cuda = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
 four_gpus = pytest.mark.skipif(GPUS < 4, reason="needs 4 CUDA GPUs")
 
-ARGS = ["--model", "tiny-gdn", "-N", "256", "--max-docs", "2", "--segment-len", "100",
+ARGS = ["--model", "tiny-gdn", "-N", "256", "--max-docs", "2", "--segment-len", "128",
         "--policies", "shared:nvfp4+sr", "eager:fp8e4m3", "read:nvfp4/rec:fp16+sr",
         "--seeds", "0", "1", "--stepwise-check", "16", "--no-progress", "--state-error", "--device", "cuda",
         "--dist-timeout", "10"]

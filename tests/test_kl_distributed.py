@@ -28,7 +28,7 @@ from replayssm_quant.evals.kl import dist as D
 # state error at N, two segments per document: 6 cells per document, 5 of them computed (eager:fp8e4m3 draws no
 # random bits, so its two seeds share one computed cell): 10 (document, computed cell) pairs
 def _args(docs: int = 2) -> list:
-    return ["--model", "tiny-gdn", "-N", "64", "--max-docs", str(docs), "--segment-len", "40",
+    return ["--model", "tiny-gdn", "-N", "64", "--max-docs", str(docs), "--segment-len", "32",
             "--policies", "shared:nvfp4+sr", "eager:fp8e4m3", "read:nvfp4/rec:fp16+sr",
             "--seeds", "0", "1", "--stepwise-check", "8", "--state-error", "--no-progress",
             "--dist-timeout", "3"]

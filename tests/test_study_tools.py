@@ -279,14 +279,31 @@ def test_bin_by_length_pairs_against_a_baseline(tmp_path):
     _samples(tmp_path / "a", "fp32", recs(0.0))
     _samples(tmp_path / "b", "shared:nvfp4", recs(0.25))
     df = load_samples([tmp_path / "a", tmp_path / "b"], length="context")
-    wp = df[df.metric == "word_perplexity"]
+    wp = df[df.metric == "nll_per_word"]
     # a (log-likelihood, words) pair becomes nats per word; bits_per_byte in bits
     assert sorted(wp[wp.run == "fp32 L=16"]["value"]) == [2.0, 3.0, 4.0]
     assert df[df.metric == "bits_per_byte"]["value"].tolist() == pytest.approx([0.5 / math.log(2)] * 6)
     t = bin_by_length(df, [0, 100], baseline="fp32 L=16")
-    row = t[(t.run == "shared:nvfp4 L=16") & (t.metric == "word_perplexity")].iloc[0]
+    row = t[(t.run == "shared:nvfp4 L=16") & (t.metric == "nll_per_word")].iloc[0]
     assert row["n_paired"] == 3 and row["delta_mean"] == pytest.approx(0.25)
     assert row["delta_sem"] == pytest.approx(0.0, abs=1e-12)  # the same shift on every item
     assert (t[t.run == "fp32 L=16"]["delta_mean"] == 0).all()
     with pytest.raises(ValueError, match="baseline"):
         bin_by_length(df, [0, 100], baseline="bf16")
+
+
+def test_bin_by_length_response_counts_generations_only(tmp_path):
+    from replayssm_quant.evals.bin_by_length import load_samples
+
+    d = tmp_path / "run"
+    d.mkdir()
+    gen = {"doc_id": 0, "arguments": {"gen_args_0": {"arg_0": "ctx", "arg_1": {"until": ["\n"]}}},
+           "resps": [["a b c"]], "metrics": ["first_word"], "first_word": 1.0}
+    rolling = {"doc_id": 1, "arguments": {"gen_args_0": {"arg_0": "w w w w"}},
+               "resps": [["-970.68"]], "metrics": ["word_perplexity"], "word_perplexity": [-8.0, 4]}
+    (d / "samples_t_2026.jsonl").write_text("\n".join(json.dumps(r) for r in (gen, rolling)))
+    df = load_samples([d])
+    assert df["metric"].tolist() == ["first_word"] and df["gen_len"].tolist() == [3]
+    df = load_samples([d], length="context")
+    assert sorted(df["metric"]) == ["first_word", "nll_per_word"]
+    assert df.loc[df.metric == "nll_per_word", "value"].item() == 2.0

@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"emulation), the float32 path noise of emulation (default min({DEFAULT_STEPWISE_CHECK}, "
                    "N - prefill); 0 = off)")
     p.add_argument("--state-error", action="store_true", dest="state_error",
-                   help="also record, at segment boundaries that are powers of two (and at N) and on a "
-                   "flush, each SSM layer's and "
+                   help="also record, at the first segment end of each octave of N (and at N "
+                   "when it ends a window; --segment-len must be a multiple of every window), "
+                   "each SSM layer's and "
                    "head's relative state error (read copy and recurrence anchor against the fp32 "
                    "reference state) and the head's mean decay: state_error.parquet")
     p.add_argument("--device-map", default=None, choices=("auto",), dest="device_map",
@@ -171,6 +172,12 @@ def _check_args(a) -> list:
         if rep:
             raise BadArgs(f"{flag} repeats {', '.join(map(str, rep))} (got {' '.join(map(str, vals))}); "
                           "give each value once: every (policy, window, seed) cell must be unique")
+    if getattr(a, "state_error", False):
+        bad = [w for w in a.windows if a.segment_len % w]
+        if bad:
+            raise BadArgs(f"--state-error compares states where both sit on a flush, at segment "
+                          f"ends: --segment-len {a.segment_len} must be a multiple of every "
+                          f"window, not of {', '.join(map(str, bad))}")
     if a.stepwise_check is None:
         a.stepwise_check = min(DEFAULT_STEPWISE_CHECK, a.max_tokens - a.prefill)
     elif not 0 <= a.stepwise_check <= a.max_tokens - a.prefill:

@@ -131,9 +131,15 @@ BUCKET_COLUMNS = ("doc", "policy", "window", "seed", "qbucket", "pos_min", "pos_
 
 
 def quarter_bucket(position: np.ndarray) -> np.ndarray:
-    """``floor(4 log2(position + 1))``: quarter-octave bucket of each position (>= 0), so four
-    consecutive buckets make one octave of :func:`_bucket`."""
+    """``floor(4 log2(position + 1))``: quarter-octave bucket of each position, int64 of the
+    input's shape, so four consecutive buckets make one octave of :func:`_bucket`.
+
+    Raises:
+        ValueError: a negative position.
+    """
     n = np.asarray(position, dtype=np.int64) + 1
+    if n.size and n.min() < 1:
+        raise ValueError(f"positions must be >= 0, got minimum {int(n.min()) - 1}")
     q = np.floor(BUCKETS_PER_OCTAVE * np.log2(n.astype(np.float64))).astype(np.int64)
     # guard the float log at the exact boundaries 2^(q/4): the bucket's lower bound must hold
     lo = np.ceil(2.0 ** (q / BUCKETS_PER_OCTAVE) - 1e-9)
@@ -146,7 +152,16 @@ def bucket_sums(df):
     ``n`` positions, ``kl_n`` / ``kl_sum`` / ``kl_max`` / ``top1_sum`` over the finite rows
     (nats; agreements), and the non-finite counts. Exact building blocks of every mean, CI over
     documents and seeds, and incidence the report draws, small enough to keep where
-    ``positions.parquet`` (one row per position) is too large to move (``buckets.parquet``)."""
+    ``positions.parquet`` (one row per position) is too large to move (``buckets.parquet``).
+
+    Args:
+        df: positions frame with ``doc, policy, window, seed, position, kl, top1_agree,
+            nonfinite, nonfinite_ref, nonfinite_policy`` (the runner's, since 2026-12-01).
+    Returns:
+        Frame with :data:`BUCKET_COLUMNS`. Top-1 agreement counts finite positions only (the
+        runner's ``summary.csv`` counts a non-finite position as a disagreement).
+    Raises:
+        KeyError: a missing column; ValueError: a negative position."""
     import pandas as pd
 
     d = df[["doc", "policy", "window", "seed", "position", "kl", "top1_agree", "nonfinite",

@@ -105,10 +105,18 @@ def _add_timings(old, new: dict) -> dict:
 
 
 def _git_commit() -> str | None:
+    """HEAD of the source tree, with ``-dirty`` when its files differ from that commit (as
+    ``git describe --dirty`` marks it), None outside a git checkout."""
     try:
         root = Path(__file__).resolve().parents[2]
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        if not head:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+        return head + ("-dirty" if dirty else "")
     except Exception:  # noqa: BLE001
         return None
 
@@ -417,7 +425,8 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
                         metrics[c].append(position_metrics(ref[r], lg, targets[r, lo:hi]))
                         if ke > ks:
                             kept[c].append(lg[:, ks:ke].float().clone())
-                        if E and (hi & (hi - 1) == 0 or hi == N):  # octave boundaries and the end
+                        # the first segment end in each octave of N, and the end
+                        if E and (hi.bit_length() > lo.bit_length() or hi == N):
                             for j, bi in enumerate(r):
                                 err_rows[c][j] += state_error_rows(
                                     handle.states(ref_cache[bi]), handle.states(caches[c][j]), hi)
@@ -507,7 +516,14 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
                   STATE_ERROR_COLUMNS, None).to_parquet(out / "state_error.parquet", index=False)
     else:
         (out / "state_error.parquet").unlink(missing_ok=True)
-    summ = summarize(pos, step)
+    # a policy without SR has one result for every seed: its other seeds' rows are copies
+    # (labels, not data) and would double its counts and narrow its intervals
+    copies = [c for c, k in canon.items() if c[2] != k[2]]
+    if copies:
+        is_copy = pd.MultiIndex.from_frame(pos[["policy", "window", "seed"]]).isin(copies)
+        summ = summarize(pos[~is_copy], step)
+    else:
+        summ = summarize(pos, step)
     summ.to_csv(out / "summary.csv", index=False)
     earlier = _earlier_manifest(out)
     n_tok = sum(len(d["ids"]) for d in token_docs)  # N + 1 per document (the last is a target only)

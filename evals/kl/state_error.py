@@ -1,8 +1,8 @@
 """Per-layer, per-head recurrent-state error of a cell against the fp32 reference
 (``replayssm-kl --state-error``; ``state_error.parquet``).
 
-At every segment boundary that is a power of two or the end of the document (``position`` =
-tokens consumed) and where both the cell's and the reference's state sit on a flush
+At the first segment end of every octave of N and at the end of the document (``position`` =
+tokens consumed), where both the cell's and the reference's state sit on a flush
 (``h == 0``: the checkpoints describe the same token), the runner compares, for every SSM layer
 and head, the cell's read copy R and recurrence anchor A with the reference's exact state S
 (the fp32 policy's anchor, which is the unrounded recurrence):
@@ -12,7 +12,9 @@ and head, the cell's read copy R and recurrence anchor A with the reference's ex
 over the head's ``[V, K]`` state matrix (float64 norms). Both runs see the same tokens (teacher
 forcing), so the error is the state format's rounding plus what upstream layers' errors did to
 this layer's inputs. Next to it: the head's mean per-token decay alpha and mean GDN write
-strength beta over the tokens so far, measured on the reference run
+strength beta over the tokens so far, measured on the reference run (``decay``: the
+arithmetic mean of alpha_t; ``log_decay``: the mean of log alpha_t, whose exponential -- the
+geometric mean, smaller -- is the per-token factor of a product over many tokens)
 (:meth:`replayssm_quant.adapters.state.LayerState.input_stats`) -- the x axis of the paper's
 decay argument (arXiv 2610.13778, appendix C.6: slow-decay heads accumulate rounding error,
 ``analysis.theory``).
@@ -38,7 +40,8 @@ def _rel(x, ref, ref_norm):
 def state_error_rows(ref_states: dict, states: dict, position: int) -> list:
     """Rows (dicts, without the cell and document keys) for one document after ``position``
     tokens: one per (layer, head) of the layers whose cell and reference states both sit on a
-    flush. ``ref_states`` / ``states``: ``{layer_idx: LayerState}`` of a batch-of-1 cache each
+    flush (none when they do not: the runner refuses ``--state-error`` unless every window
+    divides ``--segment-len``). ``ref_states`` / ``states``: ``{layer_idx: LayerState}`` of a batch-of-1 cache each
     (``StatePolicyHandle.states(cache)``). A head whose reference norm is 0 gets NaN errors;
     non-finite cell states are recorded (``nonfinite``), not dropped.
 

@@ -358,11 +358,14 @@ def plot_rtn_vs_sr(df: pd.DataFrame, window: int | None = None, path=None):
 
 
 def _format_of(policy: str) -> str | None:
-    """The rounded format of a single-checkpoint policy (``shared:F`` / ``eager:F``), else None."""
+    """The rounded format of a single-checkpoint policy (``shared:F`` / ``eager:F``), else None
+    (also for policy maps and for non-default scale modes, which the prediction does not model)."""
     from replayssm_quant.policy import StatePolicy
 
+    if policy.strip().lower().startswith("map:"):
+        return None
     pol = StatePolicy.parse(policy)
-    if policy.startswith(("shared:", "eager:")) and not pol.read.is_identity:
+    if policy.startswith(("shared:", "eager:")) and not pol.read.is_identity and not pol.read.scale:
         return policy.split(":", 1)[1].replace("+sr", "")
     return None
 

@@ -37,6 +37,7 @@ import pandas as pd
 from scipy import stats
 
 from replayssm_quant.policy import StatePolicy
+from replayssm_quant.policymap import MAP_PREFIX, PolicyMap
 
 __all__ = [
     "POSITION_COLUMNS",
@@ -140,7 +141,7 @@ def validate_positions(df: pd.DataFrame, source: str = "positions") -> pd.DataFr
         raise ValueError(f"{source}: kl below {KL_NEGATIVE_TOL} nats (min {kl.min():.3g})")
     for p in out["policy"].unique():
         try:
-            StatePolicy.parse(p)
+            _parse_label(p)
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
     key = [c for c in ("run", "doc", "position", "policy", "window", "seed") if c in out]
@@ -330,9 +331,12 @@ def positions_from_buckets(b: pd.DataFrame, source: str = "buckets") -> pd.DataF
 
 
 def uses_sr(policy: str) -> bool:
-    """Whether ``policy`` draws random bits (a rounded copy with ``+sr``; ``+sr`` on an
-    identity format such as fp32 draws none). Raises ValueError for an unparsable policy."""
-    return StatePolicy.parse(policy).uses_sr
+    """Whether ``policy`` draws random bits (a rounded copy with ``+sr``); for a policy map
+    (``map:...``), whether any of its policies does."""
+    p = _parse_label(policy)
+    if isinstance(p, PolicyMap):
+        return any(q.uses_sr for q in p.policies())
+    return p.uses_sr
 
 
 def _weights(d: pd.DataFrame) -> pd.Series:
@@ -354,11 +358,22 @@ def _units(d: pd.DataFrame, by: list, unit: str) -> tuple:
     return d, (["doc", "seed"] if unit == "sequence" else ["doc"])
 
 
+def _parse_label(policy: str):
+    """A run's policy column value: a policy string or a policy map's canonical ``map:...``
+    text (what ``replayssm-kl`` writes for maps); never a file path."""
+    if policy.strip().lower().startswith(MAP_PREFIX):
+        return PolicyMap.parse_compact(policy)
+    return StatePolicy.parse(policy)
+
+
 def policy_parts(policy: str) -> tuple[str, str, str]:
     """``(kind, read, rec)`` of a policy string, e.g. ``read:nvfp4/rec:fp32`` ->
     ``('separate', 'nvfp4', 'fp32')``; ``shared:fp8e4m3+sr`` -> ``('shared', 'fp8e4m3+sr',
-    'fp8e4m3+sr')``. Raises ValueError for a bad policy (DESIGN.md section 3 grammar)."""
-    p = StatePolicy.parse(policy)
+    'fp8e4m3+sr')``; a policy map (``map:...``, issue 18) -> ``('map', '', '')``. Raises
+    ValueError for a bad policy (DESIGN.md section 3 grammar) or map."""
+    p = _parse_label(policy)
+    if isinstance(p, PolicyMap):
+        return "map", "", ""
     return p.kind, str(p.read), str(p.rec)
 
 

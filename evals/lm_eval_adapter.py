@@ -55,6 +55,7 @@ from replayssm_quant.adapters import sequence_id
 from replayssm_quant.adapters.segments import forward_segment
 from replayssm_quant.config import GDNFold
 from replayssm_quant.policy import GRAMMAR, StatePolicy
+from replayssm_quant.policymap import PolicyMap, load_decay_stats, parse_state_arg
 
 try:
     from lm_eval.api.registry import register_model
@@ -71,9 +72,11 @@ __all__ = ["ReplaySSMLM", "cli", "POLICY_GRAMMAR", "sequence_id", "check_model_a
 POLICY_GRAMMAR = GRAMMAR  # the policy grammar text, written once in replayssm_quant.policy
 
 
-def _parse_policy(state) -> StatePolicy:
+def _parse_policy(state) -> "StatePolicy | PolicyMap":
+    """The ``state`` model argument: a policy string or a policy map (``state=map.json`` or a
+    compact ``map:...`` string; :mod:`replayssm_quant.policymap`)."""
     try:
-        return StatePolicy.parse(state)
+        return parse_state_arg(state)
     except ValueError as e:  # the message names the string and gives the grammar
         raise ValueError(f"bad model argument state={state!r}: {e}") from e
 
@@ -117,7 +120,11 @@ class ReplaySSMLM(HFLM):
 
     Model arguments (``--model_args``), parsed once at construction:
         pretrained: hub id, local directory, or an embedded name (``tiny-gdn``, ``tiny-mamba2``).
-        state: policy string (``fp32`` default; grammar in :data:`POLICY_GRAMMAR`).
+        state: policy string (``fp32`` default; grammar in :data:`POLICY_GRAMMAR`) or a policy
+            map: ``state=map.json`` or a compact ``map:...`` string (per layer / head / decay
+            bucket; :mod:`replayssm_quant.policymap`).
+        decay_stats: JSON file of per-head mean decays for a map's decay buckets (default: the
+            model directory's ``decay_stats.json``).
         window: flush window L (default 16). seed: SR seed (default 0).
         max_drafts: drafts T for speculative decoding studies (accepted and recorded; lm-eval's
             generate path decodes one token at a time, so it has no effect there).
@@ -137,9 +144,10 @@ class ReplaySSMLM(HFLM):
     """
 
     def __init__(self, pretrained="tiny-gdn", state="fp32", window=16, seed=0, max_drafts=0,
-                 gdn_fold="recompute", dt_limit="decode", **kwargs):
+                 gdn_fold="recompute", dt_limit="decode", decay_stats=None, **kwargs):
         _refuse_unknown(kwargs)
         self.policy = _parse_policy(state)
+        self.decay_stats = _check_decay_stats(decay_stats)
         self.window = _as_int("window", window, 1)
         self.seed = _as_int("seed", seed, 0)
         self.max_drafts = _as_int("max_drafts", max_drafts, 0)
@@ -161,7 +169,7 @@ class ReplaySSMLM(HFLM):
 
         self.handle = apply_state_policy(self.model, self.policy, window=self.window,
                                          seed=self.seed, gdn_fold=gdn_fold,
-                                         dt_limit=self.dt_limit)
+                                         dt_limit=self.dt_limit, decay_stats=self.decay_stats)
 
     # ------------------------------------------------------------------ bookkeeping
     def get_model_info(self) -> dict:
@@ -348,6 +356,17 @@ def _check_device_map(value) -> None:
                          f"(accelerate's placement under parallelize=True), got {value!r}")
 
 
+def _check_decay_stats(value):
+    """The ``decay_stats`` model argument: None or a readable decay-stats JSON file."""
+    if value is None:
+        return None
+    try:
+        load_decay_stats(str(value))
+    except ValueError as e:
+        raise ValueError(f"model argument decay_stats={value!r}: {e}") from None
+    return str(value)
+
+
 def _check_logits_cache(value) -> None:
     if value not in (False, None):
         raise ValueError(f"model argument logits_cache must be False for replayssm (a policy's "
@@ -389,6 +408,7 @@ def check_model_args(model_args: str | dict | None) -> None:
     _check_dt_limit(kv.get("dt_limit", "decode"))
     _check_logits_cache(kv.get("logits_cache", False))
     _check_device_map(kv.get("device_map"))
+    _check_decay_stats(kv.get("decay_stats"))
     if "pretrained" in kv:
         _check_pretrained(kv["pretrained"])
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .policy import StatePolicy
+from .policy import HeadPolicy, StatePolicy
 
-__all__ = ["Family", "GDNFold", "StateConfig", "check_window", "check_seed"]
+__all__ = ["Family", "GDNFold", "StateConfig", "LayerwiseConfig", "check_window", "check_seed"]
 
 
 class Family(str, Enum):
@@ -79,7 +79,9 @@ class StateConfig:
     """A parsed, validated state configuration (build it with :meth:`build`).
 
     Attributes:
-        policy: the parsed :class:`~replayssm_quant.policy.StatePolicy`.
+        policy: the parsed :class:`~replayssm_quant.policy.StatePolicy`, or, for one layer of a
+            per-head policy map, a :class:`~replayssm_quant.policy.HeadPolicy` (the adapters'
+            window form casts its head groups separately; the decode state objects refuse it).
         window: the window L the state runs with: the requested one, or 1 for ``eager:``
             policies (conventional decoding rounds after every token).
         seed: Philox key of stochastic rounding.
@@ -92,8 +94,8 @@ class StateConfig:
     fold: GDNFold = GDNFold.RECOMPUTE
 
     def __post_init__(self):
-        if not isinstance(self.policy, StatePolicy):
-            raise TypeError(f"StateConfig.policy must be a parsed StatePolicy, got "
+        if not isinstance(self.policy, (StatePolicy, HeadPolicy)):
+            raise TypeError(f"StateConfig.policy must be a parsed StatePolicy or HeadPolicy, got "
                             f"{type(self.policy).__name__}; use StateConfig.build(...)")
         check_window(self.window)
         check_seed(self.seed)
@@ -109,14 +111,16 @@ class StateConfig:
         """Parse and validate the settings once.
 
         Args:
-            policy: policy string (grammar: :mod:`replayssm_quant.policy`) or StatePolicy.
+            policy: policy string (grammar: :mod:`replayssm_quant.policy`), StatePolicy or
+                HeadPolicy (one layer's per-head policies; policy maps are resolved per layer
+                by the adapters, :class:`LayerwiseConfig`).
             window: requested window L (int >= 1); ``eager:`` policies use 1.
             seed: int in [0, 2^63). fold: ``"recompute"``/``"cached"`` or a :class:`GDNFold`.
 
         Raises:
             ValueError: naming the bad value and what was expected.
         """
-        pol = StatePolicy.parse(policy)
+        pol = policy if isinstance(policy, HeadPolicy) else StatePolicy.parse(policy)
         check_window(window)
         return cls(pol, 1 if pol.is_eager else window, check_seed(seed), GDNFold.parse(fold))
 
@@ -124,4 +128,88 @@ class StateConfig:
     def fold_cached(self) -> bool:
         """True for the cached-fold variant (:attr:`GDNFold.CACHED`)."""
         return self.fold is GDNFold.CACHED
+
+    @property
+    def uses_sr(self) -> bool:
+        """Whether a cast under this configuration draws random bits."""
+        return self.policy.uses_sr
+
+    def for_layer(self, layer: int) -> "StateConfig":
+        """The configuration of layer ``layer``: this one (every layer shares it)."""
+        return self
+
+
+@dataclass(frozen=True)
+class LayerwiseConfig:
+    """Per-layer state configurations of one model under a policy map (built once, by the
+    adapters, from a :class:`~replayssm_quant.policymap.PolicyMap` resolved against the model's
+    SSM layers, head counts and head decays).
+
+    Attributes:
+        source: the :class:`~replayssm_quant.policymap.PolicyMap` it was resolved from (what
+            ``handle.policy`` returns; ``str()`` gives its canonical text).
+        default: the configuration of layers without an override (the map's default policy).
+        layers: ``((layer, StateConfig), ...)`` for every SSM layer, ascending; each layer's
+            window is the requested one, or 1 where the layer is ``eager:``.
+        window: the window L asked for; seed, fold: shared by every layer.
+
+    Raises:
+        TypeError/ValueError: a layer config that is not a :class:`StateConfig`, repeated
+            layers, or a layer whose seed/fold differ from the default's.
+    """
+
+    source: object
+    default: StateConfig
+    layers: tuple
+    window: int
+
+    def __post_init__(self):
+        seen = set()
+        for i, c in self.layers:
+            if not isinstance(c, StateConfig):
+                raise TypeError(f"layer {i}: expected a StateConfig, got {type(c).__name__}")
+            if i in seen:
+                raise ValueError(f"layer {i} appears twice in a LayerwiseConfig")
+            if (c.seed, c.fold) != (self.default.seed, self.default.fold):
+                raise ValueError(f"layer {i}: seed/fold differ from the default's")
+            seen.add(i)
+        check_window(self.window)
+
+    def __repr__(self) -> str:
+        per = ", ".join(f"{i}: {c.policy}" for i, c in self.layers)
+        return f"LayerwiseConfig({self.source}, window={self.window}, seed={self.seed}, layers={{{per}}})"
+
+    @property
+    def policy(self):
+        """The policy map (``source``)."""
+        return self.source
+
+    @property
+    def seed(self) -> int:
+        return self.default.seed
+
+    @property
+    def fold(self) -> GDNFold:
+        return self.default.fold
+
+    @property
+    def fold_cached(self) -> bool:
+        return self.default.fold_cached
+
+    @property
+    def uses_sr(self) -> bool:
+        """Some layer's casts draw random bits."""
+        return self.default.uses_sr or any(c.uses_sr for _, c in self.layers)
+
+    def for_layer(self, layer: int) -> StateConfig:
+        """The :class:`StateConfig` of layer ``layer``.
+
+        Raises:
+            ValueError: ``layer`` is not one of the layers the map was resolved for.
+        """
+        for i, c in self.layers:
+            if i == layer:
+                return c
+        raise ValueError(f"layer {layer} is not an SSM layer this policy map was resolved for "
+                         f"(layers {[i for i, _ in self.layers]})")
 

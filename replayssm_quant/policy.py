@@ -127,6 +127,117 @@ class StatePolicy:
         return any(spec.sr and not spec.is_identity for spec in (self.read, self.rec))
 
 
+@dataclass(frozen=True)
+class HeadPolicy:
+    """Per-head policies of ONE layer: contiguous head groups, each under its own
+    :class:`StatePolicy`, sharing the layer's flush schedule (one window L per layer).
+
+    Build it with :meth:`from_heads` (which returns a plain :class:`StatePolicy` when every head
+    has the same one, so a uniform assignment runs exactly the uniform code path).
+
+    Attributes:
+        groups: ``((start, stop, policy), ...)``: half-open head ranges ``[start, stop)`` in
+            order, covering heads ``0 .. heads - 1`` without gaps, at least two groups, no two
+            neighbours with the same policy. Heads are the state's head axis (Mamba-2 heads;
+            GDN *value* heads).
+
+    Casts (``replay.core.cast_checkpoints``) round each group's slice of the ``[B, H, V, K]``
+    state with its own formats and the same per-(layer, sequence, head, flush, copy) random
+    streams as a uniform policy would use for those heads, so a head's stored values do not
+    depend on the formats of the other heads.
+
+    Raises:
+        ValueError: groups that do not tile the heads, a single group, or a mix of ``eager:``
+            and non-eager policies (eager runs with window 1, the others with the layer's L).
+    """
+
+    groups: tuple
+
+    def __post_init__(self):
+        groups = tuple((int(a), int(b), p) for a, b, p in self.groups)
+        object.__setattr__(self, "groups", groups)
+        if len(groups) < 2:
+            raise ValueError(f"a HeadPolicy needs at least two head groups, got {len(groups)}; "
+                             "use the StatePolicy itself for a uniform layer")
+        at = 0
+        for a, b, p in groups:
+            if not isinstance(p, StatePolicy):
+                raise TypeError(f"HeadPolicy groups hold parsed StatePolicy values, got "
+                                f"{type(p).__name__} {p!r}")
+            if a != at or b <= a:
+                raise ValueError(f"HeadPolicy groups must tile the heads in order from 0, got "
+                                 f"{[(a_, b_) for a_, b_, _ in groups]}")
+            at = b
+        if len({p.is_eager for _, _, p in groups}) > 1:
+            desc = ", ".join(f"heads {a}-{b - 1}: {p}" for a, b, p in groups)
+            raise ValueError(f"a layer cannot mix eager: and non-eager policies across its heads "
+                             f"({desc}): all heads of a layer share one flush schedule (eager "
+                             "runs with window 1); give the whole layer one kind")
+
+    @classmethod
+    def from_heads(cls, policies) -> "StatePolicy | HeadPolicy":
+        """The layer policy of per-head :class:`StatePolicy` values (a sequence, head order):
+        the policy itself when all are equal, else a :class:`HeadPolicy` of the runs of equal
+        neighbours.
+
+        Raises:
+            ValueError: no heads, or an eager/non-eager mix (see the class docstring).
+        """
+        policies = [require_policy(p) for p in policies]
+        if not policies:
+            raise ValueError("a layer needs at least one head")
+        if all(p == policies[0] for p in policies):
+            return policies[0]
+        groups, start = [], 0
+        for h in range(1, len(policies) + 1):
+            if h == len(policies) or policies[h] != policies[start]:
+                groups.append((start, h, policies[start]))
+                start = h
+        return cls(tuple(groups))
+
+    @property
+    def kind(self) -> str:
+        """``"heads"``."""
+        return "heads"
+
+    @property
+    def heads(self) -> int:
+        """Number of heads covered."""
+        return self.groups[-1][1]
+
+    def head_policies(self) -> list:
+        """The :class:`StatePolicy` of every head, in order."""
+        return [p for a, b, p in self.groups for _ in range(a, b)]
+
+    @property
+    def is_eager(self) -> bool:
+        """All groups are ``eager:`` (mixes are refused at construction)."""
+        return self.groups[0][2].is_eager
+
+    @property
+    def single_checkpoint(self) -> bool:
+        """Every group keeps one checkpoint (R is A for the whole layer)."""
+        return all(p.single_checkpoint for _, _, p in self.groups)
+
+    @property
+    def uses_sr(self) -> bool:
+        """Some group draws random bits."""
+        return any(p.uses_sr for _, _, p in self.groups)
+
+    def __str__(self) -> str:
+        return "heads[" + "|".join(f"{a if b == a + 1 else f'{a}-{b - 1}'}={p}"
+                                   for a, b, p in self.groups) + "]"
+
+    def __repr__(self) -> str:
+        return f"HeadPolicy({self})"
+
+    @property
+    def canonical(self) -> str:
+        """``str(self)``: ``heads[0-1=fp32|2=read:nvfp4/rec:fp32|3=shared:fp16]`` (a label;
+        not parsed)."""
+        return str(self)
+
+
 def require_policy(policy) -> "StatePolicy":
     """``policy`` if it is a parsed :class:`~replayssm_quant.policy.StatePolicy`; inner
     functions never parse strings (``StatePolicy.parse`` / ``StateConfig.build`` at the edges).
@@ -137,4 +248,18 @@ def require_policy(policy) -> "StatePolicy":
     if not isinstance(policy, StatePolicy):
         raise TypeError(f"expected a parsed StatePolicy, got {type(policy).__name__} {policy!r}; "
                         "parse it where it enters (StatePolicy.parse or StateConfig.build)")
+    return policy
+
+
+def require_layer_policy(policy) -> "StatePolicy | HeadPolicy":
+    """``policy`` if it is a parsed :class:`StatePolicy` or :class:`HeadPolicy` (what one
+    layer's casts accept; see :func:`require_policy`).
+
+    Raises:
+        TypeError: naming what was passed.
+    """
+    if not isinstance(policy, (StatePolicy, HeadPolicy)):
+        raise TypeError(f"expected a parsed StatePolicy or HeadPolicy, got {type(policy).__name__} "
+                        f"{policy!r}; parse it where it enters (StateConfig.build, or "
+                        "replayssm_quant.policymap for per-layer/per-head maps)")
     return policy

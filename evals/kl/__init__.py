@@ -71,7 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default=None, help="corpus split (kjv: heldout [default]; pg19: test)")
     p.add_argument("--max-docs", type=int, default=4, help="documents to evaluate (default 4)")
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
-                   help="state policies, e.g. shared:nvfp4+sr read:nvfp4/rec:fp16+sr eager:fp8e4m3")
+                   help="state policies, e.g. shared:nvfp4+sr read:nvfp4/rec:fp16+sr eager:fp8e4m3, "
+                   "or policy maps (per layer / head / decay bucket): a JSON file map.json or a "
+                   "compact 'map:DEFAULT@L3=P@L4H0-1=P@D0.99=P' string (docs/planner.md)")
+    p.add_argument("--decay-stats", default=None, metavar="PATH",
+                   help="per-head mean decays for the decay buckets of policy maps (JSON: "
+                   "replayssm-attribute's decay.json or docs/models/<model>-stats.json; default: "
+                   "the model directory's decay_stats.json, which the embedded models carry)")
     p.add_argument("--windows", nargs="+", type=int, default=[16], help="flush windows L (default 16)")
     p.add_argument("--max-tokens", "-N", type=int, default=1024, dest="max_tokens",
                    help="positions per document N (default 1024); documents shorter than N+1 "
@@ -143,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(a) -> list:
-    """Validate everything that needs no model weights; returns parsed policies."""
-    from replayssm_quant.policy import StatePolicy
+    """Validate everything that needs no model weights; returns parsed policies (StatePolicy
+    or PolicyMap)."""
+    from replayssm_quant.policymap import load_decay_stats, parse_state_arg
 
     if a.max_tokens <= 0:
         raise BadArgs(f"--max-tokens must be > 0, got {a.max_tokens}")
@@ -186,9 +193,14 @@ def _check_args(a) -> list:
     pols = []
     for s in a.policies:
         try:
-            pols.append(StatePolicy.parse(s))
+            pols.append(parse_state_arg(s))
         except ValueError as e:
             raise BadArgs(str(e)) from None
+    if a.decay_stats is not None:
+        try:
+            load_decay_stats(a.decay_stats)
+        except ValueError as e:
+            raise BadArgs(f"--decay-stats: {e}") from None
     same = {}
     for s, p in zip(a.policies, pols):
         same.setdefault(str(p), []).append(s)
@@ -238,6 +250,18 @@ def _load_config(model: str):
     return path, cfg, arch
 
 
+def _check_maps(a, policies, cfg, cfg_path) -> None:
+    """Resolve every policy map against the model's SSM layers (a weightless copy of the
+    model), so that a map naming a missing layer or head, or decay buckets without decays,
+    exits 2 before any compute."""
+    from .maps import resolve_maps
+
+    try:
+        resolve_maps(policies, cfg, cfg_path, a.decay_stats)
+    except ValueError as e:
+        raise BadArgs(str(e)) from None
+
+
 def _load_docs(a):
     from replayssm_quant.data import load_corpus
 
@@ -261,9 +285,11 @@ def memory_estimate(cfg, a, n_cells: int) -> dict:
     :func:`plan_ranks`)."""
     from replayssm_quant.config import StateConfig
 
+    from .maps import cell_config
+
     shape = model_shape(cfg, a.dtype)
     ref = StateConfig.build("fp32", window=REFERENCE_WINDOW, seed=0, fold=a.gdn_fold)
-    configs = [StateConfig.build(p, window=w, seed=s, fold=a.gdn_fold)
+    configs = [cell_config(p, w, s, a.gdn_fold)
                for p in a.policies for w in a.windows for s in a.seeds][:n_cells]
     pairs = [(d, c) for d in range(a.batch_size) for c in range(len(configs))]
     plan = plan_rank(0, shape, a, pairs, configs, ref, ["cpu"], {"cpu": 1 << 62})
@@ -300,9 +326,10 @@ def plan_ranks(a, shape, cells, todo: list, ranks, which=None) -> list:
     from replayssm_quant.config import StateConfig
 
     from . import dist
+    from .maps import cell_config
 
     ref = StateConfig.build("fp32", window=REFERENCE_WINDOW, seed=0, fold=a.gdn_fold)
-    configs = [StateConfig.build(p, window=w, seed=s, fold=a.gdn_fold) for p, w, s in cells]
+    configs = [cell_config(p, w, s, a.gdn_fold) for p, w, s in cells]
     shards = dist.shard(todo, ranks.world_size)
     plans = []
     for r in (range(ranks.world_size) if which is None else which):
@@ -315,6 +342,8 @@ def plan_ranks(a, shape, cells, todo: list, ranks, which=None) -> list:
 def print_plan(a, arch, shape, tokz, token_docs, policies, cells, ucells, todo, ranks, plans) -> None:
     """The ``--dry-run`` report: run, cells, resume state, per-rank shares and memory."""
     from replayssm_quant.config import StateConfig
+
+    from .maps import cell_config
 
     bos = tokz.manifest()
     n_pairs = len(ucells) * len(token_docs)
@@ -337,9 +366,8 @@ def print_plan(a, arch, shape, tokz, token_docs, policies, cells, ucells, todo, 
     print(f"memory per cache of one document (N={a.max_tokens}):")
     ref = StateConfig.build("fp32", window=REFERENCE_WINDOW, seed=0, fold=a.gdn_fold)
     seen = set()
-    for name, conf in [("reference fp32", ref)] + [
-            (f"{p} L={StateConfig.build(p, window=w).window}",
-             StateConfig.build(p, window=w, seed=0, fold=a.gdn_fold)) for p, w, _ in ucells]:
+    confs = [(p, cell_config(p, w, 0, a.gdn_fold)) for p, w, _ in ucells]
+    for name, conf in [("reference fp32", ref)] + [(f"{p} L={c.window}", c) for p, c in confs]:
         if name in seen:
             continue
         seen.add(name)
@@ -456,6 +484,7 @@ def main(argv=None) -> int:
         policies = _check_args(a)
         ranks = dist.ranks_from_env(planning=a.dry_run)
         cfg_path, cfg, arch = _load_config(a.model)
+        _check_maps(a, policies, cfg, cfg_path)
         docs = _load_docs(a)
         vocab = cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size
         try:

@@ -63,7 +63,16 @@ def run_identity(a, cfg) -> dict:
             "dtype": a.dtype, "device_type": str(a.device).split(":")[0], "prefill": a.prefill,
             "segment_len": a.segment_len, "gdn_fold": a.gdn_fold, "dt_limit": a.dt_limit,
             "max_tokens": a.max_tokens,
-            "add_bos_token": a.add_bos_token, "metrics": METRICS_VERSION}
+            "add_bos_token": a.add_bos_token, "metrics": METRICS_VERSION,
+            # decay buckets of policy maps resolve through these (None: the model's own file)
+            "decay_stats": _file_sha(getattr(a, "decay_stats", None))}
+
+
+def _file_sha(path) -> str | None:
+    """sha256 of a file's bytes (None for None)."""
+    if path is None:
+        return None
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _check_identity(a, cfg) -> None:
@@ -209,7 +218,7 @@ def canonical_cells(cells, configs, seeds) -> dict:
     draws no random bits gives the same bits for every seed; such cells share the part file of
     ``(policy, effective window, seed if SR else seeds[0])`` and are labelled with their own
     window and seed in the tables."""
-    return {c: (c[0], configs[c].window, c[2] if configs[c].policy.uses_sr else seeds[0]) for c in cells}
+    return {c: (c[0], configs[c].window, c[2] if configs[c].uses_sr else seeds[0]) for c in cells}
 
 
 def stepwise_summary(step) -> list:
@@ -262,19 +271,22 @@ def run_cells(policies, a) -> list:
 def cell_plan(policies, a) -> tuple:
     """``(cells, canon, ucells, configs)``: the requested cells (the tables' labels), the
     computed cell of each (:func:`canonical_cells`), the computed cells in request order (the
-    units of work and of the part files), and the parsed ``StateConfig`` of every one."""
-    from replayssm_quant.config import StateConfig
+    units of work and of the part files), and the parsed ``StateConfig`` of every one (a
+    :class:`~.maps.MapCellConfig` for a policy map, resolved by :func:`run` once the model is
+    loaded)."""
+    from .maps import cell_config
+
+    def build(p, window, seed):
+        return cell_config(p, window, seed, a.gdn_fold)
 
     cells = run_cells(policies, a)
     pols = [p for p in policies for _ in a.windows for _ in a.seeds]
-    configs = {c: StateConfig.build(p, window=c[1], seed=c[2], fold=a.gdn_fold)
-               for c, p in zip(cells, pols)}
+    configs = {c: build(p, c[1], c[2]) for c, p in zip(cells, pols)}
     canon = canonical_cells(cells, configs, a.seeds)
     ucells = list(dict.fromkeys(canon.values()))
     for c, p in zip(cells, pols):
         if canon[c] not in configs:
-            configs[canon[c]] = StateConfig.build(p, window=canon[c][1], seed=canon[c][2],
-                                                  fold=a.gdn_fold)
+            configs[canon[c]] = build(p, canon[c][1], canon[c][2])
     return cells, canon, ucells, configs
 
 
@@ -323,6 +335,8 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     from replayssm_quant.adapters.segments import forward_each
     from replayssm_quant.models import load_model
 
+    from .maps import MapCellConfig, resolve_maps
+
     t0 = time.time()
     out = Path(a.output_dir)
     cells, canon, ucells, configs = cell_plan(policies, a)
@@ -366,8 +380,12 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
         if params is None:
             params = int(sum(p.numel() for p in model.parameters()))
         handle = apply_state_policy(model, "fp32", window=ref_window, seed=0,
-                                    prefill=a.prefill > 0, gdn_fold=a.gdn_fold, dt_limit=a.dt_limit)
+                                    prefill=a.prefill > 0, gdn_fold=a.gdn_fold, dt_limit=a.dt_limit,
+                                    decay_stats=getattr(a, "decay_stats", None))
         ref_config = handle.config
+        # policy maps resolved against the loaded model, one StateConfig per layer
+        configs = {c: handle.build_config(k.policy, window=k.window, seed=k.seed, fold=a.gdn_fold)
+                   if isinstance(k, MapCellConfig) else k for c, k in configs.items()}
     timings["load_s"] = time.time() - t0
 
     cells_of: dict = {}  # document index -> this rank's computed cells of it, in order
@@ -541,6 +559,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
                  "token_sha256": hashlib.sha256(json.dumps([d["ids"] for d in token_docs]).encode()).hexdigest()},
         "bos": tokz.manifest(),
         "policies": [str(p) for p in policies], "windows": a.windows, "seeds": a.seeds,
+        "policy_maps": resolve_maps(policies, cfg, cfg_path, getattr(a, "decay_stats", None)),
         "reference": {"policy": "fp32", "window": ref_window, "seed": 0},
         "dt_limit": str(DtLimit.parse(a.dt_limit)),
         "invariance": "each document runs through the model alone (adapters.segments.forward_each); "

@@ -59,14 +59,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import types
 import zlib
 
 import torch
 
 from ..philox import STREAM_FIELDS
-from ..config import GDNFold, StateConfig
+from ..config import GDNFold, LayerwiseConfig, StateConfig
 from ..policy import StatePolicy
+from ..policymap import PolicyMap, load_decay_stats, parse_state_arg
 from . import gdn as _gdn
 from . import mamba2 as _mamba2
 from .mamba2 import DtLimit
@@ -85,7 +87,14 @@ __all__ = [
     "SEQ_ID_BITS",
     "sequence_id",
     "content_sequence_ids",
+    "measure_head_decay",
+    "DECAY_STATS_FILE",
 ]
+
+#: File name of a model directory's per-head decay statistics (the embedded models carry one;
+#: :mod:`replayssm_quant.policymap` "Mean decay"), used to resolve decay buckets of policy maps
+#: when no ``decay_stats`` is given.
+DECAY_STATS_FILE = "decay_stats.json"
 
 #: model_type -> family. ``*_text`` variants (text-only configs of multimodal models) map to
 #: the same entry.
@@ -211,13 +220,22 @@ class StatePolicyHandle:
             default, or ``CACHED``, the studied unstable variant).
         dt_limit: :class:`DtLimit` of the Mamba-2 family (``str(handle.dt_limit)`` is
             ``"decode"`` or ``"clamp"``, for run manifests); assign a member or its name.
+        decay_stats: where the per-head mean decays of decay-bucket policy maps come from
+            (None: the model directory's ``decay_stats.json`` if it has one).
+
+    Under a policy map ``config`` is a :class:`~replayssm_quant.config.LayerwiseConfig`
+    (one :class:`~replayssm_quant.config.StateConfig` per SSM layer, resolved once when the
+    map is set) and ``policy`` the :class:`~replayssm_quant.policymap.PolicyMap`.
     """
 
     def __init__(self, model, policy, window, seed, prefill, gdn_fold, sequence_ids,
-                 dt_limit="decode"):
+                 dt_limit="decode", decay_stats=None):
         self.model = model
         self.mixers = find_ssm_mixers(model)
-        self.config = StateConfig.build(policy, window=window, seed=seed, fold=gdn_fold)
+        self.decay_stats = decay_stats
+        self._decays = None  # loaded decay stats (cache)
+        self._decay_recorder: dict | None = None  # measure_head_decay's accumulators
+        self.config = self.build_config(policy, window=window, seed=seed, fold=gdn_fold)
         self.window = window  # as asked for (config.window is 1 under eager policies)
         self.prefill = bool(prefill)
         self.sequence_ids = sequence_ids
@@ -258,26 +276,70 @@ class StatePolicyHandle:
     def dt_limit(self, value) -> None:
         self._dt_limit = DtLimit.parse(value)
 
-    def set_policy(self, policy, *, window=None, seed=None) -> None:
-        """Switch policy (and optionally window / seed) for states created from now on: the
-        settings are parsed here, once, into :attr:`config`."""
+    def ssm_heads(self) -> dict[int, int]:
+        """``{layer index: state heads}`` of the patched SSM layers (Mamba-2 heads, GDN value
+        heads): what policy maps are resolved against."""
+        return {int(m.layer_idx): _family_module(fam).dims(m)[0] for _, m, fam in self.mixers}
+
+    def head_decays(self) -> dict[int, tuple[float, ...]] | None:
+        """Per-head mean decays for decay buckets: :attr:`decay_stats` if set, else the model
+        directory's ``decay_stats.json``, else None (loaded once)."""
+        if self._decays is None:
+            src = self.decay_stats
+            if src is None:
+                d = getattr(getattr(self.model, "config", None), "_name_or_path", "") or ""
+                f = os.path.join(d, DECAY_STATS_FILE) if d and os.path.isdir(d) else None
+                src = f if f and os.path.isfile(f) else None
+            if src is not None:
+                self._decays = load_decay_stats(src)
+        return self._decays
+
+    def build_config(self, policy, *, window=None, seed=None, fold=None):
+        """Parse a state argument once (:func:`~replayssm_quant.policymap.parse_state_arg`:
+        policy string, policy map file/string/dict, or parsed) into what :meth:`use` takes: a
+        :class:`~replayssm_quant.config.StateConfig`, or for a map a
+        :class:`~replayssm_quant.config.LayerwiseConfig` resolved against this model's SSM
+        layers (:meth:`ssm_heads`, :meth:`head_decays`). Unset window/seed/fold keep the
+        handle's.
+
+        Raises:
+            ValueError: a bad policy or map (naming the value), or a map naming layers/heads
+                this model does not have.
+        """
         window = self.window if window is None else window
         seed = self.config.seed if seed is None else seed
-        self.config = StateConfig.build(policy, window=window, seed=seed, fold=self.config.fold)
+        fold = self.config.fold if fold is None else fold
+        parsed = parse_state_arg(policy)
+        if isinstance(parsed, StatePolicy):
+            return StateConfig.build(parsed, window=window, seed=seed, fold=fold)
+        per = parsed.resolve(self.ssm_heads(), self.head_decays() if parsed.uses_decay else None)
+        default = StateConfig.build(parsed.default, window=window, seed=seed, fold=fold)
+        layers = tuple((i, default if p == parsed.default else
+                        StateConfig.build(p, window=window, seed=seed, fold=fold))
+                       for i, p in sorted(per.items()))
+        return LayerwiseConfig(parsed, default, layers, window)
+
+    def set_policy(self, policy, *, window=None, seed=None) -> None:
+        """Switch policy or policy map (and optionally window / seed) for states created from
+        now on: the settings are parsed here, once, into :attr:`config`."""
+        window = self.window if window is None else window
+        self.config = self.build_config(policy, window=window, seed=seed)
         self.window = window
 
-    def use(self, config: StateConfig) -> None:
-        """Create states from now on with an already parsed ``config`` (a runner that switches
-        between cells parses each cell's settings once and switches with this)."""
-        if not isinstance(config, StateConfig):
-            raise TypeError(f"use() takes a StateConfig, got {type(config).__name__}; "
+    def use(self, config) -> None:
+        """Create states from now on with an already parsed ``config`` (a
+        :class:`~replayssm_quant.config.StateConfig`, or a
+        :class:`~replayssm_quant.config.LayerwiseConfig` from :meth:`build_config`; a runner
+        that switches between cells parses each cell's settings once and switches with this)."""
+        if not isinstance(config, (StateConfig, LayerwiseConfig)):
+            raise TypeError(f"use() takes a StateConfig or LayerwiseConfig, got {type(config).__name__}; "
                             "use set_policy() for strings")
         self.config = config
         self.window = config.window  # what a later set_policy() without a window keeps
 
     @property
-    def policy(self) -> StatePolicy:
-        """The parsed policy of states created from now on (``config.policy``)."""
+    def policy(self) -> "StatePolicy | PolicyMap":
+        """The parsed policy (or policy map) of states created from now on (``config.policy``)."""
         return self.config.policy
 
     @property
@@ -382,7 +444,7 @@ class StatePolicyHandle:
             return ids.to(device)
         if self._auto_ids is not None and self._auto_ids.numel() == batch:
             return self._auto_ids.to(device)
-        if self.policy.uses_sr:
+        if self.config.uses_sr:
             raise ValueError(
                 f"policy {self.policy} uses stochastic rounding, whose random streams are keyed by "
                 f"sequence id, and this first call on a fresh cache shows no input_ids to derive "
@@ -515,10 +577,12 @@ def _make_forward(handle: StatePolicyHandle, family: str):
                     f"run later segments unpadded (rows of equal length)")
         dt_limit = handle.dt_limit if fresh else getattr(entry, _DT_ATTR, handle.dt_limit)
         inp, ctx = fam.extract(self, hidden_states, cache, attention_mask, dt_limit=dt_limit)
+        if handle._decay_recorder is not None:
+            _record_decay(handle._decay_recorder, layer_idx, family, inp, attention_mask)
         Bsz, H, V, K = state_dims(family, inp)
         T = hidden_states.shape[1]
         if fresh:
-            kw = dict(family=family, config=handle.config, layer=layer_idx,
+            kw = dict(family=family, config=handle.config.for_layer(layer_idx), layer=layer_idx,
                       sequence_ids=handle._ids_for_new_state(Bsz, hidden_states.device))
             if entry is not None:
                 setattr(entry, _DT_ATTR, dt_limit)
@@ -542,13 +606,17 @@ def _make_forward(handle: StatePolicyHandle, family: str):
 
 def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
                        prefill: bool = True, gdn_fold: str = "recompute",
-                       sequence_ids=None, dt_limit: "str | DtLimit" = "decode") -> StatePolicyHandle:
+                       sequence_ids=None, dt_limit: "str | DtLimit" = "decode",
+                       decay_stats=None) -> StatePolicyHandle:
     """Put every SSM mixer of ``model`` under ReplaySSM state with ``policy``.
 
     Args:
         model: a transformers model of a supported architecture (:data:`SUPPORTED_ARCHITECTURES`).
         policy: policy string or :class:`~replayssm_quant.policy.StatePolicy`
-            (``fp32``, ``shared:F``, ``eager:F``, ``read:F/rec:G``).
+            (``fp32``, ``shared:F``, ``eager:F``, ``read:F/rec:G``), or a policy map: a JSON
+            file path (``"map.json"``), a compact ``"map:..."`` string, a dict or a
+            :class:`~replayssm_quant.policymap.PolicyMap` (per-layer / per-head / per-decay
+            policies, resolved once here against the model's SSM layers).
         window: flush window L (``eager:`` policies use 1).
         seed: Philox key of stochastic rounding.
         prefill: first call on a cache runs the exact prefill scan (True) or emulates from
@@ -561,6 +629,9 @@ def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
             ``"decode"`` (default: no clamp, the model's decode step) or ``"clamp"`` (the
             mixer's ``time_step_limit``, as the model's chunked scan). Recorded as
             ``handle.dt_limit``.
+        decay_stats: per-head mean decays for a map's decay buckets: a JSON file path or
+            dict (:func:`~replayssm_quant.policymap.load_decay_stats`); None: the model
+            directory's ``decay_stats.json`` (the embedded models carry one).
 
     Returns:
         a :class:`StatePolicyHandle` (also a context manager that removes the patch on exit).
@@ -568,12 +639,13 @@ def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
     Raises:
         UnsupportedArchitectureError: the model is not a supported hybrid (lists the
             supported architectures) or has no SSM layers.
-        ValueError: bad policy, window, seed or dt_limit (naming the value).
+        ValueError: bad policy, policy map, window, seed or dt_limit (naming the value); a
+            map naming layers or heads the model does not have, or decay buckets without decays.
 
     Implements DESIGN.md section 3 (state semantics, prefill, teacher-forced emulation).
     """
     handle = StatePolicyHandle(model, policy, window, seed, prefill, gdn_fold, sequence_ids,
-                               dt_limit)
+                               dt_limit, decay_stats)
     handle._install()
     return handle
 
@@ -586,3 +658,52 @@ def state_policy(model, policy="fp32", window: int = 16, seed: int = 0, **kwargs
         yield handle
     finally:
         handle.remove()
+
+
+# ------------------------------------------------------------------------------ head decays
+def _record_decay(acc: dict, layer: int, family: str, inp: dict, attention_mask) -> None:
+    """Add the per-token decays of one call to ``acc[layer] = [sum over tokens [H] (float64),
+    token count]``; padded positions (2-D mask 0) are left out."""
+    if family == "mamba2":
+        a = torch.exp(inp["dt"].double() * inp["A"].double())  # [B, T, H]
+    else:
+        a = torch.exp(inp["g"].double())  # [B, T, HV]
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape == a.shape[:2]:
+        keep = attention_mask.to(a.device).bool()
+        a = a[keep]
+    else:
+        a = a.reshape(-1, a.shape[-1])
+    s, n = acc.get(layer, (0.0, 0))
+    acc[layer] = (s + a.sum(0).cpu(), n + a.shape[0])
+
+
+def measure_head_decay(model, documents, *, dt_limit: "str | DtLimit" = "decode") -> dict[int, tuple[float, ...]]:
+    """Per-head mean decay of every SSM layer on calibration text (the definition of
+    :mod:`replayssm_quant.policymap`, "Mean decay"): the mean over all tokens of
+    ``a_t = exp(dt_t A)`` (Mamba-2, ``dt`` under ``dt_limit``) or ``alpha_t = exp(g_t)`` (GDN).
+
+    Args:
+        model: an unpatched supported model (it is patched under ``fp32`` for the call and
+            restored).
+        documents: token id sequences (lists or 1-D/``[1, T]`` integer tensors); each runs
+            through the model alone.
+        dt_limit: Mamba-2 time-step rule (:class:`DtLimit`).
+
+    Returns:
+        ``{layer: (mean decay of head 0, ...)}``, floats in [0, 1]; write it as
+        ``{"decays": [{"layer", "head", "mean"}]}`` to use it as ``decay_stats``.
+
+    Raises:
+        ValueError: no documents, or an empty one.
+    """
+    docs = [torch.as_tensor(d, dtype=torch.int64).reshape(-1) for d in documents]
+    if not docs or any(d.numel() == 0 for d in docs):
+        raise ValueError("measure_head_decay needs at least one non-empty document")
+    dev = next(model.parameters()).device
+    with state_policy(model, "fp32", dt_limit=dt_limit) as handle, torch.no_grad():
+        handle._decay_recorder = {}
+        for d in docs:
+            model(d[None].to(dev), use_cache=False)
+        acc = handle._decay_recorder
+        handle._decay_recorder = None
+    return {i: tuple(float(x) for x in (s / n)) for i, (s, n) in sorted(acc.items())}

@@ -14,6 +14,7 @@ from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
 from ..config import GDNFold, StateConfig
 from ..packed import PackedTensor
 from ..philox import stream_key
+from ..policy import StatePolicy
 from .core import cast_checkpoints
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
@@ -86,6 +87,10 @@ class ReplayStateBase:
         # the state after every token)
         self.config = StateConfig.build(policy, window=window, seed=seed, fold=fold)
         self.policy = self.config.policy
+        if not isinstance(self.policy, StatePolicy):
+            raise ValueError(f"the decode state objects take one policy per layer, got the per-head "
+                             f"policy {self.policy}; per-head policy maps run through the adapters' "
+                             "window form (replayssm_quant.adapters)")
         window = self.config.window
         if max_drafts > window:
             raise ValueError(

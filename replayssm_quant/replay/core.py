@@ -36,7 +36,7 @@ import torch
 from ..checkpoints import (ANCHOR_COPY, PREFILL_FLUSH_INDEX, READ_COPY,  # noqa: F401
                            Checkpoints, FlushResult, checkpoint_streams, length_mask)
 from ..formats import QuantSpec
-from ..policy import StatePolicy, require_policy  # noqa: F401 (re-exported)
+from ..policy import StatePolicy, require_layer_policy, require_policy  # noqa: F401 (re-exported)
 from ..quant import pack, quantize
 
 
@@ -133,17 +133,42 @@ def cast_checkpoints(S: torch.Tensor, policy, *, seed: int, layer: int,
     (copy bit 0 / 1). Single-checkpoint policies (``fp32``, ``shared``, ``eager``) cast once,
     with the anchor stream, and return R = A.
 
+    A :class:`~replayssm_quant.policy.HeadPolicy` (one layer of a per-head policy map) casts
+    each head group's slice ``S[:, a:b]`` under its own policy with the same stream keys those
+    heads have under a uniform policy (keys are per head; scales per ``[V, K]`` matrix), so a
+    head's stored values equal the uniform policy's bit for bit. R is A where every group keeps
+    one checkpoint; otherwise R is assembled per group (R = A on single-checkpoint groups).
+    ``store=True`` then returns one stored form per group (a tuple, head order).
+
     Args:
         S: unrounded state ``[B, H, V, K]``.
-        policy: a parsed :class:`~replayssm_quant.policy.StatePolicy` (parse at the edges).
+        policy: a parsed :class:`~replayssm_quant.policy.StatePolicy` or ``HeadPolicy``
+            (parse at the edges).
         sequence_ids, flush_index: int64 ``[B]``.
 
     Raises:
-        TypeError: ``policy`` is not a parsed StatePolicy.
+        TypeError: ``policy`` is not parsed.
     """
-    require_policy(policy)
+    require_layer_policy(policy)
     sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=S.shape[1],
                                 flush_index=flush_index)
+    if isinstance(policy, StatePolicy):
+        return _cast_pair(S, policy, seed, sa, sr, store)
+    if policy.heads != S.shape[1]:
+        raise ValueError(f"per-head policy {policy} covers {policy.heads} heads, the state has "
+                         f"{S.shape[1]}")
+    parts = [_cast_pair(S[:, a:b], p, seed, sa[:, a:b], sr[:, a:b], store)
+             for a, b, p in policy.groups]
+    anchor = torch.cat([c.anchor for c in parts], 1)
+    read = anchor if policy.single_checkpoint else torch.cat([c.read for c in parts], 1)
+    if not store:
+        return Checkpoints(anchor, read)
+    return Checkpoints(anchor, read, tuple(c.anchor_stored for c in parts),
+                       tuple(c.read_stored for c in parts))
+
+
+def _cast_pair(S, policy: StatePolicy, seed: int, sa, sr, store: bool) -> Checkpoints:
+    """The two casts of one :class:`StatePolicy` with stream keys ``sa``/``sr`` ``[B, H]``."""
     a, a_st = cast_state(S, policy.rec, seed=seed, stream=sa, store=store)
     if policy.single_checkpoint:
         return Checkpoints(a, a, a_st, a_st)

@@ -42,6 +42,7 @@ import torch
 from .. import backend as B
 from ..backend import kernel_ops as kr  # kernel entry points, through the backend seam
 from ..config import Family, GDNFold, StateConfig
+from ..policy import HeadPolicy
 from . import core
 from .gdn import gdn_flush
 from .mamba2 import mamba2_flush, mamba2_records
@@ -128,7 +129,8 @@ def initial_carry(S: torch.Tensor, config: StateConfig, *, layer: int = 0,
 CHAIN_ENV = "REPLAYSSM_ANCHOR_CHAIN"  # deprecated: the seam's REPLAYSSM_BACKEND (backend.py)
 
 
-def chain_kernel_enabled(anchor: torch.Tensor, fold: GDNFold = GDNFold.RECOMPUTE) -> bool:
+def chain_kernel_enabled(anchor: torch.Tensor, fold: GDNFold = GDNFold.RECOMPUTE,
+                         policy=None) -> bool:
     """True when flushes run the anchor-chain kernel
     (:func:`replayssm_quant.kernels.replay.anchor_chain`, any ``rec`` format; fp32 is the exact
     recurrence): not the cached-fold variant, float32, key dim a power of two >= 32, on CUDA
@@ -136,8 +138,10 @@ def chain_kernel_enabled(anchor: torch.Tensor, fold: GDNFold = GDNFold.RECOMPUTE
     ``TRITON_INTERPRET=1``); the decision is the backend seam's (:mod:`replayssm_quant.backend`,
     family ``chain``). Every flush of a layer (stepping and teacher-forced, batched or
     window by window) takes the same decision, so a layer given identical inputs rounds
-    identically."""
-    if fold is GDNFold.CACHED:
+    identically. A per-head policy (``policy`` a
+    :class:`~replayssm_quant.policy.HeadPolicy`, one layer of a policy map) runs the torch path:
+    the kernel casts one format per launch."""
+    if fold is GDNFold.CACHED or isinstance(policy, HeadPolicy):
         return False
     return B.use_kernels(B.OpFamily.CHAIN, None, device=anchor.device, dtype=anchor.dtype,
                          key_dim=anchor.shape[-1])
@@ -153,7 +157,7 @@ def flush_window(family: Family, carry: WindowCarry, recs: dict, config: StateCo
     dequantised checkpoints."""
     policy, seed, anchor = config.policy, config.seed, carry.anchor
     J = recs["la"].shape[1]
-    if chain_kernel_enabled(anchor, config.fold):
+    if chain_kernel_enabled(anchor, config.fold, policy):
         H = anchor.shape[1]
         sa, sr = core.checkpoint_streams(layer=carry.layer, sequence_ids=carry.sequence_ids,
                                          heads=H, flush_index=carry.flush_index)
@@ -219,9 +223,9 @@ def _check_fit(h0: int, W: int, L: int) -> None:
 # batched torch parts around it are checked on the device (docs/invariance.md).
 
 
-def torch_path(anchor: torch.Tensor, fold: GDNFold = GDNFold.RECOMPUTE) -> bool:
+def torch_path(anchor: torch.Tensor, fold: GDNFold = GDNFold.RECOMPUTE, policy=None) -> bool:
     """True where the window form runs in torch, window by window (see "Invariance")."""
-    return not chain_kernel_enabled(anchor, fold)
+    return not chain_kernel_enabled(anchor, fold, policy)
 
 
 # ------------------------------------------------------------------------------ Mamba-2

@@ -218,7 +218,7 @@ def mamba2_emulate_fast(carry: WindowCarry, x, dt, A, B, C, D=None, *, config: S
     window at each end runs through :func:`~.window.mamba2_window`, the full windows in between
     through the anchor-chain kernel. On the torch path it is :func:`~.window.mamba2_emulate`
     (window module, "Invariance")."""
-    if torch_path(carry.anchor):
+    if torch_path(carry.anchor, policy=config.policy):
         return mamba2_emulate(carry, x, dt, A, B, C, D, config=config)
     L = config.window
     T = x.shape[1]
@@ -248,7 +248,7 @@ def gdn_emulate_fast(carry: WindowCarry, q, k, v, g, beta, *, config: StateConfi
     """GDN counterpart of :func:`mamba2_emulate_fast`. The cached-fold variant (anchor built
     from the read-path corrections, so every read cast is sequential) runs
     :func:`~.window.gdn_emulate`."""
-    if torch_path(carry.anchor, config.fold):
+    if torch_path(carry.anchor, config.fold, config.policy):
         return gdn_emulate(carry, q, k, v, g, beta, config=config)
     L = config.window
     T, HV = v.shape[1], v.shape[2]

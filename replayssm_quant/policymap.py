@@ -150,7 +150,7 @@ def _policy(text, where: str) -> StatePolicy:
     try:
         return StatePolicy.parse(text)
     except ValueError as e:
-        raise ValueError(f"policy map: bad policy at {where}: {e}") from None
+        raise ValueError(f"bad policy at {where}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -480,7 +480,7 @@ def parse_state_arg(value) -> "StatePolicy | PolicyMap":
     text = os.fspath(value).strip()
     if text.lower().startswith(MAP_PREFIX):
         return PolicyMap.parse_compact(text)
-    if text.startswith("{"):
+    if text.startswith(("{", "[")):
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:

@@ -22,7 +22,9 @@ SOURCES = {ROOT / PKG: PKG, ROOT / "evals": f"{PKG}.evals", ROOT / "analysis": f
 # Rooms, lowest first. A module belongs to the room of the longest matching prefix.
 ROOMS = {
     # "config": the parsed StateConfig of the parse-once change (imports only policy), a leaf
-    "leaf": ["formats", "philox", "packed", "checkpoints", "capabilities", "policy", "config"],
+    # "policymap": per-layer/per-head policy maps (issue 18), parsed at the edges, a leaf
+    "leaf": ["formats", "philox", "packed", "checkpoints", "capabilities", "policy", "policymap",
+             "config"],
     "kernels": ["kernels"],
     "backend": ["backend"],
     "reference": ["quant", "reference", "replay"],

@@ -36,6 +36,7 @@ __all__ = [
     "predicted_state_error",
     "plot_theory_vs_simulation",
     "save_figure",
+    "plot_attribution_heatmap",
     "POSITION_PLOT_COLUMNS",
 ]
 
@@ -521,4 +522,48 @@ def plot_theory_vs_simulation(
         ax.set_xlabel("step t")
     axes[0][0].set_ylabel(measured)
     axes[0][-1].legend(fontsize=6)
+    return _finish(fig, path)
+
+
+ATTRIBUTION_COLUMNS = ("layer", "heads", "kl_mean")
+
+
+def plot_attribution_heatmap(df: pd.DataFrame, decays, heads, path=None, title: str | None = None):
+    """Layer x head heatmap of a KL attribution (``replayssm-attribute``): colour = log10 of
+    each unit's mean KL (nats; a head group's or a whole layer's cells share its value), each
+    cell annotated with that head's mean decay.
+
+    Args:
+        df: one row per unit with ``layer`` (int), ``heads`` (``"a"`` or ``"a-b"``, inclusive)
+            and ``kl_mean``.
+        decays: ``{layer: per-head mean decays}``. heads: ``{layer: number of heads}``.
+        path: where to save (png/svg), or None. title: figure title.
+
+    Returns:
+        the Figure. Raises ValueError naming missing columns.
+    """
+    require_columns(df, ATTRIBUTION_COLUMNS, "plot_attribution_heatmap")
+    layers = sorted(heads)
+    width = max(heads.values())
+    val = np.full((len(layers), width), np.nan)
+    ann = np.full((len(layers), width), "", dtype=object)
+    for r in df.itertuples():
+        a, _, b = str(r.heads).partition("-")
+        lo, hi = int(a), int(b or a)
+        row = layers.index(int(r.layer))
+        kl = float(r.kl_mean)
+        val[row, lo: hi + 1] = np.log10(kl) if kl > 0 else np.nan
+    for row, i in enumerate(layers):
+        for h in range(heads[i]):
+            ann[row, h] = f"{decays[i][h]:.3f}"
+    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * width, 0.9 + 0.55 * len(layers)))
+    sns.heatmap(val, annot=ann, fmt="", cmap="rocket_r", mask=~np.isfinite(val), ax=ax,
+                cbar_kws={"label": "log10 mean KL (nats/token)"}, annot_kws={"fontsize": 8},
+                linewidths=0.5, linecolor="white")
+    ax.set_xticks(np.arange(width) + 0.5, [str(h) for h in range(width)])
+    ax.set_yticks(np.arange(len(layers)) + 0.5, [f"layer {i}" for i in layers], rotation=0)
+    ax.set_xlabel("head (annotation: mean decay)")
+    ax.set_ylabel("")
+    if title:
+        ax.set_title(title, fontsize=9)
     return _finish(fig, path)

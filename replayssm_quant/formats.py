@@ -60,6 +60,9 @@ __all__ = [
     "FP32_MIN_SUBNORMAL_EXP",
     "E4M3_NAN_CODE",
     "SR_RANDOM_BITS",
+    "SCALE_MODES",
+    "MX_RCEIL_FRAC",
+    "MX_EVEN_FRAC",
 ]
 
 
@@ -162,25 +165,61 @@ FORMATS: dict[str, _FormatInfo] = {
 FORMAT_NAMES: tuple[str, ...] = tuple(FORMATS)
 SR_SUFFIX = "+sr"
 
+# Scale modes (issue 18; docs/quantizers.md "Scale modes"): how a block scale is chosen, as a
+# format suffix ("mxfp4+rceil", "nvfp4+up+sr"). The first name of each tuple is the default and
+# is never printed; the others are the suffixes.
+#   MX (OCP v1.0 E8M0 block scales), X = 2^(sexp), sexp clamped to [-127, 127]:
+#     floor: sexp = floor(log2 amax) - emax_elem (OCP MX v1.0 section 6.3; the default);
+#     rceil: sexp = ceil(log2(amax / max_elem)): the smallest power of two with
+#            amax / X <= max_elem (cuBLAS "RCEIL" UE8M0 scaling; nothing clips);
+#     even:  sexp = floor(log2(amax rounded half-up to mbits_elem mantissa bits)) - emax_elem
+#            (torchao ScaleCalculationMode.EVEN: bumps the exponent only where the clipped
+#            values would round to max_elem anyway).
+#   NVFP4 (E4M3 block scales):
+#     rn: s_b = E4M3_RTN(bamax / (s_g * 6)) (the default; may clip the block max to 6);
+#     up: s_g and s_b rounded up so that no element of any block exceeds 6 after scaling
+#         (no clipping, so stochastic rounding stays unbiased).
+SCALE_MODES: dict[str, tuple[str, ...]] = {"mx": ("floor", "rceil", "even"), "nvfp4": ("rn", "up")}
+# MX thresholds on the 23-bit FP32 fraction of a (normal) block amax m = 1.f:
+#   rceil bumps the exponent where amax > M * 2^e, M the element max's significand
+#   (E4M3 448 = 1.75 * 2^8, E2M1 6 = 1.5 * 2^2): f > (M - 1) * 2^23;
+#   even bumps it where rounding m to mbits bits carries: f >= 2^23 - 2^(22 - mbits).
+MX_RCEIL_FRAC = {"mxfp8": 0x600000, "mxfp4": 0x400000}
+MX_EVEN_FRAC = {"mxfp8": 0x780000, "mxfp4": 0x600000}
+
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """A parsed format token: ``name`` in :data:`FORMAT_NAMES`, ``sr`` for stochastic rounding.
+    """A parsed format token: ``name`` in :data:`FORMAT_NAMES`, ``sr`` for stochastic rounding,
+    ``scale`` the block-scale mode (:data:`SCALE_MODES`; ``""`` is the format's default).
 
-    ``str(spec)`` gives the canonical token back (``"nvfp4+sr"``).
+    ``str(spec)`` gives the canonical token back (``"nvfp4+sr"``, ``"mxfp4+rceil+sr"``).
     """
 
     name: str
     sr: bool = False
+    scale: str = ""
 
     def __post_init__(self):
         if self.name not in FORMATS:
             raise ValueError(
                 f"unknown state format {self.name!r}; expected one of {', '.join(FORMAT_NAMES)}"
             )
+        if self.scale:
+            modes = SCALE_MODES.get(FORMATS[self.name].scaling, ())
+            if self.scale not in modes[1:]:
+                raise ValueError(f"format {self.name!r} has no scale mode {self.scale!r}; "
+                                 f"{_scale_help()}")
 
     def __str__(self) -> str:
-        return self.name + (SR_SUFFIX if self.sr else "")
+        return self.name + (f"+{self.scale}" if self.scale else "") + (SR_SUFFIX if self.sr else "")
+
+    @property
+    def scale_mode(self) -> str:
+        """The scale mode by name, the default spelled out (``"floor"``, ``"rn"``, ...; ``""``
+        for formats without block scales)."""
+        modes = SCALE_MODES.get(self.info.scaling)
+        return (self.scale or modes[0]) if modes else ""
 
     @property
     def info(self) -> _FormatInfo:
@@ -192,8 +231,15 @@ class QuantSpec:
         return self.name == "fp32"
 
 
+def _scale_help() -> str:
+    return ("scale modes: mxfp8/mxfp4 '+floor' (OCP, default), '+rceil', '+even'; "
+            "nvfp4 '+rn' (default), '+up'")
+
+
 def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
-    """Parse a format token such as ``"nvfp4"``, ``"fp8e4m3+sr"`` (DESIGN.md section 3).
+    """Parse a format token such as ``"nvfp4"``, ``"fp8e4m3+sr"``, ``"mxfp4+rceil+sr"``
+    (DESIGN.md section 3; scale modes: :data:`SCALE_MODES`, in any order with ``+sr``; the
+    default mode's name is accepted and dropped from the canonical form).
 
     Raises:
         ValueError: naming the bad token and listing the accepted ones.
@@ -203,11 +249,19 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
     if not isinstance(spec, str):
         raise ValueError(f"format spec must be a string, got {type(spec).__name__} {spec!r}")
     token = spec.strip().lower()
-    sr = token.endswith(SR_SUFFIX)
-    name = token[: -len(SR_SUFFIX)] if sr else token
-    if name not in FORMATS:
-        raise ValueError(
-            f"bad format spec {spec!r}: expected one of {', '.join(FORMAT_NAMES)}, "
-            f"optionally followed by '{SR_SUFFIX}' (stochastic rounding; RTN is the default)"
-        )
-    return QuantSpec(name, sr)
+    name, *suffixes = token.split("+")
+    bad = (f"bad format spec {spec!r}: expected one of {', '.join(FORMAT_NAMES)}, optionally "
+           f"followed by '{SR_SUFFIX}' (stochastic rounding; RTN is the default) and, for block-"
+           f"scaled formats, a scale mode ({_scale_help()})")
+    if name not in FORMATS or len(set(suffixes)) != len(suffixes):
+        raise ValueError(bad)
+    sr, scale = False, ""
+    modes = SCALE_MODES.get(FORMATS[name].scaling, ())
+    for suf in suffixes:
+        if suf == "sr":
+            sr = True
+        elif suf in modes and not scale:
+            scale = "" if suf == modes[0] else suf
+        else:
+            raise ValueError(bad)
+    return QuantSpec(name, sr, scale)

@@ -26,7 +26,10 @@ POLICY_KINDS = ("fp32", "shared", "eager", "separate")
 GRAMMAR = (
     "expected one of: 'fp32' | 'shared:F' | 'eager:F' | 'read:F/rec:G', where F and G are "
     f"one of {', '.join(FORMAT_NAMES)}, optionally followed by '+sr' "
-    "(examples: 'shared:nvfp4+sr', 'read:nvfp4/rec:fp32', 'read:nvfp4/rec:fp16+sr')"
+    "and, for block-scaled formats, a scale mode ('+rceil' or '+even' for mxfp8/mxfp4, '+up' "
+    "for nvfp4) "
+    "(examples: 'shared:nvfp4+sr', 'read:nvfp4/rec:fp32', 'read:nvfp4/rec:fp16+sr', "
+    "'shared:nvfp4+up+sr')"
 )
 
 _FP32 = QuantSpec("fp32")

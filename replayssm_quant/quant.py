@@ -121,6 +121,33 @@ def round_to_grid(
     return torch.where(torch.isnan(y), y, v)
 
 
+def _round_up_to_grid(y: torch.Tensor, grid: F.FloatGrid) -> torch.Tensor:
+    """Finite float32 ``y >= 0`` rounded UP onto ``grid`` (ceil), saturating at ``grid.max``."""
+    e = _float_exponent(y).clamp(min=grid.emin)
+    q = _pow2(e - grid.mbits)
+    return torch.clamp(torch.ceil(y / q) * q, max=grid.max)  # y / q exact
+
+
+def _nvfp4_global_up(amax: torch.Tensor, s_g: torch.Tensor) -> torch.Tensor:
+    """NVFP4 ``+up`` matrix scale: ``s_g = amax / 2688`` moved up by one FP32 ulp, twice at
+    most, while ``amax / (448 * s_g) > 6`` (in FP32 arithmetic, as the element path divides),
+    so a block whose E4M3 scale saturates at 448 never clips."""
+    six = _const(amax, F.E2M1_MAX)
+    for _ in range(2):
+        over = amax / (s_g * _const(s_g, F.E4M3_MAX)) > six
+        s_g = torch.where(over, torch.nextafter(s_g, torch.full_like(s_g, float("inf"))), s_g)
+    return s_g
+
+
+def _nvfp4_block_up(bamax: torch.Tensor, s_b: torch.Tensor, s_g: torch.Tensor) -> torch.Tensor:
+    """NVFP4 ``+up`` block scales: ``s_b = E4M3_RU(enc)`` moved to the next E4M3 value where
+    the block amax would still exceed 6 after scaling (``bamax / (s_b * s_g) > 6`` in FP32, a
+    rounding-level case; one step of >= 6 % always suffices) and ``s_b`` is below 448."""
+    clip = (bamax / (s_b * s_g) > _const(bamax, F.E2M1_MAX)) & (s_b > 0) & (s_b < F.E4M3_MAX)
+    e = _float_exponent(torch.where(s_b > 0, s_b, torch.ones_like(s_b))).clamp(min=F.E4M3.emin)
+    return torch.where(clip, s_b + _pow2(e - F.E4M3.mbits), s_b)
+
+
 # ----------------------------------------------------------------------------------------
 # reference quantisation
 # ----------------------------------------------------------------------------------------
@@ -218,11 +245,17 @@ def _parts(x: torch.Tensor, spec: QuantSpec, seed: int, stream) -> _Parts:
     nan = torch.tensor(float("nan"), device=x.device)
 
     if info.scaling == "nvfp4":
+        up = spec.scale == "up"
         amax = _finite_abs(x).amax(dim=(-2, -1))
         s_g = amax / _const(amax, F.E4M3_MAX * F.E2M1_MAX)
         s_g = torch.where(s_g > 0, s_g, torch.ones_like(s_g))
+        if up:
+            s_g = _nvfp4_global_up(amax, s_g)
         enc = bamax / (s_g * _const(s_g, F.E2M1_MAX))[..., None, None]
-        s_b = round_to_grid(enc, F.E4M3)  # RTN, saturating at 448
+        if up:
+            s_b = _nvfp4_block_up(bamax, _round_up_to_grid(enc, F.E4M3), s_g[..., None, None])
+        else:
+            s_b = round_to_grid(enc, F.E4M3)  # RTN, saturating at 448
         s_b = torch.where(bad, nan, s_b)
         block_codes = _fp8_encode(s_b, F.E4M3)
         scale = s_b * s_g[..., None, None]  # [..., M, nb]; NaN for bad blocks
@@ -237,6 +270,13 @@ def _parts(x: torch.Tensor, spec: QuantSpec, seed: int, stream) -> _Parts:
     emax = F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX
     pos = bamax > 0
     e = _exact_log2_floor(torch.where(pos, bamax, torch.ones_like(bamax)))
+    if spec.scale:  # rceil / even: one binade up where the fraction passes the threshold
+        bits = bamax.view(torch.int32)
+        frac = bits & F.FP32_MANT_MASK
+        normal = ((bits >> F.FP32_MBITS) & F.FP32_EXP_MASK) > 0
+        bump = frac > F.MX_RCEIL_FRAC[spec.name] if spec.scale == "rceil" \
+            else frac >= F.MX_EVEN_FRAC[spec.name]
+        e = e + (normal & bump).to(e.dtype)
     sexp = torch.where(pos, e - emax, torch.full_like(e, F.E8M0_MIN_EXP))
     sexp = sexp.clamp(F.E8M0_MIN_EXP, F.E8M0_MAX_EXP)
     block_codes = (sexp + F.E8M0_BIAS).to(torch.uint8)

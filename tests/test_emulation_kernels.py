@@ -46,7 +46,7 @@ from replayssm_quant.kernels import replay as kr  # noqa: E402
 
 POLICIES = ["shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr", "eager:fp8e4m3", "shared:mxfp4",
             "read:fp8e4m3+sr/rec:bf16", "fp32", "read:nvfp4/rec:fp32", "shared:mxfp8+sr",
-            "shared:fp8e5m2+sr"]
+            "shared:fp8e5m2+sr", "shared:nvfp4+up+sr", "shared:mxfp4+rceil"]  # last two: issue 18
 
 
 def _records(gdn: bool, B=2, T=12, H=2, V=6, K=32, seed=0):

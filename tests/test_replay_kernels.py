@@ -64,6 +64,8 @@ FLUSH_POLICIES = [
     "fp32", "read:nvfp4+sr/rec:nvfp4", "read:fp16+sr/rec:bf16", "read:bf16+sr/rec:fp16",
     "read:fp8e4m3/rec:fp8e5m2+sr", "read:fp8e5m2/rec:fp8e4m3+sr", "read:mxfp8+sr/rec:mxfp4",
     "read:mxfp4+sr/rec:mxfp8",
+    # scale modes (issue 18): the kernels' codec against the reference casts
+    "read:mxfp4+rceil+sr/rec:nvfp4+up", "read:nvfp4+up+sr/rec:mxfp8+even",
 ]
 READ_FORMATS = ["fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2", "nvfp4", "mxfp8", "mxfp4"]
 

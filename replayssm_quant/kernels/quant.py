@@ -305,6 +305,40 @@ def _e4m3_rtn(y, EMIN: tl.constexpr = _E4M3_EMIN, MBITS: tl.constexpr = _E4M3_MB
 
 
 @triton.jit
+def _e4m3_ru(y, EMIN: tl.constexpr = _E4M3_EMIN, MBITS: tl.constexpr = _E4M3_MBITS,
+             MAXCODE: tl.constexpr = _E4M3_MAXCODE, SUBQ: tl.constexpr = _E4M3_SUBQ,
+             FMB: tl.constexpr = _FP32_MBITS, FBIAS: tl.constexpr = _FP32_BIAS,
+             FEMIN: tl.constexpr = _FP32_EMIN, EXP_MASK: tl.constexpr = _FP32_EXP_MASK,
+             MANT_MASK: tl.constexpr = _FP32_MANT_MASK):
+    """Finite float32 y >= 0 rounded UP onto the E4M3 grid (saturating at 448): (value,
+    code); reference ``quant._round_up_to_grid``. Same code arithmetic as ``_grid_code``, with
+    n = floor(m) + [frac(m) > 0]."""
+    bits = y.to(tl.int32, bitcast=True)
+    ex = (bits >> FMB) & EXP_MASK
+    mant = bits & MANT_MASK
+    sub = ex == 0
+    sig = tl.where(sub, mant, mant | (1 << FMB))
+    ea = tl.where(sub, FEMIN, ex - FBIAS)
+    e = tl.maximum(ea, EMIN)
+    sh = tl.minimum((FMB - MBITS) + (e - ea), 30)
+    fl = sig >> sh
+    rem = sig & ((1 << sh) - 1)
+    code = tl.minimum(((e - EMIN) << MBITS) + fl + (rem > 0).to(tl.int32), MAXCODE)
+    return _grid_value(code, EMIN, MBITS, SUBQ), code
+
+
+@triton.jit
+def _nvfp4_global_up(amax, s, E4M3_MAX: tl.constexpr = F.E4M3_MAX,
+                     E2M1_MAX: tl.constexpr = F.E2M1_MAX):
+    """NVFP4 ``+up`` matrix scale (reference ``quant._nvfp4_global_up``): s moved up by one
+    FP32 ulp (bits + 1; s > 0), twice at most, while amax / (448 s) > 6."""
+    for _ in tl.static_range(2):
+        over = tl.math.div_rn(amax, s * E4M3_MAX) > E2M1_MAX
+        s = tl.where(over, (s.to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True), s)
+    return s
+
+
+@triton.jit
 def _e8m0_value(code, BIAS: tl.constexpr = F.E8M0_BIAS, NAN: tl.constexpr = F.E8M0_NAN):
     """Float32 value of E8M0 scale codes (int32): 2^(code - 127), NaN for code 0xFF."""
     return tl.where(code == NAN, float("nan"), _pow2(code - BIAS))
@@ -312,7 +346,10 @@ def _e8m0_value(code, BIAS: tl.constexpr = F.E8M0_BIAS, NAN: tl.constexpr = F.E8
 
 @triton.jit
 def _block_scale(bamax, bad, s_g, NV: tl.constexpr, EMAX: tl.constexpr,
+                 MODE: tl.constexpr = 0, THR: tl.constexpr = 0,
                  E2M1_MAX: tl.constexpr = F.E2M1_MAX, E4M3_NAN: tl.constexpr = F.E4M3_NAN_CODE,
+                 E4M3_MAXCODE: tl.constexpr = _E4M3_MAXCODE, E4M3_EMIN: tl.constexpr = _E4M3_EMIN,
+                 E4M3_MBITS: tl.constexpr = _E4M3_MBITS, E4M3_SUBQ: tl.constexpr = _E4M3_SUBQ,
                  FMB: tl.constexpr = _FP32_MBITS, FBIAS: tl.constexpr = _FP32_BIAS,
                  EXP_MASK: tl.constexpr = _FP32_EXP_MASK,
                  MANT_MASK: tl.constexpr = _FP32_MANT_MASK, SUB_EXP: tl.constexpr = _FP32_SUB_EXP,
@@ -325,13 +362,24 @@ def _block_scale(bamax, bad, s_g, NV: tl.constexpr, EMAX: tl.constexpr,
     of s_b. OCP MX: X = 2^clamp(floor(log2 bamax) - EMAX, -127, 127), the exponent read from
     the bits, code the E8M0 code of X. Bad blocks get scale NaN and the NaN code.
 
+    Scale modes (``MODE``, :data:`replayssm_quant.formats.SCALE_MODES`): NVFP4 1 = ``up``
+    (s_b = E4M3_RU(enc), one E4M3 step more where bamax / (s_b s_g) > 6 and s_b < 448); MX
+    1 = ``rceil`` (exponent + 1 where the FP32 fraction of a normal bamax > ``THR``), 2 =
+    ``even`` (+ 1 where it is >= ``THR``).
+
     Returns ``(scale, safe, ok, code)``: ``safe`` is the divisor of the elements (1 where
     the scale is 0 or NaN); ``ok`` (NVFP4 only) marks scale > 0.
     """
     if NV:
         t = s_g * E2M1_MAX
         enc = tl.math.div_rn(bamax, tl.broadcast_to(t, bamax.shape))
-        sb, code = _e4m3_rtn(enc)
+        if MODE == 1:
+            sb, code = _e4m3_ru(enc)
+            clip = (tl.math.div_rn(bamax, sb * s_g) > E2M1_MAX) & (sb > 0) & (code < E4M3_MAXCODE)
+            code = tl.where(clip, code + 1, code)
+            sb = _grid_value(code, E4M3_EMIN, E4M3_MBITS, E4M3_SUBQ)
+        else:
+            sb, code = _e4m3_rtn(enc)
         sb = tl.where(bad, float("nan"), sb)
         code = tl.where(bad, E4M3_NAN, code)
         scale = sb * s_g
@@ -344,6 +392,10 @@ def _block_scale(bamax, bad, s_g, NV: tl.constexpr, EMAX: tl.constexpr,
         sub_e = (((abits & MANT_MASK).to(tl.float32).to(tl.int32, bitcast=True) >> FMB)
                  & EXP_MASK) - FBIAS + SUB_EXP
         e = tl.where(aex == 0, sub_e, aex - FBIAS)
+        if MODE == 1:
+            e = e + ((aex > 0) & ((abits & MANT_MASK) > THR)).to(tl.int32)
+        if MODE == 2:
+            e = e + ((aex > 0) & ((abits & MANT_MASK) >= THR)).to(tl.int32)
         sexp = tl.where(bamax > 0, e - EMAX, MIN_EXP)
         sexp = tl.minimum(tl.maximum(sexp, MIN_EXP), MAX_EXP)
         code = tl.where(bad, E8M0_NAN, sexp + E8M0_BIAS)
@@ -411,7 +463,8 @@ def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
 @triton.jit
 def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
                 NV: tl.constexpr, FP4: tl.constexpr, HALF: tl.constexpr, SR: tl.constexpr,
-                PACK: tl.constexpr, EMAX: tl.constexpr, GRID: tl.constexpr):
+                PACK: tl.constexpr, EMAX: tl.constexpr, GRID: tl.constexpr,
+                MODE: tl.constexpr = 0, THR: tl.constexpr = 0):
     """Quantise the block rows ``g`` ([R] int64 global indices, valid where g < g_end):
     block row g is scaling block ``blk`` of row ``m`` of matrix ``b``."""
     rvalid = g < g_end
@@ -432,7 +485,7 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
     nonfin = (tl.abs(xe) < float("inf")).to(tl.int32) + (tl.abs(xo) < float("inf")).to(tl.int32)
     bad = tl.min(nonfin, axis=1) < 2  # a NaN or inf in the block
     nan = float("nan")
-    scale, safe, ok, sb_code = _block_scale(bamax, bad, s_g, NV, EMAX)
+    scale, safe, ok, sb_code = _block_scale(bamax, bad, s_g, NV, EMAX, MODE, THR)
 
     if SR:
         st = tl.load(stream_ptr + b, mask=rvalid, other=0)
@@ -478,16 +531,19 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
 def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K, NB,
                   ROWS: tl.constexpr, TILE: tl.constexpr, SR: tl.constexpr,
                   PACK: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
-                  GRID: tl.constexpr):
+                  GRID: tl.constexpr, UP: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     MK = M * K
-    s_g = _amax_scale(_matrix_amax(x_ptr, b * MK, MK, TILE), GDIV)  # amax / (448 * 6), or 1
+    amax = _matrix_amax(x_ptr, b * MK, MK, TILE)
+    s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
+    if UP:
+        s_g = _nvfp4_global_up(amax, s_g)
     mnb = M * NB
     g0 = b * mnb
     for t in range(0, mnb, ROWS):
         g = g0 + t + tl.arange(0, ROWS)
         _block_rows(g, g0 + mnb, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                    True, True, HALF, SR, PACK, 0, GRID)
+                    True, True, HALF, SR, PACK, 0, GRID, 1 if UP else 0, 0)
     if PACK:
         tl.store(mscale_ptr + b, s_g)
 
@@ -495,15 +551,29 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
 @triton.jit
 def _mx_kernel(x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB, G,
                ROWS: tl.constexpr, FP4: tl.constexpr, EMAX: tl.constexpr, SR: tl.constexpr,
-               PACK: tl.constexpr, HALF: tl.constexpr, GRID: tl.constexpr):
+               PACK: tl.constexpr, HALF: tl.constexpr, GRID: tl.constexpr,
+               MODE: tl.constexpr = 0, THR: tl.constexpr = 0):
     g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     _block_rows(g, G, 1.0, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                False, FP4, HALF, SR, PACK, EMAX, GRID)
+                False, FP4, HALF, SR, PACK, EMAX, GRID, MODE, THR)
 
 
 # ----------------------------------------------------------------------------------------
 # host wrappers
 # ----------------------------------------------------------------------------------------
+
+
+def scale_consts(spec: QuantSpec) -> dict:
+    """``MODE`` / ``THR`` constexprs of a spec's scale mode (``_block_scale``): NVFP4 ``up`` 1;
+    MX ``rceil`` 1 and ``even`` 2 with the FP32-fraction threshold of the element grid
+    (:data:`replayssm_quant.formats.MX_RCEIL_FRAC` / ``MX_EVEN_FRAC``); the defaults 0."""
+    if spec.scale == "up":
+        return {"MODE": 1, "THR": 0}
+    if spec.scale == "rceil":
+        return {"MODE": 1, "THR": F.MX_RCEIL_FRAC[spec.name]}
+    if spec.scale == "even":
+        return {"MODE": 2, "THR": F.MX_EVEN_FRAC[spec.name]}
+    return {"MODE": 0, "THR": 0}
 
 
 def _streams(spec: QuantSpec, x: torch.Tensor, stream) -> torch.Tensor:
@@ -581,14 +651,15 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
         if bsz:
             _nvfp4_kernel[(bsz,)](
                 xf, out, bscale, mscale, st, seed, m, k, nb, ROWS=_NV_ROWS, TILE=_TILE,
-                SR=spec.sr, PACK=pack, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR, GRID=gc)
+                SR=spec.sr, PACK=pack, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR, GRID=gc,
+                UP=spec.scale == "up")
         return out, bscale, mscale
     g = bsz * m * nb
     emax = F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX
     if g:
         _mx_kernel[(triton.cdiv(g, _MX_ROWS),)](
             xf, out, bscale, st, seed, m, k, nb, g, ROWS=_MX_ROWS, FP4=fp4, EMAX=emax,
-            SR=spec.sr, PACK=pack, HALF=block // 2, GRID=gc)
+            SR=spec.sr, PACK=pack, HALF=block // 2, GRID=gc, **scale_consts(spec))
     return out, bscale, None
 
 

@@ -213,7 +213,7 @@ def _chain_kernel(
                                         1 + 2 * (mat0 * NW + w), NT)
                 else:
                     amax = _tile_amax(se, so, rmask)
-            sa = _matrix_scale(amax, CA.KIND, CA.FMAX)
+            sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
             if STORE_S:
                 x = tl.reshape(tl.join(se, so), [BV, K])
                 tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
@@ -241,7 +241,7 @@ def _chain_kernel(
                                          q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP,
                                          GDN, False)
                     amax = tl.maximum(amax, _tile_amax(se, so, rmask))
-            sa = _matrix_scale(amax, CA.KIND, CA.FMAX)
+            sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
             for v0 in range(0, V, BV):
                 rows = v0 + tl.arange(0, BV)
                 rmask = rows < V

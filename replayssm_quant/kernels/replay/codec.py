@@ -28,7 +28,8 @@ from ...capabilities import replay_kernels_supported
 from ...formats import QuantSpec, parse_spec
 from ...packed import PackedTensor
 from ..quant import (_amax_scale, _block_scale, _e8m0_value, _finite_abs, _grid_consts,
-                     _grid_value, _quant, _random_bits, _stream_words)
+                     _grid_value, _nvfp4_global_up, _quant, _random_bits, _stream_words,
+                     scale_consts)
 
 # Format kinds (constexpr KIND of a stored copy / of a cast)
 _K_FLOAT = 0  # fp32 values (identity)
@@ -92,6 +93,8 @@ class CastConsts(NamedTuple):
     EMAX: int  # OCP MX element emax (E8M0 scale exponent)
     BLK: int  # scaling block (1 without blocks)
     MS: bool  # the format stores a matrix scale (fp8, nvfp4)
+    SCALE: int  # scale mode (kernels.quant.scale_consts: nvfp4 up 1; mx rceil 1, even 2)
+    THR: int  # its FP32-fraction threshold (mx)
     EMIN: int  # GridConsts fields of the element grid, from here on
     MBITS: int
     MAXCODE: int
@@ -123,6 +126,7 @@ def _cast_consts(spec) -> CastConsts:
     spec = parse_spec(spec)
     kind = _kind(spec)
     grid = spec.info.element
+    sc = scale_consts(spec)
     if grid is None:
         g = _grid_consts(F.FP16)  # unused (identity)
     else:
@@ -131,7 +135,7 @@ def _cast_consts(spec) -> CastConsts:
                       FMAX=(grid.max if grid else 1.0),
                       EMAX=(F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX),
                       BLK=(spec.info.block or 1), MS=kind in (_K_MATRIX, _K_NVFP4),
-                      **g._asdict())
+                      SCALE=sc["MODE"], THR=sc["THR"], **g._asdict())
 
 
 # ----------------------------------------------------------------------------------------
@@ -231,12 +235,14 @@ def _load_stored(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
                       D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
 
 @triton.jit
-def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr,
+def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr, SCALE: tl.constexpr = 0,
                   GDIV: tl.constexpr = F.NVFP4_SCALE_DIVISOR):
-    """fp8: s = amax / FMAX; nvfp4: s_g = amax / (448 * 6); 1 where that is 0 (reference
-    ``quant._parts``)."""
+    """fp8: s = amax / FMAX; nvfp4: s_g = amax / (448 * 6), moved up under the ``up`` scale
+    mode (``SCALE`` 1); 1 where that is 0 (reference ``quant._parts``)."""
     if KIND == 3:
         s = _amax_scale(amax, GDIV)
+        if SCALE == 1:
+            s = _nvfp4_global_up(amax, s)
     else:
         s = _amax_scale(amax, FMAX)
     return s
@@ -293,7 +299,8 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
             fin = tl.minimum(tl.min((tl.abs(xe3) < float("inf")).to(tl.int32), axis=2),
                              tl.min((tl.abs(xo3) < float("inf")).to(tl.int32), axis=2))
             bad = fin < 1  # a NaN or inf in the block
-            _, safe, ok, sb_code = _block_scale(bamax, bad, s_mat, C.KIND == 3, C.EMAX)
+            _, safe, ok, sb_code = _block_scale(bamax, bad, s_mat, C.KIND == 3, C.EMAX, C.SCALE,
+                                               C.THR)
             safe3 = tl.broadcast_to(safe[:, :, None], [BV, NB, HB])
             ye = tl.math.div_rn(xe3, safe3)
             yo = tl.math.div_rn(xo3, safe3)

@@ -95,8 +95,8 @@ def _flush_kernel(
             fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
             amax = tl.maximum(amax, tl.maximum(tl.max(tl.max(fe, axis=1), axis=0),
                                                tl.max(tl.max(fo, axis=1), axis=0)))
-    sa = _matrix_scale(amax, CA.KIND, CA.FMAX)
-    sr = _matrix_scale(amax, CR.KIND, CR.FMAX)
+    sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
+    sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
     if Q_OUT:
         qv = tl.load(q_ptr + (b * G + g) * K + kk)
         qe, qo = tl.split(tl.reshape(qv, [KH, 2]))

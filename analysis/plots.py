@@ -534,8 +534,8 @@ def plot_attribution_heatmap(df: pd.DataFrame, decays, heads, path=None, title: 
     cell annotated with that head's mean decay.
 
     Args:
-        df: one row per unit with ``layer`` (int), ``heads`` (``"a"`` or ``"a-b"``, inclusive)
-            and ``kl_mean``.
+        df: one row per unit with ``layer`` (int), ``heads`` (``"a"``, ``"a-b"`` inclusive, or
+            runs joined by ``+``) and ``kl_mean``.
         decays: ``{layer: per-head mean decays}``. heads: ``{layer: number of heads}``.
         path: where to save (png/svg), or None. title: figure title.
 
@@ -548,11 +548,11 @@ def plot_attribution_heatmap(df: pd.DataFrame, decays, heads, path=None, title: 
     val = np.full((len(layers), width), np.nan)
     ann = np.full((len(layers), width), "", dtype=object)
     for r in df.itertuples():
-        a, _, b = str(r.heads).partition("-")
-        lo, hi = int(a), int(b or a)
         row = layers.index(int(r.layer))
         kl = float(r.kl_mean)
-        val[row, lo: hi + 1] = np.log10(kl) if kl > 0 else np.nan
+        for part in str(r.heads).split("+"):  # "0-3" or "1+4+6"
+            a, _, b = part.partition("-")
+            val[row, int(a): int(b or a) + 1] = np.log10(kl) if kl > 0 else np.nan
     for row, i in enumerate(layers):
         for h in range(heads[i]):
             ann[row, h] = f"{decays[i][h]:.3f}"

@@ -44,32 +44,61 @@ __all__ = ["Unit", "units_for", "kl_argv", "run_cells", "cell_stats", "ssm_struc
            "token_documents", "main", "build_parser"]
 
 
+def _runs(heads) -> list[tuple[int, int]]:
+    """Inclusive ``(lo, hi)`` runs of consecutive indices in sorted ``heads``."""
+    out: list[list[int]] = []
+    for h in sorted(heads):
+        if out and h == out[-1][1] + 1:
+            out[-1][1] = h
+        else:
+            out.append([h, h])
+    return [(a, b) for a, b in out]
+
+
+def _span(a: int, b: int) -> str:
+    return str(a) if a == b else f"{a}-{b}"
+
+
 @dataclass(frozen=True)
 class Unit:
-    """One attributed piece: a whole layer (``heads`` None) or heads ``heads[0]..heads[1]``
-    (inclusive) of ``layer``."""
+    """One attributed piece: a whole layer (``heads`` None) or a set of heads of ``layer``
+    (a sorted tuple; consecutive when grouped by index, any set when grouped by decay)."""
 
     layer: int
-    heads: tuple[int, int] | None
+    heads: tuple[int, ...] | None
 
     @property
     def label(self) -> str:
-        return f"L{self.layer}" + ("" if self.heads is None else
-                                   f"H{self.heads[0]}" + ("" if self.heads[0] == self.heads[1]
-                                                          else f"-{self.heads[1]}"))
+        """``L3``, ``L3H0-3`` or ``L3H1+4+6``."""
+        if self.heads is None:
+            return f"L{self.layer}"
+        return f"L{self.layer}H" + "+".join(_span(a, b) for a, b in _runs(self.heads))
+
+    @property
+    def heads_text(self) -> str:
+        """``"0-3"`` / ``"1+4+6"`` (all heads for a layer unit: the caller knows how many)."""
+        return "" if self.heads is None else "+".join(_span(a, b) for a, b in _runs(self.heads))
+
+    def rules(self, policy: StatePolicy) -> list[str]:
+        """Compact-map rules putting ``policy`` on this unit."""
+        if self.heads is None:
+            return [f"L{self.layer}={policy}"]
+        return [f"L{self.layer}H{_span(a, b)}={policy}" for a, b in _runs(self.heads)]
 
     def policy_map(self, policy: StatePolicy, base: StatePolicy | None = None) -> str:
         """Compact map: ``base`` (default fp32) everywhere, ``policy`` on this unit."""
         base = base or StatePolicy.parse("fp32")
-        return f"map:{base}@{self.label}={policy}"
+        return "@".join([f"map:{base}", *self.rules(policy)])
 
 
-def units_for(ssm_heads: dict[int, int], by: str, group: int = 1) -> list[Unit]:
-    """Units of a model: one per SSM layer (``by="layer"``) or one per ``group`` consecutive
-    heads of every layer (``by="head"``; a layer's last group may be smaller).
+def units_for(ssm_heads: dict[int, int], by: str, group: int = 1, decays=None) -> list[Unit]:
+    """Units of a model: one per SSM layer (``by="layer"``) or groups of ``group`` heads of
+    every layer (``by="head"``; a layer's last group may be smaller): consecutive heads, or,
+    with ``decays`` (``{layer: per-head mean decays}``), heads of similar mean decay (each
+    layer's heads sorted by decay, then chunked).
 
     Raises:
-        ValueError: ``by`` not layer/head, or ``group`` < 1.
+        ValueError: ``by`` not layer/head, ``group`` < 1, or decays missing a layer.
     """
     if by not in ("layer", "head"):
         raise ValueError(f"by must be 'layer' or 'head', got {by!r}")
@@ -79,19 +108,25 @@ def units_for(ssm_heads: dict[int, int], by: str, group: int = 1) -> list[Unit]:
     for i, H in sorted(ssm_heads.items()):
         if by == "layer":
             out.append(Unit(i, None))
-        else:
-            out.extend(Unit(i, (a, min(a + group, H) - 1)) for a in range(0, H, group))
+            continue
+        order = list(range(H))
+        if decays is not None:
+            if i not in decays or len(decays[i]) != H:
+                raise ValueError(f"decays for layer {i}: expected {H} values")
+            order.sort(key=lambda h: (decays[i][h], h))
+        out.extend(Unit(i, tuple(sorted(order[a: a + group]))) for a in range(0, H, group))
     return out
 
 
 # ------------------------------------------------------------------------------ shared options
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """The options passed through to ``replayssm-kl`` (shared with ``replayssm-plan``)."""
+def add_run_arguments(p: argparse.ArgumentParser, n_flags=("--max-tokens", "-N")) -> None:
+    """The options passed through to ``replayssm-kl`` (shared with ``replayssm-plan``, which
+    also names N ``--at-N``)."""
     p.add_argument("--model", default="tiny-gdn", help="embedded name, model directory or hub id")
     p.add_argument("--dataset", nargs="+", default=["kjv"], help="as replayssm-kl (default kjv)")
     p.add_argument("--split", default=None, help="corpus split (kjv: heldout)")
     p.add_argument("--max-docs", type=int, default=4, help="documents (default 4)")
-    p.add_argument("--max-tokens", "-N", type=int, default=1024, dest="max_tokens",
+    p.add_argument(*n_flags, type=int, default=1024, dest="max_tokens",
                    help="positions per document N (default 1024)")
     p.add_argument("--window", type=int, default=16, help="flush window L (default 16)")
     p.add_argument("--seed", type=int, default=0, help="SR seed (default 0)")
@@ -139,16 +174,16 @@ def run_cells(a, policies, out: Path):
     return pd.read_parquet(out / "positions.parquet")
 
 
-def cell_stats(pos, policy: str) -> dict:
-    """Mean KL of one cell over its finite rows (nats), its standard error over documents
-    (document means; 0 for one document), and counts.
+def cell_stats(pos, policy: str, min_position: int = 0) -> dict:
+    """Mean KL of one cell over its finite rows at positions >= ``min_position`` (nats), its
+    standard error over documents (document means; 0 for one document), and counts.
 
     Raises:
         ValueError: the cell is not in ``pos``.
     """
     import numpy as np
 
-    rows = pos[pos["policy"] == policy]
+    rows = pos[(pos["policy"] == policy) & (pos["position"] >= min_position)]
     if rows.empty:
         raise ValueError(f"no rows for cell {policy!r}")
     fin = rows[~rows["nonfinite"]]
@@ -241,9 +276,10 @@ def attribute(a, out: Path) -> dict:
     rows = []
     for u in units:
         st = cell_stats(pos, cells[u.label])
-        lo, hi = (0, heads[u.layer] - 1) if u.heads is None else u.heads
-        d = decays[u.layer][lo: hi + 1]
-        rows.append({"unit": u.label, "layer": u.layer, "heads": f"{lo}-{hi}" if hi > lo else str(lo),
+        hs = range(heads[u.layer]) if u.heads is None else u.heads
+        d = [decays[u.layer][h] for h in hs]
+        rows.append({"unit": u.label, "layer": u.layer,
+                     "heads": u.heads_text or _span(0, heads[u.layer] - 1),
                      **st, "mean_decay": sum(d) / len(d), "policy_map": cells[u.label]})
     df = pd.DataFrame(rows).sort_values("kl_mean", ascending=False, kind="stable").reset_index(drop=True)
     df.insert(0, "rank", range(1, len(df) + 1))

@@ -13,8 +13,12 @@ from replayssm_quant.evals.attribute import Unit, main, units_for
 def test_units():
     assert [u.label for u in units_for({0: 4, 2: 3}, "layer")] == ["L0", "L2"]
     assert [u.label for u in units_for({0: 4, 2: 3}, "head", 2)] == ["L0H0-1", "L0H2-3", "L2H0-1", "L2H2"]
-    assert Unit(2, (1, 1)).policy_map(__import__("replayssm_quant").StatePolicy.parse("shared:fp16")) \
-        == "map:fp32@L2H1=shared:fp16"
+    f16 = __import__("replayssm_quant").StatePolicy.parse("shared:fp16")
+    assert Unit(2, (1,)).policy_map(f16) == "map:fp32@L2H1=shared:fp16"
+    u = Unit(2, (0, 1, 3))
+    assert u.label == "L2H0-1+3" and u.policy_map(f16) == "map:fp32@L2H0-1=shared:fp16@L2H3=shared:fp16"
+    by_decay = units_for({0: 4}, "head", 2, decays={0: [0.9, 0.1, 0.95, 0.2]})
+    assert [u.heads for u in by_decay] == [(1, 3), (0, 2)]
     with pytest.raises(ValueError, match="group size"):
         units_for({0: 4}, "head", 0)
 

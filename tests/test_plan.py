@@ -1,0 +1,121 @@
+"""``replayssm-plan`` (issue 18, item 3): the knapsack against brute force, byte counts against
+hand-computed packed sizes, map construction, and an end-to-end plan whose budget is checked
+by an independent fresh ``replayssm-kl`` run."""
+
+import itertools
+import json
+import math
+import random
+
+import pandas as pd
+import pytest
+
+from replayssm_quant.evals.plan import main, plan_map, policy_bytes, solve_plan
+from replayssm_quant.policy import StatePolicy
+from replayssm_quant.policymap import PolicyMap
+
+P = StatePolicy.parse
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_solve_plan_against_brute_force(seed):
+    """Bounds from exhaustive enumeration: the plan's exact KL sum is within the target, its
+    cost is no worse than the best plan within target * (1 - units / bins) (every such plan
+    survives the conservative rounding), and no better than the best within the target."""
+    rng = random.Random(seed)
+    units, opts, bins = rng.randint(1, 5), rng.randint(1, 4), 50
+    costs = [[rng.uniform(1, 10) for _ in range(opts)] + [20.0] for _ in range(units)]
+    kls = [[rng.uniform(0, 1) for _ in range(opts)] + [0.0] for _ in range(units)]
+    target = rng.uniform(0.2, 2.0)
+    choice, cost, kl = solve_plan(costs, kls, target, bins)
+    assert kl <= target + 1e-12
+    assert math.isclose(cost, sum(costs[u][o] for u, o in enumerate(choice)))
+
+    def best(limit):
+        out = math.inf
+        for combo in itertools.product(*(range(opts + 1) for _ in range(units))):
+            if sum(kls[u][o] for u, o in enumerate(combo)) <= limit:
+                out = min(out, sum(costs[u][o] for u, o in enumerate(combo)))
+        return out
+
+    assert best(target) - 1e-9 <= cost <= best(target * (1 - units / bins)) + 1e-9
+
+
+def test_solve_plan_errors():
+    with pytest.raises(ValueError, match="no option of unit 0"):
+        solve_plan([[1.0]], [[5.0]], 1.0)
+    with pytest.raises(ValueError, match="target must be > 0"):
+        solve_plan([[1.0]], [[0.0]], 0.0)
+
+
+def test_policy_bytes_by_hand():
+    """64 x 64 matrices: nvfp4 = 2048 code bytes + 64*4 E4M3 block scales + 4 (FP32 matrix
+    scale); fp8e4m3 = 4096 + 4; fp16 = 8192; fp32 = 16384; mxfp4 = 2048 + 64*2."""
+    nv = policy_bytes("read:nvfp4/rec:fp16", 64, 64, 16)
+    assert (nv["read"], nv["rec"]) == (2308, 8192)
+    assert nv["per_token"] == (15 * 2308 + 2 * 8192 + 2308) / 16 and nv["footprint"] == 2308 + 8192
+    assert policy_bytes("fp32", 64, 64, 16)["per_token"] == 17 * 16384 / 16
+    assert policy_bytes("shared:fp8e4m3", 64, 64, 16)["footprint"] == 4100
+    assert policy_bytes("eager:fp16", 64, 64, 16)["per_token"] == 2 * 8192  # L = 1
+    assert policy_bytes("read:mxfp4+rceil/rec:fp32", 64, 64, 8)["read"] == 2048 + 128
+
+
+def test_plan_map_roundtrip():
+    rng = random.Random(0)
+    pols = [P("fp32"), P("shared:fp16"), P("read:nvfp4/rec:fp16")]
+    heads = {0: 4, 2: 8, 5: 3}
+    for _ in range(20):
+        per = {i: [rng.choice(pols) for _ in range(h)] for i, h in heads.items()}
+        per[5] = [pols[1]] * 3  # a layer that agrees on a policy
+        m = PolicyMap.from_dict(plan_map(per, "x", {"k": 1}))
+        assert m.head_policies(heads) == per
+        assert m.name == "x"
+
+
+def test_plan_end_to_end_budget_holds_in_a_fresh_run(tmp_path, capsys):
+    """tiny-mamba2, N = 128, 2 documents, head groups of 8 (grouped by decay): the plan's
+    measured KL at N is within the budget, and an independent replayssm-kl run of the written
+    plan file (fresh output directory) measures the same KL at N."""
+    from replayssm_quant.evals.kl import main as kl_main
+
+    out = tmp_path / "plan"
+    budget = 3e-5
+    rc = main(["--model", "tiny-mamba2", "--budget", str(budget), "--at-N", "128", "--max-docs", "2",
+               "--group-size", "8", "--candidates", "fp32", "read:nvfp4/rec:fp16", "shared:nvfp4+sr",
+               "--uniform", "shared:fp16", "--no-progress", "-o", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads((out / "plan.json").read_text())
+    p = s["plans"][0]
+    assert p["verified"] and p["measured"] <= budget
+    f = out / f"plan-{budget:g}.json"
+    meta = json.loads(f.read_text())["meta"]
+    assert meta["measured_kl_at_n"] == p["measured"] and meta["at_N"] == 128
+    # the plan is cheaper than every uniform policy it could be compared with at <= its KL
+    u = p["uniform_at_equal_kl"]
+    assert u is not None and p["per_token"] <= u["per_token"]
+    # independent check: a fresh run of the plan file
+    fresh = tmp_path / "fresh"
+    assert kl_main(["--model", "tiny-mamba2", "--policies", str(f), "-N", "128", "--max-docs", "2",
+                    "--stepwise-check", "0", "--no-progress", "-o", str(fresh)]) == 0
+    pos = pd.read_parquet(fresh / "positions.parquet")
+    kl = pos[(pos.position >= 64) & ~pos.nonfinite]["kl"].mean()
+    assert kl <= budget and math.isclose(kl, p["measured"], rel_tol=1e-9)
+    fr = pd.read_csv(out / "frontier.csv")
+    assert {"uniform", "plan"} <= set(fr["kind"]) and (out / "frontier.png").exists()
+
+
+def test_bad_arguments_exit_2(tmp_path, capsys):
+    assert main(["--budget", "-1", "-o", str(tmp_path / "x")]) == 2
+    assert "--budget" in capsys.readouterr().err
+    assert main(["--budget", "1e-4", "--candidates", "shared:nvfp5", "-o", str(tmp_path / "x")]) == 2
+    assert "nvfp5" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_plan_tiny_gdn_budget_holds(tmp_path):
+    """The same on tiny-gdn at N = 256 with the default candidates, every head its own unit."""
+    out = tmp_path / "plan"
+    assert main(["--model", "tiny-gdn", "--budget", "1e-4", "--at-N", "256", "--max-docs", "2",
+                 "--uniform", "--no-progress", "-o", str(out)]) == 0
+    p = json.loads((out / "plan.json").read_text())["plans"][0]
+    assert p["verified"] and p["measured"] <= 1e-4

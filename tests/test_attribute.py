@@ -43,6 +43,7 @@ def test_attribution_sums_to_the_all_layers_kl(model, tmp_path, capsys):
     # oracle for the top unit: its map run directly through the adapters, KL in float64
     from replayssm_quant.adapters import state_policy
     from replayssm_quant.evals.attribute import build_parser, token_documents
+    from replayssm_quant.evals.kl.run import REFERENCE_WINDOW
     from replayssm_quant.models import load_model
 
     top = df.iloc[0]
@@ -52,8 +53,8 @@ def test_attribution_sums_to_the_all_layers_kl(model, tmp_path, capsys):
     for d, ids in enumerate(docs):
         x = torch.tensor([ids[:256]])
         logits = {}
-        for pol in ("fp32", top["policy_map"]):
-            with state_policy(m, pol, window=16, prefill=False, sequence_ids=[d]), torch.no_grad():
+        for pol, w in (("fp32", REFERENCE_WINDOW), (top["policy_map"], 16)):  # the runner's reference
+            with state_policy(m, pol, window=w, prefill=False, sequence_ids=[d]), torch.no_grad():
                 logits[pol] = m(x, use_cache=True).logits[0].double()
         lp, lq = (torch.log_softmax(logits[p], -1) for p in ("fp32", top["policy_map"]))
         kls.append((lp.exp() * (lp - lq)).sum(-1))

@@ -198,19 +198,11 @@ def cell_stats(pos, policy: str, min_position: int = 0) -> dict:
 def ssm_structure(model: str) -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
     """``({layer: heads}, {layer: (V, K)})`` of a model's SSM layers, from its config alone
     (a weightless copy). Raises BadArgs for a model the runner would refuse."""
-    from replayssm_quant.adapters import find_ssm_mixers
-    from replayssm_quant.adapters import gdn as G
-    from replayssm_quant.adapters import mamba2 as M
-
-    from .kl import _load_config, _meta_model
+    from .kl import _load_config
+    from .kl.maps import ssm_layout
 
     _, cfg, _ = _load_config(model)
-    heads, dims = {}, {}
-    for _, m, fam in find_ssm_mixers(_meta_model(cfg)):
-        H, V, K = M.dims(m) if fam == "mamba2" else G.dims(m)
-        heads[int(m.layer_idx)] = H
-        dims[int(m.layer_idx)] = (V, K)
-    return heads, dims
+    return ssm_layout(cfg)
 
 
 def token_documents(a) -> list[list[int]]:

@@ -343,6 +343,9 @@ def test_kl_runner_uniform_map_identity_and_errors(tmp_path, capsys):
     capsys.readouterr()
     assert main(base + ["--policies", "map:fp32@L1=shared:fp16"]) == 2
     assert "layer 1, which is not an SSM layer" in capsys.readouterr().err
+    # the work and memory plan take map cells before the model loads (--dry-run)
+    assert main(base + ["--policies", "map:fp32@L2=read:nvfp4/rec:fp16", "--dry-run"]) == 0
+    assert "map:fp32@L2=read:nvfp4/rec:fp16 L=16" in capsys.readouterr().out
 
 
 def test_results_accept_map_labels():

@@ -314,7 +314,14 @@ def _markdown(df, s: dict) -> str:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
+        if str(a.policy).lower().startswith("map:") or str(a.policy).endswith(".json"):
+            raise BadArgs(f"--policy {a.policy!r}: attribution puts one unit at a time at a "
+                          "single policy; give a policy string, not a policy map")
         StatePolicy.parse(a.policy)
+        if a.group_size != 1 and a.by != "head":
+            raise BadArgs(f"--group-size {a.group_size} needs --by head (layers are whole units)")
+        if a.window < 1:
+            raise BadArgs(f"--window must be >= 1, got {a.window}")
         units_for({0: 1}, a.by, a.group_size)
         summary = attribute(a, Path(a.output_dir))
     except (BadArgs, ValueError) as e:

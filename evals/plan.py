@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(a) -> list[StatePolicy]:
     if any(not (b > 0) or not math.isfinite(b) for b in a.budget):
         raise BadArgs(f"--budget values must be finite and > 0, got {a.budget}")
+    if len(set(a.budget)) != len(a.budget):
+        raise BadArgs(f"--budget repeats a value: {a.budget}; give each budget once")
     if a.max_tokens < 2:
         raise BadArgs(f"--at-N must be >= 2, got {a.max_tokens}")
     if a.group_size < 1 or a.bins < 10 or a.max_iter < 1:
@@ -253,10 +255,12 @@ def run_plan(a) -> dict:
 
     cands = _check(a)
     out = Path(a.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     N, L = a.max_tokens, a.window
     lo = N // 2
-    heads, dims = ssm_structure(a.model)
+    heads, dims = ssm_structure(a.model)  # a missing model fails here, before OUT exists
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("plan-*.json"):  # plans of an earlier invocation are not this run's
+        old.unlink()
     decays = measured_decays(a)
     (out / "decay.json").write_text(json.dumps(decay_json(
         decays, f"per-head mean decay over the {a.max_docs} x {N}-token documents of this plan"), indent=1))
@@ -300,7 +304,12 @@ def run_plan(a) -> dict:
 
     # plan, verify, iterate
     plans = []
+    fp32_kl = kl_at_n("fp32")["kl_mean"] if "fp32" in uniform else 0.0
     for budget in a.budget:
+        if budget < fp32_kl:
+            raise BadArgs(f"--budget {budget:g} is below the KL of fp32 itself at N = {N} "
+                          f"({fp32_kl:.3g} nats: float32 arithmetic of the emulation), which no "
+                          "plan can beat; give a larger budget")
         target, tried = budget, []
         for it in range(a.max_iter):
             choice, cost, pred = solve_plan(costs, kls, target, a.bins)
@@ -357,7 +366,8 @@ def run_plan(a) -> dict:
                "uniform": frontier}
     (out / "plan.json").write_text(json.dumps(summary, indent=1, default=str))
     (out / "plan.md").write_text(_markdown(summary, fr))
-    _figure(fr, out / "frontier.png", f"{a.model}: state bytes vs KL at N={N} ({a.max_docs} docs, L={L})")
+    _figure(fr, out / "frontier.png", f"{a.model}: state bytes vs KL at N={N} ({a.max_docs} docs, L={L})",
+            a.objective)
     return summary
 
 
@@ -395,23 +405,26 @@ def _markdown(s: dict, fr) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _figure(fr, path: Path, title: str) -> None:
+def _figure(fr, path: Path, title: str, objective: str = "per_token") -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    y = objective  # the bytes the plan minimised: per_token (moved) or footprint (stored)
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
-    uni = fr[(fr["kind"] == "uniform") & (fr["kl_at_n"] > 0)]
-    ax.scatter(uni["kl_at_n"], uni["per_token"], color="tab:blue", label="uniform policy", zorder=3)
+    is_fp32 = fr["policy"].astype(str) == "fp32"  # its KL is float32 noise (~1e-13), not a format's
+    uni = fr[(fr["kind"] == "uniform") & (fr["kl_at_n"] > 0) & ~is_fp32]
+    ax.scatter(uni["kl_at_n"], uni[y], color="tab:blue", label="uniform policy", zorder=3)
     for r in uni.itertuples():
-        ax.annotate(r.policy, (r.kl_at_n, r.per_token), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.annotate(r.policy, (r.kl_at_n, getattr(r, y)), fontsize=6, xytext=(3, 3),
+                    textcoords="offset points")
     pl = fr[fr["kind"] == "plan"].sort_values("kl_at_n")
-    ax.plot(pl["kl_at_n"], pl["per_token"], "o-", color="tab:red", label="planned map (verified KL)", zorder=4)
-    fp = fr[(fr["kind"] == "uniform") & (fr["kl_at_n"] == 0)]
+    ax.plot(pl["kl_at_n"], pl[y], "o-", color="tab:red", label="planned map (verified KL)", zorder=4)
+    fp = fr[(fr["kind"] == "uniform") & is_fp32]
     if len(fp):
-        ax.axhline(float(fp["per_token"].iloc[0]), color="grey", ls=":", lw=1, label="fp32")
+        ax.axhline(float(fp[y].iloc[0]), color="grey", ls=":", lw=1, label="fp32")
     ax.set_xscale("log")
     ax.set_xlabel("mean KL at N (nats/token)")
-    ax.set_ylabel("state bytes moved per token")
+    ax.set_ylabel("state bytes moved per token" if y == "per_token" else "state bytes stored per sequence")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     lo = np.nanmin(fr.loc[fr["kl_at_n"] > 0, "kl_at_n"]) if (fr["kl_at_n"] > 0).any() else 1e-9

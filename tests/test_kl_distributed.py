@@ -309,7 +309,8 @@ def test_device_map_auto_on_cpu_is_the_single_device_run(tmp_path):
 @pytest.mark.parametrize("bad,words", [
     (["--max-cells", "0"], "--max-cells must be > 0, got 0"),
     (["--cells-per-pass", "-1"], "--cells-per-pass must be >= 0 (0 = all cells in one pass), got -1"),
-    (["--memory-budget", "0"], "--memory-budget must be > 0 (GiB per device), got 0.0"),
+    (["--memory-budget", "0"], "--memory-budget must be finite and > 0 (GiB per device), got 0.0"),
+    (["--memory-budget", "inf"], "--memory-budget must be finite and > 0 (GiB per device), got inf"),
     (["--dist-timeout", "-1"], "--dist-timeout must be > 0 minutes, got -1.0"),
     (["--device", "tpu"], "--device must be cpu, cuda or cuda:I, got 'tpu'"),
 ])

@@ -109,6 +109,10 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert "--budget" in capsys.readouterr().err
     assert main(["--budget", "1e-4", "--candidates", "shared:nvfp5", "-o", str(tmp_path / "x")]) == 2
     assert "nvfp5" in capsys.readouterr().err
+    assert main(["--budget", "1e-4", "1e-4", "-o", str(tmp_path / "x")]) == 2
+    assert "repeats" in capsys.readouterr().err
+    assert main(["--model", "no-such-model", "--budget", "1e-4", "-o", str(tmp_path / "y")]) == 2
+    assert not (tmp_path / "y").exists()  # nothing written for a missing model
 
 
 @pytest.mark.slow

@@ -308,6 +308,8 @@ def plan_rank(rank: int, shape: ModelShape, a, pairs: list, cell_configs: list, 
 
 
 def check_budget_arg(value) -> None:
-    """``--memory-budget`` must be > 0 (GiB)."""
-    if value is not None and not value > 0:
-        raise BadArgs(f"--memory-budget must be > 0 (GiB per device), got {value}")
+    """``--memory-budget`` must be finite and > 0 (GiB)."""
+    import math
+
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise BadArgs(f"--memory-budget must be finite and > 0 (GiB per device), got {value}")

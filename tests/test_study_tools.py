@@ -80,6 +80,7 @@ def _states_after(model, ids, policy, window):
     """{layer: LayerState} after decoding ``ids [1, T]`` in one call under ``policy``."""
     with adapters.state_policy(model, policy, window=window, seed=0, prefill=False,
                                sequence_ids=[0]) as h, torch.no_grad():
+        h.track_input_stats = True
         _, cache = segments.forward_segment(model, ids)
         return h.states(cache)
 
@@ -123,7 +124,7 @@ def test_input_stats_are_float64_means_of_the_decays():
     B, H, HK, DK, DV, T = 2, 4, 2, 8, 8, 11
     st = LayerState(torch.zeros(B, H, DV, DK), family="gdn",
                     config=StateConfig.build("shared:nvfp4", window=4), layer=0,
-                    sequence_ids=torch.arange(B))
+                    sequence_ids=torch.arange(B), track_stats=True)
     g = -torch.rand(B, T, H) * 0.5
     beta = torch.rand(B, T, H)
     unit = torch.nn.functional.normalize(torch.randn(B, T, HK, DK), dim=-1)
@@ -138,6 +139,11 @@ def test_input_stats_are_float64_means_of_the_decays():
     np.testing.assert_allclose(s["beta"].numpy(), beta.double().mean(1).numpy(), rtol=1e-12)
     st.select_rows(torch.tensor([1, 1]))
     assert torch.equal(st.input_stats()["decay"][0], s["decay"][1])
+    off = LayerState(torch.zeros(B, H, DV, DK), family="gdn",
+                     config=StateConfig.build("shared:nvfp4", window=4), layer=0,
+                     sequence_ids=torch.arange(B))  # not tracked: NaN, no work per call
+    off.advance({k: v[:, :7] for k, v in inp.items()})
+    assert off.input_stats()["tokens"] == 0 and off.input_stats()["decay"].isnan().all()
 
 
 def test_quarter_buckets_are_exact():

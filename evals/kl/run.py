@@ -382,6 +382,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
         handle = apply_state_policy(model, "fp32", window=ref_window, seed=0,
                                     prefill=a.prefill > 0, gdn_fold=a.gdn_fold, dt_limit=a.dt_limit,
                                     decay_stats=getattr(a, "decay_stats", None))
+        handle.track_input_stats = bool(getattr(a, "state_error", False))  # decays per head
         ref_config = handle.config
         # policy maps resolved against the loaded model, one StateConfig per layer
         configs = {c: handle.build_config(k.policy, window=k.window, seed=k.seed, fold=a.gdn_fold)

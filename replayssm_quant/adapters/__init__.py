@@ -241,6 +241,10 @@ class StatePolicyHandle:
         self.sequence_ids = sequence_ids
         self.dt_limit = dt_limit
         self.active = False
+        #: record per-head input statistics (decay, beta) in every new LayerState
+        #: (``LayerState.input_stats``; ``replayssm-kl --state-error`` turns it on); off by
+        #: default, since it adds small reductions to every call
+        self.track_input_stats = False
         self._hooks: list = []
         self._auto_ids: torch.Tensor | None = None  # content ids of the current fresh-cache call
         self._signature = inspect.signature(model.forward)
@@ -583,7 +587,8 @@ def _make_forward(handle: StatePolicyHandle, family: str):
         T = hidden_states.shape[1]
         if fresh:
             kw = dict(family=family, config=handle.config.for_layer(layer_idx), layer=layer_idx,
-                      sequence_ids=handle._ids_for_new_state(Bsz, hidden_states.device))
+                      sequence_ids=handle._ids_for_new_state(Bsz, hidden_states.device),
+                      track_stats=handle.track_input_stats)
             if entry is not None:
                 setattr(entry, _DT_ATTR, dt_limit)
             if handle.prefill:

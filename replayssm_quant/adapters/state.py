@@ -84,18 +84,21 @@ class LayerState:
     Args:
         S: unrounded starting state ``[B, H, V, K]`` (a prefill's final state, or zeros), cast
             as flush 0.
+        track_stats: record the per-head input statistics of :meth:`input_stats`.
         family: :class:`~replayssm_quant.config.Family` (or ``"mamba2"`` / ``"gdn"``).
         config: the parsed :class:`~replayssm_quant.config.StateConfig`.
         layer: layer index; sequence_ids: int64 ``[B]`` (both key the SR streams).
     """
 
-    def __init__(self, S, *, family, config: StateConfig, layer: int, sequence_ids):
+    def __init__(self, S, *, family, config: StateConfig, layer: int, sequence_ids,
+                 track_stats: bool = False):
         self.family = Family.parse(family)
         self.config = config
         self.carry = W.initial_carry(S, config, layer=int(layer), sequence_ids=sequence_ids)
         B, H = S.shape[:2]
-        # input statistics of the tokens run through advance/step (not the prefill):
-        # sums over tokens per (row, head), float64; see input_stats()
+        # input statistics of the tokens run through advance/step (not the prefill), when
+        # tracked: sums over tokens per (row, head), float64; see input_stats()
+        self._track = bool(track_stats)
         self._stats = torch.zeros(3, B, H, dtype=torch.float64, device=S.device)
         self._tokens = 0
 
@@ -157,6 +160,8 @@ class LayerState:
     # ------------------------------------------------------------------ input statistics
     def _record_stats(self, inp: dict) -> None:
         """Add the per-token decays of ``inp`` to the running sums (no effect on the state)."""
+        if not self._track:
+            return
         if self.family is Family.MAMBA2:
             log_a = inp["dt"].double() * inp["A"].double()  # [B, T, H]: log decay dt * A
             beta = torch.ones_like(log_a)
@@ -171,7 +176,8 @@ class LayerState:
         per-token decay alpha_t (Mamba-2 ``exp(dt_t A)``, GDN ``exp(g_t)``; DESIGN.md section 2),
         ``log_decay`` = mean of log alpha_t, ``beta`` = mean GDN write strength (1 for Mamba-2),
         each float64 ``[B, H]`` on the state's device, and ``tokens`` (int). NaN before any
-        token."""
+        token, and when the state was built without ``track_stats`` (the adapters' handle:
+        ``track_input_stats = True``)."""
         n = self._tokens if self._tokens else float("nan")
         d, lg, b = (self._stats / n).unbind(0)
         return {"decay": d, "log_decay": lg, "beta": b, "tokens": self._tokens}

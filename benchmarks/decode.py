@@ -242,7 +242,7 @@ def make_set(M, gen, policy, T, with_fla):
     """One input set: FP32 state S ``[B, H, V, K]``, its stored read copy R and anchor A under
     ``policy``, a ring of L records (``la, beta [B,L,H]``, ``v, uR [B,L,H,V]``,
     ``k [B,L,G,K]``), a new record (``nla, nbeta [B,H]``, ``nv [B,H,V]``, ``nk [B,G,K]``),
-    queries ``q [B,G,K]``, ``qT [B,T,G,K]``."""
+    queries ``q [B,G,K]``, ``qT [B,T,G,K]``. ``S`` is None where neither copy is FP32."""
     B, H, L = M.B, M.H, M.L
     S = M.state(gen)
     streams = torch.arange(B * H, device=DEV).view(B, H)
@@ -253,6 +253,8 @@ def make_set(M, gen, policy, T, with_fla):
                                                   backend="triton")
         R = S if policy.read.is_identity else pack(S, policy.read, seed=SEED,
                                                    stream=streams + B * H, backend="triton")
+        if A is not S and R is not S:
+            S = None  # not read by the ReplaySSM operations: not held in the pool
     la, w, k, beta = M.records(gen, L)
     ring = {"la": la, "v": w, "k": k}
     if M.gdn:
@@ -268,9 +270,10 @@ def make_set(M, gen, policy, T, with_fla):
 
 
 def set_bytes(st):
-    n = nbytes(st["S"]) + (nbytes(st["A"]) if st["A"] is not st["S"] else 0)
-    n += nbytes(st["R"]) if st["R"] is not st["S"] and st["R"] is not st["A"] else 0
-    return n + sum(t.numel() * t.element_size() for t in st["ring"].values())
+    """Bytes of one input set that the timed operations touch (S / A / R once each, the ring)."""
+    uniq = {id(t): t for t in (st["S"], st["A"], st["R"]) if t is not None}
+    return sum(nbytes(t) for t in uniq.values()) + sum(
+        t.numel() * t.element_size() for t in st["ring"].values())
 
 
 FLUSH_KW = dict(seed=SEED, layer=0)

@@ -1,0 +1,100 @@
+"""``benchmarks/decode.py --tiny`` (issue 15's decode benchmark) runs on CPU under the Triton
+interpreter, writes the JSON the issue specifies, and its in-run correctness checks pass.
+
+One subprocess (the command CI would run), about 15 s on the shared 2-core machine.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUMMARY_KEYS = {"fp32_amortised_vs_fla", "nvfp4_amortised_vs_fla", "nvfp4_step_vs_fp32_step",
+                "flush_vs_step", "verify_T8_vs_step"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("decode") / "decode_tiny.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "benchmarks/decode.py", "--tiny", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_top_level_schema(result):
+    for key in ("command", "device", "versions", "fla", "window_L", "verify_T", "batches",
+                "policies", "device_copy", "models", "summary", "checks_passed"):
+        assert key in result, key
+    assert "benchmarks/decode.py" in result["command"] and "--tiny" in result["command"]
+    assert {"python", "torch", "triton", "fla"} <= set(result["versions"])
+    assert result["device_copy"]["GBps"] > 0 and result["device_copy"]["copy_exact"]
+    # no CUDA here: fla is skipped with its reason recorded
+    assert result["fla"]["available"] is False and result["fla"]["skip_reason"]
+    assert set(result["policies"]) == {"fp32", "nvfp4"}
+    assert result["policies"]["nvfp4"] == "read:nvfp4/rec:fp16+sr"
+
+
+def test_timings_per_shape(result):
+    L, T = result["window_L"], result["verify_T"]
+    assert set(result["models"]) == {"gdn", "mamba2"}
+    for name, shapes in result["models"].items():
+        assert set(shapes) == {f"B{b}" for b in result["batches"]}
+        for key, s in shapes.items():
+            assert "error" not in s, (name, key, s.get("error"))
+            base = s["baselines"]
+            assert base["fla_step"] is None
+            for b in ("read_only_fp32", "eager_fp32_triton"):
+                assert base[b]["median_us"] > 0 and base[b]["bytes"] > 0
+            for pol in ("fp32", "nvfp4"):
+                p = s["policies"][pol]
+                assert set(p["step"]) == {f"h{h}" for h in range(L - 1)}
+                assert set(p["verify"]) == {f"h{h}" for h in range(L - T + 1)}
+                for r in [*p["step"].values(), *p["verify"].values(), p["flush"]]:
+                    assert r["median_us"] > 0 and r["bytes"] > 0 and r["GBps"] > 0
+                    assert r["pool"] >= 2
+                steps = [r["median_us"] for r in p["step"].values()]
+                assert p["amortised_us"] == pytest.approx(
+                    (sum(steps) + p["flush"]["median_us"]) / L)
+            # the nvfp4 read copy is smaller than the FP32 state and than the fp16 anchor
+            assert s["policies"]["nvfp4"]["read_copy_bytes"] < s["policies"]["nvfp4"]["anchor_bytes"]
+            assert s["policies"]["fp32"]["read_copy_bytes"] == s["state_fp32_bytes"]
+
+
+def test_checks_passed(result):
+    assert result["checks_passed"] is True
+    for shapes in result["models"].values():
+        for s in shapes.values():
+            chk = s["checks"]
+            assert chk["read_only_fp32"]["passed"]
+            for pol in ("fp32", "nvfp4"):
+                c = chk[pol]
+                assert c["step"] and all(v["passed"] for v in c["step"].values())
+                assert c["verify"] and all(v["passed"] for v in c["verify"].values())
+                assert any(v["drafts_on_flush_slot"] > 0 for v in c["verify"].values())
+                f = c["flush"]
+                assert f["passed"], f
+                for k in ("anchor_value_bits_vs_cast_of_kernel_S",
+                          "read_value_bits_vs_cast_of_kernel_S",
+                          "anchor_stored_bytes_vs_cast_of_kernel_S",
+                          "read_stored_bytes_vs_cast_of_kernel_S",
+                          "timed_variant_anchor_vs_store_variant",
+                          "timed_variant_read_vs_store_variant"):
+                    assert f[k] == 0, k
+
+
+def test_summary(result):
+    summ = result["summary"]
+    assert "emulation_vs_plain_fla_max" in summ
+    for name in ("gdn", "mamba2"):
+        assert SUMMARY_KEYS <= set(summ[name])
+        assert summ[name]["fp32_amortised_vs_fla"] is None  # fla missing
+        assert summ[name]["nvfp4_amortised_vs_fla"] is None
+        for k in ("nvfp4_step_vs_fp32_step", "flush_vs_step", "verify_T8_vs_step"):
+            assert summ[name][k] > 0
+        assert set(summ["by_batch"][name]) == set(result["models"][name])

@@ -259,19 +259,24 @@ def plot_ratio_vs_n(df: pd.DataFrame, path=None, window: int | None = None):
     r = r[np.isfinite(ratio) & (ratio > 0)]
     if r.empty:
         raise ValueError("plot_ratio_vs_n: no read:F/rec:G policy with a shared:F partner")
-    runs = _runs(df)
-    r = r.assign(curve=_label(r, runs, r["shared"] + " / read:" + r["read"] + "/rec:" + r["rec"]
+    r = r.assign(curve=_label(r, _runs(df), r["shared"] + " / read:" + r["read"] + "/rec:" + r["rec"]
                               + (" L=" + r["window"].astype(str) if window is None else "")))
+    return _ratio_figure(r, "KL(shared) / KL(separate)", "Shared over separate precision", window,
+                         "above the dashed line the separate read copy has the lower KL", path)
+
+
+def _ratio_figure(r: pd.DataFrame, ylabel: str, title: str, window, note: str, path):
+    """A KL ratio versus N (log-log, one line per ``curve`` of ``r``, dashed line at 1)."""
     fig, ax = plt.subplots(figsize=_FIGSIZE)
     notes = _bands(ax, r, "curve", y="ratio")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("tokens seen N")
-    ax.set_ylabel("KL(shared) / KL(separate)")
-    ax.set_title("Shared over separate precision" + (f" (L={window})" if window is not None else ""))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title + (f" (L={window})" if window is not None else ""))
     _legend(ax, r["curve"].nunique())
-    _caption(fig, notes + ["above the dashed line the separate read copy has the lower KL"])
+    _caption(fig, notes + [note])
     return _finish(fig, path)
 
 
@@ -341,21 +346,10 @@ def plot_rtn_vs_sr(df: pd.DataFrame, window: int | None = None, path=None):
     r = r[np.isfinite(ratio) & (ratio > 0)]
     if r.empty:
         raise ValueError("plot_rtn_vs_sr: no policy with +sr whose RTN twin is in the run")
-    runs = _runs(d)
-    r = r.assign(curve=_label(r, runs, r["rtn_policy"] + " / +sr"
+    r = r.assign(curve=_label(r, _runs(d), r["rtn_policy"] + " / +sr"
                               + (" L=" + r["window"].astype(str) if window is None else "")))
-    fig, ax = plt.subplots(figsize=_FIGSIZE)
-    notes = _bands(ax, r, "curve", y="ratio")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens seen N")
-    ax.set_ylabel("KL(RTN) / KL(SR)")
-    ax.set_title("Round-to-nearest over stochastic rounding"
-                 + (f" (L={window})" if window is not None else ""))
-    _legend(ax, r["curve"].nunique())
-    _caption(fig, notes + ["below the dashed line RTN has the lower KL"])
-    return _finish(fig, path)
+    return _ratio_figure(r, "KL(RTN) / KL(SR)", "Round-to-nearest over stochastic rounding", window,
+                         "below the dashed line RTN has the lower KL", path)
 
 
 def _format_of(policy: str) -> str | None:

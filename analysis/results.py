@@ -230,24 +230,17 @@ def load_runs(paths: Sequence) -> Runs:
         df = validate_positions(df, str(src))
         df.insert(0, "run", name)
         frames.append(df)
-        sw = p / "stepwise.parquet"
-        if sw.is_file():
-            try:
-                st = pd.read_parquet(sw)
-            except Exception as e:  # pyarrow raises several types
-                raise ValueError(f"{sw}: cannot read parquet ({e})") from None
-            require_columns(st, STEPWISE_COLUMNS, str(sw))
-            st.insert(0, "run", name)
-            steps.append(st)
-        se = p / "state_error.parquet"
-        if se.is_file():
-            try:
-                e = pd.read_parquet(se)
-            except Exception as ex:  # pyarrow raises several types
-                raise ValueError(f"{se}: cannot read parquet ({ex})") from None
-            require_columns(e, STATE_ERROR_COLUMNS, str(se))
-            e.insert(0, "run", name)
-            errs.append(e)
+        for fname, columns, into in (("stepwise.parquet", STEPWISE_COLUMNS, steps),
+                                     ("state_error.parquet", STATE_ERROR_COLUMNS, errs)):
+            f = p / fname  # optional tables: validated, labelled with the run
+            if f.is_file():
+                try:
+                    t = pd.read_parquet(f)
+                except Exception as e:  # pyarrow raises several types
+                    raise ValueError(f"{f}: cannot read parquet ({e})") from None
+                require_columns(t, columns, str(f))
+                t.insert(0, "run", name)
+                into.append(t)
         sc = p / "summary.csv"
         if sc.is_file():
             try:

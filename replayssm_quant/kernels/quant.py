@@ -172,6 +172,21 @@ def _stream_words(st):
 
 
 @triton.jit
+def _grid_split(bits, EMIN: tl.constexpr, MBITS: tl.constexpr, FMB: tl.constexpr = _FP32_MBITS,
+                FBIAS: tl.constexpr = _FP32_BIAS, FEMIN: tl.constexpr = _FP32_EMIN,
+                EXP_MASK: tl.constexpr = _FP32_EXP_MASK, MANT_MASK: tl.constexpr = _FP32_MANT_MASK):
+    """Of finite float32 |y| (int32 bits): its 24-bit significand S, the grid exponent
+    e = max(floor(log2|y|), emin) and the shift with m = |y| / 2^(e - mbits) = S >> shift."""
+    ex = (bits >> FMB) & EXP_MASK
+    mant = bits & MANT_MASK
+    sub = ex == 0
+    sig = tl.where(sub, mant, mant | (1 << FMB))
+    ea = tl.where(sub, FEMIN, ex - FBIAS)
+    e = tl.maximum(ea, EMIN)
+    return sig, e, (FMB - MBITS) + (e - ea)
+
+
+@triton.jit
 def _grid_code(bits, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                MAXCODE: tl.constexpr, FMB: tl.constexpr = _FP32_MBITS,
                FBIAS: tl.constexpr = _FP32_BIAS, FEMIN: tl.constexpr = _FP32_EMIN,
@@ -184,13 +199,7 @@ def _grid_code(bits, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexp
     r < ceil(frac(m) * 2^32). The code of n * q is ((e - emin) << mbits) + n, which also
     covers subnormals and a carry into the next binade; min(code, MAXCODE) saturates.
     """
-    ex = (bits >> FMB) & EXP_MASK
-    mant = bits & MANT_MASK
-    sub = ex == 0
-    sig = tl.where(sub, mant, mant | (1 << FMB))
-    ea = tl.where(sub, FEMIN, ex - FBIAS)
-    e = tl.maximum(ea, EMIN)
-    shift = (FMB - MBITS) + (e - ea)  # >= 13
+    sig, e, shift = _grid_split(bits, EMIN, MBITS, FMB, FBIAS, FEMIN, EXP_MASK, MANT_MASK)  # shift >= 13
     if SR:
         s64 = sig.to(tl.int64)
         sh = tl.minimum(shift, 60).to(tl.int64)
@@ -314,13 +323,8 @@ def _e4m3_ru(y, EMIN: tl.constexpr = _E4M3_EMIN, MBITS: tl.constexpr = _E4M3_MBI
     code); reference ``quant._round_up_to_grid``. Same code arithmetic as ``_grid_code``, with
     n = floor(m) + [frac(m) > 0]."""
     bits = y.to(tl.int32, bitcast=True)
-    ex = (bits >> FMB) & EXP_MASK
-    mant = bits & MANT_MASK
-    sub = ex == 0
-    sig = tl.where(sub, mant, mant | (1 << FMB))
-    ea = tl.where(sub, FEMIN, ex - FBIAS)
-    e = tl.maximum(ea, EMIN)
-    sh = tl.minimum((FMB - MBITS) + (e - ea), 30)
+    sig, e, shift = _grid_split(bits, EMIN, MBITS, FMB, FBIAS, FEMIN, EXP_MASK, MANT_MASK)
+    sh = tl.minimum(shift, 30)
     fl = sig >> sh
     rem = sig & ((1 << sh) - 1)
     code = tl.minimum(((e - EMIN) << MBITS) + fl + (rem > 0).to(tl.int32), MAXCODE)

@@ -95,6 +95,9 @@ __all__ = [
 #: :mod:`replayssm_quant.policymap` "Mean decay"), used to resolve decay buckets of policy maps
 #: when no ``decay_stats`` is given.
 DECAY_STATS_FILE = "decay_stats.json"
+#: how one-token calls run (``apply_state_policy(decode=...)``): the window form (default) or
+#: the decode state objects and their kernels
+DECODE_MODES = ("window", "serving")
 
 #: model_type -> family. ``*_text`` variants (text-only configs of multimodal models) map to
 #: the same entry.
@@ -229,7 +232,10 @@ class StatePolicyHandle:
     """
 
     def __init__(self, model, policy, window, seed, prefill, gdn_fold, sequence_ids,
-                 dt_limit="decode", decay_stats=None):
+                 dt_limit="decode", decay_stats=None, decode="window"):
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        self.decode = decode
         self.model = model
         self.mixers = find_ssm_mixers(model)
         self.decay_stats = decay_stats
@@ -588,7 +594,8 @@ def _make_forward(handle: StatePolicyHandle, family: str):
         if fresh:
             kw = dict(family=family, config=handle.config.for_layer(layer_idx), layer=layer_idx,
                       sequence_ids=handle._ids_for_new_state(Bsz, hidden_states.device),
-                      track_stats=handle.track_input_stats)
+                      track_stats=handle.track_input_stats,
+                      serving=handle.decode == "serving")
             if entry is not None:
                 setattr(entry, _DT_ATTR, dt_limit)
             if handle.prefill:
@@ -612,7 +619,7 @@ def _make_forward(handle: StatePolicyHandle, family: str):
 def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
                        prefill: bool = True, gdn_fold: str = "recompute",
                        sequence_ids=None, dt_limit: "str | DtLimit" = "decode",
-                       decay_stats=None) -> StatePolicyHandle:
+                       decay_stats=None, decode: str = "window") -> StatePolicyHandle:
     """Put every SSM mixer of ``model`` under ReplaySSM state with ``policy``.
 
     Args:
@@ -637,6 +644,12 @@ def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
         decay_stats: per-head mean decays for a map's decay buckets: a JSON file path or
             dict (:func:`~replayssm_quant.policymap.load_decay_stats`); None: the model
             directory's ``decay_stats.json`` (the embedded models carry one).
+        decode: how one-token calls (``generate``) run: ``"window"`` (default: the window form
+            with one token, bit-identical to teacher-forced segments on every backend) or
+            ``"serving"`` (the decode state objects and, on CUDA, their Triton kernels: packed
+            read copy, record ring, one-kernel flush; same rounding rules and SR streams, a
+            different summation order on CUDA; no teacher-forced calls after the prefill and
+            no beam search; :mod:`.state` docstring).
 
     Returns:
         a :class:`StatePolicyHandle` (also a context manager that removes the patch on exit).
@@ -650,7 +663,7 @@ def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
     Implements DESIGN.md section 3 (state semantics, prefill, teacher-forced emulation).
     """
     handle = StatePolicyHandle(model, policy, window, seed, prefill, gdn_fold, sequence_ids,
-                               dt_limit, decay_stats)
+                               dt_limit, decay_stats, decode)
     handle._install()
     return handle
 

@@ -31,6 +31,17 @@ Inputs are post-activation, as the issue-3 state objects take them: Mamba-2 ``x 
 ``dt [B, T, H]`` (after softplus), ``A [H]``, grouped ``B, C [B, T, G, N]``; GDN grouped
 ``q, k [B, T, HK, DK]`` (normalised, q scaled), ``v [B, T, HV, DV]``, ``g, beta [B, T, HV]``.
 Outputs exclude the Mamba-2 D skip (the mixer adds it).
+
+**Serving decode** (``apply_state_policy(..., decode="serving")``, issue 15): one-token calls
+run through the decode state objects (:class:`~replayssm_quant.replay.mamba2.Mamba2ReplayState`,
+:class:`~replayssm_quant.replay.gdn.GDNReplayState`) and, on CUDA, their Triton kernels: the
+stored read copy is read in its packed format (NVFP4 nibbles and scales, not FP32 values), the
+records live in a ring, a flush is one kernel. The rounding rules and SR streams are the same,
+and on the torch path the checkpoints are bit-identical to the window form's; on CUDA the flush
+kernel sums S in another order than the anchor-chain kernel (``window`` module docstring), so
+stepping is a different, equally valid realisation and no longer bit-equal to teacher forcing.
+The state starts from the prefill as usual; teacher-forced calls (T > 1) after it and batch
+reordering (beam search) raise ``ValueError`` in this mode.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from ..config import Family, StateConfig
+from ..policy import StatePolicy
 from ..replay import core
 from ..replay import window as W
 from ..replay import window_fast as WF
@@ -91,10 +103,18 @@ class LayerState:
     """
 
     def __init__(self, S, *, family, config: StateConfig, layer: int, sequence_ids,
-                 track_stats: bool = False):
+                 track_stats: bool = False, serving: bool = False):
         self.family = Family.parse(family)
         self.config = config
-        self.carry = W.initial_carry(S, config, layer=int(layer), sequence_ids=sequence_ids)
+        self.serving = bool(serving)
+        # serving decode: the decode state object, built at the first step (it needs the
+        # inputs' group count); until then the starting state S
+        self._obj = None
+        self._S0 = S if self.serving else None
+        self._layer = int(layer)
+        self._ids = sequence_ids
+        self.carry = None if self.serving else W.initial_carry(
+            S, config, layer=int(layer), sequence_ids=sequence_ids)
         B, H = S.shape[:2]
         # input statistics of the tokens run through advance/step (not the prefill), when
         # tracked: sums over tokens per (row, head), float64; see input_stats()
@@ -104,23 +124,35 @@ class LayerState:
 
     @property
     def batch_size(self) -> int:
+        if self.serving:
+            return self._S0.shape[0] if self._obj is None else self._obj.batch
         return self.carry.anchor.shape[0]
 
     @property
     def h(self) -> int:
+        if self.serving:
+            return 0 if self._obj is None else int(self._obj.committed[0])
         return self.carry.h
 
     @property
     def anchor(self) -> torch.Tensor:
+        """Dequantised anchor A ``[B, H, V, K]``."""
+        if self.serving:
+            return self._serving_obj().anchor
         return self.carry.anchor
 
     @property
     def read(self) -> torch.Tensor:
+        """Dequantised read copy R ``[B, H, V, K]``."""
+        if self.serving:
+            return self._serving_obj().read_copy
         return self.carry.read
 
     @property
     def flushes(self) -> int:
         """Flushes done since the prefill (the next flush index minus 1)."""
+        if self.serving:
+            return 0 if self._obj is None else int(self._obj.flush_index[0]) - 1
         return int(self.carry.flush_index[0]) - 1
 
     @property
@@ -136,12 +168,62 @@ class LayerState:
     @property
     def sequence_ids(self) -> torch.Tensor:
         """int64 ``[B]`` SR sequence ids of the batch rows (host)."""
+        if self.serving:
+            return self._serving_ids().cpu()
         return self.carry.sequence_ids
 
     @property
     def layer(self) -> int:
         """The layer index keying the SR streams."""
-        return self.carry.layer
+        return self._layer
+
+    # ------------------------------------------------------------------ serving decode
+    def _serving_ids(self) -> torch.Tensor:
+        ids = self._ids
+        B = self.batch_size
+        if ids is None:
+            return torch.arange(B, dtype=torch.int64)
+        return torch.as_tensor(ids, dtype=torch.int64).reshape(-1).cpu()
+
+    def _serving_obj(self, groups: int | None = None):
+        """The decode state object of serving mode, built from the starting state at first use
+        (``groups``: Mamba-2 B/C groups or GDN key heads of the inputs; a starting state read
+        before the first step assumes one group, which only fixes the ring's layout)."""
+        if self._obj is not None:
+            return self._obj
+        from ..replay.gdn import GDNReplayState
+        from ..replay.mamba2 import Mamba2ReplayState
+
+        S = self._S0
+        B, H, V, K = S.shape
+        cfg = self.config
+        pol = cfg.policy
+        if not isinstance(pol, StatePolicy):
+            raise ValueError(f"decode='serving' takes one policy per layer, got the policy map "
+                             f"{pol} on layer {self._layer}; use decode='window'")
+        common = dict(window=self.window, seed=cfg.seed, layer=self._layer,
+                      sequence_ids=self._serving_ids(), dtype=S.dtype, device=S.device)
+        # eager policies: the state objects set window 1 themselves from the policy
+        if self.family is Family.MAMBA2:
+            obj = Mamba2ReplayState(pol, batch=B, heads=H, head_dim=V, d_state=K,
+                                    groups=groups or 1, **common)
+        else:
+            obj = GDNReplayState(pol, batch=B, key_heads=groups or H, value_heads=H, key_dim=K,
+                                 value_dim=V, fold_cached_corrections=cfg.fold_cached, **common)
+        obj.prefill(S)
+        self._obj, self._S0 = obj, None
+        return obj
+
+    def _serving_step(self, inp: dict) -> torch.Tensor:
+        if self.family is Family.MAMBA2:
+            obj = self._serving_obj(inp["B"].shape[2])
+            y = obj.step(inp["x"][:, 0], inp["dt"][:, 0], inp["A"], inp["B"][:, 0],
+                         inp["C"][:, 0])
+        else:
+            obj = self._serving_obj(inp["k"].shape[2])
+            y = obj.step(inp["q"][:, 0], inp["k"][:, 0], inp["v"][:, 0], inp["g"][:, 0],
+                         inp["beta"][:, 0])
+        return y[:, None]
 
     # ------------------------------------------------------------------ batch rows
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -149,6 +231,9 @@ class LayerState:
         state (checkpoints, buffer, flush indices, sequence ids): beam search's
         ``reorder_cache`` and a cache's ``batch_select_indices`` call this through the cache
         layer, so every row's ReplaySSM state follows its hypothesis."""
+        if self.serving:
+            raise ValueError("decode='serving' does not reorder or select batch rows (beam "
+                             "search, batch selection); use decode='window'")
         rows = torch.as_tensor(rows, dtype=torch.int64)
         self.carry = self.carry.select(rows)
         self._stats = self._stats.index_select(1, rows.to(self._stats.device))
@@ -187,6 +272,11 @@ class LayerState:
         """T tokens teacher-forced (``window_fast.*_emulate_fast``: the window form; on the
         kernel path the full windows batched through the anchor-chain kernel): outputs
         ``[B, T, H, V]``, equal to T steps."""
+        if self.serving:
+            raise ValueError(f"decode='serving' steps one token per call after the prefill, got "
+                             f"{inp['v' if self.family is Family.GDN else 'x'].shape[1]} tokens "
+                             f"(layer {self._layer}); teacher-forced segments need "
+                             f"decode='window'")
         self._record_stats(inp)
         if self.family is Family.MAMBA2:
             y, self.carry = WF.mamba2_emulate_fast(self.carry, inp["x"], inp["dt"], inp["A"],
@@ -205,6 +295,8 @@ class LayerState:
         they were cached). It is the window form with one token, so stepping and teacher-forced segments of any length
         give the same bits (``window`` module, "Invariance")."""
         self._record_stats(inp)
+        if self.serving:
+            return self._serving_step(inp)
         if self.family is Family.MAMBA2:
             y, self.carry = W.mamba2_window(self.carry, inp["x"], inp["dt"], inp["A"], inp["B"],
                                             inp["C"], None, config=self.config)

@@ -98,3 +98,24 @@ def test_summary(result):
         for k in ("nvfp4_step_vs_fp32_step", "flush_vs_step", "verify_T8_vs_step"):
             assert summ[name][k] > 0
         assert set(summ["by_batch"][name]) == set(result["models"][name])
+
+
+def test_decode_model_tiny(tmp_path):
+    """``benchmarks/decode_model.py --tiny``: both model families, both decode modes, the
+    window bookkeeping (one flush call per L = 4 calls) and the generate rates are recorded."""
+    out = tmp_path / "decode_model.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "benchmarks/decode_model.py", "--tiny", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["window_L"] == 4 and set(r["models"]) == {"qwen3_5", "nemotron_h"}
+    for m in r["models"].values():
+        for mode in ("window", "serving"):
+            s = m[f"fp32_{mode}_step"]
+            assert s["calls"] == 4 and len(s["all_us"]) == 4  # one timed window after warm-up
+            assert s["amortised_us"] == pytest.approx(sum(s["all_us"]) / 4)
+            assert s["flush_median_us"] == s["all_us"][3]
+        g = m["generate"]
+        assert {"unpatched", "nvfp4_window", "nvfp4_serving"} <= set(g)
+        assert all(v["new_tokens"] == 5 and v["tokens_per_s"] > 0 for v in g.values())

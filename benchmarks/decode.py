@@ -58,6 +58,7 @@ On the device machine (no registry there; fla 0.6.0 carried as wheels in the ign
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import os
 import sys
 
@@ -529,6 +530,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed calls (default 50; tiny 1)")
     ap.add_argument("--warmup", type=int, default=None, help="extra warm-up calls (default 5)")
     ap.add_argument("--pool", type=int, default=0, help="sets per pool (0: >= 4 x L2; tiny 2)")
+    ap.add_argument("--emulation", default=None, metavar="JSON",
+                    help="a benchmarks/kl_throughput.py result (the issue's emulation item: "
+                         "3.4B-shaped qwen3_5, N = 16384, fla installed); its worst policy's "
+                         "emulate/plain ratio becomes summary.emulation_vs_plain_fla_max")
     ap.add_argument("--ref-seqs", type=int, default=0,
                     help="sequences checked against the reference flush (0: all)")
     args = ap.parse_args(argv)
@@ -612,7 +617,14 @@ def main(argv=None):
         summary["by_batch"][name] = per
         summary[name] = per.get(big)
     summary["batch_of_targets"] = max(batches)
-    summary["emulation_vs_plain_fla_max"] = None  # the emulation item: not in this script
+    summary["emulation_vs_plain_fla_max"] = None  # the emulation item: kl_throughput.py
+    if args.emulation:
+        emu = json.loads(Path(args.emulation).read_text())
+        per = {f"N{r['N']}:{p}": v["vs_plain"] for r in emu["runs"]
+               for p, v in r.get("policies", {}).items()}
+        summary["emulation"] = {"source": args.emulation, "command": emu.get("command"),
+                                "params": emu.get("params"), "vs_plain": per}
+        summary["emulation_vs_plain_fla_max"] = max(per.values()) if per else None
     result["checks_passed"] = all_passed({n: {b: s.get("checks", {"passed": False})
                                               for b, s in m.items()}
                                           for n, m in result["models"].items()}) and all(

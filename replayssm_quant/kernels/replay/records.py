@@ -66,9 +66,9 @@ def _elem_value(x, D: tl.constexpr):
         val = x.to(tl.float32)
     elif D.FP4:
         val = _e2m1_value(x)
-    elif (D.EB == 4) and (D.MB == 3) and (D.NANF == 1):
-        val = _e4m3_value(x)
-    elif (D.EB == 5) and (D.MB == 2) and (D.NANF == 2):
+    elif D.NANF * 100 + D.EB * 10 + D.MB == 143:  # E4M3FN (one comparison: the compiler
+        val = _e4m3_value(x)  # takes no chained ``and``)
+    elif D.NANF * 100 + D.EB * 10 + D.MB == 252:  # E5M2
         val = _e5m2_value(x)
     else:
         val = _decode_code(x, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)

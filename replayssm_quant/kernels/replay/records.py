@@ -12,11 +12,19 @@ form -- decode step (with the ring append), verify, and the GDN correction solve
 * (decode step) the append: the new record is written into the ring in the same launch.
 
 Rows are separable along the value axis (``C k``, ``C q`` and every ``u``/``w`` are per value
-row), so a program never needs another program's rows and S is never formed. The records of a
-program (``la``, ``k`` of up to ``LP`` slots, ``w`` of its rows) are held in registers. C is held
-as scaling blocks ``[BV, K / block, block]`` (FP4: the even and the odd element of each block in
-two tensors, as the nibbles hold them) and each block's scale multiplies the block's partial dot
-product, not every element (an output-only reassociation).
+row), so a program never needs another program's rows and S is never formed. A program first
+issues its record loads (``la``, ``w`` of its rows), then streams C along K in chunks of ``KC``
+columns (``tl.range`` with ``num_stages``) and forms ``Y = C X`` for all the vectors it needs at
+once: X holds the k of the rows it solves (GDN) and the queries (``[BV, NX]``; ``tl.dot`` with
+``input_precision="ieee"`` (FP32 FMA) for verify / the flush solve, per-vector reductions for the
+step), then ``Z = K X`` over the record keys the same way; the solve and the outputs then work on
+these small products. Codes are decoded by the integer-only decoders of ``codec``
+(``_e2m1_value``, ``_e4m3_value``, ``_e5m2_value``); blocked formats are read as scaling blocks
+(FP4: the even and the odd element of each block, as the nibbles hold them) with the block
+scale applied to each block's partial sum (dot path: to each element) and the matrix scale
+(fp8, nvfp4) applied to ``Y`` after the sum (an output-only reassociation). Verify's draft on
+the flush slot is a second launch over the anchor whose programs return unless
+``rows == window`` (checked on the device; no host synchronisation).
 
 Torch references: :func:`replayssm_quant.replay.mamba2.mamba2_step_output`,
 :func:`~replayssm_quant.replay.mamba2.mamba2_verify`,

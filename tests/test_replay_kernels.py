@@ -333,3 +333,157 @@ def test_state_objects_dispatch_to_kernels(model):
     torch.testing.assert_close(states[1].anchor, states[0].anchor, atol=1e-6, rtol=1e-6)
     assert torch.equal(states[1].committed, states[0].committed)
     assert states[1]._kernels and not states[0]._kernels
+
+
+# ------------------------------------------------------------------------------ issue 15: records kernel paths
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from replayssm_quant import formats as Fmt  # noqa: E402
+
+
+@triton.jit
+def _decode_all_kernel(code_ptr, fast_ptr, gen_ptr, N: tl.constexpr, WHICH: tl.constexpr,
+                       D: tl.constexpr):
+    c = tl.load(code_ptr + tl.arange(0, N))
+    if WHICH == 0:
+        f = kr.codec._e2m1_value(c)
+    elif WHICH == 1:
+        f = kr.codec._e4m3_value(c)
+    else:
+        f = kr.codec._e5m2_value(c)
+    tl.store(fast_ptr + tl.arange(0, N), f)
+    tl.store(gen_ptr + tl.arange(0, N), kr.codec._decode_code(c, D.EB, D.MB, D.EMIN, D.SUBQ,
+                                                              D.NANF))
+
+
+@pytest.mark.parametrize("which,spec,n", [(0, "nvfp4", 16), (1, "fp8e4m3", 256),
+                                          (2, "fp8e5m2", 256)], ids=["e2m1", "e4m3", "e5m2"])
+def test_fast_decoders(which, spec, n):
+    """The records kernel's fast decoders equal the generic ``_decode_code`` and the torch /
+    table values bit for bit, for every code (NaN where the format has NaN)."""
+    codes = _t(torch.arange(n, dtype=torch.int32))
+    fast = torch.empty(n, device=DEVICE)
+    gen = torch.empty(n, device=DEVICE)
+    _decode_all_kernel[(1,)](codes, fast, gen, N=n, WHICH=which,
+                             D=kr.codec._decode_consts(spec))
+    if which == 0:
+        mag = torch.tensor(Fmt.E2M1_VALUES * 2)
+        ref = torch.where(torch.arange(16) >= 8, -mag, mag)
+    else:
+        dt = torch.float8_e4m3fn if which == 1 else torch.float8_e5m2
+        ref = torch.arange(n, dtype=torch.uint8).view(dt).float()
+    for got in (fast, gen):
+        got = got.cpu()
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))
+        ok = ~torch.isnan(ref)
+        assert torch.equal(_bits(got[ok]), _bits(ref[ok]))
+
+
+# Launch configurations of the records kernel: streamed chunks (K = 64 in chunks of 32), dot
+# and reduction paths, small / large value tiles
+CONFIGS = [dict(k_chunk=32, use_dot=False, block_v=16, num_stages=2),
+           dict(k_chunk=32, use_dot=True, block_v=32, num_stages=3),
+           dict(k_chunk=64, use_dot=True, block_v=16)]
+K2 = 64
+
+
+def _ring_state_k(gen, read_fmt, gdn, Kd):
+    S = _t(torch.randn(B, H, V, Kd, generator=gen) * (0.3 if gdn else 1.0))
+    R_st = _stored(S, read_fmt, stream=_t(torch.arange(B * H).view(B, H)))
+    R = R_st if isinstance(R_st, torch.Tensor) else R_st.dequantize()
+    la = _t(torch.log(0.9 + 0.0999 * torch.rand(B, CAP, H, generator=gen)))
+    k = torch.randn(B, CAP, G, Kd, generator=gen)
+    k = _t(torch.nn.functional.normalize(k, dim=-1) if gdn else k / Kd ** 0.5)
+    w = _t(torch.randn(B, CAP, H, V, generator=gen))
+    ring = {"la": la, "v": w, "k": k}
+    if gdn:
+        ring.update(beta=_t(torch.sigmoid(torch.randn(B, CAP, H, generator=gen))),
+                    uR=_t(torch.randn(B, CAP, H, V, generator=gen)))
+    return R, R_st, ring
+
+
+@pytest.mark.parametrize("cfg", range(len(CONFIGS)))
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4", "mxfp8", "fp8e4m3", "mxfp4"])
+def test_records_configs(read_fmt, cfg):
+    """Step (GDN and Mamba-2) and verify (both, a draft on the flush slot) under each launch
+    configuration, K = 64 streamed in chunks, against the torch references."""
+    cfg = CONFIGS[cfg]
+    gen = _gen(20 + cfg["k_chunk"])
+    b = torch.arange(B, device=DEVICE)
+    for gdn in (False, True):
+        R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
+        h = _t(torch.tensor([2, 0]))
+        q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
+        nla = ring["la"][:, -1].clone()
+        nk = ring["k"][:, -1].clone()
+        nv = ring["v"][:, -1].clone()
+        ref = {n_: t.clone() for n_, t in ring.items()}
+        J = int(h.max()) + 1
+        if gdn:
+            nb = ring["beta"][:, -1].clone()
+            for n_, t in (("la", nla), ("v", nv), ("k", nk), ("beta", nb)):
+                ref[n_][b, h] = t
+            want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
+                                       ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
+            got = kr.gdn_step_kernel(R_st, ring, q, nk, nv, nla, nb, h, **cfg)
+            torch.testing.assert_close(ring["uR"][b, h], uR[b, h], **TOL)
+        else:
+            for n_, t in (("la", nla), ("v", nv), ("k", nk)):
+                ref[n_][b, h] = t
+            want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
+                                      h + 1)
+            got = kr.mamba2_step_kernel(R_st, ring, nla, nv, nk, q, h, **cfg)
+        torch.testing.assert_close(got, want, **TOL)
+        for n_ in ("la", "v", "k"):
+            assert torch.equal(ring[n_], ref[n_]), n_
+        # verify: sequence 0's last draft on the flush slot
+        A = _t(torch.randn(B, H, V, K2, generator=gen) * 0.3)
+        start = _t(torch.tensor([1, 0]))
+        qT = _t(torch.randn(B, T, G, K2, generator=gen) * K2 ** -0.5)
+        J = int(start.max()) + T
+        r = ring
+        if gdn:
+            args = (r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J], r["k"][:, :J], qT,
+                    r["uR"][:, :J], start, L)
+            want, uw = gdn_verify(R, A, *args)
+            got, ug = kr.gdn_verify_kernel(R_st, A, *args, **cfg)
+            torch.testing.assert_close(ug, uw, **TOL)
+        else:
+            args = (r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], qT, start, L)
+            want = mamba2_verify(R, A, *args)
+            got = kr.mamba2_verify_kernel(R_st, A, *args, **cfg)
+        torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_verify_no_host_sync(gdn, monkeypatch):
+    """Verify never reads a device value on the host (no ``bool``/``item`` of a tensor): the
+    flush-slot draft is handled by a launch that exits on the device; its output still reads A
+    (sequence 0's last draft on the flush slot, compared with the reference)."""
+    gen = _gen(31)
+    R, R_st, ring, _ = _ring_state(gen, "nvfp4", gdn=gdn)
+    A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
+    start = _t(torch.tensor([1, 0]))
+    qT = _t(torch.randn(B, T, G, K, generator=gen) * K ** -0.5)
+    J = int(start.max()) + T
+    r = ring
+    if gdn:
+        args = (r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J], r["k"][:, :J], qT,
+                r["uR"][:, :J], start, L)
+        want = gdn_verify(R, A, *args)[0]
+    else:
+        args = (r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], qT, start, L)
+        want = mamba2_verify(R, A, *args)
+
+    def no_sync(*a, **k):
+        raise AssertionError("host sync in verify")
+
+    for name in ("__bool__", "item", "tolist", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    got = (kr.gdn_verify_kernel(R_st, A, *args)[0] if gdn
+           else kr.mamba2_verify_kernel(R_st, A, *args))
+    monkeypatch.undo()
+    torch.testing.assert_close(got, want, **TOL)
+    assert not torch.allclose(got[0, T - 1], (kr.gdn_verify_kernel(R_st, R_st, *args)[0] if gdn
+                              else kr.mamba2_verify_kernel(R_st, R_st, *args))[0, T - 1])

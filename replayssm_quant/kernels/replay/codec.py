@@ -416,3 +416,42 @@ def _as_stored(spec: QuantSpec, shape, bufs):
     if _kind(spec) == _K_HALF:
         codes = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
     return PackedTensor(spec, torch.Size(shape), codes, bs, ms)
+
+
+# ----------------------------------------------------------------------------------------
+# fast element decoders (the records kernel's hot loop; equal to ``_decode_code`` code by code,
+# tests/test_replay_kernels.py::test_fast_decoders)
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e2m1_value(code):
+    """Float32 value of E2M1 codes (low 4 bits of ``code``; the E2M1 table, sign bit 3): the
+    magnitude m = code & 7 is 0.5 * m below 2 (zero, subnormal 0.5) and otherwise the float with
+    bits ``(m << 22) + (126 << 23)`` (exponent m >> 1, mantissa m & 1). Integer ops only."""
+    c = code.to(tl.int32)
+    m = c & 7
+    bits = tl.where(m >= 2, (m << 22) + (126 << 23), m * (126 << 23))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """Float32 value of OFP8 E4M3FN codes (low 8 bits; magnitude 0x7F is NaN, no inf): normal
+    magnitudes m >= 8 have the float bits ``(m << 20) + (120 << 23)``, subnormals are
+    ``m * 2^-9`` (m converted with the 2^23 magic-number add, no int-to-float instruction)."""
+    c = code.to(tl.int32)
+    m = c & 127
+    nrm = ((m << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    sub = ((m + 1258291200).to(tl.float32, bitcast=True) - 8388608.0) * 0.001953125
+    val = tl.where(m >= 8, nrm, sub)
+    val = (val.to(tl.int32, bitcast=True) | ((c & 128) << 24)).to(tl.float32, bitcast=True)
+    return tl.where(m == 127, float("nan"), val)
+
+
+@triton.jit
+def _e5m2_value(code):
+    """Float32 value of E5M2 codes (low 8 bits): the code is the high byte of the float16 with
+    the same value (inf and NaN included), converted to float32."""
+    c = code.to(tl.int32) & 255
+    return (c << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)

@@ -12,11 +12,19 @@ form -- decode step (with the ring append), verify, and the GDN correction solve
 * (decode step) the append: the new record is written into the ring in the same launch.
 
 Rows are separable along the value axis (``C k``, ``C q`` and every ``u``/``w`` are per value
-row), so a program never needs another program's rows and S is never formed. The records of a
-program (``la``, ``k`` of up to ``LP`` slots, ``w`` of its rows) are held in registers. C is held
-as scaling blocks ``[BV, K / block, block]`` (FP4: the even and the odd element of each block in
-two tensors, as the nibbles hold them) and each block's scale multiplies the block's partial dot
-product, not every element (an output-only reassociation).
+row), so a program never needs another program's rows and S is never formed. A program first
+issues its record loads (``la``, ``w`` of its rows), then streams C along K in chunks of ``KC``
+columns (``tl.range`` with ``num_stages``) and forms ``Y = C X`` for all the vectors it needs at
+once: X holds the k of the rows it solves (GDN) and the queries (``[BV, NX]``; ``tl.dot`` with
+``input_precision="ieee"`` (FP32 FMA) for verify / the flush solve, per-vector reductions for the
+step), then ``Z = K X`` over the record keys the same way; the solve and the outputs then work on
+these small products. Codes are decoded by the integer-only decoders of ``codec``
+(``_e2m1_value``, ``_e4m3_value``, ``_e5m2_value``); blocked formats are read as scaling blocks
+(FP4: the even and the odd element of each block, as the nibbles hold them) with the block
+scale applied to each block's partial sum (dot path: to each element) and the matrix scale
+(fp8, nvfp4) applied to ``Y`` after the sum (an output-only reassociation). Verify's draft on
+the flush slot is a second launch over the anchor whose programs return unless
+``rows == window`` (checked on the device; no host synchronisation).
 
 Torch references: :func:`replayssm_quant.replay.mamba2.mamba2_step_output`,
 :func:`~replayssm_quant.replay.mamba2.mamba2_verify`,
@@ -32,18 +40,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import formats as F
 from ...checkpoints import Checkpoints, length_mask
-from .codec import (_check_supported, _decode_code, _decode_consts, _decode_e4m3, _e8m0_value,
-                    _stored_args)
+from .codec import (_check_supported, _decode_code, _decode_consts, _e2m1_value, _e4m3_value,
+                    _e5m2_value, _e8m0_value, _stored_args)
 
-# Value rows per program of the records kernel (step/verify/solve; the flush kernel's tile is
-# flush.DEFAULT_BV_FLUSH): the best of the configurations timed on an H200
-# (docs/kernels-replay.md).
+# Launch configuration of the records kernel (value rows per program, warps, K chunk streamed
+# per loop iteration, software-pipeline stages, tl.dot for the C X products or per-column
+# reductions). ``benchmarks/records_tune.py`` sweeps them on the device; the defaults are the
+# step / verify choices of the last sweep (docs/kernels-replay.md). ``DEFAULT_BV`` /
+# ``DEFAULT_WARPS`` are kept for the callers that pass them (GDN flush corrections).
 DEFAULT_BV = 64
 DEFAULT_WARPS = 4
-_PSEUDO_BLOCK = 32  # records kernel: block length of a C tile for formats without blocks
-MIN_LP = 16  # smallest register tile of record slots
+STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=64, num_stages=2, use_dot=False)
+VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=True)
+_PSEUDO_BLOCK = 32  # kept for compatibility (the old tile's block length of unblocked formats)
+MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
+MIN_DOT = 16  # smallest tl.dot N / K
 
 
 # ----------------------------------------------------------------------------------------
@@ -52,58 +64,97 @@ MIN_LP = 16  # smallest register tile of record slots
 
 
 @triton.jit
-def _load_c_blocks(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
-                   K: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
-    """Rows of a stored copy as blocks: element values ``[BV, NB, W]`` before scaling (FP4:
-    the even and the odd elements of each block, W = block / 2; otherwise the whole block,
-    ``xo`` unused) and the scale of each block ``[BV, NB]`` (1 for fp32/bf16/fp16; the matrix
-    scale for fp8; ``s_b * s_g`` for nvfp4; the E8M0 scale for mx). ``value = elem * scale``
-    is the dequantised value; the records kernel applies the scale after the dot product
-    over the block (outputs only: a reassociation)."""
-    nb = tl.arange(0, NB)
+def _elem_value(x, D: tl.constexpr):
+    """Float32 values of stored elements before any scale (fp32 values, bf16/fp16 values,
+    minifloat codes: E2M1 / E4M3 / E5M2 through the fast decoders of ``codec``, others through
+    the generic ``_decode_code``)."""
+    if D.KIND == 0:
+        val = x
+    elif D.KIND == 1:
+        val = x.to(tl.float32)
+    elif D.FP4:
+        val = _e2m1_value(x)
+    elif D.NANF * 100 + D.EB * 10 + D.MB == 143:  # E4M3FN (one comparison: the compiler
+        val = _e4m3_value(x)  # takes no chained ``and``)
+    elif D.NANF * 100 + D.EB * 10 + D.MB == 252:  # E5M2
+        val = _e5m2_value(x)
+    else:
+        val = _decode_code(x, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+    return val
+
+
+@triton.jit
+def _c_rows(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.constexpr):
+    """Unblocked copies (fp32, bf16/fp16, fp8 codes): element values ``[BV, KC]`` of columns
+    ``k0 .. k0 + KC - 1`` (fp8: before the matrix scale)."""
+    kk = k0 + tl.arange(0, KC)
+    x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=rmask[:, None], other=0)
+    return _elem_value(x, D)
+
+
+@triton.jit
+def _c_blocks(c_ptr, bs_ptr, rowg, rmask, k0, K: tl.constexpr, BLK: tl.constexpr,
+              NBC: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
+    """Blocked copies (nvfp4, mxfp8, mxfp4): the ``NBC`` scaling blocks from column ``k0`` as
+    element values ``[BV, NBC, W]`` (FP4: ``xe``/``xo`` the even/odd elements of each block, as
+    the nibbles hold them, W = BLK / 2; otherwise ``xo`` is ``xe``) and the block scales
+    ``[BV, NBC]`` (nvfp4: the E4M3 block scale without the matrix scale; mx: E8M0)."""
+    nb = tl.arange(0, NBC)
     jj = tl.arange(0, W)
-    rowg = mat * V + rows.to(tl.int64)
     m3 = rmask[:, None, None]
-    col = nb[:, None] * W + jj[None, :]  # [NB, W]
     if D.FP4:
+        col = k0 // 2 + nb[:, None] * W + jj[None, :]
         byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2) + col[None, :, :], mask=m3,
                        other=0).to(tl.int32)
-        xe = _decode_code(byte & 15, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
-        xo = _decode_code(byte >> 4, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+        xe = _e2m1_value(byte)
+        xo = _e2m1_value(byte >> 4)
     else:
+        col = k0 + nb[:, None] * W + jj[None, :]
         x = tl.load(c_ptr + rowg[:, None, None] * K + col[None, :, :], mask=m3, other=0)
-        if D.KIND <= 1:
-            xe = x.to(tl.float32)
-        else:
-            xe = _decode_code(x, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
+        xe = _elem_value(x, D)
         xo = xe
-    m2 = rmask[:, None]
-    if D.KIND <= 1:
-        sc = tl.full([rows.shape[0], NB], 1.0, tl.float32)
-    if D.KIND == 2:
-        sc = tl.full([rows.shape[0], NB], 1.0, tl.float32) * tl.load(ms_ptr + mat)
+    sbc = tl.load(bs_ptr + rowg[:, None] * (K // BLK) + (k0 // BLK + nb)[None, :],
+                  mask=rmask[:, None], other=0).to(tl.int32)
     if D.KIND == 3:
-        sbc = tl.load(bs_ptr + rowg[:, None] * NB + nb[None, :], mask=m2, other=0)
-        sc = _decode_e4m3(sbc) * tl.load(ms_ptr + mat)
-    if D.KIND == 4:
-        e8 = tl.load(bs_ptr + rowg[:, None] * NB + nb[None, :], mask=m2, other=0).to(tl.int32)
-        sc = _e8m0_value(e8)
+        sc = _e4m3_value(sbc)
+    else:
+        sc = _e8m0_value(sbc)
     return xe, xo, sc
 
 
 @triton.jit
-def _dot_blocks(xe, xo, sc, v_ptr, NB: tl.constexpr, W: tl.constexpr, FP4: tl.constexpr):
-    """``C v`` for C as returned by ``_load_c_blocks`` and a K-vector at ``v_ptr``: [BV]."""
-    nb = tl.arange(0, NB)
-    jj = tl.arange(0, W)
-    col = nb[:, None] * W + jj[None, :]
-    if FP4:
-        ve = tl.load(v_ptr + 2 * col)
-        vo = tl.load(v_ptr + 2 * col + 1)
-        part = tl.sum(xe * ve[None, :, :], axis=2) + tl.sum(xo * vo[None, :, :], axis=2)
+def _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, e, K: tl.constexpr):
+    """Columns of X (the vectors C is multiplied with) at element indices ``e`` ``[R]``:
+    ``[R, NX]``; column c is k of a solved row (``isk``, offset ``kbase``) or a query
+    (``isq``, ``qbase``), zero when neither."""
+    ok = e[:, None] < K
+    xk = tl.load(dk_ptr + kbase[None, :] + e[:, None], mask=isk[None, :] & ok, other=0.0)
+    xq = tl.load(q_ptr + qbase[None, :] + e[:, None], mask=isq[None, :] & ok, other=0.0)
+    return xk + xq
+
+
+@triton.jit
+def _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c: tl.constexpr, NS: tl.constexpr,
+           K: tl.constexpr, D_REL: tl.constexpr):
+    """Column ``c`` (static) of X at element indices ``e`` (any shape): k of solved row
+    ``ss + c`` for ``c < NS``, else query ``c - NS``."""
+    if c < NS:
+        if D_REL:
+            d = c
+        else:
+            d = ss + c
+        x = tl.load(dk_ptr + ((b * TD + d) * G + g) * K + e, mask=(e < K) & (e * 0 + n > ss + c),
+                    other=0.0)
     else:
-        part = tl.sum(xe * tl.load(v_ptr + col)[None, :, :], axis=2)
-    return tl.sum(part * sc, axis=1)
+        x = tl.load(q_ptr + ((b * TQ + (c - NS)) * G + g) * K + e, mask=(e < K) & (e * 0 + TQ > c - NS),
+                    other=0.0)
+    return x
+
+
+@triton.jit
+def _col(Y, cx, j):
+    """Column ``j`` of ``Y [R, NX]``: ``[R]``."""
+    return tl.sum(tl.where(cx[None, :] == j, Y, 0.0), axis=1)
 
 
 @triton.jit
@@ -111,29 +162,36 @@ def _records_kernel(
         c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
         rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
         dla_ptr, dk_ptr, dv_ptr, dbeta_ptr,  # rows >= ss: [B,TD,H], [B,TD,G,K], [B,TD,H,V], [B,TD,H]
-        q_ptr, o_ptr,  # q [B,TQ,G,K], o [B,TQ,H,V]
+        q_ptr, o_ptr,  # q [B,TQ,G,K], o [B,OT,H,V] (written at slots OT0 + t)
         ss_ptr, n_ptr, os_ptr,  # int64 [B]: first solved/draft row, rows, first output position
         wout_ptr,  # [B,WCAP,H,V]: solved rows ss..n-1 (WRITE_W)
         ala_ptr, ak_ptr, av_ptr, abeta_ptr,  # ring outputs of the append (APPEND)
-        H, G, V, CAP, TD, TQ, WCAP,
-        K: tl.constexpr, NB: tl.constexpr, W: tl.constexpr, BV: tl.constexpr,
-        LP: tl.constexpr,
+        H, G, V, CAP, TD, TQ, WCAP, OT, OT0, window,
+        K: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+        NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
+        STAGES: tl.constexpr, DOT: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
+        AT_WINDOW: tl.constexpr,
         C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
     h = mat - b * H
     g = h // (H // G)
-    rows = vt * BV + tl.arange(0, BV)
-    rmask = rows < V
     ss = tl.load(ss_ptr + b)
     n = tl.load(n_ptr + b)
+    if AT_WINDOW:  # only the sequences whose rows end on the flush slot (verify's A path)
+        if n != window:
+            return
     o0 = tl.load(os_ptr + b)
+    rows = vt * BV + tl.arange(0, BV)
+    rmask = rows < V
+    rowg = mat * V + rows.to(tl.int64)
     idx = tl.arange(0, LP).to(tl.int64)
-    kk = tl.arange(0, K)
+    cx = tl.arange(0, NX)
 
-    # ---- records of this (sequence, head): la, k of every slot, w of this program's rows
+    # ---- records of this (sequence, head): la, w of this program's rows (issued before the
+    # C stream; consumed after it)
     ring = idx < ss
     drf = (idx >= ss) & (idx < n)
     if D_REL:
@@ -144,12 +202,6 @@ def _records_kernel(
     ri = tl.where(ring, idx, 0)
     la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
                   tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))
-    cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
-    kr = tl.load(rk_ptr + ((b * CAP + ri) * G + g)[:, None] * K + kk[None, :],
-                 mask=ring[:, None], other=0.0)
-    kd = tl.load(dk_ptr + ((b * TD + di) * G + g)[:, None] * K + kk[None, :],
-                 mask=drf[:, None], other=0.0)
-    kmat = kr + kd  # [LP, K] (disjoint masks)
     m2 = ring[:, None] & rmask[None, :]
     U = tl.load(rw_ptr + ((b * CAP + ri) * H + h)[:, None] * V + rows[None, :], mask=m2,
                 other=0.0)
@@ -158,7 +210,84 @@ def _records_kernel(
         U += tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :], mask=md,
                      other=0.0)
 
-    xe, xo, sc = _load_c_blocks(c_ptr, cbs_ptr, cms_ptr, mat, rows, rmask, V, K, NB, W, C)
+    # ---- X: the NC vectors C is multiplied with, columns 0..NS-1 the k of the solved rows
+    # ss.. (GDN), then the TQ queries; padded to NX columns (zero)
+    isk = (cx < NS) & (ss + cx < n)
+    if D_REL:
+        dcol = cx.to(tl.int64)
+    else:
+        dcol = ss + cx
+    kbase = tl.where(isk, ((b * TD + dcol) * G + g) * K, 0)
+    isq = (cx >= NS) & (cx < NS + TQ)
+    qbase = tl.where(isq, ((b * TQ + (cx - NS)) * G + g) * K, 0)
+
+    # ---- Y = C X [BV, NX], C streamed along K in chunks of KC columns
+    Y = tl.zeros([BV, NX], tl.float32)
+    if C.KIND <= 2:
+        for k0 in tl.range(0, K, KC, num_stages=STAGES):
+            x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)
+            kk = k0 + tl.arange(0, KC)
+            if DOT:
+                Y += tl.dot(x, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, kk, K),
+                            input_precision="ieee")
+            else:
+                for c in tl.static_range(NC):
+                    xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, c, NS, K, D_REL)
+                    yc = tl.sum(x * xv[None, :], axis=1)
+                    Y += tl.where(cx[None, :] == c, yc[:, None], 0.0)
+        if C.KIND == 2:
+            Y = Y * tl.load(cms_ptr + mat)  # fp8 matrix scale, after the sum
+    else:
+        NBC: tl.constexpr = KC // BLK
+        if C.FP4:
+            W: tl.constexpr = BLK // 2
+            ES: tl.constexpr = 2  # element stride of a nibble half
+        else:
+            W: tl.constexpr = BLK
+            ES: tl.constexpr = 1
+        for k0 in tl.range(0, K, KC, num_stages=STAGES):
+            xe, xo, sc = _c_blocks(c_ptr, cbs_ptr, rowg, rmask, k0, K, BLK, NBC, W, C)
+            if DOT:  # block scale per element, then one product per half
+                jf = tl.arange(0, NBC * W)
+                ve = tl.reshape(xe * sc[:, :, None], [BV, NBC * W])
+                Y += tl.dot(ve, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + ES * jf, K),
+                            input_precision="ieee")
+                if C.FP4:
+                    vo = tl.reshape(xo * sc[:, :, None], [BV, NBC * W])
+                    Y += tl.dot(vo, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq,
+                                            k0 + ES * jf + 1, K), input_precision="ieee")
+            else:  # block partial sums, the block scale applied to each
+                e3 = k0 + ES * (tl.arange(0, NBC)[:, None] * W + tl.arange(0, W)[None, :])
+                for c in tl.static_range(NC):
+                    xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e3, c, NS, K, D_REL)
+                    part = tl.sum(xe * xv[None, :, :], axis=2)
+                    if C.FP4:
+                        xv1 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e3 + 1, c, NS, K,
+                                     D_REL)
+                        part += tl.sum(xo * xv1[None, :, :], axis=2)
+                    yc = tl.sum(part * sc, axis=1)
+                    Y += tl.where(cx[None, :] == c, yc[:, None], 0.0)
+        if C.KIND == 3:
+            Y = Y * tl.load(cms_ptr + mat)  # nvfp4 matrix scale, after the sum
+
+    # ---- Z = Kmat X [LP, NX]: k_i . x for every record slot i (ring rows < ss, then drafts)
+    Z = tl.zeros([LP, NX], tl.float32)
+    krow = ((b * CAP + ri) * G + g) * K
+    kdrow = ((b * TD + di) * G + g) * K
+    for k0 in tl.range(0, K, KC, num_stages=STAGES):
+        kk = k0 + tl.arange(0, KC)
+        km = tl.load(rk_ptr + krow[:, None] + kk[None, :], mask=ring[:, None], other=0.0) + \
+            tl.load(dk_ptr + kdrow[:, None] + kk[None, :], mask=drf[:, None], other=0.0)
+        if DOT:
+            Z += tl.dot(km, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, kk, K),
+                        input_precision="ieee")
+        else:
+            for c in tl.static_range(NC):
+                xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, c, NS, K, D_REL)
+                zc = tl.sum(km * xv[None, :], axis=1)
+                Z += tl.where(cx[None, :] == c, zc[:, None], 0.0)
+
+    cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
 
     # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time)
     if GDN:
@@ -167,9 +296,8 @@ def _records_kernel(
                 pd = p - ss
             else:
                 pd = p
-            kp_ptr = dk_ptr + ((b * TD + pd) * G + g) * K
-            ck = _dot_blocks(xe, xo, sc, kp_ptr, NB, W, C.FP4)  # C k_p
-            kkp = tl.sum(kmat * tl.load(kp_ptr + kk)[None, :], axis=1)  # k_i . k_p
+            ck = _col(Y, cx, p - ss)  # C k_p
+            kkp = _col(Z, cx, p - ss)  # k_i . k_p
             sel = idx == p
             cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
             bp = tl.load(dbeta_ptr + (b * TD + pd) * H + h)
@@ -184,6 +312,7 @@ def _records_kernel(
     # ---- append the new records (decode step): slots ss..n-1 of the ring
     if APPEND:
         first_head = (h % (H // G)) == 0
+        kk = tl.arange(0, K)
         for p in range(ss, n):
             if D_REL:
                 pd = p - ss
@@ -203,14 +332,13 @@ def _records_kernel(
     # ---- outputs at positions o0 .. o0 + TQ - 1
     for t in range(0, TQ):
         p = o0 + t
-        qp_ptr = q_ptr + ((b * TQ + t) * G + g) * K
-        cq = _dot_blocks(xe, xo, sc, qp_ptr, NB, W, C.FP4)  # C q
-        kq = tl.sum(kmat * tl.load(qp_ptr + kk)[None, :], axis=1)  # k_j . q
+        cq = _col(Y, cx, NS + t)  # C q
+        kq = _col(Z, cx, NS + t)  # k_j . q
         cp = tl.sum(tl.where(idx == p, cvec, 0.0), axis=0)
         upto = idx <= p
         m = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)), 0.0)
         o = tl.exp(cp) * cq + tl.sum((m * kq)[:, None] * U, axis=0)
-        tl.store(o_ptr + ((b * TQ + t) * H + h) * V + rows, o, mask=rmask)
+        tl.store(o_ptr + ((b * OT + OT0 + t) * H + h) * V + rows, o, mask=rmask)
 
 
 # ----------------------------------------------------------------------------------------
@@ -224,8 +352,11 @@ def _lp(cap: int) -> int:
 
 def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_start,
                     draft=None, draft_relative: bool = True, gdn: bool = False,
-                    w_out=None, append=None, block_v: int = DEFAULT_BV,
-                    num_warps: int = DEFAULT_WARPS) -> torch.Tensor:
+                    w_out=None, append=None, solved: int | None = None, out=None,
+                    out_slot: int = 0, at_window: int | None = None,
+                    block_v: int = DEFAULT_BV, num_warps: int = DEFAULT_WARPS,
+                    k_chunk: int | None = None, num_stages: int | None = None,
+                    use_dot: bool | None = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -240,11 +371,21 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         w_out: ``[B, WCAP, H, V]`` receives the solved corrections of rows ``start..rows-1``.
         append: dict of ring tensors ``la, k, v, beta`` that receive the draft rows at their
             slots (decode step's append).
-    Returns ``o [B, TQ, H, V]``.
+        solved: GDN: the most rows any sequence solves (``rows - start``; default TD).
+        out: float32 ``[B, OT, H, V]`` to write the outputs into, at ``out_slot + t`` (default:
+            a new ``[B, TQ, H, V]``, ``out_slot`` 0).
+        at_window: only the sequences with ``rows[b] == at_window`` run (checked on the
+            device; the others' programs return at once and write nothing).
+        block_v, num_warps, k_chunk, num_stages, use_dot: launch configuration (value rows per
+            program, warps, K columns per streamed chunk (>= 32, power of two; the whole key
+            dim at most), software-pipeline stages, ``tl.dot`` (FP32 FMA, ``ieee``) for the
+            products with C and the keys instead of per-vector reductions; default: with
+            four or more vectors).
+    Returns ``o`` (``out`` when given).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
     ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
-    for name, t in [("w_out", w_out)] + list((append or {}).items()):
+    for name, t in [("w_out", w_out), ("out", out)] + list((append or {}).items()):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
     B, CAP, G, K = ring_k.shape
@@ -257,7 +398,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         draft_relative = False
     TD = draft["la"].shape[1]
     beta = draft.get("beta", draft["la"])
-    o = torch.empty(B, TQ, H, V, dtype=torch.float32, device=q.device)
+    o = out if out is not None else torch.empty(B, TQ, H, V, dtype=torch.float32,
+                                                device=q.device)
     if TQ == 0:  # nothing to output: hand the kernel valid (unused) pointers
         q = ring_k
         o_arg = ring_k
@@ -267,84 +409,116 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     ap = append or {}
     a_la, a_k, a_v = ap.get("la", o_arg), ap.get("k", o_arg), ap.get("v", o_arg)
     a_beta = ap.get("beta", o_arg)
-    grid = (B * H, triton.cdiv(V, block_v))
-    fp4 = spec.info.element is F.E2M1
-    blk = spec.info.block or _PSEUDO_BLOCK  # C is held as [BV, K / blk, blk] (FP4: 2 halves)
+    NS = (TD if solved is None else int(solved)) if gdn else 0
+    NC = NS + TQ
+    if use_dot is None:
+        use_dot = NC >= 4
+    NX = max(MIN_DOT if use_dot else 2, triton.next_power_of_2(max(NC, 1)))
+    KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
+    bv = max(MIN_DOT, triton.next_power_of_2(block_v))
+    grid = (B * H, triton.cdiv(V, bv))
+    blk = spec.info.block or 1
     _records_kernel[grid](
         c, cbs, cms, ring_la, ring_k, ring_w,
         draft["la"].contiguous(), draft["k"].contiguous(), draft["v"].contiguous(),
         beta.contiguous(), q.contiguous(), o_arg,
         start, rows, out_start, wo, a_la, a_k, a_v, a_beta,
         H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
-        K=K, NB=K // blk, W=blk // 2 if fp4 else blk, BV=block_v, LP=_lp(max(CAP, TD)),
+        o.shape[1] if TQ else 1, out_slot, at_window if at_window is not None else -1,
+        K=K, BLK=blk, BV=bv, LP=_lp(max(CAP, TD)), NS=NS, NC=NC, NX=NX, KC=KC,
+        STAGES=num_stages or 1, DOT=bool(use_dot),
         GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
+        AT_WINDOW=at_window is not None,
         num_warps=num_warps, C=_decode_consts(spec))
     return o
 
 
+def _config(defaults: dict, **given) -> dict:
+    """Launch configuration: ``defaults`` overridden by the given (not None) values."""
+    return {**defaults, **{k: v for k, v in given.items() if v is not None}}
+
+
 # ---------------------------------------------------------------- decode step
-def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int = DEFAULT_BV,
-        num_warps: int = DEFAULT_WARPS):
+def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None = None,
+        num_warps: int | None = None, k_chunk: int | None = None,
+        num_stages: int | None = None, use_dot: bool | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
     return ``y = gamma_{1:h+1} (R q) + V (m * (K^T q))`` ``[B, H, P]`` (no ``D x``) from the
     stored read copy ``read`` and grouped ``q [B, G, N]``. ``h``: int64 ``[B]`` records before
-    the append (the caller then does h += 1)."""
+    the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG`` unless
+    given (see :func:`records_outputs`)."""
+    cfg = _config(STEP_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
+                  num_stages=num_stages, use_dot=use_dot)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
-                        append={"la": ring["la"], "k": ring["k"], "v": ring["v"]},
-                        block_v=block_v, num_warps=num_warps)
+                        append={"la": ring["la"], "k": ring["k"], "v": ring["v"]}, **cfg)
     return y[:, 0]
 
 
-def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int = DEFAULT_BV,
-        num_warps: int = DEFAULT_WARPS):
+def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | None = None,
+        num_warps: int | None = None, k_chunk: int | None = None,
+        num_stages: int | None = None, use_dot: bool | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
     (k_i . k) u_i)`` against the stored read copy and the cached corrections, cache it in
     ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
-    [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place)."""
+    [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place). Launch
+    configuration: ``STEP_CONFIG`` unless given."""
+    cfg = _config(STEP_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
+                  num_stages=num_stages, use_dot=use_dot)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,
                         w_out=ring["uR"],
                         append={"la": ring["la"], "k": ring["k"], "v": ring["v"],
-                                "beta": ring["beta"]},
-                        block_v=block_v, num_warps=num_warps)
+                                "beta": ring["beta"]}, **cfg)
     return o[:, 0]
 
 
 # ---------------------------------------------------------------- verify
+# A draft on the flush slot (rows == window) reads the A path: a second launch over the anchor
+# whose programs return at once unless rows[b] == window (checked on the device, no host sync),
+# writing only the last draft's output into the same output tensor.
 def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
-                         block_v: int = DEFAULT_BV):
+                         block_v: int | None = None, num_warps: int | None = None,
+                         k_chunk: int | None = None, num_stages: int | None = None,
+                         use_dot: bool | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
-    Returns ``y [B, T, H, P]``."""
+    Returns ``y [B, T, H, P]``. Two launches, no host synchronisation (the second runs only for
+    the sequences whose last draft is on the flush slot). Launch configuration:
+    ``VERIFY_CONFIG`` unless given."""
+    cfg = _config(VERIFY_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
+                  num_stages=num_stages, use_dot=use_dot)
     T = q.shape[1]
     B = q.shape[0]
     if T == 0:
         return q.new_zeros(B, 0, la.shape[2], v.shape[3])
     n = start + T
-    kw = dict(ring_la=la, ring_k=k, ring_w=v, q=q, start=n, rows=n, out_start=start,
-              block_v=block_v)
-    y = records_outputs(read, **kw)
-    at_flush = n == window
-    if bool(at_flush.any()):
-        yA = records_outputs(anchor, **kw)
-        y[at_flush, T - 1] = yA[at_flush, T - 1]
+    kw = dict(ring_la=la, ring_k=k, ring_w=v, start=n, rows=n)
+    y = records_outputs(read, q=q, out_start=start, **kw, **cfg)
+    records_outputs(anchor, q=q[:, T - 1:], out_start=n - 1, out=y, out_slot=T - 1,
+                    at_window=window, **kw, **_config(cfg, use_dot=False))
     return y
 
 
 def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: int,
-                      fold_cached_corrections: bool = False, *, block_v: int = DEFAULT_BV):
+                      fold_cached_corrections: bool = False, *, block_v: int | None = None,
+                      num_warps: int | None = None, k_chunk: int | None = None,
+                      num_stages: int | None = None, use_dot: bool | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
-    against A, or the cached corrections with ``fold_cached_corrections``).
-    Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``."""
+    against A, or the cached corrections with ``fold_cached_corrections``) in a second launch
+    that runs only for those sequences (no host synchronisation).
+    Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``VERIFY_CONFIG``
+    unless given."""
+    cfg = _config(VERIFY_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
+                  num_stages=num_stages, use_dot=use_dot)
     T = q.shape[1]
     B, J = la.shape[:2]
     uR = u_known.clone()
@@ -354,18 +528,16 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     draft = {"la": la, "k": k, "v": v, "beta": beta}
     o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start, rows=n,
                         out_start=start, draft=draft, draft_relative=False, gdn=True, w_out=uR,
-                        block_v=block_v)
+                        solved=T, **cfg)
     uR = torch.where(length_mask(n, J)[:, :, None, None], uR, 0.0)
-    at_flush = n == window
-    if bool(at_flush.any()):
-        if fold_cached_corrections:
-            oA = records_outputs(anchor, ring_la=la, ring_k=k, ring_w=uR, q=q, start=n,
-                                 rows=n, out_start=start, block_v=block_v)
-        else:
-            oA = records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known, q=q,
-                                 start=torch.zeros_like(start), rows=n, out_start=start,
-                                 draft=draft, draft_relative=False, gdn=True, block_v=block_v)
-        o[at_flush, T - 1] = oA[at_flush, T - 1]
+    last = dict(q=q[:, T - 1:], out_start=n - 1, out=o, out_slot=T - 1, at_window=window)
+    if fold_cached_corrections:
+        records_outputs(anchor, ring_la=la, ring_k=k, ring_w=uR, start=n, rows=n, **last,
+                        **_config(cfg, use_dot=False))
+    else:
+        records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known,
+                        start=torch.zeros_like(start), rows=n, draft=draft,
+                        draft_relative=False, gdn=True, solved=J, **last, **cfg)
     return o, uR
 
 

@@ -1,0 +1,269 @@
+"""Launch-configuration sweep of the records kernel (issue 15): decode step and verify.
+
+For the two B = 256 serving geometries of ``benchmarks/decode.py`` (GDN: 16 q/k heads, 32 value
+heads, 128 x 128; Mamba-2: 128 heads, 1 group, P = 64, N = 128; L = 16, T = 8) and the read
+copies fp32 and nvfp4 (policies ``fp32`` and ``read:nvfp4/rec:fp16+sr``, as decode.py), times
+
+* the decode step at h = 7 (``{gdn,mamba2}_step_kernel``: ring append + output) for every
+  configuration of ``STEP_CANDIDATES``;
+* verify of T = 8 drafts at h = 0 and h = 8 (h = 8: every sequence's last draft on the flush slot,
+  so the anchor launch runs for all of them) for every configuration of ``VERIFY_CANDIDATES``.
+
+A configuration is ``(block_v, num_warps, k_chunk, num_stages, use_dot)`` (see
+``records_outputs``). Timing: CUDA events around each call, median of ``--reps`` (>= 20) calls,
+inputs rotated over a pool of ``--pool`` (>= 4) input sets holding at least 4 x the L2 size;
+every configuration is warmed (each pool entry once, plus ``--warmup`` calls) before it is
+timed. Each configuration's outputs (GDN: also the new correction / the verify corrections)
+are checked against the torch reference (``replay.*_step_output`` / ``*_verify``) on the first
+``--ref-seqs`` sequences: mismatch = count of ``|got - ref| > 1e-5 + 1e-5 |ref|``.
+
+Compilation dominates a cold run, so ``--jobs N`` first compiles (and checks) the
+configurations in N worker processes sharing Triton's on-disk cache, then times them in this
+process. Prints a table and the best configuration per case; writes JSON to ``--out``.
+
+Usage::
+
+    python benchmarks/records_tune.py --out $OUT/records_tune_h200.json          # device
+    python benchmarks/records_tune.py --tiny --out /tmp/records_tune_tiny.json   # CPU interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+if "--tiny" in sys.argv:  # before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("REPLAYSSM_BACKEND", "torch")  # references: torch quantizers
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode as dc  # noqa: E402  (input sets, timer, stats)
+import replay_kernels as rk  # noqa: E402  (Model)
+
+from replayssm_quant.kernels import replay as kr  # noqa: E402
+from replayssm_quant.kernels.replay import records as rec  # noqa: E402
+from replayssm_quant.policy import StatePolicy  # noqa: E402
+from replayssm_quant.replay import (gdn_step_output, gdn_verify, mamba2_step_output,  # noqa: E402
+                                    mamba2_verify)
+
+DEV = dc.DEV
+POLICIES = dc.POLICIES  # {"fp32": "fp32", "nvfp4": "read:nvfp4/rec:fp16+sr"}
+
+# (block_v, num_warps, k_chunk, num_stages, use_dot)
+STEP_CANDIDATES = [
+    (64, 4, 64, 2, False), (64, 4, 128, 1, False), (64, 4, 32, 3, False), (64, 4, 32, 2, False),
+    (32, 4, 64, 2, False), (32, 2, 64, 2, False), (32, 2, 128, 1, False), (64, 8, 64, 2, False),
+    (128, 8, 64, 2, False), (16, 1, 128, 1, False), (64, 4, 32, 2, True),
+]
+VERIFY_CANDIDATES = [
+    (64, 4, 32, 2, True), (64, 4, 64, 2, True), (64, 8, 32, 3, True), (32, 4, 32, 2, True),
+    (32, 2, 32, 2, True), (128, 8, 32, 2, True), (64, 4, 128, 1, True), (64, 4, 32, 2, False),
+]
+KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot")
+
+
+def geometries(tiny: bool):
+    if tiny:
+        return [rk.Model("gdn", 2, 4, 2, 16, 64, 4), rk.Model("mamba2", 2, 4, 1, 16, 64, 4)], 2
+    return [rk.Model("gdn", 256, 32, 16, 128, 128, 16),
+            rk.Model("mamba2", 256, 128, 1, 64, 128, 16)], 8
+
+
+def cases(M, T):
+    """(case name, candidate list, h): step at h = 7, verify at h = 0 and h = L - T."""
+    hs = min(7, M.L - 2)
+    return [("step", STEP_CANDIDATES, hs), ("verify", VERIFY_CANDIDATES, 0),
+            ("verify", VERIFY_CANDIDATES, M.L - T)]
+
+
+def cfg_dict(c):
+    return dict(zip(KEYS, c, strict=True))
+
+
+def skip(M, c):
+    return M.V >= 64 and c[0] > M.V  # value tile larger than the value dim: same work, masked
+
+
+def op(M, case, st, h, cfg):
+    """The timed operation on input set ``st``: returns its outputs (step: o and the new
+    correction row source ring; verify: o (and uR))."""
+    r = st["ring"]
+    hv = torch.full((M.B,), h, dtype=torch.int64, device=DEV)
+    if case == "step":
+        if M.gdn:
+            return kr.gdn_step_kernel(st["R"], r, st["q"], st["nk"], st["nv"], st["nla"],
+                                      st["nbeta"], hv, **cfg)
+        return kr.mamba2_step_kernel(st["R"], r, st["nla"], st["nv"], st["nk"], st["q"], hv,
+                                     **cfg)
+    if M.gdn:
+        return kr.gdn_verify_kernel(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"],
+                                    st["qT"], r["uR"], hv, M.L, **cfg)
+    return kr.mamba2_verify_kernel(st["R"], st["A"], r["la"], r["v"], r["k"], st["qT"], hv, M.L,
+                                   **cfg)
+
+
+def reference(M, case, st, h, s):
+    """Torch reference on the first ``s`` sequences (after one kernel step, so the ring holds
+    the appended record; the append is idempotent)."""
+    r = {n: t[:s] for n, t in st["ring"].items()}
+    R, A = dc.deq(dc.sub(st["R"], s)), dc.deq(dc.sub(st["A"], s))
+    hv = torch.full((s,), h, dtype=torch.int64, device=DEV)
+    if case == "step":
+        J = h + 1
+        if M.gdn:
+            o, uR = gdn_step_output(R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
+                                    r["k"][:, :J], st["q"][:s], r["uR"][:, :J], hv + 1)
+            return {"output": o, "u_new": uR[:, h]}
+        return {"output": mamba2_step_output(R, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J],
+                                             st["q"][:s], hv + 1)}
+    if M.gdn:
+        o, uR = gdn_verify(R, A, r["la"], r["beta"], r["v"], r["k"], st["qT"][:s], r["uR"], hv,
+                           M.L)
+        return {"output": o, "corrections": uR}
+    return {"output": mamba2_verify(R, A, r["la"], r["v"], r["k"], st["qT"][:s], hv, M.L)}
+
+
+def got_parts(M, case, out, st, h, s):
+    if case == "step":
+        res = {"output": out[:s]}
+        if M.gdn:
+            res["u_new"] = st["ring"]["uR"][:s, h]
+        return res
+    if M.gdn:
+        return {"output": out[0][:s], "corrections": out[1][:s]}
+    return {"output": out[:s]}
+
+
+def check(M, case, st, h, cfg, ref, s):
+    out = op(M, case, st, h, cfg)
+    res = {k: dc.stats(v, ref[k]) for k, v in got_parts(M, case, out, st, h, s).items()}
+    return {"passed": all(v["passed"] for v in res.values()),
+            "mismatch": sum(v["mismatch"] for v in res.values()),
+            "max_abs": max(v["max_abs"] for v in res.values())}
+
+
+def tasks(models, T):
+    """Every (model index, format, case, h, config), in a fixed order."""
+    out = []
+    for mi, M in enumerate(models):
+        for fmt in POLICIES:
+            for case, cands, h in cases(M, T):
+                for c in cands:
+                    if not skip(M, c):
+                        out.append((mi, fmt, case, h, c))
+    return out
+
+
+def warm_worker(args, models, T, part):
+    """Compile (and run once) this worker's share of the configurations (Triton's disk cache
+    then serves the timing process)."""
+    i, n = part
+    todo = tasks(models, T)[i::n]
+    sets = {}
+    for mi, fmt, case, h, c in todo:
+        M = models[mi]
+        key = (mi, fmt)
+        if key not in sets:
+            gen = torch.Generator(device=DEV).manual_seed(dc.SEED + mi)
+            sets = {key: dc.make_set(M, gen, StatePolicy.parse(POLICIES[fmt]), T, False)}
+        op(M, case, sets[key], h, cfg_dict(c))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes, CPU interpreter")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--pool", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--ref-seqs", type=int, default=4)
+    ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
+    ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # worker: "i/n"
+    args = ap.parse_args(argv)
+    models, T = geometries(args.tiny)
+    if args.tiny:  # the interpreter: every path once, timings meaningless
+        args.reps, args.pool, args.warmup = min(args.reps, 2), min(args.pool, 2), 0
+    if args.warm:
+        i, n = (int(x) for x in args.warm.split("/"))
+        warm_worker(args, models, T, (i, n))
+        return 0
+    t0 = time.time()
+    log = print
+    if args.jobs > 0 and DEV == "cuda":
+        base = [sys.executable, os.path.abspath(__file__)] + (["--tiny"] if args.tiny else [])
+        procs = [subprocess.Popen(base + ["--warm", f"{i}/{args.jobs}"])
+                 for i in range(args.jobs)]
+        rcs = [p.wait() for p in procs]
+        log(f"compiled in {args.jobs} workers: {time.time() - t0:.0f} s, rc {rcs}")
+    result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (interpreter)",
+              "triton": __import__("triton").__version__, "torch": torch.__version__,
+              "defaults": {"step": rec.STEP_CONFIG, "verify": rec.VERIFY_CONFIG},
+              "keys": list(KEYS), "reps": args.reps, "pool": args.pool, "rows": []}
+    l2 = dc.l2_bytes()
+    for mi, M in enumerate(models):
+        for fmt, pol in POLICIES.items():
+            gen = torch.Generator(device=DEV).manual_seed(dc.SEED + mi)
+            policy = StatePolicy.parse(pol)
+            probe = dc.make_set(M, gen, policy, T, False)
+            n = max(args.pool, -(-dc.POOL_L2_MULTIPLE * l2 // dc.set_bytes(probe)))
+            n = args.pool if args.tiny else n
+            pool = [probe] + [dc.make_set(M, gen, policy, T, False) for _ in range(n - 1)]
+            for case, cands, h in cases(M, T):
+                op(M, case, probe, h, cfg_dict(cands[0]))  # step: the ring holds the record
+                ref = reference(M, case, probe, h, min(args.ref_seqs, M.B))
+                for c in cands:
+                    if skip(M, c):
+                        continue
+                    cfg = cfg_dict(c)
+                    row = {"model": M.name, "B": M.B, "read": fmt, "case": case, "h": h,
+                           "config": cfg}
+                    try:
+                        row["check"] = check(M, case, probe, h, cfg, ref,
+                                             min(args.ref_seqs, M.B))
+                        row.update(dc.timer(lambda i, cfg=cfg, p=pool: op(M, case, p[i], h, cfg),
+                                            len(pool), args.reps, args.warmup))
+                    except Exception as e:  # a configuration that does not compile / run
+                        row["error"] = f"{type(e).__name__}: {e}"[:500]
+                    result["rows"].append(row)
+                    t = row.get("median_us")
+                    log(f"{M.name:7s} {fmt:6s} {case:7s} h={h:2d} "
+                        f"{'/'.join(str(int(v)) for v in c):14s} "
+                        + (f"{t:9.1f} us" if t is not None else row.get("error", "")[:80])
+                        + ("" if row.get("check", {}).get("passed", False)
+                           else f"  CHECK FAILED {row.get('check')}"))
+            del pool, probe
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+    best = {}
+    for row in result["rows"]:
+        if "median_us" not in row or not row["check"]["passed"]:
+            continue
+        key = f"{row['model']}|{row['read']}|{row['case']}|h{row['h']}"
+        if key not in best or row["median_us"] < best[key]["median_us"]:
+            best[key] = {"median_us": row["median_us"], "config": row["config"]}
+    result["best"] = best
+    result["all_checks_passed"] = all(r.get("check", {}).get("passed", False)
+                                      for r in result["rows"])
+    result["wall_s"] = time.time() - t0
+    log("\nbest per case (median us, config block_v/num_warps/k_chunk/num_stages/use_dot):")
+    for k, v in best.items():
+        log(f"  {k:28s} {v['median_us']:9.1f}  {'/'.join(str(int(x)) for x in v['config'].values())}")
+    log(f"all checks passed: {result['all_checks_passed']}; wall {result['wall_s']:.0f} s")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if result["all_checks_passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,7 +6,9 @@ Two random-weight FP32 models shaped like real hybrids:
 * ``qwen3_5`` 4B-shaped: hidden 2560, 32 layers (3 GDN : 1 attention), GDN 16 q/k heads and
   32 value heads of 128 x 128 (the decode benchmark's GDN geometry), vocab 248,320;
 * ``nemotron_h``-shaped: hidden 4096, 24 layers (9 Mamba-2, 3 attention, 12 MLP), Mamba-2
-  128 heads, P = 64, N = 128, 1 group (the decode benchmark's Mamba-2 geometry), vocab 131,072.
+  128 heads, P = 64, N = 128, 1 group (the decode benchmark's Mamba-2 geometry), vocab 131,072,
+  chunk size 8 (only the unpatched prefill's torch chunk scan reads it; at 128 it needs
+  256 GiB at B = 256).
 
 Measured (CUDA events around each call; medians):
 
@@ -76,7 +78,9 @@ def nemotron_h_config(tiny: bool):
         layers_block_type=types, num_hidden_layers=len(types),
         num_attention_heads=hidden // 128, num_key_value_heads=2, head_dim=128,
         mamba_num_heads=heads, mamba_head_dim=64, ssm_state_size=128, n_groups=1,
-        expand=heads * 64 // hidden, conv_kernel=4, chunk_size=128, mlp_hidden_act="relu2",
+        # chunk_size 8: transformers' torch chunk scan (no mamba_ssm on the device) builds a
+        # [B, chunks, chunk, chunk, heads, N] tensor; at chunk 128 and B = 256 that is 256 GiB
+        expand=heads * 64 // hidden, conv_kernel=4, chunk_size=8, mlp_hidden_act="relu2",
         max_position_embeddings=4096, tie_word_embeddings=False)
 
 

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ...checkpoints import Checkpoints, length_mask
+from ...packed import PackedTensor
 from .codec import (_check_supported, _decode_code, _decode_consts, _e2m1_value, _e4m3_value,
                     _e5m2_value, _e8m0_value, _stored_args)
 
@@ -51,8 +52,13 @@ from .codec import (_check_supported, _decode_code, _decode_consts, _e2m1_value,
 # ``DEFAULT_WARPS`` are kept for the callers that pass them (GDN flush corrections).
 DEFAULT_BV = 64
 DEFAULT_WARPS = 4
-STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=64, num_stages=2, use_dot=False)
-VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=True)
+# Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
+# benchmarks/results/records_tune_h200.json, docs/kernels-replay.md): the whole key dim as one
+# chunk for the step, except GDN reading an FP32/half copy (chunks of 32, 3 stages: 230 vs
+# 255 us); the reduction path for verify (tl.dot in IEEE FP32 measured 1.4-5x slower).
+STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False)
+GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, use_dot=False)
+VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=False)
 _PSEUDO_BLOCK = 32  # kept for compatibility (the old tile's block length of unblocked formats)
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
 MIN_DOT = 16  # smallest tl.dot N / K
@@ -467,8 +473,11 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     (k_i . k) u_i)`` against the stored read copy and the cached corrections, cache it in
     ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
     [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place). Launch
-    configuration: ``STEP_CONFIG`` unless given."""
-    cfg = _config(STEP_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
+    configuration: ``STEP_CONFIG`` (``GDN_STEP_WIDE_CONFIG`` for an FP32 or half read copy)
+    unless given."""
+    wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
+    cfg = _config(GDN_STEP_WIDE_CONFIG if wide else STEP_CONFIG, block_v=block_v,
+                  num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],

@@ -136,10 +136,11 @@ def _flush_kernel(
     # ---- the records of this (sequence, head), once per program
     idx = tl.arange(0, LP)
     live = idx < n
+    la = tl.load(la_ptr + (b * J + idx) * H + h, mask=live, other=0.0)  # one vector load
     c = tl.zeros([LP], tl.float32)
     total = tl.zeros([], tl.float32)
-    for jj in range(0, n):  # sequential sums: c_p = sum_{j<=p} la_j
-        total = total + tl.load(la_ptr + (b * J + jj) * H + h)
+    for jj in tl.static_range(LP):  # sequential sums c_p = sum_{j<=p} la_j (0 added past n)
+        total = total + tl.sum(tl.where(idx == jj, la, 0.0), axis=0)
         c = tl.where(idx == jj, total, c)
     m = tl.where(live, tl.exp(total - c), 0.0)  # gamma_{j+1:n}
     eg = tl.exp(total)

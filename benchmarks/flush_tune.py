@@ -51,6 +51,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from replayssm_quant.capabilities import triton_interpreting  # noqa: E402
+from replayssm_quant.checkpoints import checkpoint_streams  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.kernels.replay.flush import (DEFAULT_BV_FLUSH, DEFAULT_VARIANT,  # noqa: E402
                                                   DEFAULT_WARPS_FLUSH)
@@ -345,6 +346,12 @@ def main():
             continue
         fk = flush_kw(M)
         mres = out["models"][M.name] = {"geometry": M.as_dict(), "policies": {}}
+        # host part of every flush call: the stream keys are built on the host
+        # (checkpoints.checkpoint_streams: a device-to-host copy of the sequence ids, then a
+        # pinned host-to-device copy), so the timed calls include it
+        mres["stream_keys"] = timer(lambda i: checkpoint_streams(
+            layer=0, sequence_ids=fk["sequence_ids"], heads=M.H,
+            flush_index=fk["flush_index"]), 1, reps)
         for pname in args.policies.split(","):
             policy = StatePolicy.parse(POLICIES[pname])
             gen = torch.Generator(device=DEV).manual_seed(1000 + len(out["models"]))

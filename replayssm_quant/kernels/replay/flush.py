@@ -20,7 +20,8 @@ bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0
   Otherwise, variant ``loop`` (one program walks the matrix's tiles) reconstructs the tiles
   twice, an amax pass and a cast pass; variant ``grid`` (a program per tile) launches twice,
   an amax launch (``PHASE`` 1: tile amax, ``atomic_max`` on the float32 bits; exact, so
-  deterministic) and a cast launch (``PHASE`` 2). The two reconstructions are the same FP32
+  deterministic; GDN: the solved corrections are written) and a cast launch (``PHASE`` 2;
+  GDN: folds the corrections of phase 1, no second solve). The two reconstructions are the same FP32
   operations in the same order, so the same values.
 * Optionally it writes S (the state objects read the flush token's output from it) and/or the
   flush token's output S q.
@@ -172,10 +173,13 @@ def _flush_kernel(
         for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
-            se, so, _ = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n,
-                                    H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
-                                    K, KH, BV, LP, SOLVE, A)
+            se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n,
+                                     H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
+                                     K, KH, BV, LP, SOLVE, A)
             amax = tl.maximum(amax, _tile_amax(se, so, rmask))
+            if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
+                tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
+                         mask=rmask[:, None] & (idx < J)[None, :])
         if PHASE == 1:  # amax >= 0: its float32 bits order as int32
             tl.atomic_max(amax_ptr + mat, amax.to(tl.int32, bitcast=True))
 
@@ -184,14 +188,19 @@ def _flush_kernel(
         for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
-            se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n,
-                                     H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
-                                     K, KH, BV, LP, SOLVE, A)
+            if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
+                se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, u_ptr, mat, b, h, rows, rmask,
+                                         n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
+                                         K, KH, BV, LP, False, A)
+            else:
+                se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
+                                         n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
+                                         K, KH, BV, LP, SOLVE, A)
             if NEED_AMAX and SINGLE:
                 amax = _tile_amax(se, so, rmask)
             sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
             sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
-            if SOLVE:
+            if SOLVE and PHASE == 0:
                 tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
                          mask=rmask[:, None] & (idx < J)[None, :])
             if STORE_S:

@@ -186,6 +186,119 @@ def test_gdn_flush(fold):
     _same_copies(res.checkpoints, core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS))
 
 
+FLUSH_CONFIGS = [("grid", 16, 4), ("loop", 32, 2),
+                 ("grid", 64, 8)]  # (variant, block_v, num_warps); V = 40: 3, 2 tiles, 1 tile
+
+
+def _config_inputs(gen, exact, V2):
+    """Flush inputs with V2 value rows. ``exact``: decay 1, beta 1/2, dyadic A and v, sparse
+    k in {0, +-1/4}: every reconstruction and GDN-solve operation is exact in FP32 (checked
+    against float64), so any summation order gives the same bits."""
+    if exact:
+        A = _dyadic(gen, (B, H, V2, K))
+        la = torch.zeros(B, L, H, device=DEVICE)
+        k = _t((torch.randint(-1, 2, (B, L, G, K), generator=gen)
+                * (torch.rand(B, L, G, K, generator=gen) < 0.25)).float() / 4)
+        v = _dyadic(gen, (B, L, H, V2))
+        beta = torch.full((B, L, H), 0.5, device=DEVICE)
+        q = _dyadic(gen, (B, G, K))
+    else:
+        A = _t(torch.randn(B, H, V2, K, generator=gen) * 0.3)
+        la = _t(torch.log(0.9 + 0.0999 * torch.rand(B, L, H, generator=gen)))
+        k = _t(torch.nn.functional.normalize(torch.randn(B, L, G, K, generator=gen), dim=-1))
+        v = _t(torch.randn(B, L, H, V2, generator=gen))
+        beta = _t(torch.sigmoid(torch.randn(B, L, H, generator=gen)))
+        q = _t(torch.randn(B, G, K, generator=gen))
+    return A, la, k, v, beta, q
+
+
+@pytest.mark.parametrize("policy,model,exact", [
+    ("read:nvfp4+sr/rec:fp16+sr", "gdn", True), ("read:nvfp4+sr/rec:fp16+sr", "gdn", False),
+    ("read:nvfp4+sr/rec:fp16+sr", "mamba2", True), ("read:fp8e4m3/rec:fp32", "mamba2", False),
+    ("read:fp8e4m3/rec:fp32", "gdn", True), ("fp32", "gdn", False), ("fp32", "mamba2", True)])
+def test_flush_configs(policy, model, exact):
+    """Every launch configuration: grid / loop variants, several row tiles per matrix with a
+    partial last tile (V = 40; with a matrix scale: the two-launch atomic amax of ``grid``, the
+    two passes of ``loop``), one tile per matrix (amax from registers); GDN: corrections
+    solved inside the flush kernel.
+
+    Exact inputs: S, A, R (values and packed bytes) and the corrections equal the reference
+    flush bit for bit in every configuration (so the single-pass amax and the two-pass ones
+    agree). Random inputs: S to 1e-6 and corrections to TOL against the reference, A and R the
+    reference cast of the kernel's S bit for bit. (Across configurations on random inputs the
+    interpreter's ``tl.dot`` is numpy's matmul, whose summation order depends on the shape;
+    the device's FP32 FMA dot sums in slot order: benchmarks/flush_tune.py checks A, R there.)
+    Also the serving form (S not written, no dequantisation) stores the same copies."""
+    gen = _gen(12)
+    V2 = 40  # not a power of two: masked rows
+    pol = StatePolicy.parse(policy)
+    A, la, k, v, beta, q = _config_inputs(gen, exact, V2)
+    length = _t(torch.tensor([L, 3]))
+    if model == "gdn":
+        ref = gdn_flush(A, la, beta, v, k, pol, length=length, fold=GDNFold.RECOMPUTE,
+                        store=True, **STREAMS)
+    else:
+        ref = mamba2_flush(A, la, v, k, pol, length=length, store=True, **STREAMS)
+
+    def run(**kw):
+        if model == "gdn":
+            return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, q=q, **kw, **STREAMS)
+        return kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **kw, **STREAMS)
+
+    for variant, bv, nw in FLUSH_CONFIGS:
+        res, y = run(block_v=bv, num_warps=nw, variant=variant)
+        if exact:
+            assert torch.equal(_bits(res.state), _bits(ref.state))
+            if model == "gdn":  # (Mamba-2: the kernel returns the unmasked v)
+                assert torch.equal(res.w, ref.w)  # values (the reference's masked 0 is -0)
+            _same_copies(res.checkpoints, ref.checkpoints)
+        else:
+            torch.testing.assert_close(res.state, ref.state, atol=1e-6, rtol=1e-6)
+            if model == "gdn":
+                torch.testing.assert_close(res.w, ref.w, **TOL)
+            _same_copies(res.checkpoints,
+                         core.cast_checkpoints(res.state, pol, store=True, **STREAMS))
+        if model == "gdn":
+            assert not res.w[1, 3:].any()  # slots >= length: zero
+        torch.testing.assert_close(y, core.matvec(res.state, core.expand_heads(q, H, 1)), **TOL)
+        if (variant, bv) != FLUSH_CONFIGS[0][:2]:
+            continue
+        # serving form: S not written, no torch dequantisation; the same stored copies
+        res2, y2 = run(block_v=bv, num_warps=nw, variant=variant, store_state=False,
+                       dequantize=False)
+        assert res2.state is None and res2.checkpoints.anchor is None
+        assert torch.equal(_bits(y2), _bits(y))
+        for g, w in ((res2.checkpoints.anchor_stored, res.checkpoints.anchor_stored),
+                     (res2.checkpoints.read_stored, res.checkpoints.read_stored)):
+            for a, b in zip(_bytes(g), _bytes(w), strict=True):
+                assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_gdn_flush_fused_solve_matches_solve_corrections():
+    """The corrections solved inside the flush kernel equal :func:`core.solve_corrections`
+    against the stored anchor's values (a packed nvfp4 anchor, decoded in kernel), and the
+    records kernel's solve (:func:`gdn_corrections_kernel`), to TOL; slots >= length are 0.
+    Also J > 16 record slots (LP = 32)."""
+    gen = _gen(13)
+    J = 20
+    A_st = _stored(_t(torch.randn(B, H, V, K, generator=gen) * 0.3), "nvfp4",
+                   stream=_t(torch.arange(B * H).view(B, H)))
+    la = _t(torch.log(0.9 + 0.0999 * torch.rand(B, J, H, generator=gen)))
+    k = _t(torch.nn.functional.normalize(torch.randn(B, J, G, K, generator=gen), dim=-1))
+    v = _t(torch.randn(B, J, H, V, generator=gen))
+    beta = _t(torch.sigmoid(torch.randn(B, J, H, generator=gen)))
+    length = _t(torch.tensor([J, 13]))
+    res, _ = kr.gdn_flush_kernel(A_st, la, beta, v, k, length, StatePolicy.parse("fp32"),
+                                 block_v=16, **STREAMS)
+    la_m, beta_m, v_m, k_m = core.mask_records(length, la, beta, v, k)
+    want = core.solve_corrections(A_st.dequantize(), la_m, beta_m, v_m,
+                                  core.expand_heads(k_m, H, 2))
+    torch.testing.assert_close(res.w, want, **TOL)
+    torch.testing.assert_close(res.w, kr.gdn_corrections_kernel(A_st, la, beta, v, k, length),
+                               **TOL)
+    assert not res.w[1, 13:].any()
+
+
 # ------------------------------------------------------------------------------ decode step
 def _ring_state(gen, read_fmt, gdn):
     """A read copy (stored in ``read_fmt``) and a ring with h = [2, 0] committed records."""

@@ -1,17 +1,30 @@
 """The flush kernel: reconstruct S from the anchor A and the committed records, then cast A and
 R independently from the same unrounded S.
 
-``_flush_kernel``, one program per (sequence, head) matrix: reconstruct
-``S = gamma_{1:J} A + sum_j gamma_{j+1:J} w_j k_j^T`` tile by tile from the (dequantised in
-kernel) anchor and the committed records, then round the same unrounded FP32 tile twice:
-``A <- Q_rec(S)`` and ``R <- Q_read(S)``, writing packed codes and scales, with SR bits keyed by
-:func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0 / 1). Formats with a matrix
-scale (fp8, nvfp4) need the matrix amax before rounding: a first pass reconstructs the tiles for
-the amax only, a second reconstructs them again (the same FP32 operations in the same order, so
-the same values) and rounds. Optionally it writes S (the state objects read the flush token's
-output from it) and/or the flush token's output S q. GDN corrections for the flush come from the
-records kernel (:func:`~.records.gdn_corrections_kernel`, C = A, every row solved) in a launch
-before; the folded values are then plain ``w`` as for Mamba-2.
+``_flush_kernel``, programs over (sequence, head) matrices and tiles of ``BV`` value rows:
+reconstruct ``S = gamma_{1:J} A + sum_j gamma_{j+1:J} w_j k_j^T`` tile by tile from the
+(dequantised in kernel) anchor and the committed records, then round the same unrounded FP32
+tile twice: ``A <- Q_rec(S)`` and ``R <- Q_read(S)``, writing packed codes and scales, with SR
+bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0 / 1).
+
+* The records of a program (``la``, the decays, ``k [LP, K]`` as even/odd key columns) are
+  loaded once; a tile's record sum is one FP32 FMA dot ``(W * m) [BV, LP] x K [LP, K/2]`` per
+  key half (``input_precision="ieee"``: no TF32; the accumulation runs over the record slots in
+  order, so a tile's values do not depend on ``BV``, warps or grid).
+* GDN (``SOLVE``): the corrections are solved in the same program, per tile of value rows (rows
+  are separable): ``A k_p`` for every slot by one FP32 dot of the anchor tile with ``K^T``,
+  then forward substitution over the ``LP`` slots on ``[BV, LP]`` registers; the solved
+  corrections are written out (``FlushResult.w``) and folded.
+* Formats with a matrix scale (fp8, nvfp4) need the matrix amax before rounding. With one tile
+  per matrix (``BV >= V``, ``SINGLE``) it is taken from registers and S is reconstructed once.
+  Otherwise, variant ``loop`` (one program walks the matrix's tiles) reconstructs the tiles
+  twice, an amax pass and a cast pass; variant ``grid`` (a program per tile) launches twice,
+  an amax launch (``PHASE`` 1: tile amax, ``atomic_max`` on the float32 bits; exact, so
+  deterministic; GDN: the solved corrections are written) and a cast launch (``PHASE`` 2;
+  GDN: folds the corrections of phase 1, no second solve). The two reconstructions are the same FP32
+  operations in the same order, so the same values.
+* Optionally it writes S (the state objects read the flush token's output from it) and/or the
+  flush token's output S q.
 
 Torch reference: :func:`replayssm_quant.replay.core.flush` (``reconstruct`` +
 ``cast_checkpoints``), :func:`replayssm_quant.replay.mamba2.mamba2_flush`,
@@ -33,94 +46,182 @@ from ...policy import require_policy
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
                     _matrix_scale, _stored_args)
-from .records import DEFAULT_WARPS, gdn_corrections_kernel
+from .records import _lp
 
-DEFAULT_BV_FLUSH = 32  # value rows per tile: the best timed on an H200 (docs/kernels-replay.md)
+DEFAULT_BV_FLUSH = 32  # value rows per tile (untimed guess for the new kernel: benchmarks/flush_tune.py)
+DEFAULT_WARPS_FLUSH = 4
+# "grid": one program per (matrix, tile of BV value rows); casts with a matrix scale (fp8,
+# nvfp4) then take two launches (tile amax by atomic max, then reconstruct again and cast).
+# "loop": one program per matrix walks its row tiles (with a matrix scale: an amax pass, then
+# a cast pass). With block_v >= V both are the same single-tile kernel: the matrix amax comes
+# from registers and S is reconstructed once.
+FLUSH_VARIANTS = ("grid", "loop")
+DEFAULT_VARIANT = "grid"
 
 
 @triton.jit
-def _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g, rows, rmask,
-                      n, total, H, G, V, J,
-                      K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, A: tl.constexpr):
-    """Rows of ``S = gamma_{1:n} A + sum_{j<n} gamma_{j+1:n} w_j k_j^T`` as (even, odd); the
-    stored anchor is decoded with ``A`` (its :class:`~.codec.DecodeConsts`)."""
+def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V, J,
+                idx, live, m, eg, ecp, bvec, cf, ke, ko,
+                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+                SOLVE: tl.constexpr, A: tl.constexpr):
+    """Rows ``rows`` of ``S = gamma_{1:n} A + (W * m) K`` as (even, odd) halves ``[BV, KH]``,
+    and ``W [BV, LP]``, the folded values of these rows (record slots along axis 1).
+
+    ``W`` is loaded from ``w_ptr`` (Mamba-2 v, folded cached corrections) or, with ``SOLVE``
+    (GDN), solved here by forward substitution from ``v`` at ``w_ptr``:
+    ``u_p = beta_p (v_p - gamma_{1:p} (A k_p)) - sum_{i<p} beta_p gamma_{i+1:p} (k_i . k_p) u_i``
+    with ``A k_p`` for every slot from one FP32 dot (``cf``: the ``[i, p]`` coefficients,
+    ``ecp``: ``gamma_{1:p}``). Both products over the record slots are FP32 FMA dots
+    (``input_precision="ieee"``), so the tile's values do not depend on the launch."""
     ae, ao = _load_stored(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
-    kk = tl.arange(0, K)
-    acc_e = tl.zeros([BV, KH], tl.float32)
-    acc_o = tl.zeros([BV, KH], tl.float32)
-    c = total * 0.0
-    for jj in range(0, n):
-        c = c + tl.load(la_ptr + (b * J + jj) * H + h)
-        m = tl.exp(total - c)
-        wj = tl.load(w_ptr + ((b * J + jj) * H + h) * V + rows, mask=rmask, other=0.0) * m
-        kj = tl.load(k_ptr + ((b * J + jj) * G + g) * K + kk)
-        kje, kjo = tl.split(tl.reshape(kj, [KH, 2]))
-        acc_e += wj[:, None] * kje[None, :]
-        acc_o += wj[:, None] * kjo[None, :]
-    eg = tl.exp(total)
-    return eg * ae + acc_e, eg * ao + acc_o
+    wt = tl.load(w_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None],
+                 mask=rmask[:, None] & live[None, :], other=0.0)  # [BV, LP]
+    if SOLVE:
+        ak = tl.dot(ao, tl.trans(ko), tl.dot(ae, tl.trans(ke), input_precision="ieee"),
+                    input_precision="ieee")  # [BV, LP]: A k_p
+        rhs = bvec[None, :] * (wt - ecp[None, :] * ak)
+        U = tl.zeros([BV, LP], tl.float32)
+        for p in range(0, n):
+            sel = idx == p
+            coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
+            r = tl.sum(tl.where(sel[None, :], rhs, 0.0), axis=1)
+            u = r - tl.sum(U * coef[None, :], axis=1)
+            U = tl.where(sel[None, :], u[:, None], U)
+        wt = U
+    wm = wt * m[None, :]
+    se = eg * ae + tl.dot(wm, ke, input_precision="ieee")
+    so = eg * ao + tl.dot(wm, ko, input_precision="ieee")
+    return se, so, wt
+
+
+@triton.jit
+def _tile_amax(se, so, rmask):
+    fe = tl.where(rmask[:, None], _finite_abs(se), 0.0)
+    fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
+    return tl.maximum(tl.max(tl.max(fe, axis=1), axis=0), tl.max(tl.max(fo, axis=1), axis=0))
 
 
 @triton.jit
 def _flush_kernel(
         a_ptr, abs_ptr, ams_ptr,  # stored anchor (decoded with A)
         la_ptr, w_ptr, k_ptr, len_ptr,  # records [B,J,H], [B,J,H,V], [B,J,G,K]; length [B]
+        beta_ptr, u_ptr,  # SOLVE (GDN): beta [B,J,H]; solved corrections out [B,J,H,V]
         sta_ptr, str_ptr, seed,  # stream keys [B*H] of the anchor / read casts
         oa_ptr, oabs_ptr, oams_ptr,  # new anchor: codes, block scales, matrix scale
         or_ptr, orbs_ptr, orms_ptr,  # new read copy
         s_ptr, q_ptr, y_ptr,  # S [B,H,V,K] (STORE_S); q [B,G,K] -> y = S q [B,H,V] (Q_OUT)
+        amax_ptr,  # int32 [B*H]: float32 bits of the matrix amax (PHASE 1 max-es, PHASE 2 reads)
         H, G, V, J,
-        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr,
+        K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         TWO: tl.constexpr, STORE_S: tl.constexpr, Q_OUT: tl.constexpr,
-        NEED_AMAX: tl.constexpr,
+        NEED_AMAX: tl.constexpr, SOLVE: tl.constexpr, LOOP: tl.constexpr,
+        SINGLE: tl.constexpr, PHASE: tl.constexpr,
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr):
-    # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts
+    # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
+    # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
+    # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
+    # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1.
     mat = tl.program_id(0).to(tl.int64)
+    vt = tl.program_id(1)
     b = mat // H
     h = mat - b * H
     g = h // (H // G)
     n = tl.load(len_ptr + b)
+    if LOOP:
+        v_lo = 0
+        v_hi = V
+    else:
+        v_lo = vt * BV
+        v_hi = v_lo + 1
+
+    # ---- the records of this (sequence, head), once per program
+    idx = tl.arange(0, LP)
+    live = idx < n
+    la = tl.load(la_ptr + (b * J + idx) * H + h, mask=live, other=0.0)  # one vector load
+    c = tl.zeros([LP], tl.float32)
     total = tl.zeros([], tl.float32)
-    for jj in range(0, n):
-        total = total + tl.load(la_ptr + (b * J + jj) * H + h)
-    kk = tl.arange(0, K)
+    for jj in tl.static_range(LP):  # sequential sums c_p = sum_{j<=p} la_j (0 added past n)
+        total = total + tl.sum(tl.where(idx == jj, la, 0.0), axis=0)
+        c = tl.where(idx == jj, total, c)
+    m = tl.where(live, tl.exp(total - c), 0.0)  # gamma_{j+1:n}
+    eg = tl.exp(total)
+    jh = tl.arange(0, KH)
+    kbase = k_ptr + ((b * J + idx) * G + g)[:, None] * K + 2 * jh[None, :]
+    ke = tl.load(kbase, mask=live[:, None], other=0.0)  # [LP, KH]: even / odd key columns
+    ko = tl.load(kbase + 1, mask=live[:, None], other=0.0)
+    if SOLVE:
+        bvec = tl.load(beta_ptr + (b * J + idx) * H + h, mask=live, other=0.0)
+        kk = tl.dot(ko, tl.trans(ko), tl.dot(ke, tl.trans(ke), input_precision="ieee"),
+                    input_precision="ieee")  # [i, p]: k_i . k_p
+        before = idx[:, None] < idx[None, :]
+        cf = tl.where(before, (bvec[None, :] * tl.exp(tl.where(before, c[None, :] - c[:, None],
+                                                               0.0))) * kk, 0.0)
+        ecp = tl.exp(c)
+    else:
+        bvec = m
+        cf = m
+        ecp = m
+    if Q_OUT:
+        qv = tl.load(q_ptr + (b * G + g) * K + tl.arange(0, K))
+        qe, qo = tl.split(tl.reshape(qv, [KH, 2]))
+
+    # ---- the matrix amax (formats with a matrix scale), unless one tile covers the matrix
     amax = tl.zeros([], tl.float32)
-    if NEED_AMAX:
-        for v0 in range(0, V, BV):
+    if PHASE == 2:
+        amax = tl.load(amax_ptr + mat).to(tl.float32, bitcast=True)
+    if NEED_AMAX and (not SINGLE) and PHASE != 2:
+        for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
-            se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h,
-                                       g, rows, rmask, n, total, H, G, V, J, K, KH, BV, A)
-            fe = tl.where(rmask[:, None], _finite_abs(se), 0.0)
-            fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
-            amax = tl.maximum(amax, tl.maximum(tl.max(tl.max(fe, axis=1), axis=0),
-                                               tl.max(tl.max(fo, axis=1), axis=0)))
-    sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
-    sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
-    if Q_OUT:
-        qv = tl.load(q_ptr + (b * G + g) * K + kk)
-        qe, qo = tl.split(tl.reshape(qv, [KH, 2]))
-    for v0 in range(0, V, BV):
-        rows = v0 + tl.arange(0, BV)
-        rmask = rows < V
-        se, so = _reconstruct_tile(a_ptr, abs_ptr, ams_ptr, la_ptr, w_ptr, k_ptr, mat, b, h, g,
-                                   rows, rmask, n, total, H, G, V, J, K, KH, BV, A)
-        if STORE_S:
-            x = tl.reshape(tl.join(se, so), [BV, K])
-            tl.store(s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk[None, :], x,
-                     mask=rmask[:, None])
-        if Q_OUT:
-            y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
-            tl.store(y_ptr + mat * V + rows, y, mask=rmask)
-        _cast_store(se, so, rows, rmask, mat, V, sa, seed, sta_ptr, oa_ptr, oabs_ptr, K, KH, BV, CA)
-        if TWO:
-            _cast_store(se, so, rows, rmask, mat, V, sr, seed, str_ptr, or_ptr, orbs_ptr, K, KH,
-                        BV, CR)
-    if CA.MS:
-        tl.store(oams_ptr + mat, sa)
-    if TWO:
-        if CR.MS:
-            tl.store(orms_ptr + mat, sr)
+            se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n,
+                                     H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
+                                     K, KH, BV, LP, SOLVE, A)
+            amax = tl.maximum(amax, _tile_amax(se, so, rmask))
+            if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
+                tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
+                         mask=rmask[:, None] & (idx < J)[None, :])
+        if PHASE == 1:  # amax >= 0: its float32 bits order as int32
+            tl.atomic_max(amax_ptr + mat, amax.to(tl.int32, bitcast=True))
+
+    # ---- reconstruct, write S / y / corrections, cast A and R
+    if PHASE != 1:
+        for v0 in range(v_lo, v_hi, BV):
+            rows = v0 + tl.arange(0, BV)
+            rmask = rows < V
+            if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
+                se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, u_ptr, mat, b, h, rows, rmask,
+                                         n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
+                                         K, KH, BV, LP, False, A)
+            else:
+                se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
+                                         n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
+                                         K, KH, BV, LP, SOLVE, A)
+            if NEED_AMAX and SINGLE:
+                amax = _tile_amax(se, so, rmask)
+            sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
+            sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
+            if SOLVE and PHASE == 0:
+                tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
+                         mask=rmask[:, None] & (idx < J)[None, :])
+            if STORE_S:
+                x = tl.reshape(tl.join(se, so), [BV, K])
+                kk2 = tl.arange(0, K)
+                tl.store(s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk2[None, :], x,
+                         mask=rmask[:, None])
+            if Q_OUT:
+                y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
+                tl.store(y_ptr + mat * V + rows, y, mask=rmask)
+            _cast_store(se, so, rows, rmask, mat, V, sa, seed, sta_ptr, oa_ptr, oabs_ptr, K, KH,
+                        BV, CA)
+            if TWO:
+                _cast_store(se, so, rows, rmask, mat, V, sr, seed, str_ptr, or_ptr, orbs_ptr, K,
+                            KH, BV, CR)
+            if v0 == 0:  # the matrix scales, once
+                if CA.MS:
+                    tl.store(oams_ptr + mat, sa)
+                if TWO:
+                    if CR.MS:
+                        tl.store(orms_ptr + mat, sr)
 
 
 # ----------------------------------------------------------------------------------------
@@ -130,17 +231,33 @@ def _flush_kernel(
 
 def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, sequence_ids,
                  flush_index, q=None, store_state: bool = True, block_v: int = DEFAULT_BV_FLUSH,
-                 num_warps: int = DEFAULT_WARPS):
+                 num_warps: int = DEFAULT_WARPS_FLUSH, variant: str = DEFAULT_VARIANT,
+                 beta=None, dequantize: bool = True):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
     ``A <- Q_rec(S)`` and ``R <- Q_read(S)`` independently in the same kernel (one cast for
     single-checkpoint policies), SR streams from :func:`checkpoint_streams`.
 
+    With ``beta [B,J,H]`` (GDN) ``w`` holds the values ``v`` and the kernel first solves the
+    corrections against the anchor (:func:`core.solve_corrections`, every live row) for each
+    tile of value rows, then folds them; ``FlushResult.w`` is then the solved corrections
+    ``[B, J, H, V]`` (zero at slots ``>= length``).
+
+    ``block_v`` (value rows per tile, a power of two >= 16), ``num_warps`` and ``variant``
+    (:data:`FLUSH_VARIANTS`) choose the launch; A and R do not depend on them (the tile's
+    arithmetic is the same FP32 operations in the same order; the matrix amax is a max).
+    ``dequantize=False`` skips the wrapper's torch dequantisation of the new copies
+    (``Checkpoints.anchor`` / ``.read`` are then None; the stored forms are returned).
+
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
     policy = require_policy(policy)  # parsed at the edges
+    if variant not in FLUSH_VARIANTS:
+        raise ValueError(f"variant must be one of {FLUSH_VARIANTS}, got {variant!r}")
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     (a, abs_, ams), aspec = _stored_args(anchor)
     B, H, V, K = (anchor.shape if isinstance(anchor, PackedTensor) else anchor.shape)
     B, H, V, K = int(B), int(H), int(V), int(K)
@@ -157,66 +274,89 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     S = torch.empty(shape, dtype=torch.float32, device=dev) if store_state else bufa[0]
     y = torch.empty(B, H, V, dtype=torch.float32, device=dev) if q is not None else bufa[0]
     qq = q.contiguous() if q is not None else bufa[0]
+    solve = beta is not None
+    u = torch.empty_like(w) if solve else w  # the kernel writes every slot (0 at >= length)
     if J == 0:  # no records: S = A; keep shapes valid for the kernel
         la = torch.zeros(B, 1, H, dtype=torch.float32, device=dev)
         w = torch.zeros(B, 1, H, V, dtype=torch.float32, device=dev)
         k = torch.zeros(B, 1, G, K, dtype=torch.float32, device=dev)
+        beta = torch.zeros(B, 1, H, dtype=torch.float32, device=dev) if solve else None
         length = torch.zeros_like(length)
         J = 1
+    u_arg = (u if u.shape[1] == J else torch.empty_like(w)) if solve else w  # w: unused pointer
+    need_amax = (_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
+                 or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)))
+    single = block_v >= V
+    loop = variant == "loop"
+    tiles = 1 if (loop or single) else triton.cdiv(V, block_v)
+    amax = torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev)
     pick = lambda t, d: t if t is not None else d  # noqa: E731
-    _flush_kernel[(B * H,)](
-        a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
-        stream_keys_to(sa.reshape(-1).contiguous(), dev),
-        stream_keys_to(sr.reshape(-1).contiguous(), dev), int(seed),
-        bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
-        bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
-        S, qq, y, H, G, V, J,
-        K=K, KH=K // 2, BV=block_v, TWO=two, STORE_S=store_state, Q_OUT=q is not None,
-        NEED_AMAX=_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
-        or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)), num_warps=num_warps,
-        A=_decode_consts(aspec), CA=_cast_consts(policy.rec),
-        CR=_cast_consts(policy.read if two else policy.rec))
+    args = (a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
+            beta.contiguous() if solve else la, u_arg,
+            stream_keys_to(sa.reshape(-1).contiguous(), dev),
+            stream_keys_to(sr.reshape(-1).contiguous(), dev), int(seed),
+            bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
+            bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
+            S, qq, y, amax, H, G, V, J)
+    consts = dict(K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
+                  Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
+                  SINGLE=single, num_warps=num_warps, A=_decode_consts(aspec),
+                  CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec))
+    if need_amax and not loop and not single:  # grid: amax launch, then the cast launch
+        _flush_kernel[(B * H, tiles)](*args, PHASE=1, **consts)
+        _flush_kernel[(B * H, tiles)](*args, PHASE=2, **consts)
+    else:
+        _flush_kernel[(B * H, tiles)](*args, PHASE=0, **consts)
+    if solve and u_arg is not u:
+        u.zero_()  # J == 0
     a_st = _as_stored(policy.rec, shape, bufa)
     r_st = _as_stored(policy.read, shape, bufr) if two else a_st
 
     def deq(st):
+        if not dequantize:
+            return None
         return st if isinstance(st, torch.Tensor) else st.dequantize()
 
     a_val = deq(a_st)
     r_val = deq(r_st) if two else a_val
     cps = Checkpoints(a_val, r_val, a_st, r_st)
-    res = FlushResult(S if store_state else None, cps, w)
+    res = FlushResult(S if store_state else None, cps, u if solve else w)
     return res, (y if q is not None else None)
 
 
 def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequence_ids,
                         flush_index, q=None, store_state: bool = True,
-                        block_v: int = DEFAULT_BV_FLUSH):
+                        block_v: int = DEFAULT_BV_FLUSH, num_warps: int = DEFAULT_WARPS_FLUSH,
+                        variant: str = DEFAULT_VARIANT, dequantize: bool = True):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
                         sequence_ids=sequence_ids, flush_index=flush_index, q=q,
-                        store_state=store_state, block_v=block_v)
+                        store_state=store_state, block_v=block_v, num_warps=num_warps,
+                        variant=variant, dequantize=dequantize)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
                      flush_index, u_cached=None, fold_cached_corrections: bool = False, q=None,
-                     store_state: bool = True, block_v: int = DEFAULT_BV_FLUSH):
+                     store_state: bool = True, block_v: int = DEFAULT_BV_FLUSH,
+                     num_warps: int = DEFAULT_WARPS_FLUSH, variant: str = DEFAULT_VARIANT,
+                     dequantize: bool = True):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
-    stored anchor by :func:`gdn_corrections_kernel` (a launch before the flush kernel), or the
+    stored anchor inside the flush kernel (each tile of value rows solves its own rows:
+    ``A k_p`` by one FP32 dot, then forward substitution over the record slots), or the
     cached ones are folded (``fold_cached_corrections``). ``FlushResult.w`` holds the folded
-    corrections. Returns ``(FlushResult, y)``."""
+    corrections ``[B, J, HV, DV]``. Returns ``(FlushResult, y)``."""
+    kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
+              store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
+              dequantize=dequantize)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")
         live = length_mask(length, la.shape[1])
         u = torch.where(live[:, :, None, None], u_cached, torch.zeros((), dtype=v.dtype,
                                                                       device=v.device))
-    else:
-        u = gdn_corrections_kernel(anchor, la, beta, v, k, length)
-    return flush_kernel(anchor, la, u, k, length, policy, seed=seed, layer=layer,
-                        sequence_ids=sequence_ids, flush_index=flush_index, q=q,
-                        store_state=store_state, block_v=block_v)
+        return flush_kernel(anchor, la, u, k, length, policy, **kw)
+    return flush_kernel(anchor, la, v, k, length, policy, beta=beta, **kw)
 
 
 # ---------------------------------------------------------------- state-object entry points

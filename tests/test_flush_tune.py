@@ -1,0 +1,35 @@
+"""``benchmarks/flush_tune.py --tiny`` (issue 15's flush tuning sweep) runs on CPU under the
+Triton interpreter, times every candidate configuration, checks them and writes its JSON.
+
+One subprocess on one (model, policy) pair (Mamba-2, the nvfp4 read / fp16+SR anchor policy:
+the two-launch amax and the loop's two passes), about 40 s on the shared 2-core machine.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_flush_tune_tiny(tmp_path):
+    out = tmp_path / "flush_tune_tiny.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "benchmarks/flush_tune.py", "--tiny", "--models",
+                        "mamba2", "--policies", "nvfp4", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert "--tiny" in r["command"] and not r["skipped"]
+    pol = r["models"]["mamba2"]["policies"]["nvfp4"]
+    assert pol["policy"] == "read:nvfp4/rec:fp16+sr"
+    assert pol["reference_check"]["passed"], pol["reference_check"]
+    cfgs = pol["configs"]
+    assert len(cfgs) >= 3 and {c["variant"] for c in cfgs} == {"grid", "loop"}
+    for c in cfgs:
+        assert c["passed"] and c["median_us"] > 0, c
+        assert c["reps"] >= 1 and c["pool"] >= 4
+    assert cfgs[0]["anchor_bytes_differ"] == 0 and cfgs[0]["read_bytes_differ"] == 0
+    assert pol["best"]["median_us"] > 0 and "median_us" in pol["default_with_dequantize"]

@@ -317,9 +317,10 @@ def run_flush(M, st, policy, fa, store_state=False):
     kw = {k_: v for k_, v in fa.items() if k_ != "length"}
     if M.gdn:
         return kr.gdn_flush_kernel(st["A"], r["la"], r["beta"], r["v"], r["k"], length, policy,
-                                   q=st["q"], store_state=store_state, **kw)
+                                   q=st["q"], store_state=store_state,
+                                   dequantize=store_state, **kw)
     return kr.mamba2_flush_kernel(st["A"], r["la"], r["v"], r["k"], length, policy, q=st["q"],
-                                  store_state=store_state, **kw)
+                                  store_state=store_state, dequantize=store_state, **kw)
 
 
 # ------------------------------------------------------------------------------ checks
@@ -573,9 +574,10 @@ def main(argv=None):
                         if not args.tiny else "host timer (interpreter), not a measurement",
               "tolerance_outputs": f"mismatch = count of |got-ref| > {ATOL} + {RTOL} |ref|",
               "notes": ["step at h reads h + 1 records; amortised = (sum over h = 0..L-2 of "
-                        "step + flush) / L", "flush timings include the wrapper's "
-                        "dequantisation of the new copies (flush_kernel returns them) and, "
-                        "for GDN, the correction-solve launch",
+                        "step + flush) / L", "the timed flush is the serving form: stored anchor in, "
+                        "stored A and R out (dequantize=False), the flush token's S q, S not "
+                        "written; GDN's correction solve is fused into the flush kernel; the "
+                        "host-side SR stream keys (checkpoint_streams) are inside the timing",
                         "verify_T8_vs_step: worst start h over the mean FP32 non-flush step",
                         "verify timings include the wrappers' host sync (bool(at_flush.any()))"
                         " and, for GDN, the clone/mask of the correction buffer",

@@ -48,7 +48,7 @@ from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, 
                     _matrix_scale, _stored_args)
 from .records import _lp
 
-DEFAULT_BV_FLUSH = 32  # value rows per tile (untimed guess for the new kernel: benchmarks/flush_tune.py)
+DEFAULT_BV_FLUSH = 32  # flush_tune.py candidate 0 (the defaults of a call: flush_config)
 DEFAULT_WARPS_FLUSH = 4
 # "grid": one program per (matrix, tile of BV value rows); casts with a matrix scale (fp8,
 # nvfp4) then take two launches (tile amax by atomic max, then reconstruct again and cast).
@@ -57,6 +57,20 @@ DEFAULT_WARPS_FLUSH = 4
 # from registers and S is reconstructed once.
 FLUSH_VARIANTS = ("grid", "loop")
 DEFAULT_VARIANT = "grid"
+
+
+def flush_config(V: int, need_amax: bool) -> tuple[str, int, int]:
+    """Default launch ``(variant, block_v, num_warps)`` of a flush: the fastest configuration
+    of ``benchmarks/flush_tune.py`` on the H200 at B = 256 (benchmarks/results/
+    flush_tune_h200.json): casts with a matrix scale (fp8, nvfp4) ``grid`` 64 x 8 warps (GDN
+    5.2 ms, Mamba-2 5.5 ms for ``read:nvfp4/rec:fp16+sr``); otherwise a single 64-row tile
+    when V <= 64 (Mamba-2 ``fp32`` 1.9 ms) and ``loop`` 32 x 4 above (GDN ``fp32`` 2.5 ms).
+    The choice depends only on the shape and the policy, never on the batch."""
+    if need_amax:
+        return "grid", 64, 8
+    if V <= 64:
+        return "grid", 64, 4
+    return "loop", 32, 4
 
 
 @triton.jit
@@ -230,8 +244,8 @@ def _flush_kernel(
 
 
 def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, sequence_ids,
-                 flush_index, q=None, store_state: bool = True, block_v: int = DEFAULT_BV_FLUSH,
-                 num_warps: int = DEFAULT_WARPS_FLUSH, variant: str = DEFAULT_VARIANT,
+                 flush_index, q=None, store_state: bool = True, block_v: int | None = None,
+                 num_warps: int | None = None, variant: str | None = None,
                  beta=None, dequantize: bool = True):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
@@ -245,8 +259,12 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     ``[B, J, H, V]`` (zero at slots ``>= length``).
 
     ``block_v`` (value rows per tile, a power of two >= 16), ``num_warps`` and ``variant``
-    (:data:`FLUSH_VARIANTS`) choose the launch; A and R do not depend on them (the tile's
-    arithmetic is the same FP32 operations in the same order; the matrix amax is a max).
+    (:data:`FLUSH_VARIANTS`) choose the launch; None takes :func:`flush_config`. On the
+    interpreter and on exact inputs A and R do not depend on them; on the H200 the FP32
+    dot's summation order follows the register layout, so some configurations give S (and
+    then A, R) that differ in last bits (``flush_tune_h200.json``: 8 of 38 configurations,
+    all GDN, whose fused correction solve is a dot).
+    A given configuration is deterministic and independent of B and batch position.
     ``dequantize=False`` skips the wrapper's torch dequantisation of the new copies
     (``Checkpoints.anchor`` / ``.read`` are then None; the stored forms are returned).
 
@@ -254,6 +272,13 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
     policy = require_policy(policy)  # parsed at the edges
+    V0 = int(anchor.shape[2])
+    need = (_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
+            or (not policy.single_checkpoint and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)))
+    dv, db, dw = flush_config(V0, need)
+    variant = dv if variant is None else variant
+    block_v = db if block_v is None else block_v
+    num_warps = dw if num_warps is None else num_warps
     if variant not in FLUSH_VARIANTS:
         raise ValueError(f"variant must be one of {FLUSH_VARIANTS}, got {variant!r}")
     if block_v < 16 or block_v & (block_v - 1):
@@ -326,8 +351,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
 
 def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequence_ids,
                         flush_index, q=None, store_state: bool = True,
-                        block_v: int = DEFAULT_BV_FLUSH, num_warps: int = DEFAULT_WARPS_FLUSH,
-                        variant: str = DEFAULT_VARIANT, dequantize: bool = True):
+                        block_v: int | None = None, num_warps: int | None = None,
+                        variant: str | None = None, dequantize: bool = True):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
@@ -338,8 +363,8 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
                      flush_index, u_cached=None, fold_cached_corrections: bool = False, q=None,
-                     store_state: bool = True, block_v: int = DEFAULT_BV_FLUSH,
-                     num_warps: int = DEFAULT_WARPS_FLUSH, variant: str = DEFAULT_VARIANT,
+                     store_state: bool = True, block_v: int | None = None,
+                     num_warps: int | None = None, variant: str | None = None,
                      dequantize: bool = True):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:

@@ -530,7 +530,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``VERIFY_CONFIG``
     (``GDN_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless given."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
-    cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
+    cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
+                  num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot)
     T = q.shape[1]
     B, J = la.shape[:2]

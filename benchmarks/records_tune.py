@@ -65,7 +65,22 @@ VERIFY_CANDIDATES = [
     (64, 4, 32, 2, True), (64, 4, 64, 2, True), (64, 8, 32, 3, True), (32, 4, 32, 2, True),
     (32, 2, 32, 2, True), (128, 8, 32, 2, True), (64, 4, 128, 1, True), (64, 4, 32, 2, False),
 ]
+# tensor-core products in about-FP32 accuracy (use_dot="tf32x3"; the timed defaults of
+# records.py in each list first, for comparison in the same run)
+TF32_STEP_CANDIDATES = [
+    (64, 4, 128, 1, False), (64, 4, 32, 3, False), (64, 4, 128, 1, "tf32x3"),
+    (64, 4, 64, 2, "tf32x3"), (64, 4, 32, 2, "tf32x3"), (32, 4, 128, 1, "tf32x3"),
+    (128, 4, 64, 2, "tf32x3"), (64, 2, 128, 1, "tf32x3"),
+]
+TF32_VERIFY_CANDIDATES = [
+    (64, 4, 32, 2, False), (64, 4, 32, 2, True), (64, 4, 32, 2, "tf32x3"),
+    (64, 4, 64, 2, "tf32x3"), (64, 4, 128, 1, "tf32x3"), (32, 4, 32, 2, "tf32x3"),
+    (128, 4, 64, 2, "tf32x3"), (64, 8, 64, 2, "tf32x3"),
+]
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot")
+# which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
+# on to the compile workers
+CANDIDATE_SET = "all"
 
 
 def geometries(tiny: bool):
@@ -78,8 +93,14 @@ def geometries(tiny: bool):
 def cases(M, T):
     """(case name, candidate list, h): step at h = 7, verify at h = 0 and h = L - T."""
     hs = min(7, M.L - 2)
-    return [("step", STEP_CANDIDATES, hs), ("verify", VERIFY_CANDIDATES, 0),
-            ("verify", VERIFY_CANDIDATES, M.L - T)]
+    step, ver = ((TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES) if CANDIDATE_SET == "tf32"
+                 else (STEP_CANDIDATES, VERIFY_CANDIDATES))
+    return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
+
+
+def cfg_label(c) -> str:
+    """``block_v/num_warps/k_chunk/num_stages/use_dot`` (use_dot 0, 1 or tf32x3)."""
+    return "/".join(v if isinstance(v, str) else str(int(v)) for v in c)
 
 
 def cfg_dict(c):
@@ -186,8 +207,13 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--ref-seqs", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
+    ap.add_argument("--set", default="all", choices=("all", "tf32"),
+                    help="candidate lists: all (STEP_/VERIFY_CANDIDATES) or tf32 (the tensor-core "
+                         "use_dot='tf32x3' configurations against the current defaults)")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # worker: "i/n"
     args = ap.parse_args(argv)
+    global CANDIDATE_SET
+    CANDIDATE_SET = args.set
     models, T = geometries(args.tiny)
     if args.tiny:  # the interpreter: every path once, timings meaningless
         args.reps, args.pool, args.warmup = min(args.reps, 2), min(args.pool, 2), 0
@@ -198,7 +224,8 @@ def main(argv=None):
     t0 = time.time()
     log = print
     if args.jobs > 0 and DEV == "cuda":
-        base = [sys.executable, os.path.abspath(__file__)] + (["--tiny"] if args.tiny else [])
+        base = [sys.executable, os.path.abspath(__file__), "--set", args.set] + (
+            ["--tiny"] if args.tiny else [])
         procs = [subprocess.Popen(base + ["--warm", f"{i}/{args.jobs}"])
                  for i in range(args.jobs)]
         rcs = [p.wait() for p in procs]
@@ -236,7 +263,7 @@ def main(argv=None):
                     result["rows"].append(row)
                     t = row.get("median_us")
                     log(f"{M.name:7s} {fmt:6s} {case:7s} h={h:2d} "
-                        f"{'/'.join(str(int(v)) for v in c):14s} "
+                        f"{cfg_label(c):16s} "
                         + (f"{t:9.1f} us" if t is not None else row.get("error", "")[:80])
                         + ("" if row.get("check", {}).get("passed", False)
                            else f"  CHECK FAILED {row.get('check')}"))
@@ -256,7 +283,7 @@ def main(argv=None):
     result["wall_s"] = time.time() - t0
     log("\nbest per case (median us, config block_v/num_warps/k_chunk/num_stages/use_dot):")
     for k, v in best.items():
-        log(f"  {k:28s} {v['median_us']:9.1f}  {'/'.join(str(int(x)) for x in v['config'].values())}")
+        log(f"  {k:28s} {v['median_us']:9.1f}  {cfg_label(tuple(v['config'].values()))}")
     log(f"all checks passed: {result['all_checks_passed']}; wall {result['wall_s']:.0f} s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .packed import PackedTensor
-from .philox import stream_key, stream_keys_to
+from .philox import STREAM_FIELDS, stream_key, stream_keys_to
 
 __all__ = ["ANCHOR_COPY", "READ_COPY", "PREFILL_FLUSH_INDEX", "Checkpoints", "FlushResult",
            "checkpoint_streams", "length_mask"]
@@ -33,15 +33,44 @@ def length_mask(length: torch.Tensor, J: int) -> torch.Tensor:
 
 
 def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
-                       flush_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       flush_index: torch.Tensor, on_device: bool | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stream keys ``[B, H]`` of the anchor and read casts of one flush, keyed by
-    (layer, sequence id, head, flush index, copy) only: never by call order or batch position."""
+    (layer, sequence id, head, flush index, copy) only: never by call order or batch position.
+
+    ``sequence_ids`` int ``[B]``; ``flush_index`` int ``[B]`` (or a scalar). Keys are int64 on
+    ``sequence_ids``' device, packed as :func:`~replayssm_quant.philox.stream_key` packs them
+    (``philox.STREAM_FIELDS``). ``on_device`` (default: True for CUDA ids) builds them where
+    the ids live with the same integer operations, so a flush on the GPU does not wait for the
+    host (measured 0.4-0.5 ms per flush at B = 256 with the host build,
+    ``benchmarks/results/flush_tune_h200.json``); the range of the per-sequence fields is then
+    checked by a device-side assertion (``torch._assert_async``), ``layer`` and ``heads`` on the
+    host. Raises ValueError (host build) for a field out of range."""
+    dev = sequence_ids.device
+    if on_device is None:
+        on_device = dev.type == "cuda"
+    if not on_device:
+        seq = sequence_ids.to(torch.int64)[:, None]
+        fl = torch.as_tensor(flush_index, dtype=torch.int64).reshape(-1)[:, None]
+        head = torch.arange(heads, dtype=torch.int64)[None, :]
+        sa = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(),
+                        copy=ANCHOR_COPY)
+        sr = sa | READ_COPY  # the copy bit is the key's lowest field (philox.STREAM_FIELDS)
+        return stream_keys_to(sa, dev), stream_keys_to(sr, dev)
+    stream_key(layer=layer, head=heads - 1)  # host range check of the host fields
     seq = sequence_ids.to(torch.int64)[:, None]
-    fl = torch.as_tensor(flush_index, dtype=torch.int64).reshape(-1)[:, None]
-    head = torch.arange(heads, dtype=torch.int64)[None, :]
-    sa = stream_key(layer=layer, sequence=seq.cpu(), head=head, flush=fl.cpu(), copy=ANCHOR_COPY)
-    sr = sa | READ_COPY  # the copy bit is the key's lowest field (philox.STREAM_FIELDS)
-    return stream_keys_to(sa, sequence_ids.device), stream_keys_to(sr, sequence_ids.device)
+    fl = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)[:, None]
+    width = dict(STREAM_FIELDS)
+    torch._assert_async(((seq >= 0) & (seq < (1 << width["sequence"]))).all()
+                        & ((fl >= 0) & (fl < (1 << width["flush"]))).all())
+    head = torch.arange(heads, dtype=torch.int64, device=dev)[None, :]
+    fields = dict(layer=layer, sequence=seq, head=head, flush=fl, copy=ANCHOR_COPY)
+    sa = torch.zeros((), dtype=torch.int64, device=dev)
+    shift = 0
+    for name, w in STREAM_FIELDS:
+        sa = sa | (torch.as_tensor(fields[name], dtype=torch.int64, device=dev) << shift)
+        shift += w
+    return sa, sa | READ_COPY
 
 
 @dataclass

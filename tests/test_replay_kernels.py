@@ -600,3 +600,28 @@ def test_verify_no_host_sync(gdn, monkeypatch):
     torch.testing.assert_close(got, want, **TOL)
     assert not torch.allclose(got[0, T - 1], (kr.gdn_verify_kernel(R_st, R_st, *args)[0] if gdn
                               else kr.mamba2_verify_kernel(R_st, R_st, *args))[0, T - 1])
+
+
+def test_checkpoint_streams_device_build_equals_host_build():
+    """The device build of the flush stream keys (CUDA default, forced here on CPU) packs the
+    same int64 keys as the host build through ``philox.stream_key``, for random fields incl.
+    the largest ids and flush indices; out-of-range host fields still raise ValueError."""
+    from replayssm_quant.checkpoints import checkpoint_streams
+
+    g = torch.Generator().manual_seed(5)
+    seq = torch.randint(0, 1 << 20, (9,), generator=g)
+    seq[0] = (1 << 20) - 1
+    fl = torch.randint(0, 1 << 24, (9,), generator=g)
+    fl[1] = (1 << 24) - 1
+    for layer, heads in ((0, 1), (7, 32), (255, 1024)):
+        host = checkpoint_streams(layer=layer, sequence_ids=seq, heads=heads, flush_index=fl,
+                                  on_device=False)
+        dev = checkpoint_streams(layer=layer, sequence_ids=seq, heads=heads, flush_index=fl,
+                                 on_device=True)
+        for a, b in zip(host, dev):
+            assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b)
+        assert torch.equal(host[1], host[0] | 1)
+    with pytest.raises(ValueError, match="layer"):
+        checkpoint_streams(layer=256, sequence_ids=seq, heads=4, flush_index=fl, on_device=True)
+    with pytest.raises(ValueError, match="head"):
+        checkpoint_streams(layer=0, sequence_ids=seq, heads=1025, flush_index=fl, on_device=True)

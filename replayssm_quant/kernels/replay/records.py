@@ -16,7 +16,7 @@ row), so a program never needs another program's rows and S is never formed. A p
 issues its record loads (``la``, ``w`` of its rows), then streams C along K in chunks of ``KC``
 columns (``tl.range`` with ``num_stages``) and forms ``Y = C X`` for all the vectors it needs at
 once: X holds the k of the rows it solves (GDN) and the queries (``[BV, NX]``; ``tl.dot`` with
-``input_precision="ieee"`` (FP32 FMA) for verify / the flush solve, per-vector reductions for the
+``input_precision=PREC`` (FP32 FMA) for verify / the flush solve, per-vector reductions for the
 step), then ``Z = K X`` over the record keys the same way; the solve and the outputs then work on
 these small products. Codes are decoded by the integer-only decoders of ``codec``
 (``_e2m1_value``, ``_e4m3_value``, ``_e5m2_value``); blocked formats are read as scaling blocks
@@ -178,7 +178,7 @@ def _records_kernel(
         H, G, V, CAP, TD, TQ, WCAP, OT, OT0, window,
         K: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
-        STAGES: tl.constexpr, DOT: tl.constexpr,
+        STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr,
         C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
@@ -238,7 +238,7 @@ def _records_kernel(
             kk = k0 + tl.arange(0, KC)
             if DOT:
                 Y += tl.dot(x, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, kk, K),
-                            input_precision="ieee")
+                            input_precision=PREC)
             else:
                 for c in tl.static_range(NC):
                     xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, c, NS, K, D_REL)
@@ -260,11 +260,11 @@ def _records_kernel(
                 jf = tl.arange(0, NBC * W)
                 ve = tl.reshape(xe * sc[:, :, None], [BV, NBC * W])
                 Y += tl.dot(ve, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + ES * jf, K),
-                            input_precision="ieee")
+                            input_precision=PREC)
                 if C.FP4:
                     vo = tl.reshape(xo * sc[:, :, None], [BV, NBC * W])
                     Y += tl.dot(vo, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq,
-                                            k0 + ES * jf + 1, K), input_precision="ieee")
+                                            k0 + ES * jf + 1, K), input_precision=PREC)
             else:  # block partial sums, the block scale applied to each
                 e3 = k0 + ES * (tl.arange(0, NBC)[:, None] * W + tl.arange(0, W)[None, :])
                 for c in tl.static_range(NC):
@@ -289,7 +289,7 @@ def _records_kernel(
             tl.load(dk_ptr + kdrow[:, None] + kk[None, :], mask=drf[:, None], other=0.0)
         if DOT:
             Z += tl.dot(km, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, kk, K),
-                        input_precision="ieee")
+                        input_precision=PREC)
         else:
             for c in tl.static_range(NC):
                 xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, c, NS, K, D_REL)
@@ -365,7 +365,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     out_slot: int = 0, at_window: int | None = None,
                     block_v: int = DEFAULT_BV, num_warps: int = DEFAULT_WARPS,
                     k_chunk: int | None = None, num_stages: int | None = None,
-                    use_dot: bool | None = None) -> torch.Tensor:
+                    use_dot: "bool | str | None" = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -387,9 +387,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             device; the others' programs return at once and write nothing).
         block_v, num_warps, k_chunk, num_stages, use_dot: launch configuration (value rows per
             program, warps, K columns per streamed chunk (>= 32, power of two; the whole key
-            dim at most), software-pipeline stages, ``tl.dot`` (FP32 FMA, ``ieee``) for the
-            products with C and the keys instead of per-vector reductions; default: with
-            four or more vectors).
+            dim at most), software-pipeline stages, ``use_dot``: ``tl.dot`` for the products
+            with C and the keys instead of per-vector reductions (``True`` or ``"ieee"``: FP32
+            FMA; ``"tf32x3"``: three TF32 tensor-core products with the split operands, about
+            FP32 accuracy (error ~2^-21 relative per product, within the outputs' 1e-5
+            tolerance); default ``"ieee"`` with four or more vectors, else reductions).
     Returns ``o`` (``out`` when given).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
@@ -422,6 +424,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     NC = NS + TQ
     if use_dot is None:
         use_dot = NC >= 4
+    if use_dot not in (False, True, "ieee", "tf32x3"):
+        raise ValueError(f"use_dot must be False, True, 'ieee' or 'tf32x3', got {use_dot!r}")
+    prec = use_dot if isinstance(use_dot, str) else "ieee"
     NX = max(MIN_DOT if use_dot else 2, triton.next_power_of_2(max(NC, 1)))
     KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
@@ -435,7 +440,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
         o.shape[1] if TQ else 1, out_slot, at_window if at_window is not None else -1,
         K=K, BLK=blk, BV=bv, LP=_lp(max(CAP, TD)), NS=NS, NC=NC, NX=NX, KC=KC,
-        STAGES=num_stages or 1, DOT=bool(use_dot),
+        STAGES=num_stages or 1, DOT=bool(use_dot), PREC=prec,
         GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
         AT_WINDOW=at_window is not None,
         num_warps=num_warps, C=_decode_consts(spec))
@@ -450,7 +455,7 @@ def _config(defaults: dict, **given) -> dict:
 # ---------------------------------------------------------------- decode step
 def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None = None,
         num_warps: int | None = None, k_chunk: int | None = None,
-        num_stages: int | None = None, use_dot: bool | None = None):
+        num_stages: int | None = None, use_dot: "bool | str | None" = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -469,7 +474,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
 
 def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | None = None,
         num_warps: int | None = None, k_chunk: int | None = None,
-        num_stages: int | None = None, use_dot: bool | None = None):
+        num_stages: int | None = None, use_dot: "bool | str | None" = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -498,7 +503,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
 def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          block_v: int | None = None, num_warps: int | None = None,
                          k_chunk: int | None = None, num_stages: int | None = None,
-                         use_dot: bool | None = None):
+                         use_dot: "bool | str | None" = None):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two launches, no host synchronisation (the second runs only for
@@ -521,7 +526,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
 def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: int,
                       fold_cached_corrections: bool = False, *, block_v: int | None = None,
                       num_warps: int | None = None, k_chunk: int | None = None,
-                      num_stages: int | None = None, use_dot: bool | None = None):
+                      num_stages: int | None = None, use_dot: "bool | str | None" = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved

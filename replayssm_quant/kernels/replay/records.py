@@ -59,9 +59,14 @@ DEFAULT_WARPS = 4
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False)
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, use_dot=False)
 VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=False)
-# GDN verify from a block-scaled read copy (nvfp4, mx): the tl.dot path (1705 vs 3455 us at
-# h = 0, 4138 vs 4613 us at h = 8)
-GDN_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot=True)
+# verify through tensor-core products (use_dot="tf32x3", about FP32 accuracy; records_tune
+# --set tf32, records_tune_tf32_h200.json): GDN from an FP32/half read copy 985 vs 1664 us at
+# h = 0; GDN from a block-scaled copy (128 rows) 1193 vs 1705 us; Mamba-2 from a block-scaled
+# copy 1602 vs 1881 us. Mamba-2 from FP32/half keeps the reductions (1220 us, the fastest).
+GDN_VERIFY_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
+GDN_VERIFY_BLOCKED_CONFIG = dict(block_v=128, num_warps=4, k_chunk=64, num_stages=2,
+                                 use_dot="tf32x3")
+MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
 _PSEUDO_BLOCK = 32  # kept for compatibility (the old tile's block length of unblocked formats)
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
 MIN_DOT = 16  # smallest tl.dot N / K
@@ -508,8 +513,11 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two launches, no host synchronisation (the second runs only for
     the sequences whose last draft is on the flush slot). Launch configuration:
-    ``VERIFY_CONFIG`` unless given."""
-    cfg = _config(VERIFY_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
+    ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless
+    given."""
+    blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
+    cfg = _config(MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
+                  num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot)
     T = q.shape[1]
     B = q.shape[0]
@@ -532,10 +540,10 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
     against A, or the cached corrections with ``fold_cached_corrections``) in a second launch
     that runs only for those sequences (no host synchronisation).
-    Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``VERIFY_CONFIG``
+    Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``GDN_VERIFY_CONFIG``
     (``GDN_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless given."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
-    cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
+    cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot)
     T = q.shape[1]

@@ -25,6 +25,8 @@ __all__ = ["ANCHOR_COPY", "READ_COPY", "PREFILL_FLUSH_INDEX", "Checkpoints", "Fl
 ANCHOR_COPY = 0  # stream_key copy bit of the recurrence anchor A (and of a shared checkpoint)
 READ_COPY = 1  # stream_key copy bit of the read copy R
 PREFILL_FLUSH_INDEX = 0  # the cast of a prefill (or of the initial zero state) is flush 0
+#: ``checkpoint_streams`` builds CUDA keys on the device from this many matrices (B x heads)
+DEVICE_KEYS_MIN_MATRICES = 1024
 
 
 def length_mask(length: torch.Tensor, J: int) -> torch.Tensor:
@@ -40,15 +42,18 @@ def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
 
     ``sequence_ids`` int ``[B]``; ``flush_index`` int ``[B]`` (or a scalar). Keys are int64 on
     ``sequence_ids``' device, packed as :func:`~replayssm_quant.philox.stream_key` packs them
-    (``philox.STREAM_FIELDS``). ``on_device`` (default: True for CUDA ids) builds them where
-    the ids live with the same integer operations, so a flush on the GPU does not wait for the
-    host (measured 0.4-0.5 ms per flush at B = 256 with the host build,
-    ``benchmarks/results/flush_tune_h200.json``); the range of the per-sequence fields is then
-    checked by a device-side assertion (``torch._assert_async``), ``layer`` and ``heads`` on the
-    host. Raises ValueError (host build) for a field out of range."""
+    (``philox.STREAM_FIELDS``). ``on_device`` builds them where the ids live with the same
+    integer operations, so a flush on the GPU does not wait for the host; the range of the
+    per-sequence fields is then checked by a device-side assertion (``torch._assert_async``),
+    ``layer`` and ``heads`` on the host. Default: on the device for CUDA ids and at least
+    :data:`DEVICE_KEYS_MIN_MATRICES` matrices (B x heads). On the H200 the host build cost
+    0.4-0.5 ms per flush at B = 256 (``flush_tune_h200.json``); the device build's ~25 small
+    launches cost 0.2-0.4 ms more than the host build at B = 1 (``decode_h200.json`` runs,
+    docs/kernels-replay.md), so small batches keep the host build. The keys are the same
+    either way. Raises ValueError (host build) for a field out of range."""
     dev = sequence_ids.device
     if on_device is None:
-        on_device = dev.type == "cuda"
+        on_device = dev.type == "cuda" and sequence_ids.numel() * heads >= DEVICE_KEYS_MIN_MATRICES
     if not on_device:
         seq = sequence_ids.to(torch.int64)[:, None]
         fl = torch.as_tensor(flush_index, dtype=torch.int64).reshape(-1)[:, None]

@@ -77,3 +77,23 @@ def test_bad_decode_mode():
     model = tiny_model("qwen3_5")
     with pytest.raises(ValueError, match="decode must be one of"):
         apply_state_policy(model, "fp32", decode="kernels")
+
+
+def test_serving_per_layer_map_and_refusals_at_apply():
+    """A per-layer map runs in serving mode and equals the window form; a per-head map and
+    prefill=False are refused by apply_state_policy itself, naming the remedy."""
+    model = tiny_model("nemotron_h")
+    ids = _ids(2, 5)
+    runs = {}
+    with torch.no_grad():
+        for mode in ("window", "serving"):
+            with state_policy(model, "map:fp32@L3=shared:nvfp4+sr", window=3, decode=mode):
+                runs[mode] = model.generate(ids, **GEN)
+    assert torch.equal(runs["window"].sequences, runs["serving"].sequences)
+    for a, b in zip(runs["window"].logits, runs["serving"].logits):
+        assert (a - b).abs().max().item() <= TOL
+    q = tiny_model("qwen3_5")
+    with pytest.raises(ValueError, match="per-head or per-decay"):
+        apply_state_policy(q, "map:fp32@L2H0-1=shared:fp8e4m3", decode="serving")
+    with pytest.raises(ValueError, match="prefill=True"):
+        apply_state_policy(q, "fp32", decode="serving", prefill=False)

@@ -244,6 +244,8 @@ class StatePolicyHandle:
         self.config = self.build_config(policy, window=window, seed=seed, fold=gdn_fold)
         self.window = window  # as asked for (config.window is 1 under eager policies)
         self.prefill = bool(prefill)
+        if decode == "serving":
+            self._check_serving()
         self.sequence_ids = sequence_ids
         self.dt_limit = dt_limit
         self.active = False
@@ -254,6 +256,20 @@ class StatePolicyHandle:
         self._hooks: list = []
         self._auto_ids: torch.Tensor | None = None  # content ids of the current fresh-cache call
         self._signature = inspect.signature(model.forward)
+
+    def _check_serving(self) -> None:
+        """``decode="serving"``: the decode state objects need the exact prefill (they step one
+        token per call from it) and one policy per layer (a per-layer map is fine)."""
+        if not self.prefill:
+            raise ValueError("decode='serving' needs prefill=True: the decode state objects start "
+                             "from the prompt's exact prefill and then step one token per call; "
+                             "prefill=False (emulation from the zero state) needs decode='window'")
+        for _, mixer, _fam in self.mixers:
+            pol = self.config.for_layer(int(mixer.layer_idx)).policy
+            if not isinstance(pol, StatePolicy):
+                raise ValueError(f"decode='serving' takes one policy per layer, got {pol} on layer "
+                                 f"{mixer.layer_idx} (a per-head or per-decay map); use "
+                                 f"decode='window'")
 
     @property
     def sequence_ids(self) -> torch.Tensor | None:
@@ -657,8 +673,10 @@ def apply_state_policy(model, policy="fp32", window: int = 16, seed: int = 0, *,
     Raises:
         UnsupportedArchitectureError: the model is not a supported hybrid (lists the
             supported architectures) or has no SSM layers.
-        ValueError: bad policy, policy map, window, seed or dt_limit (naming the value); a
-            map naming layers or heads the model does not have, or decay buckets without decays.
+        ValueError: bad policy, policy map, window, seed, dt_limit or decode (naming the
+            value); a map naming layers or heads the model does not have, or decay buckets
+            without decays; ``decode="serving"`` with ``prefill=False`` or with a per-head or
+            per-decay map.
 
     Implements DESIGN.md section 3 (state semantics, prefill, teacher-forced emulation).
     """

@@ -542,7 +542,16 @@ def main(argv=None):
         raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before triton is imported "
                          "(decode.py sets it when --tiny is on its command line)")
     L, T = (4, 2) if args.tiny else (16, 8)
-    batches = [int(b) for b in (args.batches or ("1,2" if args.tiny else "1,64,256")).split(",")]
+    try:
+        batches = [int(b) for b in (args.batches or ("1,2" if args.tiny else "1,64,256")).split(",")]
+    except ValueError:
+        ap.error(f"--batches must be a comma list of positive ints, got {args.batches!r}")
+    if any(b < 1 for b in batches):
+        ap.error(f"--batches must be positive, got {args.batches!r}")
+    for name, v in (("--reps", args.reps), ("--warmup", args.warmup), ("--pool", args.pool),
+                    ("--ref-seqs", args.ref_seqs)):
+        if v is not None and v < 0:
+            ap.error(f"{name} must be >= 0, got {v}")
     args.reps = args.reps or (1 if args.tiny else 50)
     args.pool = args.pool or (2 if args.tiny else 0)
     args.warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 5)
@@ -550,7 +559,10 @@ def main(argv=None):
         geo = {"gdn": (2, 1, 16, 32), "mamba2": (2, 1, 16, 32)}  # (H, G, V, K)
     else:
         geo = {"gdn": (32, 16, 128, 128), "mamba2": (128, 1, 64, 128)}
-    names = [m for m in args.models.split(",") if m in geo]
+    names = args.models.split(",")
+    bad = [m for m in names if m not in geo]
+    if bad or not names:
+        ap.error(f"--models takes a comma list of {sorted(geo)}, got {args.models!r}")
     gfn, sfn, fla_ver, fla_reason = load_fla()
     fla_fns = (gfn, sfn) if gfn is not None else None
     try:
@@ -651,4 +663,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    out = main()
+    sys.exit(0 if out["checks_passed"] else 1)  # a failed check or shape fails the command

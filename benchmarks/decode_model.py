@@ -50,6 +50,7 @@ from replayssm_quant.adapters.segments import forward_segment  # noqa: E402
 
 PROMPT = 8
 GEN_PROMPT = 32
+MODELS = ("qwen3_5", "nemotron_h")
 
 
 def qwen3_5_config(tiny: bool):
@@ -168,12 +169,19 @@ def main(argv=None):
                          "(default 3; tiny 1)")
     ap.add_argument("--skip-generate", action="store_true")
     a = ap.parse_args(argv)
+    for name, v in (("--batch", a.batch), ("--gen-batch", a.gen_batch),
+                    ("--new-tokens", a.new_tokens), ("--windows", a.windows)):
+        if v is not None and v < 1:
+            ap.error(f"{name} must be a positive int, got {v}")
+    models = a.models.split(",")
+    if not models or any(m not in MODELS for m in models):
+        ap.error(f"--models takes a comma list of {MODELS}, got {a.models!r}")
     dev = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
-    B = a.batch or (2 if a.tiny else 256)
-    GB = a.gen_batch or (2 if a.tiny else 64)
-    new = a.new_tokens or (5 if a.tiny else 64)
+    B = a.batch if a.batch is not None else (2 if a.tiny else 256)
+    GB = a.gen_batch if a.gen_batch is not None else (2 if a.tiny else 64)
+    new = a.new_tokens if a.new_tokens is not None else (5 if a.tiny else 64)
     L = 4 if a.tiny else 16
-    windows = a.windows or (1 if a.tiny else 3)
+    windows = a.windows if a.windows is not None else (1 if a.tiny else 3)
     timer = Timer(dev)
     try:
         import fla  # noqa: F401
@@ -195,11 +203,11 @@ def main(argv=None):
         Path(a.out).write_text(json.dumps(res, indent=1))
 
     with torch.no_grad():
-        for name in a.models.split(","):
+        for name in models:
             model = build(name, a.tiny, dev)
             vocab = model.config.vocab_size
             r = res["models"][name] = {"params": sum(p.numel() for p in model.parameters())}
-            print(f"{name}: {r['params'] / 1e9:.2f} B params", flush=True)
+            print(f"{name}: {r['params'] / 1e6:.1f} M params", flush=True)
             ts = step_times(model, B, 4 + 12, vocab, dev, timer)
             r["unpatched_step"] = {"median_us": median(ts[4:]) * 1e6,
                                    "all_us": [t * 1e6 for t in ts[4:]]}

@@ -625,3 +625,20 @@ def test_checkpoint_streams_device_build_equals_host_build():
         checkpoint_streams(layer=256, sequence_ids=seq, heads=4, flush_index=fl, on_device=True)
     with pytest.raises(ValueError, match="head"):
         checkpoint_streams(layer=0, sequence_ids=seq, heads=1025, flush_index=fl, on_device=True)
+
+
+@pytest.mark.parametrize("bad", [dict(block_v=24), dict(block_v=0), dict(num_warps=3),
+                                 dict(k_chunk=7), dict(num_stages=0), dict(use_dot="bogus"),
+                                 dict(use_dot=0.5)])
+def test_records_launch_options_refused(bad):
+    """A bad launch option of the records kernel raises ValueError naming it (before launch)."""
+    from replayssm_quant.kernels.replay import records_outputs
+
+    B, CAP, G, H, K, V = 1, 4, 1, 2, 32, 16
+    z = torch.zeros
+    kw = {**dict(block_v=16, num_warps=4), **bad}
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        records_outputs(z(B, H, V, K), ring_la=z(B, CAP, H), ring_k=z(B, CAP, G, K),
+                        ring_w=z(B, CAP, H, V), q=z(B, 1, G, K), start=z(B, dtype=torch.int64),
+                        rows=z(B, dtype=torch.int64), out_start=z(B, dtype=torch.int64), **kw)

@@ -283,6 +283,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         raise ValueError(f"variant must be one of {FLUSH_VARIANTS}, got {variant!r}")
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    if num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8, 16 or 32, got {num_warps!r}")
     (a, abs_, ams), aspec = _stored_args(anchor)
     B, H, V, K = (anchor.shape if isinstance(anchor, PackedTensor) else anchor.shape)
     B, H, V, K = int(B), int(H), int(V), int(K)

@@ -53,9 +53,10 @@ from .codec import (_check_supported, _decode_code, _decode_consts, _e2m1_value,
 DEFAULT_BV = 64
 DEFAULT_WARPS = 4
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
-# benchmarks/results/records_tune_h200.json, docs/kernels-replay.md): the whole key dim as one
-# chunk for the step, except GDN reading an FP32/half copy (chunks of 32, 3 stages: 230 vs
-# 255 us); the reduction path for verify (tl.dot in IEEE FP32 measured 1.4-5x slower).
+# benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
+# docs/kernels-replay.md): the whole key dim as one chunk for the step, except GDN reading an
+# FP32/half copy (chunks of 32, 3 stages: 230 vs 255 us); verify: reductions for Mamba-2 from
+# an FP32/half copy, tf32x3 tensor-core products otherwise (below).
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False)
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, use_dot=False)
 VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=False)
@@ -429,8 +430,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     NC = NS + TQ
     if use_dot is None:
         use_dot = NC >= 4
-    if use_dot not in (False, True, "ieee", "tf32x3"):
-        raise ValueError(f"use_dot must be False, True, 'ieee' or 'tf32x3', got {use_dot!r}")
+    _check_launch(block_v=block_v, num_warps=num_warps, k_chunk=k_chunk, num_stages=num_stages,
+                  use_dot=use_dot)
     prec = use_dot if isinstance(use_dot, str) else "ieee"
     NX = max(MIN_DOT if use_dot else 2, triton.next_power_of_2(max(NC, 1)))
     KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
@@ -450,6 +451,26 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         AT_WINDOW=at_window is not None,
         num_warps=num_warps, C=_decode_consts(spec))
     return o
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot) -> None:
+    """ValueError naming a bad launch option of :func:`records_outputs`."""
+    if not (_pow2(block_v) and block_v >= MIN_DOT):
+        raise ValueError(f"block_v must be a power of two >= {MIN_DOT}, got {block_v!r}")
+    if not (_pow2(num_warps) and num_warps <= 32):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8, 16 or 32, got {num_warps!r}")
+    if k_chunk is not None and not (_pow2(k_chunk) and k_chunk >= 32):
+        raise ValueError(f"k_chunk must be a power of two >= 32 (or None: the key dim), "
+                         f"got {k_chunk!r}")
+    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
+                                   or num_stages < 1):
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    if not (use_dot is True or use_dot is False or use_dot in ("ieee", "tf32x3")):
+        raise ValueError(f"use_dot must be False, True, 'ieee' or 'tf32x3', got {use_dot!r}")
 
 
 def _config(defaults: dict, **given) -> dict:

@@ -233,7 +233,9 @@ def main(argv=None):
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (interpreter)",
               "triton": __import__("triton").__version__, "torch": torch.__version__,
-              "defaults": {"step": rec.STEP_CONFIG, "verify": rec.VERIFY_CONFIG},
+              "defaults": {n: getattr(rec, n) for n in (
+                  "STEP_CONFIG", "GDN_STEP_WIDE_CONFIG", "VERIFY_CONFIG", "GDN_VERIFY_CONFIG",
+                  "GDN_VERIFY_BLOCKED_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG")},
               "keys": list(KEYS), "reps": args.reps, "pool": args.pool, "rows": []}
     l2 = dc.l2_bytes()
     for mi, M in enumerate(models):

@@ -394,3 +394,24 @@ def test_run_without_a_memory_plan_warns_and_runs(tmp_path, capsys, monkeypatch)
     assert "warning: no memory plan" in capsys.readouterr().err
     man = json.loads((out / "manifest.json").read_text())
     assert man["model"]["params"] > 0 and man["distributed"]["memory_plan"] == []
+
+
+def test_policy_map_cells_under_two_ranks_equal_one_process(tmp_path):
+    """Policy-map cells (a per-layer rule and a per-head rule with a dual format) sharded over
+    two gloo ranks give every table bit for bit as one plain process."""
+    maps = ["map:shared:nvfp4+sr@L1=fp32",
+            "map:shared:nvfp4+sr@L0H0-1=read:nvfp4/rec:fp16+sr@L4=eager:fp8e4m3"]
+    args = ["--model", "tiny-gdn", "-N", "64", "--max-docs", "2", "--segment-len", "32",
+            "--policies", *maps, "--seeds", "0", "1", "--state-error", "--no-progress",
+            "--dist-timeout", "3"]
+    one = tmp_path / "one"
+    assert main(args + ["-o", str(one)]) == 0
+    two = tmp_path / "two"
+    r = subprocess.run(_launcher(2) + args + ["-o", str(two)], capture_output=True, text=True,
+                       timeout=LAUNCH_TIMEOUT, env=_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _assert_same_tables(one, two)
+    pos = _read(one, "positions.parquet")
+    assert pos["policy"].nunique() == 2  # both maps ran (and differ from each other)
+    kl = pos.groupby("policy")["kl"].mean()
+    assert kl.min() > 0 and kl.iloc[0] != kl.iloc[1]

@@ -128,7 +128,8 @@ def _main_window(df: pd.DataFrame, window: int | None) -> int | None:
 
 
 def write_report(run_dirs: Sequence, output="report.md", svg: bool = False,
-                 window: int | None = None, unit: str = "doc") -> Path:
+                 window: int | None = None, unit: str = "doc",
+                 from_buckets: bool = False) -> Path:
     """Write the markdown report for ``run_dirs`` to ``output``; returns its path.
 
     Args:
@@ -136,13 +137,16 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False,
             default 16 if present, else the largest); the KL-versus-L figures use every window.
         unit: confidence-interval unit: ``"doc"`` (documents) or ``"sequence"`` ((document,
             SR seed) pairs; :func:`replayssm_quant.analysis.results.kl_by_position`).
+        from_buckets: read each run's ``buckets.parquet`` where it has one, even when
+            ``positions.parquet`` exists (fast; no per-position percentiles;
+            :func:`~replayssm_quant.analysis.results.load_runs`).
     Raises:
         FileNotFoundError / ValueError: from :func:`replayssm_quant.analysis.results.load_runs`,
             or an absent window.
     """
     from . import plots, results
 
-    runs = results.load_runs(run_dirs)
+    runs = results.load_runs(run_dirs, prefer_buckets=from_buckets)
     df = runs.positions
     main_w = _main_window(df, window)
     if window is not None and window not in set(df["window"]):
@@ -287,6 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ci-unit", choices=("doc", "sequence"), default="doc",
                     help="confidence-interval unit: documents (default) or (document, SR seed) "
                     "sequences")
+    ap.add_argument("--from-buckets", action="store_true",
+                    help="read buckets.parquet where a run has it, even if positions.parquet "
+                    "exists: much faster on long runs (sums per quarter octave; same bucket "
+                    "means and intervals, no per-position percentiles)")
     args = ap.parse_args(argv)
     for d in args.run_dirs:
         if Path(d).exists() and not Path(d).is_dir():
@@ -295,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     try:
         path = write_report(args.run_dirs, args.output, svg=args.svg, window=args.window,
-                            unit=args.ci_unit)
+                            unit=args.ci_unit, from_buckets=args.from_buckets)
     except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"replayssm-report: error: {e}", file=sys.stderr)
         return 2

@@ -185,13 +185,17 @@ def load_run(path) -> Runs:
     return load_runs([path])
 
 
-def load_runs(paths: Sequence) -> Runs:
+def load_runs(paths: Sequence, prefer_buckets: bool = False) -> Runs:
     """Load one or several ``replayssm-kl`` output directories into one validated frame.
 
     Args:
         paths: directories holding ``positions.parquet`` or ``buckets.parquet`` (one of them
             required), ``summary.csv``, ``stepwise.parquet``, ``state_error.parquet`` and
             ``manifest.json`` (optional). Run names are the directory names, made unique.
+        prefer_buckets: read ``buckets.parquet`` even where ``positions.parquet`` exists (the
+            fast path for long runs: a few rows per document, cell and quarter octave instead
+            of one per position; base-2 bucket means, intervals and non-finite counts are
+            exactly those of the positions; no per-position percentiles).
 
     Returns:
         :class:`Runs`.
@@ -219,7 +223,7 @@ def load_runs(paths: Sequence) -> Runs:
         while name in where:
             name, k = f"{p.resolve().name}-{k}", k + 1
         where[name] = p
-        src = pq if pq.is_file() else bq
+        src = bq if (bq.is_file() and (prefer_buckets or not pq.is_file())) else pq
         try:
             df = pd.read_parquet(src)
         except Exception as e:  # pyarrow raises several types

@@ -313,3 +313,26 @@ def test_bin_by_length_response_counts_generations_only(tmp_path):
     df = load_samples([d], length="context")
     assert sorted(df["metric"]) == ["first_word", "nll_per_word"]
     assert df.loc[df.metric == "nll_per_word", "value"].item() == 2.0
+
+
+def test_report_from_buckets_prefers_the_bucket_table(tmp_path):
+    """``--from-buckets``: a run holding both tables is read from buckets.parquet (bucket-only),
+    with the same bucket means and intervals as from its positions; without the flag the
+    positions are read."""
+    pos = _synthetic_positions(np.random.default_rng(5))
+    both = tmp_path / "both"
+    both.mkdir()
+    pos.to_parquet(both / "positions.parquet")
+    bucket_sums(pos).to_parquet(both / "buckets.parquet")
+    plain = R.load_runs([both])
+    fast = R.load_runs([both], prefer_buckets=True)
+    assert plain.bucket_only == () and fast.bucket_only == ("both",)
+    assert len(fast.positions) < len(plain.positions)
+    a, b = R.kl_by_position(plain.positions), R.kl_by_position(fast.positions)
+    for c in ("mean", "ci_lo", "ci_hi"):
+        np.testing.assert_allclose(a[c], b[c], rtol=1e-12)
+    from replayssm_quant.analysis import report
+
+    assert report.main([str(both), "-o", str(tmp_path / "r" / "report.md"),
+                        "--from-buckets"]) == 0
+    assert "buckets.parquet" in (tmp_path / "r" / "report.md").read_text()

@@ -9,8 +9,11 @@ bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0
 
 * The records of a program (``la``, the decays, ``k [LP, K]`` as even/odd key columns) are
   loaded once; a tile's record sum is one FP32 FMA dot ``(W * m) [BV, LP] x K [LP, K/2]`` per
-  key half (``input_precision="ieee"``: no TF32; the accumulation runs over the record slots in
-  order, so a tile's values do not depend on ``BV``, warps or grid).
+  key half (``input_precision="ieee"``: no TF32). The interpreter sums over the record slots
+  in order; on the H200 the FMA dot's order follows the register layout, and 8 of 38 timed
+  GDN launch configurations gave S, A and R that differ in last bits from the default
+  (``flush_tune_h200.json``). A configuration is fixed by shape and policy
+  (:func:`flush_config`), never by the batch.
 * GDN (``SOLVE``): the corrections are solved in the same program, per tile of value rows (rows
   are separable): ``A k_p`` for every slot by one FP32 dot of the anchor tile with ``K^T``,
   then forward substitution over the ``LP`` slots on ``[BV, LP]`` registers; the solved
@@ -86,7 +89,8 @@ def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V,
     ``u_p = beta_p (v_p - gamma_{1:p} (A k_p)) - sum_{i<p} beta_p gamma_{i+1:p} (k_i . k_p) u_i``
     with ``A k_p`` for every slot from one FP32 dot (``cf``: the ``[i, p]`` coefficients,
     ``ecp``: ``gamma_{1:p}``). Both products over the record slots are FP32 FMA dots
-    (``input_precision="ieee"``), so the tile's values do not depend on the launch."""
+    (``input_precision="ieee"``); their summation order follows the launch's register layout
+    on the GPU (module docstring)."""
     ae, ao = _load_stored(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
     wt = tl.load(w_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None],
                  mask=rmask[:, None] & live[None, :], other=0.0)  # [BV, LP]

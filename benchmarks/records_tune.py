@@ -77,7 +77,17 @@ TF32_VERIFY_CANDIDATES = [
     (64, 4, 64, 2, "tf32x3"), (64, 4, 128, 1, "tf32x3"), (32, 4, 32, 2, "tf32x3"),
     (128, 4, 64, 2, "tf32x3"), (64, 8, 64, 2, "tf32x3"),
 ]
-KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot")
+# GDN's forward substitution with the solved rows' v / beta prefetched as tiles (prefetch=True,
+# the 6th field; not yet timed): the current GDN defaults with and without it
+PREFETCH_STEP_CANDIDATES = [
+    (64, 4, 32, 3, False, False), (64, 4, 32, 3, False, True), (64, 4, 128, 1, False, False),
+    (64, 4, 128, 1, False, True),
+]
+PREFETCH_VERIFY_CANDIDATES = [
+    (64, 4, 32, 2, "tf32x3", False), (64, 4, 32, 2, "tf32x3", True),
+    (128, 4, 64, 2, "tf32x3", False), (128, 4, 64, 2, "tf32x3", True),
+]
+KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -93,8 +103,9 @@ def geometries(tiny: bool):
 def cases(M, T):
     """(case name, candidate list, h): step at h = 7, verify at h = 0 and h = L - T."""
     hs = min(7, M.L - 2)
-    step, ver = ((TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES) if CANDIDATE_SET == "tf32"
-                 else (STEP_CANDIDATES, VERIFY_CANDIDATES))
+    step, ver = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
+                 "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES)}.get(
+        CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
 
@@ -104,10 +115,12 @@ def cfg_label(c) -> str:
 
 
 def cfg_dict(c):
-    return dict(zip(KEYS, c, strict=True))
+    return dict(zip(KEYS[:len(c)], c, strict=True))
 
 
 def skip(M, c):
+    if len(c) > 5 and not M.gdn:  # prefetch changes only GDN's solve
+        return True
     return M.V >= 64 and c[0] > M.V  # value tile larger than the value dim: same work, masked
 
 
@@ -207,9 +220,10 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--ref-seqs", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
-    ap.add_argument("--set", default="all", choices=("all", "tf32"),
-                    help="candidate lists: all (STEP_/VERIFY_CANDIDATES) or tf32 (the tensor-core "
-                         "use_dot='tf32x3' configurations against the current defaults)")
+    ap.add_argument("--set", default="all", choices=("all", "tf32", "prefetch"),
+                    help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
+                         "use_dot='tf32x3' configurations against the current defaults) or "
+                         "prefetch (GDN's solve with v/beta prefetched, against the defaults)")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # worker: "i/n"
     args = ap.parse_args(argv)
     global CANDIDATE_SET

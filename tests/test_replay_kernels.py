@@ -497,7 +497,9 @@ def test_fast_decoders(which, spec, n):
 # and reduction paths, small / large value tiles
 CONFIGS = [dict(k_chunk=32, use_dot=False, block_v=16, num_stages=2),
            dict(k_chunk=32, use_dot=True, block_v=32, num_stages=3),
-           dict(k_chunk=64, use_dot=True, block_v=16)]
+           dict(k_chunk=64, use_dot=True, block_v=16),
+           dict(k_chunk=32, use_dot="tf32x3", block_v=16, prefetch=True),
+           dict(k_chunk=64, use_dot=False, block_v=32, prefetch=True)]
 K2 = 64
 
 

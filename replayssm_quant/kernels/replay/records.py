@@ -184,7 +184,7 @@ def _records_kernel(
         H, G, V, CAP, TD, TQ, WCAP, OT, OT0, window,
         K: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
-        STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+        STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr,
         C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
@@ -306,6 +306,10 @@ def _records_kernel(
 
     # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time)
     if GDN:
+        if PREFETCH:  # the solved rows' v and beta as tiles before the loop (no loads in it)
+            vd = tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :],
+                         mask=drf[:, None] & rmask[None, :], other=0.0)  # [LP, BV] by slot
+            bd = tl.load(dbeta_ptr + (b * TD + di) * H + h, mask=drf, other=0.0)
         for p in range(ss, n):
             if D_REL:
                 pd = p - ss
@@ -315,8 +319,12 @@ def _records_kernel(
             kkp = _col(Z, cx, p - ss)  # k_i . k_p
             sel = idx == p
             cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
-            bp = tl.load(dbeta_ptr + (b * TD + pd) * H + h)
-            vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + rows, mask=rmask, other=0.0)
+            if PREFETCH:
+                bp = tl.sum(tl.where(sel, bd, 0.0), axis=0)
+                vp = tl.sum(tl.where(sel[:, None], vd, 0.0), axis=0)
+            else:
+                bp = tl.load(dbeta_ptr + (b * TD + pd) * H + h)
+                vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + rows, mask=rmask, other=0.0)
             before = idx < p
             coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
             u = bp * (vp - tl.exp(cp) * ck) - tl.sum(coef[:, None] * U, axis=0)
@@ -371,7 +379,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     out_slot: int = 0, at_window: int | None = None,
                     block_v: int = DEFAULT_BV, num_warps: int = DEFAULT_WARPS,
                     k_chunk: int | None = None, num_stages: int | None = None,
-                    use_dot: "bool | str | None" = None) -> torch.Tensor:
+                    use_dot: "bool | str | None" = None,
+                    prefetch: bool = False) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -398,6 +407,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             FMA; ``"tf32x3"``: three TF32 tensor-core products with the split operands, about
             FP32 accuracy (error ~2^-21 relative per product, within the outputs' 1e-5
             tolerance); default ``"ieee"`` with four or more vectors, else reductions).
+        prefetch: GDN: load the solved rows' ``v`` and ``beta`` as ``[LP, BV]`` / ``[LP]``
+            tiles before the forward substitution instead of one row per iteration (the loop
+            then has no memory operations; the same values). Not yet timed on a GPU
+            (``records_tune.py --set prefetch``); default off.
     Returns ``o`` (``out`` when given).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
@@ -446,7 +459,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
         o.shape[1] if TQ else 1, out_slot, at_window if at_window is not None else -1,
         K=K, BLK=blk, BV=bv, LP=_lp(max(CAP, TD)), NS=NS, NC=NC, NX=NX, KC=KC,
-        STAGES=num_stages or 1, DOT=bool(use_dot), PREC=prec,
+        STAGES=num_stages or 1, DOT=bool(use_dot), PREC=prec, PREFETCH=bool(prefetch),
         GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
         AT_WINDOW=at_window is not None,
         num_warps=num_warps, C=_decode_consts(spec))
@@ -481,7 +494,8 @@ def _config(defaults: dict, **given) -> dict:
 # ---------------------------------------------------------------- decode step
 def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None = None,
         num_warps: int | None = None, k_chunk: int | None = None,
-        num_stages: int | None = None, use_dot: "bool | str | None" = None):
+        num_stages: int | None = None, use_dot: "bool | str | None" = None,
+        prefetch: bool | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -490,7 +504,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG`` unless
     given (see :func:`records_outputs`)."""
     cfg = _config(STEP_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
@@ -500,7 +514,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
 
 def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | None = None,
         num_warps: int | None = None, k_chunk: int | None = None,
-        num_stages: int | None = None, use_dot: "bool | str | None" = None):
+        num_stages: int | None = None, use_dot: "bool | str | None" = None,
+        prefetch: bool | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -512,7 +527,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(GDN_STEP_WIDE_CONFIG if wide else STEP_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,
@@ -529,7 +544,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
 def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          block_v: int | None = None, num_warps: int | None = None,
                          k_chunk: int | None = None, num_stages: int | None = None,
-                         use_dot: "bool | str | None" = None):
+                         use_dot: "bool | str | None" = None, prefetch: bool | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two launches, no host synchronisation (the second runs only for
@@ -539,7 +554,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch)
     T = q.shape[1]
     B = q.shape[0]
     if T == 0:
@@ -555,7 +570,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
 def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: int,
                       fold_cached_corrections: bool = False, *, block_v: int | None = None,
                       num_warps: int | None = None, k_chunk: int | None = None,
-                      num_stages: int | None = None, use_dot: "bool | str | None" = None):
+                      num_stages: int | None = None, use_dot: "bool | str | None" = None,
+        prefetch: bool | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -566,7 +582,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch)
     T = q.shape[1]
     B, J = la.shape[:2]
     uR = u_known.clone()

@@ -264,14 +264,16 @@ def test_flush_configs(policy, model, exact):
         if (variant, bv) != FLUSH_CONFIGS[0][:2]:
             continue
         # serving form: S not written, no torch dequantisation; the same stored copies
-        res2, y2 = run(block_v=bv, num_warps=nw, variant=variant, store_state=False,
-                       dequantize=False)
-        assert res2.state is None and res2.checkpoints.anchor is None
-        assert torch.equal(_bits(y2), _bits(y))
-        for g, w in ((res2.checkpoints.anchor_stored, res.checkpoints.anchor_stored),
-                     (res2.checkpoints.read_stored, res.checkpoints.read_stored)):
-            for a, b in zip(_bytes(g), _bytes(w), strict=True):
-                assert (a is None and b is None) or torch.equal(a, b)
+        # (and with the stream keys packed in the kernel: the same SR bits)
+        for extra in ({}, {"keys_in_kernel": True}):
+            res2, y2 = run(block_v=bv, num_warps=nw, variant=variant, store_state=False,
+                           dequantize=False, **extra)
+            assert res2.state is None and res2.checkpoints.anchor is None
+            assert torch.equal(_bits(y2), _bits(y))
+            for g, w in ((res2.checkpoints.anchor_stored, res.checkpoints.anchor_stored),
+                         (res2.checkpoints.read_stored, res.checkpoints.read_stored)):
+                for a, b in zip(_bytes(g), _bytes(w), strict=True):
+                    assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_gdn_flush_fused_solve_matches_solve_corrections():
@@ -644,3 +646,32 @@ def test_records_launch_options_refused(bad):
         records_outputs(z(B, H, V, K), ring_la=z(B, CAP, H), ring_k=z(B, CAP, G, K),
                         ring_w=z(B, CAP, H, V), q=z(B, 1, G, K), start=z(B, dtype=torch.int64),
                         rows=z(B, dtype=torch.int64), out_start=z(B, dtype=torch.int64), **kw)
+
+
+@pytest.mark.parametrize("model", ["gdn", "mamba2"])
+def test_flush_keys_in_kernel_extreme_fields(model):
+    """``keys_in_kernel=True`` packs the same stream keys as :func:`checkpoint_streams` at the
+    edges of every field (layer 255, sequence id 2^20 - 1, flush index 2^24 - 1, the top key
+    bits): A and R bytes equal the host-keyed flush for an SR dual policy; a layer out of range
+    is refused on the host."""
+    gen = _gen(13)
+    pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr")
+    A, la, k, v, beta, q = _config_inputs(gen, False, 40)
+    length = _t(torch.tensor([L, 3]))
+    streams = dict(seed=SEED, layer=255,
+                   sequence_ids=torch.tensor([(1 << 20) - 1, 0], device=DEVICE),
+                   flush_index=torch.tensor([(1 << 24) - 1, 7], device=DEVICE))
+
+    def run(**kw):
+        if model == "gdn":
+            return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, q=q, **kw)
+        return kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **kw)
+
+    host, _ = run(**streams)
+    kern, _ = run(keys_in_kernel=True, **streams)
+    for g, w in ((kern.checkpoints.anchor_stored, host.checkpoints.anchor_stored),
+                 (kern.checkpoints.read_stored, host.checkpoints.read_stored)):
+        for a, b in zip(_bytes(g), _bytes(w), strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+    with pytest.raises(ValueError, match="layer"):
+        run(keys_in_kernel=True, **dict(streams, layer=256))

@@ -250,11 +250,13 @@ def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr, SCALE: tl.conste
 
 @triton.jit
 def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_ptr,
-                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+                K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                key=0, KEYED: tl.constexpr = False):
     """Round the unrounded FP32 rows (even/odd halves [BV, KH]) of one matrix to a format and
     store the packed codes (and block scale codes); same steps as ``quant._parts`` /
     ``kernels.quant._block_rows``. ``C``: the cast (a :class:`CastConsts`); ``s_mat``: the
-    matrix scale (fp8: s; nvfp4: s_g).
+    matrix scale (fp8: s; nvfp4: s_g). The SR stream key is ``st_ptr[mat]``, or ``key`` (an
+    int64 value) with ``KEYED``.
 
     Returns what was stored, for ``_dequant_tile``: ``(even, odd, block scale codes)``:
     fp32 values (KIND 0), element codes [BV, KH] (1, 2) or [BV, NB, BLK // 2] (3, 4; the
@@ -269,7 +271,10 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
         r0, r1, r2 = xe, xo, 0
     else:
         if C.SR:
-            lo, hi = _stream_words(tl.load(st_ptr + mat))
+            if KEYED:
+                lo, hi = _stream_words(key)
+            else:
+                lo, hi = _stream_words(tl.load(st_ptr + mat))
             eidx = rows[:, None] * K + 2 * j[None, :]
             re = _random_bits(seed, eidx, lo, hi)
             ro = _random_bits(seed, eidx + 1, lo, hi)

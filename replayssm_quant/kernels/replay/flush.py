@@ -38,13 +38,15 @@ Tests: ``tests/test_replay_kernels.py``.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
 
 from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
 from ...packed import PackedTensor
-from ...philox import stream_keys_to
+from ...philox import STREAM_FIELDS, stream_key, stream_keys_to
 from ...policy import require_policy
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
@@ -124,7 +126,8 @@ def _flush_kernel(
         a_ptr, abs_ptr, ams_ptr,  # stored anchor (decoded with A)
         la_ptr, w_ptr, k_ptr, len_ptr,  # records [B,J,H], [B,J,H,V], [B,J,G,K]; length [B]
         beta_ptr, u_ptr,  # SOLVE (GDN): beta [B,J,H]; solved corrections out [B,J,H,V]
-        sta_ptr, str_ptr, seed,  # stream keys [B*H] of the anchor / read casts
+        sta_ptr, str_ptr, seed,  # stream keys [B*H] of the anchor / read casts (KEYS_IN:
+        kbits,  # sequence ids [B] / flush indices [B], and the layer's key bits)
         oa_ptr, oabs_ptr, oams_ptr,  # new anchor: codes, block scales, matrix scale
         or_ptr, orbs_ptr, orms_ptr,  # new read copy
         s_ptr, q_ptr, y_ptr,  # S [B,H,V,K] (STORE_S); q [B,G,K] -> y = S q [B,H,V] (Q_OUT)
@@ -134,7 +137,9 @@ def _flush_kernel(
         TWO: tl.constexpr, STORE_S: tl.constexpr, Q_OUT: tl.constexpr,
         NEED_AMAX: tl.constexpr, SOLVE: tl.constexpr, LOOP: tl.constexpr,
         SINGLE: tl.constexpr, PHASE: tl.constexpr,
-        A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr):
+        A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
+        KEYS_IN: tl.constexpr = False, SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19,
+        SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
     # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
@@ -145,6 +150,13 @@ def _flush_kernel(
     h = mat - b * H
     g = h // (H // G)
     n = tl.load(len_ptr + b)
+    key_a = 0
+    key_r = 0
+    if KEYS_IN:  # the stream keys of philox.stream_key, packed here (no host work)
+        kb = (tl.load(str_ptr + b).to(tl.int64) << SH_FLUSH) | \
+            (tl.load(sta_ptr + b).to(tl.int64) << SH_SEQ) | (h << SH_HEAD) | kbits
+        key_a = kb  # copy bit 0: the anchor
+        key_r = kb | 1  # copy bit 1: the read copy
     if LOOP:
         v_lo = 0
         v_hi = V
@@ -230,10 +242,10 @@ def _flush_kernel(
                 y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
                 tl.store(y_ptr + mat * V + rows, y, mask=rmask)
             _cast_store(se, so, rows, rmask, mat, V, sa, seed, sta_ptr, oa_ptr, oabs_ptr, K, KH,
-                        BV, CA)
+                        BV, CA, key_a, KEYS_IN)
             if TWO:
                 _cast_store(se, so, rows, rmask, mat, V, sr, seed, str_ptr, or_ptr, orbs_ptr, K,
-                            KH, BV, CR)
+                            KH, BV, CR, key_r, KEYS_IN)
             if v0 == 0:  # the matrix scales, once
                 if CA.MS:
                     tl.store(oams_ptr + mat, sa)
@@ -250,7 +262,7 @@ def _flush_kernel(
 def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, sequence_ids,
                  flush_index, q=None, store_state: bool = True, block_v: int | None = None,
                  num_warps: int | None = None, variant: str | None = None,
-                 beta=None, dequantize: bool = True):
+                 beta=None, dequantize: bool = True, keys_in_kernel: bool = False):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -271,6 +283,10 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     A given configuration is deterministic and independent of B and batch position.
     ``dequantize=False`` skips the wrapper's torch dequantisation of the new copies
     (``Checkpoints.anchor`` / ``.read`` are then None; the stored forms are returned).
+    ``keys_in_kernel=True`` packs the SR stream keys inside the kernel from the sequence ids
+    and flush indices (the keys of :func:`checkpoint_streams`, with no host work and no extra
+    launch; ``layer`` and the head count are range-checked on the host, the per-sequence
+    fields are not checked; not yet timed on a GPU, default off).
 
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
@@ -296,8 +312,20 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     J = la.shape[1]
     G = k.shape[2]
     dev = w.device
-    sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
-                                     flush_index=flush_index)
+    if keys_in_kernel:
+        stream_key(layer=layer, head=H - 1)  # host range check of the host fields
+        sh = dict(zip((n for n, _ in STREAM_FIELDS),
+                      itertools.accumulate((w for _, w in STREAM_FIELDS), initial=0)))
+        sa = sequence_ids.to(device=dev, dtype=torch.int64).reshape(-1).contiguous()
+        sr = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)
+        sr = sr.expand(B).contiguous() if sr.numel() == 1 else sr.contiguous()
+        kbits = int(layer) << sh["layer"]
+        key_consts = dict(KEYS_IN=True, SH_HEAD=sh["head"], SH_SEQ=sh["sequence"],
+                          SH_FLUSH=sh["flush"])
+    else:
+        sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
+                                    flush_index=flush_index)
+        kbits, key_consts = 0, {}
     two = not policy.single_checkpoint
     shape = (B, H, V, K)
     bufa = _alloc_copy(policy.rec, shape, dev)
@@ -325,14 +353,15 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     args = (a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
             beta.contiguous() if solve else la, u_arg,
             stream_keys_to(sa.reshape(-1).contiguous(), dev),
-            stream_keys_to(sr.reshape(-1).contiguous(), dev), int(seed),
+            stream_keys_to(sr.reshape(-1).contiguous(), dev), int(seed), kbits,
             bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
             bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
             S, qq, y, amax, H, G, V, J)
     consts = dict(K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
                   Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
                   SINGLE=single, num_warps=num_warps, A=_decode_consts(aspec),
-                  CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec))
+                  CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
+                  **key_consts)
     if need_amax and not loop and not single:  # grid: amax launch, then the cast launch
         _flush_kernel[(B * H, tiles)](*args, PHASE=1, **consts)
         _flush_kernel[(B * H, tiles)](*args, PHASE=2, **consts)
@@ -358,20 +387,21 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
 def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequence_ids,
                         flush_index, q=None, store_state: bool = True,
                         block_v: int | None = None, num_warps: int | None = None,
-                        variant: str | None = None, dequantize: bool = True):
+                        variant: str | None = None, dequantize: bool = True,
+                        keys_in_kernel: bool = False):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
                         sequence_ids=sequence_ids, flush_index=flush_index, q=q,
                         store_state=store_state, block_v=block_v, num_warps=num_warps,
-                        variant=variant, dequantize=dequantize)
+                        variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
                      flush_index, u_cached=None, fold_cached_corrections: bool = False, q=None,
                      store_state: bool = True, block_v: int | None = None,
                      num_warps: int | None = None, variant: str | None = None,
-                     dequantize: bool = True):
+                     dequantize: bool = True, keys_in_kernel: bool = False):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one FP32 dot, then forward substitution over the record slots), or the
@@ -379,7 +409,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     corrections ``[B, J, HV, DV]``. Returns ``(FlushResult, y)``."""
     kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
-              dequantize=dequantize)
+              dequantize=dequantize, keys_in_kernel=keys_in_kernel)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")

@@ -146,10 +146,19 @@ def flush_kw(M):
                 flush_index=torch.ones(M.B, dtype=torch.int64, device=DEV))
 
 
-def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False):
+def _stored_bytes(st):
+    """The byte tensors of a stored copy (codes, block scales, matrix scale; None if absent)."""
+    if isinstance(st, torch.Tensor):
+        return [st.contiguous().view(torch.uint8)]
+    return [None if t is None else t.contiguous().view(torch.uint8)
+            for t in (st.codes, st.block_scales, st.matrix_scale)]
+
+
+def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,
+              keys_in_kernel=False):
     var, bv, nw = cfg
     kw = dict(q=st["q"], store_state=store_state, dequantize=dequantize, block_v=bv,
-              num_warps=nw, variant=var, **fk)
+              num_warps=nw, variant=var, keys_in_kernel=keys_in_kernel, **fk)
     if M.gdn:
         return kr.gdn_flush_kernel(st["A"], st["la"], st["beta"], st["v"], st["k"],
                                    st["length"], policy, **kw)
@@ -406,6 +415,20 @@ def main():
                     reps)
             except Exception as e:  # noqa: BLE001
                 pres["default_with_dequantize"] = {"error": f"{type(e).__name__}: {e}"}
+            try:  # the stream keys packed in the kernel (no host work), default config
+                pres["default_keys_in_kernel"] = timer(
+                    lambda i: run_flush(M, pool[i], policy, fk, default, keys_in_kernel=True), n,
+                    reps)
+                r0, _ = run_flush(M, pool[0], policy, fk, default)
+                r1, _ = run_flush(M, pool[0], policy, fk, default, keys_in_kernel=True)
+                pres["default_keys_in_kernel"]["same_bytes"] = all(
+                    torch.equal(a, b) for x, y in ((r0.checkpoints.anchor_stored,
+                                                    r1.checkpoints.anchor_stored),
+                                                   (r0.checkpoints.read_stored,
+                                                    r1.checkpoints.read_stored))
+                    for a, b in zip(_stored_bytes(x), _stored_bytes(y)) if a is not None)
+            except Exception as e:  # noqa: BLE001
+                pres["default_keys_in_kernel"] = {"error": f"{type(e).__name__}: {e}"}
             ok = [c for c in pres["configs"] if c.get("passed") and "median_us" in c]
             if ok:
                 best = min(ok, key=lambda c: c["median_us"])

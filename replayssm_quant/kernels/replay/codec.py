@@ -69,7 +69,8 @@ def _kind(spec: QuantSpec) -> int:
 # the chain kernel) and per cast it writes (CastConsts: ``CA`` anchor, ``CR`` read copy), and the
 # jit helpers read them by field (``D.KIND``, ``C.SR``).
 class DecodeConsts(NamedTuple):
-    """How to decode a stored copy (``_load_stored``, ``_load_c_blocks``, ``_dequant_tile``)."""
+    """How to decode a stored copy (``_load_stored``, ``records._c_rows`` / ``_c_blocks``,
+    ``_dequant_tile``)."""
 
     KIND: int  # _K_FLOAT, _K_HALF, _K_MATRIX, _K_NVFP4, _K_MX
     FP4: bool  # two E2M1 codes per byte

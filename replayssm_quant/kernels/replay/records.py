@@ -68,7 +68,6 @@ GDN_VERIFY_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
 GDN_VERIFY_BLOCKED_CONFIG = dict(block_v=128, num_warps=4, k_chunk=64, num_stages=2,
                                  use_dot="tf32x3")
 MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
-_PSEUDO_BLOCK = 32  # kept for compatibility (the old tile's block length of unblocked formats)
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
 MIN_DOT = 16  # smallest tl.dot N / K
 

@@ -62,6 +62,25 @@ def test_serving_equals_window_form(arch, policy):
     assert torch.equal(sw[0].read, ss[0].read)
 
 
+def test_serving_checkpoints_before_the_first_step_are_the_prefill_casts():
+    """Reading a serving state's checkpoints right after the prefill gives the flush-0 casts,
+    the same as the window form's, and stepping afterwards still works."""
+    model = tiny_model("qwen3_5")
+    ids = _ids(2, 6)
+    outs = {}
+    with torch.no_grad():
+        for mode in ("window", "serving"):
+            with state_policy(model, "read:nvfp4/rec:fp16+sr", window=4, decode=mode):
+                out = model(ids, use_cache=True)
+                sts = _states(out.past_key_values)
+                outs[mode] = [(st.anchor.clone(), st.read.clone(), st.flushes, st.h) for st in sts]
+                nxt = out.logits[:, -1:].argmax(-1)
+                model(nxt, past_key_values=out.past_key_values, use_cache=True)
+                assert all(st.h == 1 for st in sts)
+    for (a, r, f, h), (a2, r2, f2, h2) in zip(outs["window"], outs["serving"], strict=True):
+        assert torch.equal(a, a2) and torch.equal(r, r2) and f == f2 == 0 and h == h2 == 0
+
+
 def test_serving_refuses_teacher_forcing_and_beam_search():
     model = tiny_model("qwen3_5")
     ids = _ids(1, 8)

@@ -138,14 +138,14 @@ class LayerState:
     def anchor(self) -> torch.Tensor:
         """Dequantised anchor A ``[B, H, V, K]``."""
         if self.serving:
-            return self._serving_obj().anchor
+            return self._prefill_carry().anchor if self._obj is None else self._obj.anchor
         return self.carry.anchor
 
     @property
     def read(self) -> torch.Tensor:
         """Dequantised read copy R ``[B, H, V, K]``."""
         if self.serving:
-            return self._serving_obj().read_copy
+            return self._prefill_carry().read if self._obj is None else self._obj.read_copy
         return self.carry.read
 
     @property
@@ -185,10 +185,15 @@ class LayerState:
             return torch.arange(B, dtype=torch.int64)
         return torch.as_tensor(ids, dtype=torch.int64).reshape(-1).cpu()
 
-    def _serving_obj(self, groups: int | None = None):
-        """The decode state object of serving mode, built from the starting state at first use
-        (``groups``: Mamba-2 B/C groups or GDN key heads of the inputs; a starting state read
-        before the first step assumes one group, which only fixes the ring's layout)."""
+    def _prefill_carry(self):
+        """Serving mode before the first step: the checkpoints of the starting state (flush 0,
+        the casts the decode state object makes at its first step)."""
+        return W.initial_carry(self._S0, self.config, layer=self._layer,
+                               sequence_ids=self._ids)
+
+    def _serving_obj(self, groups: int):
+        """The decode state object of serving mode, built from the starting state at the first
+        step (``groups``: Mamba-2 B/C groups or GDN key heads of the inputs)."""
         if self._obj is not None:
             return self._obj
         from ..replay.gdn import GDNReplayState
@@ -206,9 +211,9 @@ class LayerState:
         # eager policies: the state objects set window 1 themselves from the policy
         if self.family is Family.MAMBA2:
             obj = Mamba2ReplayState(pol, batch=B, heads=H, head_dim=V, d_state=K,
-                                    groups=groups or 1, **common)
+                                    groups=groups, **common)
         else:
-            obj = GDNReplayState(pol, batch=B, key_heads=groups or H, value_heads=H, key_dim=K,
+            obj = GDNReplayState(pol, batch=B, key_heads=groups, value_heads=H, key_dim=K,
                                  value_dim=V, fold_cached_corrections=cfg.fold_cached, **common)
         obj.prefill(S)
         self._obj, self._S0 = obj, None

@@ -166,6 +166,23 @@ def _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c: tl.constexpr, NS: tl.con
 
 
 @triton.jit
+def _add_times_x(Y, m, e, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, ss, n, G, TD, TQ,
+                 NC: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, D_REL: tl.constexpr,
+                 DOT: tl.constexpr, PREC: tl.constexpr):
+    """``Y + m X[e]``: a tile ``m [R, KC]`` (rows of C, or record keys) times the rows ``e``
+    ``[KC]`` of X (``_x_cols``), as one ``tl.dot`` (``DOT``) or one reduction per column."""
+    if DOT:
+        Y += tl.dot(m, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, e, K),
+                    input_precision=PREC)
+    else:
+        for c in tl.static_range(NC):
+            xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c, NS, K, D_REL)
+            yc = tl.sum(m * xv[None, :], axis=1)
+            Y += tl.where(cx[None, :] == c, yc[:, None], 0.0)
+    return Y
+
+
+@triton.jit
 def _col(Y, cx, j):
     """Column ``j`` of ``Y [R, NX]``: ``[R]``."""
     return tl.sum(tl.where(cx[None, :] == j, Y, 0.0), axis=1)
@@ -240,15 +257,8 @@ def _records_kernel(
     if C.KIND <= 2:
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
             x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)
-            kk = k0 + tl.arange(0, KC)
-            if DOT:
-                Y += tl.dot(x, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, kk, K),
-                            input_precision=PREC)
-            else:
-                for c in tl.static_range(NC):
-                    xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, c, NS, K, D_REL)
-                    yc = tl.sum(x * xv[None, :], axis=1)
-                    Y += tl.where(cx[None, :] == c, yc[:, None], 0.0)
+            Y = _add_times_x(Y, x, k0 + tl.arange(0, KC), cx, dk_ptr, q_ptr, kbase, isk, qbase,
+                             isq, b, g, ss, n, G, TD, TQ, NC, NS, K, D_REL, DOT, PREC)
         if C.KIND == 2:
             Y = Y * tl.load(cms_ptr + mat)  # fp8 matrix scale, after the sum
     else:
@@ -292,14 +302,8 @@ def _records_kernel(
         kk = k0 + tl.arange(0, KC)
         km = tl.load(rk_ptr + krow[:, None] + kk[None, :], mask=ring[:, None], other=0.0) + \
             tl.load(dk_ptr + kdrow[:, None] + kk[None, :], mask=drf[:, None], other=0.0)
-        if DOT:
-            Z += tl.dot(km, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, kk, K),
-                        input_precision=PREC)
-        else:
-            for c in tl.static_range(NC):
-                xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, c, NS, K, D_REL)
-                zc = tl.sum(km * xv[None, :], axis=1)
-                Z += tl.where(cx[None, :] == c, zc[:, None], 0.0)
+        Z = _add_times_x(Z, km, kk, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, ss, n, G,
+                         TD, TQ, NC, NS, K, D_REL, DOT, PREC)
 
     cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
 

@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -59,6 +58,9 @@ from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import core, gdn_flush, mamba2_flush  # noqa: E402
 from replayssm_quant.config import GDNFold  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode as dc  # noqa: E402  (timer, sub: the decode benchmark's)
 
 INTERPRET = triton_interpreting()
 DEV = "cpu" if INTERPRET else "cuda"
@@ -146,14 +148,6 @@ def flush_kw(M):
                 flush_index=torch.ones(M.B, dtype=torch.int64, device=DEV))
 
 
-def _stored_bytes(st):
-    """The byte tensors of a stored copy (codes, block scales, matrix scale; None if absent)."""
-    if isinstance(st, torch.Tensor):
-        return [st.contiguous().view(torch.uint8)]
-    return [None if t is None else t.contiguous().view(torch.uint8)
-            for t in (st.codes, st.block_scales, st.matrix_scale)]
-
-
 def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,
               keys_in_kernel=False):
     var, bv, nw = cfg
@@ -201,31 +195,6 @@ def precompile(tasks, jobs):
             "errors": errors}
 
 
-def timer(fn, n, reps):
-    """Median microseconds of ``fn(i)`` over ``reps`` calls rotating ``i`` over ``n`` sets,
-    after one warm-up call per set (the first also compiles). CUDA events per call."""
-    for i in range(n):
-        fn(i)
-    ts = []
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-        for r, (s, e) in enumerate(ev):
-            s.record()
-            fn(r % n)
-            e.record()
-        torch.cuda.synchronize()
-        ts = [s.elapsed_time(e) * 1e3 for s, e in ev]
-    else:
-        for r in range(reps):
-            t = time.perf_counter()
-            fn(r % n)
-            ts.append((time.perf_counter() - t) * 1e6)
-    return {"median_us": statistics.median(ts), "min_us": min(ts), "max_us": max(ts),
-            "reps": reps, "pool": n}
-
-
 def stored_diff(a, b):
     """Differing bytes of two stored copies (PackedTensor buffers or FP32 tensors)."""
     if isinstance(a, PackedTensor):
@@ -246,14 +215,6 @@ def close_stats(got, want, tol):
             "nan": int(torch.isnan(got).sum())}
 
 
-def sub(st, s):
-    if isinstance(st, PackedTensor):
-        cut = lambda t: None if t is None else t[:s]  # noqa: E731
-        return PackedTensor(st.spec, torch.Size((s, *st.shape[1:])), st.codes[:s],
-                            cut(st.block_scales), cut(st.matrix_scale))
-    return st[:s]
-
-
 def reference_check(M, st, policy, fk, cfg, n_ref):
     """The store-state flush of ``cfg`` against the torch reference (first ``n_ref``
     sequences)."""
@@ -261,7 +222,7 @@ def reference_check(M, st, policy, fk, cfg, n_ref):
     s = n_ref
     fs = {n: t[:s] for n, t in fk.items() if n in ("sequence_ids", "flush_index")}
     kw = dict(seed=fk["seed"], layer=fk["layer"], **fs)
-    A = st["A"] if isinstance(st["A"], torch.Tensor) else sub(st["A"], s).dequantize()
+    A = st["A"] if isinstance(st["A"], torch.Tensor) else dc.sub(st["A"], s).dequantize()
     A = A[:s]
     length = st["length"][:s]
     if M.gdn:
@@ -277,8 +238,8 @@ def reference_check(M, st, policy, fk, cfg, n_ref):
         out["corrections"] = close_stats(res.w[:s], ref.w, TOL)
     want = core.cast_checkpoints(res.state[:s], policy, store=True, **kw)
     cps = res.checkpoints
-    out["anchor_bytes_differ"] = stored_diff(sub(cps.anchor_stored, s), want.anchor_stored)
-    out["read_bytes_differ"] = stored_diff(sub(cps.read_stored, s), want.read_stored)
+    out["anchor_bytes_differ"] = stored_diff(dc.sub(cps.anchor_stored, s), want.anchor_stored)
+    out["read_bytes_differ"] = stored_diff(dc.sub(cps.read_stored, s), want.read_stored)
     out["passed"] = (out["state"]["mismatch"] == 0 and out["state"]["nan"] == 0
                      and out["flush_token_output"]["mismatch"] == 0
                      and out.get("corrections", {"mismatch": 0})["mismatch"] == 0
@@ -355,12 +316,12 @@ def main():
             continue
         fk = flush_kw(M)
         mres = out["models"][M.name] = {"geometry": M.as_dict(), "policies": {}}
-        # host part of every flush call: the stream keys are built on the host
-        # (checkpoints.checkpoint_streams: a device-to-host copy of the sequence ids, then a
-        # pinned host-to-device copy), so the timed calls include it
-        mres["stream_keys"] = timer(lambda i: checkpoint_streams(
+        # the stream keys every flush call builds (checkpoints.checkpoint_streams: on the host,
+        # a device-to-host copy of the sequence ids then a pinned copy back, or from 1024
+        # matrices on the device), inside the timed calls
+        mres["stream_keys"] = dc.timer(lambda i: checkpoint_streams(
             layer=0, sequence_ids=fk["sequence_ids"], heads=M.H,
-            flush_index=fk["flush_index"]), 1, reps)
+            flush_index=fk["flush_index"]), 1, reps, 0)
         for pname in args.policies.split(","):
             policy = StatePolicy.parse(POLICIES[pname])
             gen = torch.Generator(device=DEV).manual_seed(1000 + len(out["models"]))
@@ -399,8 +360,8 @@ def main():
                                        and (args.tiny or (entry["anchor_bytes_differ"] == 0
                                                           and entry["read_bytes_differ"] == 0)))
                     del res, y
-                    entry.update(timer(lambda i, cfg=cfg: run_flush(M, pool[i], policy, fk, cfg),
-                                       n, reps))
+                    entry.update(dc.timer(lambda i, cfg=cfg: run_flush(M, pool[i], policy, fk,
+                                                                       cfg), n, reps, 0))
                 except Exception as e:  # noqa: BLE001  (a config that fails to compile/run)
                     entry["passed"] = False
                     entry["error"] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -410,23 +371,20 @@ def main():
                       f"{'ok' if entry['passed'] else 'FAIL ' + entry.get('error', '')}",
                       flush=True)
             try:
-                pres["default_with_dequantize"] = timer(
+                pres["default_with_dequantize"] = dc.timer(
                     lambda i: run_flush(M, pool[i], policy, fk, default, dequantize=True), n,
-                    reps)
+                    reps, 0)
             except Exception as e:  # noqa: BLE001
                 pres["default_with_dequantize"] = {"error": f"{type(e).__name__}: {e}"}
             try:  # the stream keys packed in the kernel (no host work), default config
-                pres["default_keys_in_kernel"] = timer(
+                pres["default_keys_in_kernel"] = dc.timer(
                     lambda i: run_flush(M, pool[i], policy, fk, default, keys_in_kernel=True), n,
-                    reps)
+                    reps, 0)
                 r0, _ = run_flush(M, pool[0], policy, fk, default)
                 r1, _ = run_flush(M, pool[0], policy, fk, default, keys_in_kernel=True)
-                pres["default_keys_in_kernel"]["same_bytes"] = all(
-                    torch.equal(a, b) for x, y in ((r0.checkpoints.anchor_stored,
-                                                    r1.checkpoints.anchor_stored),
-                                                   (r0.checkpoints.read_stored,
-                                                    r1.checkpoints.read_stored))
-                    for a, b in zip(_stored_bytes(x), _stored_bytes(y)) if a is not None)
+                pres["default_keys_in_kernel"]["same_bytes"] = (
+                    stored_diff(r1.checkpoints.anchor_stored, r0.checkpoints.anchor_stored) == 0
+                    and stored_diff(r1.checkpoints.read_stored, r0.checkpoints.read_stored) == 0)
             except Exception as e:  # noqa: BLE001
                 pres["default_keys_in_kernel"] = {"error": f"{type(e).__name__}: {e}"}
             ok = [c for c in pres["configs"] if c.get("passed") and "median_us" in c]

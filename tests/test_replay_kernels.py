@@ -108,12 +108,17 @@ def _bytes(st):
     return [st.contiguous().view(torch.uint8)]
 
 
-def _same_copies(got: core.Checkpoints, want: core.Checkpoints):
-    for g, w in ((got.anchor, want.anchor), (got.read, want.read)):
-        assert torch.equal(_bits(g), _bits(w))
+def _same_stored(got: core.Checkpoints, want: core.Checkpoints):
+    """The stored anchors and read copies are the same bytes (every buffer)."""
     for g, w in ((got.anchor_stored, want.anchor_stored), (got.read_stored, want.read_stored)):
         for a, b in zip(_bytes(g), _bytes(w), strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+def _same_copies(got: core.Checkpoints, want: core.Checkpoints):
+    for g, w in ((got.anchor, want.anchor), (got.read, want.read)):
+        assert torch.equal(_bits(g), _bits(w))
+    _same_stored(got, want)
 
 
 # ------------------------------------------------------------------------------ flush
@@ -270,10 +275,7 @@ def test_flush_configs(policy, model, exact):
                            dequantize=False, **extra)
             assert res2.state is None and res2.checkpoints.anchor is None
             assert torch.equal(_bits(y2), _bits(y))
-            for g, w in ((res2.checkpoints.anchor_stored, res.checkpoints.anchor_stored),
-                         (res2.checkpoints.read_stored, res.checkpoints.read_stored)):
-                for a, b in zip(_bytes(g), _bytes(w), strict=True):
-                    assert (a is None and b is None) or torch.equal(a, b)
+            _same_stored(res2.checkpoints, res.checkpoints)
 
 
 def test_gdn_flush_fused_solve_matches_solve_corrections():
@@ -555,22 +557,30 @@ def test_records_configs(read_fmt, cfg):
         for n_ in ("la", "v", "k"):
             assert torch.equal(ring[n_], ref[n_]), n_
         # verify: sequence 0's last draft on the flush slot
-        A = _t(torch.randn(B, H, V, K2, generator=gen) * 0.3)
-        start = _t(torch.tensor([1, 0]))
-        qT = _t(torch.randn(B, T, G, K2, generator=gen) * K2 ** -0.5)
-        J = int(start.max()) + T
-        r = ring
+        A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
         if gdn:
-            args = (r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J], r["k"][:, :J], qT,
-                    r["uR"][:, :J], start, L)
-            want, uw = gdn_verify(R, A, *args)
             got, ug = kr.gdn_verify_kernel(R_st, A, *args, **cfg)
             torch.testing.assert_close(ug, uw, **TOL)
         else:
-            args = (r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], qT, start, L)
-            want = mamba2_verify(R, A, *args)
             got = kr.mamba2_verify_kernel(R_st, A, *args, **cfg)
         torch.testing.assert_close(got, want, **TOL)
+
+
+def _verify_case(gen, R, ring, gdn: bool, Kd: int):
+    """Verify of T drafts from the ring's records, sequence 0's last draft on the flush slot:
+    ``(A, args of *_verify, reference outputs, reference corrections (GDN) or None)``."""
+    A = _t(torch.randn(B, H, V, Kd, generator=gen) * 0.3)
+    start = _t(torch.tensor([1, 0]))
+    qT = _t(torch.randn(B, T, G, Kd, generator=gen) * Kd ** -0.5)
+    J = int(start.max()) + T
+    r = ring
+    if gdn:
+        args = (r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J], r["k"][:, :J], qT,
+                r["uR"][:, :J], start, L)
+        want, uw = gdn_verify(R, A, *args)
+        return A, args, want, uw
+    args = (r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], qT, start, L)
+    return A, args, mamba2_verify(R, A, *args), None
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
@@ -580,18 +590,7 @@ def test_verify_no_host_sync(gdn, monkeypatch):
     (sequence 0's last draft on the flush slot, compared with the reference)."""
     gen = _gen(31)
     R, R_st, ring, _ = _ring_state(gen, "nvfp4", gdn=gdn)
-    A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
-    start = _t(torch.tensor([1, 0]))
-    qT = _t(torch.randn(B, T, G, K, generator=gen) * K ** -0.5)
-    J = int(start.max()) + T
-    r = ring
-    if gdn:
-        args = (r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J], r["k"][:, :J], qT,
-                r["uR"][:, :J], start, L)
-        want = gdn_verify(R, A, *args)[0]
-    else:
-        args = (r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], qT, start, L)
-        want = mamba2_verify(R, A, *args)
+    A, args, want, _ = _verify_case(gen, R, ring, gdn, K)
 
     def no_sync(*a, **k):
         raise AssertionError("host sync in verify")
@@ -669,9 +668,6 @@ def test_flush_keys_in_kernel_extreme_fields(model):
 
     host, _ = run(**streams)
     kern, _ = run(keys_in_kernel=True, **streams)
-    for g, w in ((kern.checkpoints.anchor_stored, host.checkpoints.anchor_stored),
-                 (kern.checkpoints.read_stored, host.checkpoints.read_stored)):
-        for a, b in zip(_bytes(g), _bytes(w), strict=True):
-            assert (a is None and b is None) or torch.equal(a, b)
+    _same_stored(kern.checkpoints, host.checkpoints)
     with pytest.raises(ValueError, match="layer"):
         run(keys_in_kernel=True, **dict(streams, layer=256))

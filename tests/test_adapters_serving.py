@@ -31,26 +31,35 @@ def _states(cache):
     return out
 
 
+def _generate_both(model, policy, ids, window):
+    """Greedy ``generate`` under ``policy`` in both decode modes: ``{mode: output}``."""
+    runs = {}
+    with torch.no_grad():
+        for mode in ("window", "serving"):
+            with state_policy(model, policy, window=window, decode=mode):
+                runs[mode] = model.generate(ids, **GEN)
+    return runs
+
+
+def _same_generation(a, b):
+    """The same greedy tokens, and logits within TOL at every step."""
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits, strict=True):
+        assert (x - y).abs().max().item() <= TOL
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
 @pytest.mark.parametrize("policy", ["read:nvfp4/rec:fp16+sr", "shared:fp8e4m3", "fp32"])
 def test_serving_equals_window_form(arch, policy):
     model = tiny_model(arch)
     ids = _ids(2, 6)
-    runs = {}
+    runs = _generate_both(model, policy, ids, 4)
     with torch.no_grad():
-        for mode in ("window", "serving"):
-            with state_policy(model, policy, window=4, decode=mode):
-                out = model.generate(ids, **GEN)
-            runs[mode] = out
         ref = model.generate(ids, **GEN)
     w, s = runs["window"], runs["serving"]
-    assert torch.equal(w.sequences, s.sequences)
-    for a, b in zip(w.logits, s.logits):
-        assert (a - b).abs().max().item() <= TOL
+    _same_generation(w, s)
     if policy == "fp32":
-        assert torch.equal(s.sequences, ref.sequences)
-        for a, b in zip(s.logits, ref.logits):
-            assert (a - b).abs().max().item() <= TOL
+        _same_generation(s, ref)
     # after 11 steps at L = 4: two flushes, h = 2, and really the serving objects
     sw, ss = _states(w.past_key_values), _states(s.past_key_values)
     assert len(sw) >= 2 and len(sw) == len(ss)
@@ -103,14 +112,8 @@ def test_serving_per_layer_map_and_refusals_at_apply():
     prefill=False are refused by apply_state_policy itself, naming the remedy."""
     model = tiny_model("nemotron_h")
     ids = _ids(2, 5)
-    runs = {}
-    with torch.no_grad():
-        for mode in ("window", "serving"):
-            with state_policy(model, "map:fp32@L3=shared:nvfp4+sr", window=3, decode=mode):
-                runs[mode] = model.generate(ids, **GEN)
-    assert torch.equal(runs["window"].sequences, runs["serving"].sequences)
-    for a, b in zip(runs["window"].logits, runs["serving"].logits):
-        assert (a - b).abs().max().item() <= TOL
+    runs = _generate_both(model, "map:fp32@L3=shared:nvfp4+sr", ids, 3)
+    _same_generation(runs["window"], runs["serving"])
     q = tiny_model("qwen3_5")
     with pytest.raises(ValueError, match="per-head or per-decay"):
         apply_state_policy(q, "map:fp32@L2H0-1=shared:fp8e4m3", decode="serving")

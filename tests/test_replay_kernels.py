@@ -671,3 +671,70 @@ def test_flush_keys_in_kernel_extreme_fields(model):
     _same_stored(kern.checkpoints, host.checkpoints)
     with pytest.raises(ValueError, match="layer"):
         run(keys_in_kernel=True, **dict(streams, layer=256))
+
+
+def _decode_run(family, policy, rows, backend, gen_seed=41):
+    """Prefill, 9 steps at L = 4 (two flushes), then a verify of 2 drafts (slots 1 and 2), of
+    the sequences ``rows`` (indices into 3 fixed sequences, each with its own inputs and SR
+    id) as one batch, through the decode state object with ``backend``. Returns
+    (outputs [len(rows), 11, H, V], anchor, read copy)."""
+    from replayssm_quant.replay import GDNReplayState, Mamba2ReplayState
+
+    g = torch.Generator().manual_seed(gen_seed)
+    NSEQ, STEPS, DR, HK = 3, 9, 2, 2
+    S0 = torch.randn(NSEQ, H, V, K, generator=g) * 0.3
+    if family == "gdn":
+        qk = lambda n: torch.nn.functional.normalize(  # noqa: E731
+            torch.randn(NSEQ, n, HK, K, generator=g), dim=-1)
+        inp = [qk(STEPS + DR) * K ** -0.5, qk(STEPS + DR),
+               torch.randn(NSEQ, STEPS + DR, H, V, generator=g),
+               -0.2 * torch.rand(NSEQ, STEPS + DR, H, generator=g),
+               torch.rand(NSEQ, STEPS + DR, H, generator=g)]
+    else:
+        inp = [torch.randn(NSEQ, STEPS + DR, H, V, generator=g),
+               0.3 * torch.rand(NSEQ, STEPS + DR, H, generator=g),
+               torch.randn(NSEQ, STEPS + DR, G, K, generator=g) * 0.3,
+               torch.randn(NSEQ, STEPS + DR, G, K, generator=g) * 0.3]
+        A_log = -torch.rand(H, generator=g) - 0.1
+    r = torch.as_tensor(rows)
+    ids = torch.tensor([11, 502, 77])[r]
+    common = dict(batch=len(rows), window=L, max_drafts=DR, seed=5, layer=2, sequence_ids=ids,
+                  device=DEVICE, backend=backend)
+    if family == "gdn":
+        st = GDNReplayState(policy, key_heads=HK, value_heads=H, key_dim=K, value_dim=V,
+                            **common)
+    else:
+        st = Mamba2ReplayState(policy, heads=H, head_dim=V, d_state=K, groups=G, **common)
+    st.prefill(_t(S0[r]))
+    x = [_t(t[r]) for t in inp]
+    outs = []
+    for t in range(STEPS):
+        if family == "gdn":
+            outs.append(st.step(*(a[:, t] for a in x)))
+        else:
+            outs.append(st.step(x[0][:, t], x[1][:, t], _t(A_log), x[2][:, t], x[3][:, t]))
+    d = slice(STEPS, STEPS + DR)  # h = 1 after 9 steps: drafts at slots 1, 2
+    if family == "gdn":
+        ver = st.verify(*(a[:, d] for a in x))
+    else:
+        ver = st.verify(x[0][:, d], x[1][:, d], _t(A_log), x[2][:, d], x[3][:, d])
+    return torch.cat([torch.stack(outs, 1), ver], 1), st.anchor, st.read_copy
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("family,policy", [("gdn", "read:nvfp4/rec:fp16+sr"),
+                                           ("mamba2", "read:nvfp4/rec:fp16+sr"),
+                                           ("gdn", "shared:fp8e4m3+sr"),
+                                           ("mamba2", "shared:nvfp4")])
+def test_decode_state_batch_invariance(family, policy, backend):
+    """The decode state objects (what ``decode="serving"`` runs; ``triton``: the records and
+    flush kernels, here under the interpreter) give every sequence the same bits alone, in a
+    batch of 3 and at another batch position: step outputs across two flushes, a verify, and
+    the final anchor and read copy."""
+    full = _decode_run(family, policy, [0, 1, 2], backend)
+    rev = _decode_run(family, policy, [2, 1, 0], backend)
+    for i in range(3):
+        alone = _decode_run(family, policy, [i], backend)
+        for a, f, rv in zip(alone, full, rev, strict=True):
+            assert torch.equal(_bits(a[0]), _bits(f[i])), i
+            assert torch.equal(_bits(a[0]), _bits(rv[2 - i])), i

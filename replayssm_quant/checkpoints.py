@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .packed import PackedTensor
-from .philox import STREAM_FIELDS, stream_key, stream_keys_to
+from .philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 
 __all__ = ["ANCHOR_COPY", "READ_COPY", "PREFILL_FLUSH_INDEX", "Checkpoints", "FlushResult",
            "checkpoint_streams", "length_mask"]
@@ -71,10 +71,8 @@ def checkpoint_streams(*, layer: int, sequence_ids: torch.Tensor, heads: int,
     head = torch.arange(heads, dtype=torch.int64, device=dev)[None, :]
     fields = dict(layer=layer, sequence=seq, head=head, flush=fl, copy=ANCHOR_COPY)
     sa = torch.zeros((), dtype=torch.int64, device=dev)
-    shift = 0
-    for name, w in STREAM_FIELDS:
+    for name, shift in STREAM_SHIFTS.items():
         sa = sa | (torch.as_tensor(fields[name], dtype=torch.int64, device=dev) << shift)
-        shift += w
     return sa, sa | READ_COPY
 
 

@@ -108,6 +108,9 @@ STREAM_FIELDS: tuple[tuple[str, int], ...] = (
     ("sequence", 20),
     ("flush", 24),
 )
+#: bit offset of each field in a stream key (the running sum of the widths above)
+STREAM_SHIFTS: dict[str, int] = {name: sum(w for _, w in STREAM_FIELDS[:i])
+                                 for i, (name, _) in enumerate(STREAM_FIELDS)}
 
 
 def stream_key(*, layer=0, sequence=0, head=0, flush=0, copy=0) -> torch.Tensor:

@@ -38,15 +38,12 @@ Tests: ``tests/test_replay_kernels.py``.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import triton
 import triton.language as tl
 
 from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
-from ...packed import PackedTensor
-from ...philox import STREAM_FIELDS, stream_key, stream_keys_to
+from ...philox import STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import require_policy
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
@@ -292,10 +289,11 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
     policy = require_policy(policy)  # parsed at the edges
-    V0 = int(anchor.shape[2])
-    need = (_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
-            or (not policy.single_checkpoint and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)))
-    dv, db, dw = flush_config(V0, need)
+    B, H, V, K = (int(x) for x in anchor.shape)
+    two = not policy.single_checkpoint
+    need_amax = (_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
+                 or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)))
+    dv, db, dw = flush_config(V, need_amax)
     variant = dv if variant is None else variant
     block_v = db if block_v is None else block_v
     num_warps = dw if num_warps is None else num_warps
@@ -306,16 +304,13 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     if num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be 1, 2, 4, 8, 16 or 32, got {num_warps!r}")
     (a, abs_, ams), aspec = _stored_args(anchor)
-    B, H, V, K = (anchor.shape if isinstance(anchor, PackedTensor) else anchor.shape)
-    B, H, V, K = int(B), int(H), int(V), int(K)
     _check_supported(K, w.dtype)
     J = la.shape[1]
     G = k.shape[2]
     dev = w.device
     if keys_in_kernel:
         stream_key(layer=layer, head=H - 1)  # host range check of the host fields
-        sh = dict(zip((n for n, _ in STREAM_FIELDS),
-                      itertools.accumulate((w for _, w in STREAM_FIELDS), initial=0)))
+        sh = STREAM_SHIFTS
         sa = sequence_ids.to(device=dev, dtype=torch.int64).reshape(-1).contiguous()
         sr = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)
         sr = sr.expand(B).contiguous() if sr.numel() == 1 else sr.contiguous()
@@ -326,7 +321,6 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
                                     flush_index=flush_index)
         kbits, key_consts = 0, {}
-    two = not policy.single_checkpoint
     shape = (B, H, V, K)
     bufa = _alloc_copy(policy.rec, shape, dev)
     bufr = _alloc_copy(policy.read, shape, dev) if two else bufa
@@ -343,8 +337,6 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         length = torch.zeros_like(length)
         J = 1
     u_arg = (u if u.shape[1] == J else torch.empty_like(w)) if solve else w  # w: unused pointer
-    need_amax = (_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
-                 or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)))
     single = block_v >= V
     loop = variant == "loop"
     tiles = 1 if (loop or single) else triton.cdiv(V, block_v)

@@ -738,3 +738,15 @@ def test_decode_state_batch_invariance(family, policy, backend):
         for a, f, rv in zip(alone, full, rev, strict=True):
             assert torch.equal(_bits(a[0]), _bits(f[i])), i
             assert torch.equal(_bits(a[0]), _bits(rv[2 - i])), i
+
+
+@pytest.mark.parametrize("bad", [dict(block_v=24), dict(block_v=8), dict(num_warps=3),
+                                 dict(variant="bogus")])
+def test_flush_launch_options_refused(bad):
+    """A bad launch option of the flush kernel raises ValueError naming it (before launch)."""
+    z = torch.zeros
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        kr.flush_kernel(z(1, 2, 16, 32), z(1, 1, 2), z(1, 1, 2, 16), z(1, 1, 1, 32),
+                        z(1, dtype=torch.int64), StatePolicy.parse("fp32"), seed=0, layer=0,
+                        sequence_ids=z(1, dtype=torch.int64),
+                        flush_index=torch.ones(1, dtype=torch.int64), **bad)

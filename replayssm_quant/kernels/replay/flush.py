@@ -48,7 +48,7 @@ from ...policy import require_policy
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
                     _matrix_scale, _stored_args)
-from .records import _lp
+from .records import _check_tile, _lp
 
 DEFAULT_BV_FLUSH = 32  # flush_tune.py candidate 0 (the defaults of a call: flush_config)
 DEFAULT_WARPS_FLUSH = 4
@@ -299,10 +299,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     num_warps = dw if num_warps is None else num_warps
     if variant not in FLUSH_VARIANTS:
         raise ValueError(f"variant must be one of {FLUSH_VARIANTS}, got {variant!r}")
-    if block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
-    if num_warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"num_warps must be 1, 2, 4, 8, 16 or 32, got {num_warps!r}")
+    _check_tile(block_v, num_warps)
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
     J = la.shape[1]

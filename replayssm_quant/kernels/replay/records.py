@@ -473,12 +473,17 @@ def _pow2(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
 
 
-def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot) -> None:
-    """ValueError naming a bad launch option of :func:`records_outputs`."""
+def _check_tile(block_v, num_warps) -> None:
+    """ValueError naming a bad value-row tile or warp count (records and flush kernels)."""
     if not (_pow2(block_v) and block_v >= MIN_DOT):
         raise ValueError(f"block_v must be a power of two >= {MIN_DOT}, got {block_v!r}")
     if not (_pow2(num_warps) and num_warps <= 32):
         raise ValueError(f"num_warps must be 1, 2, 4, 8, 16 or 32, got {num_warps!r}")
+
+
+def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot) -> None:
+    """ValueError naming a bad launch option of :func:`records_outputs`."""
+    _check_tile(block_v, num_warps)
     if k_chunk is not None and not (_pow2(k_chunk) and k_chunk >= 32):
         raise ValueError(f"k_chunk must be a power of two >= 32 (or None: the key dim), "
                          f"got {k_chunk!r}")

@@ -107,7 +107,6 @@ def main(argv=None):
                     torch.cuda.synchronize()
                 launched.append(f"{m}/{p}/{op}")
                 print("ran", m, p, op, flush=True)
-            del st
     out = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "batch": B, "launched_in_order": launched, "calls_each": args.calls,
            "compiled": compiled_kernels()}

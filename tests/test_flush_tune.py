@@ -26,8 +26,10 @@ def test_flush_tune_tiny(tmp_path):
     pol = r["models"]["mamba2"]["policies"]["nvfp4"]
     assert pol["policy"] == "read:nvfp4/rec:fp16+sr"
     assert pol["reference_check"]["passed"], pol["reference_check"]
+    assert pol["reference_check_rank1"]["passed"], pol["reference_check_rank1"]
     cfgs = pol["configs"]
     assert len(cfgs) >= 3 and {c["variant"] for c in cfgs} == {"grid", "loop"}
+    assert {c["reconstruct"] for c in cfgs} == {"dot", "rank1"}
     for c in cfgs:
         assert c["passed"] and c["median_us"] > 0, c
         assert c["reps"] >= 1 and c["pool"] >= 4

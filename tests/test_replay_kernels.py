@@ -191,8 +191,9 @@ def test_gdn_flush(fold):
     _same_copies(res.checkpoints, core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS))
 
 
-FLUSH_CONFIGS = [("grid", 16, 4), ("loop", 32, 2),
-                 ("grid", 64, 8)]  # (variant, block_v, num_warps); V = 40: 3, 2 tiles, 1 tile
+# (variant, block_v, num_warps, reconstruct); V = 40: 3, 2 tiles, 1 tile; both record folds
+FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8, "dot"),
+                 ("grid", 16, 4, "rank1"), ("loop", 32, 2, "rank1"), ("grid", 64, 8, "rank1")]
 
 
 def _config_inputs(gen, exact, V2):
@@ -250,8 +251,8 @@ def test_flush_configs(policy, model, exact):
             return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, q=q, **kw, **STREAMS)
         return kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **kw, **STREAMS)
 
-    for variant, bv, nw in FLUSH_CONFIGS:
-        res, y = run(block_v=bv, num_warps=nw, variant=variant)
+    for variant, bv, nw, form in FLUSH_CONFIGS:
+        res, y = run(block_v=bv, num_warps=nw, variant=variant, reconstruct=form)
         if exact:
             assert torch.equal(_bits(res.state), _bits(ref.state))
             if model == "gdn":  # (Mamba-2: the kernel returns the unmasked v)
@@ -271,14 +272,15 @@ def test_flush_configs(policy, model, exact):
         # serving form: S not written, no torch dequantisation; the same stored copies
         # (and with the stream keys packed in the kernel: the same SR bits)
         for extra in ({}, {"keys_in_kernel": True}):
-            res2, y2 = run(block_v=bv, num_warps=nw, variant=variant, store_state=False,
-                           dequantize=False, **extra)
+            res2, y2 = run(block_v=bv, num_warps=nw, variant=variant, reconstruct=form,
+                           store_state=False, dequantize=False, **extra)
             assert res2.state is None and res2.checkpoints.anchor is None
             assert torch.equal(_bits(y2), _bits(y))
             _same_stored(res2.checkpoints, res.checkpoints)
 
 
-def test_gdn_flush_fused_solve_matches_solve_corrections():
+@pytest.mark.parametrize("form", ["dot", "rank1"])
+def test_gdn_flush_fused_solve_matches_solve_corrections(form):
     """The corrections solved inside the flush kernel equal :func:`core.solve_corrections`
     against the stored anchor's values (a packed nvfp4 anchor, decoded in kernel), and the
     records kernel's solve (:func:`gdn_corrections_kernel`), to TOL; slots >= length are 0.
@@ -293,7 +295,7 @@ def test_gdn_flush_fused_solve_matches_solve_corrections():
     beta = _t(torch.sigmoid(torch.randn(B, J, H, generator=gen)))
     length = _t(torch.tensor([J, 13]))
     res, _ = kr.gdn_flush_kernel(A_st, la, beta, v, k, length, StatePolicy.parse("fp32"),
-                                 block_v=16, **STREAMS)
+                                 block_v=16, reconstruct=form, **STREAMS)
     la_m, beta_m, v_m, k_m = core.mask_records(length, la, beta, v, k)
     want = core.solve_corrections(A_st.dequantize(), la_m, beta_m, v_m,
                                   core.expand_heads(k_m, H, 2))
@@ -741,7 +743,7 @@ def test_decode_state_batch_invariance(family, policy, backend):
 
 
 @pytest.mark.parametrize("bad", [dict(block_v=24), dict(block_v=8), dict(num_warps=3),
-                                 dict(variant="bogus")])
+                                 dict(variant="bogus"), dict(reconstruct="matmul")])
 def test_flush_launch_options_refused(bad):
     """A bad launch option of the flush kernel raises ValueError naming it (before launch)."""
     z = torch.zeros

@@ -59,9 +59,12 @@ DEFAULT_WARPS_FLUSH = 4
 # from registers and S is reconstructed once.
 FLUSH_VARIANTS = ("grid", "loop")
 DEFAULT_VARIANT = "grid"
+# How a tile folds its records: "dot" (FP32 FMA dots of [BV, LP] x [LP, K/2] operand tiles) or
+# "rank1" (one rank-1 update per record slot, in slot order; _flush_tile_rank1).
+RECONSTRUCT_FORMS = ("dot", "rank1")
 
 
-def flush_config(V: int, need_amax: bool) -> tuple[str, int, int]:
+def flush_config(V: int, need_amax: bool) -> tuple[str, int, int, str]:
     """Default launch ``(variant, block_v, num_warps)`` of a flush: the fastest configuration
     of ``benchmarks/flush_tune.py`` on the H200 at B = 256 (benchmarks/results/
     flush_tune_h200.json): casts with a matrix scale (fp8, nvfp4) ``grid`` 64 x 8 warps (GDN
@@ -69,10 +72,10 @@ def flush_config(V: int, need_amax: bool) -> tuple[str, int, int]:
     when V <= 64 (Mamba-2 ``fp32`` 1.9 ms) and ``loop`` 32 x 4 above (GDN ``fp32`` 2.5 ms).
     The choice depends only on the shape and the policy, never on the batch."""
     if need_amax:
-        return "grid", 64, 8
+        return "grid", 64, 8, "dot"
     if V <= 64:
-        return "grid", 64, 4
-    return "loop", 32, 4
+        return "grid", 64, 4, "dot"
+    return "loop", 32, 4, "dot"
 
 
 @triton.jit
@@ -112,6 +115,55 @@ def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V,
 
 
 @triton.jit
+def _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr, beta_ptr, k_ptr, mat, b, h,
+                      g, rows, rmask, n, H, G, V, J, idx, total, eg, cf,
+                      K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+                      SOLVE: tl.constexpr, STORE_U: tl.constexpr, A: tl.constexpr):
+    """:func:`_flush_tile` as ``n`` rank-1 updates in slot order (``reconstruct="rank1"``):
+    ``acc += (w_p gamma_{p+1:n}) k_p^T`` for ``p = 0 .. n-1``, then ``S = gamma_{1:n} A + acc``.
+    Each record's ``w`` rows ``[BV]`` and key halves ``[KH]`` are loaded as vectors in the
+    layout of the S tile, so no operand of a dot is held in registers (the dot form held
+    ``[BV, LP]`` and ``[LP, KH]`` operand tiles: 255 registers and spills on the H200,
+    docs/kernels-replay.md) and every element's sum runs in slot order whatever the launch.
+    With ``SOLVE`` (GDN) slot ``p``'s correction is solved in the same pass, before it is
+    folded: ``A k_p`` as a row reduction of the anchor tile, then
+    ``u_p = beta_p (v_p - gamma_{1:p} A k_p) - sum_{i<p} cf[i, p] u_i`` (``cf`` as in
+    :func:`_flush_tile`); ``STORE_U`` writes ``u_p`` (and 0 at slots ``n .. J-1``).
+    The decay sums ``c_p = la_0 + .. + la_p`` are formed in the order of the kernel's
+    preamble, so ``gamma`` has the same bits as in the dot form."""
+    ae, ao = _load_stored(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
+    jh = tl.arange(0, KH)
+    acc_e = tl.zeros([BV, KH], tl.float32)
+    acc_o = tl.zeros([BV, KH], tl.float32)
+    U = tl.zeros([BV, LP], tl.float32)
+    c = tl.zeros([], tl.float32)
+    for p in range(0, n):
+        rec = (b * J + p) * H + h
+        c = c + tl.load(la_ptr + rec)
+        kb = k_ptr + ((b * J + p) * G + g) * K + 2 * jh
+        kpe = tl.load(kb)
+        kpo = tl.load(kb + 1)
+        wp = tl.load(w_ptr + rec * V + rows, mask=rmask, other=0.0)
+        if SOLVE:
+            ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)
+            r = tl.load(beta_ptr + rec) * (wp - tl.exp(c) * ak)
+            sel = idx == p
+            coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
+            wp = r - tl.sum(U * coef[None, :], axis=1)
+            U = tl.where(sel[None, :], wp[:, None], U)
+            if STORE_U:
+                tl.store(u_ptr + rec * V + rows, wp, mask=rmask)
+        wm = wp * tl.exp(total - c)
+        acc_e += wm[:, None] * kpe[None, :]
+        acc_o += wm[:, None] * kpo[None, :]
+    if STORE_U:
+        for p in range(n, J):
+            tl.store(u_ptr + ((b * J + p) * H + h) * V + rows, tl.zeros([BV], tl.float32),
+                     mask=rmask)
+    return eg * ae + acc_e, eg * ao + acc_o
+
+
+@triton.jit
 def _tile_amax(se, so, rmask):
     fe = tl.where(rmask[:, None], _finite_abs(se), 0.0)
     fo = tl.where(rmask[:, None], _finite_abs(so), 0.0)
@@ -135,8 +187,8 @@ def _flush_kernel(
         NEED_AMAX: tl.constexpr, SOLVE: tl.constexpr, LOOP: tl.constexpr,
         SINGLE: tl.constexpr, PHASE: tl.constexpr,
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
-        KEYS_IN: tl.constexpr = False, SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19,
-        SH_FLUSH: tl.constexpr = 39):
+        RANK1: tl.constexpr = False, KEYS_IN: tl.constexpr = False, SH_HEAD: tl.constexpr = 1,
+        SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
     # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
@@ -200,13 +252,19 @@ def _flush_kernel(
         for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
-            se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n,
-                                     H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
-                                     K, KH, BV, LP, SOLVE, A)
+            if RANK1:  # phase 1 stores the corrections, for phase 2 (and FlushResult.w)
+                se, so = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr,
+                                           beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H, G,
+                                           V, J, idx, total, eg, cf, K, KH, BV, LP, SOLVE,
+                                           SOLVE and PHASE == 1, A)
+            else:
+                se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
+                                         n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
+                                         K, KH, BV, LP, SOLVE, A)
+                if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
+                    tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
+                             mask=rmask[:, None] & (idx < J)[None, :])
             amax = tl.maximum(amax, _tile_amax(se, so, rmask))
-            if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
-                tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
-                         mask=rmask[:, None] & (idx < J)[None, :])
         if PHASE == 1:  # amax >= 0: its float32 bits order as int32
             tl.atomic_max(amax_ptr + mat, amax.to(tl.int32, bitcast=True))
 
@@ -215,21 +273,33 @@ def _flush_kernel(
         for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
-            if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
-                se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, u_ptr, mat, b, h, rows, rmask,
-                                         n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
-                                         K, KH, BV, LP, False, A)
+            if RANK1:
+                if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
+                    se, so = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, u_ptr, u_ptr, la_ptr,
+                                               beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H,
+                                               G, V, J, idx, total, eg, cf, K, KH, BV, LP,
+                                               False, False, A)
+                else:
+                    se, so = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr,
+                                               beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H,
+                                               G, V, J, idx, total, eg, cf, K, KH, BV, LP,
+                                               SOLVE, SOLVE and PHASE == 0, A)
             else:
-                se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
-                                         n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
-                                         K, KH, BV, LP, SOLVE, A)
+                if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
+                    se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, u_ptr, mat, b, h, rows,
+                                             rmask, n, H, V, J, idx, live, m, eg, ecp, bvec, cf,
+                                             ke, ko, K, KH, BV, LP, False, A)
+                else:
+                    se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows,
+                                             rmask, n, H, V, J, idx, live, m, eg, ecp, bvec, cf,
+                                             ke, ko, K, KH, BV, LP, SOLVE, A)
+                if SOLVE and PHASE == 0:
+                    tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
+                             mask=rmask[:, None] & (idx < J)[None, :])
             if NEED_AMAX and SINGLE:
                 amax = _tile_amax(se, so, rmask)
             sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
             sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
-            if SOLVE and PHASE == 0:
-                tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
-                         mask=rmask[:, None] & (idx < J)[None, :])
             if STORE_S:
                 x = tl.reshape(tl.join(se, so), [BV, K])
                 kk2 = tl.arange(0, K)
@@ -259,7 +329,8 @@ def _flush_kernel(
 def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, sequence_ids,
                  flush_index, q=None, store_state: bool = True, block_v: int | None = None,
                  num_warps: int | None = None, variant: str | None = None,
-                 beta=None, dequantize: bool = True, keys_in_kernel: bool = False):
+                 beta=None, dequantize: bool = True, keys_in_kernel: bool = False,
+                 reconstruct: str | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -293,12 +364,15 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     two = not policy.single_checkpoint
     need_amax = (_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
                  or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)))
-    dv, db, dw = flush_config(V, need_amax)
+    dv, db, dw, dr = flush_config(V, need_amax)
     variant = dv if variant is None else variant
     block_v = db if block_v is None else block_v
     num_warps = dw if num_warps is None else num_warps
+    reconstruct = dr if reconstruct is None else reconstruct
     if variant not in FLUSH_VARIANTS:
         raise ValueError(f"variant must be one of {FLUSH_VARIANTS}, got {variant!r}")
+    if reconstruct not in RECONSTRUCT_FORMS:
+        raise ValueError(f"reconstruct must be one of {RECONSTRUCT_FORMS}, got {reconstruct!r}")
     _check_tile(block_v, num_warps)
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
@@ -348,7 +422,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
             S, qq, y, amax, H, G, V, J)
     consts = dict(K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
                   Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
-                  SINGLE=single, num_warps=num_warps, A=_decode_consts(aspec),
+                  SINGLE=single, RANK1=reconstruct == "rank1", num_warps=num_warps,
+                  A=_decode_consts(aspec),
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)
     if need_amax and not loop and not single:  # grid: amax launch, then the cast launch
@@ -377,20 +452,22 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         flush_index, q=None, store_state: bool = True,
                         block_v: int | None = None, num_warps: int | None = None,
                         variant: str | None = None, dequantize: bool = True,
-                        keys_in_kernel: bool = False):
+                        keys_in_kernel: bool = False, reconstruct: str | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
                         sequence_ids=sequence_ids, flush_index=flush_index, q=q,
                         store_state=store_state, block_v=block_v, num_warps=num_warps,
-                        variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel)
+                        variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel,
+                        reconstruct=reconstruct)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
                      flush_index, u_cached=None, fold_cached_corrections: bool = False, q=None,
                      store_state: bool = True, block_v: int | None = None,
                      num_warps: int | None = None, variant: str | None = None,
-                     dequantize: bool = True, keys_in_kernel: bool = False):
+                     dequantize: bool = True, keys_in_kernel: bool = False,
+                     reconstruct: str | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one FP32 dot, then forward substitution over the record slots), or the
@@ -398,7 +475,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     corrections ``[B, J, HV, DV]``. Returns ``(FlushResult, y)``."""
     kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
-              dequantize=dequantize, keys_in_kernel=keys_in_kernel)
+              dequantize=dequantize, keys_in_kernel=keys_in_kernel, reconstruct=reconstruct)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")

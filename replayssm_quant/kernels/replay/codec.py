@@ -334,6 +334,58 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
 
 
 @triton.jit
+def _load_full(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V, K: tl.constexpr, KH: tl.constexpr,
+               BV: tl.constexpr, D: tl.constexpr):
+    """Rows ``rows`` of a stored copy (``D``: its :class:`DecodeConsts`) as one dequantised
+    tile ``[BV, K]`` in column order. FP32 and half copies are loaded as the tile (no even/odd
+    split, so no shuffle of registers); other formats through :func:`_load_stored`, joined."""
+    if D.KIND <= 1 and not D.FP4:
+        kk = tl.arange(0, K)
+        x = tl.load(c_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk[None, :],
+                    mask=rmask[:, None], other=0).to(tl.float32)
+    else:
+        xe, xo = _load_stored(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V, K, KH, BV, D)
+        x = tl.reshape(tl.join(xe, xo), [BV, K])
+    return x
+
+
+@triton.jit
+def _cast_store_full(x, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_ptr,
+                     K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                     key=0, KEYED: tl.constexpr = False):
+    """:func:`_cast_store` of a tile ``x [BV, K]`` in column order: the same codes and SR bits
+    (element ``(row, col)`` draws Philox counter ``row * K + col`` either way). Formats with
+    one code per element (fp32, half, fp8) are rounded and stored as the tile; block formats
+    (nvfp4, mx) split it into the even/odd halves their nibbles and blocks need."""
+    if C.KIND >= 3:
+        xe, xo = _split_halves(x, BV, KH)
+        _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_ptr, K, KH,
+                    BV, C, key, KEYED)
+    else:
+        kk = tl.arange(0, K)
+        off = (mat * V + rows.to(tl.int64))[:, None] * K + kk[None, :]
+        m2 = rmask[:, None]
+        if C.KIND == 0:
+            tl.store(out_ptr + off, x, mask=m2)
+        else:
+            r = 0
+            if C.SR:
+                if KEYED:
+                    lo, hi = _stream_words(key)
+                else:
+                    lo, hi = _stream_words(tl.load(st_ptr + mat))
+                r = _random_bits(seed, rows[:, None] * K + kk[None, :], lo, hi)
+            y = x
+            if C.KIND == 2:
+                y = tl.where(x != x, x, tl.math.div_rn(x, tl.broadcast_to(s_mat, [BV, K])))
+            _, c = _quant(y, r, C.SR, C)
+            if C.KIND == 1:
+                tl.store(out_ptr + off, c.to(tl.int16), mask=m2)
+            else:
+                tl.store(out_ptr + off, c.to(tl.uint8), mask=m2)
+
+
+@triton.jit
 def _dequant_tile(ce, co, sbc, s_mat, BV: tl.constexpr, KH: tl.constexpr, D: tl.constexpr):
     """The values ``_load_stored`` would read back (with ``D`` the copy's
     :class:`DecodeConsts`) from what ``_cast_store`` just stored (its return value; ``s_mat``

@@ -46,6 +46,7 @@ from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_
 from ...philox import STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import require_policy
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
+                    _cast_store_full, _load_full,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
                     _matrix_scale, _stored_args)
 from .records import _check_tile, _lp
@@ -119,33 +120,31 @@ def _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr, beta_ptr, k
                       g, rows, rmask, n, H, G, V, J, idx, total, eg, cf,
                       K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
                       SOLVE: tl.constexpr, STORE_U: tl.constexpr, A: tl.constexpr):
-    """:func:`_flush_tile` as ``n`` rank-1 updates in slot order (``reconstruct="rank1"``):
-    ``acc += (w_p gamma_{p+1:n}) k_p^T`` for ``p = 0 .. n-1``, then ``S = gamma_{1:n} A + acc``.
-    Each record's ``w`` rows ``[BV]`` and key halves ``[KH]`` are loaded as vectors in the
-    layout of the S tile, so no operand of a dot is held in registers (the dot form held
-    ``[BV, LP]`` and ``[LP, KH]`` operand tiles: 255 registers and spills on the H200,
-    docs/kernels-replay.md) and every element's sum runs in slot order whatever the launch.
+    """:func:`_flush_tile` as ``n`` rank-1 updates in slot order (``reconstruct="rank1"``), on
+    one ``[BV, K]`` tile in column order: ``acc += (w_p gamma_{p+1:n}) k_p^T`` for
+    ``p = 0 .. n-1``, then ``S = gamma_{1:n} A + acc``. Each record's ``w`` rows ``[BV]`` and
+    key ``[K]`` are loaded as vectors in the layout of the tile, so no dot operand tile is
+    held in registers and no even/odd split is shuffled through shared memory (the dot form:
+    255 registers, spills and an L1-bound kernel on the H200, docs/kernels-replay.md), and each
+    element's sum runs in slot order whatever the launch.
     With ``SOLVE`` (GDN) slot ``p``'s correction is solved in the same pass, before it is
     folded: ``A k_p`` as a row reduction of the anchor tile, then
     ``u_p = beta_p (v_p - gamma_{1:p} A k_p) - sum_{i<p} cf[i, p] u_i`` (``cf`` as in
     :func:`_flush_tile`); ``STORE_U`` writes ``u_p`` (and 0 at slots ``n .. J-1``).
     The decay sums ``c_p = la_0 + .. + la_p`` are formed in the order of the kernel's
-    preamble, so ``gamma`` has the same bits as in the dot form."""
-    ae, ao = _load_stored(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
-    jh = tl.arange(0, KH)
-    acc_e = tl.zeros([BV, KH], tl.float32)
-    acc_o = tl.zeros([BV, KH], tl.float32)
+    preamble, so ``gamma`` has the same bits as in the dot form. Returns S ``[BV, K]``."""
+    x = _load_full(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
+    kk = tl.arange(0, K)
+    acc = tl.zeros([BV, K], tl.float32)
     U = tl.zeros([BV, LP], tl.float32)
     c = tl.zeros([], tl.float32)
     for p in range(0, n):
         rec = (b * J + p) * H + h
         c = c + tl.load(la_ptr + rec)
-        kb = k_ptr + ((b * J + p) * G + g) * K + 2 * jh
-        kpe = tl.load(kb)
-        kpo = tl.load(kb + 1)
+        kp = tl.load(k_ptr + ((b * J + p) * G + g) * K + kk)
         wp = tl.load(w_ptr + rec * V + rows, mask=rmask, other=0.0)
         if SOLVE:
-            ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)
+            ak = tl.sum(x * kp[None, :], axis=1)
             r = tl.load(beta_ptr + rec) * (wp - tl.exp(c) * ak)
             sel = idx == p
             coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
@@ -153,14 +152,17 @@ def _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr, beta_ptr, k
             U = tl.where(sel[None, :], wp[:, None], U)
             if STORE_U:
                 tl.store(u_ptr + rec * V + rows, wp, mask=rmask)
-        wm = wp * tl.exp(total - c)
-        acc_e += wm[:, None] * kpe[None, :]
-        acc_o += wm[:, None] * kpo[None, :]
+        acc += (wp * tl.exp(total - c))[:, None] * kp[None, :]
     if STORE_U:
         for p in range(n, J):
             tl.store(u_ptr + ((b * J + p) * H + h) * V + rows, tl.zeros([BV], tl.float32),
                      mask=rmask)
-    return eg * ae + acc_e, eg * ao + acc_o
+    return eg * x + acc
+
+
+@triton.jit
+def _tile_amax_full(x, rmask):
+    return tl.max(tl.max(tl.where(rmask[:, None], _finite_abs(x), 0.0), axis=1), axis=0)
 
 
 @triton.jit
@@ -253,10 +255,11 @@ def _flush_kernel(
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
             if RANK1:  # phase 1 stores the corrections, for phase 2 (and FlushResult.w)
-                se, so = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr,
-                                           beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H, G,
-                                           V, J, idx, total, eg, cf, K, KH, BV, LP, SOLVE,
-                                           SOLVE and PHASE == 1, A)
+                x = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr, beta_ptr,
+                                      k_ptr, mat, b, h, g, rows, rmask, n, H, G, V, J, idx,
+                                      total, eg, cf, K, KH, BV, LP, SOLVE,
+                                      SOLVE and PHASE == 1, A)
+                amax = tl.maximum(amax, _tile_amax_full(x, rmask))
             else:
                 se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
                                          n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
@@ -264,7 +267,7 @@ def _flush_kernel(
                 if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
                     tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
                              mask=rmask[:, None] & (idx < J)[None, :])
-            amax = tl.maximum(amax, _tile_amax(se, so, rmask))
+                amax = tl.maximum(amax, _tile_amax(se, so, rmask))
         if PHASE == 1:  # amax >= 0: its float32 bits order as int32
             tl.atomic_max(amax_ptr + mat, amax.to(tl.int32, bitcast=True))
 
@@ -273,17 +276,32 @@ def _flush_kernel(
         for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
-            if RANK1:
+            if RANK1:  # one [BV, K] tile in column order
                 if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
-                    se, so = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, u_ptr, u_ptr, la_ptr,
-                                               beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H,
-                                               G, V, J, idx, total, eg, cf, K, KH, BV, LP,
-                                               False, False, A)
+                    x = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, u_ptr, u_ptr, la_ptr,
+                                          beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H, G,
+                                          V, J, idx, total, eg, cf, K, KH, BV, LP, False, False,
+                                          A)
                 else:
-                    se, so = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr,
-                                               beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H,
-                                               G, V, J, idx, total, eg, cf, K, KH, BV, LP,
-                                               SOLVE, SOLVE and PHASE == 0, A)
+                    x = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr,
+                                          beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H, G,
+                                          V, J, idx, total, eg, cf, K, KH, BV, LP, SOLVE,
+                                          SOLVE and PHASE == 0, A)
+                if NEED_AMAX and SINGLE:
+                    amax = _tile_amax_full(x, rmask)
+                sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
+                sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
+                if STORE_S:
+                    kk2 = tl.arange(0, K)
+                    tl.store(s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk2[None, :],
+                             x, mask=rmask[:, None])
+                if Q_OUT:
+                    tl.store(y_ptr + mat * V + rows, tl.sum(x * qv[None, :], axis=1), mask=rmask)
+                _cast_store_full(x, rows, rmask, mat, V, sa, seed, sta_ptr, oa_ptr, oabs_ptr, K,
+                                 KH, BV, CA, key_a, KEYS_IN)
+                if TWO:
+                    _cast_store_full(x, rows, rmask, mat, V, sr, seed, str_ptr, or_ptr, orbs_ptr,
+                                     K, KH, BV, CR, key_r, KEYS_IN)
             else:
                 if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
                     se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, u_ptr, mat, b, h, rows,
@@ -296,23 +314,23 @@ def _flush_kernel(
                 if SOLVE and PHASE == 0:
                     tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
                              mask=rmask[:, None] & (idx < J)[None, :])
-            if NEED_AMAX and SINGLE:
-                amax = _tile_amax(se, so, rmask)
-            sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
-            sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
-            if STORE_S:
-                x = tl.reshape(tl.join(se, so), [BV, K])
-                kk2 = tl.arange(0, K)
-                tl.store(s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk2[None, :], x,
-                         mask=rmask[:, None])
-            if Q_OUT:
-                y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
-                tl.store(y_ptr + mat * V + rows, y, mask=rmask)
-            _cast_store(se, so, rows, rmask, mat, V, sa, seed, sta_ptr, oa_ptr, oabs_ptr, K, KH,
-                        BV, CA, key_a, KEYS_IN)
-            if TWO:
-                _cast_store(se, so, rows, rmask, mat, V, sr, seed, str_ptr, or_ptr, orbs_ptr, K,
-                            KH, BV, CR, key_r, KEYS_IN)
+                if NEED_AMAX and SINGLE:
+                    amax = _tile_amax(se, so, rmask)
+                sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
+                sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
+                if STORE_S:
+                    x = tl.reshape(tl.join(se, so), [BV, K])
+                    kk2 = tl.arange(0, K)
+                    tl.store(s_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk2[None, :], x,
+                             mask=rmask[:, None])
+                if Q_OUT:
+                    y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
+                    tl.store(y_ptr + mat * V + rows, y, mask=rmask)
+                _cast_store(se, so, rows, rmask, mat, V, sa, seed, sta_ptr, oa_ptr, oabs_ptr, K, KH,
+                            BV, CA, key_a, KEYS_IN)
+                if TWO:
+                    _cast_store(se, so, rows, rmask, mat, V, sr, seed, str_ptr, or_ptr, orbs_ptr, K,
+                                KH, BV, CR, key_r, KEYS_IN)
             if v0 == 0:  # the matrix scales, once
                 if CA.MS:
                     tl.store(oams_ptr + mat, sa)

@@ -138,29 +138,14 @@ def _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr, beta_ptr, k
     acc = tl.zeros([BV, K], tl.float32)
     U = tl.zeros([BV, LP], tl.float32)
     c = tl.zeros([], tl.float32)
-    # slot p + 1's loads are issued before slot p's arithmetic (one slot of prefetch), so the
-    # loop does not wait a load latency per slot; the slot index is clamped to J - 1 (J >= 1),
-    # so the prefetch past the last live slot reads valid memory it never uses
-    rec = (b * J) * H + h
-    la_n = tl.load(la_ptr + rec)
-    kp_n = tl.load(k_ptr + ((b * J) * G + g) * K + kk)
-    wp_n = tl.load(w_ptr + rec * V + rows, mask=rmask, other=0.0)
-    bp_n = tl.load(beta_ptr + rec)  # (la_ptr when not SOLVE)
     for p in range(0, n):
         rec = (b * J + p) * H + h
-        c = c + la_n
-        kp = kp_n
-        wp = wp_n
-        bp = bp_n
-        q1 = tl.minimum(p + 1, J - 1)
-        rec1 = (b * J + q1) * H + h
-        la_n = tl.load(la_ptr + rec1)
-        kp_n = tl.load(k_ptr + ((b * J + q1) * G + g) * K + kk)
-        wp_n = tl.load(w_ptr + rec1 * V + rows, mask=rmask, other=0.0)
-        bp_n = tl.load(beta_ptr + rec1)
+        c = c + tl.load(la_ptr + rec)
+        kp = tl.load(k_ptr + ((b * J + p) * G + g) * K + kk)
+        wp = tl.load(w_ptr + rec * V + rows, mask=rmask, other=0.0)
         if SOLVE:
             ak = tl.sum(x * kp[None, :], axis=1)
-            r = bp * (wp - tl.exp(c) * ak)
+            r = tl.load(beta_ptr + rec) * (wp - tl.exp(c) * ak)
             sel = idx == p
             coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
             wp = r - tl.sum(U * coef[None, :], axis=1)

@@ -95,13 +95,16 @@ def candidates(V, tiny):
     if tiny:
         cands = [(DEFAULT_VARIANT, DEFAULT_BV_FLUSH, DEFAULT_WARPS_FLUSH, "dot"),
                  ("grid", 16, 4, "rank1"), ("grid", single, 4, "dot"), ("grid", 16, 4, "dot"),
-                 ("loop", 16, 4, "dot"), ("grid", single, 4, "rank1")]
+                 ("loop", 16, 4, "dot"), ("grid", single, 4, "rank1"), ("grid", 16, 4, "tf32x3")]
     else:
         cands = [(DEFAULT_VARIANT, DEFAULT_BV_FLUSH, DEFAULT_WARPS_FLUSH, "dot")]
         cands += [c + ("rank1",) for c in (
             ("loop", 32, 4), ("grid", single, 4), ("grid", single, 8), ("grid", 64, 4),
             ("grid", 32, 4), ("loop", 64, 4), ("grid", 16, 4), ("grid", 32, 2), ("loop", 16, 2),
             ("grid", 64, 8))]
+        cands += [c + ("tf32x3",) for c in (
+            ("grid", single, 4), ("grid", single, 8), ("grid", 64, 4), ("loop", 32, 4),
+            ("grid", 32, 4), ("loop", 64, 8), ("grid", 64, 8))]
         cands += [c + ("dot",) for c in (
             ("grid", single, 8), ("grid", single, 16), ("grid", 64, 4), ("grid", 16, 4),
             ("loop", 32, 4), ("grid", 32, 8), ("grid", single, 4), ("loop", 64, 8),

@@ -29,7 +29,7 @@ def test_flush_tune_tiny(tmp_path):
     assert pol["reference_check_rank1"]["passed"], pol["reference_check_rank1"]
     cfgs = pol["configs"]
     assert len(cfgs) >= 3 and {c["variant"] for c in cfgs} == {"grid", "loop"}
-    assert {c["reconstruct"] for c in cfgs} == {"dot", "rank1"}
+    assert {c["reconstruct"] for c in cfgs} == {"dot", "rank1", "tf32x3"}
     for c in cfgs:
         assert c["passed"] and c["median_us"] > 0, c
         assert c["reps"] >= 1 and c["pool"] >= 4

@@ -193,7 +193,8 @@ def test_gdn_flush(fold):
 
 # (variant, block_v, num_warps, reconstruct); V = 40: 3, 2 tiles, 1 tile; both record folds
 FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8, "dot"),
-                 ("grid", 16, 4, "rank1"), ("loop", 32, 2, "rank1"), ("grid", 64, 8, "rank1")]
+                 ("grid", 16, 4, "rank1"), ("loop", 32, 2, "rank1"), ("grid", 64, 8, "rank1"),
+                 ("loop", 32, 2, "tf32x3")]
 
 
 def _config_inputs(gen, exact, V2):

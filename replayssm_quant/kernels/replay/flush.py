@@ -62,7 +62,7 @@ FLUSH_VARIANTS = ("grid", "loop")
 DEFAULT_VARIANT = "grid"
 # How a tile folds its records: "dot" (FP32 FMA dots of [BV, LP] x [LP, K/2] operand tiles) or
 # "rank1" (one rank-1 update per record slot, in slot order; _flush_tile_rank1).
-RECONSTRUCT_FORMS = ("dot", "rank1")
+RECONSTRUCT_FORMS = ("dot", "rank1", "tf32x3")
 
 
 def flush_config(V: int, need_amax: bool) -> tuple[str, int, int, str]:
@@ -83,7 +83,7 @@ def flush_config(V: int, need_amax: bool) -> tuple[str, int, int, str]:
 def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V, J,
                 idx, live, m, eg, ecp, bvec, cf, ke, ko,
                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-                SOLVE: tl.constexpr, A: tl.constexpr):
+                SOLVE: tl.constexpr, A: tl.constexpr, PREC: tl.constexpr = "ieee"):
     """Rows ``rows`` of ``S = gamma_{1:n} A + (W * m) K`` as (even, odd) halves ``[BV, KH]``,
     and ``W [BV, LP]``, the folded values of these rows (record slots along axis 1).
 
@@ -98,8 +98,8 @@ def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V,
     wt = tl.load(w_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None],
                  mask=rmask[:, None] & live[None, :], other=0.0)  # [BV, LP]
     if SOLVE:
-        ak = tl.dot(ao, tl.trans(ko), tl.dot(ae, tl.trans(ke), input_precision="ieee"),
-                    input_precision="ieee")  # [BV, LP]: A k_p
+        ak = tl.dot(ao, tl.trans(ko), tl.dot(ae, tl.trans(ke), input_precision=PREC),
+                    input_precision=PREC)  # [BV, LP]: A k_p
         rhs = bvec[None, :] * (wt - ecp[None, :] * ak)
         U = tl.zeros([BV, LP], tl.float32)
         for p in range(0, n):
@@ -110,8 +110,8 @@ def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V,
             U = tl.where(sel[None, :], u[:, None], U)
         wt = U
     wm = wt * m[None, :]
-    se = eg * ae + tl.dot(wm, ke, input_precision="ieee")
-    so = eg * ao + tl.dot(wm, ko, input_precision="ieee")
+    se = eg * ae + tl.dot(wm, ke, input_precision=PREC)
+    so = eg * ao + tl.dot(wm, ko, input_precision=PREC)
     return se, so, wt
 
 
@@ -189,8 +189,8 @@ def _flush_kernel(
         NEED_AMAX: tl.constexpr, SOLVE: tl.constexpr, LOOP: tl.constexpr,
         SINGLE: tl.constexpr, PHASE: tl.constexpr,
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
-        RANK1: tl.constexpr = False, KEYS_IN: tl.constexpr = False, SH_HEAD: tl.constexpr = 1,
-        SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
+        RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", KEYS_IN: tl.constexpr = False,
+        SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
     # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
@@ -263,7 +263,7 @@ def _flush_kernel(
             else:
                 se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
                                          n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
-                                         K, KH, BV, LP, SOLVE, A)
+                                         K, KH, BV, LP, SOLVE, A, PREC)
                 if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
                     tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
                              mask=rmask[:, None] & (idx < J)[None, :])
@@ -306,11 +306,11 @@ def _flush_kernel(
                 if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
                     se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, u_ptr, mat, b, h, rows,
                                              rmask, n, H, V, J, idx, live, m, eg, ecp, bvec, cf,
-                                             ke, ko, K, KH, BV, LP, False, A)
+                                             ke, ko, K, KH, BV, LP, False, A, PREC)
                 else:
                     se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows,
                                              rmask, n, H, V, J, idx, live, m, eg, ecp, bvec, cf,
-                                             ke, ko, K, KH, BV, LP, SOLVE, A)
+                                             ke, ko, K, KH, BV, LP, SOLVE, A, PREC)
                 if SOLVE and PHASE == 0:
                     tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
                              mask=rmask[:, None] & (idx < J)[None, :])
@@ -440,7 +440,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
             S, qq, y, amax, H, G, V, J)
     consts = dict(K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
                   Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
-                  SINGLE=single, RANK1=reconstruct == "rank1", num_warps=num_warps,
+                  SINGLE=single, RANK1=reconstruct == "rank1",
+                  PREC="tf32x3" if reconstruct == "tf32x3" else "ieee", num_warps=num_warps,
                   A=_decode_consts(aspec),
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)

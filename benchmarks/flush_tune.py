@@ -53,7 +53,7 @@ from replayssm_quant.capabilities import triton_interpreting  # noqa: E402
 from replayssm_quant.checkpoints import checkpoint_streams  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.kernels.replay.flush import (DEFAULT_BV_FLUSH, DEFAULT_VARIANT,  # noqa: E402
-                                                  DEFAULT_WARPS_FLUSH)
+                                                  DEFAULT_WARPS_FLUSH, flush_config)
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import core, gdn_flush, mamba2_flush  # noqa: E402
@@ -86,9 +86,9 @@ def geometries(tiny):
     return [Geo("gdn", 256, 32, 16, 128, 128, 16), Geo("mamba2", 256, 128, 1, 64, 128, 16)]
 
 
-def candidates(V, tiny):
-    """(variant, block_v, num_warps, reconstruct), most promising first; the default first,
-    then the first ``rank1`` configuration (each form's first is the one its other
+def candidates(V, tiny, need_amax=False):
+    """(variant, block_v, num_warps, reconstruct), most promising first; the default of a call
+    (``flush.flush_config``) first, then the rest (each form's first is the one its other
     configurations are compared with bit for bit). One tile per matrix (block_v >= V) is the
     same kernel for both variants (listed as "grid")."""
     single = max(16, triton.next_power_of_2(V))
@@ -110,7 +110,7 @@ def candidates(V, tiny):
             ("loop", 32, 4), ("grid", 32, 8), ("grid", single, 4), ("loop", 64, 8),
             ("grid", 64, 8), ("loop", 16, 4))]
     out = []
-    for var, bv, nw, form in cands:
+    for var, bv, nw, form in [flush_config(V, need_amax)] + cands:
         if bv >= V:  # one tile: the variants coincide; the smallest such block
             var, bv = "grid", single
         if (var, bv, nw, form) not in out:
@@ -293,8 +293,8 @@ def main():
                         "python": platform.python_version(),
                         "cuda": torch.version.cuda},
            "command": " ".join(sys.argv),
-           "default": {"variant": DEFAULT_VARIANT, "block_v": DEFAULT_BV_FLUSH,
-                       "num_warps": DEFAULT_WARPS_FLUSH, "reconstruct": "dot"},
+           "default": "flush.flush_config(V, need_amax): the first configuration of each "
+                      "(model, policy)",
            "timing": (f"median of {reps} calls, CUDA events per call, inputs rotated over the "
                       "pool, one warm-up call per set" if not args.tiny else
                       "host timer (interpreter), not a measurement"),
@@ -315,8 +315,9 @@ def main():
     if jobs > 0:
         tasks = [(M.name, pname, cfg, args.tiny, False) for M in geometries(args.tiny)
                  if M.name in models for pname in args.policies.split(",")
-                 for cfg in candidates(M.V, args.tiny)]
-        tasks += [(M.name, pname, candidates(M.V, args.tiny)[0], args.tiny, True)
+                 for cfg in candidates(M.V, args.tiny, pname == "nvfp4")]
+        tasks += [(M.name, pname, candidates(M.V, args.tiny, pname == "nvfp4")[0], args.tiny,
+                   True)
                   for M in geometries(args.tiny) if M.name in models
                   for pname in args.policies.split(",")]  # the reference check's S-writing form
         try:
@@ -345,7 +346,7 @@ def main():
             pool = [probe] + [make_set(M, gen, policy) for _ in range(n - 1)]
             pres = mres["policies"][pname] = {"policy": POLICIES[pname], "pool": n,
                                               "set_bytes": per, "configs": []}
-            cands = candidates(M.V, args.tiny)
+            cands = candidates(M.V, args.tiny, pname == "nvfp4")  # nvfp4: a matrix scale
             default = cands[0]
             firsts = {}  # reconstruct form -> its first configuration
             for c in cands:

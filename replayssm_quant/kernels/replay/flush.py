@@ -51,7 +51,7 @@ from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, 
                     _matrix_scale, _stored_args)
 from .records import _check_tile, _lp
 
-DEFAULT_BV_FLUSH = 32  # flush_tune.py candidate 0 (the defaults of a call: flush_config)
+DEFAULT_BV_FLUSH = 32  # a flush_tune.py candidate (the first sweep's default); a call's: flush_config
 DEFAULT_WARPS_FLUSH = 4
 # "grid": one program per (matrix, tile of BV value rows); casts with a matrix scale (fp8,
 # nvfp4) then take two launches (tile amax by atomic max, then reconstruct again and cast).
@@ -60,22 +60,30 @@ DEFAULT_WARPS_FLUSH = 4
 # from registers and S is reconstructed once.
 FLUSH_VARIANTS = ("grid", "loop")
 DEFAULT_VARIANT = "grid"
-# How a tile folds its records: "dot" (FP32 FMA dots of [BV, LP] x [LP, K/2] operand tiles) or
-# "rank1" (one rank-1 update per record slot, in slot order; _flush_tile_rank1).
+# How a tile folds its records: "dot" (FP32 FMA dots of [BV, LP] x [LP, K/2] operand tiles),
+# "rank1" (one rank-1 update per record slot, in slot order; _flush_tile_rank1) or "tf32x3" (the
+# dot form on tensor cores: three TF32 products of the split operands, about FP32 accuracy).
 RECONSTRUCT_FORMS = ("dot", "rank1", "tf32x3")
 
 
 def flush_config(V: int, need_amax: bool) -> tuple[str, int, int, str]:
-    """Default launch ``(variant, block_v, num_warps)`` of a flush: the fastest configuration
-    of ``benchmarks/flush_tune.py`` on the H200 at B = 256 (benchmarks/results/
-    flush_tune_h200.json): casts with a matrix scale (fp8, nvfp4) ``grid`` 64 x 8 warps (GDN
-    5.2 ms, Mamba-2 5.5 ms for ``read:nvfp4/rec:fp16+sr``); otherwise a single 64-row tile
-    when V <= 64 (Mamba-2 ``fp32`` 1.9 ms) and ``loop`` 32 x 4 above (GDN ``fp32`` 2.5 ms).
+    """Default launch ``(variant, block_v, num_warps, reconstruct)`` of a flush: the fastest
+    configuration of ``benchmarks/flush_tune.py`` on the H200 at B = 256 over four sweeps on
+    2026-12-01 (the last is benchmarks/results/flush_tune_h200.json; single runs move by
+    10-20%, so a form is the default only where it won in every sweep):
+
+    * V <= 64 (Mamba-2 64 x 128): one 64-row tile, ``tf32x3`` products (``fp32`` 1.32 ms
+      against 1.60 ms for the FP32 FMA dot in the same sweep; with a matrix-scaled copy
+      (``read:nvfp4/rec:fp16+sr``) 8 warps, 4.38 against 4.75-4.81 ms);
+    * V > 64 (GDN 128 x 128): ``loop`` 32 x 4 with the FP32 FMA dot (``fp32``: 2.05-2.35 ms;
+      neither the rank-1 nor the tf32x3 form was faster); with a matrix-scaled copy the
+      ``rank1`` form, ``loop`` 32 x 4 (3.85-4.53 ms against 4.59-5.02 ms for the best dot).
+
     The choice depends only on the shape and the policy, never on the batch."""
-    if need_amax:
-        return "grid", 64, 8, "dot"
     if V <= 64:
-        return "grid", 64, 4, "dot"
+        return "grid", 64, (8 if need_amax else 4), "tf32x3"
+    if need_amax:
+        return "loop", 32, 4, "rank1"
     return "loop", 32, 4, "dot"
 
 
@@ -369,6 +377,13 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     A given configuration is deterministic and independent of B and batch position.
     ``dequantize=False`` skips the wrapper's torch dequantisation of the new copies
     (``Checkpoints.anchor`` / ``.read`` are then None; the stored forms are returned).
+    ``reconstruct`` (:data:`RECONSTRUCT_FORMS`) chooses how a tile folds the records:
+    ``"dot"`` FP32 FMA dots (``input_precision="ieee"``); ``"rank1"`` one rank-1 update per
+    slot in slot order (no dot operand tiles; :func:`_flush_tile_rank1`); ``"tf32x3"`` the dot
+    form on tensor cores with split operands (error about 2^-21 relative per product instead of
+    FP32's 2^-24; at B = 256 on the H200 S was within 4.8e-7 of the float32 torch reference,
+    the FP32 dot within 9.5e-7: ``flush_tune_h200.json`` reference checks). A and R are always
+    the casts of the kernel's own S, bit for bit.
     ``keys_in_kernel=True`` packs the SR stream keys inside the kernel from the sequence ids
     and flush indices (the keys of :func:`checkpoint_streams`, with no host work and no extra
     launch; ``layer`` and the head count are range-checked on the host, the per-sequence

@@ -92,10 +92,8 @@ def candidates(V, tiny, need_amax=False):
     configurations are compared with bit for bit). One tile per matrix (block_v >= V) is the
     same kernel for both variants (listed as "grid")."""
     single = max(16, triton.next_power_of_2(V))
-    if tiny:
-        cands = [(DEFAULT_VARIANT, DEFAULT_BV_FLUSH, DEFAULT_WARPS_FLUSH, "dot"),
-                 ("grid", 16, 4, "rank1"), ("grid", single, 4, "dot"), ("grid", 16, 4, "dot"),
-                 ("loop", 16, 4, "dot"), ("grid", single, 4, "rank1"), ("grid", 16, 4, "tf32x3")]
+    if tiny:  # the call default (one tile), then several tiles of each variant and form
+        cands = [("grid", 16, 4, "rank1"), ("loop", 16, 4, "dot"), ("grid", 16, 4, "dot")]
     else:
         cands = [(DEFAULT_VARIANT, DEFAULT_BV_FLUSH, DEFAULT_WARPS_FLUSH, "dot")]
         cands += [c + ("rank1",) for c in (

@@ -35,4 +35,4 @@ def test_flush_tune_tiny(tmp_path):
         assert c["reps"] >= 1 and c["pool"] >= 4
     assert cfgs[0]["anchor_bytes_differ"] == 0 and cfgs[0]["read_bytes_differ"] == 0
     assert pol["best"]["median_us"] > 0 and "median_us" in pol["default_with_dequantize"]
-    assert pol["default_keys_in_kernel"]["same_bytes"] is True  # SR bits: keys packed in kernel
+    assert pol["default_host_keys"]["same_bytes"] is True  # SR bits: keys packed in kernel

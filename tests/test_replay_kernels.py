@@ -272,7 +272,7 @@ def test_flush_configs(policy, model, exact):
             continue
         # serving form: S not written, no torch dequantisation; the same stored copies
         # (and with the stream keys packed in the kernel: the same SR bits)
-        for extra in ({}, {"keys_in_kernel": True}):
+        for extra in ({}, {"keys_in_kernel": False}):
             res2, y2 = run(block_v=bv, num_warps=nw, variant=variant, reconstruct=form,
                            store_state=False, dequantize=False, **extra)
             assert res2.state is None and res2.checkpoints.anchor is None
@@ -652,10 +652,11 @@ def test_records_launch_options_refused(bad):
 
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])
 def test_flush_keys_in_kernel_extreme_fields(model):
-    """``keys_in_kernel=True`` packs the same stream keys as :func:`checkpoint_streams` at the
-    edges of every field (layer 255, sequence id 2^20 - 1, flush index 2^24 - 1, the top key
-    bits): A and R bytes equal the host-keyed flush for an SR dual policy; a layer out of range
-    is refused on the host."""
+    """``keys_in_kernel=True`` (the default) packs the same stream keys as
+    :func:`checkpoint_streams` at the edges of every field (layer 255, sequence id 2^20 - 1,
+    flush index 2^24 - 1, the top key bits): A and R bytes equal the host-keyed flush for an SR
+    dual policy; a layer out of range is refused on the host, a sequence id or flush index out
+    of range by the device-side assertion."""
     gen = _gen(13)
     pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr")
     A, la, k, v, beta, q = _config_inputs(gen, False, 40)
@@ -669,11 +670,14 @@ def test_flush_keys_in_kernel_extreme_fields(model):
             return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, q=q, **kw)
         return kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **kw)
 
-    host, _ = run(**streams)
-    kern, _ = run(keys_in_kernel=True, **streams)
+    host, _ = run(keys_in_kernel=False, **streams)
+    kern, _ = run(**streams)  # the default: keys packed in the kernel
     _same_stored(kern.checkpoints, host.checkpoints)
     with pytest.raises(ValueError, match="layer"):
         run(keys_in_kernel=True, **dict(streams, layer=256))
+    for field, bad in (("sequence_ids", [1 << 20, 0]), ("flush_index", [-1, 7])):
+        with pytest.raises(RuntimeError):  # the device-side range check (CPU: at once)
+            run(keys_in_kernel=True, **dict(streams, **{field: torch.tensor(bad, device=DEVICE)}))
 
 
 def _decode_run(family, policy, rows, backend, gen_seed=41):

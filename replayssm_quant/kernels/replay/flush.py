@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
-from ...philox import STREAM_SHIFTS, stream_key, stream_keys_to
+from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import require_policy
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _cast_store_full, _load_full,
@@ -355,7 +355,7 @@ def _flush_kernel(
 def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, sequence_ids,
                  flush_index, q=None, store_state: bool = True, block_v: int | None = None,
                  num_warps: int | None = None, variant: str | None = None,
-                 beta=None, dequantize: bool = True, keys_in_kernel: bool = False,
+                 beta=None, dequantize: bool = True, keys_in_kernel: bool | None = None,
                  reconstruct: str | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
@@ -384,10 +384,13 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     FP32's 2^-24; at B = 256 on the H200 S was within 4.8e-7 of the float32 torch reference,
     the FP32 dot within 9.5e-7: ``flush_tune_h200.json`` reference checks). A and R are always
     the casts of the kernel's own S, bit for bit.
-    ``keys_in_kernel=True`` packs the SR stream keys inside the kernel from the sequence ids
-    and flush indices (the keys of :func:`checkpoint_streams`, with no host work and no extra
-    launch; ``layer`` and the head count are range-checked on the host, the per-sequence
-    fields are not checked; not yet timed on a GPU, default off).
+    ``keys_in_kernel`` (default True) packs the SR stream keys inside the kernel from the
+    sequence ids and flush indices: the keys of :func:`checkpoint_streams`, with no host work
+    and no extra key launches (``layer`` and the head count are range-checked on the host, the
+    per-sequence fields by one device-side assertion, ``torch._assert_async``, which raises at
+    the next synchronisation on CUDA and at once on CPU). On the H200 the same A and R bytes
+    (``flush_tune_h200.json``) and up to 0.5 ms less per B = 256 flush than the device-built
+    keys. ``False`` takes the keys of :func:`checkpoint_streams`.
 
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
@@ -412,12 +415,17 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     J = la.shape[1]
     G = k.shape[2]
     dev = w.device
+    if keys_in_kernel is None:
+        keys_in_kernel = True
     if keys_in_kernel:
         stream_key(layer=layer, head=H - 1)  # host range check of the host fields
         sh = STREAM_SHIFTS
         sa = sequence_ids.to(device=dev, dtype=torch.int64).reshape(-1).contiguous()
         sr = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)
         sr = sr.expand(B).contiguous() if sr.numel() == 1 else sr.contiguous()
+        width = dict(STREAM_FIELDS)  # the per-sequence fields: checked on the device (no sync)
+        torch._assert_async(((sa >= 0) & (sa < (1 << width["sequence"]))).all()
+                            & ((sr >= 0) & (sr < (1 << width["flush"]))).all())
         kbits = int(layer) << sh["layer"]
         key_consts = dict(KEYS_IN=True, SH_HEAD=sh["head"], SH_SEQ=sh["sequence"],
                           SH_FLUSH=sh["flush"])
@@ -486,7 +494,7 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         flush_index, q=None, store_state: bool = True,
                         block_v: int | None = None, num_warps: int | None = None,
                         variant: str | None = None, dequantize: bool = True,
-                        keys_in_kernel: bool = False, reconstruct: str | None = None):
+                        keys_in_kernel: bool | None = None, reconstruct: str | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
@@ -500,7 +508,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      flush_index, u_cached=None, fold_cached_corrections: bool = False, q=None,
                      store_state: bool = True, block_v: int | None = None,
                      num_warps: int | None = None, variant: str | None = None,
-                     dequantize: bool = True, keys_in_kernel: bool = False,
+                     dequantize: bool = True, keys_in_kernel: bool | None = None,
                      reconstruct: str | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:

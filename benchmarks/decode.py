@@ -589,7 +589,7 @@ def main(argv=None):
                         "step + flush) / L", "the timed flush is the serving form: stored anchor in, "
                         "stored A and R out (dequantize=False), the flush token's S q, S not "
                         "written; GDN's correction solve is fused into the flush kernel; the "
-                        "SR stream keys packed inside the flush kernel (keys_in_kernel, the "
+                        "SR stream keys are packed inside the flush kernel (keys_in_kernel, the "
                         "default since 2026-12-01; before: checkpoint_streams, in the timing)",
                         "verify_T8_vs_step: worst start h over the mean FP32 non-flush step",
                         "verify timings include the wrappers' host sync (bool(at_flush.any()))"

@@ -41,7 +41,14 @@ __all__ = ["mamba2_emulate_fast", "gdn_emulate_fast", "exact_scan", "GROUP_ELEME
            "GROUP_ELEMENTS_CUDA"]
 
 GROUP_ELEMENTS = 1 << 24  # bound on the elements of a per-group stacked tensor (memory)
-GROUP_ELEMENTS_CUDA = 1 << 26  # on CUDA: fewer, larger groups (launches), ~256 MB per tensor
+# On CUDA: fewer, larger groups. A group's torch work is ~30 small ops whatever its size, so
+# with small groups the dual policies are bound by the host (one 3.4B qwen3_5 GDN layer, a
+# 4096-token segment, B = 1: 11 groups, 9 ms of kernels in 22-25 ms; emulation_profile_h200.json).
+# The bound is GROUP_ELEMENTS_CUDA_MAX elements per stacked tensor (1 GiB of float32), lowered
+# to 1/64 of the free device memory (a group holds about 8 such tensors), never below
+# GROUP_ELEMENTS_CUDA. Results do not depend on the grouping (test_emulation_kernels).
+GROUP_ELEMENTS_CUDA = 1 << 26
+GROUP_ELEMENTS_CUDA_MAX = 1 << 28
 
 
 @dataclass
@@ -124,8 +131,10 @@ def _outputs(p: _Prep, R: torch.Tensor) -> torch.Tensor:
 
 def _group_size(Bz: int, H: int, V: int, K: int, L: int, device=None) -> int:
     per_window = Bz * H * (3 * V * K + K * K + 4 * L * (V + K))
-    cap = GROUP_ELEMENTS_CUDA if device is not None and torch.device(device).type == "cuda" \
-        else GROUP_ELEMENTS
+    cap = GROUP_ELEMENTS
+    if device is not None and torch.device(device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+        cap = max(GROUP_ELEMENTS_CUDA, min(GROUP_ELEMENTS_CUDA_MAX, free // 64 // 4))
     return max(1, cap // per_window)
 
 

@@ -1,0 +1,108 @@
+"""Where one GDN layer's teacher-forced emulation spends its GPU time (issue 15's emulation
+item): ``window_fast.gdn_emulate_fast`` on one segment of a 3.4B-shaped ``qwen3_5`` GDN layer
+(B = 1, 16 key heads / 32 value heads, 128 x 128 state, segment 4096 tokens, L = 16) under each
+policy, timed with CUDA events and profiled with ``torch.profiler``: the CUDA kernels' total
+time, by kernel name, per call.
+
+Usage (device)::
+
+    python benchmarks/emulation_profile.py --out $OUT/emulation_profile_h200.json
+
+``--tiny`` runs a small shape on CPU (interpreter kernels), as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if "--tiny" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("REPLAYSSM_BACKEND", "triton")
+
+import torch  # noqa: E402
+
+from replayssm_quant.config import StateConfig  # noqa: E402
+from replayssm_quant.replay import window as W  # noqa: E402
+from replayssm_quant.replay import window_fast as WF  # noqa: E402
+
+POLICIES = ["fp32", "shared:nvfp4+sr", "read:nvfp4/rec:fp32", "read:nvfp4/rec:fp16+sr"]
+
+
+def inputs(B, T, G, H, K, V, dev, seed=0):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    q = torch.nn.functional.normalize(r(B, T, G, K), dim=-1)
+    k = torch.nn.functional.normalize(r(B, T, G, K), dim=-1)
+    v = r(B, T, H, V)
+    g = torch.log(0.9 + 0.0999 * torch.rand(B, T, H, generator=gen, device=dev))
+    beta = torch.sigmoid(r(B, T, H))
+    return q, k, v, g, beta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--policies", nargs="+", default=POLICIES)
+    args = ap.parse_args(argv)
+    dev = "cpu" if args.tiny else "cuda"
+    B, T, G, H, K, V, L = (1, 64, 1, 2, 32, 16, 4) if args.tiny else (1, 4096, 16, 32, 128, 128,
+                                                                       16)
+    q, k, v, g, beta = inputs(B, T, G, H, K, V, dev)
+    S0 = torch.randn(B, H, V, K, device=dev) * 0.3
+    out = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "shape": dict(B=B, T=T, G=G, H=H, K=K, V=V, L=L),
+           "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
+           "policies": {}}
+    for pol in args.policies:
+        config = StateConfig.build(pol, window=L, seed=3)
+
+        def call():
+            carry = W.initial_carry(S0, config, layer=1)
+            return WF.gdn_emulate_fast(carry, q, k, v, g, beta, config=config)
+
+        call()  # compile / warm
+        ts = []
+        for _ in range(args.reps):
+            if dev == "cuda":
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                s.record()
+                call()
+                e.record()
+                torch.cuda.synchronize()
+                ts.append(s.elapsed_time(e) * 1e3)
+            else:
+                t0 = time.perf_counter()
+                call()
+                ts.append((time.perf_counter() - t0) * 1e6)
+        entry = {"median_us": statistics.median(ts), "runs_us": ts}
+        if dev == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+            rows = []
+            for ev in prof.key_averages():
+                t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                if t > 0:
+                    rows.append({"name": ev.key[:160], "calls": ev.count, "device_us": t})
+            rows.sort(key=lambda r: -r["device_us"])
+            entry["kernels"] = rows[:25]
+            entry["device_us_total"] = sum(r["device_us"] for r in rows)
+        out["policies"][pol] = entry
+        print(pol, round(entry["median_us"]), flush=True)
+        for r in entry.get("kernels", [])[:12]:
+            print(f"   {r['device_us']:10.0f} us {r['calls']:5d}x {r['name'][:100]}")
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

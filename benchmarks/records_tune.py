@@ -25,6 +25,7 @@ Usage::
 
     python benchmarks/records_tune.py --out $OUT/records_tune_h200.json          # device
     python benchmarks/records_tune.py --tiny --out /tmp/records_tune_tiny.json   # CPU interpreter
+    python benchmarks/records_tune.py --set verify2 --out $OUT/records_tune_verify2_h200.json
 """
 
 from __future__ import annotations
@@ -87,7 +88,22 @@ PREFETCH_VERIFY_CANDIDATES = [
     (64, 4, 32, 2, "tf32x3", False), (64, 4, 32, 2, "tf32x3", True),
     (128, 4, 64, 2, "tf32x3", False), (128, 4, 64, 2, "tf32x3", True),
 ]
-KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch")
+# the matrix forms of verify (solve="inverse" | "doubling", the 7th field; not yet timed): the
+# GDN T x T system inverted once per program on scalars and applied to the value rows as small
+# products, the T outputs as products with masked decay matrices (records.records_outputs).
+# The current defaults (substitution) first, for comparison in the same run; the step
+# defaults for the verify / step ratio (docs/kernels-replay.md, issue 15: <= 1.3x).
+VERIFY2_STEP_CANDIDATES = [(64, 4, 128, 1, False), (64, 4, 32, 3, False)]
+VERIFY2_VERIFY_CANDIDATES = [
+    (64, 4, 32, 2, "tf32x3", False, "substitution"),
+    (128, 4, 64, 2, "tf32x3", False, "substitution"),
+    (64, 4, 32, 2, False, False, "substitution"),
+    (64, 4, 32, 2, "tf32x3", False, "inverse"), (64, 4, 32, 2, "tf32x3", False, "doubling"),
+    (64, 4, 64, 2, "tf32x3", False, "inverse"), (32, 4, 32, 2, "tf32x3", False, "inverse"),
+    (128, 4, 64, 2, "tf32x3", False, "inverse"), (64, 4, 32, 2, True, False, "inverse"),
+    (64, 4, 32, 2, False, False, "inverse"), (64, 8, 64, 2, "tf32x3", False, "doubling"),
+]
+KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -104,7 +120,8 @@ def cases(M, T):
     """(case name, candidate list, h): step at h = 7, verify at h = 0 and h = L - T."""
     hs = min(7, M.L - 2)
     step, ver = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
-                 "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES)}.get(
+                 "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES),
+                 "verify2": (VERIFY2_STEP_CANDIDATES, VERIFY2_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -119,8 +136,8 @@ def cfg_dict(c):
 
 
 def skip(M, c):
-    if len(c) > 5 and not M.gdn:  # prefetch changes only GDN's solve
-        return True
+    if not M.gdn and (len(c) == 6 or (len(c) > 6 and (c[5] or c[6] == "doubling"))):
+        return True  # prefetch and the inverse's form change only GDN's solve
     return M.V >= 64 and c[0] > M.V  # value tile larger than the value dim: same work, masked
 
 
@@ -220,10 +237,12 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--ref-seqs", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
-    ap.add_argument("--set", default="all", choices=("all", "tf32", "prefetch"),
+    ap.add_argument("--set", default="all", choices=("all", "tf32", "prefetch", "verify2"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults) or "
-                         "prefetch (GDN's solve with v/beta prefetched, against the defaults)")
+                         "prefetch (GDN's solve with v/beta prefetched, against the defaults) or "
+                         "verify2 (verify's matrix forms, solve='inverse'/'doubling', against "
+                         "the defaults, plus the default steps)")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # worker: "i/n"
     args = ap.parse_args(argv)
     global CANDIDATE_SET

@@ -896,3 +896,28 @@ def test_records_solve_option_refused(bad):
                         ring_w=z(1, 4, 2, 16), q=z(1, 1, 1, 32), start=z(1, dtype=torch.int64),
                         rows=z(1, dtype=torch.int64), out_start=z(1, dtype=torch.int64),
                         block_v=16, num_warps=4, solve=bad)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn-fold", "gdn"])
+def test_verify_shared_anchor_skips_second_launch(family, monkeypatch):
+    """``anchor is read`` (single-checkpoint policies): Mamba-2 and GDN with cached corrections
+    make one launch (the A path is the R path's formula on the same bytes), GDN's recompute
+    path still two; outputs match the reference (and the two-launch result) to 1e-5, the
+    flush-slot sequence included."""
+    R, R_st, _, _, args = _matrix_case("nvfp4", family)
+    want = _matrix_reference(R, R, args, family)
+    calls = []
+    real = kr.records.records_outputs
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kr.records, "records_outputs", counting)
+    got = _matrix_verify(R_st, R_st, args, family)
+    assert len(calls) == (2 if family == "gdn" else 1)
+    two = _matrix_verify(R_st, R_st, args, family, skip_shared_anchor=False)
+    assert len(calls) == (4 if family == "gdn" else 3)
+    for g_, t_, w_ in zip(got, two, want, strict=True):
+        torch.testing.assert_close(g_, w_, **TOL)
+        torch.testing.assert_close(t_, w_, **TOL)

@@ -688,7 +688,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          block_v: int | None = None, num_warps: int | None = None,
                          k_chunk: int | None = None, num_stages: int | None = None,
                          use_dot: "bool | str | None" = None, prefetch: bool | None = None,
-                         solve: str | None = None):
+                         solve: str | None = None, skip_shared_anchor: bool = True):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two launches, no host synchronisation (the second runs only for
@@ -696,7 +696,11 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless
     given; ``solve="inverse"`` / ``"doubling"`` (the same kernel for Mamba-2, which has no
     system): the T outputs as two small products instead of one reduction per query (see
-    :func:`records_outputs`)."""
+    :func:`records_outputs`). ``skip_shared_anchor`` (default on): when ``anchor is read``
+    (single-checkpoint policies: ``fp32``, ``shared:F``) the A path of the flush-slot draft is
+    the R path's formula on the same bytes, which the first launch already computed, so the
+    second launch is not made (the output is the first launch's value, within the outputs'
+    tolerance of the second launch's; one launch fewer, never slower)."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
@@ -708,6 +712,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     n = start + T
     kw = dict(ring_la=la, ring_k=k, ring_w=v, start=n, rows=n)
     y = records_outputs(read, q=q, out_start=start, **kw, **cfg)
+    if skip_shared_anchor and anchor is read:
+        return y
     records_outputs(anchor, q=q[:, T - 1:], out_start=n - 1, out=y, out_slot=T - 1,
                     at_window=window, **kw, **_config(cfg, use_dot=False))
     return y
@@ -717,7 +723,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       fold_cached_corrections: bool = False, *, block_v: int | None = None,
                       num_warps: int | None = None, k_chunk: int | None = None,
                       num_stages: int | None = None, use_dot: "bool | str | None" = None,
-                      prefetch: bool | None = None, solve: str | None = None):
+                      prefetch: bool | None = None, solve: str | None = None,
+                      skip_shared_anchor: bool = True):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -728,7 +735,10 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     ``"substitution"`` (default), or the matrix forms ``"inverse"`` / ``"doubling"``: the
     T x T system (and, in the anchor launch, the ``window`` x ``window`` one) inverted once
     per program on scalars and applied to the value rows as small products (see
-    :func:`records_outputs`)."""
+    :func:`records_outputs`). ``skip_shared_anchor`` (default on): with
+    ``fold_cached_corrections`` and ``anchor is read`` the A path is the R path's formula on the
+    same bytes and corrections, already computed by the first launch: no second launch (the
+    recompute path always re-solves against A)."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
@@ -746,6 +756,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     uR = torch.where(length_mask(n, J)[:, :, None, None], uR, 0.0)
     last = dict(q=q[:, T - 1:], out_start=n - 1, out=o, out_slot=T - 1, at_window=window)
     if fold_cached_corrections:
+        if skip_shared_anchor and anchor is read:
+            return o, uR
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=uR, start=n, rows=n, **last,
                         **_config(cfg, use_dot=False))
     else:

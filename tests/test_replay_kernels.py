@@ -921,3 +921,52 @@ def test_verify_shared_anchor_skips_second_launch(family, monkeypatch):
     for g_, t_, w_ in zip(got, two, want, strict=True):
         torch.testing.assert_close(g_, w_, **TOL)
         torch.testing.assert_close(t_, w_, **TOL)
+
+
+@pytest.mark.parametrize("solve", SOLVES)
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+def test_gdn_verify_fused_shared_anchor(read_fmt, solve, monkeypatch):
+    """``fuse_shared_anchor=True`` (anchor is read, recompute path): one launch; outputs and
+    corrections match the reference to 1e-5, the flush-slot sequence's last output is the A
+    path's (every row re-solved; not the cached-corrections value), each sequence's bits are
+    the same alone (sliced to its own J) and in the batch."""
+    R, R_st, _, _, args = _matrix_case(read_fmt, "gdn")
+    want = _matrix_reference(R, R, args, "gdn")
+    calls = []
+    real = kr.records.records_outputs
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kr.records, "records_outputs", counting)
+    got = kr.gdn_verify_kernel(R_st, R_st, *args, solve=solve, fuse_shared_anchor=True)
+    assert len(calls) == 1
+    monkeypatch.undo()
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_, **TOL)
+    cached = gdn_verify(R, R, *args[:-1], GDNFold.CACHED)[0]
+    assert not torch.allclose(got[0][0, MT_ - 1], cached[0, MT_ - 1], **TOL)
+    for i in range(len(MSTARTS)):
+        J = MSTARTS[i] + MT_
+        sl = [x[i:i + 1][:, :J] if isinstance(x, torch.Tensor) and x.dim() >= 3
+              and x.shape[1] == args[0].shape[1] else
+              (x[i:i + 1] if isinstance(x, torch.Tensor) else x) for x in args]
+        st = R_st if isinstance(R_st, torch.Tensor) else None
+        if st is None:
+            cut = lambda t_: None if t_ is None else t_[i:i + 1]  # noqa: E731
+            st = dataclasses.replace(R_st, codes=cut(R_st.codes),
+                                     block_scales=cut(R_st.block_scales),
+                                     matrix_scale=cut(R_st.matrix_scale),
+                                     shape=torch.Size((1, *R_st.shape[1:])))
+        else:
+            st = st[i:i + 1]
+        alone = kr.gdn_verify_kernel(st, st, *sl, solve=solve, fuse_shared_anchor=True)
+        for a_, f_ in zip(alone, got, strict=True):
+            assert torch.equal(_bits(a_[0]), _bits(f_[i, :a_.shape[1]])), i
+
+
+def test_gdn_verify_fused_needs_matrix_form():
+    R, R_st, _, _, args = _matrix_case("fp32", "gdn")
+    with pytest.raises(ValueError, match="fuse_shared_anchor"):
+        kr.gdn_verify_kernel(R_st, R_st, *args, solve="substitution", fuse_shared_anchor=True)

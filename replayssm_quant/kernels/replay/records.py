@@ -219,17 +219,18 @@ def _unit_upper_inverse(MT, cx, n_rows, NX: tl.constexpr, SOLVE: tl.constexpr,
 
 
 @triton.jit
-def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0,
-                    dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT, OT0,
+def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0, cs,
+                    window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT, OT0,
                     NS: tl.constexpr, NX: tl.constexpr, GDN: tl.constexpr,
                     D_REL: tl.constexpr, WRITE_W: tl.constexpr, SOLVE: tl.constexpr,
-                    NSQ: tl.constexpr):
+                    NSQ: tl.constexpr, FUSED: tl.constexpr):
     """Matrix form of the records kernel's solve and outputs (``solve="inverse"`` /
     ``"doubling"``): the coefficients are built once per program on scalars and applied to the
     ``BV`` value rows as small products (FP32 ``tl.dot``, ``input_precision="ieee"``).
 
     Columns ``c`` of ``Y [BV, NX] = C X``, ``Z [LP, NX] = K X`` (and ``Zd [NX, NX]``, GDN: the
-    solved rows' keys times X) index solved rows ``s_c = ss + c`` for ``c < NS`` and queries at
+    key columns' keys times X) index key rows ``s_c = cs + c`` for ``c < NS`` (solved when
+    ``ss <= s_c < n``; ``cs = ss``, or 0 with ``FUSED``) and queries at
     ``p_c = o0 + c - NS`` for ``NS <= c < NS + TQ``; ``U [LP, BV]`` holds the known records
     ``w_i`` (GDN: rows ``< ss``; Mamba-2: rows ``< n``); ``cvec [LP]`` the cumulative log decays
     ``c_i`` (so ``gamma_{i+1:p} = exp(c_p - c_i)``, DESIGN.md section 3).
@@ -244,11 +245,16 @@ def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, 
     Outputs ``o_p = gamma_{1:p} (C q) + sum_{j<=p} gamma_{j+1:p} (k_j . q) w_j`` as
     ``O^T = Y diag(gamma_{1:p}) + U^T D_known + U_s^T D_solved`` with the masked decay matrices
     ``D[j, c] = [j <= p_c] gamma_{j+1:p_c} (k_j . q_c)``.
+    ``FUSED`` (C is both the read copy and the anchor; key columns are slots ``0..NS-1``): a
+    sequence with ``n == window`` also solves the whole ``n x n`` system against C with no
+    cached rows (the A path of DESIGN.md section 3's speculative decoding, as
+    :func:`replay.gdn.gdn_verify` recomputes it) and its last query's output is the A path's.
     Writes the outputs (and, ``WRITE_W``, the corrections of rows ``ss..n-1``)."""
     col_d = cx < NS
-    dvalid = col_d & (ss + cx < n)  # solved rows
+    dload = col_d & (cs + cx < n)  # key rows with records
+    dvalid = dload & (cs + cx >= ss)  # solved rows (read path)
     qvalid = (cx >= NS) & (cx < NS + TQ)  # queries
-    pos = tl.where(col_d, ss + cx, o0 + cx - NS)  # slot of each column
+    pos = tl.where(col_d, cs + cx, o0 + cx - NS)  # slot of each column
     cpos = tl.sum(tl.where(idx[:, None] == pos[None, :], cvec[:, None], 0.0), axis=0)  # [NX]
     if GDN:
         known = ring
@@ -261,28 +267,43 @@ def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, 
     Ot = Y * tl.where(qvalid, tl.exp(cpos), 0.0)[None, :] + tl.dot(Ut, Dk, input_precision="ieee")
     if GDN:
         if D_REL:
-            dic = tl.where(dvalid, cx, 0).to(tl.int64)
+            dic = tl.where(dload, cx, 0).to(tl.int64)
         else:
-            dic = tl.where(dvalid, ss + cx, 0)
-        bcol = tl.load(dbeta_ptr + (b * TD + dic) * H + h, mask=dvalid, other=0.0)  # [NX]
+            dic = tl.where(dload, cs + cx, 0)
+        bcol = tl.load(dbeta_ptr + (b * TD + dic) * H + h, mask=dload, other=0.0)  # [NX]
         Vd = tl.load(dv_ptr + ((b * TD + dic) * H + h)[None, :] * V + rows[:, None],
-                     mask=dvalid[None, :] & rmask[:, None], other=0.0)  # [BV, NX]
+                     mask=dload[None, :] & rmask[:, None], other=0.0)  # [BV, NX]
         okk = dvalid[None, :] & known[:, None]  # i < ss <= s_c
         Rk = tl.where(okk, -bcol[None, :] * tl.exp(tl.where(okk, dlt, 0.0)) * Z, 0.0)
         ec = tl.where(dvalid, tl.exp(cpos), 0.0)
-        rhs = bcol[None, :] * (Vd - Y * ec[None, :]) + tl.dot(Ut, Rk, input_precision="ieee")
+        bR = tl.where(dvalid, bcol, 0.0)
+        rhs = bR[None, :] * (Vd - Y * ec[None, :]) + tl.dot(Ut, Rk, input_precision="ieee")
         # MT[d', d] = beta_d gamma_{s_d'+1:s_d} (k_d' . k_d), d' < d (both solved rows)
         okm = dvalid[:, None] & dvalid[None, :] & (cx[:, None] < cx[None, :])
         dd = cpos[None, :] - cpos[:, None]
         MT = tl.where(okm, bcol[None, :] * tl.exp(tl.where(okm, dd, 0.0)) * Zd, 0.0)
-        inv = _unit_upper_inverse(MT, cx, n - ss, NX, SOLVE, NSQ)
+        inv = _unit_upper_inverse(MT, cx, n - cs, NX, SOLVE, NSQ)
         Us = tl.dot(rhs, inv, input_precision="ieee")  # [BV, NX]: u of the solved rows
         if WRITE_W:
-            tl.store(wout_ptr + ((b * WCAP + ss + cx) * H + h)[None, :] * V + rows[:, None], Us,
+            tl.store(wout_ptr + ((b * WCAP + cs + cx) * H + h)[None, :] * V + rows[:, None], Us,
                      mask=dvalid[None, :] & rmask[:, None])
         oks = dvalid[:, None] & qvalid[None, :] & (pos[:, None] <= pos[None, :])
         Ds = tl.where(oks, tl.exp(tl.where(oks, dd, 0.0)) * Zd, 0.0)
         Ot += tl.dot(Us, Ds, input_precision="ieee")
+        if FUSED:
+            if n == window:  # the A path: every row re-solved against C, no cached rows
+                last = cx == NS + TQ - 1
+                ecA = tl.where(dload, tl.exp(cpos), 0.0)
+                rhsA = bcol[None, :] * (Vd - Y * ecA[None, :])
+                okmA = dload[:, None] & dload[None, :] & (cx[:, None] < cx[None, :])
+                MTA = tl.where(okmA, bcol[None, :] * tl.exp(tl.where(okmA, dd, 0.0)) * Zd, 0.0)
+                invA = _unit_upper_inverse(MTA, cx, n, NX, SOLVE, NSQ)
+                UsA = tl.dot(rhsA, invA, input_precision="ieee")
+                oksA = dload[:, None] & last[None, :] & (pos[:, None] <= pos[None, :])
+                DsA = tl.where(oksA, tl.exp(tl.where(oksA, dd, 0.0)) * Zd, 0.0)
+                OtA = Y * tl.where(last, tl.exp(cpos), 0.0)[None, :] + \
+                    tl.dot(UsA, DsA, input_precision="ieee")
+                Ot = tl.where(last[None, :], OtA, Ot)
     tl.store(o_ptr + ((b * OT + OT0 + cx - NS) * H + h)[None, :] * V + rows[:, None], Ot,
              mask=qvalid[None, :] & rmask[:, None])
 
@@ -301,10 +322,12 @@ def _records_kernel(
         NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
         STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
-        AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr,
+        AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
         C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
     # SOLVE: 0 row-by-row forward substitution and per-query reductions; 1 / 2 matrix form
-    # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2)
+    # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2).
+    # FUSED (GDN, matrix form, C is both R and A): the key columns of X are slots 0..NS-1
+    # (not ss..), and a sequence with rows == window also gets its A-path last output here.
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -344,11 +367,15 @@ def _records_kernel(
 
     # ---- X: the NC vectors C is multiplied with, columns 0..NS-1 the k of the solved rows
     # ss.. (GDN), then the TQ queries; padded to NX columns (zero)
-    isk = (cx < NS) & (ss + cx < n)
+    if FUSED:
+        cs = ss * 0  # slot of key column 0
+    else:
+        cs = ss
+    isk = (cx < NS) & (cs + cx < n)
     if D_REL:
         dcol = cx.to(tl.int64)
     else:
-        dcol = ss + cx
+        dcol = cs + cx
     kbase = tl.where(isk, ((b * TD + dcol) * G + g) * K, 0)
     isq = (cx >= NS) & (cx < NS + TQ)
     qbase = tl.where(isq, ((b * TQ + (cx - NS)) * G + g) * K, 0)
@@ -359,7 +386,7 @@ def _records_kernel(
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
             x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)
             Y = _add_times_x(Y, x, k0 + tl.arange(0, KC), cx, dk_ptr, q_ptr, kbase, isk, qbase,
-                             isq, b, g, ss, n, G, TD, TQ, NC, NS, K, D_REL, DOT, PREC)
+                             isq, b, g, cs, n, G, TD, TQ, NC, NS, K, D_REL, DOT, PREC)
         if C.KIND == 2:
             Y = Y * tl.load(cms_ptr + mat)  # fp8 matrix scale, after the sum
     else:
@@ -384,10 +411,10 @@ def _records_kernel(
             else:  # block partial sums, the block scale applied to each
                 e3 = k0 + ES * (tl.arange(0, NBC)[:, None] * W + tl.arange(0, W)[None, :])
                 for c in tl.static_range(NC):
-                    xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e3, c, NS, K, D_REL)
+                    xv = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3, c, NS, K, D_REL)
                     part = tl.sum(xe * xv[None, :, :], axis=2)
                     if C.FP4:
-                        xv1 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e3 + 1, c, NS, K,
+                        xv1 = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3 + 1, c, NS, K,
                                      D_REL)
                         part += tl.sum(xo * xv1[None, :, :], axis=2)
                     yc = tl.sum(part * sc, axis=1)
@@ -404,7 +431,7 @@ def _records_kernel(
         kk = k0 + tl.arange(0, KC)
         km = tl.load(rk_ptr + krow[:, None] + kk[None, :], mask=ring[:, None], other=0.0) + \
             tl.load(dk_ptr + kdrow[:, None] + kk[None, :], mask=drf[:, None], other=0.0)
-        Z = _add_times_x(Z, km, kk, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, ss, n, G,
+        Z = _add_times_x(Z, km, kk, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, cs, n, G,
                          TD, TQ, NC, NS, K, D_REL, DOT, PREC)
         if SOLVE > 0 and GDN and NS > 0:  # Gram of the solved rows' keys with X
             kdt = tl.load(dk_ptr + kbase[:, None] + kk[None, :], mask=isk[:, None], other=0.0)
@@ -414,9 +441,9 @@ def _records_kernel(
     cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
 
     if SOLVE > 0:  # matrix form: the solve and the outputs as small products
-        _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0,
-                        dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT, OT0,
-                        NS, NX, GDN, D_REL, WRITE_W, SOLVE, NSQ)
+        _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0, cs,
+                        window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT,
+                        OT0, NS, NX, GDN, D_REL, WRITE_W, SOLVE, NSQ, FUSED)
 
     # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time)
     if GDN and SOLVE == 0:
@@ -498,7 +525,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     block_v: int = DEFAULT_BV, num_warps: int = DEFAULT_WARPS,
                     k_chunk: int | None = None, num_stages: int | None = None,
                     use_dot: "bool | str | None" = None,
-                    prefetch: bool = False, solve: str = "substitution") -> torch.Tensor:
+                    prefetch: bool = False, solve: str = "substitution",
+                    fused_window: int | None = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -541,6 +569,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             Same formula as the reference; the sums are reassociated (last bits differ from
             ``"substitution"``, within the outputs' 1e-5 tolerance). Not yet timed on a GPU
             (``records_tune.py --set verify2``).
+        fused_window: GDN, matrix forms only, ``checkpoint`` being both the read copy and the
+            anchor (single-checkpoint policies): the key columns are slots ``0..solved-1``
+            and a sequence with ``rows == fused_window`` also gets its last output from the
+            A path (every row re-solved against the checkpoint), so verify needs no second
+            launch (see ``_matrix_outputs``).
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, solve).
@@ -579,6 +612,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                   use_dot=use_dot, solve=solve)
     prec = use_dot if isinstance(use_dot, str) else "ieee"
     matrix = SOLVE_FORMS.index(solve)
+    if fused_window is not None and not (gdn and matrix and not draft_relative):
+        raise ValueError(f"fused_window needs gdn=True, draft_relative=False and a matrix form "
+                         f"of solve, got gdn={gdn!r}, draft_relative={draft_relative!r}, "
+                         f"solve={solve!r}")
     NX = max(MIN_DOT if (use_dot or matrix) else 2, triton.next_power_of_2(max(NC, 1)))
     KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
@@ -590,11 +627,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         beta.contiguous(), q.contiguous(), o_arg,
         start, rows, out_start, wo, a_la, a_k, a_v, a_beta,
         H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
-        o.shape[1] if TQ else 1, out_slot, at_window if at_window is not None else -1,
+        o.shape[1] if TQ else 1, out_slot,
+        at_window if at_window is not None else (-1 if fused_window is None else fused_window),
         K=K, BLK=blk, BV=bv, LP=_lp(max(CAP, TD)), NS=NS, NC=NC, NX=NX, KC=KC,
         STAGES=num_stages or 1, DOT=bool(use_dot), PREC=prec, PREFETCH=bool(prefetch),
         GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
-        AT_WINDOW=at_window is not None, SOLVE=matrix,
+        AT_WINDOW=at_window is not None, SOLVE=matrix, FUSED=fused_window is not None,
         NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
         num_warps=num_warps, C=_decode_consts(spec))
     return o
@@ -724,7 +762,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       num_warps: int | None = None, k_chunk: int | None = None,
                       num_stages: int | None = None, use_dot: "bool | str | None" = None,
                       prefetch: bool | None = None, solve: str | None = None,
-                      skip_shared_anchor: bool = True):
+                      skip_shared_anchor: bool = True, fuse_shared_anchor: bool = False):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -738,11 +776,22 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     :func:`records_outputs`). ``skip_shared_anchor`` (default on): with
     ``fold_cached_corrections`` and ``anchor is read`` the A path is the R path's formula on the
     same bytes and corrections, already computed by the first launch: no second launch (the
-    recompute path always re-solves against A)."""
+    recompute path always re-solves against A). ``fuse_shared_anchor`` (default off, untimed;
+    needs a matrix form of ``solve``): for the recompute path with ``anchor is read``, one
+    launch whose X holds the keys of slots ``0..window-1`` (not only the T drafts'; sized by
+    the window, not by J, so the tiles do not depend on the batch; verify's contract
+    ``start + T <= window`` keeps every row inside): the read-path
+    solve as above, and for the sequences at the window the whole system re-solved against
+    the same checkpoint in the same program (``records_outputs(fused_window=window)``);
+    a wider C X product for every sequence instead of a second pass over the state for the
+    ones at the window. With ``anchor is not read`` it has no effect."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve)
+    if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
+        raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
+                         f"solve={cfg.get('solve', 'substitution')!r}")
     T = q.shape[1]
     B, J = la.shape[:2]
     uR = u_known.clone()
@@ -750,6 +799,11 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
         return q.new_zeros(B, 0, la.shape[2], v.shape[3]), uR
     n = start + T
     draft = {"la": la, "k": k, "v": v, "beta": beta}
+    if fuse_shared_anchor and anchor is read and not fold_cached_corrections:
+        o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start,
+                            rows=n, out_start=start, draft=draft, draft_relative=False,
+                            gdn=True, w_out=uR, solved=window, fused_window=window, **cfg)
+        return o, torch.where(length_mask(n, J)[:, :, None, None], uR, 0.0)
     o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start, rows=n,
                         out_start=start, draft=draft, draft_relative=False, gdn=True, w_out=uR,
                         solved=T, **cfg)

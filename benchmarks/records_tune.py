@@ -100,10 +100,16 @@ VERIFY2_VERIFY_CANDIDATES = [
     (64, 4, 32, 2, False, False, "substitution"),
     (64, 4, 32, 2, "tf32x3", False, "inverse"), (64, 4, 32, 2, "tf32x3", False, "doubling"),
     (64, 4, 64, 2, "tf32x3", False, "inverse"), (32, 4, 32, 2, "tf32x3", False, "inverse"),
-    (128, 4, 64, 2, "tf32x3", False, "inverse"), (64, 4, 32, 2, True, False, "inverse"),
-    (64, 4, 32, 2, False, False, "inverse"), (64, 8, 64, 2, "tf32x3", False, "doubling"),
+    (128, 4, 64, 2, "tf32x3", False, "inverse"), (64, 4, 32, 2, False, False, "inverse"),
+    # fp32 policy only (A is R): GDN's recompute path in one launch (fuse_shared_anchor, 8th
+    # field); Mamba-2 with the second launch kept (skip_shared_anchor=False, 9th field: the
+    # behaviour before the skip, for comparison)
+    (64, 4, 32, 2, "tf32x3", False, "inverse", True),
+    (64, 4, 32, 2, "tf32x3", False, "doubling", True),
+    (64, 4, 32, 2, False, False, "substitution", False, False),
 ]
-KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve")
+KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
+        "fuse_shared_anchor", "skip_shared_anchor")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -135,7 +141,11 @@ def cfg_dict(c):
     return dict(zip(KEYS[:len(c)], c, strict=True))
 
 
-def skip(M, c):
+def skip(M, c, fmt):
+    if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):
+        return True  # fusing needs A is R (the fp32 policy) and GDN's recompute path
+    if len(c) > 8 and not c[8] and (M.gdn or fmt != "fp32"):
+        return True  # the skip changes only Mamba-2 under a single checkpoint
     if not M.gdn and (len(c) == 6 or (len(c) > 6 and (c[5] or c[6] == "doubling"))):
         return True  # prefetch and the inverse's form change only GDN's solve
     return M.V >= 64 and c[0] > M.V  # value tile larger than the value dim: same work, masked
@@ -206,7 +216,7 @@ def tasks(models, T):
         for fmt in POLICIES:
             for case, cands, h in cases(M, T):
                 for c in cands:
-                    if not skip(M, c):
+                    if not skip(M, c, fmt):
                         out.append((mi, fmt, case, h, c))
     return out
 
@@ -283,7 +293,7 @@ def main(argv=None):
                 op(M, case, probe, h, cfg_dict(cands[0]))  # step: the ring holds the record
                 ref = reference(M, case, probe, h, min(args.ref_seqs, M.B))
                 for c in cands:
-                    if skip(M, c):
+                    if skip(M, c, fmt):
                         continue
                     cfg = cfg_dict(c)
                     row = {"model": M.name, "B": M.B, "read": fmt, "case": case, "h": h,

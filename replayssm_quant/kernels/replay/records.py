@@ -24,7 +24,13 @@ these small products. Codes are decoded by the integer-only decoders of ``codec`
 scale applied to each block's partial sum (dot path: to each element) and the matrix scale
 (fp8, nvfp4) applied to ``Y`` after the sum (an output-only reassociation). Verify's draft on
 the flush slot is a second launch over the anchor whose programs return unless
-``rows == window`` (checked on the device; no host synchronisation).
+``rows == window`` (checked on the device; no host synchronisation); it is not made when the
+anchor is the read copy and would recompute the first launch's values (``skip_shared_anchor``).
+
+``solve="inverse"`` / ``"doubling"`` (launch option, default ``"substitution"``): after the
+products, the GDN system is inverted once per program on ``[NX, NX]`` scalars and applied to
+the value rows, and the outputs of all queries are formed, as small FP32 products
+(``_matrix_outputs``, ``_unit_upper_inverse``).
 
 Torch references: :func:`replayssm_quant.replay.mamba2.mamba2_step_output`,
 :func:`~replayssm_quant.replay.mamba2.mamba2_verify`,

@@ -165,6 +165,8 @@ def op(M, case, st, h, cfg):
     if M.gdn:
         return kr.gdn_verify_kernel(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"],
                                     st["qT"], r["uR"], hv, M.L, **cfg)
+    cfg = {k: v for k, v in cfg.items() if k != "fuse_shared_anchor"}  # GDN only (skip() drops
+    # Mamba-2 rows that set it)
     return kr.mamba2_verify_kernel(st["R"], st["A"], r["la"], r["v"], r["k"], st["qT"], hv, M.L,
                                    **cfg)
 

@@ -816,7 +816,8 @@ def test_verify_matrix_forms(read_fmt, family, solve):
     defaults' products (use_dot) and under FP32 reductions for C X."""
     R, R_st, A, A_st, args = _matrix_case(read_fmt, family)
     want = _matrix_reference(R, A, args, family)
-    for cfg in ({}, dict(use_dot=False, block_v=16, k_chunk=32)):
+    for cfg in ({}, dict(use_dot=False, block_v=16, k_chunk=32),
+                dict(use_dot=False, solve_precision="tf32x3")):
         got = _matrix_verify(R_st, A_st, args, family, solve=solve, **cfg)
         for g_, w_ in zip(got, want, strict=True):
             torch.testing.assert_close(g_, w_, **TOL)
@@ -885,17 +886,21 @@ def test_verify_state_objects_matrix_form(monkeypatch):
         monkeypatch.undo()
 
 
-@pytest.mark.parametrize("bad", ["bogus", "Inverse", None, 1])
+@pytest.mark.parametrize("bad", [dict(solve="bogus"), dict(solve="Inverse"), dict(solve=None),
+                                 dict(solve=1), dict(solve="inverse", solve_precision="tf32"),
+                                 dict(solve="inverse", fused_window=4)])
 def test_records_solve_option_refused(bad):
-    """A bad ``solve`` raises ValueError naming the option and the value (before launch)."""
+    """A bad ``solve`` / ``solve_precision`` / ``fused_window`` (the latter without GDN)
+    raises ValueError naming the option and the value (before launch)."""
     from replayssm_quant.kernels.replay import records_outputs
 
     z = torch.zeros
-    with pytest.raises(ValueError, match="solve"):
+    name = list(bad)[-1]
+    with pytest.raises(ValueError, match=name):
         records_outputs(z(1, 2, 16, 32), ring_la=z(1, 4, 2), ring_k=z(1, 4, 1, 32),
                         ring_w=z(1, 4, 2, 16), q=z(1, 1, 1, 32), start=z(1, dtype=torch.int64),
                         rows=z(1, dtype=torch.int64), out_start=z(1, dtype=torch.int64),
-                        block_v=16, num_warps=4, solve=bad)
+                        block_v=16, num_warps=4, **bad)
 
 
 @pytest.mark.parametrize("family", ["mamba2", "gdn-fold", "gdn"])

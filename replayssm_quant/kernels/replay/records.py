@@ -198,7 +198,7 @@ def _col(Y, cx, j):
 
 @triton.jit
 def _unit_upper_inverse(MT, cx, n_rows, NX: tl.constexpr, SOLVE: tl.constexpr,
-                        NSQ: tl.constexpr):
+                        NSQ: tl.constexpr, SPREC: tl.constexpr):
     """``(I + MT)^{-1}`` of a strictly upper-triangular ``MT [NX, NX]`` (the transpose of the
     unit lower-triangular system's ``I + M``), FP32 on per-program scalars (no value rows).
 
@@ -219,8 +219,8 @@ def _unit_upper_inverse(MT, cx, n_rows, NX: tl.constexpr, SOLVE: tl.constexpr,
         inv = eye - MT
         P = MT
         for _ in tl.static_range(NSQ):
-            P = tl.dot(P, P, input_precision="ieee")
-            inv = inv + tl.dot(inv, P, input_precision="ieee")
+            P = tl.dot(P, P, input_precision=SPREC)
+            inv = inv + tl.dot(inv, P, input_precision=SPREC)
     return inv
 
 
@@ -229,10 +229,10 @@ def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, 
                     window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT, OT0,
                     NS: tl.constexpr, NX: tl.constexpr, GDN: tl.constexpr,
                     D_REL: tl.constexpr, WRITE_W: tl.constexpr, SOLVE: tl.constexpr,
-                    NSQ: tl.constexpr, FUSED: tl.constexpr):
+                    NSQ: tl.constexpr, FUSED: tl.constexpr, SPREC: tl.constexpr):
     """Matrix form of the records kernel's solve and outputs (``solve="inverse"`` /
     ``"doubling"``): the coefficients are built once per program on scalars and applied to the
-    ``BV`` value rows as small products (FP32 ``tl.dot``, ``input_precision="ieee"``).
+    ``BV`` value rows as small products (FP32 ``tl.dot``, ``input_precision=SPREC``).
 
     Columns ``c`` of ``Y [BV, NX] = C X``, ``Z [LP, NX] = K X`` (and ``Zd [NX, NX]``, GDN: the
     key columns' keys times X) index key rows ``s_c = cs + c`` for ``c < NS`` (solved when
@@ -266,50 +266,54 @@ def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, 
         known = ring
     else:
         known = idx < n
-    Ut = tl.trans(U)  # [BV, LP]
+    # coefficient matrices first (per-program scalars), then the [BV, *] products
     dlt = cpos[None, :] - cvec[:, None]  # [LP, NX]: c_{p_c} - c_i
     okq = qvalid[None, :] & known[:, None] & (idx[:, None] <= pos[None, :])
     Dk = tl.where(okq, tl.exp(tl.where(okq, dlt, 0.0)) * Z, 0.0)
-    Ot = Y * tl.where(qvalid, tl.exp(cpos), 0.0)[None, :] + tl.dot(Ut, Dk, input_precision="ieee")
+    eq = tl.where(qvalid, tl.exp(cpos), 0.0)
+    Ut = tl.trans(U)  # [BV, LP]
     if GDN:
         if D_REL:
             dic = tl.where(dload, cx, 0).to(tl.int64)
         else:
             dic = tl.where(dload, cs + cx, 0)
         bcol = tl.load(dbeta_ptr + (b * TD + dic) * H + h, mask=dload, other=0.0)  # [NX]
-        Vd = tl.load(dv_ptr + ((b * TD + dic) * H + h)[None, :] * V + rows[:, None],
-                     mask=dload[None, :] & rmask[:, None], other=0.0)  # [BV, NX]
         okk = dvalid[None, :] & known[:, None]  # i < ss <= s_c
         Rk = tl.where(okk, -bcol[None, :] * tl.exp(tl.where(okk, dlt, 0.0)) * Z, 0.0)
         ec = tl.where(dvalid, tl.exp(cpos), 0.0)
         bR = tl.where(dvalid, bcol, 0.0)
-        rhs = bR[None, :] * (Vd - Y * ec[None, :]) + tl.dot(Ut, Rk, input_precision="ieee")
         # MT[d', d] = beta_d gamma_{s_d'+1:s_d} (k_d' . k_d), d' < d (both solved rows)
         okm = dvalid[:, None] & dvalid[None, :] & (cx[:, None] < cx[None, :])
         dd = cpos[None, :] - cpos[:, None]
         MT = tl.where(okm, bcol[None, :] * tl.exp(tl.where(okm, dd, 0.0)) * Zd, 0.0)
-        inv = _unit_upper_inverse(MT, cx, n - cs, NX, SOLVE, NSQ)
-        Us = tl.dot(rhs, inv, input_precision="ieee")  # [BV, NX]: u of the solved rows
+        inv = _unit_upper_inverse(MT, cx, n - cs, NX, SOLVE, NSQ, SPREC)
+        oks = dvalid[:, None] & qvalid[None, :] & (pos[:, None] <= pos[None, :])
+        Ds = tl.where(oks, tl.exp(tl.where(oks, dd, 0.0)) * Zd, 0.0)
+        Vd = tl.load(dv_ptr + ((b * TD + dic) * H + h)[None, :] * V + rows[:, None],
+                     mask=dload[None, :] & rmask[:, None], other=0.0)  # [BV, NX]
+        rhs = bR[None, :] * (Vd - Y * ec[None, :]) + tl.dot(Ut, Rk, input_precision=SPREC)
+        Us = tl.dot(rhs, inv, input_precision=SPREC)  # [BV, NX]: u of the solved rows
         if WRITE_W:
             tl.store(wout_ptr + ((b * WCAP + cs + cx) * H + h)[None, :] * V + rows[:, None], Us,
                      mask=dvalid[None, :] & rmask[:, None])
-        oks = dvalid[:, None] & qvalid[None, :] & (pos[:, None] <= pos[None, :])
-        Ds = tl.where(oks, tl.exp(tl.where(oks, dd, 0.0)) * Zd, 0.0)
-        Ot += tl.dot(Us, Ds, input_precision="ieee")
+        Ot = Y * eq[None, :] + tl.dot(Ut, Dk, input_precision=SPREC)
+        Ot += tl.dot(Us, Ds, input_precision=SPREC)
         if FUSED:
             if n == window:  # the A path: every row re-solved against C, no cached rows
                 last = cx == NS + TQ - 1
                 ecA = tl.where(dload, tl.exp(cpos), 0.0)
-                rhsA = bcol[None, :] * (Vd - Y * ecA[None, :])
                 okmA = dload[:, None] & dload[None, :] & (cx[:, None] < cx[None, :])
                 MTA = tl.where(okmA, bcol[None, :] * tl.exp(tl.where(okmA, dd, 0.0)) * Zd, 0.0)
-                invA = _unit_upper_inverse(MTA, cx, n, NX, SOLVE, NSQ)
-                UsA = tl.dot(rhsA, invA, input_precision="ieee")
+                invA = _unit_upper_inverse(MTA, cx, n, NX, SOLVE, NSQ, SPREC)
                 oksA = dload[:, None] & last[None, :] & (pos[:, None] <= pos[None, :])
                 DsA = tl.where(oksA, tl.exp(tl.where(oksA, dd, 0.0)) * Zd, 0.0)
+                rhsA = bcol[None, :] * (Vd - Y * ecA[None, :])
+                UsA = tl.dot(rhsA, invA, input_precision=SPREC)
                 OtA = Y * tl.where(last, tl.exp(cpos), 0.0)[None, :] + \
-                    tl.dot(UsA, DsA, input_precision="ieee")
+                    tl.dot(UsA, DsA, input_precision=SPREC)
                 Ot = tl.where(last[None, :], OtA, Ot)
+    else:
+        Ot = Y * eq[None, :] + tl.dot(Ut, Dk, input_precision=SPREC)
     tl.store(o_ptr + ((b * OT + OT0 + cx - NS) * H + h)[None, :] * V + rows[:, None], Ot,
              mask=qvalid[None, :] & rmask[:, None])
 
@@ -329,7 +333,7 @@ def _records_kernel(
         STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
-        C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
+        SPREC: tl.constexpr, C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
     # SOLVE: 0 row-by-row forward substitution and per-query reductions; 1 / 2 matrix form
     # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2).
     # FUSED (GDN, matrix form, C is both R and A): the key columns of X are slots 0..NS-1
@@ -449,7 +453,7 @@ def _records_kernel(
     if SOLVE > 0:  # matrix form: the solve and the outputs as small products
         _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0, cs,
                         window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT,
-                        OT0, NS, NX, GDN, D_REL, WRITE_W, SOLVE, NSQ, FUSED)
+                        OT0, NS, NX, GDN, D_REL, WRITE_W, SOLVE, NSQ, FUSED, SPREC)
 
     # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time)
     if GDN and SOLVE == 0:
@@ -532,7 +536,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     k_chunk: int | None = None, num_stages: int | None = None,
                     use_dot: "bool | str | None" = None,
                     prefetch: bool = False, solve: str = "substitution",
-                    fused_window: int | None = None) -> torch.Tensor:
+                    fused_window: int | None = None,
+                    solve_precision: str | None = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -575,6 +580,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             Same formula as the reference; the sums are reassociated (last bits differ from
             ``"substitution"``, within the outputs' 1e-5 tolerance). Not yet timed on a GPU
             (``records_tune.py --set verify2``).
+        solve_precision: the matrix forms' small products (``tl.dot``): ``"ieee"`` (FP32
+            FMA) or ``"tf32x3"`` (tensor cores, about FP32 accuracy, fewer registers: the FMA
+            form holds its operands' whole K extent in registers); default: ``"tf32x3"`` when
+            ``use_dot == "tf32x3"``, else ``"ieee"``.
         fused_window: GDN, matrix forms only, ``checkpoint`` being both the read copy and the
             anchor (single-checkpoint policies): the key columns are slots ``0..solved-1``
             and a sequence with ``rows == fused_window`` also gets its last output from the
@@ -618,6 +627,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                   use_dot=use_dot, solve=solve)
     prec = use_dot if isinstance(use_dot, str) else "ieee"
     matrix = SOLVE_FORMS.index(solve)
+    if solve_precision is None:
+        solve_precision = "tf32x3" if use_dot == "tf32x3" else "ieee"
+    if solve_precision not in ("ieee", "tf32x3"):
+        raise ValueError(f"solve_precision must be 'ieee' or 'tf32x3' (or None), got "
+                         f"{solve_precision!r}")
     if fused_window is not None and not (gdn and matrix and not draft_relative):
         raise ValueError(f"fused_window needs gdn=True, draft_relative=False and a matrix form "
                          f"of solve, got gdn={gdn!r}, draft_relative={draft_relative!r}, "
@@ -639,6 +653,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         STAGES=num_stages or 1, DOT=bool(use_dot), PREC=prec, PREFETCH=bool(prefetch),
         GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
         AT_WINDOW=at_window is not None, SOLVE=matrix, FUSED=fused_window is not None,
+        SPREC=solve_precision,
         NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
         num_warps=num_warps, C=_decode_consts(spec))
     return o
@@ -676,6 +691,16 @@ def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot,
 def _config(defaults: dict, **given) -> dict:
     """Launch configuration: ``defaults`` overridden by the given (not None) values."""
     return {**defaults, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _anchor_config(cfg: dict) -> dict:
+    """The anchor launch of a verify that solves nothing (one output per sequence): FMA
+    reductions for C X (``use_dot=False``); the matrix forms keep the first launch's precision
+    of their small products (``solve_precision``)."""
+    out = _config(cfg, use_dot=False)
+    if out.get("solve", "substitution") != "substitution" and out.get("solve_precision") is None:
+        out["solve_precision"] = "tf32x3" if cfg.get("use_dot") == "tf32x3" else "ieee"
+    return out
 
 
 # ---------------------------------------------------------------- decode step
@@ -732,7 +757,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          block_v: int | None = None, num_warps: int | None = None,
                          k_chunk: int | None = None, num_stages: int | None = None,
                          use_dot: "bool | str | None" = None, prefetch: bool | None = None,
-                         solve: str | None = None, skip_shared_anchor: bool = True):
+                         solve: str | None = None,
+        solve_precision: str | None = None, skip_shared_anchor: bool = True):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two launches, no host synchronisation (the second runs only for
@@ -748,7 +774,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
+                  solve_precision=solve_precision)
     T = q.shape[1]
     B = q.shape[0]
     if T == 0:
@@ -759,7 +786,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     if skip_shared_anchor and anchor is read:
         return y
     records_outputs(anchor, q=q[:, T - 1:], out_start=n - 1, out=y, out_slot=T - 1,
-                    at_window=window, **kw, **_config(cfg, use_dot=False))
+                    at_window=window, **kw, **_anchor_config(cfg))
     return y
 
 
@@ -768,6 +795,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       num_warps: int | None = None, k_chunk: int | None = None,
                       num_stages: int | None = None, use_dot: "bool | str | None" = None,
                       prefetch: bool | None = None, solve: str | None = None,
+        solve_precision: str | None = None,
                       skip_shared_anchor: bool = True, fuse_shared_anchor: bool = False):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
@@ -794,7 +822,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
+                  solve_precision=solve_precision)
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
                          f"solve={cfg.get('solve', 'substitution')!r}")
@@ -819,7 +848,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
         if skip_shared_anchor and anchor is read:
             return o, uR
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=uR, start=n, rows=n, **last,
-                        **_config(cfg, use_dot=False))
+                        **_anchor_config(cfg))
     else:
         # the anchor programs that run have rows == window and start 0: at most ``window``
         # solved rows (the matrix forms size their system by it; substitution loops on rows)

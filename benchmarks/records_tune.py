@@ -107,9 +107,13 @@ VERIFY2_VERIFY_CANDIDATES = [
     (64, 4, 32, 2, "tf32x3", False, "inverse", True),
     (64, 4, 32, 2, "tf32x3", False, "doubling", True),
     (64, 4, 32, 2, False, False, "substitution", False, False),
+    # GDN's anchor launch (the window x window system) with 32 value rows per program
+    # (anchor_block_v, 10th field; the matrix forms' anchor launch spills at 64)
+    (64, 4, 32, 2, "tf32x3", False, "inverse", False, True, 32),
+    (128, 4, 64, 2, "tf32x3", False, "inverse", False, True, 32),
 ]
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
-        "fuse_shared_anchor", "skip_shared_anchor")
+        "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -146,6 +150,8 @@ def skip(M, c, fmt):
         return True  # fusing needs A is R (the fp32 policy) and GDN's recompute path
     if len(c) > 8 and not c[8] and (M.gdn or fmt != "fp32"):
         return True  # the skip changes only Mamba-2 under a single checkpoint
+    if len(c) > 9 and not M.gdn:
+        return True  # anchor_block_v: GDN's anchor launch
     if not M.gdn and (len(c) == 6 or (len(c) > 6 and (c[5] or c[6] == "doubling"))):
         return True  # prefetch and the inverse's form change only GDN's solve
     return M.V >= 64 and c[0] > M.V  # value tile larger than the value dim: same work, masked
@@ -165,8 +171,8 @@ def op(M, case, st, h, cfg):
     if M.gdn:
         return kr.gdn_verify_kernel(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"],
                                     st["qT"], r["uR"], hv, M.L, **cfg)
-    cfg = {k: v for k, v in cfg.items() if k != "fuse_shared_anchor"}  # GDN only (skip() drops
-    # Mamba-2 rows that set it)
+    cfg = {k: v for k, v in cfg.items() if k not in ("fuse_shared_anchor", "anchor_block_v")}
+    # (GDN only; skip() drops the Mamba-2 rows that set them)
     return kr.mamba2_verify_kernel(st["R"], st["A"], r["la"], r["v"], r["k"], st["qT"], hv, M.L,
                                    **cfg)
 

@@ -816,8 +816,11 @@ def test_verify_matrix_forms(read_fmt, family, solve):
     defaults' products (use_dot) and under FP32 reductions for C X."""
     R, R_st, A, A_st, args = _matrix_case(read_fmt, family)
     want = _matrix_reference(R, A, args, family)
-    for cfg in ({}, dict(use_dot=False, block_v=16, k_chunk=32),
-                dict(use_dot=False, solve_precision="tf32x3")):
+    cfgs = [{}, dict(use_dot=False, block_v=16, k_chunk=32),
+            dict(use_dot=False, solve_precision="tf32x3")]
+    if family == "gdn":  # the anchor launch with its own value-row tile
+        cfgs.append(dict(block_v=32, anchor_block_v=16))
+    for cfg in cfgs:
         got = _matrix_verify(R_st, A_st, args, family, solve=solve, **cfg)
         for g_, w_ in zip(got, want, strict=True):
             torch.testing.assert_close(g_, w_, **TOL)

@@ -796,7 +796,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       num_stages: int | None = None, use_dot: "bool | str | None" = None,
                       prefetch: bool | None = None, solve: str | None = None,
         solve_precision: str | None = None,
-                      skip_shared_anchor: bool = True, fuse_shared_anchor: bool = False):
+                      skip_shared_anchor: bool = True, fuse_shared_anchor: bool = False,
+                      anchor_block_v: int | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -818,7 +819,10 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     solve as above, and for the sequences at the window the whole system re-solved against
     the same checkpoint in the same program (``records_outputs(fused_window=window)``);
     a wider C X product for every sequence instead of a second pass over the state for the
-    ones at the window. With ``anchor is not read`` it has no effect."""
+    ones at the window. With ``anchor is not read`` it has no effect. ``anchor_block_v``:
+    value rows per program of the anchor launch (default ``block_v``; its system has
+    ``window`` rows, so fewer value rows keep the matrix forms' anchor launch out of register
+    spills)."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
@@ -853,9 +857,10 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
         # the anchor programs that run have rows == window and start 0: at most ``window``
         # solved rows (the matrix forms size their system by it; substitution loops on rows)
         solved = J if cfg.get("solve", "substitution") == "substitution" else min(J, window)
+        acfg = _config(cfg, block_v=anchor_block_v)
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known,
                         start=torch.zeros_like(start), rows=n, draft=draft,
-                        draft_relative=False, gdn=True, solved=solved, **last, **cfg)
+                        draft_relative=False, gdn=True, solved=solved, **last, **acfg)
     return o, uR
 
 

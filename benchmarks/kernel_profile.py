@@ -15,7 +15,8 @@ Run it under Nsight Compute for the hardware view (the device's ``ncu`` needs
 
 Every operation is called ``--calls`` times (default 2: the first compiles, so under ncu the
 second is the clean sample). ``--ops`` picks a subset (``step,flush,verify``), ``--models``
-and ``--policies`` likewise. ``--tiny`` runs the same on the CPU interpreter (a smoke test; the
+and ``--policies`` likewise; ``--verify-solve inverse|doubling`` (and ``--verify-fuse``) run
+verify's matrix forms instead of the defaults. ``--tiny`` runs the same on the CPU interpreter (a smoke test; the
 compiler facts are then empty).
 """
 
@@ -72,7 +73,26 @@ def main(argv=None):
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--verify-solve", default=None, choices=records.SOLVE_FORMS,
+                    help="run verify with this records_outputs(solve=...) instead of the "
+                         "defaults' (the verify launch defaults patched for this run)")
+    ap.add_argument("--verify-fuse", action="store_true",
+                    help="GDN verify with fuse_shared_anchor=True (needs a matrix form of "
+                         "--verify-solve; has an effect under the fp32 policy only)")
     args = ap.parse_args(argv)
+    if args.verify_fuse and args.verify_solve in (None, "substitution"):
+        ap.error("--verify-fuse needs --verify-solve inverse or doubling")
+    if args.verify_solve:
+        for name in ("VERIFY_CONFIG", "GDN_VERIFY_CONFIG", "GDN_VERIFY_BLOCKED_CONFIG",
+                     "MAMBA2_VERIFY_BLOCKED_CONFIG"):
+            setattr(records, name, dict(getattr(records, name), solve=args.verify_solve))
+    if args.verify_fuse:
+        real = dc.kr.gdn_verify_kernel  # what decode.run_verify calls
+
+        def fused(*a, **k):
+            return real(*a, **{"fuse_shared_anchor": True, **k})
+
+        dc.kr.gdn_verify_kernel = fused
     geo = ({"gdn": (2, 1, 16, 32, 4), "mamba2": (2, 1, 16, 32, 4)} if args.tiny else
            {"gdn": (32, 16, 128, 128, 16), "mamba2": (128, 1, 64, 128, 16)})
     T = 2 if args.tiny else 8

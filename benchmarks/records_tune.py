@@ -25,6 +25,7 @@ Usage::
 
     python benchmarks/records_tune.py --out $OUT/records_tune_h200.json          # device
     python benchmarks/records_tune.py --tiny --out /tmp/records_tune_tiny.json   # CPU interpreter
+    python benchmarks/records_tune.py --set verify2 --out $OUT/records_tune_verify2_h200.json
 """
 
 from __future__ import annotations
@@ -87,7 +88,32 @@ PREFETCH_VERIFY_CANDIDATES = [
     (64, 4, 32, 2, "tf32x3", False), (64, 4, 32, 2, "tf32x3", True),
     (128, 4, 64, 2, "tf32x3", False), (128, 4, 64, 2, "tf32x3", True),
 ]
-KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch")
+# the matrix forms of verify (solve="inverse" | "doubling", the 7th field; not yet timed): the
+# GDN T x T system inverted once per program on scalars and applied to the value rows as small
+# products, the T outputs as products with masked decay matrices (records.records_outputs).
+# The current defaults (substitution) first, for comparison in the same run; the step
+# defaults for the verify / step ratio (docs/kernels-replay.md, issue 15: <= 1.3x).
+VERIFY2_STEP_CANDIDATES = [(64, 4, 128, 1, False), (64, 4, 32, 3, False)]
+VERIFY2_VERIFY_CANDIDATES = [
+    (64, 4, 32, 2, "tf32x3", False, "substitution"),
+    (128, 4, 64, 2, "tf32x3", False, "substitution"),
+    (64, 4, 32, 2, False, False, "substitution"),
+    (64, 4, 32, 2, "tf32x3", False, "inverse"), (64, 4, 32, 2, "tf32x3", False, "doubling"),
+    (64, 4, 64, 2, "tf32x3", False, "inverse"), (32, 4, 32, 2, "tf32x3", False, "inverse"),
+    (128, 4, 64, 2, "tf32x3", False, "inverse"), (64, 4, 32, 2, False, False, "inverse"),
+    # fp32 policy only (A is R): GDN's recompute path in one launch (fuse_shared_anchor, 8th
+    # field); Mamba-2 with the second launch kept (skip_shared_anchor=False, 9th field: the
+    # behaviour before the skip, for comparison)
+    (64, 4, 32, 2, "tf32x3", False, "inverse", True),
+    (64, 4, 32, 2, "tf32x3", False, "doubling", True),
+    (64, 4, 32, 2, False, False, "substitution", False, False),
+    # GDN's anchor launch (the window x window system) with 32 value rows per program
+    # (anchor_block_v, 10th field; the matrix forms' anchor launch spills at 64)
+    (64, 4, 32, 2, "tf32x3", False, "inverse", False, True, 32),
+    (128, 4, 64, 2, "tf32x3", False, "inverse", False, True, 32),
+]
+KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
+        "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -104,7 +130,8 @@ def cases(M, T):
     """(case name, candidate list, h): step at h = 7, verify at h = 0 and h = L - T."""
     hs = min(7, M.L - 2)
     step, ver = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
-                 "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES)}.get(
+                 "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES),
+                 "verify2": (VERIFY2_STEP_CANDIDATES, VERIFY2_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -118,9 +145,15 @@ def cfg_dict(c):
     return dict(zip(KEYS[:len(c)], c, strict=True))
 
 
-def skip(M, c):
-    if len(c) > 5 and not M.gdn:  # prefetch changes only GDN's solve
-        return True
+def skip(M, c, fmt):
+    if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):
+        return True  # fusing needs A is R (the fp32 policy) and GDN's recompute path
+    if len(c) > 8 and not c[8] and (M.gdn or fmt != "fp32"):
+        return True  # the skip changes only Mamba-2 under a single checkpoint
+    if len(c) > 9 and not M.gdn:
+        return True  # anchor_block_v: GDN's anchor launch
+    if not M.gdn and (len(c) == 6 or (len(c) > 6 and (c[5] or c[6] == "doubling"))):
+        return True  # prefetch and the inverse's form change only GDN's solve
     return M.V >= 64 and c[0] > M.V  # value tile larger than the value dim: same work, masked
 
 
@@ -138,6 +171,8 @@ def op(M, case, st, h, cfg):
     if M.gdn:
         return kr.gdn_verify_kernel(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"],
                                     st["qT"], r["uR"], hv, M.L, **cfg)
+    cfg = {k: v for k, v in cfg.items() if k not in ("fuse_shared_anchor", "anchor_block_v")}
+    # (GDN only; skip() drops the Mamba-2 rows that set them)
     return kr.mamba2_verify_kernel(st["R"], st["A"], r["la"], r["v"], r["k"], st["qT"], hv, M.L,
                                    **cfg)
 
@@ -189,7 +224,7 @@ def tasks(models, T):
         for fmt in POLICIES:
             for case, cands, h in cases(M, T):
                 for c in cands:
-                    if not skip(M, c):
+                    if not skip(M, c, fmt):
                         out.append((mi, fmt, case, h, c))
     return out
 
@@ -220,10 +255,12 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--ref-seqs", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
-    ap.add_argument("--set", default="all", choices=("all", "tf32", "prefetch"),
+    ap.add_argument("--set", default="all", choices=("all", "tf32", "prefetch", "verify2"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults) or "
-                         "prefetch (GDN's solve with v/beta prefetched, against the defaults)")
+                         "prefetch (GDN's solve with v/beta prefetched, against the defaults) or "
+                         "verify2 (verify's matrix forms, solve='inverse'/'doubling', against "
+                         "the defaults, plus the default steps)")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # worker: "i/n"
     args = ap.parse_args(argv)
     global CANDIDATE_SET
@@ -264,7 +301,7 @@ def main(argv=None):
                 op(M, case, probe, h, cfg_dict(cands[0]))  # step: the ring holds the record
                 ref = reference(M, case, probe, h, min(args.ref_seqs, M.B))
                 for c in cands:
-                    if skip(M, c):
+                    if skip(M, c, fmt):
                         continue
                     cfg = cfg_dict(c)
                     row = {"model": M.name, "B": M.B, "read": fmt, "case": case, "h": h,

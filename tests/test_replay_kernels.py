@@ -22,6 +22,7 @@ What is compared, and how tightly:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -506,7 +507,10 @@ CONFIGS = [dict(k_chunk=32, use_dot=False, block_v=16, num_stages=2),
            dict(k_chunk=32, use_dot=True, block_v=32, num_stages=3),
            dict(k_chunk=64, use_dot=True, block_v=16),
            dict(k_chunk=32, use_dot="tf32x3", block_v=16, prefetch=True),
-           dict(k_chunk=64, use_dot=False, block_v=32, prefetch=True)]
+           dict(k_chunk=64, use_dot=False, block_v=32, prefetch=True),
+           # the matrix forms of the solve and the outputs (step too: one solved row)
+           dict(k_chunk=32, use_dot="tf32x3", block_v=16, solve="inverse"),
+           dict(k_chunk=64, use_dot=False, block_v=32, num_stages=2, solve="doubling")]
 K2 = 64
 
 
@@ -757,3 +761,225 @@ def test_flush_launch_options_refused(bad):
                         z(1, dtype=torch.int64), StatePolicy.parse("fp32"), seed=0, layer=0,
                         sequence_ids=z(1, dtype=torch.int64),
                         flush_index=torch.ones(1, dtype=torch.int64), **bad)
+
+
+# ------------------------------------------------------------------------------ verify, matrix forms
+# records_outputs(solve="inverse" | "doubling"): the GDN system inverted once per program on
+# scalars and the outputs as small products. T = 8 drafts at window 16 (the serving shape's
+# system size; the anchor launch solves 16 rows), starts 8 (last draft on the flush slot), 0,
+# 3, 5 (rows n = start + T < J for all but the first).
+SOLVES = ["inverse", "doubling"]
+MW, MT_, MSTARTS = 16, 8, (8, 0, 3, 5)
+
+
+def _matrix_case(read_fmt, family, Kd=K, starts=MSTARTS, seed=51):
+    """Inputs of ``*_verify`` for ``len(starts)`` sequences (``family``: "mamba2", "gdn" or
+    "gdn-fold"), the read copy stored in ``read_fmt`` and the anchor in fp16 (Mamba-2) or
+    FP32 (GDN). Returns (R, R_st, A, A_st, args of the kernel after R/A)."""
+    gen = _gen(seed)
+    gdn = family != "mamba2"
+    nb = len(starts)
+    S = _t(torch.randn(nb, H, V, Kd, generator=gen) * 0.3)
+    R_st = _stored(S, read_fmt, stream=_t(torch.arange(nb * H).view(nb, H)))
+    R = R_st if isinstance(R_st, torch.Tensor) else R_st.dequantize()
+    A = _t(torch.randn(nb, H, V, Kd, generator=gen) * 0.3)
+    A_st = A if gdn else _stored(A, "fp16")
+    A = A_st if isinstance(A_st, torch.Tensor) else A_st.dequantize()
+    start = _t(torch.tensor(starts))
+    J = max(starts) + MT_
+    la = _t(torch.log(0.9 + 0.0999 * torch.rand(nb, J, H, generator=gen)))
+    k = torch.randn(nb, J, G, Kd, generator=gen)
+    k = _t(torch.nn.functional.normalize(k, dim=-1) if gdn else k / Kd ** 0.5)
+    v = _t(torch.randn(nb, J, H, V, generator=gen))
+    q = _t(torch.randn(nb, MT_, G, Kd, generator=gen) * Kd ** -0.5)
+    if gdn:
+        beta = _t(torch.sigmoid(torch.randn(nb, J, H, generator=gen)))
+        uk = _t(torch.randn(nb, J, H, V, generator=gen))
+        return R, R_st, A, A_st, (la, beta, v, k, q, uk, start, MW, family == "gdn-fold")
+    return R, R_st, A, A_st, (la, v, k, q, start, MW)
+
+
+def _matrix_verify(R_st, A_st, args, family, **cfg):
+    if family == "mamba2":
+        return (kr.mamba2_verify_kernel(R_st, A_st, *args, **cfg),)
+    return kr.gdn_verify_kernel(R_st, A_st, *args, **cfg)
+
+
+def _matrix_reference(R, A, args, family):
+    if family == "mamba2":
+        return (mamba2_verify(R, A, *args),)
+    fold = GDNFold.CACHED if args[-1] else GDNFold.RECOMPUTE
+    return gdn_verify(R, A, *args[:-1], fold)
+
+
+@pytest.mark.parametrize("solve", SOLVES)
+@pytest.mark.parametrize("family", ["mamba2", "gdn", "gdn-fold"])
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+def test_verify_matrix_forms(read_fmt, family, solve):
+    """The matrix forms against the torch references: T = 8 drafts, starts 8 (flush slot, the
+    A path), 0, 3, 5; outputs and (GDN) the read-path corrections to 1e-5, under the verify
+    defaults' products (use_dot) and under FP32 reductions for C X."""
+    R, R_st, A, A_st, args = _matrix_case(read_fmt, family)
+    want = _matrix_reference(R, A, args, family)
+    cfgs = [{}, dict(use_dot=False, block_v=16, k_chunk=32),
+            dict(use_dot=False, solve_precision="tf32x3")]
+    if family == "gdn":  # the anchor launch with its own value-row tile
+        cfgs.append(dict(block_v=32, anchor_block_v=16))
+    for cfg in cfgs:
+        got = _matrix_verify(R_st, A_st, args, family, solve=solve, **cfg)
+        for g_, w_ in zip(got, want, strict=True):
+            torch.testing.assert_close(g_, w_, **TOL)
+    # the flush-slot draft read A: not the R-path value
+    sub = _matrix_verify(R_st, R_st, args, family, solve=solve)
+    assert not torch.allclose(got[0][0, MT_ - 1], sub[0][0, MT_ - 1])
+
+
+@pytest.mark.parametrize("solve", SOLVES)
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_verify_matrix_forms_batch_invariant(family, solve):
+    """Each sequence's outputs and corrections have the same bits alone (sliced to its own
+    J = start + T, as the state objects slice the ring), in the batch and in the reversed
+    batch (nvfp4 read copy)."""
+    R, R_st, A, A_st, args = _matrix_case("nvfp4", family)
+    full = _matrix_verify(R_st, A_st, args, family, solve=solve)
+    nb = len(MSTARTS)
+
+    def rows_of(st, idx):
+        if isinstance(st, torch.Tensor):
+            return st[idx]
+        cut = lambda t_: None if t_ is None else t_[idx]  # noqa: E731
+        return dataclasses.replace(st, codes=st.codes[idx], block_scales=cut(st.block_scales),
+                                   matrix_scale=cut(st.matrix_scale),
+                                   shape=torch.Size((len(idx), *st.shape[1:])))
+
+    def sub(idx, J):
+        st, a_ = rows_of(R_st, idx), rows_of(A_st, idx)
+        out = []
+        for x in args:
+            if isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[1] == args[0].shape[1]:
+                out.append(x[idx][:, :J])  # records [nb, J, ...]
+            elif isinstance(x, torch.Tensor):
+                out.append(x[idx])
+            else:
+                out.append(x)
+        return _matrix_verify(st, a_, out, family, solve=solve)
+
+    rev = sub(torch.arange(nb - 1, -1, -1), args[0].shape[1])
+    for i in range(nb):
+        alone = sub(torch.tensor([i]), MSTARTS[i] + MT_)
+        for a_, f_, r_ in zip(alone, full, rev, strict=True):
+            n = a_.shape[1]
+            assert torch.equal(_bits(a_[0]), _bits(f_[i, :n])), i
+            assert torch.equal(_bits(a_[0]), _bits(r_[nb - 1 - i, :n])), i
+        if family == "gdn":  # corrections beyond the sequence's rows: zero
+            assert not full[1][i, MSTARTS[i] + MT_:].any()
+
+
+def test_verify_state_objects_matrix_form(monkeypatch):
+    """The decode state objects with the verify defaults switched to ``solve="inverse"``:
+    batch invariance (as test_decode_state_batch_invariance) and the same outputs as the
+    default form to 1e-5 (GDN and Mamba-2, nvfp4 read copy)."""
+    rec_mod = kr.records
+    for family in ("gdn", "mamba2"):
+        pol = "read:nvfp4/rec:fp16+sr"
+        base = _decode_run(family, pol, [0, 1, 2], "triton")
+        for name in ("VERIFY_CONFIG", "GDN_VERIFY_CONFIG", "GDN_VERIFY_BLOCKED_CONFIG",
+                     "MAMBA2_VERIFY_BLOCKED_CONFIG"):
+            monkeypatch.setattr(rec_mod, name, dict(getattr(rec_mod, name), solve="inverse"))
+        full = _decode_run(family, pol, [0, 1, 2], "triton")
+        torch.testing.assert_close(full[0], base[0], **TOL)
+        for i in range(3):
+            alone = _decode_run(family, pol, [i], "triton")
+            assert torch.equal(_bits(alone[0][0]), _bits(full[0][i])), i
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("bad", [dict(solve="bogus"), dict(solve="Inverse"), dict(solve=None),
+                                 dict(solve=1), dict(solve="inverse", solve_precision="tf32"),
+                                 dict(solve="inverse", fused_window=4)])
+def test_records_solve_option_refused(bad):
+    """A bad ``solve`` / ``solve_precision`` / ``fused_window`` (the latter without GDN)
+    raises ValueError naming the option and the value (before launch)."""
+    from replayssm_quant.kernels.replay import records_outputs
+
+    z = torch.zeros
+    name = list(bad)[-1]
+    with pytest.raises(ValueError, match=name):
+        records_outputs(z(1, 2, 16, 32), ring_la=z(1, 4, 2), ring_k=z(1, 4, 1, 32),
+                        ring_w=z(1, 4, 2, 16), q=z(1, 1, 1, 32), start=z(1, dtype=torch.int64),
+                        rows=z(1, dtype=torch.int64), out_start=z(1, dtype=torch.int64),
+                        block_v=16, num_warps=4, **bad)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn-fold", "gdn"])
+def test_verify_shared_anchor_skips_second_launch(family, monkeypatch):
+    """``anchor is read`` (single-checkpoint policies): Mamba-2 and GDN with cached corrections
+    make one launch (the A path is the R path's formula on the same bytes), GDN's recompute
+    path still two; outputs match the reference (and the two-launch result) to 1e-5, the
+    flush-slot sequence included."""
+    R, R_st, _, _, args = _matrix_case("nvfp4", family)
+    want = _matrix_reference(R, R, args, family)
+    calls = []
+    real = kr.records.records_outputs
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kr.records, "records_outputs", counting)
+    got = _matrix_verify(R_st, R_st, args, family)
+    assert len(calls) == (2 if family == "gdn" else 1)
+    two = _matrix_verify(R_st, R_st, args, family, skip_shared_anchor=False)
+    assert len(calls) == (4 if family == "gdn" else 3)
+    for g_, t_, w_ in zip(got, two, want, strict=True):
+        torch.testing.assert_close(g_, w_, **TOL)
+        torch.testing.assert_close(t_, w_, **TOL)
+
+
+@pytest.mark.parametrize("solve", SOLVES)
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+def test_gdn_verify_fused_shared_anchor(read_fmt, solve, monkeypatch):
+    """``fuse_shared_anchor=True`` (anchor is read, recompute path): one launch; outputs and
+    corrections match the reference to 1e-5, the flush-slot sequence's last output is the A
+    path's (every row re-solved; not the cached-corrections value), each sequence's bits are
+    the same alone (sliced to its own J) and in the batch."""
+    R, R_st, _, _, args = _matrix_case(read_fmt, "gdn")
+    want = _matrix_reference(R, R, args, "gdn")
+    calls = []
+    real = kr.records.records_outputs
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kr.records, "records_outputs", counting)
+    got = kr.gdn_verify_kernel(R_st, R_st, *args, solve=solve, fuse_shared_anchor=True)
+    assert len(calls) == 1
+    monkeypatch.undo()
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_, **TOL)
+    cached = gdn_verify(R, R, *args[:-1], GDNFold.CACHED)[0]
+    assert not torch.allclose(got[0][0, MT_ - 1], cached[0, MT_ - 1], **TOL)
+    for i in range(len(MSTARTS)):
+        J = MSTARTS[i] + MT_
+        sl = [x[i:i + 1][:, :J] if isinstance(x, torch.Tensor) and x.dim() >= 3
+              and x.shape[1] == args[0].shape[1] else
+              (x[i:i + 1] if isinstance(x, torch.Tensor) else x) for x in args]
+        st = R_st if isinstance(R_st, torch.Tensor) else None
+        if st is None:
+            cut = lambda t_: None if t_ is None else t_[i:i + 1]  # noqa: E731
+            st = dataclasses.replace(R_st, codes=cut(R_st.codes),
+                                     block_scales=cut(R_st.block_scales),
+                                     matrix_scale=cut(R_st.matrix_scale),
+                                     shape=torch.Size((1, *R_st.shape[1:])))
+        else:
+            st = st[i:i + 1]
+        alone = kr.gdn_verify_kernel(st, st, *sl, solve=solve, fuse_shared_anchor=True)
+        for a_, f_ in zip(alone, got, strict=True):
+            assert torch.equal(_bits(a_[0]), _bits(f_[i, :a_.shape[1]])), i
+
+
+def test_gdn_verify_fused_needs_matrix_form():
+    R, R_st, _, _, args = _matrix_case("fp32", "gdn")
+    with pytest.raises(ValueError, match="fuse_shared_anchor"):
+        kr.gdn_verify_kernel(R_st, R_st, *args, solve="substitution", fuse_shared_anchor=True)

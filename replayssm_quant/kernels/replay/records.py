@@ -24,7 +24,13 @@ these small products. Codes are decoded by the integer-only decoders of ``codec`
 scale applied to each block's partial sum (dot path: to each element) and the matrix scale
 (fp8, nvfp4) applied to ``Y`` after the sum (an output-only reassociation). Verify's draft on
 the flush slot is a second launch over the anchor whose programs return unless
-``rows == window`` (checked on the device; no host synchronisation).
+``rows == window`` (checked on the device; no host synchronisation); it is not made when the
+anchor is the read copy and would recompute the first launch's values (``skip_shared_anchor``).
+
+``solve="inverse"`` / ``"doubling"`` (launch option, default ``"substitution"``): after the
+products, the GDN system is inverted once per program on ``[NX, NX]`` scalars and applied to
+the value rows, and the outputs of all queries are formed, as small FP32 products
+(``_matrix_outputs``, ``_unit_upper_inverse``).
 
 Torch references: :func:`replayssm_quant.replay.mamba2.mamba2_step_output`,
 :func:`~replayssm_quant.replay.mamba2.mamba2_verify`,
@@ -68,6 +74,8 @@ GDN_VERIFY_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
 GDN_VERIFY_BLOCKED_CONFIG = dict(block_v=128, num_warps=4, k_chunk=64, num_stages=2,
                                  use_dot="tf32x3")
 MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
+# records_outputs(solve=...): forward substitution (default) or the matrix forms
+SOLVE_FORMS = ("substitution", "inverse", "doubling")
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
 MIN_DOT = 16  # smallest tl.dot N / K
 
@@ -189,6 +197,128 @@ def _col(Y, cx, j):
 
 
 @triton.jit
+def _unit_upper_inverse(MT, cx, n_rows, NX: tl.constexpr, SOLVE: tl.constexpr,
+                        NSQ: tl.constexpr, SPREC: tl.constexpr):
+    """``(I + MT)^{-1}`` of a strictly upper-triangular ``MT [NX, NX]`` (the transpose of the
+    unit lower-triangular system's ``I + M``), FP32 on per-program scalars (no value rows).
+
+    ``SOLVE == 1``: the columns of ``L^T`` in order, ``L^T[:, i] = -MT[:, i] - L^T MT[:, i]``
+    (row ``i`` of ``(I + M)^{-1} = I + L`` by forward substitution, ``n_rows - 1`` steps; the
+    recursion of fla's ``solve_tril`` on one block). ``SOLVE == 2``: doubling,
+    ``(I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...`` (``M`` is nilpotent, ``M^NS = 0``), ``NSQ``
+    squarings of ``NX x NX`` products and no sequential reductions."""
+    eye = tl.where(cx[:, None] == cx[None, :], 1.0, 0.0)
+    if SOLVE == 1:
+        LT = tl.zeros([NX, NX], tl.float32)
+        for i in range(1, n_rows):
+            m = tl.sum(tl.where(cx[None, :] == i, MT, 0.0), axis=1)  # MT[:, i], by row j
+            col = -m - tl.sum(LT * m[None, :], axis=1)
+            LT = tl.where(cx[None, :] == i, col[:, None], LT)
+        inv = eye + LT
+    else:
+        inv = eye - MT
+        P = MT
+        for _ in tl.static_range(NSQ):
+            P = tl.dot(P, P, input_precision=SPREC)
+            inv = inv + tl.dot(inv, P, input_precision=SPREC)
+    return inv
+
+
+@triton.jit
+def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0, cs,
+                    window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT, OT0,
+                    NS: tl.constexpr, NX: tl.constexpr, GDN: tl.constexpr,
+                    D_REL: tl.constexpr, WRITE_W: tl.constexpr, SOLVE: tl.constexpr,
+                    NSQ: tl.constexpr, FUSED: tl.constexpr, SPREC: tl.constexpr):
+    """Matrix form of the records kernel's solve and outputs (``solve="inverse"`` /
+    ``"doubling"``): the coefficients are built once per program on scalars and applied to the
+    ``BV`` value rows as small products (FP32 ``tl.dot``, ``input_precision=SPREC``).
+
+    Columns ``c`` of ``Y [BV, NX] = C X``, ``Z [LP, NX] = K X`` (and ``Zd [NX, NX]``, GDN: the
+    key columns' keys times X) index key rows ``s_c = cs + c`` for ``c < NS`` (solved when
+    ``ss <= s_c < n``; ``cs = ss``, or 0 with ``FUSED``) and queries at
+    ``p_c = o0 + c - NS`` for ``NS <= c < NS + TQ``; ``U [LP, BV]`` holds the known records
+    ``w_i`` (GDN: rows ``< ss``; Mamba-2: rows ``< n``); ``cvec [LP]`` the cumulative log decays
+    ``c_i`` (so ``gamma_{i+1:p} = exp(c_p - c_i)``, DESIGN.md section 3).
+
+    GDN (DESIGN.md section 3, the unit lower-triangular system; the UT-transform form of the
+    chunked DeltaNet kernels, Yang et al. 2024, "Parallelizing Linear Transformers with the
+    Delta Rule over Sequence Length", section 3): with
+    ``M[d, d'] = beta_d gamma_{s_d'+1:s_d} (k_d' . k_d)`` (``d' < d``, solved rows only),
+    ``rhs_d = beta_d (v_d - gamma_{1:s_d} C k_d) - sum_{i<ss} beta_d gamma_{i+1:s_d}
+    (k_i . k_d) u_i``, the corrections are ``u = (I + M)^{-1} rhs``: per value row
+    ``U_s^T [BV, NX] = rhs^T (I + M^T)^{-1}`` (``_unit_upper_inverse``).
+    Outputs ``o_p = gamma_{1:p} (C q) + sum_{j<=p} gamma_{j+1:p} (k_j . q) w_j`` as
+    ``O^T = Y diag(gamma_{1:p}) + U^T D_known + U_s^T D_solved`` with the masked decay matrices
+    ``D[j, c] = [j <= p_c] gamma_{j+1:p_c} (k_j . q_c)``.
+    ``FUSED`` (C is both the read copy and the anchor; key columns are slots ``0..NS-1``): a
+    sequence with ``n == window`` also solves the whole ``n x n`` system against C with no
+    cached rows (the A path of DESIGN.md section 3's speculative decoding, as
+    :func:`replay.gdn.gdn_verify` recomputes it) and its last query's output is the A path's.
+    Writes the outputs (and, ``WRITE_W``, the corrections of rows ``ss..n-1``)."""
+    col_d = cx < NS
+    dload = col_d & (cs + cx < n)  # key rows with records
+    dvalid = dload & (cs + cx >= ss)  # solved rows (read path)
+    qvalid = (cx >= NS) & (cx < NS + TQ)  # queries
+    pos = tl.where(col_d, cs + cx, o0 + cx - NS)  # slot of each column
+    cpos = tl.sum(tl.where(idx[:, None] == pos[None, :], cvec[:, None], 0.0), axis=0)  # [NX]
+    if GDN:
+        known = ring
+    else:
+        known = idx < n
+    # coefficient matrices first (per-program scalars), then the [BV, *] products
+    dlt = cpos[None, :] - cvec[:, None]  # [LP, NX]: c_{p_c} - c_i
+    okq = qvalid[None, :] & known[:, None] & (idx[:, None] <= pos[None, :])
+    Dk = tl.where(okq, tl.exp(tl.where(okq, dlt, 0.0)) * Z, 0.0)
+    eq = tl.where(qvalid, tl.exp(cpos), 0.0)
+    Ut = tl.trans(U)  # [BV, LP]
+    if GDN:
+        if D_REL:
+            dic = tl.where(dload, cx, 0).to(tl.int64)
+        else:
+            dic = tl.where(dload, cs + cx, 0)
+        bcol = tl.load(dbeta_ptr + (b * TD + dic) * H + h, mask=dload, other=0.0)  # [NX]
+        okk = dvalid[None, :] & known[:, None]  # i < ss <= s_c
+        Rk = tl.where(okk, -bcol[None, :] * tl.exp(tl.where(okk, dlt, 0.0)) * Z, 0.0)
+        ec = tl.where(dvalid, tl.exp(cpos), 0.0)
+        bR = tl.where(dvalid, bcol, 0.0)
+        # MT[d', d] = beta_d gamma_{s_d'+1:s_d} (k_d' . k_d), d' < d (both solved rows)
+        okm = dvalid[:, None] & dvalid[None, :] & (cx[:, None] < cx[None, :])
+        dd = cpos[None, :] - cpos[:, None]
+        MT = tl.where(okm, bcol[None, :] * tl.exp(tl.where(okm, dd, 0.0)) * Zd, 0.0)
+        inv = _unit_upper_inverse(MT, cx, n - cs, NX, SOLVE, NSQ, SPREC)
+        oks = dvalid[:, None] & qvalid[None, :] & (pos[:, None] <= pos[None, :])
+        Ds = tl.where(oks, tl.exp(tl.where(oks, dd, 0.0)) * Zd, 0.0)
+        Vd = tl.load(dv_ptr + ((b * TD + dic) * H + h)[None, :] * V + rows[:, None],
+                     mask=dload[None, :] & rmask[:, None], other=0.0)  # [BV, NX]
+        rhs = bR[None, :] * (Vd - Y * ec[None, :]) + tl.dot(Ut, Rk, input_precision=SPREC)
+        Us = tl.dot(rhs, inv, input_precision=SPREC)  # [BV, NX]: u of the solved rows
+        if WRITE_W:
+            tl.store(wout_ptr + ((b * WCAP + cs + cx) * H + h)[None, :] * V + rows[:, None], Us,
+                     mask=dvalid[None, :] & rmask[:, None])
+        Ot = Y * eq[None, :] + tl.dot(Ut, Dk, input_precision=SPREC)
+        Ot += tl.dot(Us, Ds, input_precision=SPREC)
+        if FUSED:
+            if n == window:  # the A path: every row re-solved against C, no cached rows
+                last = cx == NS + TQ - 1
+                ecA = tl.where(dload, tl.exp(cpos), 0.0)
+                okmA = dload[:, None] & dload[None, :] & (cx[:, None] < cx[None, :])
+                MTA = tl.where(okmA, bcol[None, :] * tl.exp(tl.where(okmA, dd, 0.0)) * Zd, 0.0)
+                invA = _unit_upper_inverse(MTA, cx, n, NX, SOLVE, NSQ, SPREC)
+                oksA = dload[:, None] & last[None, :] & (pos[:, None] <= pos[None, :])
+                DsA = tl.where(oksA, tl.exp(tl.where(oksA, dd, 0.0)) * Zd, 0.0)
+                rhsA = bcol[None, :] * (Vd - Y * ecA[None, :])
+                UsA = tl.dot(rhsA, invA, input_precision=SPREC)
+                OtA = Y * tl.where(last, tl.exp(cpos), 0.0)[None, :] + \
+                    tl.dot(UsA, DsA, input_precision=SPREC)
+                Ot = tl.where(last[None, :], OtA, Ot)
+    else:
+        Ot = Y * eq[None, :] + tl.dot(Ut, Dk, input_precision=SPREC)
+    tl.store(o_ptr + ((b * OT + OT0 + cx - NS) * H + h)[None, :] * V + rows[:, None], Ot,
+             mask=qvalid[None, :] & rmask[:, None])
+
+
+@triton.jit
 def _records_kernel(
         c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
         rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
@@ -202,8 +332,12 @@ def _records_kernel(
         NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
         STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
-        AT_WINDOW: tl.constexpr,
-        C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
+        AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
+        SPREC: tl.constexpr, C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
+    # SOLVE: 0 row-by-row forward substitution and per-query reductions; 1 / 2 matrix form
+    # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2).
+    # FUSED (GDN, matrix form, C is both R and A): the key columns of X are slots 0..NS-1
+    # (not ss..), and a sequence with rows == window also gets its A-path last output here.
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -243,11 +377,15 @@ def _records_kernel(
 
     # ---- X: the NC vectors C is multiplied with, columns 0..NS-1 the k of the solved rows
     # ss.. (GDN), then the TQ queries; padded to NX columns (zero)
-    isk = (cx < NS) & (ss + cx < n)
+    if FUSED:
+        cs = ss * 0  # slot of key column 0
+    else:
+        cs = ss
+    isk = (cx < NS) & (cs + cx < n)
     if D_REL:
         dcol = cx.to(tl.int64)
     else:
-        dcol = ss + cx
+        dcol = cs + cx
     kbase = tl.where(isk, ((b * TD + dcol) * G + g) * K, 0)
     isq = (cx >= NS) & (cx < NS + TQ)
     qbase = tl.where(isq, ((b * TQ + (cx - NS)) * G + g) * K, 0)
@@ -258,7 +396,7 @@ def _records_kernel(
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
             x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)
             Y = _add_times_x(Y, x, k0 + tl.arange(0, KC), cx, dk_ptr, q_ptr, kbase, isk, qbase,
-                             isq, b, g, ss, n, G, TD, TQ, NC, NS, K, D_REL, DOT, PREC)
+                             isq, b, g, cs, n, G, TD, TQ, NC, NS, K, D_REL, DOT, PREC)
         if C.KIND == 2:
             Y = Y * tl.load(cms_ptr + mat)  # fp8 matrix scale, after the sum
     else:
@@ -283,10 +421,10 @@ def _records_kernel(
             else:  # block partial sums, the block scale applied to each
                 e3 = k0 + ES * (tl.arange(0, NBC)[:, None] * W + tl.arange(0, W)[None, :])
                 for c in tl.static_range(NC):
-                    xv = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e3, c, NS, K, D_REL)
+                    xv = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3, c, NS, K, D_REL)
                     part = tl.sum(xe * xv[None, :, :], axis=2)
                     if C.FP4:
-                        xv1 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e3 + 1, c, NS, K,
+                        xv1 = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3 + 1, c, NS, K,
                                      D_REL)
                         part += tl.sum(xo * xv1[None, :, :], axis=2)
                     yc = tl.sum(part * sc, axis=1)
@@ -296,19 +434,29 @@ def _records_kernel(
 
     # ---- Z = Kmat X [LP, NX]: k_i . x for every record slot i (ring rows < ss, then drafts)
     Z = tl.zeros([LP, NX], tl.float32)
+    Zd = tl.zeros([NX, NX], tl.float32)  # matrix form (GDN): k of solved row d . column c of X
     krow = ((b * CAP + ri) * G + g) * K
     kdrow = ((b * TD + di) * G + g) * K
     for k0 in tl.range(0, K, KC, num_stages=STAGES):
         kk = k0 + tl.arange(0, KC)
         km = tl.load(rk_ptr + krow[:, None] + kk[None, :], mask=ring[:, None], other=0.0) + \
             tl.load(dk_ptr + kdrow[:, None] + kk[None, :], mask=drf[:, None], other=0.0)
-        Z = _add_times_x(Z, km, kk, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, ss, n, G,
+        Z = _add_times_x(Z, km, kk, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, cs, n, G,
                          TD, TQ, NC, NS, K, D_REL, DOT, PREC)
+        if SOLVE > 0 and GDN and NS > 0:  # Gram of the solved rows' keys with X
+            kdt = tl.load(dk_ptr + kbase[:, None] + kk[None, :], mask=isk[:, None], other=0.0)
+            Zd += tl.dot(kdt, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, kk, K),
+                         input_precision=PREC)
 
     cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
 
+    if SOLVE > 0:  # matrix form: the solve and the outputs as small products
+        _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0, cs,
+                        window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT,
+                        OT0, NS, NX, GDN, D_REL, WRITE_W, SOLVE, NSQ, FUSED, SPREC)
+
     # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time)
-    if GDN:
+    if GDN and SOLVE == 0:
         if PREFETCH:  # the solved rows' v and beta as tiles before the loop (no loads in it)
             vd = tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :],
                          mask=drf[:, None] & rmask[None, :], other=0.0)  # [LP, BV] by slot
@@ -356,7 +504,11 @@ def _records_kernel(
                     tl.store(ak_ptr + ((b * CAP + p) * G + g) * K + kk, kp)
 
     # ---- outputs at positions o0 .. o0 + TQ - 1
-    for t in range(0, TQ):
+    if SOLVE == 0:
+        n_out = TQ
+    else:  # written by _matrix_outputs
+        n_out = 0
+    for t in range(0, n_out):
         p = o0 + t
         cq = _col(Y, cx, NS + t)  # C q
         kq = _col(Z, cx, NS + t)  # k_j . q
@@ -383,7 +535,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     block_v: int = DEFAULT_BV, num_warps: int = DEFAULT_WARPS,
                     k_chunk: int | None = None, num_stages: int | None = None,
                     use_dot: "bool | str | None" = None,
-                    prefetch: bool = False) -> torch.Tensor:
+                    prefetch: bool = False, solve: str = "substitution",
+                    fused_window: int | None = None,
+                    solve_precision: str | None = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -414,7 +568,30 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             tiles before the forward substitution instead of one row per iteration (the loop
             then has no memory operations; the same values). Not yet timed on a GPU
             (``records_tune.py --set prefetch``); default off.
+        solve: how the GDN solve and the outputs are formed after the products with C and the
+            keys. ``"substitution"`` (default): forward substitution one solved row at a time
+            on ``[BV, LP]`` tiles, then one masked reduction per query. ``"inverse"``: the
+            matrix form of ``_matrix_outputs``: the unit lower-triangular system's
+            coefficients (``k_i . k_p``, decays, beta) built once per program on ``[NX, NX]``
+            scalars, its inverse by row recursion (``_unit_upper_inverse``), applied to the
+            value rows as small FP32 products, and the outputs as products with masked decay
+            matrices (Mamba-2: only the latter). ``"doubling"``: the same with the inverse as
+            ``(I - M)(I + M^2)(I + M^4)...`` (products instead of a sequential recursion).
+            Same formula as the reference; the sums are reassociated (last bits differ from
+            ``"substitution"``, within the outputs' 1e-5 tolerance). Not yet timed on a GPU
+            (``records_tune.py --set verify2``).
+        solve_precision: the matrix forms' small products (``tl.dot``): ``"ieee"`` (FP32
+            FMA) or ``"tf32x3"`` (tensor cores, about FP32 accuracy, fewer registers: the FMA
+            form holds its operands' whole K extent in registers); default: ``"tf32x3"`` when
+            ``use_dot == "tf32x3"``, else ``"ieee"``.
+        fused_window: GDN, matrix forms only, ``checkpoint`` being both the read copy and the
+            anchor (single-checkpoint policies): the key columns are slots ``0..solved-1``
+            and a sequence with ``rows == fused_window`` also gets its last output from the
+            A path (every row re-solved against the checkpoint), so verify needs no second
+            launch (see ``_matrix_outputs``).
     Returns ``o`` (``out`` when given).
+    Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
+    num_stages, use_dot, solve).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
     ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
@@ -447,9 +624,19 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     if use_dot is None:
         use_dot = NC >= 4
     _check_launch(block_v=block_v, num_warps=num_warps, k_chunk=k_chunk, num_stages=num_stages,
-                  use_dot=use_dot)
+                  use_dot=use_dot, solve=solve)
     prec = use_dot if isinstance(use_dot, str) else "ieee"
-    NX = max(MIN_DOT if use_dot else 2, triton.next_power_of_2(max(NC, 1)))
+    matrix = SOLVE_FORMS.index(solve)
+    if solve_precision is None:
+        solve_precision = "tf32x3" if use_dot == "tf32x3" else "ieee"
+    if solve_precision not in ("ieee", "tf32x3"):
+        raise ValueError(f"solve_precision must be 'ieee' or 'tf32x3' (or None), got "
+                         f"{solve_precision!r}")
+    if fused_window is not None and not (gdn and matrix and not draft_relative):
+        raise ValueError(f"fused_window needs gdn=True, draft_relative=False and a matrix form "
+                         f"of solve, got gdn={gdn!r}, draft_relative={draft_relative!r}, "
+                         f"solve={solve!r}")
+    NX = max(MIN_DOT if (use_dot or matrix) else 2, triton.next_power_of_2(max(NC, 1)))
     KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
     grid = (B * H, triton.cdiv(V, bv))
@@ -460,11 +647,14 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         beta.contiguous(), q.contiguous(), o_arg,
         start, rows, out_start, wo, a_la, a_k, a_v, a_beta,
         H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
-        o.shape[1] if TQ else 1, out_slot, at_window if at_window is not None else -1,
+        o.shape[1] if TQ else 1, out_slot,
+        at_window if at_window is not None else (-1 if fused_window is None else fused_window),
         K=K, BLK=blk, BV=bv, LP=_lp(max(CAP, TD)), NS=NS, NC=NC, NX=NX, KC=KC,
         STAGES=num_stages or 1, DOT=bool(use_dot), PREC=prec, PREFETCH=bool(prefetch),
         GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
-        AT_WINDOW=at_window is not None,
+        AT_WINDOW=at_window is not None, SOLVE=matrix, FUSED=fused_window is not None,
+        SPREC=solve_precision,
+        NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
         num_warps=num_warps, C=_decode_consts(spec))
     return o
 
@@ -481,7 +671,8 @@ def _check_tile(block_v, num_warps) -> None:
         raise ValueError(f"num_warps must be 1, 2, 4, 8, 16 or 32, got {num_warps!r}")
 
 
-def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot) -> None:
+def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot,
+                  solve="substitution") -> None:
     """ValueError naming a bad launch option of :func:`records_outputs`."""
     _check_tile(block_v, num_warps)
     if k_chunk is not None and not (_pow2(k_chunk) and k_chunk >= 32):
@@ -492,6 +683,9 @@ def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot) -> None:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     if not (use_dot is True or use_dot is False or use_dot in ("ieee", "tf32x3")):
         raise ValueError(f"use_dot must be False, True, 'ieee' or 'tf32x3', got {use_dot!r}")
+    if not (isinstance(solve, str) and solve in SOLVE_FORMS):
+        raise ValueError(f"solve must be one of {', '.join(map(repr, SOLVE_FORMS))}, "
+                         f"got {solve!r}")
 
 
 def _config(defaults: dict, **given) -> dict:
@@ -499,20 +693,30 @@ def _config(defaults: dict, **given) -> dict:
     return {**defaults, **{k: v for k, v in given.items() if v is not None}}
 
 
+def _anchor_config(cfg: dict) -> dict:
+    """The anchor launch of a verify that solves nothing (one output per sequence): FMA
+    reductions for C X (``use_dot=False``); the matrix forms keep the first launch's precision
+    of their small products (``solve_precision``)."""
+    out = _config(cfg, use_dot=False)
+    if out.get("solve", "substitution") != "substitution" and out.get("solve_precision") is None:
+        out["solve_precision"] = "tf32x3" if cfg.get("use_dot") == "tf32x3" else "ieee"
+    return out
+
+
 # ---------------------------------------------------------------- decode step
 def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None = None,
         num_warps: int | None = None, k_chunk: int | None = None,
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
-        prefetch: bool | None = None):
+        prefetch: bool | None = None, solve: str | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
     return ``y = gamma_{1:h+1} (R q) + V (m * (K^T q))`` ``[B, H, P]`` (no ``D x``) from the
     stored read copy ``read`` and grouped ``q [B, G, N]``. ``h``: int64 ``[B]`` records before
     the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG`` unless
-    given (see :func:`records_outputs`)."""
+    given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed)."""
     cfg = _config(STEP_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
@@ -523,7 +727,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
 def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | None = None,
         num_warps: int | None = None, k_chunk: int | None = None,
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
-        prefetch: bool | None = None):
+        prefetch: bool | None = None, solve: str | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -531,11 +735,11 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
     [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place). Launch
     configuration: ``STEP_CONFIG`` (``GDN_STEP_WIDE_CONFIG`` for an FP32 or half read copy)
-    unless given."""
+    unless given (``solve``: the matrix forms of :func:`records_outputs`, untimed)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(GDN_STEP_WIDE_CONFIG if wide else STEP_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,
@@ -552,17 +756,26 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
 def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          block_v: int | None = None, num_warps: int | None = None,
                          k_chunk: int | None = None, num_stages: int | None = None,
-                         use_dot: "bool | str | None" = None, prefetch: bool | None = None):
+                         use_dot: "bool | str | None" = None, prefetch: bool | None = None,
+                         solve: str | None = None,
+        solve_precision: str | None = None, skip_shared_anchor: bool = True):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two launches, no host synchronisation (the second runs only for
     the sequences whose last draft is on the flush slot). Launch configuration:
     ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless
-    given."""
+    given; ``solve="inverse"`` / ``"doubling"`` (the same kernel for Mamba-2, which has no
+    system): the T outputs as two small products instead of one reduction per query (see
+    :func:`records_outputs`). ``skip_shared_anchor`` (default on): when ``anchor is read``
+    (single-checkpoint policies: ``fp32``, ``shared:F``) the A path of the flush-slot draft is
+    the R path's formula on the same bytes, which the first launch already computed, so the
+    second launch is not made (the output is the first launch's value, within the outputs'
+    tolerance of the second launch's; one launch fewer, never slower)."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
+                  solve_precision=solve_precision)
     T = q.shape[1]
     B = q.shape[0]
     if T == 0:
@@ -570,8 +783,10 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     n = start + T
     kw = dict(ring_la=la, ring_k=k, ring_w=v, start=n, rows=n)
     y = records_outputs(read, q=q, out_start=start, **kw, **cfg)
+    if skip_shared_anchor and anchor is read:
+        return y
     records_outputs(anchor, q=q[:, T - 1:], out_start=n - 1, out=y, out_slot=T - 1,
-                    at_window=window, **kw, **_config(cfg, use_dot=False))
+                    at_window=window, **kw, **_anchor_config(cfg))
     return y
 
 
@@ -579,18 +794,43 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       fold_cached_corrections: bool = False, *, block_v: int | None = None,
                       num_warps: int | None = None, k_chunk: int | None = None,
                       num_stages: int | None = None, use_dot: "bool | str | None" = None,
-        prefetch: bool | None = None):
+                      prefetch: bool | None = None, solve: str | None = None,
+        solve_precision: str | None = None,
+                      skip_shared_anchor: bool = True, fuse_shared_anchor: bool = False,
+                      anchor_block_v: int | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
     against A, or the cached corrections with ``fold_cached_corrections``) in a second launch
     that runs only for those sequences (no host synchronisation).
     Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``GDN_VERIFY_CONFIG``
-    (``GDN_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless given."""
+    (``GDN_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless given. ``solve``:
+    ``"substitution"`` (default), or the matrix forms ``"inverse"`` / ``"doubling"``: the
+    T x T system (and, in the anchor launch, the ``window`` x ``window`` one) inverted once
+    per program on scalars and applied to the value rows as small products (see
+    :func:`records_outputs`). ``skip_shared_anchor`` (default on): with
+    ``fold_cached_corrections`` and ``anchor is read`` the A path is the R path's formula on the
+    same bytes and corrections, already computed by the first launch: no second launch (the
+    recompute path always re-solves against A). ``fuse_shared_anchor`` (default off, untimed;
+    needs a matrix form of ``solve``): for the recompute path with ``anchor is read``, one
+    launch whose X holds the keys of slots ``0..window-1`` (not only the T drafts'; sized by
+    the window, not by J, so the tiles do not depend on the batch; verify's contract
+    ``start + T <= window`` keeps every row inside): the read-path
+    solve as above, and for the sequences at the window the whole system re-solved against
+    the same checkpoint in the same program (``records_outputs(fused_window=window)``);
+    a wider C X product for every sequence instead of a second pass over the state for the
+    ones at the window. With ``anchor is not read`` it has no effect. ``anchor_block_v``:
+    value rows per program of the anchor launch (default ``block_v``; its system has
+    ``window`` rows, so fewer value rows keep the matrix forms' anchor launch out of register
+    spills)."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
+                  solve_precision=solve_precision)
+    if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
+        raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
+                         f"solve={cfg.get('solve', 'substitution')!r}")
     T = q.shape[1]
     B, J = la.shape[:2]
     uR = u_known.clone()
@@ -598,18 +838,29 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
         return q.new_zeros(B, 0, la.shape[2], v.shape[3]), uR
     n = start + T
     draft = {"la": la, "k": k, "v": v, "beta": beta}
+    if fuse_shared_anchor and anchor is read and not fold_cached_corrections:
+        o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start,
+                            rows=n, out_start=start, draft=draft, draft_relative=False,
+                            gdn=True, w_out=uR, solved=window, fused_window=window, **cfg)
+        return o, torch.where(length_mask(n, J)[:, :, None, None], uR, 0.0)
     o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start, rows=n,
                         out_start=start, draft=draft, draft_relative=False, gdn=True, w_out=uR,
                         solved=T, **cfg)
     uR = torch.where(length_mask(n, J)[:, :, None, None], uR, 0.0)
     last = dict(q=q[:, T - 1:], out_start=n - 1, out=o, out_slot=T - 1, at_window=window)
     if fold_cached_corrections:
+        if skip_shared_anchor and anchor is read:
+            return o, uR
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=uR, start=n, rows=n, **last,
-                        **_config(cfg, use_dot=False))
+                        **_anchor_config(cfg))
     else:
+        # the anchor programs that run have rows == window and start 0: at most ``window``
+        # solved rows (the matrix forms size their system by it; substitution loops on rows)
+        solved = J if cfg.get("solve", "substitution") == "substitution" else min(J, window)
+        acfg = _config(cfg, block_v=anchor_block_v)
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known,
                         start=torch.zeros_like(start), rows=n, draft=draft,
-                        draft_relative=False, gdn=True, solved=J, **last, **cfg)
+                        draft_relative=False, gdn=True, solved=solved, **last, **acfg)
     return o, uR
 
 

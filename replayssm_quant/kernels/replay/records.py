@@ -27,7 +27,8 @@ the flush slot is a second launch over the anchor whose programs return unless
 ``rows == window`` (checked on the device; no host synchronisation); it is not made when the
 anchor is the read copy and would recompute the first launch's values (``skip_shared_anchor``).
 
-``solve="inverse"`` / ``"doubling"`` (launch option, default ``"substitution"``): after the
+``solve="inverse"`` / ``"doubling"`` (launch option; ``records_outputs`` defaults to
+``"substitution"``, the verify wrappers' configurations to ``"inverse"``): after the
 products, the GDN system is inverted once per program on ``[NX, NX]`` scalars and applied to
 the value rows, and the outputs of all queries are formed, as small FP32 products
 (``_matrix_outputs``, ``_unit_upper_inverse``).
@@ -65,14 +66,17 @@ DEFAULT_WARPS = 4
 # an FP32/half copy, tf32x3 tensor-core products otherwise (below).
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False)
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, use_dot=False)
-VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=False)
-# verify through tensor-core products (use_dot="tf32x3", about FP32 accuracy; records_tune
-# --set tf32, records_tune_tf32_h200.json): GDN from an FP32/half read copy 985 vs 1664 us at
-# h = 0; GDN from a block-scaled copy (128 rows) 1193 vs 1705 us; Mamba-2 from a block-scaled
-# copy 1602 vs 1881 us. Mamba-2 from FP32/half keeps the reductions (1220 us, the fastest).
-GDN_VERIFY_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
-GDN_VERIFY_BLOCKED_CONFIG = dict(block_v=128, num_warps=4, k_chunk=64, num_stages=2,
-                                 use_dot="tf32x3")
+# Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
+# h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
+# 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
+# 1706) and 796 / 1531 us from nvfp4 (1182 / 1887); Mamba-2 from FP32 with reductions for C X:
+# 780 / 786 us (1592 at h = 8 before skip_shared_anchor); from nvfp4 with tf32x3: 1200 / 1517
+# us (1580 / 1857). "doubling" and fuse_shared_anchor were slower everywhere.
+VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=False,
+                     solve="inverse")
+GDN_VERIFY_CONFIG = dict(block_v=128, num_warps=4, k_chunk=64, num_stages=2, use_dot="tf32x3",
+                         solve="inverse")
+GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG)
 MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
@@ -578,8 +582,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             matrices (Mamba-2: only the latter). ``"doubling"``: the same with the inverse as
             ``(I - M)(I + M^2)(I + M^4)...`` (products instead of a sequential recursion).
             Same formula as the reference; the sums are reassociated (last bits differ from
-            ``"substitution"``, within the outputs' 1e-5 tolerance). Not yet timed on a GPU
-            (``records_tune.py --set verify2``).
+            ``"substitution"``, within the outputs' 1e-5 tolerance). Timed by
+            ``records_tune.py --set verify2`` (``records_tune_verify2_h200.json``): ``"inverse"``
+            is the verify default since 2026-12-01.
         solve_precision: the matrix forms' small products (``tl.dot``): ``"ieee"`` (FP32
             FMA) or ``"tf32x3"`` (tensor cores, about FP32 accuracy, fewer registers: the FMA
             form holds its operands' whole K extent in registers); default: ``"tf32x3"`` when
@@ -757,8 +762,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          block_v: int | None = None, num_warps: int | None = None,
                          k_chunk: int | None = None, num_stages: int | None = None,
                          use_dot: "bool | str | None" = None, prefetch: bool | None = None,
-                         solve: str | None = None,
-        solve_precision: str | None = None, skip_shared_anchor: bool = True):
+                         solve: str | None = None, solve_precision: str | None = None,
+                         skip_shared_anchor: bool = True):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two launches, no host synchronisation (the second runs only for
@@ -795,7 +800,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       num_warps: int | None = None, k_chunk: int | None = None,
                       num_stages: int | None = None, use_dot: "bool | str | None" = None,
                       prefetch: bool | None = None, solve: str | None = None,
-        solve_precision: str | None = None,
+                      solve_precision: str | None = None,
                       skip_shared_anchor: bool = True, fuse_shared_anchor: bool = False,
                       anchor_block_v: int | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
@@ -805,7 +810,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     that runs only for those sequences (no host synchronisation).
     Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``GDN_VERIFY_CONFIG``
     (``GDN_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless given. ``solve``:
-    ``"substitution"`` (default), or the matrix forms ``"inverse"`` / ``"doubling"``: the
+    ``"substitution"``, or the matrix forms ``"inverse"`` (the default configurations' form) /
+    ``"doubling"``: the
     T x T system (and, in the anchor launch, the ``window`` x ``window`` one) inverted once
     per program on scalars and applied to the value rows as small products (see
     :func:`records_outputs`). ``skip_shared_anchor`` (default on): with

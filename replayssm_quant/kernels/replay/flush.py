@@ -14,6 +14,11 @@ bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0
   GDN launch configurations gave S, A and R that differ in last bits from the default
   (``flush_tune_h200.json``). A configuration is fixed by shape and policy
   (:func:`flush_config`), never by the batch.
+* Two other forms of that sum (``reconstruct``): ``"tf32x3"`` the same dots on tensor cores
+  (three TF32 products of the split operands), and ``"rank1"`` one rank-1 update per slot on a
+  ``[BV, K]`` tile in column order (:func:`_flush_tile_rank1`; no dot operand tiles, no
+  even/odd split except for the block formats' casts). :func:`flush_config` picks the form
+  per shape and policy from the H200 sweeps (docs/kernels-replay.md, "second pass").
 * GDN (``SOLVE``): the corrections are solved in the same program, per tile of value rows (rows
   are separable): ``A k_p`` for every slot by one FP32 dot of the anchor tile with ``K^T``,
   then forward substitution over the ``LP`` slots on ``[BV, LP]`` registers; the solved
@@ -133,14 +138,16 @@ def _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr, beta_ptr, k
     ``p = 0 .. n-1``, then ``S = gamma_{1:n} A + acc``. Each record's ``w`` rows ``[BV]`` and
     key ``[K]`` are loaded as vectors in the layout of the tile, so no dot operand tile is
     held in registers and no even/odd split is shuffled through shared memory (the dot form:
-    255 registers, spills and an L1-bound kernel on the H200, docs/kernels-replay.md), and each
-    element's sum runs in slot order whatever the launch.
+    255 registers, spills and an L1-bound kernel on the H200, docs/kernels-replay.md).
     With ``SOLVE`` (GDN) slot ``p``'s correction is solved in the same pass, before it is
     folded: ``A k_p`` as a row reduction of the anchor tile, then
     ``u_p = beta_p (v_p - gamma_{1:p} A k_p) - sum_{i<p} cf[i, p] u_i`` (``cf`` as in
     :func:`_flush_tile`); ``STORE_U`` writes ``u_p`` (and 0 at slots ``n .. J-1``).
     The decay sums ``c_p = la_0 + .. + la_p`` are formed in the order of the kernel's
-    preamble, so ``gamma`` has the same bits as in the dot form. Returns S ``[BV, K]``."""
+    preamble, so ``gamma`` has the same bits as in the dot form. The record sum runs in slot
+    order whatever the launch; GDN's ``A k_p`` is a tree reduction whose order follows the tile
+    layout, so GDN's corrections (and then S) can differ in last bits between launch
+    configurations, as in the dot form. Returns S ``[BV, K]``."""
     x = _load_full(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
     kk = tl.arange(0, K)
     acc = tl.zeros([BV, K], tl.float32)

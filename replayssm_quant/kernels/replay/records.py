@@ -66,6 +66,9 @@ DEFAULT_WARPS = 4
 # an FP32/half copy, tf32x3 tensor-core products otherwise (below).
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False)
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, use_dot=False)
+# GDN from an nvfp4/mx copy: the solved row's v and beta loaded before the solve (prefetch;
+# records_tune --set prefetch, records_tune_prefetch_h200.json: 293 -> 279 us at B = 256)
+GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True)
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
@@ -114,7 +117,8 @@ def _c_rows(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.con
     """Unblocked copies (fp32, bf16/fp16, fp8 codes): element values ``[BV, KC]`` of columns
     ``k0 .. k0 + KC - 1`` (fp8: before the matrix scale)."""
     kk = k0 + tl.arange(0, KC)
-    x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=rmask[:, None], other=0)
+    x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=rmask[:, None], other=0,
+                cache_modifier=".cg")
     return _elem_value(x, D)
 
 
@@ -131,12 +135,13 @@ def _c_blocks(c_ptr, bs_ptr, rowg, rmask, k0, K: tl.constexpr, BLK: tl.constexpr
     if D.FP4:
         col = k0 // 2 + nb[:, None] * W + jj[None, :]
         byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2) + col[None, :, :], mask=m3,
-                       other=0).to(tl.int32)
+                       other=0, cache_modifier=".cg").to(tl.int32)
         xe = _e2m1_value(byte)
         xo = _e2m1_value(byte >> 4)
     else:
         col = k0 + nb[:, None] * W + jj[None, :]
-        x = tl.load(c_ptr + rowg[:, None, None] * K + col[None, :, :], mask=m3, other=0)
+        x = tl.load(c_ptr + rowg[:, None, None] * K + col[None, :, :], mask=m3, other=0,
+                    cache_modifier=".cg")
         xe = _elem_value(x, D)
         xo = xe
     sbc = tl.load(bs_ptr + rowg[:, None] * (K // BLK) + (k0 // BLK + nb)[None, :],
@@ -739,10 +744,13 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     (k_i . k) u_i)`` against the stored read copy and the cached corrections, cache it in
     ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
     [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place). Launch
-    configuration: ``STEP_CONFIG`` (``GDN_STEP_WIDE_CONFIG`` for an FP32 or half read copy)
-    unless given (``solve``: the matrix forms of :func:`records_outputs`, untimed)."""
+    configuration: ``STEP_CONFIG`` (``GDN_STEP_WIDE_CONFIG`` for an FP32 or half read copy,
+    ``GDN_STEP_BLOCKED_CONFIG`` for an nvfp4/mx one) unless given (``solve``: the matrix forms
+    of :func:`records_outputs`, untimed for the step)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
-    cfg = _config(GDN_STEP_WIDE_CONFIG if wide else STEP_CONFIG, block_v=block_v,
+    blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
+    cfg = _config(GDN_STEP_WIDE_CONFIG if wide else
+                  (GDN_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}

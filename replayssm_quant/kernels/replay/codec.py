@@ -193,13 +193,12 @@ def _load_copy(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V,
     rowg = mat * V + rows.to(tl.int64)
     m2 = rmask[:, None]
     if FP4:
-        byte = tl.load(c_ptr + rowg[:, None] * KH + j[None, :], mask=m2, other=0,
-                       cache_modifier=".cg").to(tl.int32)
+        byte = tl.load(c_ptr + rowg[:, None] * KH + j[None, :], mask=m2, other=0).to(tl.int32)
         e = _decode_code(byte & 15, EB, MB, EMIN, SUBQ, NANF)
         o = _decode_code(byte >> 4, EB, MB, EMIN, SUBQ, NANF)
     else:
         kk = tl.arange(0, K)
-        x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=m2, other=0, cache_modifier=".cg")
+        x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=m2, other=0)
         if KIND <= 1:
             x = x.to(tl.float32)
         else:
@@ -343,7 +342,7 @@ def _load_full(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V, K: tl.constexpr, KH: 
     if D.KIND <= 1 and not D.FP4:
         kk = tl.arange(0, K)
         x = tl.load(c_ptr + (mat * V + rows.to(tl.int64))[:, None] * K + kk[None, :],
-                    mask=rmask[:, None], other=0, cache_modifier=".cg").to(tl.float32)
+                    mask=rmask[:, None], other=0).to(tl.float32)
     else:
         xe, xo = _load_stored(c_ptr, bs_ptr, ms_ptr, mat, rows, rmask, V, K, KH, BV, D)
         x = tl.reshape(tl.join(xe, xo), [BV, K])

@@ -117,8 +117,7 @@ def _c_rows(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.con
     """Unblocked copies (fp32, bf16/fp16, fp8 codes): element values ``[BV, KC]`` of columns
     ``k0 .. k0 + KC - 1`` (fp8: before the matrix scale)."""
     kk = k0 + tl.arange(0, KC)
-    x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=rmask[:, None], other=0,
-                cache_modifier=".cg")
+    x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=rmask[:, None], other=0)
     return _elem_value(x, D)
 
 
@@ -135,13 +134,12 @@ def _c_blocks(c_ptr, bs_ptr, rowg, rmask, k0, K: tl.constexpr, BLK: tl.constexpr
     if D.FP4:
         col = k0 // 2 + nb[:, None] * W + jj[None, :]
         byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2) + col[None, :, :], mask=m3,
-                       other=0, cache_modifier=".cg").to(tl.int32)
+                       other=0).to(tl.int32)
         xe = _e2m1_value(byte)
         xo = _e2m1_value(byte >> 4)
     else:
         col = k0 + nb[:, None] * W + jj[None, :]
-        x = tl.load(c_ptr + rowg[:, None, None] * K + col[None, :, :], mask=m3, other=0,
-                    cache_modifier=".cg")
+        x = tl.load(c_ptr + rowg[:, None, None] * K + col[None, :, :], mask=m3, other=0)
         xe = _elem_value(x, D)
         xo = xe
     sbc = tl.load(bs_ptr + rowg[:, None] * (K // BLK) + (k0 // BLK + nb)[None, :],

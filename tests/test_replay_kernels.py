@@ -763,6 +763,54 @@ def test_flush_launch_options_refused(bad):
                         flush_index=torch.ones(1, dtype=torch.int64), **bad)
 
 
+def _flush_args(**over):
+    """Valid inputs of a small flush (B = 2, H = 2, V = 16, K = 32, J = 3), with overrides."""
+    z = torch.zeros
+    kw = dict(anchor=z(2, 2, 16, 32), la=z(2, 3, 2), w=z(2, 3, 2, 16), k=z(2, 3, 1, 32),
+              length=torch.tensor([3, 1]), policy=StatePolicy.parse("fp32"), seed=0, layer=0,
+              sequence_ids=torch.tensor([4, 5]), flush_index=torch.tensor([1, 2]))
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize("over,err,match", [
+    (dict(w=torch.zeros(2, 3, 2, 8)), ValueError, r"w \(v\) has shape \(2, 3, 2, 8\)"),
+    (dict(k=torch.zeros(2, 3, 3, 32)), ValueError, "divid"),
+    (dict(la=torch.zeros(2, 3, 2, dtype=torch.float64)), ValueError, "la has dtype"),
+    (dict(sequence_ids=torch.tensor([5])), ValueError, "sequence_ids has 1 elements"),
+    (dict(flush_index=torch.tensor([1, 2, 3])), ValueError, "flush_index has 3"),
+    (dict(length=torch.tensor([4, 1])), RuntimeError, "length must be in"),
+    (dict(sequence_ids=torch.tensor([1 << 20, 0])), RuntimeError, "sequence_ids must be in"),
+    (dict(flush_index=torch.tensor([-1, 0])), RuntimeError, "flush_index must be in")])
+def test_flush_bad_inputs_refused(over, err, match):
+    """Inputs whose extents do not match the anchor, or ids / lengths out of range, are refused
+    with the input named (shapes on the host; values by device-side assertions, at once on
+    CPU) instead of being read out of bounds."""
+    kw = _flush_args(**over)
+    kr.flush_kernel(**_flush_args())  # the valid inputs run
+    with pytest.raises(err, match=match):
+        kr.flush_kernel(**kw)
+
+
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_verify_bad_inputs_refused(gdn):
+    """Verify refuses drafts past the ring (start + T > J, device-side assertion) and records
+    whose extents or dtype do not match the read copy, naming the input."""
+    gen = _gen(32)
+    R, R_st, ring, _ = _ring_state(gen, "fp32", gdn=gdn)
+    A, args, _, _ = _verify_case(gen, R, ring, gdn, K)
+    fn = kr.gdn_verify_kernel if gdn else kr.mamba2_verify_kernel
+    fn(R_st, A, *args)  # the valid case runs
+    a = list(args)
+    i_la, i_q, i_start = 0, (4 if gdn else 3), (6 if gdn else 4)
+    with pytest.raises(RuntimeError, match="start"):  # J = max(start) + T: start 2 overruns
+        fn(R_st, A, *a[:i_start], a[i_start] + 1, *a[i_start + 1:])
+    with pytest.raises(ValueError, match="q has dtype"):
+        fn(R_st, A, *a[:i_q], a[i_q].double(), *a[i_q + 1:])
+    with pytest.raises(ValueError, match="la has shape"):
+        fn(R_st, A, a[i_la][:, :, :1], *a[1:])
+
+
 # ------------------------------------------------------------------------------ verify, matrix forms
 # records_outputs(solve="inverse" | "doubling"): the GDN system inverted once per program on
 # scalars and the outputs as small products. T = 8 drafts at window 16 (the serving shape's

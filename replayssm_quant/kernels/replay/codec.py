@@ -437,6 +437,30 @@ def _check_supported(key_dim: int, dtype) -> None:
                          f">= 32, got {dtype} and K={key_dim}")
 
 
+def _check_f32(where: str, name: str, t, shape) -> None:
+    """Raise ValueError unless ``t`` is a float32 tensor of ``shape`` (the kernels index their
+    inputs by the shapes derived from the state; a wrong extent would read out of bounds)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.dtype != torch.float32:
+        raise ValueError(f"{where}: {name} has dtype {t.dtype}, expected torch.float32")
+
+
+def _check_index(where: str, name: str, t, B: int, allow_scalar: bool = False) -> None:
+    """Raise ValueError unless ``t`` is an integer tensor of ``B`` elements (or 1 element, or a
+    Python int, with ``allow_scalar``)."""
+    if allow_scalar and isinstance(t, int) and not isinstance(t, bool):
+        return
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"{where}: {name} must be an integer tensor of {B} elements, got "
+                         f"{t if not isinstance(t, torch.Tensor) else t.dtype}")
+    if t.numel() != B and not (allow_scalar and t.numel() == 1):
+        raise ValueError(f"{where}: {name} has {t.numel()} elements, expected {B} (the batch)"
+                         + (" or 1" if allow_scalar else ""))
+
+
 def _stored_args(stored) -> tuple[tuple, QuantSpec]:
     """(pointer tensors, spec) of a stored copy: a PackedTensor or an FP32 tensor."""
     if isinstance(stored, PackedTensor):

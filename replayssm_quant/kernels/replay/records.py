@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
-from .codec import (_check_supported, _decode_code, _decode_consts, _e2m1_value, _e4m3_value,
+from .codec import (_check_f32, _check_index, _check_supported, _decode_code, _decode_consts, _e2m1_value, _e4m3_value,
                     _e5m2_value, _e8m0_value, _stored_args)
 
 # Launch configuration of the records kernel (value rows per program, warps, K chunk streamed
@@ -760,6 +760,36 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     return o[:, 0]
 
 
+def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_known=None):
+    """Shapes and dtypes of a verify's inputs against the read copy ``[B, H, V, K]``: records
+    ``la [B,J,H]``, ``v [B,J,H,V]``, ``k [B,J,G,K]`` (G dividing H), drafts ``q [B,T,G,K]``,
+    ``start`` integer ``[B]`` (GDN: ``beta [B,J,H]``, ``u_known [B,J,H,V]``); the drafts must
+    fit the ring (``start + T <= J``, checked on the device: no host synchronisation). Raises
+    ValueError naming the input (the kernels index by these extents)."""
+    B, H, V, K = (int(x) for x in read.shape)
+    if tuple(anchor.shape) != (B, H, V, K):
+        raise ValueError(f"{where}: anchor has shape {tuple(anchor.shape)}, expected the read "
+                         f"copy's {(B, H, V, K)}")
+    if not isinstance(la, torch.Tensor) or la.dim() != 3 or not isinstance(q, torch.Tensor) \
+            or q.dim() != 4 or not isinstance(k, torch.Tensor) or k.dim() != 4:
+        raise ValueError(f"{where}: la must be [B, J, H], k [B, J, G, K], q [B, T, G, K]")
+    J, T, G = la.shape[1], q.shape[1], k.shape[2]
+    if G < 1 or H % G:
+        raise ValueError(f"{where}: k has {G} key heads, which must divide H = {H}")
+    for name, t, shape in (("la", la, (B, J, H)), ("v", v, (B, J, H, V)), ("k", k, (B, J, G, K)),
+                           ("q", q, (B, T, G, K))):
+        _check_f32(where, name, t, shape)
+    if beta is not None:
+        _check_f32(where, "beta", beta, (B, J, H))
+    if u_known is not None:
+        _check_f32(where, "u_known", u_known, (B, J, H, V))
+    _check_index(where, "start", start, B)
+    if int(window) < 1:
+        raise ValueError(f"{where}: window must be >= 1, got {window}")
+    torch._assert_async(((start >= 0) & (start + T <= J)).all(),
+                        f"{where}: start + T must be in [T, J = {J}] (the drafts fit the ring)")
+
+
 # ---------------------------------------------------------------- verify
 # A draft on the flush slot (rows == window) reads the A path: a second launch over the anchor
 # whose programs return at once unless rows[b] == window (checked on the device, no host sync),
@@ -787,6 +817,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision)
+    _check_verify("mamba2_verify_kernel", read, anchor, la, v, k, q, start, window)
     T = q.shape[1]
     B = q.shape[0]
     if T == 0:
@@ -843,8 +874,13 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
                          f"solve={cfg.get('solve', 'substitution')!r}")
+    _check_verify("gdn_verify_kernel", read, anchor, la, v, k, q, start, window, beta=beta,
+                  u_known=u_known)
     T = q.shape[1]
     B, J = la.shape[:2]
+    if fuse_shared_anchor:
+        torch._assert_async((start + T <= window).all(), "gdn_verify_kernel: "
+                            "fuse_shared_anchor=True needs start + T <= window")
     uR = u_known.clone()
     if T == 0:
         return q.new_zeros(B, 0, la.shape[2], v.shape[3]), uR

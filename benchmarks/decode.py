@@ -592,8 +592,8 @@ def main(argv=None):
                         "SR stream keys are packed inside the flush kernel (keys_in_kernel, the "
                         "default since 2026-12-01; before: checkpoint_streams, in the timing)",
                         "verify_T8_vs_step: worst start h over the mean FP32 non-flush step",
-                        "verify timings include the wrappers' host sync (bool(at_flush.any()))"
-                        " and, for GDN, the clone/mask of the correction buffer",
+                        "verify timings include, for GDN, the clone/mask of the correction "
+                        "buffer (the wrappers no longer synchronise with the host)",
                         "summary[gdn|mamba2] is at the largest batch (the issue's targets are at"
                         " B = 256); by_batch has every batch"],
               "models": {}}

@@ -79,7 +79,7 @@ TF32_VERIFY_CANDIDATES = [
     (128, 4, 64, 2, "tf32x3"), (64, 8, 64, 2, "tf32x3"),
 ]
 # GDN's forward substitution with the solved rows' v / beta prefetched as tiles (prefetch=True,
-# the 6th field; not yet timed): the current GDN defaults with and without it
+# the 6th field; timed 2026-12-01, records_tune_prefetch_h200.json): GDN configs with and without it
 PREFETCH_STEP_CANDIDATES = [
     (64, 4, 32, 3, False, False), (64, 4, 32, 3, False, True), (64, 4, 128, 1, False, False),
     (64, 4, 128, 1, False, True),
@@ -88,10 +88,11 @@ PREFETCH_VERIFY_CANDIDATES = [
     (64, 4, 32, 2, "tf32x3", False), (64, 4, 32, 2, "tf32x3", True),
     (128, 4, 64, 2, "tf32x3", False), (128, 4, 64, 2, "tf32x3", True),
 ]
-# the matrix forms of verify (solve="inverse" | "doubling", the 7th field; not yet timed): the
+# the matrix forms of verify (solve="inverse" | "doubling", the 7th field; timed 2026-12-01,
+# records_tune_verify2_h200.json, "inverse" now the default): the
 # GDN T x T system inverted once per program on scalars and applied to the value rows as small
 # products, the T outputs as products with masked decay matrices (records.records_outputs).
-# The current defaults (substitution) first, for comparison in the same run; the step
+# The former defaults (substitution) first, for comparison in the same run; the step
 # defaults for the verify / step ratio (docs/kernels-replay.md, issue 15: <= 1.3x).
 VERIFY2_STEP_CANDIDATES = [(64, 4, 128, 1, False), (64, 4, 32, 3, False)]
 VERIFY2_VERIFY_CANDIDATES = [

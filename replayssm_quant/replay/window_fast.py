@@ -44,9 +44,10 @@ GROUP_ELEMENTS = 1 << 24  # bound on the elements of a per-group stacked tensor 
 # On CUDA: fewer, larger groups. A group's torch work is ~30 small ops whatever its size, so
 # with small groups the dual policies are bound by the host (one 3.4B qwen3_5 GDN layer, a
 # 4096-token segment, B = 1: 11 groups, 9 ms of kernels in 22-25 ms; emulation_profile_h200.json).
-# The bound is GROUP_ELEMENTS_CUDA_MAX elements per stacked tensor (1 GiB of float32), lowered
-# to 1/64 of the free device memory (a group holds about 8 such tensors), never below
-# GROUP_ELEMENTS_CUDA. Results do not depend on the grouping (test_emulation_kernels).
+# The bound (on the elements of one window's tensors times the windows of a group, see
+# _group_size) is GROUP_ELEMENTS_CUDA_MAX (1 GiB of float32), lowered to 1/256 of the free
+# device memory in elements (1/64 in bytes), but never below GROUP_ELEMENTS_CUDA (256 MB),
+# whatever the free memory. Results do not depend on the grouping (test_emulation_kernels).
 GROUP_ELEMENTS_CUDA = 1 << 26
 GROUP_ELEMENTS_CUDA_MAX = 1 << 28
 

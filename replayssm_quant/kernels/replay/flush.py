@@ -77,7 +77,8 @@ def flush_config(V: int, need_amax: bool) -> tuple[str, int, int, str]:
     2026-12-01 (the last is benchmarks/results/flush_tune_h200.json; single runs move by
     10-20%, so a form is the default only where it won in every sweep):
 
-    * V <= 64 (Mamba-2 64 x 128): one 64-row tile, ``tf32x3`` products (``fp32`` 1.32 ms
+    * V <= 64 (timed on Mamba-2's 64 x 128; a GDN layer with DV <= 64 takes the same): one
+      64-row tile, ``tf32x3`` products (``fp32`` 1.32 ms
       against 1.60 ms for the FP32 FMA dot in the same sweep; with a matrix-scaled copy
       (``read:nvfp4/rec:fp16+sr``) 8 warps, 4.38 against 4.75-4.81 ms);
     * V > 64 (GDN 128 x 128): ``loop`` 32 x 4 with the FP32 FMA dot (``fp32``: 2.05-2.35 ms;

@@ -573,8 +573,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             tolerance); default ``"ieee"`` with four or more vectors, else reductions).
         prefetch: GDN: load the solved rows' ``v`` and ``beta`` as ``[LP, BV]`` / ``[LP]``
             tiles before the forward substitution instead of one row per iteration (the loop
-            then has no memory operations; the same values). Not yet timed on a GPU
-            (``records_tune.py --set prefetch``); default off.
+            then has no memory operations; the same values). Timed by ``records_tune.py --set
+            prefetch`` (``records_tune_prefetch_h200.json``): slower for every verify and the
+            fp32 step, faster for the GDN step from an nvfp4 copy (293 -> 279 us at B = 256),
+            which is the only default that sets it (``GDN_STEP_BLOCKED_CONFIG``).
         solve: how the GDN solve and the outputs are formed after the products with C and the
             keys. ``"substitution"`` (default): forward substitution one solved row at a time
             on ``[BV, LP]`` tiles, then one masked reduction per query. ``"inverse"``: the
@@ -599,7 +601,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             launch (see ``_matrix_outputs``).
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
-    num_stages, use_dot, solve).
+    num_stages, use_dot, solve, solve_precision, fused_window).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
     ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
@@ -802,8 +804,10 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          skip_shared_anchor: bool = True):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
-    Returns ``y [B, T, H, P]``. Two launches, no host synchronisation (the second runs only for
-    the sequences whose last draft is on the flush slot). Launch configuration:
+    Returns ``y [B, T, H, P]``. Two launches (one when ``skip_shared_anchor`` applies), no host
+    synchronisation (the second runs only for the sequences whose last draft is on the flush
+    slot). Inputs are checked by :func:`_check_verify` (ValueError, or a device-side assertion
+    for drafts past the ring). Launch configuration:
     ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless
     given; ``solve="inverse"`` / ``"doubling"`` (the same kernel for Mamba-2, which has no
     system): the T outputs as two small products instead of one reduction per query (see
@@ -854,7 +858,9 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     :func:`records_outputs`). ``skip_shared_anchor`` (default on): with
     ``fold_cached_corrections`` and ``anchor is read`` the A path is the R path's formula on the
     same bytes and corrections, already computed by the first launch: no second launch (the
-    recompute path always re-solves against A). ``fuse_shared_anchor`` (default off, untimed;
+    recompute path always re-solves against A). ``fuse_shared_anchor`` (default off; slower than
+    two launches in every timed case, ``records_tune_verify2_h200.json``; needs
+    ``start + T <= window``, a device-side assertion;
     needs a matrix form of ``solve``): for the recompute path with ``anchor is read``, one
     launch whose X holds the keys of slots ``0..window-1`` (not only the T drafts'; sized by
     the window, not by J, so the tiles do not depend on the batch; verify's contract

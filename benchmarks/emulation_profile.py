@@ -51,6 +51,15 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
+    for pol in args.policies:
+        try:
+            StateConfig.build(pol, window=16)
+        except ValueError as e:
+            ap.error(f"--policies: {e}")
+    if len(set(args.policies)) != len(args.policies):
+        ap.error(f"--policies lists a policy twice: {args.policies}")
     dev = "cpu" if args.tiny else "cuda"
     B, T, G, H, K, V, L = (1, 64, 1, 2, 32, 16, 4) if args.tiny else (1, 4096, 16, 32, 128, 128,
                                                                        16)
@@ -97,7 +106,7 @@ def main(argv=None):
             entry["kernels"] = rows[:25]
             entry["device_us_total"] = sum(r["device_us"] for r in rows)
         out["policies"][pol] = entry
-        print(pol, round(entry["median_us"]), flush=True)
+        print(f"{pol}: median {entry['median_us']:.0f} us per call", flush=True)
         for r in entry.get("kernels", [])[:12]:
             print(f"   {r['device_us']:10.0f} us {r['calls']:5d}x {r['name'][:100]}")
     with open(args.out, "w") as f:

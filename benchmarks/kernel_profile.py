@@ -80,8 +80,15 @@ def main(argv=None):
                     help="GDN verify with fuse_shared_anchor=True (needs a matrix form of "
                          "--verify-solve; has an effect under the fp32 policy only)")
     args = ap.parse_args(argv)
-    if args.verify_fuse and args.verify_solve in (None, "substitution"):
-        ap.error("--verify-fuse needs --verify-solve inverse or doubling")
+    if args.calls < 1:
+        ap.error(f"--calls must be >= 1, got {args.calls}")
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
+    if args.tiny and "--batch" in (argv if argv is not None else sys.argv):
+        ap.error("--batch does not apply with --tiny (batch 2)")
+    if args.verify_fuse and args.verify_solve == "substitution":
+        ap.error("--verify-fuse needs a matrix form (--verify-solve inverse or doubling, or "
+                 "the default, inverse)")
     if args.verify_solve:
         for name in ("VERIFY_CONFIG", "GDN_VERIFY_CONFIG", "GDN_VERIFY_BLOCKED_CONFIG",
                      "MAMBA2_VERIFY_BLOCKED_CONFIG"):
@@ -103,9 +110,8 @@ def main(argv=None):
     for vals, allowed, flag in ((models, geo, "--models"), (pols, dc.POLICIES, "--policies"),
                                 (ops, OPS, "--ops")):
         bad = [v for v in vals if v not in allowed]
-        if bad or args.calls < 1:
-            ap.error(f"{flag} takes a comma list of {sorted(allowed)} (and --calls >= 1), "
-                     f"got {bad or args.calls!r}")
+        if bad or not vals:
+            ap.error(f"{flag} takes a comma list of {sorted(allowed)}, got {bad or vals!r}")
     launched = []
     for m in models:
         H, G, V, K, L = geo[m]

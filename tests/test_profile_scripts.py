@@ -1,0 +1,49 @@
+"""``benchmarks/kernel_profile.py --tiny`` and ``benchmarks/emulation_profile.py --tiny`` (issue
+15's profiling helpers) run on CPU under the Triton interpreter, write their JSON, and refuse bad
+arguments with the option named."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+
+
+def _run(script, *args):
+    return subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", *args], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_kernel_profile_tiny(tmp_path):
+    out = tmp_path / "kp.json"
+    p = _run("kernel_profile.py", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    ops = {f"{m}/{pol}/{op}" for m in ("gdn", "mamba2") for pol in ("fp32", "nvfp4")
+           for op in ("step", "flush", "verify")}
+    assert set(r["launched_in_order"]) == ops and r["calls_each"] == 2 and r["batch"] == 2
+
+
+def test_emulation_profile_tiny(tmp_path):
+    out = tmp_path / "ep.json"
+    p = _run("emulation_profile.py", "--reps", "1", "--policies", "fp32",
+             "read:nvfp4/rec:fp16+sr", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert set(r["policies"]) == {"fp32", "read:nvfp4/rec:fp16+sr"}
+    assert all(e["median_us"] > 0 and len(e["runs_us"]) == 1 for e in r["policies"].values())
+
+
+@pytest.mark.parametrize("script,args,match", [
+    ("kernel_profile.py", ["--calls", "0"], "--calls"),
+    ("kernel_profile.py", ["--ops", "bogus"], "--ops"),
+    ("emulation_profile.py", ["--reps", "0"], "--reps"),
+    ("emulation_profile.py", ["--policies", "bogus"], "bad state policy 'bogus'")])
+def test_profile_scripts_refuse_bad_arguments(tmp_path, script, args, match):
+    p = _run(script, "--out", str(tmp_path / "x.json"), *args)
+    assert p.returncode == 2 and match in p.stderr, p.stderr[-2000:]

@@ -780,8 +780,9 @@ def _flush_args(**over):
     (dict(sequence_ids=torch.tensor([5])), ValueError, "sequence_ids has 1 elements"),
     (dict(flush_index=torch.tensor([1, 2, 3])), ValueError, "flush_index has 3"),
     (dict(length=torch.tensor([4, 1])), RuntimeError, "length must be in"),
-    (dict(sequence_ids=torch.tensor([1 << 20, 0])), RuntimeError, "sequence_ids must be in"),
-    (dict(flush_index=torch.tensor([-1, 0])), RuntimeError, "flush_index must be in")])
+    (dict(sequence_ids=torch.tensor([1 << 20, 0])), RuntimeError, "sequence_ids in"),
+    (dict(flush_index=torch.tensor([-1, 0])), RuntimeError, "flush_index in"),
+    (dict(flush_index=torch.tensor([0, 1 << 24])), RuntimeError, "flush_index in")])
 def test_flush_bad_inputs_refused(over, err, match):
     """Inputs whose extents do not match the anchor, or ids / lengths out of range, are refused
     with the input named (shapes on the host; values by device-side assertions, at once on

@@ -439,8 +439,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     _check_index(where, "length", length, B)
     _check_index(where, "sequence_ids", sequence_ids, B)
     _check_index(where, "flush_index", flush_index, B, allow_scalar=True)
-    torch._assert_async(((length >= 0) & (length <= J)).all(),
-                        f"{where}: length must be in [0, J = {J}] (the record slots)")
+    ok = (length.clamp(0, J) == length).all()  # device-side checks, one assertion (no sync)
+    msg = f"{where}: length must be in [0, J = {J}] (the record slots)"
     dev = w.device
     if keys_in_kernel is None:
         keys_in_kernel = True
@@ -450,11 +450,10 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         sa = sequence_ids.to(device=dev, dtype=torch.int64).reshape(-1).contiguous()
         sr = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)
         sr = sr.expand(B).contiguous() if sr.numel() == 1 else sr.contiguous()
-        width = dict(STREAM_FIELDS)  # the per-sequence fields: checked on the device (no sync)
-        torch._assert_async(((sa >= 0) & (sa < (1 << width["sequence"]))).all(),
-                            f"{where}: sequence_ids must be in [0, 2^{width['sequence']})")
-        torch._assert_async(((sr >= 0) & (sr < (1 << width["flush"]))).all(),
-                            f"{where}: flush_index must be in [0, 2^{width['flush']})")
+        width = dict(STREAM_FIELDS)  # the per-sequence fields (x >> w == 0: 0 <= x < 2^w)
+        ok = ok & (((sa >> width["sequence"]) | (sr >> width["flush"])) == 0).all()
+        msg += (f", sequence_ids in [0, 2^{width['sequence']}) and flush_index in "
+                f"[0, 2^{width['flush']})")
         kbits = int(layer) << sh["layer"]
         key_consts = dict(KEYS_IN=True, SH_HEAD=sh["head"], SH_SEQ=sh["sequence"],
                           SH_FLUSH=sh["flush"])
@@ -462,6 +461,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
                                     flush_index=flush_index)
         kbits, key_consts = 0, {}
+    torch._assert_async(ok, msg)
     shape = (B, H, V, K)
     bufa = _alloc_copy(policy.rec, shape, dev)
     bufr = _alloc_copy(policy.read, shape, dev) if two else bufa

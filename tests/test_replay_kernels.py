@@ -945,7 +945,8 @@ def test_verify_state_objects_matrix_form(monkeypatch):
 
 @pytest.mark.parametrize("bad", [dict(solve="bogus"), dict(solve="Inverse"), dict(solve=None),
                                  dict(solve=1), dict(solve="inverse", solve_precision="tf32"),
-                                 dict(solve="inverse", fused_window=4)])
+                                 dict(solve="inverse", fused_window=4),
+                                 dict(solve="substitution", solve_precision="ieee")])
 def test_records_solve_option_refused(bad):
     """A bad ``solve`` / ``solve_precision`` / ``fused_window`` (the latter without GDN)
     raises ValueError naming the option and the value (before launch)."""
@@ -958,6 +959,27 @@ def test_records_solve_option_refused(bad):
                         ring_w=z(1, 4, 2, 16), q=z(1, 1, 1, 32), start=z(1, dtype=torch.int64),
                         rows=z(1, dtype=torch.int64), out_start=z(1, dtype=torch.int64),
                         block_v=16, num_warps=4, **bad)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(anchor_block_v=24), "anchor_block_v"),
+                                      (dict(anchor_block_v=16, fold_cached_corrections=True),
+                                       "anchor_block_v applies")])
+def test_gdn_verify_anchor_block_v_refused(kw, match, monkeypatch):
+    """A bad ``anchor_block_v``, or one that cannot apply (the cached-fold anchor launch solves
+    nothing), raises ValueError naming it before any launch."""
+    gen = _gen(33)
+    R, R_st, ring, _ = _ring_state(gen, "fp32", gdn=True)
+    A, args, _, _ = _verify_case(gen, R, ring, True, K)
+    calls = []
+    real = kr.records.records_outputs
+    monkeypatch.setattr(kr.records, "records_outputs",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    kr.gdn_verify_kernel(R_st, A, *args)  # the valid call launches (the counter counts)
+    assert calls
+    calls.clear()
+    with pytest.raises(ValueError, match=match):
+        kr.gdn_verify_kernel(R_st, A, *args, **kw)
+    assert not calls
 
 
 @pytest.mark.parametrize("family", ["mamba2", "gdn-fold", "gdn"])

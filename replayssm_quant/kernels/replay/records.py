@@ -637,6 +637,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                   use_dot=use_dot, solve=solve)
     prec = use_dot if isinstance(use_dot, str) else "ieee"
     matrix = SOLVE_FORMS.index(solve)
+    if solve_precision is not None and not matrix:
+        raise ValueError(f"solve_precision applies to the matrix forms (solve='inverse' or "
+                         f"'doubling'), got solve_precision={solve_precision!r} with "
+                         f"solve={solve!r}")
     if solve_precision is None:
         solve_precision = "tf32x3" if use_dot == "tf32x3" else "ieee"
     if solve_precision not in ("ieee", "tf32x3"):
@@ -880,6 +884,14 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
                          f"solve={cfg.get('solve', 'substitution')!r}")
+    if anchor_block_v is not None:
+        try:
+            _check_tile(anchor_block_v, cfg["num_warps"])
+        except ValueError as e:
+            raise ValueError(f"anchor_block_v: {e}") from None
+        if fold_cached_corrections:
+            raise ValueError("anchor_block_v applies to the re-solving anchor launch; with "
+                             "fold_cached_corrections=True the anchor launch solves nothing")
     _check_verify("gdn_verify_kernel", read, anchor, la, v, k, q, start, window, beta=beta,
                   u_known=u_known)
     T = q.shape[1]

@@ -93,7 +93,7 @@ def candidates(V, tiny, need_amax=False):
     same kernel for both variants (listed as "grid")."""
     single = max(16, triton.next_power_of_2(V))
     if tiny:  # the call default (one tile), then several tiles of each variant and form
-        cands = [("grid", 16, 4, "rank1"), ("loop", 16, 4, "dot"), ("grid", 16, 4, "dot")]
+        cands = [("grid", 16, 4, "rank1"), ("loop", 16, 4, "dot")]
     else:
         cands = [(DEFAULT_VARIANT, DEFAULT_BV_FLUSH, DEFAULT_WARPS_FLUSH, "dot")]
         cands += [c + ("rank1",) for c in (

@@ -113,6 +113,8 @@ VERIFY2_VERIFY_CANDIDATES = [
     (64, 4, 32, 2, "tf32x3", False, "inverse", False, True, 32),
     (128, 4, 64, 2, "tf32x3", False, "inverse", False, True, 32),
 ]
+# A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
+# rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed

@@ -961,6 +961,20 @@ def test_records_solve_option_refused(bad):
                         block_v=16, num_warps=4, **bad)
 
 
+def _count_launches(monkeypatch) -> list:
+    """Count the records kernel's launches (calls of ``records.records_outputs``) from here on:
+    returns the list that gets one entry per call."""
+    calls = []
+    real = kr.records.records_outputs
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kr.records, "records_outputs", counting)
+    return calls
+
+
 @pytest.mark.parametrize("kw,match", [(dict(anchor_block_v=24), "anchor_block_v"),
                                       (dict(anchor_block_v=16, fold_cached_corrections=True),
                                        "anchor_block_v applies")])
@@ -970,10 +984,7 @@ def test_gdn_verify_anchor_block_v_refused(kw, match, monkeypatch):
     gen = _gen(33)
     R, R_st, ring, _ = _ring_state(gen, "fp32", gdn=True)
     A, args, _, _ = _verify_case(gen, R, ring, True, K)
-    calls = []
-    real = kr.records.records_outputs
-    monkeypatch.setattr(kr.records, "records_outputs",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_launches(monkeypatch)
     kr.gdn_verify_kernel(R_st, A, *args)  # the valid call launches (the counter counts)
     assert calls
     calls.clear()
@@ -990,14 +1001,7 @@ def test_verify_shared_anchor_skips_second_launch(family, monkeypatch):
     flush-slot sequence included."""
     R, R_st, _, _, args = _matrix_case("nvfp4", family)
     want = _matrix_reference(R, R, args, family)
-    calls = []
-    real = kr.records.records_outputs
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(kr.records, "records_outputs", counting)
+    calls = _count_launches(monkeypatch)
     got = _matrix_verify(R_st, R_st, args, family)
     assert len(calls) == (2 if family == "gdn" else 1)
     two = _matrix_verify(R_st, R_st, args, family, skip_shared_anchor=False)
@@ -1016,14 +1020,7 @@ def test_gdn_verify_fused_shared_anchor(read_fmt, solve, monkeypatch):
     the same alone (sliced to its own J) and in the batch."""
     R, R_st, _, _, args = _matrix_case(read_fmt, "gdn")
     want = _matrix_reference(R, R, args, "gdn")
-    calls = []
-    real = kr.records.records_outputs
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(kr.records, "records_outputs", counting)
+    calls = _count_launches(monkeypatch)
     got = kr.gdn_verify_kernel(R_st, R_st, *args, solve=solve, fuse_shared_anchor=True)
     assert len(calls) == 1
     monkeypatch.undo()

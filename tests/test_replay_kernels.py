@@ -281,6 +281,38 @@ def test_flush_configs(policy, model, exact):
             _same_stored(res2.checkpoints, res.checkpoints)
 
 
+@pytest.mark.parametrize("form", ["dot", "rank1", "tf32x3"])
+@pytest.mark.parametrize("model", ["gdn", "mamba2"])
+def test_flush_forms_batch_invariant(model, form):
+    """Every ``reconstruct`` form gives each sequence the same bits alone, in the batch and at
+    the other batch position (reversed batch): S, the flush token's output, the anchor and
+    read copy (an SR dual policy: the in-kernel stream keys follow the sequence id, not the
+    position), GDN's corrections. Two row tiles (V = 40, block_v 32), lengths L and 3."""
+    gen = _gen(14)
+    pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr")
+    A, la, k, v, beta, q = _config_inputs(gen, False, 40)
+    length = _t(torch.tensor([L, 3]))
+    ids, fi = STREAMS["sequence_ids"], STREAMS["flush_index"]
+
+    def run(rows):
+        r = torch.tensor(rows)
+        kw = dict(seed=SEED, layer=3, sequence_ids=ids[r], flush_index=fi[r], q=q[r],
+                  reconstruct=form, block_v=32)
+        if model == "gdn":
+            res, y = kr.gdn_flush_kernel(A[r], la[r], beta[r], v[r], k[r], length[r], pol, **kw)
+        else:
+            res, y = kr.mamba2_flush_kernel(A[r], la[r], v[r], k[r], length[r], pol, **kw)
+        cps = res.checkpoints
+        return [res.state, y, cps.anchor, cps.read] + ([res.w] if model == "gdn" else [])
+
+    full, rev = run([0, 1]), run([1, 0])
+    for i in range(2):
+        alone = run([i])
+        for a, f, rv in zip(alone, full, rev, strict=True):
+            assert torch.equal(_bits(a[0]), _bits(f[i])), i
+            assert torch.equal(_bits(a[0]), _bits(rv[1 - i])), i
+
+
 @pytest.mark.parametrize("form", ["dot", "rank1"])
 def test_gdn_flush_fused_solve_matches_solve_corrections(form):
     """The corrections solved inside the flush kernel equal :func:`core.solve_corrections`

@@ -448,6 +448,27 @@ def _check_f32(where: str, name: str, t, shape) -> None:
         raise ValueError(f"{where}: {name} has dtype {t.dtype}, expected torch.float32")
 
 
+def _check_records(where: str, la, w, k, beta, B: int, H: int, V: int, K: int,
+                   w_name: str = "v") -> tuple[int, int]:
+    """The buffered records of a flush or verify against the state ``[B, H, V, K]``: float32
+    ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` with G dividing H, and (GDN)
+    ``beta [B,J,H]``. Returns ``(J, G)``; raises ValueError naming the input."""
+    if not isinstance(la, torch.Tensor) or la.dim() != 3:
+        raise ValueError(f"{where}: la must be a [B, J, H] tensor, got "
+                         f"{getattr(la, 'shape', type(la).__name__)}")
+    J = la.shape[1]
+    G = k.shape[2] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
+    if G < 1 or H % G:
+        raise ValueError(f"{where}: k must be [B, J, G, K] with G dividing H = {H}, got "
+                         f"{getattr(k, 'shape', type(k).__name__)}")
+    for name, t, shape in (("la", la, (B, J, H)), (w_name, w, (B, J, H, V)),
+                           ("k", k, (B, J, G, K))):
+        _check_f32(where, name, t, shape)
+    if beta is not None:
+        _check_f32(where, "beta", beta, (B, J, H))
+    return J, G
+
+
 def _check_index(where: str, name: str, t, B: int, allow_scalar: bool = False) -> None:
     """Raise ValueError unless ``t`` is an integer tensor of ``B`` elements (or 1 element, or a
     Python int, with ``allow_scalar``)."""

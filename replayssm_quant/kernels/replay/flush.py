@@ -51,7 +51,7 @@ from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_
 from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import require_policy
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
-                    _cast_store_full, _check_f32, _check_index, _load_full,
+                    _cast_store_full, _check_f32, _check_index, _check_records, _load_full,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
                     _matrix_scale, _stored_args)
 from .records import _check_tile, _lp
@@ -421,19 +421,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
     where = "flush_kernel"
-    if not isinstance(la, torch.Tensor) or la.dim() != 3:
-        raise ValueError(f"{where}: la must be a [B, J, H] tensor, got "
-                         f"{getattr(la, 'shape', type(la).__name__)}")
-    J = la.shape[1]
-    G = k.shape[2] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
-    if G < 1 or H % G:
-        raise ValueError(f"{where}: k must be [B, J, G, K] with G dividing H = {H}, got "
-                         f"{getattr(k, 'shape', type(k).__name__)}")
-    for name, t, shape in (("la", la, (B, J, H)), ("w (v)", w, (B, J, H, V)),
-                           ("k", k, (B, J, G, K))):
-        _check_f32(where, name, t, shape)
-    if beta is not None:
-        _check_f32(where, "beta", beta, (B, J, H))
+    J, G = _check_records(where, la, w, k, beta, B, H, V, K, w_name="w (v)")
     if q is not None:
         _check_f32(where, "q", q, (B, G, K))
     _check_index(where, "length", length, B)

@@ -49,8 +49,9 @@ import triton.language as tl
 
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
-from .codec import (_check_f32, _check_index, _check_supported, _decode_code, _decode_consts, _e2m1_value, _e4m3_value,
-                    _e5m2_value, _e8m0_value, _stored_args)
+from .codec import (_check_f32, _check_index, _check_records, _check_supported, _decode_code,
+                    _decode_consts, _e2m1_value, _e4m3_value, _e5m2_value, _e8m0_value,
+                    _stored_args)
 
 # Launch configuration of the records kernel (value rows per program, warps, K chunk streamed
 # per loop iteration, software-pipeline stages, tl.dot for the C X products or per-column
@@ -776,17 +777,12 @@ def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_
     if tuple(anchor.shape) != (B, H, V, K):
         raise ValueError(f"{where}: anchor has shape {tuple(anchor.shape)}, expected the read "
                          f"copy's {(B, H, V, K)}")
-    if not isinstance(la, torch.Tensor) or la.dim() != 3 or not isinstance(q, torch.Tensor) \
-            or q.dim() != 4 or not isinstance(k, torch.Tensor) or k.dim() != 4:
-        raise ValueError(f"{where}: la must be [B, J, H], k [B, J, G, K], q [B, T, G, K]")
-    J, T, G = la.shape[1], q.shape[1], k.shape[2]
-    if G < 1 or H % G:
-        raise ValueError(f"{where}: k has {G} key heads, which must divide H = {H}")
-    for name, t, shape in (("la", la, (B, J, H)), ("v", v, (B, J, H, V)), ("k", k, (B, J, G, K)),
-                           ("q", q, (B, T, G, K))):
-        _check_f32(where, name, t, shape)
-    if beta is not None:
-        _check_f32(where, "beta", beta, (B, J, H))
+    J, G = _check_records(where, la, v, k, beta, B, H, V, K)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"{where}: q must be a [B, T, G, K] tensor, got "
+                         f"{getattr(q, 'shape', type(q).__name__)}")
+    T = q.shape[1]
+    _check_f32(where, "q", q, (B, T, G, K))
     if u_known is not None:
         _check_f32(where, "u_known", u_known, (B, J, H, V))
     _check_index(where, "start", start, B)

@@ -240,3 +240,26 @@ def test_step_equals_emulation_on_kernel_path(family, policy, monkeypatch):
     assert torch.allclose(ye, ys, atol=1e-5, rtol=1e-5)
     assert torch.equal(em.anchor, st.anchor) and torch.equal(em.read, st.read)
     assert em.flushes == st.flushes and em.h == st.h
+
+
+@pytest.mark.parametrize("gdn,policy,L,block_v", [
+    (True, "shared:nvfp4+sr", 4, None), (True, "fp32", 3, 2), (False, "shared:bf16+sr", 1, None),
+    (False, "shared:nvfp4+sr", 4, 2)])
+def test_chain_launch_options_same_bits(gdn, policy, L, block_v):
+    """``prefetch`` (record p + 1's rows loaded during slot p) and ``hoist`` (slot-independent
+    products formed before the slot loop) change no value: states, anchors and outputs bit for
+    bit against the launch with neither, with one tile per matrix and with several (anchor read
+    back from memory), L = 1 (no slot after the first) and windows longer than one slot."""
+    pol = StatePolicy.parse(policy)
+    B, T, H, V, K = 2, 3 * L, 2, 6, 32
+    la, k, v, beta = _records(gdn, B, T, H, V, K, seed=11)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+    A0 = core.cast_state(torch.randn(B, H, V, K), pol.rec, seed=4, stream=5)[0]
+    ka = WF._stream_keys(1, torch.tensor([2, 6]), H, torch.arange(1, 4)[None].expand(B, -1),
+                        core.ANCHOR_COPY)
+    base, *res = [kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=4, streams=ka, q=q,
+                                  block_v=block_v, prefetch=pf, hoist=ho)
+                  for pf, ho in ((False, False), (True, False), (False, True), (True, True))]
+    for r in res:
+        for a, b in zip(base, r):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))

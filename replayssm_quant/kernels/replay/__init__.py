@@ -44,8 +44,8 @@ Callers outside ``replayssm_quant.kernels`` reach these through the backend seam
 (:mod:`replayssm_quant.backend`), never by importing this package (``docs/architecture.md``).
 """
 
-from .chain import (CHAIN_TILE_ELEMENTS, CHAIN_WARPS, ChainResult, anchor_chain,
-                    chain_block_v)
+from .chain import (CHAIN_HOIST, CHAIN_PREFETCH, CHAIN_TILE_ELEMENTS, CHAIN_WARPS, ChainResult,
+                    anchor_chain, chain_block_v)
 from .codec import kernels_supported
 from .flush import (DEFAULT_BV_FLUSH, flush_kernel, gdn_flush_kernel, gdn_state_flush,
                     mamba2_flush_kernel, mamba2_state_flush)
@@ -79,4 +79,6 @@ __all__ = [
     "MIN_LP",
     "CHAIN_TILE_ELEMENTS",
     "CHAIN_WARPS",
+    "CHAIN_PREFETCH",
+    "CHAIN_HOIST",
 ]

@@ -84,7 +84,7 @@ def _prev_anchor(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask,
 def _chain_tile(ae, ao, rows, rmask,
                 la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V, T, L,
                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-                GDN: tl.constexpr, OUT: tl.constexpr):
+                GDN: tl.constexpr, OUT: tl.constexpr, PF: tl.constexpr, HO: tl.constexpr):
     """Rows ``rows`` of the unrounded S after the window starting at token ``t0``, from these
     rows of the previous anchor ``(ae, ao)``, as (even, odd) [BV, KH]; with OUT, also stores
     the window's outputs of these rows at ``o_ptr``.
@@ -92,7 +92,14 @@ def _chain_tile(ae, ao, rows, rmask,
     One pass over the window's records p = 0 .. L-1: (GDN) the correction u_p of these rows
     against the previous anchor, then ``S += gamma_{p+1:L} w_p k_p^T`` (S starts at
     ``gamma_{1:L} A``), then (OUT) the output of position p. Record rows are loaded where
-    they are used; the corrections are kept transposed ``[BV, LP]`` for the coupling sums."""
+    they are used; the corrections are kept transposed ``[BV, LP]`` for the coupling sums.
+    ``PF``: record p + 1's rows (k, v, q) are loaded at the top of iteration p and carried
+    into the next, so their memory latency overlaps slot p's arithmetic (the loop is a serial
+    chain; without it each slot waits for its own loads). ``HO``: the products that do not
+    depend on earlier slots (``A k_p``, ``k_j . k_p``; OUT: ``A q_p``, ``k_j . q_p``) are formed
+    for every slot before the loop (unrolled, so the compiler can overlap them) by the same
+    reductions, and the loop picks slot p's column (a sum with -0.0 elsewhere: exact, sign of
+    zero included). Same values, same arithmetic."""
     idx = tl.arange(0, LP)
     live = idx < L
     tt = (b * T + t0 + idx).to(tl.int64)
@@ -110,19 +117,64 @@ def _chain_tile(ae, ao, rows, rmask,
         kme, kmo = _split_halves(kmat, LP, KH)
     if GDN:
         bt = tl.load(beta_ptr + tt * H + h, mask=live, other=0.0)
+    if HO:  # slot-independent products of every slot, [BV, LP] / [LP, LP] (column = slot)
+        AK = tl.zeros([BV, LP], tl.float32)
+        KKm = tl.zeros([LP, LP], tl.float32)
+        AQ = tl.zeros([BV, LP], tl.float32)
+        KQm = tl.zeros([LP, LP], tl.float32)
+        for s in tl.static_range(LP):
+            hm = (j * 0 + s) < L
+            rs = ((b * T + t0 + s) * H + h).to(tl.int64)
+            hsel = (idx == s)[None, :]
+            if GDN:
+                kse = tl.load(k_ptr + rs * K + 2 * j, mask=hm, other=0.0)
+                kso = tl.load(k_ptr + rs * K + 2 * j + 1, mask=hm, other=0.0)
+                aks = tl.sum(ae * kse[None, :], axis=1) + tl.sum(ao * kso[None, :], axis=1)
+                kks = tl.sum(kme * kse[None, :], axis=1) + tl.sum(kmo * kso[None, :], axis=1)
+                AK = tl.where(hsel, aks[:, None], AK)
+                KKm = tl.where(hsel, kks[:, None], KKm)
+            if OUT:
+                qse = tl.load(q_ptr + rs * K + 2 * j, mask=hm, other=0.0)
+                qso = tl.load(q_ptr + rs * K + 2 * j + 1, mask=hm, other=0.0)
+                aqs = tl.sum(ae * qse[None, :], axis=1) + tl.sum(ao * qso[None, :], axis=1)
+                kqs = tl.sum(kme * qse[None, :], axis=1) + tl.sum(kmo * qso[None, :], axis=1)
+                AQ = tl.where(hsel, aqs[:, None], AQ)
+                KQm = tl.where(hsel, kqs[:, None], KQm)
     # written values of the records so far, transposed [BV, LP] (GDN: corrections; Mamba-2: v)
     Wt = tl.zeros([BV, LP], tl.float32)
+    if PF:  # slot 0's rows; slot p + 1's are issued in iteration p
+        r0 = ((b * T + t0) * H + h).to(tl.int64)
+        kpe = tl.load(k_ptr + r0 * K + 2 * j)
+        kpo = tl.load(k_ptr + r0 * K + 2 * j + 1)
+        vp = tl.load(v_ptr + r0 * V + rows, mask=rmask, other=0.0)
+        if OUT and not HO:
+            qpe = tl.load(q_ptr + r0 * K + 2 * j)
+            qpo = tl.load(q_ptr + r0 * K + 2 * j + 1)
     for p in range(0, L):
         sel = idx == p
         rp = ((b * T + t0 + p) * H + h).to(tl.int64)
-        kpe = tl.load(k_ptr + rp * K + 2 * j)
-        kpo = tl.load(k_ptr + rp * K + 2 * j + 1)
-        vp = tl.load(v_ptr + rp * V + rows, mask=rmask, other=0.0)
+        if PF:
+            # next slot's rows (the last slot reloads its own: always in range)
+            rn = ((b * T + t0 + tl.minimum(p + 1, L - 1)) * H + h).to(tl.int64)
+            kne = tl.load(k_ptr + rn * K + 2 * j)
+            kno = tl.load(k_ptr + rn * K + 2 * j + 1)
+            vn = tl.load(v_ptr + rn * V + rows, mask=rmask, other=0.0)
+            if OUT and not HO:
+                qne = tl.load(q_ptr + rn * K + 2 * j)
+                qno = tl.load(q_ptr + rn * K + 2 * j + 1)
+        else:
+            kpe = tl.load(k_ptr + rp * K + 2 * j)
+            kpo = tl.load(k_ptr + rp * K + 2 * j + 1)
+            vp = tl.load(v_ptr + rp * V + rows, mask=rmask, other=0.0)
         cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
         if GDN:
             bp = tl.sum(tl.where(sel, bt, 0.0), axis=0)
-            ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)  # A k_p
-            kkp = tl.sum(kme * kpe[None, :], axis=1) + tl.sum(kmo * kpo[None, :], axis=1)
+            if HO:  # column p, exactly (-0.0 + x == x)
+                ak = tl.sum(tl.where(sel[None, :], AK, -0.0), axis=1)
+                kkp = tl.sum(tl.where(sel[None, :], KKm, -0.0), axis=1)
+            else:
+                ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)  # A k_p
+                kkp = tl.sum(kme * kpe[None, :], axis=1) + tl.sum(kmo * kpo[None, :], axis=1)
             before = idx < p
             coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
             wp = bp * (vp - tl.exp(cp) * ak) - tl.sum(Wt * coef[None, :], axis=1)
@@ -134,14 +186,23 @@ def _chain_tile(ae, ao, rows, rmask,
         so += mw[:, None] * kpo[None, :]
         if OUT:
             if p < L - 1:  # reads the previous anchor (R = A) and the records up to p
-                qpe = tl.load(q_ptr + rp * K + 2 * j)
-                qpo = tl.load(q_ptr + rp * K + 2 * j + 1)
-                aq = tl.sum(ae * qpe[None, :], axis=1) + tl.sum(ao * qpo[None, :], axis=1)
-                kq = tl.sum(kme * qpe[None, :], axis=1) + tl.sum(kmo * qpo[None, :], axis=1)
+                if HO:
+                    aq = tl.sum(tl.where(sel[None, :], AQ, -0.0), axis=1)
+                    kq = tl.sum(tl.where(sel[None, :], KQm, -0.0), axis=1)
+                else:
+                    if not PF:
+                        qpe = tl.load(q_ptr + rp * K + 2 * j)
+                        qpo = tl.load(q_ptr + rp * K + 2 * j + 1)
+                    aq = tl.sum(ae * qpe[None, :], axis=1) + tl.sum(ao * qpo[None, :], axis=1)
+                    kq = tl.sum(kme * qpe[None, :], axis=1) + tl.sum(kmo * qpo[None, :], axis=1)
                 upto = idx <= p
                 co = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)) * kq, 0.0)
                 o = tl.exp(cp) * aq + tl.sum(Wt * co[None, :], axis=1)
                 tl.store(o_ptr + rp * V + rows, o, mask=rmask)
+        if PF:
+            kpe, kpo, vp = kne, kno, vn
+            if OUT and not HO:
+                qpe, qpo = qne, qno
     if OUT:  # the flush token reads the unrounded S
         rl = ((b * T + t0 + L - 1) * H + h).to(tl.int64)
         qle = tl.load(q_ptr + rl * K + 2 * j)
@@ -183,7 +244,7 @@ def _chain_kernel(
         H, V, T, L, NW, NSLOT,
         K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NT: tl.constexpr, GDN: tl.constexpr, OUT: tl.constexpr, STORE_S: tl.constexpr,
-        SPLIT: tl.constexpr, NEED_AMAX: tl.constexpr,
+        SPLIT: tl.constexpr, NEED_AMAX: tl.constexpr, PF: tl.constexpr, HO: tl.constexpr,
         P: tl.constexpr, CA: tl.constexpr):
     # P: DecodeConsts of the stored anchors; CA: CastConsts of the anchor cast
     if SPLIT:
@@ -205,7 +266,7 @@ def _chain_kernel(
             smat = (b * NW + w) * H + h  # S and stream key index of this window
             amat = (b * NSLOT + w % NSLOT) * H + h  # anchor slot written
             se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
-                                 o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT)
+                                 o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT, PF, HO)
             amax = tl.zeros([], tl.float32)
             if NEED_AMAX:
                 if SPLIT:
@@ -239,7 +300,7 @@ def _chain_kernel(
                                           rmask, V, K, KH, BV, P)
                     se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr,
                                          q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP,
-                                         GDN, False)
+                                         GDN, False, PF, HO)
                     amax = tl.maximum(amax, _tile_amax(se, so, rmask))
             sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
             for v0 in range(0, V, BV):
@@ -248,7 +309,8 @@ def _chain_kernel(
                 ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
                                       rmask, V, K, KH, BV, P)
                 se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
-                                     o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT)
+                                     o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT,
+                                     PF, HO)
                 if STORE_S:
                     x = tl.reshape(tl.join(se, so), [BV, K])
                     tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :],
@@ -262,6 +324,8 @@ def _chain_kernel(
 
 CHAIN_TILE_ELEMENTS = 2048  # elements of a program's row tile: BV = 2048 // K rows
 CHAIN_WARPS = 4
+CHAIN_PREFETCH = False  # load record p + 1 during slot p (_chain_tile ``PF``)
+CHAIN_HOIST = False  # slot-independent products before the slot loop (_chain_tile ``HO``)
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,7 +358,8 @@ class ChainResult(NamedTuple):
 
 def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=None,
                  store_states: bool = True, all_anchors: bool = True, split: bool | None = None,
-                 block_v: int | None = None, num_warps: int = CHAIN_WARPS) -> ChainResult:
+                 block_v: int | None = None, num_warps: int = CHAIN_WARPS,
+                 prefetch: bool | None = None, hoist: bool | None = None) -> ChainResult:
     """Anchor recurrence over ``NW = T // L`` full windows in one launch (DESIGN.md "Flush":
     reconstruct, then ``A <- Q_rec(S)``; GDN corrections re-solved against A). An ``fp32``
     ``spec`` is the exact recurrence (``A = S``, nothing rounds).
@@ -315,6 +380,11 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
             else one program per matrix, as the interpreter runs). The choice depends on
             (V, K) and the device only, so every call on a layer takes the same.
         block_v: value rows per tile (default :func:`chain_block_v`: tests only).
+        num_warps, prefetch, hoist: launch options (default ``CHAIN_WARPS``,
+            ``CHAIN_PREFETCH``, ``CHAIN_HOIST``); ``prefetch`` loads each record's rows one
+            slot ahead, ``hoist`` forms the slot-independent products of a window before its
+            slot loop. None changes a value (same arithmetic; ``benchmarks/chain_tune.py``
+            checks the bytes on the device).
 
     Returns :class:`ChainResult` ``(states [B, NW, H, V, K] or None, anchors [B, NW or 1, H, V, K]
     dequantised FP32, outputs [B, T, H, V] or None)``.
@@ -385,8 +455,9 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         H, V, T, L, NW, nslot,
         K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn,
         OUT=q is not None, STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax,
-        num_warps=num_warps, enable_fp_fusion=False, P=_decode_consts(spec),
-        CA=_cast_consts(spec))
+        PF=CHAIN_PREFETCH if prefetch is None else bool(prefetch),
+        HO=CHAIN_HOIST if hoist is None else bool(hoist), num_warps=num_warps,
+        enable_fp_fusion=False, P=_decode_consts(spec), CA=_cast_consts(spec))
     if not all_anchors:  # dequantise the last slot only
         last = (NW - 1) % nslot
         bufs = tuple(None if t is None else t.reshape(B, nslot, *t.shape[1:])[:, last].contiguous()

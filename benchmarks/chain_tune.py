@@ -1,0 +1,199 @@
+"""Launch options of the anchor-chain kernel (``kernels.replay.anchor_chain``) at the shape of
+issue 15's emulation item: one segment of a 3.4B-shaped ``qwen3_5`` GDN layer (B = 1, 32 value
+heads, 128 x 128 state, 4096 tokens, L = 16) and a ``nemotron_h``-shaped Mamba-2 layer (128
+heads, 64 x 128), for the launches the teacher-forced window form makes:
+
+* ``fp32`` and ``shared:nvfp4+sr`` (single-checkpoint policies): the chain writes every output
+  (``q`` given, last anchor only);
+* ``rec:fp32`` and ``rec:fp16+sr`` (the anchors of dual policies): states stored, no outputs.
+
+For each case every configuration (``prefetch``, ``hoist``, value rows per program, warps) is timed
+(median of CUDA events over ``--reps`` calls) and its states, anchors and outputs compared bit
+for bit with the first launch's (``same_bits``; ``prefetch`` and ``hoist`` must not change a bit;
+another tile shape may: the in-tile reduction order follows the register layout).
+
+Usage (device)::
+
+    python benchmarks/chain_tune.py --out $OUT/chain_tune_h200.json
+
+``--tiny`` runs small shapes on CPU under the Triton interpreter (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+if "--tiny" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from replayssm_quant.kernels import replay as kr  # noqa: E402
+from replayssm_quant.replay import core  # noqa: E402
+from replayssm_quant.replay import window_fast as WF  # noqa: E402
+
+CASES = {  # name: (anchor format, outputs written in the chain)
+    "fp32": ("fp32", True),
+    "shared:nvfp4+sr": ("nvfp4+sr", True),
+    "rec:fp32": ("fp32", False),
+    "rec:fp16+sr": ("fp16+sr", False),
+}
+# (prefetch, hoist, block_v (None: chain_block_v), num_warps); the first is the launch with
+# neither option at the default tile
+W0 = kr.CHAIN_WARPS
+CONFIGS = [(False, False, None, W0), (True, False, None, W0), (False, True, None, W0),
+           (True, True, None, W0), (True, True, 8, 4), (True, True, 8, 2), (True, True, None, 2),
+           (True, True, 32, 4), (True, True, None, 8)]
+
+
+def geometries(tiny):
+    """(name, B, T, H, V, K, L, gdn)."""
+    if tiny:
+        return [("gdn", 1, 16, 2, 8, 32, 4, True), ("mamba2", 1, 16, 2, 8, 32, 4, False)]
+    return [("gdn", 1, 4096, 32, 128, 128, 16, True),
+            ("mamba2", 1, 4096, 128, 64, 128, 16, False)]
+
+
+def make_inputs(geo, dev, seed=0):
+    _, B, T, H, V, K, L, gdn = geo
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device=dev)  # noqa: E731
+    la = torch.log(0.9 + 0.0999 * torch.rand(B, T, H, generator=g, device=dev))
+    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
+    q = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
+    v = r(B, T, H, V)
+    beta = torch.sigmoid(r(B, T, H)) if gdn else None
+    A0 = r(B, H, V, K) * 0.3
+    NW = T // L
+    keys = WF._stream_keys(1, torch.arange(B), H, torch.arange(1, NW + 1)[None].expand(B, -1),
+                           core.ANCHOR_COPY)
+    return dict(anchor=A0, la=la, k=k, v=v, beta=beta, q=q, streams=keys)
+
+
+def run(geo, x, case, cfg):
+    spec, out = CASES[case]
+    pf, ho, bv, nw = cfg
+    return kr.anchor_chain(x["anchor"], x["la"], x["k"], x["v"], x["beta"], spec, L=geo[6],
+                           seed=3, streams=x["streams"], q=x["q"] if out else None,
+                           store_states=not out, all_anchors=not out, block_v=bv,
+                           num_warps=nw, prefetch=pf, hoist=ho)
+
+
+def _precompile(task):
+    """Worker (a spawned process): compile one launch by running it on one window (T, NW and
+    the sizes are not specialised), so the main process loads it from Triton's disk cache."""
+    geo, case, cfg = task
+    t = time.perf_counter()
+    try:
+        geo1 = (geo[0], 1, geo[6], *geo[3:])
+        run(geo1, make_inputs(geo1, "cuda"), case, cfg)
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{geo[0]} {case} {cfg}: {type(e).__name__}: {str(e)[:300]} ({time.perf_counter() - t:.0f} s)"
+
+
+def precompile(tasks, jobs):
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    t = time.perf_counter()
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+        errors = [e for e in ex.map(_precompile, tasks) if e]
+    return {"tasks": len(tasks), "jobs": jobs, "seconds": round(time.perf_counter() - t, 1),
+            "errors": errors}
+
+
+def same_bits(a, b):
+    for s, t in zip(a, b):
+        if (s is None) != (t is None):
+            return False
+        if s is not None and not torch.equal(s.view(torch.int32), t.view(torch.int32)):
+            return False
+    return True
+
+
+def time_us(fn, reps, dev):
+    fn()
+    if dev != "cuda":
+        t = time.perf_counter()
+        fn()
+        return {"median_us": (time.perf_counter() - t) * 1e6, "reps": 1}
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    ts = [s.elapsed_time(e) * 1e3 for s, e in ev]
+    return {"median_us": statistics.median(ts), "min_us": min(ts), "max_us": max(ts),
+            "reps": reps}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--models", nargs="+", default=["gdn", "mamba2"], choices=["gdn", "mamba2"])
+    ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1),
+                    help="processes compiling the launches before timing (device only)")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
+    dev = "cpu" if args.tiny else "cuda"
+    configs = CONFIGS[:4] if args.tiny else CONFIGS
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        commit = ""
+    result = {"command": "python " + " ".join(sys.argv) if argv is None else
+              "chain_tune.main(" + repr(argv) + ")",
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git_commit": commit,
+              "code_commit": os.environ.get("CODE_COMMIT", commit),
+              "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "triton": triton.__version__},
+              "defaults": {"prefetch": kr.CHAIN_PREFETCH, "hoist": kr.CHAIN_HOIST,
+                           "warps": kr.CHAIN_WARPS},
+              "results": []}
+    geos = [g for g in geometries(args.tiny) if g[0] in args.models]
+    if dev == "cuda" and args.jobs > 1:
+        result["precompile"] = precompile(
+            [(g, c, cfg) for g in geos for c in args.cases for cfg in configs], args.jobs)
+        print(json.dumps(result["precompile"]), flush=True)
+    for geo in geos:
+        x = make_inputs(geo, dev)
+        for case in args.cases:
+            base = None
+            for cfg in configs:
+                t0 = time.perf_counter()
+                got = run(geo, x, case, cfg)
+                row = {"model": geo[0], "case": case, "prefetch": cfg[0], "hoist": cfg[1],
+                       "block_v": cfg[2] or kr.chain_block_v(geo[4], geo[5]), "warps": cfg[3],
+                       "first_call_s": round(time.perf_counter() - t0, 2)}
+                if base is None:
+                    base = got
+                row["same_bits"] = same_bits(base, got)
+                row.update(time_us(lambda: run(geo, x, case, cfg), args.reps, dev))
+                result["results"].append(row)
+                print(json.dumps(row), flush=True)
+                del got
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

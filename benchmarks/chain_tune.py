@@ -5,11 +5,13 @@ heads, 64 x 128), for the launches the teacher-forced window form makes:
 
 * ``fp32`` and ``shared:nvfp4+sr`` (single-checkpoint policies): the chain writes every output
   (``q`` given, last anchor only);
-* ``rec:fp32`` and ``rec:fp16+sr`` (the anchors of dual policies): states stored, no outputs.
+* ``rec:fp32``, ``rec:fp16+sr``, ``rec:nvfp4+sr`` (the anchors of dual policies): states
+  stored, no outputs.
 
-For each case every configuration (``prefetch``, ``hoist``, value rows per program, warps) is timed
+For each case every configuration (``prefetch``, the amax ``exchange`` of split tiles, value rows
+per program, warps) is timed
 (median of CUDA events over ``--reps`` calls) and its states, anchors and outputs compared bit
-for bit with the first launch's (``same_bits``; ``prefetch`` and ``hoist`` must not change a bit;
+for bit with the first launch's (``same_bits``; ``prefetch`` and ``exchange`` must not change a bit;
 another tile shape may: the in-tile reduction order follows the register layout).
 
 Usage (device)::
@@ -45,13 +47,14 @@ CASES = {  # name: (anchor format, outputs written in the chain)
     "shared:nvfp4+sr": ("nvfp4+sr", True),
     "rec:fp32": ("fp32", False),
     "rec:fp16+sr": ("fp16+sr", False),
+    "rec:nvfp4+sr": ("nvfp4+sr", False),
 }
-# (prefetch, hoist, block_v (None: chain_block_v), num_warps); the first is the launch with
-# neither option at the default tile
+# (prefetch, exchange, block_v (None: chain_block_v), num_warps); None: the default. The first
+# is the first form (no prefetch, the counter exchange) at the default tile.
 W0 = kr.CHAIN_WARPS
-CONFIGS = [(False, False, None, W0), (True, False, None, W0), (False, True, None, W0),
-           (True, True, None, W0), (True, True, 8, 4), (True, True, 8, 2), (True, True, None, 2),
-           (True, True, 32, 4), (True, True, None, 8)]
+CONFIGS = [(False, "counter", None, W0), (True, "counter", None, W0), (False, "slots", None, W0),
+           (True, "slots", None, W0), (None, None, None, W0), (True, "slots", None, 2),
+           (True, "slots", None, 8)]
 
 
 def geometries(tiny):
@@ -80,11 +83,11 @@ def make_inputs(geo, dev, seed=0):
 
 def run(geo, x, case, cfg):
     spec, out = CASES[case]
-    pf, ho, bv, nw = cfg
+    pf, ex, bv, nw = cfg
     return kr.anchor_chain(x["anchor"], x["la"], x["k"], x["v"], x["beta"], spec, L=geo[6],
                            seed=3, streams=x["streams"], q=x["q"] if out else None,
                            store_states=not out, all_anchors=not out, block_v=bv,
-                           num_warps=nw, prefetch=pf, hoist=ho)
+                           num_warps=nw, prefetch=pf, exchange=ex)
 
 
 def _precompile(task):
@@ -166,7 +169,7 @@ def main(argv=None):
               "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "triton": triton.__version__},
-              "defaults": {"prefetch": kr.CHAIN_PREFETCH, "hoist": kr.CHAIN_HOIST,
+              "defaults": {"prefetch": kr.CHAIN_PREFETCH, "exchange": kr.CHAIN_EXCHANGE,
                            "warps": kr.CHAIN_WARPS},
               "results": []}
     geos = [g for g in geometries(args.tiny) if g[0] in args.models]
@@ -181,7 +184,7 @@ def main(argv=None):
             for cfg in configs:
                 t0 = time.perf_counter()
                 got = run(geo, x, case, cfg)
-                row = {"model": geo[0], "case": case, "prefetch": cfg[0], "hoist": cfg[1],
+                row = {"model": geo[0], "case": case, "prefetch": cfg[0], "exchange": cfg[1],
                        "block_v": cfg[2] or kr.chain_block_v(geo[4], geo[5]), "warps": cfg[3],
                        "first_call_s": round(time.perf_counter() - t0, 2)}
                 if base is None:

@@ -245,11 +245,12 @@ def test_step_equals_emulation_on_kernel_path(family, policy, monkeypatch):
 @pytest.mark.parametrize("gdn,policy,L,block_v", [
     (True, "shared:nvfp4+sr", 4, None), (True, "fp32", 3, 2), (False, "shared:bf16+sr", 1, None),
     (False, "shared:nvfp4+sr", 4, 2)])
-def test_chain_launch_options_same_bits(gdn, policy, L, block_v):
-    """``prefetch`` (record p + 1's rows loaded during slot p) and ``hoist`` (slot-independent
-    products formed before the slot loop) change no value: states, anchors and outputs bit for
-    bit against the launch with neither, with one tile per matrix and with several (anchor read
-    back from memory), L = 1 (no slot after the first) and windows longer than one slot."""
+def test_chain_prefetch_same_bits(gdn, policy, L, block_v):
+    """``prefetch`` (record p + 1's rows loaded during slot p) changes no value: states,
+    anchors and outputs bit for bit against the launch without it, with one tile per matrix
+    and with several (anchor read back from memory), L = 1 (no slot after the first) and
+    windows longer than one slot. (The amax ``exchange`` of split tiles only runs on a GPU:
+    ``benchmarks/chain_tune.py`` compares its bytes there.)"""
     pol = StatePolicy.parse(policy)
     B, T, H, V, K = 2, 3 * L, 2, 6, 32
     la, k, v, beta = _records(gdn, B, T, H, V, K, seed=11)
@@ -257,9 +258,15 @@ def test_chain_launch_options_same_bits(gdn, policy, L, block_v):
     A0 = core.cast_state(torch.randn(B, H, V, K), pol.rec, seed=4, stream=5)[0]
     ka = WF._stream_keys(1, torch.tensor([2, 6]), H, torch.arange(1, 4)[None].expand(B, -1),
                         core.ANCHOR_COPY)
-    base, *res = [kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=4, streams=ka, q=q,
-                                  block_v=block_v, prefetch=pf, hoist=ho)
-                  for pf, ho in ((False, False), (True, False), (False, True), (True, True))]
-    for r in res:
-        for a, b in zip(base, r):
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    base, pf = [kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=4, streams=ka, q=q,
+                                block_v=block_v, prefetch=p) for p in (False, True)]
+    for a, b in zip(base, pf):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_chain_refuses_unknown_exchange():
+    la, k, v, beta = _records(True, 1, 4, 1, 4, 32)
+    keys = WF._stream_keys(0, torch.tensor([0]), 1, torch.tensor([[1]]), core.ANCHOR_COPY)
+    with pytest.raises(ValueError, match="exchange must be one of .*'fence'"):
+        kr.anchor_chain(torch.zeros(1, 1, 4, 32), la, k, v, beta, "nvfp4", L=4, seed=0,
+                        streams=keys, exchange="fence")

@@ -44,7 +44,7 @@ Callers outside ``replayssm_quant.kernels`` reach these through the backend seam
 (:mod:`replayssm_quant.backend`), never by importing this package (``docs/architecture.md``).
 """
 
-from .chain import (CHAIN_HOIST, CHAIN_PREFETCH, CHAIN_TILE_ELEMENTS, CHAIN_WARPS, ChainResult,
+from .chain import (CHAIN_EXCHANGE, CHAIN_PREFETCH, CHAIN_TILE_ELEMENTS, CHAIN_WARPS, ChainResult,
                     anchor_chain, chain_block_v)
 from .codec import kernels_supported
 from .flush import (DEFAULT_BV_FLUSH, flush_kernel, gdn_flush_kernel, gdn_state_flush,
@@ -80,5 +80,5 @@ __all__ = [
     "CHAIN_TILE_ELEMENTS",
     "CHAIN_WARPS",
     "CHAIN_PREFETCH",
-    "CHAIN_HOIST",
+    "CHAIN_EXCHANGE",
 ]

@@ -35,9 +35,10 @@ from .codec import (_K_HALF, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast
 #   S = gamma_{1:L} A + sum_j gamma_{j+1:L} w_j k_j^T  (w = v for Mamba-2, u for GDN),
 #   A <- Q_rec(S)  (stored packed, SR stream of that flush; the matrix amax over the whole S).
 # Every step is row-separable except the matrix amax of fp8 / nvfp4 anchors, so the programs
-# of a matrix only exchange one number per window: each adds its tile's amax to a per-(matrix,
-# window) slot (integer atomic max of the float bits, all non-negative), arrives on a counter
-# and spins until the matrix's NT tiles have arrived (SPLIT). Programs take logical ids from a
+# of a matrix only exchange one number per window (SPLIT): each publishes its tile's amax
+# (the float bits + 1, all non-negative) in its own word of the (matrix, window) and spins until
+# none of the NT words is 0 ("slots", default), or adds it to one word by an integer atomic max,
+# arrives on a counter and spins on the count ("counter", the first form). Programs take logical ids from a
 # ticket counter in the order they start, so the tiles of a matrix are always co-resident or
 # waiting behind finished ones (no deadlock for any grid size once NT programs fit). Without
 # SPLIT (under the Triton interpreter, which runs programs one after another; for a matrix of
@@ -84,7 +85,7 @@ def _prev_anchor(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask,
 def _chain_tile(ae, ao, rows, rmask,
                 la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V, T, L,
                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-                GDN: tl.constexpr, OUT: tl.constexpr, PF: tl.constexpr, HO: tl.constexpr):
+                GDN: tl.constexpr, OUT: tl.constexpr, PF: tl.constexpr):
     """Rows ``rows`` of the unrounded S after the window starting at token ``t0``, from these
     rows of the previous anchor ``(ae, ao)``, as (even, odd) [BV, KH]; with OUT, also stores
     the window's outputs of these rows at ``o_ptr``.
@@ -95,11 +96,7 @@ def _chain_tile(ae, ao, rows, rmask,
     they are used; the corrections are kept transposed ``[BV, LP]`` for the coupling sums.
     ``PF``: record p + 1's rows (k, v, q) are loaded at the top of iteration p and carried
     into the next, so their memory latency overlaps slot p's arithmetic (the loop is a serial
-    chain; without it each slot waits for its own loads). ``HO``: the products that do not
-    depend on earlier slots (``A k_p``, ``k_j . k_p``; OUT: ``A q_p``, ``k_j . q_p``) are formed
-    for every slot before the loop (unrolled, so the compiler can overlap them) by the same
-    reductions, and the loop picks slot p's column (a sum with -0.0 elsewhere: exact, sign of
-    zero included). Same values, same arithmetic."""
+    chain; without it each slot waits for its own loads). Same values, same arithmetic."""
     idx = tl.arange(0, LP)
     live = idx < L
     tt = (b * T + t0 + idx).to(tl.int64)
@@ -117,29 +114,6 @@ def _chain_tile(ae, ao, rows, rmask,
         kme, kmo = _split_halves(kmat, LP, KH)
     if GDN:
         bt = tl.load(beta_ptr + tt * H + h, mask=live, other=0.0)
-    if HO:  # slot-independent products of every slot, [BV, LP] / [LP, LP] (column = slot)
-        AK = tl.zeros([BV, LP], tl.float32)
-        KKm = tl.zeros([LP, LP], tl.float32)
-        AQ = tl.zeros([BV, LP], tl.float32)
-        KQm = tl.zeros([LP, LP], tl.float32)
-        for s in tl.static_range(LP):
-            hm = (j * 0 + s) < L
-            rs = ((b * T + t0 + s) * H + h).to(tl.int64)
-            hsel = (idx == s)[None, :]
-            if GDN:
-                kse = tl.load(k_ptr + rs * K + 2 * j, mask=hm, other=0.0)
-                kso = tl.load(k_ptr + rs * K + 2 * j + 1, mask=hm, other=0.0)
-                aks = tl.sum(ae * kse[None, :], axis=1) + tl.sum(ao * kso[None, :], axis=1)
-                kks = tl.sum(kme * kse[None, :], axis=1) + tl.sum(kmo * kso[None, :], axis=1)
-                AK = tl.where(hsel, aks[:, None], AK)
-                KKm = tl.where(hsel, kks[:, None], KKm)
-            if OUT:
-                qse = tl.load(q_ptr + rs * K + 2 * j, mask=hm, other=0.0)
-                qso = tl.load(q_ptr + rs * K + 2 * j + 1, mask=hm, other=0.0)
-                aqs = tl.sum(ae * qse[None, :], axis=1) + tl.sum(ao * qso[None, :], axis=1)
-                kqs = tl.sum(kme * qse[None, :], axis=1) + tl.sum(kmo * qso[None, :], axis=1)
-                AQ = tl.where(hsel, aqs[:, None], AQ)
-                KQm = tl.where(hsel, kqs[:, None], KQm)
     # written values of the records so far, transposed [BV, LP] (GDN: corrections; Mamba-2: v)
     Wt = tl.zeros([BV, LP], tl.float32)
     if PF:  # slot 0's rows; slot p + 1's are issued in iteration p
@@ -147,7 +121,7 @@ def _chain_tile(ae, ao, rows, rmask,
         kpe = tl.load(k_ptr + r0 * K + 2 * j)
         kpo = tl.load(k_ptr + r0 * K + 2 * j + 1)
         vp = tl.load(v_ptr + r0 * V + rows, mask=rmask, other=0.0)
-        if OUT and not HO:
+        if OUT:
             qpe = tl.load(q_ptr + r0 * K + 2 * j)
             qpo = tl.load(q_ptr + r0 * K + 2 * j + 1)
     for p in range(0, L):
@@ -159,7 +133,7 @@ def _chain_tile(ae, ao, rows, rmask,
             kne = tl.load(k_ptr + rn * K + 2 * j)
             kno = tl.load(k_ptr + rn * K + 2 * j + 1)
             vn = tl.load(v_ptr + rn * V + rows, mask=rmask, other=0.0)
-            if OUT and not HO:
+            if OUT:
                 qne = tl.load(q_ptr + rn * K + 2 * j)
                 qno = tl.load(q_ptr + rn * K + 2 * j + 1)
         else:
@@ -169,12 +143,8 @@ def _chain_tile(ae, ao, rows, rmask,
         cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
         if GDN:
             bp = tl.sum(tl.where(sel, bt, 0.0), axis=0)
-            if HO:  # column p, exactly (-0.0 + x == x)
-                ak = tl.sum(tl.where(sel[None, :], AK, -0.0), axis=1)
-                kkp = tl.sum(tl.where(sel[None, :], KKm, -0.0), axis=1)
-            else:
-                ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)  # A k_p
-                kkp = tl.sum(kme * kpe[None, :], axis=1) + tl.sum(kmo * kpo[None, :], axis=1)
+            ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)  # A k_p
+            kkp = tl.sum(kme * kpe[None, :], axis=1) + tl.sum(kmo * kpo[None, :], axis=1)
             before = idx < p
             coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
             wp = bp * (vp - tl.exp(cp) * ak) - tl.sum(Wt * coef[None, :], axis=1)
@@ -186,22 +156,18 @@ def _chain_tile(ae, ao, rows, rmask,
         so += mw[:, None] * kpo[None, :]
         if OUT:
             if p < L - 1:  # reads the previous anchor (R = A) and the records up to p
-                if HO:
-                    aq = tl.sum(tl.where(sel[None, :], AQ, -0.0), axis=1)
-                    kq = tl.sum(tl.where(sel[None, :], KQm, -0.0), axis=1)
-                else:
-                    if not PF:
-                        qpe = tl.load(q_ptr + rp * K + 2 * j)
-                        qpo = tl.load(q_ptr + rp * K + 2 * j + 1)
-                    aq = tl.sum(ae * qpe[None, :], axis=1) + tl.sum(ao * qpo[None, :], axis=1)
-                    kq = tl.sum(kme * qpe[None, :], axis=1) + tl.sum(kmo * qpo[None, :], axis=1)
+                if not PF:
+                    qpe = tl.load(q_ptr + rp * K + 2 * j)
+                    qpo = tl.load(q_ptr + rp * K + 2 * j + 1)
+                aq = tl.sum(ae * qpe[None, :], axis=1) + tl.sum(ao * qpo[None, :], axis=1)
+                kq = tl.sum(kme * qpe[None, :], axis=1) + tl.sum(kmo * qpo[None, :], axis=1)
                 upto = idx <= p
                 co = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)) * kq, 0.0)
                 o = tl.exp(cp) * aq + tl.sum(Wt * co[None, :], axis=1)
                 tl.store(o_ptr + rp * V + rows, o, mask=rmask)
         if PF:
             kpe, kpo, vp = kne, kno, vn
-            if OUT and not HO:
+            if OUT:
                 qpe, qpo = qne, qno
     if OUT:  # the flush token reads the unrounded S
         rl = ((b * T + t0 + L - 1) * H + h).to(tl.int64)
@@ -231,6 +197,22 @@ def _matrix_amax(part, sync_ptr, slot, NT: tl.constexpr):
     return tl.load(sync_ptr + slot, cache_modifier=".cg").to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _matrix_amax_slots(part, sync_ptr, base, tile, NT: tl.constexpr):
+    """Max of the NT programs' ``part`` (non-negative, finite) for one (matrix, window), with
+    no fence: each program publishes ``bits(part) + 1`` in its own word
+    ``sync_ptr[base + tile]`` (0 = not yet arrived) and polls the NT words until none is 0.
+    The value and its arrival are one word, so no ordering between two writes is needed (the
+    counter form, :func:`_matrix_amax`, orders the max before the arrival with a release
+    fence, which also waits for the program's earlier output and state stores)."""
+    tl.atomic_xchg(sync_ptr + base + tile, part.to(tl.int32, bitcast=True) + 1, sem="relaxed")
+    ts = base + tl.arange(0, NT)
+    got = tl.atomic_add(sync_ptr + ts, 0, sem="relaxed")
+    while tl.min(got, axis=0) == 0:
+        got = tl.atomic_add(sync_ptr + ts, 0, sem="relaxed")
+    return (tl.max(got, axis=0) - 1).to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["seed", "H", "V", "T", "L", "NW", "NSLOT"])
 def _chain_kernel(
         a0_ptr,  # starting anchor, dequantised FP32 [B, H, V, K]
@@ -240,11 +222,12 @@ def _chain_kernel(
         oa_ptr, oabs_ptr, oams_ptr,  # anchors in NSLOT slots, packed [B, NSLOT, H, V, .]
         ap_ptr,  # the same codes as typed for decoding (bf16 / fp16 view for half formats)
         s_ptr,  # STORE_S: unrounded S of every window [B, NW, H, V, K]
-        sync_ptr,  # SPLIT: int32 [1 + 2 B H NW]: ticket, then (amax bits, arrivals) per window
+        sync_ptr,  # SPLIT: int32: ticket, then per window (amax bits, arrivals) (XCH 0) or the
+        # NT tiles' amax bits + 1 (XCH 1)
         H, V, T, L, NW, NSLOT,
         K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NT: tl.constexpr, GDN: tl.constexpr, OUT: tl.constexpr, STORE_S: tl.constexpr,
-        SPLIT: tl.constexpr, NEED_AMAX: tl.constexpr, PF: tl.constexpr, HO: tl.constexpr,
+        SPLIT: tl.constexpr, NEED_AMAX: tl.constexpr, PF: tl.constexpr, XCH: tl.constexpr,
         P: tl.constexpr, CA: tl.constexpr):
     # P: DecodeConsts of the stored anchors; CA: CastConsts of the anchor cast
     if SPLIT:
@@ -266,12 +249,16 @@ def _chain_kernel(
             smat = (b * NW + w) * H + h  # S and stream key index of this window
             amat = (b * NSLOT + w % NSLOT) * H + h  # anchor slot written
             se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
-                                 o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT, PF, HO)
+                                 o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT, PF)
             amax = tl.zeros([], tl.float32)
             if NEED_AMAX:
                 if SPLIT:
-                    amax = _matrix_amax(_tile_amax(se, so, rmask), sync_ptr,
-                                        1 + 2 * (mat0 * NW + w), NT)
+                    if XCH == 1:
+                        amax = _matrix_amax_slots(_tile_amax(se, so, rmask), sync_ptr,
+                                                  1 + (mat0 * NW + w) * NT, tile, NT)
+                    else:
+                        amax = _matrix_amax(_tile_amax(se, so, rmask), sync_ptr,
+                                            1 + 2 * (mat0 * NW + w), NT)
                 else:
                     amax = _tile_amax(se, so, rmask)
             sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
@@ -300,7 +287,7 @@ def _chain_kernel(
                                           rmask, V, K, KH, BV, P)
                     se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr,
                                          q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP,
-                                         GDN, False, PF, HO)
+                                         GDN, False, PF)
                     amax = tl.maximum(amax, _tile_amax(se, so, rmask))
             sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
             for v0 in range(0, V, BV):
@@ -310,7 +297,7 @@ def _chain_kernel(
                                       rmask, V, K, KH, BV, P)
                 se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
                                      o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT,
-                                     PF, HO)
+                                     PF)
                 if STORE_S:
                     x = tl.reshape(tl.join(se, so), [BV, K])
                     tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :],
@@ -324,8 +311,12 @@ def _chain_kernel(
 
 CHAIN_TILE_ELEMENTS = 2048  # elements of a program's row tile: BV = 2048 // K rows
 CHAIN_WARPS = 4
-CHAIN_PREFETCH = False  # load record p + 1 during slot p (_chain_tile ``PF``)
-CHAIN_HOIST = False  # slot-independent products before the slot loop (_chain_tile ``HO``)
+# prefetch (_chain_tile ``PF``) by default where it was faster on the H200 (chain_tune_h200.json,
+# B = 1, 4096 tokens: GDN fp32 with outputs 8.2 -> 5.6 ms, Mamba-2 nvfp4 with outputs 17.2 ->
+# 12.2 ms), i.e. GDN or with outputs; not Mamba-2 without outputs (2.65 -> 2.99 ms)
+CHAIN_PREFETCH = None  # None: as above; True / False: always / never
+CHAIN_EXCHANGE = "slots"  # matrix amax of split tiles: "slots" (no fence) or "counter"
+EXCHANGES = ("slots", "counter")
 
 
 @functools.lru_cache(maxsize=None)
@@ -339,6 +330,12 @@ def _sm_count(device) -> int:
     if device.type != "cuda":
         return 0
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _prefetch(prefetch, gdn: bool, out: bool) -> bool:
+    if prefetch is None:
+        prefetch = CHAIN_PREFETCH
+    return (gdn or out) if prefetch is None else bool(prefetch)
 
 
 def chain_block_v(V: int, K: int) -> int:
@@ -359,7 +356,7 @@ class ChainResult(NamedTuple):
 def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=None,
                  store_states: bool = True, all_anchors: bool = True, split: bool | None = None,
                  block_v: int | None = None, num_warps: int = CHAIN_WARPS,
-                 prefetch: bool | None = None, hoist: bool | None = None) -> ChainResult:
+                 prefetch: bool | None = None, exchange: str | None = None) -> ChainResult:
     """Anchor recurrence over ``NW = T // L`` full windows in one launch (DESIGN.md "Flush":
     reconstruct, then ``A <- Q_rec(S)``; GDN corrections re-solved against A). An ``fp32``
     ``spec`` is the exact recurrence (``A = S``, nothing rounds).
@@ -380,11 +377,12 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
             else one program per matrix, as the interpreter runs). The choice depends on
             (V, K) and the device only, so every call on a layer takes the same.
         block_v: value rows per tile (default :func:`chain_block_v`: tests only).
-        num_warps, prefetch, hoist: launch options (default ``CHAIN_WARPS``,
-            ``CHAIN_PREFETCH``, ``CHAIN_HOIST``); ``prefetch`` loads each record's rows one
-            slot ahead, ``hoist`` forms the slot-independent products of a window before its
-            slot loop. None changes a value (same arithmetic; ``benchmarks/chain_tune.py``
-            checks the bytes on the device).
+        num_warps, prefetch, exchange: launch options (default ``CHAIN_WARPS``,
+            ``CHAIN_PREFETCH``: on for GDN or with ``q``, ``CHAIN_EXCHANGE``); ``prefetch``
+            loads each record's rows one slot ahead; ``exchange`` is how split tiles share
+            the matrix amax of an fp8 / nvfp4 anchor (``"slots"``: a word per tile, no fence;
+            ``"counter"``: a max and an arrival count). None changes a value (same arithmetic, and a max in any order;
+            ``benchmarks/chain_tune.py`` checks the bytes on the device).
 
     Returns :class:`ChainResult` ``(states [B, NW, H, V, K] or None, anchors [B, NW or 1, H, V, K]
     dequantised FP32, outputs [B, T, H, V] or None)``.
@@ -392,7 +390,7 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     Raises:
         ValueError: L < 1 or T not a positive multiple of L, unsupported K or dtype, mismatched
             shapes, dtypes or devices, streams not integer ``[B, NW, H]``, ``block_v`` not a
-            power of two, ``split`` under the Triton interpreter.
+            power of two, ``split`` under the Triton interpreter, an unknown ``exchange``.
     """
     spec = parse_spec(spec)
     if anchor.dim() != 4:
@@ -424,6 +422,9 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
                          f"{streams.dtype} {list(streams.shape)}")
     if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
+    exchange = CHAIN_EXCHANGE if exchange is None else exchange
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     interp = triton_interpreting()
     bv = block_v or chain_block_v(V, K)
     nt = triton.cdiv(V, bv)
@@ -445,8 +446,9 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     S = torch.empty(B, NW, H, V, K, dtype=torch.float32, device=dev) if store_states else None
     out = torch.empty(B, T, H, V, dtype=torch.float32, device=dev) if q is not None else None
     need_amax = _kind(spec) in (_K_MATRIX, _K_NVFP4)
-    sync = torch.zeros(1 + (2 * B * H * NW if split and need_amax else 0), dtype=torch.int32,
-                       device=dev)
+    per_window = nt if exchange == "slots" else 2
+    sync = torch.zeros(1 + (per_window * B * H * NW if split and need_amax else 0),
+                       dtype=torch.int32, device=dev)
     st = stream_keys_to(streams.reshape(-1).contiguous(), dev)
     pick = lambda t: t if t is not None else codes  # noqa: E731
     _chain_kernel[(B * H * (nt if split else 1),)](
@@ -455,8 +457,8 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         H, V, T, L, NW, nslot,
         K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn,
         OUT=q is not None, STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax,
-        PF=CHAIN_PREFETCH if prefetch is None else bool(prefetch),
-        HO=CHAIN_HOIST if hoist is None else bool(hoist), num_warps=num_warps,
+        PF=_prefetch(prefetch, gdn, q is not None),
+        XCH=1 if exchange == "slots" else 0, num_warps=num_warps,
         enable_fp_fusion=False, P=_decode_consts(spec), CA=_cast_consts(spec))
     if not all_anchors:  # dequantise the last slot only
         last = (NW - 1) % nslot

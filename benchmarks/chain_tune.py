@@ -48,7 +48,13 @@ CASES = {  # name: (anchor format, outputs written in the chain)
     "rec:fp32": ("fp32", False),
     "rec:fp16+sr": ("fp16+sr", False),
     "rec:nvfp4+sr": ("nvfp4+sr", False),
+    # where an fp8 / nvfp4 anchor's time goes (--cases): RTN casts, an elementwise cast with
+    # the matrix amax exchange (fp8), the block cast (nvfp4)
+    "rec:fp16": ("fp16", False),
+    "rec:fp8e4m3": ("fp8e4m3", False),
+    "rec:nvfp4": ("nvfp4", False),
 }
+DEFAULT_CASES = ["fp32", "shared:nvfp4+sr", "rec:fp32", "rec:fp16+sr", "rec:nvfp4+sr"]
 # (prefetch, exchange, block_v (None: chain_block_v), num_warps); None: the default. The first
 # is the first form (no prefetch, the counter exchange) at the default tile.
 W0 = kr.CHAIN_WARPS
@@ -148,7 +154,9 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
+    ap.add_argument("--default-only", action="store_true",
+                    help="time the first form and the default launch only")
     ap.add_argument("--models", nargs="+", default=["gdn", "mamba2"], choices=["gdn", "mamba2"])
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1),
                     help="processes compiling the launches before timing (device only)")
@@ -157,6 +165,8 @@ def main(argv=None):
         ap.error(f"--reps must be >= 1, got {args.reps}")
     dev = "cpu" if args.tiny else "cuda"
     configs = CONFIGS[:4] if args.tiny else CONFIGS
+    if args.default_only:
+        configs = [CONFIGS[0], (None, None, None, W0)]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()

@@ -71,11 +71,19 @@ def geometries(tiny):
             ("mamba2", 1, 4096, 128, 64, 128, 16, False)]
 
 
-def make_inputs(geo, dev, seed=0):
+def make_inputs(geo, dev, seed=0, decay="slow"):
+    """Random records; ``decay="slow"``: per-token decays in [0.9, 0.9999]; ``"model"``: as
+    a randomly initialised qwen3_5 GDN layer (log decay ``-A softplus(a + 1)``, A ~ U(0.01,
+    16) per head as transformers initialises ``A_log``): most heads forget within a token or
+    two, so the state holds many tiny values."""
     _, B, T, H, V, K, L, gdn = geo
     g = torch.Generator(device=dev).manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, device=dev)  # noqa: E731
-    la = torch.log(0.9 + 0.0999 * torch.rand(B, T, H, generator=g, device=dev))
+    if decay == "model":
+        A = 0.01 + (16 - 0.01) * torch.rand(H, generator=g, device=dev)
+        la = -A * torch.nn.functional.softplus(1.0 + 0.3 * r(B, T, H))
+    else:
+        la = torch.log(0.9 + 0.0999 * torch.rand(B, T, H, generator=g, device=dev))
     k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
     q = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
     v = r(B, T, H, V)
@@ -155,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
+    ap.add_argument("--decay", choices=["slow", "model"], default="slow",
+                    help="record decays: slow (default) or as a random qwen3_5 layer's")
     ap.add_argument("--default-only", action="store_true",
                     help="time the first form and the default launch only")
     ap.add_argument("--models", nargs="+", default=["gdn", "mamba2"], choices=["gdn", "mamba2"])
@@ -179,6 +189,7 @@ def main(argv=None):
               "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "triton": triton.__version__},
+              "decay": args.decay,
               "defaults": {"prefetch": kr.CHAIN_PREFETCH, "exchange": kr.CHAIN_EXCHANGE,
                            "warps": kr.CHAIN_WARPS},
               "results": []}
@@ -188,7 +199,7 @@ def main(argv=None):
             [(g, c, cfg) for g in geos for c in args.cases for cfg in configs], args.jobs)
         print(json.dumps(result["precompile"]), flush=True)
     for geo in geos:
-        x = make_inputs(geo, dev)
+        x = make_inputs(geo, dev, decay=args.decay)
         for case in args.cases:
             base = None
             for cfg in configs:

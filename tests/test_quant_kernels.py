@@ -305,3 +305,90 @@ def test_sr_threshold_is_exact():
     assert_bitwise(got, want, "kernel")
     ref = quantize_reference(x[None], "mxfp4+sr", seed=SEED, stream=stream)[0]
     assert_bitwise(ref, want, "reference")
+
+
+# ----------------------------------------------------------------------------------------
+# tiny quotients (kernels.quant._div_grid)
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grid", [F.E2M1, F.E4M3, F.E5M2], ids=lambda g: g.name)
+def test_tiny_quotients_round_alike(grid):
+    """The premise of ``_div_grid``: on every element grid reached by a division, any
+    ``0 < |y| <= 2^-62`` rounds like ``2^-64`` (RTN and SR at the extreme random words; the
+    reference ``round_to_grid``, float64 thresholds), with y's sign; 2^-61 still rounds alike
+    here, so the bound is not tight, only safe."""
+    from replayssm_quant.quant import round_to_grid
+
+    ys = torch.tensor([2.0**-149, 2.0**-130, 2.0**-126, 1e-30, 2.0**-70, 2.0**-63,
+                       2.0**-62 * (1 - 2**-24), 2.0**-62], dtype=torch.float32)
+    ys = torch.cat([ys, -ys])
+    ref = torch.copysign(torch.full_like(ys, 2.0**-64), ys)
+    assert torch.equal(round_to_grid(ys, grid).view(torch.int32),
+                       round_to_grid(ref, grid).view(torch.int32))
+    for r in (0, 1, 2, 2**31, 2**32 - 1):
+        rb = torch.full(ys.shape, r, dtype=torch.int64)
+        got = round_to_grid(ys, grid, rb)
+        assert torch.equal(got.view(torch.int32), round_to_grid(ref, grid, rb).view(torch.int32))
+        if r == 0:  # SR rounds a nonzero tiny value up to the smallest step, signed
+            assert bool((got.abs() > 0).all()) and torch.equal(got.sign(), ys.sign())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8e4m3", "fp8e5m2", "mxfp4", "mxfp8"])
+def test_kernel_matches_reference_near_tiny_quotient_bound(fmt, mode):
+    """Element / scale quotients on both sides of ``_div_grid``'s 2^-62 bound (unit scales,
+    so the quotient is the element): subnormals, 2^-62 and its neighbours, 2^-61, +-0, mixed
+    with ordinary values; and blocks whose amax alone is tiny (the block scale's own
+    division). Kernel bytes equal the reference's."""
+    g = torch.Generator().manual_seed(3)
+    k = 64
+    bound = 2.0**-62
+    row = torch.tensor([2.0**-149, 2.0**-127, 1e-30, bound * (1 - 2**-24), bound,
+                        bound * (1 + 2**-23), 2.0**-61, 0.0], dtype=torch.float32)
+    x = torch.randn(2, 4, k, generator=g)
+    x[0, :, 1:9] = row
+    x[0, :, 9:17] = -row
+    x[0, 1, 20:24] = -0.0
+    x[1, 0] = torch.randn(k, generator=g) * 1e-25  # every block's amax tiny
+    x[1, 1, :16] = bound * torch.rand(16, generator=g)
+    anchor = _anchor(fmt)
+    if fmt == "nvfp4":
+        x[:, :, ::16] = anchor
+        x[0, 0, 0] = F.E4M3_MAX * F.E2M1_MAX  # s_g = 1: unit element scale in every block
+    elif fmt.startswith("mx"):
+        x[0, :, ::32] = anchor
+    else:
+        x[0, 0, 0] = anchor
+    check_against_reference(x, _spec(fmt, mode), _streams((2,)))
+
+
+def test_div_grid_contract():
+    """``_div_grid(x, d)`` is IEEE ``x / d`` wherever ``|x| / d >= 2^-62`` (exactly at the
+    bound included), ``copysign(2^-64, x)`` below it, ``x`` for +-0, NaN for NaN and +-inf for
+    +-inf; with the test above, this is the whole argument that it rounds like ``x / d``."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _kern(x_ptr, d_ptr, y_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(y_ptr + i, kq._div_grid(tl.load(x_ptr + i), tl.load(d_ptr + i)))
+
+    g = torch.Generator().manual_seed(5)
+    d = torch.pow(2.0, torch.empty(256).uniform_(-60, 60, generator=g)).float()
+    ratio = torch.pow(2.0, torch.empty(256).uniform_(-90, -30, generator=g)).float()
+    x = (ratio.double() * d.double() * torch.where(torch.rand(256, generator=g) < 0.5, -1, 1))
+    x = x.float()
+    x[:4] = torch.tensor([0.0, -0.0, NAN, -INF])
+    x[4] = d[4] * 2.0**-62  # exactly at the bound: the quotient
+    x[5] = -torch.nextafter(d[5] * 2.0**-62, torch.tensor(0.0))  # just below it
+    yd = torch.empty(256, device=DEVICE)
+    _kern[(1,)](x.to(DEVICE), d.to(DEVICE), yd, N=256)
+    y = yd.cpu()
+    q = x / d
+    small = x.abs().double() / d.double() < 2.0**-62
+    want = torch.where(small, torch.where(x == 0, x, torch.copysign(torch.tensor(2.0**-64), x)), q)
+    assert 40 < int(small.sum()) < 220  # both sides of the bound are exercised
+    assert not bool(small[4]) and bool(small[5])
+    assert_bitwise(y, want, "_div_grid")

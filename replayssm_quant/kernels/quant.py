@@ -295,26 +295,6 @@ def _matrix_amax(x_ptr, base, MK, TILE: tl.constexpr):
 
 
 @triton.jit
-def _div_grid(x, d):
-    """``x / d`` (``d > 0``, broadcast to x) to be rounded onto a minifloat grid: ``div_rn``,
-    except where ``|x| / d < 2^-62`` (exactly: ``|x| * 2^62 < d``, a power-of-two product),
-    which gives ``copysign(2^-64, x)`` (``x`` itself for +-0).
-
-    Why it is exact: every grid here (E2M1, E4M3, E5M2, E2M3, E3M2; emin >= -14, mbits <= 3)
-    rounds any ``0 < |y| <= 2^-62`` alike: ``_grid_code``'s shift is then >= 69, so RTN gives
-    code 0 and SR rounds up iff ``r < 1`` (the threshold ``ceil(frac * 2^32)`` is 1 for every
-    nonzero such y), with y's sign. Why it is there: a quotient in that range (a state decayed
-    to almost nothing, common in random models whose GDN decays reach e^-20 per token) sends
-    ``div.rn.f32`` down its slow path, per element, which made the NVFP4 anchor chain 2x slower
-    on such a model than on well-scaled inputs. NaN and inf take ``div_rn`` as before."""
-    small = tl.abs(x) * 4.611686018427388e18 < d  # 2^62
-    q = tl.math.div_rn(tl.where(small, d, x), d)
-    tiny = ((x.to(tl.int32, bitcast=True) & -2147483648) | 0x1F800000).to(tl.float32,
-                                                                           bitcast=True)
-    return tl.where(small, tl.where(x == 0, x, tiny), q)
-
-
-@triton.jit
 def _amax_scale(amax, DIV: tl.constexpr):
     """Matrix scale amax / DIV (fp8: DIV = the grid max; nvfp4: F.NVFP4_SCALE_DIVISOR);
     1 where that is 0 (reference ``quant._parts``)."""
@@ -396,7 +376,7 @@ def _block_scale(bamax, bad, s_g, NV: tl.constexpr, EMAX: tl.constexpr,
     """
     if NV:
         t = s_g * E2M1_MAX
-        enc = _div_grid(bamax, tl.broadcast_to(t, bamax.shape))
+        enc = tl.math.div_rn(bamax, tl.broadcast_to(t, bamax.shape))
         if MODE == 1:
             sb, code = _e4m3_ru(enc)
             clip = (tl.math.div_rn(bamax, sb * s_g) > E2M1_MAX) & (sb > 0) & (code < E4M3_MAXCODE)
@@ -470,7 +450,7 @@ def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
         offs = start + cols
         mask = offs < MK
         x = tl.load(x_ptr + base + offs, mask=mask, other=0.0)
-        y = tl.where(x != x, x, _div_grid(x, tl.broadcast_to(s, [BLOCK])))
+        y = tl.where(x != x, x, tl.math.div_rn(x, tl.broadcast_to(s, [BLOCK])))
         if SR:
             r = _random_bits(seed, offs, lo, hi)
         else:
@@ -520,8 +500,8 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
     else:
         re = 0
         ro = 0
-    ye = _div_grid(xe, tl.broadcast_to(safe[:, None], xe.shape))
-    yo = _div_grid(xo, tl.broadcast_to(safe[:, None], xo.shape))
+    ye = tl.math.div_rn(xe, tl.broadcast_to(safe[:, None], xe.shape))
+    yo = tl.math.div_rn(xo, tl.broadcast_to(safe[:, None], xo.shape))
     ve, ce = _quant(ye, re, SR, GRID)
     vo, co = _quant(yo, ro, SR, GRID)
     if NV:

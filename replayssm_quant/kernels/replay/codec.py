@@ -27,7 +27,7 @@ from ... import formats as F
 from ...capabilities import replay_kernels_supported
 from ...formats import QuantSpec, parse_spec
 from ...packed import PackedTensor
-from ..quant import (_amax_scale, _block_scale, _div_grid, _e8m0_value, _finite_abs, _grid_consts,
+from ..quant import (_amax_scale, _block_scale, _e8m0_value, _finite_abs, _grid_consts,
                      _grid_value, _nvfp4_global_up, _quant, _random_bits, _stream_words,
                      scale_consts)
 
@@ -286,8 +286,8 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
             ye = xe
             yo = xo
             if C.KIND == 2:
-                ye = tl.where(xe != xe, xe, _div_grid(xe, tl.broadcast_to(s_mat, [BV, KH])))
-                yo = tl.where(xo != xo, xo, _div_grid(xo, tl.broadcast_to(s_mat, [BV, KH])))
+                ye = tl.where(xe != xe, xe, tl.math.div_rn(xe, tl.broadcast_to(s_mat, [BV, KH])))
+                yo = tl.where(xo != xo, xo, tl.math.div_rn(xo, tl.broadcast_to(s_mat, [BV, KH])))
             _, ce = _quant(ye, re, C.SR, C)
             _, co = _quant(yo, ro, C.SR, C)
             c = tl.reshape(tl.join(ce, co), [BV, K])
@@ -308,8 +308,8 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
             _, safe, ok, sb_code = _block_scale(bamax, bad, s_mat, C.KIND == 3, C.EMAX, C.SCALE,
                                                C.THR)
             safe3 = tl.broadcast_to(safe[:, :, None], [BV, NB, HB])
-            ye = _div_grid(xe3, safe3)
-            yo = _div_grid(xo3, safe3)
+            ye = tl.math.div_rn(xe3, safe3)
+            yo = tl.math.div_rn(xo3, safe3)
             if C.SR:
                 re = tl.reshape(re, [BV, NB, HB])
                 ro = tl.reshape(ro, [BV, NB, HB])
@@ -377,7 +377,7 @@ def _cast_store_full(x, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                 r = _random_bits(seed, rows[:, None] * K + kk[None, :], lo, hi)
             y = x
             if C.KIND == 2:
-                y = tl.where(x != x, x, _div_grid(x, tl.broadcast_to(s_mat, [BV, K])))
+                y = tl.where(x != x, x, tl.math.div_rn(x, tl.broadcast_to(s_mat, [BV, K])))
             _, c = _quant(y, r, C.SR, C)
             if C.KIND == 1:
                 tl.store(out_ptr + off, c.to(tl.int16), mask=m2)

@@ -1,18 +1,20 @@
 """Launch options of the anchor-chain kernel (``kernels.replay.anchor_chain``) at the shape of
-issue 15's emulation item: one segment of a 3.4B-shaped ``qwen3_5`` GDN layer (B = 1, 32 value
-heads, 128 x 128 state, 4096 tokens, L = 16) and a ``nemotron_h``-shaped Mamba-2 layer (128
-heads, 64 x 128), for the launches the teacher-forced window form makes:
+issue 15's emulation item: one 4096-token segment (B = 1, L = 16) of a GDN layer with 32 value
+heads (``gdn``) or 40 (``qwen3_5``: the 3.4B random model ``kl_throughput.py --hidden 2560``
+builds), 128 x 128 state, and of a ``nemotron_h``-shaped Mamba-2 layer (128 heads, 64 x 128),
+for the launches the teacher-forced window form makes:
 
 * ``fp32`` and ``shared:nvfp4+sr`` (single-checkpoint policies): the chain writes every output
   (``q`` given, last anchor only);
 * ``rec:fp32``, ``rec:fp16+sr``, ``rec:nvfp4+sr`` (the anchors of dual policies): states
   stored, no outputs.
 
-For each case every configuration (``prefetch``, the amax ``exchange`` of split tiles, value rows
-per program, warps) is timed
+For each case every configuration (``--set launch``: ``prefetch``, the amax ``exchange`` of
+split tiles, value rows per program, warps; ``--set regs``: the register cap ``maxnreg``) is timed
 (median of CUDA events over ``--reps`` calls) and its states, anchors and outputs compared bit
-for bit with the first launch's (``same_bits``; ``prefetch`` and ``exchange`` must not change a bit;
-another tile shape may: the in-tile reduction order follows the register layout).
+for bit with the first launch's (``same_bits``; ``prefetch``, ``exchange`` and ``maxnreg`` must
+not change a bit; another tile shape may: the in-tile reduction order follows the register
+layout). On the device each row also has the compiled kernel's registers and spills.
 
 Usage (device)::
 
@@ -55,19 +57,27 @@ CASES = {  # name: (anchor format, outputs written in the chain)
     "rec:nvfp4": ("nvfp4", False),
 }
 DEFAULT_CASES = ["fp32", "shared:nvfp4+sr", "rec:fp32", "rec:fp16+sr", "rec:nvfp4+sr"]
-# (prefetch, exchange, block_v (None: chain_block_v), num_warps); None: the default. The first
-# is the first form (no prefetch, the counter exchange) at the default tile.
+# (prefetch, exchange, block_v (None: chain_block_v), num_warps, maxnreg); None: the default,
+# maxnreg "auto": resident_maxnreg. --set launch: the first is the first form (no prefetch,
+# the counter exchange, no register cap) at the default tile; --set regs: register caps.
 W0 = kr.CHAIN_WARPS
-CONFIGS = [(False, "counter", None, W0), (True, "counter", None, W0), (False, "slots", None, W0),
-           (True, "slots", None, W0), (None, None, None, W0), (True, "slots", None, 2),
-           (True, "slots", None, 8)]
+SETS = {
+    "launch": [(False, "counter", None, W0, None), (True, "counter", None, W0, None),
+               (False, "slots", None, W0, None), (True, "slots", None, W0, None),
+               (None, None, None, W0, "auto"), (True, "slots", None, 2, None),
+               (True, "slots", None, 8, None)],
+    "regs": [(None, None, None, W0, None), (None, None, None, W0, "auto"),
+             (None, None, None, W0, 168), (None, None, None, W0, 128)],
+}
 
 
 def geometries(tiny):
-    """(name, B, T, H, V, K, L, gdn)."""
+    """(name, B, T, H, V, K, L, gdn). ``qwen3_5``: the 3.4B random model of
+    ``kl_throughput.py --hidden 2560`` (40 value heads); ``gdn``: 32 value heads."""
     if tiny:
         return [("gdn", 1, 16, 2, 8, 32, 4, True), ("mamba2", 1, 16, 2, 8, 32, 4, False)]
     return [("gdn", 1, 4096, 32, 128, 128, 16, True),
+            ("qwen3_5", 1, 4096, 40, 128, 128, 16, True),
             ("mamba2", 1, 4096, 128, 64, 128, 16, False)]
 
 
@@ -97,11 +107,24 @@ def make_inputs(geo, dev, seed=0, decay="slow"):
 
 def run(geo, x, case, cfg):
     spec, out = CASES[case]
-    pf, ex, bv, nw = cfg
+    pf, ex, bv, nw, mr = cfg
     return kr.anchor_chain(x["anchor"], x["la"], x["k"], x["v"], x["beta"], spec, L=geo[6],
                            seed=3, streams=x["streams"], q=x["q"] if out else None,
                            store_states=not out, all_anchors=not out, block_v=bv,
-                           num_warps=nw, prefetch=pf, exchange=ex)
+                           num_warps=nw, prefetch=pf, exchange=ex, maxnreg=mr)
+
+
+def compiled_regs():
+    """(registers, spills) of the chain kernel compiled last (None where unknown)."""
+    try:
+        from replayssm_quant.kernels.replay import chain
+
+        caches = chain._chain_kernel.device_caches[torch.cuda.current_device()][0]
+        k = list(caches.values())[-1]
+        k._init_handles()
+        return int(k.n_regs), int(k.n_spills)
+    except Exception:  # noqa: BLE001
+        return None, None
 
 
 def _precompile(task):
@@ -167,16 +190,19 @@ def main(argv=None):
                     help="record decays: slow (default) or as a random qwen3_5 layer's")
     ap.add_argument("--default-only", action="store_true",
                     help="time the first form and the default launch only")
-    ap.add_argument("--models", nargs="+", default=["gdn", "mamba2"], choices=["gdn", "mamba2"])
+    ap.add_argument("--models", nargs="+", default=["gdn", "mamba2"],
+                    choices=["gdn", "qwen3_5", "mamba2"])
+    ap.add_argument("--set", choices=sorted(SETS), default="launch",
+                    help="launch: prefetch / exchange / warps; regs: register caps")
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1),
                     help="processes compiling the launches before timing (device only)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
     dev = "cpu" if args.tiny else "cuda"
-    configs = CONFIGS[:4] if args.tiny else CONFIGS
+    configs = SETS[args.set][:4] if args.tiny else SETS[args.set]
     if args.default_only:
-        configs = [CONFIGS[0], (None, None, None, W0)]
+        configs = [SETS["launch"][0], (None, None, None, W0, "auto")]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
@@ -207,7 +233,9 @@ def main(argv=None):
                 got = run(geo, x, case, cfg)
                 row = {"model": geo[0], "case": case, "prefetch": cfg[0], "exchange": cfg[1],
                        "block_v": cfg[2] or kr.chain_block_v(geo[4], geo[5]), "warps": cfg[3],
-                       "first_call_s": round(time.perf_counter() - t0, 2)}
+                       "maxnreg": cfg[4], "first_call_s": round(time.perf_counter() - t0, 2)}
+                if dev == "cuda":
+                    row["regs"], row["spills"] = compiled_regs()
                 if base is None:
                     base = got
                 row["same_bits"] = same_bits(base, got)

@@ -270,3 +270,24 @@ def test_chain_refuses_unknown_exchange():
     with pytest.raises(ValueError, match="exchange must be one of .*'fence'"):
         kr.anchor_chain(torch.zeros(1, 1, 4, 32), la, k, v, beta, "nvfp4", L=4, seed=0,
                         streams=keys, exchange="fence")
+
+
+def test_resident_maxnreg():
+    """The register cap that keeps every program of a split chain in one wave: none up to two
+    programs per SM, 65536 / (programs per SM x threads) rounded down to 8 above, none below
+    the floor; and bad caps are refused."""
+    from replayssm_quant.kernels.replay.chain import CHAIN_MIN_MAXNREG, resident_maxnreg
+
+    assert resident_maxnreg(264, 4, 132) is None  # 2 per SM
+    assert resident_maxnreg(320, 4, 132) == 168  # 3 per SM: 65536 / 384 = 170.7
+    assert resident_maxnreg(512, 4, 132) == 128  # 4 per SM
+    assert resident_maxnreg(660, 4, 132) is None  # 5 per SM: 102 < the floor
+    assert CHAIN_MIN_MAXNREG == 128
+    assert resident_maxnreg(320, 2, 132) == 255  # 3 per SM of 2 warps: no real cap
+    assert resident_maxnreg(10, 4, 0) is None  # no CUDA device
+    la, k, v, beta = _records(True, 1, 4, 1, 4, 32)
+    keys = WF._stream_keys(0, torch.tensor([0]), 1, torch.tensor([[1]]), core.ANCHOR_COPY)
+    for bad in (0, 300, 12.0, True, "max"):
+        with pytest.raises(ValueError, match="maxnreg must be"):
+            kr.anchor_chain(torch.zeros(1, 1, 4, 32), la, k, v, beta, "nvfp4", L=4, seed=0,
+                            streams=keys, maxnreg=bad)

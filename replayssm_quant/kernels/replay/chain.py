@@ -324,6 +324,34 @@ def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Registers per SM (every NVIDIA GPU from sm_50 on) and the smallest per-thread register cap
+# the split launch is given to fit its programs into one wave (below it, spills would cost more
+# than they save: not measured, a guess; see resident_maxnreg).
+SM_REGISTERS = 65536
+CHAIN_MIN_MAXNREG = 128
+
+
+def resident_maxnreg(programs: int, num_warps: int, sms: int) -> int | None:
+    """Per-thread register cap (``maxnreg``) under which ``programs`` programs of
+    ``num_warps`` warps are all resident on ``sms`` SMs at once, or None where at most two
+    per SM are needed (the uncapped chain kernel fits two; it uses up to 255 registers) or the
+    cap would fall below :data:`CHAIN_MIN_MAXNREG`.
+
+    Why: every program of a split chain lives for the whole chain (it carries its rows across
+    all windows), so programs beyond the resident ones start only when earlier ones have
+    finished the whole chain: a second wave doubles the time. The 3.4B random qwen3_5 (40
+    value heads, 8 tiles each: 320 programs at B = 1, 132 SMs, 245 registers: 264 resident)
+    ran its NVFP4 chain in 16.8 ms, the 32-head shape in 9.4 ms. A register cap changes no
+    value (register allocation, not arithmetic)."""
+    if sms <= 0:
+        return None
+    need = -(-programs // sms)
+    if need <= 2:
+        return None
+    cap = SM_REGISTERS // (need * 32 * num_warps) // 8 * 8
+    return min(cap, 255) if cap >= CHAIN_MIN_MAXNREG else None
+
+
 def _sm_count(device) -> int:
     """Streaming multiprocessors of a CUDA device (0 elsewhere)."""
     device = torch.device(device)
@@ -356,7 +384,8 @@ class ChainResult(NamedTuple):
 def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=None,
                  store_states: bool = True, all_anchors: bool = True, split: bool | None = None,
                  block_v: int | None = None, num_warps: int = CHAIN_WARPS,
-                 prefetch: bool | None = None, exchange: str | None = None) -> ChainResult:
+                 prefetch: bool | None = None, exchange: str | None = None,
+                 maxnreg: int | None | str = "auto") -> ChainResult:
     """Anchor recurrence over ``NW = T // L`` full windows in one launch (DESIGN.md "Flush":
     reconstruct, then ``A <- Q_rec(S)``; GDN corrections re-solved against A). An ``fp32``
     ``spec`` is the exact recurrence (``A = S``, nothing rounds).
@@ -383,6 +412,9 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
             the matrix amax of an fp8 / nvfp4 anchor (``"slots"``: a word per tile, no fence;
             ``"counter"``: a max and an arrival count). None changes a value (same arithmetic, and a max in any order;
             ``benchmarks/chain_tune.py`` checks the bytes on the device).
+        maxnreg: register cap per thread of a split launch on CUDA: ``"auto"`` (default)
+            :func:`resident_maxnreg`, so that all programs fit in one wave; None for no cap;
+            or an int. Changes no value.
 
     Returns :class:`ChainResult` ``(states [B, NW, H, V, K] or None, anchors [B, NW or 1, H, V, K]
     dequantised FP32, outputs [B, T, H, V] or None)``.
@@ -390,7 +422,8 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     Raises:
         ValueError: L < 1 or T not a positive multiple of L, unsupported K or dtype, mismatched
             shapes, dtypes or devices, streams not integer ``[B, NW, H]``, ``block_v`` not a
-            power of two, ``split`` under the Triton interpreter, an unknown ``exchange``.
+            power of two, ``split`` under the Triton interpreter, an unknown ``exchange``, a
+            bad ``maxnreg``.
     """
     spec = parse_spec(spec)
     if anchor.dim() != 4:
@@ -425,6 +458,9 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     exchange = CHAIN_EXCHANGE if exchange is None else exchange
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if not (maxnreg is None or maxnreg == "auto" or (
+            isinstance(maxnreg, int) and not isinstance(maxnreg, bool) and 16 <= maxnreg <= 255)):
+        raise ValueError(f"maxnreg must be 'auto', None or an int in [16, 255], got {maxnreg!r}")
     interp = triton_interpreting()
     bv = block_v or chain_block_v(V, K)
     nt = triton.cdiv(V, bv)
@@ -451,14 +487,18 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
                        dtype=torch.int32, device=dev)
     st = stream_keys_to(streams.reshape(-1).contiguous(), dev)
     pick = lambda t: t if t is not None else codes  # noqa: E731
-    _chain_kernel[(B * H * (nt if split else 1),)](
+    programs = B * H * (nt if split else 1)
+    if maxnreg == "auto":
+        maxnreg = resident_maxnreg(programs, num_warps, _sm_count(dev)) if split else None
+    launch = {} if maxnreg is None or interp else {"maxnreg": maxnreg}
+    _chain_kernel[(programs,)](
         anchor.contiguous(), la, k, v, beta, pick(None if q is None else q.contiguous()),
         pick(out), st, int(seed), codes, pick(bufs[1]), pick(bufs[2]), ap, pick(S), sync,
         H, V, T, L, NW, nslot,
         K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn,
         OUT=q is not None, STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax,
         PF=_prefetch(prefetch, gdn, q is not None),
-        XCH=1 if exchange == "slots" else 0, num_warps=num_warps,
+        XCH=1 if exchange == "slots" else 0, num_warps=num_warps, **launch,
         enable_fp_fusion=False, P=_decode_consts(spec), CA=_cast_consts(spec))
     if not all_anchors:  # dequantise the last slot only
         last = (NW - 1) % nslot

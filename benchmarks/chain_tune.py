@@ -68,6 +68,8 @@ SETS = {
                (True, "slots", None, 8, None)],
     "regs": [(None, None, None, W0, None), (None, None, None, W0, "auto"),
              (None, None, None, W0, 168), (None, None, None, W0, 128)],
+    "tiles": [(None, None, None, W0, "auto"), (None, None, 32, 4, "auto"),
+              (None, None, 32, 8, "auto"), (None, None, 8, 4, "auto")],
 }
 
 
@@ -114,13 +116,23 @@ def run(geo, x, case, cfg):
                            num_warps=nw, prefetch=pf, exchange=ex, maxnreg=mr)
 
 
-def compiled_regs():
-    """(registers, spills) of the chain kernel compiled last (None where unknown)."""
-    try:
-        from replayssm_quant.kernels.replay import chain
+def _kernel_cache():
+    from replayssm_quant.kernels.replay import chain
 
-        caches = chain._chain_kernel.device_caches[torch.cuda.current_device()][0]
-        k = list(caches.values())[-1]
+    try:
+        return chain._chain_kernel.device_caches[torch.cuda.current_device()][0]
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def compiled_regs(before: int):
+    """(registers, spills) of the chain kernel the last call compiled, if it compiled one
+    (the cache had ``before`` entries); (None, None) where it reused a kernel or is unknown."""
+    try:
+        ks = list(_kernel_cache().values())
+        if len(ks) <= before:
+            return None, None
+        k = ks[-1]
         k._init_handles()
         return int(k.n_regs), int(k.n_spills)
     except Exception:  # noqa: BLE001
@@ -193,7 +205,8 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", default=["gdn", "mamba2"],
                     choices=["gdn", "qwen3_5", "mamba2"])
     ap.add_argument("--set", choices=sorted(SETS), default="launch",
-                    help="launch: prefetch / exchange / warps; regs: register caps")
+                    help="launch: prefetch / exchange / warps; regs: register caps; tiles: "
+                         "value rows per program (these may change bits)")
     ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1),
                     help="processes compiling the launches before timing (device only)")
     args = ap.parse_args(argv)
@@ -229,13 +242,14 @@ def main(argv=None):
         for case in args.cases:
             base = None
             for cfg in configs:
+                ncache = len(_kernel_cache()) if dev == "cuda" else 0
                 t0 = time.perf_counter()
                 got = run(geo, x, case, cfg)
                 row = {"model": geo[0], "case": case, "prefetch": cfg[0], "exchange": cfg[1],
                        "block_v": cfg[2] or kr.chain_block_v(geo[4], geo[5]), "warps": cfg[3],
                        "maxnreg": cfg[4], "first_call_s": round(time.perf_counter() - t0, 2)}
                 if dev == "cuda":
-                    row["regs"], row["spills"] = compiled_regs()
+                    row["regs"], row["spills"] = compiled_regs(ncache)
                 if base is None:
                     base = got
                 row["same_bits"] = same_bits(base, got)

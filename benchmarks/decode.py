@@ -46,6 +46,9 @@ Usage::
 
     python benchmarks/decode.py --out $OUT/decode_h200.json          # the device run
     python benchmarks/decode.py --tiny --out /tmp/decode_tiny.json   # CPU (sets TRITON_INTERPRET)
+    # no device: the summary of a stored result again, with a newer emulation result
+    python benchmarks/decode.py --resummarize benchmarks/results/decode_h200.json \
+        --emulation benchmarks/results/emulation_h200.json --out benchmarks/results/decode_h200.json
 
 On the device machine (no registry there; fla 0.6.0 carried as wheels in the ignored ``.whl/``,
 ``carry=[".whl"]``; einops is on the image)::
@@ -521,6 +524,47 @@ def all_passed(obj):
 
 
 # ------------------------------------------------------------------------------ main
+def summarize(result, emulation=None):
+    """Fill ``result["summary"]`` (ratios of every model and batch from the stored timings,
+    the issue's targets at the largest batch, and the emulation item from a
+    ``kl_throughput.py`` JSON at path ``emulation``) and ``result["checks_passed"]``."""
+    summary = result["summary"] = {"by_batch": {}}
+    batches = result["batches"]
+    big = f"B{max(batches)}"
+    for name, shapes in result["models"].items():
+        per = {b: ratios(s) for b, s in shapes.items() if "error" not in s}
+        summary["by_batch"][name] = per
+        summary[name] = per.get(big)
+    summary["batch_of_targets"] = max(batches)
+    summary["emulation_vs_plain_fla_max"] = None  # the emulation item: kl_throughput.py
+    if emulation:
+        emu = json.loads(Path(emulation).read_text())
+        per = {f"N{r['N']}:{p}": v["vs_plain"] for r in emu["runs"]
+               for p, v in r.get("policies", {}).items()}
+        summary["emulation"] = {"source": str(emulation), "command": emu.get("command"),
+                                "params": emu.get("params"), "vs_plain": per,
+                                "code_commit": emu.get("code_commit")}
+        summary["emulation_vs_plain_fla_max"] = max(per.values()) if per else None
+    result["checks_passed"] = all_passed({n: {b: s.get("checks", {"passed": False})
+                                              for b, s in m.items()}
+                                          for n, m in result["models"].items()}) and all(
+        "error" not in s for m in result["models"].values() for s in m.values())
+    return result
+
+
+def resummarize(path, emulation, out, argv):
+    """Recompute the summary of the decode result at ``path`` (no timing; e.g. with a newer
+    emulation JSON) and write it to ``out``, noting when and from what."""
+    result = json.loads(Path(path).read_text())
+    summarize(result, emulation)
+    result.setdefault("resummarized", []).append(
+        {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "from": str(path),
+         "emulation": emulation, "command": "python benchmarks/decode.py " + " ".join(
+             sys.argv[1:] if argv is None else argv)})
+    Path(out).write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -537,7 +581,16 @@ def main(argv=None):
                          "emulate/plain ratio becomes summary.emulation_vs_plain_fla_max")
     ap.add_argument("--ref-seqs", type=int, default=0,
                     help="sequences checked against the reference flush (0: all)")
+    ap.add_argument("--resummarize", default=None, metavar="JSON",
+                    help="time nothing: recompute the summary of this decode result (with "
+                         "--emulation) and write it to --out")
     args = ap.parse_args(argv)
+    if args.resummarize:
+        if not Path(args.resummarize).is_file():
+            ap.error(f"--resummarize: no such file {args.resummarize!r}")
+        if args.emulation and not Path(args.emulation).is_file():
+            ap.error(f"--emulation: no such file {args.emulation!r}")
+        return resummarize(args.resummarize, args.emulation, args.out, argv)
     if args.tiny != INTERPRET:
         raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before triton is imported "
                          "(decode.py sets it when --tiny is on its command line)")
@@ -625,25 +678,7 @@ def main(argv=None):
                 log(r["error"])
             result["models"].setdefault(name, {})[f"B{B}"] = r
             save()
-    summary = result["summary"] = {"by_batch": {}}
-    big = f"B{max(batches)}"
-    for name in names:
-        per = {b: ratios(s) for b, s in result["models"][name].items() if "error" not in s}
-        summary["by_batch"][name] = per
-        summary[name] = per.get(big)
-    summary["batch_of_targets"] = max(batches)
-    summary["emulation_vs_plain_fla_max"] = None  # the emulation item: kl_throughput.py
-    if args.emulation:
-        emu = json.loads(Path(args.emulation).read_text())
-        per = {f"N{r['N']}:{p}": v["vs_plain"] for r in emu["runs"]
-               for p, v in r.get("policies", {}).items()}
-        summary["emulation"] = {"source": args.emulation, "command": emu.get("command"),
-                                "params": emu.get("params"), "vs_plain": per}
-        summary["emulation_vs_plain_fla_max"] = max(per.values()) if per else None
-    result["checks_passed"] = all_passed({n: {b: s.get("checks", {"passed": False})
-                                              for b, s in m.items()}
-                                          for n, m in result["models"].items()}) and all(
-        "error" not in s for m in result["models"].values() for s in m.values())
+    summarize(result, args.emulation)
     save()
     # short table last
     log("== decode", result["device"], "checks passed:", result["checks_passed"])
@@ -659,7 +694,7 @@ def main(argv=None):
                           f"{r['flush']['median_us']:.1f} amort {r['amortised_us']:.1f} "
                           f"verify<= {r['verify_max_us']:.1f}"
                           for p, r in s["policies"].items()))
-        log(name, "summary", json.dumps(summary.get(name)))
+        log(name, "summary", json.dumps(result["summary"].get(name)))
     return result
 
 

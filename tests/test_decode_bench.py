@@ -100,6 +100,35 @@ def test_summary(result):
         assert set(summ["by_batch"][name]) == set(result["models"][name])
 
 
+def test_resummarize_with_an_emulation_result(result, tmp_path):
+    """``--resummarize``: no timing; the summary is recomputed from the stored timings (the
+    same ratios) and the emulation item comes from the given kl_throughput JSON (its worst
+    policy); the result notes it was resummarized. A missing file is refused by name."""
+    src = tmp_path / "decode.json"
+    src.write_text(json.dumps(result))
+    emu = tmp_path / "emu.json"
+    emu.write_text(json.dumps({"command": "kl_throughput.py ...", "runs": [
+        {"N": 64, "policies": {"fp32": {"vs_plain": 1.1}, "shared:nvfp4+sr": {"vs_plain": 1.4}}},
+        {"N": 128, "policies": {"fp32": {"vs_plain": 1.2}}}]}))
+    out = tmp_path / "re.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    args = [sys.executable, "benchmarks/decode.py", "--resummarize", str(src), "--emulation",
+            str(emu), "--out", str(out)]
+    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    re = json.loads(out.read_text())
+    assert re["summary"]["emulation_vs_plain_fla_max"] == 1.4
+    assert re["summary"]["emulation"]["vs_plain"] == {"N64:fp32": 1.1, "N64:shared:nvfp4+sr": 1.4,
+                                                      "N128:fp32": 1.2}
+    for name in ("gdn", "mamba2"):
+        assert re["summary"][name] == result["summary"][name]
+    assert re["models"] == result["models"] and re["checks_passed"] == result["checks_passed"]
+    assert re["resummarized"][-1]["from"] == str(src)
+    p = subprocess.run(args[:3] + [str(tmp_path / "nope.json"), "--out", str(out)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--resummarize: no such file" in p.stderr
+
+
 def test_decode_model_tiny(tmp_path):
     """``benchmarks/decode_model.py --tiny``: both model families, both decode modes, the
     window bookkeeping (one flush call per L = 4 calls) and the generate rates are recorded."""

@@ -20,6 +20,8 @@ Usage (device)::
 
     python benchmarks/chain_tune.py --out $OUT/chain_tune_h200.json
 
+``--check-batch 2`` times nothing: every sequence of a two-sequence launch against itself
+alone, bit for bit (at 32 GDN heads the two launches get different register caps).
 ``--tiny`` runs small shapes on CPU under the Triton interpreter (a smoke test).
 """
 
@@ -192,6 +194,33 @@ def time_us(fn, reps, dev):
             "reps": reps}
 
 
+def check_batch(geo, case, dev, decay, batch):
+    """Each sequence of a ``batch``-sequence launch against the same sequence launched alone
+    (default launch options, so the register cap ``maxnreg="auto"`` may differ between the
+    two: e.g. 32 GDN heads, 8 tiles: 256 programs alone, no cap; 512 for two, capped at 128).
+    Returns ``{"maxnreg": (alone, batched), "mismatch": differing elements per sequence}``."""
+    from replayssm_quant.kernels.replay.chain import _sm_count, chain_block_v, resident_maxnreg
+
+    gb = (geo[0], batch, *geo[2:])
+    x = make_inputs(gb, dev, decay=decay)
+    full = run(gb, x, case, (None, None, None, W0, "auto"))
+    g1 = (geo[0], 1, *geo[2:])
+    mism = []
+    for i in range(batch):
+        xi = {k: (None if t is None else t[i:i + 1]) for k, t in x.items()}
+        alone = run(g1, xi, case, (None, None, None, W0, "auto"))
+        n = 0
+        for a, b in zip(alone, full):
+            if a is not None:
+                n += int((a.contiguous().view(torch.int32)
+                          != b[i:i + 1].contiguous().view(torch.int32)).sum())
+        mism.append(n)
+    nt = -(-geo[4] // chain_block_v(geo[4], geo[5]))
+    sms = _sm_count(dev) if dev == "cuda" else 0
+    caps = [resident_maxnreg(b * geo[3] * nt, W0, sms) for b in (1, batch)]
+    return {"model": geo[0], "case": case, "batch": batch, "maxnreg": caps, "mismatch": mism}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -200,6 +229,9 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
     ap.add_argument("--decay", choices=["slow", "model"], default="slow",
                     help="record decays: slow (default) or as a random qwen3_5 layer's")
+    ap.add_argument("--check-batch", type=int, default=0, metavar="B",
+                    help="time nothing: each sequence of a B-sequence launch against itself "
+                         "alone, bit for bit (the register cap may differ between the two)")
     ap.add_argument("--default-only", action="store_true",
                     help="time the first form and the default launch only")
     ap.add_argument("--models", nargs="+", default=["gdn", "mamba2"],
@@ -212,6 +244,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
+    if args.check_batch < 0 or args.check_batch == 1:
+        ap.error(f"--check-batch takes a batch of at least 2, got {args.check_batch}")
     dev = "cpu" if args.tiny else "cuda"
     configs = SETS[args.set][:4] if args.tiny else SETS[args.set]
     if args.default_only:
@@ -233,6 +267,14 @@ def main(argv=None):
                            "warps": kr.CHAIN_WARPS},
               "results": []}
     geos = [g for g in geometries(args.tiny) if g[0] in args.models]
+    if args.check_batch:
+        result["check_batch"] = [check_batch(g, c, dev, args.decay, args.check_batch)
+                                 for g in geos for c in args.cases]
+        for r in result["check_batch"]:
+            print(json.dumps(r), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return result
     if dev == "cuda" and args.jobs > 1:
         result["precompile"] = precompile(
             [(g, c, cfg) for g in geos for c in args.cases for cfg in configs], args.jobs)

@@ -61,3 +61,17 @@ def test_chain_tune_tiny(tmp_path):
         (m, c, pf, ex) for m in ("gdn", "mamba2") for c in ("shared:nvfp4+sr", "rec:fp32")
         for pf in (False, True) for ex in ("counter", "slots")}
     assert all(r["same_bits"] and r["median_us"] > 0 for r in rows)
+
+
+def test_chain_tune_check_batch_tiny(tmp_path):
+    """``chain_tune.py --check-batch 2`` (the GPU check that a register cap chosen by batch
+    size changes no bit) runs and reports per-sequence mismatch counts; a batch of 1 is
+    refused."""
+    out = tmp_path / "cb.json"
+    p = _run("chain_tune.py", "--check-batch", "2", "--models", "gdn", "--cases", "rec:fp16+sr",
+             "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["check_batch"]
+    assert row["batch"] == 2 and row["mismatch"] == [0, 0] and len(row["maxnreg"]) == 2
+    p = _run("chain_tune.py", "--check-batch", "1", "--out", str(out))
+    assert p.returncode == 2 and "--check-batch" in p.stderr

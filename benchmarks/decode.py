@@ -554,9 +554,16 @@ def summarize(result, emulation=None):
 
 def resummarize(path, emulation, out, argv):
     """Recompute the summary of the decode result at ``path`` (no timing; e.g. with a newer
-    emulation JSON) and write it to ``out``, noting when and from what."""
+    emulation JSON; without one the stored emulation item stays) and write it to ``out``,
+    noting when and from what. Every model and batch stored is summarised (``--models``,
+    ``--batches`` do not apply)."""
     result = json.loads(Path(path).read_text())
+    old = result.get("summary", {})
     summarize(result, emulation)
+    if not emulation:  # keep the stored emulation item
+        for key in ("emulation", "emulation_vs_plain_fla_max"):
+            if key in old:
+                result["summary"][key] = old[key]
     result.setdefault("resummarized", []).append(
         {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "from": str(path),
          "emulation": emulation, "command": "python benchmarks/decode.py " + " ".join(

@@ -103,7 +103,8 @@ def test_summary(result):
 def test_resummarize_with_an_emulation_result(result, tmp_path):
     """``--resummarize``: no timing; the summary is recomputed from the stored timings (the
     same ratios) and the emulation item comes from the given kl_throughput JSON (its worst
-    policy); the result notes it was resummarized. A missing file is refused by name."""
+    policy), or stays as stored without one; the result notes it was resummarized. Missing
+    files are refused by name."""
     src = tmp_path / "decode.json"
     src.write_text(json.dumps(result))
     emu = tmp_path / "emu.json"
@@ -127,6 +128,18 @@ def test_resummarize_with_an_emulation_result(result, tmp_path):
     p = subprocess.run(args[:3] + [str(tmp_path / "nope.json"), "--out", str(out)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--resummarize: no such file" in p.stderr
+    assert "nope.json" in p.stderr
+    p = subprocess.run(args[:4] + ["--emulation", str(tmp_path / "gone.json"), "--out",
+                                   str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "--emulation: no such file" in p.stderr and "gone.json" in p.stderr
+    # without --emulation the stored emulation item is kept
+    again = tmp_path / "again.json"
+    p = subprocess.run(args[:3] + [str(out), "--out", str(again)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    kept = json.loads(again.read_text())["summary"]
+    assert kept["emulation_vs_plain_fla_max"] == 1.4 and kept["emulation"] == re["summary"]["emulation"]
 
 
 def test_decode_model_tiny(tmp_path):

@@ -264,18 +264,29 @@ def test_chain_prefetch_same_bits(gdn, policy, L, block_v):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def test_chain_refuses_unknown_exchange():
-    la, k, v, beta = _records(True, 1, 4, 1, 4, 32)
+def test_chain_refuses_bad_launch_options():
+    """An unknown exchange, the slots exchange with a number of row tiles that is not a power
+    of two (its poll is a tl.arange over the tiles), and a prefetch that is not None or a
+    bool are refused, naming the value."""
+    la, k, v, beta = _records(True, 1, 4, 1, 6, 32)
     keys = WF._stream_keys(0, torch.tensor([0]), 1, torch.tensor([[1]]), core.ANCHOR_COPY)
+    A0 = torch.zeros(1, 1, 6, 32)
     with pytest.raises(ValueError, match="exchange must be one of .*'fence'"):
-        kr.anchor_chain(torch.zeros(1, 1, 4, 32), la, k, v, beta, "nvfp4", L=4, seed=0,
-                        streams=keys, exchange="fence")
+        kr.anchor_chain(A0, la, k, v, beta, "nvfp4", L=4, seed=0, streams=keys,
+                        exchange="fence")
+    with pytest.raises(ValueError, match="power-of-two number of row tiles .*got 3"):
+        kr.anchor_chain(A0, la, k, v, beta, "nvfp4", L=4, seed=0, streams=keys, block_v=2,
+                        exchange="slots")
+    with pytest.raises(ValueError, match="prefetch must be None, True or False, got 'off'"):
+        kr.anchor_chain(A0, la, k, v, beta, "nvfp4", L=4, seed=0, streams=keys, prefetch="off")
+    # None picks the counter exchange for three tiles: runs
+    kr.anchor_chain(A0, la, k, v, beta, "nvfp4", L=4, seed=0, streams=keys, block_v=2)
 
 
 def test_resident_maxnreg():
-    """The register cap that keeps every program of a split chain in one wave: none up to two
-    programs per SM, 65536 / (programs per SM x threads) rounded down to 8 above, none below
-    the floor; and bad caps are refused."""
+    """The register cap that keeps every program of a split chain in one wave: none while
+    they fit at 255 registers (two programs of 4 warps per SM, one of 8), 65536 / (programs per
+    SM x threads) rounded down to 8 above, none below the floor; and bad caps are refused."""
     from replayssm_quant.kernels.replay.chain import CHAIN_MIN_MAXNREG, resident_maxnreg
 
     assert resident_maxnreg(264, 4, 132) is None  # 2 per SM
@@ -283,7 +294,8 @@ def test_resident_maxnreg():
     assert resident_maxnreg(512, 4, 132) == 128  # 4 per SM
     assert resident_maxnreg(660, 4, 132) is None  # 5 per SM: 102 < the floor
     assert CHAIN_MIN_MAXNREG == 128
-    assert resident_maxnreg(320, 2, 132) == 255  # 3 per SM of 2 warps: no real cap
+    assert resident_maxnreg(320, 2, 132) is None  # 3 per SM of 2 warps fit at 255 registers
+    assert resident_maxnreg(200, 8, 132) == 128  # 2 per SM of 8 warps: one fits uncapped
     assert resident_maxnreg(10, 4, 0) is None  # no CUDA device
     la, k, v, beta = _records(True, 1, 4, 1, 4, 32)
     keys = WF._stream_keys(0, torch.tensor([0]), 1, torch.tensor([[1]]), core.ANCHOR_COPY)

@@ -36,11 +36,12 @@ from .codec import (_K_HALF, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast
 #   A <- Q_rec(S)  (stored packed, SR stream of that flush; the matrix amax over the whole S).
 # Every step is row-separable except the matrix amax of fp8 / nvfp4 anchors, so the programs
 # of a matrix only exchange one number per window (SPLIT): each publishes its tile's amax
-# (the float bits + 1, all non-negative) in its own word of the (matrix, window) and spins until
-# none of the NT words is 0 ("slots", default), or adds it to one word by an integer atomic max,
-# arrives on a counter and spins on the count ("counter", the first form). Programs take logical ids from a
-# ticket counter in the order they start, so the tiles of a matrix are always co-resident or
-# waiting behind finished ones (no deadlock for any grid size once NT programs fit). Without
+# (the float bits + 1, all non-negative) in its own word of the (matrix, window) and spins
+# until none of the NT words is 0 ("slots", where NT is a power of two), or adds it to one
+# word by an integer atomic max, arrives on a counter and spins on the count ("counter", the
+# first form, any NT). Programs take logical ids from a ticket counter in the order they
+# start, so the tiles of a matrix are always co-resident or waiting behind finished ones (no
+# deadlock for any grid size once NT programs fit). Without
 # SPLIT (under the Triton interpreter, which runs programs one after another; for a matrix of
 # one tile; for more tiles than SMs) one program per matrix loops over the same tiles, twice
 # where an amax is needed.
@@ -311,11 +312,15 @@ def _chain_kernel(
 
 CHAIN_TILE_ELEMENTS = 2048  # elements of a program's row tile: BV = 2048 // K rows
 CHAIN_WARPS = 4
-# prefetch (_chain_tile ``PF``) by default where it was faster on the H200 (chain_tune_h200.json,
-# B = 1, 4096 tokens: GDN fp32 with outputs 8.2 -> 5.6 ms, Mamba-2 nvfp4 with outputs 17.2 ->
-# 12.2 ms), i.e. GDN or with outputs; not Mamba-2 without outputs (2.65 -> 2.99 ms)
+# prefetch (_chain_tile ``PF``) by default where it was faster on the H200
+# (benchmarks/results/chain_tune_launch_h200.json, B = 1, 4096 tokens: GDN fp32 with outputs
+# 8.2 -> 5.6 ms, Mamba-2 nvfp4 with outputs 17.2 -> 12.2 ms), i.e. GDN or with outputs; not
+# Mamba-2 without outputs (2.65 -> 2.99 ms)
 CHAIN_PREFETCH = None  # None: as above; True / False: always / never
-CHAIN_EXCHANGE = "slots"  # matrix amax of split tiles: "slots" (no fence) or "counter"
+# matrix amax of split tiles: "slots" (a word per tile, no fence; its poll is a tl.arange over
+# the NT tiles, so NT must be a power of two) or "counter" (any NT). None: "slots" where NT is
+# a power of two, else "counter". Timed equal (chain_tune_launch_h200.json).
+CHAIN_EXCHANGE = None
 EXCHANGES = ("slots", "counter")
 
 
@@ -333,9 +338,9 @@ CHAIN_MIN_MAXNREG = 128
 
 def resident_maxnreg(programs: int, num_warps: int, sms: int) -> int | None:
     """Per-thread register cap (``maxnreg``) under which ``programs`` programs of
-    ``num_warps`` warps are all resident on ``sms`` SMs at once, or None where at most two
-    per SM are needed (the uncapped chain kernel fits two; it uses up to 255 registers) or the
-    cap would fall below :data:`CHAIN_MIN_MAXNREG`.
+    ``num_warps`` warps are all resident on ``sms`` SMs at once, or None where they fit even
+    at 255 registers a thread (the uncapped chain kernel uses up to 255: two programs of 4
+    warps per SM, one of 8) or the cap would fall below :data:`CHAIN_MIN_MAXNREG`.
 
     Why: every program of a split chain lives for the whole chain (it carries its rows across
     all windows), so programs beyond the resident ones start only when earlier ones have
@@ -346,7 +351,7 @@ def resident_maxnreg(programs: int, num_warps: int, sms: int) -> int | None:
     if sms <= 0:
         return None
     need = -(-programs // sms)
-    if need <= 2:
+    if need <= max(1, SM_REGISTERS // (255 * 32 * num_warps)):  # fit even at 255 registers
         return None
     cap = SM_REGISTERS // (need * 32 * num_warps) // 8 * 8
     return min(cap, 255) if cap >= CHAIN_MIN_MAXNREG else None
@@ -408,13 +413,16 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         block_v: value rows per tile (default :func:`chain_block_v`: tests only).
         num_warps, prefetch, exchange: launch options (default ``CHAIN_WARPS``,
             ``CHAIN_PREFETCH``: on for GDN or with ``q``, ``CHAIN_EXCHANGE``); ``prefetch``
-            loads each record's rows one slot ahead; ``exchange`` is how split tiles share
-            the matrix amax of an fp8 / nvfp4 anchor (``"slots"``: a word per tile, no fence;
-            ``"counter"``: a max and an arrival count). None changes a value (same arithmetic, and a max in any order;
-            ``benchmarks/chain_tune.py`` checks the bytes on the device).
-        maxnreg: register cap per thread of a split launch on CUDA: ``"auto"`` (default)
-            :func:`resident_maxnreg`, so that all programs fit in one wave; None for no cap;
-            or an int. Changes no value.
+            (None, True or False) loads each record's rows one slot ahead; ``exchange`` is how
+            split tiles share the matrix amax of an fp8 / nvfp4 anchor (``"slots"``: a word
+            per tile, no fence, for a power-of-two number of tiles; ``"counter"``: a max and
+            an arrival count; None: slots where it applies). None changes a value (same
+            arithmetic, and a max in any order; ``benchmarks/chain_tune.py`` checks the bytes
+            on the device).
+        maxnreg: register cap per thread on CUDA: ``"auto"`` (default) for a split launch
+            :func:`resident_maxnreg`, so that all programs fit in one wave (no cap for a
+            launch of one program per matrix); None for no cap; or an int, for any launch.
+            Changes no value.
 
     Returns :class:`ChainResult` ``(states [B, NW, H, V, K] or None, anchors [B, NW or 1, H, V, K]
     dequantised FP32, outputs [B, T, H, V] or None)``.
@@ -422,8 +430,9 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     Raises:
         ValueError: L < 1 or T not a positive multiple of L, unsupported K or dtype, mismatched
             shapes, dtypes or devices, streams not integer ``[B, NW, H]``, ``block_v`` not a
-            power of two, ``split`` under the Triton interpreter, an unknown ``exchange``, a
-            bad ``maxnreg``.
+            power of two, ``split`` under the Triton interpreter, an unknown ``exchange`` (or
+            ``"slots"`` with a number of tiles that is not a power of two), a ``prefetch``
+            that is not None or a bool, a bad ``maxnreg``.
     """
     spec = parse_spec(spec)
     if anchor.dim() != 4:
@@ -455,15 +464,24 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
                          f"{streams.dtype} {list(streams.shape)}")
     if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
-    exchange = CHAIN_EXCHANGE if exchange is None else exchange
-    if exchange not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if exchange is None:
+        exchange = CHAIN_EXCHANGE
+    if exchange is not None and exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES} or None, got {exchange!r}")
+    if prefetch is not None and not isinstance(prefetch, bool):
+        raise ValueError(f"prefetch must be None, True or False, got {prefetch!r}")
     if not (maxnreg is None or maxnreg == "auto" or (
             isinstance(maxnreg, int) and not isinstance(maxnreg, bool) and 16 <= maxnreg <= 255)):
         raise ValueError(f"maxnreg must be 'auto', None or an int in [16, 255], got {maxnreg!r}")
     interp = triton_interpreting()
     bv = block_v or chain_block_v(V, K)
     nt = triton.cdiv(V, bv)
+    pow2 = nt & (nt - 1) == 0
+    if exchange is None:
+        exchange = "slots" if pow2 else "counter"
+    elif exchange == "slots" and not pow2:
+        raise ValueError(f"exchange='slots' needs a power-of-two number of row tiles per matrix, "
+                         f"got {nt} (V={V}, {bv} rows per tile); use 'counter' or None")
     if split is None:  # split only where tiles can wait for each other: all NT of a matrix
         split = not interp and nt > 1 and nt <= _sm_count(dev)  # resident (ticket order)
     split = bool(split)

@@ -2,7 +2,10 @@
 item): ``window_fast.gdn_emulate_fast`` on one segment of a 3.4B-shaped ``qwen3_5`` GDN layer
 (B = 1, 16 key heads / 32 value heads, 128 x 128 state, segment 4096 tokens, L = 16) under each
 policy, timed with CUDA events and profiled with ``torch.profiler``: the CUDA kernels' total
-time, by kernel name, per call.
+time, by kernel name, per call. ``--value-heads 40`` (20 key heads) is the layer of the random
+3.4B model ``kl_throughput.py --hidden 2560`` builds, which the emulation target is measured
+on: its chain has 320 programs, more than the 32-head default's 256, which changes how many
+are resident (``kernels.replay.chain.resident_maxnreg``).
 
 Usage (device)::
 
@@ -50,6 +53,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--policies", nargs="+", default=POLICIES)
+    ap.add_argument("--value-heads", type=int, default=32, choices=[32, 40],
+                    help="32 (16 key heads) or 40 (20 key heads: the kl_throughput model's)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
@@ -61,8 +66,9 @@ def main(argv=None):
     if len(set(args.policies)) != len(args.policies):
         ap.error(f"--policies lists a policy twice: {args.policies}")
     dev = "cpu" if args.tiny else "cuda"
-    B, T, G, H, K, V, L = (1, 64, 1, 2, 32, 16, 4) if args.tiny else (1, 4096, 16, 32, 128, 128,
-                                                                       16)
+    H = args.value_heads
+    B, T, G, H, K, V, L = (1, 64, 1, 2, 32, 16, 4) if args.tiny else (1, 4096, H // 2, H, 128,
+                                                                       128, 16)
     q, k, v, g, beta = inputs(B, T, G, H, K, V, dev)
     S0 = torch.randn(B, H, V, K, device=dev) * 0.3
     out = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -100,7 +100,17 @@ def test_summary(result):
         assert set(summ["by_batch"][name]) == set(result["models"][name])
 
 
-def test_resummarize_with_an_emulation_result(result, tmp_path):
+def _decode_main(argv):
+    """``benchmarks/decode.py``'s main in this process (for the options that time nothing)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import decode
+    finally:
+        sys.path.pop(0)
+    return decode.main(argv)
+
+
+def test_resummarize_with_an_emulation_result(result, tmp_path, capsys):
     """``--resummarize``: no timing; the summary is recomputed from the stored timings (the
     same ratios) and the emulation item comes from the given kl_throughput JSON (its worst
     policy), or stays as stored without one; the result notes it was resummarized. Missing
@@ -112,11 +122,7 @@ def test_resummarize_with_an_emulation_result(result, tmp_path):
         {"N": 64, "policies": {"fp32": {"vs_plain": 1.1}, "shared:nvfp4+sr": {"vs_plain": 1.4}}},
         {"N": 128, "policies": {"fp32": {"vs_plain": 1.2}}}]}))
     out = tmp_path / "re.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    args = [sys.executable, "benchmarks/decode.py", "--resummarize", str(src), "--emulation",
-            str(emu), "--out", str(out)]
-    p = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
+    _decode_main(["--resummarize", str(src), "--emulation", str(emu), "--out", str(out)])
     re = json.loads(out.read_text())
     assert re["summary"]["emulation_vs_plain_fla_max"] == 1.4
     assert re["summary"]["emulation"]["vs_plain"] == {"N64:fp32": 1.1, "N64:shared:nvfp4+sr": 1.4,
@@ -125,19 +131,16 @@ def test_resummarize_with_an_emulation_result(result, tmp_path):
         assert re["summary"][name] == result["summary"][name]
     assert re["models"] == result["models"] and re["checks_passed"] == result["checks_passed"]
     assert re["resummarized"][-1]["from"] == str(src)
-    p = subprocess.run(args[:3] + [str(tmp_path / "nope.json"), "--out", str(out)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "--resummarize: no such file" in p.stderr
-    assert "nope.json" in p.stderr
-    p = subprocess.run(args[:4] + ["--emulation", str(tmp_path / "gone.json"), "--out",
-                                   str(out)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 2 and "--emulation: no such file" in p.stderr and "gone.json" in p.stderr
+    for argv, msg in ((["--resummarize", str(tmp_path / "nope.json")], "--resummarize: no such file"),
+                      (["--resummarize", str(src), "--emulation", str(tmp_path / "gone.json")],
+                       "--emulation: no such file")):
+        with pytest.raises(SystemExit) as e:
+            _decode_main(argv + ["--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and Path(argv[-1]).name in err
     # without --emulation the stored emulation item is kept
     again = tmp_path / "again.json"
-    p = subprocess.run(args[:3] + [str(out), "--out", str(again)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
+    _decode_main(["--resummarize", str(out), "--out", str(again)])
     kept = json.loads(again.read_text())["summary"]
     assert kept["emulation_vs_plain_fla_max"] == 1.4 and kept["emulation"] == re["summary"]["emulation"]
 

@@ -83,6 +83,24 @@ def _prev_anchor(a0_ptr, ap_ptr, apbs_ptr, apms_ptr, w, mat0, pmat, rows, rmask,
 
 
 @triton.jit
+def _slot_rows(k_ptr, v_ptr, q_ptr, r, rows, rmask, V, K: tl.constexpr, KH: tl.constexpr,
+               OUT: tl.constexpr):
+    """A record slot's rows at token-head index ``r``: k as (even, odd) ``[KH]``, v at the
+    value rows ``rows``, and with OUT q as (even, odd) (without, k's halves stand in)."""
+    j = tl.arange(0, KH)
+    ke = tl.load(k_ptr + r * K + 2 * j)
+    ko = tl.load(k_ptr + r * K + 2 * j + 1)
+    vr = tl.load(v_ptr + r * V + rows, mask=rmask, other=0.0)
+    if OUT:
+        qe = tl.load(q_ptr + r * K + 2 * j)
+        qo = tl.load(q_ptr + r * K + 2 * j + 1)
+    else:
+        qe = ke
+        qo = ko
+    return ke, ko, vr, qe, qo
+
+
+@triton.jit
 def _chain_tile(ae, ao, rows, rmask,
                 la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V, T, L,
                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
@@ -93,11 +111,12 @@ def _chain_tile(ae, ao, rows, rmask,
 
     One pass over the window's records p = 0 .. L-1: (GDN) the correction u_p of these rows
     against the previous anchor, then ``S += gamma_{p+1:L} w_p k_p^T`` (S starts at
-    ``gamma_{1:L} A``), then (OUT) the output of position p. Record rows are loaded where
-    they are used; the corrections are kept transposed ``[BV, LP]`` for the coupling sums.
-    ``PF``: record p + 1's rows (k, v, q) are loaded at the top of iteration p and carried
-    into the next, so their memory latency overlaps slot p's arithmetic (the loop is a serial
-    chain; without it each slot waits for its own loads). Same values, same arithmetic."""
+    ``gamma_{1:L} A``), then (OUT) the output of position p. A slot's record rows (k, v, q:
+    :func:`_slot_rows`) are loaded at the top of its iteration; the corrections are kept
+    transposed ``[BV, LP]`` for the coupling sums. ``PF``: record p + 1's rows are loaded at
+    the top of iteration p instead and carried into the next, so their memory latency overlaps
+    slot p's arithmetic (the loop is a serial chain; without it each slot waits for its own
+    loads). Same values, same arithmetic."""
     idx = tl.arange(0, LP)
     live = idx < L
     tt = (b * T + t0 + idx).to(tl.int64)
@@ -119,28 +138,17 @@ def _chain_tile(ae, ao, rows, rmask,
     Wt = tl.zeros([BV, LP], tl.float32)
     if PF:  # slot 0's rows; slot p + 1's are issued in iteration p
         r0 = ((b * T + t0) * H + h).to(tl.int64)
-        kpe = tl.load(k_ptr + r0 * K + 2 * j)
-        kpo = tl.load(k_ptr + r0 * K + 2 * j + 1)
-        vp = tl.load(v_ptr + r0 * V + rows, mask=rmask, other=0.0)
-        if OUT:
-            qpe = tl.load(q_ptr + r0 * K + 2 * j)
-            qpo = tl.load(q_ptr + r0 * K + 2 * j + 1)
+        kpe, kpo, vp, qpe, qpo = _slot_rows(k_ptr, v_ptr, q_ptr, r0, rows, rmask, V, K, KH, OUT)
     for p in range(0, L):
         sel = idx == p
         rp = ((b * T + t0 + p) * H + h).to(tl.int64)
-        if PF:
-            # next slot's rows (the last slot reloads its own: always in range)
+        if PF:  # next slot's rows (the last slot reloads its own: always in range)
             rn = ((b * T + t0 + tl.minimum(p + 1, L - 1)) * H + h).to(tl.int64)
-            kne = tl.load(k_ptr + rn * K + 2 * j)
-            kno = tl.load(k_ptr + rn * K + 2 * j + 1)
-            vn = tl.load(v_ptr + rn * V + rows, mask=rmask, other=0.0)
-            if OUT:
-                qne = tl.load(q_ptr + rn * K + 2 * j)
-                qno = tl.load(q_ptr + rn * K + 2 * j + 1)
+            kne, kno, vn, qne, qno = _slot_rows(k_ptr, v_ptr, q_ptr, rn, rows, rmask, V, K, KH,
+                                                OUT)
         else:
-            kpe = tl.load(k_ptr + rp * K + 2 * j)
-            kpo = tl.load(k_ptr + rp * K + 2 * j + 1)
-            vp = tl.load(v_ptr + rp * V + rows, mask=rmask, other=0.0)
+            kpe, kpo, vp, qpe, qpo = _slot_rows(k_ptr, v_ptr, q_ptr, rp, rows, rmask, V, K, KH,
+                                                OUT)
         cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
         if GDN:
             bp = tl.sum(tl.where(sel, bt, 0.0), axis=0)
@@ -157,9 +165,6 @@ def _chain_tile(ae, ao, rows, rmask,
         so += mw[:, None] * kpo[None, :]
         if OUT:
             if p < L - 1:  # reads the previous anchor (R = A) and the records up to p
-                if not PF:
-                    qpe = tl.load(q_ptr + rp * K + 2 * j)
-                    qpo = tl.load(q_ptr + rp * K + 2 * j + 1)
                 aq = tl.sum(ae * qpe[None, :], axis=1) + tl.sum(ao * qpo[None, :], axis=1)
                 kq = tl.sum(kme * qpe[None, :], axis=1) + tl.sum(kmo * qpo[None, :], axis=1)
                 upto = idx <= p
@@ -167,9 +172,7 @@ def _chain_tile(ae, ao, rows, rmask,
                 o = tl.exp(cp) * aq + tl.sum(Wt * co[None, :], axis=1)
                 tl.store(o_ptr + rp * V + rows, o, mask=rmask)
         if PF:
-            kpe, kpo, vp = kne, kno, vn
-            if OUT:
-                qpe, qpo = qne, qno
+            kpe, kpo, vp, qpe, qpo = kne, kno, vn, qne, qno
     if OUT:  # the flush token reads the unrounded S
         rl = ((b * T + t0 + L - 1) * H + h).to(tl.int64)
         qle = tl.load(q_ptr + rl * K + 2 * j)

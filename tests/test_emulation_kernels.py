@@ -303,3 +303,35 @@ def test_resident_maxnreg():
         with pytest.raises(ValueError, match="maxnreg must be"):
             kr.anchor_chain(torch.zeros(1, 1, 4, 32), la, k, v, beta, "nvfp4", L=4, seed=0,
                             streams=keys, maxnreg=bad)
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+@pytest.mark.parametrize("policy", ["shared:nvfp4+sr", "read:nvfp4/rec:fp16+sr"])
+def test_chain_batch_invariant(gdn, policy):
+    """Default launch (prefetch on for GDN or with outputs): each sequence gets the same bits
+    for its states, anchors and outputs alone, in a batch of 3 and at another batch position
+    (reversed batch); its stream keys travel with it. On a GPU the register cap also differs
+    with the batch: ``benchmarks/chain_tune.py --check-batch`` checks that there."""
+    pol = StatePolicy.parse(policy)
+    B, L, H, V, K = 3, 4, 2, 6, 32
+    T = 2 * L
+    la, k, v, beta = _records(gdn, B, T, H, V, K, seed=13)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+    A0 = core.cast_state(torch.randn(B, H, V, K), pol.rec, seed=6, stream=8)[0]
+    ka = WF._stream_keys(1, torch.tensor([4, 0, 9]), H, torch.arange(1, 3)[None].expand(B, -1),
+                        core.ANCHOR_COPY)
+    out_q = q if pol.single_checkpoint else None
+
+    def run(idx):
+        sel = lambda t: None if t is None else t[idx]  # noqa: E731
+        return kr.anchor_chain(A0[idx], la[idx], k[idx], v[idx], sel(beta), pol.rec, L=L, seed=6,
+                               streams=ka[idx], q=sel(out_q))
+
+    full, rev = run([0, 1, 2]), run([2, 1, 0])
+    for i in range(B):
+        alone = run([i])
+        for a, f, r in zip(alone, full, rev, strict=True):
+            if a is None:
+                continue
+            assert torch.equal(a.view(torch.int32), f[i:i + 1].view(torch.int32))
+            assert torch.equal(a.view(torch.int32), r[B - 1 - i:B - i].view(torch.int32))

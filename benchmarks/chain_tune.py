@@ -31,8 +31,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import time
 
@@ -45,6 +43,9 @@ import triton  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.replay import core  # noqa: E402
 from replayssm_quant.replay import window_fast as WF  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode as dc  # noqa: E402  (timer, git_commit: the decode benchmark's)
 
 CASES = {  # name: (anchor format, outputs written in the chain)
     "fp32": ("fp32", True),
@@ -175,25 +176,6 @@ def same_bits(a, b):
     return True
 
 
-def time_us(fn, reps, dev):
-    fn()
-    if dev != "cuda":
-        t = time.perf_counter()
-        fn()
-        return {"median_us": (time.perf_counter() - t) * 1e6, "reps": 1}
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    ts = [s.elapsed_time(e) * 1e3 for s, e in ev]
-    return {"median_us": statistics.median(ts), "min_us": min(ts), "max_us": max(ts),
-            "reps": reps}
-
-
 def check_batch(geo, case, dev, decay, batch):
     """Each sequence of a ``batch``-sequence launch against the same sequence launched alone
     (default launch options, so the register cap ``maxnreg="auto"`` may differ between the
@@ -250,11 +232,7 @@ def main(argv=None):
     configs = SETS[args.set][:4] if args.tiny else SETS[args.set]
     if args.default_only:
         configs = [SETS["launch"][0], (None, None, None, W0, "auto")]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = ""
+    commit = dc.rk.git_commit(short=True)
     result = {"command": "python " + " ".join(sys.argv) if argv is None else
               "chain_tune.main(" + repr(argv) + ")",
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git_commit": commit,
@@ -295,7 +273,9 @@ def main(argv=None):
                 if base is None:
                     base = got
                 row["same_bits"] = same_bits(base, got)
-                row.update(time_us(lambda: run(geo, x, case, cfg), args.reps, dev))
+                # one warm-up call, then CUDA events per call (on the interpreter, one call)
+                row.update(dc.timer(lambda i: run(geo, x, case, cfg), 1,
+                                    args.reps if dev == "cuda" else 1, 0))
                 result["results"].append(row)
                 print(json.dumps(row), flush=True)
                 del got

@@ -74,7 +74,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
@@ -625,11 +624,7 @@ def main(argv=None):
         ap.error(f"--models takes a comma list of {sorted(geo)}, got {args.models!r}")
     gfn, sfn, fla_ver, fla_reason = load_fla()
     fla_fns = (gfn, sfn) if gfn is not None else None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = ""
+    commit = rk.git_commit()
     result = {"command": "python " + " ".join(sys.argv) if argv is None else
               "decode.main(" + repr(argv) + ")",
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git_commit": commit,

@@ -107,6 +107,16 @@ def eager_torch(S, k, q, v, la, beta, gdn):
 
 
 # ------------------------------------------------------------------------------ helpers
+def git_commit(short: bool = False) -> str:
+    """The checkout's HEAD commit ("" where git or the history is missing, as on the device
+    copy: record the local HEAD as ``code_commit`` there)."""
+    try:
+        args = ["git", "rev-parse"] + (["--short"] if short else []) + ["HEAD"]
+        return subprocess.run(args, capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return ""
+
+
 def bench(fn, warmup=10, rep=40):
     if INTERPRET:
         t = time.perf_counter()
@@ -383,11 +393,7 @@ def main():
         part, nparts = (int(x) for x in args.warm.split("/"))
         warm(models, part, nparts, args.small)
         return
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = ""
+    commit = git_commit()
     result = {"command": "python benchmarks/replay_kernels.py --out $OUT/replay_kernels_h200.json",
               "date": time.strftime("%Y-%m-%d"), "git_commit": commit,
               "torch": torch.__version__, "triton": triton.__version__,

@@ -305,3 +305,32 @@ def test_sr_threshold_is_exact():
     assert_bitwise(got, want, "kernel")
     ref = quantize_reference(x[None], "mxfp4+sr", seed=SEED, stream=stream)[0]
     assert_bitwise(ref, want, "reference")
+
+
+def test_sr_threshold_ceiling_below_the_32_bit_fraction():
+    """When the fraction frac(m) * 2^32 is not an integer (|y| far below the quantum, the
+    kernel's shift > 32), the threshold is its ceiling: y = S * 2^(-33 - j) (S odd, 24 bits)
+    has m = y / 0.5 < 1 and frac(m) * 2^32 = S / 2^j = r + 2^-j for S = r 2^j + 1, so it must
+    round up to 0.5 exactly when r < ceil(...) = r + 1, i.e. always. Only draws r < 2^23 can
+    be placed so (j = 23 - floor(log2 r) >= 1); the other elements are 2^-40 (never up with
+    r >= 2^23: the threshold is at most 2^-8 * 2^32)."""
+    from replayssm_quant.philox import random_bits
+
+    m, k, stream = 256, 256, 5
+    elem = torch.arange(m * k, dtype=torch.int64).view(m, k)
+    r = random_bits(SEED, torch.tensor(stream), elem)
+    placed = (r > 0) & (r < 2**23)
+    placed[:, ::32] = False
+    assert int(placed.sum()) > 20  # about 1 in 512 of the draws
+    rr = torch.where(placed, r, 1).double()
+    j = 23 - torch.floor(torch.log2(rr))  # r 2^j in [2^23, 2^24)
+    s = rr * 2.0**j + 1
+    x = torch.where(placed, s * 2.0 ** (-33 - j), 2.0**-40).float()
+    x[:, ::32] = F.E2M1_MAX  # block amax 6 -> E8M0 scale 2^0
+    assert bool((x.double()[placed] == (s * 2.0 ** (-33 - j))[placed]).all())  # exact in fp32
+    want = torch.where(placed, 0.5, 0.0)
+    want[:, ::32] = F.E2M1_MAX
+    got = kq.quantize_triton(x[None].to(DEVICE), "mxfp4+sr", seed=SEED, stream=stream)[0]
+    assert_bitwise(got, want, "kernel")
+    ref = quantize_reference(x[None], "mxfp4+sr", seed=SEED, stream=stream)[0]
+    assert_bitwise(ref, want, "reference")

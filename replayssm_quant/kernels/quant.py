@@ -200,18 +200,21 @@ def _grid_code(bits, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexp
     covers subnormals and a carry into the next binade; min(code, MAXCODE) saturates.
     """
     sig, e, shift = _grid_split(bits, EMIN, MBITS, FMB, FBIAS, FEMIN, EXP_MASK, MANT_MASK)  # shift >= 13
-    if SR:
-        s64 = sig.to(tl.int64)
-        sh = tl.minimum(shift, 60).to(tl.int64)
-        fl = s64 >> sh
-        rem = s64 & ((tl.full(sh.shape, 1, tl.int64) << sh) - 1)
-        lo_sh = tl.maximum(RBITS - sh, 0)
-        hi_sh = tl.maximum(sh - RBITS, 0)
-        # frac(m) * 2^32 = rem * 2^(32 - sh); threshold = its ceiling
-        thr = tl.where(sh <= RBITS, rem << lo_sh,
-                       (rem + (tl.full(sh.shape, 1, tl.int64) << hi_sh) - 1) >> hi_sh)
-        up = r.to(tl.int64) < thr
-        n = fl.to(tl.int32) + up.to(tl.int32)
+    if SR:  # in 32-bit words: S < 2^24 and shift >= 13, so no product leaves them
+        sc = tl.minimum(shift, 24)  # S >> 24 is 0: every shift from 24 up keeps fl = 0
+        fl = sig >> sc
+        rem = sig - (fl << sc)  # S mod 2^shift (all of S once shift >= 24)
+        # frac(m) * 2^32 = rem * 2^(32 - shift); the threshold is its ceiling:
+        # shift <= 32: rem << (32 - shift) < 2^32 exactly (rem < 2^min(shift, 24));
+        # shift > 32: ceil(rem / 2^hs), hs = min(shift, 60) - 32 <= 28, so rem + 2^hs - 1
+        # < 2^24 + 2^28 stays in an int32 (shifts beyond 60 give the same ceiling, 1 or 0)
+        lo_sh = tl.maximum(RBITS - shift, 0)
+        hs = tl.maximum(tl.minimum(shift, 60) - RBITS, 0)
+        thr_lo = rem.to(tl.uint32) << lo_sh.to(tl.uint32)
+        thr_hi = ((rem + (1 << hs) - 1) >> hs).to(tl.uint32)
+        thr = tl.where(shift <= RBITS, thr_lo, thr_hi)
+        up = r.to(tl.uint32) < thr
+        n = fl + up.to(tl.int32)
     else:
         sh = tl.minimum(shift, 30)
         fl = sig >> sh

@@ -152,8 +152,8 @@ def _chain_tile(ae, ao, rows, rmask,
         cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
         if GDN:
             bp = tl.sum(tl.where(sel, bt, 0.0), axis=0)
-            ak = tl.sum(ae * kpe[None, :], axis=1) + tl.sum(ao * kpo[None, :], axis=1)  # A k_p
-            kkp = tl.sum(kme * kpe[None, :], axis=1) + tl.sum(kmo * kpo[None, :], axis=1)
+            ak = tl.sum(ae * kpe[None, :] + ao * kpo[None, :], axis=1)  # A k_p
+            kkp = tl.sum(kme * kpe[None, :] + kmo * kpo[None, :], axis=1)
             before = idx < p
             coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
             wp = bp * (vp - tl.exp(cp) * ak) - tl.sum(Wt * coef[None, :], axis=1)
@@ -165,8 +165,8 @@ def _chain_tile(ae, ao, rows, rmask,
         so += mw[:, None] * kpo[None, :]
         if OUT:
             if p < L - 1:  # reads the previous anchor (R = A) and the records up to p
-                aq = tl.sum(ae * qpe[None, :], axis=1) + tl.sum(ao * qpo[None, :], axis=1)
-                kq = tl.sum(kme * qpe[None, :], axis=1) + tl.sum(kmo * qpo[None, :], axis=1)
+                aq = tl.sum(ae * qpe[None, :] + ao * qpo[None, :], axis=1)
+                kq = tl.sum(kme * qpe[None, :] + kmo * qpo[None, :], axis=1)
                 upto = idx <= p
                 co = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)) * kq, 0.0)
                 o = tl.exp(cp) * aq + tl.sum(Wt * co[None, :], axis=1)
@@ -177,7 +177,7 @@ def _chain_tile(ae, ao, rows, rmask,
         rl = ((b * T + t0 + L - 1) * H + h).to(tl.int64)
         qle = tl.load(q_ptr + rl * K + 2 * j)
         qlo = tl.load(q_ptr + rl * K + 2 * j + 1)
-        o = tl.sum(se * qle[None, :], axis=1) + tl.sum(so * qlo[None, :], axis=1)
+        o = tl.sum(se * qle[None, :] + so * qlo[None, :], axis=1)
         tl.store(o_ptr + rl * V + rows, o, mask=rmask)
     return se, so
 

@@ -259,9 +259,12 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
     matrix scale (fp8: s; nvfp4: s_g). The SR stream key is ``st_ptr[mat]``, or ``key`` (an
     int64 value) with ``KEYED``.
 
-    Returns what was stored, for ``_dequant_tile``: ``(even, odd, block scale codes)``:
-    fp32 values (KIND 0), element codes [BV, KH] (1, 2) or [BV, NB, BLK // 2] (3, 4; the
-    block scale codes [BV, NB]; 0 where the format has none)."""
+    Returns what was stored, for ``_dequant_tile``: ``(even, odd, block part)``: fp32 values
+    (KIND 0); element codes [BV, KH] (1, 2; block part 0); NVFP4 (3): the element values on
+    the E2M1 grid [BV, NB, BLK // 2] (+0.0 in blocks whose scale is 0 or NaN, as their code
+    0 decodes) and the element scales s_b s_g [BV, NB] (NaN for a block with a NaN or inf),
+    the operands ``_load_stored``'s decode multiplies; MX (4): element codes
+    [BV, NB, BLK // 2] and the E8M0 block scale codes [BV, NB]."""
     j = tl.arange(0, KH)
     kk = tl.arange(0, K)
     rowg = mat * V + rows.to(tl.int64)
@@ -305,16 +308,16 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
             fin = tl.minimum(tl.min((tl.abs(xe3) < float("inf")).to(tl.int32), axis=2),
                              tl.min((tl.abs(xo3) < float("inf")).to(tl.int32), axis=2))
             bad = fin < 1  # a NaN or inf in the block
-            _, safe, ok, sb_code = _block_scale(bamax, bad, s_mat, C.KIND == 3, C.EMAX, C.SCALE,
-                                               C.THR)
+            scale, safe, ok, sb_code = _block_scale(bamax, bad, s_mat, C.KIND == 3, C.EMAX,
+                                                    C.SCALE, C.THR)
             safe3 = tl.broadcast_to(safe[:, :, None], [BV, NB, HB])
             ye = tl.math.div_rn(xe3, safe3)
             yo = tl.math.div_rn(xo3, safe3)
             if C.SR:
                 re = tl.reshape(re, [BV, NB, HB])
                 ro = tl.reshape(ro, [BV, NB, HB])
-            _, ce = _quant(ye, re, C.SR, C)
-            _, co = _quant(yo, ro, C.SR, C)
+            ve, ce = _quant(ye, re, C.SR, C)
+            vo, co = _quant(yo, ro, C.SR, C)
             if C.KIND == 3:
                 ce = tl.where(ok[:, :, None], ce, 0)  # also the bad blocks: E2M1 NaN is 0
                 co = tl.where(ok[:, :, None], co, 0)
@@ -329,7 +332,13 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
             else:
                 c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
                 tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
-            r0, r1, r2 = ce, co, sb_code
+            if C.KIND == 3:  # the values of the codes just stored (code 0 is +0.0) and the
+                # element scale s_b s_g (NaN for a bad block), so no decode is needed
+                r0 = tl.where(ok[:, :, None], ve, 0.0)
+                r1 = tl.where(ok[:, :, None], vo, 0.0)
+                r2 = scale
+            else:
+                r0, r1, r2 = ce, co, sb_code
     return r0, r1, r2
 
 
@@ -389,8 +398,10 @@ def _cast_store_full(x, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
 def _dequant_tile(ce, co, sbc, s_mat, BV: tl.constexpr, KH: tl.constexpr, D: tl.constexpr):
     """The values ``_load_stored`` would read back (with ``D`` the copy's
     :class:`DecodeConsts`) from what ``_cast_store`` just stored (its return value; ``s_mat``
-    the matrix scale it stored): the same integer decode and
-    the same FP32 multiplications, without the round trip through memory. (even, odd) [BV, KH]."""
+    the matrix scale it stored): the same integer decode and the same FP32 multiplications,
+    without the round trip through memory; NVFP4 multiplies the element values by the element
+    scales ``_cast_store`` returns (bit for bit the decoded codes times the decoded block scale
+    times s_g, NaN blocks included). (even, odd) [BV, KH]."""
     if D.KIND == 0:
         e = ce
         o = co
@@ -404,7 +415,10 @@ def _dequant_tile(ce, co, sbc, s_mat, BV: tl.constexpr, KH: tl.constexpr, D: tl.
     if D.KIND == 2:
         e = _decode_code(ce.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF) * s_mat
         o = _decode_code(co.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF) * s_mat
-    if D.KIND >= 3:
+    if D.KIND == 3:  # values and element scales (see _cast_store): the decode's product
+        e = tl.reshape(ce * sbc[:, :, None], [BV, KH])
+        o = tl.reshape(co * sbc[:, :, None], [BV, KH])
+    if D.KIND == 4:
         if D.FP4:  # the byte as stored: even element in the low nibble
             byte = (ce | (co << 4)).to(tl.uint8).to(tl.int32)
             e3 = _decode_code(byte & 15, D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
@@ -412,10 +426,7 @@ def _dequant_tile(ce, co, sbc, s_mat, BV: tl.constexpr, KH: tl.constexpr, D: tl.
         else:
             e3 = _decode_code(ce.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
             o3 = _decode_code(co.to(tl.uint8), D.EB, D.MB, D.EMIN, D.SUBQ, D.NANF)
-        if D.KIND == 3:
-            scale = _decode_e4m3(sbc.to(tl.uint8)) * s_mat
-        else:
-            scale = _e8m0_value(sbc.to(tl.uint8).to(tl.int32))
+        scale = _e8m0_value(sbc.to(tl.uint8).to(tl.int32))
         e = tl.reshape(e3 * scale[:, :, None], [BV, KH])
         o = tl.reshape(o3 * scale[:, :, None], [BV, KH])
     return e, o

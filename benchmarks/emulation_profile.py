@@ -47,6 +47,43 @@ def inputs(B, T, G, H, K, V, dev, seed=0):
     return q, k, v, g, beta
 
 
+def host_profile(call, top: int = 25) -> dict:
+    """Where the host's time goes in one ``call()`` (CUDA): the operators with the most own
+    CPU time, and the synchronising operations (``set_sync_debug_mode``), each with the
+    innermost ``replayssm_quant`` line that issued it and how often."""
+    import traceback
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+        torch.cuda.synchronize()
+    ops = sorted(prof.key_averages(), key=lambda ev: -ev.self_cpu_time_total)
+    rows = [{"name": ev.key[:120], "calls": ev.count, "self_cpu_us": ev.self_cpu_time_total}
+            for ev in ops[:top]]
+    syncs: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        where = [f"{fr.filename.split('replayssm_quant/')[-1]}:{fr.lineno} {fr.name}"
+                 for fr in traceback.extract_stack() if "replayssm_quant" in fr.filename]
+        key = f"{str(message)[:60]} | {where[-1] if where else filename + ':' + str(lineno)}"
+        syncs[key] = syncs.get(key, 0) + 1
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():  # restores showwarning on exit
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return {"ops": rows, "self_cpu_us_total": sum(ev.self_cpu_time_total for ev in ops),
+            "syncs": syncs}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -55,6 +92,11 @@ def main(argv=None):
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     ap.add_argument("--value-heads", type=int, default=32, choices=[32, 40],
                     help="32 (16 key heads) or 40 (20 key heads: the kl_throughput model's)")
+    ap.add_argument("--host", action="store_true",
+                    help="also list, per policy, the host's operators by their own CPU time "
+                         "(torch.profiler with CPU activity) and every operation that made the "
+                         "host wait for the GPU (torch.cuda.set_sync_debug_mode('warn'), with "
+                         "the calling line)")
     args = ap.parse_args(argv)
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
@@ -111,10 +153,18 @@ def main(argv=None):
             rows.sort(key=lambda r: -r["device_us"])
             entry["kernels"] = rows[:25]
             entry["device_us_total"] = sum(r["device_us"] for r in rows)
+        if dev == "cuda" and args.host:
+            entry["host"] = host_profile(call)
         out["policies"][pol] = entry
         print(f"{pol}: median {entry['median_us']:.0f} us per call", flush=True)
         for r in entry.get("kernels", [])[:12]:
             print(f"   {r['device_us']:10.0f} us {r['calls']:5d}x {r['name'][:100]}")
+        if "host" in entry:
+            print(f"   host: {entry['host']['self_cpu_us_total']:.0f} us own CPU time; syncs:")
+            for where, n in entry["host"]["syncs"].items():
+                print(f"      {n:4d}x {where}")
+            for r in entry["host"]["ops"][:12]:
+                print(f"   {r['self_cpu_us']:10.0f} us {r['calls']:5d}x {r['name'][:90]}")
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 

@@ -14,6 +14,8 @@ scales are FP32. ``PackedTensor.dequantize`` gives exactly the values of
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +50,15 @@ def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     return idx | (sign.to(torch.uint8) << 3)
 
 
+@functools.lru_cache(maxsize=None)
+def _e2m1_lut(device: torch.device) -> torch.Tensor:
+    """The E2M1 table on ``device``, copied there once (a copy from pageable host memory on
+    every decode made the host wait for the GPU)."""
+    return _E2M1_LUT.to(device)
+
+
 def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return _E2M1_LUT.to(codes.device)[codes.long()]
+    return _e2m1_lut(codes.device)[codes.long()]
 
 
 def _fp8_encode(v: torch.Tensor, grid: F.FloatGrid) -> torch.Tensor:

@@ -223,7 +223,7 @@ def window_outputs(C: torch.Tensor, la: torch.Tensor, w: torch.Tensor, k: torch.
     c = la.cumsum(1)  # [B, J, H]
     causal = torch.ones(J, J, dtype=torch.bool, device=la.device).tril()  # [t, j]: j <= t
     diff = c[:, :, None, :] - c[:, None, :, :]  # [B, t, j, H]
-    neg_inf = torch.tensor(float("-inf"), dtype=la.dtype, device=la.device)
+    neg_inf = torch.full((), float("-inf"), dtype=la.dtype, device=la.device)  # no host copy
     dec = torch.exp(torch.where(causal[None, :, :, None], diff, neg_inf))  # gamma_{j+1:t}
     qk = torch.einsum("bthk,bjhk->btjh", q, k)
     intra = torch.einsum("btjh,bjhv->bthv", dec * qk, w)
@@ -283,7 +283,7 @@ def solve_corrections(C: torch.Tensor, la: torch.Tensor, beta: torch.Tensor, v: 
     kk = torch.einsum("bihk,bjhk->bjih", k, k)  # [B, j, i, H]: k_i . k_j
     if start is None:
         strict = torch.ones(J, J, dtype=torch.bool, device=la.device).tril(-1)[None, :, :, None]
-        neg_inf = torch.tensor(float("-inf"), dtype=la.dtype, device=la.device)
+        neg_inf = torch.full((), float("-inf"), dtype=la.dtype, device=la.device)  # no host copy
         decay = torch.exp(torch.where(strict, c[:, :, None, :] - c[:, None, :, :], neg_inf))
         low = (beta[:, :, None, :] * decay * kk).permute(0, 3, 1, 2)  # [B, H, j, i], i < j
         eye = torch.eye(J, dtype=la.dtype, device=la.device)

@@ -81,7 +81,7 @@ def _prep(la, k, q, v, beta, L: int, wy: bool = True) -> _Prep:
     Qm = q.reshape(Bz, n, L, H, -1).permute(0, 1, 3, 2, 4)
     Vt = v.reshape(Bz, n, L, H, -1).permute(0, 1, 3, 4, 2)  # [B, n, H, V, L]
     causal = torch.ones(L, L, dtype=torch.bool, device=la.device).tril()
-    neg_inf = torch.tensor(float("-inf"), dtype=la.dtype, device=la.device)
+    neg_inf = torch.full((), float("-inf"), dtype=la.dtype, device=la.device)  # no host copy
     D = torch.exp(torch.where(causal, cc[..., :, None] - cc[..., None, :], neg_inf))
     m = torch.exp(gtot[..., None] - cc)  # gamma_{j+1:L}, [B, n, H, L]
     mK = m[..., None] * K

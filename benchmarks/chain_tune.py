@@ -236,7 +236,7 @@ def main(argv=None):
     result = {"command": "python " + " ".join(sys.argv) if argv is None else
               "chain_tune.main(" + repr(argv) + ")",
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git_commit": commit,
-              "code_commit": os.environ.get("CODE_COMMIT", commit),
+              "code_commit": dc.rk.code_commit(short=True),
               "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter)",
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "triton": triton.__version__},

@@ -628,6 +628,7 @@ def main(argv=None):
     result = {"command": "python " + " ".join(sys.argv) if argv is None else
               "decode.main(" + repr(argv) + ")",
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git_commit": commit,
+              "code_commit": rk.code_commit(),
               "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "triton": triton.__version__, "fla": fla_ver,

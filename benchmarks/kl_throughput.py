@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _commit import code_commit  # noqa: E402
 from replayssm_quant.evals.kl import position_metrics  # noqa: E402
 from replayssm_quant.adapters import apply_state_policy  # noqa: E402
 from replayssm_quant.adapters.segments import forward_segment  # noqa: E402
@@ -88,6 +89,8 @@ def run_cell(model, ids, targets, ref, seg):
         position_metrics(ref[lo // seg], lg, targets[:, lo:hi])
 
 
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-gdn")
@@ -126,7 +129,8 @@ def main(argv=None):
            "threads": torch.get_num_threads(), "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
            "torch": torch.__version__, "window": a.window, "segment_len": a.segment_len,
            "step_tokens": a.step_tokens, "repeat": a.repeat, "runs": [],
-           "anchor_chain": requested_backend("chain").value}  # REPLAYSSM_BACKEND (backend.py)
+           "anchor_chain": requested_backend("chain").value,  # REPLAYSSM_BACKEND (backend.py)
+           "code_commit": code_commit()}
     import transformers
 
     res["transformers"] = transformers.__version__

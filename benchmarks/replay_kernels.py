@@ -32,9 +32,10 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import time
 import traceback
+
+from _commit import code_commit, git_commit  # noqa: F401  (decode.py, chain_tune.py: rk.*)
 
 os.environ.setdefault("REPLAYSSM_BACKEND", "torch")  # references: torch quantizers
 
@@ -107,16 +108,6 @@ def eager_torch(S, k, q, v, la, beta, gdn):
 
 
 # ------------------------------------------------------------------------------ helpers
-def git_commit(short: bool = False) -> str:
-    """The checkout's HEAD commit ("" where git or the history is missing, as on the device
-    copy: record the local HEAD as ``code_commit`` there)."""
-    try:
-        args = ["git", "rev-parse"] + (["--short"] if short else []) + ["HEAD"]
-        return subprocess.run(args, capture_output=True, text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return ""
-
-
 def bench(fn, warmup=10, rep=40):
     if INTERPRET:
         t = time.perf_counter()

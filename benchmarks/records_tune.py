@@ -113,10 +113,22 @@ VERIFY2_VERIFY_CANDIDATES = [
     (64, 4, 32, 2, "tf32x3", False, "inverse", False, True, 32),
     (128, 4, 64, 2, "tf32x3", False, "inverse", False, True, 32),
 ]
+# the step with the record keys loaded as one tile before the stream of C (keys_first, the
+# 11th field; None: the wrapper's default for that field): the step defaults with and without
+_N = (None, None, None, None)  # solve, fuse_shared_anchor, skip_shared_anchor, anchor_block_v
+KEYS_STEP_CANDIDATES = [
+    (64, 4, 32, 3, False, None) + _N + (False,),  # GDN fp32 / half read (GDN_STEP_WIDE_CONFIG)
+    (64, 4, 128, 1, False, None) + _N + (False,),  # STEP_CONFIG (Mamba-2)
+    (64, 4, 128, 1, False, None) + _N + (True,),
+    (64, 4, 128, 1, False, True) + _N + (False,),  # GDN nvfp4 (GDN_STEP_BLOCKED_CONFIG)
+    (64, 4, 128, 1, False, True) + _N + (True,),
+    (32, 4, 128, 1, False, True) + _N + (True,),
+    (32, 4, 128, 1, False, None) + _N + (True,),
+]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
-        "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v")
+        "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -134,26 +146,29 @@ def cases(M, T):
     hs = min(7, M.L - 2)
     step, ver = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                  "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES),
-                 "verify2": (VERIFY2_STEP_CANDIDATES, VERIFY2_VERIFY_CANDIDATES)}.get(
+                 "verify2": (VERIFY2_STEP_CANDIDATES, VERIFY2_VERIFY_CANDIDATES),
+                 "keys": (KEYS_STEP_CANDIDATES, [])}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
 
 def cfg_label(c) -> str:
-    """``block_v/num_warps/k_chunk/num_stages/use_dot`` (use_dot 0, 1 or tf32x3)."""
-    return "/".join(v if isinstance(v, str) else str(int(v)) for v in c)
+    """``block_v/num_warps/k_chunk/num_stages/use_dot/...`` (use_dot 0, 1 or tf32x3; a field
+    left to the wrapper's default: -)."""
+    return "/".join("-" if v is None else v if isinstance(v, str) else str(int(v)) for v in c)
 
 
 def cfg_dict(c):
-    return dict(zip(KEYS[:len(c)], c, strict=True))
+    """The fields a candidate sets (None: left to the wrapper's default)."""
+    return {k: v for k, v in zip(KEYS[:len(c)], c, strict=True) if v is not None}
 
 
 def skip(M, c, fmt):
     if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):
         return True  # fusing needs A is R (the fp32 policy) and GDN's recompute path
-    if len(c) > 8 and not c[8] and (M.gdn or fmt != "fp32"):
+    if len(c) > 8 and c[8] is False and (M.gdn or fmt != "fp32"):
         return True  # the skip changes only Mamba-2 under a single checkpoint
-    if len(c) > 9 and not M.gdn:
+    if len(c) > 9 and c[9] is not None and not M.gdn:
         return True  # anchor_block_v: GDN's anchor launch
     if not M.gdn and (len(c) == 6 or (len(c) > 6 and (c[5] or c[6] == "doubling"))):
         return True  # prefetch and the inverse's form change only GDN's solve
@@ -258,12 +273,14 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--ref-seqs", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
-    ap.add_argument("--set", default="all", choices=("all", "tf32", "prefetch", "verify2"),
+    ap.add_argument("--set", default="all",
+                    choices=("all", "tf32", "prefetch", "verify2", "keys"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
-                         "use_dot='tf32x3' configurations against the current defaults) or "
-                         "prefetch (GDN's solve with v/beta prefetched, against the defaults) or "
+                         "use_dot='tf32x3' configurations against the current defaults), "
+                         "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
                          "verify2 (verify's matrix forms, solve='inverse'/'doubling', against "
-                         "the defaults, plus the default steps)")
+                         "the defaults, plus the default steps) or keys (the step with the "
+                         "record keys loaded before C, keys_first, against the defaults)")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # worker: "i/n"
     args = ap.parse_args(argv)
     global CANDIDATE_SET
@@ -302,6 +319,8 @@ def main(argv=None):
             n = args.pool if args.tiny else n
             pool = [probe] + [dc.make_set(M, gen, policy, T, False) for _ in range(n - 1)]
             for case, cands, h in cases(M, T):
+                if not cands:  # a set that times the step only
+                    continue
                 op(M, case, probe, h, cfg_dict(cands[0]))  # step: the ring holds the record
                 ref = reference(M, case, probe, h, min(args.ref_seqs, M.B))
                 for c in cands:

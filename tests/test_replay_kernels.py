@@ -1083,3 +1083,37 @@ def test_gdn_verify_fused_needs_matrix_form():
     R, R_st, _, _, args = _matrix_case("fp32", "gdn")
     with pytest.raises(ValueError, match="fuse_shared_anchor"):
         kr.gdn_verify_kernel(R_st, R_st, *args, solve="substitution", fuse_shared_anchor=True)
+
+
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+def test_step_keys_first_same_bits(read_fmt):
+    """``keys_first`` (the record keys loaded as one tile before the stream of C) computes the
+    same step outputs, GDN corrections and ring appends, bit for bit, as the keys loaded
+    after it; it needs ``k_chunk`` equal to the key dim."""
+    gen = _gen(41)
+    for gdn in (False, True):
+        R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
+        h = _t(torch.tensor([3, 0]))
+        q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
+        new = {n_: t[:, -1].clone() for n_, t in ring.items()}
+        outs, rings = [], []
+        for kf in (False, True):
+            rg = {n_: t.clone() for n_, t in ring.items()}
+            cfg = dict(k_chunk=K2, keys_first=kf)
+            if gdn:
+                o = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"], new["beta"],
+                                       h, **cfg)
+            else:
+                o = kr.mamba2_step_kernel(R_st, rg, new["la"], new["v"], new["k"], q, h, **cfg)
+            outs.append(o)
+            rings.append(rg)
+        assert torch.equal(_bits(outs[0]), _bits(outs[1])), gdn
+        for n_ in rings[0]:
+            assert torch.equal(rings[0][n_], rings[1][n_]), (gdn, n_)
+        with pytest.raises(ValueError, match="keys_first"):
+            if gdn:
+                kr.gdn_step_kernel(R_st, ring, q, new["k"], new["v"], new["la"], new["beta"], h,
+                                   k_chunk=K2 // 2, keys_first=True)
+            else:
+                kr.mamba2_step_kernel(R_st, ring, new["la"], new["v"], new["k"], q, h,
+                                      k_chunk=K2 // 2, keys_first=True)

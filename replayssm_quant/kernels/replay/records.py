@@ -339,6 +339,7 @@ def _records_kernel(
         K: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
         STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
+        KFIRST: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
         SPREC: tl.constexpr, C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
@@ -398,6 +399,14 @@ def _records_kernel(
     isq = (cx >= NS) & (cx < NS + TQ)
     qbase = tl.where(isq, ((b * TQ + (cx - NS)) * G + g) * K, 0)
 
+    krow = ((b * CAP + ri) * G + g) * K
+    kdrow = ((b * TD + di) * G + g) * K
+    if KFIRST:  # the record keys [LP, K] as one tile (KC == K), issued before the C stream
+        # so that their latency overlaps it; consumed by the Z pass below
+        kk0 = tl.arange(0, K)
+        kfirst = tl.load(rk_ptr + krow[:, None] + kk0[None, :], mask=ring[:, None], other=0.0) + \
+            tl.load(dk_ptr + kdrow[:, None] + kk0[None, :], mask=drf[:, None], other=0.0)
+
     # ---- Y = C X [BV, NX], C streamed along K in chunks of KC columns
     Y = tl.zeros([BV, NX], tl.float32)
     if C.KIND <= 2:
@@ -430,11 +439,12 @@ def _records_kernel(
                 e3 = k0 + ES * (tl.arange(0, NBC)[:, None] * W + tl.arange(0, W)[None, :])
                 for c in tl.static_range(NC):
                     xv = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3, c, NS, K, D_REL)
-                    part = tl.sum(xe * xv[None, :, :], axis=2)
-                    if C.FP4:
+                    if C.FP4:  # one reduction over the block's even and odd elements
                         xv1 = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3 + 1, c, NS, K,
                                      D_REL)
-                        part += tl.sum(xo * xv1[None, :, :], axis=2)
+                        part = tl.sum(xe * xv[None, :, :] + xo * xv1[None, :, :], axis=2)
+                    else:
+                        part = tl.sum(xe * xv[None, :, :], axis=2)
                     yc = tl.sum(part * sc, axis=1)
                     Y += tl.where(cx[None, :] == c, yc[:, None], 0.0)
         if C.KIND == 3:
@@ -443,12 +453,13 @@ def _records_kernel(
     # ---- Z = Kmat X [LP, NX]: k_i . x for every record slot i (ring rows < ss, then drafts)
     Z = tl.zeros([LP, NX], tl.float32)
     Zd = tl.zeros([NX, NX], tl.float32)  # matrix form (GDN): k of solved row d . column c of X
-    krow = ((b * CAP + ri) * G + g) * K
-    kdrow = ((b * TD + di) * G + g) * K
     for k0 in tl.range(0, K, KC, num_stages=STAGES):
         kk = k0 + tl.arange(0, KC)
-        km = tl.load(rk_ptr + krow[:, None] + kk[None, :], mask=ring[:, None], other=0.0) + \
-            tl.load(dk_ptr + kdrow[:, None] + kk[None, :], mask=drf[:, None], other=0.0)
+        if KFIRST:
+            km = kfirst
+        else:
+            km = tl.load(rk_ptr + krow[:, None] + kk[None, :], mask=ring[:, None], other=0.0) + \
+                tl.load(dk_ptr + kdrow[:, None] + kk[None, :], mask=drf[:, None], other=0.0)
         Z = _add_times_x(Z, km, kk, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, cs, n, G,
                          TD, TQ, NC, NS, K, D_REL, DOT, PREC)
         if SOLVE > 0 and GDN and NS > 0:  # Gram of the solved rows' keys with X
@@ -543,7 +554,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     block_v: int = DEFAULT_BV, num_warps: int = DEFAULT_WARPS,
                     k_chunk: int | None = None, num_stages: int | None = None,
                     use_dot: "bool | str | None" = None,
-                    prefetch: bool = False, solve: str = "substitution",
+                    prefetch: bool = False, keys_first: bool = False,
+                    solve: str = "substitution",
                     fused_window: int | None = None,
                     solve_precision: str | None = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
@@ -578,6 +590,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             prefetch`` (``records_tune_prefetch_h200.json``): slower for every verify and the
             fp32 step, faster for the GDN step from an nvfp4 copy (293 -> 279 us at B = 256),
             which is the only default that sets it (``GDN_STEP_BLOCKED_CONFIG``).
+        keys_first: load the record keys ``[LP, K]`` as one tile before the stream of C
+            (their latency then overlaps it) instead of after it; needs ``k_chunk`` equal to
+            the key dim. Same values, same arithmetic.
         solve: how the GDN solve and the outputs are formed after the products with C and the
             keys. ``"substitution"`` (default): forward substitution one solved row at a time
             on ``[BV, LP]`` tiles, then one masked reduction per query. ``"inverse"``: the
@@ -653,6 +668,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                          f"solve={solve!r}")
     NX = max(MIN_DOT if (use_dot or matrix) else 2, triton.next_power_of_2(max(NC, 1)))
     KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
+    if not isinstance(keys_first, bool):
+        raise ValueError(f"keys_first must be True or False, got {keys_first!r}")
+    if keys_first and KC != K:
+        raise ValueError(f"keys_first=True loads the record keys as one [slots, K] tile, so it "
+                         f"needs k_chunk equal to the key dim {K} (or None), got {k_chunk!r}")
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
     grid = (B * H, triton.cdiv(V, bv))
     blk = spec.info.block or 1
@@ -666,6 +686,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         at_window if at_window is not None else (-1 if fused_window is None else fused_window),
         K=K, BLK=blk, BV=bv, LP=_lp(max(CAP, TD)), NS=NS, NC=NC, NX=NX, KC=KC,
         STAGES=num_stages or 1, DOT=bool(use_dot), PREC=prec, PREFETCH=bool(prefetch),
+        KFIRST=keys_first,
         GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
         AT_WINDOW=at_window is not None, SOLVE=matrix, FUSED=fused_window is not None,
         SPREC=solve_precision,
@@ -722,7 +743,8 @@ def _anchor_config(cfg: dict) -> dict:
 def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None = None,
         num_warps: int | None = None, k_chunk: int | None = None,
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
-        prefetch: bool | None = None, solve: str | None = None):
+        prefetch: bool | None = None, solve: str | None = None,
+        keys_first: bool | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -731,7 +753,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG`` unless
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed)."""
     cfg = _config(STEP_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
+                  keys_first=keys_first)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
@@ -742,7 +765,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
 def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | None = None,
         num_warps: int | None = None, k_chunk: int | None = None,
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
-        prefetch: bool | None = None, solve: str | None = None):
+        prefetch: bool | None = None, solve: str | None = None,
+        keys_first: bool | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -757,7 +781,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     cfg = _config(GDN_STEP_WIDE_CONFIG if wide else
                   (GDN_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
-                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve)
+                  num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
+                  keys_first=keys_first)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,

@@ -1089,7 +1089,7 @@ def test_gdn_verify_fused_needs_matrix_form():
 def test_step_keys_first_same_bits(read_fmt):
     """``keys_first`` (the record keys loaded as one tile before the stream of C) computes the
     same step outputs, GDN corrections and ring appends, bit for bit, as the keys loaded
-    after it; it needs ``k_chunk`` equal to the key dim."""
+    after it (it applies where C is one chunk of K; with smaller chunks it is ignored)."""
     gen = _gen(41)
     for gdn in (False, True):
         R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
@@ -1097,9 +1097,9 @@ def test_step_keys_first_same_bits(read_fmt):
         q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
         new = {n_: t[:, -1].clone() for n_, t in ring.items()}
         outs, rings = [], []
-        for kf in (False, True):
+        for kc, kf in ((K2, False), (K2, True), (K2 // 2, True)):
             rg = {n_: t.clone() for n_, t in ring.items()}
-            cfg = dict(k_chunk=K2, keys_first=kf)
+            cfg = dict(k_chunk=kc, keys_first=kf)
             if gdn:
                 o = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"], new["beta"],
                                        h, **cfg)
@@ -1110,10 +1110,7 @@ def test_step_keys_first_same_bits(read_fmt):
         assert torch.equal(_bits(outs[0]), _bits(outs[1])), gdn
         for n_ in rings[0]:
             assert torch.equal(rings[0][n_], rings[1][n_]), (gdn, n_)
-        with pytest.raises(ValueError, match="keys_first"):
-            if gdn:
-                kr.gdn_step_kernel(R_st, ring, q, new["k"], new["v"], new["la"], new["beta"], h,
-                                   k_chunk=K2 // 2, keys_first=True)
-            else:
-                kr.mamba2_step_kernel(R_st, ring, new["la"], new["v"], new["k"], q, h,
-                                      k_chunk=K2 // 2, keys_first=True)
+        torch.testing.assert_close(outs[2], outs[0], **TOL)  # chunks of K / 2: ignored
+        with pytest.raises(ValueError, match="keys_first must be True or False"):
+            kr.mamba2_step_kernel(R_st, ring, new["la"], new["v"], new["k"], q, h,
+                                  keys_first="yes")

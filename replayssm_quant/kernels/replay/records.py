@@ -68,8 +68,10 @@ DEFAULT_WARPS = 4
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False)
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, use_dot=False)
 # GDN from an nvfp4/mx copy: the solved row's v and beta loaded before the solve (prefetch;
-# records_tune --set prefetch, records_tune_prefetch_h200.json: 293 -> 279 us at B = 256)
-GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True)
+# records_tune --set prefetch, records_tune_prefetch_h200.json: 293 -> 279 us at B = 256) and
+# the record keys before C (keys_first; records_tune --set keys, records_tune_keys_h200.json:
+# 322 -> 304 us in that sweep; no gain for Mamba-2 or from an FP32 copy, so only here)
+GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True, keys_first=True)
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
@@ -439,12 +441,11 @@ def _records_kernel(
                 e3 = k0 + ES * (tl.arange(0, NBC)[:, None] * W + tl.arange(0, W)[None, :])
                 for c in tl.static_range(NC):
                     xv = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3, c, NS, K, D_REL)
-                    if C.FP4:  # one reduction over the block's even and odd elements
+                    part = tl.sum(xe * xv[None, :, :], axis=2)
+                    if C.FP4:
                         xv1 = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3 + 1, c, NS, K,
                                      D_REL)
-                        part = tl.sum(xe * xv[None, :, :] + xo * xv1[None, :, :], axis=2)
-                    else:
-                        part = tl.sum(xe * xv[None, :, :], axis=2)
+                        part += tl.sum(xo * xv1[None, :, :], axis=2)
                     yc = tl.sum(part * sc, axis=1)
                     Y += tl.where(cx[None, :] == c, yc[:, None], 0.0)
         if C.KIND == 3:
@@ -591,8 +592,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             fp32 step, faster for the GDN step from an nvfp4 copy (293 -> 279 us at B = 256),
             which is the only default that sets it (``GDN_STEP_BLOCKED_CONFIG``).
         keys_first: load the record keys ``[LP, K]`` as one tile before the stream of C
-            (their latency then overlaps it) instead of after it; needs ``k_chunk`` equal to
-            the key dim. Same values, same arithmetic.
+            (their latency then overlaps it) instead of after it, where C is streamed in one
+            chunk (``k_chunk`` equal to the key dim; ignored otherwise). Same values, same
+            arithmetic.
         solve: how the GDN solve and the outputs are formed after the products with C and the
             keys. ``"substitution"`` (default): forward substitution one solved row at a time
             on ``[BV, LP]`` tiles, then one masked reduction per query. ``"inverse"``: the
@@ -670,9 +672,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
     if not isinstance(keys_first, bool):
         raise ValueError(f"keys_first must be True or False, got {keys_first!r}")
-    if keys_first and KC != K:
-        raise ValueError(f"keys_first=True loads the record keys as one [slots, K] tile, so it "
-                         f"needs k_chunk equal to the key dim {K} (or None), got {k_chunk!r}")
+    keys_first = keys_first and KC == K  # one [slots, K] tile: only with one chunk of K
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
     grid = (B * H, triton.cdiv(V, bv))
     blk = spec.info.block or 1

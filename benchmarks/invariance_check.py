@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from _commit import code_commit  # noqa: E402  (benchmarks/, the script's directory)
 from test_invariance import FAMILIES, POLICIES, L, _inputs, _rows, _run  # noqa: E402
 
 
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                      text=True).stdout.strip(),
+        "code_commit": code_commit(),
         "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
         "layer": layer_checks(a.device),

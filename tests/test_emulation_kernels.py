@@ -148,21 +148,88 @@ def test_anchor_in_registers_equals_anchor_from_memory(policy):
     assert not torch.isfinite(reg.anchors).all()  # the planted values did reach the chain
 
 
-def test_dual_policy_in_several_groups_equals_one_group(monkeypatch):
-    """The teacher-forced dual path on the kernel cuts a segment into groups of windows when
-    stacked tensors would be large: outputs and checkpoints do not depend on the cut."""
-    monkeypatch.setenv(BACKEND_ENV, "triton")
-    inp = _inputs("gdn", 2, 26, seed=8)
-    S0 = torch.randn(2, 2, 8, 32) * 0.5
-    kw = dict(family="gdn", config=StateConfig.build("read:nvfp4/rec:fp16+sr", window=4, seed=3),
-              layer=1, sequence_ids=torch.tensor([4, 9]))
-    one = LayerState(S0, **kw)
-    y1 = one.advance(inp)
-    monkeypatch.setattr(WF, "GROUP_ELEMENTS", 1)  # one window per group
-    many = LayerState(S0, **kw)
-    ym = many.advance(inp)
-    assert torch.equal(one.anchor, many.anchor) and torch.equal(one.read, many.read)
-    assert torch.allclose(y1, ym, atol=1e-6, rtol=1e-6)
+@pytest.mark.parametrize("gdn", [False, True])
+@pytest.mark.parametrize("policy", ["read:nvfp4/rec:fp16+sr", "read:fp8e4m3+sr/rec:bf16",
+                                    "read:nvfp4+sr/rec:fp32", "read:mxfp4/rec:fp8e4m3"])
+@pytest.mark.parametrize("block_v", [None, 2])
+def test_dual_chain_outputs_and_read_copies(gdn, policy, block_v):
+    """Dual policies in one launch (``read_spec``): every window's read copy is the read cast
+    (read stream keys) of the kernel's own unrounded S, bit for bit (torch cast of the S the
+    same chain stores), the anchors are those of the chain without a read copy, and the
+    outputs are core.window_outputs from the previous read copy with the GDN read-path
+    corrections solved against it (float64 reference), the flush token S q; one tile per
+    matrix and several (the read copy read back from memory)."""
+    pol = StatePolicy.parse(policy)
+    L = 4
+    B, T, H, V, K = 2, 12, 2, 5, 32
+    la, k, v, beta = _records(gdn, B, T, H, V, K, seed=12)
+    beta = beta if gdn else None
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+    S0 = torch.randn(B, H, V, K)
+    A0 = core.cast_state(S0, pol.rec, seed=2, stream=3)[0]
+    R0 = core.cast_state(S0, pol.read, seed=2, stream=4)[0]
+    NW = T // L
+    ids, flush = torch.tensor([0, 7]), torch.arange(1, NW + 1)[None].expand(B, -1)
+    ka = WF._stream_keys(1, ids, H, flush, core.ANCHOR_COPY)
+    kread = WF._stream_keys(1, ids, H, flush, core.READ_COPY)
+    full = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=2, streams=ka,
+                           block_v=block_v)
+    dual = kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=2, streams=ka, q=q,
+                           store_states=False, all_anchors=False, block_v=block_v,
+                           read_spec=pol.read, read=R0, read_streams=kread)
+    assert dual.reads.shape == dual.anchors.shape == (B, 1, H, V, K)
+    assert torch.equal(dual.anchors[:, 0].view(torch.int32), full.anchors[:, -1].view(torch.int32))
+    Rs = core.cast_state(full.states, pol.read, seed=2, stream=kread)[0]  # [B, NW, H, V, K]
+    assert torch.equal(dual.reads[:, 0].view(torch.int32), Rs[:, -1].view(torch.int32))
+    d = torch.float64
+    prev_r = R0.to(d)
+    for w in range(NW):
+        r = slice(w * L, (w + 1) * L)
+        if gdn:
+            wr = core.solve_corrections(prev_r, la[:, r].to(d), beta[:, r].to(d), v[:, r].to(d),
+                                        k[:, r].to(d))
+        else:
+            wr = v[:, r].to(d)
+        ref = core.window_outputs(prev_r, la[:, r].to(d), wr, k[:, r].to(d), q[:, r].to(d))
+        ref[:, -1] = core.matvec(full.states[:, w].to(d), q[:, r][:, -1].to(d))
+        got = dual.outputs[:, r].to(d)
+        assert (got - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max())), w
+        prev_r = Rs[:, w].to(d)
+
+
+def test_dual_chain_invariance():
+    """The dual chain's outputs of a sequence do not depend on its batch, its position in it
+    or how many windows a launch holds: the sequence alone, second in a batch of two, and its
+    12 tokens as one launch of 3 windows or as 1 + 2 windows, bit for bit."""
+    pol = StatePolicy.parse("read:nvfp4/rec:fp16+sr")
+    L, T, H, V, K = 4, 12, 2, 5, 32
+    la, k, v, beta = _records(True, 2, T, H, V, K, seed=13)
+    q = torch.nn.functional.normalize(torch.randn(2, T, H, K), dim=-1)
+    S0 = torch.randn(2, H, V, K)
+    A0 = core.cast_state(S0, pol.rec, seed=2, stream=3)[0]
+    R0 = core.cast_state(S0, pol.read, seed=2, stream=4)[0]
+    ids = torch.tensor([3, 9])
+
+    def run(sel, t0, t1, A, R, fi):
+        n = (t1 - t0) // L
+        flush = fi[:, None] + torch.arange(n)[None]
+        res = kr.anchor_chain(A, la[sel, t0:t1], k[sel, t0:t1], v[sel, t0:t1], beta[sel, t0:t1],
+                              pol.rec, L=L, seed=2, q=q[sel, t0:t1], store_states=False,
+                              all_anchors=False, read_spec=pol.read, read=R,
+                              streams=WF._stream_keys(1, ids[sel], H, flush, core.ANCHOR_COPY),
+                              read_streams=WF._stream_keys(1, ids[sel], H, flush,
+                                                           core.READ_COPY))
+        return res.outputs, res.anchors[:, 0], res.reads[:, 0]
+
+    both = run(slice(0, 2), 0, T, A0, R0, torch.tensor([1, 1]))
+    alone = run(slice(1, 2), 0, T, A0[1:], R0[1:], torch.tensor([1]))
+    o1, A1, R1 = run(slice(1, 2), 0, L, A0[1:], R0[1:], torch.tensor([1]))
+    o2, A2, R2 = run(slice(1, 2), L, T, A1, R1, torch.tensor([2]))
+    for x, y in zip(both, alone, strict=True):
+        assert torch.equal(x[1:].view(torch.int32), y.view(torch.int32))
+    assert torch.equal(torch.cat([o1, o2], 1).view(torch.int32), alone[0].view(torch.int32))
+    assert torch.equal(A2.view(torch.int32), alone[1].view(torch.int32))
+    assert torch.equal(R2.view(torch.int32), alone[2].view(torch.int32))
 
 
 def test_chain_rejects_bad_input():
@@ -190,6 +257,24 @@ def test_chain_rejects_bad_input():
         kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, block_v=3)
     with pytest.raises(ValueError, match="split=True needs a GPU"):
         kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, split=True)
+    q = torch.nn.functional.normalize(k, dim=-1)
+    dual = dict(read_spec="nvfp4", read=A0, read_streams=keys)
+    with pytest.raises(ValueError, match="read_spec needs q"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, **dual)
+    with pytest.raises(ValueError, match="read_spec needs read"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=q,
+                        read_spec="nvfp4", read_streams=keys)
+    with pytest.raises(ValueError, match=r"read must be float32 \[1, 2, 6, 32\]"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=q,
+                        **dict(dual, read=A0[..., :16]))
+    with pytest.raises(ValueError, match=r"read_streams must be integer stream keys"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=q,
+                        **dict(dual, read_streams=keys[:, :1]))
+    with pytest.raises(ValueError, match="give read_spec too"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=q, read=A0)
+    with pytest.raises(ValueError, match="nvfp5"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=q,
+                        **dict(dual, read_spec="nvfp5"))
 
 
 def _inputs(family, B, T, seed):
@@ -260,7 +345,10 @@ def test_chain_prefetch_same_bits(gdn, policy, L, block_v):
                         core.ANCHOR_COPY)
     base, pf = [kr.anchor_chain(A0, la, k, v, beta, pol.rec, L=L, seed=4, streams=ka, q=q,
                                 block_v=block_v, prefetch=p) for p in (False, True)]
-    for a, b in zip(base, pf):
+    for a, b in zip(base, pf, strict=True):
+        if a is None:  # reads: no dual policy here
+            assert b is None
+            continue
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 

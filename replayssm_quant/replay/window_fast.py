@@ -8,16 +8,16 @@ the torch path). On the kernel path (CUDA, float32) the functions below compute 
 windows of a segment with only the inherently sequential part left sequential, the anchor
 recurrence across windows,
     S_{w+1} = reconstruct(A_w, records_w),   A_{w+1} = Q_rec(S_{w+1}),
-as one launch of the anchor-chain kernel (kernels/replay.py ``anchor_chain``), the same
+as one launch of the anchor-chain kernel (kernels/replay ``anchor_chain``), the same
 kernel the window form's flush calls (``flush_window``), so a layer given identical inputs
-rounds identically on both. For single-checkpoint policies (R is A) that launch also writes
-every output, so nothing else runs. For dual policies the read casts R_w = Q_read(S_w) never
-feed the anchor, so they are done in one batched cast after the recurrence, and the outputs
-of all windows (intra-window causal sums, decayed read-copy terms, GDN read-path corrections
-u^T = (beta v)^T T^-T - (R K^T diag(beta gamma_{1:j})) T^-T) come from one batched call.
-Casts use the same stream keys as core.cast_checkpoints (one key per (layer, sequence, head,
-flush, copy)), so SR bits are identical. The exact prefill scan (``exact_scan``) uses the
-same anchor-independent precomputation with the "WY" form of a window step:
+rounds identically on both. That launch also writes every output: for single-checkpoint
+policies (R is A) from the anchor, for dual policies from the read copy R_w = Q_read(S_w),
+which the kernel casts each window from the same unrounded S (GDN: with the read-path
+corrections solved against R). Casts use the same stream keys as core.cast_checkpoints (one
+key per (layer, sequence, head, flush, copy)), so SR bits are identical. The exact prefill
+scan (``exact_scan``) computes the outputs of all windows in batched products
+(intra-window causal sums, decayed state terms; ``_outputs``) with the "WY" form of a
+window step:
   Mamba-2: S_{w+1} = gamma_w S_w + P_w,             P_w = sum_j m_j v_j k_j^T
   GDN:     S_{w+1} = S_w G_w + P_w,  G_w = gamma_w I - K^T diag(beta gamma_{1:j}) T^-T diag(m) K,
            P_w = (beta v)^T T^-T diag(m) K, with T the unit lower-triangular correction system
@@ -37,19 +37,9 @@ from .mamba2 import mamba2_records
 from .window import (WindowCarry, gdn_emulate, gdn_window, mamba2_emulate, mamba2_window,
                      torch_path)
 
-__all__ = ["mamba2_emulate_fast", "gdn_emulate_fast", "exact_scan", "GROUP_ELEMENTS",
-           "GROUP_ELEMENTS_CUDA"]
+__all__ = ["mamba2_emulate_fast", "gdn_emulate_fast", "exact_scan", "GROUP_ELEMENTS"]
 
 GROUP_ELEMENTS = 1 << 24  # bound on the elements of a per-group stacked tensor (memory)
-# On CUDA: fewer, larger groups. A group's torch work is ~30 small ops whatever its size, so
-# with small groups the dual policies are bound by the host (one 3.4B qwen3_5 GDN layer, a
-# 4096-token segment, B = 1: 11 groups, 9 ms of kernels in 22-25 ms; emulation_profile_h200.json).
-# The bound (on the elements of one window's tensors times the windows of a group, see
-# _group_size) is GROUP_ELEMENTS_CUDA_MAX (1 GiB of float32), lowered to 1/256 of the free
-# device memory in elements (1/64 in bytes), but never below GROUP_ELEMENTS_CUDA (256 MB),
-# whatever the free memory. Results do not depend on the grouping (test_emulation_kernels).
-GROUP_ELEMENTS_CUDA = 1 << 26
-GROUP_ELEMENTS_CUDA_MAX = 1 << 28
 
 
 @dataclass
@@ -130,13 +120,9 @@ def _outputs(p: _Prep, R: torch.Tensor) -> torch.Tensor:
     return torch.exp(p.cc)[..., None, :] * RQ + torch.matmul(Wt, QK.transpose(-1, -2))
 
 
-def _group_size(Bz: int, H: int, V: int, K: int, L: int, device=None) -> int:
+def _group_size(Bz: int, H: int, V: int, K: int, L: int) -> int:
     per_window = Bz * H * (3 * V * K + K * K + 4 * L * (V + K))
-    cap = GROUP_ELEMENTS
-    if device is not None and torch.device(device).type == "cuda":
-        free = torch.cuda.mem_get_info(torch.device(device))[0]
-        cap = max(GROUP_ELEMENTS_CUDA, min(GROUP_ELEMENTS_CUDA_MAX, free // 64 // 4))
-    return max(1, cap // per_window)
+    return max(1, GROUP_ELEMENTS // per_window)
 
 
 @core.per_sequence  # every sequence alone on CPU (window module, "Invariance")
@@ -173,47 +159,34 @@ def _stream_keys(layer, ids, H, flush, copy):
 
 
 def _block(carry: WindowCarry, la, k, q, v, beta, *, config: StateConfig):
-    """Full windows on the kernel path (``carry.h == 0``, length a multiple of L): the anchor
-    recurrence of a group of windows in one anchor-chain launch, then the read casts and the
-    outputs of every window batched. Returns ``(o [B, T, H, V], carry)``."""
+    """Full windows on the kernel path (``carry.h == 0``, length a multiple of L) in one
+    anchor-chain launch: the anchor recurrence, each window's read cast (dual policies: from
+    the same unrounded S, with the read stream keys) and every output, written per program
+    (so no output depends on the batch or the number of windows). Returns
+    ``(o [B, T, H, V], carry)``.
+
+    (Until 2026-12-01 dual policies ran the chain over groups of windows and then the read
+    casts and outputs of a group as batched torch products; on CUDA those outputs changed in
+    the last bits with the group size, which followed the free device memory: 5-72% of a
+    4096-token segment's outputs differed between groups of 256, 37, 3 and 1 windows,
+    ``benchmarks/results/grouping_h200.json``.)"""
     Bz, T, H = la.shape
-    V, K = carry.anchor.shape[-2:]
     policy, L, seed = config.policy, config.window, config.seed
     layer, ids = carry.layer, carry.sequence_ids
     A, R, fi = carry.anchor, carry.read, carry.flush_index
-    if policy.single_checkpoint:  # one launch: the anchor chain and every output (R is A)
-        n = T // L
-        flush = fi[:, None] + torch.arange(n, device=fi.device)[None, :]
-        res = kr.anchor_chain(A, la, k, v, beta, policy.rec, L=L, seed=seed,
-                              streams=_stream_keys(layer, ids, H, flush, core.ANCHOR_COPY), q=q,
+    n = T // L
+    flush = fi[:, None] + torch.arange(n, device=fi.device)[None, :]
+    keys = _stream_keys(layer, ids, H, flush, core.ANCHOR_COPY)
+    if policy.single_checkpoint:  # R is A
+        res = kr.anchor_chain(A, la, k, v, beta, policy.rec, L=L, seed=seed, streams=keys, q=q,
                               store_states=False, all_anchors=False)
         A = res.anchors[:, 0].contiguous()
         return res.outputs, WindowCarry(A, A, {}, fi + n, ids, layer)
-    outs, t = [], 0
-    while t < T:
-        n = min((T - t) // L, _group_size(Bz, H, V, K, L, A.device))
-        s = slice(t, t + n * L)
-        p = _prep(la[:, s], k[:, s], q[:, s], v[:, s], None if beta is None else beta[:, s], L,
-                  wy=False)
-        flush = fi[:, None] + torch.arange(n, device=fi.device)[None, :]  # [B, n]
-        res = kr.anchor_chain(A, la[:, s], k[:, s], v[:, s], None if beta is None else beta[:, s],
-                              policy.rec, L=L, seed=seed,
-                              streams=_stream_keys(layer, ids, H, flush, core.ANCHOR_COPY),
-                              all_anchors=False)
-        Sst, A = res.states, res.anchors[:, 0].contiguous()  # Sst: [B, n, H, V, K] unrounded
-        if policy.read.is_identity:
-            Rst = Sst
-        else:  # R never feeds the anchor, so all read casts of the group at once
-            kread = _stream_keys(layer, ids, H, flush, core.READ_COPY)
-            Rst = core.cast_state(Sst, policy.read, seed=seed, stream=kread)[0]
-        Rin = torch.cat([R[:, None], Rst[:, :-1]], 1)  # R_w, read by window w
-        o = _outputs(p, Rin)  # [B, n, H, V, L]
-        o[..., -1] = torch.matmul(Sst, p.Qm[..., -1, :, None])[..., 0]  # flush token: unrounded S
-        outs.append(o.permute(0, 1, 4, 2, 3).reshape(Bz, n * L, H, V))
-        R = Rst[:, -1].contiguous()
-        fi = fi + n
-        t += n * L
-    return torch.cat(outs, 1), WindowCarry(A, R, {}, fi, ids, layer)
+    res = kr.anchor_chain(A, la, k, v, beta, policy.rec, L=L, seed=seed, streams=keys, q=q,
+                          store_states=False, all_anchors=False, read_spec=policy.read, read=R,
+                          read_streams=_stream_keys(layer, ids, H, flush, core.READ_COPY))
+    return res.outputs, WindowCarry(res.anchors[:, 0].contiguous(), res.reads[:, 0].contiguous(),
+                                    {}, fi + n, ids, layer)
 
 
 def _split(h: int, T: int, L: int) -> tuple[int, int]:

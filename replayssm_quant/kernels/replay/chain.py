@@ -101,13 +101,15 @@ def _slot_rows(k_ptr, v_ptr, q_ptr, r, rows, rmask, V, K: tl.constexpr, KH: tl.c
 
 
 @triton.jit
-def _chain_tile(ae, ao, rows, rmask,
+def _chain_tile(ae, ao, re_, ro_, rows, rmask,
                 la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr, o_ptr, b, h, t0, H, V, T, L,
                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-                GDN: tl.constexpr, OUT: tl.constexpr, PF: tl.constexpr):
+                GDN: tl.constexpr, OUT: tl.constexpr, PF: tl.constexpr, DUAL: tl.constexpr):
     """Rows ``rows`` of the unrounded S after the window starting at token ``t0``, from these
     rows of the previous anchor ``(ae, ao)``, as (even, odd) [BV, KH]; with OUT, also stores
-    the window's outputs of these rows at ``o_ptr``.
+    the window's outputs of these rows at ``o_ptr``, read from the previous anchor, or with
+    DUAL from the previous read copy ``(re_, ro_)`` (GDN: with the read-path corrections,
+    solved against R as the anchor path's are against A; core.window_outputs with R).
 
     One pass over the window's records p = 0 .. L-1: (GDN) the correction u_p of these rows
     against the previous anchor, then ``S += gamma_{p+1:L} w_p k_p^T`` (S starts at
@@ -136,6 +138,8 @@ def _chain_tile(ae, ao, rows, rmask,
         bt = tl.load(beta_ptr + tt * H + h, mask=live, other=0.0)
     # written values of the records so far, transposed [BV, LP] (GDN: corrections; Mamba-2: v)
     Wt = tl.zeros([BV, LP], tl.float32)
+    if DUAL and GDN:  # the read path's corrections (solved against R)
+        WtR = tl.zeros([BV, LP], tl.float32)
     if PF:  # slot 0's rows; slot p + 1's are issued in iteration p
         r0 = ((b * T + t0) * H + h).to(tl.int64)
         kpe, kpo, vp, qpe, qpo = _slot_rows(k_ptr, v_ptr, q_ptr, r0, rows, rmask, V, K, KH, OUT)
@@ -157,6 +161,10 @@ def _chain_tile(ae, ao, rows, rmask,
             before = idx < p
             coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
             wp = bp * (vp - tl.exp(cp) * ak) - tl.sum(Wt * coef[None, :], axis=1)
+            if DUAL and OUT:  # the same solve against R
+                akr = tl.sum(re_ * kpe[None, :] + ro_ * kpo[None, :], axis=1)  # R k_p
+                wpr = bp * (vp - tl.exp(cp) * akr) - tl.sum(WtR * coef[None, :], axis=1)
+                WtR = tl.where(sel[None, :], wpr[:, None], WtR)
         else:
             wp = vp
         Wt = tl.where(sel[None, :], wp[:, None], Wt)
@@ -164,12 +172,18 @@ def _chain_tile(ae, ao, rows, rmask,
         se += mw[:, None] * kpe[None, :]
         so += mw[:, None] * kpo[None, :]
         if OUT:
-            if p < L - 1:  # reads the previous anchor (R = A) and the records up to p
-                aq = tl.sum(ae * qpe[None, :] + ao * qpo[None, :], axis=1)
+            if p < L - 1:  # reads the previous read copy (R = A unless DUAL), records to p
+                if DUAL:
+                    aq = tl.sum(re_ * qpe[None, :] + ro_ * qpo[None, :], axis=1)
+                else:
+                    aq = tl.sum(ae * qpe[None, :] + ao * qpo[None, :], axis=1)
                 kq = tl.sum(kme * qpe[None, :] + kmo * qpo[None, :], axis=1)
                 upto = idx <= p
                 co = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)) * kq, 0.0)
-                o = tl.exp(cp) * aq + tl.sum(Wt * co[None, :], axis=1)
+                if DUAL and GDN:
+                    o = tl.exp(cp) * aq + tl.sum(WtR * co[None, :], axis=1)
+                else:
+                    o = tl.exp(cp) * aq + tl.sum(Wt * co[None, :], axis=1)
                 tl.store(o_ptr + rp * V + rows, o, mask=rmask)
         if PF:
             kpe, kpo, vp, qpe, qpo = kne, kno, vn, qne, qno
@@ -228,12 +242,18 @@ def _chain_kernel(
         s_ptr,  # STORE_S: unrounded S of every window [B, NW, H, V, K]
         sync_ptr,  # SPLIT: int32: ticket, then per window (amax bits, arrivals) (XCH 0) or the
         # NT tiles' amax bits + 1 (XCH 1)
+        r0_ptr, rst_ptr,  # DUAL: starting read copy (FP32 [B, H, V, K]), read stream keys
+        or_ptr, orbs_ptr, orms_ptr, rp_ptr,  # DUAL: read copies in 2 slots (as oa_ptr ..)
         H, V, T, L, NW, NSLOT,
         K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NT: tl.constexpr, GDN: tl.constexpr, OUT: tl.constexpr, STORE_S: tl.constexpr,
         SPLIT: tl.constexpr, NEED_AMAX: tl.constexpr, PF: tl.constexpr, XCH: tl.constexpr,
-        P: tl.constexpr, CA: tl.constexpr):
-    # P: DecodeConsts of the stored anchors; CA: CastConsts of the anchor cast
+        P: tl.constexpr, CA: tl.constexpr, DUAL: tl.constexpr, PR: tl.constexpr,
+        CR: tl.constexpr):
+    # P: DecodeConsts of the stored anchors; CA: CastConsts of the anchor cast; DUAL (dual
+    # policies, with OUT): the read copy R <- Q_read(S) is cast from the same unrounded S
+    # each window (CR; stream keys rst_ptr; stored in 2 slots, decoded with PR) and the
+    # outputs of the next window read it
     if SPLIT:
         pid = tl.atomic_add(sync_ptr, 1)  # logical id in start order (see above)
         mat0 = (pid // NT).to(tl.int64)
@@ -249,11 +269,16 @@ def _chain_kernel(
         rmask = rows < V
         ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, 0, mat0, mat0, rows, rmask, V,
                               K, KH, BV, P)
+        if DUAL:
+            re_, ro_ = _load_copy(r0_ptr, r0_ptr, r0_ptr, mat0, rows, rmask, V, K, KH, BV)
+        else:
+            re_, ro_ = ae, ao
         for w in range(0, NW):
             smat = (b * NW + w) * H + h  # S and stream key index of this window
             amat = (b * NSLOT + w % NSLOT) * H + h  # anchor slot written
-            se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
-                                 o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT, PF)
+            se, so = _chain_tile(ae, ao, re_, ro_, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr,
+                                 q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT,
+                                 PF, DUAL)
             amax = tl.zeros([], tl.float32)
             if NEED_AMAX:
                 if SPLIT:
@@ -276,12 +301,25 @@ def _chain_kernel(
                                       st_ptr + (smat - amat), oa_ptr, oabs_ptr, K, KH, BV, CA)
             if CA.MS:
                 tl.store(oams_ptr + amat, sa)  # every tile of the matrix stores the same value
+            if DUAL:  # R <- Q_read(S): the same S and matrix amax, the read stream keys
+                rmat = (b * 2 + w % 2) * H + h
+                sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
+                cre, cro, rbc = _cast_store(se, so, rows, rmask, rmat, V, sr, seed,
+                                            rst_ptr + (smat - rmat), or_ptr, orbs_ptr, K, KH,
+                                            BV, CR)
+                if CR.MS:
+                    tl.store(orms_ptr + rmat, sr)
+                re_, ro_ = _dequant_tile(cre, cro, rbc, sr, BV, KH, PR)
             ae, ao = _dequant_tile(ce, co, sbc, sa, BV, KH, P)
+            if not DUAL:
+                re_, ro_ = ae, ao
     else:  # one program loops over the row tiles of its matrix (interpreter, tests)
         for w in range(0, NW):
             smat = (b * NW + w) * H + h
             amat = (b * NSLOT + w % NSLOT) * H + h
             pmat = (b * NSLOT + (w + NSLOT - 1) % NSLOT) * H + h  # slot of the previous anchor
+            rmat = (b * 2 + w % 2) * H + h  # DUAL: read slot written
+            prmat = (b * 2 + (w + 1) % 2) * H + h  # DUAL: slot of the previous read copy
             amax = tl.zeros([], tl.float32)
             if NEED_AMAX:  # first pass: the tiles for the amax only
                 for v0 in range(0, V, BV):
@@ -289,27 +327,38 @@ def _chain_kernel(
                     rmask = rows < V
                     ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
                                           rmask, V, K, KH, BV, P)
-                    se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr,
-                                         q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP,
-                                         GDN, False, PF)
+                    se, so = _chain_tile(ae, ao, ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr,
+                                         beta_ptr, q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH,
+                                         BV, LP, GDN, False, PF, False)
                     amax = tl.maximum(amax, _tile_amax(se, so, rmask))
             sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
+            sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
             for v0 in range(0, V, BV):
                 rows = v0 + tl.arange(0, BV)
                 rmask = rows < V
                 ae, ao = _prev_anchor(a0_ptr, ap_ptr, oabs_ptr, oams_ptr, w, mat0, pmat, rows,
                                       rmask, V, K, KH, BV, P)
-                se, so = _chain_tile(ae, ao, rows, rmask, la_ptr, k_ptr, v_ptr, beta_ptr, q_ptr,
-                                     o_ptr, b, h, w * L, H, V, T, L, K, KH, BV, LP, GDN, OUT,
-                                     PF)
+                if DUAL:
+                    re_, ro_ = _prev_anchor(r0_ptr, rp_ptr, orbs_ptr, orms_ptr, w, mat0, prmat,
+                                            rows, rmask, V, K, KH, BV, PR)
+                else:
+                    re_, ro_ = ae, ao
+                se, so = _chain_tile(ae, ao, re_, ro_, rows, rmask, la_ptr, k_ptr, v_ptr,
+                                     beta_ptr, q_ptr, o_ptr, b, h, w * L, H, V, T, L, K, KH, BV,
+                                     LP, GDN, OUT, PF, DUAL)
                 if STORE_S:
                     x = tl.reshape(tl.join(se, so), [BV, K])
                     tl.store(s_ptr + (smat * V + rows.to(tl.int64))[:, None] * K + kk[None, :],
                              x, mask=rmask[:, None])
                 _cast_store(se, so, rows, rmask, amat, V, sa, seed, st_ptr + (smat - amat),
                             oa_ptr, oabs_ptr, K, KH, BV, CA)
+                if DUAL:
+                    _cast_store(se, so, rows, rmask, rmat, V, sr, seed, rst_ptr + (smat - rmat),
+                                or_ptr, orbs_ptr, K, KH, BV, CR)
             if CA.MS:
                 tl.store(oams_ptr + amat, sa)
+            if DUAL and CR.MS:
+                tl.store(orms_ptr + rmat, sr)
             tl.debug_barrier()  # the next window reads this window's anchor (other threads' rows)
 
 
@@ -387,13 +436,15 @@ class ChainResult(NamedTuple):
     states: torch.Tensor | None
     anchors: torch.Tensor
     outputs: torch.Tensor | None
+    reads: torch.Tensor | None = None
 
 
 def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=None,
                  store_states: bool = True, all_anchors: bool = True, split: bool | None = None,
                  block_v: int | None = None, num_warps: int = CHAIN_WARPS,
                  prefetch: bool | None = None, exchange: str | None = None,
-                 maxnreg: int | None | str = "auto") -> ChainResult:
+                 maxnreg: int | None | str = "auto", read_spec=None, read=None,
+                 read_streams=None) -> ChainResult:
     """Anchor recurrence over ``NW = T // L`` full windows in one launch (DESIGN.md "Flush":
     reconstruct, then ``A <- Q_rec(S)``; GDN corrections re-solved against A). An ``fp32``
     ``spec`` is the exact recurrence (``A = S``, nothing rounds).
@@ -406,7 +457,16 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         keys of the NW flushes (``checkpoint_streams`` copy 0; host or device).
         q: head-expanded queries ``[B, T, H, K]``: also return the outputs of every position for
             a single-checkpoint policy (read copy = anchor; ``core.window_outputs`` inside a
-            window, ``S q`` at the flush token).
+            window, ``S q`` at the flush token), or with ``read_spec`` read from the read copy.
+        read_spec, read, read_streams: a dual policy's read copy (DESIGN.md "State"): its
+            format (``policy.read``), the dequantised FP32 read copy ``[B, H, V, K]`` before
+            the first window, and int64 ``[B, NW, H]`` read stream keys (``checkpoint_streams``
+            copy 1). Each window's ``R <- Q_read(S)`` is cast in the kernel from the same
+            unrounded S as the anchor, and the outputs (``q`` required) read R, GDN with the
+            read-path corrections solved against R (``core.window_outputs`` of R; the
+            torch path's ``window_fast._outputs``). The outputs of a window are computed
+            by the program that owns its rows, so they do not depend on the batch or on how
+            many windows a launch holds.
         store_states: return the unrounded S of every window.
         all_anchors: return the anchor of every window, else only the last one.
         split: one program per (matrix, row tile) with the matrix amax exchanged through
@@ -428,14 +488,16 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
             Changes no value.
 
     Returns :class:`ChainResult` ``(states [B, NW, H, V, K] or None, anchors [B, NW or 1, H, V, K]
-    dequantised FP32, outputs [B, T, H, V] or None)``.
+    dequantised FP32, outputs [B, T, H, V] or None, reads [B, 1, H, V, K] (the last read copy,
+    dequantised FP32) or None)``.
 
     Raises:
         ValueError: L < 1 or T not a positive multiple of L, unsupported K or dtype, mismatched
             shapes, dtypes or devices, streams not integer ``[B, NW, H]``, ``block_v`` not a
             power of two, ``split`` under the Triton interpreter, an unknown ``exchange`` (or
             ``"slots"`` with a number of tiles that is not a power of two), a ``prefetch``
-            that is not None or a bool, a bad ``maxnreg``.
+            that is not None or a bool, a bad ``maxnreg``; ``read_spec`` without ``q``,
+            ``read`` or ``read_streams``, or those with the wrong shape, dtype or device.
     """
     spec = parse_spec(spec)
     if anchor.dim() != 4:
@@ -461,10 +523,24 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
                              f"T from la), got {got[n].dtype} {list(got[n].shape)}")
         if got[n].device != dev:
             raise ValueError(f"{n} is on {got[n].device}, the anchor on {dev}")
-    streams = torch.as_tensor(streams)
-    if streams.is_floating_point() or streams.is_complex() or tuple(streams.shape) != (B, NW, H):
-        raise ValueError(f"streams must be integer stream keys [B, NW, H] = {[B, NW, H]}, got "
-                         f"{streams.dtype} {list(streams.shape)}")
+    streams = _check_streams("streams", streams, B, NW, H)
+    dual = read_spec is not None
+    if dual:
+        read_spec = parse_spec(read_spec)
+        if q is None:
+            raise ValueError("read_spec needs q: a dual policy's read copy is only read by the "
+                             "outputs")
+        if read is None or read_streams is None:
+            raise ValueError("read_spec needs read (the FP32 read copy before the first "
+                             "window) and read_streams (its stream keys)")
+        if tuple(read.shape) != (B, H, V, K) or read.dtype != torch.float32:
+            raise ValueError(f"read must be float32 {[B, H, V, K]} like the anchor, got "
+                             f"{read.dtype} {list(read.shape)}")
+        if read.device != dev:
+            raise ValueError(f"read is on {read.device}, the anchor on {dev}")
+        read_streams = _check_streams("read_streams", read_streams, B, NW, H)
+    elif read is not None or read_streams is not None:
+        raise ValueError("read and read_streams are for a dual policy: give read_spec too")
     if block_v is not None and (block_v < 1 or block_v & (block_v - 1)):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
     if exchange is None:
@@ -502,7 +578,15 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         ap = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
     S = torch.empty(B, NW, H, V, K, dtype=torch.float32, device=dev) if store_states else None
     out = torch.empty(B, T, H, V, dtype=torch.float32, device=dev) if q is not None else None
-    need_amax = _kind(spec) in (_K_MATRIX, _K_NVFP4)
+    need_amax = _kind(spec) in (_K_MATRIX, _K_NVFP4) or (
+        dual and _kind(read_spec) in (_K_MATRIX, _K_NVFP4))
+    if dual:  # the read copies of the last two windows (the kernel reads the previous one)
+        rbufs = _alloc_copy(read_spec, (B * 2, H, V, K), dev)
+        rp = rbufs[0]
+        if _kind(read_spec) == _K_HALF:
+            rp = rbufs[0].view(torch.bfloat16 if read_spec.info.element is F.BF16
+                               else torch.float16)
+        rst = stream_keys_to(read_streams.reshape(-1).contiguous(), dev)
     per_window = nt if exchange == "slots" else 2
     sync = torch.zeros(1 + (per_window * B * H * NW if split and need_amax else 0),
                        dtype=torch.int32, device=dev)
@@ -515,12 +599,17 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     _chain_kernel[(programs,)](
         anchor.contiguous(), la, k, v, beta, pick(None if q is None else q.contiguous()),
         pick(out), st, int(seed), codes, pick(bufs[1]), pick(bufs[2]), ap, pick(S), sync,
+        read.contiguous() if dual else codes, rst if dual else st,
+        rbufs[0] if dual else codes, pick(rbufs[1]) if dual else codes,
+        pick(rbufs[2]) if dual else codes, rp if dual else codes,
         H, V, T, L, NW, nslot,
         K=K, KH=K // 2, BV=bv, LP=max(2, triton.next_power_of_2(L)), NT=nt, GDN=gdn,
         OUT=q is not None, STORE_S=store_states, SPLIT=split, NEED_AMAX=need_amax,
         PF=_prefetch(prefetch, gdn, q is not None),
         XCH=1 if exchange == "slots" else 0, num_warps=num_warps, **launch,
-        enable_fp_fusion=False, P=_decode_consts(spec), CA=_cast_consts(spec))
+        enable_fp_fusion=False, P=_decode_consts(spec), CA=_cast_consts(spec), DUAL=dual,
+        PR=_decode_consts(read_spec if dual else spec),
+        CR=_cast_consts(read_spec if dual else spec))
     if not all_anchors:  # dequantise the last slot only
         last = (NW - 1) % nslot
         bufs = tuple(None if t is None else t.reshape(B, nslot, *t.shape[1:])[:, last].contiguous()
@@ -529,4 +618,20 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     packed = _as_stored(spec, (B * nslot, H, V, K), bufs)
     A = packed if isinstance(packed, torch.Tensor) else packed.dequantize()
     A = A.to(torch.float32).reshape(B, nslot, H, V, K)
-    return ChainResult(S, A, out)
+    R = None
+    if dual:  # the last window's read copy: slot (NW - 1) % 2
+        last = (NW - 1) % 2
+        rb = tuple(None if t is None else t.reshape(B, 2, *t.shape[1:])[:, last].contiguous()
+                   for t in rbufs)
+        packed = _as_stored(read_spec, (B, H, V, K), rb)
+        R = packed if isinstance(packed, torch.Tensor) else packed.dequantize()
+        R = R.to(torch.float32).reshape(B, 1, H, V, K)
+    return ChainResult(S, A, out, R)
+
+
+def _check_streams(name: str, streams, B: int, NW: int, H: int) -> torch.Tensor:
+    streams = torch.as_tensor(streams)
+    if streams.is_floating_point() or streams.is_complex() or tuple(streams.shape) != (B, NW, H):
+        raise ValueError(f"{name} must be integer stream keys [B, NW, H] = {[B, NW, H]}, got "
+                         f"{streams.dtype} {list(streams.shape)}")
+    return streams

@@ -150,7 +150,8 @@ def test_anchor_in_registers_equals_anchor_from_memory(policy):
 
 @pytest.mark.parametrize("gdn", [False, True])
 @pytest.mark.parametrize("policy", ["read:nvfp4/rec:fp16+sr", "read:fp8e4m3+sr/rec:bf16",
-                                    "read:nvfp4+sr/rec:fp32", "read:mxfp4/rec:fp8e4m3"])
+                                    "read:nvfp4+sr/rec:fp32", "read:mxfp4/rec:fp8e4m3",
+                                    "read:fp32/rec:nvfp4+sr"])
 @pytest.mark.parametrize("block_v", [None, 2])
 def test_dual_chain_outputs_and_read_copies(gdn, policy, block_v):
     """Dual policies in one launch (``read_spec``): every window's read copy is the read cast

@@ -49,10 +49,13 @@ from .codec import (_K_HALF, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast
 # in registers: the next window's A is decoded from the codes it just stored (_dequant_tile,
 # the same integer decode and FP32 multiplications as _load_copy, which equals
 # PackedTensor.dequantize); a program looping over several tiles reads it back from memory.
-# Optionally (OUT, single-checkpoint policies, whose read copy is the anchor) the program also
-# writes the window's outputs for its rows: position t < L reads the previous anchor plus the
-# records, gamma_{1:t} (A q_t) + sum_{j<=t} gamma_{j+1:t} (k_j . q_t) w_j (core.window_outputs,
-# GDN corrections against R = A are the flush's), and the flush token reads S q_L.
+# Optionally (OUT) the program also writes the window's outputs for its rows: position t < L
+# reads the previous read copy plus the records, gamma_{1:t} (R q_t) + sum_{j<=t}
+# gamma_{j+1:t} (k_j . q_t) w_j (core.window_outputs), and the flush token reads S q_L. For a
+# single-checkpoint policy R is the anchor (GDN: the corrections against R = A are the
+# flush's); for a dual policy (DUAL) each window also casts R <- Q_read(S) from the same S
+# with the read stream keys, keeps it like A, and solves GDN's read-path corrections against
+# it in the same slot loop.
 # This is THE flush arithmetic on the kernel path (every anchor format; an fp32 anchor is the
 # exact recurrence, A = S): the adapters' step path calls it with NW = 1, the teacher-forced
 # window form with every full window of a segment (the same binary: runtime ints are not

@@ -11,6 +11,10 @@ Usage (device)::
 
     python benchmarks/emulation_profile.py --out $OUT/emulation_profile_h200.json
 
+``--host`` also lists where the host's time goes (operators by own CPU time) and every
+operation that made the host wait for the GPU, with its calling line (``--host`` found the
+1.8 ms ``pin_memory`` calls and the per-decode table copy fixed on 2026-12-01).
+
 ``--tiny`` runs a small shape on CPU (interpreter kernels), as a smoke test.
 """
 
@@ -96,8 +100,10 @@ def main(argv=None):
                     help="also list, per policy, the host's operators by their own CPU time "
                          "(torch.profiler with CPU activity) and every operation that made the "
                          "host wait for the GPU (torch.cuda.set_sync_debug_mode('warn'), with "
-                         "the calling line)")
+                         "the calling line); CUDA only, ignored with --tiny")
     args = ap.parse_args(argv)
+    if args.host and args.tiny:
+        print("--host profiles the host against a GPU: ignored with --tiny (CPU)", flush=True)
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
     for pol in args.policies:

@@ -15,7 +15,6 @@ scales are FP32. ``PackedTensor.dequantize`` gives exactly the values of
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch

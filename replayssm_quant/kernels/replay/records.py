@@ -70,7 +70,8 @@ GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, u
 # GDN from an nvfp4/mx copy: the solved row's v and beta loaded before the solve (prefetch;
 # records_tune --set prefetch, records_tune_prefetch_h200.json: 293 -> 279 us at B = 256) and
 # the record keys before C (keys_first; records_tune --set keys, records_tune_keys_h200.json:
-# 322 -> 304 us in that sweep; no gain for Mamba-2 or from an FP32 copy, so only here)
+# 322 -> 304 us in that sweep, but 277 -> 282 us in decode.py, within the run-to-run spread;
+# no gain for Mamba-2 or from an FP32 copy in the sweep, so only here)
 GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True, keys_first=True)
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN

@@ -357,9 +357,11 @@ def main(argv=None):
     result["all_checks_passed"] = all(r.get("check", {}).get("passed", False)
                                       for r in result["rows"])
     result["wall_s"] = time.time() - t0
-    log("\nbest per case (median us, config block_v/num_warps/k_chunk/num_stages/use_dot):")
+    log("\nbest per case (median us; the fields the configuration sets, the rest are the "
+        "wrapper's defaults):")
     for k, v in best.items():
-        log(f"  {k:28s} {v['median_us']:9.1f}  {cfg_label(tuple(v['config'].values()))}")
+        log(f"  {k:28s} {v['median_us']:9.1f}  "
+            + ", ".join(f"{n}={x}" for n, x in v["config"].items()))
     log(f"all checks passed: {result['all_checks_passed']}; wall {result['wall_s']:.0f} s")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -273,6 +273,11 @@ def test_chain_rejects_bad_input():
     with pytest.raises(ValueError, match=r"read_streams must be integer stream keys"):
         kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=q,
                         **dict(dual, read_streams=keys[:, :1]))
+    with pytest.raises(ValueError, match="read must be a float32 torch.Tensor"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=q,
+                        **dict(dual, read=A0.numpy()))
+    with pytest.raises(ValueError, match="streams must be integer stream keys"):
+        kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys > 0)
     with pytest.raises(ValueError, match="give read_spec too"):
         kr.anchor_chain(A0, la, k, v, beta, "fp16", L=4, seed=0, streams=keys, q=q, read=A0)
     with pytest.raises(ValueError, match="nvfp5"):

@@ -536,6 +536,9 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         if read is None or read_streams is None:
             raise ValueError("read_spec needs read (the FP32 read copy before the first "
                              "window) and read_streams (its stream keys)")
+        if not isinstance(read, torch.Tensor):
+            raise ValueError(f"read must be a float32 torch.Tensor {[B, H, V, K]}, got "
+                             f"{type(read).__name__}")
         if tuple(read.shape) != (B, H, V, K) or read.dtype != torch.float32:
             raise ValueError(f"read must be float32 {[B, H, V, K]} like the anchor, got "
                              f"{read.dtype} {list(read.shape)}")
@@ -634,7 +637,8 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
 
 def _check_streams(name: str, streams, B: int, NW: int, H: int) -> torch.Tensor:
     streams = torch.as_tensor(streams)
-    if streams.is_floating_point() or streams.is_complex() or tuple(streams.shape) != (B, NW, H):
+    if streams.is_floating_point() or streams.is_complex() or streams.dtype == torch.bool \
+            or tuple(streams.shape) != (B, NW, H):
         raise ValueError(f"{name} must be integer stream keys [B, NW, H] = {[B, NW, H]}, got "
                          f"{streams.dtype} {list(streams.shape)}")
     return streams

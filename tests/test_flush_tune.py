@@ -2,7 +2,8 @@
 Triton interpreter, times every candidate configuration, checks them and writes its JSON.
 
 One subprocess on one (model, policy) pair (Mamba-2, the nvfp4 read / fp16+SR anchor policy:
-the two-launch amax and the loop's two passes), about 40 s on the shared 2-core machine.
+the two-launch amax and the loop's two passes), about 80 s on the 2-core machine, so it is
+marked slow (``python -m pytest -m slow``).
 """
 
 import json
@@ -11,9 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # about 80 s under the interpreter; the flush kernel's configurations are
+# checked against the references in the default suite (test_replay_kernels.test_flush_configs)
 def test_flush_tune_tiny(tmp_path):
     out = tmp_path / "flush_tune_tiny.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")

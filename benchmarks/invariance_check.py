@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _commit import code_commit  # noqa: E402  (benchmarks/, the script's directory)
+from _commit import code_commit, git_commit  # noqa: E402  (benchmarks/, the script's directory)
 from test_invariance import FAMILIES, POLICIES, L, _inputs, _rows, _run  # noqa: E402
 
 
@@ -110,8 +109,7 @@ def main(argv=None) -> int:
     res = {
         "command": "invariance_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                     text=True).stdout.strip(),
+        "git_commit": git_commit(),
         "code_commit": code_commit(),
         "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,

@@ -200,13 +200,15 @@ def test_dual_chain_outputs_and_read_copies(gdn, policy, block_v):
         prev_r = Rs[:, w].to(d)
 
 
-def test_dual_chain_invariance():
-    """The dual chain's outputs of a sequence do not depend on its batch, its position in it
-    or how many windows a launch holds: the sequence alone, second in a batch of two, and its
-    12 tokens as one launch of 3 windows or as 1 + 2 windows, bit for bit."""
+@pytest.mark.parametrize("gdn", [False, True])
+def test_dual_chain_invariance(gdn):
+    """The dual chain's outputs, anchors and read copies of a sequence do not depend on its
+    batch, its position in it or how many windows a launch holds: the sequence alone, second
+    in a batch of two, and its 12 tokens as one launch of 3 windows or as 1 + 2 windows, bit
+    for bit (Mamba-2 and GDN)."""
     pol = StatePolicy.parse("read:nvfp4/rec:fp16+sr")
     L, T, H, V, K = 4, 12, 2, 5, 32
-    la, k, v, beta = _records(True, 2, T, H, V, K, seed=13)
+    la, k, v, beta = _records(gdn, 2, T, H, V, K, seed=13)
     q = torch.nn.functional.normalize(torch.randn(2, T, H, K), dim=-1)
     S0 = torch.randn(2, H, V, K)
     A0 = core.cast_state(S0, pol.rec, seed=2, stream=3)[0]
@@ -216,7 +218,8 @@ def test_dual_chain_invariance():
     def run(sel, t0, t1, A, R, fi):
         n = (t1 - t0) // L
         flush = fi[:, None] + torch.arange(n)[None]
-        res = kr.anchor_chain(A, la[sel, t0:t1], k[sel, t0:t1], v[sel, t0:t1], beta[sel, t0:t1],
+        res = kr.anchor_chain(A, la[sel, t0:t1], k[sel, t0:t1], v[sel, t0:t1],
+                              beta[sel, t0:t1] if gdn else None,
                               pol.rec, L=L, seed=2, q=q[sel, t0:t1], store_states=False,
                               all_anchors=False, read_spec=pol.read, read=R,
                               streams=WF._stream_keys(1, ids[sel], H, flush, core.ANCHOR_COPY),

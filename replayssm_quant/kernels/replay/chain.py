@@ -17,13 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import formats as F
 from ...capabilities import triton_interpreting
 from ...formats import parse_spec
 from ...philox import stream_keys_to
-from .codec import (_K_HALF, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts,
-                    _cast_store, _check_supported, _decode_consts, _dequant_tile, _finite_abs,
-                    _kind, _load_copy, _load_stored, _matrix_scale, _split_halves)
+from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
+                    _check_supported, _decode_consts, _dequant_tile, _finite_abs, _kind,
+                    _load_copy, _load_stored, _matrix_scale, _split_halves, _typed_codes)
 
 # ----------------------------------------------------------------------------------------
 # anchor chain: the anchor recurrence of a run of windows, one launch
@@ -579,19 +578,14 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     nslot = NW if all_anchors else min(NW, 2)
     bufs = _alloc_copy(spec, (B * nslot, H, V, K), dev)
     codes = bufs[0]
-    ap = codes
-    if _kind(spec) == _K_HALF:
-        ap = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
+    ap = _typed_codes(spec, codes)
     S = torch.empty(B, NW, H, V, K, dtype=torch.float32, device=dev) if store_states else None
     out = torch.empty(B, T, H, V, dtype=torch.float32, device=dev) if q is not None else None
     need_amax = _kind(spec) in (_K_MATRIX, _K_NVFP4) or (
         dual and _kind(read_spec) in (_K_MATRIX, _K_NVFP4))
     if dual:  # the read copies of the last two windows (the kernel reads the previous one)
         rbufs = _alloc_copy(read_spec, (B * 2, H, V, K), dev)
-        rp = rbufs[0]
-        if _kind(read_spec) == _K_HALF:
-            rp = rbufs[0].view(torch.bfloat16 if read_spec.info.element is F.BF16
-                               else torch.float16)
+        rp = _typed_codes(read_spec, rbufs[0])
         rst = stream_keys_to(read_streams.reshape(-1).contiguous(), dev)
     per_window = nt if exchange == "slots" else 2
     sync = torch.zeros(1 + (per_window * B * H * NW if split and need_amax else 0),
@@ -616,23 +610,24 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         enable_fp_fusion=False, P=_decode_consts(spec), CA=_cast_consts(spec), DUAL=dual,
         PR=_decode_consts(read_spec if dual else spec),
         CR=_cast_consts(read_spec if dual else spec))
-    if not all_anchors:  # dequantise the last slot only
-        last = (NW - 1) % nslot
+    # every anchor slot, or the last window's only (slot (NW - 1) % nslot); the last read copy
+    A = _dequantised(spec, bufs, (B, H, V, K), nslot, None if all_anchors else (NW - 1) % nslot)
+    R = _dequantised(read_spec, rbufs, (B, H, V, K), 2, (NW - 1) % 2) if dual else None
+    return ChainResult(S, A, out, R)
+
+
+def _dequantised(spec, bufs, shape, nslot: int, last: int | None) -> torch.Tensor:
+    """FP32 ``[B, nslot or 1, H, V, K]`` (``shape`` = (B, H, V, K)) of the copies the kernel
+    stored in ``nslot`` slots per sequence (``bufs`` from ``_alloc_copy`` with leading dim
+    ``B * nslot``): every slot, or only slot ``last``."""
+    B, H, V, K = shape
+    if last is not None:
         bufs = tuple(None if t is None else t.reshape(B, nslot, *t.shape[1:])[:, last].contiguous()
                      for t in bufs)
         nslot = 1
     packed = _as_stored(spec, (B * nslot, H, V, K), bufs)
     A = packed if isinstance(packed, torch.Tensor) else packed.dequantize()
-    A = A.to(torch.float32).reshape(B, nslot, H, V, K)
-    R = None
-    if dual:  # the last window's read copy: slot (NW - 1) % 2
-        last = (NW - 1) % 2
-        rb = tuple(None if t is None else t.reshape(B, 2, *t.shape[1:])[:, last].contiguous()
-                   for t in rbufs)
-        packed = _as_stored(read_spec, (B, H, V, K), rb)
-        R = packed if isinstance(packed, torch.Tensor) else packed.dequantize()
-        R = R.to(torch.float32).reshape(B, 1, H, V, K)
-    return ChainResult(S, A, out, R)
+    return A.to(torch.float32).reshape(B, nslot, H, V, K)
 
 
 def _check_streams(name: str, streams, B: int, NW: int, H: int) -> torch.Tensor:

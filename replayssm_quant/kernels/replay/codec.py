@@ -523,13 +523,19 @@ def _alloc_copy(spec: QuantSpec, shape, device):
     return codes, bs, (ms if kind == _K_NVFP4 else None)
 
 
+def _typed_codes(spec: QuantSpec, codes: torch.Tensor) -> torch.Tensor:
+    """The codes buffer of a copy as its kernels decode it: half formats' int16 codes viewed
+    as bf16 / fp16 (the same bytes), every other format as allocated."""
+    if _kind(spec) == _K_HALF:
+        return codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
+    return codes
+
+
 def _as_stored(spec: QuantSpec, shape, bufs):
     codes, bs, ms = bufs
     if spec.is_identity:
         return codes
-    if _kind(spec) == _K_HALF:
-        codes = codes.view(torch.bfloat16 if spec.info.element is F.BF16 else torch.float16)
-    return PackedTensor(spec, torch.Size(shape), codes, bs, ms)
+    return PackedTensor(spec, torch.Size(shape), _typed_codes(spec, codes), bs, ms)
 
 
 # ----------------------------------------------------------------------------------------

@@ -330,6 +330,14 @@ def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, 
 
 
 @triton.jit
+def _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, kk):
+    """The record keys ``[LP, len(kk)]`` at key columns ``kk``: ring slots (``ring``, rows
+    ``krow``) and draft slots (``drf``, rows ``kdrow``), zero elsewhere."""
+    return tl.load(rk_ptr + krow[:, None] + kk[None, :], mask=ring[:, None], other=0.0) + \
+        tl.load(dk_ptr + kdrow[:, None] + kk[None, :], mask=drf[:, None], other=0.0)
+
+
+@triton.jit
 def _records_kernel(
         c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
         rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
@@ -406,9 +414,7 @@ def _records_kernel(
     kdrow = ((b * TD + di) * G + g) * K
     if KFIRST:  # the record keys [LP, K] as one tile (KC == K), issued before the C stream
         # so that their latency overlaps it; consumed by the Z pass below
-        kk0 = tl.arange(0, K)
-        kfirst = tl.load(rk_ptr + krow[:, None] + kk0[None, :], mask=ring[:, None], other=0.0) + \
-            tl.load(dk_ptr + kdrow[:, None] + kk0[None, :], mask=drf[:, None], other=0.0)
+        kfirst = _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, tl.arange(0, K))
 
     # ---- Y = C X [BV, NX], C streamed along K in chunks of KC columns
     Y = tl.zeros([BV, NX], tl.float32)
@@ -460,8 +466,7 @@ def _records_kernel(
         if KFIRST:
             km = kfirst
         else:
-            km = tl.load(rk_ptr + krow[:, None] + kk[None, :], mask=ring[:, None], other=0.0) + \
-                tl.load(dk_ptr + kdrow[:, None] + kk[None, :], mask=drf[:, None], other=0.0)
+            km = _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, kk)
         Z = _add_times_x(Z, km, kk, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, cs, n, G,
                          TD, TQ, NC, NS, K, D_REL, DOT, PREC)
         if SOLVE > 0 and GDN and NS > 0:  # Gram of the solved rows' keys with X

@@ -8,7 +8,16 @@ window L = 16, verify T = 8 drafts at every start h = 0..L-T (committed records 
 drafts; h = L-T puts the last draft on the flush slot). Float32 records.
 
 Timed, per geometry and B (all times in microseconds, median over ``--reps`` calls, each call
-bracketed by its own CUDA events; ``--tiny``: host timer, CPU interpreter):
+bracketed by its own CUDA events; ``--tiny``: host timer, CPU interpreter). ``--timing``:
+``graph`` replays each call from a CUDA graph captured once per pool entry, so the time is the
+GPU time of its kernels (what a serving engine that replays its decode step from a CUDA graph
+pays, and how kernels are compared: ``triton.testing.do_bench_cudagraph``); ``eager`` launches
+from Python on every call, which at the step's ~0.1-0.25 ms of host work per call (argument
+checks, two launches) shows the host wherever it exceeds the GPU time (every call at B = 1,
+and at B = 256 once a step's kernels take less than its host work); ``both`` (default) keeps
+the eager timing of every item under ``"eager"`` and its ratios under ``summary.eager``. Added
+2026-12-01 after a torch.profiler run showed the step's kernels 15-30% faster with
+``shared_products`` while the eager timing, now host-bound, moved by 50-150 us at random.
 
 * per policy in ``POLICIES`` (``fp32``; ``read:nvfp4/rec:fp16+sr``): the non-flush decode step
   (``{gdn,mamba2}_step_kernel``: ring append + output, read copy R in its stored form) at every
@@ -189,34 +198,93 @@ def nbytes(st):
     return rk.nbytes(st)
 
 
-def timer(fn, n, reps, warmup):
+# How timer() times on the GPU: "eager" (each call's launches bracketed by CUDA events; the
+# host's launch overhead shows wherever it exceeds the GPU time of the call), "graph" (each
+# pool entry's call captured once as a CUDA graph and the replays bracketed by CUDA events:
+# the GPU time of the call's kernels, as a serving engine that replays its decode step from
+# a CUDA graph sees it) or "both" (graph, with the eager timing kept under "eager").
+TIMING_MODES = ("eager", "graph", "both")
+TIMING = "eager"
+
+
+def _event_times(call, n, reps, start):
+    """Microseconds of ``call(i)`` for ``reps`` calls from ``i = start``, rotating over ``n``,
+    each bracketed by its own pair of CUDA events (the calls are queued back to back)."""
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for j, (s, e) in enumerate(ev):
+        s.record()
+        call((start + j) % n)
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in ev]
+
+
+def _stats(ts, reps, n):
+    return {"median_us": statistics.median(ts), "min_us": min(ts), "max_us": max(ts),
+            "reps": reps, "pool": n}
+
+
+def _graphs(fn, n):
+    """One CUDA graph per pool entry of ``fn(i)`` (captured after the eager warm-up, so every
+    kernel is compiled and autotuned; one memory pool shared by the graphs: their outputs are
+    never read)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a warm call on the capture's side stream (torch's recipe)
+        fn(0)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    for i in range(n):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            fn(i)
+        graphs.append(g)
+    torch.cuda.synchronize()
+    return graphs
+
+
+def timer(fn, n, reps, warmup, mode=None):
     """Median microseconds of ``fn(i)`` over ``reps`` calls, rotating ``i`` over ``n`` sets;
     warm-up: every set once plus ``warmup`` calls. CUDA events per call (host timer with
-    ``--tiny``). Returns ``{"median_us", "min_us", "max_us", "reps", "pool"}``."""
+    ``--tiny``). ``mode`` (default the module's ``TIMING``): see ``TIMING_MODES``; a call
+    that cannot be captured (it synchronises with the host) is timed eagerly and the capture
+    error is recorded. Returns ``{"median_us", "min_us", "max_us", "reps", "pool",
+    "timing"}`` (and ``"eager"``: the eager timing, with ``"both"``; ``"graph_error"``)."""
+    mode = TIMING if mode is None else mode
+    if mode not in TIMING_MODES:
+        raise ValueError(f"timing mode must be one of {TIMING_MODES}, got {mode!r}")
     i = 0
     for _ in range(n + warmup):
         fn(i % n)
         i += 1
-    ts = []
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-        for s, e in ev:
-            s.record()
-            fn(i % n)
-            e.record()
-            i += 1
-        torch.cuda.synchronize()
-        ts = [s.elapsed_time(e) * 1e3 for s, e in ev]
-    else:
+    if DEV != "cuda":
+        ts = []
         for _ in range(reps):
             t = time.perf_counter()
             fn(i % n)
             ts.append((time.perf_counter() - t) * 1e6)
             i += 1
-    return {"median_us": statistics.median(ts), "min_us": min(ts), "max_us": max(ts),
-            "reps": reps, "pool": n}
+        return {**_stats(ts, reps, n), "timing": "host"}
+    eager = None
+    if mode in ("eager", "both"):
+        eager = {**_stats(_event_times(fn, n, reps, i), reps, n), "timing": "eager"}
+        if mode == "eager":
+            return eager
+    try:
+        graphs = _graphs(fn, n)
+    except Exception as err:  # noqa: BLE001  (a host synchronisation inside the call)
+        torch.cuda.synchronize()
+        out = eager or {**_stats(_event_times(fn, n, reps, i), reps, n), "timing": "eager"}
+        return {**out, "graph_error": f"{type(err).__name__}: {str(err)[:300]}"}
+    out = {**_stats(_event_times(lambda j: graphs[j].replay(), n, reps, 0), reps, n),
+           "timing": "graph"}
+    if eager is not None:
+        out["eager"] = {k: eager[k] for k in ("median_us", "min_us", "max_us")}
+    return out
 
 
 def gbps(nbytes_, r, copy_gbps=None):
@@ -488,6 +556,14 @@ def run_shape(M, T, args, copy_gbps, fla_fns, log):
         res["step_mean_us"] = sum(steps) / len(steps)
         res["amortised_us"] = (sum(steps) + res["flush"]["median_us"]) / L
         res["verify_max_us"] = max(v["median_us"] for v in res["verify"].values())
+        timed = [*res["step"].values(), *res["verify"].values(), res["flush"]]
+        if all("eager" in v for v in timed):  # --timing both: the eager aggregates too
+            es = [v["eager"]["median_us"] for v in res["step"].values()]
+            fe = res["flush"]["eager"]["median_us"]
+            res["eager"] = {"step_mean_us": sum(es) / len(es), "flush_us": fe,
+                            "amortised_us": (sum(es) + fe) / L,
+                            "verify_max_us": max(v["eager"]["median_us"]
+                                                 for v in res["verify"].values())}
         log(M.name, B, pname, "step", round(res["step_mean_us"], 1), "flush",
             round(res["flush"]["median_us"], 1), "amortised", round(res["amortised_us"], 1),
             "verify max", round(res["verify_max_us"], 1))
@@ -497,10 +573,17 @@ def run_shape(M, T, args, copy_gbps, fla_fns, log):
     return out
 
 
-def ratios(shape):
-    """The issue's summary ratios for one shape (None where fla is missing)."""
+def ratios(shape, eager=False):
+    """The issue's summary ratios for one shape (None where fla is missing); ``eager``: from
+    the eager timings kept by ``--timing both`` (None when there are none)."""
     p32, p4 = shape["policies"]["fp32"], shape["policies"]["nvfp4"]
     fla = shape["baselines"]["fla_step"]
+    if eager:
+        if "eager" not in p32 or "eager" not in p4:
+            return None
+        p32, p4 = ({**p["eager"], "flush": {"median_us": p["eager"]["flush_us"]}}
+                   for p in (p32, p4))
+        fla = fla and fla.get("eager")
     f = fla["median_us"] if fla else None
     return {
         "fp32_amortised_vs_fla": f / p32["amortised_us"] if f else None,
@@ -534,6 +617,10 @@ def summarize(result, emulation=None):
         per = {b: ratios(s) for b, s in shapes.items() if "error" not in s}
         summary["by_batch"][name] = per
         summary[name] = per.get(big)
+        if big in shapes and "error" not in shapes[big]:
+            eager = ratios(shapes[big], eager=True)
+            if eager:
+                summary.setdefault("eager", {})[name] = eager
     summary["batch_of_targets"] = max(batches)
     summary["emulation_vs_plain_fla_max"] = None  # the emulation item: kl_throughput.py
     if emulation:
@@ -581,6 +668,12 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed calls (default 50; tiny 1)")
     ap.add_argument("--warmup", type=int, default=None, help="extra warm-up calls (default 5)")
     ap.add_argument("--pool", type=int, default=0, help="sets per pool (0: >= 4 x L2; tiny 2)")
+    ap.add_argument("--timing", default="both", choices=TIMING_MODES,
+                    help="graph: CUDA-graph replays (the kernels' GPU time, as a serving engine "
+                         "replaying its decode step sees it; the summary's ratios); eager: "
+                         "launched from Python each call (host launch overhead included where "
+                         "it exceeds the GPU time); both (default): graph, and eager kept "
+                         "under each timing's 'eager' with its own summary")
     ap.add_argument("--emulation", default=None, metavar="JSON",
                     help="a benchmarks/kl_throughput.py result (the issue's emulation item: "
                          "3.4B-shaped qwen3_5, N = 16384, fla installed); its worst policy's "
@@ -591,6 +684,8 @@ def main(argv=None):
                     help="time nothing: recompute the summary of this decode result (with "
                          "--emulation) and write it to --out")
     args = ap.parse_args(argv)
+    global TIMING
+    TIMING = args.timing
     if args.resummarize:
         if not Path(args.resummarize).is_file():
             ap.error(f"--resummarize: no such file {args.resummarize!r}")
@@ -638,7 +733,13 @@ def main(argv=None):
                       "mamba2": "fla.ops.simple_gla.fused_recurrent_simple_gla"},
               "window_L": L, "verify_T": T, "batches": batches, "policies": POLICIES,
               "timing": f"median of {args.reps} calls, CUDA events per call, pool rotated "
-                        f"(>= {POOL_L2_MULTIPLE} x L2 = {POOL_L2_MULTIPLE * l2_bytes()} bytes)"
+                        f"(>= {POOL_L2_MULTIPLE} x L2 = {POOL_L2_MULTIPLE * l2_bytes()} bytes); "
+                        f"mode {args.timing!r}: " + {
+                            "graph": "CUDA-graph replays of each call (GPU time)",
+                            "eager": "Python launches per call (host overhead included where "
+                                     "it exceeds the GPU time)",
+                            "both": "CUDA-graph replays (the summary), the eager timing kept "
+                                    "under 'eager' (summary.eager)"}[args.timing]
                         if not args.tiny else "host timer (interpreter), not a measurement",
               "tolerance_outputs": f"mismatch = count of |got-ref| > {ATOL} + {RTOL} |ref|",
               "notes": ["step at h reads h + 1 records; amortised = (sum over h = 0..L-2 of "

@@ -125,10 +125,24 @@ KEYS_STEP_CANDIDATES = [
     (32, 4, 128, 1, False, True) + _N + (True,),
     (32, 4, 128, 1, False, None) + _N + (True,),
 ]
+# the products with the record keys once per (sequence, key group) (shared_products, the 12th
+# field) against the wrappers' defaults (all fields None), and with it wider value tiles (the
+# products no longer repeat per tile)
+_D = (None,) * 11
+SHARED_STEP_CANDIDATES = [
+    _D + (False,), _D + (True,),
+    (128, 4, 128, 1, False, None) + _N + (None, True),
+    (128, 8, 128, 1, False, None) + _N + (None, True),
+    (64, 8, 128, 1, False, None) + _N + (None, True),
+    (32, 4, 128, 1, False, None) + _N + (None, True),
+    (64, 4, 64, 2, False, None) + _N + (None, True),
+]
+SHARED_VERIFY_CANDIDATES = [_D + (False,), _D + (True,)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
-        "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first")
+        "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
+        "shared_products")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -147,7 +161,8 @@ def cases(M, T):
     step, ver = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                  "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES),
                  "verify2": (VERIFY2_STEP_CANDIDATES, VERIFY2_VERIFY_CANDIDATES),
-                 "keys": (KEYS_STEP_CANDIDATES, [])}.get(
+                 "keys": (KEYS_STEP_CANDIDATES, []),
+                 "shared": (SHARED_STEP_CANDIDATES, SHARED_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -172,7 +187,8 @@ def skip(M, c, fmt):
         return True  # anchor_block_v: GDN's anchor launch
     if not M.gdn and (len(c) == 6 or (len(c) > 6 and (c[5] or c[6] == "doubling"))):
         return True  # prefetch and the inverse's form change only GDN's solve
-    return M.V >= 64 and c[0] > M.V  # value tile larger than the value dim: same work, masked
+    # value tile larger than the value dim: same work, masked
+    return M.V >= 64 and c[0] is not None and c[0] > M.V
 
 
 def op(M, case, st, h, cfg):
@@ -274,15 +290,21 @@ def main(argv=None):
     ap.add_argument("--ref-seqs", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
     ap.add_argument("--set", default="all",
-                    choices=("all", "tf32", "prefetch", "verify2", "keys"),
+                    choices=("all", "tf32", "prefetch", "verify2", "keys", "shared"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
                          "verify2 (verify's matrix forms, solve='inverse'/'doubling', against "
                          "the defaults, plus the default steps) or keys (the step with the "
-                         "record keys loaded before C, keys_first, against the defaults)")
+                         "record keys loaded before C, keys_first, against the defaults) or "
+                         "shared (the products with the record keys once per sequence and key "
+                         "group, shared_products, against the defaults)")
+    ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
+                    help="decode.timer's mode: eager (Python launches per call), graph "
+                         "(CUDA-graph replays: the kernels' GPU time) or both")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # worker: "i/n"
     args = ap.parse_args(argv)
+    dc.TIMING = args.timing
     global CANDIDATE_SET
     CANDIDATE_SET = args.set
     models, T = geometries(args.tiny)

@@ -542,7 +542,11 @@ CONFIGS = [dict(k_chunk=32, use_dot=False, block_v=16, num_stages=2),
            dict(k_chunk=64, use_dot=False, block_v=32, prefetch=True),
            # the matrix forms of the solve and the outputs (step too: one solved row)
            dict(k_chunk=32, use_dot="tf32x3", block_v=16, solve="inverse"),
-           dict(k_chunk=64, use_dot=False, block_v=32, num_stages=2, solve="doubling")]
+           dict(k_chunk=64, use_dot=False, block_v=32, num_stages=2, solve="doubling"),
+           # the products with the record keys formed once per (sequence, key group)
+           dict(k_chunk=32, use_dot=False, block_v=16, shared_products=True),
+           dict(k_chunk=32, use_dot="tf32x3", block_v=16, solve="inverse",
+                shared_products=True)]
 K2 = 64
 
 

@@ -65,8 +65,15 @@ DEFAULT_WARPS = 4
 # docs/kernels-replay.md): the whole key dim as one chunk for the step, except GDN reading an
 # FP32/half copy (chunks of 32, 3 stages: 230 vs 255 us); verify: reductions for Mamba-2 from
 # an FP32/half copy, tf32x3 tensor-core products otherwise (below).
-STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False)
-GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, use_dot=False)
+# shared_products (2026-12-01, sixth session): the products with the record keys once per
+# (sequence, key group) in a small launch before the step; GPU time per step at B = 256, h = 7
+# (torch.profiler, benchmarks/results/step_shared_products_h200.json): GDN fp32 223 -> 15 +
+# 171 us, GDN nvfp4 283 -> 11 + 187 us, Mamba-2 fp32 313 -> 2 + 294 us, Mamba-2 nvfp4 253 ->
+# 2 + 208 us.
+STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False,
+                   shared_products=True)
+GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, use_dot=False,
+                            shared_products=True)
 # GDN from an nvfp4/mx copy: the solved row's v and beta loaded before the solve (prefetch;
 # records_tune --set prefetch, records_tune_prefetch_h200.json: 293 -> 279 us at B = 256) and
 # the record keys before C (keys_first; records_tune --set keys, records_tune_keys_h200.json:
@@ -80,11 +87,15 @@ GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True, keys_first=True)
 # 780 / 786 us (1592 at h = 8 before skip_shared_anchor); from nvfp4 with tf32x3: 1200 / 1517
 # us (1580 / 1857). "doubling" and fuse_shared_anchor were slower everywhere.
 VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=False,
-                     solve="inverse")
+                     solve="inverse", shared_products=True)
 GDN_VERIFY_CONFIG = dict(block_v=128, num_warps=4, k_chunk=64, num_stages=2, use_dot="tf32x3",
                          solve="inverse")
 GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG)
 MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
+# Mamba-2's verify with shared_products (its 128 heads share one key group): records_tune
+# --set shared, B = 256, eager timing: fp32 794 / 801 -> 584 / 588 us (h = 0 / 8), nvfp4
+# 1223 / 1546 -> 837 / 1074 us; GDN's verify (2 value heads per key group) without it:
+# h = 0 901 -> 1085 us with it (records_tune_shared_h200.json)
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
@@ -338,6 +349,100 @@ def _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, kk):
 
 
 @triton.jit
+def _slots(idx, ss, n, D_REL: tl.constexpr):
+    """Record slots ``idx [LP]``: ``ring`` (rows < ss, from the ring), ``drf`` (rows
+    ss..n-1, from the draft tensors), and the clamped indices ``di`` / ``ri`` into the draft
+    tensors (by slot, or relative to ss with ``D_REL``) and the ring."""
+    ring = idx < ss
+    drf = (idx >= ss) & (idx < n)
+    if D_REL:
+        di = idx - ss  # draft tensors hold rows ss.. at index 0..
+    else:
+        di = idx  # draft tensors are indexed by slot
+    return ring, drf, tl.where(drf, di, 0), tl.where(ring, idx, 0)
+
+
+@triton.jit
+def _x_setup(cx, ss, n, b, g, G, TD, TQ, K: tl.constexpr, NS: tl.constexpr,
+             D_REL: tl.constexpr, FUSED: tl.constexpr):
+    """Columns ``cx [NX]`` of X for sequence ``b``, key group ``g``: ``cs`` (the slot of key
+    column 0: ss, or 0 with FUSED), ``isk``/``kbase`` (k of solved row ``cs + c``, c < NS,
+    offsets into the draft keys) and ``isq``/``qbase`` (query ``c - NS``, offsets into q)."""
+    if FUSED:
+        cs = ss * 0
+    else:
+        cs = ss
+    isk = (cx < NS) & (cs + cx < n)
+    if D_REL:
+        dcol = cx.to(tl.int64)
+    else:
+        dcol = cs + cx
+    kbase = tl.where(isk, ((b * TD + dcol) * G + g) * K, 0)
+    isq = (cx >= NS) & (cx < NS + TQ)
+    qbase = tl.where(isq, ((b * TQ + (cx - NS)) * G + g) * K, 0)
+    return cs, isk, kbase, isq, qbase
+
+
+@triton.jit
+def _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, kfirst, kbase, isk, qbase, isq,
+                  cx, b, g, cs, n, G, TD, TQ, K: tl.constexpr, KC: tl.constexpr,
+                  STAGES: tl.constexpr, LP: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr,
+                  NX: tl.constexpr, D_REL: tl.constexpr, DOT: tl.constexpr,
+                  PREC: tl.constexpr, KFIRST: tl.constexpr, SOLVE: tl.constexpr,
+                  GDN: tl.constexpr):
+    """``Z = Kmat X [LP, NX]`` (``k_i . x_c`` for every record slot i: ring rows < ss, then
+    drafts) and, for GDN's matrix forms, ``Zd [NX, NX]`` (k of solved row d . x_c); the
+    record keys streamed along K in chunks of KC (``kfirst``: the whole ``[LP, K]`` tile,
+    loaded already, with KFIRST). Depends on (sequence, key group) only."""
+    Z = tl.zeros([LP, NX], tl.float32)
+    Zd = tl.zeros([NX, NX], tl.float32)
+    for k0 in tl.range(0, K, KC, num_stages=STAGES):
+        kk = k0 + tl.arange(0, KC)
+        if KFIRST:
+            km = kfirst
+        else:
+            km = _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, kk)
+        Z = _add_times_x(Z, km, kk, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, cs, n, G,
+                         TD, TQ, NC, NS, K, D_REL, DOT, PREC)
+        if SOLVE > 0 and GDN and NS > 0:  # Gram of the solved rows' keys with X
+            kdt = tl.load(dk_ptr + kbase[:, None] + kk[None, :], mask=isk[:, None], other=0.0)
+            Zd += tl.dot(kdt, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, kk, K),
+                         input_precision=PREC)
+    return Z, Zd
+
+
+@triton.jit
+def _key_products_kernel(
+        rk_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, z_ptr, zd_ptr, G, CAP, TD, TQ,
+        K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, LP: tl.constexpr,
+        NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr, DOT: tl.constexpr,
+        PREC: tl.constexpr, D_REL: tl.constexpr, SOLVE: tl.constexpr, GDN: tl.constexpr,
+        FUSED: tl.constexpr):
+    """The records kernel's ``Z`` (and ``Zd``) once per (sequence, key group) (program
+    ``b * G + g``), written to ``z_ptr [B*G, LP, NX]`` / ``zd_ptr [B*G, NX, NX]`` for the
+    records kernel launched with ZPRE: every program of that launch for the same sequence and
+    key group (the value heads of a group, the value-row tiles) reads them instead of
+    recomputing the products with the record keys."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // G
+    g = pid - b * G
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    idx = tl.arange(0, LP).to(tl.int64)
+    cx = tl.arange(0, NX)
+    ring, drf, di, ri = _slots(idx, ss, n, D_REL)
+    cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
+    krow = ((b * CAP + ri) * G + g) * K
+    kdrow = ((b * TD + di) * G + g) * K
+    Z, Zd = _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, 0, kbase, isk, qbase,
+                          isq, cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC, NS, NX,
+                          D_REL, DOT, PREC, False, SOLVE, GDN)
+    tl.store(z_ptr + (pid * LP + idx[:, None]) * NX + cx[None, :], Z)
+    if SOLVE > 0 and GDN and NS > 0:
+        tl.store(zd_ptr + (pid * NX + cx[:, None]) * NX + cx[None, :], Zd)
+
+
+@triton.jit
 def _records_kernel(
         c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
         rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
@@ -346,11 +451,12 @@ def _records_kernel(
         ss_ptr, n_ptr, os_ptr,  # int64 [B]: first solved/draft row, rows, first output position
         wout_ptr,  # [B,WCAP,H,V]: solved rows ss..n-1 (WRITE_W)
         ala_ptr, ak_ptr, av_ptr, abeta_ptr,  # ring outputs of the append (APPEND)
+        z_ptr, zd_ptr,  # [B*G, LP, NX], [B*G, NX, NX]: Z and Zd of the products launch (ZPRE)
         H, G, V, CAP, TD, TQ, WCAP, OT, OT0, window,
         K: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
         STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
-        KFIRST: tl.constexpr,
+        KFIRST: tl.constexpr, ZPRE: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
         SPREC: tl.constexpr, C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
@@ -377,14 +483,7 @@ def _records_kernel(
 
     # ---- records of this (sequence, head): la, w of this program's rows (issued before the
     # C stream; consumed after it)
-    ring = idx < ss
-    drf = (idx >= ss) & (idx < n)
-    if D_REL:
-        di = idx - ss  # draft tensors hold rows ss.. at index 0..
-    else:
-        di = idx  # draft tensors are indexed by slot
-    di = tl.where(drf, di, 0)
-    ri = tl.where(ring, idx, 0)
+    ring, drf, di, ri = _slots(idx, ss, n, D_REL)
     la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
                   tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))
     m2 = ring[:, None] & rmask[None, :]
@@ -397,24 +496,14 @@ def _records_kernel(
 
     # ---- X: the NC vectors C is multiplied with, columns 0..NS-1 the k of the solved rows
     # ss.. (GDN), then the TQ queries; padded to NX columns (zero)
-    if FUSED:
-        cs = ss * 0  # slot of key column 0
-    else:
-        cs = ss
-    isk = (cx < NS) & (cs + cx < n)
-    if D_REL:
-        dcol = cx.to(tl.int64)
-    else:
-        dcol = cs + cx
-    kbase = tl.where(isk, ((b * TD + dcol) * G + g) * K, 0)
-    isq = (cx >= NS) & (cx < NS + TQ)
-    qbase = tl.where(isq, ((b * TQ + (cx - NS)) * G + g) * K, 0)
-
+    cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
     krow = ((b * CAP + ri) * G + g) * K
     kdrow = ((b * TD + di) * G + g) * K
-    if KFIRST:  # the record keys [LP, K] as one tile (KC == K), issued before the C stream
-        # so that their latency overlaps it; consumed by the Z pass below
+    if KFIRST and not ZPRE:  # the record keys [LP, K] as one tile (KC == K), issued before
+        # the C stream so that their latency overlaps it; consumed by the Z pass below
         kfirst = _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, tl.arange(0, K))
+    else:
+        kfirst = 0
 
     # ---- Y = C X [BV, NX], C streamed along K in chunks of KC columns
     Y = tl.zeros([BV, NX], tl.float32)
@@ -458,21 +547,19 @@ def _records_kernel(
         if C.KIND == 3:
             Y = Y * tl.load(cms_ptr + mat)  # nvfp4 matrix scale, after the sum
 
-    # ---- Z = Kmat X [LP, NX]: k_i . x for every record slot i (ring rows < ss, then drafts)
-    Z = tl.zeros([LP, NX], tl.float32)
-    Zd = tl.zeros([NX, NX], tl.float32)  # matrix form (GDN): k of solved row d . column c of X
-    for k0 in tl.range(0, K, KC, num_stages=STAGES):
-        kk = k0 + tl.arange(0, KC)
-        if KFIRST:
-            km = kfirst
+    # ---- Z = Kmat X [LP, NX]: k_i . x for every record slot i (ring rows < ss, then drafts);
+    # per (sequence, key group): from the products launch (ZPRE) or here
+    if ZPRE:
+        zrow = (b * G + g) * LP
+        Z = tl.load(z_ptr + (zrow + idx[:, None]) * NX + cx[None, :])
+        if SOLVE > 0 and GDN and NS > 0:
+            Zd = tl.load(zd_ptr + ((b * G + g) * NX + cx[:, None]) * NX + cx[None, :])
         else:
-            km = _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, kk)
-        Z = _add_times_x(Z, km, kk, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, cs, n, G,
-                         TD, TQ, NC, NS, K, D_REL, DOT, PREC)
-        if SOLVE > 0 and GDN and NS > 0:  # Gram of the solved rows' keys with X
-            kdt = tl.load(dk_ptr + kbase[:, None] + kk[None, :], mask=isk[:, None], other=0.0)
-            Zd += tl.dot(kdt, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, kk, K),
-                         input_precision=PREC)
+            Zd = tl.zeros([NX, NX], tl.float32)
+    else:
+        Z, Zd = _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, kfirst, kbase, isk,
+                              qbase, isq, cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC, NS,
+                              NX, D_REL, DOT, PREC, KFIRST, SOLVE, GDN)
 
     cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
 
@@ -562,6 +649,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     k_chunk: int | None = None, num_stages: int | None = None,
                     use_dot: "bool | str | None" = None,
                     prefetch: bool = False, keys_first: bool = False,
+                    shared_products: bool = False,
                     solve: str = "substitution",
                     fused_window: int | None = None,
                     solve_precision: str | None = None) -> torch.Tensor:
@@ -601,6 +689,17 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             (their latency then overlaps it) instead of after it, where C is streamed in one
             chunk (``k_chunk`` equal to the key dim; ignored otherwise). Same values, same
             arithmetic.
+        shared_products: form the products with the record keys (``Z = Kmat X``, ``k_i . q``
+            and GDN's ``k_i . k_p``; the matrix forms' ``Zd``) once per (sequence, key group)
+            in a small launch before the records kernel (``_key_products_kernel``, the same
+            code), instead of in every program: they do not depend on the value head or the
+            value rows, so a launch with ``H / G`` value heads per key group and
+            ``V / block_v`` row tiles otherwise forms them that many times (Mamba-2's single
+            group: 128 times per sequence). Applied only where something is shared
+            (``H / G * cdiv(V, block_v) > 1``, a property of the shape and the launch, never of
+            the batch). The same formula and summation code; last bits can differ from the
+            fused form (the compiler may lay the tiles out differently in the two kernels),
+            within the outputs' tolerance; ``keys_first`` then has no effect.
         solve: how the GDN solve and the outputs are formed after the products with C and the
             keys. ``"substitution"`` (default): forward substitution one solved row at a time
             on ``[BV, LP]`` tiles, then one masked reduction per query. ``"inverse"``: the
@@ -682,22 +781,36 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
     grid = (B * H, triton.cdiv(V, bv))
     blk = spec.info.block or 1
+    if not isinstance(shared_products, bool):
+        raise ValueError(f"shared_products must be True or False, got {shared_products!r}")
+    LP = _lp(max(CAP, TD))
+    consts = dict(K=K, LP=LP, NS=NS, NC=NC, NX=NX, KC=KC, STAGES=num_stages or 1,
+                  DOT=bool(use_dot), PREC=prec, GDN=gdn, D_REL=draft_relative, SOLVE=matrix,
+                  FUSED=fused_window is not None)
+    q_arg = q.contiguous()
+    dk = draft["k"].contiguous()
+    zpre = shared_products and (H // G) * grid[1] > 1
+    if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
+        z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
+        zd = (torch.empty(B * G, NX, NX, dtype=torch.float32, device=q.device)
+              if gdn and matrix and NS > 0 else z)
+        _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD, TQ,
+                                       num_warps=num_warps, **consts)
+    else:
+        z = zd = o_arg
     _records_kernel[grid](
         c, cbs, cms, ring_la, ring_k, ring_w,
-        draft["la"].contiguous(), draft["k"].contiguous(), draft["v"].contiguous(),
-        beta.contiguous(), q.contiguous(), o_arg,
-        start, rows, out_start, wo, a_la, a_k, a_v, a_beta,
+        draft["la"].contiguous(), dk, draft["v"].contiguous(),
+        beta.contiguous(), q_arg, o_arg,
+        start, rows, out_start, wo, a_la, a_k, a_v, a_beta, z, zd,
         H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
         o.shape[1] if TQ else 1, out_slot,
         at_window if at_window is not None else (-1 if fused_window is None else fused_window),
-        K=K, BLK=blk, BV=bv, LP=_lp(max(CAP, TD)), NS=NS, NC=NC, NX=NX, KC=KC,
-        STAGES=num_stages or 1, DOT=bool(use_dot), PREC=prec, PREFETCH=bool(prefetch),
-        KFIRST=keys_first,
-        GDN=gdn, D_REL=draft_relative, WRITE_W=w_out is not None, APPEND=append is not None,
-        AT_WINDOW=at_window is not None, SOLVE=matrix, FUSED=fused_window is not None,
-        SPREC=solve_precision,
+        BLK=blk, BV=bv, PREFETCH=bool(prefetch), KFIRST=keys_first, ZPRE=zpre,
+        WRITE_W=w_out is not None, APPEND=append is not None,
+        AT_WINDOW=at_window is not None, SPREC=solve_precision,
         NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
-        num_warps=num_warps, C=_decode_consts(spec))
+        num_warps=num_warps, C=_decode_consts(spec), **consts)
     return o
 
 
@@ -750,7 +863,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
         num_warps: int | None = None, k_chunk: int | None = None,
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
         prefetch: bool | None = None, solve: str | None = None,
-        keys_first: bool | None = None):
+        keys_first: bool | None = None, shared_products: bool | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -760,7 +873,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed)."""
     cfg = _config(STEP_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
-                  keys_first=keys_first)
+                  keys_first=keys_first, shared_products=shared_products)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
@@ -772,7 +885,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
         num_warps: int | None = None, k_chunk: int | None = None,
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
         prefetch: bool | None = None, solve: str | None = None,
-        keys_first: bool | None = None):
+        keys_first: bool | None = None, shared_products: bool | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -788,7 +901,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   (GDN_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
-                  keys_first=keys_first)
+                  keys_first=keys_first, shared_products=shared_products)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,
@@ -832,7 +945,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          k_chunk: int | None = None, num_stages: int | None = None,
                          use_dot: "bool | str | None" = None, prefetch: bool | None = None,
                          solve: str | None = None, solve_precision: str | None = None,
-                         skip_shared_anchor: bool = True):
+                         skip_shared_anchor: bool = True,
+                         shared_products: bool | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two launches (one when ``skip_shared_anchor`` applies), no host
@@ -851,7 +965,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     cfg = _config(MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
-                  solve_precision=solve_precision)
+                  solve_precision=solve_precision, shared_products=shared_products)
     _check_verify("mamba2_verify_kernel", read, anchor, la, v, k, q, start, window)
     T = q.shape[1]
     B = q.shape[0]
@@ -874,7 +988,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       prefetch: bool | None = None, solve: str | None = None,
                       solve_precision: str | None = None,
                       skip_shared_anchor: bool = True, fuse_shared_anchor: bool = False,
-                      anchor_block_v: int | None = None):
+                      anchor_block_v: int | None = None,
+                      shared_products: bool | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -907,7 +1022,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
-                  solve_precision=solve_precision)
+                  solve_precision=solve_precision, shared_products=shared_products)
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
                          f"solve={cfg.get('solve', 'substitution')!r}")

@@ -138,6 +138,16 @@ SHARED_STEP_CANDIDATES = [
     (64, 4, 64, 2, False, None) + _N + (None, True),
 ]
 SHARED_VERIFY_CANDIDATES = [_D + (False,), _D + (True,)]
+# verify with shared products: whole-K chunks (one reduction per query instead of one per
+# chunk), tensor-core products, tile sizes (--set verify3); the step defaults for reference
+_V = (None, "inverse") + (None,) * 4 + (True,)  # prefetch, solve, ..., shared_products
+VERIFY3_VERIFY_CANDIDATES = [
+    _D + (True,),
+    (64, 4, 128, 1, False) + _V, (32, 4, 128, 1, False) + _V, (64, 4, 64, 2, False) + _V,
+    (64, 8, 128, 1, False) + _V, (64, 4, 128, 1, "tf32x3") + _V,
+    (64, 4, 64, 2, "tf32x3") + _V, (128, 4, 64, 2, "tf32x3") + _V,
+    (128, 8, 128, 1, "tf32x3") + _V, (32, 4, 64, 2, "tf32x3") + _V,
+]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -162,7 +172,8 @@ def cases(M, T):
                  "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES),
                  "verify2": (VERIFY2_STEP_CANDIDATES, VERIFY2_VERIFY_CANDIDATES),
                  "keys": (KEYS_STEP_CANDIDATES, []),
-                 "shared": (SHARED_STEP_CANDIDATES, SHARED_VERIFY_CANDIDATES)}.get(
+                 "shared": (SHARED_STEP_CANDIDATES, SHARED_VERIFY_CANDIDATES),
+                 "verify3": ([_D], VERIFY3_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -290,7 +301,8 @@ def main(argv=None):
     ap.add_argument("--ref-seqs", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
     ap.add_argument("--set", default="all",
-                    choices=("all", "tf32", "prefetch", "verify2", "keys", "shared"),
+                    choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
+                             "verify3"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -298,7 +310,8 @@ def main(argv=None):
                          "the defaults, plus the default steps) or keys (the step with the "
                          "record keys loaded before C, keys_first, against the defaults) or "
                          "shared (the products with the record keys once per sequence and key "
-                         "group, shared_products, against the defaults)")
+                         "group, shared_products, against the defaults) or verify3 (verify "
+                         "launches with shared products: whole-K chunks, tensor cores, tiles)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

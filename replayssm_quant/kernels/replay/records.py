@@ -67,13 +67,17 @@ DEFAULT_WARPS = 4
 # an FP32/half copy, tf32x3 tensor-core products otherwise (below).
 # shared_products (2026-12-01, sixth session): the products with the record keys once per
 # (sequence, key group) in a small launch before the step; GPU time per step at B = 256, h = 7
-# (torch.profiler, benchmarks/results/step_shared_products_h200.json): GDN fp32 223 -> 15 +
-# 171 us, GDN nvfp4 283 -> 11 + 187 us, Mamba-2 fp32 313 -> 2 + 294 us, Mamba-2 nvfp4 253 ->
-# 2 + 208 us.
+# (torch.profiler, benchmarks/results/step_shared_products_h200.json): GDN fp32 226 -> 15 +
+# 175 us, GDN nvfp4 283 -> 11 + 190 us, Mamba-2 fp32 314 -> 2 + 297 us, Mamba-2 nvfp4 255 ->
+# 2 + 210 us. With it, the FP32-read steps take other tiles (records_tune --set shared
+# --timing both, records_tune_shared_graph_h200.json, CUDA-graph medians at h = 7): GDN one
+# 128-row tile, whole K (183 against 193 us with the former 64-row, 32-column chunks);
+# Mamba-2 K in two chunks, two stages (281 against 302 us).
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False,
                    shared_products=True)
-GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=3, use_dot=False,
+GDN_STEP_WIDE_CONFIG = dict(block_v=128, num_warps=4, k_chunk=128, num_stages=1, use_dot=False,
                             shared_products=True)
+MAMBA2_STEP_WIDE_CONFIG = dict(STEP_CONFIG, k_chunk=64, num_stages=2)
 # GDN from an nvfp4/mx copy: the solved row's v and beta loaded before the solve (prefetch;
 # records_tune --set prefetch, records_tune_prefetch_h200.json: 293 -> 279 us at B = 256) and
 # the record keys before C (keys_first; records_tune --set keys, records_tune_keys_h200.json:
@@ -91,11 +95,13 @@ VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=
 GDN_VERIFY_CONFIG = dict(block_v=128, num_warps=4, k_chunk=64, num_stages=2, use_dot="tf32x3",
                          solve="inverse")
 GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG)
-MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3")
 # Mamba-2's verify with shared_products (its 128 heads share one key group): records_tune
-# --set shared, B = 256, eager timing: fp32 794 / 801 -> 584 / 588 us (h = 0 / 8), nvfp4
-# 1223 / 1546 -> 837 / 1074 us; GDN's verify (2 value heads per key group) without it:
-# h = 0 901 -> 1085 us with it (records_tune_shared_h200.json)
+# --set shared --timing both, B = 256, CUDA-graph medians (records_tune_shared_graph_h200.json):
+# fp32 790 / 796 -> 577 / 582 us (h = 0 / 8), nvfp4 1228 / 1546 -> 834 / 1071 us; GDN's
+# verify (2 value heads per key group) stays without it: h = 0 614 -> 679 us with it (h = 8
+# 1357 -> 1228). From an nvfp4/mx copy, whole-K tf32x3 products (records_tune --set verify3,
+# records_tune_verify3_h200.json): 837 / 1070 -> 561 / 792 us.
+MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128, num_stages=1)
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
@@ -869,9 +875,12 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
     return ``y = gamma_{1:h+1} (R q) + V (m * (K^T q))`` ``[B, H, P]`` (no ``D x``) from the
     stored read copy ``read`` and grouped ``q [B, G, N]``. ``h``: int64 ``[B]`` records before
-    the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG`` unless
-    given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed)."""
-    cfg = _config(STEP_CONFIG, block_v=block_v, num_warps=num_warps, k_chunk=k_chunk,
+    the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG``
+    (``MAMBA2_STEP_WIDE_CONFIG`` for an FP32 or half read copy) unless given (see
+    :func:`records_outputs`; ``solve``: its matrix forms, untimed)."""
+    wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
+    cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else STEP_CONFIG, block_v=block_v,
+                  num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}

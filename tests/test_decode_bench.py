@@ -145,6 +145,48 @@ def test_resummarize_with_an_emulation_result(result, tmp_path, capsys):
     assert kept["emulation_vs_plain_fla_max"] == 1.4 and kept["emulation"] == re["summary"]["emulation"]
 
 
+def test_best_of_graph_and_eager(result, tmp_path):
+    """With ``--timing both`` every timed item carries its graph median and an ``"eager"``
+    median; the summary's ratios then use each item's lower median ("best"), and the pure
+    graph and eager ratios are kept. Checked by resummarizing the tiny result with synthetic
+    eager timings against ratios recomputed here by hand."""
+    import copy
+    res = copy.deepcopy(result)
+    shape = res["models"]["mamba2"]["B2"]
+    shape["baselines"]["fla_step"] = {"median_us": 300.0, "eager": {"median_us": 270.0}}
+    L = shape["shape"]["L"]
+    for pol in shape["policies"].values():
+        for i, v in enumerate([*pol["step"].values(), *pol["verify"].values(), pol["flush"]]):
+            v["eager"] = {"median_us": v["median_us"] * (0.5 if i % 2 else 2.0)}
+    src = tmp_path / "both.json"
+    src.write_text(json.dumps(res))
+    out = tmp_path / "best.json"
+    _decode_main(["--resummarize", str(src), "--out", str(out)])
+    summ = json.loads(out.read_text())["summary"]
+
+    def amortised(pol, pick):
+        st = [pick(v) for v in pol["step"].values()]
+        return (sum(st) + pick(pol["flush"])) / L
+
+    p32 = shape["policies"]["fp32"]
+    best = lambda v: min(v["median_us"], v["eager"]["median_us"])  # noqa: E731
+    assert summ["mamba2"]["fp32_amortised_vs_fla"] == pytest.approx(270.0 / amortised(p32, best))
+    assert summ["graph"]["mamba2"]["fp32_amortised_vs_fla"] == pytest.approx(
+        300.0 / amortised(p32, lambda v: v["median_us"]))
+    assert summ["eager"]["mamba2"]["fp32_amortised_vs_fla"] == pytest.approx(
+        270.0 / amortised(p32, lambda v: v["eager"]["median_us"]))
+    assert summ["by_batch"]["mamba2"]["B2"] == summ["mamba2"]
+    assert summ["gdn"] == result["summary"]["gdn"]  # no eager timings there: as timed
+    assert "gdn" not in summ["graph"]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import decode
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(ValueError, match="'bogus'"):
+        decode.timer(lambda i: None, 1, 1, 0, mode="bogus")
+
+
 def test_decode_model_tiny(tmp_path):
     """``benchmarks/decode_model.py --tiny``: both model families, both decode modes, the
     window bookkeeping (one flush call per L = 4 calls) and the generate rates are recorded."""

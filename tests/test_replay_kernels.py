@@ -675,7 +675,8 @@ def test_checkpoint_streams_device_build_equals_host_build():
 
 @pytest.mark.parametrize("bad", [dict(block_v=24), dict(block_v=0), dict(num_warps=3),
                                  dict(k_chunk=7), dict(num_stages=0), dict(use_dot="bogus"),
-                                 dict(use_dot=0.5)])
+                                 dict(use_dot=0.5), dict(shared_products="yes"),
+                                 dict(shared_products=1)])
 def test_records_launch_options_refused(bad):
     """A bad launch option of the records kernel raises ValueError naming it (before launch)."""
     from replayssm_quant.kernels.replay import records_outputs

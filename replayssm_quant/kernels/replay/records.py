@@ -68,8 +68,8 @@ DEFAULT_WARPS = 4
 # shared_products (2026-12-01, sixth session): the products with the record keys once per
 # (sequence, key group) in a small launch before the step; GPU time per step at B = 256, h = 7
 # (torch.profiler, benchmarks/results/step_shared_products_h200.json): GDN fp32 226 -> 15 +
-# 175 us, GDN nvfp4 283 -> 11 + 190 us, Mamba-2 fp32 314 -> 2 + 297 us, Mamba-2 nvfp4 255 ->
-# 2 + 210 us. With it, the FP32-read steps take other tiles (records_tune --set shared
+# 172 us, GDN nvfp4 283 -> 11 + 187 us, Mamba-2 fp32 314 -> 2 + 295 us, Mamba-2 nvfp4 253 ->
+# 2 + 209 us. With it, the FP32-read steps take other tiles (records_tune --set shared
 # --timing both, records_tune_shared_graph_h200.json, CUDA-graph medians at h = 7): GDN one
 # 128-row tile, whole K (183 against 193 us with the former 64-row, 32-column chunks);
 # Mamba-2 K in two chunks, two stages (281 against 302 us).

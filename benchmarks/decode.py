@@ -12,12 +12,18 @@ bracketed by its own CUDA events; ``--tiny``: host timer, CPU interpreter). ``--
 ``graph`` replays each call from a CUDA graph captured once per pool entry, so the time is the
 GPU time of its kernels (what a serving engine that replays its decode step from a CUDA graph
 pays, and how kernels are compared: ``triton.testing.do_bench_cudagraph``); ``eager`` launches
-from Python on every call, which at the step's ~0.1-0.25 ms of host work per call (argument
-checks, two launches) shows the host wherever it exceeds the GPU time (every call at B = 1,
-and at B = 256 once a step's kernels take less than its host work); ``both`` (default) keeps
-the eager timing of every item under ``"eager"`` and its ratios under ``summary.eager``. Added
-2026-12-01 after a torch.profiler run showed the step's kernels 15-30% faster with
-``shared_products`` while the eager timing, now host-bound, moved by 50-150 us at random.
+from Python on every call, which at the step's 0.1-0.6 ms of host work per call on the lent
+machine (argument checks, two launches; it varies from run to run) shows the host wherever it
+exceeds the GPU time (every call at B = 1, and at B = 256 once a step's kernels take less than
+its host work); ``both`` (default) times both ways and keeps the eager timing of every item
+under ``"eager"``: the summary's ratios then take each item's lower median of the two
+(``"best"``: each aggregate -- a policy's step mean, flush, amortised cost, verify maximum,
+fla's step -- the lower of its value from the graph timings and from the eager ones, so no
+sum mixes modes; a graph is not always faster: fla's step, which allocates its output state,
+ran 10% slower from a graph, not explained), with the pure graph and eager ratios under
+``summary.graph`` and ``summary.eager``. Added 2026-12-01 after a torch.profiler run showed the step's kernels
+15-30% faster with ``shared_products`` while the eager timing, then host-bound, moved by
+50-150 us at random (docs/kernels-replay.md, sixth pass).
 
 * per policy in ``POLICIES`` (``fp32``; ``read:nvfp4/rec:fp16+sr``): the non-flush decode step
   (``{gdn,mamba2}_step_kernel``: ring append + output, read copy R in its stored form) at every
@@ -243,6 +249,8 @@ def _graphs(fn, n):
         with torch.cuda.graph(g, pool=pool):
             fn(i)
         graphs.append(g)
+    for g in graphs:  # one warm replay each (the first launch of a graph uploads it)
+        g.replay()
     torch.cuda.synchronize()
     return graphs
 
@@ -279,7 +287,10 @@ def timer(fn, n, reps, warmup, mode=None):
     except Exception as err:  # noqa: BLE001  (a host synchronisation inside the call)
         torch.cuda.synchronize()
         out = eager or {**_stats(_event_times(fn, n, reps, i), reps, n), "timing": "eager"}
-        return {**out, "graph_error": f"{type(err).__name__}: {str(err)[:300]}"}
+        out = {**out, "graph_error": f"{type(err).__name__}: {str(err)[:300]}"}
+        if mode == "both":  # the same keys as a captured item (the eager timing twice)
+            out["eager"] = {k: out[k] for k in ("median_us", "min_us", "max_us")}
+        return out
     out = {**_stats(_event_times(lambda j: graphs[j].replay(), n, reps, 0), reps, n),
            "timing": "graph"}
     if eager is not None:
@@ -570,17 +581,19 @@ def run_shape(M, T, args, copy_gbps, fla_fns, log):
 
 
 def item_us(v, which=None):
-    """One timed item's median: as timed (None: the run's mode), ``"eager"`` (kept by
-    ``--timing both``) or ``"best"``: the lower of the graph and eager medians."""
-    if which is None:
-        return v["median_us"]
-    if which == "eager":
-        return v["eager"]["median_us"]
-    return min(v["median_us"], v["eager"]["median_us"])
+    """One timed item's median: as timed (None or ``"graph"``: the run's mode) or
+    ``"eager"`` (kept by ``--timing both``)."""
+    return v["eager"]["median_us"] if which == "eager" else v["median_us"]
 
 
 def aggregates(res, which, L):
-    """A policy's step mean, flush, amortised and verify maximum from ``item_us(.., which)``."""
+    """A policy's step mean, flush, amortised and verify maximum, all from one timing mode
+    (``item_us(.., which)``), or ``which == "best"``: each aggregate the lower of its graph
+    and its eager value (every aggregate from one consistent mode; no mixing of modes
+    inside a sum)."""
+    if which == "best":
+        g, e = aggregates(res, None, L), aggregates(res, "eager", L)
+        return {k: min(g[k], e[k]) for k in g}
     st = [item_us(v, which) for v in res["step"].values()]
     fl = item_us(res["flush"], which)
     return {"step_mean_us": sum(st) / len(st), "flush_us": fl, "amortised_us": (sum(st) + fl) / L,
@@ -601,7 +614,8 @@ def ratios(shape, which=None):
             return None
         p32, p4 = ({**(a := aggregates(p, which, L)), "flush": {"median_us": a["flush_us"]}}
                    for p in (p32, p4))
-        fla = fla and "eager" in fla and {"median_us": item_us(fla, which)}
+        fla = fla and "eager" in fla and {"median_us": min(item_us(fla), item_us(fla, "eager"))
+                                          if which == "best" else item_us(fla, which)}
     f = fla["median_us"] if fla else None
     return {
         "fp32_amortised_vs_fla": f / p32["amortised_us"] if f else None,
@@ -633,8 +647,14 @@ def summarize(result, emulation=None):
     big = f"B{max(batches)}"
     for name, shapes in result["models"].items():
         ok = {b: s for b, s in shapes.items() if "error" not in s}
-        # with --timing both the ratios use each item's lower median of the two modes
-        # ("best"); the pure graph and eager ratios are kept under summary.graph / .eager
+        for s in ok.values():  # the stored eager / best aggregates, by the current rule
+            for p in s.get("policies", {}).values():
+                if "eager" in p:
+                    for which in ("eager", "best"):
+                        p[which] = aggregates(p, which, s["shape"]["L"])
+        # with --timing both the ratios use, for each aggregate (a step mean, an amortised
+        # cost, fla's step), the lower of its graph and its eager value ("best"); the pure
+        # graph and eager ratios are kept under summary.graph / .eager
         best = {b: ratios(s, "best") for b, s in ok.items()}
         per = {b: best[b] or ratios(s) for b, s in ok.items()}
         summary["by_batch"][name] = per
@@ -691,10 +711,11 @@ def main(argv=None):
     ap.add_argument("--pool", type=int, default=0, help="sets per pool (0: >= 4 x L2; tiny 2)")
     ap.add_argument("--timing", default="both", choices=TIMING_MODES,
                     help="graph: CUDA-graph replays (the kernels' GPU time, as a serving engine "
-                         "replaying its decode step sees it; the summary's ratios); eager: "
-                         "launched from Python each call (host launch overhead included where "
-                         "it exceeds the GPU time); both (default): graph, and eager kept "
-                         "under each timing's 'eager' with its own summary")
+                         "replaying its decode step sees it); eager: launched from Python each "
+                         "call (host launch overhead included where it exceeds the GPU time); "
+                         "both (default): both, each item's eager timing under 'eager'; the "
+                         "summary then takes each aggregate's lower value of the two modes "
+                         "(summary.graph, summary.eager: each mode alone)")
     ap.add_argument("--emulation", default=None, metavar="JSON",
                     help="a benchmarks/kl_throughput.py result (the issue's emulation item: "
                          "3.4B-shaped qwen3_5, N = 16384, fla installed); its worst policy's "
@@ -759,8 +780,9 @@ def main(argv=None):
                             "graph": "CUDA-graph replays of each call (GPU time)",
                             "eager": "Python launches per call (host overhead included where "
                                      "it exceeds the GPU time)",
-                            "both": "CUDA-graph replays (the summary), the eager timing kept "
-                                    "under 'eager' (summary.eager)"}[args.timing]
+                            "both": "CUDA-graph replays and eager launches; the summary takes "
+                                    "each aggregate's lower value of the two (summary.graph, "
+                                    "summary.eager: each mode alone)"}[args.timing]
                         if not args.tiny else "host timer (interpreter), not a measurement",
               "tolerance_outputs": f"mismatch = count of |got-ref| > {ATOL} + {RTOL} |ref|",
               "notes": ["step at h reads h + 1 records; amortised = (sum over h = 0..L-2 of "

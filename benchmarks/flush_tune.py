@@ -86,11 +86,13 @@ def geometries(tiny):
     return [Geo("gdn", 256, 32, 16, 128, 128, 16), Geo("mamba2", 256, 128, 1, 64, 128, 16)]
 
 
-def candidates(V, tiny, need_amax=False):
+def candidates(V, tiny, need_amax=False, gdn=False):
     """(variant, block_v, num_warps, reconstruct), most promising first; the default of a call
     (``flush.flush_config``) first, then the rest (each form's first is the one its other
     configurations are compared with bit for bit). One tile per matrix (block_v >= V) is the
-    same kernel for both variants (listed as "grid")."""
+    same kernel for both variants (listed as "grid"). ``gdn``: also the dot forms with the
+    correction solve by the inverse (``"dot+inverse"``, ``"tf32x3+inverse"``: reconstruct
+    form + ``solve_form``)."""
     single = max(16, triton.next_power_of_2(V))
     if tiny:  # the call default (one tile), then several tiles of each variant and form
         cands = [("grid", 16, 4, "rank1"), ("loop", 16, 4, "dot")]
@@ -107,6 +109,14 @@ def candidates(V, tiny, need_amax=False):
             ("grid", single, 8), ("grid", single, 16), ("grid", 64, 4), ("grid", 16, 4),
             ("loop", 32, 4), ("grid", 32, 8), ("grid", single, 4), ("loop", 64, 8),
             ("grid", 64, 8), ("loop", 16, 4))]
+    if gdn:
+        cands += [c + ("dot+inverse",) for c in (
+            ("loop", 32, 4), ("grid", single, 8), ("loop", 64, 4), ("grid", 32, 4),
+            ("grid", single, 4))]
+        cands += [c + ("tf32x3+inverse",) for c in (
+            ("loop", 32, 4), ("grid", single, 8), ("grid", single, 4))]
+    if tiny and gdn:
+        cands += [("loop", 16, 4, "dot+inverse")]
     out = []
     for var, bv, nw, form in [flush_config(V, need_amax)] + cands:
         if bv >= V:  # one tile: the variants coincide; the smallest such block
@@ -160,9 +170,10 @@ def flush_kw(M):
 def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,
               keys_in_kernel=None):
     var, bv, nw, form = cfg
+    form, _, solve_form = form.partition("+")  # "dot+inverse": reconstruct + solve_form
     kw = dict(q=st["q"], store_state=store_state, dequantize=dequantize, block_v=bv,
               num_warps=nw, variant=var, keys_in_kernel=keys_in_kernel, reconstruct=form,
-              **fk)
+              solve_form=solve_form or None, **fk)
     if M.gdn:
         return kr.gdn_flush_kernel(st["A"], st["la"], st["beta"], st["v"], st["k"],
                                    st["length"], policy, **kw)
@@ -313,8 +324,8 @@ def main():
     if jobs > 0:
         tasks = [(M.name, pname, cfg, args.tiny, False) for M in geometries(args.tiny)
                  if M.name in models for pname in args.policies.split(",")
-                 for cfg in candidates(M.V, args.tiny, pname == "nvfp4")]
-        tasks += [(M.name, pname, candidates(M.V, args.tiny, pname == "nvfp4")[0], args.tiny,
+                 for cfg in candidates(M.V, args.tiny, pname == "nvfp4", M.gdn)]
+        tasks += [(M.name, pname, candidates(M.V, args.tiny, pname == "nvfp4", M.gdn)[0], args.tiny,
                    True)
                   for M in geometries(args.tiny) if M.name in models
                   for pname in args.policies.split(",")]  # the reference check's S-writing form
@@ -344,7 +355,7 @@ def main():
             pool = [probe] + [make_set(M, gen, policy) for _ in range(n - 1)]
             pres = mres["policies"][pname] = {"policy": POLICIES[pname], "pool": n,
                                               "set_bytes": per, "configs": []}
-            cands = candidates(M.V, args.tiny, pname == "nvfp4")  # nvfp4: a matrix scale
+            cands = candidates(M.V, args.tiny, pname == "nvfp4", M.gdn)  # nvfp4: a matrix scale
             default = cands[0]
             firsts = {}  # reconstruct form -> its first configuration
             for c in cands:

@@ -9,6 +9,12 @@ each family and policy, 4 sequences batched vs each alone vs the batch permuted,
 tokens in one call vs calls of 7 vs one token per call. ``mismatch`` counts elements (outputs,
 anchors, read copies) whose bits differ from the sequence run alone / in one call.
 Runner level: every column of ``positions.parquet`` compared bit for bit.
+Decode level (``decode="serving"``'s state objects, on CUDA their records and flush kernels;
+the layer level above runs the window forms): ``tests/test_replay_kernels._decode_run`` --
+prefill, 9 steps at L = 4 (two flushes), a verify of 2 drafts -- for 3 sequences batched,
+reversed, and each alone; ``mismatch`` counts elements of the outputs, anchor and read copy
+whose bits differ from the sequence alone. Added 2026-12-01 (the layer level did not reach
+the decode step's kernels, so it could not check ``shared_products``).
 """
 
 from __future__ import annotations
@@ -73,6 +79,32 @@ def layer_checks(device: str) -> list[dict]:
     return rows
 
 
+DECODE_POLICIES = ("fp32", "read:nvfp4/rec:fp16+sr", "shared:fp8e4m3+sr", "shared:nvfp4")
+
+
+def decode_checks() -> list[dict]:
+    """Batch and position invariance of the decode state objects on their kernels (device:
+    the test module's, CUDA unless TRITON_INTERPRET=1)."""
+    from test_replay_kernels import _decode_run
+
+    rows = []
+    for family in FAMILIES:
+        for policy in DECODE_POLICIES:
+            full = _decode_run(family, policy, [0, 1, 2], "triton")
+            rev = _decode_run(family, policy, [2, 1, 0], "triton")
+            batch = position = elements = 0
+            for i in range(3):
+                alone = _decode_run(family, policy, [i], "triton")
+                for a, f, r in zip(alone, full, rev, strict=True):
+                    batch += _count(a[0], f[i])
+                    position += _count(a[0], r[2 - i])
+                    elements += a[0].numel()
+            rows.append(dict(family=family, policy=policy, batch_mismatch=batch,
+                             position_mismatch=position, elements=elements))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def runner_checks(device: str) -> list[dict]:
     import pandas as pd
 
@@ -105,6 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("-o", "--output", default=None)
     p.add_argument("--layer-only", action="store_true", help="skip the replayssm-kl comparison")
+    p.add_argument("--decode-only", action="store_true",
+                   help="only the decode state objects' check (serving kernels)")
     a = p.parse_args(argv)
     res = {
         "command": "invariance_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -113,8 +147,9 @@ def main(argv=None) -> int:
         "code_commit": code_commit(),
         "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
-        "layer": layer_checks(a.device),
-        "runner": [] if a.layer_only else runner_checks(a.device),
+        "decode": decode_checks(),
+        "layer": [] if a.decode_only else layer_checks(a.device),
+        "runner": [] if (a.layer_only or a.decode_only) else runner_checks(a.device),
     }
     if a.output:
         Path(a.output).write_text(json.dumps(res, indent=1))

@@ -116,15 +116,16 @@ VERIFY2_VERIFY_CANDIDATES = [
 # the step with the record keys loaded as one tile before the stream of C (keys_first, the
 # 11th field; None: the wrapper's default for that field): the step defaults with and without
 _N = (None, None, None, None)  # solve, fuse_shared_anchor, skip_shared_anchor, anchor_block_v
-KEYS_STEP_CANDIDATES = [
-    (64, 4, 32, 3, False, None) + _N + (False,),  # GDN fp32 / half read (GDN_STEP_WIDE_CONFIG)
+KEYS_STEP_CANDIDATES = [c + (False,) for c in (  # shared_products off: keys_first needs the
+    # record keys loaded in the records kernel (the defaults of the fifth session)
+    (64, 4, 32, 3, False, None) + _N + (False,),  # GDN fp32 / half read
     (64, 4, 128, 1, False, None) + _N + (False,),  # STEP_CONFIG (Mamba-2)
     (64, 4, 128, 1, False, None) + _N + (True,),
-    (64, 4, 128, 1, False, True) + _N + (False,),  # GDN nvfp4 (GDN_STEP_BLOCKED_CONFIG)
+    (64, 4, 128, 1, False, True) + _N + (False,),  # GDN nvfp4
     (64, 4, 128, 1, False, True) + _N + (True,),
     (32, 4, 128, 1, False, True) + _N + (True,),
     (32, 4, 128, 1, False, None) + _N + (True,),
-]
+)]
 # the products with the record keys once per (sequence, key group) (shared_products, the 12th
 # field) against the wrappers' defaults (all fields None), and with it wider value tiles (the
 # products no longer repeat per tile)

@@ -3,8 +3,9 @@
 launch before the records kernel).
 
 The eager timings of ``decode.py`` are host-bound once a step's kernels take about as long as
-its host work (argument checks, launches: 0.1-0.25 ms a call on the lent machine), so they
-cannot tell a faster kernel from a slower host path. This script separates the two:
+its host work (argument checks, launches: 0.1-0.6 ms a call on the lent machine, varying from
+run to run), so they cannot tell a faster kernel from a slower host path. This script separates
+the two:
 
 * GPU time: ``torch.profiler`` (CUPTI) over ``--calls`` calls, the mean device time of each
   kernel per call;

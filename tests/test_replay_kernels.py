@@ -192,10 +192,18 @@ def test_gdn_flush(fold):
     _same_copies(res.checkpoints, core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS))
 
 
-# (variant, block_v, num_warps, reconstruct); V = 40: 3, 2 tiles, 1 tile; both record folds
+# (variant, block_v, num_warps, reconstruct); V = 40: 3, 2 tiles, 1 tile; both record folds;
+# "form+inverse": the dot forms with GDN's correction solve by the inverse (solve_form)
 FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8, "dot"),
                  ("grid", 16, 4, "rank1"), ("loop", 32, 2, "rank1"), ("grid", 64, 8, "rank1"),
-                 ("loop", 32, 2, "tf32x3")]
+                 ("loop", 32, 2, "tf32x3"), ("loop", 32, 2, "dot+inverse"),
+                 ("grid", 16, 4, "dot+inverse"), ("grid", 64, 8, "tf32x3+inverse")]
+
+
+def _form(form):
+    """``reconstruct`` and ``solve_form`` keywords of a form name (``"dot+inverse"``)."""
+    rec, _, solve = form.partition("+")
+    return dict(reconstruct=rec, solve_form=solve or None)
 
 
 def _config_inputs(gen, exact, V2):
@@ -254,7 +262,9 @@ def test_flush_configs(policy, model, exact):
         return kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **kw, **STREAMS)
 
     for variant, bv, nw, form in FLUSH_CONFIGS:
-        res, y = run(block_v=bv, num_warps=nw, variant=variant, reconstruct=form)
+        if "+" in form and model != "gdn":
+            continue  # solve_form: GDN's correction solve only
+        res, y = run(block_v=bv, num_warps=nw, variant=variant, **_form(form))
         if exact:
             assert torch.equal(_bits(res.state), _bits(ref.state))
             if model == "gdn":  # (Mamba-2: the kernel returns the unmasked v)
@@ -274,14 +284,14 @@ def test_flush_configs(policy, model, exact):
         # serving form: S not written, no torch dequantisation; the same stored copies
         # (and with the stream keys packed in the kernel: the same SR bits)
         for extra in ({}, {"keys_in_kernel": False}):
-            res2, y2 = run(block_v=bv, num_warps=nw, variant=variant, reconstruct=form,
+            res2, y2 = run(block_v=bv, num_warps=nw, variant=variant, **_form(form),
                            store_state=False, dequantize=False, **extra)
             assert res2.state is None and res2.checkpoints.anchor is None
             assert torch.equal(_bits(y2), _bits(y))
             _same_stored(res2.checkpoints, res.checkpoints)
 
 
-@pytest.mark.parametrize("form", ["dot", "rank1", "tf32x3"])
+@pytest.mark.parametrize("form", ["dot", "rank1", "tf32x3", "dot+inverse"])
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])
 def test_flush_forms_batch_invariant(model, form):
     """Every ``reconstruct`` form gives each sequence the same bits alone, in the batch and at
@@ -297,7 +307,7 @@ def test_flush_forms_batch_invariant(model, form):
     def run(rows):
         r = torch.tensor(rows)
         kw = dict(seed=SEED, layer=3, sequence_ids=ids[r], flush_index=fi[r], q=q[r],
-                  reconstruct=form, block_v=32)
+                  block_v=32, **_form(form))
         if model == "gdn":
             res, y = kr.gdn_flush_kernel(A[r], la[r], beta[r], v[r], k[r], length[r], pol, **kw)
         else:
@@ -313,7 +323,7 @@ def test_flush_forms_batch_invariant(model, form):
             assert torch.equal(_bits(a[0]), _bits(rv[1 - i])), i
 
 
-@pytest.mark.parametrize("form", ["dot", "rank1"])
+@pytest.mark.parametrize("form", ["dot", "rank1", "dot+inverse"])
 def test_gdn_flush_fused_solve_matches_solve_corrections(form):
     """The corrections solved inside the flush kernel equal :func:`core.solve_corrections`
     against the stored anchor's values (a packed nvfp4 anchor, decoded in kernel), and the
@@ -329,7 +339,7 @@ def test_gdn_flush_fused_solve_matches_solve_corrections(form):
     beta = _t(torch.sigmoid(torch.randn(B, J, H, generator=gen)))
     length = _t(torch.tensor([J, 13]))
     res, _ = kr.gdn_flush_kernel(A_st, la, beta, v, k, length, StatePolicy.parse("fp32"),
-                                 block_v=16, reconstruct=form, **STREAMS)
+                                 block_v=16, **_form(form), **STREAMS)
     la_m, beta_m, v_m, k_m = core.mask_records(length, la, beta, v, k)
     want = core.solve_corrections(A_st.dequantize(), la_m, beta_m, v_m,
                                   core.expand_heads(k_m, H, 2))
@@ -534,16 +544,18 @@ def test_fast_decoders(which, spec, n):
 
 
 # Launch configurations of the records kernel: streamed chunks (K = 64 in chunks of 32), dot
-# and reduction paths, small / large value tiles
-CONFIGS = [dict(k_chunk=32, use_dot=False, block_v=16, num_stages=2),
+# and reduction paths, small / large value tiles; the products with the record keys in every
+# program (shared_products=False) or once per (sequence, key group) (True; the wrappers'
+# default for the steps and Mamba-2's verify, GDN's verify: False)
+CONFIGS = [dict(k_chunk=32, use_dot=False, block_v=16, num_stages=2, shared_products=False),
            dict(k_chunk=32, use_dot=True, block_v=32, num_stages=3),
            dict(k_chunk=64, use_dot=True, block_v=16),
-           dict(k_chunk=32, use_dot="tf32x3", block_v=16, prefetch=True),
-           dict(k_chunk=64, use_dot=False, block_v=32, prefetch=True),
+           dict(k_chunk=32, use_dot="tf32x3", block_v=16, prefetch=True, shared_products=False),
+           dict(k_chunk=64, use_dot=False, block_v=32, prefetch=True, shared_products=False),
            # the matrix forms of the solve and the outputs (step too: one solved row)
            dict(k_chunk=32, use_dot="tf32x3", block_v=16, solve="inverse"),
-           dict(k_chunk=64, use_dot=False, block_v=32, num_stages=2, solve="doubling"),
-           # the products with the record keys formed once per (sequence, key group)
+           dict(k_chunk=64, use_dot=False, block_v=32, num_stages=2, solve="doubling",
+                shared_products=False),
            dict(k_chunk=32, use_dot=False, block_v=16, shared_products=True),
            dict(k_chunk=32, use_dot="tf32x3", block_v=16, solve="inverse",
                 shared_products=True)]
@@ -789,7 +801,9 @@ def test_decode_state_batch_invariance(family, policy, backend):
 
 
 @pytest.mark.parametrize("bad", [dict(block_v=24), dict(block_v=8), dict(num_warps=3),
-                                 dict(variant="bogus"), dict(reconstruct="matmul")])
+                                 dict(variant="bogus"), dict(reconstruct="matmul"),
+                                 dict(solve_form="lu"),
+                                 dict(solve_form="inverse", reconstruct="rank1")])
 def test_flush_launch_options_refused(bad):
     """A bad launch option of the flush kernel raises ValueError naming it (before launch)."""
     z = torch.zeros
@@ -961,25 +975,6 @@ def test_verify_matrix_forms_batch_invariant(family, solve):
             assert not full[1][i, MSTARTS[i] + MT_:].any()
 
 
-def test_verify_state_objects_matrix_form(monkeypatch):
-    """The decode state objects with the verify defaults switched to ``solve="inverse"``:
-    batch invariance (as test_decode_state_batch_invariance) and the same outputs as the
-    default form to 1e-5 (GDN and Mamba-2, nvfp4 read copy)."""
-    rec_mod = kr.records
-    for family in ("gdn", "mamba2"):
-        pol = "read:nvfp4/rec:fp16+sr"
-        base = _decode_run(family, pol, [0, 1, 2], "triton")
-        for name in ("VERIFY_CONFIG", "GDN_VERIFY_CONFIG", "GDN_VERIFY_BLOCKED_CONFIG",
-                     "MAMBA2_VERIFY_BLOCKED_CONFIG"):
-            monkeypatch.setattr(rec_mod, name, dict(getattr(rec_mod, name), solve="inverse"))
-        full = _decode_run(family, pol, [0, 1, 2], "triton")
-        torch.testing.assert_close(full[0], base[0], **TOL)
-        for i in range(3):
-            alone = _decode_run(family, pol, [i], "triton")
-            assert torch.equal(_bits(alone[0][0]), _bits(full[0][i])), i
-        monkeypatch.undo()
-
-
 @pytest.mark.parametrize("bad", [dict(solve="bogus"), dict(solve="Inverse"), dict(solve=None),
                                  dict(solve=1), dict(solve="inverse", solve_precision="tf32"),
                                  dict(solve="inverse", fused_window=4),
@@ -1094,7 +1089,9 @@ def test_gdn_verify_fused_needs_matrix_form():
 def test_step_keys_first_same_bits(read_fmt):
     """``keys_first`` (the record keys loaded as one tile before the stream of C) computes the
     same step outputs, GDN corrections and ring appends, bit for bit, as the keys loaded
-    after it (it applies where C is one chunk of K; with smaller chunks it is ignored)."""
+    after it (it applies where C is one chunk of K; with smaller chunks it is ignored). The
+    products with the keys in the records kernel (``shared_products=False``: with them from
+    the products launch there is no key load to move)."""
     gen = _gen(41)
     for gdn in (False, True):
         R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
@@ -1104,7 +1101,7 @@ def test_step_keys_first_same_bits(read_fmt):
         outs, rings = [], []
         for kc, kf in ((K2, False), (K2, True), (K2 // 2, True)):
             rg = {n_: t.clone() for n_, t in ring.items()}
-            cfg = dict(k_chunk=kc, keys_first=kf)
+            cfg = dict(k_chunk=kc, keys_first=kf, shared_products=False)
             if gdn:
                 o = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"], new["beta"],
                                        h, **cfg)

@@ -21,8 +21,9 @@ bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0
   per shape and policy from the H200 sweeps (docs/kernels-replay.md, "second pass").
 * GDN (``SOLVE``): the corrections are solved in the same program, per tile of value rows (rows
   are separable): ``A k_p`` for every slot by one FP32 dot of the anchor tile with ``K^T``,
-  then forward substitution over the ``LP`` slots on ``[BV, LP]`` registers; the solved
-  corrections are written out (``FlushResult.w``) and folded.
+  then forward substitution over the ``LP`` slots on ``[BV, LP]`` registers (or, with
+  ``solve_form="inverse"``, one product with ``(I + CF)^{-1}``, inverted once per program);
+  the solved corrections are written out (``FlushResult.w``) and folded.
 * Formats with a matrix scale (fp8, nvfp4) need the matrix amax before rounding. With one tile
   per matrix (``BV >= V``, ``SINGLE``) it is taken from registers and S is reconstructed once.
   Otherwise, variant ``loop`` (one program walks the matrix's tiles) reconstructs the tiles
@@ -54,7 +55,7 @@ from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, 
                     _cast_store_full, _check_f32, _check_index, _check_records, _load_full,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
                     _matrix_scale, _stored_args)
-from .records import _check_tile, _lp
+from .records import _check_tile, _lp, _unit_upper_inverse
 
 DEFAULT_BV_FLUSH = 32  # a flush_tune.py candidate (the first sweep's default); a call's: flush_config
 DEFAULT_WARPS_FLUSH = 4
@@ -69,6 +70,10 @@ DEFAULT_VARIANT = "grid"
 # "rank1" (one rank-1 update per record slot, in slot order; _flush_tile_rank1) or "tf32x3" (the
 # dot form on tensor cores: three TF32 products of the split operands, about FP32 accuracy).
 RECONSTRUCT_FORMS = ("dot", "rank1", "tf32x3")
+# How GDN's fused correction solve runs in the dot forms: "substitution" (one slot at a time on
+# the [BV, LP] tile of each row tile) or "inverse" ((I + CF)^{-1} once per program on
+# [LP, LP] scalars, then one product per row tile; untimed, 2026-12-01)
+FLUSH_SOLVE_FORMS = ("substitution", "inverse")
 
 
 def flush_config(V: int, need_amax: bool) -> tuple[str, int, int, str]:
@@ -97,7 +102,8 @@ def flush_config(V: int, need_amax: bool) -> tuple[str, int, int, str]:
 def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V, J,
                 idx, live, m, eg, ecp, bvec, cf, ke, ko,
                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-                SOLVE: tl.constexpr, A: tl.constexpr, PREC: tl.constexpr = "ieee"):
+                SOLVE: tl.constexpr, A: tl.constexpr, PREC: tl.constexpr = "ieee",
+                INV: tl.constexpr = False):
     """Rows ``rows`` of ``S = gamma_{1:n} A + (W * m) K`` as (even, odd) halves ``[BV, KH]``,
     and ``W [BV, LP]``, the folded values of these rows (record slots along axis 1).
 
@@ -107,7 +113,9 @@ def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V,
     with ``A k_p`` for every slot from one FP32 dot (``cf``: the ``[i, p]`` coefficients,
     ``ecp``: ``gamma_{1:p}``). Both products over the record slots are FP32 FMA dots
     (``input_precision="ieee"``); their summation order follows the launch's register layout
-    on the GPU (module docstring)."""
+    on the GPU (module docstring). ``INV``: ``cf`` holds ``(I + CF)^{-1}`` (the kernel's
+    preamble) and the corrections are one product ``U = rhs (I + CF)^{-1}`` (the same formula,
+    reassociated: last bits can differ from the substitution)."""
     ae, ao = _load_stored(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
     wt = tl.load(w_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None],
                  mask=rmask[:, None] & live[None, :], other=0.0)  # [BV, LP]
@@ -115,13 +123,16 @@ def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V,
         ak = tl.dot(ao, tl.trans(ko), tl.dot(ae, tl.trans(ke), input_precision=PREC),
                     input_precision=PREC)  # [BV, LP]: A k_p
         rhs = bvec[None, :] * (wt - ecp[None, :] * ak)
-        U = tl.zeros([BV, LP], tl.float32)
-        for p in range(0, n):
-            sel = idx == p
-            coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
-            r = tl.sum(tl.where(sel[None, :], rhs, 0.0), axis=1)
-            u = r - tl.sum(U * coef[None, :], axis=1)
-            U = tl.where(sel[None, :], u[:, None], U)
+        if INV:  # rows at slots >= n: beta 0, so rhs 0 and u 0
+            U = tl.dot(rhs, cf, input_precision=PREC)
+        else:
+            U = tl.zeros([BV, LP], tl.float32)
+            for p in range(0, n):
+                sel = idx == p
+                coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
+                r = tl.sum(tl.where(sel[None, :], rhs, 0.0), axis=1)
+                u = r - tl.sum(U * coef[None, :], axis=1)
+                U = tl.where(sel[None, :], u[:, None], U)
         wt = U
     wm = wt * m[None, :]
     se = eg * ae + tl.dot(wm, ke, input_precision=PREC)
@@ -205,7 +216,8 @@ def _flush_kernel(
         NEED_AMAX: tl.constexpr, SOLVE: tl.constexpr, LOOP: tl.constexpr,
         SINGLE: tl.constexpr, PHASE: tl.constexpr,
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
-        RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", KEYS_IN: tl.constexpr = False,
+        RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", INV: tl.constexpr = False,
+        KEYS_IN: tl.constexpr = False,
         SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
@@ -253,6 +265,8 @@ def _flush_kernel(
         before = idx[:, None] < idx[None, :]
         cf = tl.where(before, (bvec[None, :] * tl.exp(tl.where(before, c[None, :] - c[:, None],
                                                                0.0))) * kk, 0.0)
+        if INV:  # (I + CF)^{-1} once per program (records kernel's row recursion)
+            cf = _unit_upper_inverse(cf, idx, n, LP, 1, 0, "ieee")
         ecp = tl.exp(c)
     else:
         bvec = m
@@ -279,7 +293,7 @@ def _flush_kernel(
             else:
                 se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
                                          n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
-                                         K, KH, BV, LP, SOLVE, A, PREC)
+                                         K, KH, BV, LP, SOLVE, A, PREC, INV)
                 if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
                     tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
                              mask=rmask[:, None] & (idx < J)[None, :])
@@ -322,11 +336,11 @@ def _flush_kernel(
                 if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
                     se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, u_ptr, mat, b, h, rows,
                                              rmask, n, H, V, J, idx, live, m, eg, ecp, bvec, cf,
-                                             ke, ko, K, KH, BV, LP, False, A, PREC)
+                                             ke, ko, K, KH, BV, LP, False, A, PREC, INV)
                 else:
                     se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows,
                                              rmask, n, H, V, J, idx, live, m, eg, ecp, bvec, cf,
-                                             ke, ko, K, KH, BV, LP, SOLVE, A, PREC)
+                                             ke, ko, K, KH, BV, LP, SOLVE, A, PREC, INV)
                 if SOLVE and PHASE == 0:
                     tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
                              mask=rmask[:, None] & (idx < J)[None, :])
@@ -364,7 +378,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  flush_index, q=None, store_state: bool = True, block_v: int | None = None,
                  num_warps: int | None = None, variant: str | None = None,
                  beta=None, dequantize: bool = True, keys_in_kernel: bool | None = None,
-                 reconstruct: str | None = None):
+                 reconstruct: str | None = None, solve_form: str | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -392,6 +406,15 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     FP32's 2^-24; at B = 256 on the H200 S was within 4.8e-7 of the float32 torch reference,
     the FP32 dot within 9.5e-7: ``flush_tune_h200.json`` reference checks). A and R are always
     the casts of the kernel's own S, bit for bit.
+    ``solve_form`` (:data:`FLUSH_SOLVE_FORMS`; GDN with ``beta`` and the dot forms only;
+    default ``"substitution"``): ``"inverse"`` inverts the unit triangular system
+    ``I + CF`` of the corrections (DESIGN.md section 3; ``CF[i, p] = beta_p
+    gamma_{i+1:p} (k_i . k_p)``, ``i < p``) once per program on ``[LP, LP]`` scalars (the
+    row recursion of the records kernel, :func:`records._unit_upper_inverse`) and forms every
+    row tile's corrections as one product ``rhs (I + CF)^{-1}`` instead of ``length`` dependent
+    steps per row tile; the same formula reassociated (S within the same tolerance of the
+    reference; A and R the casts of the kernel's own S). Built 2026-12-01, not yet timed
+    (``flush_tune.py`` lists it as the ``"dot+inverse"`` / ``"tf32x3+inverse"`` forms).
     ``keys_in_kernel`` (default True) packs the SR stream keys inside the kernel from the
     sequence ids and flush indices: the keys of :func:`checkpoint_streams`, with no host work
     and no extra key launches (``layer`` and the head count are range-checked on the host, the
@@ -417,6 +440,12 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         raise ValueError(f"variant must be one of {FLUSH_VARIANTS}, got {variant!r}")
     if reconstruct not in RECONSTRUCT_FORMS:
         raise ValueError(f"reconstruct must be one of {RECONSTRUCT_FORMS}, got {reconstruct!r}")
+    solve_form = "substitution" if solve_form is None else solve_form
+    if solve_form not in FLUSH_SOLVE_FORMS:
+        raise ValueError(f"solve_form must be one of {FLUSH_SOLVE_FORMS}, got {solve_form!r}")
+    if solve_form == "inverse" and reconstruct == "rank1":
+        raise ValueError("solve_form='inverse' needs a dot form of reconstruct ('dot' or "
+                         "'tf32x3'); reconstruct='rank1' solves slot by slot in its fold")
     _check_tile(block_v, num_warps)
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
@@ -482,6 +511,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
                   SINGLE=single, RANK1=reconstruct == "rank1",
                   PREC="tf32x3" if reconstruct == "tf32x3" else "ieee", num_warps=num_warps,
+                  INV=solve and solve_form == "inverse",
                   A=_decode_consts(aspec),
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)
@@ -511,14 +541,15 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         flush_index, q=None, store_state: bool = True,
                         block_v: int | None = None, num_warps: int | None = None,
                         variant: str | None = None, dequantize: bool = True,
-                        keys_in_kernel: bool | None = None, reconstruct: str | None = None):
+                        keys_in_kernel: bool | None = None, reconstruct: str | None = None,
+                        solve_form: str | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
                         sequence_ids=sequence_ids, flush_index=flush_index, q=q,
                         store_state=store_state, block_v=block_v, num_warps=num_warps,
                         variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel,
-                        reconstruct=reconstruct)
+                        reconstruct=reconstruct, solve_form=solve_form)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
@@ -526,7 +557,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      store_state: bool = True, block_v: int | None = None,
                      num_warps: int | None = None, variant: str | None = None,
                      dequantize: bool = True, keys_in_kernel: bool | None = None,
-                     reconstruct: str | None = None):
+                     reconstruct: str | None = None, solve_form: str | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one FP32 dot, then forward substitution over the record slots), or the
@@ -534,7 +565,8 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     corrections ``[B, J, HV, DV]``. Returns ``(FlushResult, y)``."""
     kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
-              dequantize=dequantize, keys_in_kernel=keys_in_kernel, reconstruct=reconstruct)
+              dequantize=dequantize, keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
+              solve_form=solve_form)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")

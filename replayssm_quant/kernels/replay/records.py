@@ -17,15 +17,17 @@ issues its record loads (``la``, ``w`` of its rows), then streams C along K in c
 columns (``tl.range`` with ``num_stages``) and forms ``Y = C X`` for all the vectors it needs at
 once: X holds the k of the rows it solves (GDN) and the queries (``[BV, NX]``; ``tl.dot`` with
 ``input_precision=PREC`` (FP32 FMA) for verify / the flush solve, per-vector reductions for the
-step), then ``Z = K X`` over the record keys the same way; the solve and the outputs then work on
-these small products. Codes are decoded by the integer-only decoders of ``codec``
-(``_e2m1_value``, ``_e4m3_value``, ``_e5m2_value``); blocked formats are read as scaling blocks
-(FP4: the even and the odd element of each block, as the nibbles hold them) with the block
-scale applied to each block's partial sum (dot path: to each element) and the matrix scale
-(fp8, nvfp4) applied to ``Y`` after the sum (an output-only reassociation). Verify's draft on
-the flush slot is a second launch over the anchor whose programs return unless
-``rows == window`` (checked on the device; no host synchronisation); it is not made when the
-anchor is the read copy and would recompute the first launch's values (``skip_shared_anchor``).
+step), then ``Z = K X`` over the record keys the same way (or, with ``shared_products``, reads
+``Z`` from a small launch before it, ``_key_products_kernel``, that forms it once per (sequence,
+key group)); the solve and the outputs then work on these small products. Codes are decoded by
+the integer-only decoders of ``codec`` (``_e2m1_value``, ``_e4m3_value``, ``_e5m2_value``);
+blocked formats are read as scaling blocks (FP4: the even and the odd element of each block, as
+the nibbles hold them) with the block scale applied to each block's partial sum (dot path: to
+each element) and the matrix scale (fp8, nvfp4) applied to ``Y`` after the sum (an output-only
+reassociation). Verify's draft on the flush slot is a second launch over the anchor whose
+programs return unless ``rows == window`` (checked on the device; no host synchronisation); it
+is not made when the anchor is the read copy and would recompute the first launch's values
+(``skip_shared_anchor``).
 
 ``solve="inverse"`` / ``"doubling"`` (launch option; ``records_outputs`` defaults to
 ``"substitution"``, the verify wrappers' configurations to ``"inverse"``): after the
@@ -62,9 +64,10 @@ DEFAULT_BV = 64
 DEFAULT_WARPS = 4
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
-# docs/kernels-replay.md): the whole key dim as one chunk for the step, except GDN reading an
-# FP32/half copy (chunks of 32, 3 stages: 230 vs 255 us); verify: reductions for Mamba-2 from
-# an FP32/half copy, tf32x3 tensor-core products otherwise (below).
+# docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
+# session GDN reading an FP32/half copy took chunks of 32, 3 stages: 230 vs 255 us then);
+# verify: reductions for Mamba-2 from an FP32/half copy, tf32x3 tensor-core products
+# otherwise (below).
 # shared_products (2026-12-01, sixth session): the products with the record keys once per
 # (sequence, key group) in a small launch before the step; GPU time per step at B = 256, h = 7
 # (torch.profiler, benchmarks/results/step_shared_products_h200.json): GDN fp32 226 -> 15 +
@@ -82,8 +85,10 @@ MAMBA2_STEP_WIDE_CONFIG = dict(STEP_CONFIG, k_chunk=64, num_stages=2)
 # records_tune --set prefetch, records_tune_prefetch_h200.json: 293 -> 279 us at B = 256) and
 # the record keys before C (keys_first; records_tune --set keys, records_tune_keys_h200.json:
 # 322 -> 304 us in that sweep, but 277 -> 282 us in decode.py, within the run-to-run spread;
-# no gain for Mamba-2 or from an FP32 copy in the sweep, so only here)
-GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True, keys_first=True)
+# no gain for Mamba-2 or from an FP32 copy in the sweep). Since shared_products (sixth
+# session) the step reads Z from the products launch and loads no record keys, so keys_first
+# (which only moves that load) has nothing to move and is no longer set.
+GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True)
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
@@ -730,7 +735,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             launch (see ``_matrix_outputs``).
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
-    num_stages, use_dot, solve, solve_precision, fused_window).
+    num_stages, use_dot, keys_first, shared_products, solve, solve_precision, fused_window).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
     ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
@@ -878,6 +883,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG``
     (``MAMBA2_STEP_WIDE_CONFIG`` for an FP32 or half read copy) unless given (see
     :func:`records_outputs`; ``solve``: its matrix forms, untimed)."""
+    # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else STEP_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
@@ -958,7 +964,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          shared_products: bool | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
-    Returns ``y [B, T, H, P]``. Two launches (one when ``skip_shared_anchor`` applies), no host
+    Returns ``y [B, T, H, P]``. Two records-kernel launches (one when ``skip_shared_anchor``
+    applies; with ``shared_products`` each preceded by the small products launch), no host
     synchronisation (the second runs only for the sequences whose last draft is on the flush
     slot). Inputs are checked by :func:`_check_verify` (ValueError, or a device-side assertion
     for drafts past the ring). Launch configuration:

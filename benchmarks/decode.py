@@ -663,6 +663,10 @@ def summarize(result, emulation=None):
             summary.setdefault("graph", {})[name] = ratios(ok[big])
             summary.setdefault("eager", {})[name] = ratios(ok[big], "eager")
     summary["batch_of_targets"] = max(batches)
+    if "graph" in summary:
+        summary["rule"] = ("each aggregate (step mean, flush, amortised, verify maximum, fla's "
+                           "step) is the lower of its all-graph and all-eager value; "
+                           "summary.graph / summary.eager: each mode alone")
     summary["emulation_vs_plain_fla_max"] = None  # the emulation item: kl_throughput.py
     if emulation:
         emu = json.loads(Path(emulation).read_text())

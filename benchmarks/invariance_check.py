@@ -136,9 +136,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("-o", "--output", default=None)
-    p.add_argument("--layer-only", action="store_true", help="skip the replayssm-kl comparison")
+    p.add_argument("--layer-only", action="store_true",
+                   help="skip the replayssm-kl comparison (the decode level still runs)")
     p.add_argument("--decode-only", action="store_true",
-                   help="only the decode state objects' check (serving kernels)")
+                   help="only the decode state objects' check (serving kernels; its device is "
+                        "CUDA unless TRITON_INTERPRET=1, as in tests/test_replay_kernels.py)")
     a = p.parse_args(argv)
     res = {
         "command": "invariance_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -153,7 +155,11 @@ def main(argv=None) -> int:
     }
     if a.output:
         Path(a.output).write_text(json.dumps(res, indent=1))
-    return 0
+    bad = sum(r["batch_mismatch"] + r["position_mismatch"] for r in res["decode"])
+    print(f"decode level: {bad} elements differ between a sequence alone and in a batch "
+          f"(batched or reversed), {len(res['decode'])} family x policy cases: "
+          f"{'FAIL' if bad else 'ok'}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -563,14 +563,8 @@ def run_shape(M, T, args, copy_gbps, fla_fns, log):
         fb = nbytes(probe["A"]) + record_bytes(M, L) + nbytes(probe["A"]) + (
             0 if policy.single_checkpoint else nbytes(probe["R"]))
         res["flush"] = gbps(fb, tm(lambda i: run_flush(M, pool[i], policy, fa), n), copy_gbps)
-        steps = [v["median_us"] for v in res["step"].values()]
-        res["step_mean_us"] = sum(steps) / len(steps)
-        res["amortised_us"] = (sum(steps) + res["flush"]["median_us"]) / L
-        res["verify_max_us"] = max(v["median_us"] for v in res["verify"].values())
-        timed = [*res["step"].values(), *res["verify"].values(), res["flush"]]
-        if all("eager" in v for v in timed):  # --timing both: eager and best aggregates too
-            for which in ("eager", "best"):
-                res[which] = aggregates(res, which, L)
+        agg = aggregates(res, None, L)  # (--timing both: summarize adds "eager" and "best")
+        res.update({k: agg[k] for k in ("step_mean_us", "amortised_us", "verify_max_us")})
         log(M.name, B, pname, "step", round(res["step_mean_us"], 1), "flush",
             round(res["flush"]["median_us"], 1), "amortised", round(res["amortised_us"], 1),
             "verify max", round(res["verify_max_us"], 1))
@@ -578,6 +572,12 @@ def run_shape(M, T, args, copy_gbps, fla_fns, log):
         if DEV == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def has_eager(res):
+    """Whether every timed item of a policy carries an eager timing (``--timing both``)."""
+    return all("eager" in v for v in (*res["step"].values(), *res["verify"].values(),
+                                       res["flush"]))
 
 
 def item_us(v, which=None):
@@ -608,9 +608,7 @@ def ratios(shape, which=None):
     fla = shape["baselines"]["fla_step"]
     if which:
         L = shape["shape"]["L"]
-        items = [v for p in (p32, p4) for v in (*p["step"].values(), *p["verify"].values(),
-                                                  p["flush"])]
-        if not all("eager" in v for v in items):
+        if not (has_eager(p32) and has_eager(p4)):
             return None
         p32, p4 = ({**(a := aggregates(p, which, L)), "flush": {"median_us": a["flush_us"]}}
                    for p in (p32, p4))
@@ -649,7 +647,7 @@ def summarize(result, emulation=None):
         ok = {b: s for b, s in shapes.items() if "error" not in s}
         for s in ok.values():  # the stored eager / best aggregates, by the current rule
             for p in s.get("policies", {}).values():
-                if "eager" in p:
+                if has_eager(p):
                     for which in ("eager", "best"):
                         p[which] = aggregates(p, which, s["shape"]["L"])
         # with --timing both the ratios use, for each aggregate (a step mean, an amortised

@@ -369,14 +369,15 @@ def flush_args(M, st):
 
 
 # ------------------------------------------------------------------------------ operations
-def run_step(M, st, h):
+def run_step(M, st, h, **cfg):
     """Non-flush decode step on set ``st`` at ``h`` (int64 ``[B]`` committed records):
-    appends the new record to ring slot h, returns ``o [B, H, V]``."""
+    appends the new record to ring slot h, returns ``o [B, H, V]``. ``cfg``: launch options
+    of the step wrappers (default: theirs)."""
     r = st["ring"]
     if M.gdn:
         return kr.gdn_step_kernel(st["R"], r, st["q"], st["nk"], st["nv"], st["nla"],
-                                  st["nbeta"], h)
-    return kr.mamba2_step_kernel(st["R"], r, st["nla"], st["nv"], st["nk"], st["q"], h)
+                                  st["nbeta"], h, **cfg)
+    return kr.mamba2_step_kernel(st["R"], r, st["nla"], st["nv"], st["nk"], st["q"], h, **cfg)
 
 
 def run_verify(M, st, start):

@@ -209,11 +209,7 @@ def op(M, case, st, h, cfg):
     r = st["ring"]
     hv = torch.full((M.B,), h, dtype=torch.int64, device=DEV)
     if case == "step":
-        if M.gdn:
-            return kr.gdn_step_kernel(st["R"], r, st["q"], st["nk"], st["nv"], st["nla"],
-                                      st["nbeta"], hv, **cfg)
-        return kr.mamba2_step_kernel(st["R"], r, st["nla"], st["nv"], st["nk"], st["q"], hv,
-                                     **cfg)
+        return dc.run_step(M, st, hv, **cfg)
     if M.gdn:
         return kr.gdn_verify_kernel(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"],
                                     st["qT"], r["uR"], hv, M.L, **cfg)

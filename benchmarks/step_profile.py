@@ -36,22 +36,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode as dc  # noqa: E402
 import replay_kernels as rk  # noqa: E402
 
-import replayssm_quant.kernels.replay as kr  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 
 MODELS = {"gdn": (32, 16, 128, 128), "mamba2": (128, 1, 64, 128)}
 
 
 def step_fn(M, sets, hv, shared):
-    def step(i):
-        st = sets[i % len(sets)]
-        r = st["ring"]
-        if M.gdn:
-            return kr.gdn_step_kernel(st["R"], r, st["q"], st["nk"], st["nv"], st["nla"],
-                                      st["nbeta"], hv, shared_products=shared)
-        return kr.mamba2_step_kernel(st["R"], r, st["nla"], st["nv"], st["nk"], st["q"], hv,
-                                     shared_products=shared)
-    return step
+    return lambda i: dc.run_step(M, sets[i % len(sets)], hv, shared_products=shared)
 
 
 def kernel_times(step, calls):

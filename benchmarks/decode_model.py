@@ -114,6 +114,18 @@ class Timer:
         return out, time.perf_counter() - t
 
 
+def set_shared_products(on: bool) -> list[str]:
+    """Set ``shared_products`` in every records launch default that has the key (the serving
+    step and verify wrappers read these dicts at call time). Returns the names changed."""
+    from replayssm_quant.kernels.replay import records
+
+    names = [n for n, v in vars(records).items()
+             if n.endswith("_CONFIG") and isinstance(v, dict) and "shared_products" in v]
+    for n in names:
+        getattr(records, n)["shared_products"] = on
+    return names
+
+
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else float("nan")
@@ -168,6 +180,10 @@ def main(argv=None):
                     help="timed windows of L = 16 per patched run, after one warm-up window "
                          "(default 3; tiny 1)")
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--shared-products", choices=("on", "off"), default="on",
+                    help="serving decode: the record-key products launch as in the committed "
+                         "launch defaults (on) or switched off in every default that sets it "
+                         "(off), for an end-to-end A/B (docs/kernels-replay.md, sixth pass)")
     a = ap.parse_args(argv)
     for name, v in (("--batch", a.batch), ("--gen-batch", a.gen_batch),
                     ("--new-tokens", a.new_tokens), ("--windows", a.windows)):
@@ -183,6 +199,8 @@ def main(argv=None):
     L = 4 if a.tiny else 16
     windows = a.windows if a.windows is not None else (1 if a.tiny else 3)
     timer = Timer(dev)
+    if a.shared_products == "off":
+        set_shared_products(False)
     try:
         import fla  # noqa: F401
 
@@ -196,7 +214,8 @@ def main(argv=None):
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "fla": fla_ver},
-           "batch": B, "gen_batch": GB, "new_tokens": new, "window_L": L, "models": {}}
+           "shared_products": a.shared_products, "batch": B, "gen_batch": GB,
+           "new_tokens": new, "window_L": L, "models": {}}
 
     def save():
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -86,13 +86,16 @@ def geometries(tiny):
     return [Geo("gdn", 256, 32, 16, 128, 128, 16), Geo("mamba2", 256, 128, 1, 64, 128, 16)]
 
 
-def candidates(V, tiny, need_amax=False, gdn=False):
+FORMS = ("dot", "rank1", "tf32x3", "dot+inverse", "tf32x3+inverse")
+
+
+def candidates(V, tiny, need_amax=False, gdn=False, forms=None):
     """(variant, block_v, num_warps, reconstruct), most promising first; the default of a call
     (``flush.flush_config``) first, then the rest (each form's first is the one its other
     configurations are compared with bit for bit). One tile per matrix (block_v >= V) is the
     same kernel for both variants (listed as "grid"). ``gdn``: also the dot forms with the
     correction solve by the inverse (``"dot+inverse"``, ``"tf32x3+inverse"``: reconstruct
-    form + ``solve_form``)."""
+    form + ``solve_form``). ``forms``: keep only these reconstruct forms (and the default)."""
     single = max(16, triton.next_power_of_2(V))
     if tiny:  # the call default (one tile), then several tiles of each variant and form
         cands = [("grid", 16, 4, "rank1"), ("loop", 16, 4, "dot")]
@@ -123,6 +126,8 @@ def candidates(V, tiny, need_amax=False, gdn=False):
             var, bv = "grid", single
         if (var, bv, nw, form) not in out:
             out.append((var, bv, nw, form))
+    if forms is not None:  # the default (the reference of its form) and the forms asked for
+        out = out[:1] + [c for c in out[1:] if c[3] in forms]
     return out
 
 
@@ -285,7 +290,13 @@ def main():
                          "count, at most 12; 0: compile in the timing loop; tiny: 0)")
     ap.add_argument("--models", default="gdn,mamba2")
     ap.add_argument("--policies", default="fp32,nvfp4")
+    ap.add_argument("--forms", default=None,
+                    help="comma list of reconstruct forms to time besides the default "
+                         f"(of {', '.join(FORMS)}; default: all)")
     args = ap.parse_args()
+    forms = None if args.forms is None else args.forms.split(",")
+    if forms is not None and (not forms or any(f not in FORMS for f in forms)):
+        ap.error(f"--forms takes a comma list of {FORMS}, got {args.forms!r}")
     if args.tiny != INTERPRET:
         raise SystemExit("--tiny needs TRITON_INTERPRET=1 (set when --tiny is on the command "
                          "line); without --tiny run on CUDA with TRITON_INTERPRET unset")
@@ -324,9 +335,9 @@ def main():
     if jobs > 0:
         tasks = [(M.name, pname, cfg, args.tiny, False) for M in geometries(args.tiny)
                  if M.name in models for pname in args.policies.split(",")
-                 for cfg in candidates(M.V, args.tiny, pname == "nvfp4", M.gdn)]
-        tasks += [(M.name, pname, candidates(M.V, args.tiny, pname == "nvfp4", M.gdn)[0], args.tiny,
-                   True)
+                 for cfg in candidates(M.V, args.tiny, pname == "nvfp4", M.gdn, forms)]
+        tasks += [(M.name, pname,
+                   candidates(M.V, args.tiny, pname == "nvfp4", M.gdn, forms)[0], args.tiny, True)
                   for M in geometries(args.tiny) if M.name in models
                   for pname in args.policies.split(",")]  # the reference check's S-writing form
         try:
@@ -355,7 +366,8 @@ def main():
             pool = [probe] + [make_set(M, gen, policy) for _ in range(n - 1)]
             pres = mres["policies"][pname] = {"policy": POLICIES[pname], "pool": n,
                                               "set_bytes": per, "configs": []}
-            cands = candidates(M.V, args.tiny, pname == "nvfp4", M.gdn)  # nvfp4: a matrix scale
+            # nvfp4: a matrix scale
+            cands = candidates(M.V, args.tiny, pname == "nvfp4", M.gdn, forms)
             default = cands[0]
             firsts = {}  # reconstruct form -> its first configuration
             for c in cands:

@@ -121,7 +121,9 @@ def candidates(V, tiny, need_amax=False, gdn=False, forms=None):
     if tiny and gdn:
         cands += [("loop", 16, 4, "dot+inverse")]
     out = []
-    for var, bv, nw, form in [flush_config(V, need_amax)] + cands:
+    dv, db, dw, dr, ds = flush_config(V, need_amax, gdn)
+    default = (dv, db, dw, dr + ("+inverse" if gdn and ds == "inverse" else ""))
+    for var, bv, nw, form in [default] + cands:
         if bv >= V:  # one tile: the variants coincide; the smallest such block
             var, bv = "grid", single
         if (var, bv, nw, form) not in out:
@@ -175,10 +177,11 @@ def flush_kw(M):
 def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,
               keys_in_kernel=None):
     var, bv, nw, form = cfg
-    form, _, solve_form = form.partition("+")  # "dot+inverse": reconstruct + solve_form
+    # "dot+inverse": reconstruct + solve_form; a bare form solves by substitution
+    form, _, solve_form = form.partition("+")
     kw = dict(q=st["q"], store_state=store_state, dequantize=dequantize, block_v=bv,
               num_warps=nw, variant=var, keys_in_kernel=keys_in_kernel, reconstruct=form,
-              solve_form=solve_form or None, **fk)
+              solve_form=solve_form or "substitution", **fk)
     if M.gdn:
         return kr.gdn_flush_kernel(st["A"], st["la"], st["beta"], st["v"], st["k"],
                                    st["length"], policy, **kw)
@@ -313,7 +316,7 @@ def main():
                         "python": platform.python_version(),
                         "cuda": torch.version.cuda},
            "command": " ".join(sys.argv),
-           "default": "flush.flush_config(V, need_amax): the first configuration of each "
+           "default": "flush.flush_config(V, need_amax, gdn): the first configuration of each "
                       "(model, policy)",
            "timing": (f"median of {reps} calls, CUDA events per call, inputs rotated over the "
                       "pool, one warm-up call per set" if not args.tiny else
@@ -386,7 +389,7 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     pres.setdefault("errors", []).append(
                         f"{form} first configuration failed: {type(e).__name__}: {e}")
-            if "dot" not in bases:
+            if default[3] not in bases:  # the default configuration failed
                 print(M.name, pname, pres.get("errors"), flush=True)
                 continue
             for cfg in cands:
@@ -457,8 +460,10 @@ def main():
                    f"{b.get('reconstruct')}")
             print(f"{mname:7s} {pname:6s} {cfg:22s} {b.get('median_us', float('nan')):9.1f} "
                   f"{TARGET_US[mname]:7.0f} {d.get('median_us', float('nan')):9.1f} "
-                  f"{p['default_with_dequantize'].get('median_us', float('nan')):9.1f} "
-                  f"{'ok' if p['reference_check'].get('passed') else 'FAIL'}")
+                  f"{p.get('default_with_dequantize', {}).get('median_us', float('nan')):9.1f} "
+                  + " ".join(f"{k.removeprefix('reference_check').lstrip('_') or 'ref'}:"
+                             f"{'ok' if v.get('passed') else 'FAIL'}"
+                             for k, v in p.items() if k.startswith("reference_check")))
     if out["skipped"]:
         print(f"skipped {len(out['skipped'])} configurations (budget {budget:.0f} s)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

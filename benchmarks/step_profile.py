@@ -1,6 +1,8 @@
-"""GPU time per kernel and host time per call of the decode step (issue 15), with and without
-``shared_products`` (the products with the record keys once per (sequence, key group) in a
-launch before the records kernel).
+"""GPU time per kernel and host time per call of the decode step (issue 15) for the two values
+of one launch option (``--compare``): ``shared_products`` (the products with the record keys
+once per (sequence, key group) in a launch before the records kernel; off / on) or
+``e2m1_decode`` (how an nvfp4 read copy's E2M1 codes are decoded: ``integer`` / ``lookup``;
+the two must give the same outputs bit for bit, which is checked: ``same_bits`` per row).
 
 The eager timings of ``decode.py`` are host-bound once a step's kernels take about as long as
 its host work (argument checks, launches: 0.1-0.6 ms a call on the lent machine, varying from
@@ -19,6 +21,8 @@ four input sets rotated. Device only.
 Usage (device)::
 
     python3 benchmarks/step_profile.py --out $OUT/step_shared_products_h200.json
+    python3 benchmarks/step_profile.py --compare e2m1_decode --policies nvfp4 \
+        --out $OUT/step_e2m1_lookup_h200.json
 """
 
 from __future__ import annotations
@@ -41,8 +45,11 @@ from replayssm_quant.policy import StatePolicy  # noqa: E402
 MODELS = {"gdn": (32, 16, 128, 128), "mamba2": (128, 1, 64, 128)}
 
 
-def step_fn(M, sets, hv, shared):
-    return lambda i: dc.run_step(M, sets[i % len(sets)], hv, shared_products=shared)
+COMPARE = {"shared_products": (False, True), "e2m1_decode": ("integer", "lookup")}
+
+
+def step_fn(M, sets, hv, **opt):
+    return lambda i: dc.run_step(M, sets[i % len(sets)], hv, **opt)
 
 
 def kernel_times(step, calls):
@@ -65,21 +72,31 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--h", default="0,7,14", help="comma list of record counts before the step")
+    ap.add_argument("--compare", default="shared_products", choices=tuple(COMPARE),
+                    help="the launch option whose two values are timed")
+    ap.add_argument("--policies", default=",".join(dc.POLICIES),
+                    help=f"comma list of {tuple(dc.POLICIES)}")
     args = ap.parse_args(argv)
+    pols = args.policies.split(",")
+    if not pols or any(p not in dc.POLICIES for p in pols):
+        ap.error(f"--policies takes a comma list of {tuple(dc.POLICIES)}, got {args.policies!r}")
     if not torch.cuda.is_available():
         ap.error("step_profile.py needs a CUDA device")
     rows = []
     for name, (H, G, V, K) in MODELS.items():
         M = rk.Model(name, args.batch, H, G, V, K, 16)
-        for pname, pol in dc.POLICIES.items():
+        for pname in pols:
+            pol = dc.POLICIES[pname]
             gen = torch.Generator(device="cuda").manual_seed(1)
             sets = [dc.make_set(M, gen, StatePolicy.parse(pol), 8, False) for _ in range(4)]
             for h in (int(x) for x in args.h.split(",")):
                 hv = torch.full((M.B,), h, dtype=torch.int64, device="cuda")
-                for shared in (False, True):
-                    step = step_fn(M, sets, hv, shared)
+                first = None
+                for val in COMPARE[args.compare]:
+                    step = step_fn(M, sets, hv, **{args.compare: val})
                     for i in range(8):  # compile, warm
                         step(i)
+                    y = step(0).clone()  # set 0 (the append rewrites slot h with its own record)
                     torch.cuda.synchronize()
                     t = time.perf_counter()
                     for i in range(args.calls):
@@ -87,15 +104,21 @@ def main(argv=None):
                     host = (time.perf_counter() - t) / args.calls * 1e6
                     torch.cuda.synchronize()
                     ks = kernel_times(step, args.calls)
-                    row = dict(model=name, policy=pname, h=h, shared_products=shared,
+                    row = dict(model=name, policy=pname, h=h, **{args.compare: val},
                                host_us=round(host, 1), kernels_us=ks,
                                gpu_us=round(sum(ks.values()), 1))
+                    if first is None:
+                        first = y
+                    else:  # against the first value's outputs
+                        row["same_bits"] = bool(torch.equal(y.view(torch.int32),
+                                                            first.view(torch.int32)))
+                        row["max_abs_diff"] = float((y - first).abs().max())
                     print(row, flush=True)
                     rows.append(row)
     result = {"command": "python " + " ".join(sys.argv) if argv is None else repr(argv),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "git_commit": rk.git_commit(),
               "code_commit": rk.code_commit(), "device": torch.cuda.get_device_name(),
-              "batch": args.batch, "calls": args.calls, "rows": rows}
+              "batch": args.batch, "calls": args.calls, "compare": args.compare, "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return result

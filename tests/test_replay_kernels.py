@@ -203,7 +203,7 @@ FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8,
 def _form(form):
     """``reconstruct`` and ``solve_form`` keywords of a form name (``"dot+inverse"``)."""
     rec, _, solve = form.partition("+")
-    return dict(reconstruct=rec, solve_form=solve or None)
+    return dict(reconstruct=rec, solve_form=solve or "substitution")
 
 
 def _config_inputs(gen, exact, V2):
@@ -289,6 +289,32 @@ def test_flush_configs(policy, model, exact):
             assert res2.state is None and res2.checkpoints.anchor is None
             assert torch.equal(_bits(y2), _bits(y))
             _same_stored(res2.checkpoints, res.checkpoints)
+
+
+def test_flush_default_wide_gdn():
+    """The flush default for GDN with more than 64 value rows (``flush_config``: the FP32 dot
+    with the correction solve by the inverse; timed on the H200, flush_tune_inverse_h200.json):
+    on exact inputs the default call equals the reference flush bit for bit (S, corrections,
+    copies) and equals the explicit configuration; an explicit ``reconstruct="rank1"`` without
+    ``solve_form`` solves by substitution (no error), with the same bits."""
+    from replayssm_quant.kernels.replay.flush import flush_config
+
+    assert flush_config(128, False, gdn=True) == ("loop", 64, 4, "dot", "inverse")
+    assert flush_config(128, True, gdn=True)[3:] == ("dot", "inverse")
+    assert flush_config(128, False)[4] == flush_config(64, False, gdn=True)[4] == "substitution"
+    gen = _gen(21)
+    pol = StatePolicy.parse("read:nvfp4/rec:fp32")
+    A, la, k, v, beta, q = _config_inputs(gen, True, 128)
+    length = _t(torch.tensor([L, 3]))
+    ref = gdn_flush(A, la, beta, v, k, pol, length=length, fold=GDNFold.RECOMPUTE, store=True,
+                    **STREAMS)
+    runs = [kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw, **STREAMS)[0]
+            for kw in ({}, dict(variant="loop", block_v=64, num_warps=4, reconstruct="dot",
+                                solve_form="inverse"), dict(reconstruct="rank1"))]
+    for res in runs:
+        assert torch.equal(_bits(res.state), _bits(ref.state))
+        assert torch.equal(res.w, ref.w)
+        _same_copies(res.checkpoints, ref.checkpoints)
 
 
 @pytest.mark.parametrize("form", ["dot", "rank1", "tf32x3", "dot+inverse"])
@@ -541,6 +567,56 @@ def test_fast_decoders(which, spec, n):
         assert torch.equal(torch.isnan(got), torch.isnan(ref))
         ok = ~torch.isnan(ref)
         assert torch.equal(_bits(got[ok]), _bits(ref[ok]))
+
+
+@triton.jit
+def _e2m1_pairs_kernel(b_ptr, e_ptr, o_ptr, N: tl.constexpr, LUT: tl.constexpr):
+    i = tl.arange(0, N)
+    byte = tl.load(b_ptr + i)
+    if LUT:
+        xe, xo = kr.codec._e2m1_pairs_lut(byte)
+    else:
+        xe = kr.codec._e2m1_value(byte.to(tl.int32))
+        xo = kr.codec._e2m1_value(byte.to(tl.int32) >> 4)
+    tl.store(e_ptr + i, xe)
+    tl.store(o_ptr + i, xo)
+
+
+@pytest.mark.parametrize("lut", [False, True], ids=["integer", "lookup"])
+def test_e2m1_pair_decoders(lut):
+    """Both E2M1 decoders of the records kernel give, for every byte, the E2M1 table values of
+    its low (even) and high (odd) nibble bit for bit (signed zeros included). The table-lookup
+    decoder is inline PTX: CUDA only (skipped under the interpreter, where records_outputs
+    refuses it)."""
+    if lut and DEVICE != "cuda":
+        pytest.skip("inline PTX: CUDA only")
+    n = 256
+    byte = _t(torch.arange(n, dtype=torch.int32).to(torch.uint8))
+    e, o = torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE)
+    _e2m1_pairs_kernel[(1,)](byte, e, o, N=n, LUT=lut, num_warps=1)
+    mag = torch.tensor(Fmt.E2M1_VALUES * 2)
+    table = torch.where(torch.arange(16) >= 8, -mag, mag)
+    b = torch.arange(n)
+    assert torch.equal(_bits(e.cpu()), _bits(table[b & 15]))
+    assert torch.equal(_bits(o.cpu()), _bits(table[b >> 4]))
+
+
+@pytest.mark.parametrize("bad,match", [("bogus", "e2m1_decode must be one of"),
+                                       ("lookup", "needs CUDA")])
+def test_e2m1_decode_option_refused(bad, match):
+    """A bad ``e2m1_decode`` raises ValueError naming it; ``"lookup"`` (inline PTX) is refused
+    off CUDA or under the interpreter."""
+    from replayssm_quant.kernels.replay import records_outputs
+
+    if bad == "lookup" and DEVICE == "cuda":
+        pytest.skip("lookup runs on CUDA")
+    B, CAP, G, H, K, V = 1, 4, 1, 2, 32, 16
+    z = torch.zeros
+    with pytest.raises(ValueError, match=match):
+        records_outputs(z(B, H, V, K), ring_la=z(B, CAP, H), ring_k=z(B, CAP, G, K),
+                        ring_w=z(B, CAP, H, V), q=z(B, 1, G, K), start=z(B, dtype=torch.int64),
+                        rows=z(B, dtype=torch.int64), out_start=z(B, dtype=torch.int64),
+                        block_v=16, e2m1_decode=bad)
 
 
 # Launch configurations of the records kernel: streamed chunks (K = 64 in chunks of 32), dot

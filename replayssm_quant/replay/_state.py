@@ -99,7 +99,9 @@ class ReplayStateBase:
                 + ": drafts must fit in one window to be verified in output-only form")
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-        self.device = torch.device(device)
+        # as tensors report it: "cuda" becomes "cuda:0" (the current device), so the device
+        # checks below compare equal devices as equal
+        self.device = torch.empty(0, device=device).device
         self.dtype = dtype
         self.window = window
         self.max_drafts = max_drafts

@@ -80,6 +80,7 @@ class DecodeConsts(NamedTuple):
     SUBQ: float  # element subnormal quantum
     NANF: int  # NaN rule of the element codes (_NANF_*)
     BF16: bool  # half-precision values are bfloat16 (else float16)
+    LUT: bool = False  # E2M1 pairs by byte-permute table lookups (_e2m1_pairs_lut; CUDA only)
 
 
 class CastConsts(NamedTuple):
@@ -553,6 +554,81 @@ def _e2m1_value(code):
     m = c & 7
     bits = tl.where(m >= 2, (m << 22) + (126 << 23), m * (126 << 23))
     return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+# E2M1 by table lookup: the float32 bits of the eight E2M1 magnitudes m (0, 0.5, 1, 1.5, 2, 3,
+# 4, 6) are ``HB[m] << 24 | NB[m] << 16`` (the low 16 bits are zero); ``prmt`` (byte permute)
+# with the magnitudes as its selector nibbles looks up four bytes at once from an eight-byte
+# table held in two registers.
+_E2M1_HB = (0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40)  # bits 31..24 of the float32
+_E2M1_NB = (0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0)  # bits 23..16
+
+
+def _table_words(t) -> tuple[str, str]:
+    lo = sum(b << (8 * i) for i, b in enumerate(t[:4]))
+    hi = sum(b << (8 * i) for i, b in enumerate(t[4:]))
+    return f"0x{lo:08X}", f"0x{hi:08X}"
+
+
+_HB_LO, _HB_HI = _table_words(_E2M1_HB)
+_NB_LO, _NB_HI = _table_words(_E2M1_NB)
+# PTX for four bytes (eight codes) per invocation: $8 holds the bytes b0..b3 (b0 lowest), so its
+# nibbles in order are the codes even0, odd0, even1, odd1 (bytes 0, 1: group a, the low 16 bits)
+# and even2, odd2, even3, odd3 (bytes 2, 3: group b, the high 16 bits). Per group: the magnitude
+# selectors (sign bits cleared), the two table lookups, the sign bytes (prmt's sign-replicate
+# mode: a selector nibble with bit 3 set gives 0xFF from a 0x80 byte, else 0x80; bit 0 moved to
+# bit 7 of each byte and or'ed into the high bytes), then the (NB, HB) byte pairs interleaved
+# two codes per word and split into float32 words. Outputs: $0..$3 the even (low-nibble) codes
+# of b0..b3, $4..$7 the odd (high-nibble) codes.
+_E2M1_PAIRS_PTX = tl.constexpr(f"""{{
+.reg .b32 w<2>, m<2>, h<2>, n<2>, s<2>, p<4>, thl, thh, tnl, tnh, t80;
+mov.b32 thl, {_HB_LO};
+mov.b32 thh, {_HB_HI};
+mov.b32 tnl, {_NB_LO};
+mov.b32 tnh, {_NB_HI};
+mov.b32 t80, 0x80808080;
+mov.b32 w0, $8;
+shr.u32 w1, $8, 16;
+and.b32 m0, w0, 0x7777;
+and.b32 m1, w1, 0x7777;
+prmt.b32 h0, thl, thh, m0;
+prmt.b32 h1, thl, thh, m1;
+prmt.b32 n0, tnl, tnh, m0;
+prmt.b32 n1, tnl, tnh, m1;
+prmt.b32 s0, t80, t80, w0;
+prmt.b32 s1, t80, t80, w1;
+shl.b32 s0, s0, 7;
+shl.b32 s1, s1, 7;
+and.b32 s0, s0, 0x80808080;
+and.b32 s1, s1, 0x80808080;
+or.b32 h0, h0, s0;
+or.b32 h1, h1, s1;
+prmt.b32 p0, n0, h0, 0x5140;
+prmt.b32 p1, n0, h0, 0x7362;
+prmt.b32 p2, n1, h1, 0x5140;
+prmt.b32 p3, n1, h1, 0x7362;
+shl.b32 $0, p0, 16;
+shl.b32 $1, p1, 16;
+shl.b32 $2, p2, 16;
+shl.b32 $3, p3, 16;
+and.b32 $4, p0, 0xFFFF0000;
+and.b32 $5, p1, 0xFFFF0000;
+and.b32 $6, p2, 0xFFFF0000;
+and.b32 $7, p3, 0xFFFF0000;
+}}""")
+
+
+@triton.jit
+def _e2m1_pairs_lut(byte):
+    """Float32 values ``(even, odd)`` of packed E2M1 bytes (``byte``: uint8 codes, the low
+    nibble the even element, as ``_c_blocks`` loads them): the same values, bit for bit, as
+    ``_e2m1_value(byte)`` and ``_e2m1_value(byte >> 4)`` (signed zeros included;
+    tests/test_replay_kernels.py::test_e2m1_lookup_decoder on CUDA), by byte-permute table
+    lookups four bytes per invocation (about 3 instructions per code instead of about 8).
+    Inline PTX: CUDA only (the interpreter cannot run it; records_outputs then takes the
+    integer decoder)."""
+    return tl.inline_asm_elementwise(_E2M1_PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
 
 
 @triton.jit

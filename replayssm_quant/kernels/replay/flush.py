@@ -72,30 +72,45 @@ DEFAULT_VARIANT = "grid"
 RECONSTRUCT_FORMS = ("dot", "rank1", "tf32x3")
 # How GDN's fused correction solve runs in the dot forms: "substitution" (one slot at a time on
 # the [BV, LP] tile of each row tile) or "inverse" ((I + CF)^{-1} once per program on
-# [LP, LP] scalars, then one product per row tile; untimed, 2026-12-01)
+# [LP, LP] scalars, then one product per row tile; the GDN default for V > 64 since 2026-12-02,
+# see flush_config)
 FLUSH_SOLVE_FORMS = ("substitution", "inverse")
 
 
-def flush_config(V: int, need_amax: bool) -> tuple[str, int, int, str]:
-    """Default launch ``(variant, block_v, num_warps, reconstruct)`` of a flush: the fastest
-    configuration of ``benchmarks/flush_tune.py`` on the H200 at B = 256 over four sweeps on
-    2026-12-01 (the last is benchmarks/results/flush_tune_h200.json; single runs move by
-    10-20%, so a form is the default only where it won in every sweep):
+def flush_config(V: int, need_amax: bool,
+                 gdn: bool = False) -> tuple[str, int, int, str, str]:
+    """Default launch ``(variant, block_v, num_warps, reconstruct, solve_form)`` of a flush:
+    the fastest configuration of ``benchmarks/flush_tune.py`` on the H200 at B = 256 over four
+    sweeps on 2026-12-01 (the last is benchmarks/results/flush_tune_h200.json; single runs move
+    by 10-20%, so a form is the default only where it won in every sweep):
 
     * V <= 64 (timed on Mamba-2's 64 x 128; a GDN layer with DV <= 64 takes the same): one
       64-row tile, ``tf32x3`` products (``fp32`` 1.32 ms
       against 1.60 ms for the FP32 FMA dot in the same sweep; with a matrix-scaled copy
       (``read:nvfp4/rec:fp16+sr``) 8 warps, 4.38 against 4.75-4.81 ms);
-    * V > 64 (GDN 128 x 128): ``loop`` 32 x 4 with the FP32 FMA dot (``fp32``: 2.05-2.35 ms;
-      neither the rank-1 nor the tf32x3 form was faster); with a matrix-scaled copy the
-      ``rank1`` form, ``loop`` 32 x 4 (3.85-4.53 ms against 4.59-5.02 ms for the best dot).
+    * V > 64 without a correction solve (Mamba-2 with P > 64, untimed): ``loop`` 32 x 4 with
+      the FP32 FMA dot; with a matrix-scaled copy the ``rank1`` form (the GDN choices before
+      the inverse solve: ``fp32`` 2.05-2.35 ms, neither the rank-1 nor the tf32x3 form was
+      faster; matrix-scaled 3.85-4.53 ms against 4.59-5.02 ms for the best dot);
+    * ``gdn`` with V > 64 (GDN 128 x 128; 2026-12-02, two sweeps,
+      ``flush_tune_inverse_h200.json``): the FP32 FMA dot with the correction solve by the
+      inverse of ``I + CF`` (``solve_form="inverse"``): ``fp32`` ``loop`` 64 x 4, 1.16 ms in
+      both sweeps against 1.72 ms for the former default (loop 32 x 4, forward substitution;
+      tf32x3 + inverse, one 128-row tile, 8 warps: 1.12 ms, within 4%, kept off for the exact
+      FP32 products); matrix-scaled one 128-row tile with 8 warps, 3.41 ms against 3.70 ms for
+      the former ``rank1`` default.
 
+    ``solve_form`` applies only to a GDN flush that solves its corrections (``beta`` given).
     The choice depends only on the shape and the policy, never on the batch."""
     if V <= 64:
-        return "grid", 64, (8 if need_amax else 4), "tf32x3"
+        return "grid", 64, (8 if need_amax else 4), "tf32x3", "substitution"
+    if gdn:
+        if need_amax:
+            return "grid", 128, 8, "dot", "inverse"
+        return "loop", 64, 4, "dot", "inverse"
     if need_amax:
-        return "loop", 32, 4, "rank1"
-    return "loop", 32, 4, "dot"
+        return "loop", 32, 4, "rank1", "substitution"
+    return "loop", 32, 4, "dot", "substitution"
 
 
 @triton.jit
@@ -407,14 +422,15 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     the FP32 dot within 9.5e-7: ``flush_tune_h200.json`` reference checks). A and R are always
     the casts of the kernel's own S, bit for bit.
     ``solve_form`` (:data:`FLUSH_SOLVE_FORMS`; GDN with ``beta`` and the dot forms only;
-    default ``"substitution"``): ``"inverse"`` inverts the unit triangular system
-    ``I + CF`` of the corrections (DESIGN.md section 3; ``CF[i, p] = beta_p
+    default: :func:`flush_config`'s, ``"inverse"`` for V > 64, else ``"substitution"``; with
+    ``reconstruct="rank1"`` always ``"substitution"``): ``"inverse"`` inverts the unit
+    triangular system ``I + CF`` of the corrections (DESIGN.md section 3; ``CF[i, p] = beta_p
     gamma_{i+1:p} (k_i . k_p)``, ``i < p``) once per program on ``[LP, LP]`` scalars (the
     row recursion of the records kernel, :func:`records._unit_upper_inverse`) and forms every
     row tile's corrections as one product ``rhs (I + CF)^{-1}`` instead of ``length`` dependent
     steps per row tile; the same formula reassociated (S within the same tolerance of the
-    reference; A and R the casts of the kernel's own S). Built 2026-12-01, not yet timed
-    (``flush_tune.py`` lists it as the ``"dot+inverse"`` / ``"tf32x3+inverse"`` forms).
+    reference; A and R the casts of the kernel's own S). On the H200 at B = 256 the GDN
+    ``fp32`` flush takes 1.16 instead of 1.72 ms (``flush_tune_inverse_h200.json``).
     ``keys_in_kernel`` (default True) packs the SR stream keys inside the kernel from the
     sequence ids and flush indices: the keys of :func:`checkpoint_streams`, with no host work
     and no extra key launches (``layer`` and the head count are range-checked on the host, the
@@ -431,16 +447,17 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     two = not policy.single_checkpoint
     need_amax = (_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
                  or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)))
-    dv, db, dw, dr = flush_config(V, need_amax)
+    dv, db, dw, dr, ds = flush_config(V, need_amax, gdn=beta is not None)
     variant = dv if variant is None else variant
     block_v = db if block_v is None else block_v
     num_warps = dw if num_warps is None else num_warps
     reconstruct = dr if reconstruct is None else reconstruct
+    if solve_form is None:  # the default's solve form, where the fold form takes it
+        solve_form = ds if reconstruct != "rank1" else "substitution"
     if variant not in FLUSH_VARIANTS:
         raise ValueError(f"variant must be one of {FLUSH_VARIANTS}, got {variant!r}")
     if reconstruct not in RECONSTRUCT_FORMS:
         raise ValueError(f"reconstruct must be one of {RECONSTRUCT_FORMS}, got {reconstruct!r}")
-    solve_form = "substitution" if solve_form is None else solve_form
     if solve_form not in FLUSH_SOLVE_FORMS:
         raise ValueError(f"solve_form must be one of {FLUSH_SOLVE_FORMS}, got {solve_form!r}")
     if solve_form == "inverse" and reconstruct == "rank1":

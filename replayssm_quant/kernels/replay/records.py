@@ -49,11 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ...capabilities import triton_interpreting
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
 from .codec import (_check_f32, _check_index, _check_records, _check_supported, _decode_code,
-                    _decode_consts, _e2m1_value, _e4m3_value, _e5m2_value, _e8m0_value,
-                    _stored_args)
+                    _decode_consts, _e2m1_pairs_lut, _e2m1_value, _e4m3_value, _e5m2_value,
+                    _e8m0_value, _stored_args)
 
 # Launch configuration of the records kernel (value rows per program, warps, K chunk streamed
 # per loop iteration, software-pipeline stages, tl.dot for the C X products or per-column
@@ -109,6 +110,8 @@ GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG)
 MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128, num_stages=1)
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
+# records_outputs(e2m1_decode=...): the E2M1 decoders (the same values; "lookup" CUDA only)
+E2M1_DECODES = ("lookup", "integer")
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
 MIN_DOT = 16  # smallest tl.dot N / K
 
@@ -160,9 +163,13 @@ def _c_blocks(c_ptr, bs_ptr, rowg, rmask, k0, K: tl.constexpr, BLK: tl.constexpr
     if D.FP4:
         col = k0 // 2 + nb[:, None] * W + jj[None, :]
         byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2) + col[None, :, :], mask=m3,
-                       other=0).to(tl.int32)
-        xe = _e2m1_value(byte)
-        xo = _e2m1_value(byte >> 4)
+                       other=0)
+        if D.LUT:
+            xe, xo = _e2m1_pairs_lut(byte)
+        else:
+            byte = byte.to(tl.int32)
+            xe = _e2m1_value(byte)
+            xo = _e2m1_value(byte >> 4)
     else:
         col = k0 + nb[:, None] * W + jj[None, :]
         x = tl.load(c_ptr + rowg[:, None, None] * K + col[None, :, :], mask=m3, other=0)
@@ -663,7 +670,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     shared_products: bool = False,
                     solve: str = "substitution",
                     fused_window: int | None = None,
-                    solve_precision: str | None = None) -> torch.Tensor:
+                    solve_precision: str | None = None,
+                    e2m1_decode: str | None = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -733,9 +741,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             and a sequence with ``rows == fused_window`` also gets its last output from the
             A path (every row re-solved against the checkpoint), so verify needs no second
             launch (see ``_matrix_outputs``).
+        e2m1_decode: how an nvfp4/mxfp4 copy's E2M1 codes become float32 values (the same
+            values bit for bit, so the same outputs): ``"lookup"`` byte-permute table lookups
+            in inline PTX, four bytes per instruction group (``codec._e2m1_pairs_lut``; CUDA
+            only), or ``"integer"`` integer arithmetic per code (``codec._e2m1_value``);
+            default ``"lookup"`` on CUDA and ``"integer"`` under the Triton interpreter, which
+            cannot run inline PTX. Other formats ignore it.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
-    num_stages, use_dot, keys_first, shared_products, solve, solve_precision, fused_window).
+    num_stages, use_dot, keys_first, shared_products, solve, solve_precision, fused_window,
+    e2m1_decode).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
     ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
@@ -795,6 +810,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     if not isinstance(shared_products, bool):
         raise ValueError(f"shared_products must be True or False, got {shared_products!r}")
     LP = _lp(max(CAP, TD))
+    lut = _e2m1_lookup(e2m1_decode, q.device)
     consts = dict(K=K, LP=LP, NS=NS, NC=NC, NX=NX, KC=KC, STAGES=num_stages or 1,
                   DOT=bool(use_dot), PREC=prec, GDN=gdn, D_REL=draft_relative, SOLVE=matrix,
                   FUSED=fused_window is not None)
@@ -821,8 +837,22 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         WRITE_W=w_out is not None, APPEND=append is not None,
         AT_WINDOW=at_window is not None, SPREC=solve_precision,
         NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
-        num_warps=num_warps, C=_decode_consts(spec), **consts)
+        num_warps=num_warps, C=_decode_consts(spec)._replace(LUT=lut), **consts)
     return o
+
+
+def _e2m1_lookup(e2m1_decode, device) -> bool:
+    """Whether the records kernel decodes E2M1 codes by table lookup (``records_outputs``)."""
+    if e2m1_decode is None:
+        return device.type == "cuda" and not triton_interpreting()
+    if e2m1_decode not in E2M1_DECODES:
+        raise ValueError(f"e2m1_decode must be one of {E2M1_DECODES} (or None), got "
+                         f"{e2m1_decode!r}")
+    if e2m1_decode == "lookup" and (device.type != "cuda" or triton_interpreting()):
+        raise ValueError("e2m1_decode='lookup' is inline PTX and needs CUDA without the "
+                         f"Triton interpreter (device {device}, TRITON_INTERPRET="
+                         f"{int(triton_interpreting())}); use 'integer' or None")
+    return e2m1_decode == "lookup"
 
 
 def _pow2(v) -> bool:
@@ -874,7 +904,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
         num_warps: int | None = None, k_chunk: int | None = None,
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
         prefetch: bool | None = None, solve: str | None = None,
-        keys_first: bool | None = None, shared_products: bool | None = None):
+        keys_first: bool | None = None, shared_products: bool | None = None,
+        e2m1_decode: str | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -888,7 +919,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else STEP_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
-                  keys_first=keys_first, shared_products=shared_products)
+                  keys_first=keys_first, shared_products=shared_products,
+                  e2m1_decode=e2m1_decode)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
@@ -900,7 +932,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
         num_warps: int | None = None, k_chunk: int | None = None,
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
         prefetch: bool | None = None, solve: str | None = None,
-        keys_first: bool | None = None, shared_products: bool | None = None):
+        keys_first: bool | None = None, shared_products: bool | None = None,
+        e2m1_decode: str | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -916,7 +949,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   (GDN_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
-                  keys_first=keys_first, shared_products=shared_products)
+                  keys_first=keys_first, shared_products=shared_products,
+                  e2m1_decode=e2m1_decode)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,
@@ -961,7 +995,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          use_dot: "bool | str | None" = None, prefetch: bool | None = None,
                          solve: str | None = None, solve_precision: str | None = None,
                          skip_shared_anchor: bool = True,
-                         shared_products: bool | None = None):
+                         shared_products: bool | None = None,
+                         e2m1_decode: str | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two records-kernel launches (one when ``skip_shared_anchor``
@@ -981,7 +1016,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     cfg = _config(MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
-                  solve_precision=solve_precision, shared_products=shared_products)
+                  solve_precision=solve_precision, shared_products=shared_products,
+                  e2m1_decode=e2m1_decode)
     _check_verify("mamba2_verify_kernel", read, anchor, la, v, k, q, start, window)
     T = q.shape[1]
     B = q.shape[0]
@@ -1005,7 +1041,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       solve_precision: str | None = None,
                       skip_shared_anchor: bool = True, fuse_shared_anchor: bool = False,
                       anchor_block_v: int | None = None,
-                      shared_products: bool | None = None):
+                      shared_products: bool | None = None,
+                      e2m1_decode: str | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -1038,7 +1075,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
-                  solve_precision=solve_precision, shared_products=shared_products)
+                  solve_precision=solve_precision, shared_products=shared_products,
+                  e2m1_decode=e2m1_decode)
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
                          f"solve={cfg.get('solve', 'substitution')!r}")

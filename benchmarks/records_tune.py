@@ -149,11 +149,25 @@ VERIFY3_VERIFY_CANDIDATES = [
     (64, 4, 64, 2, "tf32x3") + _V, (128, 4, 64, 2, "tf32x3") + _V,
     (128, 8, 128, 1, "tf32x3") + _V, (32, 4, 64, 2, "tf32x3") + _V,
 ]
+# the E2M1 decoders (e2m1_decode, the 13th field; --set lut, nvfp4 read copy only): the
+# defaults with each decoder, and with the table lookup (fewer registers and instructions per
+# code) the step's tiles again
+_E = (None,) * 12
+_T = (None,) * 6 + _N + (None, None, "lookup")  # after block_v, num_warps, k_chunk, num_stages
+LUT_STEP_CANDIDATES = [
+    _E + ("integer",), _E + ("lookup",),
+    (64, 4, 64, 2) + _T[4:], (64, 4, 32, 2) + _T[4:], (64, 4, 32, 3) + _T[4:],
+    (32, 4, 128, 1) + _T[4:], (32, 4, 64, 2) + _T[4:], (128, 4, 128, 1) + _T[4:],
+    (128, 8, 128, 1) + _T[4:], (64, 8, 128, 1) + _T[4:], (64, 2, 128, 1) + _T[4:],
+    (32, 2, 128, 1) + _T[4:], (128, 4, 64, 2) + _T[4:],
+    (64, 4, 128, 1, None, False) + _T[6:],  # GDN without its prefetch (the default sets it)
+]
+LUT_VERIFY_CANDIDATES = [_E + ("integer",), _E + ("lookup",)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
-        "shared_products")
+        "shared_products", "e2m1_decode")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -174,7 +188,8 @@ def cases(M, T):
                  "verify2": (VERIFY2_STEP_CANDIDATES, VERIFY2_VERIFY_CANDIDATES),
                  "keys": (KEYS_STEP_CANDIDATES, []),
                  "shared": (SHARED_STEP_CANDIDATES, SHARED_VERIFY_CANDIDATES),
-                 "verify3": ([_D], VERIFY3_VERIFY_CANDIDATES)}.get(
+                 "verify3": ([_D], VERIFY3_VERIFY_CANDIDATES),
+                 "lut": (LUT_STEP_CANDIDATES, LUT_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -191,6 +206,8 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if len(c) > 12 and fmt != "nvfp4":
+        return True  # the E2M1 decoder: only an nvfp4 read copy decodes E2M1 codes
     if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):
         return True  # fusing needs A is R (the fp32 policy) and GDN's recompute path
     if len(c) > 8 and c[8] is False and (M.gdn or fmt != "fp32"):
@@ -299,7 +316,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
-                             "verify3"),
+                             "verify3", "lut"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -308,7 +325,9 @@ def main(argv=None):
                          "record keys loaded before C, keys_first, against the defaults) or "
                          "shared (the products with the record keys once per sequence and key "
                          "group, shared_products, against the defaults) or verify3 (verify "
-                         "launches with shared products: whole-K chunks, tensor cores, tiles)")
+                         "launches with shared products: whole-K chunks, tensor cores, tiles) "
+                         "or lut (nvfp4 read copy: the E2M1 decoders, e2m1_decode, and the "
+                         "step's tiles with the table lookup)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -163,6 +163,18 @@ LUT_STEP_CANDIDATES = [
     (64, 4, 128, 1, None, False) + _T[6:],  # GDN without its prefetch (the default sets it)
 ]
 LUT_VERIFY_CANDIDATES = [_E + ("integer",), _E + ("lookup",)]
+# --set lut2: the narrow tiles of the first lut sweep (records_tune_lut_h200.json: 32 rows and
+# 2 warps won for both models), around them
+LUT2_STEP_CANDIDATES = [
+    _E + ("lookup",), (32, 2, 128, 1) + _T[4:], (32, 2, 128, 1, None, False) + _T[6:],
+    (32, 1, 128, 1) + _T[4:], (32, 1, 128, 1, None, False) + _T[6:],
+    (16, 1, 128, 1) + _T[4:], (16, 1, 128, 1, None, False) + _T[6:],
+    (16, 2, 128, 1) + _T[4:], (16, 2, 128, 1, None, False) + _T[6:],
+    (32, 2, 64, 2) + _T[4:], (32, 2, 64, 2, None, False) + _T[6:],
+    (64, 2, 128, 1, None, False) + _T[6:],
+]
+LUT2_VERIFY_CANDIDATES = [_E + ("integer",), (32, 2) + (None,) * 10 + ("integer",),
+                          (32, 2) + (None,) * 10 + ("lookup",)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -189,7 +201,8 @@ def cases(M, T):
                  "keys": (KEYS_STEP_CANDIDATES, []),
                  "shared": (SHARED_STEP_CANDIDATES, SHARED_VERIFY_CANDIDATES),
                  "verify3": ([_D], VERIFY3_VERIFY_CANDIDATES),
-                 "lut": (LUT_STEP_CANDIDATES, LUT_VERIFY_CANDIDATES)}.get(
+                 "lut": (LUT_STEP_CANDIDATES, LUT_VERIFY_CANDIDATES),
+                 "lut2": (LUT2_STEP_CANDIDATES, LUT2_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -316,7 +329,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
-                             "verify3", "lut"),
+                             "verify3", "lut", "lut2"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -327,7 +340,7 @@ def main(argv=None):
                          "group, shared_products, against the defaults) or verify3 (verify "
                          "launches with shared products: whole-K chunks, tensor cores, tiles) "
                          "or lut (nvfp4 read copy: the E2M1 decoders, e2m1_decode, and the "
-                         "step's tiles with the table lookup)")
+                         "step's tiles with the table lookup) or lut2 (narrower tiles)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -369,7 +369,8 @@ def main(argv=None):
               "device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (interpreter)",
               "triton": __import__("triton").__version__, "torch": torch.__version__,
               "defaults": {n: getattr(rec, n) for n in (
-                  "STEP_CONFIG", "GDN_STEP_WIDE_CONFIG", "GDN_STEP_BLOCKED_CONFIG", "VERIFY_CONFIG",
+                  "STEP_CONFIG", "GDN_STEP_WIDE_CONFIG", "GDN_STEP_BLOCKED_CONFIG",
+                  "MAMBA2_STEP_WIDE_CONFIG", "MAMBA2_STEP_BLOCKED_CONFIG", "VERIFY_CONFIG",
                   "GDN_VERIFY_CONFIG",
                   "GDN_VERIFY_BLOCKED_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG")},
               "keys": list(KEYS), "reps": args.reps, "pool": args.pool, "rows": []}

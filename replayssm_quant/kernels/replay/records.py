@@ -89,7 +89,12 @@ MAMBA2_STEP_WIDE_CONFIG = dict(STEP_CONFIG, k_chunk=64, num_stages=2)
 # no gain for Mamba-2 or from an FP32 copy in the sweep). Since shared_products (sixth
 # session) the step reads Z from the products launch and loads no record keys, so keys_first
 # (which only moves that load) has nothing to move and is no longer set.
-GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True)
+# Since the E2M1 table lookup (2026-12-02, records_tune --set lut / lut2 --timing both,
+# records_tune_lut_h200.json / records_tune_lut2_h200.json, B = 256, h = 7): from an nvfp4/mx
+# copy both models take 32-row tiles with 2 warps and GDN no prefetch: GDN 196 -> 149-151 us,
+# Mamba-2 170 -> 157 us (with the integer decoder and the former tiles: 201 / 214 us).
+GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, block_v=32, num_warps=2)
+MAMBA2_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, block_v=32, num_warps=2)
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
@@ -107,7 +112,11 @@ GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG)
 # verify (2 value heads per key group) stays without it: h = 0 614 -> 679 us with it (h = 8
 # 1357 -> 1228). From an nvfp4/mx copy, whole-K tf32x3 products (records_tune --set verify3,
 # records_tune_verify3_h200.json): 837 / 1070 -> 561 / 792 us.
-MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128, num_stages=1)
+# The E2M1 table lookup slows this tensor-core verify (records_tune --set lut / lut2: h = 0 /
+# h = 8 553-557 / 784-789 us with the integer decoder, 676 / 905 us with the lookup), so it
+# keeps the integer decoder; GDN's verify is the same with either (794-799 / 1527-1537 us).
+MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128, num_stages=1,
+                                    e2m1_decode="integer")
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
 # records_outputs(e2m1_decode=...): the E2M1 decoders (the same values; "lookup" CUDA only)
@@ -703,7 +712,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             then has no memory operations; the same values). Timed by ``records_tune.py --set
             prefetch`` (``records_tune_prefetch_h200.json``): slower for every verify and the
             fp32 step, faster for the GDN step from an nvfp4 copy (293 -> 279 us at B = 256),
-            which is the only default that sets it (``GDN_STEP_BLOCKED_CONFIG``).
+            whose default set it until the E2M1 table lookup and its narrower tiles
+            (2026-12-02: 151 us with it, 149 us without; no default sets it now).
         keys_first: load the record keys ``[LP, K]`` as one tile before the stream of C
             (their latency then overlaps it) instead of after it, where C is streamed in one
             chunk (``k_chunk`` equal to the key dim; ignored otherwise). Same values, same
@@ -912,11 +922,14 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     return ``y = gamma_{1:h+1} (R q) + V (m * (K^T q))`` ``[B, H, P]`` (no ``D x``) from the
     stored read copy ``read`` and grouped ``q [B, G, N]``. ``h``: int64 ``[B]`` records before
     the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG``
-    (``MAMBA2_STEP_WIDE_CONFIG`` for an FP32 or half read copy) unless given (see
-    :func:`records_outputs`; ``solve``: its matrix forms, untimed)."""
+    (``MAMBA2_STEP_WIDE_CONFIG`` for an FP32 or half read copy, ``MAMBA2_STEP_BLOCKED_CONFIG``
+    for an nvfp4/mx one) unless given (see :func:`records_outputs`; ``solve``: its matrix
+    forms, untimed)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
-    cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else STEP_CONFIG, block_v=block_v,
+    blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
+    cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
+                  (MAMBA2_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,

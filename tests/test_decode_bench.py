@@ -208,3 +208,30 @@ def test_decode_model_tiny(tmp_path):
         g = m["generate"]
         assert {"unpatched", "nvfp4_window", "nvfp4_serving"} <= set(g)
         assert all(v["new_tokens"] == 5 and v["tokens_per_s"] > 0 for v in g.values())
+
+
+def test_decode_model_shared_products_switch():
+    """``decode_model.py --shared-products off`` sets ``shared_products`` to False in every
+    records launch default that has the key (the steps' and Mamba-2's verify), and on sets it
+    back; GDN's verify defaults, which never set it, are left alone."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import decode_model
+    finally:
+        sys.path.pop(0)
+    from replayssm_quant.kernels.replay import records
+
+    before = {n: dict(getattr(records, n)) for n in dir(records) if n.endswith("_CONFIG")}
+    try:
+        names = decode_model.set_shared_products(False)
+        assert {"STEP_CONFIG", "GDN_STEP_BLOCKED_CONFIG", "MAMBA2_STEP_BLOCKED_CONFIG",
+                "VERIFY_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG"} <= set(names)
+        assert "GDN_VERIFY_CONFIG" not in names
+        assert all(getattr(records, n)["shared_products"] is False for n in names)
+        assert decode_model.set_shared_products(True) == names
+        assert all(getattr(records, n)["shared_products"] is True for n in names)
+    finally:
+        for n, d in before.items():
+            getattr(records, n).clear()
+            getattr(records, n).update(d)
+    assert {n: getattr(records, n) for n in before} == before

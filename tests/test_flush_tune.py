@@ -41,3 +41,20 @@ def test_flush_tune_tiny(tmp_path):
     assert cfgs[0]["anchor_bytes_differ"] == 0 and cfgs[0]["read_bytes_differ"] == 0
     assert pol["best"]["median_us"] > 0 and "median_us" in pol["default_with_dequantize"]
     assert pol["default_host_keys"]["same_bytes"] is True  # SR bits: keys packed in kernel
+
+
+def test_flush_tune_forms_filter():
+    """``--forms``: the default configuration (first, the reference of its form) and only the
+    candidates of the forms asked for; GDN at V > 64 defaults to the dot with the inverse
+    solve (``flush_config``), which the candidate list names ``"dot+inverse"``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import flush_tune
+    finally:
+        sys.path.pop(0)
+    cands = flush_tune.candidates(128, False, False, True, ["tf32x3+inverse"])
+    assert cands[0] == ("loop", 64, 4, "dot+inverse")
+    assert len(cands) > 1 and {c[3] for c in cands[1:]} == {"tf32x3+inverse"}
+    assert flush_tune.candidates(128, False, False, False)[0] == ("loop", 32, 4, "dot")
+    full = flush_tune.candidates(128, False, False, True)
+    assert set(flush_tune.FORMS) == {c[3] for c in full}

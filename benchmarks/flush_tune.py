@@ -66,6 +66,21 @@ INTERPRET = triton_interpreting()
 DEV = "cpu" if INTERPRET else "cuda"
 SEED = 0x1234_5678_9ABC
 POLICIES = {"fp32": "fp32", "nvfp4": "read:nvfp4/rec:fp16+sr"}
+
+
+def policy_string(pname: str) -> str:
+    """A ``--policies`` entry: a name of ``POLICIES`` or a policy string itself."""
+    return POLICIES.get(pname, pname)
+
+
+def need_amax(pname: str) -> bool:
+    """Whether the policy's flush casts to a format with a matrix scale (fp8, nvfp4), as
+    ``flush.flush_kernel`` decides it (the default launch depends on it)."""
+    from replayssm_quant.kernels.replay.codec import _K_MATRIX, _K_NVFP4, _kind
+
+    pol = StatePolicy.parse(policy_string(pname))
+    specs = [pol.rec] + ([] if pol.single_checkpoint else [pol.read])
+    return any(_kind(sp) in (_K_MATRIX, _K_NVFP4) for sp in specs)
 TOL = 1e-5
 # the issue's targets (3 x the FP32 non-flush step of benchmarks/results/decode_h200_baseline)
 TARGET_US = {"gdn": 850.0, "mamba2": 1000.0}
@@ -198,7 +213,7 @@ def _precompile(task):
     try:
         M = next(m for m in geometries(tiny) if m.name == name)
         M.B = 1
-        policy = StatePolicy.parse(POLICIES[pname])
+        policy = StatePolicy.parse(policy_string(pname))
         st = make_set(M, torch.Generator(device=DEV).manual_seed(0), policy)
         run_flush(M, st, policy, flush_kw(M), cfg, store_state=store, dequantize=store)
         if DEV == "cuda":
@@ -292,13 +307,22 @@ def main():
                     help="processes that compile the configurations first (default: CPU "
                          "count, at most 12; 0: compile in the timing loop; tiny: 0)")
     ap.add_argument("--models", default="gdn,mamba2")
-    ap.add_argument("--policies", default="fp32,nvfp4")
+    ap.add_argument("--policies", default="fp32,nvfp4",
+                    help="comma list of policies: fp32, nvfp4 (read:nvfp4/rec:fp16+sr) or "
+                         "policy strings")
     ap.add_argument("--forms", default=None,
                     help="comma list of reconstruct forms to time besides the default "
-                         f"(of {', '.join(FORMS)}; default: all)")
+                         f"(of {', '.join(FORMS)}; default: all; 'default': the default "
+                         "configuration only)")
     args = ap.parse_args()
-    forms = None if args.forms is None else args.forms.split(",")
-    if forms is not None and (not forms or any(f not in FORMS for f in forms)):
+    forms = (None if args.forms is None else [] if args.forms == "default"
+             else args.forms.split(","))
+    for pname in args.policies.split(","):
+        try:
+            StatePolicy.parse(policy_string(pname))
+        except ValueError as e:
+            ap.error(f"--policies: {pname!r} is neither fp32, nvfp4 nor a policy string ({e})")
+    if forms is not None and args.forms != "default" and any(f not in FORMS for f in forms):
         ap.error(f"--forms takes a comma list of {FORMS}, got {args.forms!r}")
     if args.tiny != INTERPRET:
         raise SystemExit("--tiny needs TRITON_INTERPRET=1 (set when --tiny is on the command "
@@ -338,9 +362,9 @@ def main():
     if jobs > 0:
         tasks = [(M.name, pname, cfg, args.tiny, False) for M in geometries(args.tiny)
                  if M.name in models for pname in args.policies.split(",")
-                 for cfg in candidates(M.V, args.tiny, pname == "nvfp4", M.gdn, forms)]
+                 for cfg in candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms)]
         tasks += [(M.name, pname,
-                   candidates(M.V, args.tiny, pname == "nvfp4", M.gdn, forms)[0], args.tiny, True)
+                   candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms)[0], args.tiny, True)
                   for M in geometries(args.tiny) if M.name in models
                   for pname in args.policies.split(",")]  # the reference check's S-writing form
         try:
@@ -361,16 +385,16 @@ def main():
             layer=0, sequence_ids=fk["sequence_ids"], heads=M.H,
             flush_index=fk["flush_index"]), 1, reps, 0)
         for pname in args.policies.split(","):
-            policy = StatePolicy.parse(POLICIES[pname])
+            policy = StatePolicy.parse(policy_string(pname))
             gen = torch.Generator(device=DEV).manual_seed(1000 + len(out["models"]))
             probe = make_set(M, gen, policy)
             per = set_bytes(probe)
             n = args.pool or max(4, -(-4 * l2_bytes() // per))
             pool = [probe] + [make_set(M, gen, policy) for _ in range(n - 1)]
-            pres = mres["policies"][pname] = {"policy": POLICIES[pname], "pool": n,
+            pres = mres["policies"][pname] = {"policy": policy_string(pname), "pool": n,
                                               "set_bytes": per, "configs": []}
             # nvfp4: a matrix scale
-            cands = candidates(M.V, args.tiny, pname == "nvfp4", M.gdn, forms)
+            cands = candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms)
             default = cands[0]
             firsts = {}  # reconstruct form -> its first configuration
             for c in cands:

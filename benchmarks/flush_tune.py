@@ -53,7 +53,8 @@ from replayssm_quant.capabilities import triton_interpreting  # noqa: E402
 from replayssm_quant.checkpoints import checkpoint_streams  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.kernels.replay.flush import (DEFAULT_BV_FLUSH, DEFAULT_VARIANT,  # noqa: E402
-                                                  DEFAULT_WARPS_FLUSH, flush_config)
+                                                  DEFAULT_WARPS_FLUSH, flush_config,
+                                                  flush_needs_amax)
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import core, gdn_flush, mamba2_flush  # noqa: E402
@@ -74,13 +75,8 @@ def policy_string(pname: str) -> str:
 
 
 def need_amax(pname: str) -> bool:
-    """Whether the policy's flush casts to a format with a matrix scale (fp8, nvfp4), as
-    ``flush.flush_kernel`` decides it (the default launch depends on it)."""
-    from replayssm_quant.kernels.replay.codec import _K_MATRIX, _K_NVFP4, _kind
-
-    pol = StatePolicy.parse(policy_string(pname))
-    specs = [pol.rec] + ([] if pol.single_checkpoint else [pol.read])
-    return any(_kind(sp) in (_K_MATRIX, _K_NVFP4) for sp in specs)
+    """Whether the policy's flush needs the matrix amax (``flush.flush_needs_amax``)."""
+    return flush_needs_amax(StatePolicy.parse(policy_string(pname)))
 TOL = 1e-5
 # the issue's targets (3 x the FP32 non-flush step of benchmarks/results/decode_h200_baseline)
 TARGET_US = {"gdn": 850.0, "mamba2": 1000.0}

@@ -160,7 +160,7 @@ LUT_STEP_CANDIDATES = [
     (32, 4, 128, 1) + _T[4:], (32, 4, 64, 2) + _T[4:], (128, 4, 128, 1) + _T[4:],
     (128, 8, 128, 1) + _T[4:], (64, 8, 128, 1) + _T[4:], (64, 2, 128, 1) + _T[4:],
     (32, 2, 128, 1) + _T[4:], (128, 4, 64, 2) + _T[4:],
-    (64, 4, 128, 1, None, False) + _T[6:],  # GDN without its prefetch (the default sets it)
+    (64, 4, 128, 1, None, False) + _T[6:],  # GDN without its prefetch (its default then set it)
 ]
 LUT_VERIFY_CANDIDATES = [_E + ("integer",), _E + ("lookup",)]
 # --set lut2: the narrow tiles of the first lut sweep (records_tune_lut_h200.json: 32 rows and
@@ -370,7 +370,8 @@ def main(argv=None):
               "triton": __import__("triton").__version__, "torch": torch.__version__,
               "defaults": {n: getattr(rec, n) for n in (
                   "STEP_CONFIG", "GDN_STEP_WIDE_CONFIG", "GDN_STEP_BLOCKED_CONFIG",
-                  "MAMBA2_STEP_WIDE_CONFIG", "MAMBA2_STEP_BLOCKED_CONFIG", "VERIFY_CONFIG",
+                  "GDN_STEP_FP4_CONFIG", "MAMBA2_STEP_WIDE_CONFIG", "MAMBA2_STEP_FP4_CONFIG",
+                  "VERIFY_CONFIG",
                   "GDN_VERIFY_CONFIG",
                   "GDN_VERIFY_BLOCKED_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG")},
               "keys": list(KEYS), "reps": args.reps, "pool": args.pool, "rows": []}

@@ -224,7 +224,8 @@ def test_decode_model_shared_products_switch():
     before = {n: dict(getattr(records, n)) for n in dir(records) if n.endswith("_CONFIG")}
     try:
         names = decode_model.set_shared_products(False)
-        assert {"STEP_CONFIG", "GDN_STEP_BLOCKED_CONFIG", "MAMBA2_STEP_BLOCKED_CONFIG",
+        assert {"STEP_CONFIG", "GDN_STEP_BLOCKED_CONFIG", "GDN_STEP_FP4_CONFIG",
+                "MAMBA2_STEP_FP4_CONFIG",
                 "VERIFY_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG"} <= set(names)
         assert "GDN_VERIFY_CONFIG" not in names
         assert all(getattr(records, n)["shared_products"] is False for n in names)

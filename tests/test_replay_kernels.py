@@ -292,24 +292,34 @@ def test_flush_configs(policy, model, exact):
 
 
 def test_flush_default_wide_gdn():
-    """The flush default for GDN with more than 64 value rows (``flush_config``: the FP32 dot
-    with the correction solve by the inverse; timed on the H200, flush_tune_inverse_h200.json):
-    on exact inputs the default call equals the reference flush bit for bit (S, corrections,
-    copies) and equals the explicit configuration; an explicit ``reconstruct="rank1"`` without
-    ``solve_form`` solves by substitution (no error), with the same bits."""
-    from replayssm_quant.kernels.replay.flush import flush_config
+    """The flush launch for GDN with more than 64 value rows (``flush_config`` /
+    ``flush_launch``; timed on the H200, flush_tune_inverse_h200.json): the FP32 dot with the
+    correction solve by the inverse, up to 16 record slots (the timed window; forward
+    substitution beyond, and without a solve); an explicit ``reconstruct="rank1"`` without a
+    ``solve_form`` solves by substitution. On exact inputs the default call equals the
+    reference flush bit for bit (S, corrections, copies), as do the explicit default launch and
+    the rank-1 form."""
+    from replayssm_quant.kernels.replay.flush import flush_config, flush_launch
 
     assert flush_config(128, False, gdn=True) == ("loop", 64, 4, "dot", "inverse")
-    assert flush_config(128, True, gdn=True)[3:] == ("dot", "inverse")
+    assert flush_config(128, True, gdn=True) == ("grid", 128, 8, "dot", "inverse")
+    assert flush_config(128, False, gdn=True, slots=32)[4] == "substitution"
     assert flush_config(128, False)[4] == flush_config(64, False, gdn=True)[4] == "substitution"
+    assert flush_launch(128, True, True, 16) == ("grid", 128, 8, "dot", "inverse")
+    assert flush_launch(128, True, True, 16, reconstruct="rank1")[3:] == ("rank1",
+                                                                          "substitution")
+    assert flush_launch(128, False, True, 16, reconstruct="tf32x3")[3:] == ("tf32x3",
+                                                                            "inverse")
+    with pytest.raises(ValueError, match="needs a dot form"):
+        flush_launch(128, False, True, 16, reconstruct="rank1", solve_form="inverse")
     gen = _gen(21)
-    pol = StatePolicy.parse("read:nvfp4/rec:fp32")
+    pol = StatePolicy.parse("read:nvfp4/rec:fp32")  # a matrix scale: one 128-row tile
     A, la, k, v, beta, q = _config_inputs(gen, True, 128)
     length = _t(torch.tensor([L, 3]))
     ref = gdn_flush(A, la, beta, v, k, pol, length=length, fold=GDNFold.RECOMPUTE, store=True,
                     **STREAMS)
     runs = [kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw, **STREAMS)[0]
-            for kw in ({}, dict(variant="loop", block_v=64, num_warps=4, reconstruct="dot",
+            for kw in ({}, dict(variant="grid", block_v=128, num_warps=8, reconstruct="dot",
                                 solve_form="inverse"), dict(reconstruct="rank1"))]
     for res in runs:
         assert torch.equal(_bits(res.state), _bits(ref.state))
@@ -601,8 +611,46 @@ def test_e2m1_pair_decoders(lut):
     assert torch.equal(_bits(o.cpu()), _bits(table[b >> 4]))
 
 
+@pytest.mark.parametrize("read_fmt", ["nvfp4", "mxfp4"])
+def test_e2m1_lookup_same_bits_in_kernels(read_fmt):
+    """Inside the records kernel the two E2M1 decoders give the same bits: step outputs, the
+    ring after the append (GDN: the cached correction) and verify outputs (GDN: corrections),
+    at the wrappers' defaults and with tensor-core products (``use_dot="tf32x3"``), both
+    models, from an nvfp4 and an mxfp4 read copy. CUDA only (the lookup is inline PTX)."""
+    if DEVICE != "cuda":
+        pytest.skip("inline PTX: CUDA only")
+    gen = _gen(51)
+    h = _t(torch.tensor([2, 0]))
+    for gdn in (False, True):
+        R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
+        q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
+        new = {n_: t[:, -1].clone() for n_, t in ring.items()}
+        A, args, _, _ = _verify_case(gen, R, ring, gdn, K2)
+        for extra in ({}, dict(use_dot="tf32x3")):
+            outs = []
+            for dec in ("integer", "lookup"):
+                rg = {n_: t.clone() for n_, t in ring.items()}
+                if gdn:
+                    o = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"],
+                                           new["beta"], h, e2m1_decode=dec, **extra)
+                    vo, vu = kr.gdn_verify_kernel(R_st, A, *args, e2m1_decode=dec, **extra)
+                    outs.append((o, rg, vo, vu))
+                else:
+                    o = kr.mamba2_step_kernel(R_st, rg, new["la"], new["v"], new["k"], q, h,
+                                              e2m1_decode=dec, **extra)
+                    vo = kr.mamba2_verify_kernel(R_st, A, *args, e2m1_decode=dec, **extra)
+                    outs.append((o, rg, vo, None))
+            (o0, r0, v0, u0), (o1, r1, v1, u1) = outs
+            assert torch.equal(_bits(o0), _bits(o1)), (gdn, extra)
+            for n_ in r0:
+                assert torch.equal(_bits(r0[n_]), _bits(r1[n_])), (gdn, extra, n_)
+            assert torch.equal(_bits(v0), _bits(v1)), (gdn, extra)
+            if gdn:
+                assert torch.equal(_bits(u0), _bits(u1)), (gdn, extra)
+
+
 @pytest.mark.parametrize("bad,match", [("bogus", "e2m1_decode must be one of"),
-                                       ("lookup", "needs CUDA")])
+                                       ("lookup", "needs NVIDIA CUDA")])
 def test_e2m1_decode_option_refused(bad, match):
     """A bad ``e2m1_decode`` raises ValueError naming it; ``"lookup"`` (inline PTX) is refused
     off CUDA or under the interpreter."""
@@ -1192,3 +1240,20 @@ def test_step_keys_first_same_bits(read_fmt):
         with pytest.raises(ValueError, match="keys_first must be True or False"):
             kr.mamba2_step_kernel(R_st, ring, new["la"], new["v"], new["k"], q, h,
                                   keys_first="yes")
+
+
+def test_state_device_with_index():
+    """A decode state object built with a device string that names the index (``"cpu:0"``)
+    or leaves it out (``"cuda"`` on CUDA, where tensors report ``cuda:0``) accepts tensors on
+    that device: it stores the device as tensors report it (the GPU decode-level invariance
+    check failed on ``device="cuda"`` before, 2026-12-02)."""
+    from replayssm_quant.replay import Mamba2ReplayState
+
+    devs = ["cpu:0"] + (["cuda"] if DEVICE == "cuda" else [])
+    for dev in devs:
+        st = Mamba2ReplayState("fp32", batch=1, heads=H, head_dim=V, d_state=K, groups=G,
+                               window=L, device=dev, backend="torch")
+        assert st.device == torch.zeros(0, device=dev).device
+        S = torch.randn(1, H, V, K, device=dev)
+        st.prefill(S)
+        assert torch.equal(st.anchor, S)

@@ -623,10 +623,12 @@ def _e2m1_pairs_lut(byte):
     """Float32 values ``(even, odd)`` of packed E2M1 bytes (``byte``: uint8 codes, the low
     nibble the even element, as ``_c_blocks`` loads them): the same values, bit for bit, as
     ``_e2m1_value(byte)`` and ``_e2m1_value(byte >> 4)`` (signed zeros included;
-    tests/test_replay_kernels.py::test_e2m1_lookup_decoder on CUDA), by byte-permute table
+    tests/test_replay_kernels.py::test_e2m1_pair_decoders and
+    test_e2m1_lookup_same_bits_in_kernels on CUDA), by byte-permute table
     lookups four bytes per invocation (about 3 instructions per code instead of about 8).
     Inline PTX: CUDA only (the interpreter cannot run it; records_outputs then takes the
     integer decoder)."""
+    tl.static_assert(byte.dtype == tl.uint8, "_e2m1_pairs_lut packs four uint8 bytes per register")
     return tl.inline_asm_elementwise(_E2M1_PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
                                      dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
 

@@ -77,8 +77,8 @@ RECONSTRUCT_FORMS = ("dot", "rank1", "tf32x3")
 FLUSH_SOLVE_FORMS = ("substitution", "inverse")
 
 
-def flush_config(V: int, need_amax: bool,
-                 gdn: bool = False) -> tuple[str, int, int, str, str]:
+def flush_config(V: int, need_amax: bool, gdn: bool = False,
+                 slots: int = 16) -> tuple[str, int, int, str, str]:
     """Default launch ``(variant, block_v, num_warps, reconstruct, solve_form)`` of a flush:
     the fastest configuration of ``benchmarks/flush_tune.py`` on the H200 at B = 256 over four
     sweeps on 2026-12-01 (the last is benchmarks/results/flush_tune_h200.json; single runs move
@@ -100,17 +100,60 @@ def flush_config(V: int, need_amax: bool,
       FP32 products); matrix-scaled one 128-row tile with 8 warps, 3.41 ms against 3.70 ms for
       the former ``rank1`` default.
 
-    ``solve_form`` applies only to a GDN flush that solves its corrections (``beta`` given).
-    The choice depends only on the shape and the policy, never on the batch."""
+    ``solve_form`` applies only to a GDN flush that solves its corrections (``beta`` given),
+    and the inverse only up to 16 record ``slots`` (the timed window; its ``[LP, LP]``
+    inverse per program grows with the square of the slots, untimed beyond).
+    The choice depends only on the shapes, the policy and the model, never on the batch."""
     if V <= 64:
         return "grid", 64, (8 if need_amax else 4), "tf32x3", "substitution"
-    if gdn:
+    if gdn and _lp(slots) <= 16:
         if need_amax:
             return "grid", 128, 8, "dot", "inverse"
         return "loop", 64, 4, "dot", "inverse"
     if need_amax:
         return "loop", 32, 4, "rank1", "substitution"
     return "loop", 32, 4, "dot", "substitution"
+
+
+def flush_needs_amax(policy) -> bool:
+    """Whether a flush under ``policy`` (a :class:`StatePolicy`) casts to a format with a
+    matrix scale (fp8, nvfp4: the matrix amax is needed before rounding), which the default
+    launch depends on (:func:`flush_config`)."""
+    policy = require_policy(policy)
+    specs = [policy.rec] + ([] if policy.single_checkpoint else [policy.read])
+    return any(_kind(sp) in (_K_MATRIX, _K_NVFP4) for sp in specs)
+
+
+def flush_launch(V: int, need_amax: bool, gdn: bool, slots: int, *, variant=None,
+                 block_v=None, num_warps=None, reconstruct=None,
+                 solve_form=None) -> tuple[str, int, int, str, str]:
+    """The launch ``(variant, block_v, num_warps, reconstruct, solve_form)`` of a flush with
+    ``V`` value rows and ``slots`` record slots (``gdn``: the corrections are solved in the
+    kernel): the given options, the rest from :func:`flush_config`. The default solve form
+    applies only where the fold form takes it (``reconstruct="rank1"`` solves slot by slot).
+
+    Raises:
+        ValueError: a bad variant, reconstruct form, solve form, tile or warp count (naming
+            the value and what was expected), or ``solve_form="inverse"`` with ``"rank1"``.
+    """
+    dv, db, dw, dr, ds = flush_config(V, need_amax, gdn=gdn, slots=slots)
+    variant = dv if variant is None else variant
+    block_v = db if block_v is None else block_v
+    num_warps = dw if num_warps is None else num_warps
+    reconstruct = dr if reconstruct is None else reconstruct
+    if solve_form is None:
+        solve_form = ds if reconstruct != "rank1" else "substitution"
+    if variant not in FLUSH_VARIANTS:
+        raise ValueError(f"variant must be one of {FLUSH_VARIANTS}, got {variant!r}")
+    if reconstruct not in RECONSTRUCT_FORMS:
+        raise ValueError(f"reconstruct must be one of {RECONSTRUCT_FORMS}, got {reconstruct!r}")
+    if solve_form not in FLUSH_SOLVE_FORMS:
+        raise ValueError(f"solve_form must be one of {FLUSH_SOLVE_FORMS}, got {solve_form!r}")
+    if solve_form == "inverse" and reconstruct == "rank1":
+        raise ValueError("solve_form='inverse' needs a dot form of reconstruct ('dot' or "
+                         "'tf32x3'); reconstruct='rank1' solves slot by slot in its fold")
+    _check_tile(block_v, num_warps)
+    return variant, block_v, num_warps, reconstruct, solve_form
 
 
 @triton.jit
@@ -445,29 +488,14 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     policy = require_policy(policy)  # parsed at the edges
     B, H, V, K = (int(x) for x in anchor.shape)
     two = not policy.single_checkpoint
-    need_amax = (_kind(policy.rec) in (_K_MATRIX, _K_NVFP4)
-                 or (two and _kind(policy.read) in (_K_MATRIX, _K_NVFP4)))
-    dv, db, dw, dr, ds = flush_config(V, need_amax, gdn=beta is not None)
-    variant = dv if variant is None else variant
-    block_v = db if block_v is None else block_v
-    num_warps = dw if num_warps is None else num_warps
-    reconstruct = dr if reconstruct is None else reconstruct
-    if solve_form is None:  # the default's solve form, where the fold form takes it
-        solve_form = ds if reconstruct != "rank1" else "substitution"
-    if variant not in FLUSH_VARIANTS:
-        raise ValueError(f"variant must be one of {FLUSH_VARIANTS}, got {variant!r}")
-    if reconstruct not in RECONSTRUCT_FORMS:
-        raise ValueError(f"reconstruct must be one of {RECONSTRUCT_FORMS}, got {reconstruct!r}")
-    if solve_form not in FLUSH_SOLVE_FORMS:
-        raise ValueError(f"solve_form must be one of {FLUSH_SOLVE_FORMS}, got {solve_form!r}")
-    if solve_form == "inverse" and reconstruct == "rank1":
-        raise ValueError("solve_form='inverse' needs a dot form of reconstruct ('dot' or "
-                         "'tf32x3'); reconstruct='rank1' solves slot by slot in its fold")
-    _check_tile(block_v, num_warps)
+    need_amax = flush_needs_amax(policy)
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
     where = "flush_kernel"
     J, G = _check_records(where, la, w, k, beta, B, H, V, K, w_name="w (v)")
+    variant, block_v, num_warps, reconstruct, solve_form = flush_launch(
+        V, need_amax, beta is not None, J, variant=variant, block_v=block_v,
+        num_warps=num_warps, reconstruct=reconstruct, solve_form=solve_form)
     if q is not None:
         _check_f32(where, "q", q, (B, G, K))
     _check_index(where, "length", length, B)

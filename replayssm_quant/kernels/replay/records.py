@@ -82,19 +82,19 @@ STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=F
 GDN_STEP_WIDE_CONFIG = dict(block_v=128, num_warps=4, k_chunk=128, num_stages=1, use_dot=False,
                             shared_products=True)
 MAMBA2_STEP_WIDE_CONFIG = dict(STEP_CONFIG, k_chunk=64, num_stages=2)
-# GDN from an nvfp4/mx copy: the solved row's v and beta loaded before the solve (prefetch;
-# records_tune --set prefetch, records_tune_prefetch_h200.json: 293 -> 279 us at B = 256) and
-# the record keys before C (keys_first; records_tune --set keys, records_tune_keys_h200.json:
-# 322 -> 304 us in that sweep, but 277 -> 282 us in decode.py, within the run-to-run spread;
-# no gain for Mamba-2 or from an FP32 copy in the sweep). Since shared_products (sixth
-# session) the step reads Z from the products launch and loads no record keys, so keys_first
-# (which only moves that load) has nothing to move and is no longer set.
-# Since the E2M1 table lookup (2026-12-02, records_tune --set lut / lut2 --timing both,
-# records_tune_lut_h200.json / records_tune_lut2_h200.json, B = 256, h = 7): from an nvfp4/mx
-# copy both models take 32-row tiles with 2 warps and GDN no prefetch: GDN 196 -> 149-151 us,
-# Mamba-2 170 -> 157 us (with the integer decoder and the former tiles: 201 / 214 us).
-GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, block_v=32, num_warps=2)
-MAMBA2_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, block_v=32, num_warps=2)
+# GDN from an mx/nvfp4 copy before the E2M1 table lookup (kept for mxfp8, whose E4M3 codes the
+# lookup does not touch and whose tiles were never swept on their own): the solved row's v and
+# beta loaded before the solve (prefetch; records_tune --set prefetch,
+# records_tune_prefetch_h200.json: 293 -> 279 us at B = 256 from nvfp4). The record keys
+# before C (keys_first; records_tune --set keys) is no longer set: since shared_products (sixth
+# session) the step reads Z from the products launch and loads no record keys.
+GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True)
+# From an E2M1 copy (nvfp4, mxfp4) with the table lookup (2026-12-02, records_tune --set lut /
+# lut2 --timing both, records_tune_lut_h200.json / records_tune_lut2_h200.json, nvfp4, B = 256,
+# h = 7): both models take 32-row tiles with 2 warps and GDN no prefetch: GDN 196 -> 149-151
+# us, Mamba-2 170 -> 157 us (with the integer decoder and the former tiles: 201 / 214 us).
+GDN_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=32, num_warps=2)
+MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=32, num_warps=2)
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
@@ -713,7 +713,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             prefetch`` (``records_tune_prefetch_h200.json``): slower for every verify and the
             fp32 step, faster for the GDN step from an nvfp4 copy (293 -> 279 us at B = 256),
             whose default set it until the E2M1 table lookup and its narrower tiles
-            (2026-12-02: 151 us with it, 149 us without; no default sets it now).
+            (2026-12-02: 151 us with it, 149 us without); now only the GDN step from an
+            mxfp8 copy sets it (``GDN_STEP_BLOCKED_CONFIG``).
         keys_first: load the record keys ``[LP, K]`` as one tile before the stream of C
             (their latency then overlaps it) instead of after it, where C is streamed in one
             chunk (``k_chunk`` equal to the key dim; ignored otherwise). Same values, same
@@ -755,8 +756,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             values bit for bit, so the same outputs): ``"lookup"`` byte-permute table lookups
             in inline PTX, four bytes per instruction group (``codec._e2m1_pairs_lut``; CUDA
             only), or ``"integer"`` integer arithmetic per code (``codec._e2m1_value``);
-            default ``"lookup"`` on CUDA and ``"integer"`` under the Triton interpreter, which
-            cannot run inline PTX. Other formats ignore it.
+            default ``"lookup"`` on NVIDIA CUDA and ``"integer"`` under the Triton interpreter,
+            which cannot run inline PTX. Copies without E2M1 codes ignore it, but an explicit
+            ``"lookup"`` where it cannot run is refused for any copy.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, keys_first, shared_products, solve, solve_precision, fused_window,
@@ -820,7 +822,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     if not isinstance(shared_products, bool):
         raise ValueError(f"shared_products must be True or False, got {shared_products!r}")
     LP = _lp(max(CAP, TD))
-    lut = _e2m1_lookup(e2m1_decode, q.device)
+    lut = _e2m1_lookup(e2m1_decode, q.device) and _decode_consts(spec).FP4
     consts = dict(K=K, LP=LP, NS=NS, NC=NC, NX=NX, KC=KC, STAGES=num_stages or 1,
                   DOT=bool(use_dot), PREC=prec, GDN=gdn, D_REL=draft_relative, SOLVE=matrix,
                   FUSED=fused_window is not None)
@@ -851,15 +853,21 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     return o
 
 
+def _fp4(read) -> bool:
+    """Whether a stored copy holds E2M1 codes (nvfp4, mxfp4)."""
+    return isinstance(read, PackedTensor) and _decode_consts(read.spec).FP4
+
+
 def _e2m1_lookup(e2m1_decode, device) -> bool:
     """Whether the records kernel decodes E2M1 codes by table lookup (``records_outputs``)."""
-    if e2m1_decode is None:
-        return device.type == "cuda" and not triton_interpreting()
+    if e2m1_decode is None:  # (ROCm reports "cuda" too: the PTX is NVIDIA's)
+        return device.type == "cuda" and torch.version.hip is None and not triton_interpreting()
     if e2m1_decode not in E2M1_DECODES:
         raise ValueError(f"e2m1_decode must be one of {E2M1_DECODES} (or None), got "
                          f"{e2m1_decode!r}")
-    if e2m1_decode == "lookup" and (device.type != "cuda" or triton_interpreting()):
-        raise ValueError("e2m1_decode='lookup' is inline PTX and needs CUDA without the "
+    if e2m1_decode == "lookup" and (device.type != "cuda" or torch.version.hip is not None
+                                    or triton_interpreting()):
+        raise ValueError("e2m1_decode='lookup' is inline PTX and needs NVIDIA CUDA without the "
                          f"Triton interpreter (device {device}, TRITON_INTERPRET="
                          f"{int(triton_interpreting())}); use 'integer' or None")
     return e2m1_decode == "lookup"
@@ -922,14 +930,13 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     return ``y = gamma_{1:h+1} (R q) + V (m * (K^T q))`` ``[B, H, P]`` (no ``D x``) from the
     stored read copy ``read`` and grouped ``q [B, G, N]``. ``h``: int64 ``[B]`` records before
     the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG``
-    (``MAMBA2_STEP_WIDE_CONFIG`` for an FP32 or half read copy, ``MAMBA2_STEP_BLOCKED_CONFIG``
-    for an nvfp4/mx one) unless given (see :func:`records_outputs`; ``solve``: its matrix
+    (``MAMBA2_STEP_WIDE_CONFIG`` for an FP32 or half read copy, ``MAMBA2_STEP_FP4_CONFIG``
+    for an E2M1 one: nvfp4, mxfp4) unless given (see :func:`records_outputs`; ``solve``: its matrix
     forms, untimed)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
-    blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
-                  (MAMBA2_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
+                  (MAMBA2_STEP_FP4_CONFIG if _fp4(read) else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
@@ -954,11 +961,12 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
     [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place). Launch
     configuration: ``STEP_CONFIG`` (``GDN_STEP_WIDE_CONFIG`` for an FP32 or half read copy,
-    ``GDN_STEP_BLOCKED_CONFIG`` for an nvfp4/mx one) unless given (``solve``: the matrix forms
+    ``GDN_STEP_FP4_CONFIG`` for an E2M1 one (nvfp4, mxfp4), ``GDN_STEP_BLOCKED_CONFIG`` for
+    mxfp8) unless given (``solve``: the matrix forms
     of :func:`records_outputs`, untimed for the step)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
-    cfg = _config(GDN_STEP_WIDE_CONFIG if wide else
+    cfg = _config(GDN_STEP_WIDE_CONFIG if wide else GDN_STEP_FP4_CONFIG if _fp4(read) else
                   (GDN_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,

@@ -7,7 +7,8 @@ Geometries (``--tiny``: B = 2, small shapes, CPU interpreter, host timer, not a 
 * GDN: ``[B, 32 heads, 128 x 128]`` state, 16 key heads, L = 16 records;
 * Mamba-2: ``[B, 128 heads, 64 x 128]``, 1 group, L = 16.
 
-Policies: ``fp32`` and ``read:nvfp4/rec:fp16+sr``. The timed call is the serving flush
+Policies (``--policies``): ``fp32`` and ``nvfp4`` (``read:nvfp4/rec:fp16+sr``) by default, or
+any policy strings. The timed call is the serving flush
 (``{gdn,mamba2}_flush_kernel``: stored anchor in, A and R out, the flush token's ``S q``, S not
 written, ``dequantize=False``: no torch dequantisation of the new copies; GDN: the corrections
 solved inside the flush kernel). Each configuration is warmed (compile + one call per pool set)
@@ -17,8 +18,9 @@ flatter. The default configuration is also timed with ``dequantize=True`` (what
 ``benchmarks/decode.py`` measures: the wrapper then dequantises A and R in torch).
 
 Checks, on pool set 0: every configuration's stored A and R are bit-identical (every byte) to
-the default configuration's, and its ``S q`` matches the default's to 1e-5 (atol and rtol);
-the default configuration (``store_state=True``) against the torch reference on the first
+those of the first configuration of its reconstruct form (the default is the first of its
+own), and its ``S q`` matches that one's to 1e-5 (atol and rtol); the first configuration of
+each form (``store_state=True``) against the torch reference on the first
 ``--n-ref`` sequences: S to 1e-6, GDN corrections to 1e-5 (``core.solve_corrections``), A and
 R bit-identical to ``core.cast_checkpoints`` of the kernel's S.
 
@@ -62,6 +64,7 @@ from replayssm_quant.config import GDNFold  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode as dc  # noqa: E402  (timer, sub: the decode benchmark's)
+from _commit import code_commit  # noqa: E402
 
 INTERPRET = triton_interpreting()
 DEV = "cpu" if INTERPRET else "cuda"
@@ -335,7 +338,7 @@ def main():
            "versions": {"torch": torch.__version__, "triton": triton.__version__,
                         "python": platform.python_version(),
                         "cuda": torch.version.cuda},
-           "command": " ".join(sys.argv),
+           "command": " ".join(sys.argv), "code_commit": code_commit(),
            "default": "flush.flush_config(V, need_amax, gdn): the first configuration of each "
                       "(model, policy)",
            "timing": (f"median of {reps} calls, CUDA events per call, inputs rotated over the "
@@ -345,9 +348,10 @@ def main():
                          "dequantize=False (GDN: corrections solved in the flush kernel)",
            "targets_us": TARGET_US, "models": {}, "skipped": [],
            "notes": ["passed: stored A and R bit-identical to those of the first configuration "
-                     "of the same reconstruct form (every byte; dot: the default; rank1: the "
-                     "first rank1 candidate, also checked against the torch reference as "
-                     "reference_check_rank1) and S q to 1e-5" if not args.tiny else
+                     "of the same reconstruct form (every byte; the default is the first of "
+                     "its form; each form's first is checked against the torch reference as "
+                     "reference_check (dot) or reference_check_<form>) and S q to 1e-5"
+                     if not args.tiny else
                      "tiny (interpreter): tl.dot is numpy's matmul, whose summation order "
                      "depends on the shapes, so A and R may differ across block_v in their "
                      "last bits; passed checks S q only (A, R differences are listed); on "

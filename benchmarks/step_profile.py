@@ -80,6 +80,9 @@ def main(argv=None):
     pols = args.policies.split(",")
     if not pols or any(p not in dc.POLICIES for p in pols):
         ap.error(f"--policies takes a comma list of {tuple(dc.POLICIES)}, got {args.policies!r}")
+    if args.compare == "e2m1_decode" and "fp32" in pols:
+        ap.error("--compare e2m1_decode needs policies with an E2M1 read copy (nvfp4); fp32 "
+                 "decodes no E2M1 codes")
     if not torch.cuda.is_available():
         ap.error("step_profile.py needs a CUDA device")
     rows = []

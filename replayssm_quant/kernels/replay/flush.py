@@ -11,9 +11,9 @@ bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0
   loaded once; a tile's record sum is one FP32 FMA dot ``(W * m) [BV, LP] x K [LP, K/2]`` per
   key half (``input_precision="ieee"``: no TF32). The interpreter sums over the record slots
   in order; on the H200 the FMA dot's order follows the register layout, and 8 of 38 timed
-  GDN launch configurations gave S, A and R that differ in last bits from the default
-  (``flush_tune_h200.json``). A configuration is fixed by shape and policy
-  (:func:`flush_config`), never by the batch.
+  GDN launch configurations gave S, A and R that differ in last bits from the default of that
+  sweep (``flush_tune_h200.json``). A configuration is fixed by the shapes, the policy and
+  the model (:func:`flush_config`), never by the batch.
 * Two other forms of that sum (``reconstruct``): ``"tf32x3"`` the same dots on tensor cores
   (three TF32 products of the split operands), and ``"rank1"`` one rank-1 update per slot on a
   ``[BV, K]`` tile in column order (:func:`_flush_tile_rank1`; no dot operand tiles, no
@@ -605,8 +605,10 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      reconstruct: str | None = None, solve_form: str | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
-    ``A k_p`` by one FP32 dot, then forward substitution over the record slots), or the
-    cached ones are folded (``fold_cached_corrections``). ``FlushResult.w`` holds the folded
+    ``A k_p`` by one FP32 dot, then forward substitution over the record slots, or one
+    product with ``(I + CF)^{-1}``: ``solve_form``, by default the inverse for more than 64
+    value rows and up to 16 slots, :func:`flush_config`), or the cached ones are folded
+    (``fold_cached_corrections``). ``FlushResult.w`` holds the folded
     corrections ``[B, J, HV, DV]``. Returns ``(FlushResult, y)``."""
     kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,

@@ -1257,3 +1257,83 @@ def test_state_device_with_index():
         S = torch.randn(1, H, V, K, device=dev)
         st.prefill(S)
         assert torch.equal(st.anchor, S)
+
+
+def _mixed_counts_run(family, backend, seqs, counts, policy, window=16, T=4):
+    """Sequences ``seqs`` (ids) as one batch, brought to the committed counts ``counts`` (the
+    smallest by steps, the rest by a verify and a per-sequence commit), then T drafts verified
+    (sequences with h + T > window flush first), accepted 1 each, and an explicit flush of the
+    committed records. Returns sequence 0's (verify outputs, anchor after the early flushes,
+    anchor after the explicit flush)."""
+    from replayssm_quant.replay import GDNReplayState, Mamba2ReplayState
+
+    Bn, HK, HV, DK, DV = len(seqs), 1, 2, 32, 128  # DV = 128: torch's sums follow the shapes
+    unit = lambda g, *s: torch.nn.functional.normalize(torch.randn(*s, generator=g),  # noqa: E731
+                                                       dim=-1)
+
+    def tok(g):
+        if family == "gdn":
+            return (unit(g, HK, DK) * DK ** -0.5, unit(g, HK, DK), torch.randn(HV, DV, generator=g),
+                    -0.05 * torch.rand(HV, generator=g), torch.rand(HV, generator=g))
+        return (torch.randn(HV, DV, generator=g), 0.1 * torch.rand(HV, generator=g),
+                torch.randn(HK, DK, generator=g) * 0.3, torch.randn(HK, DK, generator=g) * 0.3)
+
+    per = [[tok(torch.Generator().manual_seed(100 + s * 1000 + i)) for i in range(40)]
+           for s in seqs]
+    common = dict(batch=Bn, window=window, max_drafts=T, seed=0, layer=0,
+                  sequence_ids=torch.tensor(seqs), device=DEVICE, backend=backend)
+    if family == "gdn":
+        st = GDNReplayState(policy, key_heads=HK, value_heads=HV, key_dim=DK, value_dim=DV,
+                            **common)
+        extra = ()
+    else:
+        st = Mamba2ReplayState(policy, heads=HV, head_dim=DV, d_state=DK, groups=HK, **common)
+        extra = (_t(-torch.linspace(0.2, 1.0, HV)),)
+    S0 = torch.randn(1, HV, DV, DK, generator=torch.Generator().manual_seed(7)) * 0.1
+    st.prefill(_t(S0.expand(Bn, -1, -1, -1).contiguous()))
+
+    def batch(ts):  # [B, len(ts), ...] of each input, extra (Mamba-2's A) after dt
+        n = len(ts[0][0])
+        x = [_t(torch.stack([torch.stack([t[i] for t in row]) for row in ts])) for i in range(n)]
+        return x[:2] + list(extra) + x[2:] if family == "mamba2" else x
+
+    m = min(counts)
+    for t in range(m):
+        x = batch([[per[b][t]] for b in range(Bn)])
+        st.step(*(a if (extra and a is extra[0]) else a[:, 0] for a in x))
+    more = max(counts) - m
+    if more:
+        st.verify(*batch([per[b][m:m + more] for b in range(Bn)]))
+        st.commit(torch.tensor([c - m for c in counts], device=DEVICE))
+    out = st.verify(*batch([per[b][30:30 + T] for b in range(Bn)]))
+    early = st.anchor[0].clone()
+    st.commit(1)
+    st.flush()
+    return out[0], early, st.anchor[0]
+
+
+# (window, the counts beside sequence 0 at 13): torch at L = 16, where an early flush (h + 4 >
+# 16) and a partial one (the sequence at 11 stays) run; the kernels at L = 32, where the
+# batch's largest count used to cross 16 and change the record tile (LP 16 -> 32)
+MIXED = {"torch": (16, (([0, 1], [13, 15]), ([0, 2, 3], [13, 11, 14]))),
+         "triton": (32, (([0, 1], [13, 17]), ([0, 2, 3], [13, 15, 17])))}
+
+
+@pytest.mark.parametrize("family,backend", [
+    ("gdn", "torch"), ("mamba2", "torch"), ("gdn", "triton"),
+    # about 35 s under the interpreter, and it passed before the fix as well
+    pytest.param("mamba2", "triton", marks=pytest.mark.slow)])
+def test_decode_state_mixed_counts_batch_invariance(family, backend):
+    """A sequence's verify outputs, early flush and explicit flush do not depend on its
+    batchmates' committed counts (found 2026-12-02: the flush and verify took the batch's
+    largest count as their records' shape; on the torch path 639 anchor elements and 137 of
+    1024 verify outputs of a GDN sequence at h = 13 changed next to one at h = 15, and the
+    kernels' record tile followed the largest count): alone and beside sequences at other
+    counts, bit for bit, ``fp32`` and an SR dual policy."""
+    window, cases = MIXED[backend]
+    for policy in ("fp32", "read:nvfp4/rec:fp16+sr"):
+        alone = _mixed_counts_run(family, backend, [0], [13], policy, window=window)
+        for seqs, counts in cases:
+            got = _mixed_counts_run(family, backend, seqs, counts, policy, window=window)
+            for a, g in zip(alone, got, strict=True):
+                assert torch.equal(_bits(a), _bits(g)), (policy, counts)

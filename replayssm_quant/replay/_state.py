@@ -221,7 +221,10 @@ class ReplayStateBase:
         idx = None if every else mask.nonzero().squeeze(1)
         sel = (lambda t: t) if every else (lambda t: t[idx])  # noqa: E731
         length = sel(self._h)
-        J = int(length.max())
+        # the committed records, masked to each sequence's count, always over the window's
+        # slots (committed h <= window): a shape of the batch's largest count would let one
+        # sequence's flush (torch's summation order, the kernels' tiles) follow its batchmates
+        J = self.window
         recs = {name: sel(t[:, :J]).contiguous() for name, t in self._ring.items()}
         res = self._flush_records(sel(self._A), recs, length, sel(self.sequence_ids), sel(self._fi))
         self._store(idx, res.checkpoints)

@@ -116,7 +116,7 @@ def gdn_state_step(cps: Checkpoints, ring: dict, h, q, k, v, g, beta) -> torch.T
     for name, t in (("la", g), ("beta", beta), ("v", v), ("k", k)):
         ring[name][b, h] = t
     n = h + 1
-    J = int(n.max())
+    J = ring["la"].shape[1]  # the whole ring, masked to n: never the batch's largest count
     o, uR = gdn_step_output(cps.read, ring["la"][:, :J], ring["beta"][:, :J], ring["v"][:, :J],
                             ring["k"][:, :J], q, ring["uR"][:, :J], n)
     ring["uR"][:, :J] = uR
@@ -244,7 +244,7 @@ class GDNReplayState(ReplayStateBase):
         self._begin_verify(T)
         self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
         self._pending = T
-        J = int(self._h.max()) + T
+        J = self.window  # committed + drafts <= window after the early flush; a fixed shape
         r = self._ring
         o, uR = self._ops.verify(self._checkpoints(), r["la"][:, :J], r["beta"][:, :J],
                                  r["v"][:, :J], r["k"][:, :J], q, r["uR"][:, :J], self._h,

@@ -89,7 +89,7 @@ def mamba2_state_step(cps: Checkpoints, ring: dict, h, la, v, k, q) -> torch.Ten
     for name, t in (("la", la), ("v", v), ("k", k)):
         ring[name][b, h] = t
     n = h + 1
-    J = int(n.max())
+    J = ring["la"].shape[1]  # the whole ring, masked to n: never the batch's largest count
     return mamba2_step_output(cps.read, ring["la"][:, :J], ring["v"][:, :J], ring["k"][:, :J],
                               q, n)
 
@@ -217,7 +217,7 @@ class Mamba2ReplayState(ReplayStateBase):
         la, v, k = mamba2_records(x, dt, A, B)
         self._write_drafts({"la": la, "v": v, "k": k}, T)
         self._pending = T
-        J = int(self._h.max()) + T
+        J = self.window  # committed + drafts <= window after the early flush; a fixed shape
         r = self._ring
         y = self._ops.verify(self._checkpoints(), r["la"][:, :J], r["v"][:, :J], r["k"][:, :J],
                              C, self._h, self.window)

@@ -55,7 +55,7 @@ from replayssm_quant.capabilities import triton_interpreting  # noqa: E402
 from replayssm_quant.checkpoints import checkpoint_streams  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.kernels.replay.flush import (DEFAULT_BV_FLUSH, DEFAULT_VARIANT,  # noqa: E402
-                                                  DEFAULT_WARPS_FLUSH, flush_config,
+                                                  DEFAULT_WARPS_FLUSH, flush_launch,
                                                   flush_needs_amax)
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
@@ -103,10 +103,10 @@ def geometries(tiny):
 FORMS = ("dot", "rank1", "tf32x3", "dot+inverse", "tf32x3+inverse")
 
 
-def candidates(V, tiny, need_amax=False, gdn=False, forms=None):
+def candidates(V, tiny, need_amax=False, gdn=False, forms=None, slots=16):
     """(variant, block_v, num_warps, reconstruct), most promising first; the default of a call
-    (``flush.flush_config``) first, then the rest (each form's first is the one its other
-    configurations are compared with bit for bit). One tile per matrix (block_v >= V) is the
+    (``flush.flush_launch`` with the geometry's record slots) first, then the rest (each form's
+    first is the one its other configurations are compared with bit for bit). One tile per matrix (block_v >= V) is the
     same kernel for both variants (listed as "grid"). ``gdn``: also the dot forms with the
     correction solve by the inverse (``"dot+inverse"``, ``"tf32x3+inverse"``: reconstruct
     form + ``solve_form``). ``forms``: keep only these reconstruct forms (and the default)."""
@@ -135,7 +135,7 @@ def candidates(V, tiny, need_amax=False, gdn=False, forms=None):
     if tiny and gdn:
         cands += [("loop", 16, 4, "dot+inverse")]
     out = []
-    dv, db, dw, dr, ds = flush_config(V, need_amax, gdn)
+    dv, db, dw, dr, ds = flush_launch(V, need_amax, gdn, slots)  # what flush_kernel runs
     default = (dv, db, dw, dr + ("+inverse" if gdn and ds == "inverse" else ""))
     for var, bv, nw, form in [default] + cands:
         if bv >= V:  # one tile: the variants coincide; the smallest such block
@@ -305,7 +305,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes that compile the configurations first (default: CPU "
                          "count, at most 12; 0: compile in the timing loop; tiny: 0)")
-    ap.add_argument("--models", default="gdn,mamba2")
+    ap.add_argument("--models", default="gdn,mamba2", help="comma list of gdn, mamba2")
     ap.add_argument("--policies", default="fp32,nvfp4",
                     help="comma list of policies: fp32, nvfp4 (read:nvfp4/rec:fp16+sr) or "
                          "policy strings")
@@ -314,6 +314,12 @@ def main():
                          f"(of {', '.join(FORMS)}; default: all; 'default': the default "
                          "configuration only)")
     args = ap.parse_args()
+    if not args.models or any(m not in ("gdn", "mamba2") for m in args.models.split(",")):
+        ap.error(f"--models takes a comma list of gdn, mamba2, got {args.models!r}")
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps must be a positive int, got {args.reps}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        ap.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     forms = (None if args.forms is None else [] if args.forms == "default"
              else args.forms.split(","))
     for pname in args.policies.split(","):
@@ -322,7 +328,8 @@ def main():
         except ValueError as e:
             ap.error(f"--policies: {pname!r} is neither fp32, nvfp4 nor a policy string ({e})")
     if forms is not None and args.forms != "default" and any(f not in FORMS for f in forms):
-        ap.error(f"--forms takes a comma list of {FORMS}, got {args.forms!r}")
+        ap.error(f"--forms takes a comma list of {FORMS}, or 'default' alone, got "
+                 f"{args.forms!r}")
     if args.tiny != INTERPRET:
         raise SystemExit("--tiny needs TRITON_INTERPRET=1 (set when --tiny is on the command "
                          "line); without --tiny run on CUDA with TRITON_INTERPRET unset")
@@ -339,7 +346,7 @@ def main():
                         "python": platform.python_version(),
                         "cuda": torch.version.cuda},
            "command": " ".join(sys.argv), "code_commit": code_commit(),
-           "default": "flush.flush_config(V, need_amax, gdn): the first configuration of each "
+           "default": "flush.flush_launch(V, need_amax, gdn, L): the first configuration of each "
                       "(model, policy)",
            "timing": (f"median of {reps} calls, CUDA events per call, inputs rotated over the "
                       "pool, one warm-up call per set" if not args.tiny else
@@ -362,9 +369,9 @@ def main():
     if jobs > 0:
         tasks = [(M.name, pname, cfg, args.tiny, False) for M in geometries(args.tiny)
                  if M.name in models for pname in args.policies.split(",")
-                 for cfg in candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms)]
+                 for cfg in candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms, M.L)]
         tasks += [(M.name, pname,
-                   candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms)[0], args.tiny, True)
+                   candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms, M.L)[0], args.tiny, True)
                   for M in geometries(args.tiny) if M.name in models
                   for pname in args.policies.split(",")]  # the reference check's S-writing form
         try:
@@ -394,7 +401,7 @@ def main():
             pres = mres["policies"][pname] = {"policy": policy_string(pname), "pool": n,
                                               "set_bytes": per, "configs": []}
             # nvfp4: a matrix scale
-            cands = candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms)
+            cands = candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms, M.L)
             default = cands[0]
             firsts = {}  # reconstruct form -> its first configuration
             for c in cands:

@@ -74,15 +74,28 @@ def main(argv=None):
     ap.add_argument("--h", default="0,7,14", help="comma list of record counts before the step")
     ap.add_argument("--compare", default="shared_products", choices=tuple(COMPARE),
                     help="the launch option whose two values are timed")
-    ap.add_argument("--policies", default=",".join(dc.POLICIES),
-                    help=f"comma list of {tuple(dc.POLICIES)}")
+    ap.add_argument("--policies", default=None,
+                    help=f"comma list of {tuple(dc.POLICIES)} (default: all; with --compare "
+                         "e2m1_decode: nvfp4)")
     args = ap.parse_args(argv)
+    if args.policies is None:
+        args.policies = "nvfp4" if args.compare == "e2m1_decode" else ",".join(dc.POLICIES)
     pols = args.policies.split(",")
+    try:
+        hs = [int(x) for x in args.h.split(",")]
+    except ValueError:
+        hs = []
+    if not hs or any(h < 0 or h > 14 for h in hs):
+        ap.error(f"--h takes a comma list of record counts in [0, 14] (L = 16, one slot for "
+                 f"the step), got {args.h!r}")
+    for name, v in (("--batch", args.batch), ("--calls", args.calls)):
+        if v < 1:
+            ap.error(f"{name} must be a positive int, got {v}")
     if not pols or any(p not in dc.POLICIES for p in pols):
         ap.error(f"--policies takes a comma list of {tuple(dc.POLICIES)}, got {args.policies!r}")
     if args.compare == "e2m1_decode" and "fp32" in pols:
-        ap.error("--compare e2m1_decode needs policies with an E2M1 read copy (nvfp4); fp32 "
-                 "decodes no E2M1 codes")
+        ap.error("--compare e2m1_decode needs policies with an E2M1 read copy: --policies "
+                 "nvfp4 (fp32 decodes no E2M1 codes)")
     if not torch.cuda.is_available():
         ap.error("step_profile.py needs a CUDA device")
     rows = []
@@ -92,7 +105,7 @@ def main(argv=None):
             pol = dc.POLICIES[pname]
             gen = torch.Generator(device="cuda").manual_seed(1)
             sets = [dc.make_set(M, gen, StatePolicy.parse(pol), 8, False) for _ in range(4)]
-            for h in (int(x) for x in args.h.split(",")):
+            for h in hs:
                 hv = torch.full((M.B,), h, dtype=torch.int64, device="cuda")
                 first = None
                 for val in COMPARE[args.compare]:

@@ -125,13 +125,17 @@ def use_kernels(family, backend=None, *, device, dtype: torch.dtype | None = Non
     key dim ``key_dim``) runs its Triton kernel, False for the torch reference.
 
     Raises:
-        ValueError: a bad backend value, or ``triton`` where the kernel cannot run.
+        ValueError: a bad backend value or device, or ``triton`` where the kernel cannot run.
     """
     family = OpFamily(family)
     b = requested_backend(family, backend)
     if b is Backend.TORCH:
         return False
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or "
+                         f"'cuda:0', got {device!r} ({e})") from None
     on_cuda = device.type == "cuda"
     if family is OpFamily.QUANT:
         if b is Backend.AUTO:

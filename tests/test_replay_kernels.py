@@ -1257,6 +1257,8 @@ def test_state_device_with_index():
         S = torch.randn(1, H, V, K, device=dev)
         st.prefill(S)
         assert torch.equal(st.anchor, S)
+    with pytest.raises(ValueError, match="device must be .* got 'bogus'"):
+        Mamba2ReplayState("fp32", batch=1, heads=H, head_dim=V, d_state=K, device="bogus")
 
 
 def _mixed_counts_run(family, backend, seqs, counts, policy, window=16, T=4):

@@ -130,13 +130,18 @@ def flush_launch(V: int, need_amax: bool, gdn: bool, slots: int, *, variant=None
     """The launch ``(variant, block_v, num_warps, reconstruct, solve_form)`` of a flush with
     ``V`` value rows and ``slots`` record slots (``gdn``: the corrections are solved in the
     kernel): the given options, the rest from :func:`flush_config`. The default solve form
-    applies only where the fold form takes it (``reconstruct="rank1"`` solves slot by slot).
+    applies only where the fold form takes it (``reconstruct="rank1"`` solves slot by slot);
+    without a solve (``gdn`` False) the solve form is returned as given and has no effect.
 
     Raises:
-        ValueError: a bad variant, reconstruct form, solve form, tile or warp count (naming
-            the value and what was expected), or ``solve_form="inverse"`` with ``"rank1"``.
+        ValueError: a non-positive or non-int ``V`` or ``slots``, a bad variant, reconstruct
+            form, solve form, tile or warp count (naming the value and what was expected), or
+            ``solve_form="inverse"`` with ``"rank1"``.
     """
-    dv, db, dw, dr, ds = flush_config(V, need_amax, gdn=gdn, slots=slots)
+    for name, x in (("V", V), ("slots", slots)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"{name} must be a positive int, got {x!r}")
+    dv, db, dw, dr, ds = flush_config(V, bool(need_amax), gdn=bool(gdn), slots=slots)
     variant = dv if variant is None else variant
     block_v = db if block_v is None else block_v
     num_warps = dw if num_warps is None else num_warps

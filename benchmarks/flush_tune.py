@@ -106,8 +106,8 @@ FORMS = ("dot", "rank1", "tf32x3", "dot+inverse", "tf32x3+inverse")
 def candidates(V, tiny, need_amax=False, gdn=False, forms=None, slots=16):
     """(variant, block_v, num_warps, reconstruct), most promising first; the default of a call
     (``flush.flush_launch`` with the geometry's record slots) first, then the rest (each form's
-    first is the one its other configurations are compared with bit for bit). One tile per matrix (block_v >= V) is the
-    same kernel for both variants (listed as "grid"). ``gdn``: also the dot forms with the
+    first is the one its other configurations are compared with bit for bit). One tile per
+    matrix (block_v >= V) is the same kernel for both variants (listed as "grid"). ``gdn``: also the dot forms with the
     correction solve by the inverse (``"dot+inverse"``, ``"tf32x3+inverse"``: reconstruct
     form + ``solve_form``). ``forms``: keep only these reconstruct forms (and the default)."""
     single = max(16, triton.next_power_of_2(V))

@@ -115,11 +115,11 @@ def gdn_state_step(cps: Checkpoints, ring: dict, h, q, k, v, g, beta) -> torch.T
     b = torch.arange(h.shape[0], device=h.device)
     for name, t in (("la", g), ("beta", beta), ("v", v), ("k", k)):
         ring[name][b, h] = t
-    n = h + 1
-    J = ring["la"].shape[1]  # the whole ring, masked to n: never the batch's largest count
-    o, uR = gdn_step_output(cps.read, ring["la"][:, :J], ring["beta"][:, :J], ring["v"][:, :J],
-                            ring["k"][:, :J], q, ring["uR"][:, :J], n)
-    ring["uR"][:, :J] = uR
+    # the whole ring, masked to h + 1 per sequence (never the batch's largest count: a shape
+    # that followed the batchmates would change this sequence's sums)
+    o, uR = gdn_step_output(cps.read, ring["la"], ring["beta"], ring["v"], ring["k"], q,
+                            ring["uR"], h + 1)
+    ring["uR"].copy_(uR)
     return o
 
 

@@ -88,10 +88,8 @@ def mamba2_state_step(cps: Checkpoints, ring: dict, h, la, v, k, q) -> torch.Ten
     b = torch.arange(h.shape[0], device=h.device)
     for name, t in (("la", la), ("v", v), ("k", k)):
         ring[name][b, h] = t
-    n = h + 1
-    J = ring["la"].shape[1]  # the whole ring, masked to n: never the batch's largest count
-    return mamba2_step_output(cps.read, ring["la"][:, :J], ring["v"][:, :J], ring["k"][:, :J],
-                              q, n)
+    # the whole ring, masked to h + 1 per sequence (never the batch's largest count)
+    return mamba2_step_output(cps.read, ring["la"], ring["v"], ring["k"], q, h + 1)
 
 
 @B.reference("mamba2_state_verify")

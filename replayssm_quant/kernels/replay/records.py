@@ -822,7 +822,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     if not isinstance(shared_products, bool):
         raise ValueError(f"shared_products must be True or False, got {shared_products!r}")
     LP = _lp(max(CAP, TD))
-    lut = _e2m1_lookup(e2m1_decode, q.device) and _decode_consts(spec).FP4
+    C = _decode_consts(spec)
+    C = C._replace(LUT=_e2m1_lookup(e2m1_decode, q.device) and C.FP4)
     consts = dict(K=K, LP=LP, NS=NS, NC=NC, NX=NX, KC=KC, STAGES=num_stages or 1,
                   DOT=bool(use_dot), PREC=prec, GDN=gdn, D_REL=draft_relative, SOLVE=matrix,
                   FUSED=fused_window is not None)
@@ -849,7 +850,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         WRITE_W=w_out is not None, APPEND=append is not None,
         AT_WINDOW=at_window is not None, SPREC=solve_precision,
         NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
-        num_warps=num_warps, C=_decode_consts(spec)._replace(LUT=lut), **consts)
+        num_warps=num_warps, C=C, **consts)
     return o
 
 

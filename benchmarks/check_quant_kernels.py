@@ -28,32 +28,12 @@ import triton
 import triton.testing
 
 from replayssm_quant.kernels.quant import pack_triton, quantize_triton
-import replayssm_quant.quant as _quant_ref
-from replayssm_quant.philox import philox4x32, stream_key
+from replayssm_quant.philox import stream_key
 from replayssm_quant.quant import pack_reference, quantize_reference
 
 FORMATS = ["bf16", "fp16", "fp8e4m3", "fp8e5m2", "nvfp4", "mxfp8", "mxfp4"]
 SEED = 0x1234_5678_9ABC
 DEVICE = "cuda"
-
-
-def _random_bits_on_device(seed, stream, element):
-    """``philox.random_bits`` with its zero counter word made on ``element``'s device.
-
-    The reference's ``random_bits`` builds c3 with ``torch.zeros(())`` on the CPU, which fails
-    next to CUDA tensors; this is the same arithmetic (same ``philox4x32``) with c3 on the
-    right device, so that the reference can run on the GPU.
-    """
-    seed = int(seed)
-    stream = torch.as_tensor(stream, dtype=torch.int64, device=element.device)
-    m32 = 0xFFFFFFFF
-    out, _, _, _ = philox4x32(
-        element, stream & m32, (stream >> 32) & m32,
-        torch.zeros((), dtype=torch.int64, device=element.device), seed & m32, (seed >> 32) & m32)
-    return out
-
-
-_quant_ref.random_bits = _random_bits_on_device
 
 
 def value_mismatches(got: torch.Tensor, want: torch.Tensor) -> int:

@@ -131,7 +131,8 @@ FP32_MANT_MASK = 0x7FFFFF  # fraction field
 FP32_EMIN = -126  # exponent of the smallest normal
 FP32_MIN_SUBNORMAL_EXP = -149  # smallest subnormal = 2^-149 = 2^(FP32_EMIN - FP32_MBITS)
 
-# Stochastic rounding draws 32 uniform random bits per element (one Philox-4x32-10 output).
+# Stochastic rounding draws 32 uniform random bits per element (one 32-bit output word of a
+# Philox-4x32-10 call; a call serves four consecutive elements, replayssm_quant.philox).
 # After scaling, x = q * (n + f) with q the target quantum and 0 <= f < 1. An FP32 input
 # with |x| >= q has at most 23 mantissa bits below q, and f is a multiple of 2^-23, so the
 # round-up probability f is exact. (For E2M1, the normal range keeps 1 mantissa bit, so at

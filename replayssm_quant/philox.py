@@ -5,21 +5,25 @@ written in plain torch so that it reproduces, bit for bit, ``tl.philox(seed, c0,
 of Triton (``triton/language/random.py``), which the kernels call. The mapping is:
 
 * key  (k0, k1) = (seed & 0xffffffff, seed >> 32) with ``seed`` a 64-bit user seed;
-* counter c0 = element index inside the matrix (row-major over the last two dims, padded
-  row length for blocked formats is NOT used: the index is ``m * K + k``);
+* the element index ``e`` inside the matrix is row-major over the last two dims (the padded
+  row length of blocked formats is NOT used: ``e = m * K + k``);
+* counter c0 = ``e >> 2``: one Philox call serves four consecutive elements, and element ``e``
+  takes output word ``e & 3`` (since 2026-12-02; before, c0 = e and word 0, so every element
+  cost one call: the flush's SR casts spent about a quarter of their instructions in Philox);
 * counter (c1, c2) = low and high 32 bits of the 64-bit ``stream`` key of the matrix;
 * counter c3 = 0 (reserved).
 
-The first output word is the element's 32 random bits. Because every draw is a pure
-function of (seed, stream, element), stepwise decoding, chunked emulation and any batch
-composition draw identical bits.
+Every draw is a pure function of (seed, stream, element) (DESIGN.md section 3), so stepwise
+decoding, chunked emulation and any batch composition draw identical bits. Word ``w`` of
+call ``c`` is never used for any other element, so the draws stay independent.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["philox4x32", "random_bits", "stream_key", "stream_keys_to", "STREAM_FIELDS"]
+__all__ = ["philox4x32", "random_bits", "random_bits_matrix", "stream_key", "stream_keys_to",
+           "STREAM_FIELDS", "WORDS_PER_CALL"]
 
 _M32 = 0xFFFFFFFF
 PHILOX_KEY_A = 0x9E3779B9
@@ -27,6 +31,7 @@ PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUND_A = 0xD2511F53
 PHILOX_ROUND_B = 0xCD9E8D57
 PHILOX_ROUNDS = 10  # Triton's N_ROUNDS_DEFAULT
+WORDS_PER_CALL = 4  # consecutive elements served by one Philox call (output words 0..3)
 
 
 def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,25 +68,66 @@ def philox4x32(
     return tuple(torch.broadcast_to(c, shape) for c in (c0, c1, c2, c3))
 
 
+def _check_seed(seed) -> int:
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2^64), got {seed}")
+    return seed
+
+
+def _calls(seed: int, stream: torch.Tensor, calls: torch.Tensor):
+    """The four output words of the Philox calls ``calls`` of ``stream`` (broadcasting)."""
+    return philox4x32(
+        calls, stream & _M32, (stream >> 32) & _M32,
+        torch.zeros((), dtype=torch.int64, device=stream.device),
+        seed & _M32, (seed >> 32) & _M32,
+    )
+
+
 def random_bits(seed: int, stream: torch.Tensor, element: torch.Tensor) -> torch.Tensor:
-    """32 random bits per element, as int64 in [0, 2^32).
+    """32 random bits per element, as int64 in [0, 2^32): word ``element & 3`` of the Philox
+    call with counter ``(element >> 2, stream lo, stream hi, 0)`` (module docstring).
 
     Args:
         seed: user seed, 0 <= seed < 2^64 (Philox key).
         stream: int64 tensor of 64-bit stream keys, broadcastable against ``element``.
         element: int64 tensor of element indices (< 2^32) inside the matrix.
+
+    Raises:
+        ValueError: ``seed`` outside [0, 2^64).
     """
-    seed = int(seed)
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be in [0, 2^64), got {seed}")
+    seed = _check_seed(seed)
     stream = torch.as_tensor(stream, dtype=torch.int64)
     element = torch.as_tensor(element, dtype=torch.int64, device=stream.device)
-    out, _, _, _ = philox4x32(
-        element, stream & _M32, (stream >> 32) & _M32,
-        torch.zeros((), dtype=torch.int64, device=stream.device),
-        seed & _M32, (seed >> 32) & _M32,
-    )
-    return out
+    w0, w1, w2, w3 = _calls(seed, stream, element >> 2)
+    word = element & 3
+    return torch.where(word < 2, torch.where(word == 0, w0, w1),
+                       torch.where(word == 2, w2, w3))
+
+
+def random_bits_matrix(seed: int, stream: torch.Tensor, M: int, K: int) -> torch.Tensor:
+    """:func:`random_bits` of every element of ``[..., M, K]`` matrices, one Philox call per
+    four elements: int64 ``[*stream.shape, M, K]`` in [0, 2^32), element ``(m, k)`` at index
+    ``m * K + k``.
+
+    Args:
+        seed: user seed, 0 <= seed < 2^64.
+        stream: int64 tensor of stream keys, one per matrix (any shape, may be 0-d).
+        M, K: the matrix shape (M * K <= 2^32).
+
+    Raises:
+        ValueError: ``seed`` outside [0, 2^64), or M, K not positive.
+    """
+    seed = _check_seed(seed)
+    if M < 1 or K < 1:
+        raise ValueError(f"M and K must be positive, got M={M}, K={K}")
+    stream = torch.as_tensor(stream, dtype=torch.int64)
+    n = M * K
+    calls = torch.arange((n + WORDS_PER_CALL - 1) // WORDS_PER_CALL, dtype=torch.int64,
+                         device=stream.device)
+    words = _calls(seed, stream[..., None], calls)  # 4 x [*lead, calls]
+    out = torch.stack(words, dim=-1).flatten(-2)[..., :n]  # element 4c + w <- word w of c
+    return out.reshape(*stream.shape, M, K)
 
 
 def stream_keys_to(stream, device) -> torch.Tensor:

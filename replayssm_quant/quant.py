@@ -50,7 +50,7 @@ from . import backend as B
 from . import formats as F
 from .formats import QuantSpec, parse_spec
 from .packed import PackedTensor, _e2m1_encode, _e8m0_decode, _fp8_encode, _pack_nibbles, _pow2
-from .philox import random_bits, stream_keys_to
+from .philox import random_bits_matrix, stream_keys_to
 
 __all__ = [
     "quantize",
@@ -167,11 +167,6 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"x must have non-empty matrix dims [M, K], got shape {tuple(x.shape)}")
 
 
-def _element_index(shape, device) -> torch.Tensor:
-    m, k = shape[-2], shape[-1]
-    return torch.arange(m * k, device=device, dtype=torch.int64).view(m, k)
-
-
 def _sr_bits(spec: QuantSpec, x: torch.Tensor, seed: int, stream) -> torch.Tensor | None:
     """Per-element Philox bits for SR: stream broadcast to x.shape[:-2] (one key per matrix)."""
     if not spec.sr:
@@ -187,7 +182,7 @@ def _sr_bits(spec: QuantSpec, x: torch.Tensor, seed: int, stream) -> torch.Tenso
             f"stream of shape {tuple(stream.shape)} does not broadcast to the leading dims "
             f"{tuple(lead)} of x {tuple(x.shape)}"
         ) from None
-    return random_bits(seed, stream[..., None, None], _element_index(x.shape, x.device))
+    return random_bits_matrix(seed, stream, x.shape[-2], x.shape[-1])
 
 
 def _pad_blocks(t: torch.Tensor, block: int) -> torch.Tensor:

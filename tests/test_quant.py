@@ -10,7 +10,7 @@ import torch
 
 from replayssm_quant import FORMAT_NAMES, PackedTensor, pack, parse_spec, quantize, stream_key
 from replayssm_quant import formats as F
-from replayssm_quant.philox import philox4x32, random_bits
+from replayssm_quant.philox import philox4x32, random_bits, random_bits_matrix
 from replayssm_quant.quant import round_to_grid
 
 ORACLE_DTYPES = {
@@ -285,21 +285,41 @@ def test_philox_known_answers():
 
 
 def test_philox_matches_triton_interpreter():
+    """Element e's bits are word e & 3 of Triton's Philox call at counter e >> 2 (the four
+    words taken straight from tl.philox, not through the package's kernels)."""
     triton = pytest.importorskip("triton")
     import triton.language as tl
 
     @triton.jit
-    def _bits(out_ptr, seed, stream_lo, stream_hi, n, BLOCK: tl.constexpr):
+    def _bits(out_ptr, seed, stream_lo, stream_hi, BLOCK: tl.constexpr):
         offs = tl.arange(0, BLOCK)
         zero = tl.zeros_like(offs)
-        r, _, _, _ = tl.philox(seed, offs, zero + stream_lo, zero + stream_hi, zero)
-        tl.store(out_ptr + offs, r.to(tl.int32, bitcast=True), mask=offs < n)
+        r0, r1, r2, r3 = tl.philox(seed, offs, zero + stream_lo, zero + stream_hi, zero)
+        for w, r in enumerate((r0, r1, r2, r3)):
+            tl.store(out_ptr + w * BLOCK + offs, r.to(tl.int32, bitcast=True))
 
     seed, stream = 0x1234_5678_9ABC, (5 << 32) | 77
-    out = torch.zeros(64, dtype=torch.int32)
-    _bits[(1,)](out, seed, stream & 0xFFFFFFFF, stream >> 32, 64, BLOCK=64)
-    want = random_bits(seed, torch.tensor(stream), torch.arange(64))
-    assert torch.equal(out.long() & 0xFFFFFFFF, want)
+    out = torch.zeros(4, 16, dtype=torch.int32)
+    _bits[(1,)](out, seed, stream & 0xFFFFFFFF, stream >> 32, BLOCK=16)
+    e = torch.arange(64)
+    want = (out.long() & 0xFFFFFFFF)[e & 3, e >> 2]
+    assert torch.equal(random_bits(seed, torch.tensor(stream), e), want)
+    # the matrix form: the same bits in row-major order, also with K not a multiple of 4
+    for M, K in ((4, 16), (3, 7), (1, 1)):
+        got = random_bits_matrix(seed, torch.tensor([stream, stream]), M, K)
+        assert got.shape == (2, M, K)
+        assert torch.equal(got[1].flatten(), want[: M * K]) and torch.equal(got[0], got[1])
+
+
+def test_random_bits_words_distinct():
+    """The four elements of a call take four different words (no word is used twice), and
+    the words of neighbouring calls differ: 64 elements give 64 distinct values."""
+    bits = random_bits(7, torch.tensor(3), torch.arange(64))
+    assert len(set(bits.tolist())) == 64
+    with pytest.raises(ValueError, match="seed"):
+        random_bits(-1, torch.tensor(3), torch.arange(4))
+    with pytest.raises(ValueError, match="M and K"):
+        random_bits_matrix(7, torch.tensor(3), 0, 4)
 
 
 def test_sr_independent_of_batch_composition():

@@ -25,8 +25,8 @@ result the reference gets from its exact float steps. Divisions use ``tl.math.di
 and the final ``value * scale``) is a single IEEE multiplication, as in the reference.
 
 GPU notes: non-FTZ ``div.rn.f32`` and ``mul.rn.f32`` are assumed; ``tl.philox`` reproduces
-:func:`replayssm_quant.philox.random_bits` (key = seed, counter = (element, stream lo,
-stream hi, 0)). NaN handling never relies on ``tl.max``/``tl.maximum`` NaN semantics:
+:func:`replayssm_quant.philox.random_bits` (key = seed, counter = (element >> 2, stream lo,
+stream hi, 0), word element & 3). NaN handling never relies on ``tl.max``/``tl.maximum`` NaN semantics:
 non-finite values are replaced by zero before every max and tracked by a separate flag.
 Written for Triton 3.6 and 3.9 (interpreter included).
 """
@@ -154,12 +154,54 @@ def _pow2(e, BIAS: tl.constexpr = _FP32_BIAS, MB: tl.constexpr = _FP32_MBITS,
 
 
 @triton.jit
+def _random_words(seed, call, st_lo, st_hi):
+    """The four uint32 output words of Philox calls ``call`` (any shape) of one stream:
+    tl.philox(seed, call, stream lo, stream hi, 0) (:mod:`replayssm_quant.philox`)."""
+    c0 = call.to(tl.uint32)
+    return tl.philox(seed, c0, st_lo + c0 * 0, st_hi + c0 * 0, c0 * 0)
+
+
+@triton.jit
 def _random_bits(seed, elem, st_lo, st_hi):
-    """32 Philox bits (uint32) per element: tl.philox(seed, elem, stream lo, stream hi, 0)."""
-    c0 = elem.to(tl.uint32)
-    c1 = st_lo + c0 * 0
-    c2 = st_hi + c0 * 0
-    r, _, _, _ = tl.philox(seed, c0, c1, c2, c0 * 0)
+    """32 Philox bits (uint32) per element index ``elem`` (any shape): word ``elem & 3`` of
+    call ``elem >> 2`` (:func:`replayssm_quant.philox.random_bits`). One call per element; the
+    tiles of whole rows use :func:`_random_pairs` / :func:`_random_tile` (one call per four)."""
+    r0, r1, r2, r3 = _random_words(seed, elem >> 2, st_lo, st_hi)
+    w = elem & 3
+    return tl.where(w < 2, tl.where(w == 0, r0, r1), tl.where(w == 2, r2, r3))
+
+
+@triton.jit
+def _random_pairs(seed, rows, st_lo, st_hi, K: tl.constexpr, KH: tl.constexpr,
+                  BV: tl.constexpr):
+    """SR bits of rows ``rows`` ([BV]) of a ``[*, K]`` matrix as (even, odd) column halves
+    ``[BV, KH]``: element ``(m, 2j)`` / ``(m, 2j + 1)`` of index ``e = m K + k`` gets word
+    ``e & 3`` of call ``e >> 2``, one call per four elements where ``K % 4 == 0``."""
+    if K % 4 == 0:
+        i = tl.arange(0, KH // 2)
+        r0, r1, r2, r3 = _random_words(seed, rows[:, None] * (K // 4) + i[None, :], st_lo, st_hi)
+        re = tl.reshape(tl.join(r0, r2), [BV, KH])  # k = 4i + 2x: words 0, 2
+        ro = tl.reshape(tl.join(r1, r3), [BV, KH])  # k = 4i + 2x + 1: words 1, 3
+    else:
+        j = tl.arange(0, KH)
+        e = rows[:, None] * K + 2 * j[None, :]
+        re = _random_bits(seed, e, st_lo, st_hi)
+        ro = _random_bits(seed, e + 1, st_lo, st_hi)
+    return re, ro
+
+
+@triton.jit
+def _random_tile(seed, rows, st_lo, st_hi, K: tl.constexpr, BV: tl.constexpr):
+    """SR bits of rows ``rows`` ([BV]) of a ``[*, K]`` matrix as one ``[BV, K]`` tile in
+    column order (the same bits as :func:`_random_pairs`)."""
+    if K % 4 == 0:
+        i = tl.arange(0, K // 4)
+        r0, r1, r2, r3 = _random_words(seed, rows[:, None] * (K // 4) + i[None, :], st_lo, st_hi)
+        # [BV, K/4, x, y] -> k = 4i + 2x + y takes word 2x + y
+        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BV, K])
+    else:
+        kk = tl.arange(0, K)
+        r = _random_bits(seed, rows[:, None] * K + kk[None, :], st_lo, st_hi)
     return r
 
 
@@ -277,6 +319,23 @@ def _quant(y, r, SR: tl.constexpr, G: tl.constexpr):
     fields): returns (value float32, code int32 with sign)."""
     return _round(y, r, SR, G.EMIN, G.MBITS, G.MAXCODE, G.SUBQ, G.SIGN_SHIFT, G.HAS_INF,
                   G.NAN_POS, G.NAN_NEG, G.INF_POS, G.INF_NEG)
+
+
+@triton.jit
+def _e2m1_rtn_code(y):
+    """Signed E2M1 code (int32, sign in bit 3) of finite float32 ``y`` rounded to nearest,
+    ties to even, saturating at 6: the code :func:`_quant` gives on the E2M1 grid, by
+    comparing |y| with the seven midpoints of the grid (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5;
+    ``>`` where the lower neighbour's code is even, ``>=`` where the upper's is), instead of
+    the generic exponent and shift arithmetic (about half the instructions). ``y`` must be
+    finite (NaN and inf take the generic path's codes only through ``_quant``); equality
+    with ``_quant`` is tested on every float32 in [0, 8] on the GPU and near every
+    midpoint under the interpreter (``test_e2m1_rtn_code_matches_generic``)."""
+    a = tl.abs(y)
+    n = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    n += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    n += (a > 5.0).to(tl.int32)
+    return n | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
 @triton.jit

@@ -27,9 +27,9 @@ from ... import formats as F
 from ...capabilities import replay_kernels_supported
 from ...formats import QuantSpec, parse_spec
 from ...packed import PackedTensor
-from ..quant import (_amax_scale, _block_scale, _e8m0_value, _finite_abs, _grid_consts,
-                     _grid_value, _nvfp4_global_up, _quant, _random_bits, _stream_words,
-                     scale_consts)
+from ..quant import (_amax_scale, _block_scale, _e2m1_rtn_code, _e8m0_value, _finite_abs,
+                     _grid_consts, _grid_value, _nvfp4_global_up, _quant, _random_pairs,
+                     _random_tile, _stream_words, scale_consts)
 
 # Format kinds (constexpr KIND of a stored copy / of a cast)
 _K_FLOAT = 0  # fp32 values (identity)
@@ -280,9 +280,7 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                 lo, hi = _stream_words(key)
             else:
                 lo, hi = _stream_words(tl.load(st_ptr + mat))
-            eidx = rows[:, None] * K + 2 * j[None, :]
-            re = _random_bits(seed, eidx, lo, hi)
-            ro = _random_bits(seed, eidx + 1, lo, hi)
+            re, ro = _random_pairs(seed, rows, lo, hi, K, KH, BV)
         else:
             re = 0
             ro = 0
@@ -317,8 +315,16 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
             if C.SR:
                 re = tl.reshape(re, [BV, NB, HB])
                 ro = tl.reshape(ro, [BV, NB, HB])
-            ve, ce = _quant(ye, re, C.SR, C)
-            vo, co = _quant(yo, ro, C.SR, C)
+            if C.KIND == 3 and not C.SR:  # in the blocks kept (ok) ye, yo are finite
+                ce = _e2m1_rtn_code(ye)
+                co = _e2m1_rtn_code(yo)
+                ve = _grid_value(ce & 7, C.EMIN, C.MBITS, C.SUBQ)
+                vo = _grid_value(co & 7, C.EMIN, C.MBITS, C.SUBQ)
+                ve = tl.where(ce >= 8, -ve, ve)
+                vo = tl.where(co >= 8, -vo, vo)
+            else:
+                ve, ce = _quant(ye, re, C.SR, C)
+                vo, co = _quant(yo, ro, C.SR, C)
             if C.KIND == 3:
                 ce = tl.where(ok[:, :, None], ce, 0)  # also the bad blocks: E2M1 NaN is 0
                 co = tl.where(ok[:, :, None], co, 0)
@@ -364,7 +370,7 @@ def _cast_store_full(x, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                      K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                      key=0, KEYED: tl.constexpr = False):
     """:func:`_cast_store` of a tile ``x [BV, K]`` in column order: the same codes and SR bits
-    (element ``(row, col)`` draws Philox counter ``row * K + col`` either way). Formats with
+    (element ``(row, col)`` draws the bits of index ``row * K + col`` either way). Formats with
     one code per element (fp32, half, fp8) are rounded and stored as the tile; block formats
     (nvfp4, mx) split it into the even/odd halves their nibbles and blocks need."""
     if C.KIND >= 3:
@@ -384,7 +390,7 @@ def _cast_store_full(x, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                     lo, hi = _stream_words(key)
                 else:
                     lo, hi = _stream_words(tl.load(st_ptr + mat))
-                r = _random_bits(seed, rows[:, None] * K + kk[None, :], lo, hi)
+                r = _random_tile(seed, rows, lo, hi, K, BV)
             y = x
             if C.KIND == 2:
                 y = tl.where(x != x, x, tl.math.div_rn(x, tl.broadcast_to(s_mat, [BV, K])))

@@ -324,18 +324,23 @@ def _quant(y, r, SR: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def _e2m1_rtn_code(y):
     """Signed E2M1 code (int32, sign in bit 3) of finite float32 ``y`` rounded to nearest,
-    ties to even, saturating at 6: the code :func:`_quant` gives on the E2M1 grid, by
-    comparing |y| with the seven midpoints of the grid (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5;
-    ``>`` where the lower neighbour's code is even, ``>=`` where the upper's is), instead of
-    the generic exponent and shift arithmetic (about half the instructions). ``y`` must be
-    finite (NaN and inf take the generic path's codes only through ``_quant``); equality
-    with ``_quant`` is tested on every float32 in [0, 8] on the GPU and near every
-    midpoint under the interpreter (``test_e2m1_rtn_code_matches_generic``)."""
-    a = tl.abs(y)
-    n = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-    n += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-    n += (a > 5.0).to(tl.int32)
-    return n | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+    ties to even, saturating at 6: the code :func:`_quant` gives on the E2M1 grid, in about
+    half its instructions. Below 1 (E2M1's subnormal step 0.5) by comparing |y| with the
+    midpoints 0.25 (``>``: a tie goes to the even code 0) and 0.75 (``>=``: to code 2); from 1
+    up by rounding the float32 bits of |y| to one mantissa bit, half to even, in integer
+    arithmetic (``b + 0x1FFFFF + bit 22`` carries into bit 22 exactly when the dropped bits
+    exceed half, or equal it and bit 22 is odd; a carry into the exponent is kept), whose
+    ``bits >> 22`` is then ``252 + code`` (1.0 -> 2, 1.5 -> 3, 2 -> 4, ..., 6 -> 7), saturated
+    at 7. ``y`` must be finite (no NaN/inf codes here; callers mask such blocks). Equality
+    with ``_quant`` is tested on every float32 in [0, 8] on the GPU and near every midpoint
+    under the interpreter (``test_e2m1_rtn_code_matches_generic``)."""
+    b = y.to(tl.int32, bitcast=True)
+    m = b & 0x7FFFFFFF  # |y| (finite: below 0x7F800000, so the sum below stays in int32)
+    a = m.to(tl.float32, bitcast=True)
+    sub = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32)
+    nrm = tl.minimum(((m + 0x1FFFFF + ((m >> 22) & 1)) >> 22) - 252, 7)
+    n = tl.where(a < 1.0, sub, nrm)
+    return n | ((b >> 28) & 8)
 
 
 @triton.jit

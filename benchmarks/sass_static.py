@@ -1,0 +1,153 @@
+"""Compile the replay kernels of one decode operation for sm_90 on a machine without a GPU, and
+report what the compiler made of them: registers, stack, and static SASS instruction counts
+per opcode and per source line (issue 15; docs/kernels-replay.md, "Eighth pass").
+
+No kernel is launched. A stand-in Triton driver reports an sm_90 (Hopper) target, and every
+``JITFunction.run`` compiles as a warmup (no launch), so the operation's host code runs on CPU
+tensors of the benchmark geometry (B = 2) with outputs left unwritten; the kernels it compiles
+are disassembled with Triton's own ``nvdisasm -g`` (source lines) and ``cuobjdump
+-res-usage``. Static counts are not executed counts (loops over record slots count once), but
+they compare variants of straight-line tile code well, before device time is spent.
+
+Written against Triton 3.9's ``triton.runtime.driver.set_active`` and ``JITFunction.run``
+(internals: another Triton version may need changes). Needs Triton's bundled CUDA tools
+(``triton/backends/nvidia/bin``; Linux x86-64 wheels ship them).
+
+Usage::
+
+    python benchmarks/sass_static.py --model gdn --policy nvfp4 --op flush [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: real compilation
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+KERNELS = ("_flush_kernel", "_records_kernel", "_key_products_kernel")
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+class _Sm90Driver:
+    """The parts of a Triton driver that compiling asks for, reporting an sm_90 device."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def compile_operation(model: str, policy: str, op: str):
+    """Run ``op`` (flush | step | verify) of ``benchmarks/decode.py`` under ``policy`` on CPU
+    tensors with every launch turned into a compile; returns ``[(kernel name, compiled)]``."""
+    compiled = []
+    real_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        k = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, k))
+        return k
+
+    driver.set_active(_Sm90Driver())
+    JITFunction.run = run
+    try:
+        import decode as dc
+        import replay_kernels as rk
+
+        from replayssm_quant.policy import StatePolicy
+        from replayssm_quant.quant import pack
+
+        rk.DEV = dc.DEV = "cpu"
+        dc.pack = lambda *a, backend=None, **k: pack(*a, backend="torch", **k)
+        geo = {"gdn": (32, 16, 128, 128, 16), "mamba2": (128, 1, 64, 128, 16)}[model]
+        B, T = 2, 8
+        M = rk.Model(model, B, *geo)
+        pol = StatePolicy.parse(dc.POLICIES.get(policy, policy))
+        st = dc.make_set(M, torch.Generator().manual_seed(0), pol, T, False)
+        compiled.clear()
+        try:
+            if op == "flush":
+                dc.run_flush(M, st, pol, dc.flush_args(M, st))
+            elif op == "step":
+                dc.run_step(M, st, torch.full((B,), min(7, M.L - 2), dtype=torch.int64))
+            else:
+                dc.run_verify(M, st, torch.full((B,), M.L - T, dtype=torch.int64))
+        except Exception as e:  # host code after the (unlaunched) kernels may fail; keep them
+            print(f"note: host code after the compiles raised {type(e).__name__}: {e}"[:300])
+    finally:
+        JITFunction.run = real_run
+    return compiled
+
+
+def sass_report(cubin: bytes, top: int) -> dict:
+    """Resource usage and static SASS counts (per opcode, per source line) of a cubin."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", path],
+                             capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-g", "-c", path],
+                              capture_output=True, text=True, check=True).stdout
+    ops, lines = collections.Counter(), collections.Counter()
+    loc = "?"
+    for line in sass.splitlines():
+        f = re.search(r'File "([^"]+)", line (\d+)', line)
+        if f:
+            loc = f"{os.path.basename(f.group(1))}:{f.group(2)}"
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(2)] += 1
+            lines[loc] += 1
+    usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
+    return {"instructions": sum(ops.values()), "usage": {k: int(v) for k, v in usage.items()},
+            "opcodes": dict(ops.most_common(top)), "lines": dict(lines.most_common(top))}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("gdn", "mamba2"), default="gdn")
+    ap.add_argument("--policy", default="nvfp4",
+                    help="fp32, nvfp4 (read:nvfp4/rec:fp16+sr) or a policy string")
+    ap.add_argument("--op", choices=("flush", "step", "verify"), default="flush")
+    ap.add_argument("--top", type=int, default=25, help="opcodes and source lines listed")
+    args = ap.parse_args(argv)
+    if args.top < 1:
+        ap.error(f"--top must be >= 1, got {args.top}")
+    for tool in ("nvdisasm", "cuobjdump"):
+        if not os.path.exists(os.path.join(_BIN, tool)):
+            sys.exit(f"sass_static.py needs Triton's bundled {tool} (not found in {_BIN})")
+    for name, k in compile_operation(args.model, args.policy, args.op):
+        if name not in KERNELS:
+            continue
+        r = sass_report(k.asm["cubin"], args.top)
+        print(f"{name}: {r['instructions']} static SASS instructions, {r['usage']}")
+        print("  opcodes:", ", ".join(f"{o} {c}" for o, c in r["opcodes"].items()))
+        for loc, c in r["lines"].items():
+            print(f"  {c:6d}  {loc}")
+
+
+if __name__ == "__main__":
+    main()

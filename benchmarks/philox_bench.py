@@ -60,12 +60,15 @@ def _median_us(fn, reps=20):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--elements", type=int, default=134217728)
+    ap.add_argument("--elements", type=int, default=134217728,
+                    help="elements drawn (a multiple of 2048 in [4096, 2^30]; default 2^27, "
+                         "the GDN state at B = 256)")
     args = ap.parse_args(argv)
+    if not 4096 <= args.elements <= 2**30 or args.elements % 2048:
+        ap.error(f"--elements must be a multiple of 2048 in [4096, 2^30] (int32 offsets), "
+                 f"got {args.elements}")
     if not torch.cuda.is_available():
         sys.exit("philox_bench.py needs a CUDA device")
-    if args.elements < 4096 or args.elements % 2048:
-        ap.error(f"--elements must be a multiple of 2048 and >= 4096, got {args.elements}")
     from replayssm_quant.philox import philox4x32
 
     N = args.elements

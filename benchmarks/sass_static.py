@@ -1,6 +1,6 @@
 """Compile the replay kernels of one decode operation for sm_90 on a machine without a GPU, and
-report what the compiler made of them: registers, stack, and static SASS instruction counts
-per opcode and per source line (issue 15; docs/kernels-replay.md, "Eighth pass").
+report what the compiler made of them: registers, stack, shared memory, and static SASS
+instruction counts per opcode and per source line (docs/kernels-replay.md, "Eighth pass").
 
 No kernel is launched. A stand-in Triton driver reports an sm_90 (Hopper) target, and every
 ``JITFunction.run`` compiles as a warmup (no launch), so the operation's host code runs on CPU
@@ -29,6 +29,7 @@ import sys
 import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: real compilation
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -93,6 +94,8 @@ def compile_operation(model: str, policy: str, op: str):
                 dc.run_step(M, st, torch.full((B,), min(7, M.L - 2), dtype=torch.int64))
             else:
                 dc.run_verify(M, st, torch.full((B,), M.L - T, dtype=torch.int64))
+        except triton.CompilationError:
+            raise
         except Exception as e:  # host code after the (unlaunched) kernels may fail; keep them
             print(f"note: host code after the compiles raised {type(e).__name__}: {e}"[:300])
     finally:
@@ -122,6 +125,7 @@ def sass_report(cubin: bytes, top: int) -> dict:
             ops[m.group(2)] += 1
             lines[loc] += 1
     usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
+    usage.pop("SHARED", None)  # cuobjdump's static figure; Triton's allocation is dynamic
     return {"instructions": sum(ops.values()), "usage": {k: int(v) for k, v in usage.items()},
             "opcodes": dict(ops.most_common(top)), "lines": dict(lines.most_common(top))}
 
@@ -136,14 +140,27 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.top < 1:
         ap.error(f"--top must be >= 1, got {args.top}")
-    for tool in ("nvdisasm", "cuobjdump"):
+    import decode as dc
+
+    from replayssm_quant.policy import StatePolicy
+
+    try:
+        StatePolicy.parse(dc.POLICIES.get(args.policy, args.policy))
+    except ValueError as e:
+        ap.error(f"--policy: {e}")
+    for tool in ("ptxas", "nvdisasm", "cuobjdump"):
         if not os.path.exists(os.path.join(_BIN, tool)):
             sys.exit(f"sass_static.py needs Triton's bundled {tool} (not found in {_BIN})")
-    for name, k in compile_operation(args.model, args.policy, args.op):
-        if name not in KERNELS:
-            continue
+    kernels = [(n, k) for n, k in compile_operation(args.model, args.policy, args.op)
+               if n in KERNELS]
+    if not kernels:
+        sys.exit(f"no replay kernel ({', '.join(KERNELS)}) was compiled for {args.model} "
+                 f"{args.policy} {args.op}")
+    for i, (name, k) in enumerate(kernels):
         r = sass_report(k.asm["cubin"], args.top)
-        print(f"{name}: {r['instructions']} static SASS instructions, {r['usage']}")
+        shared = getattr(getattr(k, "metadata", None), "shared", None)
+        print(f"launch {i}: {name}: {r['instructions']} static SASS instructions, "
+              f"{r['usage']}, shared memory {shared} bytes")
         print("  opcodes:", ", ".join(f"{o} {c}" for o, c in r["opcodes"].items()))
         for loc, c in r["lines"].items():
             print(f"  {c:6d}  {loc}")

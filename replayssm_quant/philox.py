@@ -9,7 +9,8 @@ of Triton (``triton/language/random.py``), which the kernels call. The mapping i
   row length of blocked formats is NOT used: ``e = m * K + k``);
 * counter c0 = ``e >> 2``: one Philox call serves four consecutive elements, and element ``e``
   takes output word ``e & 3`` (since 2026-12-02; before, c0 = e and word 0, so every element
-  cost one call: the flush's SR casts spent about a quarter of their instructions in Philox);
+  cost one call, and Philox's multiplies and XORs were about a third of the instructions of
+  the nvfp4 flush on the H200: docs/kernels-replay.md, "Eighth pass");
 * counter (c1, c2) = low and high 32 bits of the 64-bit ``stream`` key of the matrix;
 * counter c3 = 0 (reserved).
 
@@ -69,10 +70,17 @@ def philox4x32(
 
 
 def _check_seed(seed) -> int:
-    seed = int(seed)
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be in [0, 2^64), got {seed}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2^64), got {seed!r}")
     return seed
+
+
+def _check_stream(stream) -> torch.Tensor:
+    if isinstance(stream, torch.Tensor) and (stream.is_floating_point() or stream.is_complex()):
+        raise ValueError(f"stream must be integer stream keys, got dtype {stream.dtype}")
+    if isinstance(stream, float):
+        raise ValueError(f"stream must be integer stream keys, got {stream!r}")
+    return torch.as_tensor(stream, dtype=torch.int64)
 
 
 def _calls(seed: int, stream: torch.Tensor, calls: torch.Tensor):
@@ -94,10 +102,10 @@ def random_bits(seed: int, stream: torch.Tensor, element: torch.Tensor) -> torch
         element: int64 tensor of element indices (< 2^32) inside the matrix.
 
     Raises:
-        ValueError: ``seed`` outside [0, 2^64).
+        ValueError: ``seed`` not an int in [0, 2^64), or float stream keys.
     """
     seed = _check_seed(seed)
-    stream = torch.as_tensor(stream, dtype=torch.int64)
+    stream = _check_stream(stream)
     element = torch.as_tensor(element, dtype=torch.int64, device=stream.device)
     w0, w1, w2, w3 = _calls(seed, stream, element >> 2)
     word = element & 3
@@ -116,12 +124,16 @@ def random_bits_matrix(seed: int, stream: torch.Tensor, M: int, K: int) -> torch
         M, K: the matrix shape (M * K <= 2^32).
 
     Raises:
-        ValueError: ``seed`` outside [0, 2^64), or M, K not positive.
+        ValueError: ``seed`` not an int in [0, 2^64), float stream keys, M or K not positive
+            ints, or M * K > 2^32 (the element index is a 32-bit counter).
     """
     seed = _check_seed(seed)
-    if M < 1 or K < 1:
-        raise ValueError(f"M and K must be positive, got M={M}, K={K}")
-    stream = torch.as_tensor(stream, dtype=torch.int64)
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in (M, K)):
+        raise ValueError(f"M and K must be positive ints, got M={M!r}, K={K!r}")
+    if M * K > 2**32:
+        raise ValueError(f"M * K = {M * K} elements exceed the 2^32 element indices of a "
+                         f"matrix's SR stream (M={M}, K={K})")
+    stream = _check_stream(stream)
     n = M * K
     calls = torch.arange((n + WORDS_PER_CALL - 1) // WORDS_PER_CALL, dtype=torch.int64,
                          device=stream.device)

@@ -92,12 +92,15 @@ def test_sass_static_compiles_for_sm90_without_a_gpu():
                         "--policy", "fp32", "--op", "flush", "--top", "3"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    head = [ln for ln in p.stdout.splitlines() if ln.startswith("_flush_kernel:")]
+    head = [ln for ln in p.stdout.splitlines() if ln.startswith("launch 0: _flush_kernel:")]
     assert len(head) == 1 and "'REG'" in head[0]
-    assert int(head[0].split()[1]) > 100  # static SASS instructions of the flush
+    assert int(head[0].split()[3]) > 100  # static SASS instructions of the flush
     bad = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--top", "0"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--top" in bad.stderr
+    bad = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--policy", "bogus"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "bogus" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_philox_bench_refuses_without_cuda(tmp_path):

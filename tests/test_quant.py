@@ -304,11 +304,16 @@ def test_philox_matches_triton_interpreter():
     e = torch.arange(64)
     want = (out.long() & 0xFFFFFFFF)[e & 3, e >> 2]
     assert torch.equal(random_bits(seed, torch.tensor(stream), e), want)
-    # the matrix form: the same bits in row-major order, also with K not a multiple of 4
+    # the matrix form: the same bits in row-major order, also with K not a multiple of 4;
+    # each matrix draws from its own stream key
+    other = stream + 1
     for M, K in ((4, 16), (3, 7), (1, 1)):
-        got = random_bits_matrix(seed, torch.tensor([stream, stream]), M, K)
+        got = random_bits_matrix(seed, torch.tensor([other, stream]), M, K)
         assert got.shape == (2, M, K)
-        assert torch.equal(got[1].flatten(), want[: M * K]) and torch.equal(got[0], got[1])
+        assert torch.equal(got[1].flatten(), want[: M * K])
+        assert torch.equal(got[0].flatten(), random_bits(seed, torch.tensor(other),
+                                                         torch.arange(M * K)))
+        assert not torch.equal(got[0], got[1]) or M * K == 1
 
 
 def test_random_bits_words_distinct():
@@ -320,6 +325,12 @@ def test_random_bits_words_distinct():
         random_bits(-1, torch.tensor(3), torch.arange(4))
     with pytest.raises(ValueError, match="M and K"):
         random_bits_matrix(7, torch.tensor(3), 0, 4)
+    with pytest.raises(ValueError, match="2\\^32"):
+        random_bits_matrix(7, torch.tensor(3), 2**17, 2**16)
+    with pytest.raises(ValueError, match="stream"):
+        random_bits(7, torch.tensor(1.7), torch.arange(4))
+    with pytest.raises(ValueError, match="seed"):
+        random_bits_matrix(1.5, torch.tensor(3), 2, 2)
 
 
 def test_sr_independent_of_batch_composition():

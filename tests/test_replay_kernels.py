@@ -580,30 +580,70 @@ def test_fast_decoders(which, spec, n):
 
 
 @triton.jit
-def _e2m1_codes_kernel(y_ptr, fast_ptr, gen_ptr, N, BLOCK: tl.constexpr, G: tl.constexpr):
+def _e2m1_codes_kernel(y_ptr, fast_ptr, gen_ptr, fv_ptr, gv_ptr, N, BLOCK: tl.constexpr,
+                       G: tl.constexpr, VALUES: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     y = tl.load(y_ptr + i, mask=m, other=0.0)
-    tl.store(fast_ptr + i, kr.codec._e2m1_rtn_code(y), mask=m)
-    _, code = kr.codec._quant(y, 0, False, G)
-    tl.store(gen_ptr + i, code, mask=m)
+    fval, fcode = kr.codec._e2m1_rtn(y)
+    gval, gcode = kr.codec._quant(y, 0, False, G)
+    tl.store(fast_ptr + i, fcode, mask=m)
+    tl.store(gen_ptr + i, gcode, mask=m)
+    if VALUES:
+        tl.store(fv_ptr + i, fval, mask=m)
+        tl.store(gv_ptr + i, gval, mask=m)
 
 
-def _e2m1_codes(y):
+def _e2m1_codes(y, values=False):
     fast = torch.empty(y.shape, dtype=torch.int32, device=y.device)
     gen = torch.empty_like(fast)
+    fv = torch.empty(y.shape if values else (1,), device=y.device)
+    gv = torch.empty_like(fv)
     n, block = y.numel(), 1024
-    _e2m1_codes_kernel[(triton.cdiv(n, block),)](y, fast, gen, n, BLOCK=block,
-                                                 G=kr.codec._grid_consts(Fmt.E2M1))
-    return fast, gen
+    _e2m1_codes_kernel[(triton.cdiv(n, block),)](y, fast, gen, fv, gv, n, BLOCK=block,
+                                                 G=kr.codec._grid_consts(Fmt.E2M1),
+                                                 VALUES=values)
+    return (fast, gen, fv, gv) if values else (fast, gen)
+
+
+@triton.jit
+def _random_rows_kernel(pe_ptr, po_ptr, t_ptr, seed, lo, hi, K: tl.constexpr,
+                        KH: tl.constexpr, BV: tl.constexpr):
+    rows = tl.arange(0, BV)
+    re, ro = kr.codec._random_pairs(seed, rows, lo, hi, K, KH, BV)
+    j = tl.arange(0, KH)
+    tl.store(pe_ptr + rows[:, None] * KH + j[None, :], re.to(tl.int32, bitcast=True))
+    tl.store(po_ptr + rows[:, None] * KH + j[None, :], ro.to(tl.int32, bitcast=True))
+    kk = tl.arange(0, K)
+    r = kr.codec._random_tile(seed, rows, lo, hi, K, BV)
+    tl.store(t_ptr + rows[:, None] * K + kk[None, :], r.to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("K", [2, 4, 16, 128])
+def test_random_rows_match_reference(K):
+    """The casts' SR bits for whole rows (``_random_pairs``: even/odd column halves, one Philox
+    call per four elements; ``_random_tile``: the same as one tile; K = 2: the per-element
+    fallback) equal ``philox.random_bits_matrix`` (element e: word e & 3 of call e >> 2)."""
+    from replayssm_quant.philox import random_bits_matrix
+
+    seed, stream, BV = 0x1234_5678_9ABC, (9 << 32) | 5, 4
+    pe = _t(torch.zeros(BV, K // 2, dtype=torch.int32))
+    po, t = torch.zeros_like(pe), _t(torch.zeros(BV, K, dtype=torch.int32))
+    _random_rows_kernel[(1,)](pe, po, t, seed, stream & 0xFFFFFFFF, stream >> 32, K=K,
+                              KH=K // 2, BV=BV)
+    want = random_bits_matrix(seed, torch.tensor(stream), BV, K)
+    u32 = lambda x: x.cpu().long() & 0xFFFFFFFF  # noqa: E731
+    assert torch.equal(u32(t), want)
+    assert torch.equal(u32(pe), want[:, 0::2]) and torch.equal(u32(po), want[:, 1::2])
 
 
 def test_e2m1_rtn_code_matches_generic():
-    """The nvfp4 read cast's E2M1 RTN by midpoint comparisons (``_e2m1_rtn_code``) gives the
-    generic rounding's code for every finite float32 tried: 256 neighbours (in ulps) of each
-    midpoint and grid point, both signs, signed zeros, subnormals, saturating values and a
-    uniform sample; on CUDA also every float32 in [0, 8] (2^30 + 2^24 values), both signs.
-    The generic code itself is checked against ml_dtypes' E2M1 here too."""
+    """The nvfp4 read cast's E2M1 RTN (``_e2m1_rtn``: midpoint comparisons below 1, integer
+    rounding of the float32 bits from 1 up) gives the generic rounding's code and value (signed
+    zeros included) for every finite float32 tried: 256 neighbours (in ulps) of each midpoint
+    and grid point, both signs, subnormals, saturating values and a uniform sample; on CUDA
+    the codes also for every float32 in [0, 8] (2^30 + 2^24 values), both signs. The generic
+    code itself is checked against ml_dtypes' E2M1 here too."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     import numpy as np
 
@@ -614,8 +654,9 @@ def test_e2m1_rtn_code_matches_generic():
     y = torch.cat([y, torch.rand(20000, generator=torch.Generator().manual_seed(3)) * 8,
                    torch.tensor([1e-45, 1e-40, 1.2e-38, 100.0, 1e20, 3.4e38])])
     y = torch.cat([y, -y])
-    fast, gen = _e2m1_codes(_t(y))
+    fast, gen, fv, gv = _e2m1_codes(_t(y), values=True)
     assert torch.equal(fast.cpu(), gen.cpu())
+    assert torch.equal(_bits(fv.cpu()), _bits(gv.cpu()))
     want = torch.from_numpy(y.numpy().astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
                             .astype(np.int32))
     assert torch.equal(gen.cpu(), want)

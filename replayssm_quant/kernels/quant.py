@@ -166,8 +166,9 @@ def _random_bits(seed, elem, st_lo, st_hi):
     """32 Philox bits (uint32) per element index ``elem`` (any shape): word ``elem & 3`` of
     call ``elem >> 2`` (:func:`replayssm_quant.philox.random_bits`). One call per element; the
     tiles of whole rows use :func:`_random_pairs` / :func:`_random_tile` (one call per four)."""
-    r0, r1, r2, r3 = _random_words(seed, elem >> 2, st_lo, st_hi)
-    w = elem & 3
+    e = elem.to(tl.uint32)  # indices below 2^32 (int32 at or above 2^31 too)
+    r0, r1, r2, r3 = _random_words(seed, e >> 2, st_lo, st_hi)
+    w = e & 3
     return tl.where(w < 2, tl.where(w == 0, r0, r1), tl.where(w == 2, r2, r3))
 
 
@@ -341,6 +342,16 @@ def _e2m1_rtn_code(y):
     nrm = tl.minimum(((m + 0x1FFFFF + ((m >> 22) & 1)) >> 22) - 252, 7)
     n = tl.where(a < 1.0, sub, nrm)
     return n | ((b >> 28) & 8)
+
+
+@triton.jit
+def _e2m1_rtn(y, EMIN: tl.constexpr = F.E2M1.emin, MBITS: tl.constexpr = F.E2M1.mbits,
+              SUBQ: tl.constexpr = F.E2M1.min_subnormal):
+    """``_quant`` of finite float32 ``y`` onto the E2M1 grid with RTN through
+    :func:`_e2m1_rtn_code`: (value float32 with y's sign, zeros included; signed code)."""
+    code = _e2m1_rtn_code(y)
+    mag = _grid_value(code & 7, EMIN, MBITS, SUBQ)
+    return tl.where(code >= 8, -mag, mag), code
 
 
 @triton.jit

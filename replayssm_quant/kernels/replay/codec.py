@@ -27,7 +27,7 @@ from ... import formats as F
 from ...capabilities import replay_kernels_supported
 from ...formats import QuantSpec, parse_spec
 from ...packed import PackedTensor
-from ..quant import (_amax_scale, _block_scale, _e2m1_rtn_code, _e8m0_value, _finite_abs,
+from ..quant import (_amax_scale, _block_scale, _e2m1_rtn, _e8m0_value, _finite_abs,
                      _grid_consts, _grid_value, _nvfp4_global_up, _quant, _random_pairs,
                      _random_tile, _stream_words, scale_consts)
 
@@ -316,12 +316,8 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                 re = tl.reshape(re, [BV, NB, HB])
                 ro = tl.reshape(ro, [BV, NB, HB])
             if C.KIND == 3 and not C.SR:  # in the blocks kept (ok) ye, yo are finite
-                ce = _e2m1_rtn_code(ye)
-                co = _e2m1_rtn_code(yo)
-                ve = _grid_value(ce & 7, C.EMIN, C.MBITS, C.SUBQ)
-                vo = _grid_value(co & 7, C.EMIN, C.MBITS, C.SUBQ)
-                ve = tl.where(ce >= 8, -ve, ve)
-                vo = tl.where(co >= 8, -vo, vo)
+                ve, ce = _e2m1_rtn(ye)
+                vo, co = _e2m1_rtn(yo)
             else:
                 ve, ce = _quant(ye, re, C.SR, C)
                 vo, co = _quant(yo, ro, C.SR, C)

@@ -30,6 +30,11 @@ B = 1 call each; Triton's on-disk cache then serves the timing process). ``--bud
 tried in the order listed (most promising first) and the rest of a pair's are skipped (listed
 in the JSON) once its share is spent.
 
+``--split-casts`` times ``flush_kernel(split_casts=True)`` instead: the ``fp32`` flush writes
+S (the configurations are those of the ``fp32`` flush), then the quantizer kernels cast it
+(an experiment, docs/kernels-replay.md "Eighth pass"; a policy without a cast, ``fp32``, runs
+the fused flush as always; ``default_host_keys`` then only changes the fp32 flush's keys).
+
 Usage::
 
     python benchmarks/flush_tune.py --out benchmarks/results/flush_tune_h200.json
@@ -309,6 +314,10 @@ def main():
     ap.add_argument("--policies", default="fp32,nvfp4",
                     help="comma list of policies: fp32, nvfp4 (read:nvfp4/rec:fp16+sr) or "
                          "policy strings")
+    ap.add_argument("--split-casts", action="store_true",
+                    help="time flush_kernel(split_casts=True): the fp32 flush writes S, then "
+                         "the quantizer kernels cast it; the configurations are those of the "
+                         "fp32 flush; compiles in the timing loop (no --jobs)")
     ap.add_argument("--forms", default=None,
                     help="comma list of reconstruct forms to time besides the default "
                          f"(of {', '.join(FORMS)}; default: all; 'default': the default "
@@ -318,6 +327,8 @@ def main():
         ap.error(f"--models takes a comma list of gdn, mamba2, got {args.models!r}")
     if args.reps is not None and args.reps < 1:
         ap.error(f"--reps must be a positive int, got {args.reps}")
+    if args.split_casts and args.jobs:
+        ap.error(f"--split-casts compiles in the timing loop; drop --jobs {args.jobs}")
     if args.budget_s is not None and not args.budget_s > 0:
         ap.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     forms = (None if args.forms is None else [] if args.forms == "default"
@@ -366,12 +377,23 @@ def main():
     models = args.models.split(",")
     jobs = args.jobs if args.jobs is not None else (0 if args.tiny
                                                     else min(12, os.cpu_count() or 1))
+    if args.split_casts:  # the workers would compile the fused kernels; compile while timing
+        jobs = 0
+        out["split_casts"] = True
+        out["notes"].append("split_casts: flush_kernel(split_casts=True); each configuration "
+                            "is the fp32 flush's launch, then pack_triton casts S twice (the "
+                            "casts' keys from checkpoint_streams, so default_host_keys does not "
+                            "change them; a policy without a cast runs the fused flush)")
+
+    def amax_of(pname):  # the launch resolution: the fp32 flush's under --split-casts
+        return need_amax(pname) and not args.split_casts
+
     if jobs > 0:
         tasks = [(M.name, pname, cfg, args.tiny, False) for M in geometries(args.tiny)
                  if M.name in models for pname in args.policies.split(",")
-                 for cfg in candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms, M.L)]
+                 for cfg in candidates(M.V, args.tiny, amax_of(pname), M.gdn, forms, M.L)]
         tasks += [(M.name, pname,
-                   candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms, M.L)[0], args.tiny, True)
+                   candidates(M.V, args.tiny, amax_of(pname), M.gdn, forms, M.L)[0], args.tiny, True)
                   for M in geometries(args.tiny) if M.name in models
                   for pname in args.policies.split(",")]  # the reference check's S-writing form
         try:
@@ -384,6 +406,8 @@ def main():
         if M.name not in models:
             continue
         fk = flush_kw(M)
+        if args.split_casts:
+            fk["split_casts"] = True
         mres = out["models"][M.name] = {"geometry": M.as_dict(), "policies": {}}
         # the stream keys every flush call builds (checkpoints.checkpoint_streams: on the host,
         # a device-to-host copy of the sequence ids then a pinned copy back, or from 1024
@@ -401,7 +425,7 @@ def main():
             pres = mres["policies"][pname] = {"policy": policy_string(pname), "pool": n,
                                               "set_bytes": per, "configs": []}
             # nvfp4: a matrix scale
-            cands = candidates(M.V, args.tiny, need_amax(pname), M.gdn, forms, M.L)
+            cands = candidates(M.V, args.tiny, amax_of(pname), M.gdn, forms, M.L)
             default = cands[0]
             firsts = {}  # reconstruct form -> its first configuration
             for c in cands:

@@ -58,3 +58,29 @@ def test_flush_tune_forms_filter():
     assert flush_tune.candidates(128, False, False, False)[0] == ("loop", 32, 4, "dot")
     full = flush_tune.candidates(128, False, False, True)
     assert set(flush_tune.FORMS) == {c[3] for c in full}
+
+
+@pytest.mark.slow  # about 40 s under the interpreter
+def test_flush_tune_split_casts_tiny(tmp_path):
+    """``--split-casts``: the default configuration of the fp32 flush, then the quantizer
+    kernels' casts; its reference check and the host-keys bytes hold, and the JSON says so."""
+    out = tmp_path / "ft.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "benchmarks/flush_tune.py", "--tiny", "--models",
+                        "mamba2", "--policies", "nvfp4", "--forms", "default",
+                        "--split-casts", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    pol = r["models"]["mamba2"]["policies"]["nvfp4"]
+    assert r["split_casts"] is True and len(pol["configs"]) == 1 and pol["configs"][0]["passed"]
+    checks = [v for k, v in pol.items() if k.startswith("reference_check")]
+    assert len(checks) == 1 and checks[0]["passed"], checks
+
+
+def test_flush_tune_split_casts_refuses_jobs():
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "benchmarks/flush_tune.py", "--tiny", "--split-casts",
+                        "--jobs", "3", "--out", "/tmp/unused.json"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--split-casts" in p.stderr and "--jobs 3" in p.stderr

@@ -117,7 +117,8 @@ def check_against_reference(x: torch.Tensor, spec: str, stream, seed: int = SEED
 
 # (leading dims, M, K): K = 40 and 20 leave tail blocks for MX (32) and NVFP4 (16); K = 64
 # divides both; the last shape spans several loop tiles of every kernel.
-SHAPES = [((2,), 3, 40), ((1,), 2, 20), ((2, 1), 2, 64)]
+SHAPES = [((2,), 3, 40), ((1,), 2, 20), ((2, 1), 2, 64),
+          ((3,), 3, 7)]  # M K = 21: four consecutive elements can span two matrices (no ALIGNED4)
 BIG_SHAPE = ((2,), 24, 100)
 
 

@@ -192,6 +192,52 @@ def test_gdn_flush(fold):
     _same_copies(res.checkpoints, core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS))
 
 
+@pytest.mark.parametrize("model", ["gdn", "mamba2"])
+@pytest.mark.parametrize("policy", ["read:nvfp4/rec:fp16+sr", "shared:fp8e4m3+sr",
+                                    "read:mxfp4+sr/rec:fp32", "fp32"])
+def test_flush_split_casts_same_bytes(model, policy):
+    """``split_casts=True`` (the fp32 flush, then the quantizer kernels cast its S) gives the
+    fused flush's S, corrections, flush-token output and stored copies bit for bit, under the
+    same launch (so the same S); and the reference casts of that S."""
+    gen = _gen(11)
+    A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
+    la, v, k, beta = _records(gen, gdn=True)
+    q = _t(torch.randn(B, G, K, generator=gen))
+    length = _t(torch.tensor([L, 2]))
+    pol = StatePolicy.parse(policy)
+    launch = dict(variant="grid", block_v=16, num_warps=4, reconstruct="dot")
+    outs = []
+    for split in (False, True):
+        if model == "gdn":
+            outs.append(kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, q=q, **launch,
+                                            split_casts=split, **STREAMS))
+        else:
+            outs.append(kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **launch,
+                                               split_casts=split, **STREAMS))
+    (fused, yf), (split, ys) = outs
+    assert torch.equal(_bits(split.state), _bits(fused.state))
+    assert torch.equal(_bits(ys), _bits(yf)) and torch.equal(_bits(split.w), _bits(fused.w))
+    _same_copies(split.checkpoints, fused.checkpoints)
+    _same_copies(split.checkpoints, core.cast_checkpoints(split.state, pol, store=True,
+                                                          **STREAMS))
+    if pol.single_checkpoint and pol.rec.is_identity:
+        return
+    # the serving call: a packed anchor, no S, no dequantisation, one flush index for all
+    A_st = _stored(A, "fp8e4m3", stream=_t(torch.arange(B * H).view(B, H)))
+    kw = dict(STREAMS, flush_index=3)
+    got = []
+    for split in (False, True):
+        if model == "gdn":
+            r, _ = kr.gdn_flush_kernel(A_st, la, beta, v, k, length, pol, store_state=False,
+                                       dequantize=False, split_casts=split, **launch, **kw)
+        else:
+            r, _ = kr.mamba2_flush_kernel(A_st, la, v, k, length, pol, store_state=False,
+                                          dequantize=False, split_casts=split, **launch, **kw)
+        assert r.state is None and r.checkpoints.anchor is None
+        got.append(r)
+    _same_stored(got[1].checkpoints, got[0].checkpoints)
+
+
 # (variant, block_v, num_warps, reconstruct); V = 40: 3, 2 tiles, 1 tile; both record folds;
 # "form+inverse": the dot forms with GDN's correction solve by the inverse (solve_form)
 FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8, "dot"),

@@ -165,7 +165,8 @@ def _random_words(seed, call, st_lo, st_hi):
 def _random_bits(seed, elem, st_lo, st_hi):
     """32 Philox bits (uint32) per element index ``elem`` (any shape): word ``elem & 3`` of
     call ``elem >> 2`` (:func:`replayssm_quant.philox.random_bits`). One call per element; the
-    tiles of whole rows use :func:`_random_pairs` / :func:`_random_tile` (one call per four)."""
+    tiles of whole rows (:func:`_random_pairs` / :func:`_random_tile`) and the unscaled kernel's
+    aligned tiles (``ALIGNED4``) draw one call per four elements."""
     e = elem.to(tl.uint32)  # indices below 2^32 (int32 at or above 2^31 too)
     r0, r1, r2, r3 = _random_words(seed, e >> 2, st_lo, st_hi)
     w = e & 3
@@ -495,12 +496,19 @@ def _block_scale(bamax, bad, s_g, NV: tl.constexpr, EMAX: tl.constexpr,
 @triton.jit
 def _unscaled_kernel(x_ptr, out_ptr, stream_ptr, seed, N, MK,
                      BLOCK: tl.constexpr, SR: tl.constexpr, PACK: tl.constexpr,
-                     GRID: tl.constexpr):
+                     GRID: tl.constexpr, ALIGNED4: tl.constexpr = False):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if SR:
+    if SR and ALIGNED4:  # MK % 4 == 0: the four elements of a Philox call share a matrix
+        e0 = (pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)) * 4
+        mat = e0 // MK
+        st = tl.load(stream_ptr + mat, mask=e0 < N, other=0)
+        lo, hi = _stream_words(st)
+        r0, r1, r2, r3 = _random_words(seed, (e0 - mat * MK) >> 2, lo, hi)
+        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])  # 4g + w: word w
+    elif SR:
         mat = offs // MK
         st = tl.load(stream_ptr + mat, mask=mask, other=0)
         lo, hi = _stream_words(st)
@@ -705,7 +713,8 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
         out = torch.empty(x.shape, dtype=torch.int16 if pack else torch.float32, device=dev)
         if n:
             _unscaled_kernel[(triton.cdiv(n, _TILE),)](
-                xf, out, st, seed, n, m * k, BLOCK=_TILE, SR=spec.sr, PACK=pack, GRID=gc)
+                xf, out, st, seed, n, m * k, BLOCK=_TILE, SR=spec.sr, PACK=pack, GRID=gc,
+                ALIGNED4=(m * k) % 4 == 0 and _TILE % 4 == 0)
         return out, None, None
     if info.scaling == "matrix":
         if pack:

@@ -50,7 +50,8 @@ import triton.language as tl
 
 from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
 from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
-from ...policy import require_policy
+from ...policy import StatePolicy, require_policy
+from ..quant import pack_triton
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _cast_store_full, _check_f32, _check_index, _check_records, _load_full,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
@@ -441,7 +442,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  flush_index, q=None, store_state: bool = True, block_v: int | None = None,
                  num_warps: int | None = None, variant: str | None = None,
                  beta=None, dequantize: bool = True, keys_in_kernel: bool | None = None,
-                 reconstruct: str | None = None, solve_form: str | None = None):
+                 reconstruct: str | None = None, solve_form: str | None = None,
+                 split_casts: bool = False):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -487,12 +489,32 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     (``flush_tune_h200.json``) and up to 0.5 ms less per B = 256 flush than the device-built
     keys. ``False`` takes the keys of :func:`checkpoint_streams`.
 
+    ``split_casts`` (an experiment, off by default; untimed as of 2026-12-02): the flush of the
+    ``fp32`` policy writes S (its launch: the ``fp32`` default of :func:`flush_config`, or the
+    options given), then the quantizer kernels cast it, ``A <- pack(S, rec)`` and ``R <-
+    pack(S, read)``, with the same stream keys (:func:`checkpoint_streams`), so the same bytes
+    as the fused casts of that S. Each launch then holds fewer registers than the fused one
+    (GDN nvfp4: 255 and a stack), at the cost of a float32 S in memory and one more pass over
+    it per cast, and the stream keys built by :func:`checkpoint_streams` (``keys_in_kernel``
+    then only concerns the fp32 flush, which draws no bits). With an fp32 copy and
+    ``store_state``, ``FlushResult.state`` is that copy's tensor (as in the torch reference).
+    Measured parts on the H200 at GDN's B = 256 (docs/kernels-replay.md, "Eighth pass"): the
+    ``fp32`` flush 1.17 ms, ``pack`` nvfp4 0.42 ms and fp16+sr 0.67 ms, against 2.88 ms for the
+    fused ``read:nvfp4/rec:fp16+sr`` flush.
+
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
     policy = require_policy(policy)  # parsed at the edges
     B, H, V, K = (int(x) for x in anchor.shape)
     two = not policy.single_checkpoint
+    if split_casts and not (policy.rec.is_identity and (not two or policy.read.is_identity)):
+        return _split_flush(anchor, la, w, k, length, policy, seed=seed, layer=layer,
+                            sequence_ids=sequence_ids, flush_index=flush_index, q=q,
+                            store_state=store_state, block_v=block_v, num_warps=num_warps,
+                            variant=variant, beta=beta, dequantize=dequantize,
+                            keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
+                            solve_form=solve_form)
     need_amax = flush_needs_amax(policy)
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
@@ -587,19 +609,53 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     return res, (y if q is not None else None)
 
 
+_FP32_POLICY = StatePolicy.parse("fp32")
+
+
+def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
+                 q, store_state, dequantize, **launch):
+    """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S by
+    :func:`~replayssm_quant.kernels.quant.pack_triton` (stream keys of
+    :func:`checkpoint_streams`: copy 0 for A, 1 for R)."""
+    H = int(anchor.shape[1])
+    res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
+                          sequence_ids=sequence_ids, flush_index=flush_index, q=q,
+                          store_state=False, dequantize=False, **launch)
+    S = res.checkpoints.anchor_stored
+    sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
+                                flush_index=flush_index)
+
+    def cast(spec, keys):
+        return S if spec.is_identity else pack_triton(S, spec, seed=int(seed), stream=keys)
+
+    a_st = cast(policy.rec, sa)
+    r_st = a_st if policy.single_checkpoint else cast(policy.read, sr)
+
+    def deq(st):
+        if not dequantize:
+            return None
+        return st if isinstance(st, torch.Tensor) else st.dequantize()
+
+    a_val = deq(a_st)
+    r_val = a_val if policy.single_checkpoint else deq(r_st)
+    cps = Checkpoints(a_val, r_val, a_st, r_st)
+    return FlushResult(S if store_state else None, cps, res.w), y
+
+
 def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequence_ids,
                         flush_index, q=None, store_state: bool = True,
                         block_v: int | None = None, num_warps: int | None = None,
                         variant: str | None = None, dequantize: bool = True,
                         keys_in_kernel: bool | None = None, reconstruct: str | None = None,
-                        solve_form: str | None = None):
+                        solve_form: str | None = None, split_casts: bool = False):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
                         sequence_ids=sequence_ids, flush_index=flush_index, q=q,
                         store_state=store_state, block_v=block_v, num_warps=num_warps,
                         variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel,
-                        reconstruct=reconstruct, solve_form=solve_form)
+                        reconstruct=reconstruct, solve_form=solve_form,
+                        split_casts=split_casts)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
@@ -607,7 +663,8 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      store_state: bool = True, block_v: int | None = None,
                      num_warps: int | None = None, variant: str | None = None,
                      dequantize: bool = True, keys_in_kernel: bool | None = None,
-                     reconstruct: str | None = None, solve_form: str | None = None):
+                     reconstruct: str | None = None, solve_form: str | None = None,
+                     split_casts: bool = False):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one FP32 dot, then forward substitution over the record slots, or one
@@ -618,7 +675,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
               dequantize=dequantize, keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
-              solve_form=solve_form)
+              solve_form=solve_form, split_casts=split_casts)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")

@@ -596,17 +596,21 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         u.zero_()  # J == 0
     a_st = _as_stored(policy.rec, shape, bufa)
     r_st = _as_stored(policy.read, shape, bufr) if two else a_st
+    cps = _checkpoints(a_st, r_st, two, dequantize)
+    res = FlushResult(S if store_state else None, cps, u if solve else w)
+    return res, (y if q is not None else None)
 
+
+def _checkpoints(a_st, r_st, two: bool, dequantize: bool) -> Checkpoints:
+    """The new stored copies and, with ``dequantize``, their torch dequantised values (the
+    float32 tensor itself for an fp32 copy; one copy for a single-checkpoint policy)."""
     def deq(st):
         if not dequantize:
             return None
         return st if isinstance(st, torch.Tensor) else st.dequantize()
 
     a_val = deq(a_st)
-    r_val = deq(r_st) if two else a_val
-    cps = Checkpoints(a_val, r_val, a_st, r_st)
-    res = FlushResult(S if store_state else None, cps, u if solve else w)
-    return res, (y if q is not None else None)
+    return Checkpoints(a_val, deq(r_st) if two else a_val, a_st, r_st)
 
 
 _FP32_POLICY = StatePolicy.parse("fp32")
@@ -628,17 +632,10 @@ def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids,
     def cast(spec, keys):
         return S if spec.is_identity else pack_triton(S, spec, seed=int(seed), stream=keys)
 
+    two = not policy.single_checkpoint
     a_st = cast(policy.rec, sa)
-    r_st = a_st if policy.single_checkpoint else cast(policy.read, sr)
-
-    def deq(st):
-        if not dequantize:
-            return None
-        return st if isinstance(st, torch.Tensor) else st.dequantize()
-
-    a_val = deq(a_st)
-    r_val = a_val if policy.single_checkpoint else deq(r_st)
-    cps = Checkpoints(a_val, r_val, a_st, r_st)
+    r_st = cast(policy.read, sr) if two else a_st
+    cps = _checkpoints(a_st, r_st, two, dequantize)
     return FlushResult(S if store_state else None, cps, res.w), y
 
 

@@ -248,6 +248,22 @@ def test_result_does_not_depend_on_batch(fmt):
         assert_bitwise(got[1, 1], full[1, 1], f"{spec} row 1 of matrix 1")
 
 
+@pytest.mark.parametrize("M,K", [(3, 40), (3, 7)], ids=["aligned4", "unaligned"])
+def test_unscaled_sr_does_not_depend_on_batch(M, K):
+    """The unscaled kernel's SR draws (one Philox call per four elements where M K % 4 == 0,
+    per element otherwise) are the same for a matrix alone, in a batch, and at another batch
+    position (the batch reversed with its stream keys)."""
+    spec = _spec("fp16", "sr")
+    x = _random(((5,), M, K), seed=13).to(DEVICE)
+    st = _streams((5,)).to(DEVICE)
+    full = kq.quantize_triton(x, spec, seed=SEED, stream=st)
+    rev = kq.quantize_triton(x.flip(0), spec, seed=SEED, stream=st.flip(0)).flip(0)
+    assert_bitwise(rev, full, f"{spec} M={M} K={K} reversed batch")
+    for i in (0, 3):
+        alone = kq.quantize_triton(x[i : i + 1], spec, seed=SEED, stream=st[i : i + 1])
+        assert_bitwise(alone[0], full[i], f"{spec} M={M} K={K} matrix {i} alone")
+
+
 def test_stream_broadcast_and_errors():
     x = _random(((2, 3), 2, 40), seed=3)
     st = torch.tensor([[5], [2**40 + 9]])  # [2, 1] -> [2, 3]

@@ -793,7 +793,11 @@ def main(argv=None):
                         "stored A and R out (dequantize=False), the flush token's S q, S not "
                         "written; GDN's correction solve is fused into the flush kernel; the "
                         "SR stream keys are packed inside the flush kernel (keys_in_kernel, the "
-                        "default since 2026-12-01; before: checkpoint_streams, in the timing)",
+                        "default since 2026-12-01; before: checkpoint_streams, in the timing); "
+                        "since 2026-12-02 (ninth pass) the flush of a policy with a "
+                        "matrix-scaled copy (nvfp4) takes the default split_casts: the fp32 "
+                        "flush writes S, then the quantizer kernels cast it, with the stream "
+                        "keys of checkpoint_streams (built in the timing)",
                         "verify_T8_vs_step: worst start h over the mean FP32 non-flush step",
                         "verify timings include, for GDN, the clone/mask of the correction "
                         "buffer (the wrappers no longer synchronise with the host)",

@@ -188,9 +188,12 @@ def set_bytes(st):
     return sum(nbytes(t) for t in st.values())
 
 
-def flush_kw(M):
+def flush_kw(M, split_casts=False):
+    """Stream and launch keywords of a timed flush; ``split_casts`` explicit (the kernel's
+    default splits the casts of matrix-scaled policies, which would change what is tuned)."""
     return dict(seed=SEED, layer=0, sequence_ids=torch.arange(M.B, device=DEV) * 3 + 1,
-                flush_index=torch.ones(M.B, dtype=torch.int64, device=DEV))
+                flush_index=torch.ones(M.B, dtype=torch.int64, device=DEV),
+                split_casts=split_casts)
 
 
 def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,
@@ -405,9 +408,7 @@ def main():
     for M in geometries(args.tiny):
         if M.name not in models:
             continue
-        fk = flush_kw(M)
-        if args.split_casts:
-            fk["split_casts"] = True
+        fk = flush_kw(M, split_casts=bool(args.split_casts))
         mres = out["models"][M.name] = {"geometry": M.as_dict(), "policies": {}}
         # the stream keys every flush call builds (checkpoints.checkpoint_streams: on the host,
         # a device-to-host copy of the sequence ids then a pinned copy back, or from 1024

@@ -314,7 +314,7 @@ def timing_tasks(M, gen, small=False):
         for pol in [p for f in READ_FORMATS for p in FLUSH_POLICIES[f]]:
             tasks.append((f"flush|{pol}|bv{bv}|w{nw}", lambda pol=pol, bv=bv, nw=nw: kr.flush_kernel(
                 A, la_, u, k_, length, pol, q=q, store_state=False, block_v=bv, num_warps=nw,
-                **kw)))
+                split_casts=False, **kw)))
     return tasks
 
 

@@ -238,6 +238,32 @@ def test_flush_split_casts_same_bytes(model, policy):
     _same_stored(got[1].checkpoints, got[0].checkpoints)
 
 
+def test_split_keys_match_checkpoint_streams():
+    """The split flush's one-launch stream keys (``flush._split_keys``) equal
+    :func:`checkpoint_streams`' (host and device builds) at the edges of every field, with a
+    flush index per sequence and one for all; the default splits the casts of matrix-scaled
+    copies only (``flush_splits_casts``)."""
+    from replayssm_quant.checkpoints import checkpoint_streams
+    from replayssm_quant.kernels.replay.flush import _split_keys, flush_splits_casts
+
+    ids = _t(torch.tensor([(1 << 20) - 1, 0, 5]))
+    for fi in (_t(torch.tensor([(1 << 24) - 1, 0, 9])), 7):
+        for layer, heads in ((255, 1024), (0, 3)):
+            got = _split_keys(layer, ids, fi, 3, heads, ids.device)
+            for on_device in (False, True):
+                want = checkpoint_streams(layer=layer, sequence_ids=ids, heads=heads,
+                                          flush_index=fi, on_device=on_device)
+                assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="layer"):
+        _split_keys(256, ids, 7, 3, 4, ids.device)
+    split = {p: flush_splits_casts(StatePolicy.parse(p)) for p in (
+        "fp32", "shared:fp16+sr", "read:mxfp4+sr/rec:fp32", "read:nvfp4/rec:fp16+sr",
+        "shared:nvfp4", "read:fp8e4m3/rec:fp32")}
+    assert split == {"fp32": False, "shared:fp16+sr": False, "read:mxfp4+sr/rec:fp32": False,
+                     "read:nvfp4/rec:fp16+sr": True, "shared:nvfp4": True,
+                     "read:fp8e4m3/rec:fp32": True}  # fp8 copies carry a matrix scale
+
+
 # (variant, block_v, num_warps, reconstruct); V = 40: 3, 2 tiles, 1 tile; both record folds;
 # "form+inverse": the dot forms with GDN's correction solve by the inverse (solve_form)
 FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8, "dot"),
@@ -302,7 +328,8 @@ def test_flush_configs(policy, model, exact):
     else:
         ref = mamba2_flush(A, la, v, k, pol, length=length, store=True, **STREAMS)
 
-    def run(**kw):
+    def run(**kw):  # the fused casts (the default splits those of matrix-scaled copies)
+        kw.setdefault("split_casts", False)
         if model == "gdn":
             return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, q=q, **kw, **STREAMS)
         return kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **kw, **STREAMS)
@@ -365,21 +392,25 @@ def test_flush_default_wide_gdn():
     ref = gdn_flush(A, la, beta, v, k, pol, length=length, fold=GDNFold.RECOMPUTE, store=True,
                     **STREAMS)
     runs = [kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw, **STREAMS)[0]
-            for kw in ({}, dict(variant="grid", block_v=128, num_warps=8, reconstruct="dot",
-                                solve_form="inverse"), dict(reconstruct="rank1"))]
+            for kw in ({}, dict(split_casts=False),
+                       dict(variant="grid", block_v=128, num_warps=8, reconstruct="dot",
+                            solve_form="inverse", split_casts=False),
+                       dict(reconstruct="rank1", split_casts=False))]
     for res in runs:
         assert torch.equal(_bits(res.state), _bits(ref.state))
         assert torch.equal(res.w, ref.w)
         _same_copies(res.checkpoints, ref.checkpoints)
 
 
-@pytest.mark.parametrize("form", ["dot", "rank1", "tf32x3", "dot+inverse"])
+@pytest.mark.parametrize("form,split", [("dot", False), ("rank1", False), ("tf32x3", False),
+                                        ("dot+inverse", False), ("dot+inverse", True)])
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])
-def test_flush_forms_batch_invariant(model, form):
+def test_flush_forms_batch_invariant(model, form, split):
     """Every ``reconstruct`` form gives each sequence the same bits alone, in the batch and at
     the other batch position (reversed batch): S, the flush token's output, the anchor and
     read copy (an SR dual policy: the in-kernel stream keys follow the sequence id, not the
-    position), GDN's corrections. Two row tiles (V = 40, block_v 32), lengths L and 3."""
+    position), GDN's corrections. Two row tiles (V = 40, block_v 32), lengths L and 3. The
+    fused casts, and once the split ones (``split_casts``: keys by ``_split_keys``)."""
     gen = _gen(14)
     pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr")
     A, la, k, v, beta, q = _config_inputs(gen, False, 40)
@@ -389,7 +420,7 @@ def test_flush_forms_batch_invariant(model, form):
     def run(rows):
         r = torch.tensor(rows)
         kw = dict(seed=SEED, layer=3, sequence_ids=ids[r], flush_index=fi[r], q=q[r],
-                  block_v=32, **_form(form))
+                  block_v=32, split_casts=split, **_form(form))
         if model == "gdn":
             res, y = kr.gdn_flush_kernel(A[r], la[r], beta[r], v[r], k[r], length[r], pol, **kw)
         else:
@@ -983,14 +1014,18 @@ def test_flush_keys_in_kernel_extreme_fields(model):
             return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, q=q, **kw)
         return kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **kw)
 
-    host, _ = run(keys_in_kernel=False, **streams)
-    kern, _ = run(**streams)  # the default: keys packed in the kernel
+    host, _ = run(keys_in_kernel=False, split_casts=False, **streams)
+    kern, _ = run(split_casts=False, **streams)  # keys packed in the fused kernel
     _same_stored(kern.checkpoints, host.checkpoints)
+    split, _ = run(**streams)  # the default for this policy: split casts, _split_keys
+    _same_stored(split.checkpoints, host.checkpoints)
     with pytest.raises(ValueError, match="layer"):
         run(keys_in_kernel=True, **dict(streams, layer=256))
     for field, bad in (("sequence_ids", [1 << 20, 0]), ("flush_index", [-1, 7])):
-        with pytest.raises(RuntimeError):  # the device-side range check (CPU: at once)
-            run(keys_in_kernel=True, **dict(streams, **{field: torch.tensor(bad, device=DEVICE)}))
+        for split in (False, True):
+            with pytest.raises(RuntimeError):  # the device-side range check (CPU: at once)
+                run(keys_in_kernel=True, split_casts=split,
+                    **dict(streams, **{field: torch.tensor(bad, device=DEVICE)}))
 
 
 def _decode_run(family, policy, rows, backend, gen_seed=41):

@@ -349,10 +349,13 @@ def _e2m1_rtn_code(y):
 def _e2m1_rtn(y, EMIN: tl.constexpr = F.E2M1.emin, MBITS: tl.constexpr = F.E2M1.mbits,
               SUBQ: tl.constexpr = F.E2M1.min_subnormal):
     """``_quant`` of finite float32 ``y`` onto the E2M1 grid with RTN through
-    :func:`_e2m1_rtn_code`: (value float32 with y's sign, zeros included; signed code)."""
+    :func:`_e2m1_rtn_code`: (value float32 with y's sign, zeros included; signed code). The
+    sign is set in the bits, as ``_round`` does: Triton 3.6 lowers a float ``-x`` as
+    ``0 - x``, which turns -0 into +0 on CUDA (the interpreter keeps -0)."""
     code = _e2m1_rtn_code(y)
     mag = _grid_value(code & 7, EMIN, MBITS, SUBQ)
-    return tl.where(code >= 8, -mag, mag), code
+    vbits = mag.to(tl.int32, bitcast=True) | ((code & 8) << 28)
+    return vbits.to(tl.float32, bitcast=True), code
 
 
 @triton.jit

@@ -125,6 +125,15 @@ def flush_needs_amax(policy) -> bool:
     return any(_kind(sp) in (_K_MATRIX, _K_NVFP4) for sp in specs)
 
 
+def flush_splits_casts(policy) -> bool:
+    """Whether :func:`flush_kernel` by default splits its casts from the reconstruction
+    (``split_casts``): for policies with a matrix-scaled copy (:func:`flush_needs_amax`), whose
+    fused flush needs the whole matrix in one tile (8 warps, up to 255 registers). Measured on
+    the H200 for nvfp4 read copies (docs/kernels-replay.md, "Ninth pass"); an fp8 copy with a
+    matrix scale takes the same rule, untimed."""
+    return flush_needs_amax(policy)
+
+
 def flush_launch(V: int, need_amax: bool, gdn: bool, slots: int, *, variant=None,
                  block_v=None, num_warps=None, reconstruct=None,
                  solve_form=None) -> tuple[str, int, int, str, str]:
@@ -443,7 +452,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  num_warps: int | None = None, variant: str | None = None,
                  beta=None, dequantize: bool = True, keys_in_kernel: bool | None = None,
                  reconstruct: str | None = None, solve_form: str | None = None,
-                 split_casts: bool = False):
+                 split_casts: bool | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -489,18 +498,24 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     (``flush_tune_h200.json``) and up to 0.5 ms less per B = 256 flush than the device-built
     keys. ``False`` takes the keys of :func:`checkpoint_streams`.
 
-    ``split_casts`` (an experiment, off by default; untimed as of 2026-12-02): the flush of the
-    ``fp32`` policy writes S (its launch: the ``fp32`` default of :func:`flush_config`, or the
-    options given), then the quantizer kernels cast it, ``A <- pack(S, rec)`` and ``R <-
-    pack(S, read)``, with the same stream keys (:func:`checkpoint_streams`), so the same bytes
-    as the fused casts of that S. Each launch then holds fewer registers than the fused one
-    (GDN nvfp4: 255 and a stack), at the cost of a float32 S in memory and one more pass over
-    it per cast, and the stream keys built by :func:`checkpoint_streams` (``keys_in_kernel``
-    then only concerns the fp32 flush, which draws no bits). With an fp32 copy and
-    ``store_state``, ``FlushResult.state`` is that copy's tensor (as in the torch reference).
-    Measured parts on the H200 at GDN's B = 256 (docs/kernels-replay.md, "Eighth pass"): the
-    ``fp32`` flush 1.17 ms, ``pack`` nvfp4 0.42 ms and fp16+sr 0.67 ms, against 2.88 ms for the
-    fused ``read:nvfp4/rec:fp16+sr`` flush.
+    ``split_casts`` (default: :func:`flush_splits_casts`, True for policies with a
+    matrix-scaled copy): the flush of the ``fp32`` policy writes S (its launch: the ``fp32``
+    default of :func:`flush_config`, or the options given, which then apply to that flush),
+    then the quantizer kernels cast it, ``A <- pack(S, rec)`` and ``R <- pack(S, read)``,
+    with the same stream keys (:func:`checkpoint_streams`), so the same bytes as the fused
+    casts of that S. Each launch then holds fewer registers than the fused one (GDN nvfp4:
+    255 and a stack), at the cost of a float32 S in memory (B H V K x 4 bytes, 0.5 GiB at
+    GDN's B = 256) and one more pass over it per cast (``keys_in_kernel`` is ignored: the
+    split's fp32 flush range-checks the per-sequence fields on the device, and
+    :func:`_split_keys` builds the casts' keys in one launch). With an fp32 copy and
+    ``store_state``, ``FlushResult.state`` is that copy's tensor (as in the torch
+    reference). ``False`` forces the fused flush (what ``flush_tune.py`` tunes without
+    ``--split-casts``).
+    On the H200 at B = 256 (``flush_split_h200.json`` against ``flush_policies_h200.json``,
+    docs/kernels-replay.md "Ninth pass"), split against fused, GDN / Mamba-2:
+    ``read:nvfp4/rec:fp16+sr`` 2085 / 2756 against 2879 / 3041 us, ``read:nvfp4/rec:fp16``
+    1853 / 2336 against 2514 / 2720 us, but ``shared:fp16+sr`` 1634 / 1977 against 1556 /
+    1470 us, hence the default.
 
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
@@ -508,6 +523,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     policy = require_policy(policy)  # parsed at the edges
     B, H, V, K = (int(x) for x in anchor.shape)
     two = not policy.single_checkpoint
+    if split_casts is None:
+        split_casts = flush_splits_casts(policy)
     if split_casts and not (policy.rec.is_identity and (not two or policy.read.is_identity)):
         return _split_flush(anchor, la, w, k, length, policy, seed=seed, layer=layer,
                             sequence_ids=sequence_ids, flush_index=flush_index, q=q,
@@ -616,18 +633,54 @@ def _checkpoints(a_st, r_st, two: bool, dequantize: bool) -> Checkpoints:
 _FP32_POLICY = StatePolicy.parse("fp32")
 
 
+@triton.jit
+def _split_keys_kernel(seq_ptr, fl_ptr, ka_ptr, kr_ptr, kbits, n, H, BLOCK: tl.constexpr,
+                       SH_HEAD: tl.constexpr, SH_SEQ: tl.constexpr, SH_FLUSH: tl.constexpr):
+    """Stream keys of the two casts of a split flush, ``[B * H]`` each: the keys
+    :func:`checkpoint_streams` builds (the packing of ``_flush_kernel``'s ``KEYS_IN``), in one
+    launch (the device build takes about 25; the host build a device-to-host copy, which a
+    CUDA graph cannot capture)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    b = i // H
+    h = i - b * H
+    kb = (tl.load(fl_ptr + b, mask=m, other=0).to(tl.int64) << SH_FLUSH) | \
+        (tl.load(seq_ptr + b, mask=m, other=0).to(tl.int64) << SH_SEQ) | (h << SH_HEAD) | kbits
+    tl.store(ka_ptr + i, kb, mask=m)  # copy bit 0: the anchor
+    tl.store(kr_ptr + i, kb | 1, mask=m)  # copy bit 1: the read copy
+
+
+def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
+    """``(anchor keys, read keys)`` int64 ``[B, H]`` of :func:`checkpoint_streams` by
+    :func:`_split_keys_kernel`. The per-sequence fields must already be range-checked (the
+    split flush's fp32 flush checks them on the device, ``keys_in_kernel``)."""
+    stream_key(layer=layer, head=H - 1)  # host range check of the host fields
+    sh = STREAM_SHIFTS
+    sa = sequence_ids.to(device=dev, dtype=torch.int64).reshape(-1).contiguous()
+    sr = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)
+    sr = sr.expand(B).contiguous() if sr.numel() == 1 else sr.contiguous()
+    ka = torch.empty(B, H, dtype=torch.int64, device=dev)
+    kr = torch.empty_like(ka)
+    n, block = B * H, 1024
+    if n:
+        _split_keys_kernel[(triton.cdiv(n, block),)](
+            sa, sr, ka, kr, int(layer) << sh["layer"], n, H, BLOCK=block, SH_HEAD=sh["head"],
+            SH_SEQ=sh["sequence"], SH_FLUSH=sh["flush"])
+    return ka, kr
+
+
 def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
                  q, store_state, dequantize, **launch):
     """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S by
     :func:`~replayssm_quant.kernels.quant.pack_triton` (stream keys of
-    :func:`checkpoint_streams`: copy 0 for A, 1 for R)."""
-    H = int(anchor.shape[1])
+    :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by :func:`_split_keys`)."""
+    B, H = int(anchor.shape[0]), int(anchor.shape[1])
+    launch["keys_in_kernel"] = True  # the fp32 flush then range-checks the per-sequence fields
     res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
                           sequence_ids=sequence_ids, flush_index=flush_index, q=q,
                           store_state=False, dequantize=False, **launch)
     S = res.checkpoints.anchor_stored
-    sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
-                                flush_index=flush_index)
+    sa, sr = _split_keys(layer, sequence_ids, flush_index, B, H, S.device)
 
     def cast(spec, keys):
         return S if spec.is_identity else pack_triton(S, spec, seed=int(seed), stream=keys)
@@ -644,7 +697,7 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         block_v: int | None = None, num_warps: int | None = None,
                         variant: str | None = None, dequantize: bool = True,
                         keys_in_kernel: bool | None = None, reconstruct: str | None = None,
-                        solve_form: str | None = None, split_casts: bool = False):
+                        solve_form: str | None = None, split_casts: bool | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
@@ -661,7 +714,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      num_warps: int | None = None, variant: str | None = None,
                      dequantize: bool = True, keys_in_kernel: bool | None = None,
                      reconstruct: str | None = None, solve_form: str | None = None,
-                     split_casts: bool = False):
+                     split_casts: bool | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one FP32 dot, then forward substitution over the record slots, or one

@@ -44,6 +44,7 @@ DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 if DEVICE == "cpu" and not INTERPRET:
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
+import replayssm_quant.kernels.quant as kq  # noqa: E402
 import replayssm_quant.kernels.replay as kr  # noqa: E402
 
 if INTERPRET and type(kr.flush._flush_kernel).__name__ != "InterpretedFunction":
@@ -744,6 +745,81 @@ def test_e2m1_rtn_code_matches_generic():
             for sign in (0, -(2**31)):
                 fast, gen = _e2m1_codes((b | sign).view(torch.float32))
                 assert torch.equal(fast, gen), f"block {lo:#x} sign {sign}"
+
+
+@triton.jit
+def _sr16_codes_kernel(y_ptr, r_ptr, fast_ptr, gen_ptr, fv_ptr, gv_ptr, N,
+                       BLOCK: tl.constexpr, G: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    y = tl.load(y_ptr + i, mask=m, other=0.0)
+    r = tl.load(r_ptr + i, mask=m, other=0).to(tl.uint32, bitcast=True)
+    fval, fcode = kr.codec._quant(y, r, True, G)  # fp16 / bf16: the fast SR codes
+    gcode = kq._grid_code(y.to(tl.int32, bitcast=True), r, True, G.EMIN, G.MBITS, G.MAXCODE)
+    gval = kq._grid_value(gcode, G.EMIN, G.MBITS, G.SUBQ)
+    tl.store(fast_ptr + i, fcode, mask=m)
+    tl.store(gen_ptr + i, gcode, mask=m)
+    tl.store(fv_ptr + i, fval, mask=m)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # y's sign (not -x: 0 - x on 3.6)
+    tl.store(gv_ptr + i, (gval.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True),
+             mask=m)
+
+
+def _sr16_codes(y, r, fmt):
+    from replayssm_quant import formats as F
+
+    grid = {"fp16": F.FP16, "bf16": F.BF16}[fmt]
+    fast, gen = (torch.empty(y.shape, dtype=torch.int32, device=y.device) for _ in range(2))
+    fv, gv = torch.empty_like(y), torch.empty_like(y)
+    n, block = y.numel(), 1024
+    _sr16_codes_kernel[(triton.cdiv(n, block),)](y, r, fast, gen, fv, gv, n, BLOCK=block,
+                                                 G=kr.codec._grid_consts(grid))
+    return fast, gen, fv, gv
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_fp16_bf16_sr_codes_match_generic(fmt):
+    """The SR casts to fp16 and bf16 (``quant._f16_sr_code`` / ``_bf16_sr_code``, taken by
+    ``_round`` for those grids) give the generic rounding's (``_grid_code``) magnitude codes
+    and values: every float32 within 128 ulps of 2^e (e = -40..16: fp16's and float32's
+    subnormal edges, the fp16 overflow edge), float32 subnormals, values near 65504 and 65520,
+    a log-uniform sample, both signs; each with the draws 0, 1, 2^31, 2^32 - 1, a random one,
+    and the draws at and beside its threshold (both formulas: the dropped bits shifted up, and
+    ceil(frac(|y| 2^24) 2^32)). On CUDA also every float32 below 2^17 with a random draw."""
+    g = _gen(5)
+    base = torch.tensor([2.0**e for e in range(-40, 17)] + [65504.0, 65520.0, 1e-40])
+    bits = base.view(torch.int32)[:, None] + torch.arange(-128, 128, dtype=torch.int32)
+    sample = torch.pow(2.0, torch.empty(20000).uniform_(-40, 17, generator=g))
+    y = torch.cat([bits.clamp_min(0).flatten().view(torch.float32), sample,
+                   torch.arange(1, 400, dtype=torch.int32).view(torch.float32)])
+    ya = y.double()
+    frac = ya * 2.0**24 - torch.floor(ya * 2.0**24)
+    mbits = y.view(torch.int32).long()
+    low = (mbits & 0x1FFF) << 19 if fmt == "fp16" else (mbits & 0xFFFF) << 16
+    thr = [low, torch.ceil(frac * 2.0**32).long()]
+    rs = [torch.zeros_like(mbits), torch.ones_like(mbits), torch.full_like(mbits, 1 << 31),
+          torch.full_like(mbits, (1 << 32) - 1),
+          torch.randint(0, 1 << 32, mbits.shape, generator=g)]
+    rs += [t + d for t in thr for d in (-1, 0, 1)]
+    r = torch.cat([x.clamp(0, (1 << 32) - 1) for x in rs])
+    r = torch.where(r >= 1 << 31, r - (1 << 32), r).to(torch.int32)  # the uint32 bits
+    yy = y.repeat(len(rs))
+    yy = torch.cat([yy, -yy])
+    r = torch.cat([r, r])
+    fast, gen, fv, gv = (t.cpu() for t in _sr16_codes(_t(yy), _t(r), fmt))
+    assert torch.equal(fast & 0x7FFF, gen)
+    assert torch.equal(fast >> 15, (yy < 0).int())
+    assert torch.equal(_bits(fv), _bits(gv))
+    if DEVICE == "cuda":
+        top = int(torch.tensor(2.0**17).view(torch.int32))
+        gc = torch.Generator(device="cuda").manual_seed(6)
+        for lo in range(0, top, 1 << 27):
+            b = torch.arange(lo, min(lo + (1 << 27), top), dtype=torch.int32, device="cuda")
+            rr = torch.randint(-(1 << 31), 1 << 31, b.shape, dtype=torch.int32, device="cuda",
+                               generator=gc)
+            fast, gen, fv, gv = _sr16_codes(b.view(torch.float32), rr, fmt)
+            assert torch.equal(fast, gen), f"block {lo:#x}"
+            assert torch.equal(fv.view(torch.int32), gv.view(torch.int32)), f"block {lo:#x}"
 
 
 @triton.jit

@@ -271,6 +271,43 @@ def _grid_code(bits, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexp
 
 
 @triton.jit
+def _f16_sr_code(bits, r):
+    """:func:`_grid_code` with SR onto the fp16 grid (EMIN -14, 10 mantissa bits, saturating
+    at 65504) of finite float32 ``|y|`` (int32 bits; the sign is ignored), in about half its
+    instructions. From 2^-14 up (shift 13): SR adds 1 when ``r < rem << 19``, i.e. when
+    ``r >> 19 < rem`` (rem the 13 dropped bits), which is the carry of
+    ``rem + 0x1FFF - (r >> 19)`` into bit 13, so the code is that sum's ``>> 13`` less the
+    exponent bias difference (a carry into the exponent is the next binade's code, as in
+    ``_grid_code``). Below 2^-14 (fp16 subnormals, quantum 2^-24): ``t = |y| 2^24`` exactly,
+    ``n = floor(t)`` and SR adds 1 when ``r < ceil(frac(t) 2^32)``, the threshold of
+    ``_grid_code`` (``frac(t) 2^32`` is exact in float32: t has at most 24 significant bits;
+    for shifts beyond 60 both thresholds are 1 for a non-zero remainder). ``t``, ``frac(t)``
+    and the threshold are normal floats even for float32 subnormal ``y`` (t >= 2^-125), so a
+    flush-to-zero of subnormal operands in libdevice's floor and ceil does not apply. Equality
+    with ``_grid_code`` is tested near every binade edge, tie and threshold
+    (``test_fp16_bf16_sr_codes_match_generic``) and against the reference in the quantizer
+    tests."""
+    m = bits & 0x7FFFFFFF
+    ru = r.to(tl.uint32)
+    nrm = ((m + 0x1FFF - (ru >> 19).to(tl.int32)) >> 13) - (112 << 10)
+    t = tl.minimum(m, 0x38800000).to(tl.float32, bitcast=True) * 16777216.0  # <= 1024
+    fl = tl.floor(t)
+    thr = tl.ceil((t - fl) * 4294967296.0).to(tl.uint32)
+    sub = fl.to(tl.int32) + (ru < thr).to(tl.int32)
+    return tl.minimum(tl.where(m < 0x38800000, sub, nrm), 0x7BFF)
+
+
+@triton.jit
+def _bf16_sr_code(bits, r):
+    """:func:`_grid_code` with SR onto the bfloat16 grid of finite float32 ``|y|`` (int32
+    bits): bfloat16 shares float32's exponent range (its subnormals are float32's), so the
+    shift is always 16 and SR adds 1 when ``r >> 16 < rem`` (rem the 16 dropped bits): the
+    carry of ``rem + 0xFFFF - (r >> 16)`` into bit 16. Saturates at the largest finite code."""
+    m = bits & 0x7FFFFFFF
+    return tl.minimum((m + 0xFFFF - (r.to(tl.uint32) >> 16).to(tl.int32)) >> 16, 0x7F7F)
+
+
+@triton.jit
 def _grid_value(code, EMIN: tl.constexpr, MBITS: tl.constexpr, SUBQ: tl.constexpr,
                 FMB: tl.constexpr = _FP32_MBITS, FEMIN: tl.constexpr = _FP32_EMIN):
     """Float32 magnitude of a (non-negative, finite) grid code."""
@@ -300,8 +337,15 @@ def _round(y, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
     is_nan = y != y
     is_inf = tl.abs(y) == float("inf")
     finite = ~(is_nan | is_inf)
-    code = _grid_code(tl.where(finite, bits, 0), r, SR, EMIN, MBITS, MAXCODE)
-    mag = _grid_value(code, EMIN, MBITS, SUBQ)
+    if SR and EMIN == -14 and MBITS == 10 and MAXCODE == 0x7BFF:  # fp16
+        code = _f16_sr_code(tl.where(finite, bits, 0), r)
+        mag = code.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    elif SR and EMIN == -126 and MBITS == 7 and MAXCODE == 0x7F7F:  # bf16
+        code = _bf16_sr_code(tl.where(finite, bits, 0), r)
+        mag = _grid_value(code, EMIN, MBITS, SUBQ)
+    else:
+        code = _grid_code(tl.where(finite, bits, 0), r, SR, EMIN, MBITS, MAXCODE)
+        mag = _grid_value(code, EMIN, MBITS, SUBQ)
     vbits = mag.to(tl.int32, bitcast=True) | tl.where(neg, -2147483648, 0)
     val = vbits.to(tl.float32, bitcast=True)
     if HAS_INF:
@@ -540,8 +584,9 @@ def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
         mask = offs < MK
         x = tl.load(x_ptr + base + offs, mask=mask, other=0.0)
         y = tl.where(x != x, x, tl.math.div_rn(x, tl.broadcast_to(s, [BLOCK])))
-        if SR:
-            r = _random_bits(seed, offs, lo, hi)
+        if SR:  # one Philox call per four elements (start and BLOCK multiples of 4)
+            r0, r1, r2, r3 = _random_words(seed, start // 4 + tl.arange(0, BLOCK // 4), lo, hi)
+            r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])  # 4i + w: word w
         else:
             r = 0
         val, code = _quant(y, r, SR, GRID)
@@ -557,9 +602,15 @@ def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
 def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
                 NV: tl.constexpr, FP4: tl.constexpr, HALF: tl.constexpr, SR: tl.constexpr,
                 PACK: tl.constexpr, EMAX: tl.constexpr, GRID: tl.constexpr,
-                MODE: tl.constexpr = 0, THR: tl.constexpr = 0):
+                MODE: tl.constexpr = 0, THR: tl.constexpr = 0, ALIGNED4: tl.constexpr = False):
     """Quantise the block rows ``g`` ([R] int64 global indices, valid where g < g_end):
-    block row g is scaling block ``blk`` of row ``m`` of matrix ``b``."""
+    block row g is scaling block ``blk`` of row ``m`` of matrix ``b``.
+
+    SR bits: element ``e = m K + k`` takes word ``e & 3`` of Philox call ``e >> 2``; with
+    ``ALIGNED4`` (K and the block a multiple of 4: each call's four elements are in one block)
+    one call serves four elements, else one call per element. E2M1 with RTN rounds by
+    :func:`_e2m1_rtn` (same codes and values as :func:`_quant` for finite quotients; the
+    blocks with a NaN or inf are overwritten below)."""
     rvalid = g < g_end
     mnb = M * NB
     b = g // mnb
@@ -584,15 +635,26 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
         st = tl.load(stream_ptr + b, mask=rvalid, other=0)
         lo, hi = _stream_words(st)
         elem_row = m * K
-        re = _random_bits(seed, elem_row[:, None] + ke, lo[:, None], hi[:, None])
-        ro = _random_bits(seed, elem_row[:, None] + ko, lo[:, None], hi[:, None])
+        if ALIGNED4:  # k = 2j (+1) with j = 2i + x: element 4i + 2x (+1), word 2x (+1)
+            i = tl.arange(0, HALF // 2)
+            call = (elem_row + blk * (2 * HALF))[:, None] // 4 + i[None, :]
+            r0, r1, r2, r3 = _random_words(seed, call, lo[:, None], hi[:, None])
+            re = tl.reshape(tl.join(r0, r2), [call.shape[0], HALF])
+            ro = tl.reshape(tl.join(r1, r3), [call.shape[0], HALF])
+        else:
+            re = _random_bits(seed, elem_row[:, None] + ke, lo[:, None], hi[:, None])
+            ro = _random_bits(seed, elem_row[:, None] + ko, lo[:, None], hi[:, None])
     else:
         re = 0
         ro = 0
     ye = tl.math.div_rn(xe, tl.broadcast_to(safe[:, None], xe.shape))
     yo = tl.math.div_rn(xo, tl.broadcast_to(safe[:, None], xo.shape))
-    ve, ce = _quant(ye, re, SR, GRID)
-    vo, co = _quant(yo, ro, SR, GRID)
+    if FP4 and not SR:
+        ve, ce = _e2m1_rtn(ye)
+        vo, co = _e2m1_rtn(yo)
+    else:
+        ve, ce = _quant(ye, re, SR, GRID)
+        vo, co = _quant(yo, ro, SR, GRID)
     if NV:
         ve = tl.where(ok[:, None], ve, 0.0)
         vo = tl.where(ok[:, None], vo, 0.0)
@@ -624,7 +686,7 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
 def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K, NB,
                   ROWS: tl.constexpr, TILE: tl.constexpr, SR: tl.constexpr,
                   PACK: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
-                  GRID: tl.constexpr, UP: tl.constexpr = False):
+                  GRID: tl.constexpr, UP: tl.constexpr = False, ALIGNED4: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     MK = M * K
     amax = _matrix_amax(x_ptr, b * MK, MK, TILE)
@@ -636,7 +698,7 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
     for t in range(0, mnb, ROWS):
         g = g0 + t + tl.arange(0, ROWS)
         _block_rows(g, g0 + mnb, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                    True, True, HALF, SR, PACK, 0, GRID, 1 if UP else 0, 0)
+                    True, True, HALF, SR, PACK, 0, GRID, 1 if UP else 0, 0, ALIGNED4)
     if PACK:
         tl.store(mscale_ptr + b, s_g)
 
@@ -645,10 +707,10 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
 def _mx_kernel(x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB, G,
                ROWS: tl.constexpr, FP4: tl.constexpr, EMAX: tl.constexpr, SR: tl.constexpr,
                PACK: tl.constexpr, HALF: tl.constexpr, GRID: tl.constexpr,
-               MODE: tl.constexpr = 0, THR: tl.constexpr = 0):
+               MODE: tl.constexpr = 0, THR: tl.constexpr = 0, ALIGNED4: tl.constexpr = False):
     g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     _block_rows(g, G, 1.0, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                False, FP4, HALF, SR, PACK, EMAX, GRID, MODE, THR)
+                False, FP4, HALF, SR, PACK, EMAX, GRID, MODE, THR, ALIGNED4)
 
 
 # ----------------------------------------------------------------------------------------
@@ -746,14 +808,15 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
             _nvfp4_kernel[(bsz,)](
                 xf, out, bscale, mscale, st, seed, m, k, nb, ROWS=_NV_ROWS, TILE=_TILE,
                 SR=spec.sr, PACK=pack, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR, GRID=gc,
-                UP=spec.scale == "up")
+                UP=spec.scale == "up", ALIGNED4=k % 4 == 0 and block % 4 == 0)
         return out, bscale, mscale
     g = bsz * m * nb
     emax = F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX
     if g:
         _mx_kernel[(triton.cdiv(g, _MX_ROWS),)](
             xf, out, bscale, st, seed, m, k, nb, g, ROWS=_MX_ROWS, FP4=fp4, EMAX=emax,
-            SR=spec.sr, PACK=pack, HALF=block // 2, GRID=gc, **scale_consts(spec))
+            SR=spec.sr, PACK=pack, HALF=block // 2, GRID=gc, **scale_consts(spec),
+            ALIGNED4=k % 4 == 0 and block % 4 == 0)
     return out, bscale, None
 
 

@@ -545,22 +545,32 @@ def _unscaled_kernel(x_ptr, out_ptr, stream_ptr, seed, N, MK,
                      BLOCK: tl.constexpr, SR: tl.constexpr, PACK: tl.constexpr,
                      GRID: tl.constexpr, ALIGNED4: tl.constexpr = False):
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if SR and ALIGNED4:  # MK % 4 == 0: the four elements of a Philox call share a matrix
+        # a [BLOCK / 4, 4] tile: row g holds elements 4g + w, which take word w of call g
+        # (selected per column: no layout change of the words, unlike a join and reshape)
         e0 = (pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)) * 4
+        w = tl.arange(0, 4)[None, :]
+        offs = e0[:, None] + w
+        mask = offs < N
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         mat = e0 // MK
         st = tl.load(stream_ptr + mat, mask=e0 < N, other=0)
         lo, hi = _stream_words(st)
         r0, r1, r2, r3 = _random_words(seed, (e0 - mat * MK) >> 2, lo, hi)
-        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK])  # 4g + w: word w
+        r = tl.where(w < 2, tl.where(w == 0, r0[:, None], r1[:, None]),
+                     tl.where(w == 2, r2[:, None], r3[:, None]))
     elif SR:
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         mat = offs // MK
         st = tl.load(stream_ptr + mat, mask=mask, other=0)
         lo, hi = _stream_words(st)
         r = _random_bits(seed, offs - mat * MK, lo, hi)
     else:
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         r = 0
     val, code = _quant(x, r, SR, GRID)
     if PACK:

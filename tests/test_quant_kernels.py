@@ -351,3 +351,42 @@ def test_sr_threshold_ceiling_below_the_32_bit_fraction():
     assert_bitwise(got, want, "kernel")
     ref = quantize_reference(x[None], "mxfp4+sr", seed=SEED, stream=stream)[0]
     assert_bitwise(ref, want, "reference")
+
+
+PAIRS = [("fp16+sr", "nvfp4"), ("bf16", "nvfp4+sr"), ("fp16", "nvfp4+up+sr"),
+         ("fp8e4m3+sr", "mxfp4")]  # the last: no one-pass form, the two calls
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("spec_a,spec_r", PAIRS)
+def test_pack_pair_same_bytes_as_two_packs(spec_a, spec_r, shape):
+    """``pack_pair_triton`` (one pass: the nvfp4 kernel stores the unscaled anchor codes too)
+    gives the bytes of the reference packs of each spec with its own stream keys, on random
+    data (K = 7: the per-element SR fallback; K = 40: a padded tail block) and on the special
+    values (NaN, inf, -0, subnormals, FLT_MAX, ties)."""
+    lead = shape[0]
+    sa = _streams(lead)
+    sr = sa * 3 + 5  # other keys for the other copy
+    for x in (_random(shape, seed=zlib.crc32(f"pair-{spec_a}-{_shape_id(shape)}".encode())),
+              _special("nvfp4") if shape == SHAPES[0] else None):
+        if x is None:
+            continue
+        if x.shape[:-2] != sa.shape:
+            sa = _streams(x.shape[:-2])
+            sr = sa * 3 + 5
+        a, r = kq.pack_pair_triton(x.to(DEVICE), spec_a, spec_r, seed=SEED,
+                                   stream_a=sa.to(DEVICE), stream_r=sr.to(DEVICE))
+        for got, spec, st in ((a, spec_a, sa), (r, spec_r, sr)):
+            want = pack_reference(x, spec, seed=SEED, stream=st)
+            assert str(got.spec) == str(want.spec) and tuple(got.shape) == tuple(want.shape)
+            assert_same_bytes(got.codes, want.codes, f"{spec} codes")
+            assert_same_bytes(got.block_scales, want.block_scales, f"{spec} block scales")
+            assert_same_bytes(got.matrix_scale, want.matrix_scale, f"{spec} matrix scale")
+
+
+def test_pack_pair_rejects_bad_specs():
+    x = torch.zeros(1, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="identity"):
+        kq.pack_pair_triton(x, "fp32", "nvfp4")
+    with pytest.raises(ValueError):
+        kq.pack_pair_triton(x, "fp16", "nvfp5")

@@ -45,7 +45,7 @@ from ..formats import QuantSpec, parse_spec
 from ..philox import stream_keys_to
 from ..packed import PackedTensor
 
-__all__ = ["quantize_triton", "pack_triton", "pack_pair_triton"]
+__all__ = ["quantize_triton", "pack_triton"]
 
 # Tile sizes (elements per loop step; power-of-two)
 _TILE = 2048  # unscaled and matrix-scaled kernels
@@ -609,37 +609,12 @@ def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
 
 
 @triton.jit
-def _block_bits(stream_ptr, b, rvalid, seed, elem_row, blk, ke, ko, HALF: tl.constexpr,
-                ALIGNED4: tl.constexpr):
-    """SR bits (even, odd halves ``[R, HALF]``) of the block rows' elements: element
-    ``e = elem_row + k`` takes word ``e & 3`` of Philox call ``e >> 2`` of its matrix's stream;
-    with ``ALIGNED4`` one call serves four elements (k = 2j (+1), j = 2i + x: word 2x (+1))."""
-    st = tl.load(stream_ptr + b, mask=rvalid, other=0)
-    lo, hi = _stream_words(st)
-    if ALIGNED4:
-        i = tl.arange(0, HALF // 2)
-        call = (elem_row + blk * (2 * HALF))[:, None] // 4 + i[None, :]
-        r0, r1, r2, r3 = _random_words(seed, call, lo[:, None], hi[:, None])
-        re = tl.reshape(tl.join(r0, r2), [call.shape[0], HALF])
-        ro = tl.reshape(tl.join(r1, r3), [call.shape[0], HALF])
-    else:
-        re = _random_bits(seed, elem_row[:, None] + ke, lo[:, None], hi[:, None])
-        ro = _random_bits(seed, elem_row[:, None] + ko, lo[:, None], hi[:, None])
-    return re, ro
-
-
-@triton.jit
 def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
                 NV: tl.constexpr, FP4: tl.constexpr, HALF: tl.constexpr, SR: tl.constexpr,
                 PACK: tl.constexpr, EMAX: tl.constexpr, GRID: tl.constexpr,
-                MODE: tl.constexpr = 0, THR: tl.constexpr = 0, ALIGNED4: tl.constexpr = False,
-                a_ptr=0, a_stream_ptr=0, DUAL: tl.constexpr = False, AGRID: tl.constexpr = 0,
-                ASR: tl.constexpr = False):
+                MODE: tl.constexpr = 0, THR: tl.constexpr = 0, ALIGNED4: tl.constexpr = False):
     """Quantise the block rows ``g`` ([R] int64 global indices, valid where g < g_end):
-    block row g is scaling block ``blk`` of row ``m`` of matrix ``b``. With ``DUAL`` the same
-    elements are also cast to the unscaled grid ``AGRID`` (SR: ``ASR``, stream keys at
-    ``a_stream_ptr``) and their int16 codes stored at ``a_ptr`` (``[..., M, K]``): the
-    codes of ``_unscaled_kernel``, read from the same loads.
+    block row g is scaling block ``blk`` of row ``m`` of matrix ``b``.
 
     SR bits: element ``e = m K + k`` takes word ``e & 3`` of Philox call ``e >> 2``; with
     ``ALIGNED4`` (K and the block a multiple of 4: each call's four elements are in one block)
@@ -666,19 +641,19 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
     nan = float("nan")
     scale, safe, ok, sb_code = _block_scale(bamax, bad, s_g, NV, EMAX, MODE, THR)
 
-    if DUAL:
-        if ASR:
-            rae, rao = _block_bits(a_stream_ptr, b, rvalid, seed, m * K, blk, ke, ko, HALF,
-                                   ALIGNED4)
-        else:
-            rae = 0
-            rao = 0
-        _, cae = _quant(xe, rae, ASR, AGRID)
-        _, cao = _quant(xo, rao, ASR, AGRID)
-        tl.store(a_ptr + row[:, None] + ke, cae.to(tl.int16), mask=me)
-        tl.store(a_ptr + row[:, None] + ko, cao.to(tl.int16), mask=mo)
     if SR:
-        re, ro = _block_bits(stream_ptr, b, rvalid, seed, m * K, blk, ke, ko, HALF, ALIGNED4)
+        st = tl.load(stream_ptr + b, mask=rvalid, other=0)
+        lo, hi = _stream_words(st)
+        elem_row = m * K
+        if ALIGNED4:  # k = 2j (+1) with j = 2i + x: element 4i + 2x (+1), word 2x (+1)
+            i = tl.arange(0, HALF // 2)
+            call = (elem_row + blk * (2 * HALF))[:, None] // 4 + i[None, :]
+            r0, r1, r2, r3 = _random_words(seed, call, lo[:, None], hi[:, None])
+            re = tl.reshape(tl.join(r0, r2), [call.shape[0], HALF])
+            ro = tl.reshape(tl.join(r1, r3), [call.shape[0], HALF])
+        else:
+            re = _random_bits(seed, elem_row[:, None] + ke, lo[:, None], hi[:, None])
+            ro = _random_bits(seed, elem_row[:, None] + ko, lo[:, None], hi[:, None])
     else:
         re = 0
         ro = 0
@@ -721,9 +696,7 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
 def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K, NB,
                   ROWS: tl.constexpr, TILE: tl.constexpr, SR: tl.constexpr,
                   PACK: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
-                  GRID: tl.constexpr, UP: tl.constexpr = False, ALIGNED4: tl.constexpr = False,
-                  a_ptr=0, a_stream_ptr=0, DUAL: tl.constexpr = False, AGRID: tl.constexpr = 0,
-                  ASR: tl.constexpr = False):
+                  GRID: tl.constexpr, UP: tl.constexpr = False, ALIGNED4: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     MK = M * K
     amax = _matrix_amax(x_ptr, b * MK, MK, TILE)
@@ -735,8 +708,7 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
     for t in range(0, mnb, ROWS):
         g = g0 + t + tl.arange(0, ROWS)
         _block_rows(g, g0 + mnb, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                    True, True, HALF, SR, PACK, 0, GRID, 1 if UP else 0, 0, ALIGNED4,
-                    a_ptr, a_stream_ptr, DUAL, AGRID, ASR)
+                    True, True, HALF, SR, PACK, 0, GRID, 1 if UP else 0, 0, ALIGNED4)
     if PACK:
         tl.store(mscale_ptr + b, s_g)
 
@@ -799,10 +771,8 @@ def _check(x, spec) -> QuantSpec:
     return spec
 
 
-def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool, dual=None):
-    """Launch the kernel of ``spec``; returns (out or codes, block scales, matrix scale).
-    ``dual = (unscaled spec, its stream, int16 codes out)``: the nvfp4 kernel also casts x to
-    that spec in the same pass (:func:`pack_pair_triton`)."""
+def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
+    """Launch the kernel of ``spec``; returns (out or codes, block scales, matrix scale)."""
     info = spec.info
     grid = info.element
     lead = x.shape[:-2]
@@ -844,16 +814,11 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool, dual=N
         bscale = torch.empty(1, dtype=torch.uint8, device=dev)
     if info.scaling == "nvfp4":
         mscale = torch.empty(lead, dtype=torch.float32, device=dev)
-        extra = {}
-        if dual is not None:
-            aspec, astream, acodes = dual
-            extra = dict(a_ptr=acodes, a_stream_ptr=_streams(aspec, x, astream), DUAL=True,
-                         AGRID=_grid_consts(aspec.info.element), ASR=aspec.sr)
         if bsz:
             _nvfp4_kernel[(bsz,)](
                 xf, out, bscale, mscale, st, seed, m, k, nb, ROWS=_NV_ROWS, TILE=_TILE,
                 SR=spec.sr, PACK=pack, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR, GRID=gc,
-                UP=spec.scale == "up", ALIGNED4=k % 4 == 0 and block % 4 == 0, **extra)
+                UP=spec.scale == "up", ALIGNED4=k % 4 == 0 and block % 4 == 0)
         return out, bscale, mscale
     g = bsz * m * nb
     emax = F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX
@@ -890,33 +855,3 @@ def pack_triton(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedTens
     if info.scaling == "none":
         codes = codes.view(torch.bfloat16 if info.element is F.BF16 else torch.float16)
     return PackedTensor(spec, x.shape, codes, bscale, mscale)
-
-
-def pack_pair_triton(x: torch.Tensor, spec_a, spec_r, *, seed: int = 0, stream_a=0,
-                     stream_r=0) -> tuple[PackedTensor, PackedTensor]:
-    """Both casts of one tensor, ``(pack_triton(x, spec_a, stream=stream_a), pack_triton(x,
-    spec_r, stream=stream_r))`` with the same bytes; in one pass over ``x`` (the nvfp4 kernel
-    stores the unscaled codes too) where ``spec_a`` is unscaled (bf16, fp16; RTN or SR) and
-    ``spec_r`` is nvfp4, else by the two calls. The split flush's casts of S (anchor, read
-    copy: DESIGN.md section 3, "Flush", both cast independently from the same unrounded S).
-
-    Args:
-        x: float tensor ``[..., M, K]`` on CUDA (or on CPU under ``TRITON_INTERPRET=1``).
-        spec_a, spec_r: non-fp32 format tokens or QuantSpecs.
-        seed: Philox key for SR, int in [0, 2^63).
-        stream_a, stream_r: int or int64 tensors broadcastable to ``x.shape[:-2]`` (the SR
-            stream keys of each cast).
-
-    Raises:
-        ValueError: as :func:`pack_triton` (an fp32 spec, a bad tensor or stream)."""
-    spec_a, spec_r = _check(x, spec_a), _check(x, spec_r)
-    if spec_a.info.scaling != "none" or spec_r.info.scaling != "nvfp4":
-        return (pack_triton(x, spec_a, seed=seed, stream=stream_a),
-                pack_triton(x, spec_r, seed=seed, stream=stream_r))
-    acodes = torch.empty(x.shape, dtype=torch.int16, device=x.device)
-    codes, bscale, mscale = _run(x, spec_r, seed, stream_r, pack=True,
-                                 dual=(spec_a, stream_a, acodes))
-    a_dt = torch.bfloat16 if spec_a.info.element is F.BF16 else torch.float16
-    return (PackedTensor(spec_a, x.shape, acodes.view(a_dt), None, None),
-            PackedTensor(spec_r, x.shape, codes, bscale, mscale))
-

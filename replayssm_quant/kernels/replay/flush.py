@@ -51,7 +51,7 @@ import triton.language as tl
 from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
 from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import StatePolicy, require_policy
-from ..quant import pack_pair_triton, pack_triton
+from ..quant import pack_triton
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _cast_store_full, _check_f32, _check_index, _check_records, _load_full,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
@@ -672,10 +672,8 @@ def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
 def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
                  q, store_state, dequantize, **launch):
     """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S by
-    :func:`~replayssm_quant.kernels.quant.pack_triton`, or both in one pass over S by
-    :func:`~replayssm_quant.kernels.quant.pack_pair_triton` (an fp16 / bf16 anchor with an
-    nvfp4 read copy); stream keys of :func:`checkpoint_streams`, copy 0 for A and 1 for R,
-    built by :func:`_split_keys`."""
+    :func:`~replayssm_quant.kernels.quant.pack_triton` (stream keys of
+    :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by :func:`_split_keys`)."""
     B, H = int(anchor.shape[0]), int(anchor.shape[1])
     launch["keys_in_kernel"] = True  # the fp32 flush then range-checks the per-sequence fields
     res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
@@ -688,13 +686,8 @@ def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids,
         return S if spec.is_identity else pack_triton(S, spec, seed=int(seed), stream=keys)
 
     two = not policy.single_checkpoint
-    if two and not policy.rec.is_identity and not policy.read.is_identity:
-        # one pass over S where the pair allows it (fp16 / bf16 anchor, nvfp4 read copy)
-        a_st, r_st = pack_pair_triton(S, policy.rec, policy.read, seed=int(seed),
-                                      stream_a=sa, stream_r=sr)
-    else:
-        a_st = cast(policy.rec, sa)
-        r_st = cast(policy.read, sr) if two else a_st
+    a_st = cast(policy.rec, sa)
+    r_st = cast(policy.read, sr) if two else a_st
     cps = _checkpoints(a_st, r_st, two, dequantize)
     return FlushResult(S if store_state else None, cps, res.w), y
 

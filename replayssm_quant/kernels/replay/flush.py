@@ -511,11 +511,11 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     ``store_state``, ``FlushResult.state`` is that copy's tensor (as in the torch
     reference). ``False`` forces the fused flush (what ``flush_tune.py`` tunes without
     ``--split-casts``).
-    On the H200 at B = 256 (``flush_split_h200.json`` against ``flush_policies_h200.json``,
-    docs/kernels-replay.md "Ninth pass"), split against fused, GDN / Mamba-2:
-    ``read:nvfp4/rec:fp16+sr`` 2085 / 2756 against 2879 / 3041 us, ``read:nvfp4/rec:fp16``
-    1853 / 2336 against 2514 / 2720 us, but ``shared:fp16+sr`` 1634 / 1977 against 1556 /
-    1470 us, hence the default.
+    On the H200 at B = 256 (``flush_split_tile4_6fff29d_h200.json``,
+    ``flush_policies_{fused,split}_cf42d3a_h200.json``; docs/kernels-replay.md "Ninth pass"),
+    split against fused, GDN / Mamba-2, in us: ``read:nvfp4/rec:fp16+sr`` 1624 / 2116 against
+    2635 / 2907, ``read:nvfp4/rec:fp16`` 1550 / 1954 against 2507 / 2728, but
+    ``shared:fp16+sr`` 1429 / 1772 against 1375 / 1189; hence the default.
 
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)

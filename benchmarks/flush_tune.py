@@ -30,10 +30,13 @@ B = 1 call each; Triton's on-disk cache then serves the timing process). ``--bud
 tried in the order listed (most promising first) and the rest of a pair's are skipped (listed
 in the JSON) once its share is spent.
 
+Without ``--split-casts`` every policy times the fused flush (``split_casts=False``, also for
+the matrix-scaled policies, whose kernel default is the split since the ninth pass).
 ``--split-casts`` times ``flush_kernel(split_casts=True)`` instead: the ``fp32`` flush writes
 S (the configurations are those of the ``fp32`` flush), then the quantizer kernels cast it
-(an experiment, docs/kernels-replay.md "Eighth pass"; a policy without a cast, ``fp32``, runs
-the fused flush as always; ``default_host_keys`` then only changes the fp32 flush's keys).
+(docs/kernels-replay.md "Eighth pass" and "Ninth pass"; a policy without a cast, ``fp32``,
+runs the fused flush as always; the casts' stream keys come from one launch, so
+``default_host_keys`` only changes the fp32 flush's keys).
 
 Usage::
 
@@ -385,8 +388,9 @@ def main():
         out["split_casts"] = True
         out["notes"].append("split_casts: flush_kernel(split_casts=True); each configuration "
                             "is the fp32 flush's launch, then pack_triton casts S twice (the "
-                            "casts' keys from checkpoint_streams, so default_host_keys does not "
-                            "change them; a policy without a cast runs the fused flush)")
+                            "casts' keys of checkpoint_streams, built in one launch by "
+                            "flush._split_keys since the ninth pass, so default_host_keys does "
+                            "not change them; a policy without a cast runs the fused flush)")
 
     def amax_of(pname):  # the launch resolution: the fp32 flush's under --split-casts
         return need_amax(pname) and not args.split_casts

@@ -351,39 +351,3 @@ def test_sr_threshold_ceiling_below_the_32_bit_fraction():
     assert_bitwise(got, want, "kernel")
     ref = quantize_reference(x[None], "mxfp4+sr", seed=SEED, stream=stream)[0]
     assert_bitwise(ref, want, "reference")
-
-
-def _finite_amax_bits(x: torch.Tensor) -> torch.Tensor:
-    a = torch.where(torch.isfinite(x), x.abs(), 0.0).flatten(-2).amax(-1)
-    return a.reshape(-1).contiguous().view(torch.int32)
-
-
-@pytest.mark.parametrize("shape", SHAPES + [BIG_SHAPE], ids=_shape_id)
-@pytest.mark.parametrize("spec", ["nvfp4", "nvfp4+sr", "nvfp4+up+sr"])
-def test_pack_nvfp4_given_amax_same_bytes(spec, shape):
-    """``pack_nvfp4_given_amax`` (the matrix amax given, one program per tile of block rows)
-    gives the reference pack's bytes on random data and on the special values (NaN, inf, -0,
-    subnormals, FLT_MAX, all-zero matrices); BIG_SHAPE has several tiles per matrix."""
-    for x in (_random(shape, seed=zlib.crc32(f"amax-{spec}-{_shape_id(shape)}".encode())),
-              _special("nvfp4") if shape == SHAPES[0] else None):
-        if x is None:
-            continue
-        st = _streams(x.shape[:-2])
-        got = kq.pack_nvfp4_given_amax(x.to(DEVICE), spec, _finite_amax_bits(x).to(DEVICE),
-                                       seed=SEED, stream=st.to(DEVICE))
-        want = pack_reference(x, spec, seed=SEED, stream=st)
-        assert str(got.spec) == str(want.spec) and tuple(got.shape) == tuple(want.shape)
-        assert_same_bytes(got.codes, want.codes, f"{spec} codes")
-        assert_same_bytes(got.block_scales, want.block_scales, f"{spec} block scales")
-        assert_same_bytes(got.matrix_scale, want.matrix_scale, f"{spec} matrix scale")
-
-
-def test_pack_nvfp4_given_amax_rejects_bad_input():
-    x = torch.zeros(2, 3, 16, device=DEVICE)
-    good = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="nvfp4 spec"):
-        kq.pack_nvfp4_given_amax(x, "mxfp4", good)
-    for bad in (torch.zeros(3, dtype=torch.int32, device=DEVICE),
-                torch.zeros(2, dtype=torch.float32, device=DEVICE)):
-        with pytest.raises(ValueError, match="amax_bits"):
-            kq.pack_nvfp4_given_amax(x, "nvfp4", bad)

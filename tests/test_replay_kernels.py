@@ -265,30 +265,6 @@ def test_split_keys_match_checkpoint_streams():
                      "read:fp8e4m3/rec:fp32": True}  # fp8 copies carry a matrix scale
 
 
-def test_flush_amax_out():
-    """``amax_out`` (the split flush's fp32 flush): every tile max-es its finite amax of S, so
-    the buffer ends as each matrix's finite amax of S (float32 bits), with several row tiles
-    per matrix (grid and loop); refused with a matrix-scaled policy or a bad buffer."""
-    gen = _gen(23)
-    A, la, k, v, beta, q = _config_inputs(gen, False, 40)
-    length = _t(torch.tensor([L, 3]))
-    for kw in (dict(variant="grid", block_v=16), dict(variant="loop", block_v=16),
-               dict(reconstruct="rank1", block_v=16)):
-        amax = _t(torch.zeros(B * H, dtype=torch.int32))
-        res, _ = kr.flush_kernel(A, la, v, k, length, StatePolicy.parse("fp32"), beta=beta,
-                                 amax_out=amax, **kw, **STREAMS)
-        S = res.state
-        want = torch.where(torch.isfinite(S), S.abs(), 0.0).flatten(-2).amax(-1).reshape(-1)
-        assert torch.equal(amax.cpu(), want.cpu().contiguous().view(torch.int32)), kw
-    with pytest.raises(ValueError, match="amax_out"):
-        kr.flush_kernel(A, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp32"), beta=beta,
-                        split_casts=False, amax_out=_t(torch.zeros(B * H, dtype=torch.int32)),
-                        **STREAMS)
-    with pytest.raises(ValueError, match="amax_out"):
-        kr.flush_kernel(A, la, v, k, length, StatePolicy.parse("fp32"), beta=beta,
-                        amax_out=_t(torch.zeros(B * H + 1, dtype=torch.int32)), **STREAMS)
-
-
 # (variant, block_v, num_warps, reconstruct); V = 40: 3, 2 tiles, 1 tile; both record folds;
 # "form+inverse": the dot forms with GDN's correction solve by the inverse (solve_form)
 FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8, "dot"),

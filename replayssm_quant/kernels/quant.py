@@ -696,36 +696,21 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
 def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K, NB,
                   ROWS: tl.constexpr, TILE: tl.constexpr, SR: tl.constexpr,
                   PACK: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
-                  GRID: tl.constexpr, UP: tl.constexpr = False, ALIGNED4: tl.constexpr = False,
-                  amax_ptr=0, AMAX_IN: tl.constexpr = False):
-    # AMAX_IN: the matrices' finite amax given (int32 float bits at amax_ptr); grid (matrices,
-    # tiles of ROWS block rows), one tile per program. Else grid (matrices,): the amax pass,
-    # then every tile.
+                  GRID: tl.constexpr, UP: tl.constexpr = False, ALIGNED4: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     MK = M * K
-    if AMAX_IN:
-        amax = tl.load(amax_ptr + b).to(tl.float32, bitcast=True)
-    else:
-        amax = _matrix_amax(x_ptr, b * MK, MK, TILE)
+    amax = _matrix_amax(x_ptr, b * MK, MK, TILE)
     s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
     if UP:
         s_g = _nvfp4_global_up(amax, s_g)
     mnb = M * NB
     g0 = b * mnb
-    if AMAX_IN:
-        g = g0 + tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    for t in range(0, mnb, ROWS):
+        g = g0 + t + tl.arange(0, ROWS)
         _block_rows(g, g0 + mnb, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
                     True, True, HALF, SR, PACK, 0, GRID, 1 if UP else 0, 0, ALIGNED4)
-        if PACK:
-            if tl.program_id(1) == 0:
-                tl.store(mscale_ptr + b, s_g)
-    else:
-        for t in range(0, mnb, ROWS):
-            g = g0 + t + tl.arange(0, ROWS)
-            _block_rows(g, g0 + mnb, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K,
-                        NB, True, True, HALF, SR, PACK, 0, GRID, 1 if UP else 0, 0, ALIGNED4)
-        if PACK:
-            tl.store(mscale_ptr + b, s_g)
+    if PACK:
+        tl.store(mscale_ptr + b, s_g)
 
 
 @triton.jit
@@ -786,10 +771,8 @@ def _check(x, spec) -> QuantSpec:
     return spec
 
 
-def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool, amax=None):
-    """Launch the kernel of ``spec``; returns (out or codes, block scales, matrix scale).
-    ``amax`` (nvfp4 only): int32 ``[prod(lead)]``, the float32 bits of each matrix's finite
-    amax (:func:`pack_nvfp4_given_amax`)."""
+def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
+    """Launch the kernel of ``spec``; returns (out or codes, block scales, matrix scale)."""
     info = spec.info
     grid = info.element
     lead = x.shape[:-2]
@@ -831,13 +814,11 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool, amax=N
         bscale = torch.empty(1, dtype=torch.uint8, device=dev)
     if info.scaling == "nvfp4":
         mscale = torch.empty(lead, dtype=torch.float32, device=dev)
-        grid = (bsz,) if amax is None else (bsz, triton.cdiv(m * nb, _NV_ROWS))
-        extra = {} if amax is None else dict(amax_ptr=amax, AMAX_IN=True)
         if bsz:
-            _nvfp4_kernel[grid](
+            _nvfp4_kernel[(bsz,)](
                 xf, out, bscale, mscale, st, seed, m, k, nb, ROWS=_NV_ROWS, TILE=_TILE,
                 SR=spec.sr, PACK=pack, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR, GRID=gc,
-                UP=spec.scale == "up", ALIGNED4=k % 4 == 0 and block % 4 == 0, **extra)
+                UP=spec.scale == "up", ALIGNED4=k % 4 == 0 and block % 4 == 0)
         return out, bscale, mscale
     g = bsz * m * nb
     emax = F.MXFP8_EMAX if grid is F.E4M3 else F.MXFP4_EMAX
@@ -874,37 +855,3 @@ def pack_triton(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedTens
     if info.scaling == "none":
         codes = codes.view(torch.bfloat16 if info.element is F.BF16 else torch.float16)
     return PackedTensor(spec, x.shape, codes, bscale, mscale)
-
-
-def pack_nvfp4_given_amax(x: torch.Tensor, spec, amax_bits: torch.Tensor, *, seed: int = 0,
-                          stream=0) -> PackedTensor:
-    """:func:`pack_triton` of an nvfp4 ``spec`` whose matrices' finite amax is already known,
-    for example from the kernel that wrote ``x`` (the split flush's fp32 flush max-es it per
-    tile): the matrix scale is ``amax / 2688`` (NVFP4's two-level scaling, docs/quantizers.md)
-    without the amax pass, and one program per (matrix, 128 block rows) instead of one per
-    matrix. The same bytes as :func:`pack_triton` when ``amax_bits`` holds each matrix's
-    finite amax (the max of ``|x|`` over its finite elements, 0 if none), which is the
-    caller's contract: it is not re-checked here (``test_pack_nvfp4_given_amax_same_bytes``).
-
-    Args:
-        x: float32 tensor ``[..., M, K]`` (contiguous) on CUDA, or on CPU under
-            ``TRITON_INTERPRET=1``.
-        spec: an nvfp4 format token or QuantSpec (RTN or SR, either scale mode).
-        amax_bits: int32 ``[prod(x.shape[:-2])]``, the float32 bits of each matrix's amax.
-        seed, stream: as :func:`pack_triton`.
-
-    Raises:
-        ValueError: ``spec`` is not nvfp4, or ``amax_bits`` is not int32 with one element per
-            matrix on x's device."""
-    spec = _check(x, spec)
-    if spec.info.scaling != "nvfp4":
-        raise ValueError(f"pack_nvfp4_given_amax takes an nvfp4 spec, got {spec}")
-    n = math.prod(x.shape[:-2])
-    if (not isinstance(amax_bits, torch.Tensor) or amax_bits.dtype != torch.int32
-            or amax_bits.numel() != n or amax_bits.device != x.device):
-        raise ValueError(f"amax_bits must be an int32 tensor of {n} elements (one per matrix) "
-                         f"on {x.device}, got {amax_bits!r:.80}")
-    codes, bscale, mscale = _run(x, spec, seed, stream, pack=True,
-                                 amax=amax_bits.reshape(-1).contiguous())
-    return PackedTensor(spec, x.shape, codes, bscale, mscale)
-

@@ -51,7 +51,7 @@ import triton.language as tl
 from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
 from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import StatePolicy, require_policy
-from ..quant import pack_nvfp4_given_amax, pack_triton
+from ..quant import pack_triton
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _cast_store_full, _check_f32, _check_index, _check_records, _load_full,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
@@ -291,13 +291,11 @@ def _flush_kernel(
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
         RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", INV: tl.constexpr = False,
         KEYS_IN: tl.constexpr = False,
-        SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39,
-        AMAX_OUT: tl.constexpr = False):
+        SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
     # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
-    # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1. AMAX_OUT (a policy
-    # without a matrix scale, PHASE 0): also max each tile's finite amax of S into amax_ptr.
+    # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1.
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -394,9 +392,6 @@ def _flush_kernel(
                                           SOLVE and PHASE == 0, A)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax_full(x, rmask)
-                if AMAX_OUT:
-                    tl.atomic_max(amax_ptr + mat, _tile_amax_full(x, rmask).to(tl.int32,
-                                                                              bitcast=True))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
                 if STORE_S:
@@ -424,9 +419,6 @@ def _flush_kernel(
                              mask=rmask[:, None] & (idx < J)[None, :])
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax(se, so, rmask)
-                if AMAX_OUT:
-                    tl.atomic_max(amax_ptr + mat, _tile_amax(se, so, rmask).to(tl.int32,
-                                                                               bitcast=True))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
                 if STORE_S:
@@ -460,7 +452,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  num_warps: int | None = None, variant: str | None = None,
                  beta=None, dequantize: bool = True, keys_in_kernel: bool | None = None,
                  reconstruct: str | None = None, solve_form: str | None = None,
-                 split_casts: bool | None = None, amax_out: torch.Tensor | None = None):
+                 split_casts: bool | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -525,11 +517,6 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     2635 / 2907, ``read:nvfp4/rec:fp16`` 1550 / 1954 against 2507 / 2728, but
     ``shared:fp16+sr`` 1429 / 1772 against 1375 / 1189; hence the default.
 
-    ``amax_out`` (a policy without a matrix-scaled copy, as the split's fp32 flush): int32
-    ``[B * H]`` zeros on the records' device, into which every tile max-es the float32 bits
-    of its finite amax of S, so that it ends as each matrix's finite amax (for
-    :func:`~replayssm_quant.kernels.quant.pack_nvfp4_given_amax`).
-
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
@@ -546,12 +533,6 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                             keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
                             solve_form=solve_form)
     need_amax = flush_needs_amax(policy)
-    if amax_out is not None and (need_amax or not isinstance(amax_out, torch.Tensor)
-                                 or amax_out.dtype != torch.int32 or amax_out.numel() != B * H
-                                 or amax_out.device != w.device):
-        raise ValueError(f"flush_kernel: amax_out must be an int32 tensor of B * H = {B * H} "
-                         f"elements on {w.device}, with a policy without a matrix-scaled copy "
-                         f"(got {amax_out!r:.80} with {policy})")
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
     where = "flush_kernel"
@@ -606,8 +587,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     single = block_v >= V
     loop = variant == "loop"
     tiles = 1 if (loop or single) else triton.cdiv(V, block_v)
-    amax = (amax_out if amax_out is not None else
-            torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev))
+    amax = torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev)
     pick = lambda t, d: t if t is not None else d  # noqa: E731
     args = (a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
             beta.contiguous() if solve else la, u_arg,
@@ -620,7 +600,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
                   SINGLE=single, RANK1=reconstruct == "rank1",
                   PREC="tf32x3" if reconstruct == "tf32x3" else "ieee", num_warps=num_warps,
-                  INV=solve and solve_form == "inverse", AMAX_OUT=amax_out is not None,
+                  INV=solve and solve_form == "inverse",
                   A=_decode_consts(aspec),
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)
@@ -693,28 +673,19 @@ def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids,
                  q, store_state, dequantize, **launch):
     """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S by
     :func:`~replayssm_quant.kernels.quant.pack_triton` (stream keys of
-    :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by :func:`_split_keys`); an
-    nvfp4 copy takes the matrix amax the fp32 flush max-ed per tile (``amax_out``), through
-    :func:`~replayssm_quant.kernels.quant.pack_nvfp4_given_amax`, instead of a pass over S."""
+    :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by :func:`_split_keys`)."""
     B, H = int(anchor.shape[0]), int(anchor.shape[1])
     launch["keys_in_kernel"] = True  # the fp32 flush then range-checks the per-sequence fields
-    two = not policy.single_checkpoint
-    nv = any(sp.info.scaling == "nvfp4" for sp in ([policy.rec] + ([policy.read] if two else []))
-             if not sp.is_identity)
-    amax = torch.zeros(B * H, dtype=torch.int32, device=w.device) if nv else None
     res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
                           sequence_ids=sequence_ids, flush_index=flush_index, q=q,
-                          store_state=False, dequantize=False, amax_out=amax, **launch)
+                          store_state=False, dequantize=False, **launch)
     S = res.checkpoints.anchor_stored
     sa, sr = _split_keys(layer, sequence_ids, flush_index, B, H, S.device)
 
     def cast(spec, keys):
-        if spec.is_identity:
-            return S
-        if spec.info.scaling == "nvfp4":  # the fp32 flush's amax: no amax pass over S
-            return pack_nvfp4_given_amax(S, spec, amax, seed=int(seed), stream=keys)
-        return pack_triton(S, spec, seed=int(seed), stream=keys)
+        return S if spec.is_identity else pack_triton(S, spec, seed=int(seed), stream=keys)
 
+    two = not policy.single_checkpoint
     a_st = cast(policy.rec, sa)
     r_st = cast(policy.read, sr) if two else a_st
     cps = _checkpoints(a_st, r_st, two, dequantize)

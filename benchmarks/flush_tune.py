@@ -35,8 +35,8 @@ the matrix-scaled policies, whose kernel default is the split since the ninth pa
 ``--split-casts`` times ``flush_kernel(split_casts=True)`` instead: the ``fp32`` flush writes
 S (the configurations are those of the ``fp32`` flush), then the quantizer kernels cast it
 (docs/kernels-replay.md "Eighth pass" and "Ninth pass"; a policy without a cast, ``fp32``,
-runs the fused flush as always; the casts' stream keys come from one launch, so
-``default_host_keys`` only changes the fp32 flush's keys).
+runs the fused flush as always; the split ignores ``keys_in_kernel``, its casts' keys coming
+from one launch, so under ``--split-casts`` ``default_host_keys`` is the default call again).
 
 Usage::
 
@@ -389,8 +389,9 @@ def main():
         out["notes"].append("split_casts: flush_kernel(split_casts=True); each configuration "
                             "is the fp32 flush's launch, then pack_triton casts S twice (the "
                             "casts' keys of checkpoint_streams, built in one launch by "
-                            "flush._split_keys since the ninth pass, so default_host_keys does "
-                            "not change them; a policy without a cast runs the fused flush)")
+                            "flush._split_keys since the ninth pass; the split ignores "
+                            "keys_in_kernel, so default_host_keys times the default call; a "
+                            "policy without a cast runs the fused flush)")
 
     def amax_of(pname):  # the launch resolution: the fp32 flush's under --split-casts
         return need_amax(pname) and not args.split_casts
@@ -414,9 +415,10 @@ def main():
             continue
         fk = flush_kw(M, split_casts=bool(args.split_casts))
         mres = out["models"][M.name] = {"geometry": M.as_dict(), "policies": {}}
-        # the stream keys every flush call builds (checkpoints.checkpoint_streams: on the host,
-        # a device-to-host copy of the sequence ids then a pinned copy back, or from 1024
-        # matrices on the device), inside the timed calls
+        # what checkpoints.checkpoint_streams costs (on the host, a device-to-host copy of the
+        # sequence ids then a pinned copy back, or from 1024 matrices on the device): the keys
+        # of keys_in_kernel=False (default_host_keys); the fused default packs them in the
+        # kernel, the split builds its casts' keys in one launch (flush._split_keys)
         mres["stream_keys"] = dc.timer(lambda i: checkpoint_streams(
             layer=0, sequence_ids=fk["sequence_ids"], heads=M.H,
             flush_index=fk["flush_index"]), 1, reps, 0)

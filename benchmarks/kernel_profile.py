@@ -1,7 +1,10 @@
 """Where the decode kernels spend their time (issue 15): run each serving decode operation of
 ``benchmarks/decode.py`` once at B = 256 (GDN and Mamba-2 geometries, ``fp32`` and
 ``read:nvfp4/rec:fp16+sr``) and report what the compiler made of every Triton kernel it
-launched: registers per thread, spilled registers, shared memory, warps.
+launched: registers per thread, spilled registers, shared memory, warps. The flush is the
+fused ``_flush_kernel`` (``split_casts=False``); since the ninth pass the decode default for
+an nvfp4 copy is the split flush (the fp32 flush, then ``_nvfp4_kernel`` and
+``_unscaled_kernel`` of ``kernels/quant.py``).
 
 Run it under Nsight Compute for the hardware view (the device's ``ncu`` needs
 ``--clock-control none``)::
@@ -120,7 +123,10 @@ def main(argv=None):
         for p in pols:
             policy = StatePolicy.parse(dc.POLICIES[p])
             st = dc.make_set(M, gen, policy, T, False)
-            fa = dc.flush_args(M, st)
+            # the fused flush kernel (decode.py's default splits a matrix-scaled policy's casts
+            # into the fp32 flush and the quantizer kernels: profile those with the quantizer
+            # kernels' names, or flush_tune.py --split-casts)
+            fa = dict(dc.flush_args(M, st), split_casts=False)
             h = torch.full((B,), L - 2, dtype=torch.int64, device=dc.DEV)
             start = torch.full((B,), L - T, dtype=torch.int64, device=dc.DEV)
             run = {"step": lambda: dc.run_step(M, st, h),

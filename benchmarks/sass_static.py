@@ -89,7 +89,8 @@ def compile_operation(model: str, policy: str, op: str):
         compiled.clear()
         try:
             if op == "flush":
-                dc.run_flush(M, st, pol, dc.flush_args(M, st))
+                # the fused flush (the decode default splits matrix-scaled casts out of it)
+                dc.run_flush(M, st, pol, dict(dc.flush_args(M, st), split_casts=False))
             elif op == "step":
                 dc.run_step(M, st, torch.full((B,), min(7, M.L - 2), dtype=torch.int64))
             else:

@@ -124,20 +124,30 @@ def _same_copies(got: core.Checkpoints, want: core.Checkpoints):
 
 
 # ------------------------------------------------------------------------------ flush
+def _cast_paths(policy):
+    """``split_casts`` values to test: the default, and the fused casts as well where the
+    default splits them (matrix-scaled copies: ``flush_splits_casts``), so both the fused
+    kernel's codec and the quantizer kernels meet the reference."""
+    return (None, False) if kr.flush.flush_splits_casts(StatePolicy.parse(policy)) else (None,)
+
+
 @pytest.mark.parametrize("policy", FLUSH_POLICIES)
 def test_flush_exact_inputs_bit_identical(policy):
     """(a) Exact reconstruction (decay 1, dyadic values): S, A, R and the packed bytes equal
-    the reference flush bit for bit; also the flush token's output S q."""
+    the reference flush bit for bit; also the flush token's output S q. Fused and split casts
+    (``_cast_paths``)."""
     gen = _gen(1)
     A = _dyadic(gen, (B, H, V, K))
     la = torch.zeros(B, L, H, device=DEVICE)
     w, k, q = _dyadic(gen, (B, L, H, V)), _dyadic(gen, (B, L, G, K)), _dyadic(gen, (B, G, K))
     length = _t(torch.tensor([L, 2]))
     ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
-    res, y = kr.mamba2_flush_kernel(A, la, w, k, length, StatePolicy.parse(policy), q=q, **STREAMS)
-    assert torch.equal(res.state, ref.state)
-    _same_copies(res.checkpoints, ref.checkpoints)
-    torch.testing.assert_close(y, core.matvec(ref.state, core.expand_heads(q, H, 1)), **TOL)
+    for split in _cast_paths(policy):
+        res, y = kr.mamba2_flush_kernel(A, la, w, k, length, StatePolicy.parse(policy), q=q,
+                                        split_casts=split, **STREAMS)
+        assert torch.equal(res.state, ref.state)
+        _same_copies(res.checkpoints, ref.checkpoints)
+        torch.testing.assert_close(y, core.matvec(ref.state, core.expand_heads(q, H, 1)), **TOL)
 
 
 @pytest.mark.parametrize("policy", ["read:nvfp4+sr/rec:fp32", "shared:mxfp4+sr"])
@@ -149,10 +159,12 @@ def test_flush_random_inputs(policy):
     la, w, k, _ = _records(gen)
     length = _t(torch.tensor([L, 3]))
     ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
-    res, _ = kr.mamba2_flush_kernel(A, la, w, k, length, StatePolicy.parse(policy), **STREAMS)
-    torch.testing.assert_close(res.state, ref.state, atol=1e-6, rtol=1e-6)
-    want = core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS)
-    _same_copies(res.checkpoints, want)
+    for split in _cast_paths(policy):
+        res, _ = kr.mamba2_flush_kernel(A, la, w, k, length, StatePolicy.parse(policy),
+                                        split_casts=split, **STREAMS)
+        torch.testing.assert_close(res.state, ref.state, atol=1e-6, rtol=1e-6)
+        want = core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS)
+        _same_copies(res.checkpoints, want)
 
 
 @pytest.mark.parametrize("rec", ["nvfp4", "fp8e4m3"])
@@ -167,9 +179,11 @@ def test_flush_reads_packed_anchor(rec):
     length = _t(torch.tensor([1, 3]))
     policy = f"read:nvfp4+sr/rec:{rec}"
     ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
-    res, _ = kr.mamba2_flush_kernel(A_st, la, w, k, length, StatePolicy.parse(policy), **STREAMS)
-    assert torch.equal(res.state, ref.state)
-    _same_copies(res.checkpoints, ref.checkpoints)
+    for split in _cast_paths(policy):
+        res, _ = kr.mamba2_flush_kernel(A_st, la, w, k, length, StatePolicy.parse(policy),
+                                        split_casts=split, **STREAMS)
+        assert torch.equal(res.state, ref.state)
+        _same_copies(res.checkpoints, ref.checkpoints)
 
 
 @pytest.mark.parametrize("fold", [False, True], ids=["solve", "fold-cached"])
@@ -185,12 +199,16 @@ def test_gdn_flush(fold):
     policy = "read:nvfp4+sr/rec:fp16+sr"
     ref = gdn_flush(A, la, beta, v, k, StatePolicy.parse(policy), length=length, u_cached=u_cached,
                     fold=GDNFold.CACHED if fold else GDNFold.RECOMPUTE, store=True, **STREAMS)
-    res, _ = kr.gdn_flush_kernel(A, la, beta, v, k, length, StatePolicy.parse(policy), u_cached=u_cached,
-                                 fold_cached_corrections=fold, **STREAMS)
     live = core.length_mask(length, L)[:, :, None, None]
-    torch.testing.assert_close(torch.where(live, res.w, 0.0), torch.where(live, ref.w, 0.0), **TOL)
-    torch.testing.assert_close(res.state, ref.state, **TOL)
-    _same_copies(res.checkpoints, core.cast_checkpoints(res.state, StatePolicy.parse(policy), store=True, **STREAMS))
+    for split in _cast_paths(policy):
+        res, _ = kr.gdn_flush_kernel(A, la, beta, v, k, length, StatePolicy.parse(policy),
+                                     u_cached=u_cached, fold_cached_corrections=fold,
+                                     split_casts=split, **STREAMS)
+        torch.testing.assert_close(torch.where(live, res.w, 0.0), torch.where(live, ref.w, 0.0),
+                                   **TOL)
+        torch.testing.assert_close(res.state, ref.state, **TOL)
+        _same_copies(res.checkpoints, core.cast_checkpoints(res.state, StatePolicy.parse(policy),
+                                                            store=True, **STREAMS))
 
 
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])

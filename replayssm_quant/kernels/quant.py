@@ -17,14 +17,19 @@ Blocked formats hold a tile as two ``[R, block/2]`` halves, the even and the odd
 of each block, so that two E2M1 codes go to one byte (element 2i in the low nibble) with no
 reshuffle.
 
-Rounding never uses floating-point arithmetic on the element: ``_grid_code`` reads sign,
-exponent and significand from the FP32 bits and computes the code of the target grid point
-with integer shifts (round half to even, or SR against 32 Philox bits), which is the exact
-result the reference gets from its exact float steps. Divisions use ``tl.math.div_rn``
-(IEEE round-to-nearest, subnormals kept); every other float operation (the scale products
-and the final ``value * scale``) is a single IEEE multiplication, as in the reference.
+Rounding uses no floating-point arithmetic on the element, with one exception:
+``_grid_code`` reads sign, exponent and significand from the FP32 bits and computes the code
+of the target grid point with integer shifts (round half to even, or SR against 32 Philox
+bits), which is the exact result the reference gets from its exact float steps; so do the
+E2M1 RTN (``_e2m1_rtn_code``) and the fp16 / bf16 SR paths (``_f16_sr_code``,
+``_bf16_sr_code``), except that SR onto fp16 below 2^-14 takes ``t = |y| 2^24``, ``floor(t)``
+and ``ceil(frac(t) 2^32)`` in float32, each exact (see ``_f16_sr_code``). Divisions use
+``tl.math.div_rn`` (IEEE round-to-nearest, subnormals kept); every other float operation
+(the scale products and the final ``value * scale``) is a single IEEE multiplication, as in
+the reference.
 
-GPU notes: non-FTZ ``div.rn.f32`` and ``mul.rn.f32`` are assumed; ``tl.philox`` reproduces
+GPU notes: non-FTZ ``div.rn.f32`` and ``mul.rn.f32`` are assumed (``_f16_sr_code`` multiplies
+float32 subnormals by 2^24; its test's r = 0 draws would see them flushed); ``tl.philox`` reproduces
 :func:`replayssm_quant.philox.random_bits` (key = seed, counter = (element >> 2, stream lo,
 stream hi, 0), word element & 3). NaN handling never relies on ``tl.max``/``tl.maximum`` NaN semantics:
 non-finite values are replaced by zero before every max and tracked by a separate flag.
@@ -165,8 +170,9 @@ def _random_words(seed, call, st_lo, st_hi):
 def _random_bits(seed, elem, st_lo, st_hi):
     """32 Philox bits (uint32) per element index ``elem`` (any shape): word ``elem & 3`` of
     call ``elem >> 2`` (:func:`replayssm_quant.philox.random_bits`). One call per element; the
-    tiles of whole rows (:func:`_random_pairs` / :func:`_random_tile`) and the unscaled kernel's
-    aligned tiles (``ALIGNED4``) draw one call per four elements."""
+    tiles of whole rows (:func:`_random_pairs` / :func:`_random_tile`), the unscaled and
+    block-scaled kernels' aligned tiles (``ALIGNED4``) and the fp8 matrix kernel draw one call
+    per four elements (the same words)."""
     e = elem.to(tl.uint32)  # indices below 2^32 (int32 at or above 2^31 too)
     r0, r1, r2, r3 = _random_words(seed, e >> 2, st_lo, st_hi)
     w = e & 3

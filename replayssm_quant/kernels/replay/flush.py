@@ -34,6 +34,10 @@ bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0
   operations in the same order, so the same values.
 * Optionally it writes S (the state objects read the flush token's output from it) and/or the
   flush token's output S q.
+* Split casts (``flush_kernel(split_casts=...)``, the default for matrix-scaled copies since
+  2026-12-02): ``_flush_kernel`` runs as the ``fp32`` flush and writes S, then the quantizer
+  kernels (``kernels/quant.py``) cast it to A and R with the same stream keys (built by
+  ``_split_keys_kernel``), so the same bytes as the fused casts of that S.
 
 Torch reference: :func:`replayssm_quant.replay.core.flush` (``reconstruct`` +
 ``cast_checkpoints``), :func:`replayssm_quant.replay.mamba2.mamba2_flush`,
@@ -496,7 +500,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     per-sequence fields by one device-side assertion, ``torch._assert_async``, which raises at
     the next synchronisation on CUDA and at once on CPU). On the H200 the same A and R bytes
     (``flush_tune_h200.json``) and up to 0.5 ms less per B = 256 flush than the device-built
-    keys. ``False`` takes the keys of :func:`checkpoint_streams`.
+    keys. ``False`` takes the keys of :func:`checkpoint_streams`. Both apply to the fused
+    casts; the split casts (below) ignore it.
 
     ``split_casts`` (default: :func:`flush_splits_casts`, True for policies with a
     matrix-scaled copy): the flush of the ``fp32`` policy writes S (its launch: the ``fp32``
@@ -659,6 +664,9 @@ def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
     sa = sequence_ids.to(device=dev, dtype=torch.int64).reshape(-1).contiguous()
     sr = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)
     sr = sr.expand(B).contiguous() if sr.numel() == 1 else sr.contiguous()
+    if sa.numel() != B or sr.numel() != B:
+        raise ValueError(f"_split_keys: sequence_ids and flush_index need B = {B} elements "
+                         f"(flush_index may be one), got {sa.numel()} and {sr.numel()}")
     ka = torch.empty(B, H, dtype=torch.int64, device=dev)
     kr = torch.empty_like(ka)
     n, block = B * H, 1024

@@ -16,6 +16,7 @@ Written against Triton 3.9's ``triton.runtime.driver.set_active`` and ``JITFunct
 Usage::
 
     python benchmarks/sass_static.py --model gdn --policy nvfp4 --op flush [--top 25]
+    python benchmarks/sass_static.py --quant-spec fp16+sr   # a quantizer kernel instead
 """
 
 from __future__ import annotations
@@ -104,6 +105,33 @@ def compile_operation(model: str, policy: str, op: str):
     return compiled
 
 
+def compile_quantizer(spec: str):
+    """Compile ``pack_triton`` of ``spec`` for a ``[4, 128, 128]`` tensor (the quantizer kernels
+    of the split flush's casts) without launching; returns ``[(kernel name, compiled)]``."""
+    compiled = []
+    real_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        k = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, k))
+        return k
+
+    driver.set_active(_Sm90Driver())
+    JITFunction.run = run
+    try:
+        from replayssm_quant.kernels.quant import pack_triton
+
+        try:
+            pack_triton(torch.zeros(4, 128, 128), spec, seed=1, stream=torch.arange(4))
+        except triton.CompilationError:
+            raise
+        except Exception as e:  # host code after the (unlaunched) kernel; keep the compile
+            print(f"note: host code after the compiles raised {type(e).__name__}: {e}"[:300])
+    finally:
+        JITFunction.run = real_run
+    return compiled
+
+
 def sass_report(cubin: bytes, top: int) -> dict:
     """Resource usage and static SASS counts (per opcode, per source line) of a cubin."""
     with tempfile.TemporaryDirectory() as d:
@@ -138,9 +166,20 @@ def main(argv=None):
                     help="fp32, nvfp4 (read:nvfp4/rec:fp16+sr) or a policy string")
     ap.add_argument("--op", choices=("flush", "step", "verify"), default="flush")
     ap.add_argument("--top", type=int, default=25, help="opcodes and source lines listed")
+    ap.add_argument("--quant-spec", default=None,
+                    help="instead of a decode operation: the quantizer kernel of pack_triton for "
+                         "this format (e.g. fp16+sr, nvfp4), on a [4, 128, 128] tensor")
     args = ap.parse_args(argv)
     if args.top < 1:
         ap.error(f"--top must be >= 1, got {args.top}")
+    if args.quant_spec is not None:
+        from replayssm_quant.formats import parse_spec
+
+        try:
+            if parse_spec(args.quant_spec).is_identity:
+                ap.error(f"--quant-spec: {args.quant_spec} has no quantizer kernel")
+        except ValueError as e:
+            ap.error(f"--quant-spec: {e}")
     import decode as dc
 
     from replayssm_quant.policy import StatePolicy
@@ -152,8 +191,13 @@ def main(argv=None):
     for tool in ("ptxas", "nvdisasm", "cuobjdump"):
         if not os.path.exists(os.path.join(_BIN, tool)):
             sys.exit(f"sass_static.py needs Triton's bundled {tool} (not found in {_BIN})")
-    kernels = [(n, k) for n, k in compile_operation(args.model, args.policy, args.op)
-               if n in KERNELS]
+    if args.quant_spec is not None:
+        kernels = compile_quantizer(args.quant_spec)
+        if not kernels:
+            sys.exit(f"no quantizer kernel was compiled for {args.quant_spec!r} (fp32 has none)")
+    else:
+        kernels = [(n, k) for n, k in compile_operation(args.model, args.policy, args.op)
+                   if n in KERNELS]
     if not kernels:
         sys.exit(f"no replay kernel ({', '.join(KERNELS)}) was compiled for {args.model} "
                  f"{args.policy} {args.op}")

@@ -101,6 +101,17 @@ def test_sass_static_compiles_for_sm90_without_a_gpu():
     bad = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--policy", "bogus"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "bogus" in bad.stderr and "Traceback" not in bad.stderr
+    # a quantizer kernel (--quant-spec): the fp16 SR path, and refusals
+    q = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--quant-spec", "fp16+sr",
+                        "--top", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert q.returncode == 0, q.stderr[-3000:]
+    head = [ln for ln in q.stdout.splitlines() if ln.startswith("launch 0: _unscaled_kernel:")]
+    assert len(head) == 1 and int(head[0].split()[3]) > 100
+    for spec in ("fp32", "nvfp9"):
+        bad = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--quant-spec", spec],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and spec in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_philox_bench_refuses_without_cuda(tmp_path):

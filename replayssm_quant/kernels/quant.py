@@ -279,8 +279,10 @@ def _grid_code(bits, r, SR: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexp
 @triton.jit
 def _f16_sr_code(bits, r):
     """:func:`_grid_code` with SR onto the fp16 grid (EMIN -14, 10 mantissa bits, saturating
-    at 65504) of finite float32 ``|y|`` (int32 bits; the sign is ignored), in about half its
-    instructions. From 2^-14 up (shift 13): SR adds 1 when ``r < rem << 19``, i.e. when
+    at 65504) of finite float32 ``|y|`` (int32 bits; the sign is ignored), in fewer
+    instructions (static sm_90 SASS of the fp16+sr unscaled kernel, a 2048-element tile: 1024
+    against 1216 with ``_grid_code``, the RTN kernel 568; quantize of 134M elements on the
+    H200: 0.29 against 0.40 ms). From 2^-14 up (shift 13): SR adds 1 when ``r < rem << 19``, i.e. when
     ``r >> 19 < rem`` (rem the 13 dropped bits), which is the carry of
     ``rem + 0x1FFF - (r >> 19)`` into bit 13, so the code is that sum's ``>> 13`` less the
     exponent bias difference (a carry into the exponent is the next binade's code, as in
@@ -308,7 +310,8 @@ def _bf16_sr_code(bits, r):
     """:func:`_grid_code` with SR onto the bfloat16 grid of finite float32 ``|y|`` (int32
     bits): bfloat16 shares float32's exponent range (its subnormals are float32's), so the
     shift is always 16 and SR adds 1 when ``r >> 16 < rem`` (rem the 16 dropped bits): the
-    carry of ``rem + 0xFFFF - (r >> 16)`` into bit 16. Saturates at the largest finite code."""
+    carry of ``rem + 0xFFFF - (r >> 16)`` into bit 16. Saturates at the largest finite code.
+    Static sm_90 SASS of the bf16+sr unscaled kernel: 856 instructions against 1216."""
     m = bits & 0x7FFFFFFF
     return tl.minimum((m + 0xFFFF - (r.to(tl.uint32) >> 16).to(tl.int32)) >> 16, 0x7F7F)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import subprocess
@@ -60,9 +61,10 @@ class _Sm90Driver:
         return torch.device("cpu")
 
 
-def compile_operation(model: str, policy: str, op: str):
-    """Run ``op`` (flush | step | verify) of ``benchmarks/decode.py`` under ``policy`` on CPU
-    tensors with every launch turned into a compile; returns ``[(kernel name, compiled)]``."""
+@contextlib.contextmanager
+def _compiling():
+    """Within: an sm_90 stand-in driver, and every ``JITFunction.run`` compiles (warmup, no
+    launch), appending ``(kernel name, compiled)`` to the yielded list."""
     compiled = []
     real_run = JITFunction.run
 
@@ -74,6 +76,15 @@ def compile_operation(model: str, policy: str, op: str):
     driver.set_active(_Sm90Driver())
     JITFunction.run = run
     try:
+        yield compiled
+    finally:
+        JITFunction.run = real_run
+
+
+def compile_operation(model: str, policy: str, op: str):
+    """Run ``op`` (flush | step | verify) of ``benchmarks/decode.py`` under ``policy`` on CPU
+    tensors with every launch turned into a compile; returns ``[(kernel name, compiled)]``."""
+    with _compiling() as compiled:
         import decode as dc
         import replay_kernels as rk
 
@@ -100,25 +111,13 @@ def compile_operation(model: str, policy: str, op: str):
             raise
         except Exception as e:  # host code after the (unlaunched) kernels may fail; keep them
             print(f"note: host code after the compiles raised {type(e).__name__}: {e}"[:300])
-    finally:
-        JITFunction.run = real_run
     return compiled
 
 
 def compile_quantizer(spec: str):
     """Compile ``pack_triton`` of ``spec`` for a ``[4, 128, 128]`` tensor (the quantizer kernels
     of the split flush's casts) without launching; returns ``[(kernel name, compiled)]``."""
-    compiled = []
-    real_run = JITFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        k = real_run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, k))
-        return k
-
-    driver.set_active(_Sm90Driver())
-    JITFunction.run = run
-    try:
+    with _compiling() as compiled:
         from replayssm_quant.kernels.quant import pack_triton
 
         try:
@@ -127,8 +126,6 @@ def compile_quantizer(spec: str):
             raise
         except Exception as e:  # host code after the (unlaunched) kernel; keep the compile
             print(f"note: host code after the compiles raised {type(e).__name__}: {e}"[:300])
-    finally:
-        JITFunction.run = real_run
     return compiled
 
 

@@ -277,6 +277,15 @@ def _tile_amax(se, so, rmask):
 
 
 @triton.jit
+def _packed_key(seq, fl, h, kbits, SH_HEAD: tl.constexpr, SH_SEQ: tl.constexpr,
+                SH_FLUSH: tl.constexpr):
+    """The anchor's stream key (copy bit 0; the read copy's is ``| 1``) of sequence id ``seq``,
+    flush index ``fl`` and head ``h``, with the layer's bits ``kbits``: the packing of
+    :func:`replayssm_quant.philox.stream_key` (shifts from ``STREAM_SHIFTS``)."""
+    return (fl.to(tl.int64) << SH_FLUSH) | (seq.to(tl.int64) << SH_SEQ) | (h << SH_HEAD) | kbits
+
+
+@triton.jit
 def _flush_kernel(
         a_ptr, abs_ptr, ams_ptr,  # stored anchor (decoded with A)
         la_ptr, w_ptr, k_ptr, len_ptr,  # records [B,J,H], [B,J,H,V], [B,J,G,K]; length [B]
@@ -309,8 +318,8 @@ def _flush_kernel(
     key_a = 0
     key_r = 0
     if KEYS_IN:  # the stream keys of philox.stream_key, packed here (no host work)
-        kb = (tl.load(str_ptr + b).to(tl.int64) << SH_FLUSH) | \
-            (tl.load(sta_ptr + b).to(tl.int64) << SH_SEQ) | (h << SH_HEAD) | kbits
+        kb = _packed_key(tl.load(sta_ptr + b), tl.load(str_ptr + b), h, kbits, SH_HEAD, SH_SEQ,
+                         SH_FLUSH)
         key_a = kb  # copy bit 0: the anchor
         key_r = kb | 1  # copy bit 1: the read copy
     if LOOP:
@@ -556,18 +565,12 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     if keys_in_kernel is None:
         keys_in_kernel = True
     if keys_in_kernel:
-        stream_key(layer=layer, head=H - 1)  # host range check of the host fields
-        sh = STREAM_SHIFTS
-        sa = sequence_ids.to(device=dev, dtype=torch.int64).reshape(-1).contiguous()
-        sr = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)
-        sr = sr.expand(B).contiguous() if sr.numel() == 1 else sr.contiguous()
+        sa, sr, kbits, key_consts = _key_fields(layer, sequence_ids, flush_index, B, H, dev)
+        key_consts["KEYS_IN"] = True
         width = dict(STREAM_FIELDS)  # the per-sequence fields (x >> w == 0: 0 <= x < 2^w)
         ok = ok & (((sa >> width["sequence"]) | (sr >> width["flush"])) == 0).all()
         msg += (f", sequence_ids in [0, 2^{width['sequence']}) and flush_index in "
                 f"[0, 2^{width['flush']})")
-        kbits = int(layer) << sh["layer"]
-        key_consts = dict(KEYS_IN=True, SH_HEAD=sh["head"], SH_SEQ=sh["sequence"],
-                          SH_FLUSH=sh["flush"])
     else:
         sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
                                     flush_index=flush_index)
@@ -649,21 +652,31 @@ def _split_keys_kernel(seq_ptr, fl_ptr, ka_ptr, kr_ptr, kbits, n, H, BLOCK: tl.c
     m = i < n
     b = i // H
     h = i - b * H
-    kb = (tl.load(fl_ptr + b, mask=m, other=0).to(tl.int64) << SH_FLUSH) | \
-        (tl.load(seq_ptr + b, mask=m, other=0).to(tl.int64) << SH_SEQ) | (h << SH_HEAD) | kbits
+    kb = _packed_key(tl.load(seq_ptr + b, mask=m, other=0), tl.load(fl_ptr + b, mask=m, other=0),
+                     h, kbits, SH_HEAD, SH_SEQ, SH_FLUSH)
     tl.store(ka_ptr + i, kb, mask=m)  # copy bit 0: the anchor
     tl.store(kr_ptr + i, kb | 1, mask=m)  # copy bit 1: the read copy
+
+
+def _key_fields(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
+    """Host side of the in-kernel stream keys: range-checks the host fields (layer, heads) and
+    returns ``(sequence ids [B], flush indices [B], layer bits, key constexprs)`` as int64 on
+    ``dev`` (a single flush index broadcast); the per-sequence fields are range-checked by the
+    caller, on the device."""
+    stream_key(layer=layer, head=H - 1)  # host range check of the host fields
+    sh = STREAM_SHIFTS
+    sa = sequence_ids.to(device=dev, dtype=torch.int64).reshape(-1).contiguous()
+    sr = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)
+    sr = sr.expand(B).contiguous() if sr.numel() == 1 else sr.contiguous()
+    consts = dict(SH_HEAD=sh["head"], SH_SEQ=sh["sequence"], SH_FLUSH=sh["flush"])
+    return sa, sr, int(layer) << sh["layer"], consts
 
 
 def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
     """``(anchor keys, read keys)`` int64 ``[B, H]`` of :func:`checkpoint_streams` by
     :func:`_split_keys_kernel`. The per-sequence fields must already be range-checked (the
     split flush's fp32 flush checks them on the device, ``keys_in_kernel``)."""
-    stream_key(layer=layer, head=H - 1)  # host range check of the host fields
-    sh = STREAM_SHIFTS
-    sa = sequence_ids.to(device=dev, dtype=torch.int64).reshape(-1).contiguous()
-    sr = torch.as_tensor(flush_index, dtype=torch.int64, device=dev).reshape(-1)
-    sr = sr.expand(B).contiguous() if sr.numel() == 1 else sr.contiguous()
+    sa, sr, kbits, consts = _key_fields(layer, sequence_ids, flush_index, B, H, dev)
     if sa.numel() != B or sr.numel() != B:
         raise ValueError(f"_split_keys: sequence_ids and flush_index need B = {B} elements "
                          f"(flush_index may be one), got {sa.numel()} and {sr.numel()}")
@@ -671,9 +684,8 @@ def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
     kr = torch.empty_like(ka)
     n, block = B * H, 1024
     if n:
-        _split_keys_kernel[(triton.cdiv(n, block),)](
-            sa, sr, ka, kr, int(layer) << sh["layer"], n, H, BLOCK=block, SH_HEAD=sh["head"],
-            SH_SEQ=sh["sequence"], SH_FLUSH=sh["flush"])
+        _split_keys_kernel[(triton.cdiv(n, block),)](sa, sr, ka, kr, kbits, n, H, BLOCK=block,
+                                                     **consts)
     return ka, kr
 
 

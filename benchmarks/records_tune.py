@@ -175,11 +175,20 @@ LUT2_STEP_CANDIDATES = [
 ]
 LUT2_VERIFY_CANDIDATES = [_E + ("integer",), (32, 2) + (None,) * 10 + ("integer",),
                           (32, 2) + (None,) * 10 + ("lookup",)]
+# --set readpass (2026-12-02, tenth session): the step's products with R in a launch of their own
+# (read_pass, the 14th field: (block_v, num_warps) of that launch; False: one launch) with the
+# records launch (block_v, num_warps: the first two fields) on wide tiles, since it no longer
+# streams R; both read copies, step only
+_R = (None,) * 11  # k_chunk .. e2m1_decode left to the wrappers
+READPASS_STEP_CANDIDATES = [(None, None) + _R + (False,)] + [
+    (rb, rw) + _R + (rp,)
+    for rb, rw in ((128, 1), (128, 2), (128, 4), (64, 1), (64, 2), (64, 4))
+    for rp in ((32, 2), (16, 1), (32, 4), (64, 4), (128, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
-        "shared_products", "e2m1_decode")
+        "shared_products", "e2m1_decode", "read_pass")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -202,15 +211,17 @@ def cases(M, T):
                  "shared": (SHARED_STEP_CANDIDATES, SHARED_VERIFY_CANDIDATES),
                  "verify3": ([_D], VERIFY3_VERIFY_CANDIDATES),
                  "lut": (LUT_STEP_CANDIDATES, LUT_VERIFY_CANDIDATES),
-                 "lut2": (LUT2_STEP_CANDIDATES, LUT2_VERIFY_CANDIDATES)}.get(
+                 "lut2": (LUT2_STEP_CANDIDATES, LUT2_VERIFY_CANDIDATES),
+                 "readpass": (READPASS_STEP_CANDIDATES, [])}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
 
 def cfg_label(c) -> str:
     """``block_v/num_warps/k_chunk/num_stages/use_dot/...`` (use_dot 0, 1 or tf32x3; a field
-    left to the wrapper's default: -)."""
-    return "/".join("-" if v is None else v if isinstance(v, str) else str(int(v)) for v in c)
+    left to the wrapper's default: -; a read-pass tile: its block_v x num_warps)."""
+    return "/".join("-" if v is None else v if isinstance(v, str) else
+                    "x".join(map(str, v)) if isinstance(v, tuple) else str(int(v)) for v in c)
 
 
 def cfg_dict(c):
@@ -219,8 +230,10 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
-    if len(c) > 12 and fmt != "nvfp4":
+    if len(c) > 12 and c[12] is not None and fmt != "nvfp4":
         return True  # the E2M1 decoder: only an nvfp4 read copy decodes E2M1 codes
+    if len(c) > 13 and c[13] and M.V >= 64 and c[13][0] > M.V:
+        return True  # a read-pass tile larger than the value dim: same work, masked
     if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):
         return True  # fusing needs A is R (the fp32 policy) and GDN's recompute path
     if len(c) > 8 and c[8] is False and (M.gdn or fmt != "fp32"):
@@ -329,7 +342,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
-                             "verify3", "lut", "lut2"),
+                             "verify3", "lut", "lut2", "readpass"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -340,7 +353,9 @@ def main(argv=None):
                          "group, shared_products, against the defaults) or verify3 (verify "
                          "launches with shared products: whole-K chunks, tensor cores, tiles) "
                          "or lut (nvfp4 read copy: the E2M1 decoders, e2m1_decode, and the "
-                         "step's tiles with the table lookup) or lut2 (narrower tiles)")
+                         "step's tiles with the table lookup) or lut2 (narrower tiles) or "
+                         "readpass (the step's products with R in a launch of their own, "
+                         "read_pass, with wide records tiles)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

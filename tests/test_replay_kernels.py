@@ -57,6 +57,11 @@ B, H, G, V, K, L, T = 2, 4, 2, 16, 32, 4, 3
 CAP = L + T
 SEED = 0x1234_5678_9ABC
 TOL = dict(atol=1e-5, rtol=1e-5)
+# whether a failed device-side assertion (torch._assert_async on an out-of-range value) can be
+# provoked and the process go on: on CPU it raises at once; on CUDA it leaves the context
+# unusable for every later test of the process (found on the H200, 2026-12-02: the tests after
+# one failed), so there the out-of-range halves of those tests are left to the CPU runs
+ASSERTS_RECOVER = DEVICE == "cpu"
 STREAMS = dict(seed=SEED, layer=3, sequence_ids=torch.tensor([5, 9], device=DEVICE),
                flush_index=torch.tensor([1, 4], device=DEVICE))
 
@@ -494,8 +499,14 @@ def _ring_state(gen, read_fmt, gdn):
     return R, R_st, ring, _t(torch.tensor([2, 0]))
 
 
+# read_pass: the products with R in one launch with the rest (False) or in a launch of their own
+# (a 16-row tile with one warp; the records launch then takes the default tile)
+READ_PASSES = [False, (16, 1)]
+
+
+@pytest.mark.parametrize("read_pass", READ_PASSES, ids=["one_launch", "read_pass"])
 @pytest.mark.parametrize("read_fmt", READ_FORMATS)
-def test_mamba2_step(read_fmt):
+def test_mamba2_step(read_fmt, read_pass):
     gen = _gen(5)
     R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=False)
     la, v, k = _records(gen, J=1)[:3]
@@ -508,14 +519,15 @@ def test_mamba2_step(read_fmt):
     J = int(h.max()) + 1
     want = mamba2_step_output(R, ref_ring["la"][:, :J], ref_ring["v"][:, :J],
                               ref_ring["k"][:, :J], q, h + 1)
-    got = kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h)
+    got = kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=read_pass)
     torch.testing.assert_close(got, want, **TOL)
     for n in ring:
         assert torch.equal(ring[n], ref_ring[n]), n
 
 
+@pytest.mark.parametrize("read_pass", READ_PASSES, ids=["one_launch", "read_pass"])
 @pytest.mark.parametrize("read_fmt", READ_FORMATS)
-def test_gdn_step(read_fmt):
+def test_gdn_step(read_fmt, read_pass):
     gen = _gen(6)
     R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=True)
     la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
@@ -528,7 +540,7 @@ def test_gdn_step(read_fmt):
     r = ref_ring
     want, uR = gdn_step_output(R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
                                r["k"][:, :J], q, r["uR"][:, :J], h + 1)
-    got = kr.gdn_step_kernel(R_st, ring, q, k, v, la, beta, h)
+    got = kr.gdn_step_kernel(R_st, ring, q, k, v, la, beta, h, read_pass=read_pass)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(ring["uR"][b, h], uR[b, h], **TOL)  # the new correction
     for n in ("la", "v", "k", "beta"):
@@ -1115,6 +1127,8 @@ def test_flush_keys_in_kernel_extreme_fields(model):
     _same_stored(split.checkpoints, host.checkpoints)
     with pytest.raises(ValueError, match="layer"):
         run(keys_in_kernel=True, **dict(streams, layer=256))
+    if not ASSERTS_RECOVER:
+        return
     for field, bad in (("sequence_ids", [1 << 20, 0]), ("flush_index", [-1, 7])):
         for split in (False, True):
             with pytest.raises(RuntimeError):  # the device-side range check (CPU: at once)
@@ -1244,8 +1258,9 @@ def test_verify_bad_inputs_refused(gdn):
     fn(R_st, A, *args)  # the valid case runs
     a = list(args)
     i_la, i_q, i_start = 0, (4 if gdn else 3), (6 if gdn else 4)
-    with pytest.raises(RuntimeError, match="start"):  # J = max(start) + T: start 2 overruns
-        fn(R_st, A, *a[:i_start], a[i_start] + 1, *a[i_start + 1:])
+    if ASSERTS_RECOVER:  # J = max(start) + T: start 2 overruns
+        with pytest.raises(RuntimeError, match="start"):
+            fn(R_st, A, *a[:i_start], a[i_start] + 1, *a[i_start + 1:])
     with pytest.raises(ValueError, match="q has dtype"):
         fn(R_st, A, *a[:i_q], a[i_q].double(), *a[i_q + 1:])
     with pytest.raises(ValueError, match="la has shape"):

@@ -470,69 +470,17 @@ def _key_products_kernel(
 
 
 @triton.jit
-def _records_kernel(
-        c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
-        rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
-        dla_ptr, dk_ptr, dv_ptr, dbeta_ptr,  # rows >= ss: [B,TD,H], [B,TD,G,K], [B,TD,H,V], [B,TD,H]
-        q_ptr, o_ptr,  # q [B,TQ,G,K], o [B,OT,H,V] (written at slots OT0 + t)
-        ss_ptr, n_ptr, os_ptr,  # int64 [B]: first solved/draft row, rows, first output position
-        wout_ptr,  # [B,WCAP,H,V]: solved rows ss..n-1 (WRITE_W)
-        ala_ptr, ak_ptr, av_ptr, abeta_ptr,  # ring outputs of the append (APPEND)
-        z_ptr, zd_ptr,  # [B*G, LP, NX], [B*G, NX, NX]: Z and Zd of the products launch (ZPRE)
-        H, G, V, CAP, TD, TQ, WCAP, OT, OT0, window,
-        K: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-        NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
-        STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
-        KFIRST: tl.constexpr, ZPRE: tl.constexpr,
-        GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
-        AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
-        SPREC: tl.constexpr, C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
-    # SOLVE: 0 row-by-row forward substitution and per-query reductions; 1 / 2 matrix form
-    # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2).
-    # FUSED (GDN, matrix form, C is both R and A): the key columns of X are slots 0..NS-1
-    # (not ss..), and a sequence with rows == window also gets its A-path last output here.
-    mat = tl.program_id(0).to(tl.int64)
-    vt = tl.program_id(1)
-    b = mat // H
-    h = mat - b * H
-    g = h // (H // G)
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
-    if AT_WINDOW:  # only the sequences whose rows end on the flush slot (verify's A path)
-        if n != window:
-            return
-    o0 = tl.load(os_ptr + b)
-    rows = vt * BV + tl.arange(0, BV)
-    rmask = rows < V
-    rowg = mat * V + rows.to(tl.int64)
-    idx = tl.arange(0, LP).to(tl.int64)
-    cx = tl.arange(0, NX)
-
-    # ---- records of this (sequence, head): la, w of this program's rows (issued before the
-    # C stream; consumed after it)
-    ring, drf, di, ri = _slots(idx, ss, n, D_REL)
-    la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
-                  tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))
-    m2 = ring[:, None] & rmask[None, :]
-    U = tl.load(rw_ptr + ((b * CAP + ri) * H + h)[:, None] * V + rows[None, :], mask=m2,
-                other=0.0)
-    if not GDN:  # Mamba-2: w = v for the draft rows too
-        md = drf[:, None] & rmask[None, :]
-        U += tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :], mask=md,
-                     other=0.0)
-
-    # ---- X: the NC vectors C is multiplied with, columns 0..NS-1 the k of the solved rows
-    # ss.. (GDN), then the TQ queries; padded to NX columns (zero)
-    cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
-    krow = ((b * CAP + ri) * G + g) * K
-    kdrow = ((b * TD + di) * G + g) * K
-    if KFIRST and not ZPRE:  # the record keys [LP, K] as one tile (KC == K), issued before
-        # the C stream so that their latency overlaps it; consumed by the Z pass below
-        kfirst = _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, tl.arange(0, K))
-    else:
-        kfirst = 0
-
-    # ---- Y = C X [BV, NX], C streamed along K in chunks of KC columns
+def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk, qbase,
+               isq, b, g, cs, n, G, TD, TQ, K: tl.constexpr, KC: tl.constexpr,
+               STAGES: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
+               NS: tl.constexpr, NX: tl.constexpr, D_REL: tl.constexpr, DOT: tl.constexpr,
+               PREC: tl.constexpr, C: tl.constexpr):
+    """``Y = C X [BV, NX]`` for the rows ``rowg`` of the stored checkpoint (matrix ``mat``):
+    C streamed along K in chunks of ``KC`` columns, decoded, times the ``NC`` columns of X
+    (``_x_col`` / ``_x_cols``); blocked formats by scaling blocks with the block scale applied
+    to each block's partial sum (dot path: to each element), the matrix scale (fp8, nvfp4)
+    after the sum. Used by the records kernel, in the same launch or as its read pass
+    (``YOUT``)."""
     Y = tl.zeros([BV, NX], tl.float32)
     if C.KIND <= 2:
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
@@ -573,6 +521,93 @@ def _records_kernel(
                     Y += tl.where(cx[None, :] == c, yc[:, None], 0.0)
         if C.KIND == 3:
             Y = Y * tl.load(cms_ptr + mat)  # nvfp4 matrix scale, after the sum
+    return Y
+
+
+@triton.jit
+def _records_kernel(
+        c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
+        rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
+        dla_ptr, dk_ptr, dv_ptr, dbeta_ptr,  # rows >= ss: [B,TD,H], [B,TD,G,K], [B,TD,H,V], [B,TD,H]
+        q_ptr, o_ptr,  # q [B,TQ,G,K], o [B,OT,H,V] (written at slots OT0 + t)
+        ss_ptr, n_ptr, os_ptr,  # int64 [B]: first solved/draft row, rows, first output position
+        wout_ptr,  # [B,WCAP,H,V]: solved rows ss..n-1 (WRITE_W)
+        ala_ptr, ak_ptr, av_ptr, abeta_ptr,  # ring outputs of the append (APPEND)
+        z_ptr, zd_ptr,  # [B*G, LP, NX], [B*G, NX, NX]: Z and Zd of the products launch (ZPRE)
+        y_ptr,  # [B*H*V, NC]: Y = C X of the read pass (written with YOUT, read with YPRE)
+        H, G, V, CAP, TD, TQ, WCAP, OT, OT0, window,
+        K: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+        NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
+        STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
+        KFIRST: tl.constexpr, ZPRE: tl.constexpr, YOUT: tl.constexpr, YPRE: tl.constexpr,
+        GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
+        AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
+        SPREC: tl.constexpr, C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
+    # SOLVE: 0 row-by-row forward substitution and per-query reductions; 1 / 2 matrix form
+    # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2).
+    # FUSED (GDN, matrix form, C is both R and A): the key columns of X are slots 0..NS-1
+    # (not ss..), and a sequence with rows == window also gets its A-path last output here.
+    # YOUT: the read pass (Y of this program's rows to y_ptr, nothing else); YPRE: Y from it.
+    pid = tl.program_id(0)  # (sequence, head) index math in int32 (pid < 2^31), then widened
+    vt = tl.program_id(1)
+    b32 = pid // H
+    h32 = pid - b32 * H
+    mat = pid.to(tl.int64)
+    b = b32.to(tl.int64)
+    h = h32.to(tl.int64)
+    g = (h32 // (H // G)).to(tl.int64)
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    if AT_WINDOW:  # only the sequences whose rows end on the flush slot (verify's A path)
+        if n != window:
+            return
+    o0 = tl.load(os_ptr + b)
+    rows = vt * BV + tl.arange(0, BV)
+    rmask = rows < V
+    rowg = mat * V + rows.to(tl.int64)
+    idx = tl.arange(0, LP).to(tl.int64)
+    cx = tl.arange(0, NX)
+    if YOUT:  # the read pass: the only part of the step that reads C
+        cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
+        Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk,
+                       qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS, NX,
+                       D_REL, DOT, PREC, C)
+        tl.store(y_ptr + rowg[:, None] * NC + cx[None, :], Y,
+                 mask=rmask[:, None] & (cx[None, :] < NC))
+        return
+
+    # ---- records of this (sequence, head): la, w of this program's rows (issued before the
+    # C stream; consumed after it)
+    ring, drf, di, ri = _slots(idx, ss, n, D_REL)
+    la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
+                  tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))
+    m2 = ring[:, None] & rmask[None, :]
+    U = tl.load(rw_ptr + ((b * CAP + ri) * H + h)[:, None] * V + rows[None, :], mask=m2,
+                other=0.0)
+    if not GDN:  # Mamba-2: w = v for the draft rows too
+        md = drf[:, None] & rmask[None, :]
+        U += tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :], mask=md,
+                     other=0.0)
+
+    # ---- X: the NC vectors C is multiplied with, columns 0..NS-1 the k of the solved rows
+    # ss.. (GDN), then the TQ queries; padded to NX columns (zero)
+    cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
+    krow = ((b * CAP + ri) * G + g) * K
+    kdrow = ((b * TD + di) * G + g) * K
+    if KFIRST and not ZPRE:  # the record keys [LP, K] as one tile (KC == K), issued before
+        # the C stream so that their latency overlaps it; consumed by the Z pass below
+        kfirst = _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, tl.arange(0, K))
+    else:
+        kfirst = 0
+
+    # ---- Y = C X [BV, NX]: streamed here, or from the read pass (YPRE)
+    if YPRE:
+        Y = tl.load(y_ptr + rowg[:, None] * NC + cx[None, :],
+                    mask=rmask[:, None] & (cx[None, :] < NC), other=0.0)
+    else:
+        Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk,
+                       qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS, NX,
+                       D_REL, DOT, PREC, C)
 
     # ---- Z = Kmat X [LP, NX]: k_i . x for every record slot i (ring rows < ss, then drafts);
     # per (sequence, key group): from the products launch (ZPRE) or here
@@ -680,7 +715,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     solve: str = "substitution",
                     fused_window: int | None = None,
                     solve_precision: str | None = None,
-                    e2m1_decode: str | None = None) -> torch.Tensor:
+                    e2m1_decode: str | None = None,
+                    read_pass: "tuple[int, int] | None" = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -759,10 +795,22 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             default ``"lookup"`` on NVIDIA CUDA and ``"integer"`` under the Triton interpreter,
             which cannot run inline PTX. Copies without E2M1 codes ignore it, but an explicit
             ``"lookup"`` where it cannot run is refused for any copy.
+        read_pass: ``(block_v, num_warps)``: form ``Y = C X`` (the products of the stored
+            checkpoint with the solved rows' keys and the queries, the only part that reads
+            C) in a launch of its own with this tile, which writes ``Y`` (float32
+            ``[B*H*V, NC]``, 4 NC bytes per value row) and nothing else; the records kernel
+            then reads ``Y`` instead of streaming C and does the solve, the append and the
+            outputs with its own tile (``block_v``, ``num_warps``). The read pass's programs
+            carry none of the per-program work on the records (their loads, the solve, the
+            append, the outputs), which on a narrow tile is most of a program's instructions
+            (2026-12-02, ncu of the GDN nvfp4 step: about 470 of 1280 per warp were the
+            products). The same code forms Y in both places, but the two launches' tiles can
+            lay the sums out differently, so the outputs equal the single launch's within
+            the outputs' tolerance, not bit for bit. None or False (default): one launch.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, keys_first, shared_products, solve, solve_precision, fused_window,
-    e2m1_decode).
+    e2m1_decode, read_pass).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
     ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
@@ -815,6 +863,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
     if not isinstance(keys_first, bool):
         raise ValueError(f"keys_first must be True or False, got {keys_first!r}")
+    if read_pass is False:
+        read_pass = None
+    if read_pass is not None:
+        if not (isinstance(read_pass, (tuple, list)) and len(read_pass) == 2):
+            raise ValueError(f"read_pass must be None, False or (block_v, num_warps), got "
+                             f"{read_pass!r}")
+        try:
+            _check_tile(*read_pass)
+        except ValueError as e:
+            raise ValueError(f"read_pass {tuple(read_pass)!r}: {e}") from None
     keys_first = keys_first and KC == K  # one [slots, K] tile: only with one chunk of K
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
     grid = (B * H, triton.cdiv(V, bv))
@@ -838,19 +896,27 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                                        num_warps=num_warps, **consts)
     else:
         z = zd = o_arg
-    _records_kernel[grid](
-        c, cbs, cms, ring_la, ring_k, ring_w,
-        draft["la"].contiguous(), dk, draft["v"].contiguous(),
-        beta.contiguous(), q_arg, o_arg,
-        start, rows, out_start, wo, a_la, a_k, a_v, a_beta, z, zd,
-        H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
-        o.shape[1] if TQ else 1, out_slot,
-        at_window if at_window is not None else (-1 if fused_window is None else fused_window),
-        BLK=blk, BV=bv, PREFETCH=bool(prefetch), KFIRST=keys_first, ZPRE=zpre,
-        WRITE_W=w_out is not None, APPEND=append is not None,
-        AT_WINDOW=at_window is not None, SPREC=solve_precision,
-        NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
-        num_warps=num_warps, C=C, **consts)
+    args = (c, cbs, cms, ring_la, ring_k, ring_w, draft["la"].contiguous(), dk,
+            draft["v"].contiguous(), beta.contiguous(), q_arg, o_arg, start, rows, out_start, wo,
+            a_la, a_k, a_v, a_beta, z, zd)
+    scalars = (H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
+               o.shape[1] if TQ else 1, out_slot,
+               at_window if at_window is not None else
+               (-1 if fused_window is None else fused_window))
+    flags = dict(BLK=blk, PREFETCH=bool(prefetch), KFIRST=keys_first, ZPRE=zpre,
+                 WRITE_W=w_out is not None, APPEND=append is not None,
+                 AT_WINDOW=at_window is not None, SPREC=solve_precision,
+                 NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1), C=C, **consts)
+    ypre = read_pass is not None and NC > 0
+    if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
+        rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
+        y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
+        _records_kernel[(B * H, triton.cdiv(V, rbv))](
+            *args, y, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1], **flags)
+    else:
+        y = o_arg
+    _records_kernel[grid](*args, y, *scalars, BV=bv, YOUT=False, YPRE=ypre,
+                          num_warps=num_warps, **flags)
     return o
 
 
@@ -924,7 +990,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
-        e2m1_decode: str | None = None):
+        e2m1_decode: str | None = None, read_pass=None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -933,7 +999,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG``
     (``MAMBA2_STEP_WIDE_CONFIG`` for an FP32 or half read copy, ``MAMBA2_STEP_FP4_CONFIG``
     for an E2M1 one: nvfp4, mxfp4) unless given (see :func:`records_outputs`; ``solve``: its matrix
-    forms, untimed)."""
+    forms, untimed; ``read_pass``: ``(block_v, num_warps)`` of a separate launch for the
+    products with R, or False for one launch)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
@@ -941,7 +1008,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
@@ -954,7 +1021,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
-        e2m1_decode: str | None = None):
+        e2m1_decode: str | None = None, read_pass=None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -964,7 +1031,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     configuration: ``STEP_CONFIG`` (``GDN_STEP_WIDE_CONFIG`` for an FP32 or half read copy,
     ``GDN_STEP_FP4_CONFIG`` for an E2M1 one (nvfp4, mxfp4), ``GDN_STEP_BLOCKED_CONFIG`` for
     mxfp8) unless given (``solve``: the matrix forms
-    of :func:`records_outputs`, untimed for the step)."""
+    of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
+    of a separate launch for the products with R, or False for one launch)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_STEP_WIDE_CONFIG if wide else GDN_STEP_FP4_CONFIG if _fp4(read) else
@@ -972,7 +1040,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,

@@ -178,9 +178,12 @@ LUT2_VERIFY_CANDIDATES = [_E + ("integer",), (32, 2) + (None,) * 10 + ("integer"
 # --set readpass (2026-12-02, tenth session): the step's products with R in a launch of their own
 # (read_pass, the 14th field: (block_v, num_warps) of that launch; False: one launch) with the
 # records launch (block_v, num_warps: the first two fields) on wide tiles, since it no longer
-# streams R; both read copies, step only
+# streams R; both read copies, step only; first one launch at the wrappers' tiles and at the
+# former one-launch defaults (GDN: 32 x 2 from nvfp4, 128 x 4 from fp32; records_tune_readpass_h200.json
+# was run at 6d4b974, before the read pass became GDN's default, when the first row was those)
 _R = (None,) * 11  # k_chunk .. e2m1_decode left to the wrappers
-READPASS_STEP_CANDIDATES = [(None, None) + _R + (False,)] + [
+READPASS_STEP_CANDIDATES = [(None, None) + _R + (False,), (32, 2) + _R + (False,),
+                            (128, 4) + _R + (False,)] + [
     (rb, rw) + _R + (rp,)
     for rb, rw in ((128, 1), (128, 2), (128, 4), (64, 1), (64, 2), (64, 4))
     for rp in ((32, 2), (16, 1), (32, 4), (64, 4), (128, 4))]

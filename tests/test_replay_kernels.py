@@ -1492,10 +1492,12 @@ def test_gdn_verify_fused_needs_matrix_form():
 @pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
 def test_step_keys_first_same_bits(read_fmt):
     """``keys_first`` (the record keys loaded as one tile before the stream of C) computes the
-    same step outputs, GDN corrections and ring appends, bit for bit, as the keys loaded
-    after it (it applies where C is one chunk of K; with smaller chunks it is ignored). The
-    products with the keys in the records kernel (``shared_products=False``: with them from
-    the products launch there is no key load to move)."""
+    same step outputs and GDN corrections as the keys loaded after it: bit for bit under the
+    interpreter, to TOL on CUDA, where the compiler may lay the early-loaded key tile out
+    differently (Mamba-2's outputs differ in last bits on the H200); the same appended
+    records, bit for bit, everywhere (it applies where C is one chunk of K; with smaller chunks it is
+    ignored). The products with the keys in the records kernel (``shared_products=False``:
+    with them from the products launch there is no key load to move)."""
     gen = _gen(41)
     for gdn in (False, True):
         R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
@@ -1505,7 +1507,7 @@ def test_step_keys_first_same_bits(read_fmt):
         outs, rings = [], []
         for kc, kf in ((K2, False), (K2, True), (K2 // 2, True)):
             rg = {n_: t.clone() for n_, t in ring.items()}
-            cfg = dict(k_chunk=kc, keys_first=kf, shared_products=False)
+            cfg = dict(k_chunk=kc, keys_first=kf, shared_products=False, read_pass=False)
             if gdn:
                 o = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"], new["beta"],
                                        h, **cfg)
@@ -1513,9 +1515,14 @@ def test_step_keys_first_same_bits(read_fmt):
                 o = kr.mamba2_step_kernel(R_st, rg, new["la"], new["v"], new["k"], q, h, **cfg)
             outs.append(o)
             rings.append(rg)
-        assert torch.equal(_bits(outs[0]), _bits(outs[1])), gdn
+        if DEVICE == "cpu":
+            assert torch.equal(_bits(outs[0]), _bits(outs[1])), gdn
+        torch.testing.assert_close(outs[1], outs[0], **TOL)
         for n_ in rings[0]:
-            assert torch.equal(rings[0][n_], rings[1][n_]), (gdn, n_)
+            if n_ == "uR" and DEVICE != "cpu":  # the new correction: computed, as the outputs
+                torch.testing.assert_close(rings[1][n_], rings[0][n_], **TOL)
+            else:
+                assert torch.equal(rings[0][n_], rings[1][n_]), (gdn, n_)
         torch.testing.assert_close(outs[2], outs[0], **TOL)  # chunks of K / 2: ignored
         with pytest.raises(ValueError, match="keys_first must be True or False"):
             kr.mamba2_step_kernel(R_st, ring, new["la"], new["v"], new["k"], q, h,

@@ -548,14 +548,14 @@ def _records_kernel(
     # FUSED (GDN, matrix form, C is both R and A): the key columns of X are slots 0..NS-1
     # (not ss..), and a sequence with rows == window also gets its A-path last output here.
     # YOUT: the read pass (Y of this program's rows to y_ptr, nothing else); YPRE: Y from it.
-    pid = tl.program_id(0)  # (sequence, head) index math in int32 (pid < 2^31), then widened
+    # (sequence, head) index math in int64: the same in int32 made Mamba-2's nvfp4 verify
+    # (tf32x3 products) 23% slower on the H200 (556 -> 684 us at B = 256, triton 3.6,
+    # benchmarks/results/verify_ab2_h200.json, 2026-12-02) for 1-2% elsewhere
+    mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
-    b32 = pid // H
-    h32 = pid - b32 * H
-    mat = pid.to(tl.int64)
-    b = b32.to(tl.int64)
-    h = h32.to(tl.int64)
-    g = (h32 // (H // G)).to(tl.int64)
+    b = mat // H
+    h = mat - b * H
+    g = h // (H // G)
     ss = tl.load(ss_ptr + b)
     n = tl.load(n_ptr + b)
     if AT_WINDOW:  # only the sequences whose rows end on the flush slot (verify's A path)

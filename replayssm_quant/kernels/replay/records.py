@@ -525,6 +525,72 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
 
 
 @triton.jit
+def _solve_row(p, U, Y, Z, cvec, idx, cx, vd, bd, rows, rmask, b, h, ss, dv_ptr, dbeta_ptr,
+               wout_ptr, H, V, TD, WCAP, D_REL: tl.constexpr, PREFETCH: tl.constexpr,
+               WRITE_W: tl.constexpr):
+    """GDN forward substitution, row ``p``: ``u_p = beta_p (v_p - gamma_{1:p} C k_p) -
+    sum_{i<p} beta_p gamma_{i+1:p} (k_i . k_p) u_i`` for this program's value rows; returns
+    ``U`` with row ``p`` set (and writes it to ``wout`` with WRITE_W)."""
+    if D_REL:
+        pd = p - ss
+    else:
+        pd = p
+    ck = _col(Y, cx, p - ss)  # C k_p
+    kkp = _col(Z, cx, p - ss)  # k_i . k_p
+    sel = idx == p
+    cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
+    if PREFETCH:
+        bp = tl.sum(tl.where(sel, bd, 0.0), axis=0)
+        vp = tl.sum(tl.where(sel[:, None], vd, 0.0), axis=0)
+    else:
+        bp = tl.load(dbeta_ptr + (b * TD + pd) * H + h)
+        vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + rows, mask=rmask, other=0.0)
+    before = idx < p
+    coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
+    u = bp * (vp - tl.exp(cp) * ck) - tl.sum(coef[:, None] * U, axis=0)
+    if WRITE_W:
+        tl.store(wout_ptr + ((b * WCAP + p) * H + h) * V + rows, u, mask=rmask)
+    return tl.where(sel[:, None], u[None, :], U)
+
+
+@triton.jit
+def _append_row(p, b, h, g, vt, ss, rows, rmask, dla_ptr, dk_ptr, dv_ptr, dbeta_ptr, ala_ptr,
+                ak_ptr, av_ptr, abeta_ptr, H, G, V, CAP, TD, K: tl.constexpr, GDN: tl.constexpr,
+                D_REL: tl.constexpr):
+    """The decode step's append of record row ``p`` into ring slot ``p``: this program's rows
+    of v; la (and GDN's beta) from the first row tile; k from the first value head of the key
+    group as well."""
+    if D_REL:
+        pd = p - ss
+    else:
+        pd = p
+    vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + rows, mask=rmask, other=0.0)
+    tl.store(av_ptr + ((b * CAP + p) * H + h) * V + rows, vp, mask=rmask)
+    if vt == 0:
+        tl.store(ala_ptr + (b * CAP + p) * H + h, tl.load(dla_ptr + (b * TD + pd) * H + h))
+        if GDN:
+            tl.store(abeta_ptr + (b * CAP + p) * H + h, tl.load(dbeta_ptr + (b * TD + pd) * H + h))
+        if (h % (H // G)) == 0:
+            kk = tl.arange(0, K)
+            kp = tl.load(dk_ptr + ((b * TD + pd) * G + g) * K + kk)
+            tl.store(ak_ptr + ((b * CAP + p) * G + g) * K + kk, kp)
+
+
+@triton.jit
+def _output(p, t, Y, Z, U, cvec, idx, cx, rows, rmask, b, h, o_ptr, H, V, OT, OT0,
+            NS: tl.constexpr):
+    """Output of query ``t`` at slot ``p``: ``o_p = gamma_{1:p} (C q) + sum_{j<=p}
+    gamma_{j+1:p} (k_j . q) w_j`` for this program's rows, written at ``OT0 + t``."""
+    cq = _col(Y, cx, NS + t)  # C q
+    kq = _col(Z, cx, NS + t)  # k_j . q
+    cp = tl.sum(tl.where(idx == p, cvec, 0.0), axis=0)
+    upto = idx <= p
+    m = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)), 0.0)
+    o = tl.exp(cp) * cq + tl.sum((m * kq)[:, None] * U, axis=0)
+    tl.store(o_ptr + ((b * OT + OT0 + t) * H + h) * V + rows, o, mask=rmask)
+
+
+@triton.jit
 def _records_kernel(
         c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
         rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
@@ -542,7 +608,8 @@ def _records_kernel(
         KFIRST: tl.constexpr, ZPRE: tl.constexpr, YOUT: tl.constexpr, YPRE: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
-        SPREC: tl.constexpr, C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts
+        SPREC: tl.constexpr, ONE: tl.constexpr,
+        C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
     # SOLVE: 0 row-by-row forward substitution and per-query reductions; 1 / 2 matrix form
     # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2).
     # FUSED (GDN, matrix form, C is both R and A): the key columns of X are slots 0..NS-1
@@ -630,68 +697,41 @@ def _records_kernel(
                         window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT,
                         OT0, NS, NX, GDN, D_REL, WRITE_W, SOLVE, NSQ, FUSED, SPREC)
 
-    # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time)
+    # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time; ONE: at most one
+    # row, the decode step, without the loop)
     if GDN and SOLVE == 0:
         if PREFETCH:  # the solved rows' v and beta as tiles before the loop (no loads in it)
             vd = tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :],
                          mask=drf[:, None] & rmask[None, :], other=0.0)  # [LP, BV] by slot
             bd = tl.load(dbeta_ptr + (b * TD + di) * H + h, mask=drf, other=0.0)
-        for p in range(ss, n):
-            if D_REL:
-                pd = p - ss
-            else:
-                pd = p
-            ck = _col(Y, cx, p - ss)  # C k_p
-            kkp = _col(Z, cx, p - ss)  # k_i . k_p
-            sel = idx == p
-            cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
-            if PREFETCH:
-                bp = tl.sum(tl.where(sel, bd, 0.0), axis=0)
-                vp = tl.sum(tl.where(sel[:, None], vd, 0.0), axis=0)
-            else:
-                bp = tl.load(dbeta_ptr + (b * TD + pd) * H + h)
-                vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + rows, mask=rmask, other=0.0)
-            before = idx < p
-            coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
-            u = bp * (vp - tl.exp(cp) * ck) - tl.sum(coef[:, None] * U, axis=0)
-            U = tl.where(sel[:, None], u[None, :], U)
-            if WRITE_W:
-                tl.store(wout_ptr + ((b * WCAP + p) * H + h) * V + rows, u, mask=rmask)
+        else:
+            vd = 0
+            bd = 0
+        if ONE:
+            if n > ss:
+                U = _solve_row(ss, U, Y, Z, cvec, idx, cx, vd, bd, rows, rmask, b, h, ss, dv_ptr,
+                               dbeta_ptr, wout_ptr, H, V, TD, WCAP, D_REL, PREFETCH, WRITE_W)
+        else:
+            for p in range(ss, n):
+                U = _solve_row(p, U, Y, Z, cvec, idx, cx, vd, bd, rows, rmask, b, h, ss, dv_ptr,
+                               dbeta_ptr, wout_ptr, H, V, TD, WCAP, D_REL, PREFETCH, WRITE_W)
 
-    # ---- append the new records (decode step): slots ss..n-1 of the ring
+    # ---- append the new records (decode step): slots ss..n-1 of the ring (ONE: at most one)
     if APPEND:
-        first_head = (h % (H // G)) == 0
-        kk = tl.arange(0, K)
-        for p in range(ss, n):
-            if D_REL:
-                pd = p - ss
-            else:
-                pd = p
-            vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + rows, mask=rmask, other=0.0)
-            tl.store(av_ptr + ((b * CAP + p) * H + h) * V + rows, vp, mask=rmask)
-            if vt == 0:
-                tl.store(ala_ptr + (b * CAP + p) * H + h, tl.load(dla_ptr + (b * TD + pd) * H + h))
-                if GDN:
-                    tl.store(abeta_ptr + (b * CAP + p) * H + h,
-                             tl.load(dbeta_ptr + (b * TD + pd) * H + h))
-                if first_head:
-                    kp = tl.load(dk_ptr + ((b * TD + pd) * G + g) * K + kk)
-                    tl.store(ak_ptr + ((b * CAP + p) * G + g) * K + kk, kp)
+        if ONE:
+            if n > ss:
+                _append_row(ss, b, h, g, vt, ss, rows, rmask, dla_ptr, dk_ptr, dv_ptr, dbeta_ptr,
+                            ala_ptr, ak_ptr, av_ptr, abeta_ptr, H, G, V, CAP, TD, K, GDN, D_REL)
+        else:
+            for p in range(ss, n):
+                _append_row(p, b, h, g, vt, ss, rows, rmask, dla_ptr, dk_ptr, dv_ptr, dbeta_ptr,
+                            ala_ptr, ak_ptr, av_ptr, abeta_ptr, H, G, V, CAP, TD, K, GDN, D_REL)
 
     # ---- outputs at positions o0 .. o0 + TQ - 1
-    if SOLVE == 0:
-        n_out = TQ
-    else:  # written by _matrix_outputs
-        n_out = 0
-    for t in range(0, n_out):
-        p = o0 + t
-        cq = _col(Y, cx, NS + t)  # C q
-        kq = _col(Z, cx, NS + t)  # k_j . q
-        cp = tl.sum(tl.where(idx == p, cvec, 0.0), axis=0)
-        upto = idx <= p
-        m = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)), 0.0)
-        o = tl.exp(cp) * cq + tl.sum((m * kq)[:, None] * U, axis=0)
-        tl.store(o_ptr + ((b * OT + OT0 + t) * H + h) * V + rows, o, mask=rmask)
+    if SOLVE == 0:  # (the matrix forms write theirs in _matrix_outputs)
+        for t in tl.static_range(NC - NS):  # NC - NS == TQ
+            _output(o0 + t, t, Y, Z, U, cvec, idx, cx, rows, rmask, b, h, o_ptr, H, V, OT, OT0,
+                    NS)
 
 
 # ----------------------------------------------------------------------------------------
@@ -908,7 +948,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     flags = dict(BLK=blk, PREFETCH=bool(prefetch), KFIRST=keys_first, ZPRE=zpre,
                  WRITE_W=w_out is not None, APPEND=append is not None,
                  AT_WINDOW=at_window is not None, SPREC=solve_precision,
-                 NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1), C=C, **consts)
+                 NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1), ONE=TD == 1, C=C, **consts)
     ypre = read_pass is not None and NC > 0
     if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))

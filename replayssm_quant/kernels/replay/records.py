@@ -80,7 +80,7 @@ DEFAULT_WARPS = 4
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False,
                    shared_products=True)
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=2, k_chunk=128, num_stages=1, use_dot=False,
-                            shared_products=True, read_pass=(128, 4))
+                            shared_products=True)
 MAMBA2_STEP_WIDE_CONFIG = dict(STEP_CONFIG, k_chunk=64, num_stages=2)
 # GDN from an mx/nvfp4 copy before the E2M1 table lookup (kept for mxfp8, whose E4M3 codes the
 # lookup does not touch and whose tiles were never swept on their own): the solved row's v and
@@ -93,8 +93,8 @@ GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True)
 # lut2 --timing both, records_tune_lut_h200.json / records_tune_lut2_h200.json, nvfp4, B = 256,
 # h = 7): both models take 32-row tiles with 2 warps and GDN no prefetch: GDN 196 -> 149-151
 # us, Mamba-2 170 -> 157 us (with the integer decoder and the former tiles: 201 / 214 us).
-GDN_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(128, 4))
-MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=32, num_warps=2)
+GDN_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=128, num_warps=2, read_pass=(32, 2))
+MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(32, 2))
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /

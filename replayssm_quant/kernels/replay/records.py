@@ -77,6 +77,9 @@ DEFAULT_WARPS = 4
 # --timing both, records_tune_shared_graph_h200.json, CUDA-graph medians at h = 7): GDN one
 # 128-row tile, whole K (183 against 193 us with the former 64-row, 32-column chunks);
 # Mamba-2 K in two chunks, two stages (281 against 302 us).
+# GDN from an FP32/half copy (2026-12-02, tenth session, records_tune --set readpass --timing
+# graph at ce45531, records_tune_readpass2_h200.json, B = 256, h = 7): one launch on 64-row
+# tiles with 2 warps, 170.8 us (the former 128 x 4 tile 207.1 us; with a read pass 175.6 us).
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False,
                    shared_products=True)
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=2, k_chunk=128, num_stages=1, use_dot=False,
@@ -93,6 +96,10 @@ GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True)
 # lut2 --timing both, records_tune_lut_h200.json / records_tune_lut2_h200.json, nvfp4, B = 256,
 # h = 7): both models take 32-row tiles with 2 warps and GDN no prefetch: GDN 196 -> 149-151
 # us, Mamba-2 170 -> 157 us (with the integer decoder and the former tiles: 201 / 214 us).
+# Since the tenth session (2026-12-02, records_tune --set readpass at ce45531,
+# records_tune_readpass2_h200.json) both take the read pass: the products with R in a launch of
+# 32-row tiles with 2 warps, the records launch on 128 (GDN) / 64 (Mamba-2) rows with 2 warps:
+# GDN 138.5 -> 119.6 us, Mamba-2 163.6 -> 150.3 us (one launch at the former tiles -> read pass).
 GDN_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=128, num_warps=2, read_pass=(32, 2))
 MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(32, 2))
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /

@@ -16,6 +16,7 @@ Written against Triton 3.9's ``triton.runtime.driver.set_active`` and ``JITFunct
 Usage::
 
     python benchmarks/sass_static.py --model gdn --policy nvfp4 --op flush [--top 25]
+    python benchmarks/sass_static.py --model gdn --policy nvfp4 --op step [--e2m1 integer]
     python benchmarks/sass_static.py --quant-spec fp16+sr   # a quantizer kernel instead
 """
 
@@ -81,9 +82,27 @@ def _compiling():
         JITFunction.run = real_run
 
 
-def compile_operation(model: str, policy: str, op: str):
+def compile_operation(model: str, policy: str, op: str, e2m1: str = "lookup"):
     """Run ``op`` (flush | step | verify) of ``benchmarks/decode.py`` under ``policy`` on CPU
-    tensors with every launch turned into a compile; returns ``[(kernel name, compiled)]``."""
+    tensors with every launch turned into a compile; returns ``[(kernel name, compiled)]``.
+    ``e2m1``: the records kernel's E2M1 decoder where its launch leaves the choice to the
+    device (``"lookup"``, the CUDA default, although the tensors here are on the CPU; or
+    ``"integer"``); a launch that names its decoder keeps it."""
+    from replayssm_quant.kernels.replay import records
+
+    real_choice = records._e2m1_lookup
+
+    def choice(e2m1_decode, device):
+        return e2m1 == "lookup" if e2m1_decode is None else e2m1_decode == "lookup"
+
+    records._e2m1_lookup = choice
+    try:
+        return _compile_operation(model, policy, op)
+    finally:
+        records._e2m1_lookup = real_choice
+
+
+def _compile_operation(model: str, policy: str, op: str):
     with _compiling() as compiled:
         import decode as dc
         import replay_kernels as rk
@@ -163,6 +182,9 @@ def main(argv=None):
                     help="fp32, nvfp4 (read:nvfp4/rec:fp16+sr) or a policy string")
     ap.add_argument("--op", choices=("flush", "step", "verify"), default="flush")
     ap.add_argument("--top", type=int, default=25, help="opcodes and source lines listed")
+    ap.add_argument("--e2m1", choices=("lookup", "integer"), default="lookup",
+                    help="E2M1 decoder of the records kernel where the launch leaves it to the "
+                         "device: lookup (the CUDA default) or integer (the interpreter's)")
     ap.add_argument("--quant-spec", default=None,
                     help="instead of a decode operation: the quantizer kernel of pack_triton for "
                          "this format (e.g. fp16+sr, nvfp4), on a [4, 128, 128] tensor")
@@ -193,7 +215,8 @@ def main(argv=None):
         if not kernels:
             sys.exit(f"no quantizer kernel was compiled for {args.quant_spec!r} (fp32 has none)")
     else:
-        kernels = [(n, k) for n, k in compile_operation(args.model, args.policy, args.op)
+        kernels = [(n, k) for n, k in compile_operation(args.model, args.policy, args.op,
+                                                          args.e2m1)
                    if n in KERNELS]
     if not kernels:
         sys.exit(f"no replay kernel ({', '.join(KERNELS)}) was compiled for {args.model} "

@@ -101,6 +101,20 @@ def test_sass_static_compiles_for_sm90_without_a_gpu():
     bad = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--policy", "bogus"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "bogus" in bad.stderr and "Traceback" not in bad.stderr
+    # the nvfp4 step's read pass with either E2M1 decoder (--e2m1): the lookup is CUDA's
+    # default, the integer decoder the interpreter's; different code
+    counts = {}
+    for dec in ("lookup", "integer"):
+        p = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--model", "mamba2",
+                            "--policy", "nvfp4", "--op", "step", "--top", "40", "--e2m1", dec],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        block = p.stdout.split("launch 1: _records_kernel:")[1].split("launch 2")[0]
+        counts[dec] = int(block.split()[0])
+    assert counts["lookup"] != counts["integer"], counts  # the option reaches the compile
+    bad = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--e2m1", "bogus"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "bogus" in bad.stderr
     # a quantizer kernel (--quant-spec): the fp16 SR path, and refusals
     q = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--quant-spec", "fp16+sr",
                         "--top", "3"], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -504,9 +504,33 @@ def _ring_state(gen, read_fmt, gdn):
 READ_PASSES = [False, (16, 1)]
 
 
+def _kernel_launches(monkeypatch) -> list:
+    """Record every launch of ``_records_kernel`` from here on: one ``(YOUT, YPRE)`` entry per
+    launch (the read pass, then the records launch that reads its Y)."""
+    seen = []
+    real = kr.records._records_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*a, **kw):
+                seen.append((kw["YOUT"], kw["YPRE"]))
+                return launch(*a, **kw)
+            return run
+
+    monkeypatch.setattr(kr.records, "_records_kernel", Counting())
+    return seen
+
+
+def _check_launches(seen, read_pass):
+    """The step made the read pass and a records launch reading it, or one launch."""
+    assert seen == ([(True, False), (False, True)] if read_pass else [(False, False)]), seen
+
+
 @pytest.mark.parametrize("read_pass", READ_PASSES, ids=["one_launch", "read_pass"])
 @pytest.mark.parametrize("read_fmt", READ_FORMATS)
-def test_mamba2_step(read_fmt, read_pass):
+def test_mamba2_step(read_fmt, read_pass, monkeypatch):
     gen = _gen(5)
     R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=False)
     la, v, k = _records(gen, J=1)[:3]
@@ -519,7 +543,9 @@ def test_mamba2_step(read_fmt, read_pass):
     J = int(h.max()) + 1
     want = mamba2_step_output(R, ref_ring["la"][:, :J], ref_ring["v"][:, :J],
                               ref_ring["k"][:, :J], q, h + 1)
+    seen = _kernel_launches(monkeypatch)
     got = kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=read_pass)
+    _check_launches(seen, read_pass)
     torch.testing.assert_close(got, want, **TOL)
     for n in ring:
         assert torch.equal(ring[n], ref_ring[n]), n
@@ -527,7 +553,7 @@ def test_mamba2_step(read_fmt, read_pass):
 
 @pytest.mark.parametrize("read_pass", READ_PASSES, ids=["one_launch", "read_pass"])
 @pytest.mark.parametrize("read_fmt", READ_FORMATS)
-def test_gdn_step(read_fmt, read_pass):
+def test_gdn_step(read_fmt, read_pass, monkeypatch):
     gen = _gen(6)
     R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=True)
     la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
@@ -540,7 +566,9 @@ def test_gdn_step(read_fmt, read_pass):
     r = ref_ring
     want, uR = gdn_step_output(R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
                                r["k"][:, :J], q, r["uR"][:, :J], h + 1)
+    seen = _kernel_launches(monkeypatch)
     got = kr.gdn_step_kernel(R_st, ring, q, k, v, la, beta, h, read_pass=read_pass)
+    _check_launches(seen, read_pass)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(ring["uR"][b, h], uR[b, h], **TOL)  # the new correction
     for n in ("la", "v", "k", "beta"):
@@ -548,6 +576,60 @@ def test_gdn_step(read_fmt, read_pass):
     untouched = torch.ones(B, CAP, dtype=torch.bool, device=DEVICE)
     untouched[b, h] = False
     assert torch.equal(ring["uR"][untouched], ref_ring["uR"][untouched])
+
+
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+def test_read_pass_verify_and_corrections(read_fmt, monkeypatch):
+    """The read pass where the records launch solves several rows and outputs several queries
+    (verify, GDN's recompute path with its anchor launch at the flush slot, and Mamba-2) or
+    outputs none (GDN's flush corrections, TQ = 0), on V = 48 value rows (three 16-row tiles
+    in the read pass, two 32-row records tiles, rows past V masked): against the torch
+    references, with every launch preceded by its read pass."""
+    Bx, Vx, J = 3, 48, 1 + T
+    gen = _gen(44)
+    streams = _t(torch.arange(Bx * H).view(Bx, H))
+    real = kr.records.records_outputs
+
+    def with_read_pass(*a, **kw):
+        return real(*a, **{**kw, "read_pass": (16, 1), "block_v": 32, "num_warps": 2})
+
+    monkeypatch.setattr(kr.records, "records_outputs", with_read_pass)
+    seen = _kernel_launches(monkeypatch)
+
+    def setup(gdn):
+        S = _t(torch.randn(Bx, H, Vx, K, generator=gen) * 0.3)
+        R_st = S if read_fmt == "fp32" else pack(S, read_fmt, seed=SEED, stream=streams,
+                                                 backend="torch")
+        R = R_st if read_fmt == "fp32" else R_st.dequantize()
+        la = _t(torch.log(0.9 + 0.0999 * torch.rand(Bx, J, H, generator=gen)))
+        k = torch.randn(Bx, J, G, K, generator=gen)
+        k = _t(torch.nn.functional.normalize(k, dim=-1) if gdn else k / K ** 0.5)
+        w = _t(torch.randn(Bx, J, H, Vx, generator=gen))
+        beta = _t(torch.sigmoid(torch.randn(Bx, J, H, generator=gen)))
+        return R, R_st, la, k, w, beta
+
+    A = _t(torch.randn(Bx, H, Vx, K, generator=gen) * 0.3)
+    start = _t(torch.tensor([1, 0, 1]))  # sequences 0 and 2: the last draft on the flush slot
+    qT = _t(torch.randn(Bx, T, G, K, generator=gen) * K ** -0.5)
+    R, R_st, la, k, w, beta = setup(True)
+    uk = _t(torch.randn(Bx, J, H, Vx, generator=gen))
+    args = (la, beta, w, k, qT, uk, start, L)
+    want, uw = gdn_verify(R, A, *args)
+    got, ug = kr.gdn_verify_kernel(R_st, A, *args)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(ug, uw, **TOL)
+    R, R_st, la, k, w, beta = setup(False)
+    args = (la, w, k, qT, start, L)
+    torch.testing.assert_close(kr.mamba2_verify_kernel(R_st, A, *args),
+                               mamba2_verify(R, A, *args), **TOL)
+    R, R_st, la, k, w, beta = setup(True)
+    length = _t(torch.tensor([J, 3, 0]))
+    u = kr.gdn_corrections_kernel(R_st, la, beta, w, k, length)
+    la_m, beta_m, w_m, k_m = core.mask_records(length, la, beta, w, k)
+    torch.testing.assert_close(u, core.solve_corrections(R, la_m, beta_m, w_m,
+                                                         core.expand_heads(k_m, H, 2)), **TOL)
+    assert seen and all(seen[i] == (True, False) and seen[i + 1] == (False, True)
+                        for i in range(0, len(seen), 2)), seen
 
 
 # ------------------------------------------------------------------------------ verify
@@ -955,7 +1037,11 @@ CONFIGS = [dict(k_chunk=32, use_dot=False, block_v=16, num_stages=2, shared_prod
                 shared_products=False),
            dict(k_chunk=32, use_dot=False, block_v=16, shared_products=True),
            dict(k_chunk=32, use_dot="tf32x3", block_v=16, solve="inverse",
-                shared_products=True)]
+                shared_products=True),
+           # the step (only) in one launch, and with a read pass of another tile (E2M1 copies
+           # take the read pass by default)
+           dict(k_chunk=32, use_dot=False, block_v=32, step_read_pass=False),
+           dict(k_chunk=64, use_dot=False, block_v=16, step_read_pass=(32, 2))]
 K2 = 64
 
 
@@ -979,7 +1065,11 @@ def _ring_state_k(gen, read_fmt, gdn, Kd):
 def test_records_configs(read_fmt, cfg):
     """Step (GDN and Mamba-2) and verify (both, a draft on the flush slot) under each launch
     configuration, K = 64 streamed in chunks, against the torch references."""
-    cfg = CONFIGS[cfg]
+    cfg = dict(CONFIGS[cfg])
+    step_cfg = dict(cfg)
+    if "step_read_pass" in cfg:  # the verify wrappers take no read_pass
+        step_cfg["read_pass"] = step_cfg.pop("step_read_pass")
+        del cfg["step_read_pass"]
     gen = _gen(20 + cfg["k_chunk"])
     b = torch.arange(B, device=DEVICE)
     for gdn in (False, True):
@@ -997,14 +1087,14 @@ def test_records_configs(read_fmt, cfg):
                 ref[n_][b, h] = t
             want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
                                        ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
-            got = kr.gdn_step_kernel(R_st, ring, q, nk, nv, nla, nb, h, **cfg)
+            got = kr.gdn_step_kernel(R_st, ring, q, nk, nv, nla, nb, h, **step_cfg)
             torch.testing.assert_close(ring["uR"][b, h], uR[b, h], **TOL)
         else:
             for n_, t in (("la", nla), ("v", nv), ("k", nk)):
                 ref[n_][b, h] = t
             want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
                                       h + 1)
-            got = kr.mamba2_step_kernel(R_st, ring, nla, nv, nk, q, h, **cfg)
+            got = kr.mamba2_step_kernel(R_st, ring, nla, nv, nk, q, h, **step_cfg)
         torch.testing.assert_close(got, want, **TOL)
         for n_ in ("la", "v", "k"):
             assert torch.equal(ring[n_], ref[n_]), n_
@@ -1085,7 +1175,9 @@ def test_checkpoint_streams_device_build_equals_host_build():
 @pytest.mark.parametrize("bad", [dict(block_v=24), dict(block_v=0), dict(num_warps=3),
                                  dict(k_chunk=7), dict(num_stages=0), dict(use_dot="bogus"),
                                  dict(use_dot=0.5), dict(shared_products="yes"),
-                                 dict(shared_products=1)])
+                                 dict(shared_products=1), dict(read_pass=(8, 2)),
+                                 dict(read_pass=(16, 3)), dict(read_pass=16),
+                                 dict(read_pass=True), dict(read_pass=(16, 2, 1))])
 def test_records_launch_options_refused(bad):
     """A bad launch option of the records kernel raises ValueError naming it (before launch)."""
     from replayssm_quant.kernels.replay import records_outputs

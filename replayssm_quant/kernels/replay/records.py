@@ -12,7 +12,10 @@ form -- decode step (with the ring append), verify, and the GDN correction solve
 * (decode step) the append: the new record is written into the ring in the same launch.
 
 Rows are separable along the value axis (``C k``, ``C q`` and every ``u``/``w`` are per value
-row), so a program never needs another program's rows and S is never formed. A program first
+row), so a program never needs another program's rows and S is never formed. With a read pass
+(``records_outputs(read_pass=...)``, the decode step's default from E2M1 copies) the same
+kernel is launched twice: first with ``YOUT`` (only ``Y = C X`` of its rows, stored), then with
+``YPRE`` (Y loaded instead of streaming C, and everything below). A program first
 issues its record loads (``la``, ``w`` of its rows), then streams C along K in chunks of ``KC``
 columns (``tl.range`` with ``num_stages``) and forms ``Y = C X`` for all the vectors it needs at
 once: X holds the k of the rows it solves (GDN) and the queries (``[BV, NX]``; ``tl.dot`` with
@@ -763,7 +766,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     fused_window: int | None = None,
                     solve_precision: str | None = None,
                     e2m1_decode: str | None = None,
-                    read_pass: "tuple[int, int] | None" = None) -> torch.Tensor:
+                    read_pass: "tuple[int, int] | bool | None" = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -855,7 +858,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             (2026-12-02, ncu of the GDN nvfp4 step: about 470 of 1280 per warp were the
             products). The same code forms Y in both places, but the two launches' tiles can
             lay the sums out differently, so the outputs equal the single launch's within
-            the outputs' tolerance, not bit for bit. None or False (default): one launch.
+            the outputs' tolerance, not bit for bit. ``k_chunk``, ``num_stages`` and
+            ``use_dot`` then apply to the read pass's stream of C (and, without
+            ``shared_products``, to the records launch's products with the keys), ``block_v``
+            and ``num_warps`` to the records launch; ``keys_first`` has no stream of C left to
+            overlap. Ignored where nothing multiplies C (no solved rows and no queries). None
+            or False (default): one launch.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, keys_first, shared_products, solve, solve_precision, fused_window,
@@ -955,7 +963,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     flags = dict(BLK=blk, PREFETCH=bool(prefetch), KFIRST=keys_first, ZPRE=zpre,
                  WRITE_W=w_out is not None, APPEND=append is not None,
                  AT_WINDOW=at_window is not None, SPREC=solve_precision,
-                 NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1), ONE=TD == 1, C=C, **consts)
+                 NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
+                 ONE=TD == 1,  # at most one draft row (rows - start <= TD, as the callers pass)
+                 C=C, **consts)
     ypre = read_pass is not None and NC > 0
     if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))

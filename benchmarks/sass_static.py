@@ -86,20 +86,20 @@ def compile_operation(model: str, policy: str, op: str, e2m1: str = "lookup"):
     """Run ``op`` (flush | step | verify) of ``benchmarks/decode.py`` under ``policy`` on CPU
     tensors with every launch turned into a compile; returns ``[(kernel name, compiled)]``.
     ``e2m1``: the records kernel's E2M1 decoder where its launch leaves the choice to the
-    device (``"lookup"``, the CUDA default, although the tensors here are on the CPU; or
-    ``"integer"``); a launch that names its decoder keeps it."""
+    device (``"lookup"``, the CUDA default, although the tensors here are on the CPU;
+    ``"integer"``; or ``"half"``, nvfp4 only); a launch that names its decoder keeps it."""
     from replayssm_quant.kernels.replay import records
 
-    real_choice = records._e2m1_lookup
+    real_choice = records._e2m1_mode
 
     def choice(e2m1_decode, device):
-        return e2m1 == "lookup" if e2m1_decode is None else e2m1_decode == "lookup"
+        return e2m1 if e2m1_decode is None else e2m1_decode
 
-    records._e2m1_lookup = choice
+    records._e2m1_mode = choice
     try:
         return _compile_operation(model, policy, op)
     finally:
-        records._e2m1_lookup = real_choice
+        records._e2m1_mode = real_choice
 
 
 def _compile_operation(model: str, policy: str, op: str):
@@ -182,9 +182,10 @@ def main(argv=None):
                     help="fp32, nvfp4 (read:nvfp4/rec:fp16+sr) or a policy string")
     ap.add_argument("--op", choices=("flush", "step", "verify"), default="flush")
     ap.add_argument("--top", type=int, default=25, help="opcodes and source lines listed")
-    ap.add_argument("--e2m1", choices=("lookup", "integer"), default="lookup",
+    ap.add_argument("--e2m1", choices=("lookup", "integer", "half"), default="lookup",
                     help="E2M1 decoder of the records kernel where the launch leaves it to the "
-                         "device: lookup (the CUDA default) or integer (the interpreter's)")
+                         "device: lookup (the CUDA default), integer (the interpreter's) or "
+                         "half (packed float16 pairs; nvfp4 copies)")
     ap.add_argument("--quant-spec", default=None,
                     help="instead of a decode operation: the quantizer kernel of pack_triton for "
                          "this format (e.g. fp16+sr, nvfp4), on a [4, 128, 128] tensor")

@@ -935,11 +935,13 @@ def test_fp16_bf16_sr_codes_match_generic(fmt):
 
 
 @triton.jit
-def _e2m1_pairs_kernel(b_ptr, e_ptr, o_ptr, N: tl.constexpr, LUT: tl.constexpr):
+def _e2m1_pairs_kernel(b_ptr, e_ptr, o_ptr, N: tl.constexpr, MODE: tl.constexpr):
     i = tl.arange(0, N)
     byte = tl.load(b_ptr + i)
-    if LUT:
+    if MODE == 1:
         xe, xo = kr.codec._e2m1_pairs_lut(byte)
+    elif MODE == 2:
+        xe, xo = kr.codec._e2m1_pairs_half(byte)
     else:
         xe = kr.codec._e2m1_value(byte.to(tl.int32))
         xo = kr.codec._e2m1_value(byte.to(tl.int32) >> 4)
@@ -947,18 +949,22 @@ def _e2m1_pairs_kernel(b_ptr, e_ptr, o_ptr, N: tl.constexpr, LUT: tl.constexpr):
     tl.store(o_ptr + i, xo)
 
 
-@pytest.mark.parametrize("lut", [False, True], ids=["integer", "lookup"])
-def test_e2m1_pair_decoders(lut):
-    """Both E2M1 decoders of the records kernel give, for every byte, the E2M1 table values of
-    its low (even) and high (odd) nibble bit for bit (signed zeros included). The table-lookup
-    decoder is inline PTX: CUDA only (skipped under the interpreter, where records_outputs
-    refuses it)."""
-    if lut and DEVICE != "cuda":
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["integer", "lookup", "half"])
+def test_e2m1_pair_decoders(mode):
+    """The E2M1 decoders of the records kernel give, for every byte, the E2M1 table values of
+    its low (even) and high (odd) nibble bit for bit (signed zeros included); the packed-half
+    decoder those values times 2^-14 (checked times 2^14, exact). The table-lookup and half
+    decoders are inline PTX: CUDA only (skipped under the interpreter, where records_outputs
+    refuses them; the half decoder's PTX is also run by an emulation, on CPU:
+    ``test_e2m1_half_ptx_emulated``)."""
+    if mode and DEVICE != "cuda":
         pytest.skip("inline PTX: CUDA only")
     n = 256
     byte = _t(torch.arange(n, dtype=torch.int32).to(torch.uint8))
     e, o = torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE)
-    _e2m1_pairs_kernel[(1,)](byte, e, o, N=n, LUT=lut, num_warps=1)
+    _e2m1_pairs_kernel[(1,)](byte, e, o, N=n, MODE=mode, num_warps=1)
+    if mode == 2:
+        e, o = e * kr.codec.E2M1_HALF_SCALE.value, o * kr.codec.E2M1_HALF_SCALE.value
     mag = torch.tensor(Fmt.E2M1_VALUES * 2)
     table = torch.where(torch.arange(16) >= 8, -mag, mag)
     b = torch.arange(n)
@@ -966,12 +972,84 @@ def test_e2m1_pair_decoders(lut):
     assert torch.equal(_bits(o.cpu()), _bits(table[b >> 4]))
 
 
+def _run_ptx(text, x):
+    """Execute the inline PTX ``text`` of a decoder (the instructions it uses: mov, shl, shr,
+    and, lop3, cvt.f32.f16) on uint32 words ``x`` (``$8``), in numpy; returns ``{"$0": ...}``
+    the float32 outputs. An emulation of the PTX ISA's definitions, independent of Triton
+    and ptxas."""
+    import re
+
+    import numpy as np
+
+    reg = {"$8": x.astype(np.uint32)}
+
+    def val(a):  # a register or an immediate
+        return reg[a] if a in reg else np.uint32(int(a, 0))
+
+    out = {}
+    for ln in text.strip().strip("{}").splitlines():
+        ln = ln.strip().rstrip(";")
+        if not ln or ln.startswith(".reg"):
+            continue
+        op, rest = ln.split(None, 1)
+        pair = re.match(r"\{(\w+), (\w+)\}, (\w+)$", rest)
+        a = [t.strip() for t in rest.split(",")]
+        if op == "mov.b32" and pair:  # unpack two b16 halves
+            r = reg[pair.group(3)]
+            reg[pair.group(1)], reg[pair.group(2)] = r & 0xFFFF, r >> 16
+        elif op == "mov.b32":
+            reg[a[0]] = np.broadcast_to(val(a[1]), x.shape).astype(np.uint32)
+        elif op == "shl.b32":
+            reg[a[0]] = (val(a[1]).astype(np.uint64) << int(a[2])).astype(np.uint32)
+        elif op == "shr.u32":
+            reg[a[0]] = val(a[1]) >> np.uint32(int(a[2]))
+        elif op == "and.b32":
+            reg[a[0]] = val(a[1]) & val(a[2])
+        elif op == "lop3.b32":  # bit k of the table: inputs (a, b, c) = (k & 4, k & 2, k & 1)
+            ia, ib, ic, lut = val(a[1]), val(a[2]), val(a[3]), int(a[4], 0)
+            r = np.zeros(x.shape, np.uint32)
+            for k in range(8):
+                if lut >> k & 1:
+                    r |= ((ia if k & 4 else ~ia) & (ib if k & 2 else ~ib)
+                          & (ic if k & 1 else ~ic))
+            reg[a[0]] = r
+        elif op == "cvt.f32.f16":
+            out[a[0]] = reg[a[1]].astype(np.uint16).view(np.float16).astype(np.float32)
+        else:
+            raise AssertionError(f"instruction not emulated: {ln}")
+    return out
+
+
+def test_e2m1_half_ptx_emulated():
+    """The packed-half E2M1 decoder's PTX (``codec._E2M1_HALF_PTX``), executed by an
+    emulation of its instructions on 65,536 words (every pair of values of bytes 0 and 1,
+    every value of bytes 2 and 3): output j (j < 4) is the even (low-nibble) code of byte j,
+    output 4 + j the odd one, each the E2M1 table value times 2^-14, bit for bit (signed
+    zeros included), and 2^14 is ``codec.E2M1_HALF_SCALE``."""
+    import numpy as np
+
+    lo = np.arange(1 << 16, dtype=np.uint32)
+    x = lo | (((lo * 40503) & 0xFFFF) << 16)  # an odd multiplier: a permutation of the halves
+    text = kr.codec._E2M1_HALF_PTX.value
+    out = _run_ptx(text, x)
+    mag = np.array(Fmt.E2M1_VALUES * 2, np.float32)
+    table = np.where(np.arange(16) >= 8, -mag, mag).astype(np.float32)
+    assert kr.codec.E2M1_HALF_SCALE.value == 2.0 ** 14
+    for j in range(4):
+        for half, shift in ((0, 0), (4, 4)):
+            code = (x >> np.uint32(8 * j + shift)) & 15
+            want = (table[code] * np.float32(2.0 ** -14)).astype(np.float32)
+            got = out[f"${j + half}"]
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (j, half)
+
+
 @pytest.mark.parametrize("read_fmt", ["nvfp4", "mxfp4"])
 def test_e2m1_lookup_same_bits_in_kernels(read_fmt):
-    """Inside the records kernel the two E2M1 decoders give the same bits: step outputs, the
+    """Inside the records kernel the E2M1 decoders give the same bits: step outputs, the
     ring after the append (GDN: the cached correction) and verify outputs (GDN: corrections),
     at the wrappers' defaults and with tensor-core products (``use_dot="tf32x3"``), both
-    models, from an nvfp4 and an mxfp4 read copy. CUDA only (the lookup is inline PTX)."""
+    models, from an nvfp4 and an mxfp4 read copy (the packed-half decoder: nvfp4 only, refused
+    for mxfp4). CUDA only (the lookup and half decoders are inline PTX)."""
     if DEVICE != "cuda":
         pytest.skip("inline PTX: CUDA only")
     gen = _gen(51)
@@ -983,7 +1061,13 @@ def test_e2m1_lookup_same_bits_in_kernels(read_fmt):
         A, args, _, _ = _verify_case(gen, R, ring, gdn, K2)
         for extra in ({}, dict(use_dot="tf32x3")):
             outs = []
-            for dec in ("integer", "lookup"):
+            decs = ("integer", "lookup") + (("half",) if read_fmt == "nvfp4" else ())
+            if read_fmt != "nvfp4":
+                with pytest.raises(ValueError, match="half"):
+                    kr.mamba2_step_kernel(R_st, {n_: t.clone() for n_, t in ring.items()},
+                                          new["la"], new["v"], new["k"], q, h,
+                                          e2m1_decode="half")
+            for dec in decs:
                 rg = {n_: t.clone() for n_, t in ring.items()}
                 if gdn:
                     o = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"],
@@ -995,24 +1079,26 @@ def test_e2m1_lookup_same_bits_in_kernels(read_fmt):
                                               e2m1_decode=dec, **extra)
                     vo = kr.mamba2_verify_kernel(R_st, A, *args, e2m1_decode=dec, **extra)
                     outs.append((o, rg, vo, None))
-            (o0, r0, v0, u0), (o1, r1, v1, u1) = outs
-            assert torch.equal(_bits(o0), _bits(o1)), (gdn, extra)
-            for n_ in r0:
-                assert torch.equal(_bits(r0[n_]), _bits(r1[n_])), (gdn, extra, n_)
-            assert torch.equal(_bits(v0), _bits(v1)), (gdn, extra)
-            if gdn:
-                assert torch.equal(_bits(u0), _bits(u1)), (gdn, extra)
+            o0, r0, v0, u0 = outs[0]
+            for d_, (o1, r1, v1, u1) in zip(decs[1:], outs[1:], strict=True):
+                assert torch.equal(_bits(o0), _bits(o1)), (gdn, extra, d_)
+                for n_ in r0:
+                    assert torch.equal(_bits(r0[n_]), _bits(r1[n_])), (gdn, extra, n_, d_)
+                assert torch.equal(_bits(v0), _bits(v1)), (gdn, extra, d_)
+                if gdn:
+                    assert torch.equal(_bits(u0), _bits(u1)), (gdn, extra, d_)
 
 
 @pytest.mark.parametrize("bad,match", [("bogus", "e2m1_decode must be one of"),
-                                       ("lookup", "needs NVIDIA CUDA")])
+                                       ("lookup", "needs NVIDIA CUDA"),
+                                       ("half", "needs NVIDIA CUDA")])
 def test_e2m1_decode_option_refused(bad, match):
-    """A bad ``e2m1_decode`` raises ValueError naming it; ``"lookup"`` (inline PTX) is refused
-    off CUDA or under the interpreter."""
+    """A bad ``e2m1_decode`` raises ValueError naming it; ``"lookup"`` and ``"half"`` (inline
+    PTX) are refused off CUDA or under the interpreter."""
     from replayssm_quant.kernels.replay import records_outputs
 
-    if bad == "lookup" and DEVICE == "cuda":
-        pytest.skip("lookup runs on CUDA")
+    if bad in ("lookup", "half") and DEVICE == "cuda":
+        pytest.skip("inline PTX runs on CUDA")
     B, CAP, G, H, K, V = 1, 4, 1, 2, 32, 16
     z = torch.zeros
     with pytest.raises(ValueError, match=match):

@@ -81,6 +81,7 @@ class DecodeConsts(NamedTuple):
     NANF: int  # NaN rule of the element codes (_NANF_*)
     BF16: bool  # half-precision values are bfloat16 (else float16)
     LUT: bool = False  # E2M1 pairs by byte-permute table lookups (_e2m1_pairs_lut; CUDA only)
+    HALF: bool = False  # E2M1 pairs as packed halves, times 2^-14 (_e2m1_pairs_half; CUDA only)
 
 
 class CastConsts(NamedTuple):
@@ -632,6 +633,66 @@ def _e2m1_pairs_lut(byte):
     integer decoder)."""
     tl.static_assert(byte.dtype == tl.uint8, "_e2m1_pairs_lut packs four uint8 bytes per register")
     return tl.inline_asm_elementwise(_E2M1_PAIRS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
+                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+
+
+# E2M1 as packed half precision: a code's magnitude bits (e1 e0 m) placed at bits 11..9 of a
+# float16 and its sign at bit 15 give the float16 whose value is the E2M1 value times 2^-14,
+# exactly (exponent field e, mantissa's top bit m: 2^(e-15) (1 + m/2) for e >= 1, and the
+# subnormal m 2^-15 for e = 0). Two codes 16 bits apart in the packed word become one
+# float16 pair with two shifts, one mask and one three-input logic op (lop3: (a & M) | c,
+# truth table 0xEA), then two conversions to float32. $8 holds bytes b0..b3, so the nibbles
+# at bit offsets o and o + 16 (o = 0, 4, 8, 12 within each half) are the codes (even0, even2),
+# (odd0, odd2), (even1, even3), (odd1, odd3). Outputs: $0..$3 the even codes of b0..b3, $4..$7
+# the odd codes, each the E2M1 value times 2^-14 as float32.
+_E2M1_HALF_PTX = tl.constexpr("""{
+.reg .b32 a<4>, c<4>, r<4>, mm;
+.reg .b16 h<8>;
+mov.b32 mm, 0x0E000E00;
+shl.b32 a0, $8, 9;
+shl.b32 a1, $8, 5;
+shl.b32 a2, $8, 1;
+shr.u32 a3, $8, 3;
+shl.b32 c0, $8, 12;
+shl.b32 c1, $8, 8;
+shl.b32 c2, $8, 4;
+and.b32 c0, c0, 0x80008000;
+and.b32 c1, c1, 0x80008000;
+and.b32 c2, c2, 0x80008000;
+and.b32 c3, $8, 0x80008000;
+lop3.b32 r0, a0, mm, c0, 0xEA;
+lop3.b32 r1, a1, mm, c1, 0xEA;
+lop3.b32 r2, a2, mm, c2, 0xEA;
+lop3.b32 r3, a3, mm, c3, 0xEA;
+mov.b32 {h0, h1}, r0;
+mov.b32 {h2, h3}, r1;
+mov.b32 {h4, h5}, r2;
+mov.b32 {h6, h7}, r3;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $2, h1;
+cvt.f32.f16 $4, h2;
+cvt.f32.f16 $6, h3;
+cvt.f32.f16 $1, h4;
+cvt.f32.f16 $3, h5;
+cvt.f32.f16 $5, h6;
+cvt.f32.f16 $7, h7;
+}""")
+E2M1_HALF_SCALE = tl.constexpr(16384.0)  # 2^14: what _e2m1_pairs_half's values are to be multiplied by
+
+
+@triton.jit
+def _e2m1_pairs_half(byte):
+    """Float32 values ``(even, odd)`` of packed E2M1 bytes times 2^-14 (``byte``: uint8 codes,
+    the low nibble the even element, as ``_c_blocks`` loads them): the values of
+    ``_e2m1_value(byte)`` and ``_e2m1_value(byte >> 4)`` times 2^-14 exactly (signed zeros
+    included), by float16 pairs built with shifts and masks, about 2.9 instructions per code
+    (``_e2m1_pairs_lut``: about 4.6). The caller folds 2^14 into the block scale (nvfp4's E4M3
+    scale times 2^14 is exact); products and sums then scale exactly by 2^-14, so the results
+    are those of the other decoders as long as no product falls below 2^-112 in magnitude.
+    Inline PTX: CUDA only; ``tests/test_replay_kernels.py::test_e2m1_half_ptx_emulated``
+    runs the PTX text through a Python emulation of its instructions for every byte."""
+    tl.static_assert(byte.dtype == tl.uint8, "_e2m1_pairs_half packs four uint8 bytes per register")
+    return tl.inline_asm_elementwise(_E2M1_HALF_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte],
                                      dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
 
 

@@ -56,8 +56,9 @@ from ...capabilities import triton_interpreting
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
 from .codec import (_check_f32, _check_index, _check_records, _check_supported, _decode_code,
-                    _decode_consts, _e2m1_pairs_lut, _e2m1_value, _e4m3_value, _e5m2_value,
-                    _e8m0_value, _stored_args)
+                    _decode_consts, _e2m1_pairs_half, _e2m1_pairs_lut, _e2m1_value,
+                    _e4m3_value, _e5m2_value, _e8m0_value, _K_NVFP4, _stored_args,
+                    E2M1_HALF_SCALE)
 
 # Launch configuration of the records kernel (value rows per program, warps, K chunk streamed
 # per loop iteration, software-pipeline stages, tl.dot for the C X products or per-column
@@ -129,8 +130,9 @@ MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128
                                     e2m1_decode="integer")
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
-# records_outputs(e2m1_decode=...): the E2M1 decoders (the same values; "lookup" CUDA only)
-E2M1_DECODES = ("lookup", "integer")
+# records_outputs(e2m1_decode=...): the E2M1 decoders (the same values; "lookup" and "half"
+# CUDA only, "half" nvfp4 only)
+E2M1_DECODES = ("lookup", "integer", "half")
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
 MIN_DOT = 16  # smallest tl.dot N / K
 
@@ -185,6 +187,8 @@ def _c_blocks(c_ptr, bs_ptr, rowg, rmask, k0, K: tl.constexpr, BLK: tl.constexpr
                        other=0)
         if D.LUT:
             xe, xo = _e2m1_pairs_lut(byte)
+        elif D.HALF:  # the values times 2^-14; the block scale times 2^14 below
+            xe, xo = _e2m1_pairs_half(byte)
         else:
             byte = byte.to(tl.int32)
             xe = _e2m1_value(byte)
@@ -198,6 +202,8 @@ def _c_blocks(c_ptr, bs_ptr, rowg, rmask, k0, K: tl.constexpr, BLK: tl.constexpr
                   mask=rmask[:, None], other=0).to(tl.int32)
     if D.KIND == 3:
         sc = _e4m3_value(sbc)
+        if D.HALF:
+            sc = sc * E2M1_HALF_SCALE  # exact: an E4M3 value times 2^14
     else:
         sc = _e8m0_value(sbc)
     return xe, xo, sc
@@ -843,10 +849,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         e2m1_decode: how an nvfp4/mxfp4 copy's E2M1 codes become float32 values (the same
             values bit for bit, so the same outputs): ``"lookup"`` byte-permute table lookups
             in inline PTX, four bytes per instruction group (``codec._e2m1_pairs_lut``; CUDA
-            only), or ``"integer"`` integer arithmetic per code (``codec._e2m1_value``);
-            default ``"lookup"`` on NVIDIA CUDA and ``"integer"`` under the Triton interpreter,
-            which cannot run inline PTX. Copies without E2M1 codes ignore it, but an explicit
-            ``"lookup"`` where it cannot run is refused for any copy.
+            only), ``"integer"`` integer arithmetic per code (``codec._e2m1_value``), or
+            ``"half"`` (nvfp4 only, CUDA only; 2026-12-02, not yet timed on the device): two
+            codes per register as float16 values times 2^-14 (``codec._e2m1_pairs_half``,
+            about 2.9 instructions per code against the lookup's 4.6), with 2^14 folded into
+            the E4M3 block scale, so the products and sums scale exactly and the outputs are
+            the other decoders' (unless a product falls below 2^-112 in magnitude); default
+            ``"lookup"`` on NVIDIA CUDA and ``"integer"`` under the Triton interpreter, which
+            cannot run inline PTX. Copies without E2M1 codes ignore it, but an explicit
+            ``"lookup"`` or ``"half"`` where it cannot run is refused for any copy, and
+            ``"half"`` for an mxfp4 copy (E8M0 scales times 2^14 can overflow).
         read_pass: ``(block_v, num_warps)``: form ``Y = C X`` (the products of the stored
             checkpoint with the solved rows' keys and the queries, the only part that reads
             C) in a launch of its own with this tile, which writes ``Y`` (float32
@@ -938,7 +950,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         raise ValueError(f"shared_products must be True or False, got {shared_products!r}")
     LP = _lp(max(CAP, TD))
     C = _decode_consts(spec)
-    C = C._replace(LUT=_e2m1_lookup(e2m1_decode, q.device) and C.FP4)
+    mode = _e2m1_mode(e2m1_decode, q.device)
+    if mode == "half" and C.FP4 and C.KIND != _K_NVFP4:
+        raise ValueError(f"e2m1_decode='half' folds 2^14 into E4M3 block scales (nvfp4); this "
+                         f"copy is {spec}")
+    C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
     consts = dict(K=K, LP=LP, NS=NS, NC=NC, NX=NX, KC=KC, STAGES=num_stages or 1,
                   DOT=bool(use_dot), PREC=prec, GDN=gdn, D_REL=draft_relative, SOLVE=matrix,
                   FUSED=fused_window is not None)
@@ -984,19 +1000,21 @@ def _fp4(read) -> bool:
     return isinstance(read, PackedTensor) and _decode_consts(read.spec).FP4
 
 
-def _e2m1_lookup(e2m1_decode, device) -> bool:
-    """Whether the records kernel decodes E2M1 codes by table lookup (``records_outputs``)."""
+def _e2m1_mode(e2m1_decode, device) -> str:
+    """The records kernel's E2M1 decoder (``records_outputs(e2m1_decode=...)``): ``"lookup"``
+    by default on NVIDIA CUDA, ``"integer"`` under the interpreter or elsewhere; a given one
+    is checked (the inline-PTX ones need NVIDIA CUDA without the interpreter)."""
+    ptx = device.type == "cuda" and torch.version.hip is None and not triton_interpreting()
     if e2m1_decode is None:  # (ROCm reports "cuda" too: the PTX is NVIDIA's)
-        return device.type == "cuda" and torch.version.hip is None and not triton_interpreting()
+        return "lookup" if ptx else "integer"
     if e2m1_decode not in E2M1_DECODES:
         raise ValueError(f"e2m1_decode must be one of {E2M1_DECODES} (or None), got "
                          f"{e2m1_decode!r}")
-    if e2m1_decode == "lookup" and (device.type != "cuda" or torch.version.hip is not None
-                                    or triton_interpreting()):
-        raise ValueError("e2m1_decode='lookup' is inline PTX and needs NVIDIA CUDA without the "
-                         f"Triton interpreter (device {device}, TRITON_INTERPRET="
+    if e2m1_decode != "integer" and not ptx:
+        raise ValueError(f"e2m1_decode={e2m1_decode!r} is inline PTX and needs NVIDIA CUDA "
+                         f"without the Triton interpreter (device {device}, TRITON_INTERPRET="
                          f"{int(triton_interpreting())}); use 'integer' or None")
-    return e2m1_decode == "lookup"
+    return e2m1_decode
 
 
 def _pow2(v) -> bool:

@@ -187,6 +187,11 @@ READPASS_STEP_CANDIDATES = [(None, None) + _R + (False,), (32, 2) + _R + (False,
     (rb, rw) + _R + (rp,)
     for rb, rw in ((128, 1), (128, 2), (128, 4), (64, 1), (64, 2), (64, 4))
     for rp in ((32, 2), (16, 1), (32, 4), (64, 4), (128, 4))]
+# --set half (prepared 2026-12-02, not yet run): the packed-half E2M1 decoder (e2m1_decode="half",
+# the 13th field) against the defaults (lookup; Mamba-2's tensor-core verify: integer), nvfp4
+# read copy, step and verify
+HALF_STEP_CANDIDATES = [_E + ("lookup",), _E + ("half",)]
+HALF_VERIFY_CANDIDATES = [_E + (None,), _E + ("half",)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -215,7 +220,8 @@ def cases(M, T):
                  "verify3": ([_D], VERIFY3_VERIFY_CANDIDATES),
                  "lut": (LUT_STEP_CANDIDATES, LUT_VERIFY_CANDIDATES),
                  "lut2": (LUT2_STEP_CANDIDATES, LUT2_VERIFY_CANDIDATES),
-                 "readpass": (READPASS_STEP_CANDIDATES, [])}.get(
+                 "readpass": (READPASS_STEP_CANDIDATES, []),
+                 "half": (HALF_STEP_CANDIDATES, HALF_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -345,7 +351,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
-                             "verify3", "lut", "lut2", "readpass"),
+                             "verify3", "lut", "lut2", "readpass", "half"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -358,7 +364,8 @@ def main(argv=None):
                          "or lut (nvfp4 read copy: the E2M1 decoders, e2m1_decode, and the "
                          "step's tiles with the table lookup) or lut2 (narrower tiles) or "
                          "readpass (the step's products with R in a launch of their own, "
-                         "read_pass, with wide records tiles)")
+                         "read_pass, with wide records tiles) or half (nvfp4: the packed-half "
+                         "E2M1 decoder against the defaults)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -21,6 +21,7 @@ scaling block makes that whole block NaN (the block scale is stored as the NaN c
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 
@@ -254,7 +255,12 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
     bad = (f"bad format spec {spec!r}: expected one of {', '.join(FORMAT_NAMES)}, optionally "
            f"followed by '{SR_SUFFIX}' (stochastic rounding; RTN is the default) and, for block-"
            f"scaled formats, a scale mode ({_scale_help()})")
-    if name not in FORMATS or len(set(suffixes)) != len(suffixes):
+    if name not in FORMATS:
+        close = difflib.get_close_matches(name, FORMAT_NAMES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"bad format spec {spec!r}: unknown format {name!r}{hint}; "
+                         + bad.split(": ", 1)[1])
+    if len(set(suffixes)) != len(suffixes):
         raise ValueError(bad)
     sr, scale = False, ""
     modes = SCALE_MODES.get(FORMATS[name].scaling, ())

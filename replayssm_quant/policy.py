@@ -32,6 +32,10 @@ GRAMMAR = (
     "'shared:nvfp4+up+sr')"
 )
 
+# the policy forms and examples (the part of GRAMMAR a bad format's own message leaves out)
+_FORMS = ("'fp32' | 'shared:F' | 'eager:F' | 'read:F/rec:G' (examples: 'shared:nvfp4+sr', "
+          "'read:nvfp4/rec:fp16+sr')")
+
 _FP32 = QuantSpec("fp32")
 
 
@@ -73,8 +77,8 @@ class StatePolicy:
         def spec(token: str) -> QuantSpec:
             try:
                 return parse_spec(token)
-            except ValueError as e:
-                raise ValueError(f"bad state policy {s!r}: {e}; {GRAMMAR}") from None
+            except ValueError as e:  # the format's message lists the formats already
+                raise ValueError(f"bad state policy {s!r}: {e}; policies: {_FORMS}") from None
 
         if "," in text or not text:
             raise ValueError(f"bad state policy {s!r}; {GRAMMAR}")

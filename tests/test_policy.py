@@ -46,6 +46,19 @@ def test_bad_policies_list_grammar(bad):
     assert repr(bad) in msg and "read:F/rec:G" in msg and "nvfp4" in msg
 
 
+@pytest.mark.parametrize("bad,hint", [("shared:nvpf4+sr", "did you mean 'nvfp4'?"),
+                                      ("read:nvfp4/rec:fp61", "did you mean 'fp16'?"),
+                                      ("shared:bogus", None)])
+def test_misspelled_format_suggests_the_nearest(bad, hint):
+    """A misspelled format names itself, suggests the closest format name where one is close
+    (difflib), and the message lists the formats and the policy forms once each."""
+    with pytest.raises(ValueError) as e:
+        StatePolicy.parse(bad)
+    msg = str(e.value)
+    assert "unknown format" in msg and ("did you mean" not in msg if hint is None else hint in msg)
+    assert msg.count("fp8e4m3") == 1 and msg.count("read:F/rec:G") == 1
+
+
 def test_non_string():
     with pytest.raises(ValueError, match="read:F/rec:G"):
         StatePolicy.parse(3)

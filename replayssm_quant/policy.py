@@ -32,10 +32,6 @@ GRAMMAR = (
     "'shared:nvfp4+up+sr')"
 )
 
-# the policy forms and examples (the part of GRAMMAR a bad format's own message leaves out)
-_FORMS = ("'fp32' | 'shared:F' | 'eager:F' | 'read:F/rec:G' (examples: 'shared:nvfp4+sr', "
-          "'read:nvfp4/rec:fp16+sr')")
-
 _FP32 = QuantSpec("fp32")
 
 
@@ -77,8 +73,9 @@ class StatePolicy:
         def spec(token: str) -> QuantSpec:
             try:
                 return parse_spec(token)
-            except ValueError as e:  # the format's message lists the formats already
-                raise ValueError(f"bad state policy {s!r}: {e}; policies: {_FORMS}") from None
+            except ValueError as e:  # its first clause (GRAMMAR lists the formats once)
+                what = str(e).split("; expected one of")[0].split(": expected one of")[0]
+                raise ValueError(f"bad state policy {s!r}: {what}; {GRAMMAR}") from None
 
         if "," in text or not text:
             raise ValueError(f"bad state policy {s!r}; {GRAMMAR}")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 __all__ = [
     "FloatGrid",
     "QuantSpec",
+    "SpecError",
     "FORMATS",
     "FORMAT_NAMES",
     "parse_spec",
@@ -238,13 +239,23 @@ def _scale_help() -> str:
             "nvfp4 '+rn' (default), '+up'")
 
 
+class SpecError(ValueError):
+    """A bad format spec; ``what`` is the message's first clause (what is wrong, without the
+    list of accepted specs), for callers that print their own grammar (``StatePolicy``)."""
+
+    def __init__(self, message: str, what: str):
+        super().__init__(message)
+        self.what = what
+
+
 def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
     """Parse a format token such as ``"nvfp4"``, ``"fp8e4m3+sr"``, ``"mxfp4+rceil+sr"``
     (DESIGN.md section 3; scale modes: :data:`SCALE_MODES`, in any order with ``+sr``; the
     default mode's name is accepted and dropped from the canonical form).
 
     Raises:
-        ValueError: naming the bad token and listing the accepted ones.
+        ValueError: naming the bad token and listing the accepted ones (:class:`SpecError`
+            for a string that is not a spec).
     """
     if isinstance(spec, QuantSpec):
         return spec
@@ -252,16 +263,18 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
         raise ValueError(f"format spec must be a string, got {type(spec).__name__} {spec!r}")
     token = spec.strip().lower()
     name, *suffixes = token.split("+")
-    bad = (f"bad format spec {spec!r}: expected one of {', '.join(FORMAT_NAMES)}, optionally "
-           f"followed by '{SR_SUFFIX}' (stochastic rounding; RTN is the default) and, for block-"
-           f"scaled formats, a scale mode ({_scale_help()})")
+    expected = (f"expected one of {', '.join(FORMAT_NAMES)}, optionally followed by "
+                f"'{SR_SUFFIX}' (stochastic rounding; RTN is the default) and, for block-scaled "
+                f"formats, a scale mode ({_scale_help()})")
+    head = f"bad format spec {spec!r}"
+    bad = SpecError(f"{head}: {expected}", head)
     if name not in FORMATS:
         close = difflib.get_close_matches(name, FORMAT_NAMES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"bad format spec {spec!r}: unknown format {name!r}{hint}; "
-                         + bad.split(": ", 1)[1])
+        what = f"{head}: unknown format {name!r}" + (f" (did you mean {close[0]!r}?)" if close
+                                                      else "")
+        raise SpecError(f"{what}; {expected}", what)
     if len(set(suffixes)) != len(suffixes):
-        raise ValueError(bad)
+        raise bad
     sr, scale = False, ""
     modes = SCALE_MODES.get(FORMATS[name].scaling, ())
     for suf in suffixes:
@@ -270,5 +283,5 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
         elif suf in modes and not scale:
             scale = "" if suf == modes[0] else suf
         else:
-            raise ValueError(bad)
+            raise bad
     return QuantSpec(name, sr, scale)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .formats import FORMAT_NAMES, QuantSpec, parse_spec
+from .formats import FORMAT_NAMES, QuantSpec, SpecError, parse_spec
 
 POLICY_KINDS = ("fp32", "shared", "eager", "separate")
 
@@ -73,9 +73,8 @@ class StatePolicy:
         def spec(token: str) -> QuantSpec:
             try:
                 return parse_spec(token)
-            except ValueError as e:  # its first clause (GRAMMAR lists the formats once)
-                what = str(e).split("; expected one of")[0].split(": expected one of")[0]
-                raise ValueError(f"bad state policy {s!r}: {what}; {GRAMMAR}") from None
+            except SpecError as e:  # what is wrong; GRAMMAR lists the formats once
+                raise ValueError(f"bad state policy {s!r}: {e.what}; {GRAMMAR}") from None
 
         if "," in text or not text:
             raise ValueError(f"bad state policy {s!r}; {GRAMMAR}")

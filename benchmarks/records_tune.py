@@ -192,6 +192,16 @@ READPASS_STEP_CANDIDATES = [(None, None) + _R + (False,), (32, 2) + _R + (False,
 # read copy, step and verify
 HALF_STEP_CANDIDATES = [_E + ("lookup",), _E + ("half",)]
 HALF_VERIFY_CANDIDATES = [_E + (None,), _E + ("half",)]
+# --set f16 (2026-12-02, eleventh session): C's products on float16 tensor cores
+# (use_dot="f16x3", the 5th field; nvfp4 read copy) in the step's read pass (tiles: the 14th
+# field) with the half decoder's float16 pairs or the lookup's values converted, and in verify,
+# against the defaults; the records launch keeps the wrappers' tile
+_F = (None,) * 7  # prefetch .. keys_first, shared_products
+F16_STEP_CANDIDATES = [_E + ("lookup",)] + [
+    (None, None, None, None, "f16x3") + _F + (dec, rp)
+    for dec in ("half", "lookup") for rp in ((32, 2), (64, 2), (64, 4), (128, 4))]
+F16_VERIFY_CANDIDATES = [_E + (None,), (None, None, None, None, "f16x3") + _F + ("half",),
+                         (None, None, None, None, "f16x3") + _F + ("lookup",)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -221,7 +231,8 @@ def cases(M, T):
                  "lut": (LUT_STEP_CANDIDATES, LUT_VERIFY_CANDIDATES),
                  "lut2": (LUT2_STEP_CANDIDATES, LUT2_VERIFY_CANDIDATES),
                  "readpass": (READPASS_STEP_CANDIDATES, []),
-                 "half": (HALF_STEP_CANDIDATES, HALF_VERIFY_CANDIDATES)}.get(
+                 "half": (HALF_STEP_CANDIDATES, HALF_VERIFY_CANDIDATES),
+                 "f16": (F16_STEP_CANDIDATES, F16_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -241,6 +252,8 @@ def cfg_dict(c):
 def skip(M, c, fmt):
     if len(c) > 12 and c[12] is not None and fmt != "nvfp4":
         return True  # the E2M1 decoder: only an nvfp4 read copy decodes E2M1 codes
+    if len(c) > 4 and c[4] == "f16x3" and fmt != "nvfp4":
+        return True  # float16 products of exact E2M1 x E4M3 values: an nvfp4 read copy only
     if len(c) > 13 and c[13] and M.V >= 64 and c[13][0] > M.V:
         return True  # a read-pass tile larger than the value dim: same work, masked
     if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):
@@ -351,7 +364,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
-                             "verify3", "lut", "lut2", "readpass", "half"),
+                             "verify3", "lut", "lut2", "readpass", "half", "f16"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -365,7 +378,9 @@ def main(argv=None):
                          "step's tiles with the table lookup) or lut2 (narrower tiles) or "
                          "readpass (the step's products with R in a launch of their own, "
                          "read_pass, with wide records tiles) or half (nvfp4: the packed-half "
-                         "E2M1 decoder against the defaults)")
+                         "E2M1 decoder against the defaults) or f16 (nvfp4: C's products on "
+                         "float16 tensor cores, use_dot='f16x3', in the step's read pass and "
+                         "verify)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")
@@ -398,7 +413,8 @@ def main(argv=None):
                   "GDN_STEP_FP4_CONFIG", "MAMBA2_STEP_WIDE_CONFIG", "MAMBA2_STEP_FP4_CONFIG",
                   "VERIFY_CONFIG",
                   "GDN_VERIFY_CONFIG",
-                  "GDN_VERIFY_BLOCKED_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG")},
+                  "GDN_VERIFY_BLOCKED_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG",
+                  "GDN_VERIFY_NVFP4_CONFIG", "MAMBA2_VERIFY_NVFP4_CONFIG")},
               "keys": list(KEYS), "reps": args.reps, "pool": args.pool, "rows": []}
     l2 = dc.l2_bytes()
     for mi, M in enumerate(models):

@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import contextlib
 import os
@@ -82,24 +83,31 @@ def _compiling():
         JITFunction.run = real_run
 
 
-def compile_operation(model: str, policy: str, op: str, e2m1: str = "lookup"):
+def compile_operation(model: str, policy: str, op: str, e2m1: str | None = None,
+                      records_options: dict | None = None):
     """Run ``op`` (flush | step | verify) of ``benchmarks/decode.py`` under ``policy`` on CPU
     tensors with every launch turned into a compile; returns ``[(kernel name, compiled)]``.
     ``e2m1``: the records kernel's E2M1 decoder where its launch leaves the choice to the
-    device (``"lookup"``, the CUDA default, although the tensors here are on the CPU;
-    ``"integer"``; or ``"half"``, nvfp4 only); a launch that names its decoder keeps it."""
+    device (None: CUDA's default, although the tensors here are on the CPU: ``"lookup"``,
+    ``"half"`` with ``use_dot="f16x3"``; ``"integer"``; ``"lookup"``; or ``"half"``, nvfp4
+    only); a launch that names its decoder keeps it.
+    ``records_options``: launch options given to every ``records_outputs`` call in place of
+    the wrappers' (e.g. ``{"use_dot": "f16x3"}``)."""
     from replayssm_quant.kernels.replay import records
 
-    real_choice = records._e2m1_mode
+    real_choice, real_outputs = records._e2m1_mode, records.records_outputs
 
-    def choice(e2m1_decode, device):
-        return e2m1 if e2m1_decode is None else e2m1_decode
+    def choice(e2m1_decode, device, ptx_default="lookup"):
+        return (e2m1 or ptx_default) if e2m1_decode is None else e2m1_decode
 
-    records._e2m1_mode = choice
+    def outputs(*a, **kw):
+        return real_outputs(*a, **{**kw, **(records_options or {})})
+
+    records._e2m1_mode, records.records_outputs = choice, outputs
     try:
         return _compile_operation(model, policy, op)
     finally:
-        records._e2m1_mode = real_choice
+        records._e2m1_mode, records.records_outputs = real_choice, real_outputs
 
 
 def _compile_operation(model: str, policy: str, op: str):
@@ -182,16 +190,30 @@ def main(argv=None):
                     help="fp32, nvfp4 (read:nvfp4/rec:fp16+sr) or a policy string")
     ap.add_argument("--op", choices=("flush", "step", "verify"), default="flush")
     ap.add_argument("--top", type=int, default=25, help="opcodes and source lines listed")
-    ap.add_argument("--e2m1", choices=("lookup", "integer", "half"), default="lookup",
+    ap.add_argument("--e2m1", choices=("lookup", "integer", "half"), default=None,
                     help="E2M1 decoder of the records kernel where the launch leaves it to the "
-                         "device: lookup (the CUDA default), integer (the interpreter's) or "
-                         "half (packed float16 pairs; nvfp4 copies)")
+                         "device (default: CUDA's choice, lookup, or half with "
+                         "use_dot='f16x3'): lookup, integer (the interpreter's) or half "
+                         "(packed float16 pairs; nvfp4 copies)")
+    ap.add_argument("--records-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a launch option of every records_outputs call, in place of the "
+                         "wrappers' (a Python literal or a string), e.g. use_dot=f16x3; "
+                         "repeatable")
     ap.add_argument("--quant-spec", default=None,
                     help="instead of a decode operation: the quantizer kernel of pack_triton for "
                          "this format (e.g. fp16+sr, nvfp4), on a [4, 128, 128] tensor")
     args = ap.parse_args(argv)
     if args.top < 1:
         ap.error(f"--top must be >= 1, got {args.top}")
+    options = {}
+    for item in args.records_option:
+        key, eq, text = item.partition("=")
+        if not eq or not key.isidentifier():
+            ap.error(f"--records-option must be KEY=VALUE, got {item!r}")
+        try:
+            options[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[key] = text
     if args.quant_spec is not None:
         from replayssm_quant.formats import parse_spec
 
@@ -217,7 +239,7 @@ def main(argv=None):
             sys.exit(f"no quantizer kernel was compiled for {args.quant_spec!r} (fp32 has none)")
     else:
         kernels = [(n, k) for n, k in compile_operation(args.model, args.policy, args.op,
-                                                          args.e2m1)
+                                                          args.e2m1, options)
                    if n in KERNELS]
     if not kernels:
         sys.exit(f"no replay kernel ({', '.join(KERNELS)}) was compiled for {args.model} "

@@ -974,14 +974,16 @@ def test_e2m1_pair_decoders(mode):
 
 def _run_ptx(text, x):
     """Execute the inline PTX ``text`` of a decoder (the instructions it uses: mov, shl, shr,
-    and, lop3, cvt.f32.f16) on uint32 words ``x`` (``$8``), in numpy; returns ``{"$0": ...}``
-    the float32 outputs. An emulation of the PTX ISA's definitions, independent of Triton
-    and ptxas."""
+    and, lop3, prmt, cvt.f32.f16) on uint32 words ``x`` (``$8``, or ``$4`` for a decoder with
+    four outputs), in numpy; returns ``{"$0": ...}`` the outputs (float32 from cvt, uint32
+    words from prmt). An emulation of the PTX ISA's definitions, independent of Triton and
+    ptxas."""
     import re
 
     import numpy as np
 
-    reg = {"$8": x.astype(np.uint32)}
+    inp = "$4" if "$4," in text and "$5" not in text else "$8"
+    reg = {inp: x.astype(np.uint32)}
 
     def val(a):  # a register or an immediate
         return reg[a] if a in reg else np.uint32(int(a, 0))
@@ -1013,6 +1015,14 @@ def _run_ptx(text, x):
                     r |= ((ia if k & 4 else ~ia) & (ib if k & 2 else ~ib)
                           & (ic if k & 1 else ~ic))
             reg[a[0]] = r
+        elif op == "prmt.b32":  # default mode: byte k of d is byte (sel >> 4k) & 7 of {b, a}
+            ia, ib, sel = val(a[1]), val(a[2]), int(a[3], 0)
+            r = np.zeros(x.shape, np.uint32)
+            for k in range(4):
+                j = sel >> 4 * k & 7
+                byte = ((ia if j < 4 else ib) >> np.uint32(8 * (j & 3))) & np.uint32(0xFF)
+                r |= byte << np.uint32(8 * k)
+            (out if a[0].startswith("$") else reg)[a[0]] = r
         elif op == "cvt.f32.f16":
             out[a[0]] = reg[a[1]].astype(np.uint16).view(np.float16).astype(np.float32)
         else:
@@ -1025,7 +1035,8 @@ def test_e2m1_half_ptx_emulated():
     emulation of its instructions on 65,536 words (every pair of values of bytes 0 and 1,
     every value of bytes 2 and 3): output j (j < 4) is the even (low-nibble) code of byte j,
     output 4 + j the odd one, each the E2M1 table value times 2^-14, bit for bit (signed
-    zeros included), and 2^14 is ``codec.E2M1_HALF_SCALE``."""
+    zeros included), and 2^14 is ``codec.E2M1_HALF_SCALE``; the float16 form
+    (``codec._E2M1_HALF16_PTX``) gives the same values as float16 pairs in element order."""
     import numpy as np
 
     lo = np.arange(1 << 16, dtype=np.uint32)
@@ -1041,13 +1052,23 @@ def test_e2m1_half_ptx_emulated():
             want = (table[code] * np.float32(2.0 ** -14)).astype(np.float32)
             got = out[f"${j + half}"]
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (j, half)
+    # the float16 form (_E2M1_HALF16_PTX): $0 / $1 the even codes of bytes (0, 1) / (2, 3),
+    # $2 / $3 the odd ones, element 0 of each pair in the low half, float16 bit for bit
+    out16 = _run_ptx(kr.codec._E2M1_HALF16_PTX.value, x)
+    for r, (shift, j0) in enumerate(((0, 0), (0, 2), (4, 0), (4, 2))):
+        for part in range(2):
+            code = (x >> np.uint32(8 * (j0 + part) + shift)) & 15
+            want = (table[code] * np.float32(2.0 ** -14)).astype(np.float16)
+            got = ((out16[f"${r}"] >> np.uint32(16 * part)) & 0xFFFF).astype(np.uint16)
+            assert np.array_equal(got, want.view(np.uint16)), (r, part)
 
 
 @pytest.mark.parametrize("read_fmt", ["nvfp4", "mxfp4"])
 def test_e2m1_lookup_same_bits_in_kernels(read_fmt):
     """Inside the records kernel the E2M1 decoders give the same bits: step outputs, the
     ring after the append (GDN: the cached correction) and verify outputs (GDN: corrections),
-    at the wrappers' defaults and with tensor-core products (``use_dot="tf32x3"``), both
+    at the wrappers' defaults and with tensor-core products (``use_dot="tf32x3"``; nvfp4 also
+    ``"f16x3"``, where the half decoder gives float16 pairs directly), both
     models, from an nvfp4 and an mxfp4 read copy (the packed-half decoder: nvfp4 only, refused
     for mxfp4). CUDA only (the lookup and half decoders are inline PTX)."""
     if DEVICE != "cuda":
@@ -1059,7 +1080,8 @@ def test_e2m1_lookup_same_bits_in_kernels(read_fmt):
         q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
         new = {n_: t[:, -1].clone() for n_, t in ring.items()}
         A, args, _, _ = _verify_case(gen, R, ring, gdn, K2)
-        for extra in ({}, dict(use_dot="tf32x3")):
+        for extra in ({}, dict(use_dot="tf32x3")) + (
+                (dict(use_dot="f16x3"),) if read_fmt == "nvfp4" else ()):
             outs = []
             decs = ("integer", "lookup") + (("half",) if read_fmt == "nvfp4" else ())
             if read_fmt != "nvfp4":
@@ -1192,6 +1214,111 @@ def test_records_configs(read_fmt, cfg):
         else:
             got = kr.mamba2_verify_kernel(R_st, A, *args, **cfg)
         torch.testing.assert_close(got, want, **TOL)
+
+
+@triton.jit
+def _dot_c16_kernel(a_ptr, x_ptr, y_ptr, R: tl.constexpr, KC: tl.constexpr, NX: tl.constexpr):
+    r = tl.arange(0, R)
+    k = tl.arange(0, KC)
+    c = tl.arange(0, NX)
+    a = tl.load(a_ptr + r[:, None] * KC + k[None, :])
+    x = tl.load(x_ptr + k[:, None] * NX + c[None, :])
+    y = kr.records._dot_c16(a, x, tl.zeros([R, NX], tl.float32))
+    tl.store(y_ptr + r[:, None] * NX + c[None, :], y)
+
+
+def test_dot_c16_fp32_accuracy():
+    """``records._dot_c16`` (the float16 tensor-core products of ``use_dot="f16x3"``): ``2^14
+    a x`` for float16 ``a`` holding exact nvfp4 values (E2M1 times E4M3 times 2^-14) and float32
+    ``x`` whose columns span 2^-100 .. 2^100 in scale (one all zero, one with elements 2^-30
+    below its largest), against the float64 product: within 4 float32 ulps of the sum of
+    magnitudes (|a| |x|) per element; and exactly x's elements (24 significant bits) through
+    rows of a that pick one element each (the three float16 terms hold all 24 bits)."""
+    gen = _gen(77)
+    R, KC, NX = 32, 64, 16
+    e2m1 = torch.tensor(Fmt.E2M1_VALUES)
+    code = torch.randint(0, 8, (R, KC), generator=gen)
+    sign = torch.where(torch.rand(R, KC, generator=gen) < 0.5, -1.0, 1.0)
+    e4m3 = torch.randint(1, 127, (R, KC // 16), generator=gen).to(torch.uint8).view(
+        torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
+    a64 = (sign * e2m1[code] * e4m3).double()
+    a16 = (a64 * 2.0 ** -14).half()
+    assert torch.equal(a16.double(), a64 * 2.0 ** -14)  # exact, as _c_blocks_f16 argues
+    x = torch.randn(KC, NX, generator=gen, dtype=torch.float64)
+    x = x * (2.0 ** torch.linspace(-100, 100, NX, dtype=torch.float64))[None, :]
+    x[:, 3] = 0.0
+    x[: KC // 2, 5] *= 2.0 ** -30  # a wide range inside one column
+    x = x.float()
+    y = torch.empty(R, NX, device=DEVICE)
+    _dot_c16_kernel[(1,)](_t(a16.contiguous()), _t(x.contiguous()), y, R=R, KC=KC, NX=NX,
+                          num_warps=2)
+    want = a64 @ x.double()
+    bound = 4 * 2.0 ** -24 * (a64.abs() @ x.double().abs())
+    err = (y.cpu().double() - want).abs()
+    assert bool((err <= bound).all()), float((err / bound.clamp_min(1e-300)).max())
+    assert torch.equal(y.cpu()[:, 3], torch.zeros(R))
+    # the split keeps all 24 bits: rows of a that pick one element (E2M1 1 times E4M3 1) give
+    # x's elements bit for bit, for elements down to 2^-8 of their column's largest
+    a1 = torch.zeros(R, KC, dtype=torch.float64)
+    a1[torch.arange(R), torch.arange(R)] = 1.0
+    m = torch.randint(1 << 23, 1 << 24, (KC, NX), generator=gen).double() * 2.0 ** -24
+    x1 = (m * 2.0 ** torch.randint(-8, 1, (KC, NX), generator=gen).double()
+          * torch.where(torch.rand(KC, NX, generator=gen) < 0.5, -1.0, 1.0)
+          * (2.0 ** torch.linspace(-100, 100, NX).round().double())[None, :]).float()
+    _dot_c16_kernel[(1,)](_t((a1 * 2.0 ** -14).half().contiguous()), _t(x1.contiguous()), y,
+                          R=R, KC=KC, NX=NX, num_warps=2)
+    assert torch.equal(_bits(y.cpu()), _bits(x1[:R]))
+
+
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_f16x3_products(gdn):
+    """``use_dot="f16x3"`` (C's products on float16 tensor cores, nvfp4 only): the step (one
+    launch and with a read pass) and verify match the torch references within the outputs'
+    tolerance, also with queries scaled by 2^-60 and 2^60 (the per-column power-of-two scale
+    of the split); other read copies are refused with a message naming the copy."""
+    gen = _gen(61)
+    h = _t(torch.tensor([2, 0]))
+    b = torch.arange(B, device=DEVICE)
+    R, R_st, ring = _ring_state_k(gen, "nvfp4", gdn, K2)
+    nla, nk, nv = (ring[n_][:, -1].clone() for n_ in ("la", "k", "v"))
+    ref = {n_: t.clone() for n_, t in ring.items()}
+    J = int(h.max()) + 1
+    for qs in (1.0, 2.0 ** -60, 2.0 ** 60):
+        q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5 * qs)
+        tol = dict(atol=TOL["atol"] * qs, rtol=TOL["rtol"])
+        for rp in (False, (16, 1)):
+            rg = {n_: t.clone() for n_, t in ring.items()}
+            if gdn:
+                nb = ring["beta"][:, -1].clone()
+                for n_, t in (("la", nla), ("v", nv), ("k", nk), ("beta", nb)):
+                    ref[n_][b, h] = t
+                want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J],
+                                           ref["v"][:, :J], ref["k"][:, :J], q,
+                                           ref["uR"][:, :J], h + 1)
+                got = kr.gdn_step_kernel(R_st, rg, q, nk, nv, nla, nb, h, use_dot="f16x3",
+                                         read_pass=rp, block_v=16)
+                torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+            else:
+                for n_, t in (("la", nla), ("v", nv), ("k", nk)):
+                    ref[n_][b, h] = t
+                want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J],
+                                          ref["k"][:, :J], q, h + 1)
+                got = kr.mamba2_step_kernel(R_st, rg, nla, nv, nk, q, h, use_dot="f16x3",
+                                            read_pass=rp, block_v=16)
+            torch.testing.assert_close(got, want, **tol)
+    A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
+    if gdn:
+        got, ug = kr.gdn_verify_kernel(R_st, A, *args, use_dot="f16x3", block_v=16)
+        torch.testing.assert_close(ug, uw, **TOL)
+    else:
+        got = kr.mamba2_verify_kernel(R_st, A, *args, use_dot="f16x3", block_v=16)
+    torch.testing.assert_close(got, want, **TOL)
+    _, M_st, _ = _ring_state_k(gen, "mxfp4", gdn, K2)
+    with pytest.raises(ValueError, match="f16x3.*mxfp4"):
+        if gdn:
+            kr.gdn_verify_kernel(M_st, A, *args, use_dot="f16x3", block_v=16)
+        else:
+            kr.mamba2_verify_kernel(M_st, A, *args, use_dot="f16x3", block_v=16)
 
 
 def _verify_case(gen, R, ring, gdn: bool, Kd: int):

@@ -696,6 +696,49 @@ def _e2m1_pairs_half(byte):
                                      dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
 
 
+# The same codes as float16 pairs for tensor-core products (records_outputs(use_dot="f16x3")):
+# the four lop3 results of _E2M1_HALF_PTX hold the code pairs (even0, even2), (odd0, odd2),
+# (even1, even3), (odd1, odd3); two byte permutes per pair of words put them in element order.
+# Outputs (two float16 per register, element 0 in the low half, as Triton packs them): $0 the
+# even codes of b0, b1, $1 of b2, b3, $2 the odd codes of b0, b1, $3 of b2, b3; input $4.
+_E2M1_HALF16_PTX = tl.constexpr("""{
+.reg .b32 a<4>, c<4>, r<4>, mm;
+mov.b32 mm, 0x0E000E00;
+shl.b32 a0, $4, 9;
+shl.b32 a1, $4, 5;
+shl.b32 a2, $4, 1;
+shr.u32 a3, $4, 3;
+shl.b32 c0, $4, 12;
+shl.b32 c1, $4, 8;
+shl.b32 c2, $4, 4;
+and.b32 c0, c0, 0x80008000;
+and.b32 c1, c1, 0x80008000;
+and.b32 c2, c2, 0x80008000;
+and.b32 c3, $4, 0x80008000;
+lop3.b32 r0, a0, mm, c0, 0xEA;
+lop3.b32 r1, a1, mm, c1, 0xEA;
+lop3.b32 r2, a2, mm, c2, 0xEA;
+lop3.b32 r3, a3, mm, c3, 0xEA;
+prmt.b32 $0, r0, r2, 0x5410;
+prmt.b32 $1, r0, r2, 0x7632;
+prmt.b32 $2, r1, r3, 0x5410;
+prmt.b32 $3, r1, r3, 0x7632;
+}""")
+
+
+@triton.jit
+def _e2m1_pairs_half16(byte):
+    """Float16 values ``(even, odd)`` of packed E2M1 bytes times 2^-14 (``byte``: uint8 codes,
+    the low nibble the even element): the float16 values whose float32 conversions
+    ``_e2m1_pairs_half`` returns, exactly, without the conversion (about 2.4 instructions per
+    code), for the float16 tensor-core products (``records._c_blocks_f16``). Inline PTX: CUDA
+    only; ``tests/test_replay_kernels.py::test_e2m1_half_ptx_emulated`` runs its PTX through
+    the emulation too."""
+    tl.static_assert(byte.dtype == tl.uint8, "_e2m1_pairs_half16 packs four uint8 bytes per register")
+    return tl.inline_asm_elementwise(_E2M1_HALF16_PTX, "=r,=r,=r,=r,r", [byte],
+                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
 @triton.jit
 def _e4m3_value(code):
     """Float32 value of OFP8 E4M3FN codes (low 8 bits; magnitude 0x7F is NaN, no inf): normal

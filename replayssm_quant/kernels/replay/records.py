@@ -56,7 +56,8 @@ from ...capabilities import triton_interpreting
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
 from .codec import (_check_f32, _check_index, _check_records, _check_supported, _decode_code,
-                    _decode_consts, _e2m1_pairs_half, _e2m1_pairs_lut, _e2m1_value,
+                    _decode_consts, _e2m1_pairs_half, _e2m1_pairs_half16, _e2m1_pairs_lut,
+                    _e2m1_value,
                     _e4m3_value, _e5m2_value, _e8m0_value, _K_NVFP4, _stored_args,
                     E2M1_HALF_SCALE)
 
@@ -128,6 +129,16 @@ GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG)
 # keeps the integer decoder; GDN's verify is the same with either (794-799 / 1527-1537 us).
 MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128, num_stages=1,
                                     e2m1_decode="integer")
+# From an nvfp4 copy (2026-12-02, eleventh session, records_tune --set f16 --timing graph,
+# records_tune_f16_h200.json, B = 256, h = 0 / 8): C's products on float16 tensor cores
+# (use_dot="f16x3": exact float16 values of E2M1 x E4M3, X in three float16 terms) with the
+# packed-half decoder's float16 pairs: Mamba-2 557 / 789 -> 396 / 628 us (the lookup's
+# values converted: 428 / 662), GDN 792 / 1537 -> 774 / 1506 us. Other blocked copies (mx)
+# keep the configurations above. The step's read pass with it was slower (GDN 119 -> 145 us
+# at best, Mamba-2 149 -> 279 us): on its narrow tiles the per-program split of X costs more
+# than the decode and FMAs it replaces.
+GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, use_dot="f16x3")
+MAMBA2_VERIFY_NVFP4_CONFIG = dict(MAMBA2_VERIFY_BLOCKED_CONFIG, use_dot="f16x3", e2m1_decode=None)
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
 # records_outputs(e2m1_decode=...): the E2M1 decoders (the same values; "lookup" and "half"
@@ -207,6 +218,67 @@ def _c_blocks(c_ptr, bs_ptr, rowg, rmask, k0, K: tl.constexpr, BLK: tl.constexpr
     else:
         sc = _e8m0_value(sbc)
     return xe, xo, sc
+
+
+@triton.jit
+def _c_blocks_f16(c_ptr, bs_ptr, rowg, rmask, k0, K: tl.constexpr, BLK: tl.constexpr,
+                  NBC: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
+    """An nvfp4 copy's ``NBC`` scaling blocks from column ``k0`` as float16 ``(even, odd)``
+    element values ``[BV, NBC, W]`` (W = BLK / 2), each times its E4M3 block scale and times
+    2^-14, exactly: an E2M1 value times 2^-14 is a multiple of 2^-15 with 2 significant bits,
+    an E4M3 value one of 2^-9 with 4, so their product is a multiple of 2^-24 (float16's
+    smallest subnormal) with at most 8 significant bits and at most 448 * 6 * 2^-14 < 0.17 in
+    magnitude: representable, so the float16 multiply rounds nothing. The matrix scale is
+    left out (applied to the sum). The packed-half decoder (``D.HALF``) gives the float16
+    values directly (``_e2m1_pairs_half16``); the others are scaled and converted (exact)."""
+    nb = tl.arange(0, NBC)
+    jj = tl.arange(0, W)
+    col = k0 // 2 + nb[:, None] * W + jj[None, :]
+    byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2) + col[None, :, :],
+                   mask=rmask[:, None, None], other=0)
+    if D.HALF:
+        xe, xo = _e2m1_pairs_half16(byte)
+    else:
+        if D.LUT:
+            xe, xo = _e2m1_pairs_lut(byte)
+        else:
+            bi = byte.to(tl.int32)
+            xe = _e2m1_value(bi)
+            xo = _e2m1_value(bi >> 4)
+        xe = (xe * 0.00006103515625).to(tl.float16)  # times 2^-14: exact
+        xo = (xo * 0.00006103515625).to(tl.float16)
+    sbc = tl.load(bs_ptr + rowg[:, None] * (K // BLK) + (k0 // BLK + nb)[None, :],
+                  mask=rmask[:, None], other=0).to(tl.int32)
+    sc = _e4m3_value(sbc).to(tl.float16)[:, :, None]  # exact (E4M3 values are float16 values)
+    return xe * sc, xo * sc
+
+
+@triton.jit
+def _dot_c16(a, x, acc):
+    """``acc + 2^14 a x`` (``[R, NX]`` float32) for float16 ``a [R, KC]`` (values times 2^-14,
+    ``_c_blocks_f16``) and float32 ``x [KC, NX]``, on float16 tensor cores with float32
+    accumulation: each column of x scaled by a power of two s (its largest magnitude into
+    [2^14, 2^15)) and split into three float16 terms, ``x s = hi + mid + lo`` to about 33
+    significant bits (hi rounds x s to 11 bits, mid the rest, lo what mid leaves); a's
+    products with each are exact in float32, so the error is the tensor cores' float32
+    accumulation plus what lo drops (relative 2^-33 of the column's largest element; values
+    below 2^-39 of it lose bits to float16's subnormals). The three products accumulate lo
+    first; the result is multiplied by ``2^14 / s`` (a power of two) per column. Columns
+    whose largest magnitude is below 2^-113 are scaled as if it were 2^-113. A non-finite
+    element makes its column's products non-finite."""
+    m = tl.max(tl.abs(x), axis=0)
+    e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 14)  # biased exponent of max
+    s = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
+    inv = (e << 23).to(tl.float32, bitcast=True)  # 2^14 / s = 2^(e - 127)
+    xs = x * s[None, :]
+    hi = xs.to(tl.float16)
+    r = xs - hi.to(tl.float32)
+    mid = r.to(tl.float16)
+    lo = (r - mid.to(tl.float32)).to(tl.float16)
+    d = tl.dot(a, lo)
+    d = tl.dot(a, mid, d)
+    d = tl.dot(a, hi, d)
+    return acc + d * inv[None, :]
 
 
 @triton.jit
@@ -514,27 +586,36 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
             W: tl.constexpr = BLK
             ES: tl.constexpr = 1
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
-            xe, xo, sc = _c_blocks(c_ptr, cbs_ptr, rowg, rmask, k0, K, BLK, NBC, W, C)
-            if DOT:  # block scale per element, then one product per half
+            if DOT == 2:  # nvfp4 on float16 tensor cores (use_dot="f16x3"), one product per half
+                ve, vo = _c_blocks_f16(c_ptr, cbs_ptr, rowg, rmask, k0, K, BLK, NBC, W, C)
                 jf = tl.arange(0, NBC * W)
-                ve = tl.reshape(xe * sc[:, :, None], [BV, NBC * W])
-                Y += tl.dot(ve, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + ES * jf, K),
-                            input_precision=PREC)
-                if C.FP4:
-                    vo = tl.reshape(xo * sc[:, :, None], [BV, NBC * W])
-                    Y += tl.dot(vo, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq,
-                                            k0 + ES * jf + 1, K), input_precision=PREC)
-            else:  # block partial sums, the block scale applied to each
-                e3 = k0 + ES * (tl.arange(0, NBC)[:, None] * W + tl.arange(0, W)[None, :])
-                for c in tl.static_range(NC):
-                    xv = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3, c, NS, K, D_REL)
-                    part = tl.sum(xe * xv[None, :, :], axis=2)
+                Y = _dot_c16(tl.reshape(ve, [BV, NBC * W]),
+                             _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + 2 * jf, K), Y)
+                Y = _dot_c16(tl.reshape(vo, [BV, NBC * W]),
+                             _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + 2 * jf + 1, K),
+                             Y)
+            else:
+                xe, xo, sc = _c_blocks(c_ptr, cbs_ptr, rowg, rmask, k0, K, BLK, NBC, W, C)
+                if DOT:  # block scale per element, then one product per half
+                    jf = tl.arange(0, NBC * W)
+                    ve = tl.reshape(xe * sc[:, :, None], [BV, NBC * W])
+                    Y += tl.dot(ve, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + ES * jf,
+                                            K), input_precision=PREC)
                     if C.FP4:
-                        xv1 = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3 + 1, c, NS, K,
-                                     D_REL)
-                        part += tl.sum(xo * xv1[None, :, :], axis=2)
-                    yc = tl.sum(part * sc, axis=1)
-                    Y += tl.where(cx[None, :] == c, yc[:, None], 0.0)
+                        vo = tl.reshape(xo * sc[:, :, None], [BV, NBC * W])
+                        Y += tl.dot(vo, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq,
+                                                k0 + ES * jf + 1, K), input_precision=PREC)
+                else:  # block partial sums, the block scale applied to each
+                    e3 = k0 + ES * (tl.arange(0, NBC)[:, None] * W + tl.arange(0, W)[None, :])
+                    for c in tl.static_range(NC):
+                        xv = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3, c, NS, K, D_REL)
+                        part = tl.sum(xe * xv[None, :, :], axis=2)
+                        if C.FP4:
+                            xv1 = _x_col(dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ, e3 + 1, c, NS, K,
+                                         D_REL)
+                            part += tl.sum(xo * xv1[None, :, :], axis=2)
+                        yc = tl.sum(part * sc, axis=1)
+                        Y += tl.where(cx[None, :] == c, yc[:, None], 0.0)
         if C.KIND == 3:
             Y = Y * tl.load(cms_ptr + mat)  # nvfp4 matrix scale, after the sum
     return Y
@@ -798,7 +879,13 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             with C and the keys instead of per-vector reductions (``True`` or ``"ieee"``: FP32
             FMA; ``"tf32x3"``: three TF32 tensor-core products with the split operands, about
             FP32 accuracy (error ~2^-21 relative per product, within the outputs' 1e-5
-            tolerance); default ``"ieee"`` with four or more vectors, else reductions).
+            tolerance); ``"f16x3"``, nvfp4 copies only: C's products on float16 tensor cores
+            from exact float16 values of its codes times their block scales and three float16
+            terms of X (``_c_blocks_f16``, ``_dot_c16``; about FP32 accuracy; any other copy,
+            such as verify's FP32 anchor, the products with the keys and the matrix forms'
+            small products then take ``"tf32x3"``; the step and verify wrappers refuse it
+            for a read copy that is not nvfp4); default
+            ``"ieee"`` with four or more vectors, else reductions).
         prefetch: GDN: load the solved rows' ``v`` and ``beta`` as ``[LP, BV]`` / ``[LP]``
             tiles before the forward substitution instead of one row per iteration (the loop
             then has no memory operations; the same values). Timed by ``records_tune.py --set
@@ -840,7 +927,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         solve_precision: the matrix forms' small products (``tl.dot``): ``"ieee"`` (FP32
             FMA) or ``"tf32x3"`` (tensor cores, about FP32 accuracy, fewer registers: the FMA
             form holds its operands' whole K extent in registers); default: ``"tf32x3"`` when
-            ``use_dot == "tf32x3"``, else ``"ieee"``.
+            ``use_dot`` is ``"tf32x3"`` or ``"f16x3"``, else ``"ieee"``.
         fused_window: GDN, matrix forms only, ``checkpoint`` being both the read copy and the
             anchor (single-checkpoint policies): the key columns are slots ``0..solved-1``
             and a sequence with ``rows == fused_window`` also gets its last output from the
@@ -871,8 +958,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             products). The same code forms Y in both places, but the two launches' tiles can
             lay the sums out differently, so the outputs equal the single launch's within
             the outputs' tolerance, not bit for bit. ``k_chunk``, ``num_stages`` and
-            ``use_dot`` then apply to the read pass's stream of C (and, without
-            ``shared_products``, to the records launch's products with the keys), ``block_v``
+            ``use_dot`` then apply to the read pass's stream of C (the records launch and the
+            products launch form the products with the keys by reductions), ``block_v``
             and ``num_warps`` to the records launch; ``keys_first`` has no stream of C left to
             overlap. Ignored where nothing multiplies C (no solved rows and no queries). None
             or False (default): one launch.
@@ -913,14 +1000,14 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         use_dot = NC >= 4
     _check_launch(block_v=block_v, num_warps=num_warps, k_chunk=k_chunk, num_stages=num_stages,
                   use_dot=use_dot, solve=solve)
-    prec = use_dot if isinstance(use_dot, str) else "ieee"
+    prec = "tf32x3" if use_dot == "f16x3" else (use_dot if isinstance(use_dot, str) else "ieee")
     matrix = SOLVE_FORMS.index(solve)
     if solve_precision is not None and not matrix:
         raise ValueError(f"solve_precision applies to the matrix forms (solve='inverse' or "
                          f"'doubling'), got solve_precision={solve_precision!r} with "
                          f"solve={solve!r}")
     if solve_precision is None:
-        solve_precision = "tf32x3" if use_dot == "tf32x3" else "ieee"
+        solve_precision = "tf32x3" if prec == "tf32x3" else "ieee"
     if solve_precision not in ("ieee", "tf32x3"):
         raise ValueError(f"solve_precision must be 'ieee' or 'tf32x3' (or None), got "
                          f"{solve_precision!r}")
@@ -928,7 +1015,6 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         raise ValueError(f"fused_window needs gdn=True, draft_relative=False and a matrix form "
                          f"of solve, got gdn={gdn!r}, draft_relative={draft_relative!r}, "
                          f"solve={solve!r}")
-    NX = max(MIN_DOT if (use_dot or matrix) else 2, triton.next_power_of_2(max(NC, 1)))
     KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
     if not isinstance(keys_first, bool):
         raise ValueError(f"keys_first must be True or False, got {keys_first!r}")
@@ -942,6 +1028,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             _check_tile(*read_pass)
         except ValueError as e:
             raise ValueError(f"read_pass {tuple(read_pass)!r}: {e}") from None
+    ypre = read_pass is not None and NC > 0  # Y = C X in a launch of its own
+    # with a read pass, use_dot is the read pass's; the records launch (and the products
+    # launch before it) form the products with the keys by reductions
+    main_dot = False if ypre else use_dot
+    NX = max(MIN_DOT if (main_dot or matrix) else 2, triton.next_power_of_2(max(NC, 1)))
     keys_first = keys_first and KC == K  # one [slots, K] tile: only with one chunk of K
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
     grid = (B * H, triton.cdiv(V, bv))
@@ -950,13 +1041,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         raise ValueError(f"shared_products must be True or False, got {shared_products!r}")
     LP = _lp(max(CAP, TD))
     C = _decode_consts(spec)
-    mode = _e2m1_mode(e2m1_decode, q.device)
+    mode = _e2m1_mode(e2m1_decode, q.device,
+                      "half" if use_dot == "f16x3" and C.KIND == _K_NVFP4 else "lookup")
     if mode == "half" and C.FP4 and C.KIND != _K_NVFP4:
         raise ValueError(f"e2m1_decode='half' folds 2^14 into E4M3 block scales (nvfp4); this "
                          f"copy is {spec}")
     C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
+    f16 = use_dot == "f16x3" and C.KIND == _K_NVFP4  # C's products on float16 tensor cores
     consts = dict(K=K, LP=LP, NS=NS, NC=NC, NX=NX, KC=KC, STAGES=num_stages or 1,
-                  DOT=bool(use_dot), PREC=prec, GDN=gdn, D_REL=draft_relative, SOLVE=matrix,
+                  DOT=bool(main_dot), PREC=prec, GDN=gdn, D_REL=draft_relative,
+                  SOLVE=matrix,
                   FUSED=fused_window is not None)
     q_arg = q.contiguous()
     dk = draft["k"].contiguous()
@@ -982,17 +1076,25 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                  NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
                  ONE=TD == 1,  # at most one draft row (rows - start <= TD, as the callers pass)
                  C=C, **consts)
-    ypre = read_pass is not None and NC > 0
     if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
+        rflags = dict(flags, DOT=2 if f16 else bool(use_dot),
+                      NX=max(MIN_DOT if use_dot else 2, triton.next_power_of_2(NC)))
         _records_kernel[(B * H, triton.cdiv(V, rbv))](
-            *args, y, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1], **flags)
+            *args, y, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
+            **rflags)
     else:
         y = o_arg
+        flags["DOT"] = 2 if f16 else bool(use_dot)
     _records_kernel[grid](*args, y, *scalars, BV=bv, YOUT=False, YPRE=ypre,
                           num_warps=num_warps, **flags)
     return o
+
+
+def _nvfp4(read) -> bool:
+    """Whether a stored copy is nvfp4 (E2M1 codes with E4M3 block scales)."""
+    return isinstance(read, PackedTensor) and _decode_consts(read.spec).KIND == _K_NVFP4
 
 
 def _fp4(read) -> bool:
@@ -1000,13 +1102,15 @@ def _fp4(read) -> bool:
     return isinstance(read, PackedTensor) and _decode_consts(read.spec).FP4
 
 
-def _e2m1_mode(e2m1_decode, device) -> str:
-    """The records kernel's E2M1 decoder (``records_outputs(e2m1_decode=...)``): ``"lookup"``
-    by default on NVIDIA CUDA, ``"integer"`` under the interpreter or elsewhere; a given one
-    is checked (the inline-PTX ones need NVIDIA CUDA without the interpreter)."""
+def _e2m1_mode(e2m1_decode, device, ptx_default: str = "lookup") -> str:
+    """The records kernel's E2M1 decoder (``records_outputs(e2m1_decode=...)``):
+    ``ptx_default`` (``"lookup"``; ``"half"`` for ``use_dot="f16x3"``, whose float16 pairs it
+    gives directly) by default on NVIDIA CUDA, ``"integer"`` under the interpreter or
+    elsewhere; a given one is checked (the inline-PTX ones need NVIDIA CUDA without the
+    interpreter)."""
     ptx = device.type == "cuda" and torch.version.hip is None and not triton_interpreting()
     if e2m1_decode is None:  # (ROCm reports "cuda" too: the PTX is NVIDIA's)
-        return "lookup" if ptx else "integer"
+        return ptx_default if ptx else "integer"
     if e2m1_decode not in E2M1_DECODES:
         raise ValueError(f"e2m1_decode must be one of {E2M1_DECODES} (or None), got "
                          f"{e2m1_decode!r}")
@@ -1039,11 +1143,21 @@ def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot,
     if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
                                    or num_stages < 1):
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    if not (use_dot is True or use_dot is False or use_dot in ("ieee", "tf32x3")):
-        raise ValueError(f"use_dot must be False, True, 'ieee' or 'tf32x3', got {use_dot!r}")
+    if not (use_dot is True or use_dot is False or use_dot in ("ieee", "tf32x3", "f16x3")):
+        raise ValueError(f"use_dot must be False, True, 'ieee', 'tf32x3' or 'f16x3' (nvfp4 "
+                         f"copies), got {use_dot!r}")
     if not (isinstance(solve, str) and solve in SOLVE_FORMS):
         raise ValueError(f"solve must be one of {', '.join(map(repr, SOLVE_FORMS))}, "
                          f"got {solve!r}")
+
+
+def _check_f16x3(read, cfg: dict) -> None:
+    """ValueError when ``use_dot="f16x3"`` is asked of a step or verify whose read copy is not
+    nvfp4 (the float16 products need its exact E2M1 times E4M3 values)."""
+    if cfg.get("use_dot") == "f16x3" and not _nvfp4(read):
+        spec = read.spec if isinstance(read, PackedTensor) else f"a {read.dtype} tensor"
+        raise ValueError(f"use_dot='f16x3' needs an nvfp4 read copy (float16 tensor-core "
+                         f"products of its exact values), got {spec}; use 'tf32x3'")
 
 
 def _config(defaults: dict, **given) -> dict:
@@ -1057,7 +1171,8 @@ def _anchor_config(cfg: dict) -> dict:
     of their small products (``solve_precision``)."""
     out = _config(cfg, use_dot=False)
     if out.get("solve", "substitution") != "substitution" and out.get("solve_precision") is None:
-        out["solve_precision"] = "tf32x3" if cfg.get("use_dot") == "tf32x3" else "ieee"
+        out["solve_precision"] = ("tf32x3" if cfg.get("use_dot") in ("tf32x3", "f16x3")
+                                  else "ieee")
     return out
 
 
@@ -1086,6 +1201,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass)
+    _check_f16x3(read, cfg)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
@@ -1118,6 +1234,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass)
+    _check_f16x3(read, cfg)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,
@@ -1171,7 +1288,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     synchronisation (the second runs only for the sequences whose last draft is on the flush
     slot). Inputs are checked by :func:`_check_verify` (ValueError, or a device-side assertion
     for drafts past the ring). Launch configuration:
-    ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless
+    ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_NVFP4_CONFIG`` for an nvfp4 read copy,
+    ``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an mx one) unless
     given; ``solve="inverse"`` / ``"doubling"`` (the same kernel for Mamba-2, which has no
     system): the T outputs as two small products instead of one reduction per query (see
     :func:`records_outputs`). ``skip_shared_anchor`` (default on): when ``anchor is read``
@@ -1180,11 +1298,13 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     second launch is not made (the output is the first launch's value, within the outputs'
     tolerance of the second launch's; one launch fewer, never slower)."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
-    cfg = _config(MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
+    cfg = _config(MAMBA2_VERIFY_NVFP4_CONFIG if _nvfp4(read) else
+                  MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode)
+    _check_f16x3(read, cfg)
     _check_verify("mamba2_verify_kernel", read, anchor, la, v, k, q, start, window)
     T = q.shape[1]
     B = q.shape[0]
@@ -1216,7 +1336,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     against A, or the cached corrections with ``fold_cached_corrections``) in a second launch
     that runs only for those sequences (no host synchronisation).
     Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``GDN_VERIFY_CONFIG``
-    (``GDN_VERIFY_BLOCKED_CONFIG`` for an nvfp4/mx read copy) unless given. ``solve``:
+    (``GDN_VERIFY_NVFP4_CONFIG`` for an nvfp4 read copy, ``GDN_VERIFY_BLOCKED_CONFIG`` for
+    an mx one) unless given. ``solve``:
     ``"substitution"``, or the matrix forms ``"inverse"`` (the default configurations' form) /
     ``"doubling"``: the
     T x T system (and, in the anchor launch, the ``window`` x ``window`` one) inverted once
@@ -1239,11 +1360,13 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     ``window`` rows, so fewer value rows keep the matrix forms' anchor launch out of register
     spills)."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
-    cfg = _config(GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
+    cfg = _config(GDN_VERIFY_NVFP4_CONFIG if _nvfp4(read) else
+                  GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode)
+    _check_f16x3(read, cfg)
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
                          f"solve={cfg.get('solve', 'substitution')!r}")

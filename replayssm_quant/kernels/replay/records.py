@@ -1080,7 +1080,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
         rflags = dict(flags, DOT=2 if f16 else bool(use_dot),
-                      NX=max(MIN_DOT if use_dot else 2, triton.next_power_of_2(NC)))
+                      NX=max(MIN_DOT if (use_dot or matrix) else 2, triton.next_power_of_2(NC)))
         _records_kernel[(B * H, triton.cdiv(V, rbv))](
             *args, y, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
             **rflags)

@@ -202,6 +202,11 @@ F16_STEP_CANDIDATES = [_E + ("lookup",)] + [
     for dec in ("half", "lookup") for rp in ((32, 2), (64, 2), (64, 4), (128, 4))]
 F16_VERIFY_CANDIDATES = [_E + (None,), (None, None, None, None, "f16x3") + _F + ("half",),
                          (None, None, None, None, "f16x3") + _F + ("lookup",)]
+# --set f16split (2026-12-02, eleventh session): the step's read pass with use_dot="f16x3" after
+# X is split once per (sequence, key group) (_x_split_kernel), half decoder, read-pass tiles
+F16SPLIT_STEP_CANDIDATES = [_E + ("lookup",)] + [
+    (None, None, None, None, "f16x3") + _F + ("half", rp)
+    for rp in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -232,7 +237,8 @@ def cases(M, T):
                  "lut2": (LUT2_STEP_CANDIDATES, LUT2_VERIFY_CANDIDATES),
                  "readpass": (READPASS_STEP_CANDIDATES, []),
                  "half": (HALF_STEP_CANDIDATES, HALF_VERIFY_CANDIDATES),
-                 "f16": (F16_STEP_CANDIDATES, F16_VERIFY_CANDIDATES)}.get(
+                 "f16": (F16_STEP_CANDIDATES, F16_VERIFY_CANDIDATES),
+                 "f16split": (F16SPLIT_STEP_CANDIDATES, [])}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -364,7 +370,8 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
-                             "verify3", "lut", "lut2", "readpass", "half", "f16"),
+                             "verify3", "lut", "lut2", "readpass", "half", "f16",
+                             "f16split"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -380,7 +387,8 @@ def main(argv=None):
                          "read_pass, with wide records tiles) or half (nvfp4: the packed-half "
                          "E2M1 decoder against the defaults) or f16 (nvfp4: C's products on "
                          "float16 tensor cores, use_dot='f16x3', in the step's read pass and "
-                         "verify)")
+                         "verify) or f16split (the step's read pass with f16x3 and X split once "
+                         "per sequence and key group)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

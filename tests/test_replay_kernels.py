@@ -1271,11 +1271,22 @@ def test_dot_c16_fp32_accuracy():
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_f16x3_products(gdn):
+def test_f16x3_products(gdn, monkeypatch):
     """``use_dot="f16x3"`` (C's products on float16 tensor cores, nvfp4 only): the step (one
-    launch and with a read pass) and verify match the torch references within the outputs'
-    tolerance, also with queries scaled by 2^-60 and 2^60 (the per-column power-of-two scale
-    of the split); other read copies are refused with a message naming the copy."""
+    launch, splitting X in each program, and with a read pass, X split once per sequence and
+    key group by ``_x_split_kernel``) and verify match the torch references within the
+    outputs' tolerance, also with queries scaled by 2^-60 and 2^60 (the per-column
+    power-of-two scale of the split); other read copies are refused with a message naming
+    the copy."""
+    splits = []
+    real_split = kr.records._x_split_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            splits.append(grid)
+            return real_split[grid]
+
+    monkeypatch.setattr(kr.records, "_x_split_kernel", Counting())
     gen = _gen(61)
     h = _t(torch.tensor([2, 0]))
     b = torch.arange(B, device=DEVICE)
@@ -1306,6 +1317,8 @@ def test_f16x3_products(gdn):
                 got = kr.mamba2_step_kernel(R_st, rg, nla, nv, nk, q, h, use_dot="f16x3",
                                             read_pass=rp, block_v=16)
             torch.testing.assert_close(got, want, **tol)
+            assert len(splits) == (1 if rp else 0), (rp, splits)
+            splits.clear()
     A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
     if gdn:
         got, ug = kr.gdn_verify_kernel(R_st, A, *args, use_dot="f16x3", block_v=16)

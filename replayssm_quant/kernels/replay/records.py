@@ -136,7 +136,10 @@ MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128
 # values converted: 428 / 662), GDN 792 / 1537 -> 774 / 1506 us. Other blocked copies (mx)
 # keep the configurations above. The step's read pass with it was slower (GDN 119 -> 145 us
 # at best, Mamba-2 149 -> 279 us): on its narrow tiles the per-program split of X costs more
-# than the decode and FMAs it replaces.
+# than the decode and FMAs it replaces; with X split once per (sequence, key group)
+# (_x_split_kernel, what a read pass with use_dot="f16x3" now does; records_tune --set f16split,
+# records_tune_f16split_h200.json) still slower: GDN 118.7 -> 122.8 us (64 x 2 read tiles),
+# Mamba-2 149.6 -> 178.0 us (32 x 1).
 GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, use_dot="f16x3")
 MAMBA2_VERIFY_NVFP4_CONFIG = dict(MAMBA2_VERIFY_BLOCKED_CONFIG, use_dot="f16x3", e2m1_decode=None)
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
@@ -266,15 +269,7 @@ def _dot_c16(a, x, acc):
     first; the result is multiplied by ``2^14 / s`` (a power of two) per column. Columns
     whose largest magnitude is below 2^-113 are scaled as if it were 2^-113. A non-finite
     element makes its column's products non-finite."""
-    m = tl.max(tl.abs(x), axis=0)
-    e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 14)  # biased exponent of max
-    s = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
-    inv = (e << 23).to(tl.float32, bitcast=True)  # 2^14 / s = 2^(e - 127)
-    xs = x * s[None, :]
-    hi = xs.to(tl.float16)
-    r = xs - hi.to(tl.float32)
-    mid = r.to(tl.float16)
-    lo = (r - mid.to(tl.float32)).to(tl.float16)
+    hi, mid, lo, inv = _split_f16(x)
     d = tl.dot(a, lo)
     d = tl.dot(a, mid, d)
     d = tl.dot(a, hi, d)
@@ -622,6 +617,84 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
 
 
 @triton.jit
+def _split_f16(x):
+    """Each column of ``x [R, N]`` (float32) scaled by a power of two s (its largest magnitude
+    into [2^14, 2^15); below 2^-113 scaled as if it were 2^-113) and split into three float16
+    terms ``x s = hi + mid + lo`` (about 33 significant bits; elements below 2^-39 of the
+    column's largest lose bits to float16's subnormals): ``(hi, mid, lo, 2^14 / s [N])``."""
+    m = tl.max(tl.abs(x), axis=0)
+    e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 14)  # biased exponent of max
+    s = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
+    inv = (e << 23).to(tl.float32, bitcast=True)  # 2^14 / s = 2^(e - 127)
+    xs = x * s[None, :]
+    hi = xs.to(tl.float16)
+    r = xs - hi.to(tl.float32)
+    mid = r.to(tl.float16)
+    lo = (r - mid.to(tl.float32)).to(tl.float16)
+    return hi, mid, lo, inv
+
+
+@triton.jit
+def _x_split_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, x16_ptr, xinv_ptr, G, TD, TQ,
+                    K: tl.constexpr, NS: tl.constexpr, NXS: tl.constexpr, D_REL: tl.constexpr,
+                    FUSED: tl.constexpr):
+    """X of one (sequence, key group) (program ``b * G + g``; the columns of ``_x_setup``:
+    the solved rows' keys, then the queries) split for the float16 read pass
+    (``_c_times_x16``): ``x16 [K, 16]`` float16 with column ``t * NXS + c`` the term t (hi,
+    mid, lo of ``_split_f16``) of column c (``c < NXS``; zero columns from ``3 * NXS`` on),
+    and ``xinv [NXS]`` each column's ``2^14 / s``. Depends on the sequence's own keys and
+    queries only."""
+    bg = tl.program_id(0).to(tl.int64)
+    b = bg // G
+    g = bg - b * G
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    j = tl.arange(0, 16)
+    cs, isk, kbase, isq, qbase = _x_setup(j % NXS, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
+    live = j < 3 * NXS
+    kk = tl.arange(0, K)
+    x = _x_cols(dk_ptr, q_ptr, kbase, isk & live, qbase, isq & live, kk, K)  # [K, 16]
+    hi, mid, lo, inv = _split_f16(x)
+    t = (j // NXS)[None, :]
+    v = tl.where(t == 0, hi, tl.where(t == 1, mid, lo))
+    tl.store(x16_ptr + (bg * K + kk[:, None]) * 16 + j[None, :], v)
+    tl.store(xinv_ptr + bg * NXS + j, inv, mask=j < NXS)
+
+
+@triton.jit
+def _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_ptr, bg,
+                 K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BLK: tl.constexpr,
+                 BV: tl.constexpr, NC: tl.constexpr, NXS: tl.constexpr, NX: tl.constexpr,
+                 C: tl.constexpr):
+    """``Y = C X [BV, NX]`` from an nvfp4 copy on float16 tensor cores with X split once per
+    (sequence, key group) (``_x_split_kernel``): ``D = C16 x16`` accumulated over K in one
+    ``[BV, 16]`` float32 tile (``_c_blocks_f16``'s exact float16 values, the even and the odd
+    elements against x16's even and odd rows), then per column ``Y_c = ((D_lo + D_mid) +
+    D_hi) 2^14 / s_c`` times the matrix scale. The same products as ``_dot_c16`` with one
+    scale per column over the whole key dim."""
+    NBC: tl.constexpr = KC // BLK
+    W: tl.constexpr = BLK // 2
+    jf = tl.arange(0, NBC * W)
+    j16 = tl.arange(0, 16)
+    D = tl.zeros([BV, 16], tl.float32)
+    xrow = x16_ptr + bg * K * 16
+    for k0 in tl.range(0, K, KC, num_stages=STAGES):
+        ve, vo = _c_blocks_f16(c_ptr, cbs_ptr, rowg, rmask, k0, K, BLK, NBC, W, C)
+        xe = tl.load(xrow + (k0 + 2 * jf)[:, None] * 16 + j16[None, :])
+        xo = tl.load(xrow + (k0 + 2 * jf + 1)[:, None] * 16 + j16[None, :])
+        D = tl.dot(tl.reshape(ve, [BV, NBC * W]), xe, D)
+        D = tl.dot(tl.reshape(vo, [BV, NBC * W]), xo, D)
+    inv = tl.load(xinv_ptr + bg * NXS + cx, mask=cx < NXS, other=0.0)
+    Y = tl.zeros([BV, NX], tl.float32)
+    for c in tl.static_range(NC):
+        lo = tl.sum(tl.where(j16[None, :] == 2 * NXS + c, D, 0.0), axis=1)
+        mid = tl.sum(tl.where(j16[None, :] == NXS + c, D, 0.0), axis=1)
+        hi = tl.sum(tl.where(j16[None, :] == c, D, 0.0), axis=1)
+        Y += tl.where(cx[None, :] == c, ((lo + mid) + hi)[:, None], 0.0)
+    return Y * inv[None, :] * tl.load(cms_ptr + mat)
+
+
+@triton.jit
 def _solve_row(p, U, Y, Z, cvec, idx, cx, vd, bd, rows, rmask, b, h, ss, dv_ptr, dbeta_ptr,
                wout_ptr, H, V, TD, WCAP, D_REL: tl.constexpr, PREFETCH: tl.constexpr,
                WRITE_W: tl.constexpr):
@@ -698,6 +771,7 @@ def _records_kernel(
         ala_ptr, ak_ptr, av_ptr, abeta_ptr,  # ring outputs of the append (APPEND)
         z_ptr, zd_ptr,  # [B*G, LP, NX], [B*G, NX, NX]: Z and Zd of the products launch (ZPRE)
         y_ptr,  # [B*H*V, NC]: Y = C X of the read pass (written with YOUT, read with YPRE)
+        x16_ptr, xinv_ptr,  # [B*G, K, 16] float16, [B*G, NXS]: X split once (XS, _x_split_kernel)
         H, G, V, CAP, TD, TQ, WCAP, OT, OT0, window,
         K: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
@@ -705,7 +779,7 @@ def _records_kernel(
         KFIRST: tl.constexpr, ZPRE: tl.constexpr, YOUT: tl.constexpr, YPRE: tl.constexpr,
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
-        SPREC: tl.constexpr, ONE: tl.constexpr,
+        SPREC: tl.constexpr, ONE: tl.constexpr, XS: tl.constexpr, NXS: tl.constexpr,
         C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
     # SOLVE: 0 row-by-row forward substitution and per-query reductions; 1 / 2 matrix form
     # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2).
@@ -732,10 +806,15 @@ def _records_kernel(
     idx = tl.arange(0, LP).to(tl.int64)
     cx = tl.arange(0, NX)
     if YOUT:  # the read pass: the only part of the step that reads C
-        cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
-        Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk,
-                       qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS, NX,
-                       D_REL, DOT, PREC, C)
+        if XS:  # nvfp4 on float16 tensor cores with X split once per (sequence, key group)
+            Y = _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_ptr,
+                             b * G + g, K, KC, STAGES, BLK, BV, NC, NXS, NX, C)
+        else:
+            cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL,
+                                                  FUSED)
+            Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase,
+                           isk, qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC,
+                           NS, NX, D_REL, DOT, PREC, C)
         tl.store(y_ptr + rowg[:, None] * NC + cx[None, :], Y,
                  mask=rmask[:, None] & (cx[None, :] < NC))
         return
@@ -881,7 +960,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             FP32 accuracy (error ~2^-21 relative per product, within the outputs' 1e-5
             tolerance); ``"f16x3"``, nvfp4 copies only: C's products on float16 tensor cores
             from exact float16 values of its codes times their block scales and three float16
-            terms of X (``_c_blocks_f16``, ``_dot_c16``; about FP32 accuracy; any other copy,
+            terms of X (``_c_blocks_f16``, ``_dot_c16``; a read pass with at most 5 vectors
+            takes X split once per (sequence, key group) by ``_x_split_kernel`` and
+            ``_c_times_x16``; about FP32 accuracy; any other copy,
             such as verify's FP32 anchor, the products with the keys and the matrix forms'
             small products then take ``"tf32x3"``; the step and verify wrappers refuse it
             for a read copy that is not nvfp4); default
@@ -1066,6 +1147,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     args = (c, cbs, cms, ring_la, ring_k, ring_w, draft["la"].contiguous(), dk,
             draft["v"].contiguous(), beta.contiguous(), q_arg, o_arg, start, rows, out_start, wo,
             a_la, a_k, a_v, a_beta, z, zd)
+    nxs = triton.next_power_of_2(max(NC, 1))
+    xsplit = ypre and f16 and 3 * nxs <= MIN_DOT  # X split once per (sequence, key group)
+    if xsplit:
+        x16 = torch.empty(B * G, K, MIN_DOT, dtype=torch.float16, device=q.device)
+        xinv = torch.empty(B * G, nxs, dtype=torch.float32, device=q.device)
+        _x_split_kernel[(B * G,)](dk, q_arg, start, rows, x16, xinv, G, TD, TQ, K=K, NS=NS,
+                                  NXS=nxs, D_REL=draft_relative, FUSED=fused_window is not None,
+                                  num_warps=2)
+    else:
+        x16 = xinv = o_arg
     scalars = (H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
                o.shape[1] if TQ else 1, out_slot,
                at_window if at_window is not None else
@@ -1075,19 +1166,19 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                  AT_WINDOW=at_window is not None, SPREC=solve_precision,
                  NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
                  ONE=TD == 1,  # at most one draft row (rows - start <= TD, as the callers pass)
-                 C=C, **consts)
+                 XS=False, NXS=nxs, C=C, **consts)
     if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
-        rflags = dict(flags, DOT=2 if f16 else bool(use_dot),
+        rflags = dict(flags, DOT=2 if f16 else bool(use_dot), XS=xsplit,
                       NX=max(MIN_DOT if (use_dot or matrix) else 2, triton.next_power_of_2(NC)))
         _records_kernel[(B * H, triton.cdiv(V, rbv))](
-            *args, y, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
+            *args, y, x16, xinv, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
             **rflags)
     else:
         y = o_arg
         flags["DOT"] = 2 if f16 else bool(use_dot)
-    _records_kernel[grid](*args, y, *scalars, BV=bv, YOUT=False, YPRE=ypre,
+    _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
                           num_warps=num_warps, **flags)
     return o
 

@@ -200,7 +200,8 @@ _F = (None,) * 7  # prefetch .. keys_first, shared_products
 F16_STEP_CANDIDATES = [_E + ("lookup",)] + [
     (None, None, None, None, "f16x3") + _F + (dec, rp)
     for dec in ("half", "lookup") for rp in ((32, 2), (64, 2), (64, 4), (128, 4))]
-F16_VERIFY_CANDIDATES = [_E + (None,), (None, None, None, None, "f16x3") + _F + ("half",),
+F16_VERIFY_CANDIDATES = [(None, None, None, None, "tf32x3") + _F + (None,),  # the former defaults
+                         (None, None, None, None, "f16x3") + _F + ("half",),
                          (None, None, None, None, "f16x3") + _F + ("lookup",)]
 # --set f16split (2026-12-02, eleventh session): the step's read pass with use_dot="f16x3" after
 # X is split once per (sequence, key group) (_x_split_kernel), half decoder, read-pass tiles

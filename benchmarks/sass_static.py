@@ -197,8 +197,9 @@ def main(argv=None):
                          "(packed float16 pairs; nvfp4 copies)")
     ap.add_argument("--records-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a launch option of every records_outputs call, in place of the "
-                         "wrappers' (a Python literal or a string), e.g. use_dot=f16x3; "
-                         "repeatable")
+                         "wrappers' (verify's anchor launch included, which may compile a "
+                         "variant that never runs; a Python literal or a string), e.g. "
+                         "use_dot=f16x3; repeatable")
     ap.add_argument("--quant-spec", default=None,
                     help="instead of a decode operation: the quantizer kernel of pack_triton for "
                          "this format (e.g. fp16+sr, nvfp4), on a [4, 128, 128] tensor")

@@ -1270,6 +1270,50 @@ def test_dot_c16_fp32_accuracy():
     assert torch.equal(_bits(y.cpu()), _bits(x1[:R]))
 
 
+@triton.jit
+def _c_times_x16_kernel(c_ptr, cbs_ptr, cms_ptr, x16_ptr, xinv_ptr, y_ptr, R: tl.constexpr,
+                        K: tl.constexpr, NC: tl.constexpr, NXS: tl.constexpr,
+                        NX: tl.constexpr, C: tl.constexpr):
+    rows = tl.arange(0, R)
+    cx = tl.arange(0, NX)
+    y = kr.records._c_times_x16(c_ptr, cbs_ptr, cms_ptr, 0, rows.to(tl.int64), rows < R, cx,
+                                x16_ptr, xinv_ptr, 0, K, K // 2, 1, 16, R, NC, NXS, NX, C)
+    tl.store(y_ptr + rows[:, None] * NX + cx[None, :], y)
+
+
+@pytest.mark.parametrize("nc", [1, 2, 4])
+def test_x_split_read_pass_bit_exact(nc):
+    """The float16 read pass with X split once (``_x_split_kernel`` then ``_c_times_x16``,
+    ``use_dot="f16x3"`` with a read pass): rows of an nvfp4 C that pick one element each
+    (E2M1 1.0 at column r, E4M3 block scale 1.0, matrix scale 1.0, packed by hand) give the
+    queries' elements bit for bit (24 significant bits, down to 2^-8 of their column's
+    largest, columns 2^-100 .. 2^100 apart), for 1, 2 and 4 vectors (the three float16 terms
+    of every vector in the [K, 16] operand)."""
+    gen = _gen(88)
+    R, Kx = 32, 64
+    code = torch.zeros(R, Kx, dtype=torch.uint8)
+    code[torch.arange(R), torch.arange(R)] = 2  # E2M1 1.0
+    c = _t((code[:, 0::2] | (code[:, 1::2] << 4)).contiguous())
+    cbs = _t(torch.full((R, Kx // 16), 0x38, dtype=torch.uint8))  # E4M3 1.0
+    cms = _t(torch.ones(1))
+    m = torch.randint(1 << 23, 1 << 24, (nc, Kx), generator=gen).double() * 2.0 ** -24
+    q = (m * 2.0 ** torch.randint(-8, 1, (nc, Kx), generator=gen).double()
+         * torch.where(torch.rand(nc, Kx, generator=gen) < 0.5, -1.0, 1.0)
+         * (2.0 ** torch.linspace(-100, 100, nc).round().double())[:, None]).float()
+    nxs = triton.next_power_of_2(nc)
+    x16 = torch.empty(1, Kx, 16, dtype=torch.float16, device=DEVICE)
+    xinv = torch.empty(1, nxs, device=DEVICE)
+    zero = _t(torch.zeros(1, dtype=torch.int64))
+    qd = _t(q.reshape(1, nc, 1, Kx).contiguous())
+    kr.records._x_split_kernel[(1,)](qd, qd, zero, zero, x16, xinv, 1, 1, nc, K=Kx, NS=0,
+                                     NXS=nxs, D_REL=False, FUSED=False, num_warps=2)
+    nx = max(2, nxs)
+    y = torch.empty(R, nx, device=DEVICE)
+    _c_times_x16_kernel[(1,)](c, cbs, cms, x16, xinv, y, R=R, K=Kx, NC=nc, NXS=nxs, NX=nx,
+                              C=kr.codec._decode_consts("nvfp4"), num_warps=2)
+    assert torch.equal(_bits(y.cpu()[:, :nc]), _bits(q.t()[:R].contiguous()))
+
+
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_f16x3_products(gdn, monkeypatch):
     """``use_dot="f16x3"`` (C's products on float16 tensor cores, nvfp4 only): the step (one

@@ -19,18 +19,20 @@ kernel is launched twice: first with ``YOUT`` (only ``Y = C X`` of its rows, sto
 issues its record loads (``la``, ``w`` of its rows), then streams C along K in chunks of ``KC``
 columns (``tl.range`` with ``num_stages``) and forms ``Y = C X`` for all the vectors it needs at
 once: X holds the k of the rows it solves (GDN) and the queries (``[BV, NX]``; ``tl.dot`` with
-``input_precision=PREC`` (FP32 FMA) for verify / the flush solve, per-vector reductions for the
-step), then ``Z = K X`` over the record keys the same way (or, with ``shared_products``, reads
-``Z`` from a small launch before it, ``_key_products_kernel``, that forms it once per (sequence,
-key group)); the solve and the outputs then work on these small products. Codes are decoded by
-the integer-only decoders of ``codec`` (``_e2m1_value``, ``_e4m3_value``, ``_e5m2_value``);
-blocked formats are read as scaling blocks (FP4: the even and the odd element of each block, as
-the nibbles hold them) with the block scale applied to each block's partial sum (dot path: to
-each element) and the matrix scale (fp8, nvfp4) applied to ``Y`` after the sum (an output-only
-reassociation). Verify's draft on the flush slot is a second launch over the anchor whose
-programs return unless ``rows == window`` (checked on the device; no host synchronisation); it
-is not made when the anchor is the read copy and would recompute the first launch's values
-(``skip_shared_anchor``).
+``input_precision=PREC`` (FP32 FMA or tf32x3) for verify / the flush solve, per-vector
+reductions for the step; from nvfp4, ``use_dot="f16x3"``: float16 tensor cores on exact
+float16 values of C and X in three float16 terms, the nvfp4 verify default), then ``Z = K X``
+over the record keys (or, with ``shared_products``, reads ``Z`` from a small launch before it,
+``_key_products_kernel``, that forms it once per (sequence, key group)); the solve and the
+outputs then work on these small products. Codes are decoded by the decoders of ``codec``
+(``_e2m1_value``, ``_e4m3_value``, ``_e5m2_value``; on CUDA E2M1 pairs by the inline-PTX
+table lookup or packed-half decoders); blocked formats are read as scaling blocks (FP4: the
+even and the odd element of each block, as the nibbles hold them) with the block scale applied
+to each block's partial sum (dot path: to each element) and the matrix scale (fp8, nvfp4)
+applied to ``Y`` after the sum (an output-only reassociation). Verify's draft on the flush
+slot is a second launch over the anchor whose programs return unless ``rows == window``
+(checked on the device; no host synchronisation); it is not made when the anchor is the read
+copy and would recompute the first launch's values (``skip_shared_anchor``).
 
 ``solve="inverse"`` / ``"doubling"`` (launch option; ``records_outputs`` defaults to
 ``"substitution"``, the verify wrappers' configurations to ``"inverse"``): after the
@@ -230,7 +232,7 @@ def _c_blocks_f16(c_ptr, bs_ptr, rowg, rmask, k0, K: tl.constexpr, BLK: tl.const
     element values ``[BV, NBC, W]`` (W = BLK / 2), each times its E4M3 block scale and times
     2^-14, exactly: an E2M1 value times 2^-14 is a multiple of 2^-15 with 2 significant bits,
     an E4M3 value one of 2^-9 with 4, so their product is a multiple of 2^-24 (float16's
-    smallest subnormal) with at most 8 significant bits and at most 448 * 6 * 2^-14 < 0.17 in
+    smallest subnormal) with at most 6 significant bits and at most 448 * 6 * 2^-14 < 0.17 in
     magnitude: representable, so the float16 multiply rounds nothing. The matrix scale is
     left out (applied to the sum). The packed-half decoder (``D.HALF``) gives the float16
     values directly (``_e2m1_pairs_half16``); the others are scaled and converted (exact)."""
@@ -264,8 +266,10 @@ def _dot_c16(a, x, acc):
     [2^14, 2^15)) and split into three float16 terms, ``x s = hi + mid + lo`` to about 33
     significant bits (hi rounds x s to 11 bits, mid the rest, lo what mid leaves); a's
     products with each are exact in float32, so the error is the tensor cores' float32
-    accumulation plus what lo drops (relative 2^-33 of the column's largest element; values
-    below 2^-39 of it lose bits to float16's subnormals). The three products accumulate lo
+    accumulation plus what the split drops: at most about 2^-39 times the column's largest
+    magnitude per element (elements below about 2^-14 of it lose low bits to float16's
+    subnormals, below about 2^-38 of it they vanish), so the bound is relative to
+    ``max|x| sum|a|``, not ``sum |a||x|``. The three products accumulate lo
     first; the result is multiplied by ``2^14 / s`` (a power of two) per column. Columns
     whose largest magnitude is below 2^-113 are scaled as if it were 2^-113. A non-finite
     element makes its column's products non-finite."""
@@ -620,8 +624,9 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
 def _split_f16(x):
     """Each column of ``x [R, N]`` (float32) scaled by a power of two s (its largest magnitude
     into [2^14, 2^15); below 2^-113 scaled as if it were 2^-113) and split into three float16
-    terms ``x s = hi + mid + lo`` (about 33 significant bits; elements below 2^-39 of the
-    column's largest lose bits to float16's subnormals): ``(hi, mid, lo, 2^14 / s [N])``."""
+    terms ``x s = hi + mid + lo`` (about 33 significant bits; an element's error is at most
+    about 2^-39 of the column's largest magnitude: elements below about 2^-14 of it lose low
+    bits to float16's subnormals): ``(hi, mid, lo, 2^14 / s [N])``."""
     m = tl.max(tl.abs(x), axis=0)
     e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 255, 14)  # biased exponent of max
     s = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(14 - (e - 127))
@@ -960,7 +965,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             FP32 accuracy (error ~2^-21 relative per product, within the outputs' 1e-5
             tolerance); ``"f16x3"``, nvfp4 copies only: C's products on float16 tensor cores
             from exact float16 values of its codes times their block scales and three float16
-            terms of X (``_c_blocks_f16``, ``_dot_c16``; a read pass with at most 5 vectors
+            terms of X (``_c_blocks_f16``, ``_dot_c16``; a read pass with at most 4 vectors
             takes X split once per (sequence, key group) by ``_x_split_kernel`` and
             ``_c_times_x16``; about FP32 accuracy; any other copy,
             such as verify's FP32 anchor, the products with the keys and the matrix forms'
@@ -1039,8 +1044,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             products). The same code forms Y in both places, but the two launches' tiles can
             lay the sums out differently, so the outputs equal the single launch's within
             the outputs' tolerance, not bit for bit. ``k_chunk``, ``num_stages`` and
-            ``use_dot`` then apply to the read pass's stream of C (the records launch and the
-            products launch form the products with the keys by reductions), ``block_v``
+            ``use_dot`` then apply to the read pass's stream of C (and, without
+            ``shared_products``, to the records launch's products with the keys; with
+            ``"f16x3"`` the records launch and the products launch form those by
+            reductions), ``block_v``
             and ``num_warps`` to the records launch; ``keys_first`` has no stream of C left to
             overlap. Ignored where nothing multiplies C (no solved rows and no queries). None
             or False (default): one launch.
@@ -1110,9 +1117,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         except ValueError as e:
             raise ValueError(f"read_pass {tuple(read_pass)!r}: {e}") from None
     ypre = read_pass is not None and NC > 0  # Y = C X in a launch of its own
-    # with a read pass, use_dot is the read pass's; the records launch (and the products
-    # launch before it) form the products with the keys by reductions
-    main_dot = False if ypre else use_dot
+    # with a read pass, "f16x3" is the read pass's only: the records launch (and the products
+    # launch before it) form the products with the keys by reductions (no 16-column padding)
+    main_dot = False if ypre and use_dot == "f16x3" else use_dot
     NX = max(MIN_DOT if (main_dot or matrix) else 2, triton.next_power_of_2(max(NC, 1)))
     keys_first = keys_first and KC == K  # one [slots, K] tile: only with one chunk of K
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
@@ -1172,6 +1179,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
         rflags = dict(flags, DOT=2 if f16 else bool(use_dot), XS=xsplit,
                       NX=max(MIN_DOT if (use_dot or matrix) else 2, triton.next_power_of_2(NC)))
+        # (the read pass compiles the whole kernel, matrix forms included: NX >= MIN_DOT there)
         _records_kernel[(B * H, triton.cdiv(V, rbv))](
             *args, y, x16, xinv, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
             **rflags)
@@ -1396,6 +1404,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode)
     _check_f16x3(read, cfg)
+    if _nvfp4(read) and cfg.get("use_dot") != "f16x3" and e2m1_decode is None:
+        cfg["e2m1_decode"] = "integer"  # MAMBA2_VERIFY_BLOCKED_CONFIG's (the lookup: slower)
     _check_verify("mamba2_verify_kernel", read, anchor, la, v, k, q, start, window)
     T = q.shape[1]
     B = q.shape[0]

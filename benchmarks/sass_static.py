@@ -88,9 +88,9 @@ def compile_operation(model: str, policy: str, op: str, e2m1: str | None = None,
     """Run ``op`` (flush | step | verify) of ``benchmarks/decode.py`` under ``policy`` on CPU
     tensors with every launch turned into a compile; returns ``[(kernel name, compiled)]``.
     ``e2m1``: the records kernel's E2M1 decoder where its launch leaves the choice to the
-    device (None: CUDA's default, although the tensors here are on the CPU: ``"lookup"``,
-    ``"half"`` with ``use_dot="f16x3"``; ``"integer"``; ``"lookup"``; or ``"half"``, nvfp4
-    only); a launch that names its decoder keeps it.
+    device: None for CUDA's default (``"lookup"``; ``"half"`` with ``use_dot="f16x3"``),
+    although the tensors here are on the CPU, or one of ``"lookup"``, ``"integer"``,
+    ``"half"`` (nvfp4 only); a launch that names its decoder keeps it.
     ``records_options``: launch options given to every ``records_outputs`` call in place of
     the wrappers' (e.g. ``{"use_dot": "f16x3"}``)."""
     from replayssm_quant.kernels.replay import records

@@ -187,9 +187,9 @@ READPASS_STEP_CANDIDATES = [(None, None) + _R + (False,), (32, 2) + _R + (False,
     (rb, rw) + _R + (rp,)
     for rb, rw in ((128, 1), (128, 2), (128, 4), (64, 1), (64, 2), (64, 4))
     for rp in ((32, 2), (16, 1), (32, 4), (64, 4), (128, 4))]
-# --set half (prepared 2026-12-02, not yet run): the packed-half E2M1 decoder (e2m1_decode="half",
-# the 13th field) against the defaults (lookup; Mamba-2's tensor-core verify: integer), nvfp4
-# read copy, step and verify
+# --set half (2026-12-02, run at 3fe59dc: records_tune_half_h200.json): the packed-half E2M1
+# decoder (e2m1_decode="half", the 13th field) against the defaults (lookup; Mamba-2's
+# tensor-core verify: integer), nvfp4 read copy, step and verify
 HALF_STEP_CANDIDATES = [_E + ("lookup",), _E + ("half",)]
 HALF_VERIFY_CANDIDATES = [_E + (None,), _E + ("half",)]
 # --set f16 (2026-12-02, eleventh session): C's products on float16 tensor cores

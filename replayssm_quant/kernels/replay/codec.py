@@ -645,25 +645,26 @@ def _e2m1_pairs_lut(byte):
 # at bit offsets o and o + 16 (o = 0, 4, 8, 12 within each half) are the codes (even0, even2),
 # (odd0, odd2), (even1, even3), (odd1, odd3). Outputs: $0..$3 the even codes of b0..b3, $4..$7
 # the odd codes, each the E2M1 value times 2^-14 as float32.
-_E2M1_HALF_PTX = tl.constexpr("""{
-.reg .b32 a<4>, c<4>, r<4>, mm;
-.reg .b16 h<8>;
+_E2M1_HALF_PAIRS = """\
 mov.b32 mm, 0x0E000E00;
-shl.b32 a0, $8, 9;
-shl.b32 a1, $8, 5;
-shl.b32 a2, $8, 1;
-shr.u32 a3, $8, 3;
-shl.b32 c0, $8, 12;
-shl.b32 c1, $8, 8;
-shl.b32 c2, $8, 4;
+shl.b32 a0, {src}, 9;
+shl.b32 a1, {src}, 5;
+shl.b32 a2, {src}, 1;
+shr.u32 a3, {src}, 3;
+shl.b32 c0, {src}, 12;
+shl.b32 c1, {src}, 8;
+shl.b32 c2, {src}, 4;
 and.b32 c0, c0, 0x80008000;
 and.b32 c1, c1, 0x80008000;
 and.b32 c2, c2, 0x80008000;
-and.b32 c3, $8, 0x80008000;
+and.b32 c3, {src}, 0x80008000;
 lop3.b32 r0, a0, mm, c0, 0xEA;
 lop3.b32 r1, a1, mm, c1, 0xEA;
 lop3.b32 r2, a2, mm, c2, 0xEA;
 lop3.b32 r3, a3, mm, c3, 0xEA;
+"""  # r0..r3: the code pairs of the word {src} (both half decoders)
+_E2M1_HALF_PTX = tl.constexpr("{\n.reg .b32 a<4>, c<4>, r<4>, mm;\n.reg .b16 h<8>;\n"
+                              + _E2M1_HALF_PAIRS.format(src="$8") + """\
 mov.b32 {h0, h1}, r0;
 mov.b32 {h2, h3}, r1;
 mov.b32 {h4, h5}, r2;
@@ -697,28 +698,12 @@ def _e2m1_pairs_half(byte):
 
 
 # The same codes as float16 pairs for tensor-core products (records_outputs(use_dot="f16x3")):
-# the four lop3 results of _E2M1_HALF_PTX hold the code pairs (even0, even2), (odd0, odd2),
+# the four lop3 results of _E2M1_HALF_PAIRS hold the code pairs (even0, even2), (odd0, odd2),
 # (even1, even3), (odd1, odd3); two byte permutes per pair of words put them in element order.
 # Outputs (two float16 per register, element 0 in the low half, as Triton packs them): $0 the
 # even codes of b0, b1, $1 of b2, b3, $2 the odd codes of b0, b1, $3 of b2, b3; input $4.
-_E2M1_HALF16_PTX = tl.constexpr("""{
-.reg .b32 a<4>, c<4>, r<4>, mm;
-mov.b32 mm, 0x0E000E00;
-shl.b32 a0, $4, 9;
-shl.b32 a1, $4, 5;
-shl.b32 a2, $4, 1;
-shr.u32 a3, $4, 3;
-shl.b32 c0, $4, 12;
-shl.b32 c1, $4, 8;
-shl.b32 c2, $4, 4;
-and.b32 c0, c0, 0x80008000;
-and.b32 c1, c1, 0x80008000;
-and.b32 c2, c2, 0x80008000;
-and.b32 c3, $4, 0x80008000;
-lop3.b32 r0, a0, mm, c0, 0xEA;
-lop3.b32 r1, a1, mm, c1, 0xEA;
-lop3.b32 r2, a2, mm, c2, 0xEA;
-lop3.b32 r3, a3, mm, c3, 0xEA;
+_E2M1_HALF16_PTX = tl.constexpr("{\n.reg .b32 a<4>, c<4>, r<4>, mm;\n"
+                                + _E2M1_HALF_PAIRS.format(src="$4") + """\
 prmt.b32 $0, r0, r2, 0x5410;
 prmt.b32 $1, r0, r2, 0x7632;
 prmt.b32 $2, r1, r3, 0x5410;

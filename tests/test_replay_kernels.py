@@ -1378,6 +1378,43 @@ def test_f16x3_products(gdn, monkeypatch):
             kr.mamba2_verify_kernel(M_st, A, *args, use_dot="f16x3", block_v=16)
 
 
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_f16x3_step_batch_invariant(gdn):
+    """The f16x3 step (one launch, X split in each program; with a read pass, X split once per
+    sequence and key group) gives every sequence the same bits alone, in the batch and at the
+    other batch position (the nvfp4 copy is RTN: the same codes for a sequence wherever it
+    is packed)."""
+    gen = _gen(71)
+    S = _t(torch.randn(B, H, V, K2, generator=gen) * (0.3 if gdn else 1.0))
+    la = _t(torch.log(0.9 + 0.0999 * torch.rand(B, CAP, H, generator=gen)))
+    k = torch.randn(B, CAP, G, K2, generator=gen)
+    k = _t(torch.nn.functional.normalize(k, dim=-1) if gdn else k / K2 ** 0.5)
+    ring = {"la": la, "v": _t(torch.randn(B, CAP, H, V, generator=gen)), "k": k}
+    if gdn:
+        ring.update(beta=_t(torch.sigmoid(torch.randn(B, CAP, H, generator=gen))),
+                    uR=_t(torch.randn(B, CAP, H, V, generator=gen)))
+    q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
+    h = _t(torch.tensor([2, 0]))
+
+    def step(idx, rp):
+        R_st = pack(S[idx].contiguous(), "nvfp4", seed=SEED, backend="torch")
+        rg = {n_: t[idx].clone() for n_, t in ring.items()}
+        new = {n_: t[:, -1].clone() for n_, t in rg.items()}
+        kw = dict(use_dot="f16x3", read_pass=rp, block_v=16)
+        if gdn:
+            return kr.gdn_step_kernel(R_st, rg, q[idx], new["k"], new["v"], new["la"],
+                                      new["beta"], h[idx], **kw)
+        return kr.mamba2_step_kernel(R_st, rg, new["la"], new["v"], new["k"], q[idx], h[idx],
+                                     **kw)
+
+    for rp in (False, (16, 1)):
+        both = step([0, 1], rp)
+        rev = step([1, 0], rp)
+        for b in range(B):
+            assert torch.equal(_bits(both[b]), _bits(rev[B - 1 - b])), (rp, b)
+            assert torch.equal(_bits(both[b]), _bits(step([b], rp)[0])), (rp, b)
+
+
 def _verify_case(gen, R, ring, gdn: bool, Kd: int):
     """Verify of T drafts from the ring's records, sequence 0's last draft on the flush slot:
     ``(A, args of *_verify, reference outputs, reference corrections (GDN) or None)``."""

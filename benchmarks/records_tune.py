@@ -208,15 +208,6 @@ F16_VERIFY_CANDIDATES = [(None, None, None, None, "tf32x3") + _F + (None,),  # t
 F16SPLIT_STEP_CANDIDATES = [_E + ("lookup",)] + [
     (None, None, None, None, "f16x3") + _F + ("half", rp)
     for rp in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4))]
-# --set rowtiles (2026-12-02, twelfth session): the step's read pass with each program walking
-# several row tiles of its matrix in a software-pipelined loop (read_pass = (block_v, num_warps,
-# row_tiles, stages)): more of C's bytes in flight per program without more registers (the
-# GDN nvfp4 read pass was latency-bound: ncu_step_readpass_1e63cd9_h200.csv); records launch at
-# the wrappers' tiles
-ROWTILES_STEP_CANDIDATES = [_E, (None, None) + _R + ((32, 2),)] + [
-    (None, None) + _R + ((rb, rw, rt, rs),)
-    for rb, rw, rt in ((32, 2, 2), (32, 2, 4), (16, 1, 4), (16, 1, 8), (64, 4, 2))
-    for rs in (2, 3)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -248,8 +239,7 @@ def cases(M, T):
                  "readpass": (READPASS_STEP_CANDIDATES, []),
                  "half": (HALF_STEP_CANDIDATES, HALF_VERIFY_CANDIDATES),
                  "f16": (F16_STEP_CANDIDATES, F16_VERIFY_CANDIDATES),
-                 "f16split": (F16SPLIT_STEP_CANDIDATES, []),
-                 "rowtiles": (ROWTILES_STEP_CANDIDATES, [])}.get(
+                 "f16split": (F16SPLIT_STEP_CANDIDATES, [])}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -382,7 +372,7 @@ def main(argv=None):
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
                              "verify3", "lut", "lut2", "readpass", "half", "f16",
-                             "f16split", "rowtiles"),
+                             "f16split"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -399,8 +389,7 @@ def main(argv=None):
                          "E2M1 decoder against the defaults) or f16 (nvfp4: C's products on "
                          "float16 tensor cores, use_dot='f16x3', in the step's read pass and "
                          "verify) or f16split (the step's read pass with f16x3 and X split once "
-                         "per sequence and key group) or rowtiles (the step's read pass walking "
-                         "several row tiles per program in a pipelined loop)")
+                         "per sequence and key group)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

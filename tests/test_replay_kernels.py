@@ -632,61 +632,6 @@ def test_read_pass_verify_and_corrections(read_fmt, monkeypatch):
                         for i in range(0, len(seen), 2)), seen
 
 
-@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
-@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_read_pass_row_tiles_same_bits(gdn, read_fmt):
-    """A read pass whose programs walk several row tiles in a pipelined loop
-    (``read_pass=(16, 1, row_tiles, stages)``) gives the one-tile-per-program read pass's
-    outputs (and GDN's new corrections) bit for bit, on V = 80 value rows: five 16-row tiles,
-    so with two or three tiles per program the last program's last tile lies past V (masked),
-    and with four the second program has one tile in V. Both equal the torch reference within
-    the tolerance."""
-    Vx = 80
-    gen = _gen(45)
-    streams = _t(torch.arange(B * H).view(B, H))
-    S = _t(torch.randn(B, H, Vx, K, generator=gen) * (0.3 if gdn else 1.0))
-    R_st = _stored(S, read_fmt, stream=streams)
-    R = R_st if isinstance(R_st, torch.Tensor) else R_st.dequantize()
-    la = _t(torch.log(0.9 + 0.0999 * torch.rand(B, CAP, H, generator=gen)))
-    k = torch.randn(B, CAP, G, K, generator=gen)
-    k = _t(torch.nn.functional.normalize(k, dim=-1) if gdn else k / K ** 0.5)
-    ring = {"la": la, "v": _t(torch.randn(B, CAP, H, Vx, generator=gen)), "k": k}
-    if gdn:
-        ring.update(beta=_t(torch.sigmoid(torch.randn(B, CAP, H, generator=gen))),
-                    uR=_t(torch.randn(B, CAP, H, Vx, generator=gen)))
-    h = _t(torch.tensor([2, 0]))
-    new = {n: t[:, -1].clone() for n, t in ring.items() if n != "uR"}
-    q = _t(torch.randn(B, G, K, generator=gen) * K ** -0.5)
-    got = {}
-    for rp in [(16, 1), (16, 1, 2, 2), (16, 1, 3, 1), (16, 1, 4, 3)]:
-        r = {n: t.clone() for n, t in ring.items()}
-        if gdn:
-            o = kr.gdn_step_kernel(R_st, r, q, new["k"], new["v"], new["la"], new["beta"], h,
-                                   read_pass=rp)
-        else:
-            o = kr.mamba2_step_kernel(R_st, r, new["la"], new["v"], new["k"], q, h,
-                                      read_pass=rp)
-        got[rp] = (o, r)
-    o0, r0 = got[(16, 1)]
-    for rp, (o, r) in got.items():
-        assert torch.equal(o, o0), rp
-        for n in r:
-            assert torch.equal(r[n], r0[n]), (rp, n)
-    ref = {n: t.clone() for n, t in ring.items()}
-    b = torch.arange(B, device=DEVICE)
-    for n, t in new.items():
-        ref[n][b, h] = t
-    J = int(h.max()) + 1
-    if gdn:
-        want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
-                                   ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
-        torch.testing.assert_close(r0["uR"][b, h], uR[b, h], **TOL)
-    else:
-        want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
-                                  h + 1)
-    torch.testing.assert_close(o0, want, **TOL)
-
-
 # ------------------------------------------------------------------------------ verify
 @pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
 def test_mamba2_verify(read_fmt):
@@ -1539,9 +1484,7 @@ def test_checkpoint_streams_device_build_equals_host_build():
                                  dict(use_dot=0.5), dict(shared_products="yes"),
                                  dict(shared_products=1), dict(read_pass=(8, 2)),
                                  dict(read_pass=(16, 3)), dict(read_pass=16),
-                                 dict(read_pass=True), dict(read_pass=(16, 2, 1)),
-                                 dict(read_pass=(16, 2, 0, 1)), dict(read_pass=(16, 2, 2, 0)),
-                                 dict(read_pass=(16, 2, True, 1))])
+                                 dict(read_pass=True), dict(read_pass=(16, 2, 1))])
 def test_records_launch_options_refused(bad):
     """A bad launch option of the records kernel raises ValueError naming it (before launch)."""
     from replayssm_quant.kernels.replay import records_outputs

@@ -766,27 +766,6 @@ def _output(p, t, Y, Z, U, cvec, idx, cx, rows, rmask, b, h, o_ptr, H, V, OT, OT
 
 
 @triton.jit
-def _read_tile(c_ptr, cbs_ptr, cms_ptr, y_ptr, x16_ptr, xinv_ptr, dk_ptr, q_ptr, mat, rowg,
-               rmask, cx, ss, n, b, g, G, TD, TQ, K: tl.constexpr, KC: tl.constexpr,
-               STAGES: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
-               NS: tl.constexpr, NX: tl.constexpr, NXS: tl.constexpr, D_REL: tl.constexpr,
-               DOT: tl.constexpr, PREC: tl.constexpr, XS: tl.constexpr, FUSED: tl.constexpr,
-               C: tl.constexpr):
-    """The read pass on the value rows ``rowg`` of matrix ``mat``: ``Y = C X [BV, NC]``
-    (``_c_times_x``, or ``_c_times_x16`` with X split once, ``XS``) stored to ``y_ptr``."""
-    if XS:  # nvfp4 on float16 tensor cores with X split once per (sequence, key group)
-        Y = _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_ptr,
-                         b * G + g, K, KC, STAGES, BLK, BV, NC, NXS, NX, C)
-    else:
-        cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
-        Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase,
-                       isk, qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS,
-                       NX, D_REL, DOT, PREC, C)
-    tl.store(y_ptr + rowg[:, None] * NC + cx[None, :], Y,
-             mask=rmask[:, None] & (cx[None, :] < NC))
-
-
-@triton.jit
 def _records_kernel(
         c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
         rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
@@ -806,9 +785,7 @@ def _records_kernel(
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
         SPREC: tl.constexpr, ONE: tl.constexpr, XS: tl.constexpr, NXS: tl.constexpr,
-        C: tl.constexpr, RT: tl.constexpr = 1, RS: tl.constexpr = 1):
-    # C: the stored checkpoint's DecodeConsts; ONE: TD == 1; RT, RS: the read pass's row tiles
-    # per program and the stages of its loop over them
+        C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
     # SOLVE: 0 row-by-row forward substitution and per-query reductions; 1 / 2 matrix form
     # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2).
     # FUSED (GDN, matrix form, C is both R and A): the key columns of X are slots 0..NS-1
@@ -834,18 +811,17 @@ def _records_kernel(
     idx = tl.arange(0, LP).to(tl.int64)
     cx = tl.arange(0, NX)
     if YOUT:  # the read pass: the only part of the step that reads C
-        if RT == 1:
-            _read_tile(c_ptr, cbs_ptr, cms_ptr, y_ptr, x16_ptr, xinv_ptr, dk_ptr, q_ptr, mat,
-                       rowg, rmask, cx, ss, n, b, g, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS,
-                       NX, NXS, D_REL, DOT, PREC, XS, FUSED, C)
-        else:  # RT row tiles of this matrix, in a software-pipelined loop (RS stages): the
-            # loads of the next tiles are in flight while this one is decoded and summed
-            for t in tl.range(0, RT, num_stages=RS):
-                rows_t = (vt * RT + t) * BV + tl.arange(0, BV)
-                _read_tile(c_ptr, cbs_ptr, cms_ptr, y_ptr, x16_ptr, xinv_ptr, dk_ptr, q_ptr,
-                           mat, mat * V + rows_t.to(tl.int64), rows_t < V, cx, ss, n, b, g, G,
-                           TD, TQ, K, KC, STAGES, BLK, BV, NC, NS, NX, NXS, D_REL, DOT, PREC,
-                           XS, FUSED, C)
+        if XS:  # nvfp4 on float16 tensor cores with X split once per (sequence, key group)
+            Y = _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_ptr,
+                             b * G + g, K, KC, STAGES, BLK, BV, NC, NXS, NX, C)
+        else:
+            cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL,
+                                                  FUSED)
+            Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase,
+                           isk, qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC,
+                           NS, NX, D_REL, DOT, PREC, C)
+        tl.store(y_ptr + rowg[:, None] * NC + cx[None, :], Y,
+                 mask=rmask[:, None] & (cx[None, :] < NC))
         return
 
     # ---- records of this (sequence, head): la, w of this program's rows (issued before the
@@ -1073,12 +1049,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             ``"f16x3"`` the records launch and the products launch form those by
             reductions), ``block_v``
             and ``num_warps`` to the records launch; ``keys_first`` has no stream of C left to
-            overlap. ``(block_v, num_warps, row_tiles, stages)``: each read-pass program
-            walks ``row_tiles`` consecutive row tiles of its matrix (at most the matrix's) in
-            a loop software-pipelined over ``stages`` (the next tiles' loads in flight while
-            one is decoded); each tile's rows are formed by the same code with the same tile,
-            so Y is the one-tile-per-program launch's. Ignored where nothing multiplies C (no
-            solved rows and no queries). None or False (default): one launch.
+            overlap. Ignored where nothing multiplies C (no solved rows and no queries). None
+            or False (default): one launch.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, keys_first, shared_products, solve, solve_precision, fused_window,
@@ -1137,14 +1109,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     if read_pass is False:
         read_pass = None
     if read_pass is not None:
-        if not (isinstance(read_pass, (tuple, list)) and len(read_pass) in (2, 4)):
-            raise ValueError(f"read_pass must be None, False, (block_v, num_warps) or "
-                             f"(block_v, num_warps, row_tiles, stages), got {read_pass!r}")
+        if not (isinstance(read_pass, (tuple, list)) and len(read_pass) == 2):
+            raise ValueError(f"read_pass must be None, False or (block_v, num_warps), got "
+                             f"{read_pass!r}")
         try:
-            _check_tile(*read_pass[:2])
-            for name, v in zip(("row_tiles", "stages"), read_pass[2:]):
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            _check_tile(*read_pass)
         except ValueError as e:
             raise ValueError(f"read_pass {tuple(read_pass)!r}: {e}") from None
     ypre = read_pass is not None and NC > 0  # Y = C X in a launch of its own
@@ -1211,11 +1180,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         rflags = dict(flags, DOT=2 if f16 else bool(use_dot), XS=xsplit,
                       NX=max(MIN_DOT if (use_dot or matrix) else 2, triton.next_power_of_2(NC)))
         # (the read pass compiles the whole kernel, matrix forms included: NX >= MIN_DOT there)
-        rt, rs = (tuple(read_pass[2:]) or (1, 1))
-        rt = min(rt, triton.cdiv(V, rbv))  # at most the matrix's row tiles per program
-        _records_kernel[(B * H, triton.cdiv(V, rbv * rt))](
+        _records_kernel[(B * H, triton.cdiv(V, rbv))](
             *args, y, x16, xinv, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
-            RT=rt, RS=rs, **rflags)
+            **rflags)
     else:
         y = o_arg
         flags["DOT"] = 2 if f16 else bool(use_dot)

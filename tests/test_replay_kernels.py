@@ -1617,13 +1617,15 @@ def test_flush_launch_options_refused(bad):
 
 
 def _flush_args(**over):
-    """Valid inputs of a small flush (B = 2, H = 2, V = 16, K = 32, J = 3), with overrides."""
+    """Valid inputs of a small flush (B = 2, H = 2, V = 16, K = 32, J = 3) on DEVICE, with
+    overrides (moved to DEVICE too)."""
     z = torch.zeros
     kw = dict(anchor=z(2, 2, 16, 32), la=z(2, 3, 2), w=z(2, 3, 2, 16), k=z(2, 3, 1, 32),
-              length=torch.tensor([3, 1]), policy=StatePolicy.parse("fp32"), seed=0, layer=0,
-              sequence_ids=torch.tensor([4, 5]), flush_index=torch.tensor([1, 2]))
+              length=torch.tensor([3, 1]), sequence_ids=torch.tensor([4, 5]),
+              flush_index=torch.tensor([1, 2]))
     kw.update(over)
-    return kw
+    kw = {n: _t(t) for n, t in kw.items()}
+    return dict(kw, policy=StatePolicy.parse("fp32"), seed=0, layer=0)
 
 
 @pytest.mark.parametrize("over,err,match", [
@@ -1639,11 +1641,58 @@ def _flush_args(**over):
 def test_flush_bad_inputs_refused(over, err, match):
     """Inputs whose extents do not match the anchor, or ids / lengths out of range, are refused
     with the input named (shapes on the host; values by device-side assertions, at once on
-    CPU) instead of being read out of bounds."""
+    CPU; on CUDA a failed assertion poisons the context, so those cases run on CPU only)
+    instead of being read out of bounds."""
+    if err is RuntimeError and not ASSERTS_RECOVER:
+        pytest.skip("a device-side assertion on CUDA poisons the process's context")
     kw = _flush_args(**over)
     kr.flush_kernel(**_flush_args())  # the valid inputs run
     with pytest.raises(err, match=match):
         kr.flush_kernel(**kw)
+
+
+def test_kernels_refuse_inputs_on_other_devices(monkeypatch):
+    """An input on another device than the anchor / read copy, or a CPU tensor without the
+    Triton interpreter, is refused with the input and the device named (Triton's own error
+    names neither), by the flush, the step, verify and the corrections solve."""
+    from replayssm_quant.kernels.replay import codec
+    kw = _flush_args()
+    with pytest.raises(ValueError, match=r"flush_kernel: la is on meta, expected"):
+        kr.flush_kernel(**dict(kw, la=torch.zeros(2, 3, 2, device="meta")))
+    with pytest.raises(ValueError, match=r"flush_kernel: flush_index is on meta"):
+        kr.flush_kernel(**dict(kw, flush_index=torch.zeros(2, dtype=torch.int64,
+                                                           device="meta")))
+    gen = _gen(46)
+    for gdn in (False, True):
+        R, R_st, ring, h = _ring_state(gen, "fp32", gdn=gdn)
+        meta_h = torch.zeros(B, dtype=torch.int64, device="meta")
+        la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
+        q = _t(torch.randn(B, G, K, generator=gen))
+        name = "gdn_step_kernel" if gdn else "mamba2_step_kernel"
+        with pytest.raises(ValueError, match=rf"{name}: h is on meta"):
+            if gdn:
+                kr.gdn_step_kernel(R_st, ring, q, k, v, la, beta, meta_h)
+            else:
+                kr.mamba2_step_kernel(R_st, ring, la, v, k, q, meta_h)
+        ring_m = dict(ring, k=ring["k"].to("meta"))
+        with pytest.raises(ValueError, match=r"ring\['k'\] is on meta"):
+            if gdn:
+                kr.gdn_step_kernel(R_st, ring_m, q, k, v, la, beta, h)
+            else:
+                kr.mamba2_step_kernel(R_st, ring_m, la, v, k, q, h)
+        A, args, _, _ = _verify_case(gen, R, ring, gdn, K)
+        fn = kr.gdn_verify_kernel if gdn else kr.mamba2_verify_kernel
+        with pytest.raises(ValueError, match=r"verify.*: anchor is on meta"):
+            fn(R_st, A.to("meta"), *args)
+    rec = _records(gen, J=3, gdn=True)
+    length = _t(torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match=r"gdn_corrections_kernel: length is on meta"):
+        kr.gdn_corrections_kernel(R_st, rec[0], rec[3], rec[1], rec[2], length.to("meta"))
+    monkeypatch.setattr(codec, "triton_interpreting", lambda: False)
+    cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    with pytest.raises(ValueError, match=r"flush_kernel: anchor is on cpu; the replay "
+                                         r"kernels run on CUDA.*TRITON_INTERPRET=1"):
+        kr.flush_kernel(**cpu)
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])

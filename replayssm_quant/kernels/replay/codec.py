@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
-from ...capabilities import replay_kernels_supported
+from ...capabilities import replay_kernels_supported, triton_interpreting
 from ...formats import QuantSpec, parse_spec
 from ...packed import PackedTensor
 from ..quant import (_amax_scale, _block_scale, _e2m1_rtn, _e8m0_value, _finite_abs,
@@ -450,6 +450,27 @@ def _check_supported(key_dim: int, dtype) -> None:
     if not kernels_supported(key_dim, dtype):
         raise ValueError(f"replay kernels need float32 and a key dim that is a power of two "
                          f">= 32, got {dtype} and K={key_dim}")
+
+
+def _check_devices(where: str, **tensors) -> None:
+    """Raise ValueError unless the named tensors (a PackedTensor by its codes; None and Python
+    ints skipped) are on the first one's device and that device can run the Triton kernels:
+    CUDA, or any device under the Triton interpreter (``TRITON_INTERPRET=1``). Without it
+    Triton's own message for a CPU tensor names neither the input nor the fix."""
+    items = [(n, t.codes if isinstance(t, PackedTensor) else t) for n, t in tensors.items()]
+    items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
+    if not items:
+        return
+    first, t0 = items[0]
+    dev = t0.device
+    if dev.type != "cuda" and not triton_interpreting():
+        raise ValueError(f"{where}: {first} is on {dev}; the replay kernels run on CUDA devices "
+                         f"(or on the CPU under the Triton interpreter, TRITON_INTERPRET=1 set "
+                         f"before triton is imported)")
+    for n, t in items[1:]:
+        if t.device != dev:
+            raise ValueError(f"{where}: {n} is on {t.device}, expected {dev} (the device of "
+                             f"{first})")
 
 
 def _check_f32(where: str, name: str, t, shape) -> None:

@@ -57,7 +57,7 @@ from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import StatePolicy, require_policy
 from ..quant import pack_triton
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
-                    _cast_store_full, _check_f32, _check_index, _check_records, _load_full,
+                    _cast_store_full, _check_devices, _check_f32, _check_index, _check_records, _load_full,
                     _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
                     _matrix_scale, _stored_args)
 from .records import _check_tile, _lp, _unit_upper_inverse
@@ -535,6 +535,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
     policy = require_policy(policy)  # parsed at the edges
+    _check_devices("flush_kernel", anchor=anchor, la=la, w=w, k=k, beta=beta, q=q,
+                   length=length, sequence_ids=sequence_ids, flush_index=flush_index)
     B, H, V, K = (int(x) for x in anchor.shape)
     two = not policy.single_checkpoint
     if split_casts is None:

@@ -57,7 +57,7 @@ import triton.language as tl
 from ...capabilities import triton_interpreting
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
-from .codec import (_check_f32, _check_index, _check_records, _check_supported, _decode_code,
+from .codec import (_check_devices, _check_f32, _check_index, _check_records, _check_supported, _decode_code,
                     _decode_consts, _e2m1_pairs_half, _e2m1_pairs_half16, _e2m1_pairs_lut,
                     _e2m1_value,
                     _e4m3_value, _e5m2_value, _e8m0_value, _K_NVFP4, _stored_args,
@@ -1301,6 +1301,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass)
     _check_f16x3(read, cfg)
+    _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h,
+                   **{f"ring[{n!r}]": t for n, t in ring.items()})
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
@@ -1334,6 +1336,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass)
     _check_f16x3(read, cfg)
+    _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h,
+                   **{f"ring[{n!r}]": t for n, t in ring.items()})
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,
@@ -1349,6 +1353,8 @@ def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_
     ``start`` integer ``[B]`` (GDN: ``beta [B,J,H]``, ``u_known [B,J,H,V]``); the drafts must
     fit the ring (``start + T <= J``, checked on the device: no host synchronisation). Raises
     ValueError naming the input (the kernels index by these extents)."""
+    _check_devices(where, read=read, anchor=anchor, la=la, v=v, k=k, q=q, start=start,
+                   beta=beta, u_known=u_known)
     B, H, V, K = (int(x) for x in read.shape)
     if tuple(anchor.shape) != (B, H, V, K):
         raise ValueError(f"{where}: anchor has shape {tuple(anchor.shape)}, expected the read "
@@ -1523,7 +1529,10 @@ def gdn_corrections_kernel(anchor, la, beta, v, k, length, *, block_v: int = DEF
     """Kernel of :func:`core.solve_corrections` for a flush: the corrections of rows
     ``0..length[b]-1`` against the stored anchor (records ``la, beta [B,J,HV]``,
     ``v [B,J,HV,DV]``, grouped ``k [B,J,HK,DK]``). Rows at or beyond ``length`` are zero.
-    Returns ``u [B, J, HV, DV]``."""
+    Returns ``u [B, J, HV, DV]``. Raises ValueError naming an input on another device (or
+    on a device the kernels cannot run on)."""
+    _check_devices("gdn_corrections_kernel", anchor=anchor, la=la, beta=beta, v=v, k=k,
+                   length=length)
     B, J, H = la.shape
     u = torch.zeros_like(v)
     if J == 0:

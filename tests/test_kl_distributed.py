@@ -396,6 +396,7 @@ def test_run_without_a_memory_plan_warns_and_runs(tmp_path, capsys, monkeypatch)
     assert man["model"]["params"] > 0 and man["distributed"]["memory_plan"] == []
 
 
+@pytest.mark.slow  # 76 s on 2 cores (2026-12-02); the two-rank equality is also test_two_gloo_ranks_equal_one_process
 def test_policy_map_cells_under_two_ranks_equal_one_process(tmp_path):
     """Policy-map cells (a per-layer rule and a per-head rule with a dual format) sharded over
     two gloo ranks give every table bit for bit as one plain process."""

@@ -167,6 +167,7 @@ def test_cli_runs_offline_on_embedded_model(tmp_path):
     assert 0.0 <= res["results"]["kjv_longctx_mc"]["acc,none"] <= 1.0
 
 
+@pytest.mark.slow  # 56 s; loglikelihood_rolling without the CLI: test_rolling_loglikelihood_runs_under_policy
 def test_cli_rolling_perplexity_task(tmp_path):
     """kjv_longctx_ppl: every passage token under the policy (loglikelihood_rolling)."""
     import math

@@ -29,6 +29,7 @@ def test_kernel_profile_tiny(tmp_path):
     assert set(r["launched_in_order"]) == ops and r["calls_each"] == 2 and r["batch"] == 2
 
 
+@pytest.mark.slow  # 34 s under the interpreter (2026-12-02); the script runs on the device each pass
 def test_emulation_profile_tiny(tmp_path):
     out = tmp_path / "ep.json"
     p = _run("emulation_profile.py", "--reps", "1", "--policies", "fp32",
@@ -49,6 +50,7 @@ def test_profile_scripts_refuse_bad_arguments(tmp_path, script, args, match):
     assert p.returncode == 2 and match in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.slow  # 33 s; the script's --check-batch path stays in test_chain_tune_check_batch_tiny
 def test_chain_tune_tiny(tmp_path):
     """``benchmarks/chain_tune.py --tiny``: the asked cases (GDN), with and without
     ``prefetch`` (the same bits) and both ``exchange`` settings (which only a split launch on
@@ -78,6 +80,7 @@ def test_chain_tune_check_batch_tiny(tmp_path):
     assert p.returncode == 2 and "--check-batch" in p.stderr
 
 
+@pytest.mark.slow  # 46 s of ptxas on 2 cores (2026-12-02)
 def test_sass_static_compiles_for_sm90_without_a_gpu():
     """``benchmarks/sass_static.py`` compiles a flush for sm_90 on this CPU machine and reports
     registers and static SASS from Triton's bundled tools (skipped where the wheel has none)."""

@@ -324,10 +324,18 @@ def _config_inputs(gen, exact, V2):
     return A, la, k, v, beta, q
 
 
+# the default suite keeps one case per model and family of casts (2026-12-02: the four slow
+# ones took 32-74 s each under the interpreter on 2 cores); -m slow runs the rest
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("policy,model,exact", [
-    ("read:nvfp4+sr/rec:fp16+sr", "gdn", True), ("read:nvfp4+sr/rec:fp16+sr", "gdn", False),
-    ("read:nvfp4+sr/rec:fp16+sr", "mamba2", True), ("read:fp8e4m3/rec:fp32", "mamba2", False),
-    ("read:fp8e4m3/rec:fp32", "gdn", True), ("fp32", "gdn", False), ("fp32", "mamba2", True)])
+    ("read:nvfp4+sr/rec:fp16+sr", "gdn", True),
+    pytest.param("read:nvfp4+sr/rec:fp16+sr", "gdn", False, marks=SLOW),
+    ("read:nvfp4+sr/rec:fp16+sr", "mamba2", True),
+    pytest.param("read:fp8e4m3/rec:fp32", "mamba2", False, marks=SLOW),
+    pytest.param("read:fp8e4m3/rec:fp32", "gdn", True, marks=SLOW),
+    pytest.param("fp32", "gdn", False, marks=SLOW), ("fp32", "mamba2", True)])
 def test_flush_configs(policy, model, exact):
     """Every launch configuration: grid / loop variants, several row tiles per matrix with a
     partial last tile (V = 40; with a matrix scale: the two-launch atomic amax of ``grid``, the
@@ -426,9 +434,14 @@ def test_flush_default_wide_gdn():
         _same_copies(res.checkpoints, ref.checkpoints)
 
 
-@pytest.mark.parametrize("form,split", [("dot", False), ("rank1", False), ("tf32x3", False),
-                                        ("dot+inverse", False), ("dot+inverse", True)])
-@pytest.mark.parametrize("model", ["gdn", "mamba2"])
+# the default suite: each model's default form (GDN dot+inverse, Mamba-2 tf32x3) and the split
+# casts; the other forms (17-22 s each under the interpreter) with -m slow
+@pytest.mark.parametrize("model,form,split", [
+    (m, f, sp) if (m, f) in (("gdn", "dot+inverse"), ("mamba2", "tf32x3")) or sp
+    else pytest.param(m, f, sp, marks=SLOW)
+    for m in ("gdn", "mamba2")
+    for f, sp in (("dot", False), ("rank1", False), ("tf32x3", False), ("dot+inverse", False),
+                  ("dot+inverse", True))])
 def test_flush_forms_batch_invariant(model, form, split):
     """Every ``reconstruct`` form gives each sequence the same bits alone, in the batch and at
     the other batch position (reversed batch): S, the flush token's output, the anchor and
@@ -1583,11 +1596,15 @@ def _decode_run(family, policy, rows, backend, gen_seed=41):
     return torch.cat([torch.stack(outs, 1), ver], 1), st.anchor, st.read_copy
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("family,policy", [("gdn", "read:nvfp4/rec:fp16+sr"),
-                                           ("mamba2", "read:nvfp4/rec:fp16+sr"),
-                                           ("gdn", "shared:fp8e4m3+sr"),
-                                           ("mamba2", "shared:nvfp4")])
+# the default suite: every case with the torch backend, and with the kernels a dual and a single
+# checkpoint policy (one per family); the other two kernel cases (34-51 s) with -m slow
+@pytest.mark.parametrize("family,policy,backend", [
+    (f, p, be) if be == "torch" or (f, p) in (("gdn", "read:nvfp4/rec:fp16+sr"),
+                                              ("mamba2", "shared:nvfp4"))
+    else pytest.param(f, p, be, marks=SLOW)
+    for f, p in (("gdn", "read:nvfp4/rec:fp16+sr"), ("mamba2", "read:nvfp4/rec:fp16+sr"),
+                 ("gdn", "shared:fp8e4m3+sr"), ("mamba2", "shared:nvfp4"))
+    for be in ("triton", "torch")])
 def test_decode_state_batch_invariance(family, policy, backend):
     """The decode state objects (what ``decode="serving"`` runs; ``triton``: the records and
     flush kernels, here under the interpreter) give every sequence the same bits alone, in a
@@ -1764,9 +1781,11 @@ def _matrix_reference(R, A, args, family):
     return gdn_verify(R, A, *args[:-1], fold)
 
 
-@pytest.mark.parametrize("solve", SOLVES)
-@pytest.mark.parametrize("family", ["mamba2", "gdn", "gdn-fold"])
-@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+# the default suite: every family and solve from nvfp4, and the inverse (the default) from fp32;
+# fp32 with doubling (13-23 s each) with -m slow
+@pytest.mark.parametrize("read_fmt,family,solve", [
+    (r, f, so) if r == "nvfp4" or so == "inverse" else pytest.param(r, f, so, marks=SLOW)
+    for r in ("fp32", "nvfp4") for f in ("mamba2", "gdn", "gdn-fold") for so in SOLVES])
 def test_verify_matrix_forms(read_fmt, family, solve):
     """The matrix forms against the torch references: T = 8 drafts, starts 8 (flush slot, the
     A path), 0, 3, 5; outputs and (GDN) the read-path corrections to 1e-5, under the verify

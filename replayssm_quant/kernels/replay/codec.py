@@ -453,11 +453,18 @@ def _check_supported(key_dim: int, dtype) -> None:
 
 
 def _check_devices(where: str, **tensors) -> None:
-    """Raise ValueError unless the named tensors (a PackedTensor by its codes; None and Python
-    ints skipped) are on the first one's device and that device can run the Triton kernels:
-    CUDA, or any device under the Triton interpreter (``TRITON_INTERPRET=1``). Without it
-    Triton's own message for a CPU tensor names neither the input nor the fix."""
-    items = [(n, t.codes if isinstance(t, PackedTensor) else t) for n, t in tensors.items()]
+    """Raise ValueError unless the named tensors (a PackedTensor by its codes, block scales and
+    matrix scale; None and Python ints skipped) are on the first one's device and that device
+    can run the Triton kernels: CUDA, or any device under the Triton interpreter
+    (``TRITON_INTERPRET=1``). Without it Triton's own message for a CPU tensor names neither
+    the input nor the fix."""
+    items = []
+    for n, t in tensors.items():
+        if isinstance(t, PackedTensor):
+            items += [(n, t.codes), (f"{n}.block_scales", t.block_scales),
+                      (f"{n}.matrix_scale", t.matrix_scale)]
+        else:
+            items.append((n, t))
     items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
     if not items:
         return

@@ -535,8 +535,6 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
     policy = require_policy(policy)  # parsed at the edges
-    _check_devices("flush_kernel", anchor=anchor, la=la, w=w, k=k, beta=beta, q=q,
-                   length=length, sequence_ids=sequence_ids, flush_index=flush_index)
     B, H, V, K = (int(x) for x in anchor.shape)
     two = not policy.single_checkpoint
     if split_casts is None:
@@ -561,6 +559,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     _check_index(where, "length", length, B)
     _check_index(where, "sequence_ids", sequence_ids, B)
     _check_index(where, "flush_index", flush_index, B, allow_scalar=True)
+    # (sequence_ids and flush_index may stay on the host: the key code moves them)
+    _check_devices(where, anchor=anchor, la=la, w=w, k=k, beta=beta, q=q, length=length)
     ok = (length.clamp(0, J) == length).all()  # device-side checks, one assertion (no sync)
     msg = f"{where}: length must be in [0, J = {J}] (the record slots)"
     dev = w.device
@@ -751,6 +751,8 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")
+        _check_devices("gdn_flush_kernel", anchor=anchor, la=la, beta=beta, v=v, k=k,
+                       length=length, u_cached=u_cached)
         live = length_mask(length, la.shape[1])
         u = torch.where(live[:, :, None, None], u_cached, torch.zeros((), dtype=v.dtype,
                                                                       device=v.device))

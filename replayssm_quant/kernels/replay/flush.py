@@ -57,9 +57,9 @@ from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import StatePolicy, require_policy
 from ..quant import pack_triton
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
-                    _cast_store_full, _check_devices, _check_f32, _check_index, _check_records, _load_full,
-                    _check_supported, _decode_consts, _finite_abs, _kind, _load_stored,
-                    _matrix_scale, _stored_args)
+                    _cast_store_full, _check_devices, _check_f32, _check_index, _check_records,
+                    _load_full, _check_supported, _decode_consts, _finite_abs, _kind,
+                    _load_stored, _matrix_scale, _stored_args)
 from .records import _check_tile, _lp, _unit_upper_inverse
 
 DEFAULT_BV_FLUSH = 32  # a flush_tune.py candidate (the first sweep's default); a call's: flush_config

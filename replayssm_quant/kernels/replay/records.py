@@ -57,9 +57,9 @@ import triton.language as tl
 from ...capabilities import triton_interpreting
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
-from .codec import (_check_devices, _check_f32, _check_index, _check_records, _check_supported, _decode_code,
-                    _decode_consts, _e2m1_pairs_half, _e2m1_pairs_half16, _e2m1_pairs_lut,
-                    _e2m1_value,
+from .codec import (_check_devices, _check_f32, _check_index, _check_records,
+                    _check_supported, _decode_code, _decode_consts, _e2m1_pairs_half,
+                    _e2m1_pairs_half16, _e2m1_pairs_lut, _e2m1_value,
                     _e4m3_value, _e5m2_value, _e8m0_value, _K_NVFP4, _stored_args,
                     E2M1_HALF_SCALE)
 

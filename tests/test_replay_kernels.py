@@ -1684,7 +1684,8 @@ def test_kernels_refuse_inputs_on_other_devices(monkeypatch):
     """Each tensor input of the flush, both steps, both verifies and the corrections solve,
     put on another device than the rest (one at a time), is refused with its name and the
     device; so is a packed read copy whose block scales are elsewhere, and a CPU anchor
-    without the Triton interpreter (Triton's own error names neither the input nor the fix).
+    when the kernels were not decorated under the Triton interpreter, naming a
+    TRITON_INTERPRET set too late (Triton's own errors name neither the input nor the fix).
     The flush's sequence ids and flush index may stay on the host (the key code moves them)."""
     from replayssm_quant.kernels.replay import codec
 
@@ -1740,10 +1741,16 @@ def test_kernels_refuse_inputs_on_other_devices(monkeypatch):
                 a[i] = _meta(a[i])
                 with pytest.raises(ValueError, match=rf"verify.*: {name} is on meta"):
                     vfn(R_st, *a)
-    monkeypatch.setattr(codec, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(codec, "KERNELS_INTERPRETED", False)  # kernels compiled for a GPU
     cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    monkeypatch.setattr(codec, "triton_interpreting", lambda: False)
     with pytest.raises(ValueError, match=r"flush_kernel: anchor is on cpu; the replay "
-                                         r"kernels run on CUDA.*TRITON_INTERPRET=1"):
+                                         r"kernels run on CUDA.*TRITON_INTERPRET=1 set before "
+                                         r"replayssm_quant is imported\)$"):
+        kr.flush_kernel(**cpu)
+    monkeypatch.setattr(codec, "triton_interpreting", lambda: True)  # set after the import
+    with pytest.raises(ValueError, match=r"anchor is on cpu.*set now, but was not when the "
+                                         r"kernels were imported"):
         kr.flush_kernel(**cpu)
 
 

@@ -163,6 +163,8 @@ def test_verify_limits(M):
     with pytest.raises(ValueError, match=r"\[0, 2\]"):
         st.commit(torch.tensor([0, 3]))
     st.commit(torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match="commit\\(\\) called twice"):
+        st.commit(torch.tensor([0, 0]))
     assert st.committed.tolist() == [2, 1]
     y = st.verify(*M.tok(inp, slice(0, 0)))  # zero drafts: allowed, nothing to accept
     assert y.shape[1] == 0

@@ -617,11 +617,17 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
           f"model {a.model} ({arch}), "
           f"{timings['total_s']:.1f} s{where}; output {out}")
     with pd.option_context("display.width", 160, "display.max_columns", 20):
+        print("KL(P_fp32 || P_policy) per position in nats: the policy's next-token distribution "
+              "against the same model with FP32 state, teacher forcing; kl_p99 / kl_max over "
+              "positions; top1_agree: share of positions with the same argmax; nonfinite_*: "
+              "positions with non-finite logits (left out of the KL columns)")
         print(overall.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
         if K:
             sw = pd.DataFrame(manifest["stepwise_check"]["per_policy"])
             print(f"\nstepwise check, positions {P}..{step_end - 1}: path noise KL(stepping || "
-                  "emulation) versus the policy's KL on the same positions")
+                  "emulation) versus the policy's KL on the same positions (path_to_effect = "
+                  "path_kl_mean / kl_mean; mean_rel_diff = kl_mean / kl_step_mean - 1; "
+                  "path_kl_ref_mean: the path noise of the FP32 reference)")
             print(sw[["policy", "window", "path_kl_mean", "path_kl_max", "kl_mean", "kl_step_mean",
                       "path_to_effect", "mean_rel_diff", "path_kl_ref_mean"]].to_string(
                 index=False, float_format=lambda v: f"{v:.3g}"))

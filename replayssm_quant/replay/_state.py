@@ -121,6 +121,7 @@ class ReplayStateBase:
                       for name, shape in self._RING.items()}
         self._h = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self._pending: int | None = None
+        self._committed = False  # the last verify() has been committed (for commit's message)
         self._set_all(torch.zeros(self.state_shape, dtype=dtype, device=self.device))
 
     # ------------------------------------------------------------------ properties
@@ -179,6 +180,7 @@ class ReplayStateBase:
         self._fi = fi + 1
         self._h.zero_()
         self._pending = None
+        self._committed = False
         for t in self._ring.values():
             t.zero_()
 
@@ -282,6 +284,9 @@ class ReplayStateBase:
             ValueError: no verify() pending, or a count outside [0, T] (state unchanged).
         """
         if self._pending is None:
+            if self._committed:
+                raise ValueError("commit() called twice: the last verify() was already "
+                                 "committed (verify() new drafts first)")
             raise ValueError("commit() called before verify(): nothing to commit")
         T = self._pending
         if isinstance(accepted, bool):
@@ -300,5 +305,6 @@ class ReplayStateBase:
             raise ValueError(f"accepted counts must be in [0, {T}] (the number of verified "
                              f"drafts), got {a.tolist()}")
         self._pending = None
+        self._committed = True
         self._h += a
         self._flush_seqs(self._h == self.window)

@@ -452,12 +452,18 @@ def _check_supported(key_dim: int, dtype) -> None:
                          f">= 32, got {dtype} and K={key_dim}")
 
 
+# Whether this package's kernels run under the Triton interpreter: triton.jit chooses when it
+# decorates them (this module's import), so TRITON_INTERPRET set later does not apply to them.
+KERNELS_INTERPRETED = triton_interpreting()
+
+
 def _check_devices(where: str, **tensors) -> None:
     """Raise ValueError unless the named tensors (a PackedTensor by its codes, block scales and
     matrix scale; None and Python ints skipped) are on the first one's device and that device
-    can run the Triton kernels: CUDA, or any device under the Triton interpreter
-    (``TRITON_INTERPRET=1``). Without it Triton's own message for a CPU tensor names neither
-    the input nor the fix."""
+    can run the Triton kernels: CUDA, or any device when they were decorated under the Triton
+    interpreter (``TRITON_INTERPRET=1`` at import, :data:`KERNELS_INTERPRETED`). Without it
+    Triton's own message for a CPU tensor names neither the input nor the fix (for a variable
+    set after the import: "0 active drivers")."""
     items = []
     for n, t in tensors.items():
         if isinstance(t, PackedTensor):
@@ -470,10 +476,12 @@ def _check_devices(where: str, **tensors) -> None:
         return
     first, t0 = items[0]
     dev = t0.device
-    if dev.type != "cuda" and not triton_interpreting():
+    if dev.type != "cuda" and not KERNELS_INTERPRETED:
+        late = ("; TRITON_INTERPRET is set now, but was not when the kernels were imported "
+                "(set it in the shell)" if triton_interpreting() else "")
         raise ValueError(f"{where}: {first} is on {dev}; the replay kernels run on CUDA devices "
-                         f"(or on the CPU under the Triton interpreter, TRITON_INTERPRET=1 set "
-                         f"before triton is imported)")
+                         f"(or on the CPU under the Triton interpreter: TRITON_INTERPRET=1 set "
+                         f"before replayssm_quant is imported){late}")
     for n, t in items[1:]:
         if t.device != dev:
             raise ValueError(f"{where}: {n} is on {t.device}, expected {dev} (the device of "

@@ -151,3 +151,19 @@ def test_resume_keeps_timings_and_drops_a_stale_stepwise_table(tmp_path):
     assert man["cells_computed_this_run"] == 0 and not (out / "stepwise.parquet").exists()
     assert man["timings"]["policies_s"]["fp32"] >= first["timings"]["policies_s"]["fp32"] > 0
     assert len(man["commands"]) == 2
+
+
+def test_window_beyond_the_document_warns(capsys, tmp_path):
+    """A window of at least --max-tokens without --prefill flushes nowhere in a document (the
+    read copy stays the exact cast of the zero initial state): the run says so on stderr for
+    those windows only, and not when a prefill casts the state first."""
+    from replayssm_quant.evals.kl import _check_args, build_parser
+
+    out = str(tmp_path / "o")
+    _check_args(build_parser().parse_args(["-N", "8", "--windows", "4", "8", "16", "-o", out]))
+    err = capsys.readouterr().err
+    assert "warning: --windows 8 16 >= --max-tokens 8 without --prefill" in err, err
+    _check_args(build_parser().parse_args(["-N", "8", "--windows", "4", "-o", out]))
+    _check_args(build_parser().parse_args(["-N", "8", "--windows", "16", "--prefill", "2",
+                                           "-o", out]))
+    assert "warning" not in capsys.readouterr().err

@@ -226,6 +226,12 @@ def _check_args(a) -> list:
     if not a.dist_timeout > 0:
         raise BadArgs(f"--dist-timeout must be > 0 minutes, got {a.dist_timeout}")
     check_budget_arg(a.memory_budget)
+    idle = [w for w in a.windows if w >= a.max_tokens] if a.prefill == 0 else []
+    if idle:  # every output then reads the cast of the zero initial state plus the buffer
+        print(f"replayssm-kl: warning: --windows {' '.join(map(str, idle))} >= --max-tokens "
+              f"{a.max_tokens} without --prefill: no flush happens within a document, so in "
+              f"those cells only eager: policies (rounded every token) differ from FP32 state",
+              file=sys.stderr)
     return pols
 
 

@@ -458,22 +458,21 @@ KERNELS_INTERPRETED = triton_interpreting()
 
 
 def _check_devices(where: str, **tensors) -> None:
-    """Raise ValueError unless the named tensors (a PackedTensor by its codes, block scales and
-    matrix scale; None and Python ints skipped) are on the first one's device and that device
-    can run the Triton kernels: CUDA, or any device when they were decorated under the Triton
-    interpreter (``TRITON_INTERPRET=1`` at import, :data:`KERNELS_INTERPRETED`). Without it
-    Triton's own message for a CPU tensor names neither the input nor the fix (for a variable
-    set after the import: "0 active drivers")."""
-    items = []
-    for n, t in tensors.items():
-        if isinstance(t, PackedTensor):
-            items += [(n, t.codes), (f"{n}.block_scales", t.block_scales),
-                      (f"{n}.matrix_scale", t.matrix_scale)]
-        else:
-            items.append((n, t))
-    items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
-    if not items:
+    """Raise ValueError unless the named inputs are on one device and that device can run the
+    Triton kernels: CUDA, or any device when they were decorated under the Triton interpreter
+    (``TRITON_INTERPRET=1`` at import, :data:`KERNELS_INTERPRETED`). An input is a tensor, a
+    PackedTensor (its codes, block scales and matrix scale) or a dict of tensors (a ring,
+    named ``name['key']``); None and Python ints are skipped. Without this check Triton's own
+    message for a CPU tensor names neither the input nor the fix (for a variable set after the
+    import: "0 active drivers"). Called on every decode step, so the names are built only when
+    something is wrong."""
+    devs = set()
+    for t in tensors.values():
+        for x in _parts(t):
+            devs.add(x.device)
+    if len(devs) <= 1 and (KERNELS_INTERPRETED or not devs or next(iter(devs)).type == "cuda"):
         return
+    items = [(f"{n}{sub}", x) for n, t in tensors.items() for sub, x in _named_parts(t)]
     first, t0 = items[0]
     dev = t0.device
     if dev.type != "cuda" and not KERNELS_INTERPRETED:
@@ -486,6 +485,27 @@ def _check_devices(where: str, **tensors) -> None:
         if t.device != dev:
             raise ValueError(f"{where}: {n} is on {t.device}, expected {dev} (the device of "
                              f"{first})")
+
+
+def _named_parts(t) -> list:
+    """``(suffix, tensor)`` of the tensors one input of :func:`_check_devices` holds."""
+    if isinstance(t, PackedTensor):
+        parts = [("", t.codes), (".block_scales", t.block_scales),
+                 (".matrix_scale", t.matrix_scale)]
+    elif isinstance(t, dict):
+        parts = [(f"[{k!r}]", x) for k, x in t.items()]
+    else:
+        parts = [("", t)]
+    return [(sub, x) for sub, x in parts if isinstance(x, torch.Tensor)]
+
+
+def _parts(t):
+    """The tensors one input of :func:`_check_devices` holds (no names: its fast path)."""
+    if isinstance(t, torch.Tensor):
+        return (t,)
+    if isinstance(t, dict):
+        return t.values()
+    return [x for _, x in _named_parts(t)]
 
 
 def _check_f32(where: str, name: str, t, shape) -> None:

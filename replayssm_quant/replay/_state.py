@@ -270,7 +270,9 @@ class ReplayStateBase:
         return pos
 
     def _begin_verify(self, T: int) -> None:
-        """Early flush rule: a sequence with h + T > window folds its committed part first."""
+        """Early flush rule: a sequence with h + T > window folds its committed part first.
+        Called by every verify(), which leaves T drafts pending (none committed yet)."""
+        self._committed = False
         self._flush_seqs(self._h + T > self.window)
 
     def commit(self, accepted) -> None:

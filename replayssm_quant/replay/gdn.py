@@ -244,7 +244,6 @@ class GDNReplayState(ReplayStateBase):
         self._begin_verify(T)
         self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
         self._pending = T
-        self._committed = False
         J = self.window  # committed + drafts <= window after the early flush; a fixed shape
         r = self._ring
         o, uR = self._ops.verify(self._checkpoints(), r["la"][:, :J], r["beta"][:, :J],

@@ -215,7 +215,6 @@ class Mamba2ReplayState(ReplayStateBase):
         la, v, k = mamba2_records(x, dt, A, B)
         self._write_drafts({"la": la, "v": v, "k": k}, T)
         self._pending = T
-        self._committed = False
         J = self.window  # committed + drafts <= window after the early flush; a fixed shape
         r = self._ring
         y = self._ops.verify(self._checkpoints(), r["la"][:, :J], r["v"][:, :J], r["k"][:, :J],

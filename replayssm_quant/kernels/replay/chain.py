@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...capabilities import triton_interpreting
 from ...formats import parse_spec
 from ...philox import stream_keys_to
-from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
+from .codec import (KERNELS_INTERPRETED, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored,
+                    _cast_consts, _cast_store,
                     _check_supported, _decode_consts, _dequant_tile, _finite_abs, _kind,
                     _load_copy, _load_stored, _matrix_scale, _split_halves, _typed_codes)
 
@@ -557,7 +557,7 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     if not (maxnreg is None or maxnreg == "auto" or (
             isinstance(maxnreg, int) and not isinstance(maxnreg, bool) and 16 <= maxnreg <= 255)):
         raise ValueError(f"maxnreg must be 'auto', None or an int in [16, 255], got {maxnreg!r}")
-    interp = triton_interpreting()
+    interp = KERNELS_INTERPRETED  # the mode the kernels were decorated in
     bv = block_v or chain_block_v(V, K)
     nt = triton.cdiv(V, bv)
     pow2 = nt & (nt - 1) == 0

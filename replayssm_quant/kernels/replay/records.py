@@ -54,10 +54,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...capabilities import triton_interpreting
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
-from .codec import (_check_devices, _check_f32, _check_index, _check_records,
+from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_index,
+                    _check_records,
                     _check_supported, _decode_code, _decode_consts, _e2m1_pairs_half,
                     _e2m1_pairs_half16, _e2m1_pairs_lut, _e2m1_value,
                     _e4m3_value, _e5m2_value, _e8m0_value, _K_NVFP4, _stored_args,
@@ -1207,7 +1207,7 @@ def _e2m1_mode(e2m1_decode, device, ptx_default: str = "lookup") -> str:
     gives directly) by default on NVIDIA CUDA, ``"integer"`` under the interpreter or
     elsewhere; a given one is checked (the inline-PTX ones need NVIDIA CUDA without the
     interpreter)."""
-    ptx = device.type == "cuda" and torch.version.hip is None and not triton_interpreting()
+    ptx = device.type == "cuda" and torch.version.hip is None and not KERNELS_INTERPRETED
     if e2m1_decode is None:  # (ROCm reports "cuda" too: the PTX is NVIDIA's)
         return ptx_default if ptx else "integer"
     if e2m1_decode not in E2M1_DECODES:
@@ -1216,7 +1216,8 @@ def _e2m1_mode(e2m1_decode, device, ptx_default: str = "lookup") -> str:
     if e2m1_decode != "integer" and not ptx:
         raise ValueError(f"e2m1_decode={e2m1_decode!r} is inline PTX and needs NVIDIA CUDA "
                          f"without the Triton interpreter (device {device}, TRITON_INTERPRET="
-                         f"{int(triton_interpreting())}); use 'integer' or None")
+                         f"{int(KERNELS_INTERPRETED)} when the kernels were imported); use "
+                         f"'integer' or None")
     return e2m1_decode
 
 

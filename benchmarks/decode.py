@@ -28,7 +28,9 @@ ran 10% slower from a graph, not explained), with the pure graph and eager ratio
 * per policy in ``POLICIES`` (``fp32``; ``read:nvfp4/rec:fp16+sr``): the non-flush decode step
   (``{gdn,mamba2}_step_kernel``: ring append + output, read copy R in its stored form) at every
   h = 0..L-2; the flush (``{gdn,mamba2}_flush_kernel`` serving variant: stored anchor in, A and
-  R out, the flush token's ``S q``, S not written; GDN includes the correction solve launch);
+  R out, the flush token's ``S q``, S not written; GDN: the corrections solved in the flush
+  kernel, or, under a single-checkpoint policy such as ``fp32``, the cached ones folded, as the
+  decode state runs it since 2026-12-02, ``GDNFold.folds_cached``; verify likewise);
   amortised per token ``(sum_h step(h) + flush) / L``; verify T = 8 at every h
   (``{gdn,mamba2}_verify_kernel``);
 * the fla ``fused_recurrent`` step (GDN: ``fused_recurrent_gated_delta_rule``; Mamba-2:
@@ -99,6 +101,7 @@ import triton.language as tl  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import replay_kernels as rk  # noqa: E402  (Model, eager baselines, stats helpers)
 
+from replayssm_quant.config import GDNFold  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
@@ -343,7 +346,11 @@ def make_set(M, gen, policy, T, with_fla):
         ring.update(beta=beta, uR=torch.randn_like(w) * 0.1)
     nla, nv, nk, nbeta = (t[:, 0] for t in M.records(gen, 1))
     st = {"S": S, "A": A, "R": R, "ring": ring, "nla": nla, "nv": nv.contiguous(),
-          "nk": nk.contiguous(), "nbeta": nbeta, "q": M.query(gen), "qT": M.query(gen, T)}
+          "nk": nk.contiguous(), "nbeta": nbeta, "q": M.query(gen), "qT": M.query(gen, T),
+          # GDN: what the decode state's flush and verify fold (GDNFold.folds_cached): the
+          # cached corrections where R is A, else corrections re-solved against A
+          "fold": GDNFold.CACHED if GDNFold.RECOMPUTE.folds_cached(policy)
+          else GDNFold.RECOMPUTE}
     if with_fla:
         # fla: [B, 1, heads, K]; Mamba-2's single group expanded to the H heads
         for n_, t in (("fla_q", st["q"]), ("fla_k", st["nk"])):
@@ -386,7 +393,8 @@ def run_verify(M, st, start):
     r = st["ring"]
     if M.gdn:
         return kr.gdn_verify_kernel(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"],
-                                    st["qT"], r["uR"], start, M.L)
+                                    st["qT"], r["uR"], start, M.L,
+                                    st["fold"] is GDNFold.CACHED)
     return kr.mamba2_verify_kernel(st["R"], st["A"], r["la"], r["v"], r["k"], st["qT"],
                                    start, M.L)
 
@@ -400,7 +408,8 @@ def run_flush(M, st, policy, fa, store_state=False):
     if M.gdn:
         return kr.gdn_flush_kernel(st["A"], r["la"], r["beta"], r["v"], r["k"], length, policy,
                                    q=st["q"], store_state=store_state,
-                                   dequantize=store_state, **kw)
+                                   dequantize=store_state, u_cached=r["uR"],
+                                   fold_cached_corrections=st["fold"] is GDNFold.CACHED, **kw)
     return kr.mamba2_flush_kernel(st["A"], r["la"], r["v"], r["k"], length, policy, q=st["q"],
                                   store_state=store_state, dequantize=store_state, **kw)
 
@@ -440,7 +449,7 @@ def check_verify(M, st, start):
     if M.gdn:
         got, ug = run_verify(M, st, start)
         want, uw = gdn_verify(R, A, r["la"], r["beta"], r["v"], r["k"], st["qT"], r["uR"],
-                              start, M.L)
+                              start, M.L, st["fold"])
         res["corrections"] = stats(ug, uw)
     else:
         got = run_verify(M, st, start)
@@ -465,7 +474,8 @@ def check_flush(M, st, policy, fa, n_ref):
     res = {"sequences_vs_reference": n_ref}
     if M.gdn:
         ref = gdn_flush(A, r["la"][s], r["beta"][s], r["v"][s], r["k"][s], policy,
-                        length=length, store=True, **kws)
+                        length=length, u_cached=r["uR"][s], fold=st["fold"], store=True,
+                        **kws)
         res["corrections"] = stats(out.w[s], ref.w)
     else:
         ref = mamba2_flush(A, r["la"][s], r["v"][s], r["k"][s], policy, length=length,

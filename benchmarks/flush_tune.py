@@ -97,15 +97,25 @@ class Geo:
     def __init__(self, name, B, H, G, V, K, L):
         self.name, self.B, self.H, self.G, self.V, self.K, self.L = name, B, H, G, V, K, L
         self.gdn = name == "gdn"
+        self.fold_cached = False  # GDN: fold cached corrections (--fold-cached), no solve
+
+    @property
+    def solves(self):
+        """Whether the timed flush solves GDN's corrections in the kernel."""
+        return self.gdn and not self.fold_cached
 
     def as_dict(self):
         return {n: getattr(self, n) for n in ("B", "H", "G", "V", "K", "L")}
 
 
-def geometries(tiny):
+def geometries(tiny, fold_cached=False):
     if tiny:
-        return [Geo("gdn", 2, 4, 2, 40, 32, 4), Geo("mamba2", 2, 4, 1, 24, 32, 4)]
-    return [Geo("gdn", 256, 32, 16, 128, 128, 16), Geo("mamba2", 256, 128, 1, 64, 128, 16)]
+        geos = [Geo("gdn", 2, 4, 2, 40, 32, 4), Geo("mamba2", 2, 4, 1, 24, 32, 4)]
+    else:
+        geos = [Geo("gdn", 256, 32, 16, 128, 128, 16), Geo("mamba2", 256, 128, 1, 64, 128, 16)]
+    for M in geos:
+        M.fold_cached = bool(fold_cached) and M.gdn
+    return geos
 
 
 FORMS = ("dot", "rank1", "tf32x3", "dot+inverse", "tf32x3+inverse")
@@ -183,8 +193,11 @@ def make_set(M, gen, policy):
     v = torch.randn(B, L, H, V, generator=gen, device=DEV)
     beta = torch.sigmoid(torch.randn(B, L, H, generator=gen, device=DEV))
     q = torch.nn.functional.normalize(torch.randn(B, G, K, generator=gen, device=DEV), dim=-1)
-    return {"A": A, "la": la, "k": k, "v": v, "beta": beta, "q": q * K ** -0.5,
-            "length": torch.full((B,), L, dtype=torch.int64, device=DEV)}
+    st = {"A": A, "la": la, "k": k, "v": v, "beta": beta, "q": q * K ** -0.5,
+          "length": torch.full((B,), L, dtype=torch.int64, device=DEV)}
+    if M.fold_cached:  # cached corrections to fold (their values do not change the timing)
+        st["u"] = torch.randn(B, L, H, V, generator=gen, device=DEV) * 0.1
+    return st
 
 
 def set_bytes(st):
@@ -208,6 +221,8 @@ def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,
               num_warps=nw, variant=var, keys_in_kernel=keys_in_kernel, reconstruct=form,
               solve_form=solve_form or "substitution", **fk)
     if M.gdn:
+        if M.fold_cached:
+            kw.update(u_cached=st["u"], fold_cached_corrections=True)
         return kr.gdn_flush_kernel(st["A"], st["la"], st["beta"], st["v"], st["k"],
                                    st["length"], policy, **kw)
     return kr.mamba2_flush_kernel(st["A"], st["la"], st["v"], st["k"], st["length"], policy,
@@ -218,10 +233,10 @@ def _precompile(task):
     """Worker (a spawned process): compile one configuration by running it once at B = 1 (the
     kernels' specialisation does not depend on B), so the main process loads it from Triton's
     on-disk cache. Returns ``(task, seconds, error or None)``."""
-    name, pname, cfg, tiny, store = task
+    name, pname, cfg, tiny, store, fold_cached = task
     t = time.perf_counter()
     try:
-        M = next(m for m in geometries(tiny) if m.name == name)
+        M = next(m for m in geometries(tiny, fold_cached) if m.name == name)
         M.B = 1
         policy = StatePolicy.parse(policy_string(pname))
         st = make_set(M, torch.Generator(device=DEV).manual_seed(0), policy)
@@ -280,8 +295,10 @@ def reference_check(M, st, policy, fk, cfg, n_ref):
     A = A[:s]
     length = st["length"][:s]
     if M.gdn:
+        fold = GDNFold.CACHED if M.fold_cached else GDNFold.RECOMPUTE
         ref = gdn_flush(A, st["la"][:s], st["beta"][:s], st["v"][:s], st["k"][:s], policy,
-                        length=length, fold=GDNFold.RECOMPUTE, store=True, **kw)
+                        length=length, u_cached=st["u"][:s] if M.fold_cached else None,
+                        fold=fold, store=True, **kw)
     else:
         ref = mamba2_flush(A, st["la"][:s], st["v"][:s], st["k"][:s], policy, length=length,
                            store=True, **kw)
@@ -324,6 +341,10 @@ def main():
                     help="time flush_kernel(split_casts=True): the fp32 flush writes S, then "
                          "the quantizer kernels cast it; the configurations are those of the "
                          "fp32 flush; compiles in the timing loop (no --jobs)")
+    ap.add_argument("--fold-cached", action="store_true",
+                    help="GDN: time the flush that folds cached corrections (no solve; what a "
+                         "single-checkpoint policy's decode state runs, GDNFold.folds_cached) "
+                         "with the launch candidates of a flush without a solve")
     ap.add_argument("--forms", default=None,
                     help="comma list of reconstruct forms to time besides the default "
                          f"(of {', '.join(FORMS)}; default: all; 'default': the default "
@@ -380,6 +401,10 @@ def main():
                      "depends on the shapes, so A and R may differ across block_v in their "
                      "last bits; passed checks S q only (A, R differences are listed); on "
                      "CUDA the FP32 FMA dot sums in slot order and A, R must be identical"]}
+    if args.fold_cached:
+        out["fold_cached"] = True
+        out["timed_call"] += ("; --fold-cached: GDN folds cached corrections (no solve), the "
+                              "candidates of a flush without a solve")
     models = args.models.split(",")
     jobs = args.jobs if args.jobs is not None else (0 if args.tiny
                                                     else min(12, os.cpu_count() or 1))
@@ -397,12 +422,14 @@ def main():
         return need_amax(pname) and not args.split_casts
 
     if jobs > 0:
-        tasks = [(M.name, pname, cfg, args.tiny, False) for M in geometries(args.tiny)
+        geos = geometries(args.tiny, args.fold_cached)
+        tasks = [(M.name, pname, cfg, args.tiny, False, args.fold_cached) for M in geos
                  if M.name in models for pname in args.policies.split(",")
-                 for cfg in candidates(M.V, args.tiny, amax_of(pname), M.gdn, forms, M.L)]
+                 for cfg in candidates(M.V, args.tiny, amax_of(pname), M.solves, forms, M.L)]
         tasks += [(M.name, pname,
-                   candidates(M.V, args.tiny, amax_of(pname), M.gdn, forms, M.L)[0], args.tiny, True)
-                  for M in geometries(args.tiny) if M.name in models
+                   candidates(M.V, args.tiny, amax_of(pname), M.solves, forms, M.L)[0],
+                   args.tiny, True, args.fold_cached)
+                  for M in geos if M.name in models
                   for pname in args.policies.split(",")]  # the reference check's S-writing form
         try:
             out["precompile"] = precompile(tasks, jobs)
@@ -410,7 +437,7 @@ def main():
             out["precompile"] = {"error": f"{type(e).__name__}: {e}"}
         print("precompile:", {k: v for k, v in out["precompile"].items() if k != "errors"},
               "errors:", len(out["precompile"].get("errors", [])), flush=True)
-    for M in geometries(args.tiny):
+    for M in geometries(args.tiny, args.fold_cached):
         if M.name not in models:
             continue
         fk = flush_kw(M, split_casts=bool(args.split_casts))
@@ -432,7 +459,7 @@ def main():
             pres = mres["policies"][pname] = {"policy": policy_string(pname), "pool": n,
                                               "set_bytes": per, "configs": []}
             # nvfp4: a matrix scale
-            cands = candidates(M.V, args.tiny, amax_of(pname), M.gdn, forms, M.L)
+            cands = candidates(M.V, args.tiny, amax_of(pname), M.solves, forms, M.L)
             default = cands[0]
             firsts = {}  # reconstruct form -> its first configuration
             for c in cands:

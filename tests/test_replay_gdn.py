@@ -69,6 +69,55 @@ def test_anchor_stays_exact_with_nvfp4_reads_cached_fold_drifts():
     assert errs[True] > 1e6 * errs[False]
 
 
+@pytest.mark.parametrize("policy", ["fp32", "shared:fp16+sr", "shared:nvfp4",
+                                    "read:nvfp4/rec:fp32", "read:fp16/rec:fp16"])
+def test_flush_folds_cached_corrections_only_where_read_is_anchor(policy):
+    """GDNFold.folds_cached: under a single-checkpoint policy (R is A) the flush folds the
+    read-path corrections the steps cached, which solve the anchor system row by row; a dual
+    policy re-solves them against A, even when R and A hold the same values (rec:fp16 and
+    read:fp16 under RTN). Oracles: the flush-token output (read from the unrounded flushed S)
+    against ``gdn_flush`` of the step reference's corrections (CACHED) and of the re-solve
+    (RECOMPUTE), bit for bit on the torch backend; both folds against the float64 recurrence."""
+    from replayssm_quant.config import GDNFold
+    from replayssm_quant.policy import StatePolicy
+    from replayssm_quant.replay import core, gdn_flush, gdn_step_output
+
+    L = 6
+    inp = M.inputs(T=L, dtype=torch.float32, seed=21)
+    S0 = torch.randn(M.state_shape(inp), generator=torch.Generator().manual_seed(5))
+    st = M.state(inp, policy, window=L, seed=7, backend="torch")
+    st.prefill(S0)
+    A0 = st.anchor
+    y = run_steps(st, M.tok, inp, L)[:, L - 1]  # the last token flushes: S q
+    pol = StatePolicy.parse(policy)
+    single = pol.single_checkpoint
+    assert GDNFold.RECOMPUTE.folds_cached(pol) == single and GDNFold.CACHED.folds_cached(pol)
+    # the read-path corrections as the torch step reference solves and caches them
+    B, HV, DV = A0.shape[:3]
+    u = torch.zeros(B, L, HV, DV)
+    for t in range(L):
+        _, u = gdn_step_output(A0, inp["g"], inp["beta"], inp["v"], inp["k"], inp["q"][:, t],
+                               u, torch.full((B,), t + 1))
+    kw = dict(seed=7, layer=0, sequence_ids=torch.arange(B), flush_index=torch.ones(B, dtype=torch.int64))
+    args = (A0, inp["g"], inp["beta"], inp["v"], inp["k"], pol)
+    S_cached = gdn_flush(*args, u_cached=u, fold=GDNFold.CACHED, **kw).state
+    S_solved = gdn_flush(*args, fold=GDNFold.RECOMPUTE, **kw).state
+    assert not torch.equal(S_cached, S_solved)  # the two folds differ in last bits here
+    q = core.expand_heads(inp["q"][:, L - 1], HV, 1)
+    want = S_cached if single else S_solved
+    assert torch.equal(y, core.matvec(want, q)), policy
+    # both folds are the recurrence from A0 up to float reassociation
+    S64 = A0.double()
+    for t in range(L):
+        a = inp["g"][:, t].double().exp()[:, :, None, None]
+        k = core.expand_heads(inp["k"][:, t], HV, 1).double()
+        uu = inp["beta"][:, t].double()[:, :, None] * (
+            inp["v"][:, t].double() - (a * S64 @ k[..., None])[..., 0])
+        S64 = a * S64 + uu[..., None] * k[:, :, None, :]
+    for S in (S_cached, S_solved):
+        assert rel_err(S.double(), S64) < 1e-6
+
+
 def test_corrections_solve_matches_sequential_delta_rule():
     """The triangular solve equals the corrections of the materialised recurrence."""
     from replayssm_quant.replay import core

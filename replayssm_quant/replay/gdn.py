@@ -14,7 +14,10 @@ anchor by a unit lower-triangular solve (:func:`core.solve_corrections`), so rea
 rounding never reaches A. :attr:`~replayssm_quant.config.GDNFold.CACHED` (the state's
 ``fold_cached_corrections=True``) instead folds the cached read-path corrections into A (no
 solve); it lets read rounding into the recurrence and is offered only to study that
-instability.
+instability. Under a single-checkpoint policy (``fp32``, ``shared:F``, ``eager:F``) R is A,
+so the cached corrections already solve the anchor system and the decode state folds them
+(:meth:`~replayssm_quant.config.GDNFold.folds_cached`); the references below take the fold
+they are given.
 """
 
 from __future__ import annotations
@@ -157,6 +160,8 @@ class GDNReplayState(ReplayStateBase):
         batch, key_heads (HK), value_heads (HV, a multiple of HK), key_dim (DK), value_dim (DV).
         fold_cached_corrections: fold the cached read-path corrections at a flush instead of
             re-solving them against the anchor (not the default; see the module docstring).
+            Under a single-checkpoint policy the state folds them either way: R is A, so they
+            are the anchor system's solution (:meth:`GDNFold.folds_cached`).
         backend: ``"auto"`` (Triton kernels of :mod:`replayssm_quant.kernels.replay` for step,
             verify and flush on CUDA, float32, key_dim a power of two >= 32), ``"torch"`` or
             ``"triton"``; None defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
@@ -185,6 +190,9 @@ class GDNReplayState(ReplayStateBase):
                          key_dim=key_dim, window=window, max_drafts=max_drafts, seed=seed,
                          layer=layer, sequence_ids=sequence_ids, dtype=dtype, device=device,
                          fold=fold)
+        # what the flush and verify ops fold: the cached corrections also under RECOMPUTE when
+        # the read copy is the anchor (they were solved against it; GDNFold.folds_cached)
+        self._fold_cached = fold.folds_cached(self.policy)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, q, k, v, g, beta, T=None):
@@ -201,15 +209,16 @@ class GDNReplayState(ReplayStateBase):
         return self._ops.flush(anchor, recs, length, self.policy, seed=self.seed,
                                layer=self.layer, sequence_ids=sequence_ids,
                                flush_index=flush_index,
-                               fold_cached_corrections=self.fold_cached_corrections)
+                               fold_cached_corrections=self._fold_cached)
 
     # ------------------------------------------------------------------ decoding
     def step(self, q, k, v, g, beta) -> torch.Tensor:
         """Decode one token per sequence; returns ``o [B, HV, DV]``.
 
         The token's read-path correction is solved against R plus the cached corrections and
-        cached; a sequence reaching h = L flushes (corrections re-solved against A) and reads
-        its output from the unrounded flushed state.
+        cached; a sequence reaching h = L flushes (corrections re-solved against A, or the
+        cached ones where R is A: :meth:`GDNFold.folds_cached`) and reads its output from the
+        unrounded flushed state.
         """
         self._check_not_pending("step")
         self._check_inputs(q, k, v, g, beta)
@@ -248,6 +257,6 @@ class GDNReplayState(ReplayStateBase):
         r = self._ring
         o, uR = self._ops.verify(self._checkpoints(), r["la"][:, :J], r["beta"][:, :J],
                                  r["v"][:, :J], r["k"][:, :J], q, r["uR"][:, :J], self._h,
-                                 self.window, self.fold_cached_corrections)
+                                 self.window, self._fold_cached)
         r["uR"][:, :J] = uR
         return o

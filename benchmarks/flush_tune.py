@@ -118,7 +118,8 @@ def geometries(tiny, fold_cached=False):
     return geos
 
 
-FORMS = ("dot", "rank1", "tf32x3", "dot+inverse", "tf32x3+inverse")
+FORMS = ("dot", "rank1", "tf32x3", "dot_full", "tf32x3_full", "dot+inverse", "tf32x3+inverse",
+         "dot_full+inverse", "tf32x3_full+inverse")
 
 
 def candidates(V, tiny, need_amax=False, gdn=False, forms=None, slots=16):
@@ -130,7 +131,7 @@ def candidates(V, tiny, need_amax=False, gdn=False, forms=None, slots=16):
     form + ``solve_form``). ``forms``: keep only these reconstruct forms (and the default)."""
     single = max(16, triton.next_power_of_2(V))
     if tiny:  # the call default (one tile), then several tiles of each variant and form
-        cands = [("grid", 16, 4, "rank1"), ("loop", 16, 4, "dot")]
+        cands = [("grid", 16, 4, "rank1"), ("loop", 16, 4, "dot"), ("loop", 16, 4, "tf32x3_full")]
     else:
         cands = [(DEFAULT_VARIANT, DEFAULT_BV_FLUSH, DEFAULT_WARPS_FLUSH, "dot")]
         cands += [c + ("rank1",) for c in (
@@ -144,12 +145,24 @@ def candidates(V, tiny, need_amax=False, gdn=False, forms=None, slots=16):
             ("grid", single, 8), ("grid", single, 16), ("grid", 64, 4), ("grid", 16, 4),
             ("loop", 32, 4), ("grid", 32, 8), ("grid", single, 4), ("loop", 64, 8),
             ("grid", 64, 8), ("loop", 16, 4))]
+        # the dot forms on whole [BV, K] tiles (2026-12-02, thirteenth session)
+        cands += [c + ("tf32x3_full",) for c in (
+            ("loop", 32, 4), ("grid", single, 8), ("grid", 64, 4), ("loop", 64, 4),
+            ("grid", 32, 4), ("loop", 16, 4), ("loop", 32, 2), ("grid", single, 4),
+            ("loop", 64, 8), ("grid", 16, 2))]
+        cands += [c + ("dot_full",) for c in (
+            ("loop", 32, 4), ("grid", 64, 4), ("grid", single, 8), ("loop", 16, 2))]
     if gdn:
         cands += [c + ("dot+inverse",) for c in (
             ("loop", 32, 4), ("grid", single, 8), ("loop", 64, 4), ("grid", 32, 4),
             ("grid", single, 4))]
         cands += [c + ("tf32x3+inverse",) for c in (
             ("loop", 32, 4), ("grid", single, 8), ("grid", single, 4))]
+        cands += [c + ("tf32x3_full+inverse",) for c in (
+            ("loop", 32, 4), ("loop", 64, 4), ("grid", single, 8), ("grid", 64, 4),
+            ("loop", 16, 4), ("grid", 32, 4))]
+        cands += [c + ("dot_full+inverse",) for c in (
+            ("loop", 64, 4), ("loop", 32, 4), ("grid", single, 8))]
     if tiny and gdn:
         cands += [("loop", 16, 4, "dot+inverse")]
     out = []

@@ -294,7 +294,8 @@ def test_split_keys_match_checkpoint_streams():
 FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8, "dot"),
                  ("grid", 16, 4, "rank1"), ("loop", 32, 2, "rank1"), ("grid", 64, 8, "rank1"),
                  ("loop", 32, 2, "tf32x3"), ("loop", 32, 2, "dot+inverse"),
-                 ("grid", 16, 4, "dot+inverse"), ("grid", 64, 8, "tf32x3+inverse")]
+                 ("grid", 16, 4, "dot+inverse"), ("grid", 64, 8, "tf32x3+inverse"),
+                 ("loop", 32, 2, "tf32x3_full"), ("grid", 16, 4, "dot_full+inverse")]
 
 
 def _form(form):

@@ -74,7 +74,10 @@ DEFAULT_VARIANT = "grid"
 # How a tile folds its records: "dot" (FP32 FMA dots of [BV, LP] x [LP, K/2] operand tiles),
 # "rank1" (one rank-1 update per record slot, in slot order; _flush_tile_rank1) or "tf32x3" (the
 # dot form on tensor cores: three TF32 products of the split operands, about FP32 accuracy).
-RECONSTRUCT_FORMS = ("dot", "rank1", "tf32x3")
+RECONSTRUCT_FORMS = ("dot", "rank1", "tf32x3", "dot_full", "tf32x3_full")
+# "dot_full" / "tf32x3_full" (2026-12-02): the dot forms on one [BV, K] tile in column order
+# (one dot with the whole keys [LP, K], no even/odd key halves; _flush_tile_full), loaded,
+# cast and stored as the rank-1 form does
 # How GDN's fused correction solve runs in the dot forms: "substitution" (one slot at a time on
 # the [BV, LP] tile of each row tile) or "inverse" ((I + CF)^{-1} once per program on
 # [LP, LP] scalars, then one product per row tile; the GDN default for V > 64 since 2026-12-02,
@@ -169,8 +172,9 @@ def flush_launch(V: int, need_amax: bool, gdn: bool, slots: int, *, variant=None
     if solve_form not in FLUSH_SOLVE_FORMS:
         raise ValueError(f"solve_form must be one of {FLUSH_SOLVE_FORMS}, got {solve_form!r}")
     if solve_form == "inverse" and reconstruct == "rank1":
-        raise ValueError("solve_form='inverse' needs a dot form of reconstruct ('dot' or "
-                         "'tf32x3'); reconstruct='rank1' solves slot by slot in its fold")
+        raise ValueError("solve_form='inverse' needs a dot form of reconstruct ('dot', "
+                         "'tf32x3', 'dot_full' or 'tf32x3_full'); reconstruct='rank1' solves "
+                         "slot by slot in its fold")
     _check_tile(block_v, num_warps)
     return variant, block_v, num_warps, reconstruct, solve_form
 
@@ -215,6 +219,38 @@ def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V,
     se = eg * ae + tl.dot(wm, ke, input_precision=PREC)
     so = eg * ao + tl.dot(wm, ko, input_precision=PREC)
     return se, so, wt
+
+
+@triton.jit
+def _flush_tile_full(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V, J,
+                     idx, live, m, eg, ecp, bvec, cf, kf,
+                     K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+                     SOLVE: tl.constexpr, A: tl.constexpr, PREC: tl.constexpr = "ieee",
+                     INV: tl.constexpr = False):
+    """:func:`_flush_tile` on one ``[BV, K]`` tile in column order (``reconstruct="dot_full"``
+    / ``"tf32x3_full"``): the same formulas with the whole keys ``kf [LP, K]`` in each dot
+    instead of one dot per key half, so the anchor is loaded, and S cast and stored, as whole
+    rows (``_load_full`` / ``_cast_store_full``, as the rank-1 form does). Returns
+    ``(S [BV, K], W [BV, LP])``."""
+    x = _load_full(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
+    wt = tl.load(w_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None],
+                 mask=rmask[:, None] & live[None, :], other=0.0)  # [BV, LP]
+    if SOLVE:
+        ak = tl.dot(x, tl.trans(kf), input_precision=PREC)  # [BV, LP]: A k_p
+        rhs = bvec[None, :] * (wt - ecp[None, :] * ak)
+        if INV:  # rows at slots >= n: beta 0, so rhs 0 and u 0
+            U = tl.dot(rhs, cf, input_precision=PREC)
+        else:
+            U = tl.zeros([BV, LP], tl.float32)
+            for p in range(0, n):
+                sel = idx == p
+                coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
+                r = tl.sum(tl.where(sel[None, :], rhs, 0.0), axis=1)
+                u = r - tl.sum(U * coef[None, :], axis=1)
+                U = tl.where(sel[None, :], u[:, None], U)
+        wt = U
+    wm = wt * m[None, :]
+    return eg * x + tl.dot(wm, kf, input_precision=PREC), wt
 
 
 @triton.jit
@@ -303,7 +339,7 @@ def _flush_kernel(
         SINGLE: tl.constexpr, PHASE: tl.constexpr,
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
         RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", INV: tl.constexpr = False,
-        KEYS_IN: tl.constexpr = False,
+        KEYS_IN: tl.constexpr = False, FULL: tl.constexpr = False,
         SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
@@ -344,6 +380,10 @@ def _flush_kernel(
     kbase = k_ptr + ((b * J + idx) * G + g)[:, None] * K + 2 * jh[None, :]
     ke = tl.load(kbase, mask=live[:, None], other=0.0)  # [LP, KH]: even / odd key columns
     ko = tl.load(kbase + 1, mask=live[:, None], other=0.0)
+    kf = ke  # FULL: the whole keys [LP, K]
+    if FULL:
+        kf = tl.load(k_ptr + ((b * J + idx) * G + g)[:, None] * K + tl.arange(0, K)[None, :],
+                     mask=live[:, None], other=0.0)
     if SOLVE:
         bvec = tl.load(beta_ptr + (b * J + idx) * H + h, mask=live, other=0.0)
         kk = tl.dot(ko, tl.trans(ko), tl.dot(ke, tl.trans(ke), input_precision="ieee"),
@@ -376,6 +416,14 @@ def _flush_kernel(
                                       total, eg, cf, K, KH, BV, LP, SOLVE,
                                       SOLVE and PHASE == 1, A)
                 amax = tl.maximum(amax, _tile_amax_full(x, rmask))
+            elif FULL:
+                x, wt = _flush_tile_full(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
+                                         n, H, V, J, idx, live, m, eg, ecp, bvec, cf, kf,
+                                         K, KH, BV, LP, SOLVE, A, PREC, INV)
+                if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
+                    tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
+                             mask=rmask[:, None] & (idx < J)[None, :])
+                amax = tl.maximum(amax, _tile_amax_full(x, rmask))
             else:
                 se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
                                          n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
@@ -392,8 +440,20 @@ def _flush_kernel(
         for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
-            if RANK1:  # one [BV, K] tile in column order
-                if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
+            if RANK1 or FULL:  # one [BV, K] tile in column order
+                if FULL:
+                    if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved
+                        x, wt = _flush_tile_full(a_ptr, abs_ptr, ams_ptr, u_ptr, mat, b, h, rows,
+                                                 rmask, n, H, V, J, idx, live, m, eg, ecp, bvec,
+                                                 cf, kf, K, KH, BV, LP, False, A, PREC, INV)
+                    else:
+                        x, wt = _flush_tile_full(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows,
+                                                 rmask, n, H, V, J, idx, live, m, eg, ecp, bvec,
+                                                 cf, kf, K, KH, BV, LP, SOLVE, A, PREC, INV)
+                    if SOLVE and PHASE == 0:
+                        tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None],
+                                 wt, mask=rmask[:, None] & (idx < J)[None, :])
+                elif SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
                     x = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, u_ptr, u_ptr, la_ptr,
                                           beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H, G,
                                           V, J, idx, total, eg, cf, K, KH, BV, LP, False, False,
@@ -609,7 +669,9 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     consts = dict(K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
                   Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
                   SINGLE=single, RANK1=reconstruct == "rank1",
-                  PREC="tf32x3" if reconstruct == "tf32x3" else "ieee", num_warps=num_warps,
+                  FULL=reconstruct.endswith("_full"),
+                  PREC="tf32x3" if reconstruct.startswith("tf32x3") else "ieee",
+                  num_warps=num_warps,
                   INV=solve and solve_form == "inverse",
                   A=_decode_consts(aspec),
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),

@@ -149,7 +149,8 @@ def candidates(V, tiny, need_amax=False, gdn=False, forms=None, slots=16):
         cands += [c + ("tf32x3_full",) for c in (
             ("loop", 32, 4), ("grid", single, 8), ("grid", 64, 4), ("loop", 64, 4),
             ("grid", 32, 4), ("loop", 16, 4), ("loop", 32, 2), ("grid", single, 4),
-            ("loop", 64, 8), ("grid", 16, 2))]
+            ("loop", 64, 8), ("grid", 16, 2), ("loop", 32, 1), ("loop", 16, 2), ("loop", 64, 2),
+            ("grid", 32, 2), ("loop", 16, 1))]
         cands += [c + ("dot_full",) for c in (
             ("loop", 32, 4), ("grid", 64, 4), ("grid", single, 8), ("loop", 16, 2))]
     if gdn:
@@ -160,9 +161,10 @@ def candidates(V, tiny, need_amax=False, gdn=False, forms=None, slots=16):
             ("loop", 32, 4), ("grid", single, 8), ("grid", single, 4))]
         cands += [c + ("tf32x3_full+inverse",) for c in (
             ("loop", 32, 4), ("loop", 64, 4), ("grid", single, 8), ("grid", 64, 4),
-            ("loop", 16, 4), ("grid", 32, 4))]
+            ("loop", 16, 4), ("grid", 32, 4), ("loop", 32, 2), ("loop", 16, 2), ("loop", 64, 2))]
         cands += [c + ("dot_full+inverse",) for c in (
-            ("loop", 64, 4), ("loop", 32, 4), ("grid", single, 8))]
+            ("loop", 64, 4), ("loop", 32, 4), ("grid", single, 8), ("loop", 32, 2),
+            ("loop", 64, 2))]
     if tiny and gdn:
         cands += [("loop", 16, 4, "dot+inverse")]
     out = []

@@ -407,7 +407,7 @@ def test_flush_default_wide_gdn():
     substitution beyond, and without a solve); an explicit ``reconstruct="rank1"`` without a
     ``solve_form`` solves by substitution. On exact inputs the default call equals the
     reference flush bit for bit (S, corrections, copies), as do the explicit default launch and
-    the rank-1 form."""
+    the rank-1 form, and so does the default fold of cached corrections (no solve)."""
     from replayssm_quant.kernels.replay.flush import flush_config, flush_launch
 
     assert flush_config(128, False, gdn=True) == ("loop", 64, 4, "dot", "inverse")
@@ -436,16 +436,30 @@ def test_flush_default_wide_gdn():
         assert torch.equal(_bits(res.state), _bits(ref.state))
         assert torch.equal(res.w, ref.w)
         _same_copies(res.checkpoints, ref.checkpoints)
+    # the fold of cached corrections (a single-checkpoint policy's flush): no solve, so the
+    # launch without one (tf32x3 on whole 32-row tiles; with a matrix scale the rank-1 form)
+    assert flush_config(128, False) == ("loop", 32, 2, "tf32x3_full", "substitution")
+    u = _dyadic(gen, (B, L, H, 128))
+    for p in ("fp32", "shared:nvfp4"):
+        pol = StatePolicy.parse(p)
+        ref = gdn_flush(A, la, beta, v, k, pol, length=length, u_cached=u,
+                        fold=GDNFold.CACHED, store=True, **STREAMS)
+        res = kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, u_cached=u,
+                                  fold_cached_corrections=True, **STREAMS)[0]
+        assert torch.equal(_bits(res.state), _bits(ref.state)), p
+        _same_copies(res.checkpoints, ref.checkpoints)
 
 
-# the default suite: each model's default form (GDN dot+inverse, Mamba-2 tf32x3) and the split
-# casts; the other forms (17-22 s each under the interpreter) with -m slow
+# the default suite: each model's default form (GDN with a solve: dot+inverse; Mamba-2, and GDN
+# folding cached corrections: tf32x3_full) and the split casts; the other forms (17-22 s each
+# under the interpreter) with -m slow
 @pytest.mark.parametrize("model,form,split", [
-    (m, f, sp) if (m, f) in (("gdn", "dot+inverse"), ("mamba2", "tf32x3")) or sp
+    (m, f, sp) if (m, f) in (("gdn", "dot+inverse"), ("mamba2", "tf32x3_full")) or sp
     else pytest.param(m, f, sp, marks=SLOW)
     for m in ("gdn", "mamba2")
     for f, sp in (("dot", False), ("rank1", False), ("tf32x3", False), ("dot+inverse", False),
-                  ("dot+inverse", True))])
+                  ("tf32x3_full", False), ("dot_full+inverse", False), ("dot+inverse", True))
+    if m == "gdn" or f != "dot_full+inverse"])
 def test_flush_forms_batch_invariant(model, form, split):
     """Every ``reconstruct`` form gives each sequence the same bits alone, in the batch and at
     the other batch position (reversed batch): S, the flush token's output, the anchor and

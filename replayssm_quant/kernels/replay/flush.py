@@ -92,26 +92,36 @@ def flush_config(V: int, need_amax: bool, gdn: bool = False,
     sweeps on 2026-12-01 (the last is benchmarks/results/flush_tune_h200.json; single runs move
     by 10-20%, so a form is the default only where it won in every sweep):
 
-    * V <= 64 (timed on Mamba-2's 64 x 128; a GDN layer with DV <= 64 takes the same): one
-      64-row tile, ``tf32x3`` products (``fp32`` 1.32 ms
+    * V <= 64 with a solve or a matrix scale (timed on Mamba-2's 64 x 128; a GDN layer with
+      DV <= 64 takes the same): one 64-row tile, ``tf32x3`` products (``fp32`` 1.32 ms
       against 1.60 ms for the FP32 FMA dot in the same sweep; with a matrix-scaled copy
       (``read:nvfp4/rec:fp16+sr``) 8 warps, 4.38 against 4.75-4.81 ms);
-    * V > 64 without a correction solve (Mamba-2 with P > 64, untimed): ``loop`` 32 x 4 with
-      the FP32 FMA dot; with a matrix-scaled copy the ``rank1`` form (the GDN choices before
-      the inverse solve: ``fp32`` 2.05-2.35 ms, neither the rank-1 nor the tf32x3 form was
-      faster; matrix-scaled 3.85-4.53 ms against 4.59-5.02 ms for the best dot);
+    * V > 64 with a matrix scale and no correction solve (Mamba-2 with P > 64, untimed): the
+      ``rank1`` form, ``loop`` 32 x 4 (the GDN choice before the inverse solve:
+      matrix-scaled 3.85-4.53 ms against 4.59-5.02 ms for the best dot);
     * ``gdn`` with V > 64 (GDN 128 x 128; 2026-12-02, two sweeps,
       ``flush_tune_inverse_h200.json``): the FP32 FMA dot with the correction solve by the
       inverse of ``I + CF`` (``solve_form="inverse"``): ``fp32`` ``loop`` 64 x 4, 1.16 ms in
       both sweeps against 1.72 ms for the former default (loop 32 x 4, forward substitution;
       tf32x3 + inverse, one 128-row tile, 8 warps: 1.12 ms, within 4%, kept off for the exact
       FP32 products); matrix-scaled one 128-row tile with 8 warps, 3.41 ms against 3.70 ms for
-      the former ``rank1`` default.
+      the former ``rank1`` default;
+    * without a solve or a matrix scale (2026-12-02, thirteenth session; flush_tune
+      ``--forms tf32x3,tf32x3_full,...``, ``flush_tune_fold_r{1,2}_h200.json``,
+      ``flush_tune_m2_full_h200.json``): the tf32x3 products on whole ``[32, K]`` tiles, one
+      program per matrix with 2 warps (``loop`` 32 x 2, ``tf32x3_full``). GDN's fold of cached
+      corrections (what a single-checkpoint policy's flush runs, ``GDNFold.folds_cached``) at
+      128 x 128: 427 us in two sweeps against 877 us for the former ``loop`` 32 x 4 FP32 dot
+      and 474 us for the best tf32x3 on key halves; Mamba-2's ``fp32`` flush (and the fp32
+      flush of its split casts) at 64 x 128: 720 against 826 us (one 64-row tile, tf32x3).
+      (GDN with a solve beyond 16 slots keeps ``loop`` 32 x 4 with the FP32 dot.)
 
     ``solve_form`` applies only to a GDN flush that solves its corrections (``beta`` given),
     and the inverse only up to 16 record ``slots`` (the timed window; its ``[LP, LP]``
     inverse per program grows with the square of the slots, untimed beyond).
     The choice depends only on the shapes, the policy and the model, never on the batch."""
+    if not gdn and not need_amax:
+        return "loop", 32, 2, "tf32x3_full", "substitution"
     if V <= 64:
         return "grid", 64, (8 if need_amax else 4), "tf32x3", "substitution"
     if gdn and _lp(slots) <= 16:

@@ -295,7 +295,8 @@ FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8,
                  ("grid", 16, 4, "rank1"), ("loop", 32, 2, "rank1"), ("grid", 64, 8, "rank1"),
                  ("loop", 32, 2, "tf32x3"), ("loop", 32, 2, "dot+inverse"),
                  ("grid", 16, 4, "dot+inverse"), ("grid", 64, 8, "tf32x3+inverse"),
-                 ("loop", 32, 2, "tf32x3_full"), ("grid", 16, 4, "dot_full+inverse")]
+                 ("loop", 32, 2, "tf32x3_full"), ("grid", 16, 4, "dot_full+inverse"),
+                 ("loop", 16, 2, "tf32x3_full+inverse")]
 
 
 def _form(form):
@@ -410,7 +411,7 @@ def test_flush_default_wide_gdn():
     the rank-1 form, and so does the default fold of cached corrections (no solve)."""
     from replayssm_quant.kernels.replay.flush import flush_config, flush_launch
 
-    assert flush_config(128, False, gdn=True) == ("loop", 64, 4, "dot", "inverse")
+    assert flush_config(128, False, gdn=True) == ("loop", 16, 2, "tf32x3_full", "inverse")
     assert flush_config(128, True, gdn=True) == ("grid", 128, 8, "dot", "inverse")
     assert flush_config(128, False, gdn=True, slots=32)[4] == "substitution"
     assert flush_config(128, False)[4] == flush_config(64, False, gdn=True)[4] == "substitution"
@@ -450,16 +451,19 @@ def test_flush_default_wide_gdn():
         _same_copies(res.checkpoints, ref.checkpoints)
 
 
-# the default suite: each model's default form (GDN with a solve: dot+inverse; Mamba-2, and GDN
-# folding cached corrections: tf32x3_full) and the split casts; the other forms (17-22 s each
-# under the interpreter) with -m slow
+# the default suite: each model's default form (GDN with a solve: tf32x3_full+inverse; Mamba-2,
+# and GDN folding cached corrections: tf32x3_full) and the split casts; the other forms (17-22 s
+# each under the interpreter) with -m slow
 @pytest.mark.parametrize("model,form,split", [
-    (m, f, sp) if (m, f) in (("gdn", "dot+inverse"), ("mamba2", "tf32x3_full")) or sp
+    (m, f, sp) if (m, f) in (("gdn", "tf32x3_full+inverse"), ("mamba2", "tf32x3_full")) or sp
     else pytest.param(m, f, sp, marks=SLOW)
-    for m in ("gdn", "mamba2")
-    for f, sp in (("dot", False), ("rank1", False), ("tf32x3", False), ("dot+inverse", False),
-                  ("tf32x3_full", False), ("dot_full+inverse", False), ("dot+inverse", True))
-    if m == "gdn" or f != "dot_full+inverse"])
+    for m, forms in (
+        ("gdn", (("dot", False), ("rank1", False), ("tf32x3", False), ("dot+inverse", False),
+                 ("tf32x3_full", False), ("dot_full+inverse", False),
+                 ("tf32x3_full+inverse", False), ("tf32x3_full+inverse", True))),
+        ("mamba2", (("dot", False), ("rank1", False), ("tf32x3", False),
+                    ("tf32x3_full", False), ("tf32x3_full", True))))
+    for f, sp in forms])
 def test_flush_forms_batch_invariant(model, form, split):
     """Every ``reconstruct`` form gives each sequence the same bits alone, in the batch and at
     the other batch position (reversed batch): S, the flush token's output, the anchor and
@@ -491,7 +495,7 @@ def test_flush_forms_batch_invariant(model, form, split):
             assert torch.equal(_bits(a[0]), _bits(rv[1 - i])), i
 
 
-@pytest.mark.parametrize("form", ["dot", "rank1", "dot+inverse"])
+@pytest.mark.parametrize("form", ["dot", "rank1", "dot+inverse", "tf32x3_full+inverse"])
 def test_gdn_flush_fused_solve_matches_solve_corrections(form):
     """The corrections solved inside the flush kernel equal :func:`core.solve_corrections`
     against the stored anchor's values (a packed nvfp4 anchor, decoded in kernel), and the

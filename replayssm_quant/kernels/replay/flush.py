@@ -105,7 +105,11 @@ def flush_config(V: int, need_amax: bool, gdn: bool = False,
       both sweeps against 1.72 ms for the former default (loop 32 x 4, forward substitution;
       tf32x3 + inverse, one 128-row tile, 8 warps: 1.12 ms, within 4%, kept off for the exact
       FP32 products); matrix-scaled one 128-row tile with 8 warps, 3.41 ms against 3.70 ms for
-      the former ``rank1`` default;
+      the former ``rank1`` default. Since 2026-12-02 (thirteenth session) the ``fp32`` flush
+      (and the fp32 flush of the split casts) takes the tf32x3 products on whole 16-row tiles
+      with the inverse, ``loop`` 16 x 2 (``tf32x3_full`` + ``inverse``): 956 us in two sweeps
+      against 1163 us for ``loop`` 64 x 4 FP32 dot (``flush_tune_full2_h200.json``,
+      ``flush_tune_full3_h200.json``);
     * without a solve or a matrix scale (2026-12-02, thirteenth session; flush_tune
       ``--forms tf32x3,tf32x3_full,...``, ``flush_tune_fold_r{1,2}_h200.json``,
       ``flush_tune_m2_full_h200.json``): the tf32x3 products on whole ``[32, K]`` tiles, one
@@ -127,7 +131,7 @@ def flush_config(V: int, need_amax: bool, gdn: bool = False,
     if gdn and _lp(slots) <= 16:
         if need_amax:
             return "grid", 128, 8, "dot", "inverse"
-        return "loop", 64, 4, "dot", "inverse"
+        return "loop", 16, 2, "tf32x3_full", "inverse"
     if need_amax:
         return "loop", 32, 4, "rank1", "substitution"
     return "loop", 32, 4, "dot", "substitution"

@@ -83,6 +83,15 @@ RECONSTRUCT_FORMS = ("dot", "rank1", "tf32x3", "dot_full", "tf32x3_full")
 # [LP, LP] scalars, then one product per row tile; the GDN default for V > 64 since 2026-12-02,
 # see flush_config)
 FLUSH_SOLVE_FORMS = ("substitution", "inverse")
+# Triton's software-pipelining depth of every flush launch (its launch option ``num_stages``;
+# Triton's default is 3). 2026-12-02, thirteenth session (benchmarks/flush_stages.py,
+# flush_stages_h200.json; CUDA-graph medians at B = 256 against Triton's default, same launch
+# otherwise): 1 was the fastest of 1-4 in every case timed: GDN's fold of cached corrections
+# 413 -> 404 us, GDN's fused solve (tf32x3_full + inverse, loop 16 x 2) 950 -> 763 us (the
+# FP32-dot form loop 64 x 4: 1158 -> 995 us), Mamba-2's fp32 flush 719 -> 705 us. It changes
+# a launch's schedule, so S's last bits can differ from the default depth's (they did for the
+# GDN fused solve); like every launch option it depends on the shapes only, never the batch.
+FLUSH_NUM_STAGES = 1
 
 
 def flush_config(V: int, need_amax: bool, gdn: bool = False,
@@ -686,7 +695,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   FULL=reconstruct.endswith("_full"),
                   PREC="tf32x3" if reconstruct.startswith("tf32x3") else "ieee",
                   num_warps=num_warps,
-                  INV=solve and solve_form == "inverse",
+                  INV=solve and solve_form == "inverse", num_stages=FLUSH_NUM_STAGES,
                   A=_decode_consts(aspec),
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)

@@ -49,22 +49,26 @@ class GDNFold(str, Enum):
         """``"recompute"``/``"cached"`` (or a member) -> member; ValueError naming the choices."""
         return _parse_enum(cls, value, "gdn_fold")
 
-    def folds_cached(self, policy) -> bool:
+    def folds_cached(self, policy, kernels: bool = True) -> bool:
         """Whether a decode state's flush (and the flush-slot draft of a verify) under
         ``policy`` folds the corrections cached on the read path instead of solving them
         again against the anchor.
 
-        :attr:`CACHED`: always. :attr:`RECOMPUTE`: only when the read copy is the anchor
-        itself (``policy.single_checkpoint``: ``fp32``, ``shared:F``, ``eager:F``). Each cached
-        correction was then solved, as its token came, against A plus the earlier cached
-        ones: that is row ``j`` of the anchor system of DESIGN.md section 3 ("Flush"),
+        :attr:`CACHED`: always. :attr:`RECOMPUTE`: only on the decode kernels (``kernels``)
+        and when the read copy is the anchor itself (``policy.single_checkpoint``: ``fp32``,
+        ``shared:F``, ``eager:F``). Each cached correction was then solved, as its token came,
+        against A plus the earlier cached ones: that is row ``j`` of the anchor system of
+        DESIGN.md section 3 ("Flush"),
         ``u_j + sum_{i<j} beta_j gamma_{i+1:j} (k_i . k_j) u_i = beta_j (v_j - gamma_{1:j} A k_j)``,
         solved by forward substitution. Solving it again gives the same values up to float
         reassociation, and no read-path rounding can reach A because there is none, so the
-        flush folds them (decision of 2026-12-02, docs/kernels-replay.md, "Thirteenth
-        pass"). Dual policies (``read:F/rec:G``) re-solve against A. ``policy``: a
-        StatePolicy or HeadPolicy (per-head: only when every head group is single)."""
-        return self is GDNFold.CACHED or bool(policy.single_checkpoint)
+        kernels' flush folds them (decision of 2026-12-02, docs/replay.md item 8). The torch
+        path re-solves, as the teacher-forced window form does, so that stepping and teacher
+        forcing give a layer the same bits there (DESIGN.md: one flush routine for both
+        paths); on the kernels stepping already sums S in another order than the window form
+        (docs/adapters.md, "Serving decode"). Dual policies (``read:F/rec:G``) always re-solve.
+        ``policy``: a StatePolicy or HeadPolicy (per-head: only when every group is single)."""
+        return self is GDNFold.CACHED or (bool(kernels) and bool(policy.single_checkpoint))
 
 
 def _parse_enum(cls, value, name: str):

@@ -437,8 +437,9 @@ def test_flush_default_wide_gdn():
         assert torch.equal(_bits(res.state), _bits(ref.state))
         assert torch.equal(res.w, ref.w)
         _same_copies(res.checkpoints, ref.checkpoints)
-    # the fold of cached corrections (a single-checkpoint policy's flush): no solve, so the
-    # launch without one (tf32x3 on whole 32-row tiles; with a matrix scale the rank-1 form)
+    # the fold of cached corrections (a single-checkpoint policy's flush on the kernels): no
+    # solve, so the launch without one (tf32x3 on whole 32-row tiles; shared:nvfp4 splits its
+    # casts, so its flush is that fp32 flush, then the quantizer kernels)
     assert flush_config(128, False) == ("loop", 32, 2, "tf32x3_full", "substitution")
     u = _dyadic(gen, (B, L, H, 128))
     for p in ("fp32", "shared:nvfp4"):
@@ -757,6 +758,43 @@ def test_state_objects_dispatch_to_kernels(model):
     torch.testing.assert_close(states[1].anchor, states[0].anchor, atol=1e-6, rtol=1e-6)
     assert torch.equal(states[1].committed, states[0].committed)
     assert states[1]._kernels and not states[0]._kernels
+
+
+@pytest.mark.parametrize("policy", ["fp32", "shared:nvfp4", "read:nvfp4/rec:fp32"])
+def test_state_kernels_fold_cached_corrections_where_read_is_anchor(policy):
+    """``GDNFold.folds_cached`` on the kernels: a single-checkpoint policy's flush folds the
+    corrections the step kernel cached (R is A: they solve the anchor system), a dual policy
+    re-solves them against A. Oracle: the flush-token output of a window-L state, bit for bit
+    against ``gdn_flush_kernel`` run on the records and cached corrections of a window-(L + 1)
+    state that stepped the same tokens without flushing, with and without the cached fold (the
+    two differ in last bits here, so the test tells them apart)."""
+    from _replay_inputs import gdn_inputs, gdn_state, gdn_tok
+    from replayssm_quant.policy import StatePolicy
+
+    inp = {n: _t(t) for n, t in gdn_inputs(B=B, T=L, HK=G, HV=H, DK=K, DV=V,
+                                           dtype=torch.float32, seed=8).items()}
+    S0 = _t(torch.randn(B, H, V, K, generator=_gen(30)) * 0.3)
+    pol = StatePolicy.parse(policy)
+    kw = dict(seed=5, layer=1, backend="triton", device=DEVICE)
+    st = gdn_state(inp, policy, window=L, **kw)
+    wide = gdn_state(inp, policy, window=L + 1, **kw)
+    for s_ in (st, wide):
+        s_.prefill(S0)
+    A0 = wide._checkpoints().anchor_stored
+    for t in range(L):
+        y = st.step(*gdn_tok(inp, t))  # the last step flushes: S q
+        wide.step(*gdn_tok(inp, t))
+    r = wide._ring
+    length = _t(torch.full((B,), L, dtype=torch.int64))
+    args = (A0, r["la"][:, :L], r["beta"][:, :L], r["v"][:, :L], r["k"][:, :L], length, pol)
+    fkw = dict(seed=5, layer=1, sequence_ids=wide.sequence_ids, flush_index=wide.flush_index)
+    qe = core.expand_heads(inp["q"][:, L - 1], H, 1)  # the state reads S q from S
+    y_cached = core.matvec(kr.gdn_flush_kernel(*args, u_cached=r["uR"][:, :L].contiguous(),
+                                               fold_cached_corrections=True, **fkw)[0].state, qe)
+    y_solved = core.matvec(kr.gdn_flush_kernel(*args, **fkw)[0].state, qe)
+    assert not torch.equal(y_cached, y_solved)
+    assert torch.equal(y, y_cached if pol.single_checkpoint else y_solved), policy
+    assert st._fold_cached == pol.single_checkpoint
 
 
 # ------------------------------------------------------------------------------ issue 15: records kernel paths

@@ -15,9 +15,9 @@ rounding never reaches A. :attr:`~replayssm_quant.config.GDNFold.CACHED` (the st
 ``fold_cached_corrections=True``) instead folds the cached read-path corrections into A (no
 solve); it lets read rounding into the recurrence and is offered only to study that
 instability. Under a single-checkpoint policy (``fp32``, ``shared:F``, ``eager:F``) R is A,
-so the cached corrections already solve the anchor system and the decode state folds them
-(:meth:`~replayssm_quant.config.GDNFold.folds_cached`); the references below take the fold
-they are given.
+so the cached corrections already solve the anchor system, and the decode state on the Triton
+kernels folds them (:meth:`~replayssm_quant.config.GDNFold.folds_cached`); on the torch path
+it re-solves, as the window form does. The references below take the fold they are given.
 """
 
 from __future__ import annotations
@@ -160,8 +160,9 @@ class GDNReplayState(ReplayStateBase):
         batch, key_heads (HK), value_heads (HV, a multiple of HK), key_dim (DK), value_dim (DV).
         fold_cached_corrections: fold the cached read-path corrections at a flush instead of
             re-solving them against the anchor (not the default; see the module docstring).
-            Under a single-checkpoint policy the state folds them either way: R is A, so they
-            are the anchor system's solution (:meth:`GDNFold.folds_cached`).
+            Under a single-checkpoint policy the state on the kernels folds them either way:
+            R is A, so they are the anchor system's solution (:meth:`GDNFold.folds_cached`;
+            the torch path re-solves, bit-identical to the window form).
         backend: ``"auto"`` (Triton kernels of :mod:`replayssm_quant.kernels.replay` for step,
             verify and flush on CUDA, float32, key_dim a power of two >= 32), ``"torch"`` or
             ``"triton"``; None defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
@@ -190,9 +191,10 @@ class GDNReplayState(ReplayStateBase):
                          key_dim=key_dim, window=window, max_drafts=max_drafts, seed=seed,
                          layer=layer, sequence_ids=sequence_ids, dtype=dtype, device=device,
                          fold=fold)
-        # what the flush and verify ops fold: the cached corrections also under RECOMPUTE when
-        # the read copy is the anchor (they were solved against it; GDNFold.folds_cached)
-        self._fold_cached = fold.folds_cached(self.policy)
+        # what the flush and verify ops fold: on the kernels the cached corrections also under
+        # RECOMPUTE when the read copy is the anchor (they were solved against it;
+        # GDNFold.folds_cached); the torch path re-solves as the window form does
+        self._fold_cached = fold.folds_cached(self.policy, kernels=self._kernels)
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, q, k, v, g, beta, T=None):
@@ -216,9 +218,9 @@ class GDNReplayState(ReplayStateBase):
         """Decode one token per sequence; returns ``o [B, HV, DV]``.
 
         The token's read-path correction is solved against R plus the cached corrections and
-        cached; a sequence reaching h = L flushes (corrections re-solved against A, or the
-        cached ones where R is A: :meth:`GDNFold.folds_cached`) and reads its output from the
-        unrounded flushed state.
+        cached; a sequence reaching h = L flushes (corrections re-solved against A, or, on the
+        kernels, the cached ones where R is A: :meth:`GDNFold.folds_cached`) and reads its
+        output from the unrounded flushed state.
         """
         self._check_not_pending("step")
         self._check_inputs(q, k, v, g, beta)
@@ -240,7 +242,8 @@ class GDNReplayState(ReplayStateBase):
         corrections against the read path, no state materialised.
 
         Sequences with h + T > L flush their committed part first; a draft landing on slot L
-        reads the flushed state's value (corrections against A). Call :meth:`commit` next.
+        reads the flushed state's value (corrections re-solved against A, or, on the kernels
+        where R is A, the cached ones: :meth:`GDNFold.folds_cached`). Call :meth:`commit` next.
         Returns ``o [B, T, HV, DV]``.
         """
         self._check_not_pending("verify")

@@ -19,8 +19,11 @@ bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0
   ``[BV, K]`` tile in column order (:func:`_flush_tile_rank1`; no dot operand tiles, no
   even/odd split except for the block formats' casts). :func:`flush_config` picks the form
   per shape and policy from the H200 sweeps (docs/kernels-replay.md, "second pass").
+  ``"dot_full"`` / ``"tf32x3_full"`` (thirteenth pass) are the dot forms on whole ``[BV, K]``
+  tiles (:func:`_flush_tile_full`), now the defaults without a matrix scale.
 * GDN (``SOLVE``): the corrections are solved in the same program, per tile of value rows (rows
-  are separable): ``A k_p`` for every slot by one FP32 dot of the anchor tile with ``K^T``,
+  are separable): ``A k_p`` for every slot by one dot of the anchor tile with ``K^T`` (FP32
+  FMA or tf32x3, as the form's fold),
   then forward substitution over the ``LP`` slots on ``[BV, LP]`` registers (or, with
   ``solve_form="inverse"``, one product with ``(I + CF)^{-1}``, inverted once per program);
   the solved corrections are written out (``FlushResult.w``) and folded.
@@ -112,8 +115,8 @@ def flush_config(V: int, need_amax: bool, gdn: bool = False,
       ``flush_tune_inverse_h200.json``): the FP32 FMA dot with the correction solve by the
       inverse of ``I + CF`` (``solve_form="inverse"``): ``fp32`` ``loop`` 64 x 4, 1.16 ms in
       both sweeps against 1.72 ms for the former default (loop 32 x 4, forward substitution;
-      tf32x3 + inverse, one 128-row tile, 8 warps: 1.12 ms, within 4%, kept off for the exact
-      FP32 products); matrix-scaled one 128-row tile with 8 warps, 3.41 ms against 3.70 ms for
+      tf32x3 + inverse, one 128-row tile, 8 warps: 1.12 ms, within 4%, kept off then for the
+      exact FP32 products); matrix-scaled one 128-row tile with 8 warps, 3.41 ms against 3.70 ms for
       the former ``rank1`` default. Since 2026-12-02 (thirteenth session) the ``fp32`` flush
       (and the fp32 flush of the split casts) takes the tf32x3 products on whole 16-row tiles
       with the inverse, ``loop`` 16 x 2 (``tf32x3_full`` + ``inverse``): 956 us in two sweeps
@@ -127,13 +130,15 @@ def flush_config(V: int, need_amax: bool, gdn: bool = False,
       128 x 128: 427 us in two sweeps against 877 us for the former ``loop`` 32 x 4 FP32 dot
       and 474 us for the best tf32x3 on key halves; Mamba-2's ``fp32`` flush (and the fp32
       flush of its split casts) at 64 x 128: 720 against 826 us (one 64-row tile, tf32x3).
-      (GDN with a solve beyond 16 slots keeps ``loop`` 32 x 4 with the FP32 dot.)
+      Up to 16 record slots (the timed window: beyond, the ``[LP, K]`` keys held beside the
+      tile on 2 warps are untimed), as before beyond; GDN with a solve beyond 16 slots keeps
+      ``loop`` 32 x 4 with the FP32 dot.
 
     ``solve_form`` applies only to a GDN flush that solves its corrections (``beta`` given),
     and the inverse only up to 16 record ``slots`` (the timed window; its ``[LP, LP]``
     inverse per program grows with the square of the slots, untimed beyond).
     The choice depends only on the shapes, the policy and the model, never on the batch."""
-    if not gdn and not need_amax:
+    if not gdn and not need_amax and _lp(slots) <= 16:
         return "loop", 32, 2, "tf32x3_full", "substitution"
     if V <= 64:
         return "grid", 64, (8 if need_amax else 4), "tf32x3", "substitution"
@@ -824,10 +829,11 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      split_casts: bool | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
-    ``A k_p`` by one FP32 dot, then forward substitution over the record slots, or one
-    product with ``(I + CF)^{-1}``: ``solve_form``, by default the inverse for more than 64
-    value rows and up to 16 slots, :func:`flush_config`), or the cached ones are folded
-    (``fold_cached_corrections``). ``FlushResult.w`` holds the folded
+    ``A k_p`` by one dot (FP32 FMA or tf32x3: ``reconstruct``), then forward substitution
+    over the record slots, or one product with ``(I + CF)^{-1}``: ``solve_form``, by default
+    the inverse for more than 64 value rows and up to 16 slots, :func:`flush_config`), or the
+    cached ones are folded (``fold_cached_corrections``; what a single-checkpoint policy's
+    decode state runs, :meth:`~replayssm_quant.config.GDNFold.folds_cached`). ``FlushResult.w`` holds the folded
     corrections ``[B, J, HV, DV]``. Returns ``(FlushResult, y)``."""
     kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,

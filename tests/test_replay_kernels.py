@@ -764,10 +764,11 @@ def test_state_objects_dispatch_to_kernels(model):
 def test_state_kernels_fold_cached_corrections_where_read_is_anchor(policy):
     """``GDNFold.folds_cached`` on the kernels: a single-checkpoint policy's flush folds the
     corrections the step kernel cached (R is A: they solve the anchor system), a dual policy
-    re-solves them against A. Oracle: the flush-token output of a window-L state, bit for bit
-    against ``gdn_flush_kernel`` run on the records and cached corrections of a window-(L + 1)
-    state that stepped the same tokens without flushing, with and without the cached fold (the
-    two differ in last bits here, so the test tells them apart)."""
+    re-solves them against A. Oracle: the flush-token output (the state reads ``S q`` from S),
+    bit for bit against ``gdn_flush_kernel`` run on the anchor before the window and on the
+    records and cached corrections the state's ring holds after it (a flush leaves the ring as
+    it was), with and without the cached fold (the two differ in last bits here, so the test
+    tells them apart)."""
     from _replay_inputs import gdn_inputs, gdn_state, gdn_tok
     from replayssm_quant.policy import StatePolicy
 
@@ -775,20 +776,17 @@ def test_state_kernels_fold_cached_corrections_where_read_is_anchor(policy):
                                            dtype=torch.float32, seed=8).items()}
     S0 = _t(torch.randn(B, H, V, K, generator=_gen(30)) * 0.3)
     pol = StatePolicy.parse(policy)
-    kw = dict(seed=5, layer=1, backend="triton", device=DEVICE)
-    st = gdn_state(inp, policy, window=L, **kw)
-    wide = gdn_state(inp, policy, window=L + 1, **kw)
-    for s_ in (st, wide):
-        s_.prefill(S0)
-    A0 = wide._checkpoints().anchor_stored
+    st = gdn_state(inp, policy, window=L, seed=5, layer=1, backend="triton", device=DEVICE)
+    st.prefill(S0)
+    A0 = st._checkpoints().anchor_stored  # (the flush of all sequences replaces, not writes, it)
+    fi = st.flush_index
     for t in range(L):
         y = st.step(*gdn_tok(inp, t))  # the last step flushes: S q
-        wide.step(*gdn_tok(inp, t))
-    r = wide._ring
+    r = st._ring
     length = _t(torch.full((B,), L, dtype=torch.int64))
-    args = (A0, r["la"][:, :L], r["beta"][:, :L], r["v"][:, :L], r["k"][:, :L], length, pol)
-    fkw = dict(seed=5, layer=1, sequence_ids=wide.sequence_ids, flush_index=wide.flush_index)
-    qe = core.expand_heads(inp["q"][:, L - 1], H, 1)  # the state reads S q from S
+    args = (A0, *(r[n][:, :L].contiguous() for n in ("la", "beta", "v", "k")), length, pol)
+    fkw = dict(seed=5, layer=1, sequence_ids=st.sequence_ids, flush_index=fi)
+    qe = core.expand_heads(inp["q"][:, L - 1], H, 1)
     y_cached = core.matvec(kr.gdn_flush_kernel(*args, u_cached=r["uR"][:, :L].contiguous(),
                                                fold_cached_corrections=True, **fkw)[0].state, qe)
     y_solved = core.matvec(kr.gdn_flush_kernel(*args, **fkw)[0].state, qe)

@@ -86,15 +86,16 @@ RECONSTRUCT_FORMS = ("dot", "rank1", "tf32x3", "dot_full", "tf32x3_full")
 # [LP, LP] scalars, then one product per row tile; the GDN default for V > 64 since 2026-12-02,
 # see flush_config)
 FLUSH_SOLVE_FORMS = ("substitution", "inverse")
-# Triton's software-pipelining depth of every flush launch (its launch option ``num_stages``;
-# Triton's default is 3). 2026-12-02, thirteenth session (benchmarks/flush_stages.py,
-# flush_stages_h200.json; CUDA-graph medians at B = 256 against Triton's default, same launch
-# otherwise): 1 was the fastest of 1-4 in every case timed: GDN's fold of cached corrections
-# 413 -> 404 us, GDN's fused solve (tf32x3_full + inverse, loop 16 x 2) 950 -> 763 us (the
-# FP32-dot form loop 64 x 4: 1158 -> 995 us), Mamba-2's fp32 flush 719 -> 705 us. It changes
-# a launch's schedule, so S's last bits can differ from the default depth's (they did for the
-# GDN fused solve); like every launch option it depends on the shapes only, never the batch.
-FLUSH_NUM_STAGES = 1
+# Triton's software-pipelining depth of every flush launch (its launch option ``num_stages``),
+# Triton's default on the H200 (3), passed explicitly. 2026-12-02, thirteenth session
+# (benchmarks/flush_stages.py, flush_stages_h200.json; CUDA-graph medians at B = 256, S not
+# written): depth 1 was the fastest of 1-4 for the serving flush (GDN fold of cached
+# corrections 410 -> 402 us, GDN fused solve tf32x3_full + inverse 949 -> 755 us, Mamba-2 fp32
+# 712 -> 699 us), but in decode.py at depth 1 the nvfp4 flushes, whose split casts run the
+# flush that writes S, were slower (GDN 1258 -> 1416 us, Mamba-2 1955 -> 2030 us), and depth 1
+# changes the fused solve's last bits, so the S-writing and serving flushes must share one
+# depth. Kept at 3.
+FLUSH_NUM_STAGES = 3
 
 
 def flush_config(V: int, need_amax: bool, gdn: bool = False,

@@ -34,7 +34,8 @@ def test_flush_tune_tiny(tmp_path):
     assert pol["reference_check_rank1"]["passed"], pol["reference_check_rank1"]
     cfgs = pol["configs"]
     assert len(cfgs) >= 3 and {c["variant"] for c in cfgs} == {"grid", "loop"}
-    assert {c["reconstruct"] for c in cfgs} == {"dot", "rank1", "tf32x3"}
+    assert {c["reconstruct"] for c in cfgs} == {"dot", "rank1", "tf32x3", "tf32x3_full"}
+    assert pol["reference_check_tf32x3_full"]["passed"], pol["reference_check_tf32x3_full"]
     for c in cfgs:
         assert c["passed"] and c["median_us"] > 0, c
         assert c["reps"] >= 1 and c["pool"] >= 4
@@ -45,17 +46,19 @@ def test_flush_tune_tiny(tmp_path):
 
 def test_flush_tune_forms_filter():
     """``--forms``: the default configuration (first, the reference of its form) and only the
-    candidates of the forms asked for; GDN at V > 64 defaults to the dot with the inverse
-    solve (``flush_config``), which the candidate list names ``"dot+inverse"``."""
+    candidates of the forms asked for; GDN at V > 64 defaults to tf32x3 on whole tiles with
+    the inverse solve (``flush_config``), which the candidate list names
+    ``"tf32x3_full+inverse"``, and a flush without a solve (Mamba-2, or GDN folding cached
+    corrections) to ``"tf32x3_full"``."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import flush_tune
     finally:
         sys.path.pop(0)
     cands = flush_tune.candidates(128, False, False, True, ["tf32x3+inverse"])
-    assert cands[0] == ("loop", 64, 4, "dot+inverse")
+    assert cands[0] == ("loop", 16, 2, "tf32x3_full+inverse")
     assert len(cands) > 1 and {c[3] for c in cands[1:]} == {"tf32x3+inverse"}
-    assert flush_tune.candidates(128, False, False, False)[0] == ("loop", 32, 4, "dot")
+    assert flush_tune.candidates(128, False, False, False)[0] == ("loop", 32, 2, "tf32x3_full")
     full = flush_tune.candidates(128, False, False, True)
     assert set(flush_tune.FORMS) == {c[3] for c in full}
 

@@ -30,6 +30,23 @@ __all__ = ["PackedTensor"]
 # ----------------------------------------------------------------------------------------
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float32, the working precision of every cast (DESIGN.md section 4). A finite
+    float64 value beyond float32's range saturates to +-float32 max (float32's own cast would
+    give inf, and then an fp16 cast inf and a matrix- or block-scaled one NaN for the whole
+    matrix, where DESIGN.md asks overflow to saturate); inf and NaN stay as they are. Other
+    dtypes convert exactly."""
+    if x.dtype != torch.float64:
+        return x.to(torch.float32)
+    big = x.isfinite() & (x.abs() > _F32_MAX)
+    if bool(big.any()):
+        x = torch.where(big, x.sign() * _F32_MAX, x)
+    return x.to(torch.float32)
+
+
 def _pow2(e: torch.Tensor) -> torch.Tensor:
     """Exact 2^e as float32 for integer tensor e in [-149, 127], built from the bits."""
     e = e.to(torch.int32)

@@ -49,7 +49,8 @@ import torch
 from . import backend as B
 from . import formats as F
 from .formats import QuantSpec, parse_spec
-from .packed import PackedTensor, _e2m1_encode, _e8m0_decode, _fp8_encode, _pack_nibbles, _pow2
+from .packed import (PackedTensor, _as_float32, _e2m1_encode, _e8m0_decode, _fp8_encode,
+                     _pack_nibbles, _pow2)
 from .philox import random_bits_matrix, stream_keys_to
 
 __all__ = [
@@ -216,7 +217,7 @@ class _Parts:
 
 def _parts(x: torch.Tensor, spec: QuantSpec, seed: int, stream) -> _Parts:
     info = spec.info
-    x = x.to(torch.float32)
+    x = _as_float32(x)
     rbits = _sr_bits(spec, x, seed, stream)
     grid = info.element
     if info.scaling == "none":
@@ -317,7 +318,7 @@ def pack_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedT
     shape = x.shape
     if info.scaling == "none":
         if spec.is_identity:
-            return PackedTensor(spec, shape, x.to(torch.float32).clone())
+            return PackedTensor(spec, shape, _as_float32(x).clone())
         elem = _parts(x, spec, seed, stream).elem
         dt = torch.bfloat16 if info.element is F.BF16 else torch.float16
         return PackedTensor(spec, shape, elem.to(dt))
@@ -353,7 +354,8 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
     ``[M, K]`` slice.
 
     Args:
-        x: float tensor ``[..., M, K]`` (float16/bfloat16/float32/float64; computed in float32).
+        x: float tensor ``[..., M, K]`` (float16/bfloat16/float32/float64; computed in float32,
+            a finite float64 value beyond float32's range saturating to +-float32 max first).
         spec: format token (``fp32 bf16 fp16 fp8e4m3 fp8e5m2 nvfp4 mxfp8 mxfp4``, optional
             ``+sr``) or a :class:`~replayssm_quant.formats.QuantSpec`.
         seed: Philox key for SR, int in [0, 2^63).

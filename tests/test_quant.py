@@ -99,6 +99,31 @@ def test_ties_to_even(grid, x, want):
     assert torch.equal(bits(got), bits(torch.tensor(want)))
 
 
+def test_float64_beyond_float32_range_saturates():
+    """A finite float64 value beyond float32's range saturates to +-float32 max before the
+    float32 working cast (DESIGN.md section 4: overflow saturates), so in every format it
+    gives the bits of float32 max: fp16 +-65504 (not inf), and a matrix- or block-scaled
+    format finite values (not NaN for the whole matrix). Oracle: the same matrix in float32
+    with +-float32 max in those places; inf and NaN inputs still behave as float32's."""
+    f32max = torch.finfo(torch.float32).max
+    gen = torch.Generator().manual_seed(3)
+    x32 = torch.randn(2, 4, 32, generator=gen)
+    x64 = x32.double()
+    x64[0, 1, 3], x64[1, 2, 31] = 1e39, -3.5e38
+    x32[0, 1, 3], x32[1, 2, 31] = f32max, -f32max
+    for spec in ("fp32", "fp16", "bf16", "fp8e4m3", "fp8e5m2+sr", "nvfp4", "mxfp4+sr"):
+        want = pack(x32, spec, seed=5)
+        got = pack(x64, spec, seed=5)
+        assert torch.equal(bits(got.dequantize()), bits(want.dequantize())), spec
+        assert torch.isfinite(got.dequantize()).all(), spec
+        if spec != "fp32":
+            assert torch.equal(bits(quantize(x64, spec, seed=5)),
+                               bits(quantize(x32, spec, seed=5))), spec
+    assert quantize(x64, "fp16")[0, 1, 3].item() == 65504.0
+    inf = torch.tensor([[float("inf"), 1.0]], dtype=torch.float64)
+    assert torch.equal(bits(quantize(inf, "fp16")), bits(quantize(inf.float(), "fp16")))
+
+
 def test_overflow_saturates_and_specials():
     x = torch.tensor([465.0, 1e9, -1e9, -0.0, float("nan")])
     got = round_to_grid(x, F.E4M3)

@@ -279,6 +279,23 @@ def test_input_dtypes_and_layouts(dtype):
     check_against_reference(x, "nvfp4+sr", _streams((2,)))
 
 
+def test_float64_beyond_float32_range_saturates_in_kernels():
+    """The kernels take float64 input through the reference's saturating float32 cast: a
+    finite value beyond float32's range gives the bits of float32 max (fp16: 65504, scaled
+    formats: finite), against the reference and the float32 input with float32 max."""
+    f32max = torch.finfo(torch.float32).max
+    x32 = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(4))
+    x64 = x32.double()
+    x64[0, 1, 3], x64[1, 2, 31] = 1e39, -3.5e38
+    x32[0, 1, 3], x32[1, 2, 31] = f32max, -f32max
+    for spec in ("fp16", "fp8e4m3+sr", "nvfp4", "mxfp8"):
+        check_against_reference(x64, spec, 0)
+        got = kq.quantize_triton(x64.to(DEVICE), spec, seed=SEED)
+        want = kq.quantize_triton(x32.to(DEVICE), spec, seed=SEED)
+        assert_bitwise(got, want, spec)
+        assert torch.isfinite(got).all(), spec
+
+
 def test_public_api_dispatches_to_kernels(monkeypatch):
     x = _random(((2,), 3, 40), seed=9).to(DEVICE)
     for spec in ("fp8e4m3+sr", "mxfp8"):

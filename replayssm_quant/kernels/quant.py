@@ -48,7 +48,7 @@ import triton.language as tl
 from .. import formats as F
 from ..formats import QuantSpec, parse_spec
 from ..philox import stream_keys_to
-from ..packed import PackedTensor
+from ..packed import PackedTensor, _as_float32
 
 __all__ = ["quantize_triton", "pack_triton"]
 
@@ -787,7 +787,7 @@ def _run(x: torch.Tensor, spec: QuantSpec, seed: int, stream, pack: bool):
     lead = x.shape[:-2]
     m, k = x.shape[-2], x.shape[-1]
     bsz = math.prod(lead)
-    xf = x.to(torch.float32).contiguous()  # same conversion as the reference
+    xf = _as_float32(x).contiguous()  # same conversion as the reference (saturating float64)
     st = _streams(spec, x, stream)
     seed = int(seed)
     gc = _grid_consts(grid)  # the format's constexpr bundle: one kernel argument, GRID

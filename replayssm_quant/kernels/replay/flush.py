@@ -209,6 +209,37 @@ def flush_launch(V: int, need_amax: bool, gdn: bool, slots: int, *, variant=None
 
 
 @triton.jit
+def _solve_tile(v, ak, bvec, ecp, cf, idx, n, BV: tl.constexpr, LP: tl.constexpr,
+                PREC: tl.constexpr, INV: tl.constexpr):
+    """GDN's corrections ``U [BV, LP]`` of a tile's value rows against the anchor (DESIGN.md
+    section 3, "Flush"): ``rhs = beta_p (v_p - gamma_{1:p} (A k_p))`` from the values
+    ``v [BV, LP]`` and ``ak = A k_p [BV, LP]``, then forward substitution over the ``n`` live
+    slots with the coefficients ``cf`` (``[i, p]``, i < p), or, with ``INV``, one product with
+    ``cf = (I + CF)^{-1}`` (rows at slots >= n: beta 0, so rhs 0 and u 0). Shared by the
+    key-half and whole-tile dot forms (:func:`_flush_tile`, :func:`_flush_tile_full`)."""
+    rhs = bvec[None, :] * (v - ecp[None, :] * ak)
+    if INV:
+        U = tl.dot(rhs, cf, input_precision=PREC)
+    else:
+        U = tl.zeros([BV, LP], tl.float32)
+        for p in range(0, n):
+            sel = idx == p
+            coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
+            r = tl.sum(tl.where(sel[None, :], rhs, 0.0), axis=1)
+            u = r - tl.sum(U * coef[None, :], axis=1)
+            U = tl.where(sel[None, :], u[:, None], U)
+    return U
+
+
+@triton.jit
+def _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask):
+    """Write a tile's solved corrections ``wt [BV, LP]`` (record slots along axis 1) into
+    ``u [B, J, H, V]`` at slots < J (the solve leaves 0 at slots >= length)."""
+    tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
+             mask=rmask[:, None] & (idx < J)[None, :])
+
+
+@triton.jit
 def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V, J,
                 idx, live, m, eg, ecp, bvec, cf, ke, ko,
                 K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
@@ -232,18 +263,7 @@ def _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, H, V,
     if SOLVE:
         ak = tl.dot(ao, tl.trans(ko), tl.dot(ae, tl.trans(ke), input_precision=PREC),
                     input_precision=PREC)  # [BV, LP]: A k_p
-        rhs = bvec[None, :] * (wt - ecp[None, :] * ak)
-        if INV:  # rows at slots >= n: beta 0, so rhs 0 and u 0
-            U = tl.dot(rhs, cf, input_precision=PREC)
-        else:
-            U = tl.zeros([BV, LP], tl.float32)
-            for p in range(0, n):
-                sel = idx == p
-                coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
-                r = tl.sum(tl.where(sel[None, :], rhs, 0.0), axis=1)
-                u = r - tl.sum(U * coef[None, :], axis=1)
-                U = tl.where(sel[None, :], u[:, None], U)
-        wt = U
+        wt = _solve_tile(wt, ak, bvec, ecp, cf, idx, n, BV, LP, PREC, INV)
     wm = wt * m[None, :]
     se = eg * ae + tl.dot(wm, ke, input_precision=PREC)
     so = eg * ao + tl.dot(wm, ko, input_precision=PREC)
@@ -266,18 +286,7 @@ def _flush_tile_full(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, 
                  mask=rmask[:, None] & live[None, :], other=0.0)  # [BV, LP]
     if SOLVE:
         ak = tl.dot(x, tl.trans(kf), input_precision=PREC)  # [BV, LP]: A k_p
-        rhs = bvec[None, :] * (wt - ecp[None, :] * ak)
-        if INV:  # rows at slots >= n: beta 0, so rhs 0 and u 0
-            U = tl.dot(rhs, cf, input_precision=PREC)
-        else:
-            U = tl.zeros([BV, LP], tl.float32)
-            for p in range(0, n):
-                sel = idx == p
-                coef = tl.sum(tl.where(sel[None, :], cf, 0.0), axis=1)  # [LP]: i < p
-                r = tl.sum(tl.where(sel[None, :], rhs, 0.0), axis=1)
-                u = r - tl.sum(U * coef[None, :], axis=1)
-                U = tl.where(sel[None, :], u[:, None], U)
-        wt = U
+        wt = _solve_tile(wt, ak, bvec, ecp, cf, idx, n, BV, LP, PREC, INV)
     wm = wt * m[None, :]
     return eg * x + tl.dot(wm, kf, input_precision=PREC), wt
 
@@ -450,16 +459,14 @@ def _flush_kernel(
                                          n, H, V, J, idx, live, m, eg, ecp, bvec, cf, kf,
                                          K, KH, BV, LP, SOLVE, A, PREC, INV)
                 if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
-                    tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
-                             mask=rmask[:, None] & (idx < J)[None, :])
+                    _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 amax = tl.maximum(amax, _tile_amax_full(x, rmask))
             else:
                 se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
                                          n, H, V, J, idx, live, m, eg, ecp, bvec, cf, ke, ko,
                                          K, KH, BV, LP, SOLVE, A, PREC, INV)
                 if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
-                    tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
-                             mask=rmask[:, None] & (idx < J)[None, :])
+                    _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 amax = tl.maximum(amax, _tile_amax(se, so, rmask))
         if PHASE == 1:  # amax >= 0: its float32 bits order as int32
             tl.atomic_max(amax_ptr + mat, amax.to(tl.int32, bitcast=True))
@@ -480,8 +487,7 @@ def _flush_kernel(
                                                  rmask, n, H, V, J, idx, live, m, eg, ecp, bvec,
                                                  cf, kf, K, KH, BV, LP, SOLVE, A, PREC, INV)
                     if SOLVE and PHASE == 0:
-                        tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None],
-                                 wt, mask=rmask[:, None] & (idx < J)[None, :])
+                        _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 elif SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
                     x = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, u_ptr, u_ptr, la_ptr,
                                           beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H, G,
@@ -517,8 +523,7 @@ def _flush_kernel(
                                              rmask, n, H, V, J, idx, live, m, eg, ecp, bvec, cf,
                                              ke, ko, K, KH, BV, LP, SOLVE, A, PREC, INV)
                 if SOLVE and PHASE == 0:
-                    tl.store(u_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None], wt,
-                             mask=rmask[:, None] & (idx < J)[None, :])
+                    _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax(se, so, rmask)
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)

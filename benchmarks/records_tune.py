@@ -208,11 +208,17 @@ F16_VERIFY_CANDIDATES = [(None, None, None, None, "tf32x3") + _F + (None,),  # t
 F16SPLIT_STEP_CANDIDATES = [_E + ("lookup",)] + [
     (None, None, None, None, "f16x3") + _F + ("half", rp)
     for rp in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4))]
+# --set pdl (2026-12-03, fourteenth session): programmatic dependent launch between the
+# launches of one call (pdl, the 15th field: the records launch streams C while the products
+# launch runs; the read pass likewise), on and off at the wrappers' defaults, step and verify
+_P = (None,) * 14
+PDL_STEP_CANDIDATES = [_P + (False,), _P + (True,)]
+PDL_VERIFY_CANDIDATES = [_P + (False,), _P + (True,)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
-        "shared_products", "e2m1_decode", "read_pass")
+        "shared_products", "e2m1_decode", "read_pass", "pdl")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -239,7 +245,8 @@ def cases(M, T):
                  "readpass": (READPASS_STEP_CANDIDATES, []),
                  "half": (HALF_STEP_CANDIDATES, HALF_VERIFY_CANDIDATES),
                  "f16": (F16_STEP_CANDIDATES, F16_VERIFY_CANDIDATES),
-                 "f16split": (F16SPLIT_STEP_CANDIDATES, [])}.get(
+                 "f16split": (F16SPLIT_STEP_CANDIDATES, []),
+                 "pdl": (PDL_STEP_CANDIDATES, PDL_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -257,6 +264,8 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if len(c) > 14 and c[14] and DEV != "cuda":
+        return True  # programmatic dependent launch: CUDA only (refused by the interpreter)
     if len(c) > 12 and c[12] is not None and fmt != "nvfp4":
         return True  # the E2M1 decoder: only an nvfp4 read copy decodes E2M1 codes
     if len(c) > 4 and c[4] == "f16x3" and fmt != "nvfp4":
@@ -372,7 +381,7 @@ def main(argv=None):
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
                              "verify3", "lut", "lut2", "readpass", "half", "f16",
-                             "f16split"),
+                             "f16split", "pdl"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -389,7 +398,8 @@ def main(argv=None):
                          "E2M1 decoder against the defaults) or f16 (nvfp4: C's products on "
                          "float16 tensor cores, use_dot='f16x3', in the step's read pass and "
                          "verify) or f16split (the step's read pass with f16x3 and X split once "
-                         "per sequence and key group)")
+                         "per sequence and key group) or pdl (programmatic dependent launch "
+                         "between one call's launches, off and on, step and verify)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -2,7 +2,8 @@
 of one launch option (``--compare``): ``shared_products`` (the products with the record keys
 once per (sequence, key group) in a launch before the records kernel; off / on) or
 ``e2m1_decode`` (how an nvfp4 read copy's E2M1 codes are decoded: ``integer`` / ``lookup``;
-the two must give the same outputs bit for bit, which is checked: ``same_bits`` per row).
+the two must give the same outputs bit for bit, which is checked: ``same_bits`` per row) or
+``pdl`` (programmatic dependent launch between the step's launches; off / on; same bits).
 
 The eager timings of ``decode.py`` are host-bound once a step's kernels take about as long as
 its host work (argument checks, launches: 0.1-0.6 ms a call on the lent machine, varying from
@@ -45,7 +46,10 @@ from replayssm_quant.policy import StatePolicy  # noqa: E402
 MODELS = {"gdn": (32, 16, 128, 128), "mamba2": (128, 1, 64, 128)}
 
 
-COMPARE = {"shared_products": (False, True), "e2m1_decode": ("integer", "lookup")}
+# pdl: programmatic dependent launch between the step's launches (with it, a kernel's time
+# includes its wait for the launch before it, so the per-kernel times overlap)
+COMPARE = {"shared_products": (False, True), "e2m1_decode": ("integer", "lookup"),
+           "pdl": (False, True)}
 
 
 def step_fn(M, sets, hv, **opt):

@@ -614,6 +614,77 @@ def test_gdn_step(read_fmt, read_pass, monkeypatch):
     assert torch.equal(ring["uR"][untouched], ref_ring["uR"][untouched])
 
 
+PDL_RUNS = (DEVICE == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability()[0] >= 9)
+
+
+def test_pdl_option_checked():
+    """``pdl``: a non-bool is refused by name; ``pdl=True`` where programmatic dependent launch
+    cannot run (the interpreter, CPU, CUDA before compute capability 9.0) is refused, not
+    silently dropped; the default (None) runs everywhere."""
+    gen = _gen(7)
+    R, R_st, ring, h = _ring_state(gen, "fp32", gdn=False)
+    la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
+    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
+    with pytest.raises(ValueError, match="pdl must be True, False or None, got 'on'"):
+        kr.mamba2_step_kernel(R_st, dict(ring), la, v, k, q, h, pdl="on")
+    if not PDL_RUNS:
+        with pytest.raises(ValueError, match="pdl=True needs NVIDIA CUDA"):
+            kr.mamba2_step_kernel(R_st, dict(ring), la, v, k, q, h, pdl=True)
+    a = kr.mamba2_step_kernel(R_st, {n: t.clone() for n, t in ring.items()}, la, v, k, q, h)
+    b = kr.mamba2_step_kernel(R_st, {n: t.clone() for n, t in ring.items()}, la, v, k, q, h,
+                              pdl=False)
+    assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.skipif(not PDL_RUNS, reason="programmatic dependent launch: CUDA, sm >= 90")
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_pdl_same_bits_eager_and_graph(gdn, read_fmt):
+    """Dependent launches (the records launch streaming C while the products launch runs, the
+    read pass before it) give the ordinary launches' bits: the step's outputs and every ring
+    tensor, and verify's outputs (GDN: and corrections), eagerly and replayed from a CUDA
+    graph (where the dependency becomes a programmatic edge). Both read copies take their
+    default launches: products + one records launch (fp32), products + read pass + records
+    (nvfp4)."""
+    gen = _gen(8)
+    R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=gdn)
+    recs = _records(gen, J=1, gdn=gdn)
+    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
+
+    def step(pdl):
+        rg = {n: t.clone() for n, t in ring.items()}
+        if gdn:
+            la, v, k, beta = (t[:, 0] for t in recs)
+            o = kr.gdn_step_kernel(R_st, rg, q, k, v, la, beta, h, pdl=pdl)
+        else:
+            la, v, k = (t[:, 0] for t in recs[:3])
+            o = kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, pdl=pdl)
+        return [o] + [rg[n] for n in sorted(rg)]
+
+    A, args, _, _ = _verify_case(gen, R, ring, gdn, K)
+
+    def verify(pdl):
+        if gdn:
+            return list(kr.gdn_verify_kernel(R_st, A, *args, pdl=pdl))
+        return [kr.mamba2_verify_kernel(R_st, A, *args, pdl=pdl)]
+
+    for op in (step, verify):
+        want = op(False)
+        got = op(True)
+        for w, g_ in zip(want, got, strict=True):
+            assert torch.equal(_bits(g_), _bits(w)), op.__name__
+        op(True)  # compiled and warm before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = op(True)
+        graph.replay()
+        torch.cuda.synchronize()
+        for w, g_ in zip(want, captured, strict=True):
+            assert torch.equal(_bits(g_), _bits(w)), (op.__name__, "graph")
+
+
 @pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
 def test_read_pass_verify_and_corrections(read_fmt, monkeypatch):
     """The read pass where the records launch solves several rows and outputs several queries

@@ -531,12 +531,16 @@ def _key_products_kernel(
         K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, LP: tl.constexpr,
         NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr, DOT: tl.constexpr,
         PREC: tl.constexpr, D_REL: tl.constexpr, SOLVE: tl.constexpr, GDN: tl.constexpr,
-        FUSED: tl.constexpr):
+        FUSED: tl.constexpr, PDL: tl.constexpr = False):
     """The records kernel's ``Z`` (and ``Zd``) once per (sequence, key group) (program
     ``b * G + g``), written to ``z_ptr [B*G, LP, NX]`` / ``zd_ptr [B*G, NX, NX]`` for the
     records kernel launched with ZPRE: every program of that launch for the same sequence and
     key group (the value heads of a group, the value-row tiles) reads them instead of
-    recomputing the products with the record keys."""
+    recomputing the products with the record keys. PDL: let the next launch (the records
+    kernel or its read pass, launched with ``launch_pdl``) start at once; it waits for this
+    grid (``gdc_wait``) before it reads Z or writes anything."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
     b = pid // G
     g = pid - b * G
@@ -785,7 +789,13 @@ def _records_kernel(
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
         SPREC: tl.constexpr, ONE: tl.constexpr, XS: tl.constexpr, NXS: tl.constexpr,
-        C: tl.constexpr):  # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
+        C: tl.constexpr, PDL: tl.constexpr = False):
+    # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
+    # PDL: launched with launch_pdl after a launch of this call (the products launch or the
+    # read pass), so it may start before that grid ends: everything it reads before gdc_wait
+    # (C, the ring, the drafts, q, start / rows) was written before that launch began; it
+    # waits before it reads Y or Z and before its first store (the read pass: before storing
+    # Y, so that the records launch after it, waiting on it, also waits on the products launch)
     # SOLVE: 0 row-by-row forward substitution and per-query reductions; 1 / 2 matrix form
     # (``_matrix_outputs``) with the inverse by row recursion (1) or by doubling (2).
     # FUSED (GDN, matrix form, C is both R and A): the key columns of X are slots 0..NS-1
@@ -820,6 +830,8 @@ def _records_kernel(
             Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase,
                            isk, qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC,
                            NS, NX, D_REL, DOT, PREC, C)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         tl.store(y_ptr + rowg[:, None] * NC + cx[None, :], Y,
                  mask=rmask[:, None] & (cx[None, :] < NC))
         return
@@ -850,12 +862,16 @@ def _records_kernel(
 
     # ---- Y = C X [BV, NX]: streamed here, or from the read pass (YPRE)
     if YPRE:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         Y = tl.load(y_ptr + rowg[:, None] * NC + cx[None, :],
                     mask=rmask[:, None] & (cx[None, :] < NC), other=0.0)
     else:
         Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk,
                        qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS, NX,
                        D_REL, DOT, PREC, C)
+        if PDL:  # the stream of C overlapped the products launch; Z is read below
+            tl.extra.cuda.gdc_wait()
 
     # ---- Z = Kmat X [LP, NX]: k_i . x for every record slot i (ring rows < ss, then drafts);
     # per (sequence, key group): from the products launch (ZPRE) or here
@@ -937,7 +953,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     fused_window: int | None = None,
                     solve_precision: str | None = None,
                     e2m1_decode: str | None = None,
-                    read_pass: "tuple[int, int] | bool | None" = None) -> torch.Tensor:
+                    read_pass: "tuple[int, int] | bool | None" = None,
+                    pdl: bool | None = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -1051,10 +1068,20 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             and ``num_warps`` to the records launch; ``keys_first`` has no stream of C left to
             overlap. Ignored where nothing multiplies C (no solved rows and no queries). None
             or False (default): one launch.
+        pdl: programmatic dependent launch (CUDA, compute capability 9.0 or later) between
+            the launches of this call: the launch after the products launch (the read pass,
+            or the records launch) starts while the products launch runs and streams C
+            before it waits for it (``gdc_wait``: before it reads Z or Y and before its first
+            store); the records launch after a read pass starts as the read pass ends. The
+            first launch of the call is an ordinary launch, so everything made before the
+            call is complete when any of them reads it. The same instructions on the same
+            values, so the same outputs. None (default): on where it can run (CUDA with
+            compute capability >= 9.0, not the interpreter); True there too (refused
+            elsewhere); False: ordinary launches.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, keys_first, shared_products, solve, solve_precision, fused_window,
-    e2m1_decode, read_pass).
+    e2m1_decode, read_pass, pdl).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
     ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
@@ -1143,12 +1170,13 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     q_arg = q.contiguous()
     dk = draft["k"].contiguous()
     zpre = shared_products and (H // G) * grid[1] > 1
+    pdl = _pdl_mode(pdl, q.device)
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
         z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
         zd = (torch.empty(B * G, NX, NX, dtype=torch.float32, device=q.device)
               if gdn and matrix and NS > 0 else z)
         _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD, TQ,
-                                       num_warps=num_warps, **consts)
+                                       num_warps=num_warps, PDL=pdl, **consts)
     else:
         z = zd = o_arg
     args = (c, cbs, cms, ring_la, ring_k, ring_w, draft["la"].contiguous(), dk,
@@ -1180,15 +1208,38 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         rflags = dict(flags, DOT=2 if f16 else bool(use_dot), XS=xsplit,
                       NX=max(MIN_DOT if (use_dot or matrix) else 2, triton.next_power_of_2(NC)))
         # (the read pass compiles the whole kernel, matrix forms included: NX >= MIN_DOT there)
+        # dependent on the products launch only when it directly follows it (X split between
+        # them: an ordinary launch, since it reads the split X at once)
+        rpdl = pdl and zpre and not xsplit
         _records_kernel[(B * H, triton.cdiv(V, rbv))](
             *args, y, x16, xinv, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
-            **rflags)
+            **rflags, **_pdl_launch(rpdl))
     else:
         y = o_arg
         flags["DOT"] = 2 if f16 else bool(use_dot)
+    mpdl = pdl and (zpre or ypre)  # after a launch of this call
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
-                          num_warps=num_warps, **flags)
+                          num_warps=num_warps, **flags, **_pdl_launch(mpdl))
     return o
+
+
+def _pdl_mode(pdl, device) -> bool:
+    """``records_outputs(pdl=...)``: None -> on where it can run (NVIDIA CUDA, compute
+    capability >= 9.0, kernels not interpreted); True where it cannot: ValueError."""
+    if pdl is not None and not isinstance(pdl, bool):
+        raise ValueError(f"pdl must be True, False or None, got {pdl!r}")
+    can = (device.type == "cuda" and not KERNELS_INTERPRETED and torch.version.hip is None
+           and torch.cuda.get_device_capability(device)[0] >= 9)
+    if pdl and not can:
+        raise ValueError(f"pdl=True needs NVIDIA CUDA with compute capability >= 9.0 and the "
+                         f"kernels not interpreted; here: device {device}"
+                         f"{', Triton interpreter' if KERNELS_INTERPRETED else ''}")
+    return can if pdl is None else pdl
+
+
+def _pdl_launch(on: bool) -> dict:
+    """Launch keywords of a dependent launch (PDL) and its ``PDL`` constexpr."""
+    return dict(PDL=True, launch_pdl=True) if on else {}
 
 
 def _nvfp4(read) -> bool:
@@ -1282,7 +1333,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
-        e2m1_decode: str | None = None, read_pass=None):
+        e2m1_decode: str | None = None, read_pass=None,
+        pdl: bool | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -1300,7 +1352,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl)
     _check_f16x3(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
@@ -1315,7 +1367,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
         num_stages: int | None = None, use_dot: "bool | str | None" = None,
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
-        e2m1_decode: str | None = None, read_pass=None):
+        e2m1_decode: str | None = None, read_pass=None,
+        pdl: bool | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -1334,7 +1387,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl)
     _check_f16x3(read, cfg)
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
@@ -1384,7 +1437,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          solve: str | None = None, solve_precision: str | None = None,
                          skip_shared_anchor: bool = True,
                          shared_products: bool | None = None,
-                         e2m1_decode: str | None = None):
+                         e2m1_decode: str | None = None,
+                         pdl: bool | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two records-kernel launches (one when ``skip_shared_anchor``
@@ -1407,7 +1461,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode)
+                  e2m1_decode=e2m1_decode, pdl=pdl)
     _check_f16x3(read, cfg)
     if _nvfp4(read) and cfg.get("use_dot") != "f16x3" and e2m1_decode is None:
         cfg["e2m1_decode"] = "integer"  # MAMBA2_VERIFY_BLOCKED_CONFIG's (the lookup: slower)
@@ -1435,7 +1489,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       skip_shared_anchor: bool = True, fuse_shared_anchor: bool = False,
                       anchor_block_v: int | None = None,
                       shared_products: bool | None = None,
-                      e2m1_decode: str | None = None):
+                      e2m1_decode: str | None = None,
+                      pdl: bool | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -1471,7 +1526,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode)
+                  e2m1_decode=e2m1_decode, pdl=pdl)
     _check_f16x3(read, cfg)
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "

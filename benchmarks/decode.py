@@ -387,16 +387,17 @@ def run_step(M, st, h, **cfg):
     return kr.mamba2_step_kernel(st["R"], r, st["nla"], st["nv"], st["nk"], st["q"], h, **cfg)
 
 
-def run_verify(M, st, start):
+def run_verify(M, st, start, **cfg):
     """Verify of ``T`` drafts at slots ``start..start+T-1`` (int64 ``[B]``), records from the
-    ring (committed then drafts); returns ``o [B, T, H, V]`` (GDN: ``(o, uR [B, L, H, V])``)."""
+    ring (committed then drafts); returns ``o [B, T, H, V]`` (GDN: ``(o, uR [B, L, H, V])``).
+    ``cfg``: launch options of the verify wrappers (default: theirs)."""
     r = st["ring"]
     if M.gdn:
         return kr.gdn_verify_kernel(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"],
                                     st["qT"], r["uR"], start, M.L,
-                                    st["fold"] is GDNFold.CACHED)
+                                    st["fold"] is GDNFold.CACHED, **cfg)
     return kr.mamba2_verify_kernel(st["R"], st["A"], r["la"], r["v"], r["k"], st["qT"],
-                                   start, M.L)
+                                   start, M.L, **cfg)
 
 
 def run_flush(M, st, policy, fa, store_state=False):

@@ -56,6 +56,14 @@ def step_fn(M, sets, hv, **opt):
     return lambda i: dc.run_step(M, sets[i % len(sets)], hv, **opt)
 
 
+def verify_fn(M, sets, hv, **opt):
+    """Verify of T = 8 drafts from ``h`` (the outputs only; GDN's corrections dropped)."""
+    def run(i):
+        out = dc.run_verify(M, sets[i % len(sets)], hv, **opt)
+        return out[0] if M.gdn else out
+    return run
+
+
 def kernel_times(step, calls):
     """Mean device microseconds per call of every kernel ``step`` launches."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -75,7 +83,10 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--h", default="0,7,14", help="comma list of record counts before the step")
+    ap.add_argument("--h", default="0,7,14", help="comma list of record counts before the step "
+                    "(--op verify: before the T = 8 drafts, at most 8)")
+    ap.add_argument("--op", default="step", choices=("step", "verify"),
+                    help="the timed operation: the decode step or verify of T = 8 drafts")
     ap.add_argument("--compare", default="shared_products", choices=tuple(COMPARE),
                     help="the launch option whose two values are timed")
     ap.add_argument("--policies", default=None,
@@ -89,9 +100,11 @@ def main(argv=None):
         hs = [int(x) for x in args.h.split(",")]
     except ValueError:
         hs = []
-    if not hs or any(h < 0 or h > 14 for h in hs):
-        ap.error(f"--h takes a comma list of record counts in [0, 14] (L = 16, one slot for "
-                 f"the step), got {args.h!r}")
+    hmax = 14 if args.op == "step" else 8
+    if not hs or any(h < 0 or h > hmax for h in hs):
+        ap.error(f"--h takes a comma list of record counts in [0, {hmax}] (L = 16, "
+                 f"{'one slot for the step' if args.op == 'step' else 'T = 8 drafts'}), "
+                 f"got {args.h!r}")
     for name, v in (("--batch", args.batch), ("--calls", args.calls)):
         if v < 1:
             ap.error(f"{name} must be a positive int, got {v}")
@@ -113,7 +126,8 @@ def main(argv=None):
                 hv = torch.full((M.B,), h, dtype=torch.int64, device="cuda")
                 first = None
                 for val in COMPARE[args.compare]:
-                    step = step_fn(M, sets, hv, **{args.compare: val})
+                    step = (step_fn if args.op == "step" else verify_fn)(
+                        M, sets, hv, **{args.compare: val})
                     for i in range(8):  # compile, warm
                         step(i)
                     y = step(0).clone()  # set 0 (the append rewrites slot h with its own record)
@@ -124,7 +138,8 @@ def main(argv=None):
                     host = (time.perf_counter() - t) / args.calls * 1e6
                     torch.cuda.synchronize()
                     ks = kernel_times(step, args.calls)
-                    row = dict(model=name, policy=pname, h=h, **{args.compare: val},
+                    row = dict(model=name, policy=pname, op=args.op, h=h,
+                               **{args.compare: val},
                                host_us=round(host, 1), kernels_us=ks,
                                gpu_us=round(sum(ks.values()), 1))
                     if first is None:

@@ -26,6 +26,18 @@ def _stored_nbytes(stored) -> int:
     return stored.numel() * stored.element_size()
 
 
+def _select_stored(stored, idx: torch.Tensor):
+    """``stored[idx]`` along the batch dim for a stored copy (plain tensor or PackedTensor)."""
+    if isinstance(stored, PackedTensor):
+        def take(a):
+            return None if a is None else a[idx]
+
+        return PackedTensor(stored.spec, torch.Size((len(idx),) + tuple(stored.shape[1:])),
+                            take(stored.codes), take(stored.block_scales),
+                            take(stored.matrix_scale))
+    return stored[idx]
+
+
 def _scatter_stored(dst, idx: torch.Tensor, src):
     """``dst[idx] = src`` for a stored copy (plain tensor or PackedTensor), out of place."""
     if isinstance(dst, PackedTensor):
@@ -228,7 +240,13 @@ class ReplayStateBase:
         # sequence's flush (torch's summation order, the kernels' tiles) follow its batchmates
         J = self.window
         recs = {name: sel(t[:, :J]).contiguous() for name, t in self._ring.items()}
-        res = self._flush_records(sel(self._A), recs, length, sel(self.sequence_ids), sel(self._fi))
+        # the kernels read the stored anchor (its packed bytes, as they do in step and verify);
+        # the torch references its values
+        if getattr(self, "_kernels", False):
+            anchor = self._A_st if every else _select_stored(self._A_st, idx)
+        else:
+            anchor = sel(self._A)
+        res = self._flush_records(anchor, recs, length, sel(self.sequence_ids), sel(self._fi))
         self._store(idx, res.checkpoints)
         if every:
             self._h.zero_()

@@ -89,8 +89,11 @@ DEFAULT_WARPS = 4
 # tiles with 2 warps, 170.8 us (the former 128 x 4 tile 207.1 us; with a read pass 175.6 us).
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False,
                    shared_products=True)
+# Without programmatic dependent launch (pdl=False): with it this one-launch step was slower,
+# 171.6 -> 193.6 us (records_tune --set pdl --timing graph, records_tune_pdl_h200.json,
+# 2026-12-03, B = 256, h = 7), where every other step and verify gained 0.5-2.5 us.
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=2, k_chunk=128, num_stages=1, use_dot=False,
-                            shared_products=True)
+                            shared_products=True, pdl=False)
 MAMBA2_STEP_WIDE_CONFIG = dict(STEP_CONFIG, k_chunk=64, num_stages=2)
 # GDN from an mx/nvfp4 copy before the E2M1 table lookup (kept for mxfp8, whose E4M3 codes the
 # lookup does not touch and whose tiles were never swept on their own): the solved row's v and

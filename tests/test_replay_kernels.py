@@ -637,6 +637,23 @@ def test_pdl_option_checked():
     assert torch.equal(_bits(a), _bits(b))
 
 
+def test_w_out_known_refused_without_its_ring():
+    """``records_outputs(w_out_known=True)`` (verify's complete corrections written by the
+    kernel) needs GDN and a ``w_out`` with the ring's slots: refused by name otherwise."""
+    gen = _gen(9)
+    R, R_st, ring, h = _ring_state(gen, "fp32", gdn=True)
+    q = _t(torch.randn(B, 1, G, K, generator=gen))
+    kw = dict(ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"], q=q, start=h,
+              rows=h + 1, out_start=h, w_out_known=True)
+    with pytest.raises(ValueError, match=r"w_out_known=True needs gdn=True.*gdn=False"):
+        kr.records.records_outputs(R_st, gdn=False, w_out=torch.zeros_like(ring["uR"]), **kw)
+    with pytest.raises(ValueError, match=r"w_out_known=True needs.*w_out of shape "
+                                         rf"\({B}, 2, {H}, {V}\)"):
+        kr.records.records_outputs(R_st, gdn=True, w_out=ring["uR"][:, :2].contiguous(), **kw)
+    with pytest.raises(ValueError, match=r"w_out_known=True needs.*w_out of shape None"):
+        kr.records.records_outputs(R_st, gdn=True, **kw)
+
+
 @pytest.mark.skipif(not PDL_RUNS, reason="programmatic dependent launch: CUDA, sm >= 90")
 @pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])

@@ -792,8 +792,11 @@ def _records_kernel(
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
         SPREC: tl.constexpr, ONE: tl.constexpr, XS: tl.constexpr, NXS: tl.constexpr,
-        C: tl.constexpr, PDL: tl.constexpr = False):
+        C: tl.constexpr, PDL: tl.constexpr = False, W_KNOWN: tl.constexpr = False):
     # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
+    # W_KNOWN (with WRITE_W): also write the corrections' other slots of wout, the known ones
+    # (< ss, as read from the ring) and zeros from n on, so wout needs no copy before and no
+    # mask after (verify's returned corrections)
     # PDL: launched with launch_pdl after a launch of this call (the products launch or the
     # read pass), so it may start before that grid ends: everything it reads before gdc_wait
     # (C, the ring, the drafts, q, start / rows) was written before that launch began; it
@@ -892,6 +895,11 @@ def _records_kernel(
 
     cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
 
+    if W_KNOWN:  # the slots this launch does not solve: known (< ss, U holds them) or 0 (>= n)
+        keep = ((idx < ss) | (idx >= n)) & (idx < WCAP)
+        tl.store(wout_ptr + ((b * WCAP + idx) * H + h)[:, None] * V + rows[None, :],
+                 tl.where(ring[:, None], U, 0.0), mask=keep[:, None] & rmask[None, :])
+
     if SOLVE > 0:  # matrix form: the solve and the outputs as small products
         _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0, cs,
                         window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT,
@@ -957,7 +965,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     solve_precision: str | None = None,
                     e2m1_decode: str | None = None,
                     read_pass: "tuple[int, int] | bool | None" = None,
-                    pdl: bool | None = None) -> torch.Tensor:
+                    pdl: bool | None = None, w_out_known: bool = False) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -970,6 +978,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         draft: dict ``la [B,TD,H]``, ``k [B,TD,G,K]``, ``v [B,TD,H,V]``, ``beta [B,TD,H]``
             (GDN), indexed by ``slot - start`` (``draft_relative``) or by slot.
         w_out: ``[B, WCAP, H, V]`` receives the solved corrections of rows ``start..rows-1``.
+        w_out_known: GDN with ``w_out`` and a ring ``ring_w`` of ``WCAP`` slots: ``w_out`` also
+            receives the other slots, ``ring_w``'s for slots ``< start`` and zeros from
+            ``rows`` on (the complete corrections, where the caller would otherwise copy
+            ``ring_w`` into ``w_out`` before and mask it after).
         append: dict of ring tensors ``la, k, v, beta`` that receive the draft rows at their
             slots (decode step's append).
         solved: GDN: the most rows any sequence solves (``rows - start``; default TD).
@@ -1091,6 +1103,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     for name, t in [("w_out", w_out), ("out", out)] + list((append or {}).items()):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
+    if w_out_known and (w_out is None or not gdn or w_out.shape[1] != ring_w.shape[1]
+                        or fused_window is not None):
+        raise ValueError(f"w_out_known=True needs gdn=True, no fused_window and a w_out with "
+                         f"the ring's {ring_w.shape[1]} slots, got gdn={gdn!r}, "
+                         f"fused_window={fused_window!r}, w_out of shape "
+                         f"{None if w_out is None else tuple(w_out.shape)}")
     B, CAP, G, K = ring_k.shape
     H = ring_la.shape[2]
     V = ring_w.shape[3]
@@ -1222,7 +1240,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         flags["DOT"] = 2 if f16 else bool(use_dot)
     mpdl = pdl and (zpre or ypre)  # after a launch of this call
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
-                          num_warps=num_warps, **flags, **_pdl_launch(mpdl))
+                          num_warps=num_warps, **flags, **_pdl_launch(mpdl),
+                          **({"W_KNOWN": True} if w_out_known else {}))
     return o
 
 
@@ -1549,20 +1568,22 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     if fuse_shared_anchor:
         torch._assert_async((start + T <= window).all(), "gdn_verify_kernel: "
                             "fuse_shared_anchor=True needs start + T <= window")
-    uR = u_known.clone()
     if T == 0:
-        return q.new_zeros(B, 0, la.shape[2], v.shape[3]), uR
+        return q.new_zeros(B, 0, la.shape[2], v.shape[3]), u_known.clone()
     n = start + T
     draft = {"la": la, "k": k, "v": v, "beta": beta}
     if fuse_shared_anchor and anchor is read and not fold_cached_corrections:
+        uR = u_known.clone()
         o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start,
                             rows=n, out_start=start, draft=draft, draft_relative=False,
                             gdn=True, w_out=uR, solved=window, fused_window=window, **cfg)
         return o, torch.where(length_mask(n, J)[:, :, None, None], uR, 0.0)
+    # the corrections: the known ones before start, the solved ones, zeros from n on, all
+    # written by the kernel (no copy of u_known before, no mask after)
+    uR = torch.empty(u_known.shape, dtype=u_known.dtype, device=u_known.device)
     o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start, rows=n,
                         out_start=start, draft=draft, draft_relative=False, gdn=True, w_out=uR,
-                        solved=T, **cfg)
-    uR = torch.where(length_mask(n, J)[:, :, None, None], uR, 0.0)
+                        solved=T, w_out_known=True, **cfg)
     last = dict(q=q[:, T - 1:], out_start=n - 1, out=o, out_slot=T - 1, at_window=window)
     if fold_cached_corrections:
         if skip_shared_anchor and anchor is read:

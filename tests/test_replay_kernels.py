@@ -652,6 +652,9 @@ def test_w_out_known_refused_without_its_ring():
         kr.records.records_outputs(R_st, gdn=True, w_out=ring["uR"][:, :2].contiguous(), **kw)
     with pytest.raises(ValueError, match=r"w_out_known=True needs.*w_out of shape None"):
         kr.records.records_outputs(R_st, gdn=True, **kw)
+    with pytest.raises(ValueError, match=r"w_out_known=True needs.*at_window=4"):
+        kr.records.records_outputs(R_st, gdn=True, w_out=torch.zeros_like(ring["uR"]),
+                                   at_window=4, **kw)
 
 
 @pytest.mark.skipif(not PDL_RUNS, reason="programmatic dependent launch: CUDA, sm >= 90")
@@ -671,19 +674,22 @@ def test_pdl_same_bits_eager_and_graph(gdn, read_fmt):
 
     def step(pdl):
         rg = {n: t.clone() for n, t in ring.items()}
+        # the decay a strided view (its copy, made by the call, must precede the first launch)
+        la = torch.stack([recs[0][:, 0], recs[0][:, 0]], dim=-1)[..., 0]
+        assert not la.is_contiguous()
         if gdn:
-            la, v, k, beta = (t[:, 0] for t in recs)
+            v, k, beta = (t[:, 0] for t in recs[1:])
             o = kr.gdn_step_kernel(R_st, rg, q, k, v, la, beta, h, pdl=pdl)
         else:
-            la, v, k = (t[:, 0] for t in recs[:3])
+            v, k = (t[:, 0] for t in recs[1:3])
             o = kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, pdl=pdl)
         return [o] + [rg[n] for n in sorted(rg)]
 
     A, args, _, _ = _verify_case(gen, R, ring, gdn, K)
 
     def verify(pdl):
-        if gdn:
-            return list(kr.gdn_verify_kernel(R_st, A, *args, pdl=pdl))
+        if gdn:  # (GDN's default verify makes no products launch: nothing to depend on)
+            return list(kr.gdn_verify_kernel(R_st, A, *args, pdl=pdl, shared_products=True))
         return [kr.mamba2_verify_kernel(R_st, A, *args, pdl=pdl)]
 
     for op in (step, verify):
@@ -881,6 +887,50 @@ def test_state_kernels_fold_cached_corrections_where_read_is_anchor(policy):
     assert not torch.equal(y_cached, y_solved)
     assert torch.equal(y, y_cached if pol.single_checkpoint else y_solved), policy
     assert st._fold_cached == pol.single_checkpoint
+
+
+@pytest.mark.parametrize("policy", ["read:nvfp4/rec:nvfp4+sr", "shared:fp8e4m3+sr"])
+@pytest.mark.parametrize("family", ["gdn", "mamba2"])
+def test_state_kernels_flush_reads_stored_anchor_whole_batch_or_subset(family, policy,
+                                                                        monkeypatch):
+    """A kernel-backed state flushes from the stored anchor (its packed bytes, what step and
+    verify read), for the whole batch and for a subset of sequences (``_select_stored``): the
+    flushed sequences' new checkpoints are the same bits whether they flush with the whole
+    batch or as a subset, and the sequence left out keeps its checkpoints."""
+    from _replay_inputs import (gdn_inputs, gdn_state, gdn_tok, mamba2_inputs, mamba2_state,
+                                mamba2_tok)
+
+    if family == "gdn":
+        inp = gdn_inputs(B=3, T=2, HK=G, HV=H, DK=K, DV=V, dtype=torch.float32, seed=3)
+        make, tok = gdn_state, gdn_tok
+    else:
+        inp = mamba2_inputs(B=3, T=2, H=H, G=G, P=V, N=K, dtype=torch.float32, seed=3)
+        make, tok = mamba2_state, mamba2_tok
+    inp = {n: _t(t) for n, t in inp.items()}
+    anchors = []
+    real = kr.flush.flush_kernel
+
+    def spy(anchor, *a, **kw):
+        anchors.append(anchor)
+        return real(anchor, *a, **kw)
+
+    monkeypatch.setattr(kr.flush, "flush_kernel", spy)
+    out = {}
+    for mode, mask in (("all", [True, True, True]), ("subset", [True, False, True])):
+        st = make(inp, policy, window=L, seed=11, layer=2, backend="triton", device=DEVICE)
+        for t in range(2):
+            st.step(*tok(inp, t))
+        before = (_bits(st.anchor).clone(), _bits(st.read_copy).clone())
+        st._flush_seqs(_t(torch.tensor(mask)))
+        stored = anchors[-1]
+        assert isinstance(stored, PackedTensor) and stored.shape[0] == sum(mask), mode
+        out[mode] = (_bits(st.anchor), _bits(st.read_copy), before)
+    for b in (0, 2):
+        for c in (0, 1):
+            assert torch.equal(out["subset"][c][b], out["all"][c][b]), (b, c)
+            assert not torch.equal(out["subset"][c][b], out["subset"][2][c][b]), (b, c)
+    for c in (0, 1):  # the sequence left out: its checkpoints as they were
+        assert torch.equal(out["subset"][c][1], out["subset"][2][c][1]), c
 
 
 # ------------------------------------------------------------------------------ issue 15: records kernel paths

@@ -89,9 +89,12 @@ DEFAULT_WARPS = 4
 # tiles with 2 warps, 170.8 us (the former 128 x 4 tile 207.1 us; with a read pass 175.6 us).
 STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=False,
                    shared_products=True)
-# Without programmatic dependent launch (pdl=False): with it this one-launch step was slower,
-# 171.6 -> 193.6 us (records_tune --set pdl --timing graph, records_tune_pdl_h200.json,
-# 2026-12-03, B = 256, h = 7), where every other step and verify gained 0.5-2.5 us.
+# Without programmatic dependent launch (pdl=False): with it this step (the products launch,
+# then one records launch that streams C) was slower, 171.6 -> 193.6 us (records_tune --set
+# pdl --timing graph, records_tune_pdl_h200.json, 2026-12-03, B = 256, h = 7), where the
+# other steps with a products launch gained 2.1-2.6 us (GDN nvfp4 with its read pass, Mamba-2
+# fp32 and nvfp4) and Mamba-2's verify 2.4-4.2 us; GDN's verify has no products launch (no
+# shared_products) and no read pass, so PDL does not apply to it.
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=2, k_chunk=128, num_stages=1, use_dot=False,
                             shared_products=True, pdl=False)
 MAMBA2_STEP_WIDE_CONFIG = dict(STEP_CONFIG, k_chunk=64, num_stages=2)
@@ -819,6 +822,8 @@ def _records_kernel(
     n = tl.load(n_ptr + b)
     if AT_WINDOW:  # only the sequences whose rows end on the flush slot (verify's A path)
         if n != window:
+            if PDL:  # no grid of this call left running behind a program that returns
+                tl.extra.cuda.gdc_wait()
             return
     o0 = tl.load(os_ptr + b)
     rows = vt * BV + tl.arange(0, BV)
@@ -981,7 +986,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         w_out_known: GDN with ``w_out`` and a ring ``ring_w`` of ``WCAP`` slots: ``w_out`` also
             receives the other slots, ``ring_w``'s for slots ``< start`` and zeros from
             ``rows`` on (the complete corrections, where the caller would otherwise copy
-            ``ring_w`` into ``w_out`` before and mask it after).
+            ``ring_w`` into ``w_out`` before and mask it after). Every sequence's rows
+            ``start..rows-1`` must be solved (``solved >= rows - start``, as verify passes;
+            not checked on the host, which would synchronise); refused with ``at_window``
+            (the programs of other sequences write nothing) and ``fused_window``.
         append: dict of ring tensors ``la, k, v, beta`` that receive the draft rows at their
             slots (decode step's append).
         solved: GDN: the most rows any sequence solves (``rows - start``; default TD).
@@ -1104,11 +1112,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
     if w_out_known and (w_out is None or not gdn or w_out.shape[1] != ring_w.shape[1]
-                        or fused_window is not None):
-        raise ValueError(f"w_out_known=True needs gdn=True, no fused_window and a w_out with "
-                         f"the ring's {ring_w.shape[1]} slots, got gdn={gdn!r}, "
-                         f"fused_window={fused_window!r}, w_out of shape "
-                         f"{None if w_out is None else tuple(w_out.shape)}")
+                        or fused_window is not None or at_window is not None):
+        raise ValueError(f"w_out_known=True needs gdn=True, no fused_window or at_window and "
+                         f"a w_out with the ring's {ring_w.shape[1]} slots, got gdn={gdn!r}, "
+                         f"fused_window={fused_window!r}, at_window={at_window!r}, w_out of "
+                         f"shape {None if w_out is None else tuple(w_out.shape)}")
     B, CAP, G, K = ring_k.shape
     H = ring_la.shape[2]
     V = ring_w.shape[3]
@@ -1188,8 +1196,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                   DOT=bool(main_dot), PREC=prec, GDN=gdn, D_REL=draft_relative,
                   SOLVE=matrix,
                   FUSED=fused_window is not None)
+    # every input a launch of this call reads, made before its first launch: a dependent
+    # launch (pdl) reads them before it waits, so no copy may run between the launches
     q_arg = q.contiguous()
     dk = draft["k"].contiguous()
+    dla, dv, dbeta = draft["la"].contiguous(), draft["v"].contiguous(), beta.contiguous()
     zpre = shared_products and (H // G) * grid[1] > 1
     pdl = _pdl_mode(pdl, q.device)
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
@@ -1200,9 +1211,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                                        num_warps=num_warps, PDL=pdl, **consts)
     else:
         z = zd = o_arg
-    args = (c, cbs, cms, ring_la, ring_k, ring_w, draft["la"].contiguous(), dk,
-            draft["v"].contiguous(), beta.contiguous(), q_arg, o_arg, start, rows, out_start, wo,
-            a_la, a_k, a_v, a_beta, z, zd)
+    args = (c, cbs, cms, ring_la, ring_k, ring_w, dla, dk, dv, dbeta, q_arg, o_arg, start, rows,
+            out_start, wo, a_la, a_k, a_v, a_beta, z, zd)
     nxs = triton.next_power_of_2(max(NC, 1))
     xsplit = ypre and f16 and 3 * nxs <= MIN_DOT  # X split once per (sequence, key group)
     if xsplit:

@@ -214,6 +214,14 @@ F16SPLIT_STEP_CANDIDATES = [_E + ("lookup",)] + [
 _P = (None,) * 14
 PDL_STEP_CANDIDATES = [_P + (False,), _P + (True,)]
 PDL_VERIFY_CANDIDATES = [_P + (False,), _P + (True,)]
+# --set verifyrp (2026-12-03, fourteenth session): verify's products with the read copy in a
+# launch of their own (read_pass, the 14th field) on narrow tiles, the records launch (the
+# solve, the outputs, the corrections) on the first two fields' tile; the defaults first
+_RV = (None,) * 11
+VERIFYRP_VERIFY_CANDIDATES = [_P] + [
+    (rb, rw) + _RV + (rp,)
+    for rb, rw in ((None, None), (64, 4), (32, 2))
+    for rp in ((32, 2), (64, 4), (32, 4), (128, 8))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -246,7 +254,8 @@ def cases(M, T):
                  "half": (HALF_STEP_CANDIDATES, HALF_VERIFY_CANDIDATES),
                  "f16": (F16_STEP_CANDIDATES, F16_VERIFY_CANDIDATES),
                  "f16split": (F16SPLIT_STEP_CANDIDATES, []),
-                 "pdl": (PDL_STEP_CANDIDATES, PDL_VERIFY_CANDIDATES)}.get(
+                 "pdl": (PDL_STEP_CANDIDATES, PDL_VERIFY_CANDIDATES),
+                 "verifyrp": ([], VERIFYRP_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -381,7 +390,7 @@ def main(argv=None):
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
                              "verify3", "lut", "lut2", "readpass", "half", "f16",
-                             "f16split", "pdl"),
+                             "f16split", "pdl", "verifyrp"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -399,7 +408,9 @@ def main(argv=None):
                          "float16 tensor cores, use_dot='f16x3', in the step's read pass and "
                          "verify) or f16split (the step's read pass with f16x3 and X split once "
                          "per sequence and key group) or pdl (programmatic dependent launch "
-                         "between one call's launches, off and on, step and verify)")
+                         "between one call's launches, off and on, step and verify) or "
+                         "verifyrp (verify with its products with the read copy in a read "
+                         "pass of its own)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

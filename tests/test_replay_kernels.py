@@ -708,6 +708,24 @@ def test_pdl_same_bits_eager_and_graph(gdn, read_fmt):
             assert torch.equal(_bits(g_), _bits(w)), (op.__name__, "graph")
 
 
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_verify_wrappers_take_read_pass(gdn, monkeypatch):
+    """``{gdn,mamba2}_verify_kernel(read_pass=...)``: every records launch is preceded by its
+    read pass (sequence 0's last draft on the flush slot: the anchor launch too, where it is
+    made), and the outputs (GDN: and the corrections) match the torch reference."""
+    gen = _gen(45)
+    R, R_st, ring, _ = _ring_state(gen, "nvfp4", gdn=gdn)
+    A, args, want, uw = _verify_case(gen, R, ring, gdn, K)
+    seen = _kernel_launches(monkeypatch)
+    if gdn:
+        got, ug = kr.gdn_verify_kernel(R_st, A, *args, read_pass=(16, 1))
+        torch.testing.assert_close(ug, uw, **TOL)
+    else:
+        got = kr.mamba2_verify_kernel(R_st, A, *args, read_pass=(16, 1))
+    torch.testing.assert_close(got, want, **TOL)
+    assert len(seen) == 4 and seen == [(True, False), (False, True)] * 2, seen
+
+
 @pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
 def test_read_pass_verify_and_corrections(read_fmt, monkeypatch):
     """The read pass where the records launch solves several rows and outputs several queries

@@ -1470,7 +1470,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          skip_shared_anchor: bool = True,
                          shared_products: bool | None = None,
                          e2m1_decode: str | None = None,
-                         pdl: bool | None = None):
+                         pdl: bool | None = None,
+                         read_pass: "tuple[int, int] | bool | None" = None):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two records-kernel launches (one when ``skip_shared_anchor``
@@ -1480,7 +1481,10 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     for drafts past the ring). Launch configuration:
     ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_NVFP4_CONFIG`` for an nvfp4 read copy,
     ``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an mx one) unless
-    given; ``solve="inverse"`` / ``"doubling"`` (the same kernel for Mamba-2, which has no
+    given (``read_pass``: ``(block_v, num_warps)`` of a launch of its own for the products
+    with the read copy, see :func:`records_outputs`; ``pdl``: programmatic dependent launch
+    between the launches of one records call); ``solve="inverse"`` / ``"doubling"`` (the same
+    kernel for Mamba-2, which has no
     system): the T outputs as two small products instead of one reduction per query (see
     :func:`records_outputs`). ``skip_shared_anchor`` (default on): when ``anchor is read``
     (single-checkpoint policies: ``fp32``, ``shared:F``) the A path of the flush-slot draft is
@@ -1493,7 +1497,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, pdl=pdl)
+                  e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass)
     _check_f16x3(read, cfg)
     if _nvfp4(read) and cfg.get("use_dot") != "f16x3" and e2m1_decode is None:
         cfg["e2m1_decode"] = "integer"  # MAMBA2_VERIFY_BLOCKED_CONFIG's (the lookup: slower)
@@ -1522,7 +1526,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       anchor_block_v: int | None = None,
                       shared_products: bool | None = None,
                       e2m1_decode: str | None = None,
-                      pdl: bool | None = None):
+                      pdl: bool | None = None,
+                      read_pass: "tuple[int, int] | bool | None" = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -1530,7 +1535,9 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     that runs only for those sequences (no host synchronisation).
     Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``GDN_VERIFY_CONFIG``
     (``GDN_VERIFY_NVFP4_CONFIG`` for an nvfp4 read copy, ``GDN_VERIFY_BLOCKED_CONFIG`` for
-    an mx one) unless given. ``solve``:
+    an mx one) unless given (``read_pass``: ``(block_v, num_warps)`` of a launch of its own
+    for the products with the stored copy, see :func:`records_outputs`; ``pdl``: programmatic
+    dependent launch between the launches of one records call). ``solve``:
     ``"substitution"``, or the matrix forms ``"inverse"`` (the default configurations' form) /
     ``"doubling"``: the
     T x T system (and, in the anchor launch, the ``window`` x ``window`` one) inverted once
@@ -1558,7 +1565,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, pdl=pdl)
+                  e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass)
     _check_f16x3(read, cfg)
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "

@@ -222,6 +222,16 @@ VERIFYRP_VERIFY_CANDIDATES = [_P] + [
     (rb, rw) + _RV + (rp,)
     for rb, rw in ((None, None), (64, 4), (32, 2))
     for rp in ((32, 2), (64, 4), (32, 4), (128, 8))]
+# --set verify4 (2026-12-03, fourteenth session): verify's tiles again after the corrections
+# became the kernel's output (w_out_known): GDN's default 128 x 4 launch holds 255 registers,
+# spills and runs 2 blocks per SM (ncu, 12.5% occupancy); its neighbours with tf32x3, and
+# Mamba-2's FP32 reductions at other tiles; the defaults first
+VERIFY4_VERIFY_CANDIDATES = [_P] + [
+    (bv, w, kc, st, "tf32x3") for bv, w, kc, st in (
+        (128, 8, 64, 2), (128, 8, 32, 2), (128, 4, 32, 2), (128, 4, 128, 1), (64, 4, 64, 2),
+        (64, 2, 64, 2), (64, 4, 128, 1), (32, 2, 64, 2))] + [
+    (bv, w, kc, st, False) for bv, w, kc, st in (
+        (64, 8, 32, 2), (32, 4, 32, 2), (32, 2, 32, 2), (64, 4, 64, 2), (64, 2, 32, 2))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -255,7 +265,8 @@ def cases(M, T):
                  "f16": (F16_STEP_CANDIDATES, F16_VERIFY_CANDIDATES),
                  "f16split": (F16SPLIT_STEP_CANDIDATES, []),
                  "pdl": (PDL_STEP_CANDIDATES, PDL_VERIFY_CANDIDATES),
-                 "verifyrp": ([], VERIFYRP_VERIFY_CANDIDATES)}.get(
+                 "verifyrp": ([], VERIFYRP_VERIFY_CANDIDATES),
+                 "verify4": ([], VERIFY4_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -390,7 +401,7 @@ def main(argv=None):
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
                              "verify3", "lut", "lut2", "readpass", "half", "f16",
-                             "f16split", "pdl", "verifyrp"),
+                             "f16split", "pdl", "verifyrp", "verify4"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -410,7 +421,8 @@ def main(argv=None):
                          "per sequence and key group) or pdl (programmatic dependent launch "
                          "between one call's launches, off and on, step and verify) or "
                          "verifyrp (verify with its products with the read copy in a read "
-                         "pass of its own)")
+                         "pass of its own) or verify4 (verify's tiles again, tf32x3 and FP32 "
+                         "reductions)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

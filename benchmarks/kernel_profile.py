@@ -95,7 +95,7 @@ def main(argv=None):
     if args.verify_solve:
         for name in ("VERIFY_CONFIG", "GDN_VERIFY_CONFIG", "GDN_VERIFY_BLOCKED_CONFIG",
                      "MAMBA2_VERIFY_BLOCKED_CONFIG", "GDN_VERIFY_NVFP4_CONFIG",
-                     "MAMBA2_VERIFY_NVFP4_CONFIG"):
+                     "MAMBA2_VERIFY_NVFP4_CONFIG", "MAMBA2_VERIFY_WIDE_CONFIG"):
             setattr(records, name, dict(getattr(records, name), solve=args.verify_solve))
     if args.verify_fuse:
         real = dc.kr.gdn_verify_kernel  # what decode.run_verify calls

@@ -456,7 +456,8 @@ def main(argv=None):
                   "VERIFY_CONFIG",
                   "GDN_VERIFY_CONFIG",
                   "GDN_VERIFY_BLOCKED_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG",
-                  "GDN_VERIFY_NVFP4_CONFIG", "MAMBA2_VERIFY_NVFP4_CONFIG")},
+                  "GDN_VERIFY_NVFP4_CONFIG", "MAMBA2_VERIFY_NVFP4_CONFIG",
+                  "MAMBA2_VERIFY_WIDE_CONFIG")},
               "keys": list(KEYS), "reps": args.reps, "pool": args.pool, "rows": []}
     l2 = dc.l2_bytes()
     for mi, M in enumerate(models):

@@ -226,7 +226,8 @@ def test_decode_model_shared_products_switch():
         names = decode_model.set_shared_products(False)
         assert {"STEP_CONFIG", "GDN_STEP_BLOCKED_CONFIG", "GDN_STEP_FP4_CONFIG",
                 "MAMBA2_STEP_FP4_CONFIG",
-                "VERIFY_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG"} <= set(names)
+                "VERIFY_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG",
+                "MAMBA2_VERIFY_WIDE_CONFIG"} <= set(names)
         assert "GDN_VERIFY_CONFIG" not in names
         assert all(getattr(records, n)["shared_products"] is False for n in names)
         assert decode_model.set_shared_products(True) == names

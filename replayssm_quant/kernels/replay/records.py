@@ -148,8 +148,19 @@ MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128
 # (_x_split_kernel, what a read pass with use_dot="f16x3" now does; records_tune --set f16split,
 # records_tune_f16split_h200.json) still slower: GDN 118.7 -> 122.8 us (64 x 2 read tiles),
 # Mamba-2 149.6 -> 178.0 us (32 x 1).
-GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, use_dot="f16x3")
+# 2026-12-03 (fourteenth session, records_tune --set verify4 --timing graph,
+# records_tune_verify4_h200.json, after verify's corrections became the kernel's output): GDN
+# from nvfp4 on 64-row tiles with 2 warps and tf32x3 (the E2M1 table lookup) instead of 128 x 4
+# f16x3: h = 0 693.0 -> 561.1 us, h = 8 1414.0 -> 1396.7 us. The 128 x 4 FP32 default holds
+# 255 registers and spills (ncu: 2 blocks per SM); from an FP32 copy 64 x 2 was within 2% at
+# h = 0 and slower at h = 8 (the re-solving anchor launch on the same tile), so it stays.
+GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, block_v=64, num_warps=2)
 MAMBA2_VERIFY_NVFP4_CONFIG = dict(MAMBA2_VERIFY_BLOCKED_CONFIG, use_dot="f16x3", e2m1_decode=None)
+# Mamba-2 from an FP32 or half copy (2026-12-03, records_tune --set verify4,
+# records_tune_verify4_h200.json): tf32x3 products on 64-row tiles with 2 warps, K in chunks of
+# 64, 2 stages, instead of FP32 reductions at 64 x 4 with 32-column chunks: h = 0 573.0 ->
+# 487.9 us, h = 8 579.0 -> 496.4 us (fp8 copies, never swept, keep VERIFY_CONFIG)
+MAMBA2_VERIFY_WIDE_CONFIG = dict(VERIFY_CONFIG, num_warps=2, k_chunk=64, use_dot="tf32x3")
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
 # records_outputs(e2m1_decode=...): the E2M1 decoders (the same values; "lookup" and "half"
@@ -1479,8 +1490,9 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     synchronisation (the second runs only for the sequences whose last draft is on the flush
     slot). Inputs are checked by :func:`_check_verify` (ValueError, or a device-side assertion
     for drafts past the ring). Launch configuration:
-    ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_NVFP4_CONFIG`` for an nvfp4 read copy,
-    ``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an mx one) unless
+    ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_WIDE_CONFIG`` for an FP32 or half read copy,
+    ``MAMBA2_VERIFY_NVFP4_CONFIG`` for an nvfp4 one, ``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an
+    mx one) unless
     given (``read_pass``: ``(block_v, num_warps)`` of a launch of its own for the products
     with the read copy, see :func:`records_outputs`; ``pdl``: programmatic dependent launch
     between the launches of one records call); ``solve="inverse"`` / ``"doubling"`` (the same
@@ -1492,8 +1504,10 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     second launch is not made (the output is the first launch's value, within the outputs'
     tolerance of the second launch's; one launch fewer, never slower)."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
+    wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_VERIFY_NVFP4_CONFIG if _nvfp4(read) else
-                  MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else VERIFY_CONFIG, block_v=block_v,
+                  MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else
+                  MAMBA2_VERIFY_WIDE_CONFIG if wide else VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,

@@ -232,6 +232,13 @@ VERIFY4_VERIFY_CANDIDATES = [_P] + [
         (64, 2, 64, 2), (64, 4, 128, 1), (32, 2, 64, 2))] + [
     (bv, w, kc, st, False) for bv, w, kc, st in (
         (64, 8, 32, 2), (32, 4, 32, 2), (32, 2, 32, 2), (64, 4, 64, 2), (64, 2, 32, 2))]
+# --set step5 (2026-12-03, fourteenth session): the step without the products launch
+# (shared_products=False, the 12th field: the records launch forms Z itself; with keys_first,
+# the 11th, its record keys loaded before C) at the default and at 128 x 4 tiles; GDN's
+# products launch is 10 us of its 170 us FP32 step
+_S = (None,) * 10
+STEP5_STEP_CANDIDATES = [_P, _S + (None, False), _S + (True, False),
+                         (128, 4) + _S[2:] + (None, False), (128, 4) + _S[2:] + (True, False)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -266,7 +273,8 @@ def cases(M, T):
                  "f16split": (F16SPLIT_STEP_CANDIDATES, []),
                  "pdl": (PDL_STEP_CANDIDATES, PDL_VERIFY_CANDIDATES),
                  "verifyrp": ([], VERIFYRP_VERIFY_CANDIDATES),
-                 "verify4": ([], VERIFY4_VERIFY_CANDIDATES)}.get(
+                 "verify4": ([], VERIFY4_VERIFY_CANDIDATES),
+                 "step5": (STEP5_STEP_CANDIDATES, [])}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -401,7 +409,7 @@ def main(argv=None):
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
                              "verify3", "lut", "lut2", "readpass", "half", "f16",
-                             "f16split", "pdl", "verifyrp", "verify4"),
+                             "f16split", "pdl", "verifyrp", "verify4", "step5"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -422,7 +430,7 @@ def main(argv=None):
                          "between one call's launches, off and on, step and verify) or "
                          "verifyrp (verify with its products with the read copy in a read "
                          "pass of its own) or verify4 (verify's tiles again, tf32x3 and FP32 "
-                         "reductions)")
+                         "reductions) or step5 (the step without the products launch)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -821,12 +821,19 @@ def test_gdn_verify(read_fmt, fold):
 
 
 def test_verify_zero_drafts():
+    """T = 0: no outputs, and the corrections are the reference's: the known ones before
+    ``start`` (sequence 0: both slots), zeros from ``start`` on (sequence 1: both slots, where
+    the ring holds other values)."""
     gen = _gen(9)
     R, R_st, ring, h = _ring_state(gen, "fp32", gdn=True)
     q = torch.zeros(B, 0, G, K, device=DEVICE)
-    o, uR = kr.gdn_verify_kernel(R_st, R, ring["la"][:, :2], ring["beta"][:, :2],
-                                 ring["v"][:, :2], ring["k"][:, :2], q, ring["uR"][:, :2], h, L)
-    assert o.shape == (B, 0, H, V) and torch.equal(uR, ring["uR"][:, :2])
+    args = (ring["la"][:, :2], ring["beta"][:, :2], ring["v"][:, :2], ring["k"][:, :2], q,
+            ring["uR"][:, :2], h, L)
+    o, uR = kr.gdn_verify_kernel(R_st, R, *args)
+    want_o, want_u = gdn_verify(R, R, *args)
+    assert o.shape == want_o.shape == (B, 0, H, V)
+    assert torch.equal(uR, want_u)
+    assert torch.equal(uR[0], ring["uR"][0, :2]) and not uR[1].any() and ring["uR"][1, :2].any()
 
 
 def test_unsupported_shapes_raise():

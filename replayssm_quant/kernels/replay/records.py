@@ -1599,8 +1599,9 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     if fuse_shared_anchor:
         torch._assert_async((start + T <= window).all(), "gdn_verify_kernel: "
                             "fuse_shared_anchor=True needs start + T <= window")
-    if T == 0:
-        return q.new_zeros(B, 0, la.shape[2], v.shape[3]), u_known.clone()
+    if T == 0:  # no drafts: the known corrections before start, zeros from start on
+        return (q.new_zeros(B, 0, la.shape[2], v.shape[3]),
+                torch.where(length_mask(start, J)[:, :, None, None], u_known, 0.0))
     n = start + T
     draft = {"la": la, "k": k, "v": v, "beta": beta}
     if fuse_shared_anchor and anchor is read and not fold_cached_corrections:

@@ -1990,6 +1990,36 @@ def test_verify_bad_inputs_refused(gdn):
         fn(R_st, A, *a[:i_q], a[i_q].double(), *a[i_q + 1:])
     with pytest.raises(ValueError, match="la has shape"):
         fn(R_st, A, a[i_la][:, :, :1], *a[1:])
+    # flags and the window: a bool is not a window, a string is not a flag ("no" is truthy)
+    for bad in (True, 4.0, 0):
+        with pytest.raises(ValueError, match=f"window must be an int >= 1, got {bad!r}"):
+            fn(R_st, A, *a[:-1], bad)
+    with pytest.raises(ValueError, match="skip_shared_anchor must be True or False, got 'no'"):
+        fn(R_st, A, *a, skip_shared_anchor="no")
+    with pytest.raises(ValueError, match="prefetch must be True or False, got 'yes'"):
+        fn(R_st, A, *a, prefetch="yes")
+    if gdn:
+        with pytest.raises(ValueError, match="fuse_shared_anchor must be True or False, got 1"):
+            fn(R_st, A, *a, fuse_shared_anchor=1)
+
+
+def test_records_outputs_output_checks():
+    """``records_outputs`` refuses a ``w_out`` / ``out`` that is not float32 (the kernel
+    writes float32 into it) and a non-bool ``w_out_known``, naming them."""
+    gen = _gen(33)
+    R, R_st, ring, h = _ring_state(gen, "fp32", gdn=True)
+    q = _t(torch.randn(B, 1, G, K, generator=gen))
+    kw = dict(ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"], q=q, start=h,
+              rows=h + 1, out_start=h, gdn=True)
+    with pytest.raises(ValueError, match="w_out must be float32 .* got torch.int32"):
+        kr.records.records_outputs(R_st, w_out=torch.zeros_like(ring["uR"], dtype=torch.int32),
+                                   **kw)
+    with pytest.raises(ValueError, match="out must be float32 .* got torch.float64"):
+        kr.records.records_outputs(R_st, out=torch.zeros(B, 1, H, V, dtype=torch.float64,
+                                                         device=DEVICE), **kw)
+    with pytest.raises(ValueError, match="w_out_known must be True or False, got 'yes'"):
+        kr.records.records_outputs(R_st, w_out=torch.zeros_like(ring["uR"]),
+                                   w_out_known="yes", **kw)
 
 
 # ------------------------------------------------------------------------------ verify, matrix forms

@@ -1114,14 +1114,21 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             elsewhere); False: ordinary launches.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
-    num_stages, use_dot, keys_first, shared_products, solve, solve_precision, fused_window,
-    e2m1_decode, read_pass, pdl).
+    num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
+    fused_window, e2m1_decode, read_pass, pdl, w_out_known) or an output that is not float32
+    (w_out, out).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
     ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
     for name, t in [("w_out", w_out), ("out", out)] + list((append or {}).items()):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
+    for name, v in (("w_out_known", w_out_known), ("prefetch", prefetch)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be True or False, got {v!r}")
+    for name, t in (("w_out", w_out), ("out", out)):
+        if t is not None and t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 (the kernel writes float32), got {t.dtype}")
     if w_out_known and (w_out is None or not gdn or w_out.shape[1] != ring_w.shape[1]
                         or fused_window is not None or at_window is not None):
         raise ValueError(f"w_out_known=True needs gdn=True, no fused_window or at_window and "
@@ -1463,8 +1470,8 @@ def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_
     if u_known is not None:
         _check_f32(where, "u_known", u_known, (B, J, H, V))
     _check_index(where, "start", start, B)
-    if int(window) < 1:
-        raise ValueError(f"{where}: window must be >= 1, got {window}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{where}: window must be an int >= 1, got {window!r}")
     torch._assert_async(((start >= 0) & (start + T <= J)).all(),
                         f"{where}: start + T must be in [T, J = {J}] (the drafts fit the ring)")
 
@@ -1513,6 +1520,9 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass)
     _check_f16x3(read, cfg)
+    if not isinstance(skip_shared_anchor, bool):
+        raise ValueError(f"mamba2_verify_kernel: skip_shared_anchor must be True or False, got "
+                         f"{skip_shared_anchor!r}")
     if _nvfp4(read) and cfg.get("use_dot") != "f16x3" and e2m1_decode is None:
         cfg["e2m1_decode"] = "integer"  # MAMBA2_VERIFY_BLOCKED_CONFIG's (the lookup: slower)
     _check_verify("mamba2_verify_kernel", read, anchor, la, v, k, q, start, window)
@@ -1581,6 +1591,11 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass)
     _check_f16x3(read, cfg)
+    for name, flag in (("fold_cached_corrections", fold_cached_corrections),
+                       ("skip_shared_anchor", skip_shared_anchor),
+                       ("fuse_shared_anchor", fuse_shared_anchor)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"gdn_verify_kernel: {name} must be True or False, got {flag!r}")
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
                          f"solve={cfg.get('solve', 'substitution')!r}")

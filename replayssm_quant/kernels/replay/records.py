@@ -50,6 +50,8 @@ Tests: ``tests/test_replay_kernels.py``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -1123,9 +1125,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     for name, t in [("w_out", w_out), ("out", out)] + list((append or {}).items()):
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
-    for name, v in (("w_out_known", w_out_known), ("prefetch", prefetch)):
-        if not isinstance(v, bool):
-            raise ValueError(f"{name} must be True or False, got {v!r}")
+    _check_flags("", w_out_known=w_out_known, prefetch=prefetch, keys_first=keys_first,
+                 shared_products=shared_products)
     for name, t in (("w_out", w_out), ("out", out)):
         if t is not None and t.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 (the kernel writes float32), got {t.dtype}")
@@ -1178,8 +1179,6 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                          f"of solve, got gdn={gdn!r}, draft_relative={draft_relative!r}, "
                          f"solve={solve!r}")
     KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
-    if not isinstance(keys_first, bool):
-        raise ValueError(f"keys_first must be True or False, got {keys_first!r}")
     if read_pass is False:
         read_pass = None
     if read_pass is not None:
@@ -1199,8 +1198,6 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
     grid = (B * H, triton.cdiv(V, bv))
     blk = spec.info.block or 1
-    if not isinstance(shared_products, bool):
-        raise ValueError(f"shared_products must be True or False, got {shared_products!r}")
     LP = _lp(max(CAP, TD))
     C = _decode_consts(spec)
     mode = _e2m1_mode(e2m1_decode, q.device,
@@ -1268,18 +1265,32 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         flags["DOT"] = 2 if f16 else bool(use_dot)
     mpdl = pdl and (zpre or ypre)  # after a launch of this call
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
-                          num_warps=num_warps, **flags, **_pdl_launch(mpdl),
-                          **({"W_KNOWN": True} if w_out_known else {}))
+                          num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
     return o
 
 
+def _check_flags(where: str, **flags) -> None:
+    """ValueError naming the first of ``flags`` that is not a bool (a string such as "no" is
+    truthy, so it would do the opposite of what it says); ``where`` prefixes the message."""
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{where}{name} must be True or False, got {v!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_runs(device: torch.device) -> bool:
+    """Whether programmatic dependent launch runs on ``device`` (NVIDIA CUDA, compute
+    capability >= 9.0, kernels not interpreted); asked once per device (the step's hot path)."""
+    return (device.type == "cuda" and not KERNELS_INTERPRETED and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _pdl_mode(pdl, device) -> bool:
-    """``records_outputs(pdl=...)``: None -> on where it can run (NVIDIA CUDA, compute
-    capability >= 9.0, kernels not interpreted); True where it cannot: ValueError."""
+    """``records_outputs(pdl=...)``: None -> on where it can run (:func:`_pdl_runs`); True
+    where it cannot: ValueError."""
     if pdl is not None and not isinstance(pdl, bool):
         raise ValueError(f"pdl must be True, False or None, got {pdl!r}")
-    can = (device.type == "cuda" and not KERNELS_INTERPRETED and torch.version.hip is None
-           and torch.cuda.get_device_capability(device)[0] >= 9)
+    can = _pdl_runs(device)
     if pdl and not can:
         raise ValueError(f"pdl=True needs NVIDIA CUDA with compute capability >= 9.0 and the "
                          f"kernels not interpreted; here: device {device}"
@@ -1520,9 +1531,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass)
     _check_f16x3(read, cfg)
-    if not isinstance(skip_shared_anchor, bool):
-        raise ValueError(f"mamba2_verify_kernel: skip_shared_anchor must be True or False, got "
-                         f"{skip_shared_anchor!r}")
+    _check_flags("mamba2_verify_kernel: ", skip_shared_anchor=skip_shared_anchor)
     if _nvfp4(read) and cfg.get("use_dot") != "f16x3" and e2m1_decode is None:
         cfg["e2m1_decode"] = "integer"  # MAMBA2_VERIFY_BLOCKED_CONFIG's (the lookup: slower)
     _check_verify("mamba2_verify_kernel", read, anchor, la, v, k, q, start, window)
@@ -1591,11 +1600,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass)
     _check_f16x3(read, cfg)
-    for name, flag in (("fold_cached_corrections", fold_cached_corrections),
-                       ("skip_shared_anchor", skip_shared_anchor),
-                       ("fuse_shared_anchor", fuse_shared_anchor)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"gdn_verify_kernel: {name} must be True or False, got {flag!r}")
+    _check_flags("gdn_verify_kernel: ", fold_cached_corrections=fold_cached_corrections,
+                 skip_shared_anchor=skip_shared_anchor, fuse_shared_anchor=fuse_shared_anchor)
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":
         raise ValueError("fuse_shared_anchor=True needs solve='inverse' or 'doubling', got "
                          f"solve={cfg.get('solve', 'substitution')!r}")

@@ -232,6 +232,17 @@ VERIFY4_VERIFY_CANDIDATES = [_P] + [
         (64, 2, 64, 2), (64, 4, 128, 1), (32, 2, 64, 2))] + [
     (bv, w, kc, st, False) for bv, w, kc, st in (
         (64, 8, 32, 2), (32, 4, 32, 2), (32, 2, 32, 2), (64, 4, 64, 2), (64, 2, 32, 2))]
+# --set verify5 (2026-12-03, fifteenth session): verify on 1- and 2-warp tiles. In verify4
+# every tf32x3 tile with 2 warps beat its 4-warp neighbour by 25-40% (Mamba-2 64 x 4 686 ->
+# 64 x 2 488 us); on sm_90 Triton takes warpgroup MMA (wgmma, operands through shared memory)
+# only when num_warps is a multiple of 4, so 1-2 warps get the register-operand mma.sync
+# form. 1 warp and 128 x 2 were never timed for verify; f16x3 (Mamba-2's nvfp4 default, 4
+# warps) neither at 2 warps. The defaults first.
+VERIFY5_VERIFY_CANDIDATES = [_P] + [
+    (bv, w, kc, st, dot) for dot in ("tf32x3", "f16x3") for bv, w, kc, st in (
+        (128, 2, 64, 2), (128, 2, 32, 2), (64, 2, 32, 2), (64, 2, 64, 3), (64, 2, 128, 1),
+        (64, 1, 64, 2), (64, 1, 32, 2), (32, 1, 64, 2), (32, 1, 32, 2), (16, 1, 64, 2))] + [
+    (bv, w, 32, 2, False) for bv, w in ((16, 1), (32, 1), (64, 1))]
 # --set step5 (2026-12-03, fourteenth session): the step without the products launch
 # (shared_products=False, the 12th field: the records launch forms Z itself; with keys_first,
 # the 11th, its record keys loaded before C) at the default and at 128 x 4 tiles; GDN's
@@ -274,7 +285,8 @@ def cases(M, T):
                  "pdl": (PDL_STEP_CANDIDATES, PDL_VERIFY_CANDIDATES),
                  "verifyrp": ([], VERIFYRP_VERIFY_CANDIDATES),
                  "verify4": ([], VERIFY4_VERIFY_CANDIDATES),
-                 "step5": (STEP5_STEP_CANDIDATES, [])}.get(
+                 "step5": (STEP5_STEP_CANDIDATES, []),
+                 "verify5": ([], VERIFY5_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -409,7 +421,7 @@ def main(argv=None):
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
                              "verify3", "lut", "lut2", "readpass", "half", "f16",
-                             "f16split", "pdl", "verifyrp", "verify4", "step5"),
+                             "f16split", "pdl", "verifyrp", "verify4", "step5", "verify5"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -430,7 +442,8 @@ def main(argv=None):
                          "between one call's launches, off and on, step and verify) or "
                          "verifyrp (verify with its products with the read copy in a read "
                          "pass of its own) or verify4 (verify's tiles again, tf32x3 and FP32 "
-                         "reductions) or step5 (the step without the products launch)")
+                         "reductions) or step5 (the step without the products launch) or verify5 "
+                         "(verify on 1- and 2-warp tiles, tf32x3 and f16x3)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -243,6 +243,14 @@ VERIFY5_VERIFY_CANDIDATES = [_P] + [
         (128, 2, 64, 2), (128, 2, 32, 2), (64, 2, 32, 2), (64, 2, 64, 3), (64, 2, 128, 1),
         (64, 1, 64, 2), (64, 1, 32, 2), (32, 1, 64, 2), (32, 1, 32, 2), (16, 1, 64, 2))] + [
     (bv, w, 32, 2, False) for bv, w in ((16, 1), (32, 1), (64, 1))]
+# --set verify6 (2026-12-03, fifteenth session): around verify5's winners (GDN 128 x 2 with
+# 32-column chunks, Mamba-2 64 x 1): stage depths, 1 warp on 128 rows, and Mamba-2's nvfp4
+# f16x3 default (64 x 4, whole K) at other 4/8-warp tiles. The defaults first.
+VERIFY6_VERIFY_CANDIDATES = [_P] + [
+    (bv, w, kc, st, dot) for dot in ("tf32x3", "f16x3") for bv, w, kc, st in (
+        (128, 2, 32, 3), (128, 2, 32, 1), (128, 1, 32, 2), (64, 1, 32, 3), (64, 1, 32, 1),
+        (64, 2, 32, 3), (64, 1, 64, 3), (32, 1, 32, 3), (64, 4, 32, 2), (64, 4, 64, 2),
+        (64, 8, 128, 1))]
 # --set step5 (2026-12-03, fourteenth session): the step without the products launch
 # (shared_products=False, the 12th field: the records launch forms Z itself; with keys_first,
 # the 11th, its record keys loaded before C) at the default and at 128 x 4 tiles; GDN's
@@ -286,7 +294,8 @@ def cases(M, T):
                  "verifyrp": ([], VERIFYRP_VERIFY_CANDIDATES),
                  "verify4": ([], VERIFY4_VERIFY_CANDIDATES),
                  "step5": (STEP5_STEP_CANDIDATES, []),
-                 "verify5": ([], VERIFY5_VERIFY_CANDIDATES)}.get(
+                 "verify5": ([], VERIFY5_VERIFY_CANDIDATES),
+                 "verify6": ([], VERIFY6_VERIFY_CANDIDATES)}.get(
         CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
@@ -421,7 +430,7 @@ def main(argv=None):
     ap.add_argument("--set", default="all",
                     choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
                              "verify3", "lut", "lut2", "readpass", "half", "f16",
-                             "f16split", "pdl", "verifyrp", "verify4", "step5", "verify5"),
+                             "f16split", "pdl", "verifyrp", "verify4", "step5", "verify5", "verify6"),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "
@@ -443,7 +452,8 @@ def main(argv=None):
                          "verifyrp (verify with its products with the read copy in a read "
                          "pass of its own) or verify4 (verify's tiles again, tf32x3 and FP32 "
                          "reductions) or step5 (the step without the products launch) or verify5 "
-                         "(verify on 1- and 2-warp tiles, tf32x3 and f16x3)")
+                         "(verify on 1- and 2-warp tiles, tf32x3 and f16x3) or verify6 (around "
+                         "verify5's winners)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -125,9 +125,15 @@ MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(3
 # us (1580 / 1857). "doubling" and fuse_shared_anchor were slower everywhere.
 VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=False,
                      solve="inverse", shared_products=True)
-GDN_VERIFY_CONFIG = dict(block_v=128, num_warps=4, k_chunk=64, num_stages=2, use_dot="tf32x3",
+# GDN from an FP32 or half copy since 2026-12-03 (fifteenth session, records_tune --set verify5
+# --timing graph, records_tune_verify5_h200.json, B = 256): 128-row tiles with 2 warps, K in
+# chunks of 32 (was 4 warps, chunks of 64): h = 0 539.6 -> 405.5 us, h = 8 1255.7 -> 1118.0 us.
+# On sm_90 Triton lowers tl.dot to warpgroup MMA (wgmma) only when num_warps is a multiple of
+# 4; with 1-2 warps it takes mma.sync on register operands, and the smaller chunk keeps the
+# 4-warp tile's 255 registers and spills (ncu) down. mx copies (not timed) keep the former tile.
+GDN_VERIFY_CONFIG = dict(block_v=128, num_warps=2, k_chunk=32, num_stages=2, use_dot="tf32x3",
                          solve="inverse")
-GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG)
+GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG, num_warps=4, k_chunk=64)
 # Mamba-2's verify with shared_products (its 128 heads share one key group): records_tune
 # --set shared --timing both, B = 256, CUDA-graph medians (records_tune_shared_graph_h200.json):
 # fp32 790 / 796 -> 577 / 582 us (h = 0 / 8), nvfp4 1228 / 1546 -> 834 / 1071 us; GDN's
@@ -156,13 +162,20 @@ MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128
 # f16x3: h = 0 693.0 -> 561.1 us, h = 8 1414.0 -> 1396.7 us. The 128 x 4 FP32 default holds
 # 255 registers and spills (ncu: 2 blocks per SM); from an FP32 copy 64 x 2 was within 2% at
 # h = 0 and slower at h = 8 (the re-solving anchor launch on the same tile), so it stays.
-GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, block_v=64, num_warps=2)
+# Since 2026-12-03 (fifteenth session, records_tune --set verify5): GDN from nvfp4 on
+# GDN_VERIFY_CONFIG's 128 x 2 tile with 32-column chunks and f16x3 products (the packed-half
+# decoder): h = 0 558.8 -> 410.0 us, h = 8 1392.3 -> 1072.9 us (tf32x3 on that tile: 423.2 /
+# 1088.8 us).
+GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, use_dot="f16x3")
 MAMBA2_VERIFY_NVFP4_CONFIG = dict(MAMBA2_VERIFY_BLOCKED_CONFIG, use_dot="f16x3", e2m1_decode=None)
 # Mamba-2 from an FP32 or half copy (2026-12-03, records_tune --set verify4,
 # records_tune_verify4_h200.json): tf32x3 products on 64-row tiles with 2 warps, K in chunks of
 # 64, 2 stages, instead of FP32 reductions at 64 x 4 with 32-column chunks: h = 0 573.0 ->
 # 487.9 us, h = 8 579.0 -> 496.4 us (fp8 copies, never swept, keep VERIFY_CONFIG)
-MAMBA2_VERIFY_WIDE_CONFIG = dict(VERIFY_CONFIG, num_warps=2, k_chunk=64, use_dot="tf32x3")
+# Since 2026-12-03 (fifteenth session, records_tune --set verify5): one warp per 64-row tile,
+# K in chunks of 32: h = 0 486.8 -> 440.1 us, h = 8 495.7 -> 448.7 us (2 warps with chunks of
+# 64 and 3 stages: 439.6 / 454.2 us).
+MAMBA2_VERIFY_WIDE_CONFIG = dict(VERIFY_CONFIG, num_warps=1, k_chunk=32, use_dot="tf32x3")
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
 # records_outputs(e2m1_decode=...): the E2M1 decoders (the same values; "lookup" and "half"

@@ -244,13 +244,16 @@ VERIFY5_VERIFY_CANDIDATES = [_P] + [
         (64, 1, 64, 2), (64, 1, 32, 2), (32, 1, 64, 2), (32, 1, 32, 2), (16, 1, 64, 2))] + [
     (bv, w, 32, 2, False) for bv, w in ((16, 1), (32, 1), (64, 1))]
 # --set verify6 (2026-12-03, fifteenth session): around verify5's winners (GDN 128 x 2 with
-# 32-column chunks, Mamba-2 64 x 1): stage depths, 1 warp on 128 rows, and Mamba-2's nvfp4
-# f16x3 default (64 x 4, whole K) at other 4/8-warp tiles. The defaults first.
-VERIFY6_VERIFY_CANDIDATES = [_P] + [
-    (bv, w, kc, st, dot) for dot in ("tf32x3", "f16x3") for bv, w, kc, st in (
-        (128, 2, 32, 3), (128, 2, 32, 1), (128, 1, 32, 2), (64, 1, 32, 3), (64, 1, 32, 1),
-        (64, 2, 32, 3), (64, 1, 64, 3), (32, 1, 32, 3), (64, 4, 32, 2), (64, 4, 64, 2),
-        (64, 8, 128, 1))]
+# 32-column chunks, Mamba-2 64 x 1): stage depths, and the matrix forms' small products in
+# FP32 FMA (solve_precision="ieee", the 16th field; with tf32x3 products they default to
+# tf32x3, with f16x3 to ieee). The ncu of the new defaults still has 255 registers and 12%
+# occupancy for both models' verify launches. The defaults first.
+_Q = (None,) * 15
+VERIFY6_VERIFY_CANDIDATES = [_P, _Q + ("ieee",)] + [
+    (bv, w, kc, st, dot) + (None,) * 10 + (sp,) for dot in ("tf32x3", "f16x3")
+    for bv, w, kc, st in ((128, 2, 32, 3), (128, 2, 32, 1), (64, 1, 32, 3), (64, 1, 32, 1),
+                          (64, 2, 32, 3))
+    for sp in (None, "ieee")]
 # --set step5 (2026-12-03, fourteenth session): the step without the products launch
 # (shared_products=False, the 12th field: the records launch forms Z itself; with keys_first,
 # the 11th, its record keys loaded before C) at the default and at 128 x 4 tiles; GDN's
@@ -262,7 +265,7 @@ STEP5_STEP_CANDIDATES = [_P, _S + (None, False), _S + (True, False),
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
-        "shared_products", "e2m1_decode", "read_pass", "pdl")
+        "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"

@@ -167,15 +167,23 @@ MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128
 # decoder): h = 0 558.8 -> 410.0 us, h = 8 1392.3 -> 1072.9 us (tf32x3 on that tile: 423.2 /
 # 1088.8 us).
 GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, use_dot="f16x3")
-MAMBA2_VERIFY_NVFP4_CONFIG = dict(MAMBA2_VERIFY_BLOCKED_CONFIG, use_dot="f16x3", e2m1_decode=None)
+# Since 2026-12-03 (fifteenth session, records_tune --set verify6 --timing graph,
+# records_tune_verify6_h200.json): the matrix forms' small products in FP32 FMA
+# (solve_precision="ieee"; f16x3 otherwise takes tf32x3 there): h = 0 389.8 -> 380.0 us,
+# h = 8 620.2 -> 558.5 us.
+MAMBA2_VERIFY_NVFP4_CONFIG = dict(MAMBA2_VERIFY_BLOCKED_CONFIG, use_dot="f16x3", e2m1_decode=None,
+                                  solve_precision="ieee")
 # Mamba-2 from an FP32 or half copy (2026-12-03, records_tune --set verify4,
 # records_tune_verify4_h200.json): tf32x3 products on 64-row tiles with 2 warps, K in chunks of
 # 64, 2 stages, instead of FP32 reductions at 64 x 4 with 32-column chunks: h = 0 573.0 ->
 # 487.9 us, h = 8 579.0 -> 496.4 us (fp8 copies, never swept, keep VERIFY_CONFIG)
-# Since 2026-12-03 (fifteenth session, records_tune --set verify5): one warp per 64-row tile,
-# K in chunks of 32: h = 0 486.8 -> 440.1 us, h = 8 495.7 -> 448.7 us (2 warps with chunks of
-# 64 and 3 stages: 439.6 / 454.2 us).
-MAMBA2_VERIFY_WIDE_CONFIG = dict(VERIFY_CONFIG, num_warps=1, k_chunk=32, use_dot="tf32x3")
+# Since 2026-12-03 (fifteenth session, records_tune --set verify5 then verify6,
+# records_tune_verify{5,6}_h200.json): 2 warps per 64-row tile, K in chunks of 32, 3 stages,
+# and the matrix forms' small products in FP32 FMA (solve_precision="ieee"; with tf32x3
+# products they default to tf32x3): h = 0 486.8 -> 408.6 us, h = 8 495.7 -> 414.2 us (one warp,
+# 2 stages, tf32x3 small products: 440.7 / 449.0 us).
+MAMBA2_VERIFY_WIDE_CONFIG = dict(VERIFY_CONFIG, num_warps=2, k_chunk=32, num_stages=3,
+                                 use_dot="tf32x3", solve_precision="ieee")
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
 # records_outputs(e2m1_decode=...): the E2M1 decoders (the same values; "lookup" and "half"
@@ -1544,6 +1552,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass)
     _check_f16x3(read, cfg)
+    if solve_precision is None and cfg.get("solve", "substitution") == "substitution":
+        cfg.pop("solve_precision", None)  # a default's; it applies to the matrix forms only
     _check_flags("mamba2_verify_kernel: ", skip_shared_anchor=skip_shared_anchor)
     if _nvfp4(read) and cfg.get("use_dot") != "f16x3" and e2m1_decode is None:
         cfg["e2m1_decode"] = "integer"  # MAMBA2_VERIFY_BLOCKED_CONFIG's (the lookup: slower)

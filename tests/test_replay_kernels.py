@@ -797,6 +797,13 @@ def test_mamba2_verify(read_fmt):
     want = mamba2_verify(R, A, *args)
     got = kr.mamba2_verify_kernel(R_st, A_st, *args)
     torch.testing.assert_close(got, want, **TOL)
+    # the defaults set solve_precision for their matrix form; asking for forward substitution
+    # drops it (it applies to the matrix forms only) instead of refusing the default's value
+    assert kr.records.MAMBA2_VERIFY_WIDE_CONFIG.get("solve_precision") == "ieee"
+    got = kr.mamba2_verify_kernel(R_st, A_st, *args, solve="substitution")
+    torch.testing.assert_close(got, want, **TOL)
+    with pytest.raises(ValueError, match="solve_precision applies to the matrix forms"):
+        kr.mamba2_verify_kernel(R_st, A_st, *args, solve="substitution", solve_precision="ieee")
 
 
 @pytest.mark.parametrize("read_fmt,fold", [("nvfp4", False), ("fp8e4m3", True)],

@@ -233,7 +233,7 @@ VERIFY4_VERIFY_CANDIDATES = [_P] + [
     (bv, w, kc, st, False) for bv, w, kc, st in (
         (64, 8, 32, 2), (32, 4, 32, 2), (32, 2, 32, 2), (64, 4, 64, 2), (64, 2, 32, 2))]
 # --set verify5 (2026-12-03, fifteenth session): verify on 1- and 2-warp tiles. In verify4
-# every tf32x3 tile with 2 warps beat its 4-warp neighbour by 25-40% (Mamba-2 64 x 4 686 ->
+# every tf32x3 tile with 2 warps beat its 4-warp neighbour by 29-54% (Mamba-2 64 x 4 686 ->
 # 64 x 2 488 us); on sm_90 Triton takes warpgroup MMA (wgmma, operands through shared memory)
 # only when num_warps is a multiple of 4, so 1-2 warps get the register-operand mma.sync
 # form. 1 warp and 128 x 2 were never timed for verify; f16x3 (Mamba-2's nvfp4 default, 4
@@ -246,7 +246,7 @@ VERIFY5_VERIFY_CANDIDATES = [_P] + [
 # --set verify6 (2026-12-03, fifteenth session): around verify5's winners (GDN 128 x 2 with
 # 32-column chunks, Mamba-2 64 x 1): stage depths, and the matrix forms' small products in
 # FP32 FMA (solve_precision="ieee", the 16th field; with tf32x3 products they default to
-# tf32x3, with f16x3 to ieee). The ncu of the new defaults still has 255 registers and 12%
+# tf32x3, and with f16x3 too). The ncu of the new defaults still has 255 registers and 12%
 # occupancy for both models' verify launches. The defaults first.
 _Q = (None,) * 15
 VERIFY6_VERIFY_CANDIDATES = [_P, _Q + ("ieee",)] + [

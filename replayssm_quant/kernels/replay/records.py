@@ -76,8 +76,8 @@ DEFAULT_WARPS = 4
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
 # docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
 # session GDN reading an FP32/half copy took chunks of 32, 3 stages: 230 vs 255 us then);
-# verify: reductions for Mamba-2 from an FP32/half copy, tf32x3 tensor-core products
-# otherwise (below).
+# verify: tensor-core products (tf32x3; f16x3 from an nvfp4 copy), FP32 reductions for
+# Mamba-2's fp8 copies (below).
 # shared_products (2026-12-01, sixth session): the products with the record keys once per
 # (sequence, key group) in a small launch before the step; GPU time per step at B = 256, h = 7
 # (torch.profiler, benchmarks/results/step_shared_products_h200.json): GDN fp32 226 -> 15 +
@@ -129,8 +129,10 @@ VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=
 # --timing graph, records_tune_verify5_h200.json, B = 256): 128-row tiles with 2 warps, K in
 # chunks of 32 (was 4 warps, chunks of 64): h = 0 539.6 -> 405.5 us, h = 8 1255.7 -> 1118.0 us.
 # On sm_90 Triton lowers tl.dot to warpgroup MMA (wgmma) only when num_warps is a multiple of
-# 4; with 1-2 warps it takes mma.sync on register operands, and the smaller chunk keeps the
-# 4-warp tile's 255 registers and spills (ncu) down. mx copies (not timed) keep the former tile.
+# 4; with 1-2 warps it takes mma.sync on register operands. It needs both: 128 x 2 with chunks
+# of 64 was slower (568.5 us). The launch still holds 255 registers (ncu at 42ea31d; spill
+# requests halved). Only fp32 and nvfp4 copies were timed: fp8, bf16 and fp16 copies take this
+# tile untimed; mx copies keep the former one.
 GDN_VERIFY_CONFIG = dict(block_v=128, num_warps=2, k_chunk=32, num_stages=2, use_dot="tf32x3",
                          solve="inverse")
 GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG, num_warps=4, k_chunk=64)
@@ -159,9 +161,9 @@ MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128
 # 2026-12-03 (fourteenth session, records_tune --set verify4 --timing graph,
 # records_tune_verify4_h200.json, after verify's corrections became the kernel's output): GDN
 # from nvfp4 on 64-row tiles with 2 warps and tf32x3 (the E2M1 table lookup) instead of 128 x 4
-# f16x3: h = 0 693.0 -> 561.1 us, h = 8 1414.0 -> 1396.7 us. The 128 x 4 FP32 default holds
-# 255 registers and spills (ncu: 2 blocks per SM); from an FP32 copy 64 x 2 was within 2% at
-# h = 0 and slower at h = 8 (the re-solving anchor launch on the same tile), so it stays.
+# f16x3: h = 0 693.0 -> 561.1 us, h = 8 1414.0 -> 1396.7 us. (Then the 128 x 4 FP32 default
+# held 255 registers and spilled, 2 blocks per SM; from an FP32 copy 64 x 2 was within 2% at
+# h = 0 and slower at h = 8, so it stayed until the fifteenth session, above.)
 # Since 2026-12-03 (fifteenth session, records_tune --set verify5): GDN from nvfp4 on
 # GDN_VERIFY_CONFIG's 128 x 2 tile with 32-column chunks and f16x3 products (the packed-half
 # decoder): h = 0 558.8 -> 410.0 us, h = 8 1392.3 -> 1072.9 us (tf32x3 on that tile: 423.2 /

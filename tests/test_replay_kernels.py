@@ -2102,13 +2102,15 @@ def test_verify_matrix_forms(read_fmt, family, solve):
     assert not torch.allclose(got[0][0, MT_ - 1], sub[0][0, MT_ - 1])
 
 
+@pytest.mark.parametrize("read_fmt", ["nvfp4", "fp32"])
 @pytest.mark.parametrize("solve", SOLVES)
 @pytest.mark.parametrize("family", ["mamba2", "gdn"])
-def test_verify_matrix_forms_batch_invariant(family, solve):
+def test_verify_matrix_forms_batch_invariant(family, solve, read_fmt):
     """Each sequence's outputs and corrections have the same bits alone (sliced to its own
     J = start + T, as the state objects slice the ring), in the batch and in the reversed
-    batch (nvfp4 read copy)."""
-    R, R_st, A, A_st, args = _matrix_case("nvfp4", family)
+    batch, from an nvfp4 and an FP32 read copy (each takes its own launch default: f16x3 or
+    tf32x3 products, Mamba-2's with FP32-FMA small products)."""
+    R, R_st, A, A_st, args = _matrix_case(read_fmt, family)
     full = _matrix_verify(R_st, A_st, args, family, solve=solve)
     nb = len(MSTARTS)
 

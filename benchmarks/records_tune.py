@@ -278,28 +278,31 @@ def geometries(tiny: bool):
             rk.Model("mamba2", 256, 128, 1, 64, 128, 16)], 8
 
 
+# --set NAME: (step candidates, verify candidates); "all" takes STEP_/VERIFY_CANDIDATES
+CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
+                  "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES),
+                  "verify2": (VERIFY2_STEP_CANDIDATES, VERIFY2_VERIFY_CANDIDATES),
+                  "keys": (KEYS_STEP_CANDIDATES, []),
+                  "shared": (SHARED_STEP_CANDIDATES, SHARED_VERIFY_CANDIDATES),
+                  "verify3": ([_D], VERIFY3_VERIFY_CANDIDATES),
+                  "lut": (LUT_STEP_CANDIDATES, LUT_VERIFY_CANDIDATES),
+                  "lut2": (LUT2_STEP_CANDIDATES, LUT2_VERIFY_CANDIDATES),
+                  "readpass": (READPASS_STEP_CANDIDATES, []),
+                  "half": (HALF_STEP_CANDIDATES, HALF_VERIFY_CANDIDATES),
+                  "f16": (F16_STEP_CANDIDATES, F16_VERIFY_CANDIDATES),
+                  "f16split": (F16SPLIT_STEP_CANDIDATES, []),
+                  "pdl": (PDL_STEP_CANDIDATES, PDL_VERIFY_CANDIDATES),
+                  "verifyrp": ([], VERIFYRP_VERIFY_CANDIDATES),
+                  "verify4": ([], VERIFY4_VERIFY_CANDIDATES),
+                  "step5": (STEP5_STEP_CANDIDATES, []),
+                  "verify5": ([], VERIFY5_VERIFY_CANDIDATES),
+                  "verify6": ([], VERIFY6_VERIFY_CANDIDATES)}
+
+
 def cases(M, T):
     """(case name, candidate list, h): step at h = 7, verify at h = 0 and h = L - T."""
     hs = min(7, M.L - 2)
-    step, ver = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
-                 "prefetch": (PREFETCH_STEP_CANDIDATES, PREFETCH_VERIFY_CANDIDATES),
-                 "verify2": (VERIFY2_STEP_CANDIDATES, VERIFY2_VERIFY_CANDIDATES),
-                 "keys": (KEYS_STEP_CANDIDATES, []),
-                 "shared": (SHARED_STEP_CANDIDATES, SHARED_VERIFY_CANDIDATES),
-                 "verify3": ([_D], VERIFY3_VERIFY_CANDIDATES),
-                 "lut": (LUT_STEP_CANDIDATES, LUT_VERIFY_CANDIDATES),
-                 "lut2": (LUT2_STEP_CANDIDATES, LUT2_VERIFY_CANDIDATES),
-                 "readpass": (READPASS_STEP_CANDIDATES, []),
-                 "half": (HALF_STEP_CANDIDATES, HALF_VERIFY_CANDIDATES),
-                 "f16": (F16_STEP_CANDIDATES, F16_VERIFY_CANDIDATES),
-                 "f16split": (F16SPLIT_STEP_CANDIDATES, []),
-                 "pdl": (PDL_STEP_CANDIDATES, PDL_VERIFY_CANDIDATES),
-                 "verifyrp": ([], VERIFYRP_VERIFY_CANDIDATES),
-                 "verify4": ([], VERIFY4_VERIFY_CANDIDATES),
-                 "step5": (STEP5_STEP_CANDIDATES, []),
-                 "verify5": ([], VERIFY5_VERIFY_CANDIDATES),
-                 "verify6": ([], VERIFY6_VERIFY_CANDIDATES)}.get(
-        CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
+    step, ver = CANDIDATE_SETS.get(CANDIDATE_SET, (STEP_CANDIDATES, VERIFY_CANDIDATES))
     return [("step", step, hs), ("verify", ver, 0), ("verify", ver, M.L - T)]
 
 
@@ -431,9 +434,7 @@ def main(argv=None):
     ap.add_argument("--ref-seqs", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=8, help="compile workers (0: none)")
     ap.add_argument("--set", default="all",
-                    choices=("all", "tf32", "prefetch", "verify2", "keys", "shared",
-                             "verify3", "lut", "lut2", "readpass", "half", "f16",
-                             "f16split", "pdl", "verifyrp", "verify4", "step5", "verify5", "verify6"),
+                    choices=("all", *CANDIDATE_SETS),
                     help="candidate lists: all (STEP_/VERIFY_CANDIDATES), tf32 (the tensor-core "
                          "use_dot='tf32x3' configurations against the current defaults), "
                          "prefetch (GDN's solve with v/beta prefetched, against the defaults), "

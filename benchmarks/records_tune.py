@@ -261,11 +261,27 @@ VERIFY6_VERIFY_CANDIDATES = [_P, _Q + ("ieee",)] + [
 _S = (None,) * 10
 STEP5_STEP_CANDIDATES = [_P, _S + (None, False), _S + (True, False),
                          (128, 4) + _S[2:] + (None, False), (128, 4) + _S[2:] + (True, False)]
+# --set late (2026-12-03, sixteenth session): C X by FP32 FMA with element-wise sums over
+# chunks of late_sum (the 17th field) columns and one cross-lane reduction per program, where
+# the step's reductions of a whole [64, 128] row tile ran 320 shuffles per thread (static
+# sm_90 SASS, benchmarks/sass_static.py: GDN's FP32 step 188 registers and 2232 instructions
+# -> 56-70 registers and 992-1152 with late_sum 4-8). FP32 and half copies only (blocked
+# copies ignore it); steps at the defaults' neighbours, verify from FP32 with FMA products
+# (use_dot=False) and both precisions of the small products. The defaults first.
+_L = (None,) * 11
+LATE_STEP_CANDIDATES = [_P] + [
+    (bv, w, None, st, False) + _L + (ls,)
+    for ls in (4, 8, 16) for bv, w in ((64, 2), (128, 2), (128, 4), (32, 1), (64, 4), (32, 2))
+    for st in (1, 3)]
+LATE_VERIFY_CANDIDATES = [_P] + [
+    (bv, w, None, 2, False) + (None,) * 10 + (sp, ls)
+    for ls in (4, 8) for bv, w in ((64, 2), (64, 4), (32, 1), (128, 4), (32, 2))
+    for sp in (None, "tf32x3")]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
-        "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision")
+        "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision", "late_sum")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -296,7 +312,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "verify4": ([], VERIFY4_VERIFY_CANDIDATES),
                   "step5": (STEP5_STEP_CANDIDATES, []),
                   "verify5": ([], VERIFY5_VERIFY_CANDIDATES),
-                  "verify6": ([], VERIFY6_VERIFY_CANDIDATES)}
+                  "verify6": ([], VERIFY6_VERIFY_CANDIDATES),
+                  "late": (LATE_STEP_CANDIDATES, LATE_VERIFY_CANDIDATES)}
 
 
 def cases(M, T):
@@ -319,6 +336,8 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if len(c) > 16 and c[16] and fmt == "nvfp4":
+        return True  # late_sum: unblocked copies only (a blocked one ignores it)
     if len(c) > 14 and c[14] and DEV != "cuda":
         return True  # programmatic dependent launch: CUDA only (refused by the interpreter)
     if len(c) > 12 and c[12] is not None and fmt != "nvfp4":
@@ -457,7 +476,7 @@ def main(argv=None):
                          "pass of its own) or verify4 (verify's tiles again, tf32x3 and FP32 "
                          "reductions) or step5 (the step without the products launch) or verify5 "
                          "(verify on 1- and 2-warp tiles, tf32x3 and f16x3) or verify6 (around "
-                         "verify5's winners)")
+                         "verify5's winners) or late (C X by element-wise sums, late_sum)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

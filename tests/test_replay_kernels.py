@@ -1390,7 +1390,13 @@ CONFIGS = [dict(k_chunk=32, use_dot=False, block_v=16, num_stages=2, shared_prod
            # the step (only) in one launch, and with a read pass of another tile (E2M1 copies
            # take the read pass by default)
            dict(k_chunk=32, use_dot=False, block_v=32, step_read_pass=False),
-           dict(k_chunk=64, use_dot=False, block_v=16, step_read_pass=(32, 2))]
+           dict(k_chunk=64, use_dot=False, block_v=16, step_read_pass=(32, 2)),
+           # C X by element-wise sums over chunks of 4 / 16 columns, one reduction at the end
+           # (late_sum; unblocked copies: ignored by the blocked ones), in one launch, with a
+           # read pass and under the matrix forms
+           dict(k_chunk=32, use_dot=False, block_v=16, num_stages=2, late_sum=4),
+           dict(k_chunk=64, use_dot=False, block_v=32, late_sum=16, solve="inverse",
+                step_read_pass=(16, 1))]
 K2 = 64
 
 
@@ -1654,6 +1660,69 @@ def test_f16x3_step_batch_invariant(gdn):
         for b in range(B):
             assert torch.equal(_bits(both[b]), _bits(rev[B - 1 - b])), (rp, b)
             assert torch.equal(_bits(both[b]), _bits(step([b], rp)[0])), (rp, b)
+
+
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_late_sum_batch_invariant(gdn):
+    """The step and verify with C X by element-wise sums (``late_sum``, FP32 FMA, one
+    reduction per program) from an FP32 and a bf16 read copy: every sequence gets the same
+    bits alone, in the batch and at the other batch position; and the values agree with the
+    torch references (the step's to TOL)."""
+    gen = _gen(73)
+    for fmt in ("fp32", "bf16"):
+        R, R_st, ring = _ring_state_k(gen, fmt, gdn, K2)
+        q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
+        h = _t(torch.tensor([2, 0]))
+        kw = dict(use_dot=False, late_sum=4, block_v=16, num_stages=2)
+
+        def step(idx):
+            idx = torch.tensor(idx, device=DEVICE)
+            if isinstance(R_st, torch.Tensor):
+                st = R_st[idx]
+            else:  # bf16: codes only (no scales)
+                st = dataclasses.replace(R_st, codes=R_st.codes[idx],
+                                         shape=torch.Size((len(idx), *R_st.shape[1:])))
+            rg = {n_: t[idx].clone() for n_, t in ring.items()}
+            new = {n_: t[:, -1].clone() for n_, t in rg.items()}
+            if gdn:
+                return kr.gdn_step_kernel(st, rg, q[idx], new["k"], new["v"], new["la"],
+                                          new["beta"], h[idx], **kw)
+            return kr.mamba2_step_kernel(st, rg, new["la"], new["v"], new["k"], q[idx],
+                                         h[idx], **kw)
+
+        both, rev = step([0, 1]), step([1, 0])
+        for b in range(B):
+            assert torch.equal(_bits(both[b]), _bits(rev[B - 1 - b])), (fmt, b)
+            assert torch.equal(_bits(both[b]), _bits(step([b])[0])), (fmt, b)
+        ref = {n_: t.clone() for n_, t in ring.items()}
+        bi = torch.arange(B, device=DEVICE)
+        for n_ in ref:
+            ref[n_][bi, h] = ring[n_][:, -1]
+        J = int(h.max()) + 1
+        if gdn:
+            want, _ = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
+                                      ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
+        else:
+            want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
+                                      h + 1)
+        torch.testing.assert_close(both, want, **TOL)
+    # verify (matrix form and substitution) from the FP32 copy
+    R, R_st, A, A_st, args = _matrix_case("fp32", "gdn" if gdn else "mamba2")
+    want = _matrix_reference(R, A, args, "gdn" if gdn else "mamba2")
+    for solve in ("inverse", "substitution"):
+        got = _matrix_verify(R_st, A_st, args, "gdn" if gdn else "mamba2", solve=solve,
+                             use_dot=False, late_sum=8, block_v=16)
+        for g_, w_ in zip(got, want, strict=True):
+            torch.testing.assert_close(g_, w_, **TOL)
+
+
+@pytest.mark.parametrize("bad", [0, 2, 3, 12, True, "4", 4.0])
+def test_late_sum_refused(bad):
+    """A ``late_sum`` that is not None or a power of two >= 4 raises ValueError naming it."""
+    R, R_st, A, A_st, args = _matrix_case("fp32", "mamba2")
+    with pytest.raises(ValueError, match=f"late_sum must be None or a power of two >= 4.*"
+                                         f"{re.escape(repr(bad))}"):
+        kr.mamba2_verify_kernel(R_st, A_st, *args, late_sum=bad)
 
 
 def _verify_case(gen, R, ring, gdn: bool, Kd: int):

@@ -603,11 +603,48 @@ def _key_products_kernel(
 
 
 @triton.jit
+def _c_times_x_late(c_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, b, g, cs, n, G, TD, TQ,
+                    K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BV: tl.constexpr,
+                    NS: tl.constexpr, NX: tl.constexpr, NCP: tl.constexpr,
+                    D_REL: tl.constexpr, FUSED: tl.constexpr, C: tl.constexpr):
+    """``Y = C X [BV, NX]`` by FP32 FMA with one reduction at the end (``late_sum``;
+    unblocked copies: fp32, bf16/fp16, fp8): the products ``C[v, k] X[k, c]`` of each chunk of
+    ``KC`` columns are added element-wise into an accumulator ``[BV, NCP, KC]`` (``NCP`` the
+    columns of X that are not padding, rounded up to a power of two), so the sum over a
+    chunk's lanes (the cross-lane shuffles of ``tl.sum``) runs once per program instead of
+    once per chunk and column. Column c of X as in ``_x_setup`` (key of solved row ``cs + c``
+    for c < NS, then the queries). The sum over k: each accumulator element adds its
+    ``K / KC`` products in order, then ``tl.sum`` over the ``KC`` lanes; a fixed order per
+    program, the same for every batch. fp8: the matrix scale after the sum."""
+    cp = tl.arange(0, NCP)
+    # (cs: the slot of key column 0, the ss of _x_setup, which keeps it as it is)
+    _, isk, kbase, isq, qbase = _x_setup(cp, cs, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
+    acc = tl.zeros([BV, NCP, KC], tl.float32)
+    for k0 in tl.range(0, K, KC, num_stages=STAGES):
+        kk = k0 + tl.arange(0, KC)
+        x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)  # [BV, KC]
+        xk = tl.load(dk_ptr + kbase[:, None] + kk[None, :], mask=isk[:, None], other=0.0)
+        xq = tl.load(q_ptr + qbase[:, None] + kk[None, :], mask=isq[:, None], other=0.0)
+        acc += x[:, None, :] * (xk + xq)[None, :, :]
+    R = tl.sum(acc, axis=2)  # [BV, NCP]
+    if C.KIND == 2:
+        R = R * tl.load(cms_ptr + mat)  # fp8 matrix scale, after the sum
+    if NCP == NX:
+        Y = R
+    else:
+        Y = tl.zeros([BV, NX], tl.float32)
+        for c in tl.static_range(NCP):
+            Y += tl.where(cx[None, :] == c, _col(R, cp, c)[:, None], 0.0)
+    return Y
+
+
+@triton.jit
 def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk, qbase,
                isq, b, g, cs, n, G, TD, TQ, K: tl.constexpr, KC: tl.constexpr,
                STAGES: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
                NS: tl.constexpr, NX: tl.constexpr, D_REL: tl.constexpr, DOT: tl.constexpr,
-               PREC: tl.constexpr, C: tl.constexpr):
+               PREC: tl.constexpr, C: tl.constexpr, LATE: tl.constexpr = 0,
+               NCP: tl.constexpr = 1, FUSED: tl.constexpr = False):
     """``Y = C X [BV, NX]`` for the rows ``rowg`` of the stored checkpoint (matrix ``mat``):
     C streamed along K in chunks of ``KC`` columns, decoded, times the ``NC`` columns of X
     (``_x_col`` / ``_x_cols``); blocked formats by scaling blocks with the block scale applied
@@ -615,7 +652,10 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
     after the sum. Used by the records kernel, in the same launch or as its read pass
     (``YOUT``)."""
     Y = tl.zeros([BV, NX], tl.float32)
-    if C.KIND <= 2:
+    if LATE > 0 and C.KIND <= 2 and not DOT:
+        Y = _c_times_x_late(c_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, b, g, cs, n,
+                            G, TD, TQ, K, LATE, STAGES, BV, NS, NX, NCP, D_REL, FUSED, C)
+    elif C.KIND <= 2:
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
             x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)
             Y = _add_times_x(Y, x, k0 + tl.arange(0, KC), cx, dk_ptr, q_ptr, kbase, isk, qbase,
@@ -831,7 +871,8 @@ def _records_kernel(
         GDN: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr, APPEND: tl.constexpr,
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
         SPREC: tl.constexpr, ONE: tl.constexpr, XS: tl.constexpr, NXS: tl.constexpr,
-        C: tl.constexpr, PDL: tl.constexpr = False, W_KNOWN: tl.constexpr = False):
+        C: tl.constexpr, PDL: tl.constexpr = False, W_KNOWN: tl.constexpr = False,
+        LATE: tl.constexpr = 0, NCP: tl.constexpr = 1):
     # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
     # W_KNOWN (with WRITE_W): also write the corrections' other slots of wout, the known ones
     # (< ss, as read from the ring) and zeros from n on, so wout needs no copy before and no
@@ -876,7 +917,7 @@ def _records_kernel(
                                                   FUSED)
             Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase,
                            isk, qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC,
-                           NS, NX, D_REL, DOT, PREC, C)
+                           NS, NX, D_REL, DOT, PREC, C, LATE, NCP, FUSED)
         if PDL:
             tl.extra.cuda.gdc_wait()
         tl.store(y_ptr + rowg[:, None] * NC + cx[None, :], Y,
@@ -916,7 +957,7 @@ def _records_kernel(
     else:
         Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk,
                        qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS, NX,
-                       D_REL, DOT, PREC, C)
+                       D_REL, DOT, PREC, C, LATE, NCP, FUSED)
         if PDL:  # the stream of C overlapped the products launch; Z is read below
             tl.extra.cuda.gdc_wait()
 
@@ -1006,7 +1047,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     solve_precision: str | None = None,
                     e2m1_decode: str | None = None,
                     read_pass: "tuple[int, int] | bool | None" = None,
-                    pdl: bool | None = None, w_out_known: bool = False) -> torch.Tensor:
+                    pdl: bool | None = None, w_out_known: bool = False,
+                    late_sum: int | None = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -1150,6 +1192,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
     _check_flags("", w_out_known=w_out_known, prefetch=prefetch, keys_first=keys_first,
                  shared_products=shared_products)
+    if late_sum is not None and not (isinstance(late_sum, int) and not isinstance(late_sum, bool)
+                                     and _pow2(late_sum) and 4 <= late_sum):
+        raise ValueError(f"late_sum must be None or a power of two >= 4 (the columns of C per "
+                         f"step of its element-wise sums), got {late_sum!r}")
     for name, t in (("w_out", w_out), ("out", out)):
         if t is not None and t.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 (the kernel writes float32), got {t.dtype}")
@@ -1234,6 +1280,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                   DOT=bool(main_dot), PREC=prec, GDN=gdn, D_REL=draft_relative,
                   SOLVE=matrix,
                   FUSED=fused_window is not None)
+    late = dict(LATE=min(K, late_sum or 0), NCP=triton.next_power_of_2(max(NC, 1)))
     # every input a launch of this call reads, made before its first launch: a dependent
     # launch (pdl) reads them before it waits, so no copy may run between the launches
     q_arg = q.contiguous()
@@ -1270,7 +1317,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                  AT_WINDOW=at_window is not None, SPREC=solve_precision,
                  NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
                  ONE=TD == 1,  # at most one draft row (rows - start <= TD, as the callers pass)
-                 XS=False, NXS=nxs, C=C, **consts)
+                 XS=False, NXS=nxs, C=C, **consts, **late)
     if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
@@ -1418,7 +1465,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
         e2m1_decode: str | None = None, read_pass=None,
-        pdl: bool | None = None):
+        pdl: bool | None = None, late_sum: int | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -1436,7 +1483,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
     _check_f16x3(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
@@ -1452,7 +1499,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
         e2m1_decode: str | None = None, read_pass=None,
-        pdl: bool | None = None):
+        pdl: bool | None = None, late_sum: int | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -1471,7 +1518,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
     _check_f16x3(read, cfg)
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
@@ -1523,7 +1570,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                          shared_products: bool | None = None,
                          e2m1_decode: str | None = None,
                          pdl: bool | None = None,
-                         read_pass: "tuple[int, int] | bool | None" = None):
+                         read_pass: "tuple[int, int] | bool | None" = None,
+                         late_sum: int | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_verify` (same arguments, records already in the
     ring slices ``la [B,J,H]``, ``v [B,J,H,P]``, ``k [B,J,G,N]``; ``read``/``anchor`` stored).
     Returns ``y [B, T, H, P]``. Two records-kernel launches (one when ``skip_shared_anchor``
@@ -1552,7 +1600,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass)
+                  e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass,
+                  late_sum=late_sum)
     _check_f16x3(read, cfg)
     if solve_precision is None and cfg.get("solve", "substitution") == "substitution":
         cfg.pop("solve_precision", None)  # a default's; it applies to the matrix forms only
@@ -1585,7 +1634,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       shared_products: bool | None = None,
                       e2m1_decode: str | None = None,
                       pdl: bool | None = None,
-                      read_pass: "tuple[int, int] | bool | None" = None):
+                      read_pass: "tuple[int, int] | bool | None" = None,
+                      late_sum: int | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -1623,7 +1673,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass)
+                  e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass,
+                  late_sum=late_sum)
     _check_f16x3(read, cfg)
     _check_flags("gdn_verify_kernel: ", fold_cached_corrections=fold_cached_corrections,
                  skip_shared_anchor=skip_shared_anchor, fuse_shared_anchor=fuse_shared_anchor)

@@ -277,6 +277,16 @@ LATE_VERIFY_CANDIDATES = [_P] + [
     (bv, w, None, 2, False) + (None,) * 10 + (sp, ls)
     for ls in (4, 8) for bv, w in ((64, 2), (64, 4), (32, 1), (128, 4), (32, 2))
     for sp in (None, "tf32x3")]
+# --set nx8 (2026-12-03, sixteenth session): X padded to 8 columns, not 16, where the
+# products have 32-bit operands (Triton's tl.dot takes N >= 1, K >= 8 for them): Mamba-2's
+# verify (8 queries) from FP32 (static sm_90 SASS: 225 -> 184 registers, 2056 -> 1584
+# instructions). Its default and neighbouring tiles, with a read pass too; the defaults first.
+NX8_VERIFY_CANDIDATES = [_P] + [
+    (bv, w, kc, st, "tf32x3") + (None,) * 10 + ("ieee",)
+    for bv, w, kc, st in ((64, 2, 64, 3), (64, 2, 64, 2), (64, 2, 128, 1), (128, 2, 32, 3),
+                          (128, 4, 32, 3), (64, 4, 32, 3), (64, 1, 32, 3), (32, 1, 32, 3),
+                          (32, 2, 32, 3))] + [
+    _Q + ("tf32x3",)] + [(None,) * 13 + (rp,) for rp in ((64, 2), (32, 1), (128, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -313,7 +323,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "step5": (STEP5_STEP_CANDIDATES, []),
                   "verify5": ([], VERIFY5_VERIFY_CANDIDATES),
                   "verify6": ([], VERIFY6_VERIFY_CANDIDATES),
-                  "late": (LATE_STEP_CANDIDATES, LATE_VERIFY_CANDIDATES)}
+                  "late": (LATE_STEP_CANDIDATES, LATE_VERIFY_CANDIDATES),
+                  "nx8": ([], NX8_VERIFY_CANDIDATES)}
 
 
 def cases(M, T):
@@ -336,6 +347,8 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if CANDIDATE_SET == "nx8" and (M.gdn or (fmt == "nvfp4" and any(v is not None for v in c))):
+        return True  # only Mamba-2's X has fewer than 16 columns (its nvfp4 default: f16x3)
     if len(c) > 16 and c[16] and fmt == "nvfp4":
         return True  # late_sum: unblocked copies only (a blocked one ignores it)
     if len(c) > 14 and c[14] and DEV != "cuda":
@@ -476,7 +489,8 @@ def main(argv=None):
                          "pass of its own) or verify4 (verify's tiles again, tf32x3 and FP32 "
                          "reductions) or step5 (the step without the products launch) or verify5 "
                          "(verify on 1- and 2-warp tiles, tf32x3 and f16x3) or verify6 (around "
-                         "verify5's winners) or late (C X by element-wise sums, late_sum)")
+                         "verify5's winners) or late (C X by element-wise sums, late_sum) or "
+                         "nx8 (Mamba-2's verify with X padded to 8 columns)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

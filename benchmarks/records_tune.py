@@ -287,11 +287,23 @@ NX8_VERIFY_CANDIDATES = [_P] + [
                           (128, 4, 32, 3), (64, 4, 32, 3), (64, 1, 32, 3), (32, 1, 32, 3),
                           (32, 2, 32, 3))] + [
     _Q + ("tf32x3",)] + [(None,) * 13 + (rp,) for rp in ((64, 2), (32, 1), (128, 4))]
+# --set split (2026-12-03, sixteenth session): GDN's verify with X in two tiles, key columns
+# and query columns (split_x, the 18th field), so that each small product of the matrix form
+# is formed on its nonzero block only (static sm_90 SASS at the default tile: 5704 -> 4504
+# instructions). From FP32 at the default and neighbouring tiles; from nvfp4 with tf32x3
+# products (split_x does not apply to f16x3). The defaults first.
+_S17 = (None,) * 17
+SPLIT_VERIFY_CANDIDATES = [_P, _S17 + (True,)] + [
+    (bv, w, 32, st, dot) + (None,) * 12 + (True,)
+    for dot in ("tf32x3",)
+    for bv, w, st in ((128, 2, 3), (64, 2, 2), (64, 2, 3), (128, 4, 2), (32, 1, 2), (64, 1, 2),
+                      (32, 2, 2))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
-        "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision", "late_sum")
+        "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision", "late_sum",
+        "split_x")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -324,7 +336,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "verify5": ([], VERIFY5_VERIFY_CANDIDATES),
                   "verify6": ([], VERIFY6_VERIFY_CANDIDATES),
                   "late": (LATE_STEP_CANDIDATES, LATE_VERIFY_CANDIDATES),
-                  "nx8": ([], NX8_VERIFY_CANDIDATES)}
+                  "nx8": ([], NX8_VERIFY_CANDIDATES),
+                  "split": ([], SPLIT_VERIFY_CANDIDATES)}
 
 
 def cases(M, T):
@@ -347,6 +360,8 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if len(c) > 17 and c[17] and not M.gdn:
+        return True  # split_x: GDN's matrix form
     if CANDIDATE_SET == "nx8" and (M.gdn or (fmt == "nvfp4" and any(v is not None for v in c))):
         return True  # only Mamba-2's X has fewer than 16 columns (its nvfp4 default: f16x3)
     if len(c) > 16 and c[16] and fmt == "nvfp4":
@@ -490,7 +505,8 @@ def main(argv=None):
                          "reductions) or step5 (the step without the products launch) or verify5 "
                          "(verify on 1- and 2-warp tiles, tf32x3 and f16x3) or verify6 (around "
                          "verify5's winners) or late (C X by element-wise sums, late_sum) or "
-                         "nx8 (Mamba-2's verify with X padded to 8 columns)")
+                         "nx8 (Mamba-2's verify with X padded to 8 columns) or split (GDN's "
+                         "verify with X in two tiles, split_x)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -2162,6 +2162,8 @@ def test_verify_matrix_forms(read_fmt, family, solve):
             dict(use_dot=False, solve_precision="tf32x3")]
     if family == "gdn":  # the anchor launch with its own value-row tile
         cfgs.append(dict(block_v=32, anchor_block_v=16))
+    if family != "mamba2":  # X in two tiles (key and query columns), tf32x3 and FMA products
+        cfgs += [dict(split_x=True), dict(split_x=True, use_dot=False, block_v=16)]
     for cfg in cfgs:
         got = _matrix_verify(R_st, A_st, args, family, solve=solve, **cfg)
         for g_, w_ in zip(got, want, strict=True):

@@ -839,6 +839,154 @@ def _append_row(p, b, h, g, vt, ss, rows, rmask, dla_ptr, dk_ptr, dv_ptr, dbeta_
 
 
 @triton.jit
+def _split_setup(ss, n, b, g, G, TD, TQ, K: tl.constexpr, NS: tl.constexpr,
+                 NXK: tl.constexpr, NXQ: tl.constexpr, D_REL: tl.constexpr):
+    """X in two tiles (``split_x``): the key columns ``ck [NXK]`` (k of solved row ``ss + c``,
+    ``c < NS``; ``isk``/``kbase`` as in ``_x_setup``) and the query columns ``cq [NXQ]``
+    (query ``c < TQ``; ``isq``/``qbase``)."""
+    ck = tl.arange(0, NXK)
+    cq = tl.arange(0, NXQ)
+    isk = (ck < NS) & (ss + ck < n)
+    if D_REL:
+        dcol = ck.to(tl.int64)
+    else:
+        dcol = ss + ck
+    kbase = tl.where(isk, ((b * TD + dcol) * G + g) * K, 0)
+    isq = cq < TQ
+    qbase = tl.where(isq, ((b * TQ + cq) * G + g) * K, 0)
+    return ck, cq, isk, kbase, isq, qbase
+
+
+@triton.jit
+def _cols(ptr, base, ok, e, K: tl.constexpr):
+    """``[len(e), len(base)]``: element ``e`` of the vectors at offsets ``base`` (zero where
+    not ``ok``)."""
+    return tl.load(ptr + base[None, :] + e[:, None], mask=ok[None, :] & (e[:, None] < K),
+                   other=0.0)
+
+
+@triton.jit
+def _c_times_x_split(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, dk_ptr, q_ptr, kbase, isk, qbase,
+                     isq, K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr,
+                     BLK: tl.constexpr, BV: tl.constexpr, NXK: tl.constexpr,
+                     NXQ: tl.constexpr, PREC: tl.constexpr, C: tl.constexpr):
+    """``C X`` as two tiles, ``Yk = C Xk [BV, NXK]`` (the solved rows' keys) and ``Yq = C Xq
+    [BV, NXQ]`` (the queries), from one stream of C (``split_x``): each chunk of C, decoded
+    (blocked copies: the block scale on each element), times both as ``tl.dot``
+    (``input_precision=PREC``); the matrix scale (fp8, nvfp4) after the sum."""
+    Yk = tl.zeros([BV, NXK], tl.float32)
+    Yq = tl.zeros([BV, NXQ], tl.float32)
+    if C.KIND <= 2:
+        for k0 in tl.range(0, K, KC, num_stages=STAGES):
+            x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)
+            e = k0 + tl.arange(0, KC)
+            Yk += tl.dot(x, _cols(dk_ptr, kbase, isk, e, K), input_precision=PREC)
+            Yq += tl.dot(x, _cols(q_ptr, qbase, isq, e, K), input_precision=PREC)
+    else:
+        NBC: tl.constexpr = KC // BLK
+        if C.FP4:
+            W: tl.constexpr = BLK // 2
+            ES: tl.constexpr = 2
+        else:
+            W: tl.constexpr = BLK
+            ES: tl.constexpr = 1
+        for k0 in tl.range(0, K, KC, num_stages=STAGES):
+            xe, xo, sc = _c_blocks(c_ptr, cbs_ptr, rowg, rmask, k0, K, BLK, NBC, W, C)
+            e = k0 + ES * tl.arange(0, NBC * W)
+            ve = tl.reshape(xe * sc[:, :, None], [BV, NBC * W])
+            Yk += tl.dot(ve, _cols(dk_ptr, kbase, isk, e, K), input_precision=PREC)
+            Yq += tl.dot(ve, _cols(q_ptr, qbase, isq, e, K), input_precision=PREC)
+            if C.FP4:
+                vo = tl.reshape(xo * sc[:, :, None], [BV, NBC * W])
+                Yk += tl.dot(vo, _cols(dk_ptr, kbase, isk, e + 1, K), input_precision=PREC)
+                Yq += tl.dot(vo, _cols(q_ptr, qbase, isq, e + 1, K), input_precision=PREC)
+    if C.KIND >= 2:
+        s = tl.load(cms_ptr + mat)  # fp8 / nvfp4 matrix scale, after the sum
+        Yk = Yk * s
+        Yq = Yq * s
+    return Yk, Yq
+
+
+@triton.jit
+def _key_products_split(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, kbase, isk, qbase, isq,
+                        K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr,
+                        LP: tl.constexpr, NXK: tl.constexpr, NXQ: tl.constexpr,
+                        PREC: tl.constexpr):
+    """The products with the keys for ``split_x``: ``Zk [LP, NXK]`` / ``Zq [LP, NXQ]`` (record
+    key ``k_i`` . each key / query column) and ``Zkk [NXK, NXK]`` / ``Zkq [NXK, NXQ]`` (the
+    solved rows' keys . each key / query column); record keys streamed along K."""
+    Zk = tl.zeros([LP, NXK], tl.float32)
+    Zq = tl.zeros([LP, NXQ], tl.float32)
+    Zkk = tl.zeros([NXK, NXK], tl.float32)
+    Zkq = tl.zeros([NXK, NXQ], tl.float32)
+    for k0 in tl.range(0, K, KC, num_stages=STAGES):
+        kk = k0 + tl.arange(0, KC)
+        km = _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, kk)  # [LP, KC]
+        xk = _cols(dk_ptr, kbase, isk, kk, K)  # [KC, NXK]
+        xq = _cols(q_ptr, qbase, isq, kk, K)  # [KC, NXQ]
+        kdt = tl.trans(xk)  # [NXK, KC]
+        Zk += tl.dot(km, xk, input_precision=PREC)
+        Zq += tl.dot(km, xq, input_precision=PREC)
+        Zkk += tl.dot(kdt, xk, input_precision=PREC)
+        Zkq += tl.dot(kdt, xq, input_precision=PREC)
+    return Zk, Zq, Zkk, Zkq
+
+
+@triton.jit
+def _matrix_outputs_split(Yk, Yq, Zk, Zq, Zkk, Zkq, U, cvec, idx, ring, ck, cq, rows, rmask, b,
+                          h, ss, n, o0, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ,
+                          WCAP, OT, OT0, NS: tl.constexpr, NXK: tl.constexpr,
+                          NXQ: tl.constexpr, D_REL: tl.constexpr, WRITE_W: tl.constexpr,
+                          SOLVE: tl.constexpr, NSQ: tl.constexpr, SPREC: tl.constexpr):
+    """GDN's matrix form (``_matrix_outputs``, the same formulas) on X in two tiles
+    (``split_x``): key columns ``ck`` (solved rows ``ss + c``) and query columns ``cq``
+    (positions ``o0 + c``). The products of ``_matrix_outputs`` are zero outside one block
+    of columns each (``Rk``, the inverse and ``U_s``: key columns; ``Dk``, the outputs: query
+    columns; ``Ds``: key rows by query columns), so here each is formed on its own block:
+    ``U_s^T = (beta (v - gamma C k) + U^T Rk) (I + M^T)^{-1}`` ``[BV, NXK]`` and
+    ``O^T = Yq diag(gamma_{1:p}) + U^T Dk + U_s^T Ds`` ``[BV, NXQ]``."""
+    dload = (ck < NS) & (ss + ck < n)  # key rows with records
+    dvalid = dload  # split_x: no FUSED, so every key column's row is solved (cs == ss)
+    qvalid = cq < TQ
+    posk = ss + ck
+    posq = o0 + cq
+    cposk = tl.sum(tl.where(idx[:, None] == posk[None, :], cvec[:, None], 0.0), axis=0)
+    cposq = tl.sum(tl.where(idx[:, None] == posq[None, :], cvec[:, None], 0.0), axis=0)
+    known = ring
+    okq = qvalid[None, :] & known[:, None] & (idx[:, None] <= posq[None, :])
+    Dk = tl.where(okq, tl.exp(tl.where(okq, cposq[None, :] - cvec[:, None], 0.0)) * Zq, 0.0)
+    eq = tl.where(qvalid, tl.exp(cposq), 0.0)
+    Ut = tl.trans(U)  # [BV, LP]
+    if D_REL:
+        dic = tl.where(dload, ck, 0).to(tl.int64)
+    else:
+        dic = tl.where(dload, ss + ck, 0)
+    bcol = tl.load(dbeta_ptr + (b * TD + dic) * H + h, mask=dload, other=0.0)  # [NXK]
+    okk = dvalid[None, :] & known[:, None]
+    Rk = tl.where(okk, -bcol[None, :] * tl.exp(tl.where(okk, cposk[None, :] - cvec[:, None],
+                                                        0.0)) * Zk, 0.0)
+    ec = tl.where(dvalid, tl.exp(cposk), 0.0)
+    bR = tl.where(dvalid, bcol, 0.0)
+    okm = dvalid[:, None] & dvalid[None, :] & (ck[:, None] < ck[None, :])
+    MT = tl.where(okm, bcol[None, :] * tl.exp(tl.where(okm, cposk[None, :] - cposk[:, None],
+                                                       0.0)) * Zkk, 0.0)
+    inv = _unit_upper_inverse(MT, ck, n - ss, NXK, SOLVE, NSQ, SPREC)
+    oks = dvalid[:, None] & qvalid[None, :] & (posk[:, None] <= posq[None, :])
+    Ds = tl.where(oks, tl.exp(tl.where(oks, cposq[None, :] - cposk[:, None], 0.0)) * Zkq, 0.0)
+    Vd = tl.load(dv_ptr + ((b * TD + dic) * H + h)[None, :] * V + rows[:, None],
+                 mask=dload[None, :] & rmask[:, None], other=0.0)  # [BV, NXK]
+    rhs = bR[None, :] * (Vd - Yk * ec[None, :]) + tl.dot(Ut, Rk, input_precision=SPREC)
+    Us = tl.dot(rhs, inv, input_precision=SPREC)  # [BV, NXK]
+    if WRITE_W:
+        tl.store(wout_ptr + ((b * WCAP + ss + ck) * H + h)[None, :] * V + rows[:, None], Us,
+                 mask=dvalid[None, :] & rmask[:, None])
+    Ot = Yq * eq[None, :] + tl.dot(Ut, Dk, input_precision=SPREC)
+    Ot += tl.dot(Us, Ds, input_precision=SPREC)
+    tl.store(o_ptr + ((b * OT + OT0 + cq) * H + h)[None, :] * V + rows[:, None], Ot,
+             mask=qvalid[None, :] & rmask[:, None])
+
+
+@triton.jit
 def _output(p, t, Y, Z, U, cvec, idx, cx, rows, rmask, b, h, o_ptr, H, V, OT, OT0,
             NS: tl.constexpr):
     """Output of query ``t`` at slot ``p``: ``o_p = gamma_{1:p} (C q) + sum_{j<=p}
@@ -873,7 +1021,8 @@ def _records_kernel(
         AT_WINDOW: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
         SPREC: tl.constexpr, ONE: tl.constexpr, XS: tl.constexpr, NXS: tl.constexpr,
         C: tl.constexpr, PDL: tl.constexpr = False, W_KNOWN: tl.constexpr = False,
-        LATE: tl.constexpr = 0, NCP: tl.constexpr = 1):
+        LATE: tl.constexpr = 0, NCP: tl.constexpr = 1, SPLIT: tl.constexpr = False,
+        NXK: tl.constexpr = 8, NXQ: tl.constexpr = 8):
     # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
     # W_KNOWN (with WRITE_W): also write the corrections' other slots of wout, the known ones
     # (< ss, as read from the ring) and zeros from n on, so wout needs no copy before and no
@@ -938,11 +1087,29 @@ def _records_kernel(
         U += tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :], mask=md,
                      other=0.0)
 
+    krow = ((b * CAP + ri) * G + g) * K
+    kdrow = ((b * TD + di) * G + g) * K
+    if SPLIT:  # GDN's matrix form on X in two tiles, key columns and query columns (split_x)
+        ck, cq, iskk, kbk, isqq, qbq = _split_setup(ss, n, b, g, G, TD, TQ, K, NS, NXK, NXQ,
+                                                    D_REL)
+        Yk, Yq = _c_times_x_split(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, dk_ptr, q_ptr, kbk,
+                                  iskk, qbq, isqq, K, KC, STAGES, BLK, BV, NXK, NXQ, PREC, C)
+        Zk, Zq, Zkk, Zkq = _key_products_split(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf,
+                                               kbk, iskk, qbq, isqq, K, KC, STAGES, LP, NXK,
+                                               NXQ, PREC)
+        cvec = tl.cumsum(la, axis=0)
+        if W_KNOWN:  # as below
+            keep = ((idx < ss) | (idx >= n)) & (idx < WCAP)
+            tl.store(wout_ptr + ((b * WCAP + idx) * H + h)[:, None] * V + rows[None, :],
+                     tl.where(ring[:, None], U, 0.0), mask=keep[:, None] & rmask[None, :])
+        _matrix_outputs_split(Yk, Yq, Zk, Zq, Zkk, Zkq, U, cvec, idx, ring, ck, cq, rows, rmask,
+                              b, h, ss, n, o0, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ,
+                              WCAP, OT, OT0, NS, NXK, NXQ, D_REL, WRITE_W, SOLVE, NSQ, SPREC)
+        return
+
     # ---- X: the NC vectors C is multiplied with, columns 0..NS-1 the k of the solved rows
     # ss.. (GDN), then the TQ queries; padded to NX columns (zero)
     cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
-    krow = ((b * CAP + ri) * G + g) * K
-    kdrow = ((b * TD + di) * G + g) * K
     if KFIRST and not ZPRE:  # the record keys [LP, K] as one tile (KC == K), issued before
         # the C stream so that their latency overlaps it; consumed by the Z pass below
         kfirst = _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, tl.arange(0, K))
@@ -1049,7 +1216,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     e2m1_decode: str | None = None,
                     read_pass: "tuple[int, int] | bool | None" = None,
                     pdl: bool | None = None, w_out_known: bool = False,
-                    late_sum: int | None = None) -> torch.Tensor:
+                    late_sum: int | None = None, split_x: bool = False) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -1192,7 +1359,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
     _check_flags("", w_out_known=w_out_known, prefetch=prefetch, keys_first=keys_first,
-                 shared_products=shared_products)
+                 shared_products=shared_products, split_x=split_x)
     if late_sum is not None and not (isinstance(late_sum, int) and not isinstance(late_sum, bool)
                                      and _pow2(late_sum) and 4 <= late_sum):
         raise ValueError(f"late_sum must be None or a power of two >= 4 (the columns of C per "
@@ -1288,6 +1455,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     dk = draft["k"].contiguous()
     dla, dv, dbeta = draft["la"].contiguous(), draft["v"].contiguous(), beta.contiguous()
     zpre = shared_products and (H // G) * grid[1] > 1
+    # split_x: GDN's matrix form on X in two tiles (one launch that forms its own products
+    # with the keys; 32-bit products; not the fused A path; no append)
+    late.update(SPLIT=bool(split_x and gdn and matrix and fused_window is None and not zpre
+                           and not ypre and not f16 and append is None),
+                NXK=max(MIN_DOT_F32, triton.next_power_of_2(max(NS, 1))),
+                NXQ=max(MIN_DOT_F32, triton.next_power_of_2(max(TQ, 1))))
     pdl = _pdl_mode(pdl, q.device)
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
         z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
@@ -1645,7 +1818,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       e2m1_decode: str | None = None,
                       pdl: bool | None = None,
                       read_pass: "tuple[int, int] | bool | None" = None,
-                      late_sum: int | None = None):
+                      late_sum: int | None = None, split_x: bool | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -1684,7 +1857,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass,
-                  late_sum=late_sum)
+                  late_sum=late_sum, split_x=split_x)
     _check_f16x3(read, cfg)
     _check_flags("gdn_verify_kernel: ", fold_cached_corrections=fold_cached_corrections,
                  skip_shared_anchor=skip_shared_anchor, fuse_shared_anchor=fuse_shared_anchor)

@@ -193,7 +193,7 @@ SOLVE_FORMS = ("substitution", "inverse", "doubling")
 E2M1_DECODES = ("lookup", "integer", "half")
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
 MIN_DOT = 16  # smallest tl.dot N / K
-MIN_DOT_F32 = 8  # smallest N / K of a tl.dot with 32-bit operands (X's columns, FP32 products)
+MIN_DOT_F32 = 8  # smallest N of a tl.dot with 32-bit operands (its K: MIN_DOT on Triton 3.6)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1430,7 +1430,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # with a read pass, "f16x3" is the read pass's only: the records launch (and the products
     # launch before it) form the products with the keys by reductions (no 16-column padding)
     main_dot = False if ypre and use_dot == "f16x3" else use_dot
-    NX = max(_min_nx(main_dot, matrix, use_dot), triton.next_power_of_2(max(NC, 1)))
+    NX = max(_min_nx(main_dot, matrix, use_dot, gdn), triton.next_power_of_2(max(NC, 1)))
     keys_first = keys_first and KC == K  # one [slots, K] tile: only with one chunk of K
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
     grid = (B * H, triton.cdiv(V, bv))
@@ -1459,7 +1459,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # with the keys; 32-bit products; not the fused A path; no append)
     late.update(SPLIT=bool(split_x and gdn and matrix and fused_window is None and not zpre
                            and not ypre and not f16 and append is None),
-                NXK=max(MIN_DOT_F32, triton.next_power_of_2(max(NS, 1))),
+                NXK=max(MIN_DOT, triton.next_power_of_2(max(NS, 1))),  # also a K: >= 16
                 NXQ=max(MIN_DOT_F32, triton.next_power_of_2(max(TQ, 1))))
     pdl = _pdl_mode(pdl, q.device)
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
@@ -1496,7 +1496,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
         rflags = dict(flags, DOT=2 if f16 else bool(use_dot), XS=xsplit,
-                      NX=max(_min_nx(use_dot, matrix, use_dot), triton.next_power_of_2(NC)))
+                      NX=max(_min_nx(use_dot, matrix, use_dot, gdn),
+                             triton.next_power_of_2(NC)))
         # (the read pass compiles the whole kernel, matrix forms included: NX >= MIN_DOT there)
         # dependent on the products launch only when it directly follows it (X split between
         # them: an ordinary launch, since it reads the split X at once)
@@ -1513,13 +1514,15 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     return o
 
 
-def _min_nx(dot, matrix: bool, use_dot) -> int:
+def _min_nx(dot, matrix: bool, use_dot, gdn: bool) -> int:
     """Fewest columns of X (padded with zeros): 2 for reductions; for products (``dot``, or
-    the matrix forms' small products) MIN_DOT with float16 products (``"f16x3"``), else
-    MIN_DOT_F32 (FP32 operands: Triton's tl.dot takes N >= 1, K >= 8 for 32-bit types)."""
+    the matrix forms' small products) MIN_DOT_F32 where X's columns are only ever the N of a
+    product with 32-bit operands (Triton's tl.dot takes any N >= 1 there), MIN_DOT where they
+    are also a K (GDN's matrix forms: the inverse and the products with it; Triton 3.6 asks
+    K >= 16) or the operands are float16 (``"f16x3"``)."""
     if not (dot or matrix):
         return 2
-    return MIN_DOT if use_dot == "f16x3" else MIN_DOT_F32
+    return MIN_DOT if use_dot == "f16x3" or (gdn and matrix) else MIN_DOT_F32
 
 
 def _check_flags(where: str, **flags) -> None:

@@ -1716,6 +1716,27 @@ def test_late_sum_batch_invariant(gdn):
             torch.testing.assert_close(g_, w_, **TOL)
 
 
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_split_x_refused(bad):
+    """A ``split_x`` that is not True or False (None: the wrapper's default) raises
+    ValueError naming it."""
+    from replayssm_quant.kernels.replay import records_outputs
+
+    z = torch.zeros
+    if bad is None:  # the verify wrapper takes None (its default); records_outputs does not
+        R, R_st, A, A_st, args = _matrix_case("fp32", "gdn")
+        kr.gdn_verify_kernel(R_st, A_st, *args[:-1], split_x=None)
+        bad = "no"
+    with pytest.raises(ValueError, match=f"split_x must be True or False, got {bad!r}"):
+        records_outputs(z(1, 2, 16, 32, device=DEVICE), ring_la=z(1, 4, 2, device=DEVICE),
+                        ring_k=z(1, 4, 1, 32, device=DEVICE),
+                        ring_w=z(1, 4, 2, 16, device=DEVICE),
+                        q=z(1, 1, 1, 32, device=DEVICE),
+                        start=z(1, dtype=torch.int64, device=DEVICE),
+                        rows=z(1, dtype=torch.int64, device=DEVICE),
+                        out_start=z(1, dtype=torch.int64, device=DEVICE), split_x=bad)
+
+
 @pytest.mark.parametrize("bad", [0, 2, 3, 12, True, "4", 4.0])
 def test_late_sum_refused(bad):
     """A ``late_sum`` that is not None or a power of two >= 4 raises ValueError naming it."""
@@ -2162,8 +2183,10 @@ def test_verify_matrix_forms(read_fmt, family, solve):
             dict(use_dot=False, solve_precision="tf32x3")]
     if family == "gdn":  # the anchor launch with its own value-row tile
         cfgs.append(dict(block_v=32, anchor_block_v=16))
-    if family != "mamba2":  # X in two tiles (key and query columns), tf32x3 and FMA products
-        cfgs += [dict(split_x=True), dict(split_x=True, use_dot=False, block_v=16)]
+    if family != "mamba2":  # X in two tiles (key and query columns) in both launches, tf32x3
+        # and FMA products, and in neither (the default: the re-solving anchor launch only)
+        cfgs += [dict(split_x=True), dict(split_x=True, use_dot=False, block_v=16),
+                 dict(split_x=False)]
     for cfg in cfgs:
         got = _matrix_verify(R_st, A_st, args, family, solve=solve, **cfg)
         for g_, w_ in zip(got, want, strict=True):

@@ -1347,10 +1347,25 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             values, so the same outputs. None (default): on where it can run (CUDA with
             compute capability >= 9.0, not the interpreter); True there too (refused
             elsewhere); False: ordinary launches.
+        late_sum: None (default) or a power of two >= 4: C X by FP32 FMA on chunks of this
+            many columns of C, the products added element-wise into a ``[BV, columns of X,
+            late_sum]`` accumulator and summed across it once per program (instead of one
+            cross-lane reduction per chunk and column). Unblocked copies with ``use_dot``
+            False only (elsewhere ignored). Slower than the defaults in every timed case
+            (2026-12-03, ``records_tune --set late``): kept for other devices' sweeps.
+        split_x: GDN's matrix forms (``solve`` "inverse" / "doubling") with X in two tiles, the
+            solved rows' keys (``max(16, NS)`` columns, rounded up to a power of two) and the
+            queries (``max(8, TQ)``), each small product formed on the block where it is
+            nonzero (``_matrix_outputs_split``); the same formulas, other tile shapes, so the
+            outputs agree within their tolerance, not bit for bit. Applies to one launch that
+            forms its own products with the keys (no ``shared_products``, no ``read_pass``),
+            with 32-bit products (not ``"f16x3"``), without ``fused_window`` and without
+            ``append``; ignored elsewhere. Default False.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
-    fused_window, e2m1_decode, read_pass, pdl, w_out_known) or an output that is not float32
+    fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x) or an output
+    that is not float32
     (w_out, out).
     """
     (c, cbs, cms), spec = _stored_args(checkpoint)
@@ -1852,7 +1867,12 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     ones at the window. With ``anchor is not read`` it has no effect. ``anchor_block_v``:
     value rows per program of the anchor launch (default ``block_v``; its system has
     ``window`` rows, so fewer value rows keep the matrix forms' anchor launch out of register
-    spills)."""
+    spills). ``split_x`` (:func:`records_outputs`): None (default) for X in two tiles in the
+    re-solving anchor launch only (its ``window`` solved keys and one query: 16 + 8 columns
+    instead of 32; records_tune --set split, 2026-12-03: GDN h = 8 from nvfp4 1076 -> 799 us,
+    from FP32 1130 -> 883 us; in the read-copy launch, 8 + 8 columns padded to 16 + 8, it was
+    slower, 403 -> 439 us), True for both launches, False for neither. ``late_sum``: see
+    :func:`records_outputs`."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_NVFP4_CONFIG if _nvfp4(read) else
                   GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
@@ -1909,7 +1929,9 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
         # the anchor programs that run have rows == window and start 0: at most ``window``
         # solved rows (the matrix forms size their system by it; substitution loops on rows)
         solved = J if cfg.get("solve", "substitution") == "substitution" else min(J, window)
-        acfg = _config(cfg, block_v=anchor_block_v)
+        # X in two tiles unless the caller said otherwise: this system has window solved rows
+        # and one query (one 32-column tile -> 16 + 8; records_tune --set split)
+        acfg = _config({"split_x": True, **cfg}, block_v=anchor_block_v)
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known,
                         start=torch.zeros_like(start), rows=n, draft=draft,
                         draft_relative=False, gdn=True, solved=solved, **last, **acfg)

@@ -183,7 +183,10 @@ MAMBA2_VERIFY_NVFP4_CONFIG = dict(MAMBA2_VERIFY_BLOCKED_CONFIG, use_dot="f16x3",
 # records_tune_verify{5,6}_h200.json): 2 warps per 64-row tile, K in chunks of 32, 3 stages,
 # and the matrix forms' small products in FP32 FMA (solve_precision="ieee"; with tf32x3
 # products they default to tf32x3): h = 0 486.8 -> 408.6 us, h = 8 495.7 -> 414.2 us (one warp,
-# 2 stages, tf32x3 small products: 440.7 / 449.0 us).
+# 2 stages, tf32x3 small products: 440.7 / 449.0 us). Since 2026-12-03 (sixteenth session,
+# records_tune --set nx8, records_tune_nx8_h200.json) X has 8 columns here, not 16 (_min_nx:
+# Mamba-2's 8 queries are only ever a product's N): 409.5 / 414.9 -> 303.1 / 318.2 us at this
+# tile, which stayed the fastest of its neighbours.
 MAMBA2_VERIFY_WIDE_CONFIG = dict(VERIFY_CONFIG, num_warps=2, k_chunk=32, num_stages=3,
                                  use_dot="tf32x3", solve_precision="ieee")
 # records_outputs(solve=...): forward substitution (default) or the matrix forms

@@ -1716,6 +1716,21 @@ def test_late_sum_batch_invariant(gdn):
             torch.testing.assert_close(g_, w_, **TOL)
 
 
+@pytest.mark.parametrize("fmt", ["fp8e4m3", "nvfp4", "mxfp8", "mxfp4"])
+def test_split_x_scaled_copies(fmt):
+    """``split_x`` in both launches of GDN's re-solving verify with the read copy and the
+    anchor stored in a scaled format (a matrix scale: fp8, nvfp4; E8M0 block scales only:
+    mx), tf32x3 products, against the torch reference (the flush-slot draft reads A)."""
+    R0, _, A0, _, args = _matrix_case("fp32", "gdn")
+    R_st = _stored(R0, fmt, stream=_t(torch.arange(R0.shape[0] * H).view(-1, H)))
+    A_st = _stored(A0, fmt, stream=_t(torch.arange(A0.shape[0] * H).view(-1, H)) + 1000)
+    want = _matrix_reference(R_st.dequantize(), A_st.dequantize(), args, "gdn")
+    got = _matrix_verify(R_st, A_st, args, "gdn", solve="inverse", use_dot="tf32x3",
+                         split_x=True)
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_, **TOL)
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, None])
 def test_split_x_refused(bad):
     """A ``split_x`` that is not True or False (None: the wrapper's default) raises

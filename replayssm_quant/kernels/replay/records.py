@@ -903,8 +903,8 @@ def _c_times_x_split(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, dk_ptr, q_ptr, k
                 vo = tl.reshape(xo * sc[:, :, None], [BV, NBC * W])
                 Yk += tl.dot(vo, _cols(dk_ptr, kbase, isk, e + 1, K), input_precision=PREC)
                 Yq += tl.dot(vo, _cols(q_ptr, qbase, isq, e + 1, K), input_precision=PREC)
-    if C.KIND >= 2:
-        s = tl.load(cms_ptr + mat)  # fp8 / nvfp4 matrix scale, after the sum
+    if C.KIND == 2 or C.KIND == 3:
+        s = tl.load(cms_ptr + mat)  # fp8 / nvfp4 matrix scale, after the sum (mx: none)
         Yk = Yk * s
         Yq = Yq * s
     return Yk, Yq
@@ -1516,7 +1516,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         rflags = dict(flags, DOT=2 if f16 else bool(use_dot), XS=xsplit,
                       NX=max(_min_nx(use_dot, matrix, use_dot, gdn),
                              triton.next_power_of_2(NC)))
-        # (the read pass compiles the whole kernel, matrix forms included: NX >= MIN_DOT there)
+        # (the read pass compiles the whole kernel, matrix forms included: NX as _min_nx asks)
         # dependent on the products launch only when it directly follows it (X split between
         # them: an ordinary launch, since it reads the split X at once)
         rpdl = pdl and zpre and not xsplit

@@ -278,7 +278,8 @@ LATE_VERIFY_CANDIDATES = [_P] + [
     for ls in (4, 8) for bv, w in ((64, 2), (64, 4), (32, 1), (128, 4), (32, 2))
     for sp in (None, "tf32x3")]
 # --set nx8 (2026-12-03, sixteenth session): X padded to 8 columns, not 16, where the
-# products have 32-bit operands (Triton's tl.dot takes N >= 1, K >= 8 for them): Mamba-2's
+# products have 32-bit operands and X is only their N (Triton's tl.dot takes any N >= 1 for
+# them; K >= 16 on Triton 3.6): Mamba-2's
 # verify (8 queries) from FP32 (static sm_90 SASS: 225 -> 184 registers, 2056 -> 1584
 # instructions). Its default and neighbouring tiles, with a read pass too; the defaults first.
 NX8_VERIFY_CANDIDATES = [_P] + [
@@ -291,7 +292,9 @@ NX8_VERIFY_CANDIDATES = [_P] + [
 # and query columns (split_x, the 18th field), so that each small product of the matrix form
 # is formed on its nonzero block only (static sm_90 SASS at the default tile: 5704 -> 4504
 # instructions). From FP32 at the default and neighbouring tiles; from nvfp4 with tf32x3
-# products (split_x does not apply to f16x3). The defaults first.
+# products (split_x does not apply to the float16 products of an nvfp4 copy, its default; the
+# re-solving anchor launch, FP32 products of the fp16 anchor, does split). split_x=True
+# splits both launches of a verify. The defaults first.
 _S17 = (None,) * 17
 SPLIT_VERIFY_CANDIDATES = [_P, _S17 + (True,)] + [
     (bv, w, 32, st, dot) + (None,) * 12 + (True,)

@@ -1731,17 +1731,47 @@ def test_split_x_scaled_copies(fmt):
         torch.testing.assert_close(g_, w_, **TOL)
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, None])
+class _LaunchSpy:
+    """Stands in for ``records._records_kernel``: records each launch's keyword arguments
+    (the constexprs), then launches the real kernel."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __getitem__(self, grid):
+        launch = self.real[grid]
+
+        def run(*args, **kwargs):
+            self.calls.append(kwargs)
+            return launch(*args, **kwargs)
+        return run
+
+
+def test_split_x_default_anchor_launch_only(monkeypatch):
+    """GDN's re-solving verify splits X in its anchor launch only by default (``split_x``
+    None), in both launches with True and in neither with False; each against the torch
+    reference (sequence 0's last draft on the flush slot, so the anchor launch runs)."""
+    from replayssm_quant.kernels.replay import records
+
+    spy = _LaunchSpy(records._records_kernel)
+    monkeypatch.setattr(records, "_records_kernel", spy)
+    R, R_st, A, A_st, args = _matrix_case("fp32", "gdn")
+    want = _matrix_reference(R, A, args, "gdn")
+    for split_x, taken in ((None, [False, True]), (True, [True, True]),
+                           (False, [False, False])):
+        spy.calls.clear()
+        got = kr.gdn_verify_kernel(R_st, A_st, *args[:-1], split_x=split_x)
+        assert [kw["SPLIT"] for kw in spy.calls] == taken, split_x
+        for g_, w_ in zip(got, want, strict=True):
+            torch.testing.assert_close(g_, w_, **TOL)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, "no"])
 def test_split_x_refused(bad):
-    """A ``split_x`` that is not True or False (None: the wrapper's default) raises
-    ValueError naming it."""
+    """A ``split_x`` that is not True or False raises ValueError naming it."""
     from replayssm_quant.kernels.replay import records_outputs
 
     z = torch.zeros
-    if bad is None:  # the verify wrapper takes None (its default); records_outputs does not
-        R, R_st, A, A_st, args = _matrix_case("fp32", "gdn")
-        kr.gdn_verify_kernel(R_st, A_st, *args[:-1], split_x=None)
-        bad = "no"
     with pytest.raises(ValueError, match=f"split_x must be True or False, got {bad!r}"):
         records_outputs(z(1, 2, 16, 32, device=DEVICE), ring_la=z(1, 4, 2, device=DEVICE),
                         ring_k=z(1, 4, 1, 32, device=DEVICE),

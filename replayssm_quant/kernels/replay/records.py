@@ -1361,9 +1361,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             queries (``max(8, TQ)``), each small product formed on the block where it is
             nonzero (``_matrix_outputs_split``); the same formulas, other tile shapes, so the
             outputs agree within their tolerance, not bit for bit. Applies to one launch that
-            forms its own products with the keys (no ``shared_products``, no ``read_pass``),
-            with 32-bit products (not ``"f16x3"``), without ``fused_window`` and without
-            ``append``; ignored elsewhere. Default False.
+            forms its own products with the keys (no products launch, no ``read_pass``), with
+            32-bit products (not the float16 products of an nvfp4 copy, ``"f16x3"``),
+            without ``fused_window`` and without ``append``; ignored elsewhere. Default
+            False.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
@@ -1448,7 +1449,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # with a read pass, "f16x3" is the read pass's only: the records launch (and the products
     # launch before it) form the products with the keys by reductions (no 16-column padding)
     main_dot = False if ypre and use_dot == "f16x3" else use_dot
-    NX = max(_min_nx(main_dot, matrix, use_dot, gdn), triton.next_power_of_2(max(NC, 1)))
+    NX = max(_min_nx(main_dot, matrix, main_dot, gdn), triton.next_power_of_2(max(NC, 1)))
     keys_first = keys_first and KC == K  # one [slots, K] tile: only with one chunk of K
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
     grid = (B * H, triton.cdiv(V, bv))
@@ -1872,9 +1873,11 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     ``window`` rows, so fewer value rows keep the matrix forms' anchor launch out of register
     spills). ``split_x`` (:func:`records_outputs`): None (default) for X in two tiles in the
     re-solving anchor launch only (its ``window`` solved keys and one query: 16 + 8 columns
-    instead of 32; records_tune --set split, 2026-12-03: GDN h = 8 from nvfp4 1076 -> 799 us,
-    from FP32 1130 -> 883 us; in the read-copy launch, 8 + 8 columns padded to 16 + 8, it was
-    slower, 403 -> 439 us), True for both launches, False for neither. ``late_sum``: see
+    instead of 32; records_tune --set split, 2026-12-03, at B = 256, h = 8: from nvfp4, whose
+    read-copy launch has float16 products and does not split, 1076 -> 799 us; from FP32 with
+    both launches split 1130 -> 883 us; in the read-copy launch alone, 8 + 8 columns padded
+    to 16 + 8, it was slower, h = 0 403 -> 439 us), True for both launches, False for
+    neither. ``late_sum``: see
     :func:`records_outputs`."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_NVFP4_CONFIG if _nvfp4(read) else

@@ -279,9 +279,9 @@ LATE_VERIFY_CANDIDATES = [_P] + [
     for sp in (None, "tf32x3")]
 # --set nx8 (2026-12-03, sixteenth session): X padded to 8 columns, not 16, where the
 # products have 32-bit operands and X is only their N (Triton's tl.dot takes any N >= 1 for
-# them; K >= 16 on Triton 3.6): Mamba-2's
-# verify (8 queries) from FP32 (static sm_90 SASS: 225 -> 184 registers, 2056 -> 1584
-# instructions). Its default and neighbouring tiles, with a read pass too; the defaults first.
+# them; K >= 16 on Triton 3.6): Mamba-2's verify (8 queries) from FP32 (static sm_90 SASS:
+# 225 -> 184 registers, 2056 -> 1584 instructions). Its default and neighbouring tiles, with
+# a read pass too; the defaults first.
 NX8_VERIFY_CANDIDATES = [_P] + [
     (bv, w, kc, st, "tf32x3") + (None,) * 10 + ("ieee",)
     for bv, w, kc, st in ((64, 2, 64, 3), (64, 2, 64, 2), (64, 2, 128, 1), (128, 2, 32, 3),

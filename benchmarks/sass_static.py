@@ -93,9 +93,7 @@ def compile_operation(model: str, policy: str, op: str, e2m1: str | None = None,
     ``"half"`` (nvfp4 only); a launch that names its decoder keeps it.
     ``records_options``: launch options given to every ``records_outputs`` call in place of
     the wrappers' (e.g. ``{"use_dot": "f16x3"}``)."""
-    from replayssm_quant.kernels.replay import records
-
-    from replayssm_quant.kernels.replay import flush
+    from replayssm_quant.kernels.replay import flush, records
 
     real_choice, real_outputs = records._e2m1_mode, records.records_outputs
     real_checks = records._check_devices, flush._check_devices

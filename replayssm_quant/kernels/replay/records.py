@@ -327,14 +327,19 @@ def _dot_c16(a, x, acc):
 
 
 @triton.jit
+def _cols(ptr, base, ok, e, K: tl.constexpr):
+    """``[len(e), len(base)]``: element ``e`` of the vectors at offsets ``base`` (zero where
+    not ``ok``)."""
+    return tl.load(ptr + base[None, :] + e[:, None], mask=ok[None, :] & (e[:, None] < K),
+                   other=0.0)
+
+
+@triton.jit
 def _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, e, K: tl.constexpr):
     """Columns of X (the vectors C is multiplied with) at element indices ``e`` ``[R]``:
     ``[R, NX]``; column c is k of a solved row (``isk``, offset ``kbase``) or a query
     (``isq``, ``qbase``), zero when neither."""
-    ok = e[:, None] < K
-    xk = tl.load(dk_ptr + kbase[None, :] + e[:, None], mask=isk[None, :] & ok, other=0.0)
-    xq = tl.load(q_ptr + qbase[None, :] + e[:, None], mask=isq[None, :] & ok, other=0.0)
-    return xk + xq
+    return _cols(dk_ptr, kbase, isk, e, K) + _cols(q_ptr, qbase, isq, e, K)
 
 
 @triton.jit
@@ -849,23 +854,9 @@ def _split_setup(ss, n, b, g, G, TD, TQ, K: tl.constexpr, NS: tl.constexpr,
     (query ``c < TQ``; ``isq``/``qbase``)."""
     ck = tl.arange(0, NXK)
     cq = tl.arange(0, NXQ)
-    isk = (ck < NS) & (ss + ck < n)
-    if D_REL:
-        dcol = ck.to(tl.int64)
-    else:
-        dcol = ss + ck
-    kbase = tl.where(isk, ((b * TD + dcol) * G + g) * K, 0)
-    isq = cq < TQ
-    qbase = tl.where(isq, ((b * TQ + cq) * G + g) * K, 0)
+    _, isk, kbase, _, _ = _x_setup(ck, ss, n, b, g, G, TD, TQ, K, NS, D_REL, False)
+    _, _, _, isq, qbase = _x_setup(NS + cq, ss, n, b, g, G, TD, TQ, K, NS, D_REL, False)
     return ck, cq, isk, kbase, isq, qbase
-
-
-@triton.jit
-def _cols(ptr, base, ok, e, K: tl.constexpr):
-    """``[len(e), len(base)]``: element ``e`` of the vectors at offsets ``base`` (zero where
-    not ``ok``)."""
-    return tl.load(ptr + base[None, :] + e[:, None], mask=ok[None, :] & (e[:, None] < K),
-                   other=0.0)
 
 
 @triton.jit
@@ -990,6 +981,15 @@ def _matrix_outputs_split(Yk, Yq, Zk, Zq, Zkk, Zkq, U, cvec, idx, ring, ck, cq, 
 
 
 @triton.jit
+def _write_known(wout_ptr, U, ring, idx, ss, n, b, h, rows, rmask, H, V, WCAP):
+    """``W_KNOWN``: the slots of ``wout`` a launch does not solve, the known corrections
+    (slots < ss, from the ring: ``U``) and zeros (slots >= n)."""
+    keep = ((idx < ss) | (idx >= n)) & (idx < WCAP)
+    tl.store(wout_ptr + ((b * WCAP + idx) * H + h)[:, None] * V + rows[None, :],
+             tl.where(ring[:, None], U, 0.0), mask=keep[:, None] & rmask[None, :])
+
+
+@triton.jit
 def _output(p, t, Y, Z, U, cvec, idx, cx, rows, rmask, b, h, o_ptr, H, V, OT, OT0,
             NS: tl.constexpr):
     """Output of query ``t`` at slot ``p``: ``o_p = gamma_{1:p} (C q) + sum_{j<=p}
@@ -1101,10 +1101,8 @@ def _records_kernel(
                                                kbk, iskk, qbq, isqq, K, KC, STAGES, LP, NXK,
                                                NXQ, PREC)
         cvec = tl.cumsum(la, axis=0)
-        if W_KNOWN:  # as below
-            keep = ((idx < ss) | (idx >= n)) & (idx < WCAP)
-            tl.store(wout_ptr + ((b * WCAP + idx) * H + h)[:, None] * V + rows[None, :],
-                     tl.where(ring[:, None], U, 0.0), mask=keep[:, None] & rmask[None, :])
+        if W_KNOWN:
+            _write_known(wout_ptr, U, ring, idx, ss, n, b, h, rows, rmask, H, V, WCAP)
         _matrix_outputs_split(Yk, Yq, Zk, Zq, Zkk, Zkq, U, cvec, idx, ring, ck, cq, rows, rmask,
                               b, h, ss, n, o0, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ,
                               WCAP, OT, OT0, NS, NXK, NXQ, D_REL, WRITE_W, SOLVE, NSQ, SPREC)
@@ -1148,10 +1146,8 @@ def _records_kernel(
 
     cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
 
-    if W_KNOWN:  # the slots this launch does not solve: known (< ss, U holds them) or 0 (>= n)
-        keep = ((idx < ss) | (idx >= n)) & (idx < WCAP)
-        tl.store(wout_ptr + ((b * WCAP + idx) * H + h)[:, None] * V + rows[None, :],
-                 tl.where(ring[:, None], U, 0.0), mask=keep[:, None] & rmask[None, :])
+    if W_KNOWN:
+        _write_known(wout_ptr, U, ring, idx, ss, n, b, h, rows, rmask, H, V, WCAP)
 
     if SOLVE > 0:  # matrix form: the solve and the outputs as small products
         _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0, cs,

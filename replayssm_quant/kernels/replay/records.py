@@ -1463,7 +1463,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                   DOT=bool(main_dot), PREC=prec, GDN=gdn, D_REL=draft_relative,
                   SOLVE=matrix,
                   FUSED=fused_window is not None)
-    late = dict(LATE=min(K, late_sum or 0), NCP=triton.next_power_of_2(max(NC, 1)))
+    # the C X forms of the records launches: late_sum, split_x
+    forms = dict(LATE=min(K, late_sum or 0), NCP=triton.next_power_of_2(max(NC, 1)))
     # every input a launch of this call reads, made before its first launch: a dependent
     # launch (pdl) reads them before it waits, so no copy may run between the launches
     q_arg = q.contiguous()
@@ -1472,10 +1473,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     zpre = shared_products and (H // G) * grid[1] > 1
     # split_x: GDN's matrix form on X in two tiles (one launch that forms its own products
     # with the keys; 32-bit products; not the fused A path; no append)
-    late.update(SPLIT=bool(split_x and gdn and matrix and fused_window is None and not zpre
-                           and not ypre and not f16 and append is None),
-                NXK=max(MIN_DOT, triton.next_power_of_2(max(NS, 1))),  # also a K: >= 16
-                NXQ=max(MIN_DOT_F32, triton.next_power_of_2(max(TQ, 1))))
+    forms.update(SPLIT=bool(split_x and gdn and matrix and fused_window is None and not zpre
+                            and not ypre and not f16 and append is None),
+                 NXK=max(MIN_DOT, triton.next_power_of_2(max(NS, 1))),  # also a K: >= 16
+                 NXQ=max(MIN_DOT_F32, triton.next_power_of_2(max(TQ, 1))))
     pdl = _pdl_mode(pdl, q.device)
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
         z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
@@ -1506,7 +1507,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                  AT_WINDOW=at_window is not None, SPREC=solve_precision,
                  NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
                  ONE=TD == 1,  # at most one draft row (rows - start <= TD, as the callers pass)
-                 XS=False, NXS=nxs, C=C, **consts, **late)
+                 XS=False, NXS=nxs, C=C, **consts, **forms)
     if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)

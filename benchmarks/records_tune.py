@@ -301,12 +301,29 @@ SPLIT_VERIFY_CANDIDATES = [_P, _S17 + (True,)] + [
     for dot in ("tf32x3",)
     for bv, w, st in ((128, 2, 3), (64, 2, 2), (64, 2, 3), (128, 4, 2), (32, 1, 2), (64, 1, 2),
                       (32, 2, 2))]
+# --set fold (2026-12-03, seventeenth session): GDN's matrix form with its coefficients folded
+# into X (fold_x, the 19th field: C (X Wy) + Vd Wv + U^T Wu, the [NX, NX] coefficients formed
+# before C is read, no [BV, NX] intermediates of the solve) and K in chunks of 16 (static sm_90
+# SASS, Triton 3.9: the bare tf32x3 stream of C on 128 x 2 tiles holds 255 registers with
+# chunks of 32 and 146 with 16; the folded verify 195 with no spills against the default's
+# 255 with 168 bytes of stack). From FP32 at 128 x 2 and neighbours, stage depths, with the
+# products launch (shared_products) and with the anchor launch folded too (split_x=False);
+# from nvfp4 (chunks of 16 need an unblocked copy) the fold at the default tile; Mamba-2's
+# verify with chunks of 16. The defaults first.
+_S18 = (None,) * 18
+FOLD_VERIFY_CANDIDATES = [_P, _S18 + (True,)] + [
+    (128, 2, 16, st, "tf32x3") for st in (2, 3)] + [
+    (bv, w, 16, st, "tf32x3") + (None,) * 13 + (True,)
+    for bv, w, st in ((128, 2, 2), (128, 2, 3), (128, 2, 4), (64, 2, 3), (64, 1, 3))] + [
+    (128, 2, 16, 3, "tf32x3") + (None,) * 6 + (True,) + (None,) * 6 + (True,),
+    (128, 2, 16, 3, "tf32x3") + (None,) * 12 + (False, True)] + [
+    (64, 2, 16, st, "tf32x3") + (None,) * 10 + ("ieee",) for st in (3, 4)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
         "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision", "late_sum",
-        "split_x")
+        "split_x", "fold_x")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -340,7 +357,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "verify6": ([], VERIFY6_VERIFY_CANDIDATES),
                   "late": (LATE_STEP_CANDIDATES, LATE_VERIFY_CANDIDATES),
                   "nx8": ([], NX8_VERIFY_CANDIDATES),
-                  "split": ([], SPLIT_VERIFY_CANDIDATES)}
+                  "split": ([], SPLIT_VERIFY_CANDIDATES),
+                  "fold": ([], FOLD_VERIFY_CANDIDATES)}
 
 
 def cases(M, T):
@@ -363,6 +381,12 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if len(c) > 18 and c[18] and not M.gdn:
+        return True  # fold_x: GDN's matrix form
+    if CANDIDATE_SET == "fold" and c is not _P and M.gdn == (len(c) == 16):
+        return True  # the 16-field rows (FMA small products) are Mamba-2's, the rest GDN's
+    if len(c) > 2 and c[2] is not None and c[2] < 32 and fmt == "nvfp4":
+        return True  # chunks of 16 columns: unblocked copies only
     if len(c) > 17 and c[17] and not M.gdn:
         return True  # split_x: GDN's matrix form
     if CANDIDATE_SET == "nx8" and (M.gdn or (fmt == "nvfp4" and any(v is not None for v in c))):
@@ -509,7 +533,8 @@ def main(argv=None):
                          "(verify on 1- and 2-warp tiles, tf32x3 and f16x3) or verify6 (around "
                          "verify5's winners) or late (C X by element-wise sums, late_sum) or "
                          "nx8 (Mamba-2's verify with X padded to 8 columns) or split (GDN's "
-                         "verify with X in two tiles, split_x)")
+                         "verify with X in two tiles, split_x) or fold (GDN's verify with its "
+                         "coefficients folded into X, fold_x, and K in chunks of 16)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

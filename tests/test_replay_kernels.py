@@ -1719,18 +1719,23 @@ def test_late_sum_batch_invariant(gdn):
 
 
 @pytest.mark.parametrize("fmt", ["fp8e4m3", "nvfp4", "mxfp8", "mxfp4"])
-def test_split_x_scaled_copies(fmt):
-    """``split_x`` in both launches of GDN's re-solving verify with the read copy and the
-    anchor stored in a scaled format (a matrix scale: fp8, nvfp4; E8M0 block scales only:
-    mx), tf32x3 products, against the torch reference (the flush-slot draft reads A)."""
+def test_split_and_fold_scaled_copies(fmt):
+    """``split_x`` in both launches of GDN's re-solving verify, and ``fold_x`` in both, with
+    the read copy and the anchor stored in a scaled format (a matrix scale: fp8, nvfp4; E8M0
+    block scales only: mx), tf32x3 products (and nvfp4's default float16 products, folded),
+    against the torch reference (the flush-slot draft reads A)."""
     R0, _, A0, _, args = _matrix_case("fp32", "gdn")
     R_st = _stored(R0, fmt, stream=_t(torch.arange(R0.shape[0] * H).view(-1, H)))
     A_st = _stored(A0, fmt, stream=_t(torch.arange(A0.shape[0] * H).view(-1, H)) + 1000)
     want = _matrix_reference(R_st.dequantize(), A_st.dequantize(), args, "gdn")
-    got = _matrix_verify(R_st, A_st, args, "gdn", solve="inverse", use_dot="tf32x3",
-                         split_x=True)
-    for g_, w_ in zip(got, want, strict=True):
-        torch.testing.assert_close(g_, w_, **TOL)
+    cfgs = [dict(use_dot="tf32x3", split_x=True), dict(use_dot="tf32x3", fold_x=True,
+                                                       split_x=False)]
+    if fmt == "nvfp4":
+        cfgs.append(dict(fold_x=True, split_x=False))
+    for cfg in cfgs:
+        got = _matrix_verify(R_st, A_st, args, "gdn", solve="inverse", **cfg)
+        for g_, w_ in zip(got, want, strict=True):
+            torch.testing.assert_close(g_, w_, **TOL)
 
 
 class _LaunchSpy:
@@ -1751,7 +1756,8 @@ class _LaunchSpy:
 
 def test_split_x_default_anchor_launch_only(monkeypatch):
     """GDN's re-solving verify splits X in its anchor launch only by default (``split_x``
-    None), in both launches with True and in neither with False; each against the torch
+    None), in both launches with True and in neither with False; ``fold_x`` folds the
+    launches that do not split (with K in chunks of 16 too); each against the torch
     reference (sequence 0's last draft on the flush slot, so the anchor launch runs)."""
     from replayssm_quant.kernels.replay import records
 
@@ -1759,29 +1765,35 @@ def test_split_x_default_anchor_launch_only(monkeypatch):
     monkeypatch.setattr(records, "_records_kernel", spy)
     R, R_st, A, A_st, args = _matrix_case("fp32", "gdn")
     want = _matrix_reference(R, A, args, "gdn")
-    for split_x, taken in ((None, [False, True]), (True, [True, True]),
-                           (False, [False, False])):
+    for cfg, split, fold in ((dict(split_x=None), [False, True], [False, False]),
+                             (dict(split_x=True), [True, True], [False, False]),
+                             (dict(split_x=False), [False, False], [False, False]),
+                             (dict(fold_x=True), [False, True], [True, False]),
+                             (dict(fold_x=True, split_x=False, k_chunk=16), [False, False],
+                              [True, True])):
         spy.calls.clear()
-        got = kr.gdn_verify_kernel(R_st, A_st, *args[:-1], split_x=split_x)
-        assert [kw["SPLIT"] for kw in spy.calls] == taken, split_x
+        got = kr.gdn_verify_kernel(R_st, A_st, *args[:-1], **cfg)
+        assert [kw["SPLIT"] for kw in spy.calls] == split, cfg
+        assert [kw["FOLD"] for kw in spy.calls] == fold, cfg
         for g_, w_ in zip(got, want, strict=True):
             torch.testing.assert_close(g_, w_, **TOL)
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, "no"])
-def test_split_x_refused(bad):
-    """A ``split_x`` that is not True or False raises ValueError naming it."""
+@pytest.mark.parametrize("flag,bad", [("split_x", "yes"), ("split_x", 1), ("fold_x", "no"),
+                                      ("fold_x", 1)])
+def test_form_flags_refused(flag, bad):
+    """A ``split_x`` or ``fold_x`` that is not True or False raises ValueError naming it."""
     from replayssm_quant.kernels.replay import records_outputs
 
     z = torch.zeros
-    with pytest.raises(ValueError, match=f"split_x must be True or False, got {bad!r}"):
+    with pytest.raises(ValueError, match=f"{flag} must be True or False, got {bad!r}"):
         records_outputs(z(1, 2, 16, 32, device=DEVICE), ring_la=z(1, 4, 2, device=DEVICE),
                         ring_k=z(1, 4, 1, 32, device=DEVICE),
                         ring_w=z(1, 4, 2, 16, device=DEVICE),
                         q=z(1, 1, 1, 32, device=DEVICE),
                         start=z(1, dtype=torch.int64, device=DEVICE),
                         rows=z(1, dtype=torch.int64, device=DEVICE),
-                        out_start=z(1, dtype=torch.int64, device=DEVICE), split_x=bad)
+                        out_start=z(1, dtype=torch.int64, device=DEVICE), **{flag: bad})
 
 
 @pytest.mark.parametrize("bad", [0, 2, 3, 12, True, "4", 4.0])
@@ -1855,6 +1867,14 @@ def test_checkpoint_streams_device_build_equals_host_build():
         checkpoint_streams(layer=256, sequence_ids=seq, heads=4, flush_index=fl, on_device=True)
     with pytest.raises(ValueError, match="head"):
         checkpoint_streams(layer=0, sequence_ids=seq, heads=1025, flush_index=fl, on_device=True)
+
+
+def test_k_chunk_16_needs_unblocked_copy():
+    """``k_chunk=16`` (allowed for unblocked copies) raises ValueError naming it for a blocked
+    copy (nvfp4: each chunk holds whole scaling blocks in E2M1 halves)."""
+    R, R_st, A, A_st, args = _matrix_case("nvfp4", "gdn")
+    with pytest.raises(ValueError, match="k_chunk 16 is below"):
+        _matrix_verify(R_st, A_st, args, "gdn", k_chunk=16)
 
 
 @pytest.mark.parametrize("bad", [dict(block_v=24), dict(block_v=0), dict(num_warps=3),
@@ -2232,10 +2252,11 @@ def test_verify_matrix_forms(read_fmt, family, solve):
         cfgs.append(dict(block_v=32, anchor_block_v=16))
     if family != "mamba2" and solve == "inverse" and read_fmt == "fp32":  # X in two tiles
         # (key and query columns) in both launches, tf32x3 and FMA products, and in neither
-        # (the default: the re-solving anchor launch only; scaled copies:
-        # test_split_x_scaled_copies)
+        # (the default: the re-solving anchor launch only); the coefficients folded into X
+        # in both launches (fold_x), K in chunks of 16 (scaled copies:
+        # test_split_and_fold_scaled_copies)
         cfgs += [dict(split_x=True), dict(split_x=True, use_dot=False, block_v=16),
-                 dict(split_x=False)]
+                 dict(split_x=False), dict(fold_x=True, split_x=False, k_chunk=16)]
     for cfg in cfgs:
         got = _matrix_verify(R_st, A_st, args, family, solve=solve, **cfg)
         for g_, w_ in zip(got, want, strict=True):
@@ -2245,16 +2266,16 @@ def test_verify_matrix_forms(read_fmt, family, solve):
     assert not torch.allclose(got[0][0, MT_ - 1], sub[0][0, MT_ - 1])
 
 
-@pytest.mark.parametrize("read_fmt", ["nvfp4", "fp32"])
-@pytest.mark.parametrize("solve", SOLVES)
-@pytest.mark.parametrize("family", ["mamba2", "gdn"])
-def test_verify_matrix_forms_batch_invariant(family, solve, read_fmt):
+@pytest.mark.parametrize("family,solve,read_fmt,cfg", [
+    (f, so, r, {}) for f in ("mamba2", "gdn") for so in SOLVES for r in ("nvfp4", "fp32")] + [
+    ("gdn", "inverse", "fp32", dict(fold_x=True, split_x=False, k_chunk=16))])
+def test_verify_matrix_forms_batch_invariant(family, solve, read_fmt, cfg):
     """Each sequence's outputs and corrections have the same bits alone (sliced to its own
     J = start + T, as the state objects slice the ring), in the batch and in the reversed
     batch, from an nvfp4 and an FP32 read copy (each takes its own launch default: f16x3 or
-    tf32x3 products, Mamba-2's with FP32-FMA small products)."""
+    tf32x3 products, Mamba-2's with FP32-FMA small products; and GDN's folded form)."""
     R, R_st, A, A_st, args = _matrix_case(read_fmt, family)
-    full = _matrix_verify(R_st, A_st, args, family, solve=solve)
+    full = _matrix_verify(R_st, A_st, args, family, solve=solve, **cfg)
     nb = len(MSTARTS)
 
     def rows_of(st, idx):
@@ -2275,7 +2296,7 @@ def test_verify_matrix_forms_batch_invariant(family, solve, read_fmt):
                 out.append(x[idx])
             else:
                 out.append(x)
-        return _matrix_verify(st, a_, out, family, solve=solve)
+        return _matrix_verify(st, a_, out, family, solve=solve, **cfg)
 
     rev = sub(torch.arange(nb - 1, -1, -1), args[0].shape[1])
     for i in range(nb):
@@ -2356,17 +2377,19 @@ def test_verify_shared_anchor_skips_second_launch(family, monkeypatch):
         torch.testing.assert_close(t_, w_, **TOL)
 
 
-@pytest.mark.parametrize("solve", SOLVES)
-@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
-def test_gdn_verify_fused_shared_anchor(read_fmt, solve, monkeypatch):
+@pytest.mark.parametrize("read_fmt,solve,fold_x", [
+    (r, so, False) for r in ("fp32", "nvfp4") for so in SOLVES] + [("fp32", "inverse", True)])
+def test_gdn_verify_fused_shared_anchor(read_fmt, solve, fold_x, monkeypatch):
     """``fuse_shared_anchor=True`` (anchor is read, recompute path): one launch; outputs and
     corrections match the reference to 1e-5, the flush-slot sequence's last output is the A
     path's (every row re-solved; not the cached-corrections value), each sequence's bits are
-    the same alone (sliced to its own J) and in the batch."""
+    the same alone (sliced to its own J) and in the batch. Also with ``fold_x`` (the A path's
+    last column folded into X)."""
     R, R_st, _, _, args = _matrix_case(read_fmt, "gdn")
     want = _matrix_reference(R, R, args, "gdn")
     calls = _count_launches(monkeypatch)
-    got = kr.gdn_verify_kernel(R_st, R_st, *args, solve=solve, fuse_shared_anchor=True)
+    got = kr.gdn_verify_kernel(R_st, R_st, *args, solve=solve, fuse_shared_anchor=True,
+                               fold_x=fold_x)
     assert len(calls) == 1
     monkeypatch.undo()
     for g_, w_ in zip(got, want, strict=True):
@@ -2387,7 +2410,8 @@ def test_gdn_verify_fused_shared_anchor(read_fmt, solve, monkeypatch):
                                      shape=torch.Size((1, *R_st.shape[1:])))
         else:
             st = st[i:i + 1]
-        alone = kr.gdn_verify_kernel(st, st, *sl, solve=solve, fuse_shared_anchor=True)
+        alone = kr.gdn_verify_kernel(st, st, *sl, solve=solve, fuse_shared_anchor=True,
+                                     fold_x=fold_x)
         for a_, f_ in zip(alone, got, strict=True):
             assert torch.equal(_bits(a_[0]), _bits(f_[i, :a_.shape[1]])), i
 

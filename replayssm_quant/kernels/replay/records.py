@@ -343,6 +343,17 @@ def _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, e, K: tl.constexpr):
 
 
 @triton.jit
+def _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, e, K: tl.constexpr, XW, FOLD: tl.constexpr,
+        PREC: tl.constexpr):
+    """``_x_cols`` at element indices ``e``, times ``XW [NX, NX]`` with ``FOLD`` (``fold_x``:
+    the matrix form's coefficients folded into X, ``_fold_matrices``), as one ``tl.dot``."""
+    x = _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, e, K)
+    if FOLD:
+        x = tl.dot(x, XW, input_precision=PREC)
+    return x
+
+
+@triton.jit
 def _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c: tl.constexpr, NS: tl.constexpr,
            K: tl.constexpr, D_REL: tl.constexpr):
     """Column ``c`` (static) of X at element indices ``e`` (any shape): k of solved row
@@ -363,11 +374,12 @@ def _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c: tl.constexpr, NS: tl.con
 @triton.jit
 def _add_times_x(Y, m, e, cx, dk_ptr, q_ptr, kbase, isk, qbase, isq, b, g, ss, n, G, TD, TQ,
                  NC: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, D_REL: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr):
+                 DOT: tl.constexpr, PREC: tl.constexpr, XW=0, FOLD: tl.constexpr = False):
     """``Y + m X[e]``: a tile ``m [R, KC]`` (rows of C, or record keys) times the rows ``e``
-    ``[KC]`` of X (``_x_cols``), as one ``tl.dot`` (``DOT``) or one reduction per column."""
+    ``[KC]`` of X (``_x_cols``; ``FOLD``: of ``X XW``, ``_xw``), as one ``tl.dot`` (``DOT``)
+    or one reduction per column (not with ``FOLD``)."""
     if DOT:
-        Y += tl.dot(m, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, e, K),
+        Y += tl.dot(m, _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, e, K, XW, FOLD, PREC),
                     input_precision=PREC)
     else:
         for c in tl.static_range(NC):
@@ -412,6 +424,62 @@ def _unit_upper_inverse(MT, cx, n_rows, NX: tl.constexpr, SOLVE: tl.constexpr,
 
 
 @triton.jit
+def _matrix_coefficients(Z, cvec, idx, ring, cx, ss, n, o0, cs, TQ, NS: tl.constexpr,
+                         GDN: tl.constexpr):
+    """The matrix forms' columns and the known records' output coefficients (per-program
+    scalars; the notation of ``_matrix_outputs``): ``dload`` (key columns with records),
+    ``dvalid`` (solved rows), ``qvalid`` (queries), ``pos`` / ``cpos`` (each column's slot and
+    cumulative log decay), ``known`` (the rows of ``U``), ``dlt [LP, NX] = c_{p_c} - c_i``,
+    ``Dk [LP, NX]`` (``[i <= p_c] gamma_{i+1:p_c} (k_i . q_c)``) and ``eq [NX]``
+    (``gamma_{1:p_c}`` on query columns)."""
+    col_d = cx < NS
+    dload = col_d & (cs + cx < n)  # key rows with records
+    dvalid = dload & (cs + cx >= ss)  # solved rows (read path)
+    qvalid = (cx >= NS) & (cx < NS + TQ)  # queries
+    pos = tl.where(col_d, cs + cx, o0 + cx - NS)  # slot of each column
+    cpos = tl.sum(tl.where(idx[:, None] == pos[None, :], cvec[:, None], 0.0), axis=0)  # [NX]
+    if GDN:
+        known = ring
+    else:
+        known = idx < n
+    # coefficient matrices first (per-program scalars), then the [BV, *] products
+    dlt = cpos[None, :] - cvec[:, None]  # [LP, NX]: c_{p_c} - c_i
+    okq = qvalid[None, :] & known[:, None] & (idx[:, None] <= pos[None, :])
+    Dk = tl.where(okq, tl.exp(tl.where(okq, dlt, 0.0)) * Z, 0.0)
+    eq = tl.where(qvalid, tl.exp(cpos), 0.0)
+    return dload, dvalid, qvalid, pos, cpos, known, dlt, Dk, eq
+
+
+@triton.jit
+def _gdn_system(Zd, Z, cpos, dlt, known, dload, dvalid, qvalid, pos, cx, b, h, cs, n,
+                dbeta_ptr, H, TD, NX: tl.constexpr, D_REL: tl.constexpr,
+                SOLVE: tl.constexpr, NSQ: tl.constexpr, SPREC: tl.constexpr):
+    """GDN's system in the matrix forms (per-program scalars; ``_matrix_outputs``): ``dic``
+    (each key column's draft index), ``bcol`` (its beta), ``Rk [LP, NX]`` (the known rows'
+    part of the right-hand side, ``-beta_d gamma_{i+1:s_d} (k_i . k_d)``), ``ec``
+    (``gamma_{1:s_d}``), ``bR`` (beta on solved rows), ``dd [NX, NX] = c_{p_c} - c_{p_r}``,
+    ``inv = (I + M^T)^{-1}`` and ``Ds [NX, NX]`` (``[s_d <= p_c] gamma_{s_d+1:p_c}
+    (k_d . q_c)``)."""
+    if D_REL:
+        dic = tl.where(dload, cx, 0).to(tl.int64)
+    else:
+        dic = tl.where(dload, cs + cx, 0)
+    bcol = tl.load(dbeta_ptr + (b * TD + dic) * H + h, mask=dload, other=0.0)  # [NX]
+    okk = dvalid[None, :] & known[:, None]  # i < ss <= s_c
+    Rk = tl.where(okk, -bcol[None, :] * tl.exp(tl.where(okk, dlt, 0.0)) * Z, 0.0)
+    ec = tl.where(dvalid, tl.exp(cpos), 0.0)
+    bR = tl.where(dvalid, bcol, 0.0)
+    # MT[d', d] = beta_d gamma_{s_d'+1:s_d} (k_d' . k_d), d' < d (both solved rows)
+    okm = dvalid[:, None] & dvalid[None, :] & (cx[:, None] < cx[None, :])
+    dd = cpos[None, :] - cpos[:, None]
+    MT = tl.where(okm, bcol[None, :] * tl.exp(tl.where(okm, dd, 0.0)) * Zd, 0.0)
+    inv = _unit_upper_inverse(MT, cx, n - cs, NX, SOLVE, NSQ, SPREC)
+    oks = dvalid[:, None] & qvalid[None, :] & (pos[:, None] <= pos[None, :])
+    Ds = tl.where(oks, tl.exp(tl.where(oks, dd, 0.0)) * Zd, 0.0)
+    return dic, bcol, Rk, ec, bR, dd, inv, Ds
+
+
+@triton.jit
 def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0, cs,
                     window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT, OT0,
                     NS: tl.constexpr, NX: tl.constexpr, GDN: tl.constexpr,
@@ -443,39 +511,13 @@ def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, 
     cached rows (the A path of DESIGN.md section 3's speculative decoding, as
     :func:`replay.gdn.gdn_verify` recomputes it) and its last query's output is the A path's.
     Writes the outputs (and, ``WRITE_W``, the corrections of rows ``ss..n-1``)."""
-    col_d = cx < NS
-    dload = col_d & (cs + cx < n)  # key rows with records
-    dvalid = dload & (cs + cx >= ss)  # solved rows (read path)
-    qvalid = (cx >= NS) & (cx < NS + TQ)  # queries
-    pos = tl.where(col_d, cs + cx, o0 + cx - NS)  # slot of each column
-    cpos = tl.sum(tl.where(idx[:, None] == pos[None, :], cvec[:, None], 0.0), axis=0)  # [NX]
-    if GDN:
-        known = ring
-    else:
-        known = idx < n
-    # coefficient matrices first (per-program scalars), then the [BV, *] products
-    dlt = cpos[None, :] - cvec[:, None]  # [LP, NX]: c_{p_c} - c_i
-    okq = qvalid[None, :] & known[:, None] & (idx[:, None] <= pos[None, :])
-    Dk = tl.where(okq, tl.exp(tl.where(okq, dlt, 0.0)) * Z, 0.0)
-    eq = tl.where(qvalid, tl.exp(cpos), 0.0)
+    dload, dvalid, qvalid, pos, cpos, known, dlt, Dk, eq = _matrix_coefficients(
+        Z, cvec, idx, ring, cx, ss, n, o0, cs, TQ, NS, GDN)
     Ut = tl.trans(U)  # [BV, LP]
     if GDN:
-        if D_REL:
-            dic = tl.where(dload, cx, 0).to(tl.int64)
-        else:
-            dic = tl.where(dload, cs + cx, 0)
-        bcol = tl.load(dbeta_ptr + (b * TD + dic) * H + h, mask=dload, other=0.0)  # [NX]
-        okk = dvalid[None, :] & known[:, None]  # i < ss <= s_c
-        Rk = tl.where(okk, -bcol[None, :] * tl.exp(tl.where(okk, dlt, 0.0)) * Z, 0.0)
-        ec = tl.where(dvalid, tl.exp(cpos), 0.0)
-        bR = tl.where(dvalid, bcol, 0.0)
-        # MT[d', d] = beta_d gamma_{s_d'+1:s_d} (k_d' . k_d), d' < d (both solved rows)
-        okm = dvalid[:, None] & dvalid[None, :] & (cx[:, None] < cx[None, :])
-        dd = cpos[None, :] - cpos[:, None]
-        MT = tl.where(okm, bcol[None, :] * tl.exp(tl.where(okm, dd, 0.0)) * Zd, 0.0)
-        inv = _unit_upper_inverse(MT, cx, n - cs, NX, SOLVE, NSQ, SPREC)
-        oks = dvalid[:, None] & qvalid[None, :] & (pos[:, None] <= pos[None, :])
-        Ds = tl.where(oks, tl.exp(tl.where(oks, dd, 0.0)) * Zd, 0.0)
+        dic, bcol, Rk, ec, bR, dd, inv, Ds = _gdn_system(Zd, Z, cpos, dlt, known, dload, dvalid,
+                                                         qvalid, pos, cx, b, h, cs, n, dbeta_ptr,
+                                                         H, TD, NX, D_REL, SOLVE, NSQ, SPREC)
         Vd = tl.load(dv_ptr + ((b * TD + dic) * H + h)[None, :] * V + rows[:, None],
                      mask=dload[None, :] & rmask[:, None], other=0.0)  # [BV, NX]
         rhs = bR[None, :] * (Vd - Y * ec[None, :]) + tl.dot(Ut, Rk, input_precision=SPREC)
@@ -502,6 +544,79 @@ def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, 
     else:
         Ot = Y * eq[None, :] + tl.dot(Ut, Dk, input_precision=SPREC)
     tl.store(o_ptr + ((b * OT + OT0 + cx - NS) * H + h)[None, :] * V + rows[:, None], Ot,
+             mask=qvalid[None, :] & rmask[:, None])
+
+
+@triton.jit
+def _fold_matrices(Z, Zd, cvec, idx, ring, cx, b, h, ss, n, o0, cs, window, dbeta_ptr, H, TD,
+                   TQ, NS: tl.constexpr, NX: tl.constexpr, D_REL: tl.constexpr,
+                   SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
+                   SPREC: tl.constexpr):
+    """GDN's matrix form with its coefficients folded into X (``fold_x``): the same system and
+    outputs as ``_matrix_outputs`` (same notation), written as one linear map of ``Y = C X``,
+    the solved rows' values ``Vd [BV, NX]`` and the known corrections ``U^T [BV, LP]``. From
+    ``U_s^T = Y By + Vd Bv + U^T Bu`` with ``By = -diag(beta gamma_{1:s}) inv``,
+    ``Bv = diag(beta) inv`` and ``Bu = Rk inv`` (the right-hand side times the inverse), and
+    ``O^T = Y diag(gamma_{1:p}) + U^T Dk + U_s^T Ds``: the result ``R = U_s^T`` on the key
+    columns and ``O^T`` on the query columns (each product is zero outside its block: ``By``,
+    ``Bv``, ``Bu`` on key columns, ``Ds`` and ``Dk`` on query columns) is
+
+        ``R = C (X Wy) + Vd Wv + U^T Wu``,  ``E = I + Ds``,
+        ``Wy = diag(gamma_{1:p}) + By E``,  ``Wv = Bv E``,  ``Wu = Dk + Bu E``.
+
+    All three are per-program scalars, known before C is read, so ``Wy`` multiplies X before
+    the stream of C (``_xw``) and no ``[BV, NX]`` intermediate of the solve is formed.
+    ``FUSED`` with ``n == window``: the last query column is the A path's, ``Wy = diag(gamma)
+    - diag(beta gamma) invA DsA``, ``Wv = diag(beta) invA DsA``, ``Wu = 0`` there.
+    Returns ``Wy [NX, NX]``, ``Wv [NX, NX]``, ``Wu [LP, NX]`` and the column masks and draft
+    indices of the outputs (``dic``, ``dload``, ``dvalid``, ``qvalid``). The sums are
+    reassociated against ``_matrix_outputs``: the same values within the outputs'
+    tolerance, not bit for bit."""
+    dload, dvalid, qvalid, pos, cpos, known, dlt, Dk, eq = _matrix_coefficients(
+        Z, cvec, idx, ring, cx, ss, n, o0, cs, TQ, NS, True)
+    dic, bcol, Rk, ec, bR, dd, inv, Ds = _gdn_system(Zd, Z, cpos, dlt, known, dload, dvalid,
+                                                     qvalid, pos, cx, b, h, cs, n, dbeta_ptr, H,
+                                                     TD, NX, D_REL, SOLVE, NSQ, SPREC)
+    eye = cx[:, None] == cx[None, :]
+    E = tl.where(eye, 1.0, 0.0) + Ds
+    Bu = tl.dot(Rk, inv, input_precision=SPREC)  # [LP, NX]
+    Wy = tl.where(eye, eq[None, :], 0.0) + \
+        tl.dot(-(bR * ec)[:, None] * inv, E, input_precision=SPREC)
+    Wv = tl.dot(bR[:, None] * inv, E, input_precision=SPREC)
+    Wu = Dk + tl.dot(Bu, E, input_precision=SPREC)
+    if FUSED:
+        if n == window:  # the A path: every row re-solved against C, no cached rows
+            last = cx == NS + TQ - 1
+            ecA = tl.where(dload, tl.exp(cpos), 0.0)
+            okmA = dload[:, None] & dload[None, :] & (cx[:, None] < cx[None, :])
+            MTA = tl.where(okmA, bcol[None, :] * tl.exp(tl.where(okmA, dd, 0.0)) * Zd, 0.0)
+            invA = _unit_upper_inverse(MTA, cx, n, NX, SOLVE, NSQ, SPREC)
+            oksA = dload[:, None] & last[None, :] & (pos[:, None] <= pos[None, :])
+            DsA = tl.where(oksA, tl.exp(tl.where(oksA, dd, 0.0)) * Zd, 0.0)
+            WyA = tl.where(eye, tl.where(last, tl.exp(cpos), 0.0)[None, :], 0.0) + \
+                tl.dot(-(bcol * ecA)[:, None] * invA, DsA, input_precision=SPREC)
+            WvA = tl.dot(bcol[:, None] * invA, DsA, input_precision=SPREC)
+            Wy = tl.where(last[None, :], WyA, Wy)
+            Wv = tl.where(last[None, :], WvA, Wv)
+            Wu = tl.where(last[None, :], 0.0, Wu)
+    return Wy, Wv, Wu, dic, dload, dvalid, qvalid
+
+
+@triton.jit
+def _fold_outputs(Y, Wv, Wu, U, dic, dload, dvalid, qvalid, cx, rows, rmask, b, h, cs, dv_ptr,
+                  wout_ptr, o_ptr, H, V, TD, WCAP, OT, OT0, NS: tl.constexpr,
+                  WRITE_W: tl.constexpr, SPREC: tl.constexpr):
+    """The outputs of ``fold_x`` (``_fold_matrices``): ``R = Y + Vd Wv + U^T Wu`` for ``Y = C
+    (X Wy) [BV, NX]``; its key columns are the solved rows' corrections (to ``wout`` with
+    ``WRITE_W``), its query columns the outputs."""
+    Vd = tl.load(dv_ptr + ((b * TD + dic) * H + h)[None, :] * V + rows[:, None],
+                 mask=dload[None, :] & rmask[:, None], other=0.0)  # [BV, NX]
+    R = tl.dot(Vd, Wv, Y, input_precision=SPREC)
+    R = tl.dot(tl.trans(U), Wu, R, input_precision=SPREC)
+    if WRITE_W:
+        tl.store(wout_ptr + ((b * WCAP + cs + cx) * H + h)[None, :] * V + rows[:, None], R,
+                 mask=dvalid[None, :] & rmask[:, None])
+    tl.store(o_ptr + ((b * OT + OT0 + cx - NS) * H + h)[None, :] * V + rows[:, None], R,
              mask=qvalid[None, :] & rmask[:, None])
 
 
@@ -653,13 +768,15 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
                STAGES: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
                NS: tl.constexpr, NX: tl.constexpr, D_REL: tl.constexpr, DOT: tl.constexpr,
                PREC: tl.constexpr, C: tl.constexpr, LATE: tl.constexpr = 0,
-               NCP: tl.constexpr = 1, FUSED: tl.constexpr = False):
+               NCP: tl.constexpr = 1, FUSED: tl.constexpr = False, XW=0,
+               FOLD: tl.constexpr = False):
     """``Y = C X [BV, NX]`` for the rows ``rowg`` of the stored checkpoint (matrix ``mat``):
     C streamed along K in chunks of ``KC`` columns, decoded, times the ``NC`` columns of X
     (``_x_col`` / ``_x_cols``); blocked formats by scaling blocks with the block scale applied
     to each block's partial sum (dot path: to each element), the matrix scale (fp8, nvfp4)
     after the sum. Used by the records kernel, in the same launch or as its read pass
-    (``YOUT``)."""
+    (``YOUT``). ``FOLD`` (``fold_x``, products only): ``C (X XW)``, each chunk of X times
+    ``XW`` before its product with C (``_xw``)."""
     Y = tl.zeros([BV, NX], tl.float32)
     if LATE > 0 and C.KIND <= 2 and not DOT:
         Y = _c_times_x_late(c_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, b, g, cs, n,
@@ -668,7 +785,7 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
             x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)
             Y = _add_times_x(Y, x, k0 + tl.arange(0, KC), cx, dk_ptr, q_ptr, kbase, isk, qbase,
-                             isq, b, g, cs, n, G, TD, TQ, NC, NS, K, D_REL, DOT, PREC)
+                             isq, b, g, cs, n, G, TD, TQ, NC, NS, K, D_REL, DOT, PREC, XW, FOLD)
         if C.KIND == 2:
             Y = Y * tl.load(cms_ptr + mat)  # fp8 matrix scale, after the sum
     else:
@@ -684,21 +801,23 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
                 ve, vo = _c_blocks_f16(c_ptr, cbs_ptr, rowg, rmask, k0, K, BLK, NBC, W, C)
                 jf = tl.arange(0, NBC * W)
                 Y = _dot_c16(tl.reshape(ve, [BV, NBC * W]),
-                             _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + 2 * jf, K), Y)
+                             _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + 2 * jf, K, XW,
+                                 FOLD, PREC), Y)
                 Y = _dot_c16(tl.reshape(vo, [BV, NBC * W]),
-                             _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + 2 * jf + 1, K),
-                             Y)
+                             _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + 2 * jf + 1, K, XW,
+                                 FOLD, PREC), Y)
             else:
                 xe, xo, sc = _c_blocks(c_ptr, cbs_ptr, rowg, rmask, k0, K, BLK, NBC, W, C)
                 if DOT:  # block scale per element, then one product per half
                     jf = tl.arange(0, NBC * W)
                     ve = tl.reshape(xe * sc[:, :, None], [BV, NBC * W])
-                    Y += tl.dot(ve, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + ES * jf,
-                                            K), input_precision=PREC)
+                    Y += tl.dot(ve, _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + ES * jf, K,
+                                        XW, FOLD, PREC), input_precision=PREC)
                     if C.FP4:
                         vo = tl.reshape(xo * sc[:, :, None], [BV, NBC * W])
-                        Y += tl.dot(vo, _x_cols(dk_ptr, q_ptr, kbase, isk, qbase, isq,
-                                                k0 + ES * jf + 1, K), input_precision=PREC)
+                        Y += tl.dot(vo, _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq,
+                                            k0 + ES * jf + 1, K, XW, FOLD, PREC),
+                                    input_precision=PREC)
                 else:  # block partial sums, the block scale applied to each
                     e3 = k0 + ES * (tl.arange(0, NBC)[:, None] * W + tl.arange(0, W)[None, :])
                     for c in tl.static_range(NC):
@@ -1025,7 +1144,7 @@ def _records_kernel(
         SPREC: tl.constexpr, ONE: tl.constexpr, XS: tl.constexpr, NXS: tl.constexpr,
         C: tl.constexpr, PDL: tl.constexpr = False, W_KNOWN: tl.constexpr = False,
         LATE: tl.constexpr = 0, NCP: tl.constexpr = 1, SPLIT: tl.constexpr = False,
-        NXK: tl.constexpr = 8, NXQ: tl.constexpr = 8):
+        NXK: tl.constexpr = 8, NXQ: tl.constexpr = 8, FOLD: tl.constexpr = False):
     # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
     # W_KNOWN (with WRITE_W): also write the corrections' other slots of wout, the known ones
     # (< ss, as read from the ring) and zeros from n on, so wout needs no copy before and no
@@ -1082,6 +1201,35 @@ def _records_kernel(
     ring, drf, di, ri = _slots(idx, ss, n, D_REL)
     la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
                   tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))
+    krow = ((b * CAP + ri) * G + g) * K
+    kdrow = ((b * TD + di) * G + g) * K
+    if FOLD:  # GDN's matrix form with its coefficients folded into X (fold_x): the products
+        # with the keys and the coefficients first, then C (X Wy), then the outputs
+        cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
+        if ZPRE:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            Z = tl.load(z_ptr + ((b * G + g) * LP + idx[:, None]) * NX + cx[None, :])
+            Zd = tl.load(zd_ptr + ((b * G + g) * NX + cx[:, None]) * NX + cx[None, :])
+        else:
+            Z, Zd = _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, 0, kbase, isk,
+                                  qbase, isq, cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC,
+                                  NS, NX, D_REL, DOT, PREC, False, SOLVE, GDN)
+        cvec = tl.cumsum(la, axis=0)
+        Wy, Wv, Wu, dic, dload, dvalid, qvalid = _fold_matrices(
+            Z, Zd, cvec, idx, ring, cx, b, h, ss, n, o0, cs, window, dbeta_ptr, H, TD, TQ, NS,
+            NX, D_REL, SOLVE, NSQ, FUSED, SPREC)
+        Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk,
+                       qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS, NX,
+                       D_REL, DOT, PREC, C, 0, NCP, FUSED, XW=Wy, FOLD=True)
+        # the known corrections after the stream (not live across it)
+        U = tl.load(rw_ptr + ((b * CAP + ri) * H + h)[:, None] * V + rows[None, :],
+                    mask=ring[:, None] & rmask[None, :], other=0.0)
+        if W_KNOWN:
+            _write_known(wout_ptr, U, ring, idx, ss, n, b, h, rows, rmask, H, V, WCAP)
+        _fold_outputs(Y, Wv, Wu, U, dic, dload, dvalid, qvalid, cx, rows, rmask, b, h, cs,
+                      dv_ptr, wout_ptr, o_ptr, H, V, TD, WCAP, OT, OT0, NS, WRITE_W, SPREC)
+        return
     m2 = ring[:, None] & rmask[None, :]
     U = tl.load(rw_ptr + ((b * CAP + ri) * H + h)[:, None] * V + rows[None, :], mask=m2,
                 other=0.0)
@@ -1090,8 +1238,6 @@ def _records_kernel(
         U += tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :], mask=md,
                      other=0.0)
 
-    krow = ((b * CAP + ri) * G + g) * K
-    kdrow = ((b * TD + di) * G + g) * K
     if SPLIT:  # GDN's matrix form on X in two tiles, key columns and query columns (split_x)
         ck, cq, iskk, kbk, isqq, qbq = _split_setup(ss, n, b, g, G, TD, TQ, K, NS, NXK, NXQ,
                                                     D_REL)
@@ -1215,7 +1361,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     e2m1_decode: str | None = None,
                     read_pass: "tuple[int, int] | bool | None" = None,
                     pdl: bool | None = None, w_out_known: bool = False,
-                    late_sum: int | None = None, split_x: bool = False) -> torch.Tensor:
+                    late_sum: int | None = None, split_x: bool = False,
+                    fold_x: bool = False) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -1243,8 +1390,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         at_window: only the sequences with ``rows[b] == at_window`` run (checked on the
             device; the others' programs return at once and write nothing).
         block_v, num_warps, k_chunk, num_stages, use_dot: launch configuration (value rows per
-            program, warps, K columns per streamed chunk (>= 32, power of two; the whole key
-            dim at most), software-pipeline stages, ``use_dot``: ``tl.dot`` for the products
+            program, warps, K columns per streamed chunk (a power of two, >= 16 for an
+            unblocked copy, >= 32 for a blocked one (nvfp4, mx); the whole key dim at most;
+            16 halves the tensor-core operand tiles a thread holds: GDN's verify on 128 x 2
+            tiles compiles to 195 registers with ``fold_x`` instead of 255 with spills,
+            static sm_90 SASS), software-pipeline stages, ``use_dot``: ``tl.dot`` for the products
             with C and the keys instead of per-vector reductions (``True`` or ``"ieee"``: FP32
             FMA; ``"tf32x3"``: three TF32 tensor-core products with the split operands, about
             FP32 accuracy (error ~2^-21 relative per product, within the outputs' 1e-5
@@ -1361,10 +1511,22 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             32-bit products (not the float16 products of an nvfp4 copy, ``"f16x3"``),
             without ``fused_window`` and without ``append``; ignored elsewhere. Default
             False.
+        fold_x: GDN's matrix forms with the coefficients folded into X
+            (``_fold_matrices``): the corrections and outputs are one linear map
+            ``C (X Wy) + Vd Wv + U^T Wu`` of the stored checkpoint, the solved rows' values
+            and the known corrections, whose ``[NX, NX]`` coefficients depend on the keys,
+            decays and betas only; so they are formed before C is read, each chunk of X is
+            multiplied by ``Wy`` before its product with C, and the epilogue is two small
+            products instead of the solve's ``[BV, NX]`` intermediates (right-hand side,
+            corrections, outputs). The same formulas reassociated, so the outputs agree
+            within their tolerance, not bit for bit. Applies to a launch with products
+            (``use_dot``) and no ``read_pass`` or ``append``, where ``split_x`` does not;
+            ignored elsewhere. Default False.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
-    fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x) or an output
+    fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x, fold_x) or an
+    output
     that is not float32
     (w_out, out).
     """
@@ -1374,7 +1536,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
     _check_flags("", w_out_known=w_out_known, prefetch=prefetch, keys_first=keys_first,
-                 shared_products=shared_products, split_x=split_x)
+                 shared_products=shared_products, split_x=split_x, fold_x=fold_x)
     if late_sum is not None and not (isinstance(late_sum, int) and not isinstance(late_sum, bool)
                                      and _pow2(late_sum) and 4 <= late_sum):
         raise ValueError(f"late_sum must be None or a power of two >= 4 (the columns of C per "
@@ -1430,7 +1592,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         raise ValueError(f"fused_window needs gdn=True, draft_relative=False and a matrix form "
                          f"of solve, got gdn={gdn!r}, draft_relative={draft_relative!r}, "
                          f"solve={solve!r}")
-    KC = min(K, max(32, triton.next_power_of_2(k_chunk or K)))
+    KC = min(K, triton.next_power_of_2(k_chunk or K))
     if read_pass is False:
         read_pass = None
     if read_pass is not None:
@@ -1451,6 +1613,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     grid = (B * H, triton.cdiv(V, bv))
     blk = spec.info.block or 1
     LP = _lp(max(CAP, TD))
+    if KC < 32 and blk > 1:
+        raise ValueError(f"k_chunk {k_chunk} is below this {spec} copy's 32 (each chunk holds "
+                         f"whole scaling blocks, in E2M1 halves); 16 suits unblocked copies")
     C = _decode_consts(spec)
     mode = _e2m1_mode(e2m1_decode, q.device,
                       "half" if use_dot == "f16x3" and C.KIND == _K_NVFP4 else "lookup")
@@ -1477,6 +1642,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                             and not ypre and not f16 and append is None),
                  NXK=max(MIN_DOT, triton.next_power_of_2(max(NS, 1))),  # also a K: >= 16
                  NXQ=max(MIN_DOT_F32, triton.next_power_of_2(max(TQ, 1))))
+    # fold_x: GDN's matrix form with its coefficients folded into X (products, one launch
+    # that streams C, no append; split_x first where both are asked)
+    forms.update(FOLD=bool(fold_x and gdn and matrix and NS > 0 and main_dot and not ypre
+                           and not forms["SPLIT"] and append is None))
     pdl = _pdl_mode(pdl, q.device)
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
         z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
@@ -1621,8 +1790,8 @@ def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot,
                   solve="substitution") -> None:
     """ValueError naming a bad launch option of :func:`records_outputs`."""
     _check_tile(block_v, num_warps)
-    if k_chunk is not None and not (_pow2(k_chunk) and k_chunk >= 32):
-        raise ValueError(f"k_chunk must be a power of two >= 32 (or None: the key dim), "
+    if k_chunk is not None and not (_pow2(k_chunk) and k_chunk >= 16):
+        raise ValueError(f"k_chunk must be a power of two >= 16 (or None: the key dim), "
                          f"got {k_chunk!r}")
     if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
                                    or num_stages < 1):
@@ -1837,7 +2006,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       e2m1_decode: str | None = None,
                       pdl: bool | None = None,
                       read_pass: "tuple[int, int] | bool | None" = None,
-                      late_sum: int | None = None, split_x: bool | None = None):
+                      late_sum: int | None = None, split_x: bool | None = None,
+                      fold_x: bool | None = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved
@@ -1874,7 +2044,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     read-copy launch has float16 products and does not split, 1076 -> 799 us; from FP32 with
     both launches split 1130 -> 883 us; in the read-copy launch alone, 8 + 8 columns padded
     to 16 + 8, it was slower, h = 0 403 -> 439 us), True for both launches, False for
-    neither. ``late_sum``: see
+    neither. ``late_sum`` and ``fold_x`` (the coefficients folded into X; where both are
+    asked, ``split_x`` wins, so by default the anchor launch stays split): see
     :func:`records_outputs`."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_NVFP4_CONFIG if _nvfp4(read) else
@@ -1883,7 +2054,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass,
-                  late_sum=late_sum, split_x=split_x)
+                  late_sum=late_sum, split_x=split_x, fold_x=fold_x)
     _check_f16x3(read, cfg)
     _check_flags("gdn_verify_kernel: ", fold_cached_corrections=fold_cached_corrections,
                  skip_shared_anchor=skip_shared_anchor, fuse_shared_anchor=fuse_shared_anchor)

@@ -133,9 +133,14 @@ VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=
 # of 64 was slower (568.5 us). The launch still holds 255 registers (ncu at 42ea31d; spill
 # requests halved). Only fp32 and nvfp4 copies were timed: fp8, bf16 and fp16 copies take this
 # tile untimed; mx copies keep the former one.
-GDN_VERIFY_CONFIG = dict(block_v=128, num_warps=2, k_chunk=32, num_stages=2, use_dot="tf32x3",
+# Since 2026-12-03 (seventeenth session, records_tune --set fold --timing graph,
+# records_tune_fold_h200.json, B = 256): K in chunks of 16 with 3 stages (the tf32x3 operand
+# tiles a thread holds halve): h = 0 401.8 -> 396.9 us, h = 8 (the re-solving anchor launch,
+# split) 832.6 -> 751.6 us. The coefficients folded into X (fold_x) on top were slower here
+# (430.2 / 788.4 us; with chunks of 32 395.6 / 828.1), so this copy does not fold.
+GDN_VERIFY_CONFIG = dict(block_v=128, num_warps=2, k_chunk=16, num_stages=3, use_dot="tf32x3",
                          solve="inverse")
-GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG, num_warps=4, k_chunk=64)
+GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG, num_warps=4, k_chunk=64, num_stages=2)
 # Mamba-2's verify with shared_products (its 128 heads share one key group): records_tune
 # --set shared --timing both, B = 256, CUDA-graph medians (records_tune_shared_graph_h200.json):
 # fp32 790 / 796 -> 577 / 582 us (h = 0 / 8), nvfp4 1228 / 1546 -> 834 / 1071 us; GDN's
@@ -168,7 +173,12 @@ MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128
 # GDN_VERIFY_CONFIG's 128 x 2 tile with 32-column chunks and f16x3 products (the packed-half
 # decoder): h = 0 558.8 -> 410.0 us, h = 8 1392.3 -> 1072.9 us (tf32x3 on that tile: 423.2 /
 # 1088.8 us).
-GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, use_dot="f16x3")
+# Since 2026-12-03 (seventeenth session, records_tune --set fold, records_tune_fold_h200.json):
+# the read-copy launch with the coefficients folded into X (fold_x; the anchor launch stays
+# split): h = 0 413.2 -> 381.6 us, h = 8 800.1 -> 770.6 us. (Chunks of 16 need an unblocked
+# copy: this one keeps 32.)
+GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, k_chunk=32, num_stages=2, use_dot="f16x3",
+                               fold_x=True)
 # Since 2026-12-03 (fifteenth session, records_tune --set verify6 --timing graph,
 # records_tune_verify6_h200.json): the matrix forms' small products in FP32 FMA
 # (solve_precision="ieee"; f16x3 otherwise takes tf32x3 there): h = 0 389.8 -> 380.0 us,

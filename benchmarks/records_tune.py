@@ -318,6 +318,16 @@ FOLD_VERIFY_CANDIDATES = [_P, _S18 + (True,)] + [
     (128, 2, 16, 3, "tf32x3") + (None,) * 6 + (True,) + (None,) * 6 + (True,),
     (128, 2, 16, 3, "tf32x3") + (None,) * 12 + (False, True)] + [
     (64, 2, 16, st, "tf32x3") + (None,) * 10 + ("ieee",) for st in (3, 4)]
+# --set fold2 (2026-12-03, seventeenth session): fold_x="launch", the folded form's
+# coefficients (and the products with the keys) in a launch of their own per (sequence, value
+# head), so that the records launch starts streaming C at once (static sm_90 SASS: 184
+# registers, 2872 instructions at 128 x 2 with chunks of 16, against 255 and 4704 for the
+# default); GDN only, the defaults first.
+_F18 = (None,) * 18
+FOLD2_VERIFY_CANDIDATES = [_P, _F18 + ("launch",)] + [
+    (bv, w, kc, st, "tf32x3") + (None,) * 13 + ("launch",)
+    for bv, w, kc, st in ((128, 2, 32, 2), (128, 2, 16, 4), (64, 2, 16, 3), (64, 1, 16, 3))] + [
+    (None,) * 17 + (False, "launch")]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -358,7 +368,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "late": (LATE_STEP_CANDIDATES, LATE_VERIFY_CANDIDATES),
                   "nx8": ([], NX8_VERIFY_CANDIDATES),
                   "split": ([], SPLIT_VERIFY_CANDIDATES),
-                  "fold": ([], FOLD_VERIFY_CANDIDATES)}
+                  "fold": ([], FOLD_VERIFY_CANDIDATES),
+                  "fold2": ([], FOLD2_VERIFY_CANDIDATES)}
 
 
 def cases(M, T):
@@ -381,6 +392,8 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if CANDIDATE_SET == "fold2" and not M.gdn:
+        return True  # GDN's verify only
     if len(c) > 18 and c[18] and not M.gdn:
         return True  # fold_x: GDN's matrix form
     if CANDIDATE_SET == "fold" and c is not _P and M.gdn == (len(c) == 16):
@@ -534,7 +547,8 @@ def main(argv=None):
                          "verify5's winners) or late (C X by element-wise sums, late_sum) or "
                          "nx8 (Mamba-2's verify with X padded to 8 columns) or split (GDN's "
                          "verify with X in two tiles, split_x) or fold (GDN's verify with its "
-                         "coefficients folded into X, fold_x, and K in chunks of 16)")
+                         "coefficients folded into X, fold_x, and K in chunks of 16) or "
+                         "fold2 (fold_x='launch': the coefficients in a launch of their own)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

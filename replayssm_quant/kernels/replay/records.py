@@ -434,6 +434,26 @@ def _unit_upper_inverse(MT, cx, n_rows, NX: tl.constexpr, SOLVE: tl.constexpr,
 
 
 @triton.jit
+def _columns(cx, ss, n, cs, TQ, NS: tl.constexpr):
+    """The matrix forms' column masks: ``dload`` (key columns with records), ``dvalid``
+    (solved rows, ``ss <= cs + c < n``) and ``qvalid`` (queries)."""
+    dload = (cx < NS) & (cs + cx < n)  # key rows with records
+    dvalid = dload & (cs + cx >= ss)  # solved rows (read path)
+    qvalid = (cx >= NS) & (cx < NS + TQ)  # queries
+    return dload, dvalid, qvalid
+
+
+@triton.jit
+def _draft_index(cx, dload, cs, D_REL: tl.constexpr):
+    """Each key column's index into the draft tensors (by slot, or relative with D_REL)."""
+    if D_REL:
+        dic = tl.where(dload, cx, 0).to(tl.int64)
+    else:
+        dic = tl.where(dload, cs + cx, 0)
+    return dic
+
+
+@triton.jit
 def _matrix_coefficients(Z, cvec, idx, ring, cx, ss, n, o0, cs, TQ, NS: tl.constexpr,
                          GDN: tl.constexpr):
     """The matrix forms' columns and the known records' output coefficients (per-program
@@ -443,9 +463,7 @@ def _matrix_coefficients(Z, cvec, idx, ring, cx, ss, n, o0, cs, TQ, NS: tl.const
     ``Dk [LP, NX]`` (``[i <= p_c] gamma_{i+1:p_c} (k_i . q_c)``) and ``eq [NX]``
     (``gamma_{1:p_c}`` on query columns)."""
     col_d = cx < NS
-    dload = col_d & (cs + cx < n)  # key rows with records
-    dvalid = dload & (cs + cx >= ss)  # solved rows (read path)
-    qvalid = (cx >= NS) & (cx < NS + TQ)  # queries
+    dload, dvalid, qvalid = _columns(cx, ss, n, cs, TQ, NS)
     pos = tl.where(col_d, cs + cx, o0 + cx - NS)  # slot of each column
     cpos = tl.sum(tl.where(idx[:, None] == pos[None, :], cvec[:, None], 0.0), axis=0)  # [NX]
     if GDN:
@@ -470,10 +488,7 @@ def _gdn_system(Zd, Z, cpos, dlt, known, dload, dvalid, qvalid, pos, cx, b, h, c
     (``gamma_{1:s_d}``), ``bR`` (beta on solved rows), ``dd [NX, NX] = c_{p_c} - c_{p_r}``,
     ``inv = (I + M^T)^{-1}`` and ``Ds [NX, NX]`` (``[s_d <= p_c] gamma_{s_d+1:p_c}
     (k_d . q_c)``)."""
-    if D_REL:
-        dic = tl.where(dload, cx, 0).to(tl.int64)
-    else:
-        dic = tl.where(dload, cs + cx, 0)
+    dic = _draft_index(cx, dload, cs, D_REL)
     bcol = tl.load(dbeta_ptr + (b * TD + dic) * H + h, mask=dload, other=0.0)  # [NX]
     okk = dvalid[None, :] & known[:, None]  # i < ss <= s_c
     Rk = tl.where(okk, -bcol[None, :] * tl.exp(tl.where(okk, dlt, 0.0)) * Z, 0.0)
@@ -639,6 +654,13 @@ def _record_keys(rk_ptr, dk_ptr, krow, kdrow, ring, drf, kk):
 
 
 @triton.jit
+def _record_la(rla_ptr, dla_ptr, ring, drf, di, ri, b, h, H, CAP, TD):
+    """The log decays ``la [LP]`` of the record slots: ring rows (< ss), then draft rows."""
+    return tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
+                    tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))
+
+
+@triton.jit
 def _slots(idx, ss, n, D_REL: tl.constexpr):
     """Record slots ``idx [LP]``: ``ring`` (rows < ss, from the ring), ``drf`` (rows
     ss..n-1, from the draft tensors), and the clamped indices ``di`` / ``ri`` into the draft
@@ -734,6 +756,49 @@ def _key_products_kernel(
     tl.store(z_ptr + (pid * LP + idx[:, None]) * NX + cx[None, :], Z)
     if SOLVE > 0 and GDN and NS > 0:
         tl.store(zd_ptr + (pid * NX + cx[:, None]) * NX + cx[None, :], Zd)
+
+
+@triton.jit
+def _fold_coeffs_kernel(
+        rla_ptr, rk_ptr, dla_ptr, dk_ptr, dbeta_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, w_ptr,
+        H, G, CAP, TD, TQ, window,
+        K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, LP: tl.constexpr,
+        NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr, PREC: tl.constexpr,
+        D_REL: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
+        SPREC: tl.constexpr, PDL: tl.constexpr = False):
+    """``fold_x="launch"``: the coefficients of ``_fold_matrices`` once per (sequence, value
+    head) (program ``b * H + h``), written to ``w_ptr [B*H, 2 NX + LP, NX]`` (``Wy``, ``Wv``,
+    ``Wu``) for the records kernel launched with WPRE, so its programs start the stream of C
+    at once instead of after the products with the keys and the solve's coefficients. The
+    same code as the records kernel's in-launch fold. PDL: let the records launch start at
+    once (it waits before it reads the coefficients)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    mat = tl.program_id(0).to(tl.int64)
+    b = mat // H
+    h = mat - b * H
+    g = h // (H // G)
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    o0 = tl.load(os_ptr + b)
+    idx = tl.arange(0, LP).to(tl.int64)
+    cx = tl.arange(0, NX)
+    ring, drf, di, ri = _slots(idx, ss, n, D_REL)
+    la = _record_la(rla_ptr, dla_ptr, ring, drf, di, ri, b, h, H, CAP, TD)
+    krow = ((b * CAP + ri) * G + g) * K
+    kdrow = ((b * TD + di) * G + g) * K
+    cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
+    Z, Zd = _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, 0, kbase, isk, qbase,
+                          isq, cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC, NS, NX, D_REL,
+                          True, PREC, False, SOLVE, True)
+    cvec = tl.cumsum(la, axis=0)
+    Wy, Wv, Wu, _, _, _, _ = _fold_matrices(Z, Zd, cvec, idx, ring, cx, b, h, ss, n, o0, cs,
+                                            window, dbeta_ptr, H, TD, TQ, NS, NX, D_REL, SOLVE,
+                                            NSQ, FUSED, SPREC)
+    wrow = mat * (2 * NX + LP)
+    tl.store(w_ptr + (wrow + cx[:, None]) * NX + cx[None, :], Wy)
+    tl.store(w_ptr + (wrow + NX + cx[:, None]) * NX + cx[None, :], Wv)
+    tl.store(w_ptr + (wrow + 2 * NX + idx[:, None]) * NX + cx[None, :], Wu)
 
 
 @triton.jit
@@ -1154,7 +1219,8 @@ def _records_kernel(
         SPREC: tl.constexpr, ONE: tl.constexpr, XS: tl.constexpr, NXS: tl.constexpr,
         C: tl.constexpr, PDL: tl.constexpr = False, W_KNOWN: tl.constexpr = False,
         LATE: tl.constexpr = 0, NCP: tl.constexpr = 1, SPLIT: tl.constexpr = False,
-        NXK: tl.constexpr = 8, NXQ: tl.constexpr = 8, FOLD: tl.constexpr = False):
+        NXK: tl.constexpr = 8, NXQ: tl.constexpr = 8, FOLD: tl.constexpr = False,
+        WPRE: tl.constexpr = False):
     # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
     # W_KNOWN (with WRITE_W): also write the corrections' other slots of wout, the known ones
     # (< ss, as read from the ring) and zeros from n on, so wout needs no copy before and no
@@ -1209,26 +1275,35 @@ def _records_kernel(
     # ---- records of this (sequence, head): la, w of this program's rows (issued before the
     # C stream; consumed after it)
     ring, drf, di, ri = _slots(idx, ss, n, D_REL)
-    la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
-                  tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))
+    la = _record_la(rla_ptr, dla_ptr, ring, drf, di, ri, b, h, H, CAP, TD)
     krow = ((b * CAP + ri) * G + g) * K
     kdrow = ((b * TD + di) * G + g) * K
     if FOLD:  # GDN's matrix form with its coefficients folded into X (fold_x): the products
         # with the keys and the coefficients first, then C (X Wy), then the outputs
         cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
-        if ZPRE:
+        if WPRE:  # the coefficients from their own launch (_fold_coeffs_kernel)
             if PDL:
                 tl.extra.cuda.gdc_wait()
-            Z = tl.load(z_ptr + ((b * G + g) * LP + idx[:, None]) * NX + cx[None, :])
-            Zd = tl.load(zd_ptr + ((b * G + g) * NX + cx[:, None]) * NX + cx[None, :])
+            wrow = mat * (2 * NX + LP)
+            Wy = tl.load(z_ptr + (wrow + cx[:, None]) * NX + cx[None, :])
+            Wv = tl.load(z_ptr + (wrow + NX + cx[:, None]) * NX + cx[None, :])
+            Wu = tl.load(z_ptr + (wrow + 2 * NX + idx[:, None]) * NX + cx[None, :])
+            dload, dvalid, qvalid = _columns(cx, ss, n, cs, TQ, NS)
+            dic = _draft_index(cx, dload, cs, D_REL)
         else:
-            Z, Zd = _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, 0, kbase, isk,
-                                  qbase, isq, cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC,
-                                  NS, NX, D_REL, DOT, PREC, False, SOLVE, GDN)
-        cvec = tl.cumsum(la, axis=0)
-        Wy, Wv, Wu, dic, dload, dvalid, qvalid = _fold_matrices(
-            Z, Zd, cvec, idx, ring, cx, b, h, ss, n, o0, cs, window, dbeta_ptr, H, TD, TQ, NS,
-            NX, D_REL, SOLVE, NSQ, FUSED, SPREC)
+            if ZPRE:
+                if PDL:
+                    tl.extra.cuda.gdc_wait()
+                Z = tl.load(z_ptr + ((b * G + g) * LP + idx[:, None]) * NX + cx[None, :])
+                Zd = tl.load(zd_ptr + ((b * G + g) * NX + cx[:, None]) * NX + cx[None, :])
+            else:
+                Z, Zd = _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, 0, kbase,
+                                      isk, qbase, isq, cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES,
+                                      LP, NC, NS, NX, D_REL, DOT, PREC, False, SOLVE, GDN)
+            cvec = tl.cumsum(la, axis=0)
+            Wy, Wv, Wu, dic, dload, dvalid, qvalid = _fold_matrices(
+                Z, Zd, cvec, idx, ring, cx, b, h, ss, n, o0, cs, window, dbeta_ptr, H, TD, TQ,
+                NS, NX, D_REL, SOLVE, NSQ, FUSED, SPREC)
         Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk,
                        qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS, NX,
                        D_REL, DOT, PREC, C, 0, NCP, FUSED, XW=Wy, FOLD=True)
@@ -1372,7 +1447,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     read_pass: "tuple[int, int] | bool | None" = None,
                     pdl: bool | None = None, w_out_known: bool = False,
                     late_sum: int | None = None, split_x: bool = False,
-                    fold_x: bool = False) -> torch.Tensor:
+                    fold_x: "bool | str" = False) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -1531,7 +1606,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             corrections, outputs). The same formulas reassociated, so the outputs agree
             within their tolerance, not bit for bit. Applies to a launch with products
             (``use_dot``) and no ``read_pass`` or ``append``, where ``split_x`` does not;
-            ignored elsewhere. Default False.
+            ignored elsewhere. ``"launch"``: the coefficients (and the products with the
+            keys they need) in a launch of their own before, once per (sequence, value head)
+            (``_fold_coeffs_kernel``; no products launch then), so the records launch starts
+            its stream of C at once. Default False.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
@@ -1546,7 +1624,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
     _check_flags("", w_out_known=w_out_known, prefetch=prefetch, keys_first=keys_first,
-                 shared_products=shared_products, split_x=split_x, fold_x=fold_x)
+                 shared_products=shared_products, split_x=split_x)
+    if not (isinstance(fold_x, bool) or fold_x == "launch"):
+        raise ValueError(f"fold_x must be True, False or 'launch', got {fold_x!r}")
     if late_sum is not None and not (isinstance(late_sum, int) and not isinstance(late_sum, bool)
                                      and _pow2(late_sum) and 4 <= late_sum):
         raise ValueError(f"late_sum must be None or a power of two >= 4 (the columns of C per "
@@ -1656,6 +1736,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # that streams C, no append; split_x first where both are asked)
     forms.update(FOLD=bool(fold_x and gdn and matrix and NS > 0 and main_dot and not ypre
                            and not forms["SPLIT"] and append is None))
+    # fold_x="launch": the coefficients in a launch of their own (it forms the products with
+    # the keys too, so no products launch)
+    wpre = forms["FOLD"] and fold_x == "launch"
+    zpre = zpre and not wpre
     pdl = _pdl_mode(pdl, q.device)
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
         z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
@@ -1663,6 +1747,15 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
               if gdn and matrix and NS > 0 else z)
         _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD, TQ,
                                        num_warps=num_warps, PDL=pdl, **consts)
+    elif wpre:  # the folded form's coefficients once per (sequence, value head)
+        z = zd = torch.empty(B * H, 2 * NX + LP, NX, dtype=torch.float32, device=q.device)
+        _fold_coeffs_kernel[(B * H,)](
+            ring_la, ring_k, dla, dk, dbeta, q_arg, start, rows, out_start, z, H, G, CAP, TD, TQ,
+            at_window if at_window is not None else
+            (-1 if fused_window is None else fused_window),
+            K=K, KC=KC, STAGES=num_stages or 1, LP=LP, NC=NC, NS=NS, NX=NX, PREC=prec,
+            D_REL=draft_relative, SOLVE=matrix, NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
+            FUSED=fused_window is not None, SPREC=solve_precision, PDL=pdl, num_warps=num_warps)
     else:
         z = zd = o_arg
     args = (c, cbs, cms, ring_la, ring_k, ring_w, dla, dk, dv, dbeta, q_arg, o_arg, start, rows,
@@ -1686,7 +1779,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                  AT_WINDOW=at_window is not None, SPREC=solve_precision,
                  NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
                  ONE=TD == 1,  # at most one draft row (rows - start <= TD, as the callers pass)
-                 XS=False, NXS=nxs, C=C, **consts, **forms)
+                 XS=False, NXS=nxs, C=C, WPRE=wpre, **consts, **forms)
     if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
@@ -1703,7 +1796,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     else:
         y = o_arg
         flags["DOT"] = 2 if f16 else bool(use_dot)
-    mpdl = pdl and (zpre or ypre)  # after a launch of this call
+    mpdl = pdl and (zpre or ypre or wpre)  # after a launch of this call
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
                           num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
     return o
@@ -2017,7 +2110,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                       pdl: bool | None = None,
                       read_pass: "tuple[int, int] | bool | None" = None,
                       late_sum: int | None = None, split_x: bool | None = None,
-                      fold_x: bool | None = None):
+                      fold_x: "bool | str | None" = None):
     """Kernel of :func:`replay.gdn.gdn_verify`: one T x T solve (rows ``start..start+T-1``)
     against the stored read copy with the cached corrections ``u_known [B,J,HV,DV]`` before,
     then the T outputs; a draft on the flush slot reads the A path (every row re-solved

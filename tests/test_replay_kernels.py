@@ -1757,8 +1757,9 @@ class _LaunchSpy:
 def test_split_x_default_anchor_launch_only(monkeypatch):
     """GDN's re-solving verify splits X in its anchor launch only by default (``split_x``
     None), in both launches with True and in neither with False; ``fold_x`` folds the
-    launches that do not split (with K in chunks of 16 too); each against the torch
-    reference (sequence 0's last draft on the flush slot, so the anchor launch runs)."""
+    launches that do not split (with K in chunks of 16 too; "launch": the coefficients from
+    a launch of their own); each against the torch reference (sequence 0's last draft on the
+    flush slot, so the anchor launch runs)."""
     from replayssm_quant.kernels.replay import records
 
     spy = _LaunchSpy(records._records_kernel)
@@ -1770,11 +1771,15 @@ def test_split_x_default_anchor_launch_only(monkeypatch):
                              (dict(split_x=False), [False, False], [False, False]),
                              (dict(fold_x=True), [False, True], [True, False]),
                              (dict(fold_x=True, split_x=False, k_chunk=16), [False, False],
+                              [True, True]),
+                             (dict(fold_x="launch", split_x=False), [False, False],
                               [True, True])):
         spy.calls.clear()
         got = kr.gdn_verify_kernel(R_st, A_st, *args[:-1], **cfg)
         assert [kw["SPLIT"] for kw in spy.calls] == split, cfg
         assert [kw["FOLD"] for kw in spy.calls] == fold, cfg
+        assert [kw["WPRE"] for kw in spy.calls] == [f and cfg.get("fold_x") == "launch"
+                                                    for f in fold], cfg
         for g_, w_ in zip(got, want, strict=True):
             torch.testing.assert_close(g_, w_, **TOL)
 
@@ -1782,11 +1787,13 @@ def test_split_x_default_anchor_launch_only(monkeypatch):
 @pytest.mark.parametrize("flag,bad", [("split_x", "yes"), ("split_x", 1), ("fold_x", "no"),
                                       ("fold_x", 1)])
 def test_form_flags_refused(flag, bad):
-    """A ``split_x`` or ``fold_x`` that is not True or False raises ValueError naming it."""
+    """A ``split_x`` that is not True or False, or a ``fold_x`` that is not True, False or
+    "launch", raises ValueError naming it."""
     from replayssm_quant.kernels.replay import records_outputs
 
     z = torch.zeros
-    with pytest.raises(ValueError, match=f"{flag} must be True or False, got {bad!r}"):
+    want = "True or False" if flag == "split_x" else "True, False or 'launch'"
+    with pytest.raises(ValueError, match=f"{flag} must be {want}, got {bad!r}"):
         records_outputs(z(1, 2, 16, 32, device=DEVICE), ring_la=z(1, 4, 2, device=DEVICE),
                         ring_k=z(1, 4, 1, 32, device=DEVICE),
                         ring_w=z(1, 4, 2, 16, device=DEVICE),
@@ -2252,11 +2259,11 @@ def test_verify_matrix_forms(read_fmt, family, solve):
         cfgs.append(dict(block_v=32, anchor_block_v=16))
     if family != "mamba2" and solve == "inverse" and read_fmt == "fp32":  # X in two tiles
         # (key and query columns) in both launches, tf32x3 and FMA products, and in neither
-        # (the default: the re-solving anchor launch only); the coefficients folded into X
-        # in both launches (fold_x), K in chunks of 16 (scaled copies:
+        # (the default: the re-solving anchor launch only; the folded forms (fold_x):
+        # test_split_x_default_anchor_launch_only; scaled copies:
         # test_split_and_fold_scaled_copies)
         cfgs += [dict(split_x=True), dict(split_x=True, use_dot=False, block_v=16),
-                 dict(split_x=False), dict(fold_x=True, split_x=False, k_chunk=16)]
+                 dict(split_x=False)]
     for cfg in cfgs:
         got = _matrix_verify(R_st, A_st, args, family, solve=solve, **cfg)
         for g_, w_ in zip(got, want, strict=True):

@@ -176,9 +176,10 @@ MAMBA2_VERIFY_BLOCKED_CONFIG = dict(VERIFY_CONFIG, use_dot="tf32x3", k_chunk=128
 # Since 2026-12-03 (seventeenth session, records_tune --set fold, records_tune_fold_h200.json):
 # the read-copy launch with the coefficients folded into X (fold_x; the anchor launch stays
 # split): h = 0 413.2 -> 381.6 us, h = 8 800.1 -> 770.6 us. (Chunks of 16 need an unblocked
-# copy: this one keeps 32.)
+# copy: this one keeps 32.) Then the coefficients in a launch of their own (fold_x="launch",
+# records_tune --set fold2, records_tune_fold2_h200.json): 379.6 -> 363.0 us, 770.0 -> 753.2.
 GDN_VERIFY_NVFP4_CONFIG = dict(GDN_VERIFY_CONFIG, k_chunk=32, num_stages=2, use_dot="f16x3",
-                               fold_x=True)
+                               fold_x="launch")
 # Since 2026-12-03 (fifteenth session, records_tune --set verify6 --timing graph,
 # records_tune_verify6_h200.json): the matrix forms' small products in FP32 FMA
 # (solve_precision="ieee"; f16x3 otherwise takes tf32x3 there): h = 0 389.8 -> 380.0 us,

@@ -2257,11 +2257,12 @@ def test_verify_matrix_forms(read_fmt, family, solve):
             dict(use_dot=False, solve_precision="tf32x3")]
     if family == "gdn":  # the anchor launch with its own value-row tile
         cfgs.append(dict(block_v=32, anchor_block_v=16))
-    if family != "mamba2" and solve == "inverse" and read_fmt == "fp32":  # X in two tiles
+    if family == "gdn" and solve == "inverse" and read_fmt == "fp32":  # X in two tiles
         # (key and query columns) in both launches, tf32x3 and FMA products, and in neither
         # (the default: the re-solving anchor launch only; the folded forms (fold_x):
         # test_split_x_default_anchor_launch_only; scaled copies:
-        # test_split_and_fold_scaled_copies)
+        # test_split_and_fold_scaled_copies; the gdn-fold family's read-copy launch is this
+        # one's, its anchor launch FMA reductions that never split)
         cfgs += [dict(split_x=True), dict(split_x=True, use_dot=False, block_v=16),
                  dict(split_x=False)]
     for cfg in cfgs:

@@ -1719,11 +1719,14 @@ def test_late_sum_batch_invariant(gdn):
 
 
 @pytest.mark.parametrize("fmt", ["fp8e4m3", "nvfp4", "mxfp8", "mxfp4"])
-def test_split_and_fold_scaled_copies(fmt):
+def test_split_and_fold_scaled_copies(fmt, monkeypatch):
     """``split_x`` in both launches of GDN's re-solving verify, and ``fold_x`` in both, with
     the read copy and the anchor stored in a scaled format (a matrix scale: fp8, nvfp4; E8M0
     block scales only: mx), tf32x3 products (and nvfp4's default float16 products, folded),
-    against the torch reference (the flush-slot draft reads A)."""
+    against the torch reference (the flush-slot draft reads A); a launch spy checks that
+    both launches fold where asked."""
+    from replayssm_quant.kernels.replay import records
+
     R0, _, A0, _, args = _matrix_case("fp32", "gdn")
     R_st = _stored(R0, fmt, stream=_t(torch.arange(R0.shape[0] * H).view(-1, H)))
     A_st = _stored(A0, fmt, stream=_t(torch.arange(A0.shape[0] * H).view(-1, H)) + 1000)
@@ -1732,10 +1735,32 @@ def test_split_and_fold_scaled_copies(fmt):
                                                        split_x=False)]
     if fmt == "nvfp4":
         cfgs.append(dict(fold_x=True, split_x=False))
+    spy = _LaunchSpy(records._records_kernel)
+    monkeypatch.setattr(records, "_records_kernel", spy)
     for cfg in cfgs:
+        spy.calls.clear()
         got = _matrix_verify(R_st, A_st, args, "gdn", solve="inverse", **cfg)
+        assert [kw["FOLD"] for kw in spy.calls] == [bool(cfg.get("fold_x"))] * 2, cfg
         for g_, w_ in zip(got, want, strict=True):
             torch.testing.assert_close(g_, w_, **TOL)
+
+
+def test_gdn_verify_blocked_anchor_unblocked_read(monkeypatch):
+    """An unblocked read copy (FP32: chunks of 16 by default) with an nvfp4 anchor: the
+    re-solving anchor launch streams it in chunks of 32 (whole scaling blocks), split and not
+    folded by default, and the results match the torch reference."""
+    from replayssm_quant.kernels.replay import records
+
+    R, R_st, A0, _, args = _matrix_case("fp32", "gdn")
+    A_st = _stored(A0, "nvfp4", stream=_t(torch.arange(A0.shape[0] * H).view(-1, H)) + 1000)
+    want = _matrix_reference(R, A_st.dequantize(), args, "gdn")
+    spy = _LaunchSpy(records._records_kernel)
+    monkeypatch.setattr(records, "_records_kernel", spy)
+    got = kr.gdn_verify_kernel(R_st, A_st, *args[:-1])
+    assert [kw["KC"] for kw in spy.calls] == [16, 32]
+    assert [kw["FOLD"] for kw in spy.calls] == [False, False]
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_, **TOL)
 
 
 class _LaunchSpy:
@@ -1757,8 +1782,8 @@ class _LaunchSpy:
 def test_split_x_default_anchor_launch_only(monkeypatch):
     """GDN's re-solving verify splits X in its anchor launch only by default (``split_x``
     None), in both launches with True and in neither with False; ``fold_x`` folds the
-    launches that do not split (with K in chunks of 16 too; "launch": the coefficients from
-    a launch of their own); each against the torch reference (sequence 0's last draft on the
+    launches that do not split (K in chunks of 16, the FP32 default; "launch": the
+    coefficients from a launch of their own); each against the torch reference (sequence 0's last draft on the
     flush slot, so the anchor launch runs)."""
     from replayssm_quant.kernels.replay import records
 
@@ -1770,7 +1795,7 @@ def test_split_x_default_anchor_launch_only(monkeypatch):
                              (dict(split_x=True), [True, True], [False, False]),
                              (dict(split_x=False), [False, False], [False, False]),
                              (dict(fold_x=True), [False, True], [True, False]),
-                             (dict(fold_x=True, split_x=False, k_chunk=16), [False, False],
+                             (dict(fold_x=True, split_x=False), [False, False],
                               [True, True]),
                              (dict(fold_x="launch", split_x=False), [False, False],
                               [True, True])):
@@ -2386,13 +2411,14 @@ def test_verify_shared_anchor_skips_second_launch(family, monkeypatch):
 
 
 @pytest.mark.parametrize("read_fmt,solve,fold_x", [
-    (r, so, False) for r in ("fp32", "nvfp4") for so in SOLVES] + [("fp32", "inverse", True)])
+    (r, so, None) for r in ("fp32", "nvfp4") for so in SOLVES] + [("fp32", "inverse", "launch")])
 def test_gdn_verify_fused_shared_anchor(read_fmt, solve, fold_x, monkeypatch):
     """``fuse_shared_anchor=True`` (anchor is read, recompute path): one launch; outputs and
     corrections match the reference to 1e-5, the flush-slot sequence's last output is the A
     path's (every row re-solved; not the cached-corrections value), each sequence's bits are
-    the same alone (sliced to its own J) and in the batch. Also with ``fold_x`` (the A path's
-    last column folded into X)."""
+    the same alone (sliced to its own J) and in the batch. Also with ``fold_x="launch"`` from
+    FP32 (the A path's last column folded into X, the coefficients from their own launch;
+    nvfp4's default folds too)."""
     R, R_st, _, _, args = _matrix_case(read_fmt, "gdn")
     want = _matrix_reference(R, R, args, "gdn")
     calls = _count_launches(monkeypatch)

@@ -96,7 +96,9 @@ STEP_CONFIG = dict(block_v=64, num_warps=4, k_chunk=128, num_stages=1, use_dot=F
 # pdl --timing graph, records_tune_pdl_h200.json, 2026-12-03, B = 256, h = 7), where the
 # other steps with a products launch gained 2.1-2.6 us (GDN nvfp4 with its read pass, Mamba-2
 # fp32 and nvfp4) and Mamba-2's verify 2.4-4.2 us; GDN's verify has no products launch (no
-# shared_products) and no read pass, so PDL does not apply to it.
+# shared_products) and no read pass, so PDL does not apply to it, except from an nvfp4 copy
+# since 2026-12-03 (seventeenth session): its coefficients launch (fold_x="launch") comes
+# before a dependent records launch, timed with PDL on (the default).
 GDN_STEP_WIDE_CONFIG = dict(block_v=64, num_warps=2, k_chunk=128, num_stages=1, use_dot=False,
                             shared_products=True, pdl=False)
 MAMBA2_STEP_WIDE_CONFIG = dict(STEP_CONFIG, k_chunk=64, num_stages=2)
@@ -766,13 +768,14 @@ def _fold_coeffs_kernel(
         K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, LP: tl.constexpr,
         NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr, PREC: tl.constexpr,
         D_REL: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
-        SPREC: tl.constexpr, PDL: tl.constexpr = False):
+        SPREC: tl.constexpr, AT_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False):
     """``fold_x="launch"``: the coefficients of ``_fold_matrices`` once per (sequence, value
     head) (program ``b * H + h``), written to ``w_ptr [B*H, 2 NX + LP, NX]`` (``Wy``, ``Wv``,
     ``Wu``) for the records kernel launched with WPRE, so its programs start the stream of C
     at once instead of after the products with the keys and the solve's coefficients. The
     same code as the records kernel's in-launch fold. PDL: let the records launch start at
-    once (it waits before it reads the coefficients)."""
+    once (it waits before it reads the coefficients). AT_WINDOW: only the sequences whose
+    rows end on the flush slot (the records launch's other programs return at once)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     mat = tl.program_id(0).to(tl.int64)
@@ -781,6 +784,9 @@ def _fold_coeffs_kernel(
     g = h // (H // G)
     ss = tl.load(ss_ptr + b)
     n = tl.load(n_ptr + b)
+    if AT_WINDOW:
+        if n != window:
+            return
     o0 = tl.load(os_ptr + b)
     idx = tl.arange(0, LP).to(tl.int64)
     cx = tl.arange(0, NX)
@@ -1576,7 +1582,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             the launches of this call: the launch after the products launch (the read pass,
             or the records launch) starts while the products launch runs and streams C
             before it waits for it (``gdc_wait``: before it reads Z or Y and before its first
-            store); the records launch after a read pass starts as the read pass ends. The
+            store); the records launch after a read pass starts as the read pass ends, and
+            after ``fold_x="launch"``'s coefficients launch it waits before its stream (it
+            needs the coefficients first), so only the launch latency overlaps. The
             first launch of the call is an ordinary launch, so everything made before the
             call is complete when any of them reads it. The same instructions on the same
             values, so the same outputs. None (default): on where it can run (CUDA with
@@ -1706,7 +1714,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     LP = _lp(max(CAP, TD))
     if KC < 32 and blk > 1:
         raise ValueError(f"k_chunk {k_chunk} is below this {spec} copy's 32 (each chunk holds "
-                         f"whole scaling blocks, in E2M1 halves); 16 suits unblocked copies")
+                         f"whole scaling blocks); 16 suits unblocked copies")
     C = _decode_consts(spec)
     mode = _e2m1_mode(e2m1_decode, q.device,
                       "half" if use_dot == "f16x3" and C.KIND == _K_NVFP4 else "lookup")
@@ -1756,7 +1764,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             (-1 if fused_window is None else fused_window),
             K=K, KC=KC, STAGES=num_stages or 1, LP=LP, NC=NC, NS=NS, NX=NX, PREC=prec,
             D_REL=draft_relative, SOLVE=matrix, NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
-            FUSED=fused_window is not None, SPREC=solve_precision, PDL=pdl, num_warps=num_warps)
+            FUSED=fused_window is not None, SPREC=solve_precision,
+            AT_WINDOW=at_window is not None, PDL=pdl, num_warps=num_warps)
     else:
         z = zd = o_arg
     args = (c, cbs, cms, ring_la, ring_k, ring_w, dla, dk, dv, dbeta, q_arg, o_arg, start, rows,
@@ -1922,11 +1931,22 @@ def _config(defaults: dict, **given) -> dict:
     return {**defaults, **{k: v for k, v in given.items() if v is not None}}
 
 
-def _anchor_config(cfg: dict) -> dict:
+def _chunks_for(cfg: dict, checkpoint) -> dict:
+    """``cfg`` for a launch that streams ``checkpoint``: a ``k_chunk`` below 32 (the read
+    copy's tile, unblocked) raised to 32 when this checkpoint is blocked (nvfp4, mx), whose
+    chunks hold whole scaling blocks; a verify's anchor may be blocked where its read copy is
+    not."""
+    block = isinstance(checkpoint, PackedTensor) and (checkpoint.spec.info.block or 1) > 1
+    if block and cfg.get("k_chunk") is not None and cfg["k_chunk"] < 32:
+        return dict(cfg, k_chunk=32)
+    return cfg
+
+
+def _anchor_config(cfg: dict, anchor) -> dict:
     """The anchor launch of a verify that solves nothing (one output per sequence): FMA
     reductions for C X (``use_dot=False``); the matrix forms keep the first launch's precision
-    of their small products (``solve_precision``)."""
-    out = _config(cfg, use_dot=False)
+    of their small products (``solve_precision``); chunks of K as ``_chunks_for`` asks."""
+    out = _chunks_for(_config(cfg, use_dot=False), anchor)
     if out.get("solve", "substitution") != "substitution" and out.get("solve_precision") is None:
         out["solve_precision"] = ("tf32x3" if cfg.get("use_dot") in ("tf32x3", "f16x3")
                                   else "ieee")
@@ -2094,7 +2114,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     if skip_shared_anchor and anchor is read:
         return y
     records_outputs(anchor, q=q[:, T - 1:], out_start=n - 1, out=y, out_slot=T - 1,
-                    at_window=window, **kw, **_anchor_config(cfg))
+                    at_window=window, **kw, **_anchor_config(cfg, anchor))
     return y
 
 
@@ -2202,14 +2222,18 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
         if skip_shared_anchor and anchor is read:
             return o, uR
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=uR, start=n, rows=n, **last,
-                        **_anchor_config(cfg))
+                        **_anchor_config(cfg, anchor))
     else:
         # the anchor programs that run have rows == window and start 0: at most ``window``
         # solved rows (the matrix forms size their system by it; substitution loops on rows)
         solved = J if cfg.get("solve", "substitution") == "substitution" else min(J, window)
         # X in two tiles unless the caller said otherwise: this system has window solved rows
-        # and one query (one 32-column tile -> 16 + 8; records_tune --set split)
-        acfg = _config({"split_x": True, **cfg}, block_v=anchor_block_v)
+        # and one query (one 32-column tile -> 16 + 8; records_tune --set split); not folded
+        # unless the caller asked (a default fold_x is the read-copy launch's: where this
+        # launch cannot split, an nvfp4 anchor's float16 products, folding it was never
+        # timed); chunks of K that this anchor can take
+        acfg = _chunks_for(_config({"split_x": True, **cfg, "fold_x": fold_x or False},
+                                   block_v=anchor_block_v), anchor)
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known,
                         start=torch.zeros_like(start), rows=n, draft=draft,
                         draft_relative=False, gdn=True, solved=solved, **last, **acfg)

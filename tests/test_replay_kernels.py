@@ -1795,8 +1795,6 @@ def test_split_x_default_anchor_launch_only(monkeypatch):
                              (dict(split_x=True), [True, True], [False, False]),
                              (dict(split_x=False), [False, False], [False, False]),
                              (dict(fold_x=True), [False, True], [True, False]),
-                             (dict(fold_x=True, split_x=False), [False, False],
-                              [True, True]),
                              (dict(fold_x="launch", split_x=False), [False, False],
                               [True, True])):
         spy.calls.clear()
@@ -2283,13 +2281,12 @@ def test_verify_matrix_forms(read_fmt, family, solve):
     if family == "gdn":  # the anchor launch with its own value-row tile
         cfgs.append(dict(block_v=32, anchor_block_v=16))
     if family == "gdn" and solve == "inverse" and read_fmt == "fp32":  # X in two tiles
-        # (key and query columns) in both launches, tf32x3 and FMA products, and in neither
-        # (the default: the re-solving anchor launch only; the folded forms (fold_x):
+        # (key and query columns) in both launches with FMA products (tf32x3 in both, in
+        # neither, the default's anchor launch only and the folded forms (fold_x):
         # test_split_x_default_anchor_launch_only; scaled copies:
         # test_split_and_fold_scaled_copies; the gdn-fold family's read-copy launch is this
         # one's, its anchor launch FMA reductions that never split)
-        cfgs += [dict(split_x=True), dict(split_x=True, use_dot=False, block_v=16),
-                 dict(split_x=False)]
+        cfgs += [dict(split_x=True, use_dot=False, block_v=16)]
     for cfg in cfgs:
         got = _matrix_verify(R_st, A_st, args, family, solve=solve, **cfg)
         for g_, w_ in zip(got, want, strict=True):

@@ -508,6 +508,24 @@ def _gdn_system(Zd, Z, cpos, dlt, known, dload, dvalid, qvalid, pos, cx, b, h, c
 
 
 @triton.jit
+def _a_path_system(Zd, cpos, dd, bcol, dload, pos, cx, n, TQ, NS: tl.constexpr,
+                   NX: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr,
+                   SPREC: tl.constexpr):
+    """The fused A path's system (``FUSED``, a sequence at the window: every key row with
+    records re-solved against C, none cached; the notation of ``_gdn_system``): ``last`` (the
+    last query's column), ``ecA`` (``gamma_{1:s_d}`` on those rows), ``invA`` (the inverse of
+    their ``n x n`` system) and ``DsA`` (their decayed products with the last query)."""
+    last = cx == NS + TQ - 1
+    ecA = tl.where(dload, tl.exp(cpos), 0.0)
+    okmA = dload[:, None] & dload[None, :] & (cx[:, None] < cx[None, :])
+    MTA = tl.where(okmA, bcol[None, :] * tl.exp(tl.where(okmA, dd, 0.0)) * Zd, 0.0)
+    invA = _unit_upper_inverse(MTA, cx, n, NX, SOLVE, NSQ, SPREC)
+    oksA = dload[:, None] & last[None, :] & (pos[:, None] <= pos[None, :])
+    DsA = tl.where(oksA, tl.exp(tl.where(oksA, dd, 0.0)) * Zd, 0.0)
+    return last, ecA, invA, DsA
+
+
+@triton.jit
 def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, o0, cs,
                     window, dv_ptr, dbeta_ptr, wout_ptr, o_ptr, H, V, TD, TQ, WCAP, OT, OT0,
                     NS: tl.constexpr, NX: tl.constexpr, GDN: tl.constexpr,
@@ -557,13 +575,8 @@ def _matrix_outputs(Y, Z, Zd, U, cvec, idx, ring, cx, rows, rmask, b, h, ss, n, 
         Ot += tl.dot(Us, Ds, input_precision=SPREC)
         if FUSED:
             if n == window:  # the A path: every row re-solved against C, no cached rows
-                last = cx == NS + TQ - 1
-                ecA = tl.where(dload, tl.exp(cpos), 0.0)
-                okmA = dload[:, None] & dload[None, :] & (cx[:, None] < cx[None, :])
-                MTA = tl.where(okmA, bcol[None, :] * tl.exp(tl.where(okmA, dd, 0.0)) * Zd, 0.0)
-                invA = _unit_upper_inverse(MTA, cx, n, NX, SOLVE, NSQ, SPREC)
-                oksA = dload[:, None] & last[None, :] & (pos[:, None] <= pos[None, :])
-                DsA = tl.where(oksA, tl.exp(tl.where(oksA, dd, 0.0)) * Zd, 0.0)
+                last, ecA, invA, DsA = _a_path_system(Zd, cpos, dd, bcol, dload, pos, cx, n,
+                                                      TQ, NS, NX, SOLVE, NSQ, SPREC)
                 rhsA = bcol[None, :] * (Vd - Y * ecA[None, :])
                 UsA = tl.dot(rhsA, invA, input_precision=SPREC)
                 OtA = Y * tl.where(last, tl.exp(cpos), 0.0)[None, :] + \
@@ -614,13 +627,8 @@ def _fold_matrices(Z, Zd, cvec, idx, ring, cx, b, h, ss, n, o0, cs, window, dbet
     Wu = Dk + tl.dot(Bu, E, input_precision=SPREC)
     if FUSED:
         if n == window:  # the A path: every row re-solved against C, no cached rows
-            last = cx == NS + TQ - 1
-            ecA = tl.where(dload, tl.exp(cpos), 0.0)
-            okmA = dload[:, None] & dload[None, :] & (cx[:, None] < cx[None, :])
-            MTA = tl.where(okmA, bcol[None, :] * tl.exp(tl.where(okmA, dd, 0.0)) * Zd, 0.0)
-            invA = _unit_upper_inverse(MTA, cx, n, NX, SOLVE, NSQ, SPREC)
-            oksA = dload[:, None] & last[None, :] & (pos[:, None] <= pos[None, :])
-            DsA = tl.where(oksA, tl.exp(tl.where(oksA, dd, 0.0)) * Zd, 0.0)
+            last, ecA, invA, DsA = _a_path_system(Zd, cpos, dd, bcol, dload, pos, cx, n, TQ, NS,
+                                                  NX, SOLVE, NSQ, SPREC)
             WyA = tl.where(eye, tl.where(last, tl.exp(cpos), 0.0)[None, :], 0.0) + \
                 tl.dot(-(bcol * ecA)[:, None] * invA, DsA, input_precision=SPREC)
             WvA = tl.dot(bcol[:, None] * invA, DsA, input_precision=SPREC)
@@ -759,6 +767,19 @@ def _key_products_kernel(
     tl.store(z_ptr + (pid * LP + idx[:, None]) * NX + cx[None, :], Z)
     if SOLVE > 0 and GDN and NS > 0:
         tl.store(zd_ptr + (pid * NX + cx[:, None]) * NX + cx[None, :], Zd)
+
+
+@triton.jit
+def _z_from_launch(z_ptr, zd_ptr, bg, idx, cx, LP: tl.constexpr, NX: tl.constexpr,
+                   ZD: tl.constexpr):
+    """``Z [LP, NX]`` and (``ZD``; else zeros) ``Zd [NX, NX]`` of sequence and key group
+    ``bg`` as ``_key_products_kernel`` wrote them."""
+    Z = tl.load(z_ptr + (bg * LP + idx[:, None]) * NX + cx[None, :])
+    if ZD:
+        Zd = tl.load(zd_ptr + (bg * NX + cx[:, None]) * NX + cx[None, :])
+    else:
+        Zd = tl.zeros([NX, NX], tl.float32)
+    return Z, Zd
 
 
 @triton.jit
@@ -1301,8 +1322,7 @@ def _records_kernel(
             if ZPRE:
                 if PDL:
                     tl.extra.cuda.gdc_wait()
-                Z = tl.load(z_ptr + ((b * G + g) * LP + idx[:, None]) * NX + cx[None, :])
-                Zd = tl.load(zd_ptr + ((b * G + g) * NX + cx[:, None]) * NX + cx[None, :])
+                Z, Zd = _z_from_launch(z_ptr, zd_ptr, b * G + g, idx, cx, LP, NX, True)
             else:
                 Z, Zd = _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, 0, kbase,
                                       isk, qbase, isq, cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES,
@@ -1371,12 +1391,8 @@ def _records_kernel(
     # ---- Z = Kmat X [LP, NX]: k_i . x for every record slot i (ring rows < ss, then drafts);
     # per (sequence, key group): from the products launch (ZPRE) or here
     if ZPRE:
-        zrow = (b * G + g) * LP
-        Z = tl.load(z_ptr + (zrow + idx[:, None]) * NX + cx[None, :])
-        if SOLVE > 0 and GDN and NS > 0:
-            Zd = tl.load(zd_ptr + ((b * G + g) * NX + cx[:, None]) * NX + cx[None, :])
-        else:
-            Zd = tl.zeros([NX, NX], tl.float32)
+        Z, Zd = _z_from_launch(z_ptr, zd_ptr, b * G + g, idx, cx, LP, NX,
+                               SOLVE > 0 and GDN and NS > 0)
     else:
         Z, Zd = _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, kfirst, kbase, isk,
                               qbase, isq, cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC, NS,

@@ -328,6 +328,20 @@ FOLD2_VERIFY_CANDIDATES = [_P, _F18 + ("launch",)] + [
     (bv, w, kc, st, "tf32x3") + (None,) * 13 + ("launch",)
     for bv, w, kc, st in ((128, 2, 32, 2), (128, 2, 16, 4), (64, 2, 16, 3), (64, 1, 16, 3))] + [
     (None,) * 17 + (False, "launch")]
+# --set b16 (2026-12-03, eighteenth session): C's products on bfloat16 tensor cores
+# (use_dot="bf16x3": the exact bf16 / fp8 values of the read copy, X in three bfloat16 terms)
+# from bf16 and fp8e4m3 read copies (POLICY_SETS["b16"]; an fp16 copy is timed at its default
+# for reference), against the defaults (the FP32 tile, tf32x3); verify on GDN's and Mamba-2's
+# tiles with chunks of 16-64, the step on two tiles. The defaults first.
+_B10 = (None,) * 10  # to solve_precision, the 16th field
+B16_STEP_CANDIDATES = [_P] + [(bv, w, kc, st, "bf16x3")
+                              for bv, w, kc, st in ((64, 2, 128, 1), (64, 4, 64, 2),
+                                                    (32, 2, 64, 2))]
+B16_VERIFY_CANDIDATES = [_P] + [
+    (bv, w, kc, st, "bf16x3") + _B10 + (sp,)
+    for bv, w, kc, st in ((128, 2, 16, 3), (128, 2, 32, 2), (128, 2, 32, 3), (128, 2, 64, 2),
+                          (64, 2, 32, 3), (64, 2, 64, 2), (128, 4, 32, 2))
+    for sp in (None, "ieee")]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -337,6 +351,11 @@ KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", 
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
+
+
+# --set NAME: its read copies where they are not POLICIES (fp32, nvfp4)
+POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32",
+                       "fp16": "read:fp16/rec:fp32"}}
 
 
 def geometries(tiny: bool):
@@ -369,7 +388,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "nx8": ([], NX8_VERIFY_CANDIDATES),
                   "split": ([], SPLIT_VERIFY_CANDIDATES),
                   "fold": ([], FOLD_VERIFY_CANDIDATES),
-                  "fold2": ([], FOLD2_VERIFY_CANDIDATES)}
+                  "fold2": ([], FOLD2_VERIFY_CANDIDATES),
+                  "b16": (B16_STEP_CANDIDATES, B16_VERIFY_CANDIDATES)}
 
 
 def cases(M, T):
@@ -392,6 +412,8 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if len(c) > 4 and c[4] == "bf16x3" and fmt not in ("bf16", "fp8"):
+        return True  # bfloat16 products of exact values: bf16 and fp8 read copies only
     if CANDIDATE_SET == "fold2" and not M.gdn:
         return True  # GDN's verify only
     if len(c) > 18 and c[18] and not M.gdn:
@@ -548,15 +570,18 @@ def main(argv=None):
                          "nx8 (Mamba-2's verify with X padded to 8 columns) or split (GDN's "
                          "verify with X in two tiles, split_x) or fold (GDN's verify with its "
                          "coefficients folded into X, fold_x, and K in chunks of 16) or "
-                         "fold2 (fold_x='launch': the coefficients in a launch of their own)")
+                         "fold2 (fold_x='launch': the coefficients in a launch of their own) "
+                         "or b16 (bf16 and fp8e4m3 read copies: C's products on bfloat16 "
+                         "tensor cores, use_dot='bf16x3', against the defaults)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")
     ap.add_argument("--warm", default=None, help=argparse.SUPPRESS)  # worker: "i/n"
     args = ap.parse_args(argv)
     dc.TIMING = args.timing
-    global CANDIDATE_SET
+    global CANDIDATE_SET, POLICIES
     CANDIDATE_SET = args.set
+    POLICIES = POLICY_SETS.get(args.set, POLICIES)
     models, T = geometries(args.tiny)
     if args.tiny:  # the interpreter: every path once, timings meaningless
         args.reps, args.pool, args.warmup = min(args.reps, 2), min(args.pool, 2), 0

@@ -297,6 +297,12 @@ FLUSH_CONFIGS = [("grid", 16, 4, "dot"), ("loop", 32, 2, "dot"), ("grid", 64, 8,
                  ("grid", 16, 4, "dot+inverse"), ("grid", 64, 8, "tf32x3+inverse"),
                  ("loop", 32, 2, "tf32x3_full"), ("grid", 16, 4, "dot_full+inverse"),
                  ("loop", 16, 2, "tf32x3_full+inverse")]
+# test_flush_configs' default rows: every variant, tile and form once (the four left out repeat
+# a form on another tile: 4 of 13 configurations, about a third of its 160 s under the
+# interpreter on 2 cores, 2026-12-03); its slow rows take them all
+FLUSH_CONFIGS_FAST = [c for c in FLUSH_CONFIGS if c not in (
+    ("loop", 32, 2, "dot"), ("grid", 64, 8, "dot"), ("grid", 16, 4, "rank1"),
+    ("grid", 16, 4, "dot+inverse"))]
 
 
 def _form(form):
@@ -333,15 +339,17 @@ def _config_inputs(gen, exact, V2):
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("policy,model,exact", [
-    ("read:nvfp4+sr/rec:fp16+sr", "gdn", True),
-    pytest.param("read:nvfp4+sr/rec:fp16+sr", "gdn", False, marks=SLOW),
-    ("read:nvfp4+sr/rec:fp16+sr", "mamba2", True),
-    ("read:fp8e4m3/rec:fp32", "mamba2", False),
-    pytest.param("read:fp8e4m3/rec:fp32", "gdn", True, marks=SLOW),
-    pytest.param("fp32", "gdn", False, marks=SLOW),
-    pytest.param("fp32", "mamba2", True, marks=SLOW)])
-def test_flush_configs(policy, model, exact):
+@pytest.mark.parametrize("policy,model,exact,configs", [
+    ("read:nvfp4+sr/rec:fp16+sr", "gdn", True, "fast"),
+    pytest.param("read:nvfp4+sr/rec:fp16+sr", "gdn", True, "all", marks=SLOW),
+    pytest.param("read:nvfp4+sr/rec:fp16+sr", "gdn", False, "all", marks=SLOW),
+    ("read:nvfp4+sr/rec:fp16+sr", "mamba2", True, "fast"),
+    pytest.param("read:nvfp4+sr/rec:fp16+sr", "mamba2", True, "all", marks=SLOW),
+    ("read:fp8e4m3/rec:fp32", "mamba2", False, "fast"),
+    pytest.param("read:fp8e4m3/rec:fp32", "gdn", True, "all", marks=SLOW),
+    pytest.param("fp32", "gdn", False, "all", marks=SLOW),
+    pytest.param("fp32", "mamba2", True, "all", marks=SLOW)])
+def test_flush_configs(policy, model, exact, configs):
     """Every launch configuration: grid / loop variants, several row tiles per matrix with a
     partial last tile (V = 40; with a matrix scale: the two-launch atomic amax of ``grid``, the
     two passes of ``loop``), one tile per matrix (amax from registers); GDN: corrections
@@ -371,7 +379,7 @@ def test_flush_configs(policy, model, exact):
             return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, q=q, **kw, **STREAMS)
         return kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **kw, **STREAMS)
 
-    for variant, bv, nw, form in FLUSH_CONFIGS:
+    for variant, bv, nw, form in FLUSH_CONFIGS_FAST if configs == "fast" else FLUSH_CONFIGS:
         if "+" in form and model != "gdn":
             continue  # solve_form: GDN's correction solve only
         res, y = run(block_v=bv, num_warps=nw, variant=variant, **_form(form))
@@ -1139,10 +1147,12 @@ def test_fp16_bf16_sr_codes_match_generic(fmt):
     a log-uniform sample, both signs; each with the draws 0, 1, 2^31, 2^32 - 1, a random one,
     and the draws at and beside its threshold (both formulas: the dropped bits shifted up, and
     ceil(frac(|y| 2^24) 2^32)). On CUDA also every float32 below 2^17 with a random draw."""
+    # (the log-uniform sample: 4000 values, 20000 until 2026-12-03: the edges above are
+    # exhaustive, the sample only spreads between them; CUDA's sweep covers every value)
     g = _gen(5)
     base = torch.tensor([2.0**e for e in range(-40, 17)] + [65504.0, 65520.0, 1e-40])
     bits = base.view(torch.int32)[:, None] + torch.arange(-128, 128, dtype=torch.int32)
-    sample = torch.pow(2.0, torch.empty(20000).uniform_(-40, 17, generator=g))
+    sample = torch.pow(2.0, torch.empty(4000).uniform_(-40, 17, generator=g))
     y = torch.cat([bits.clamp_min(0).flatten().view(torch.float32), sample,
                    torch.arange(1, 400, dtype=torch.int32).view(torch.float32)])
     ya = y.double()
@@ -1659,6 +1669,146 @@ def test_f16x3_step_batch_invariant(gdn):
         for b in range(B):
             assert torch.equal(_bits(both[b]), _bits(rev[B - 1 - b])), (rp, b)
             assert torch.equal(_bits(both[b]), _bits(step([b], rp)[0])), (rp, b)
+
+
+@triton.jit
+def _dot_b16_kernel(a_ptr, x_ptr, y_ptr, R: tl.constexpr, KC: tl.constexpr, NX: tl.constexpr):
+    r = tl.arange(0, R)
+    k = tl.arange(0, KC)
+    c = tl.arange(0, NX)
+    a = tl.load(a_ptr + r[:, None] * KC + k[None, :])
+    x = tl.load(x_ptr + k[:, None] * NX + c[None, :])
+    y = kr.records._dot_b16(a, x, tl.zeros([R, NX], tl.float32))
+    tl.store(y_ptr + r[:, None] * NX + c[None, :], y)
+
+
+def test_dot_b16_fp32_accuracy():
+    """``records._dot_b16`` (the bfloat16 tensor-core products of ``use_dot="bf16x3"``): ``a
+    x`` for bfloat16 ``a`` (random bf16 values, and fp8 E4M3 values through bfloat16) and
+    float32 ``x`` with columns 2^-100 .. 2^100 apart and elements 2^-30 apart inside one
+    column, against the float64 product: within 4 float32 ulps of ``|a| |x|`` per element
+    (a relative bound per element: no per-column scale); and exactly x's elements through rows
+    of a that pick one element each (the three bfloat16 terms hold all 24 bits), for columns
+    2^-90 .. 2^100 apart (below about 2^-102 the last term leaves float32's normal range)."""
+    gen = _gen(78)
+    R, KC, NX = 32, 64, 16
+    x = torch.randn(KC, NX, generator=gen, dtype=torch.float64)
+    x = x * (2.0 ** torch.linspace(-100, 100, NX, dtype=torch.float64))[None, :]
+    x[:, 3] = 0.0
+    x[: KC // 2, 5] *= 2.0 ** -30
+    x = x.float()
+    y = torch.empty(R, NX, device=DEVICE)
+    e4m3 = torch.randint(0, 256, (R, KC), generator=gen).to(torch.uint8).view(
+        torch.float8_e4m3fn).float()
+    e4m3 = torch.where(e4m3.isnan(), 0.0, e4m3)
+    assert torch.equal(e4m3.bfloat16().float(), e4m3)  # exact in bfloat16 (_c_rows_b16)
+    for a in (torch.randn(R, KC, generator=gen).bfloat16(), e4m3.bfloat16()):
+        _dot_b16_kernel[(1,)](_t(a.contiguous()), _t(x.contiguous()), y, R=R, KC=KC, NX=NX,
+                              num_warps=2)
+        a64 = a.double()
+        want = a64 @ x.double()
+        bound = 4 * 2.0 ** -24 * (a64.abs() @ x.double().abs())
+        err = (y.cpu().double() - want).abs()
+        assert bool((err <= bound).all()), float((err / bound.clamp_min(1e-300)).max())
+        assert torch.equal(y.cpu()[:, 3], torch.zeros(R))
+    a1 = torch.zeros(R, KC, dtype=torch.bfloat16)
+    a1[torch.arange(R), torch.arange(R)] = 1.0
+    m = torch.randint(1 << 23, 1 << 24, (KC, NX), generator=gen).double() * 2.0 ** -24
+    x1 = (m * 2.0 ** torch.randint(-8, 1, (KC, NX), generator=gen).double()
+          * torch.where(torch.rand(KC, NX, generator=gen) < 0.5, -1.0, 1.0)
+          * (2.0 ** torch.linspace(-90, 100, NX).round().double())[None, :]).float()
+    _dot_b16_kernel[(1,)](_t(a1.contiguous()), _t(x1.contiguous()), y, R=R, KC=KC, NX=NX,
+                          num_warps=2)
+    assert torch.equal(_bits(y.cpu()), _bits(x1[:R]))
+
+
+# each format and each family once in the default suite (about 7 s each under the interpreter
+# on 2 cores); the other three pairs with -m slow
+@pytest.mark.parametrize("gdn,read_fmt", [
+    (True, "bf16"), (False, "fp8e4m3"), (True, "fp8e5m2"),
+    pytest.param(False, "bf16", marks=SLOW), pytest.param(True, "fp8e4m3", marks=SLOW),
+    pytest.param(False, "fp8e5m2", marks=SLOW)])
+def test_bf16x3_products(gdn, read_fmt, monkeypatch):
+    """``use_dot="bf16x3"`` (C's products on bfloat16 tensor cores, bf16 and fp8 copies): the
+    step and verify (a draft on the flush slot: the FP32 anchor then takes tf32x3) match the
+    torch references within the outputs' tolerance, also with queries scaled by 2^-60 and
+    2^60; the launch takes the bfloat16 path (``DOT == 3``) for the read copy only; each
+    sequence gets the same bits alone as in the batch; copies bfloat16 does not hold exactly
+    (fp16, FP32, nvfp4) are refused with a message naming the copy."""
+    dots = []
+    real = kr.records._records_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                dots.append(kw["DOT"])
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(kr.records, "_records_kernel", Spy())
+    gen = _gen(62)
+    h = _t(torch.tensor([2, 0]))
+    b = torch.arange(B, device=DEVICE)
+    R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
+    nla, nk, nv = (ring[n_][:, -1].clone() for n_ in ("la", "k", "v"))
+    ref = {n_: t.clone() for n_, t in ring.items()}
+    J = int(h.max()) + 1
+    for qs in (1.0, 2.0 ** -60, 2.0 ** 60):
+        q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5 * qs)
+        tol = dict(atol=TOL["atol"] * qs, rtol=TOL["rtol"])
+        rg = {n_: t.clone() for n_, t in ring.items()}
+        if gdn:
+            nb = ring["beta"][:, -1].clone()
+            for n_, t in (("la", nla), ("v", nv), ("k", nk), ("beta", nb)):
+                ref[n_][b, h] = t
+            want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
+                                       ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
+            got = kr.gdn_step_kernel(R_st, rg, q, nk, nv, nla, nb, h, use_dot="bf16x3",
+                                     block_v=16)
+            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+        else:
+            for n_, t in (("la", nla), ("v", nv), ("k", nk)):
+                ref[n_][b, h] = t
+            want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
+                                      h + 1)
+            got = kr.mamba2_step_kernel(R_st, rg, nla, nv, nk, q, h, use_dot="bf16x3",
+                                        block_v=16)
+        torch.testing.assert_close(got, want, **tol)
+        assert dots and all(d == 3 for d in dots), dots
+        dots.clear()
+    A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
+
+    def verify(idx):
+        a = [t[idx] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in args]
+        cut = lambda t: None if t is None else t[idx].contiguous()  # noqa: E731
+        sub = dataclasses.replace(R_st, codes=cut(R_st.codes), block_scales=cut(R_st.block_scales),
+                                  matrix_scale=cut(R_st.matrix_scale),
+                                  shape=torch.Size((len(idx), *R_st.shape[1:])))
+        kw = dict(use_dot="bf16x3", block_v=16, solve="inverse")
+        if gdn:
+            return kr.gdn_verify_kernel(sub, A[idx].contiguous(), *a, **kw)
+        return (kr.mamba2_verify_kernel(sub, A[idx].contiguous(), *a, **kw),)
+
+    got = verify([0, 1])
+    # the read copy's launch on bfloat16 tensor cores, the FP32 anchor's on tf32x3
+    assert dots[0] == 3 and 3 not in dots[1:] and len(dots) >= 2, dots
+    torch.testing.assert_close(got[0], want, **TOL)
+    if gdn:
+        torch.testing.assert_close(got[1], uw, **TOL)
+    rev = verify([1, 0])
+    for i in range(B):
+        alone = verify([i])
+        for j, (g_, r_) in enumerate(zip(got, rev, strict=True)):
+            assert torch.equal(_bits(g_[i]), _bits(r_[B - 1 - i])), (i, j)
+            assert torch.equal(_bits(g_[i]), _bits(alone[j][0])), (i, j)
+    for bad in ("fp16", "fp32", "nvfp4"):
+        _, X_st, _ = _ring_state_k(gen, bad, gdn, K2)
+        with pytest.raises(ValueError, match=f"bf16x3.*{bad}" if bad != "fp32" else
+                           "bf16x3.*float32"):
+            if gdn:
+                kr.gdn_verify_kernel(X_st, A, *args, use_dot="bf16x3", block_v=16)
+            else:
+                kr.mamba2_verify_kernel(X_st, A, *args, use_dot="bf16x3", block_v=16)
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
@@ -2572,11 +2722,17 @@ MIXED = {"torch": (16, (([0, 1], [13, 15]), ([0, 2, 3], [13, 11, 14]))),
          "triton": (32, (([0, 1], [13, 17]), ([0, 2, 3], [13, 15, 17])))}
 
 
-@pytest.mark.parametrize("family,backend", [
-    ("gdn", "torch"), ("mamba2", "torch"), ("gdn", "triton"),
+@pytest.mark.parametrize("family,backend,policies", [
+    ("gdn", "torch", ("fp32", "read:nvfp4/rec:fp16+sr")),
+    ("mamba2", "torch", ("fp32", "read:nvfp4/rec:fp16+sr")),
+    # the kernels' record tile (what followed the largest count) is the same code for both
+    # policies: the default suite runs the SR dual one (about 30 s under the interpreter each)
+    ("gdn", "triton", ("read:nvfp4/rec:fp16+sr",)),
+    pytest.param("gdn", "triton", ("fp32",), marks=pytest.mark.slow),
     # about 35 s under the interpreter, and it passed before the fix as well
-    pytest.param("mamba2", "triton", marks=pytest.mark.slow)])
-def test_decode_state_mixed_counts_batch_invariance(family, backend):
+    pytest.param("mamba2", "triton", ("fp32", "read:nvfp4/rec:fp16+sr"),
+                 marks=pytest.mark.slow)])
+def test_decode_state_mixed_counts_batch_invariance(family, backend, policies):
     """A sequence's verify outputs, early flush and explicit flush do not depend on its
     batchmates' committed counts (found 2026-12-02: the flush and verify took the batch's
     largest count as their records' shape; on the torch path 639 anchor elements and 137 of
@@ -2584,7 +2740,7 @@ def test_decode_state_mixed_counts_batch_invariance(family, backend):
     kernels' record tile followed the largest count): alone and beside sequences at other
     counts, bit for bit, ``fp32`` and an SR dual policy."""
     window, cases = MIXED[backend]
-    for policy in ("fp32", "read:nvfp4/rec:fp16+sr"):
+    for policy in policies:
         alone = _mixed_counts_run(family, backend, [0], [13], policy, window=window)
         for seqs, counts in cases:
             got = _mixed_counts_run(family, backend, seqs, counts, policy, window=window)

@@ -210,6 +210,12 @@ E2M1_DECODES = ("lookup", "integer", "half")
 MIN_LP = 16  # smallest register tile of record slots (and of tl.dot's M)
 MIN_DOT = 16  # smallest tl.dot N / K
 MIN_DOT_F32 = 8  # smallest N of a tl.dot with 32-bit operands (its K: MIN_DOT on Triton 3.6)
+# use_dot values with C's products on 16-bit tensor cores (X in three 16-bit terms)
+X16_DOTS = ("f16x3", "bf16x3")
+# Triton's interpreter multiplies the bit patterns of bfloat16 tl.dot operands (it stores them as
+# uint16; triton-lang/triton#11584, "not supported yet"): under it _dot_b16 takes the same
+# exact values as float32 operands (their products are exact in float32 either way)
+_B16_AS_F32 = tl.constexpr(KERNELS_INTERPRETED)
 
 
 # ----------------------------------------------------------------------------------------
@@ -244,6 +250,20 @@ def _c_rows(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.con
     kk = k0 + tl.arange(0, KC)
     x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=rmask[:, None], other=0)
     return _elem_value(x, D)
+
+
+@triton.jit
+def _c_rows_b16(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.constexpr):
+    """``_c_rows`` as bfloat16 ``[BV, KC]`` for copies whose values bfloat16 holds exactly
+    (bf16 values as stored; fp8 E4M3 / E5M2 codes decoded, before the matrix scale: 3 or 2
+    mantissa bits and exponents well inside bfloat16's), for ``_dot_b16``."""
+    kk = k0 + tl.arange(0, KC)
+    x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=rmask[:, None], other=0)
+    if D.KIND == 1:
+        val = x
+    else:
+        val = _elem_value(x, D).to(tl.bfloat16)
+    return val
 
 
 @triton.jit
@@ -337,6 +357,35 @@ def _dot_c16(a, x, acc):
     d = tl.dot(a, mid, d)
     d = tl.dot(a, hi, d)
     return acc + d * inv[None, :]
+
+
+@triton.jit
+def _dot_b16(a, x, acc):
+    """``acc + a x`` (``[R, NX]`` float32) for bfloat16 ``a [R, KC]`` (exact values of a
+    bf16 or fp8 copy, ``_c_rows_b16``) and float32 ``x [KC, NX]``, on bfloat16 tensor cores
+    with float32 accumulation (``use_dot="bf16x3"``): x split into three bfloat16 terms
+    ``x = hi + mid + lo + e`` (hi rounds x to 8 significant bits, mid the rest, lo what mid
+    leaves; e = 0 for a float32 x (24 significant bits in three terms of 8), bfloat16 having
+    float32's exponent range: no scale, so the bound is relative per element, not per column as
+    ``_dot_c16``'s; only terms below float32's normal range lose bits, for |x| below about
+    2^-102). Each product of a
+    bfloat16 a with a term is exact in float32 (16 significant bits), so the error is the
+    tensor cores' float32 accumulation plus e: about FP32 accuracy, within a few float32 ulps
+    of ``sum |a| |x|``. The three products accumulate lo first. A non-finite element of x
+    makes its column's products non-finite."""
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)  # exact (x minus its rounding)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    if _B16_AS_F32:  # the interpreter (_B16_AS_F32): the same values as float32
+        a = a.to(tl.float32)
+        hi = hi.to(tl.float32)
+        mid = mid.to(tl.float32)
+        lo = lo.to(tl.float32)
+    d = tl.dot(a, lo)
+    d = tl.dot(a, mid, d)
+    d = tl.dot(a, hi, d)
+    return acc + d
 
 
 @triton.jit
@@ -886,9 +935,15 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
                             G, TD, TQ, K, LATE, STAGES, BV, NS, NX, NCP, D_REL, FUSED, C)
     elif C.KIND <= 2:
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
-            x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)
-            Y = _add_times_x(Y, x, k0 + tl.arange(0, KC), cx, dk_ptr, q_ptr, kbase, isk, qbase,
-                             isq, b, g, cs, n, G, TD, TQ, NC, NS, K, D_REL, DOT, PREC, XW, FOLD)
+            if DOT == 3:  # bf16 / fp8 values on bfloat16 tensor cores (use_dot="bf16x3")
+                Y = _dot_b16(_c_rows_b16(c_ptr, rowg, rmask, k0, K, KC, C),
+                             _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + tl.arange(0, KC),
+                                 K, XW, FOLD, PREC), Y)
+            else:
+                x = _c_rows(c_ptr, rowg, rmask, k0, K, KC, C)
+                Y = _add_times_x(Y, x, k0 + tl.arange(0, KC), cx, dk_ptr, q_ptr, kbase, isk,
+                                 qbase, isq, b, g, cs, n, G, TD, TQ, NC, NS, K, D_REL, DOT, PREC,
+                                 XW, FOLD)
         if C.KIND == 2:
             Y = Y * tl.load(cms_ptr + mat)  # fp8 matrix scale, after the sum
     else:
@@ -1692,7 +1747,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         use_dot = NC >= 4
     _check_launch(block_v=block_v, num_warps=num_warps, k_chunk=k_chunk, num_stages=num_stages,
                   use_dot=use_dot, solve=solve)
-    prec = "tf32x3" if use_dot == "f16x3" else (use_dot if isinstance(use_dot, str) else "ieee")
+    prec = "tf32x3" if use_dot in X16_DOTS else (use_dot if isinstance(use_dot, str) else "ieee")
     matrix = SOLVE_FORMS.index(solve)
     if solve_precision is not None and not matrix:
         raise ValueError(f"solve_precision applies to the matrix forms (solve='inverse' or "
@@ -1721,7 +1776,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     ypre = read_pass is not None and NC > 0  # Y = C X in a launch of its own
     # with a read pass, "f16x3" is the read pass's only: the records launch (and the products
     # launch before it) form the products with the keys by reductions (no 16-column padding)
-    main_dot = False if ypre and use_dot == "f16x3" else use_dot
+    main_dot = False if ypre and use_dot in X16_DOTS else use_dot
     NX = max(_min_nx(main_dot, matrix, main_dot, gdn), triton.next_power_of_2(max(NC, 1)))
     keys_first = keys_first and KC == K  # one [slots, K] tile: only with one chunk of K
     bv = max(MIN_DOT, triton.next_power_of_2(block_v))
@@ -1739,6 +1794,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                          f"copy is {spec}")
     C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
     f16 = use_dot == "f16x3" and C.KIND == _K_NVFP4  # C's products on float16 tensor cores
+    b16 = use_dot == "bf16x3" and _bf16_exact(C)  # C's products on bfloat16 tensor cores
     consts = dict(K=K, LP=LP, NS=NS, NC=NC, NX=NX, KC=KC, STAGES=num_stages or 1,
                   DOT=bool(main_dot), PREC=prec, GDN=gdn, D_REL=draft_relative,
                   SOLVE=matrix,
@@ -1754,7 +1810,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # split_x: GDN's matrix form on X in two tiles (one launch that forms its own products
     # with the keys; 32-bit products; not the fused A path; no append)
     forms.update(SPLIT=bool(split_x and gdn and matrix and fused_window is None and not zpre
-                            and not ypre and not f16 and append is None),
+                            and not ypre and not f16 and not b16 and append is None),
                  NXK=max(MIN_DOT, triton.next_power_of_2(max(NS, 1))),  # also a K: >= 16
                  NXQ=max(MIN_DOT_F32, triton.next_power_of_2(max(TQ, 1))))
     # fold_x: GDN's matrix form with its coefficients folded into X (products, one launch
@@ -1809,7 +1865,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
-        rflags = dict(flags, DOT=2 if f16 else bool(use_dot), XS=xsplit,
+        rflags = dict(flags, DOT=2 if f16 else 3 if b16 else bool(use_dot), XS=xsplit,
                       NX=max(_min_nx(use_dot, matrix, use_dot, gdn),
                              triton.next_power_of_2(NC)))
         # (the read pass compiles the whole kernel, matrix forms included: NX as _min_nx asks)
@@ -1821,7 +1877,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             **rflags, **_pdl_launch(rpdl))
     else:
         y = o_arg
-        flags["DOT"] = 2 if f16 else bool(use_dot)
+        flags["DOT"] = 2 if f16 else 3 if b16 else bool(use_dot)
     mpdl = pdl and (zpre or ypre or wpre)  # after a launch of this call
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
                           num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
@@ -1836,7 +1892,7 @@ def _min_nx(dot, matrix: bool, use_dot, gdn: bool) -> int:
     K >= 16) or the operands are float16 (``"f16x3"``)."""
     if not (dot or matrix):
         return 2
-    return MIN_DOT if use_dot == "f16x3" or (gdn and matrix) else MIN_DOT_F32
+    return MIN_DOT if use_dot in X16_DOTS or (gdn and matrix) else MIN_DOT_F32
 
 
 def _check_flags(where: str, **flags) -> None:
@@ -1925,9 +1981,9 @@ def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot,
     if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
                                    or num_stages < 1):
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    if not (use_dot is True or use_dot is False or use_dot in ("ieee", "tf32x3", "f16x3")):
-        raise ValueError(f"use_dot must be False, True, 'ieee', 'tf32x3' or 'f16x3' (nvfp4 "
-                         f"copies), got {use_dot!r}")
+    if not (use_dot is True or use_dot is False or use_dot in ("ieee", "tf32x3", *X16_DOTS)):
+        raise ValueError(f"use_dot must be False, True, 'ieee', 'tf32x3', 'f16x3' (nvfp4 "
+                         f"copies) or 'bf16x3' (bf16 and fp8 copies), got {use_dot!r}")
     if not (isinstance(solve, str) and solve in SOLVE_FORMS):
         raise ValueError(f"solve must be one of {', '.join(map(repr, SOLVE_FORMS))}, "
                          f"got {solve!r}")
@@ -1935,11 +1991,26 @@ def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot,
 
 def _check_f16x3(read, cfg: dict) -> None:
     """ValueError when ``use_dot="f16x3"`` is asked of a step or verify whose read copy is not
-    nvfp4 (the float16 products need its exact E2M1 times E4M3 values)."""
-    if cfg.get("use_dot") == "f16x3" and not _nvfp4(read):
-        spec = read.spec if isinstance(read, PackedTensor) else f"a {read.dtype} tensor"
+    nvfp4 (the float16 products need its exact E2M1 times E4M3 values), or ``"bf16x3"`` of
+    one whose values bfloat16 does not hold exactly (bf16 and fp8 copies do)."""
+    use_dot = cfg.get("use_dot")
+    if use_dot not in X16_DOTS:
+        return
+    spec = read.spec if isinstance(read, PackedTensor) else f"a {read.dtype} tensor"
+    if use_dot == "f16x3" and not _nvfp4(read):
         raise ValueError(f"use_dot='f16x3' needs an nvfp4 read copy (float16 tensor-core "
                          f"products of its exact values), got {spec}; use 'tf32x3'")
+    if use_dot == "bf16x3" and not (isinstance(read, PackedTensor)
+                                    and _bf16_exact(_decode_consts(read.spec))):
+        raise ValueError(f"use_dot='bf16x3' needs a bf16 or fp8 (fp8e4m3, fp8e5m2) read copy "
+                         f"(bfloat16 tensor-core products of its exact values), got {spec}; "
+                         f"use 'tf32x3'")
+
+
+def _bf16_exact(C) -> bool:
+    """Whether bfloat16 holds every value of an unblocked stored copy exactly (``DecodeConsts``
+    ``C``): bf16 values, and fp8 codes (E4M3, E5M2) before their matrix scale."""
+    return (C.KIND == 1 and C.BF16) or C.KIND == 2
 
 
 def _config(defaults: dict, **given) -> dict:

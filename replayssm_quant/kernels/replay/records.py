@@ -1568,7 +1568,14 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             ``_c_times_x16``; about FP32 accuracy; any other copy,
             such as verify's FP32 anchor, the products with the keys and the matrix forms'
             small products then take ``"tf32x3"``; the step and verify wrappers refuse it
-            for a read copy that is not nvfp4); default
+            for a read copy that is not nvfp4); ``"bf16x3"``, copies whose values bfloat16
+            holds exactly (bf16; fp8e4m3 and fp8e5m2 codes, before their matrix scale): C's
+            products on bfloat16 tensor cores, C loaded as bfloat16 and X in three bfloat16
+            terms (``_c_rows_b16``, ``_dot_b16``; the split is exact for float32 X, so the
+            error is the tensor cores' float32 accumulation, per element, about FP32
+            accuracy); any other copy of the call (verify's FP32 anchor) and the small
+            products take ``"tf32x3"``; the wrappers refuse it for other read copies);
+            default
             ``"ieee"`` with four or more vectors, else reductions).
         prefetch: GDN: load the solved rows' ``v`` and ``beta`` as ``[LP, BV]`` / ``[LP]``
             tiles before the forward substitution instead of one row per iteration (the loop

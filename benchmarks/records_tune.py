@@ -342,6 +342,13 @@ B16_VERIFY_CANDIDATES = [_P] + [
     for bv, w, kc, st in ((128, 2, 16, 3), (128, 2, 32, 2), (128, 2, 32, 3), (128, 2, 64, 2),
                           (64, 2, 32, 3), (64, 2, 64, 2), (128, 4, 32, 2))
     for sp in (None, "ieee")]
+# --set b16b (2026-12-03, eighteenth session): after b16, GDN's new bf16 / fp8 default
+# (GDN_VERIFY_B16_CONFIG) against the former one (tf32x3 on the same tile), and Mamba-2's
+# verify from fp8 (never swept: VERIFY_CONFIG's FP32 reductions) on MAMBA2_VERIFY_WIDE_CONFIG's
+# tile (tf32x3, X on 8 columns) against bf16x3 there (X padded to 16); the defaults first.
+B16B_VERIFY_CANDIDATES = [_P, (128, 2, 16, 3, "tf32x3")] + [
+    (bv, w, 32, 3, dot) + _B10 + ("ieee",)
+    for bv, w in ((64, 2), (64, 1), (32, 1)) for dot in ("tf32x3", "bf16x3")]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -355,7 +362,8 @@ CANDIDATE_SET = "all"
 
 # --set NAME: its read copies where they are not POLICIES (fp32, nvfp4)
 POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32",
-                       "fp16": "read:fp16/rec:fp32"}}
+                       "fp16": "read:fp16/rec:fp32"},
+               "b16b": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32"}}
 
 
 def geometries(tiny: bool):
@@ -389,7 +397,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "split": ([], SPLIT_VERIFY_CANDIDATES),
                   "fold": ([], FOLD_VERIFY_CANDIDATES),
                   "fold2": ([], FOLD2_VERIFY_CANDIDATES),
-                  "b16": (B16_STEP_CANDIDATES, B16_VERIFY_CANDIDATES)}
+                  "b16": (B16_STEP_CANDIDATES, B16_VERIFY_CANDIDATES),
+                  "b16b": ([], B16B_VERIFY_CANDIDATES)}
 
 
 def cases(M, T):
@@ -412,6 +421,8 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if CANDIDATE_SET == "b16b" and (len(c) == 16 if M.gdn else len(c) == 5 or fmt == "bf16"):
+        return True  # GDN: the defaults and the 5-field row; Mamba-2: the rest, from fp8
     if len(c) > 4 and c[4] == "bf16x3" and fmt not in ("bf16", "fp8"):
         return True  # bfloat16 products of exact values: bf16 and fp8 read copies only
     if CANDIDATE_SET == "fold2" and not M.gdn:
@@ -572,7 +583,9 @@ def main(argv=None):
                          "coefficients folded into X, fold_x, and K in chunks of 16) or "
                          "fold2 (fold_x='launch': the coefficients in a launch of their own) "
                          "or b16 (bf16 and fp8e4m3 read copies: C's products on bfloat16 "
-                         "tensor cores, use_dot='bf16x3', against the defaults)")
+                         "tensor cores, use_dot='bf16x3', against the defaults) or b16b "
+                         "(GDN's bf16x3 default against tf32x3; Mamba-2's verify from fp8 on "
+                         "2-warp tiles)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")
@@ -608,6 +621,7 @@ def main(argv=None):
                   "GDN_VERIFY_CONFIG",
                   "GDN_VERIFY_BLOCKED_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG",
                   "GDN_VERIFY_NVFP4_CONFIG", "MAMBA2_VERIFY_NVFP4_CONFIG",
+                  "GDN_VERIFY_B16_CONFIG",
                   "MAMBA2_VERIFY_WIDE_CONFIG")},
               "keys": list(KEYS), "reps": args.reps, "pool": args.pool, "rows": []}
     l2 = dc.l2_bytes()

@@ -143,6 +143,15 @@ VERIFY_CONFIG = dict(block_v=64, num_warps=4, k_chunk=32, num_stages=2, use_dot=
 GDN_VERIFY_CONFIG = dict(block_v=128, num_warps=2, k_chunk=16, num_stages=3, use_dot="tf32x3",
                          solve="inverse")
 GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG, num_warps=4, k_chunk=64, num_stages=2)
+# GDN from a bf16 or fp8 copy since 2026-12-03 (eighteenth session, records_tune --set b16
+# --timing graph, records_tune_b16_h200.json, B = 256, h = 0 / h = 8): the FP32 tile with C's
+# products on bfloat16 tensor cores (use_dot="bf16x3", the copy's exact values; the FP32 anchor
+# launch stays tf32x3): bf16 379.2 / 742.7 -> 334.9 / 696.4 us, fp8e4m3 438.4 / 799.7 ->
+# 384.7 / 745.7 us (chunks of 32 with 3 stages: 318.1 / 752.5 from bf16, a worse h = 8; the
+# small products in FP32 FMA, 64-row and 4-warp tiles slower). fp16 copies (not exact in
+# bfloat16) keep GDN_VERIFY_CONFIG (378.8 / 738.7 us). The step with it was slower on every
+# tile tried (bf16 111.3 -> 198.3-241.2 us: its 2 columns padded to 16).
+GDN_VERIFY_B16_CONFIG = dict(GDN_VERIFY_CONFIG, use_dot="bf16x3")
 # Mamba-2's verify with shared_products (its 128 heads share one key group): records_tune
 # --set shared --timing both, B = 256, CUDA-graph medians (records_tune_shared_graph_h200.json):
 # fp32 790 / 796 -> 577 / 582 us (h = 0 / 8), nvfp4 1228 / 1546 -> 834 / 1071 us; GDN's
@@ -1941,6 +1950,12 @@ def _nvfp4(read) -> bool:
     return isinstance(read, PackedTensor) and _decode_consts(read.spec).KIND == _K_NVFP4
 
 
+def _b16(read) -> bool:
+    """Whether bfloat16 holds every value of a stored copy exactly (bf16, fp8e4m3, fp8e5m2:
+    ``use_dot="bf16x3"``)."""
+    return isinstance(read, PackedTensor) and _bf16_exact(_decode_consts(read.spec))
+
+
 def _fp4(read) -> bool:
     """Whether a stored copy holds E2M1 codes (nvfp4, mxfp4)."""
     return isinstance(read, PackedTensor) and _decode_consts(read.spec).FP4
@@ -2007,8 +2022,7 @@ def _check_f16x3(read, cfg: dict) -> None:
     if use_dot == "f16x3" and not _nvfp4(read):
         raise ValueError(f"use_dot='f16x3' needs an nvfp4 read copy (float16 tensor-core "
                          f"products of its exact values), got {spec}; use 'tf32x3'")
-    if use_dot == "bf16x3" and not (isinstance(read, PackedTensor)
-                                    and _bf16_exact(_decode_consts(read.spec))):
+    if use_dot == "bf16x3" and not _b16(read):
         raise ValueError(f"use_dot='bf16x3' needs a bf16 or fp8 (fp8e4m3, fp8e5m2) read copy "
                          f"(bfloat16 tensor-core products of its exact values), got {spec}; "
                          f"use 'tf32x3'")
@@ -2232,7 +2246,8 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     against A, or the cached corrections with ``fold_cached_corrections``) in a second launch
     that runs only for those sequences (no host synchronisation).
     Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``GDN_VERIFY_CONFIG``
-    (``GDN_VERIFY_NVFP4_CONFIG`` for an nvfp4 read copy, ``GDN_VERIFY_BLOCKED_CONFIG`` for
+    (``GDN_VERIFY_NVFP4_CONFIG`` for an nvfp4 read copy, ``GDN_VERIFY_B16_CONFIG`` for a bf16
+    or fp8 one, ``GDN_VERIFY_BLOCKED_CONFIG`` for
     an mx one) unless given (``read_pass``: ``(block_v, num_warps)`` of a launch of its own
     for the products with the stored copy, see :func:`records_outputs`; ``pdl``: programmatic
     dependent launch between the launches of one records call). ``solve``:
@@ -2267,6 +2282,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     :func:`records_outputs`."""
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_NVFP4_CONFIG if _nvfp4(read) else
+                  GDN_VERIFY_B16_CONFIG if _b16(read) else
                   GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,

@@ -93,9 +93,7 @@ def main(argv=None):
         ap.error("--verify-fuse needs a matrix form (--verify-solve inverse or doubling, or "
                  "the default, inverse)")
     if args.verify_solve:
-        for name in ("VERIFY_CONFIG", "GDN_VERIFY_CONFIG", "GDN_VERIFY_BLOCKED_CONFIG",
-                     "MAMBA2_VERIFY_BLOCKED_CONFIG", "GDN_VERIFY_NVFP4_CONFIG",
-                     "MAMBA2_VERIFY_NVFP4_CONFIG", "MAMBA2_VERIFY_WIDE_CONFIG"):
+        for name in [n for n in dir(records) if "VERIFY" in n and n.endswith("_CONFIG")]:
             setattr(records, name, dict(getattr(records, name), solve=args.verify_solve))
     if args.verify_fuse:
         real = dc.kr.gdn_verify_kernel  # what decode.run_verify calls

@@ -1811,6 +1811,40 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
                 kr.mamba2_verify_kernel(X_st, A, *args, use_dot="bf16x3", block_v=16)
 
 
+@pytest.mark.parametrize("gdn,read_fmt", [(True, "fp8e4m3"), (False, "fp8e4m3")])
+def test_verify_defaults_from_bf16_exact_copies(gdn, read_fmt, monkeypatch):
+    """The verify defaults from copies bfloat16 holds exactly (timed 2026-12-03,
+    records_tune_b16*_h200.json): GDN's read-copy launch on bfloat16 tensor cores
+    (``GDN_VERIFY_B16_CONFIG``: DOT 3, then the FP32 anchor's launch on tf32x3), Mamba-2 from
+    fp8 on one warp with tf32x3 products (``MAMBA2_VERIFY_FP8_CONFIG``); the outputs (and
+    GDN's corrections) match the torch reference. (bf16 shares GDN's branch; its values with
+    bf16x3 are in ``test_bf16x3_products``.)"""
+    launches = []
+    real = kr.records._records_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append((kw["DOT"], kw["num_warps"], kw["PREC"]))
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(kr.records, "_records_kernel", Spy())
+    gen = _gen(63)
+    R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
+    A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
+    if gdn:
+        got, ug = kr.gdn_verify_kernel(R_st, A, *args)
+        torch.testing.assert_close(ug, uw, **TOL)
+        assert launches[0] == (3, kr.records.GDN_VERIFY_B16_CONFIG["num_warps"], "tf32x3")
+        assert all(d is True for d, _, _ in launches[1:]) and len(launches) >= 2, launches
+    else:
+        got = kr.mamba2_verify_kernel(R_st, A, *args)
+        # the read copy's launch; the FP32 anchor's (one query) sums by reductions
+        assert launches[0] == (True, 1, "tf32x3"), launches
+    torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_late_sum_batch_invariant(gdn):
     """The step and verify with C X by element-wise sums (``late_sum``, FP32 FMA, one

@@ -211,6 +211,12 @@ MAMBA2_VERIFY_NVFP4_CONFIG = dict(MAMBA2_VERIFY_BLOCKED_CONFIG, use_dot="f16x3",
 # tile, which stayed the fastest of its neighbours.
 MAMBA2_VERIFY_WIDE_CONFIG = dict(VERIFY_CONFIG, num_warps=2, k_chunk=32, num_stages=3,
                                  use_dot="tf32x3", solve_precision="ieee")
+# Mamba-2 from an fp8 copy since 2026-12-03 (eighteenth session, records_tune --set b16b
+# --timing graph, records_tune_b16b_h200.json, B = 256, h = 0 / h = 8; never swept before):
+# MAMBA2_VERIFY_WIDE_CONFIG's products on one warp instead of VERIFY_CONFIG's FP32 reductions:
+# 542.1 / 849.7 -> 381.1 / 642.6 us (2 warps 393.1 / 659.0; bf16x3, X padded to 16 columns,
+# 459.8 / 723.6 at best).
+MAMBA2_VERIFY_FP8_CONFIG = dict(MAMBA2_VERIFY_WIDE_CONFIG, num_warps=1)
 # records_outputs(solve=...): forward substitution (default) or the matrix forms
 SOLVE_FORMS = ("substitution", "inverse", "doubling")
 # records_outputs(e2m1_decode=...): the E2M1 decoders (the same values; "lookup" and "half"
@@ -2182,9 +2188,9 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     synchronisation (the second runs only for the sequences whose last draft is on the flush
     slot). Inputs are checked by :func:`_check_verify` (ValueError, or a device-side assertion
     for drafts past the ring). Launch configuration:
-    ``VERIFY_CONFIG`` (``MAMBA2_VERIFY_WIDE_CONFIG`` for an FP32 or half read copy,
-    ``MAMBA2_VERIFY_NVFP4_CONFIG`` for an nvfp4 one, ``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an
-    mx one) unless
+    ``MAMBA2_VERIFY_WIDE_CONFIG`` for an FP32 or half read copy,
+    ``MAMBA2_VERIFY_FP8_CONFIG`` for an fp8 one, ``MAMBA2_VERIFY_NVFP4_CONFIG`` for an nvfp4
+    one, ``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an mx one (``VERIFY_CONFIG`` otherwise) unless
     given (``read_pass``: ``(block_v, num_warps)`` of a launch of its own for the products
     with the read copy, see :func:`records_outputs`; ``pdl``: programmatic dependent launch
     between the launches of one records call); ``solve="inverse"`` / ``"doubling"`` (the same
@@ -2199,7 +2205,8 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_VERIFY_NVFP4_CONFIG if _nvfp4(read) else
                   MAMBA2_VERIFY_BLOCKED_CONFIG if blocked else
-                  MAMBA2_VERIFY_WIDE_CONFIG if wide else VERIFY_CONFIG, block_v=block_v,
+                  MAMBA2_VERIFY_WIDE_CONFIG if wide else
+                  MAMBA2_VERIFY_FP8_CONFIG if _b16(read) else VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   solve_precision=solve_precision, shared_products=shared_products,

@@ -349,6 +349,16 @@ B16_VERIFY_CANDIDATES = [_P] + [
 B16B_VERIFY_CANDIDATES = [_P, (128, 2, 16, 3, "tf32x3")] + [
     (bv, w, 32, 3, dot) + _B10 + ("ieee",)
     for bv, w in ((64, 2), (64, 1), (32, 1)) for dot in ("tf32x3", "bf16x3")]
+# --set fp8step (2026-12-03, eighteenth session): the step from an fp8e4m3 copy (never swept:
+# STEP_CONFIG; GDN's 155 us against bf16's 111 at half the bytes) on the tiles of the FP32 /
+# half and nvfp4 steps and neighbours, with and without a read pass; the defaults first.
+_R8 = (None,) * 8  # to read_pass, the 14th field
+FP8STEP_STEP_CANDIDATES = [_P] + [
+    (bv, w, kc, st, False) for bv, w, kc, st in (
+        (64, 2, 128, 1), (32, 2, 128, 1), (128, 2, 128, 1), (32, 1, 128, 1), (16, 1, 128, 1),
+        (64, 2, 64, 2), (32, 2, 64, 2), (128, 4, 64, 2))] + [
+    (bv, 2, 128, 1, False) + _R8 + ((rb, rw),) for bv in (64, 128)
+    for rb, rw in ((32, 2), (64, 2), (32, 1))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -363,7 +373,8 @@ CANDIDATE_SET = "all"
 # --set NAME: its read copies where they are not POLICIES (fp32, nvfp4)
 POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32",
                        "fp16": "read:fp16/rec:fp32"},
-               "b16b": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32"}}
+               "b16b": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32"},
+               "fp8step": {"fp8": "read:fp8e4m3/rec:fp32"}}
 
 
 def geometries(tiny: bool):
@@ -398,7 +409,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "fold": ([], FOLD_VERIFY_CANDIDATES),
                   "fold2": ([], FOLD2_VERIFY_CANDIDATES),
                   "b16": (B16_STEP_CANDIDATES, B16_VERIFY_CANDIDATES),
-                  "b16b": ([], B16B_VERIFY_CANDIDATES)}
+                  "b16b": ([], B16B_VERIFY_CANDIDATES),
+                  "fp8step": (FP8STEP_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -585,7 +597,8 @@ def main(argv=None):
                          "or b16 (bf16 and fp8e4m3 read copies: C's products on bfloat16 "
                          "tensor cores, use_dot='bf16x3', against the defaults) or b16b "
                          "(GDN's bf16x3 default against tf32x3; Mamba-2's verify from fp8 on "
-                         "2-warp tiles)")
+                         "2-warp tiles) or fp8step (the step from an fp8e4m3 copy: tiles, "
+                         "read pass)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

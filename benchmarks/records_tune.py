@@ -634,7 +634,7 @@ def main(argv=None):
                   "GDN_VERIFY_CONFIG",
                   "GDN_VERIFY_BLOCKED_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG",
                   "GDN_VERIFY_NVFP4_CONFIG", "MAMBA2_VERIFY_NVFP4_CONFIG",
-                  "GDN_VERIFY_B16_CONFIG", "MAMBA2_VERIFY_FP8_CONFIG",
+                  "GDN_VERIFY_B16_CONFIG", "MAMBA2_VERIFY_FP8_CONFIG", "GDN_STEP_FP8_CONFIG",
                   "MAMBA2_VERIFY_WIDE_CONFIG")},
               "keys": list(KEYS), "reps": args.reps, "pool": args.pool, "rows": []}
     l2 = dc.l2_bytes()

@@ -1812,12 +1812,13 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("gdn,read_fmt", [(True, "fp8e4m3"), (False, "fp8e4m3")])
-def test_verify_defaults_from_bf16_exact_copies(gdn, read_fmt, monkeypatch):
+def test_defaults_from_fp8_copies(gdn, read_fmt, monkeypatch):
     """The verify defaults from copies bfloat16 holds exactly (timed 2026-12-03,
     records_tune_b16*_h200.json): GDN's read-copy launch on bfloat16 tensor cores
     (``GDN_VERIFY_B16_CONFIG``: DOT 3, then the FP32 anchor's launch on tf32x3), Mamba-2 from
-    fp8 on one warp with tf32x3 products (``MAMBA2_VERIFY_FP8_CONFIG``); the outputs (and
-    GDN's corrections) match the torch reference. (bf16 shares GDN's branch; its values with
+    fp8 on one warp with tf32x3 products (``MAMBA2_VERIFY_FP8_CONFIG``); GDN's step from fp8
+    with a read pass on one warp (``GDN_STEP_FP8_CONFIG``); the outputs (and GDN's
+    corrections) match the torch reference. (bf16 shares GDN's branch; its values with
     bf16x3 are in ``test_bf16x3_products``.)"""
     launches = []
     real = kr.records._records_kernel
@@ -1843,7 +1844,22 @@ def test_verify_defaults_from_bf16_exact_copies(gdn, read_fmt, monkeypatch):
         # the read copy's launch; the FP32 anchor's (one query) sums by reductions
         assert launches[0] == (True, 1, "tf32x3"), launches
     torch.testing.assert_close(got, want, **TOL)
-
+    if gdn:  # the step from fp8 (GDN_STEP_FP8_CONFIG): a read pass on one warp, then records
+        launches.clear()
+        h = _t(torch.tensor([2, 0]))
+        b = torch.arange(B, device=DEVICE)
+        q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
+        new = {n_: ring[n_][:, -1].clone() for n_ in ("la", "k", "v", "beta")}
+        ref = {n_: t.clone() for n_, t in ring.items()}
+        for n_, t in new.items():
+            ref[n_][b, h] = t
+        J = int(h.max()) + 1
+        want, _ = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
+                                  ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
+        rg = {n_: t.clone() for n_, t in ring.items()}
+        got = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"], new["beta"], h)
+        torch.testing.assert_close(got, want, **TOL)
+        assert [w for _, w, _ in launches][-2:] == [1, 2], launches  # read pass, records
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_late_sum_batch_invariant(gdn):

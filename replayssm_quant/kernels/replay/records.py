@@ -118,6 +118,11 @@ GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True)
 # 32-row tiles with 2 warps, the records launch on 128 (GDN) / 64 (Mamba-2) rows with 2 warps:
 # GDN 138.5 -> 119.6 us, Mamba-2 163.6 -> 150.3 us (one launch at the former tiles -> read pass).
 GDN_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=128, num_warps=2, read_pass=(32, 2))
+# GDN from an fp8 copy since 2026-12-03 (eighteenth session, records_tune --set fp8step --timing
+# graph, records_tune_fp8step_h200.json, B = 256, h = 7; never swept before): the read pass on
+# 32-row tiles with one warp, the records launch on 128 x 2: 156.2 -> 136.8 us (one launch on
+# any tile 146.5 us at best). Mamba-2's fp8 step keeps STEP_CONFIG (221.1 us; 220.3 at best).
+GDN_STEP_FP8_CONFIG = dict(STEP_CONFIG, block_v=128, num_warps=2, read_pass=(32, 1))
 MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(32, 2))
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
@@ -2116,13 +2121,14 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
     [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place). Launch
     configuration: ``STEP_CONFIG`` (``GDN_STEP_WIDE_CONFIG`` for an FP32 or half read copy,
-    ``GDN_STEP_FP4_CONFIG`` for an E2M1 one (nvfp4, mxfp4), ``GDN_STEP_BLOCKED_CONFIG`` for
-    mxfp8) unless given (``solve``: the matrix forms
+    ``GDN_STEP_FP4_CONFIG`` for an E2M1 one (nvfp4, mxfp4), ``GDN_STEP_FP8_CONFIG`` for an
+    fp8 one, ``GDN_STEP_BLOCKED_CONFIG`` for mxfp8) unless given (``solve``: the matrix forms
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
     of a separate launch for the products with R, or False for one launch)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_STEP_WIDE_CONFIG if wide else GDN_STEP_FP4_CONFIG if _fp4(read) else
+                  GDN_STEP_FP8_CONFIG if _b16(read) else
                   (GDN_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,

@@ -1774,7 +1774,9 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
             got = kr.mamba2_step_kernel(R_st, rg, nla, nv, nk, q, h, use_dot="bf16x3",
                                         block_v=16)
         torch.testing.assert_close(got, want, **tol)
-        assert dots and all(d == 3 for d in dots), dots
+        # C's products on bfloat16 tensor cores in the first launch: the only one, or the read
+        # pass of GDN's fp8 default, whose records launch then forms the rest by reductions
+        assert dots and dots[0] == 3 and all(d in (3, False) for d in dots[1:]), dots
         dots.clear()
     A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
 

@@ -346,6 +346,7 @@ SLOW = pytest.mark.slow
     ("read:nvfp4+sr/rec:fp16+sr", "mamba2", True, "fast"),
     pytest.param("read:nvfp4+sr/rec:fp16+sr", "mamba2", True, "all", marks=SLOW),
     ("read:fp8e4m3/rec:fp32", "mamba2", False, "fast"),
+    pytest.param("read:fp8e4m3/rec:fp32", "mamba2", False, "all", marks=SLOW),
     pytest.param("read:fp8e4m3/rec:fp32", "gdn", True, "all", marks=SLOW),
     pytest.param("fp32", "gdn", False, "all", marks=SLOW),
     pytest.param("fp32", "mamba2", True, "all", marks=SLOW)])
@@ -1813,22 +1814,27 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
                 kr.mamba2_verify_kernel(X_st, A, *args, use_dot="bf16x3", block_v=16)
 
 
-@pytest.mark.parametrize("gdn,read_fmt", [(True, "fp8e4m3"), (False, "fp8e4m3")])
+@pytest.mark.parametrize("gdn,read_fmt", [(True, "fp8e4m3"), (False, "fp8e4m3"),
+                                          pytest.param(True, "bf16", marks=SLOW)])
 def test_defaults_from_fp8_copies(gdn, read_fmt, monkeypatch):
     """The verify defaults from copies bfloat16 holds exactly (timed 2026-12-03,
     records_tune_b16*_h200.json): GDN's read-copy launch on bfloat16 tensor cores
     (``GDN_VERIFY_B16_CONFIG``: DOT 3, then the FP32 anchor's launch on tf32x3), Mamba-2 from
     fp8 on one warp with tf32x3 products (``MAMBA2_VERIFY_FP8_CONFIG``); GDN's step from fp8
     with a read pass on one warp (``GDN_STEP_FP8_CONFIG``); the outputs (and GDN's
-    corrections) match the torch reference. (bf16 shares GDN's branch; its values with
-    bf16x3 are in ``test_bf16x3_products``.)"""
-    launches = []
+    corrections) match the torch reference. Where the anchor is the read copy (shared:fp8e4m3,
+    shared:bf16) GDN's re-solving anchor launch keeps tf32x3 with X split (its timed form;
+    bfloat16 products would turn the split off); with ``fold_cached_corrections`` the anchor
+    launch keeps the first launch's small-product precision. (bf16's verify shares GDN's branch, with
+    -m slow; its values with bf16x3 are in ``test_bf16x3_products``.)"""
+    launches, splits = [], []
     real = kr.records._records_kernel
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*a, **kw):
                 launches.append((kw["DOT"], kw["num_warps"], kw["PREC"]))
+                splits.append((kw["SPLIT"], kw["SPREC"]))
                 return real[grid](*a, **kw)
             return launch
 
@@ -1841,12 +1847,27 @@ def test_defaults_from_fp8_copies(gdn, read_fmt, monkeypatch):
         torch.testing.assert_close(ug, uw, **TOL)
         assert launches[0] == (3, kr.records.GDN_VERIFY_B16_CONFIG["num_warps"], "tf32x3")
         assert all(d is True for d, _, _ in launches[1:]) and len(launches) >= 2, launches
+        launches.clear()
+        splits.clear()
+        # the anchor is the read copy: the re-solving anchor launch on tf32x3, X split
+        want_s, uw_s = gdn_verify(R, R, *args)
+        got_s, ug_s = kr.gdn_verify_kernel(R_st, R_st, *args)
+        torch.testing.assert_close(got_s, want_s, **TOL)
+        torch.testing.assert_close(ug_s, uw_s, **TOL)
+        assert launches[0][0] == 3 and launches[1][0] is True, launches
+        assert splits[1][0] is True, splits
+        # with the cached corrections folded, the anchor launch (reductions) keeps the read
+        # copy's launch's small-product precision (tf32x3)
+        launches.clear()
+        splits.clear()
+        got_f, _ = kr.gdn_verify_kernel(R_st, A, *args, fold_cached_corrections=True)
+        assert len(splits) == 2 and splits[1][1] == "tf32x3", splits
     else:
         got = kr.mamba2_verify_kernel(R_st, A, *args)
         # the read copy's launch; the FP32 anchor's (one query) sums by reductions
         assert launches[0] == (True, 1, "tf32x3"), launches
     torch.testing.assert_close(got, want, **TOL)
-    if gdn:  # the step from fp8 (GDN_STEP_FP8_CONFIG): a read pass on one warp, then records
+    if gdn and read_fmt != "bf16":  # the step from fp8 (GDN_STEP_FP8_CONFIG): a read pass
         launches.clear()
         h = _t(torch.tensor([2, 0]))
         b = torch.arange(B, device=DEVICE)

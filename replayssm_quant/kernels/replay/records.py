@@ -390,9 +390,11 @@ def _dot_b16(a, x, acc):
     ``_dot_c16``'s; only terms below float32's normal range lose bits, for |x| below about
     2^-102). Each product of a
     bfloat16 a with a term is exact in float32 (16 significant bits), so the error is the
-    tensor cores' float32 accumulation plus e: about FP32 accuracy, within a few float32 ulps
-    of ``sum |a| |x|``. The three products accumulate lo first. A non-finite element of x
-    makes its column's products non-finite."""
+    tensor cores' float32 accumulation (its error grows with the number of accumulation
+    steps, 3 K / 16 per chunk): about FP32 accuracy, within a few float32 ulps of
+    ``sum |a| |x|`` at the chunk sizes used (16-64). The three products accumulate lo first. A
+    non-finite element of x makes its column's products non-finite, as does a finite one whose
+    rounding to 8 bits overflows (|x| >= 2^128 (1 - 2^-9))."""
     hi = x.to(tl.bfloat16)
     r = x - hi.to(tl.float32)  # exact (x minus its rounding)
     mid = r.to(tl.bfloat16)
@@ -1638,7 +1640,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         solve_precision: the matrix forms' small products (``tl.dot``): ``"ieee"`` (FP32
             FMA) or ``"tf32x3"`` (tensor cores, about FP32 accuracy, fewer registers: the FMA
             form holds its operands' whole K extent in registers); default: ``"tf32x3"`` when
-            ``use_dot`` is ``"tf32x3"`` or ``"f16x3"``, else ``"ieee"``.
+            ``use_dot`` is ``"tf32x3"``, ``"f16x3"`` or ``"bf16x3"``, else ``"ieee"``.
         fused_window: GDN, matrix forms only, ``checkpoint`` being both the read copy and the
             anchor (single-checkpoint policies): the key columns are slots ``0..solved-1``
             and a sequence with ``rows == fused_window`` also gets its last output from the
@@ -1671,8 +1673,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             the outputs' tolerance, not bit for bit. ``k_chunk``, ``num_stages`` and
             ``use_dot`` then apply to the read pass's stream of C (and, without
             ``shared_products``, to the records launch's products with the keys; with
-            ``"f16x3"`` the records launch and the products launch form those by
-            reductions), ``block_v``
+            ``"f16x3"`` or ``"bf16x3"`` the records launch and the products launch form those
+            by reductions), ``block_v``
             and ``num_warps`` to the records launch; ``keys_first`` has no stream of C left to
             overlap. Ignored where nothing multiplies C (no solved rows and no queries). None
             or False (default): one launch.
@@ -1700,7 +1702,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             nonzero (``_matrix_outputs_split``); the same formulas, other tile shapes, so the
             outputs agree within their tolerance, not bit for bit. Applies to one launch that
             forms its own products with the keys (no products launch, no ``read_pass``), with
-            32-bit products (not the float16 products of an nvfp4 copy, ``"f16x3"``),
+            32-bit products (not the 16-bit products of ``"f16x3"`` / ``"bf16x3"``),
             without ``fused_window`` and without ``append``; ignored elsewhere. Default
             False.
         fold_x: GDN's matrix forms with the coefficients folded into X
@@ -1916,7 +1918,7 @@ def _min_nx(dot, matrix: bool, use_dot, gdn: bool) -> int:
     the matrix forms' small products) MIN_DOT_F32 where X's columns are only ever the N of a
     product with 32-bit operands (Triton's tl.dot takes any N >= 1 there), MIN_DOT where they
     are also a K (GDN's matrix forms: the inverse and the products with it; Triton 3.6 asks
-    K >= 16) or the operands are float16 (``"f16x3"``)."""
+    K >= 16) or the operands are 16-bit (``"f16x3"``, ``"bf16x3"``)."""
     if not (dot or matrix):
         return 2
     return MIN_DOT if use_dot in X16_DOTS or (gdn and matrix) else MIN_DOT_F32
@@ -2067,7 +2069,7 @@ def _anchor_config(cfg: dict, anchor) -> dict:
     of their small products (``solve_precision``); chunks of K as ``_chunks_for`` asks."""
     out = _chunks_for(_config(cfg, use_dot=False), anchor)
     if out.get("solve", "substitution") != "substitution" and out.get("solve_precision") is None:
-        out["solve_precision"] = ("tf32x3" if cfg.get("use_dot") in ("tf32x3", "f16x3")
+        out["solve_precision"] = ("tf32x3" if cfg.get("use_dot") in ("tf32x3", *X16_DOTS)
                                   else "ieee")
     return out
 
@@ -2196,7 +2198,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     for drafts past the ring). Launch configuration:
     ``MAMBA2_VERIFY_WIDE_CONFIG`` for an FP32 or half read copy,
     ``MAMBA2_VERIFY_FP8_CONFIG`` for an fp8 one, ``MAMBA2_VERIFY_NVFP4_CONFIG`` for an nvfp4
-    one, ``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an mx one (``VERIFY_CONFIG`` otherwise) unless
+    one, ``MAMBA2_VERIFY_BLOCKED_CONFIG`` for an mx one) unless
     given (``read_pass``: ``(block_v, num_warps)`` of a launch of its own for the products
     with the read copy, see :func:`records_outputs`; ``pdl``: programmatic dependent launch
     between the launches of one records call); ``solve="inverse"`` / ``"doubling"`` (the same
@@ -2354,8 +2356,12 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
         # and one query (one 32-column tile -> 16 + 8; records_tune --set split); not folded
         # unless the caller asked (a default fold_x is the read-copy launch's: where this
         # launch cannot split, an nvfp4 anchor's float16 products, folding it was never
-        # timed); chunks of K that this anchor can take
-        acfg = _chunks_for(_config({"split_x": True, **cfg, "fold_x": fold_x or False},
+        # timed); chunks of K that this anchor can take; bfloat16 products (bf16x3) are the
+        # read copy's launch's: this one keeps tf32x3 and its split X, also where the anchor
+        # is that copy (shared:bf16, shared:fp8e4m3; bf16x3 would turn the split off, untimed)
+        acfg = _chunks_for(_config({"split_x": True, **cfg, "fold_x": fold_x or False,
+                                    **({"use_dot": "tf32x3"} if cfg.get("use_dot") == "bf16x3"
+                                       else {})},
                                    block_v=anchor_block_v), anchor)
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known,
                         start=torch.zeros_like(start), rows=n, draft=draft,

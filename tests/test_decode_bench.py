@@ -21,7 +21,8 @@ SUMMARY_KEYS = {"fp32_amortised_vs_fla", "nvfp4_amortised_vs_fla", "nvfp4_step_v
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("decode") / "decode_tiny.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    # one batch (2: the batch-invariance check needs two sequences); --tiny's default adds 1
+    # one batch (2, the larger of --tiny's default 1,2: the schema and checks are per batch,
+    # and the summary reads the largest)
     p = subprocess.run([sys.executable, "benchmarks/decode.py", "--tiny", "--batches", "2",
                         "--out", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

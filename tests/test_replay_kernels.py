@@ -1474,14 +1474,55 @@ def test_records_configs(read_fmt, cfg):
 
 
 @triton.jit
-def _dot_c16_kernel(a_ptr, x_ptr, y_ptr, R: tl.constexpr, KC: tl.constexpr, NX: tl.constexpr):
+def _dot16_kernel(a_ptr, x_ptr, y_ptr, R: tl.constexpr, KC: tl.constexpr, NX: tl.constexpr,
+                  BF16: tl.constexpr):
+    """``records._dot_b16`` (``BF16``) or ``_dot_c16`` of ``a [R, KC]`` and ``x [KC, NX]``."""
     r = tl.arange(0, R)
     k = tl.arange(0, KC)
     c = tl.arange(0, NX)
     a = tl.load(a_ptr + r[:, None] * KC + k[None, :])
     x = tl.load(x_ptr + k[:, None] * NX + c[None, :])
-    y = kr.records._dot_c16(a, x, tl.zeros([R, NX], tl.float32))
+    if BF16:
+        y = kr.records._dot_b16(a, x, tl.zeros([R, NX], tl.float32))
+    else:
+        y = kr.records._dot_c16(a, x, tl.zeros([R, NX], tl.float32))
     tl.store(y_ptr + r[:, None] * NX + c[None, :], y)
+
+
+def _dot16(a, x, bf16: bool):
+    """``_dot16_kernel`` on host tensors: ``y [R, NX]`` float32 on DEVICE."""
+    (R, KC), NX = a.shape, x.shape[1]
+    y = torch.empty(R, NX, device=DEVICE)
+    _dot16_kernel[(1,)](_t(a.contiguous()), _t(x.contiguous()), y, R=R, KC=KC, NX=NX,
+                        BF16=bf16, num_warps=2)
+    return y
+
+
+def _wide_x(gen, KC, NX):
+    """float32 ``x [KC, NX]``: columns 2^-100 .. 2^100 apart in scale, column 3 all zero,
+    column 5 with elements 2^-30 below its largest."""
+    x = torch.randn(KC, NX, generator=gen, dtype=torch.float64)
+    x = x * (2.0 ** torch.linspace(-100, 100, NX, dtype=torch.float64))[None, :]
+    x[:, 3] = 0.0
+    x[: KC // 2, 5] *= 2.0 ** -30  # a wide range inside one column
+    return x.float()
+
+
+def _full_bits_x(gen, KC, NX, low):
+    """float32 ``x [KC, NX]`` of random 24-bit significands, elements down to 2^-8 of their
+    column's largest, columns 2^low .. 2^100 apart (what a 16-bit split must keep whole)."""
+    m = torch.randint(1 << 23, 1 << 24, (KC, NX), generator=gen).double() * 2.0 ** -24
+    return (m * 2.0 ** torch.randint(-8, 1, (KC, NX), generator=gen).double()
+            * torch.where(torch.rand(KC, NX, generator=gen) < 0.5, -1.0, 1.0)
+            * (2.0 ** torch.linspace(low, 100, NX).round().double())[None, :]).float()
+
+
+def _assert_within_ulps(y, a64, x, ulps=4):
+    """``y`` within ``ulps`` float32 ulps of ``|a| |x|`` of the float64 product ``a64 x``."""
+    want = a64 @ x.double()
+    bound = ulps * 2.0 ** -24 * (a64.abs() @ x.double().abs())
+    err = (y.cpu().double() - want).abs()
+    assert bool((err <= bound).all()), float((err / bound.clamp_min(1e-300)).max())
 
 
 def test_dot_c16_fp32_accuracy():
@@ -1501,29 +1542,16 @@ def test_dot_c16_fp32_accuracy():
     a64 = (sign * e2m1[code] * e4m3).double()
     a16 = (a64 * 2.0 ** -14).half()
     assert torch.equal(a16.double(), a64 * 2.0 ** -14)  # exact, as _c_blocks_f16 argues
-    x = torch.randn(KC, NX, generator=gen, dtype=torch.float64)
-    x = x * (2.0 ** torch.linspace(-100, 100, NX, dtype=torch.float64))[None, :]
-    x[:, 3] = 0.0
-    x[: KC // 2, 5] *= 2.0 ** -30  # a wide range inside one column
-    x = x.float()
-    y = torch.empty(R, NX, device=DEVICE)
-    _dot_c16_kernel[(1,)](_t(a16.contiguous()), _t(x.contiguous()), y, R=R, KC=KC, NX=NX,
-                          num_warps=2)
-    want = a64 @ x.double()
-    bound = 4 * 2.0 ** -24 * (a64.abs() @ x.double().abs())
-    err = (y.cpu().double() - want).abs()
-    assert bool((err <= bound).all()), float((err / bound.clamp_min(1e-300)).max())
+    x = _wide_x(gen, KC, NX)
+    y = _dot16(a16, x, bf16=False)
+    _assert_within_ulps(y, a64, x)
     assert torch.equal(y.cpu()[:, 3], torch.zeros(R))
     # the split keeps all 24 bits: rows of a that pick one element (E2M1 1 times E4M3 1) give
     # x's elements bit for bit, for elements down to 2^-8 of their column's largest
     a1 = torch.zeros(R, KC, dtype=torch.float64)
     a1[torch.arange(R), torch.arange(R)] = 1.0
-    m = torch.randint(1 << 23, 1 << 24, (KC, NX), generator=gen).double() * 2.0 ** -24
-    x1 = (m * 2.0 ** torch.randint(-8, 1, (KC, NX), generator=gen).double()
-          * torch.where(torch.rand(KC, NX, generator=gen) < 0.5, -1.0, 1.0)
-          * (2.0 ** torch.linspace(-100, 100, NX).round().double())[None, :]).float()
-    _dot_c16_kernel[(1,)](_t((a1 * 2.0 ** -14).half().contiguous()), _t(x1.contiguous()), y,
-                          R=R, KC=KC, NX=NX, num_warps=2)
+    x1 = _full_bits_x(gen, KC, NX, -100)
+    y = _dot16((a1 * 2.0 ** -14).half(), x1, bf16=False)
     assert torch.equal(_bits(y.cpu()), _bits(x1[:R]))
 
 
@@ -1672,17 +1700,6 @@ def test_f16x3_step_batch_invariant(gdn):
             assert torch.equal(_bits(both[b]), _bits(step([b], rp)[0])), (rp, b)
 
 
-@triton.jit
-def _dot_b16_kernel(a_ptr, x_ptr, y_ptr, R: tl.constexpr, KC: tl.constexpr, NX: tl.constexpr):
-    r = tl.arange(0, R)
-    k = tl.arange(0, KC)
-    c = tl.arange(0, NX)
-    a = tl.load(a_ptr + r[:, None] * KC + k[None, :])
-    x = tl.load(x_ptr + k[:, None] * NX + c[None, :])
-    y = kr.records._dot_b16(a, x, tl.zeros([R, NX], tl.float32))
-    tl.store(y_ptr + r[:, None] * NX + c[None, :], y)
-
-
 def test_dot_b16_fp32_accuracy():
     """``records._dot_b16`` (the bfloat16 tensor-core products of ``use_dot="bf16x3"``): ``a
     x`` for bfloat16 ``a`` (random bf16 values, and fp8 E4M3 values through bfloat16) and
@@ -1693,33 +1710,19 @@ def test_dot_b16_fp32_accuracy():
     2^-90 .. 2^100 apart (below about 2^-102 the last term leaves float32's normal range)."""
     gen = _gen(78)
     R, KC, NX = 32, 64, 16
-    x = torch.randn(KC, NX, generator=gen, dtype=torch.float64)
-    x = x * (2.0 ** torch.linspace(-100, 100, NX, dtype=torch.float64))[None, :]
-    x[:, 3] = 0.0
-    x[: KC // 2, 5] *= 2.0 ** -30
-    x = x.float()
-    y = torch.empty(R, NX, device=DEVICE)
+    x = _wide_x(gen, KC, NX)
     e4m3 = torch.randint(0, 256, (R, KC), generator=gen).to(torch.uint8).view(
         torch.float8_e4m3fn).float()
     e4m3 = torch.where(e4m3.isnan(), 0.0, e4m3)
     assert torch.equal(e4m3.bfloat16().float(), e4m3)  # exact in bfloat16 (_c_rows_b16)
     for a in (torch.randn(R, KC, generator=gen).bfloat16(), e4m3.bfloat16()):
-        _dot_b16_kernel[(1,)](_t(a.contiguous()), _t(x.contiguous()), y, R=R, KC=KC, NX=NX,
-                              num_warps=2)
-        a64 = a.double()
-        want = a64 @ x.double()
-        bound = 4 * 2.0 ** -24 * (a64.abs() @ x.double().abs())
-        err = (y.cpu().double() - want).abs()
-        assert bool((err <= bound).all()), float((err / bound.clamp_min(1e-300)).max())
+        y = _dot16(a, x, bf16=True)
+        _assert_within_ulps(y, a.double(), x)
         assert torch.equal(y.cpu()[:, 3], torch.zeros(R))
     a1 = torch.zeros(R, KC, dtype=torch.bfloat16)
     a1[torch.arange(R), torch.arange(R)] = 1.0
-    m = torch.randint(1 << 23, 1 << 24, (KC, NX), generator=gen).double() * 2.0 ** -24
-    x1 = (m * 2.0 ** torch.randint(-8, 1, (KC, NX), generator=gen).double()
-          * torch.where(torch.rand(KC, NX, generator=gen) < 0.5, -1.0, 1.0)
-          * (2.0 ** torch.linspace(-90, 100, NX).round().double())[None, :]).float()
-    _dot_b16_kernel[(1,)](_t(a1.contiguous()), _t(x1.contiguous()), y, R=R, KC=KC, NX=NX,
-                          num_warps=2)
+    x1 = _full_bits_x(gen, KC, NX, -90)
+    y = _dot16(a1, x1, bf16=True)
     assert torch.equal(_bits(y.cpu()), _bits(x1[:R]))
 
 
@@ -1736,17 +1739,9 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
     2^60; the launch takes the bfloat16 path (``DOT == 3``) for the read copy only; each
     sequence gets the same bits alone as in the batch; copies bfloat16 does not hold exactly
     (fp16, FP32, nvfp4) are refused with a message naming the copy."""
-    dots = []
-    real = kr.records._records_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                dots.append(kw["DOT"])
-                return real[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(kr.records, "_records_kernel", Spy())
+    spy = _LaunchSpy(kr.records._records_kernel)
+    monkeypatch.setattr(kr.records, "_records_kernel", spy)
+    dots = lambda: [kw["DOT"] for kw in spy.calls]  # noqa: E731
     gen = _gen(62)
     h = _t(torch.tensor([2, 0]))
     b = torch.arange(B, device=DEVICE)
@@ -1777,8 +1772,9 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
         torch.testing.assert_close(got, want, **tol)
         # C's products on bfloat16 tensor cores in the first launch: the only one, or the read
         # pass of GDN's fp8 default, whose records launch then forms the rest by reductions
-        assert dots and dots[0] == 3 and all(d in (3, False) for d in dots[1:]), dots
-        dots.clear()
+        d = dots()
+        assert d and d[0] == 3 and all(x in (3, False) for x in d[1:]), d
+        spy.calls.clear()
     A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
 
     def verify(idx):
@@ -1794,7 +1790,8 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
 
     got = verify([0, 1])
     # the read copy's launch on bfloat16 tensor cores, the FP32 anchor's on tf32x3
-    assert dots[0] == 3 and 3 not in dots[1:] and len(dots) >= 2, dots
+    d = dots()
+    assert d[0] == 3 and 3 not in d[1:] and len(d) >= 2, d
     torch.testing.assert_close(got[0], want, **TOL)
     if gdn:
         torch.testing.assert_close(got[1], uw, **TOL)
@@ -1827,48 +1824,42 @@ def test_defaults_from_fp8_copies(gdn, read_fmt, monkeypatch):
     bfloat16 products would turn the split off); with ``fold_cached_corrections`` the anchor
     launch keeps the first launch's small-product precision. (bf16's verify shares GDN's branch, with
     -m slow; its values with bf16x3 are in ``test_bf16x3_products``.)"""
-    launches, splits = [], []
-    real = kr.records._records_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                launches.append((kw["DOT"], kw["num_warps"], kw["PREC"]))
-                splits.append((kw["SPLIT"], kw["SPREC"]))
-                return real[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(kr.records, "_records_kernel", Spy())
+    spy = _LaunchSpy(kr.records._records_kernel)
+    monkeypatch.setattr(kr.records, "_records_kernel", spy)
+    launches = lambda: [(kw["DOT"], kw["num_warps"], kw["PREC"]) for kw in spy.calls]  # noqa: E731
+    splits = lambda: [(kw["SPLIT"], kw["SPREC"]) for kw in spy.calls]  # noqa: E731
     gen = _gen(63)
     R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
     A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
     if gdn:
         got, ug = kr.gdn_verify_kernel(R_st, A, *args)
         torch.testing.assert_close(ug, uw, **TOL)
-        assert launches[0] == (3, kr.records.GDN_VERIFY_B16_CONFIG["num_warps"], "tf32x3")
-        assert all(d is True for d, _, _ in launches[1:]) and len(launches) >= 2, launches
-        launches.clear()
-        splits.clear()
+        seen = launches()
+        assert seen[0] == (3, kr.records.GDN_VERIFY_B16_CONFIG["num_warps"], "tf32x3")
+        assert all(d is True for d, _, _ in seen[1:]) and len(seen) >= 2, seen
+        spy.calls.clear()
         # the anchor is the read copy: the re-solving anchor launch on tf32x3, X split
         want_s, uw_s = gdn_verify(R, R, *args)
         got_s, ug_s = kr.gdn_verify_kernel(R_st, R_st, *args)
         torch.testing.assert_close(got_s, want_s, **TOL)
         torch.testing.assert_close(ug_s, uw_s, **TOL)
-        assert launches[0][0] == 3 and launches[1][0] is True, launches
-        assert splits[1][0] is True, splits
+        seen, sp = launches(), splits()
+        assert seen[0][0] == 3 and seen[1][0] is True, seen
+        assert sp[1][0] is True, sp
         # with the cached corrections folded, the anchor launch (reductions) keeps the read
         # copy's launch's small-product precision (tf32x3)
-        launches.clear()
-        splits.clear()
+        spy.calls.clear()
         got_f, _ = kr.gdn_verify_kernel(R_st, A, *args, fold_cached_corrections=True)
-        assert len(splits) == 2 and splits[1][1] == "tf32x3", splits
+        sp = splits()
+        assert len(sp) == 2 and sp[1][1] == "tf32x3", sp
     else:
         got = kr.mamba2_verify_kernel(R_st, A, *args)
         # the read copy's launch; the FP32 anchor's (one query) sums by reductions
-        assert launches[0] == (True, 1, "tf32x3"), launches
+        seen = launches()
+        assert seen[0] == (True, 1, "tf32x3"), seen
     torch.testing.assert_close(got, want, **TOL)
     if gdn and read_fmt != "bf16":  # the step from fp8 (GDN_STEP_FP8_CONFIG): a read pass
-        launches.clear()
+        spy.calls.clear()
         h = _t(torch.tensor([2, 0]))
         b = torch.arange(B, device=DEVICE)
         q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
@@ -1882,7 +1873,9 @@ def test_defaults_from_fp8_copies(gdn, read_fmt, monkeypatch):
         rg = {n_: t.clone() for n_, t in ring.items()}
         got = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"], new["beta"], h)
         torch.testing.assert_close(got, want, **TOL)
-        assert [w for _, w, _ in launches][-2:] == [1, 2], launches  # read pass, records
+        seen = launches()
+        assert [w for _, w, _ in seen][-2:] == [1, 2], seen  # read pass, records
+
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_late_sum_batch_invariant(gdn):

@@ -2024,7 +2024,7 @@ def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot,
                          f"got {solve!r}")
 
 
-def _check_f16x3(read, cfg: dict) -> None:
+def _check_x16_dot(read, cfg: dict) -> None:
     """ValueError when ``use_dot="f16x3"`` is asked of a step or verify whose read copy is not
     nvfp4 (the float16 products need its exact E2M1 times E4M3 values), or ``"bf16x3"`` of
     one whose values bfloat16 does not hold exactly (bf16 and fp8 copies do)."""
@@ -2100,7 +2100,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
-    _check_f16x3(read, cfg)
+    _check_x16_dot(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
@@ -2136,7 +2136,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
-    _check_f16x3(read, cfg)
+    _check_x16_dot(read, cfg)
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
@@ -2220,7 +2220,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass,
                   late_sum=late_sum)
-    _check_f16x3(read, cfg)
+    _check_x16_dot(read, cfg)
     if solve_precision is None and cfg.get("solve", "substitution") == "substitution":
         cfg.pop("solve_precision", None)  # a default's; it applies to the matrix forms only
     _check_flags("mamba2_verify_kernel: ", skip_shared_anchor=skip_shared_anchor)
@@ -2304,7 +2304,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass,
                   late_sum=late_sum, split_x=split_x, fold_x=fold_x)
-    _check_f16x3(read, cfg)
+    _check_x16_dot(read, cfg)
     _check_flags("gdn_verify_kernel: ", fold_cached_corrections=fold_cached_corrections,
                  skip_shared_anchor=skip_shared_anchor, fuse_shared_anchor=fuse_shared_anchor)
     if fuse_shared_anchor and cfg.get("solve", "substitution") == "substitution":

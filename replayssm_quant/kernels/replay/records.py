@@ -1961,7 +1961,9 @@ def _side_stream(device: torch.device):
         return None
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+        # the highest priority: the block scheduler places the records launch's programs
+        # before the read pass's as SM slots free up
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
     return _SIDE_STREAMS[idx]
 
 

@@ -359,23 +359,12 @@ FP8STEP_STEP_CANDIDATES = [_P] + [
         (64, 2, 64, 2), (32, 2, 64, 2), (128, 4, 64, 2))] + [
     (bv, 2, 128, 1, False) + _R8 + ((rb, rw),) for bv in (64, 128)
     for rb, rw in ((32, 2), (64, 2), (32, 1))]
-# --set overlap (2026-12-03, nineteenth session): the step with a read pass and the batch in
-# chunks of sequences (overlap, the 20th field): a chunk's records launch (and the products
-# launch) on a second stream beside the next chunk's read pass; benchmarks/step_latency.py
-# measured the records epilogue at 24-35 us of latency-bound work per step on GDN's FP32 state.
-# Records tiles: the wrappers' or 128 x 2; read-pass tiles; 1 (one stream), 2, 4, 8 chunks;
-# the defaults first.
-_O = (None,) * 5  # pdl .. fold_x
-OVERLAP_STEP_CANDIDATES = [_P] + [
-    rt + _R + (rp,) + _O + (ov,)
-    for rt in ((None, None), (128, 2)) for rp in ((32, 2), (32, 4), (64, 4))
-    for ov in (None, 2, 4, 8)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
         "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision", "late_sum",
-        "split_x", "fold_x", "overlap")
+        "split_x", "fold_x")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -421,8 +410,7 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "fold2": ([], FOLD2_VERIFY_CANDIDATES),
                   "b16": (B16_STEP_CANDIDATES, B16_VERIFY_CANDIDATES),
                   "b16b": ([], B16B_VERIFY_CANDIDATES),
-                  "fp8step": (FP8STEP_STEP_CANDIDATES, []),
-                  "overlap": (OVERLAP_STEP_CANDIDATES, [])}
+                  "fp8step": (FP8STEP_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -610,9 +598,7 @@ def main(argv=None):
                          "tensor cores, use_dot='bf16x3', against the defaults) or b16b "
                          "(GDN's bf16x3 default against tf32x3; Mamba-2's verify from fp8 on "
                          "2-warp tiles) or fp8step (the step from an fp8e4m3 copy: tiles, "
-                         "read pass) or overlap (the step with a read pass and the batch in "
-                         "chunks, a chunk's records launch beside the next chunk's read pass "
-                         "on a second stream)")
+                         "read pass)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -717,71 +717,6 @@ def test_pdl_same_bits_eager_and_graph(gdn, read_fmt):
             assert torch.equal(_bits(g_), _bits(w)), (op.__name__, "graph")
 
 
-@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
-@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_step_overlap_same_bits(gdn, read_fmt, monkeypatch):
-    """``overlap``: the batch in chunks of sequences, a chunk's records launch beside the next
-    chunk's read pass (a second stream on CUDA; one after the other here on CPU). Each chunk
-    makes its read pass and its records launch (the launch spy, which also sees the grids:
-    one sequence's programs per chunk), and the step's outputs and every ring tensor equal
-    the one-chunk step's bit for bit, whose values match the torch reference (test_*_step).
-    On CUDA the step is also captured in a CUDA graph (the fork and the join) and replayed:
-    the same bits."""
-    gen = _gen(12)
-    R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=gdn)
-    recs = [t[:, 0] for t in _records(gen, J=1, gdn=gdn)]
-    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
-
-    def step(overlap):
-        rg = {n: t.clone() for n, t in ring.items()}
-        kw = dict(read_pass=(16, 1), overlap=overlap)
-        if gdn:
-            o = kr.gdn_step_kernel(R_st, rg, q, recs[2], recs[1], recs[0], recs[3], h, **kw)
-        else:
-            o = kr.mamba2_step_kernel(R_st, rg, recs[0], recs[1], recs[2], q, h, **kw)
-        return [o] + [rg[n] for n in sorted(rg)]
-
-    want = step(None)
-    grids = []
-    real = kr.records._records_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid[0])
-            return real[grid]
-
-    monkeypatch.setattr(kr.records, "_records_kernel", Spy())
-    seen = _kernel_launches(monkeypatch)
-    got = step(B)  # one sequence per chunk
-    assert seen == [(True, False), (False, True)] * B, seen
-    assert grids == [H] * (2 * B), grids
-    for w, g_ in zip(want, got, strict=True):
-        assert torch.equal(_bits(g_), _bits(w))
-    monkeypatch.undo()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step(B)
-        graph.replay()
-        torch.cuda.synchronize()
-        for w, g_ in zip(want, captured, strict=True):
-            assert torch.equal(_bits(g_), _bits(w)), "graph"
-
-
-def test_overlap_chunks():
-    """``_chunks``: consecutive ranges that cover the batch once, sizes differing by at most
-    one, no more ranges than sequences."""
-    for Bn in (0, 1, 2, 5, 7, 256):
-        for n in (None, 1, 2, 3, 4, 8, 300):
-            ch = kr.records._chunks(Bn, n)
-            assert ch[0][0] == 0 and ch[-1][1] == Bn, (Bn, n, ch)
-            assert all(a[1] == b[0] for a, b in zip(ch[:-1], ch[1:])), (Bn, n, ch)
-            sizes = [b - a for a, b in ch]
-            assert len(ch) == max(1, min(n or 1, Bn)), (Bn, n, ch)
-            assert max(sizes) - min(sizes) <= 1, (Bn, n, ch)
-
-
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_verify_wrappers_take_read_pass(gdn, monkeypatch):
     """``{gdn,mamba2}_verify_kernel(read_pass=...)``: every records launch is preceded by its
@@ -2193,9 +2128,7 @@ def test_k_chunk_16_needs_unblocked_copy():
                                  dict(use_dot=0.5), dict(shared_products="yes"),
                                  dict(shared_products=1), dict(read_pass=(8, 2)),
                                  dict(read_pass=(16, 3)), dict(read_pass=16),
-                                 dict(read_pass=True), dict(read_pass=(16, 2, 1)),
-                                 dict(overlap=0), dict(overlap=True), dict(overlap=2.0),
-                                 dict(overlap=2)])
+                                 dict(read_pass=True), dict(read_pass=(16, 2, 1))])
 def test_records_launch_options_refused(bad):
     """A bad launch option of the records kernel raises ValueError naming it (before launch)."""
     from replayssm_quant.kernels.replay import records_outputs

@@ -50,7 +50,6 @@ Tests: ``tests/test_replay_kernels.py``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -1315,7 +1314,7 @@ def _records_kernel(
         z_ptr, zd_ptr,  # [B*G, LP, NX], [B*G, NX, NX]: Z and Zd of the products launch (ZPRE)
         y_ptr,  # [B*H*V, NC]: Y = C X of the read pass (written with YOUT, read with YPRE)
         x16_ptr, xinv_ptr,  # [B*G, K, 16] float16, [B*G, NXS]: X split once (XS, _x_split_kernel)
-        H, G, V, CAP, TD, TQ, WCAP, OT, OT0, window, MAT0,
+        H, G, V, CAP, TD, TQ, WCAP, OT, OT0, window,
         K: tl.constexpr, BLK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         NS: tl.constexpr, NC: tl.constexpr, NX: tl.constexpr, KC: tl.constexpr,
         STAGES: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
@@ -1344,8 +1343,7 @@ def _records_kernel(
     # (sequence, head) index math in int64: the same in int32 made Mamba-2's nvfp4 verify
     # (tf32x3 products) 23% slower on the H200 (556 -> 684 us at B = 256, triton 3.6,
     # benchmarks/results/verify_ab2_h200.json, 2026-12-02) for 1-2% elsewhere
-    # MAT0: the first (sequence, head) of this launch (overlap: a launch per chunk of sequences)
-    mat = tl.program_id(0).to(tl.int64) + MAT0
+    mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
     h = mat - b * H
@@ -1549,7 +1547,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     read_pass: "tuple[int, int] | bool | None" = None,
                     pdl: bool | None = None, w_out_known: bool = False,
                     late_sum: int | None = None, split_x: bool = False,
-                    fold_x: "bool | str" = False, overlap: int | None = None) -> torch.Tensor:
+                    fold_x: "bool | str" = False) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -1721,23 +1719,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             keys they need) in a launch of their own before, once per (sequence, value head)
             (``_fold_coeffs_kernel``; no products launch then), so the records launch starts
             its stream of C at once. Default False.
-        overlap: with ``read_pass``, the batch in this many chunks of consecutive sequences
-            (sizes differing by at most one): the read pass of chunk ``i + 1`` streams C while
-            the records launch of chunk ``i`` (its solve, append and outputs: short programs
-            whose time is mostly load latency) runs beside it on a second CUDA stream, and the
-            products launch runs there at the start, beside the first read pass (so it too
-            leaves the critical path). The same programs with the same inputs, so the same
-            outputs bit for bit as ``overlap=None``, whatever the chunking. The launches of
-            this call then run without ``pdl``; the caller's stream waits for the second
-            stream before the call returns (and a CUDA graph captures the fork and the join).
-            On the interpreter and on CPU the chunks run one after the other on one stream.
-            None or 1 (default): one read pass and one records launch. Refused without
-            ``read_pass``.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
-    fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x, fold_x,
-    overlap) or an output
+    fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x, fold_x) or an
+    output
     that is not float32
     (w_out, out).
     """
@@ -1816,17 +1802,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             _check_tile(*read_pass)
         except ValueError as e:
             raise ValueError(f"read_pass {tuple(read_pass)!r}: {e}") from None
-    if overlap is not None and not (isinstance(overlap, int) and not isinstance(overlap, bool)
-                                    and overlap >= 1):
-        raise ValueError(f"overlap must be None or a positive int (the chunks of sequences), "
-                         f"got {overlap!r}")
-    if overlap is not None and overlap > 1 and read_pass is None:
-        raise ValueError(f"overlap={overlap} needs read_pass (a chunk's records launch runs "
-                         f"beside the next chunk's read pass), got read_pass=None")
     ypre = read_pass is not None and NC > 0  # Y = C X in a launch of its own
-    # overlap: chunks of sequences [b0, b1); the second stream (CUDA only; None: one stream)
-    chunks = _chunks(B, overlap if ypre else 1)
-    side = _side_stream(q.device) if len(chunks) > 1 else None
     # with a read pass, "f16x3" is the read pass's only: the records launch (and the products
     # launch before it) form the products with the keys by reductions (no 16-column padding)
     main_dot = False if ypre and use_dot in X16_DOTS else use_dot
@@ -1874,16 +1850,13 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # the keys too, so no products launch)
     wpre = forms["FOLD"] and fold_x == "launch"
     zpre = zpre and not wpre
-    pdl = _pdl_mode(pdl, q.device) and side is None
-    if side is not None:  # fork: the second stream sees everything made before the call
-        side.wait_stream(torch.cuda.current_stream(q.device))
+    pdl = _pdl_mode(pdl, q.device)
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
         z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
         zd = (torch.empty(B * G, NX, NX, dtype=torch.float32, device=q.device)
               if gdn and matrix and NS > 0 else z)
-        with _on_stream(side):  # overlap: beside the first read pass
-            _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD,
-                                           TQ, num_warps=num_warps, PDL=pdl, **consts)
+        _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD, TQ,
+                                       num_warps=num_warps, PDL=pdl, **consts)
     elif wpre:  # the folded form's coefficients once per (sequence, value head)
         z = zd = torch.empty(B * H, 2 * NX + LP, NX, dtype=torch.float32, device=q.device)
         _fold_coeffs_kernel[(B * H,)](
@@ -1928,56 +1901,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         # dependent on the products launch only when it directly follows it (X split between
         # them: an ordinary launch, since it reads the split X at once)
         rpdl = pdl and zpre and not xsplit
+        _records_kernel[(B * H, triton.cdiv(V, rbv))](
+            *args, y, x16, xinv, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
+            **rflags, **_pdl_launch(rpdl))
     else:
         y = o_arg
         flags["DOT"] = 2 if f16 else 3 if b16 else bool(use_dot)
     mpdl = pdl and (zpre or ypre or wpre)  # after a launch of this call
-    for b0, b1 in chunks:  # (one chunk, the whole batch, unless overlap)
-        if ypre:
-            _records_kernel[((b1 - b0) * H, triton.cdiv(V, rbv))](
-                *args, y, x16, xinv, *scalars, b0 * H, BV=rbv, YOUT=True, YPRE=False,
-                num_warps=read_pass[1], **rflags, **_pdl_launch(rpdl))
-        if side is not None:  # this chunk's records launch waits for its read pass only
-            done = torch.cuda.Event()
-            done.record()
-            side.wait_event(done)
-        with _on_stream(side):
-            _records_kernel[((b1 - b0) * H, grid[1])](
-                *args, y, x16, xinv, *scalars, b0 * H, BV=bv, YOUT=False, YPRE=ypre,
-                num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
-    if side is not None:  # join: the caller's stream waits for the second stream
-        torch.cuda.current_stream(q.device).wait_stream(side)
+    _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
+                          num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
     return o
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device):
-    """The second CUDA stream of ``records_outputs(overlap=...)`` on ``device`` (one per
-    device, made on first use); None off CUDA and under the Triton interpreter (the chunks
-    then run on one stream)."""
-    if device.type != "cuda" or KERNELS_INTERPRETED:
-        return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        # the highest priority: the block scheduler places the records launch's programs
-        # before the read pass's as SM slots free up
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
-    return _SIDE_STREAMS[idx]
-
-
-def _on_stream(stream):
-    """``torch.cuda.stream(stream)``, or nothing for None."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _chunks(B: int, n: "int | None") -> list:
-    """``[(b0, b1), ...]``: ``min(n, B)`` ranges of consecutive sequences covering ``0..B-1``,
-    sizes differing by at most one (one range for ``n`` None or 1, or ``B`` 0)."""
-    n = max(1, min(n or 1, B))
-    edges = [B * i // n for i in range(n + 1)]
-    return [(a, b) for a, b in zip(edges[:-1], edges[1:])]
 
 
 def _min_nx(dot, matrix: bool, use_dot, gdn: bool) -> int:
@@ -2148,7 +2081,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
         e2m1_decode: str | None = None, read_pass=None,
-        pdl: bool | None = None, late_sum: int | None = None, overlap: int | None = None):
+        pdl: bool | None = None, late_sum: int | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -2166,8 +2099,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
-                  overlap=overlap)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
     _check_x16_dot(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
@@ -2183,7 +2115,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
         e2m1_decode: str | None = None, read_pass=None,
-        pdl: bool | None = None, late_sum: int | None = None, overlap: int | None = None):
+        pdl: bool | None = None, late_sum: int | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -2194,9 +2126,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     ``GDN_STEP_FP4_CONFIG`` for an E2M1 one (nvfp4, mxfp4), ``GDN_STEP_FP8_CONFIG`` for an
     fp8 one, ``GDN_STEP_BLOCKED_CONFIG`` for mxfp8) unless given (``solve``: the matrix forms
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
-    of a separate launch for the products with R, or False for one launch; ``overlap``: with
-    a read pass, the batch in that many chunks of sequences, a chunk's records launch beside
-    the next chunk's read pass on a second CUDA stream, the same bits)."""
+    of a separate launch for the products with R, or False for one launch)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_STEP_WIDE_CONFIG if wide else GDN_STEP_FP4_CONFIG if _fp4(read) else
@@ -2205,8 +2135,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
-                  overlap=overlap)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
     _check_x16_dot(read, cfg)
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}

@@ -18,6 +18,9 @@ epilogue arithmetic:
   after it, a new correction stored into the ring and one output row;
 * ``epi_z``: ``epi`` with Z formed in the program from the ring's keys (loaded before the
   stream) instead of from a buffer: what removing the products launch costs per program;
+* ``*_early``: every small operand of the epilogue (k, q, Z or the key products, the new
+  decay, beta and value row) loaded before the stream of C instead of after it, so that only
+  arithmetic and the stores follow the stream;
 * ``*_persist``: the same work in a persistent grid (``--waves`` programs per SM), each program
   looping over (sequence, head, tile) items with the next item's C tile loaded before the
   current item's products and epilogue (a register double buffer), so the epilogue's latency
@@ -92,17 +95,14 @@ def _pre(u_ptr, la_ptr, rk_ptr, h_ptr, b, h, g, rows, H, G, V, CAP, K: tl.conste
 
 
 @triton.jit
-def _epilogue(C, hh, ring, la, U, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr,
-              z_ptr, u_ptr, o_ptr, H, G, V, CAP, K: tl.constexpr, LP: tl.constexpr,
-              ZIN: tl.constexpr):
-    """Stand-in epilogue: Y = C [k, q]; corrections weighted by the decays; the new correction
-    into ring slot h; one output row."""
+def _small(ring, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr, z_ptr, H, G, V,
+           K: tl.constexpr, LP: tl.constexpr, ZIN: tl.constexpr):
+    """The epilogue's small operands: k, q, Z (loaded, or formed from the ring keys), the new
+    decay, beta and value row."""
     kk = tl.arange(0, K)
     idx = tl.arange(0, LP)
     kn = tl.load(kn_ptr + (b * G + g) * K + kk)
     q = tl.load(q_ptr + (b * G + g) * K + kk)
-    y0 = tl.sum(C * kn[None, :], axis=1)
-    y1 = tl.sum(C * q[None, :], axis=1)
     if ZIN:
         zk = tl.sum(keys * kn[None, :], axis=1)
         zq = tl.sum(keys * q[None, :], axis=1)
@@ -112,6 +112,16 @@ def _epilogue(C, hh, ring, la, U, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn
     lan = tl.load(lan_ptr + b * H + h)
     bn = tl.load(bn_ptr + b * H + h)
     vn = tl.load(vn_ptr + (b * H + h) * V + rows, mask=rows < V, other=0.0)
+    return kn, q, zk, zq, lan, bn, vn
+
+
+@triton.jit
+def _epilogue(C, hh, ring, la, U, small, b, h, rows, u_ptr, o_ptr, H, V, CAP):
+    """Stand-in epilogue: Y = C [k, q]; corrections weighted by the decays; the new correction
+    into ring slot h; one output row."""
+    kn, q, zk, zq, lan, bn, vn = small
+    y0 = tl.sum(C * kn[None, :], axis=1)
+    y1 = tl.sum(C * q[None, :], axis=1)
     cvec = tl.cumsum(la, axis=0)
     ctot = tl.sum(la, axis=0) + lan
     dec = tl.where(ring, tl.exp(ctot - cvec), 0.0)
@@ -142,14 +152,22 @@ def _read2_kernel(s_ptr, kn_ptr, q_ptr, y_ptr, H, G, V, NMAT, K: tl.constexpr,
 @triton.jit
 def _epi_kernel(s_ptr, u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr, z_ptr,
                 h_ptr, o_ptr, H, G, V, CAP, NMAT, K: tl.constexpr, BV: tl.constexpr,
-                LP: tl.constexpr, ZIN: tl.constexpr):
+                LP: tl.constexpr, ZIN: tl.constexpr, EARLY: tl.constexpr):
+    # EARLY: every small operand (and Z) before the stream of C, so that after it only
+    # arithmetic and the stores remain
     mat = tl.program_id(0).to(tl.int64)
     b, h, g, rows = _item(mat, tl.program_id(1), H, G, V, BV)
     hh, ring, la, U, keys = _pre(u_ptr, la_ptr, rk_ptr, h_ptr, b, h, g, rows, H, G, V, CAP, K,
                                  LP, ZIN)
-    C = _load_c(s_ptr, mat, rows, NMAT, V, K)
-    _epilogue(C, hh, ring, la, U, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr,
-              z_ptr, u_ptr, o_ptr, H, G, V, CAP, K, LP, ZIN)
+    if EARLY:
+        small = _small(ring, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr, z_ptr,
+                       H, G, V, K, LP, ZIN)
+        C = _load_c(s_ptr, mat, rows, NMAT, V, K)
+    else:
+        C = _load_c(s_ptr, mat, rows, NMAT, V, K)
+        small = _small(ring, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr, z_ptr,
+                       H, G, V, K, LP, ZIN)
+    _epilogue(C, hh, ring, la, U, small, b, h, rows, u_ptr, o_ptr, H, V, CAP)
 
 
 @triton.jit
@@ -173,8 +191,9 @@ def _epi_persist_kernel(s_ptr, u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, vn_ptr, bn_
         mn = nx // NT
         rn = (nx - mn * NT) * BV + tl.arange(0, BV)
         Cn = _load_c(s_ptr, mn, rn, NMAT, V, K)
-        _epilogue(C, hh, ring, la, U, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn_ptr,
-                  lan_ptr, z_ptr, u_ptr, o_ptr, H, G, V, CAP, K, LP, ZIN)
+        small = _small(ring, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr, z_ptr,
+                       H, G, V, K, LP, ZIN)
+        _epilogue(C, hh, ring, la, U, small, b, h, rows, u_ptr, o_ptr, H, V, CAP)
 
 
 def make_set(gen, hval):
@@ -228,12 +247,14 @@ def launch(st, var, bv, warps, waves=4):
     args = (st["S"], st["U"], st["la"], st["rk"], st["kn"], st["q"], st["vn"], st["bn"],
             st["lan"], st["Z"], st["h"], st["o"], H, G, V, CAP)
     zin = var.startswith("epi_z")
+    early = var.endswith("early")
     if var.endswith("persist"):
         nt = triton.cdiv(V, bv)
         nsm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
         return _epi_persist_kernel[(nsm * waves,)](*args, nt, B * H * nt, B * H, K=K, BV=bv, LP=CAP,
                                                    ZIN=zin, num_warps=warps)
-    return _epi_kernel[grid](*args, B * H, K=K, BV=bv, LP=CAP, ZIN=zin, num_warps=warps)
+    return _epi_kernel[grid](*args, B * H, K=K, BV=bv, LP=CAP, ZIN=zin, EARLY=early,
+                             num_warps=warps)
 
 
 def check(st, var, bv, warps, waves):
@@ -267,6 +288,10 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--pool", type=int, default=2)
     ap.add_argument("--waves", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--set", default="all", choices=("all", "early"),
+                    help="all: the first run's variants (bare, read2, epi, epi_z, persistent); "
+                         "early: bare, read2, epi and epi_z with and without their small "
+                         "operands before the stream")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU under the Triton interpreter: a small shape, checks only")
     a = ap.parse_args()
@@ -278,7 +303,12 @@ def main():
     cases = [("bare", 32, 4, None), ("read2", 64, 2, None), ("read2", 32, 4, None),
              ("epi", 64, 2, None), ("epi", 32, 2, None), ("epi", 32, 4, None),
              ("epi_z", 64, 2, None), ("epi_z", 32, 2, None)]
-    for w in a.waves:
+    if a.set == "early":
+        cases = [("bare", 32, 4, None), ("read2", 64, 2, None), ("epi", 64, 2, None),
+                 ("epi_z", 64, 2, None)] + [
+            (v, bv, w, None) for v in ("epi_early", "epi_z_early")
+            for bv, w in ((64, 2), (32, 2), (32, 1), (64, 4))]
+    for w in (a.waves if a.set == "all" else []):
         cases += [("epi_persist", 64, 2, w), ("epi_persist", 32, 2, w), ("epi_persist", 32, 4, w),
                   ("epi_z_persist", 64, 2, w), ("epi_z_persist", 32, 2, w)]
     rows = []

@@ -359,21 +359,12 @@ FP8STEP_STEP_CANDIDATES = [_P] + [
         (64, 2, 64, 2), (32, 2, 64, 2), (128, 4, 64, 2))] + [
     (bv, 2, 128, 1, False) + _R8 + ((rb, rw),) for bv in (64, 128)
     for rb, rw in ((32, 2), (64, 2), (32, 1))]
-# --set early (2026-12-03, nineteenth session): the step with its small operands (Z, GDN's
-# solved v and beta) loaded before the stream of C (early_loads, the 20th field; it needs the
-# products launch without pdl, the 15th field: Mamba-2's default has pdl on), on the
-# wrappers' tile and neighbours; benchmarks/step_latency.py --set early times the same idea
-# on stand-in kernels. The defaults first, then Mamba-2's without pdl as a control.
-_E12 = (None,) * 12  # k_chunk .. read_pass
-EARLY_STEP_CANDIDATES = [_P, (None, None) + _E12 + (False,)] + [
-    (bv, w) + _E12 + (False,) + (None,) * 4 + (True,)
-    for bv, w in ((None, None), (32, 2), (128, 2), (64, 4), (32, 1))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
         "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision", "late_sum",
-        "split_x", "fold_x", "early_loads")
+        "split_x", "fold_x")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -419,8 +410,7 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "fold2": ([], FOLD2_VERIFY_CANDIDATES),
                   "b16": (B16_STEP_CANDIDATES, B16_VERIFY_CANDIDATES),
                   "b16b": ([], B16B_VERIFY_CANDIDATES),
-                  "fp8step": (FP8STEP_STEP_CANDIDATES, []),
-                  "early": (EARLY_STEP_CANDIDATES, [])}
+                  "fp8step": (FP8STEP_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -608,8 +598,7 @@ def main(argv=None):
                          "tensor cores, use_dot='bf16x3', against the defaults) or b16b "
                          "(GDN's bf16x3 default against tf32x3; Mamba-2's verify from fp8 on "
                          "2-warp tiles) or fp8step (the step from an fp8e4m3 copy: tiles, "
-                         "read pass) or early (the step with Z and GDN's solved v and beta "
-                         "loaded before the stream of C, early_loads)")
+                         "read pass)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -717,51 +717,6 @@ def test_pdl_same_bits_eager_and_graph(gdn, read_fmt):
             assert torch.equal(_bits(g_), _bits(w)), (op.__name__, "graph")
 
 
-@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
-@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_step_early_loads_same_bits(gdn, read_fmt, monkeypatch):
-    """``early_loads``: the step's Z (and GDN's solved v and beta) loaded before the stream of
-    C. The records launch takes it (``EARLY``, seen by a launch spy) and the step's outputs and
-    every ring tensor equal the default's bit for bit (whose values match the torch
-    reference: test_*_step); a read pass (no stream in the records launch) ignores it."""
-    gen = _gen(13)
-    R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=gdn)
-    recs = [t[:, 0] for t in _records(gen, J=1, gdn=gdn)]
-    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
-    early = []
-    real = kr.records._records_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def run(*a, **kw):
-                early.append(kw.get("EARLY", False))
-                return launch(*a, **kw)
-            return run
-
-    monkeypatch.setattr(kr.records, "_records_kernel", Spy())
-
-    def step(early_loads, read_pass=False):
-        rg = {n: t.clone() for n, t in ring.items()}
-        kw = dict(read_pass=read_pass, pdl=False, shared_products=True,
-                  early_loads=early_loads)
-        if gdn:
-            o = kr.gdn_step_kernel(R_st, rg, q, recs[2], recs[1], recs[0], recs[3], h, **kw)
-        else:
-            o = kr.mamba2_step_kernel(R_st, rg, recs[0], recs[1], recs[2], q, h, **kw)
-        return [o] + [rg[n] for n in sorted(rg)]
-
-    want = step(None)
-    got = step(True)
-    assert early == [False, True], early
-    for w, g_ in zip(want, got, strict=True):
-        assert torch.equal(_bits(g_), _bits(w))
-    early.clear()
-    step(True, read_pass=(16, 1))
-    assert early == [False, False], early
-
-
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_verify_wrappers_take_read_pass(gdn, monkeypatch):
     """``{gdn,mamba2}_verify_kernel(read_pass=...)``: every records launch is preceded by its

@@ -1096,11 +1096,10 @@ def _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_pt
 @triton.jit
 def _solve_row(p, U, Y, Z, cvec, idx, cx, vd, bd, rows, rmask, b, h, ss, dv_ptr, dbeta_ptr,
                wout_ptr, H, V, TD, WCAP, D_REL: tl.constexpr, PREFETCH: tl.constexpr,
-               WRITE_W: tl.constexpr, DIRECT: tl.constexpr = False):
+               WRITE_W: tl.constexpr):
     """GDN forward substitution, row ``p``: ``u_p = beta_p (v_p - gamma_{1:p} C k_p) -
     sum_{i<p} beta_p gamma_{i+1:p} (k_i . k_p) u_i`` for this program's value rows; returns
-    ``U`` with row ``p`` set (and writes it to ``wout`` with WRITE_W). ``DIRECT``: ``vd``
-    (``[BV]``) and ``bd`` (scalar) are row ``p``'s v and beta, loaded by the caller."""
+    ``U`` with row ``p`` set (and writes it to ``wout`` with WRITE_W)."""
     if D_REL:
         pd = p - ss
     else:
@@ -1109,10 +1108,7 @@ def _solve_row(p, U, Y, Z, cvec, idx, cx, vd, bd, rows, rmask, b, h, ss, dv_ptr,
     kkp = _col(Z, cx, p - ss)  # k_i . k_p
     sel = idx == p
     cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
-    if DIRECT:
-        bp = bd
-        vp = vd
-    elif PREFETCH:
+    if PREFETCH:
         bp = tl.sum(tl.where(sel, bd, 0.0), axis=0)
         vp = tl.sum(tl.where(sel[:, None], vd, 0.0), axis=0)
     else:
@@ -1329,7 +1325,7 @@ def _records_kernel(
         C: tl.constexpr, PDL: tl.constexpr = False, W_KNOWN: tl.constexpr = False,
         LATE: tl.constexpr = 0, NCP: tl.constexpr = 1, SPLIT: tl.constexpr = False,
         NXK: tl.constexpr = 8, NXQ: tl.constexpr = 8, FOLD: tl.constexpr = False,
-        WPRE: tl.constexpr = False, EARLY: tl.constexpr = False):
+        WPRE: tl.constexpr = False):
     # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
     # W_KNOWN (with WRITE_W): also write the corrections' other slots of wout, the known ones
     # (< ss, as read from the ring) and zeros from n on, so wout needs no copy before and no
@@ -1456,19 +1452,6 @@ def _records_kernel(
     else:
         kfirst = 0
 
-    # EARLY (a step that streams C: ZPRE, ONE, no PDL): Z and (GDN) the solved row's v and
-    # beta loaded before the stream, so that only arithmetic and the stores follow it
-    if EARLY:
-        Z, Zd = _z_from_launch(z_ptr, zd_ptr, b * G + g, idx, cx, LP, NX,
-                               SOLVE > 0 and GDN and NS > 0)
-        if GDN:  # (row ss's draft index, kept inside the drafts where nothing is solved)
-            if D_REL:
-                pd0 = ss - ss
-            else:
-                pd0 = tl.minimum(ss, TD - 1)
-            vd = tl.load(dv_ptr + ((b * TD + pd0) * H + h) * V + rows, mask=rmask, other=0.0)
-            bd = tl.load(dbeta_ptr + (b * TD + pd0) * H + h)
-
     # ---- Y = C X [BV, NX]: streamed here, or from the read pass (YPRE)
     if YPRE:
         if PDL:
@@ -1484,9 +1467,7 @@ def _records_kernel(
 
     # ---- Z = Kmat X [LP, NX]: k_i . x for every record slot i (ring rows < ss, then drafts);
     # per (sequence, key group): from the products launch (ZPRE) or here
-    if EARLY:
-        pass  # (Z loaded before the stream)
-    elif ZPRE:
+    if ZPRE:
         Z, Zd = _z_from_launch(z_ptr, zd_ptr, b * G + g, idx, cx, LP, NX,
                                SOLVE > 0 and GDN and NS > 0)
     else:
@@ -1507,9 +1488,7 @@ def _records_kernel(
     # ---- GDN: solve rows ss..n-1 (forward substitution, one row at a time; ONE: at most one
     # row, the decode step, without the loop)
     if GDN and SOLVE == 0:
-        if EARLY:
-            pass  # (the solved row's v and beta loaded before the stream)
-        elif PREFETCH:  # the solved rows' v and beta as tiles before the loop (no loads in it)
+        if PREFETCH:  # the solved rows' v and beta as tiles before the loop (no loads in it)
             vd = tl.load(dv_ptr + ((b * TD + di) * H + h)[:, None] * V + rows[None, :],
                          mask=drf[:, None] & rmask[None, :], other=0.0)  # [LP, BV] by slot
             bd = tl.load(dbeta_ptr + (b * TD + di) * H + h, mask=drf, other=0.0)
@@ -1519,8 +1498,7 @@ def _records_kernel(
         if ONE:
             if n > ss:
                 U = _solve_row(ss, U, Y, Z, cvec, idx, cx, vd, bd, rows, rmask, b, h, ss, dv_ptr,
-                               dbeta_ptr, wout_ptr, H, V, TD, WCAP, D_REL, PREFETCH, WRITE_W,
-                               EARLY)
+                               dbeta_ptr, wout_ptr, H, V, TD, WCAP, D_REL, PREFETCH, WRITE_W)
         else:
             for p in range(ss, n):
                 U = _solve_row(p, U, Y, Z, cvec, idx, cx, vd, bd, rows, rmask, b, h, ss, dv_ptr,
@@ -1569,7 +1547,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     read_pass: "tuple[int, int] | bool | None" = None,
                     pdl: bool | None = None, w_out_known: bool = False,
                     late_sum: int | None = None, split_x: bool = False,
-                    fold_x: "bool | str" = False, early_loads: bool = False) -> torch.Tensor:
+                    fold_x: "bool | str" = False) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -1741,16 +1719,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             keys they need) in a launch of their own before, once per (sequence, value head)
             (``_fold_coeffs_kernel``; no products launch then), so the records launch starts
             its stream of C at once. Default False.
-        early_loads: a step whose records launch streams C after a products launch without
-            ``pdl`` (at most one draft row, no matrix form, no read pass): Z and (GDN) the
-            solved row's v and beta loaded before the stream instead of after it, so that only
-            arithmetic and the stores follow the stream. The same values, so the same outputs
-            bit for bit. Ignored elsewhere. Default False.
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
-    fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x, fold_x,
-    early_loads) or an output
+    fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x, fold_x) or an
+    output
     that is not float32
     (w_out, out).
     """
@@ -1760,7 +1733,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (the kernel writes it in place)")
     _check_flags("", w_out_known=w_out_known, prefetch=prefetch, keys_first=keys_first,
-                 shared_products=shared_products, split_x=split_x, early_loads=early_loads)
+                 shared_products=shared_products, split_x=split_x)
     if not (isinstance(fold_x, bool) or fold_x == "launch"):
         raise ValueError(f"fold_x must be True, False or 'launch', got {fold_x!r}")
     if late_sum is not None and not (isinstance(late_sum, int) and not isinstance(late_sum, bool)
@@ -1935,8 +1908,6 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         y = o_arg
         flags["DOT"] = 2 if f16 else 3 if b16 else bool(use_dot)
     mpdl = pdl and (zpre or ypre or wpre)  # after a launch of this call
-    flags["EARLY"] = bool(early_loads and zpre and not ypre and not mpdl and TD == 1
-                          and not matrix and not forms["FOLD"] and not forms["SPLIT"])
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
                           num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
     return o
@@ -2110,7 +2081,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
         e2m1_decode: str | None = None, read_pass=None,
-        pdl: bool | None = None, late_sum: int | None = None, early_loads: bool | None = None):
+        pdl: bool | None = None, late_sum: int | None = None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -2128,8 +2099,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
-                  early_loads=early_loads)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
     _check_x16_dot(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
@@ -2145,7 +2115,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
         e2m1_decode: str | None = None, read_pass=None,
-        pdl: bool | None = None, late_sum: int | None = None, early_loads: bool | None = None):
+        pdl: bool | None = None, late_sum: int | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -2165,8 +2135,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
-                  early_loads=early_loads)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
     _check_x16_dot(read, cfg)
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}

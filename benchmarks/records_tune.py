@@ -359,6 +359,16 @@ FP8STEP_STEP_CANDIDATES = [_P] + [
         (64, 2, 64, 2), (32, 2, 64, 2), (128, 4, 64, 2))] + [
     (bv, 2, 128, 1, False) + _R8 + ((rb, rw),) for bv in (64, 128)
     for rb, rw in ((32, 2), (64, 2), (32, 1))]
+# --set f16c (2026-12-03, nineteenth session): fp16 read copies with C's products on float16
+# tensor cores (use_dot="f16x3": the copy's values as stored, X in three float16 terms)
+# against their defaults (tf32x3; GDN 378.8 / 738.7 us at h = 0 / 8 in records_tune_b16),
+# verify on b16's tiles and the step on the wrappers' tile; the defaults first.
+F16C_STEP_CANDIDATES = [_P, (None, None, None, None, "f16x3")]
+F16C_VERIFY_CANDIDATES = [_P] + [
+    (bv, w, kc, st, "f16x3") + _B10 + (sp,)
+    for bv, w, kc, st in ((128, 2, 16, 3), (128, 2, 32, 2), (128, 2, 32, 3), (64, 2, 32, 3),
+                          (64, 1, 32, 3))
+    for sp in (None, "ieee")]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -374,7 +384,8 @@ CANDIDATE_SET = "all"
 POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32",
                        "fp16": "read:fp16/rec:fp32"},
                "b16b": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32"},
-               "fp8step": {"fp8": "read:fp8e4m3/rec:fp32"}}
+               "fp8step": {"fp8": "read:fp8e4m3/rec:fp32"},
+               "f16c": {"fp16": "read:fp16/rec:fp32"}}
 
 
 def geometries(tiny: bool):
@@ -410,7 +421,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "fold2": ([], FOLD2_VERIFY_CANDIDATES),
                   "b16": (B16_STEP_CANDIDATES, B16_VERIFY_CANDIDATES),
                   "b16b": ([], B16B_VERIFY_CANDIDATES),
-                  "fp8step": (FP8STEP_STEP_CANDIDATES, [])}
+                  "fp8step": (FP8STEP_STEP_CANDIDATES, []),
+                  "f16c": (F16C_STEP_CANDIDATES, F16C_VERIFY_CANDIDATES)}
 
 
 def cases(M, T):
@@ -598,7 +610,8 @@ def main(argv=None):
                          "tensor cores, use_dot='bf16x3', against the defaults) or b16b "
                          "(GDN's bf16x3 default against tf32x3; Mamba-2's verify from fp8 on "
                          "2-warp tiles) or fp8step (the step from an fp8e4m3 copy: tiles, "
-                         "read pass)")
+                         "read pass) or f16c (fp16 read copies: C's products on float16 "
+                         "tensor cores, use_dot='f16x3', against the defaults)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -1475,8 +1475,9 @@ def test_records_configs(read_fmt, cfg):
 
 @triton.jit
 def _dot16_kernel(a_ptr, x_ptr, y_ptr, R: tl.constexpr, KC: tl.constexpr, NX: tl.constexpr,
-                  BF16: tl.constexpr):
-    """``records._dot_b16`` (``BF16``) or ``_dot_c16`` of ``a [R, KC]`` and ``x [KC, NX]``."""
+                  BF16: tl.constexpr, H16: tl.constexpr = False):
+    """``records._dot_b16`` (``BF16``), ``_dot_h16`` (``H16``) or ``_dot_c16`` of ``a [R, KC]``
+    and ``x [KC, NX]``."""
     r = tl.arange(0, R)
     k = tl.arange(0, KC)
     c = tl.arange(0, NX)
@@ -1484,17 +1485,19 @@ def _dot16_kernel(a_ptr, x_ptr, y_ptr, R: tl.constexpr, KC: tl.constexpr, NX: tl
     x = tl.load(x_ptr + k[:, None] * NX + c[None, :])
     if BF16:
         y = kr.records._dot_b16(a, x, tl.zeros([R, NX], tl.float32))
+    elif H16:
+        y = kr.records._dot_h16(a, x, tl.zeros([R, NX], tl.float32))
     else:
         y = kr.records._dot_c16(a, x, tl.zeros([R, NX], tl.float32))
     tl.store(y_ptr + r[:, None] * NX + c[None, :], y)
 
 
-def _dot16(a, x, bf16: bool):
+def _dot16(a, x, bf16: bool, h16: bool = False):
     """``_dot16_kernel`` on host tensors: ``y [R, NX]`` float32 on DEVICE."""
     (R, KC), NX = a.shape, x.shape[1]
     y = torch.empty(R, NX, device=DEVICE)
     _dot16_kernel[(1,)](_t(a.contiguous()), _t(x.contiguous()), y, R=R, KC=KC, NX=NX,
-                        BF16=bf16, num_warps=2)
+                        BF16=bf16, H16=h16, num_warps=2)
     return y
 
 
@@ -1599,14 +1602,20 @@ def test_x_split_read_pass_bit_exact(nc):
     assert torch.equal(_bits(y.cpu()[:, :nc]), _bits(q.t()[:R].contiguous()))
 
 
-@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_f16x3_products(gdn, monkeypatch):
-    """``use_dot="f16x3"`` (C's products on float16 tensor cores, nvfp4 only): the step (one
-    launch, splitting X in each program, and with a read pass, X split once per sequence and
-    key group by ``_x_split_kernel``) and verify match the torch references within the
-    outputs' tolerance, also with queries scaled by 2^-60 and 2^60 (the per-column
-    power-of-two scale of the split); other read copies are refused with a message naming
-    the copy."""
+@pytest.mark.parametrize("gdn,read_fmt", [(False, "nvfp4"), (True, "nvfp4"), (True, "fp16"),
+                                          pytest.param(False, "fp16", marks=SLOW)],
+                         ids=["mamba2-nvfp4", "gdn-nvfp4", "gdn-fp16", "mamba2-fp16"])
+def test_f16x3_products(gdn, read_fmt, monkeypatch):
+    """``use_dot="f16x3"`` (C's products on float16 tensor cores, nvfp4 and fp16 copies): the
+    step (one launch, splitting X in each program, and with a read pass; from nvfp4 X split
+    once per sequence and key group by ``_x_split_kernel``) and verify match the torch
+    references within the outputs' tolerance, also with queries scaled by 2^-60 and 2^60 (the
+    per-column power-of-two scale of the split); the read copy's launches take the float16
+    products (DOT 2, launch spy); other read copies are refused with a message naming the
+    copy. From fp16 (GDN): where the anchor is the read copy (shared:fp16) the re-solving
+    anchor launch keeps tf32x3 with X split, and an nvfp4 read copy over an fp16 anchor
+    (read:nvfp4/rec:fp16, the nvfp4 default's f16x3) leaves the fp16 anchor's launch on
+    tf32x3 as before fp16 copies could take float16 products."""
     splits = []
     real_split = kr.records._x_split_kernel
 
@@ -1616,10 +1625,12 @@ def test_f16x3_products(gdn, monkeypatch):
             return real_split[grid]
 
     monkeypatch.setattr(kr.records, "_x_split_kernel", Counting())
+    spy = _LaunchSpy(kr.records._records_kernel)
+    monkeypatch.setattr(kr.records, "_records_kernel", spy)
     gen = _gen(61)
     h = _t(torch.tensor([2, 0]))
     b = torch.arange(B, device=DEVICE)
-    R, R_st, ring = _ring_state_k(gen, "nvfp4", gdn, K2)
+    R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
     nla, nk, nv = (ring[n_][:, -1].clone() for n_ in ("la", "k", "v"))
     ref = {n_: t.clone() for n_, t in ring.items()}
     J = int(h.max()) + 1
@@ -1646,8 +1657,11 @@ def test_f16x3_products(gdn, monkeypatch):
                 got = kr.mamba2_step_kernel(R_st, rg, nla, nv, nk, q, h, use_dot="f16x3",
                                             read_pass=rp, block_v=16)
             torch.testing.assert_close(got, want, **tol)
-            assert len(splits) == (1 if rp else 0), (rp, splits)
+            assert len(splits) == (1 if rp and read_fmt == "nvfp4" else 0), (rp, splits)
             splits.clear()
+            # C's launch (the first records launch, or the read pass) on float16 products
+            assert spy.calls[0]["DOT"] == 2, [kw["DOT"] for kw in spy.calls]
+            spy.calls.clear()
     A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
     if gdn:
         got, ug = kr.gdn_verify_kernel(R_st, A, *args, use_dot="f16x3", block_v=16)
@@ -1655,6 +1669,25 @@ def test_f16x3_products(gdn, monkeypatch):
     else:
         got = kr.mamba2_verify_kernel(R_st, A, *args, use_dot="f16x3", block_v=16)
     torch.testing.assert_close(got, want, **TOL)
+    assert spy.calls[0]["DOT"] == 2, [kw["DOT"] for kw in spy.calls]
+    if gdn and read_fmt == "fp16":
+        # shared:fp16: the re-solving anchor launch on tf32x3 with X split
+        spy.calls.clear()
+        want_s, uw_s = gdn_verify(R, R, *args)
+        got_s, ug_s = kr.gdn_verify_kernel(R_st, R_st, *args, use_dot="f16x3", block_v=16)
+        torch.testing.assert_close(got_s, want_s, **TOL)
+        torch.testing.assert_close(ug_s, uw_s, **TOL)
+        seen = [(kw["DOT"], kw["SPLIT"]) for kw in spy.calls]
+        assert seen[0][0] == 2 and seen[1] == (True, True), seen
+        # read:nvfp4/rec:fp16 at the nvfp4 default (f16x3): the fp16 anchor's launch on tf32x3
+        spy.calls.clear()
+        N_st = pack(R.contiguous(), "nvfp4", seed=SEED, backend="torch")
+        want_n, uw_n = gdn_verify(N_st.dequantize(), R, *args)
+        got_n, ug_n = kr.gdn_verify_kernel(N_st, R_st, *args)
+        torch.testing.assert_close(got_n, want_n, **TOL)
+        torch.testing.assert_close(ug_n, uw_n, **TOL)
+        seen = [(kw["DOT"], kw["SPLIT"]) for kw in spy.calls if not kw.get("YOUT")]
+        assert seen[0][0] == 2 and seen[-1] == (True, True), seen
     _, M_st, _ = _ring_state_k(gen, "mxfp4", gdn, K2)
     with pytest.raises(ValueError, match="f16x3.*mxfp4"):
         if gdn:
@@ -1700,6 +1733,39 @@ def test_f16x3_step_batch_invariant(gdn):
             assert torch.equal(_bits(both[b]), _bits(step([b], rp)[0])), (rp, b)
 
 
+def test_dot_h16_fp32_accuracy():
+    """``records._dot_h16`` (``use_dot="f16x3"`` from an fp16 copy): ``a x`` for float16 ``a``
+    of random bit patterns over float16's whole finite range (subnormals to 65504) and float32
+    ``x`` with columns 2^-100 .. 2^100 apart (one all zero, one with elements 2^-30 below its
+    largest), against the float64 product: within 8 float32 ulps of ``|a| |x|`` (three
+    products of K = 64 accumulate in float32 over a's 40 binades; 4 ulps suffice for
+    ``_dot_c16``'s and ``_dot_b16``'s narrower a, the measured worst here is about 5) plus
+    2^-36 ``sum|a|`` times the column's largest magnitude (the split's per-column bound:
+    elements far below their column's largest lose low bits to float16's subnormals); zero for
+    the zero column; and exactly x's elements through rows of a that pick one element
+    each."""
+    gen = _gen(79)
+    R, KC, NX = 32, 64, 16
+    bits = torch.randint(0, 1 << 16, (R, KC), generator=gen, dtype=torch.int32)
+    bits = torch.where((bits >> 10) & 31 == 31, bits & ~(31 << 10), bits)  # no inf / nan
+    a = bits.to(torch.int16).view(torch.float16)
+    assert bool(a.isfinite().all()) and float(a.abs().max()) > 1e4 and bool((a.abs() < 6e-5).any())
+    x = _wide_x(gen, KC, NX)
+    y = _dot16(a, x, bf16=False, h16=True)
+    a64, x64 = a.double(), x.double()
+    want = a64 @ x64
+    bound = (8 * 2.0 ** -24 * (a64.abs() @ x64.abs())
+             + 2.0 ** -36 * a64.abs().sum(1, keepdim=True) * x64.abs().amax(0, keepdim=True))
+    err = (y.cpu().double() - want).abs()
+    assert bool((err <= bound).all()), float((err / bound.clamp_min(1e-300)).max())
+    assert torch.equal(y.cpu()[:, 3], torch.zeros(R))
+    a1 = torch.zeros(R, KC, dtype=torch.float16)
+    a1[torch.arange(R), torch.arange(R)] = 1.0
+    x1 = _full_bits_x(gen, KC, NX, -100)
+    y = _dot16(a1, x1, bf16=False, h16=True)
+    assert torch.equal(_bits(y.cpu()), _bits(x1[:R]))
+
+
 def test_dot_b16_fp32_accuracy():
     """``records._dot_b16`` (the bfloat16 tensor-core products of ``use_dot="bf16x3"``): ``a
     x`` for bfloat16 ``a`` (random bf16 values, and fp8 E4M3 values through bfloat16) and
@@ -1727,18 +1793,24 @@ def test_dot_b16_fp32_accuracy():
 
 
 # each format and each family once in the default suite (about 7 s each under the interpreter
-# on 2 cores); the other three pairs with -m slow
-@pytest.mark.parametrize("gdn,read_fmt", [
-    (True, "bf16"), (False, "fp8e4m3"), (True, "fp8e5m2"),
-    pytest.param(False, "bf16", marks=SLOW), pytest.param(True, "fp8e4m3", marks=SLOW),
-    pytest.param(False, "fp8e5m2", marks=SLOW)])
-def test_bf16x3_products(gdn, read_fmt, monkeypatch):
-    """``use_dot="bf16x3"`` (C's products on bfloat16 tensor cores, bf16 and fp8 copies): the
-    step and verify (a draft on the flush slot: the FP32 anchor then takes tf32x3) match the
-    torch references within the outputs' tolerance, also with queries scaled by 2^-60 and
-    2^60; the launch takes the bfloat16 path (``DOT == 3``) for the read copy only; each
-    sequence gets the same bits alone as in the batch; copies bfloat16 does not hold exactly
-    (fp16, FP32, nvfp4) are refused with a message naming the copy."""
+# on 2 cores); the other pairs with -m slow
+@pytest.mark.parametrize("dot,gdn,read_fmt", [
+    ("bf16x3", True, "bf16"), ("bf16x3", False, "fp8e4m3"), ("bf16x3", True, "fp8e5m2"),
+    ("f16x3", True, "fp16"),
+    pytest.param("bf16x3", False, "bf16", marks=SLOW),
+    pytest.param("bf16x3", True, "fp8e4m3", marks=SLOW),
+    pytest.param("bf16x3", False, "fp8e5m2", marks=SLOW),
+    pytest.param("f16x3", False, "fp16", marks=SLOW)])
+def test_16bit_products(dot, gdn, read_fmt, monkeypatch):
+    """``use_dot="bf16x3"`` (C's products on bfloat16 tensor cores, bf16 and fp8 copies) and
+    ``"f16x3"`` from an fp16 copy (float16 tensor cores, C's values as stored): the step and
+    verify (a draft on the flush slot: the FP32 anchor then takes tf32x3) match the torch
+    references within the outputs' tolerance, also with queries scaled by 2^-60 and 2^60; the
+    launch takes the 16-bit path (``DOT`` 3 or 2) for the read copy only; each sequence gets
+    the same bits alone as in the batch; copies the 16-bit type does not hold exactly are
+    refused with a message naming the copy (bf16x3: fp16, FP32, nvfp4; f16x3: bf16, FP32,
+    mxfp4). (nvfp4's f16x3: ``test_f16x3_products``.)"""
+    dotv = 3 if dot == "bf16x3" else 2
     spy = _LaunchSpy(kr.records._records_kernel)
     monkeypatch.setattr(kr.records, "_records_kernel", spy)
     dots = lambda: [kw["DOT"] for kw in spy.calls]  # noqa: E731
@@ -1759,21 +1831,19 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
                 ref[n_][b, h] = t
             want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
                                        ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
-            got = kr.gdn_step_kernel(R_st, rg, q, nk, nv, nla, nb, h, use_dot="bf16x3",
-                                     block_v=16)
+            got = kr.gdn_step_kernel(R_st, rg, q, nk, nv, nla, nb, h, use_dot=dot, block_v=16)
             torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
         else:
             for n_, t in (("la", nla), ("v", nv), ("k", nk)):
                 ref[n_][b, h] = t
             want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
                                       h + 1)
-            got = kr.mamba2_step_kernel(R_st, rg, nla, nv, nk, q, h, use_dot="bf16x3",
-                                        block_v=16)
+            got = kr.mamba2_step_kernel(R_st, rg, nla, nv, nk, q, h, use_dot=dot, block_v=16)
         torch.testing.assert_close(got, want, **tol)
-        # C's products on bfloat16 tensor cores in the first launch: the only one, or the read
+        # C's products on 16-bit tensor cores in the first launch: the only one, or the read
         # pass of GDN's fp8 default, whose records launch then forms the rest by reductions
         d = dots()
-        assert d and d[0] == 3 and all(x in (3, False) for x in d[1:]), d
+        assert d and d[0] == dotv and all(x in (dotv, False) for x in d[1:]), d
         spy.calls.clear()
     A, args, want, uw = _verify_case(gen, R, ring, gdn, K2)
 
@@ -1783,15 +1853,15 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
         sub = dataclasses.replace(R_st, codes=cut(R_st.codes), block_scales=cut(R_st.block_scales),
                                   matrix_scale=cut(R_st.matrix_scale),
                                   shape=torch.Size((len(idx), *R_st.shape[1:])))
-        kw = dict(use_dot="bf16x3", block_v=16, solve="inverse")
+        kw = dict(use_dot=dot, block_v=16, solve="inverse")
         if gdn:
             return kr.gdn_verify_kernel(sub, A[idx].contiguous(), *a, **kw)
         return (kr.mamba2_verify_kernel(sub, A[idx].contiguous(), *a, **kw),)
 
     got = verify([0, 1])
-    # the read copy's launch on bfloat16 tensor cores, the FP32 anchor's on tf32x3
+    # the read copy's launch on 16-bit tensor cores, the FP32 anchor's on tf32x3
     d = dots()
-    assert d[0] == 3 and 3 not in d[1:] and len(d) >= 2, d
+    assert d[0] == dotv and dotv not in d[1:] and len(d) >= 2, d
     torch.testing.assert_close(got[0], want, **TOL)
     if gdn:
         torch.testing.assert_close(got[1], uw, **TOL)
@@ -1801,14 +1871,14 @@ def test_bf16x3_products(gdn, read_fmt, monkeypatch):
         for j, (g_, r_) in enumerate(zip(got, rev, strict=True)):
             assert torch.equal(_bits(g_[i]), _bits(r_[B - 1 - i])), (i, j)
             assert torch.equal(_bits(g_[i]), _bits(alone[j][0])), (i, j)
-    for bad in ("fp16", "fp32", "nvfp4"):
+    for bad in ("fp16", "fp32", "nvfp4") if dot == "bf16x3" else ("bf16", "fp32", "mxfp4"):
         _, X_st, _ = _ring_state_k(gen, bad, gdn, K2)
-        with pytest.raises(ValueError, match=f"bf16x3.*{bad}" if bad != "fp32" else
-                           "bf16x3.*float32"):
+        with pytest.raises(ValueError, match=f"{dot}.*{bad}" if bad != "fp32" else
+                           f"{dot}.*float32"):
             if gdn:
-                kr.gdn_verify_kernel(X_st, A, *args, use_dot="bf16x3", block_v=16)
+                kr.gdn_verify_kernel(X_st, A, *args, use_dot=dot, block_v=16)
             else:
-                kr.mamba2_verify_kernel(X_st, A, *args, use_dot="bf16x3", block_v=16)
+                kr.mamba2_verify_kernel(X_st, A, *args, use_dot=dot, block_v=16)
 
 
 @pytest.mark.parametrize("gdn,read_fmt", [(True, "fp8e4m3"), (False, "fp8e4m3"),
@@ -1823,7 +1893,7 @@ def test_defaults_from_fp8_copies(gdn, read_fmt, monkeypatch):
     shared:bf16) GDN's re-solving anchor launch keeps tf32x3 with X split (its timed form;
     bfloat16 products would turn the split off); with ``fold_cached_corrections`` the anchor
     launch keeps the first launch's small-product precision. (bf16's verify shares GDN's branch, with
-    -m slow; its values with bf16x3 are in ``test_bf16x3_products``.)"""
+    -m slow; its values with bf16x3 are in ``test_16bit_products``.)"""
     spy = _LaunchSpy(kr.records._records_kernel)
     monkeypatch.setattr(kr.records, "_records_kernel", spy)
     launches = lambda: [(kw["DOT"], kw["num_warps"], kw["PREC"]) for kw in spy.calls]  # noqa: E731

@@ -20,8 +20,8 @@ issues its record loads (``la``, ``w`` of its rows), then streams C along K in c
 columns (``tl.range`` with ``num_stages``) and forms ``Y = C X`` for all the vectors it needs at
 once: X holds the k of the rows it solves (GDN) and the queries (``[BV, NX]``; ``tl.dot`` with
 ``input_precision=PREC`` (FP32 FMA or tf32x3) for verify / the flush solve, per-vector
-reductions for the step; from nvfp4, ``use_dot="f16x3"``: float16 tensor cores on exact
-float16 values of C and X in three float16 terms, the nvfp4 verify default), then ``Z = K X``
+reductions for the step; from nvfp4 and fp16, ``use_dot="f16x3"``: float16 tensor cores on
+exact float16 values of C and X in three float16 terms, the nvfp4 verify default), then ``Z = K X``
 over the record keys (or, with ``shared_products``, reads ``Z`` from a small launch before it,
 ``_key_products_kernel``, that forms it once per (sequence, key group)); the solve and the
 outputs then work on these small products. Codes are decoded by the decoders of ``codec``
@@ -276,7 +276,8 @@ def _c_rows(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.con
 def _c_rows_b16(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.constexpr):
     """``_c_rows`` as bfloat16 ``[BV, KC]`` for copies whose values bfloat16 holds exactly
     (bf16 values as stored; fp8 E4M3 / E5M2 codes decoded, before the matrix scale: 3 or 2
-    mantissa bits and exponents well inside bfloat16's), for ``_dot_b16``."""
+    mantissa bits and exponents well inside bfloat16's), for ``_dot_b16``; an fp16 copy's
+    values as stored (float16), for ``_dot_h16``."""
     kk = k0 + tl.arange(0, KC)
     x = tl.load(c_ptr + rowg[:, None] * K + kk[None, :], mask=rmask[:, None], other=0)
     if D.KIND == 1:
@@ -377,6 +378,24 @@ def _dot_c16(a, x, acc):
     d = tl.dot(a, mid, d)
     d = tl.dot(a, hi, d)
     return acc + d * inv[None, :]
+
+
+@triton.jit
+def _dot_h16(a, x, acc):
+    """``acc + a x`` (``[R, NX]`` float32) for float16 ``a [R, KC]`` (an fp16 copy's values as
+    stored) and float32 ``x [KC, NX]``, on float16 tensor cores with float32 accumulation
+    (``use_dot="f16x3"`` from an fp16 copy): ``_dot_c16``'s split of x (each column scaled
+    by a power of two s, three float16 terms) and products (a float16 value times a float16
+    term is exact in float32: at most 22 significant bits, magnitudes 2^-48 .. 2^31), the sum
+    scaled by ``1 / s`` (a power of two) instead of ``2^14 / s``, since a holds the copy's
+    values themselves. The error bound is ``_dot_c16``'s: relative to ``max|x| sum|a|`` per
+    column (elements below about 2^-14 of their column's largest lose low bits to float16's
+    subnormals)."""
+    hi, mid, lo, inv = _split_f16(x)
+    d = tl.dot(a, lo)
+    d = tl.dot(a, mid, d)
+    d = tl.dot(a, hi, d)
+    return acc + d * (inv * 0.00006103515625)[None, :]  # 2^14 / s times 2^-14: exact
 
 
 @triton.jit
@@ -959,6 +978,10 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
             if DOT == 3:  # bf16 / fp8 values on bfloat16 tensor cores (use_dot="bf16x3")
                 Y = _dot_b16(_c_rows_b16(c_ptr, rowg, rmask, k0, K, KC, C),
+                             _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + tl.arange(0, KC),
+                                 K, XW, FOLD, PREC), Y)
+            elif DOT == 2:  # fp16 values on float16 tensor cores (use_dot="f16x3")
+                Y = _dot_h16(_c_rows_b16(c_ptr, rowg, rmask, k0, K, KC, C),
                              _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + tl.arange(0, KC),
                                  K, XW, FOLD, PREC), Y)
             else:
@@ -1583,14 +1606,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             with C and the keys instead of per-vector reductions (``True`` or ``"ieee"``: FP32
             FMA; ``"tf32x3"``: three TF32 tensor-core products with the split operands, about
             FP32 accuracy (error ~2^-21 relative per product, within the outputs' 1e-5
-            tolerance); ``"f16x3"``, nvfp4 copies only: C's products on float16 tensor cores
-            from exact float16 values of its codes times their block scales and three float16
-            terms of X (``_c_blocks_f16``, ``_dot_c16``; a read pass with at most 4 vectors
-            takes X split once per (sequence, key group) by ``_x_split_kernel`` and
-            ``_c_times_x16``; about FP32 accuracy; any other copy,
+            tolerance); ``"f16x3"``, nvfp4 and fp16 copies: C's products on float16 tensor
+            cores from exact float16 values of its codes times their block scales (nvfp4) or
+            its values as stored (fp16) and three float16 terms of X (``_c_blocks_f16``,
+            ``_dot_c16``; fp16: ``_c_rows_b16``, ``_dot_h16``; an nvfp4 read pass with at
+            most 4 vectors takes X split once per (sequence, key group) by
+            ``_x_split_kernel`` and ``_c_times_x16``; about FP32 accuracy, the error relative
+            to ``max|x| sum|a|`` per column; any other copy,
             such as verify's FP32 anchor, the products with the keys and the matrix forms'
             small products then take ``"tf32x3"``; the step and verify wrappers refuse it
-            for a read copy that is not nvfp4); ``"bf16x3"``, copies whose values bfloat16
+            for a read copy that is neither); ``"bf16x3"``, copies whose values bfloat16
             holds exactly (bf16; fp8e4m3 and fp8e5m2 codes, before their matrix scale): C's
             products on bfloat16 tensor cores, C loaded as bfloat16 and X in three bfloat16
             terms (``_c_rows_b16``, ``_dot_b16``; the split is exact for float32 X, so the
@@ -1822,7 +1847,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         raise ValueError(f"e2m1_decode='half' folds 2^14 into E4M3 block scales (nvfp4); this "
                          f"copy is {spec}")
     C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
-    f16 = use_dot == "f16x3" and C.KIND == _K_NVFP4  # C's products on float16 tensor cores
+    # C's products on float16 tensor cores: nvfp4 (E2M1 x E4M3 values, exact in float16)
+    # or fp16 values as stored
+    f16 = use_dot == "f16x3" and (C.KIND == _K_NVFP4 or _f16_exact(C))
     b16 = use_dot == "bf16x3" and _bf16_exact(C)  # C's products on bfloat16 tensor cores
     consts = dict(K=K, LP=LP, NS=NS, NC=NC, NX=NX, KC=KC, STAGES=num_stages or 1,
                   DOT=bool(main_dot), PREC=prec, GDN=gdn, D_REL=draft_relative,
@@ -1872,7 +1899,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     args = (c, cbs, cms, ring_la, ring_k, ring_w, dla, dk, dv, dbeta, q_arg, o_arg, start, rows,
             out_start, wo, a_la, a_k, a_v, a_beta, z, zd)
     nxs = triton.next_power_of_2(max(NC, 1))
-    xsplit = ypre and f16 and 3 * nxs <= MIN_DOT  # X split once per (sequence, key group)
+    # X split once per (sequence, key group): nvfp4's read pass (_c_times_x16)
+    xsplit = ypre and f16 and C.KIND == _K_NVFP4 and 3 * nxs <= MIN_DOT
     if xsplit:
         x16 = torch.empty(B * G, K, MIN_DOT, dtype=torch.float16, device=q.device)
         xinv = torch.empty(B * G, nxs, dtype=torch.float32, device=q.device)
@@ -1958,9 +1986,22 @@ def _pdl_launch(on: bool) -> dict:
     return dict(PDL=True, launch_pdl=True) if on else {}
 
 
+def _x16_not_kept(cfg: dict, anchor) -> bool:
+    """Whether GDN's re-solving anchor launch drops the read copy's 16-bit products for
+    tf32x3 (with its split X): ``bf16x3`` always, ``f16x3`` unless the anchor is nvfp4 (whose
+    anchor launch took them before fp16 copies could)."""
+    use_dot = cfg.get("use_dot")
+    return use_dot == "bf16x3" or (use_dot == "f16x3" and not _nvfp4(anchor))
+
+
 def _nvfp4(read) -> bool:
     """Whether a stored copy is nvfp4 (E2M1 codes with E4M3 block scales)."""
     return isinstance(read, PackedTensor) and _decode_consts(read.spec).KIND == _K_NVFP4
+
+
+def _f16(read) -> bool:
+    """Whether a stored copy holds float16 values (fp16: ``use_dot="f16x3"``)."""
+    return isinstance(read, PackedTensor) and _f16_exact(_decode_consts(read.spec))
 
 
 def _b16(read) -> bool:
@@ -2017,8 +2058,8 @@ def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot,
                                    or num_stages < 1):
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     if not (use_dot is True or use_dot is False or use_dot in ("ieee", "tf32x3", *X16_DOTS)):
-        raise ValueError(f"use_dot must be False, True, 'ieee', 'tf32x3', 'f16x3' (nvfp4 "
-                         f"copies) or 'bf16x3' (bf16 and fp8 copies), got {use_dot!r}")
+        raise ValueError(f"use_dot must be False, True, 'ieee', 'tf32x3', 'f16x3' (nvfp4 and "
+                         f"fp16 copies) or 'bf16x3' (bf16 and fp8 copies), got {use_dot!r}")
     if not (isinstance(solve, str) and solve in SOLVE_FORMS):
         raise ValueError(f"solve must be one of {', '.join(map(repr, SOLVE_FORMS))}, "
                          f"got {solve!r}")
@@ -2026,19 +2067,26 @@ def _check_launch(*, block_v, num_warps, k_chunk, num_stages, use_dot,
 
 def _check_x16_dot(read, cfg: dict) -> None:
     """ValueError when ``use_dot="f16x3"`` is asked of a step or verify whose read copy is not
-    nvfp4 (the float16 products need its exact E2M1 times E4M3 values), or ``"bf16x3"`` of
-    one whose values bfloat16 does not hold exactly (bf16 and fp8 copies do)."""
+    nvfp4 or fp16 (the float16 products need values float16 holds exactly: E2M1 times E4M3,
+    or fp16's own), or ``"bf16x3"`` of one whose values bfloat16 does not hold exactly (bf16
+    and fp8 copies do)."""
     use_dot = cfg.get("use_dot")
     if use_dot not in X16_DOTS:
         return
     spec = read.spec if isinstance(read, PackedTensor) else f"a {read.dtype} tensor"
-    if use_dot == "f16x3" and not _nvfp4(read):
-        raise ValueError(f"use_dot='f16x3' needs an nvfp4 read copy (float16 tensor-core "
-                         f"products of its exact values), got {spec}; use 'tf32x3'")
+    if use_dot == "f16x3" and not (_nvfp4(read) or _f16(read)):
+        raise ValueError(f"use_dot='f16x3' needs an nvfp4 or fp16 read copy (float16 "
+                         f"tensor-core products of its exact values), got {spec}; use "
+                         f"'tf32x3'")
     if use_dot == "bf16x3" and not _b16(read):
         raise ValueError(f"use_dot='bf16x3' needs a bf16 or fp8 (fp8e4m3, fp8e5m2) read copy "
                          f"(bfloat16 tensor-core products of its exact values), got {spec}; "
                          f"use 'tf32x3'")
+
+
+def _f16_exact(C) -> bool:
+    """Whether an unblocked stored copy (``DecodeConsts`` ``C``) holds float16 values (fp16)."""
+    return C.KIND == 1 and not C.BF16
 
 
 def _bf16_exact(C) -> bool:
@@ -2358,9 +2406,11 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
         # launch cannot split, an nvfp4 anchor's float16 products, folding it was never
         # timed); chunks of K that this anchor can take; bfloat16 products (bf16x3) are the
         # read copy's launch's: this one keeps tf32x3 and its split X, also where the anchor
-        # is that copy (shared:bf16, shared:fp8e4m3; bf16x3 would turn the split off, untimed)
+        # is that copy (shared:bf16, shared:fp8e4m3; bf16x3 would turn the split off, untimed);
+        # so do float16 products (f16x3) but from an nvfp4 anchor (shared:nvfp4, as before):
+        # an fp16 anchor (read:nvfp4/rec:fp16, shared:fp16) keeps its timed tf32x3 form
         acfg = _chunks_for(_config({"split_x": True, **cfg, "fold_x": fold_x or False,
-                                    **({"use_dot": "tf32x3"} if cfg.get("use_dot") == "bf16x3"
+                                    **({"use_dot": "tf32x3"} if _x16_not_kept(cfg, anchor)
                                        else {})},
                                    block_v=anchor_block_v), anchor)
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known,

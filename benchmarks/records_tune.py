@@ -467,8 +467,8 @@ def skip(M, c, fmt):
         return True  # programmatic dependent launch: CUDA only (refused by the interpreter)
     if len(c) > 12 and c[12] is not None and fmt != "nvfp4":
         return True  # the E2M1 decoder: only an nvfp4 read copy decodes E2M1 codes
-    if len(c) > 4 and c[4] == "f16x3" and fmt != "nvfp4":
-        return True  # float16 products of exact E2M1 x E4M3 values: an nvfp4 read copy only
+    if len(c) > 4 and c[4] == "f16x3" and fmt not in ("nvfp4", "fp16"):
+        return True  # float16 products of exact values: nvfp4 and fp16 read copies only
     if len(c) > 13 and c[13] and M.V >= 64 and c[13][0] > M.V:
         return True  # a read-pass tile larger than the value dim: same work, masked
     if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):

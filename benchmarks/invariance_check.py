@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from _commit import code_commit, git_commit  # noqa: E402  (benchmarks/, the script's directory)
 from test_invariance import FAMILIES, POLICIES, L, _inputs, _rows, _run  # noqa: E402
 
+from replayssm_quant.policy import StatePolicy  # noqa: E402
+
 
 def _count(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.contiguous().view(torch.int32) != b.contiguous().view(torch.int32)).sum())
@@ -82,14 +84,14 @@ def layer_checks(device: str) -> list[dict]:
 DECODE_POLICIES = ("fp32", "read:nvfp4/rec:fp16+sr", "shared:fp8e4m3+sr", "shared:nvfp4")
 
 
-def decode_checks() -> list[dict]:
+def decode_checks(policies=DECODE_POLICIES) -> list[dict]:
     """Batch and position invariance of the decode state objects on their kernels (device:
-    the test module's, CUDA unless TRITON_INTERPRET=1)."""
+    the test module's, CUDA unless TRITON_INTERPRET=1), for each of ``policies``."""
     from test_replay_kernels import _decode_run
 
     rows = []
     for family in FAMILIES:
-        for policy in DECODE_POLICIES:
+        for policy in policies:
             full = _decode_run(family, policy, [0, 1, 2], "triton")
             rev = _decode_run(family, policy, [2, 1, 0], "triton")
             batch = position = elements = 0
@@ -141,7 +143,11 @@ def main(argv=None) -> int:
     p.add_argument("--decode-only", action="store_true",
                    help="only the decode state objects' check (serving kernels; its device is "
                         "CUDA unless TRITON_INTERPRET=1, as in tests/test_replay_kernels.py)")
+    p.add_argument("--decode-policies", nargs="+", default=list(DECODE_POLICIES),
+                   help=f"the decode level's policies (default: {' '.join(DECODE_POLICIES)})")
     a = p.parse_args(argv)
+    for pol in a.decode_policies:  # a bad policy string fails here, before any run
+        StatePolicy.parse(pol)
     res = {
         "command": "invariance_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -149,7 +155,7 @@ def main(argv=None) -> int:
         "code_commit": code_commit(),
         "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
-        "decode": decode_checks(),
+        "decode": decode_checks(a.decode_policies),
         "layer": [] if a.decode_only else layer_checks(a.device),
         "runner": [] if (a.layer_only or a.decode_only) else runner_checks(a.device),
     }

@@ -1612,7 +1612,8 @@ def test_f16x3_products(gdn, read_fmt, monkeypatch):
     references within the outputs' tolerance, also with queries scaled by 2^-60 and 2^60 (the
     per-column power-of-two scale of the split); the read copy's launches take the float16
     products (DOT 2, launch spy); other read copies are refused with a message naming the
-    copy. From fp16 (GDN): where the anchor is the read copy (shared:fp16) the re-solving
+    copy. From fp16 (GDN): the default verify takes it (``GDN_VERIFY_F16_CONFIG``); where
+    the anchor is the read copy (shared:fp16) the re-solving
     anchor launch keeps tf32x3 with X split, and an nvfp4 read copy over an fp16 anchor
     (read:nvfp4/rec:fp16, the nvfp4 default's f16x3) leaves the fp16 anchor's launch on
     tf32x3 as before fp16 copies could take float16 products."""
@@ -1688,6 +1689,16 @@ def test_f16x3_products(gdn, read_fmt, monkeypatch):
         torch.testing.assert_close(ug_n, uw_n, **TOL)
         seen = [(kw["DOT"], kw["SPLIT"]) for kw in spy.calls if not kw.get("YOUT")]
         assert seen[0][0] == 2 and seen[-1] == (True, True), seen
+        # the default from an fp16 copy (GDN_VERIFY_F16_CONFIG, timed 2026-12-03): f16x3 on
+        # the FP32 tile, the FP32 anchor's launch on tf32x3
+        spy.calls.clear()
+        got_d, ug_d = kr.gdn_verify_kernel(R_st, A, *args)
+        torch.testing.assert_close(got_d, want, **TOL)
+        torch.testing.assert_close(ug_d, uw, **TOL)
+        seen = [(kw["DOT"], kw["num_warps"], kw["KC"]) for kw in spy.calls]
+        cfg = kr.records.GDN_VERIFY_F16_CONFIG
+        assert seen[0] == (2, cfg["num_warps"], min(K2, cfg["k_chunk"])), seen
+        assert all(d is True for d, _, _ in seen[1:]) and len(seen) >= 2, seen
     _, M_st, _ = _ring_state_k(gen, "mxfp4", gdn, K2)
     with pytest.raises(ValueError, match="f16x3.*mxfp4"):
         if gdn:

@@ -154,9 +154,18 @@ GDN_VERIFY_BLOCKED_CONFIG = dict(GDN_VERIFY_CONFIG, num_warps=4, k_chunk=64, num
 # launch stays tf32x3): bf16 379.2 / 742.7 -> 334.9 / 696.4 us, fp8e4m3 438.4 / 799.7 ->
 # 384.7 / 745.7 us (chunks of 32 with 3 stages: 318.1 / 752.5 from bf16, a worse h = 8; the
 # small products in FP32 FMA, 64-row and 4-warp tiles slower). fp16 copies (not exact in
-# bfloat16) keep GDN_VERIFY_CONFIG (378.8 / 738.7 us). The step with it was slower on every
+# bfloat16) kept GDN_VERIFY_CONFIG (378.8 / 738.7 us; since the nineteenth session
+# GDN_VERIFY_F16_CONFIG, below). The step with it was slower on every
 # tile tried (bf16 111.3 -> 198.3-241.2 us: its 2 columns padded to 16).
 GDN_VERIFY_B16_CONFIG = dict(GDN_VERIFY_CONFIG, use_dot="bf16x3")
+# GDN from an fp16 copy since 2026-12-03 (nineteenth session, records_tune --set f16c --timing
+# graph, records_tune_f16c_h200.json, B = 256, h = 0 / h = 8): the FP32 tile with C's products
+# on float16 tensor cores (use_dot="f16x3", the copy's values as stored; the FP32 anchor launch
+# stays tf32x3): 375.6 / 734.5 -> 341.0 / 700.1 us (chunks of 32 with 3 stages: 325.0 / 756.5,
+# a worse h = 8; 64-row tiles and the small products in FP32 FMA slower). Mamba-2's verify and
+# both steps from fp16 were slower with it (Mamba-2 verify 294.7 / 556.6 -> 324.5 / 587.1 at
+# best, X padded from 8 to 16 columns; steps: GDN 111.1 -> 172.6, Mamba-2 189.7 -> 308.7).
+GDN_VERIFY_F16_CONFIG = dict(GDN_VERIFY_CONFIG, use_dot="f16x3")
 # Mamba-2's verify with shared_products (its 128 heads share one key group): records_tune
 # --set shared --timing both, B = 256, CUDA-graph medians (records_tune_shared_graph_h200.json):
 # fp32 790 / 796 -> 577 / 582 us (h = 0 / 8), nvfp4 1228 / 1546 -> 834 / 1071 us; GDN's
@@ -2310,7 +2319,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     that runs only for those sequences (no host synchronisation).
     Returns ``(o [B,T,HV,DV], uR [B,J,HV,DV])``. Launch configuration: ``GDN_VERIFY_CONFIG``
     (``GDN_VERIFY_NVFP4_CONFIG`` for an nvfp4 read copy, ``GDN_VERIFY_B16_CONFIG`` for a bf16
-    or fp8 one, ``GDN_VERIFY_BLOCKED_CONFIG`` for
+    or fp8 one, ``GDN_VERIFY_F16_CONFIG`` for an fp16 one, ``GDN_VERIFY_BLOCKED_CONFIG`` for
     an mx one) unless given (``read_pass``: ``(block_v, num_warps)`` of a launch of its own
     for the products with the stored copy, see :func:`records_outputs`; ``pdl``: programmatic
     dependent launch between the launches of one records call). ``solve``:
@@ -2346,6 +2355,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_VERIFY_NVFP4_CONFIG if _nvfp4(read) else
                   GDN_VERIFY_B16_CONFIG if _b16(read) else
+                  GDN_VERIFY_F16_CONFIG if _f16(read) else
                   GDN_VERIFY_BLOCKED_CONFIG if blocked else GDN_VERIFY_CONFIG, block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,

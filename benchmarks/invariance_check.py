@@ -155,6 +155,7 @@ def main(argv=None) -> int:
         "code_commit": code_commit(),
         "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
+        "decode_policies": a.decode_policies,
         "decode": decode_checks(a.decode_policies),
         "layer": [] if a.decode_only else layer_checks(a.device),
         "runner": [] if (a.layer_only or a.decode_only) else runner_checks(a.device),

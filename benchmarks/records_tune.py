@@ -361,10 +361,11 @@ FP8STEP_STEP_CANDIDATES = [_P] + [
     for rb, rw in ((32, 2), (64, 2), (32, 1))]
 # --set f16c (2026-12-03, nineteenth session): fp16 read copies with C's products on float16
 # tensor cores (use_dot="f16x3": the copy's values as stored, X in three float16 terms)
-# against their defaults (tf32x3; GDN 378.8 / 738.7 us at h = 0 / 8 in records_tune_b16),
-# verify on b16's tiles and the step on the wrappers' tile; the defaults first.
+# against tf32x3 (the defaults when it ran at 2c3d024, records_tune_f16c_h200.json; GDN's
+# verify from fp16 has taken f16x3 since, GDN_VERIFY_F16_CONFIG, so its tf32x3 tile is an
+# explicit row), verify on b16's tiles and the step on the wrappers' tile; the defaults first.
 F16C_STEP_CANDIDATES = [_P, (None, None, None, None, "f16x3")]
-F16C_VERIFY_CANDIDATES = [_P] + [
+F16C_VERIFY_CANDIDATES = [_P, (128, 2, 16, 3, "tf32x3")] + [
     (bv, w, kc, st, "f16x3") + _B10 + (sp,)
     for bv, w, kc, st in ((128, 2, 16, 3), (128, 2, 32, 2), (128, 2, 32, 3), (64, 2, 32, 3),
                           (64, 1, 32, 3))

@@ -1614,9 +1614,10 @@ def test_f16x3_products(gdn, read_fmt, monkeypatch):
     products (DOT 2, launch spy); other read copies are refused with a message naming the
     copy. From fp16 (GDN): the default verify takes it (``GDN_VERIFY_F16_CONFIG``); where
     the anchor is the read copy (shared:fp16) the re-solving
-    anchor launch keeps tf32x3 with X split, and an nvfp4 read copy over an fp16 anchor
+    anchor launch keeps tf32x3 with X split, an nvfp4 read copy over an fp16 anchor
     (read:nvfp4/rec:fp16, the nvfp4 default's f16x3) leaves the fp16 anchor's launch on
-    tf32x3 as before fp16 copies could take float16 products."""
+    tf32x3 as before fp16 copies could take float16 products, and so does an fp16 read copy
+    over an nvfp4 anchor (read:fp16/rec:nvfp4)."""
     splits = []
     real_split = kr.records._x_split_kernel
 
@@ -1699,6 +1700,15 @@ def test_f16x3_products(gdn, read_fmt, monkeypatch):
         cfg = kr.records.GDN_VERIFY_F16_CONFIG
         assert seen[0] == (2, cfg["num_warps"], min(K2, cfg["k_chunk"])), seen
         assert all(d is True for d, _, _ in seen[1:]) and len(seen) >= 2, seen
+        # read:fp16/rec:nvfp4 at that default: the nvfp4 anchor's re-solving launch stays on
+        # tf32x3 with X split (as before fp16 copies took f16x3)
+        spy.calls.clear()
+        want_a, uw_a = gdn_verify(R, N_st.dequantize(), *args)
+        got_a, ug_a = kr.gdn_verify_kernel(R_st, N_st, *args)
+        torch.testing.assert_close(got_a, want_a, **TOL)
+        torch.testing.assert_close(ug_a, uw_a, **TOL)
+        seen = [(kw["DOT"], kw["SPLIT"]) for kw in spy.calls]
+        assert seen[0][0] == 2 and seen[-1] == (True, True), seen
     _, M_st, _ = _ring_state_k(gen, "mxfp4", gdn, K2)
     with pytest.raises(ValueError, match="f16x3.*mxfp4"):
         if gdn:
@@ -1748,13 +1758,13 @@ def test_dot_h16_fp32_accuracy():
     """``records._dot_h16`` (``use_dot="f16x3"`` from an fp16 copy): ``a x`` for float16 ``a``
     of random bit patterns over float16's whole finite range (subnormals to 65504) and float32
     ``x`` with columns 2^-100 .. 2^100 apart (one all zero, one with elements 2^-30 below its
-    largest), against the float64 product: within 8 float32 ulps of ``|a| |x|`` (three
-    products of K = 64 accumulate in float32 over a's 40 binades; 4 ulps suffice for
-    ``_dot_c16``'s and ``_dot_b16``'s narrower a, the measured worst here is about 5) plus
-    2^-36 ``sum|a|`` times the column's largest magnitude (the split's per-column bound:
-    elements far below their column's largest lose low bits to float16's subnormals); zero for
-    the zero column; and exactly x's elements through rows of a that pick one element
-    each."""
+    largest, one at 2^-120, below the split's smallest scale), against the float64 product:
+    within 8 float32 ulps of ``|a| |x|`` (three products of K = 64 accumulate in float32 over
+    a's 40 binades; 4 ulps suffice for ``_dot_c16``'s and ``_dot_b16``'s narrower a, the
+    measured worst here is about 5) plus 2^-36 ``sum|a|`` times the column's largest
+    magnitude (the split's per-column bound: elements far below their column's largest lose
+    low bits to float16's subnormals); zero for the zero column; and exactly x's elements
+    through rows of a that pick one element each."""
     gen = _gen(79)
     R, KC, NX = 32, 64, 16
     bits = torch.randint(0, 1 << 16, (R, KC), generator=gen, dtype=torch.int32)
@@ -1762,6 +1772,7 @@ def test_dot_h16_fp32_accuracy():
     a = bits.to(torch.int16).view(torch.float16)
     assert bool(a.isfinite().all()) and float(a.abs().max()) > 1e4 and bool((a.abs() < 6e-5).any())
     x = _wide_x(gen, KC, NX)
+    x[:, 1] = torch.randn(KC, generator=gen) * 2.0 ** -120  # scaled as if 2^-113: 1/s = 2^-127
     y = _dot16(a, x, bf16=False, h16=True)
     a64, x64 = a.double(), x.double()
     want = a64 @ x64

@@ -21,7 +21,9 @@ columns (``tl.range`` with ``num_stages``) and forms ``Y = C X`` for all the vec
 once: X holds the k of the rows it solves (GDN) and the queries (``[BV, NX]``; ``tl.dot`` with
 ``input_precision=PREC`` (FP32 FMA or tf32x3) for verify / the flush solve, per-vector
 reductions for the step; from nvfp4 and fp16, ``use_dot="f16x3"``: float16 tensor cores on
-exact float16 values of C and X in three float16 terms, the nvfp4 verify default), then ``Z = K X``
+exact float16 values of C and X in three float16 terms, the verify default from nvfp4 and
+GDN's from fp16; from bf16 and fp8, ``"bf16x3"``: the same on bfloat16 tensor cores, GDN's
+verify default from them), then ``Z = K X``
 over the record keys (or, with ``shared_products``, reads ``Z`` from a small launch before it,
 ``_key_products_kernel``, that forms it once per (sequence, key group)); the solve and the
 outputs then work on these small products. Codes are decoded by the decoders of ``codec``
@@ -76,8 +78,8 @@ DEFAULT_WARPS = 4
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
 # docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
 # session GDN reading an FP32/half copy took chunks of 32, 3 stages: 230 vs 255 us then);
-# verify: tensor-core products (tf32x3; f16x3 from an nvfp4 copy), FP32 reductions for
-# Mamba-2's fp8 copies (below).
+# verify: tensor-core products (tf32x3; f16x3 from an nvfp4 copy and GDN's from fp16; GDN's
+# bf16x3 from bf16 and fp8 copies; details below).
 # shared_products (2026-12-01, sixth session): the products with the record keys once per
 # (sequence, key group) in a small launch before the step; GPU time per step at B = 256, h = 7
 # (torch.profiler, benchmarks/results/step_shared_products_h200.json): GDN fp32 226 -> 15 +
@@ -404,7 +406,14 @@ def _dot_h16(a, x, acc):
     d = tl.dot(a, lo)
     d = tl.dot(a, mid, d)
     d = tl.dot(a, hi, d)
-    return acc + d * (inv * 0.00006103515625)[None, :]  # 2^14 / s times 2^-14: exact
+    # times 1 / s = (2^14 / s) 2^-14, exact while the result is a normal float32: in one
+    # multiplication where 1 / s is normal, else (a column scaled as if its largest were
+    # 2^-113: 1 / s = 2^-127, subnormal) as 2^14 / s, then 2^-14; 2^14 / s first everywhere
+    # would overflow for columns near float32's top
+    big = inv >= 1.0e-30
+    f1 = tl.where(big, inv * 0.00006103515625, inv)
+    f2 = tl.where(big, 1.0, 0.00006103515625)
+    return acc + (d * f1[None, :]) * f2[None, :]
 
 
 @triton.jit
@@ -1995,12 +2004,14 @@ def _pdl_launch(on: bool) -> dict:
     return dict(PDL=True, launch_pdl=True) if on else {}
 
 
-def _x16_not_kept(cfg: dict, anchor) -> bool:
+def _x16_not_kept(cfg: dict, read, anchor) -> bool:
     """Whether GDN's re-solving anchor launch drops the read copy's 16-bit products for
-    tf32x3 (with its split X): ``bf16x3`` always, ``f16x3`` unless the anchor is nvfp4 (whose
-    anchor launch took them before fp16 copies could)."""
+    tf32x3 (with its split X): ``bf16x3`` always, ``f16x3`` unless both copies are nvfp4 (the
+    one case whose anchor launch took them before fp16 copies could; read:fp16/rec:nvfp4's
+    anchor launch stays on tf32x3 as before)."""
     use_dot = cfg.get("use_dot")
-    return use_dot == "bf16x3" or (use_dot == "f16x3" and not _nvfp4(anchor))
+    return use_dot == "bf16x3" or (use_dot == "f16x3"
+                                   and not (_nvfp4(anchor) and _nvfp4(read)))
 
 
 def _nvfp4(read) -> bool:
@@ -2417,10 +2428,11 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
         # timed); chunks of K that this anchor can take; bfloat16 products (bf16x3) are the
         # read copy's launch's: this one keeps tf32x3 and its split X, also where the anchor
         # is that copy (shared:bf16, shared:fp8e4m3; bf16x3 would turn the split off, untimed);
-        # so do float16 products (f16x3) but from an nvfp4 anchor (shared:nvfp4, as before):
-        # an fp16 anchor (read:nvfp4/rec:fp16, shared:fp16) keeps its timed tf32x3 form
+        # so do float16 products (f16x3) but with both copies nvfp4 (shared:nvfp4, as before):
+        # an fp16 anchor (read:nvfp4/rec:fp16, shared:fp16) keeps its timed tf32x3 form, and
+        # an nvfp4 anchor under an fp16 read copy its former one
         acfg = _chunks_for(_config({"split_x": True, **cfg, "fold_x": fold_x or False,
-                                    **({"use_dot": "tf32x3"} if _x16_not_kept(cfg, anchor)
+                                    **({"use_dot": "tf32x3"} if _x16_not_kept(cfg, read, anchor)
                                        else {})},
                                    block_v=anchor_block_v), anchor)
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known,

@@ -1602,6 +1602,34 @@ def test_x_split_read_pass_bit_exact(nc):
     assert torch.equal(_bits(y.cpu()[:, :nc]), _bits(q.t()[:R].contiguous()))
 
 
+def _step_case(R, ring, h, q, gdn: bool):
+    """The decode step that appends the ring's last record at slot ``h[b]``: ``(new record
+    {la, k, v[, beta]}, the torch reference's output, its new correction at slot h (GDN) or
+    None)`` (``gdn_step_output`` / ``mamba2_step_output`` on the ring with the record in)."""
+    b = torch.arange(B, device=DEVICE)
+    new = {n_: ring[n_][:, -1].clone() for n_ in ("la", "k", "v") + (("beta",) if gdn else ())}
+    ref = {n_: t.clone() for n_, t in ring.items()}
+    for n_, t in new.items():
+        ref[n_][b, h] = t
+    J = int(h.max()) + 1
+    if gdn:
+        want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
+                                   ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
+        return new, want, uR[b, h]
+    return new, mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
+                                   h + 1), None
+
+
+def _step_kernel(R_st, ring, new, q, h, gdn: bool, **kw):
+    """The step kernel on a copy of ``ring`` with the record ``new`` (``_step_case``):
+    ``(output, the new correction at slot h (GDN) or None)``."""
+    rg = {n_: t.clone() for n_, t in ring.items()}
+    if gdn:
+        o = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"], new["beta"], h, **kw)
+        return o, rg["uR"][torch.arange(B, device=DEVICE), h]
+    return kr.mamba2_step_kernel(R_st, rg, new["la"], new["v"], new["k"], q, h, **kw), None
+
+
 @pytest.mark.parametrize("gdn,read_fmt", [(False, "nvfp4"), (True, "nvfp4"), (True, "fp16"),
                                           pytest.param(False, "fp16", marks=SLOW)],
                          ids=["mamba2-nvfp4", "gdn-nvfp4", "gdn-fp16", "mamba2-fp16"])
@@ -1631,33 +1659,16 @@ def test_f16x3_products(gdn, read_fmt, monkeypatch):
     monkeypatch.setattr(kr.records, "_records_kernel", spy)
     gen = _gen(61)
     h = _t(torch.tensor([2, 0]))
-    b = torch.arange(B, device=DEVICE)
     R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
-    nla, nk, nv = (ring[n_][:, -1].clone() for n_ in ("la", "k", "v"))
-    ref = {n_: t.clone() for n_, t in ring.items()}
-    J = int(h.max()) + 1
     for qs in (1.0, 2.0 ** -60, 2.0 ** 60):
         q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5 * qs)
         tol = dict(atol=TOL["atol"] * qs, rtol=TOL["rtol"])
+        new, want, u_want = _step_case(R, ring, h, q, gdn)
         for rp in (False, (16, 1)):
-            rg = {n_: t.clone() for n_, t in ring.items()}
+            got, u_got = _step_kernel(R_st, ring, new, q, h, gdn, use_dot="f16x3",
+                                      read_pass=rp, block_v=16)
             if gdn:
-                nb = ring["beta"][:, -1].clone()
-                for n_, t in (("la", nla), ("v", nv), ("k", nk), ("beta", nb)):
-                    ref[n_][b, h] = t
-                want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J],
-                                           ref["v"][:, :J], ref["k"][:, :J], q,
-                                           ref["uR"][:, :J], h + 1)
-                got = kr.gdn_step_kernel(R_st, rg, q, nk, nv, nla, nb, h, use_dot="f16x3",
-                                         read_pass=rp, block_v=16)
-                torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
-            else:
-                for n_, t in (("la", nla), ("v", nv), ("k", nk)):
-                    ref[n_][b, h] = t
-                want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J],
-                                          ref["k"][:, :J], q, h + 1)
-                got = kr.mamba2_step_kernel(R_st, rg, nla, nv, nk, q, h, use_dot="f16x3",
-                                            read_pass=rp, block_v=16)
+                torch.testing.assert_close(u_got, u_want, **TOL)
             torch.testing.assert_close(got, want, **tol)
             assert len(splits) == (1 if rp and read_fmt == "nvfp4" else 0), (rp, splits)
             splits.clear()
@@ -1838,29 +1849,14 @@ def test_16bit_products(dot, gdn, read_fmt, monkeypatch):
     dots = lambda: [kw["DOT"] for kw in spy.calls]  # noqa: E731
     gen = _gen(62)
     h = _t(torch.tensor([2, 0]))
-    b = torch.arange(B, device=DEVICE)
     R, R_st, ring = _ring_state_k(gen, read_fmt, gdn, K2)
-    nla, nk, nv = (ring[n_][:, -1].clone() for n_ in ("la", "k", "v"))
-    ref = {n_: t.clone() for n_, t in ring.items()}
-    J = int(h.max()) + 1
     for qs in (1.0, 2.0 ** -60, 2.0 ** 60):
         q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5 * qs)
         tol = dict(atol=TOL["atol"] * qs, rtol=TOL["rtol"])
-        rg = {n_: t.clone() for n_, t in ring.items()}
+        new, want, u_want = _step_case(R, ring, h, q, gdn)
+        got, u_got = _step_kernel(R_st, ring, new, q, h, gdn, use_dot=dot, block_v=16)
         if gdn:
-            nb = ring["beta"][:, -1].clone()
-            for n_, t in (("la", nla), ("v", nv), ("k", nk), ("beta", nb)):
-                ref[n_][b, h] = t
-            want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
-                                       ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
-            got = kr.gdn_step_kernel(R_st, rg, q, nk, nv, nla, nb, h, use_dot=dot, block_v=16)
-            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
-        else:
-            for n_, t in (("la", nla), ("v", nv), ("k", nk)):
-                ref[n_][b, h] = t
-            want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
-                                      h + 1)
-            got = kr.mamba2_step_kernel(R_st, rg, nla, nv, nk, q, h, use_dot=dot, block_v=16)
+            torch.testing.assert_close(u_got, u_want, **TOL)
         torch.testing.assert_close(got, want, **tol)
         # C's products on 16-bit tensor cores in the first launch: the only one, or the read
         # pass of GDN's fp8 default, whose records launch then forms the rest by reductions
@@ -1953,18 +1949,11 @@ def test_defaults_from_fp8_copies(gdn, read_fmt, monkeypatch):
     if gdn and read_fmt != "bf16":  # the step from fp8 (GDN_STEP_FP8_CONFIG): a read pass
         spy.calls.clear()
         h = _t(torch.tensor([2, 0]))
-        b = torch.arange(B, device=DEVICE)
         q = _t(torch.randn(B, G, K2, generator=gen) * K2 ** -0.5)
-        new = {n_: ring[n_][:, -1].clone() for n_ in ("la", "k", "v", "beta")}
-        ref = {n_: t.clone() for n_, t in ring.items()}
-        for n_, t in new.items():
-            ref[n_][b, h] = t
-        J = int(h.max()) + 1
-        want, _ = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
-                                  ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
-        rg = {n_: t.clone() for n_, t in ring.items()}
-        got = kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"], new["beta"], h)
+        new, want, u_want = _step_case(R, ring, h, q, True)
+        got, u_got = _step_kernel(R_st, ring, new, q, h, True)
         torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(u_got, u_want, **TOL)
         seen = launches()
         assert [w for _, w, _ in seen][-2:] == [1, 2], seen  # read pass, records
 

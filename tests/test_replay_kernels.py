@@ -1641,11 +1641,11 @@ def test_f16x3_products(gdn, read_fmt, monkeypatch):
     per-column power-of-two scale of the split); the read copy's launches take the float16
     products (DOT 2, launch spy); other read copies are refused with a message naming the
     copy. From fp16 (GDN): the default verify takes it (``GDN_VERIFY_F16_CONFIG``); where
-    the anchor is the read copy (shared:fp16) the re-solving
-    anchor launch keeps tf32x3 with X split, an nvfp4 read copy over an fp16 anchor
-    (read:nvfp4/rec:fp16, the nvfp4 default's f16x3) leaves the fp16 anchor's launch on
-    tf32x3 as before fp16 copies could take float16 products, and so does an fp16 read copy
-    over an nvfp4 anchor (read:fp16/rec:nvfp4)."""
+    the anchor is the read copy (shared:fp16) the re-solving anchor launch keeps tf32x3 with
+    X split; an nvfp4 read copy over an fp16 anchor (read:nvfp4/rec:fp16, the nvfp4
+    default's f16x3) leaves the fp16 anchor's launch on tf32x3, as before fp16 copies could
+    take float16 products; and so does an fp16 read copy over an nvfp4 anchor
+    (read:fp16/rec:nvfp4)."""
     splits = []
     real_split = kr.records._x_split_kernel
 
@@ -2562,12 +2562,12 @@ def _matrix_reference(R, A, args, family):
     return gdn_verify(R, A, *args[:-1], fold)
 
 
-# the default suite: the inverse (the default) for every family from both copies, doubling
-# for GDN from nvfp4 (the one family whose solve it changes); the other doubling rows (9-23 s
-# each) with -m slow
+# the default suite: the inverse (the default) for every family from both copies; the
+# doubling rows (9-23 s each) with -m slow (doubling's GDN values stay in the default suite
+# through test_gdn_verify_fused_shared_anchor, fp32 and nvfp4, and its bits through
+# test_verify_matrix_forms_batch_invariant)
 @pytest.mark.parametrize("read_fmt,family,solve", [
-    (r, f, so) if so == "inverse" or (r == "nvfp4" and f == "gdn")
-    else pytest.param(r, f, so, marks=SLOW)
+    (r, f, so) if so == "inverse" else pytest.param(r, f, so, marks=SLOW)
     for r in ("fp32", "nvfp4") for f in ("mamba2", "gdn", "gdn-fold") for so in SOLVES])
 def test_verify_matrix_forms(read_fmt, family, solve):
     """The matrix forms against the torch references: T = 8 drafts, starts 8 (flush slot, the

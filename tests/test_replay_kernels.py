@@ -2595,8 +2595,12 @@ def test_verify_matrix_forms(read_fmt, family, solve):
     assert not torch.allclose(got[0][0, MT_ - 1], sub[0][0, MT_ - 1])
 
 
+# doubling (an inverse that Mamba-2's matrix form does not have) by default for GDN from nvfp4
+# only; its other rows with -m slow (for the suite's time)
 @pytest.mark.parametrize("family,solve,read_fmt,cfg", [
-    (f, so, r, {}) for f in ("mamba2", "gdn") for so in SOLVES for r in ("nvfp4", "fp32")] + [
+    (f, so, r, {}) if so == "inverse" or (f == "gdn" and r == "nvfp4")
+    else pytest.param(f, so, r, {}, marks=SLOW)
+    for f in ("mamba2", "gdn") for so in SOLVES for r in ("nvfp4", "fp32")] + [
     ("gdn", "inverse", "fp32", dict(fold_x=True, split_x=False, k_chunk=16))])
 def test_verify_matrix_forms_batch_invariant(family, solve, read_fmt, cfg):
     """Each sequence's outputs and corrections have the same bits alone (sliced to its own

@@ -1813,7 +1813,7 @@ def test_dot_b16_fp32_accuracy():
     e4m3 = torch.randint(0, 256, (R, KC), generator=gen).to(torch.uint8).view(
         torch.float8_e4m3fn).float()
     e4m3 = torch.where(e4m3.isnan(), 0.0, e4m3)
-    assert torch.equal(e4m3.bfloat16().float(), e4m3)  # exact in bfloat16 (_c_rows_b16)
+    assert torch.equal(e4m3.bfloat16().float(), e4m3)  # exact in bfloat16 (_c_rows_16)
     for a in (torch.randn(R, KC, generator=gen).bfloat16(), e4m3.bfloat16()):
         y = _dot16(a, x, bf16=True)
         _assert_within_ulps(y, a.double(), x)

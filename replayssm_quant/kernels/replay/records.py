@@ -284,7 +284,7 @@ def _c_rows(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.con
 
 
 @triton.jit
-def _c_rows_b16(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.constexpr):
+def _c_rows_16(c_ptr, rowg, rmask, k0, K: tl.constexpr, KC: tl.constexpr, D: tl.constexpr):
     """``_c_rows`` as bfloat16 ``[BV, KC]`` for copies whose values bfloat16 holds exactly
     (bf16 values as stored; fp8 E4M3 / E5M2 codes decoded, before the matrix scale: 3 or 2
     mantissa bits and exponents well inside bfloat16's), for ``_dot_b16``; an fp16 copy's
@@ -384,11 +384,21 @@ def _dot_c16(a, x, acc):
     first; the result is multiplied by ``2^14 / s`` (a power of two) per column. Columns
     whose largest magnitude is below 2^-113 are scaled as if it were 2^-113. A non-finite
     element makes its column's products non-finite."""
+    d, inv = _dot_split16(a, x)
+    return acc + d * inv[None, :]
+
+
+@triton.jit
+def _dot_split16(a, x):
+    """The float16 tensor-core products shared by ``_dot_c16`` and ``_dot_h16``: ``x [KC, NX]``
+    split by ``_split_f16`` (each column times a power of two s, three float16 terms) and
+    float16 ``a [R, KC]`` times each term, accumulated in float32 lo first. Returns
+    ``(a (x s) [R, NX], 2^14 / s [NX])``; the callers scale the columns back."""
     hi, mid, lo, inv = _split_f16(x)
     d = tl.dot(a, lo)
     d = tl.dot(a, mid, d)
     d = tl.dot(a, hi, d)
-    return acc + d * inv[None, :]
+    return d, inv
 
 
 @triton.jit
@@ -402,10 +412,7 @@ def _dot_h16(a, x, acc):
     values themselves. The error bound is ``_dot_c16``'s: relative to ``max|x| sum|a|`` per
     column (elements below about 2^-14 of their column's largest lose low bits to float16's
     subnormals)."""
-    hi, mid, lo, inv = _split_f16(x)
-    d = tl.dot(a, lo)
-    d = tl.dot(a, mid, d)
-    d = tl.dot(a, hi, d)
+    d, inv = _dot_split16(a, x)
     # times 1 / s = (2^14 / s) 2^-14, exact while the result is a normal float32: in one
     # multiplication where 1 / s is normal, else (a column scaled as if its largest were
     # 2^-113: 1 / s = 2^-127, subnormal) as 2^14 / s, then 2^-14; 2^14 / s first everywhere
@@ -419,7 +426,7 @@ def _dot_h16(a, x, acc):
 @triton.jit
 def _dot_b16(a, x, acc):
     """``acc + a x`` (``[R, NX]`` float32) for bfloat16 ``a [R, KC]`` (exact values of a
-    bf16 or fp8 copy, ``_c_rows_b16``) and float32 ``x [KC, NX]``, on bfloat16 tensor cores
+    bf16 or fp8 copy, ``_c_rows_16``) and float32 ``x [KC, NX]``, on bfloat16 tensor cores
     with float32 accumulation (``use_dot="bf16x3"``): x split into three bfloat16 terms
     ``x = hi + mid + lo + e`` (hi rounds x to 8 significant bits, mid the rest, lo what mid
     leaves; e = 0 for a float32 x (24 significant bits in three terms of 8), bfloat16 having
@@ -995,11 +1002,11 @@ def _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kba
     elif C.KIND <= 2:
         for k0 in tl.range(0, K, KC, num_stages=STAGES):
             if DOT == 3:  # bf16 / fp8 values on bfloat16 tensor cores (use_dot="bf16x3")
-                Y = _dot_b16(_c_rows_b16(c_ptr, rowg, rmask, k0, K, KC, C),
+                Y = _dot_b16(_c_rows_16(c_ptr, rowg, rmask, k0, K, KC, C),
                              _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + tl.arange(0, KC),
                                  K, XW, FOLD, PREC), Y)
             elif DOT == 2:  # fp16 values on float16 tensor cores (use_dot="f16x3")
-                Y = _dot_h16(_c_rows_b16(c_ptr, rowg, rmask, k0, K, KC, C),
+                Y = _dot_h16(_c_rows_16(c_ptr, rowg, rmask, k0, K, KC, C),
                              _xw(dk_ptr, q_ptr, kbase, isk, qbase, isq, k0 + tl.arange(0, KC),
                                  K, XW, FOLD, PREC), Y)
             else:
@@ -1627,7 +1634,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             tolerance); ``"f16x3"``, nvfp4 and fp16 copies: C's products on float16 tensor
             cores from exact float16 values of its codes times their block scales (nvfp4) or
             its values as stored (fp16) and three float16 terms of X (``_c_blocks_f16``,
-            ``_dot_c16``; fp16: ``_c_rows_b16``, ``_dot_h16``; an nvfp4 read pass with at
+            ``_dot_c16``; fp16: ``_c_rows_16``, ``_dot_h16``; an nvfp4 read pass with at
             most 4 vectors takes X split once per (sequence, key group) by
             ``_x_split_kernel`` and ``_c_times_x16``; about FP32 accuracy, the error relative
             to ``max|x| sum|a|`` per column; any other copy,
@@ -1636,7 +1643,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             for a read copy that is neither); ``"bf16x3"``, copies whose values bfloat16
             holds exactly (bf16; fp8e4m3 and fp8e5m2 codes, before their matrix scale): C's
             products on bfloat16 tensor cores, C loaded as bfloat16 and X in three bfloat16
-            terms (``_c_rows_b16``, ``_dot_b16``; the split is exact for float32 X, so the
+            terms (``_c_rows_16``, ``_dot_b16``; the split is exact for float32 X, so the
             error is the tensor cores' float32 accumulation, per element, about FP32
             accuracy); any other copy of the call (verify's FP32 anchor) and the small
             products take ``"tf32x3"``; the wrappers refuse it for other read copies);

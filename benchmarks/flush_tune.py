@@ -352,13 +352,10 @@ def main():
     ap.add_argument("--policies", default="fp32,nvfp4",
                     help="comma list of policies: fp32, nvfp4 (read:nvfp4/rec:fp16+sr) or "
                          "policy strings")
-    ap.add_argument("--split-casts", nargs="?", const="all", default=None,
-                    choices=("all", "scaled"),
+    ap.add_argument("--split-casts", action="store_true",
                     help="time flush_kernel(split_casts=True): the fp32 flush writes S, then "
-                         "the quantizer kernels cast it; 'scaled' (split_casts=\"scaled\"): "
-                         "only the matrix-scaled copies are cast apart, the flush kernel casts "
-                         "the other; the configurations are those of the fp32 flush; compiles "
-                         "in the timing loop (no --jobs)")
+                         "the quantizer kernels cast it; the configurations are those of the "
+                         "fp32 flush; compiles in the timing loop (no --jobs)")
     ap.add_argument("--fold-cached", action="store_true",
                     help="GDN: time the flush that folds cached corrections (no solve; what a "
                          "single-checkpoint policy's decode state runs, GDNFold.folds_cached) "
@@ -428,9 +425,8 @@ def main():
                                                     else min(12, os.cpu_count() or 1))
     if args.split_casts:  # the workers would compile the fused kernels; compile while timing
         jobs = 0
-        out["split_casts"] = True if args.split_casts == "all" else args.split_casts
-        out["notes"].append(f"split_casts: flush_kernel(split_casts={out['split_casts']!r}); "
-                            "with True each configuration "
+        out["split_casts"] = True
+        out["notes"].append("split_casts: flush_kernel(split_casts=True); each configuration "
                             "is the fp32 flush's launch, then pack_triton casts S twice (the "
                             "casts' keys of checkpoint_streams, built in one launch by "
                             "flush._split_keys since the ninth pass; the split ignores "
@@ -459,8 +455,7 @@ def main():
     for M in geometries(args.tiny, args.fold_cached):
         if M.name not in models:
             continue
-        fk = flush_kw(M, split_casts={None: False, "all": True}.get(args.split_casts,
-                                                                      args.split_casts))
+        fk = flush_kw(M, split_casts=bool(args.split_casts))
         mres = out["models"][M.name] = {"geometry": M.as_dict(), "policies": {}}
         # what checkpoints.checkpoint_streams costs (on the host, a device-to-host copy of the
         # sequence ids then a pinned copy back, or from 1024 matrices on the device): the keys

@@ -639,7 +639,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                             store_state=store_state, block_v=block_v, num_warps=num_warps,
                             variant=variant, beta=beta, dequantize=dequantize,
                             keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
-                            solve_form=solve_form, split_casts=split_casts)
+                            solve_form=solve_form)
     need_amax = flush_needs_amax(policy)
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
@@ -737,7 +737,6 @@ def _checkpoints(a_st, r_st, two: bool, dequantize: bool) -> Checkpoints:
 
 
 _FP32_POLICY = StatePolicy.parse("fp32")
-_FP32_SPEC = _FP32_POLICY.rec
 
 
 @triton.jit
@@ -788,52 +787,25 @@ def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
     return ka, kr
 
 
-def _split_inner_policy(policy: StatePolicy) -> StatePolicy:
-    """The policy of the flush kernel under ``split_casts="scaled"``: ``policy`` with each
-    matrix-scaled copy (fp8, nvfp4) replaced by float32, so the kernel casts the other copy
-    itself and stores S as the float32 one; ``_FP32_POLICY`` where nothing is left to cast
-    in the kernel (a single-checkpoint policy, or both copies matrix-scaled)."""
-    if policy.single_checkpoint:
-        return _FP32_POLICY
-    scaled = [_kind(sp) in (_K_MATRIX, _K_NVFP4) for sp in (policy.read, policy.rec)]
-    if all(scaled) or not any(scaled):
-        return _FP32_POLICY
-    read, rec = (_FP32_SPEC if sc else sp for sp, sc in zip((policy.read, policy.rec), scaled))
-    if read.is_identity and rec.is_identity:
-        return _FP32_POLICY
-    return StatePolicy("separate", read=read, rec=rec)
-
-
 def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
-                 q, store_state, dequantize, split_casts=True, **launch):
+                 q, store_state, dequantize, **launch):
     """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S by
     :func:`~replayssm_quant.kernels.quant.pack_triton` (stream keys of
-    :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by :func:`_split_keys`).
-    ``split_casts="scaled"``: only the matrix-scaled copies are cast by the quantizer
-    kernels; the flush kernel casts the other copy itself (its policy from
-    :func:`_split_inner_policy`, a launch of the same configuration as the ``fp32`` flush, so
-    the same S) and stores S as a float32 copy."""
+    :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by :func:`_split_keys`)."""
     B, H = int(anchor.shape[0]), int(anchor.shape[1])
     launch["keys_in_kernel"] = True  # the fp32 flush then range-checks the per-sequence fields
-    two = not policy.single_checkpoint
-    inner = _split_inner_policy(policy) if split_casts == "scaled" else _FP32_POLICY
-    res, y = flush_kernel(anchor, la, w, k, length, inner, seed=seed, layer=layer,
+    res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
                           sequence_ids=sequence_ids, flush_index=flush_index, q=q,
-                          store_state=False, dequantize=False, split_casts=False, **launch)
-    cps = res.checkpoints
-    # S: the flush's float32 copy (the anchor's unless only the read copy is float32)
-    S = cps.read_stored if inner.rec is not _FP32_SPEC else cps.anchor_stored
+                          store_state=False, dequantize=False, **launch)
+    S = res.checkpoints.anchor_stored
     sa, sr = _split_keys(layer, sequence_ids, flush_index, B, H, S.device)
 
-    def cast(spec, keys, done):
-        if spec.is_identity:
-            return S
-        if inner is not _FP32_POLICY and _kind(spec) not in (_K_MATRIX, _K_NVFP4):
-            return done  # cast by the flush kernel itself, from the same S and stream keys
-        return pack_triton(S, spec, seed=int(seed), stream=keys)
+    def cast(spec, keys):
+        return S if spec.is_identity else pack_triton(S, spec, seed=int(seed), stream=keys)
 
-    a_st = cast(policy.rec, sa, cps.anchor_stored)
-    r_st = cast(policy.read, sr, cps.read_stored) if two else a_st
+    two = not policy.single_checkpoint
+    a_st = cast(policy.rec, sa)
+    r_st = cast(policy.read, sr) if two else a_st
     cps = _checkpoints(a_st, r_st, two, dequantize)
     return FlushResult(S if store_state else None, cps, res.w), y
 

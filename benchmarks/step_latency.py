@@ -21,6 +21,11 @@ epilogue arithmetic:
 * ``*_early``: every small operand of the epilogue (k, q, Z or the key products, the new
   decay, beta and value row) loaded before the stream of C instead of after it, so that only
   arithmetic and the stores follow the stream;
+* ``ring`` / ``light`` (``--set light``): the epilogue's ring sums (the decay- and
+  Z-weighted sums of the ring's corrections, and the decay) in a launch of their own before
+  the stream, since they do not depend on C; then ``read2``'s stream with an elementwise
+  epilogue on those sums (``light`` = both launches in sequence; ``*_z``: Z formed in the
+  ring launch from the ring's keys, so no products launch either);
 * ``*_persist``: the same work in a persistent grid (``--waves`` programs per SM), each program
   looping over (sequence, head, tile) items with the next item's C tile loaded before the
   current item's products and epilogue (a register double buffer), so the epilogue's latency
@@ -173,6 +178,64 @@ def _epi_kernel(s_ptr, u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan
 
 
 @triton.jit
+def _ring_kernel(u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, lan_ptr, z_ptr, h_ptr, e_ptr, gam_ptr, H,
+                 G, V, CAP, K: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
+                 ZIN: tl.constexpr):
+    """``light``'s first launch: what the epilogue needs from the ring, before C is read (it
+    depends on the records, the new key and query and the new decay, not on C): ``E [BV, 2]``
+    = the decay- and Z-weighted sums of the ring's corrections, and the matrix's decay
+    ``gamma`` (one float per (sequence, head)). ``ZIN``: Z formed here from the ring's keys
+    (no products launch before it)."""
+    mat = tl.program_id(0).to(tl.int64)
+    b, h, g, rows = _item(mat, tl.program_id(1), H, G, V, BV)
+    hh, ring, la, U, keys = _pre(u_ptr, la_ptr, rk_ptr, h_ptr, b, h, g, rows, H, G, V, CAP, K,
+                                 LP, ZIN)
+    idx = tl.arange(0, LP)
+    if ZIN:
+        kk = tl.arange(0, K)
+        zk = tl.sum(keys * tl.load(kn_ptr + (b * G + g) * K + kk)[None, :], axis=1)
+        zq = tl.sum(keys * tl.load(q_ptr + (b * G + g) * K + kk)[None, :], axis=1)
+    else:
+        zk = tl.load(z_ptr + ((b * G + g) * LP + idx) * 2, mask=ring, other=0.0)
+        zq = tl.load(z_ptr + ((b * G + g) * LP + idx) * 2 + 1, mask=ring, other=0.0)
+    lan = tl.load(lan_ptr + b * H + h)
+    cvec = tl.cumsum(la, axis=0)
+    ctot = tl.sum(la, axis=0) + lan
+    dec = tl.where(ring, tl.exp(ctot - cvec), 0.0)
+    e = (mat * V + rows) * 2
+    tl.store(e_ptr + e, tl.sum(U * (dec * zk)[:, None], axis=0), mask=rows < V)
+    tl.store(e_ptr + e + 1, tl.sum(U * (dec * zq)[:, None], axis=0), mask=rows < V)
+    if tl.program_id(1) == 0:
+        tl.store(gam_ptr + mat, tl.exp(ctot))
+
+
+@triton.jit
+def _epi_light_kernel(s_ptr, u_ptr, kn_ptr, q_ptr, vn_ptr, bn_ptr, h_ptr, e_ptr, gam_ptr, o_ptr,
+                      H, G, V, CAP, NMAT, K: tl.constexpr, BV: tl.constexpr):
+    """``light``'s second launch: ``read2``'s stream, then an elementwise epilogue on the
+    ring's sums from ``_ring_kernel`` (no ring loads after the stream)."""
+    mat = tl.program_id(0).to(tl.int64)
+    b, h, g, rows = _item(mat, tl.program_id(1), H, G, V, BV)
+    C = _load_c(s_ptr, mat, rows, NMAT, V, K)
+    kk = tl.arange(0, K)
+    kn = tl.load(kn_ptr + (b * G + g) * K + kk)
+    q = tl.load(q_ptr + (b * G + g) * K + kk)
+    y0 = tl.sum(C * kn[None, :], axis=1)
+    y1 = tl.sum(C * q[None, :], axis=1)
+    e = (mat * V + rows) * 2
+    ek = tl.load(e_ptr + e, mask=rows < V, other=0.0)
+    eq = tl.load(e_ptr + e + 1, mask=rows < V, other=0.0)
+    gam = tl.load(gam_ptr + mat)
+    bn = tl.load(bn_ptr + b * H + h)
+    vn = tl.load(vn_ptr + (b * H + h) * V + rows, mask=rows < V, other=0.0)
+    hh = tl.load(h_ptr + b)
+    un = bn * (vn - gam * y0 - ek)
+    o = gam * y1 + eq + un * tl.sum(kn * q, axis=0)
+    tl.store(u_ptr + ((b * CAP + hh) * H + h) * V + rows, un, mask=rows < V)
+    tl.store(o_ptr + (b * H + h) * V + rows, o, mask=rows < V)
+
+
+@triton.jit
 def _epi_persist_kernel(s_ptr, u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr,
                         z_ptr, h_ptr, o_ptr, H, G, V, CAP, NT, NITEMS, NMAT, K: tl.constexpr,
                         BV: tl.constexpr, LP: tl.constexpr, ZIN: tl.constexpr):
@@ -210,7 +273,8 @@ def make_set(gen, hval):
           "bn": torch.rand(B, H, generator=gen, **f),
           "lan": -torch.rand(B, H, generator=gen, **f) * 0.1,
           "h": torch.full((B,), hval, device=DEV, dtype=torch.int64),
-          "o": torch.empty(B, H, V, **f), "y": torch.empty(B, H, V, 2, **f)}
+          "o": torch.empty(B, H, V, **f), "y": torch.empty(B, H, V, 2, **f),
+          "E": torch.empty(B, H, V, 2, **f), "gam": torch.empty(B, H, **f)}
     x = torch.stack([st["kn"], st["q"]], dim=-1)  # [B, G, K, 2]
     st["Z"] = torch.einsum("bcgk,bgkx->bgcx", st["rk"], x).contiguous()  # [B, G, CAP, 2]
     st["U0"] = st["U"].clone()
@@ -246,6 +310,15 @@ def launch(st, var, bv, warps, waves=4):
     if var == "read2":
         return _read2_kernel[grid](st["S"], st["kn"], st["q"], st["y"], H, G, V, B * H, K=K, BV=bv,
                                    num_warps=warps)
+    if var in ("ring", "light", "ring_z", "light_z"):
+        _ring_kernel[(B * H, 1)](st["U"], st["la"], st["rk"], st["kn"], st["q"], st["lan"],
+                                 st["Z"], st["h"], st["E"], st["gam"], H, G, V, CAP, K=K, BV=V,
+                                 LP=CAP, ZIN=var.endswith("_z"), num_warps=4)
+        if var.startswith("ring"):
+            return None
+        return _epi_light_kernel[grid](st["S"], st["U"], st["kn"], st["q"], st["vn"], st["bn"],
+                                       st["h"], st["E"], st["gam"], st["o"], H, G, V, CAP,
+                                       B * H, K=K, BV=bv, num_warps=warps)
     args = (st["S"], st["U"], st["la"], st["rk"], st["kn"], st["q"], st["vn"], st["bn"],
             st["lan"], st["Z"], st["h"], st["o"], H, G, V, CAP)
     zin = var.startswith("epi_z")
@@ -268,6 +341,21 @@ def check(st, var, bv, warps, waves):
         gi = torch.arange(H, device=DEV) // (H // G)
         want = torch.einsum("bhvk,bhk->bhv", st["S"].double(), st["q"].double()[:, gi])
         got = st["o"].double()
+    elif var.startswith("ring"):  # E against the float64 sums of the reference's formula
+        d = {k: v.double() for k, v in st.items() if v.is_floating_point()}
+        hh = int(st["h"][0])
+        gi = torch.arange(H, device=DEV) // (H // G)
+        la = d["la"][:, :hh]
+        ctot = la.sum(1) + d["lan"]
+        dec = torch.exp(ctot[:, None] - la.cumsum(1))
+        z = d["Z"][:, :, :hh][:, gi]
+        U = d["U0"][:, :hh]
+        want = torch.stack([torch.einsum("bihv,bhi->bhv", U, dec.transpose(1, 2) * z[..., c])
+                            for c in (0, 1)], -1)
+        got = st["E"].double()
+        scale = 1e-5 * (1 + d["U0"][:, :max(hh, 1)].abs().amax())
+        e = ((got - want).abs() / (scale + 1e-5 * want.abs())).max().item()
+        return {"max_err_over_tol": e, "passed": e <= 1}
     elif var == "read2":
         gi = torch.arange(H, device=DEV) // (H // G)
         x = torch.stack([st["kn"], st["q"]], dim=-1).double()[:, gi]  # [B, H, K, 2]
@@ -291,10 +379,13 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--pool", type=int, default=2)
     ap.add_argument("--waves", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--set", default="all", choices=("all", "early"),
+    ap.add_argument("--set", default="all", choices=("all", "early", "light"),
                     help="all: the first run's variants (bare, read2, epi, epi_z, persistent); "
                          "early: bare, read2, epi and epi_z with and without their small "
-                         "operands before the stream")
+                         "operands before the stream; light: the ring's sums in a launch "
+                         "of their own before the stream (ring), then read2 with an "
+                         "elementwise epilogue (light = both launches; *_z: Z formed in the "
+                         "ring launch)")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU under the Triton interpreter: a small shape, checks only")
     a = ap.parse_args()
@@ -311,6 +402,11 @@ def main():
                  ("epi_z", 64, 2, None)] + [
             (v, bv, w, None) for v in ("epi_early", "epi_z_early")
             for bv, w in ((64, 2), (32, 2), (32, 1), (64, 4))]
+    if a.set == "light":
+        cases = [("bare", 32, 4, None), ("read2", 64, 2, None), ("read2", 32, 4, None),
+                 ("epi", 64, 2, None), ("ring", 64, 2, None), ("ring_z", 64, 2, None)] + [
+            (v, bv, w, None) for v in ("light", "light_z")
+            for bv, w in ((64, 2), (32, 2), (32, 4), (64, 4), (128, 4))]
     for w in (a.waves if a.set == "all" else []):
         cases += [("epi_persist", 64, 2, w), ("epi_persist", 32, 2, w), ("epi_persist", 32, 4, w),
                   ("epi_z_persist", 64, 2, w), ("epi_z_persist", 32, 2, w)]

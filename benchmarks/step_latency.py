@@ -180,12 +180,14 @@ def _epi_kernel(s_ptr, u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan
 @triton.jit
 def _ring_kernel(u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, lan_ptr, z_ptr, h_ptr, e_ptr, gam_ptr, H,
                  G, V, CAP, K: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
-                 ZIN: tl.constexpr):
+                 ZIN: tl.constexpr, PDL: tl.constexpr = False):
     """``light``'s first launch: what the epilogue needs from the ring, before C is read (it
     depends on the records, the new key and query and the new decay, not on C): ``E [BV, 2]``
     = the decay- and Z-weighted sums of the ring's corrections, and the matrix's decay
     ``gamma`` (one float per (sequence, head)). ``ZIN``: Z formed here from the ring's keys
-    (no products launch before it)."""
+    (no products launch before it). ``PDL``: let the stream's launch start at once."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     mat = tl.program_id(0).to(tl.int64)
     b, h, g, rows = _item(mat, tl.program_id(1), H, G, V, BV)
     hh, ring, la, U, keys = _pre(u_ptr, la_ptr, rk_ptr, h_ptr, b, h, g, rows, H, G, V, CAP, K,
@@ -211,9 +213,11 @@ def _ring_kernel(u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, lan_ptr, z_ptr, h_ptr, e_
 
 @triton.jit
 def _epi_light_kernel(s_ptr, u_ptr, kn_ptr, q_ptr, vn_ptr, bn_ptr, h_ptr, e_ptr, gam_ptr, o_ptr,
-                      H, G, V, CAP, NMAT, K: tl.constexpr, BV: tl.constexpr):
+                      H, G, V, CAP, NMAT, K: tl.constexpr, BV: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """``light``'s second launch: ``read2``'s stream, then an elementwise epilogue on the
-    ring's sums from ``_ring_kernel`` (no ring loads after the stream)."""
+    ring's sums from ``_ring_kernel`` (no ring loads after the stream). ``PDL``: launched as
+    a dependent launch of the ring launch; it waits for that grid only after the stream."""
     mat = tl.program_id(0).to(tl.int64)
     b, h, g, rows = _item(mat, tl.program_id(1), H, G, V, BV)
     C = _load_c(s_ptr, mat, rows, NMAT, V, K)
@@ -222,6 +226,8 @@ def _epi_light_kernel(s_ptr, u_ptr, kn_ptr, q_ptr, vn_ptr, bn_ptr, h_ptr, e_ptr,
     q = tl.load(q_ptr + (b * G + g) * K + kk)
     y0 = tl.sum(C * kn[None, :], axis=1)
     y1 = tl.sum(C * q[None, :], axis=1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     e = (mat * V + rows) * 2
     ek = tl.load(e_ptr + e, mask=rows < V, other=0.0)
     eq = tl.load(e_ptr + e + 1, mask=rows < V, other=0.0)
@@ -310,15 +316,21 @@ def launch(st, var, bv, warps, waves=4):
     if var == "read2":
         return _read2_kernel[grid](st["S"], st["kn"], st["q"], st["y"], H, G, V, B * H, K=K, BV=bv,
                                    num_warps=warps)
-    if var in ("ring", "light", "ring_z", "light_z"):
+    if var.startswith(("ring", "light")):
+        # light[_z][_pdl][_wN]: the ring launch on N warps (default 4), Z formed in it (_z),
+        # the stream as its dependent launch (_pdl)
+        parts = var.split("_")
+        rw = next((int(x[1:]) for x in parts if x.startswith("w")), 4)
+        pdl = "pdl" in parts and DEV == "cuda"
         _ring_kernel[(B * H, 1)](st["U"], st["la"], st["rk"], st["kn"], st["q"], st["lan"],
                                  st["Z"], st["h"], st["E"], st["gam"], H, G, V, CAP, K=K, BV=V,
-                                 LP=CAP, ZIN=var.endswith("_z"), num_warps=4)
+                                 LP=CAP, ZIN="z" in parts, PDL=pdl, num_warps=rw)
         if var.startswith("ring"):
             return None
+        extra = dict(PDL=True, launch_pdl=True) if pdl else {}
         return _epi_light_kernel[grid](st["S"], st["U"], st["kn"], st["q"], st["vn"], st["bn"],
                                        st["h"], st["E"], st["gam"], st["o"], H, G, V, CAP,
-                                       B * H, K=K, BV=bv, num_warps=warps)
+                                       B * H, K=K, BV=bv, num_warps=warps, **extra)
     args = (st["S"], st["U"], st["la"], st["rk"], st["kn"], st["q"], st["vn"], st["bn"],
             st["lan"], st["Z"], st["h"], st["o"], H, G, V, CAP)
     zin = var.startswith("epi_z")
@@ -385,7 +397,8 @@ def main():
                          "operands before the stream; light: the ring's sums in a launch "
                          "of their own before the stream (ring), then read2 with an "
                          "elementwise epilogue (light = both launches; *_z: Z formed in the "
-                         "ring launch)")
+                         "ring launch; *_pdl: the stream as a dependent launch; *_wN: the "
+                         "ring launch on N warps)")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU under the Triton interpreter: a small shape, checks only")
     a = ap.parse_args()
@@ -404,9 +417,10 @@ def main():
             for bv, w in ((64, 2), (32, 2), (32, 1), (64, 4))]
     if a.set == "light":
         cases = [("bare", 32, 4, None), ("read2", 64, 2, None), ("read2", 32, 4, None),
-                 ("epi", 64, 2, None), ("ring", 64, 2, None), ("ring_z", 64, 2, None)] + [
-            (v, bv, w, None) for v in ("light", "light_z")
-            for bv, w in ((64, 2), (32, 2), (32, 4), (64, 4), (128, 4))]
+                 ("epi", 64, 2, None)] + [
+            (f"ring{z}{w}", 64, 2, None) for z in ("", "_z") for w in ("", "_w1", "_w2")] + [
+            (f"light{z}{p}{w}", bv, nw, None) for z in ("", "_z") for p in ("", "_pdl")
+            for w in ("_w1", "_w2") for bv, nw in ((64, 2), (128, 4))]
     for w in (a.waves if a.set == "all" else []):
         cases += [("epi_persist", 64, 2, w), ("epi_persist", 32, 2, w), ("epi_persist", 32, 4, w),
                   ("epi_z_persist", 64, 2, w), ("epi_z_persist", 32, 2, w)]

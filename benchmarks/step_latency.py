@@ -26,6 +26,8 @@ epilogue arithmetic:
   the stream, since they do not depend on C; then ``read2``'s stream with an elementwise
   epilogue on those sums (``light`` = both launches in sequence; ``*_z``: Z formed in the
   ring launch from the ring's keys, so no products launch either);
+* ``epi_ulate`` (``--set ulate``): ``epi`` with the ring's ``la`` and ``U`` loaded after the
+  stream instead of before it (not live across it);
 * ``*_persist``: the same work in a persistent grid (``--waves`` programs per SM), each program
   looping over (sequence, head, tile) items with the next item's C tile loaded before the
   current item's products and epilogue (a register double buffer), so the epilogue's latency
@@ -159,11 +161,21 @@ def _read2_kernel(s_ptr, kn_ptr, q_ptr, y_ptr, H, G, V, NMAT, K: tl.constexpr,
 @triton.jit
 def _epi_kernel(s_ptr, u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr, z_ptr,
                 h_ptr, o_ptr, H, G, V, CAP, NMAT, K: tl.constexpr, BV: tl.constexpr,
-                LP: tl.constexpr, ZIN: tl.constexpr, EARLY: tl.constexpr):
+                LP: tl.constexpr, ZIN: tl.constexpr, EARLY: tl.constexpr,
+                ULATE: tl.constexpr = False):
     # EARLY: every small operand (and Z) before the stream of C, so that after it only
-    # arithmetic and the stores remain
+    # arithmetic and the stores remain; ULATE: the ring's la and U (and keys) after it instead
+    # of before (not live across the stream)
     mat = tl.program_id(0).to(tl.int64)
     b, h, g, rows = _item(mat, tl.program_id(1), H, G, V, BV)
+    if ULATE:
+        C = _load_c(s_ptr, mat, rows, NMAT, V, K)
+        hh, ring, la, U, keys = _pre(u_ptr, la_ptr, rk_ptr, h_ptr, b, h, g, rows, H, G, V, CAP,
+                                     K, LP, ZIN)
+        small = _small(ring, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr, z_ptr,
+                       H, G, V, K, LP, ZIN)
+        _epilogue(C, hh, ring, la, U, small, b, h, rows, u_ptr, o_ptr, H, V, CAP)
+        return
     hh, ring, la, U, keys = _pre(u_ptr, la_ptr, rk_ptr, h_ptr, b, h, g, rows, H, G, V, CAP, K,
                                  LP, ZIN)
     if EARLY:
@@ -341,7 +353,7 @@ def launch(st, var, bv, warps, waves=4):
         return _epi_persist_kernel[(nsm * waves,)](*args, nt, B * H * nt, B * H, K=K, BV=bv, LP=CAP,
                                                    ZIN=zin, num_warps=warps)
     return _epi_kernel[grid](*args, B * H, K=K, BV=bv, LP=CAP, ZIN=zin, EARLY=early,
-                             num_warps=warps)
+                             ULATE=var.endswith("ulate"), num_warps=warps)
 
 
 def check(st, var, bv, warps, waves):
@@ -391,14 +403,15 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--pool", type=int, default=2)
     ap.add_argument("--waves", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--set", default="all", choices=("all", "early", "light"),
+    ap.add_argument("--set", default="all", choices=("all", "early", "light", "ulate"),
                     help="all: the first run's variants (bare, read2, epi, epi_z, persistent); "
                          "early: bare, read2, epi and epi_z with and without their small "
                          "operands before the stream; light: the ring's sums in a launch "
                          "of their own before the stream (ring), then read2 with an "
                          "elementwise epilogue (light = both launches; *_z: Z formed in the "
                          "ring launch; *_pdl: the stream as a dependent launch; *_wN: the "
-                         "ring launch on N warps)")
+                         "ring launch on N warps); ulate: epi with the ring's la and U "
+                         "loaded after the stream instead of before")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU under the Triton interpreter: a small shape, checks only")
     a = ap.parse_args()
@@ -415,6 +428,10 @@ def main():
                  ("epi_z", 64, 2, None)] + [
             (v, bv, w, None) for v in ("epi_early", "epi_z_early")
             for bv, w in ((64, 2), (32, 2), (32, 1), (64, 4))]
+    if a.set == "ulate":
+        cases = [("bare", 32, 4, None), ("read2", 64, 2, None)] + [
+            (v, bv, w, None) for v in ("epi", "epi_ulate")
+            for bv, w in ((64, 2), (32, 2), (32, 4), (64, 4))]
     if a.set == "light":
         cases = [("bare", 32, 4, None), ("read2", 64, 2, None), ("read2", 32, 4, None),
                  ("epi", 64, 2, None)] + [

@@ -305,8 +305,9 @@ FLUSH_CONFIGS_FAST = [c for c in FLUSH_CONFIGS if c not in (
     ("grid", 16, 4, "dot+inverse"))]
 # GDN's default row (70 s, the suite's longest test, 2026-12-03): the four inverse-solve
 # configurations (one per amax path: loop's two passes, grid's two launches, one tile from
-# registers) and the substitution solve in the dot and rank-1 forms; the tf32x3 forms'
-# substitution solve and the 64-row rank-1 tile run on Mamba-2's rows (no solve) and with -m slow
+# registers) and the substitution solve in the dot and rank-1 forms; the tf32x3 forms and the
+# 64-row rank-1 tile still run on Mamba-2's rows (no solve), GDN's substitution solve in them
+# with -m slow
 FLUSH_CONFIGS_FAST_GDN = [c for c in FLUSH_CONFIGS_FAST if c not in (
     ("grid", 64, 8, "rank1"), ("loop", 32, 2, "tf32x3"), ("loop", 32, 2, "tf32x3_full"))]
 

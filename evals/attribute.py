@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", default="layer", choices=("layer", "head"),
                    help="units: whole layers (default) or head groups")
     p.add_argument("--group-size", type=int, default=1, help="heads per unit with --by head (default 1)")
-    p.add_argument("--output-dir", "-o", default="attribution", help="output directory")
+    p.add_argument("--output-dir", "-o", default="attribution",
+                   help="output directory (default: ./attribution)")
     add_run_arguments(p)
     return p
 

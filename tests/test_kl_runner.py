@@ -33,11 +33,13 @@ def test_run_outputs_and_resume(model_dir, data_file, tmp_path, capsys):
     man = json.loads((out / "manifest.json").read_text())
     assert man["cells_computed_this_run"] == 4 and man["model"]["model_type"] == "qwen3_5"
     assert "git_commit" in man and "versions" in man and "timings" in man
-    assert "shared:nvfp4+sr" in capsys.readouterr().out
-    # resume: nothing recomputed, same table
+    text = capsys.readouterr().out
+    assert "shared:nvfp4+sr" in text and "2 documents x 24 tokens" in text
+    # resume: nothing recomputed, same table, and the summary line says so
     assert main(_args(model_dir, data_file, out)) == 0
     man2 = json.loads((out / "manifest.json").read_text())
     assert man2["cells_computed_this_run"] == 0
+    assert "every cell already in the output, nothing recomputed" in capsys.readouterr().out
     pd.testing.assert_frame_equal(pd.read_parquet(out / "positions.parquet"), pos)
     # batch composition does not change a document's rows (SR keyed by document index)
     out1 = tmp_path / "run1"

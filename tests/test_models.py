@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -105,8 +106,12 @@ def test_resolve_errors(tmp_path):
         resolve_model_path("tiny-foo")
     with pytest.raises(ValueError, match="empty"):
         resolve_model_path("  ")
-    with pytest.raises(ValueError, match="unknown dtype"):
-        load_model("tiny-gdn", dtype="float33")
+    # a bad model dtype is named with the model dtypes listed (a state format such as fp16,
+    # an integer or fp8 torch dtype included), before anything loads
+    for bad in ("float33", "fp16", torch.int8, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=rf"dtype {re.escape(repr(bad))} is not a model "
+                                             r"dtype; expected one of float32, bfloat16, float16"):
+            load_model("tiny-gdn", dtype=bad)
 
 
 def test_missing_embedded_files(monkeypatch, tmp_path):

@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
                    help="state policies, e.g. shared:nvfp4+sr read:nvfp4/rec:fp16+sr eager:fp8e4m3, "
                    "or policy maps (per layer / head / decay bucket): a JSON file map.json or a "
-                   "compact 'map:DEFAULT@L3=P@L4H0-1=P@D0.99=P' string (docs/planner.md)")
+                   "compact 'map:DEFAULT@L3=P@L4H0-1=P@D0.99=P' string (docs/planner.md); "
+                   f"default: {' '.join(DEFAULT_POLICIES)}")
     p.add_argument("--decay-stats", default=None, metavar="PATH",
                    help="per-head mean decays for the decay buckets of policy maps (JSON: "
                    "replayssm-attribute's decay.json or docs/models/<model>-stats.json; default: "

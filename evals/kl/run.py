@@ -613,9 +613,11 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
             nonfinite_policy=("nonfinite_policy", "sum"), positions=("kl", "size")).reset_index(),
         on=["policy", "window"], how="right")
     where = f", {world} ranks" if world > 1 else ""
-    print(f"{'' if a.no_progress else chr(10)}replayssm-kl: {len(token_docs)} documents x {N} tokens, "
-          f"model {a.model} ({arch}), "
-          f"{timings['total_s']:.1f} s{where}; output {out}")
+    docs = f"{len(token_docs)} document{'' if len(token_docs) == 1 else 's'}"
+    took = (f"{timings['total_s']:.1f} s" if n_new else
+            "every cell already in the output, nothing recomputed")
+    print(f"{'' if a.no_progress else chr(10)}replayssm-kl: {docs} x {N} tokens, "
+          f"model {a.model} ({arch}), {took}{where}; output {out}")
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print("KL(P_fp32 || P_policy) per position in nats: the policy's next-token distribution "
               "against the same model with FP32 state, teacher forcing; kl_p99 / kl_max over "

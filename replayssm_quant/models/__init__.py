@@ -116,17 +116,24 @@ def load_model(
             weights and ``device`` is not applied.
 
     The model is returned in ``eval()`` mode.
+
+    Raises:
+        ValueError: a ``dtype`` that is not one of the model dtypes (float32, bfloat16, float16
+            or float64, as a torch dtype or its name), naming it and listing those.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(name_or_path)
+    model_dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                    "float16": torch.float16, "float64": torch.float64}
     if dtype is None:
         dtype = torch.float32
-    elif isinstance(dtype, str):
-        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}")
-        dtype = getattr(torch, dtype)
+    elif not (dtype in model_dtypes or dtype in model_dtypes.values()):
+        raise ValueError(f"dtype {dtype!r} is not a model dtype; expected one of "
+                         f"{', '.join(model_dtypes)} (a torch dtype or its name; the state's "
+                         f"formats, such as fp16 or nvfp4, are set by the state policy)")
+    dtype = model_dtypes.get(dtype, dtype)
+    path = resolve_model_path(name_or_path)
     if is_embedded(os.fspath(name_or_path)):
         kwargs.setdefault("local_files_only", True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)

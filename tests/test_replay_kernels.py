@@ -2329,12 +2329,12 @@ def test_decode_state_batch_invariance(family, policy, backend):
     """The decode state objects (what ``decode="serving"`` runs; ``triton``: the records and
     flush kernels, here under the interpreter) give a sequence the same bits alone, in a
     batch of 3 and at another batch position: step outputs across two flushes, a verify, and
-    the final anchor and read copy (with the kernels: the sequences at the batch's ends)."""
+    the final anchor and read copy (with the kernels: sequence 0, at both ends of the batch)."""
     full = _decode_run(family, policy, [0, 1, 2], backend)
     rev = _decode_run(family, policy, [2, 1, 0], backend)
-    # with the kernels (under the interpreter, 35-54 s a row) sequences 0 and 2 alone, each at
-    # both ends of the batch; sequence 1 (the middle of both batches) alone on the torch rows
-    for i in (0, 1, 2) if backend == "torch" else (0, 2):
+    # with the kernels (under the interpreter, 30-50 s a row) sequence 0 alone: position 0 of
+    # the batch and position 2 of the reversed one; every sequence alone on the torch rows
+    for i in (0, 1, 2) if backend == "torch" else (0,):
         alone = _decode_run(family, policy, [i], backend)
         for a, f, rv in zip(alone, full, rev, strict=True):
             assert torch.equal(_bits(a[0]), _bits(f[i])), i
@@ -2572,12 +2572,14 @@ def _matrix_reference(R, A, args, family):
     return gdn_verify(R, A, *args[:-1], fold)
 
 
-# the default suite: the inverse (the default) for every family from both copies; the
-# doubling rows (9-23 s each) with -m slow (doubling's GDN values stay in the default suite
+# the default suite: the inverse (the default) for every family from both copies, but the
+# cached fold (GDNFold.CACHED, the studied unstable variant) from fp32 only; the doubling rows
+# (9-23 s each) and the cached fold from nvfp4 with -m slow (doubling's GDN values stay in the default suite
 # through test_gdn_verify_fused_shared_anchor, fp32 and nvfp4, and its bits through
 # test_verify_matrix_forms_batch_invariant)
 @pytest.mark.parametrize("read_fmt,family,solve", [
-    (r, f, so) if so == "inverse" else pytest.param(r, f, so, marks=SLOW)
+    (r, f, so) if so == "inverse" and (r, f) != ("nvfp4", "gdn-fold")
+    else pytest.param(r, f, so, marks=SLOW)
     for r in ("fp32", "nvfp4") for f in ("mamba2", "gdn", "gdn-fold") for so in SOLVES])
 def test_verify_matrix_forms(read_fmt, family, solve):
     """The matrix forms against the torch references: T = 8 drafts, starts 8 (flush slot, the
@@ -2882,7 +2884,7 @@ def _mixed_counts_run(family, backend, seqs, counts, policy, window=16, T=4):
 # 16) and a partial one (the sequence at 11 stays) run; the kernels at L = 32, where the
 # batch's largest count used to cross 16 and change the record tile (LP 16 -> 32)
 MIXED = {"torch": (16, (([0, 1], [13, 15]), ([0, 2, 3], [13, 11, 14]))),
-         "triton": (32, (([0, 1], [13, 17]), ([0, 2, 3], [13, 15, 17])))}
+         "triton": (32, (([0, 2, 3], [13, 15, 17]),))}  # (the pair [13, 17] crosses 16 too)
 
 
 @pytest.mark.parametrize("family,backend,policies", [

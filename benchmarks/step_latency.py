@@ -131,6 +131,13 @@ def _epilogue(C, hh, ring, la, U, small, b, h, rows, u_ptr, o_ptr, H, V, CAP):
     kn, q, zk, zq, lan, bn, vn = small
     y0 = tl.sum(C * kn[None, :], axis=1)
     y1 = tl.sum(C * q[None, :], axis=1)
+    _finish(y0, y1, hh, ring, la, U, small, b, h, rows, u_ptr, o_ptr, H, V, CAP)
+
+
+@triton.jit
+def _finish(y0, y1, hh, ring, la, U, small, b, h, rows, u_ptr, o_ptr, H, V, CAP):
+    """The stand-in epilogue after the stream: ``y0 = C k``, ``y1 = C q`` given."""
+    kn, q, zk, zq, lan, bn, vn = small
     cvec = tl.cumsum(la, axis=0)
     ctot = tl.sum(la, axis=0) + lan
     dec = tl.where(ring, tl.exp(ctot - cvec), 0.0)
@@ -279,6 +286,64 @@ def _epi_persist_kernel(s_ptr, u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, vn_ptr, bn_
         _epilogue(C, hh, ring, la, U, small, b, h, rows, u_ptr, o_ptr, H, V, CAP)
 
 
+@triton.jit
+def _epi_pipe_kernel(s_ptr, s_desc, u_ptr, la_ptr, rk_ptr, kn_ptr, q_ptr, vn_ptr, bn_ptr,
+                     lan_ptr, z_ptr, h_ptr, o_ptr, H, G, V, CAP, NT, NITEMS, NMAT,
+                     K: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, LP: tl.constexpr,
+                     STAGES: tl.constexpr, TMA: tl.constexpr, FLAT: tl.constexpr,
+                     WS: tl.constexpr):
+    """``epi`` in a persistent grid whose (item, key chunk) loop nest the compiler pipelines
+    (``tl.range(num_stages=STAGES, flatten=FLAT)``): C arrives in ``[BV, KC]`` chunks through
+    shared memory (``TMA``: tensor-descriptor loads; else the pipeliner's async copies), so
+    the loads of the next item's chunks are in flight, without registers, while this item's
+    epilogue runs. ``WS``: the compiler's warp specialisation of the loop."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for i in tl.range(pid, NITEMS, nprog, num_stages=STAGES, flatten=FLAT,
+                      warp_specialize=WS):
+        it = tl.cast(i, tl.int64)
+        mat = it // NT
+        vt = it - mat * NT
+        b, h, g, rows = _item(mat, vt, H, G, V, BV)
+        y0 = tl.zeros([BV], tl.float32)
+        y1 = tl.zeros([BV], tl.float32)
+        for kc in tl.range(0, K, KC):
+            kk = kc + tl.arange(0, KC)
+            if TMA:
+                C = s_desc.load([(mat * V + vt * BV).to(tl.int32), kc])
+            else:
+                C = tl.load(s_ptr + (mat * V + rows)[:, None] * K + kk[None, :])
+            kn = tl.load(kn_ptr + (b * G + g) * K + kk)
+            q = tl.load(q_ptr + (b * G + g) * K + kk)
+            y0 += tl.sum(C * kn[None, :], axis=1)
+            y1 += tl.sum(C * q[None, :], axis=1)
+        hh, ring, la, U, keys = _pre(u_ptr, la_ptr, rk_ptr, h_ptr, b, h, g, rows, H, G, V, CAP,
+                                     K, LP, False)
+        small = _small(ring, keys, b, h, g, rows, kn_ptr, q_ptr, vn_ptr, bn_ptr, lan_ptr, z_ptr,
+                       H, G, V, K, LP, False)
+        _finish(y0, y1, hh, ring, la, U, small, b, h, rows, u_ptr, o_ptr, H, V, CAP)
+
+
+def _pipe_launch(st, var, bv, warps, waves):
+    """``pipe|tma``_s{stages}_k{KC}[_flat][_ws]: ``_epi_pipe_kernel`` on ``waves`` programs
+    per SM."""
+    parts = var.split("_")
+    stages = next(int(x[1:]) for x in parts if x.startswith("s"))
+    kc = next(int(x[1:]) for x in parts if x.startswith("k"))
+    tma = parts[0] == "tma"
+    nt = triton.cdiv(V, bv)
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
+    desc = st["S"]
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        desc = TensorDescriptor.from_tensor(st["S"].view(B * H * V, K), [bv, kc])
+    return _epi_pipe_kernel[(min(nsm * waves, B * H * nt),)](
+        st["S"], desc, st["U"], st["la"], st["rk"], st["kn"], st["q"], st["vn"], st["bn"],
+        st["lan"], st["Z"], st["h"], st["o"], H, G, V, CAP, nt, B * H * nt, B * H, K=K, BV=bv,
+        KC=kc, LP=CAP, STAGES=stages, TMA=tma, FLAT="flat" in parts, WS="ws" in parts,
+        num_warps=warps)
+
+
 def make_set(gen, hval):
     f = dict(device=DEV, dtype=torch.float32)
     st = {"S": torch.randn(B, H, V, K, generator=gen, **f) / K ** 0.5,
@@ -328,6 +393,8 @@ def launch(st, var, bv, warps, waves=4):
     if var == "read2":
         return _read2_kernel[grid](st["S"], st["kn"], st["q"], st["y"], H, G, V, B * H, K=K, BV=bv,
                                    num_warps=warps)
+    if var.startswith(("pipe", "tma")):
+        return _pipe_launch(st, var, bv, warps, waves)
     if var.startswith(("ring", "light")):
         # light[_z][_pdl][_wN]: the ring launch on N warps (default 4), Z formed in it (_z),
         # the stream as its dependent launch (_pdl)
@@ -403,7 +470,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--pool", type=int, default=2)
     ap.add_argument("--waves", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--set", default="all", choices=("all", "early", "light", "ulate"),
+    ap.add_argument("--set", default="all", choices=("all", "early", "light", "ulate", "pipe"),
                     help="all: the first run's variants (bare, read2, epi, epi_z, persistent); "
                          "early: bare, read2, epi and epi_z with and without their small "
                          "operands before the stream; light: the ring's sums in a launch "
@@ -411,7 +478,11 @@ def main():
                          "elementwise epilogue (light = both launches; *_z: Z formed in the "
                          "ring launch; *_pdl: the stream as a dependent launch; *_wN: the "
                          "ring launch on N warps); ulate: epi with the ring's la and U "
-                         "loaded after the stream instead of before")
+                         "loaded after the stream instead of before; pipe: epi in a "
+                         "persistent grid whose (item, key chunk) loop the compiler "
+                         "pipelines through shared memory (pipe_*: async copies, tma_*: "
+                         "tensor descriptors; _sN stages, _kN key chunk, _flat: the loop "
+                         "nest flattened, _ws: warp specialised; --waves programs per SM)")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU under the Triton interpreter: a small shape, checks only")
     a = ap.parse_args()
@@ -438,6 +509,15 @@ def main():
             (f"ring{z}{w}", 64, 2, None) for z in ("", "_z") for w in ("", "_w1", "_w2")] + [
             (f"light{z}{p}{w}", bv, nw, None) for z in ("", "_z") for p in ("", "_pdl")
             for w in ("_w1", "_w2") for bv, nw in ((64, 2), (128, 4))]
+    if a.set == "pipe":
+        cases = [("bare", 32, 4, None), ("read2", 64, 2, None), ("epi", 64, 2, None)] + [
+            (f"{kind}_s{s}_k{kc}{fl}", bv, nw, w)
+            for kind in ("pipe", "tma") for fl in ("_flat", "")
+            for s, kc in ((3, 32), (4, 32), (3, 64))
+            for bv, nw in ((64, 4), (128, 4), (64, 2)) for w in a.waves] + [
+            ("tma_s3_k32_flat_ws", 64, 4, w) for w in a.waves]
+        # a TMA tile must not span two matrices, a key chunk not two rows
+        cases = [c for c in cases if c[1] <= V and "_k64" not in c[0] or K >= 64]
     for w in (a.waves if a.set == "all" else []):
         cases += [("epi_persist", 64, 2, w), ("epi_persist", 32, 2, w), ("epi_persist", 32, 4, w),
                   ("epi_z_persist", 64, 2, w), ("epi_z_persist", 32, 2, w)]

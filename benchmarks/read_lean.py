@@ -31,6 +31,48 @@ from replayssm_quant.kernels.replay.codec import (  # noqa: E402
 
 E2M1_HALF = tl.constexpr(16384.0)
 
+# FORM 2: one asm per 32-bit word of codes (8 codes, k = 0..7 of the word): decode by the
+# packed-half pairs (codec._E2M1_HALF_PAIRS: r0 = (k0, k4), r1 = (k1, k5), r2 = (k2, k6),
+# r3 = (k3, k7)), convert, and the dot products with the X values of those 8 k in FMA
+# chains. Inputs: $NOUT the word, then 8 X values per column.
+_DEC = """{{
+.reg .b32 a<4>, c<4>, r<4>, mm;
+.reg .b16 h<8>;
+.reg .f32 f<8>;
+{pairs}mov.b32 {{h0, h4}}, r0;
+mov.b32 {{h1, h5}}, r1;
+mov.b32 {{h2, h6}}, r2;
+mov.b32 {{h3, h7}}, r3;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+cvt.f32.f16 f2, h2;
+cvt.f32.f16 f3, h3;
+cvt.f32.f16 f4, h4;
+cvt.f32.f16 f5, h5;
+cvt.f32.f16 f6, h6;
+cvt.f32.f16 f7, h7;
+{fmas}}}"""
+
+
+def _dot_asm(nc):
+    from replayssm_quant.kernels.replay.codec import _E2M1_HALF_PAIRS
+    fm = ""
+    for c in range(nc):
+        x0 = nc + 1 + 8 * c
+        fm += f"mul.rn.f32 ${c}, f0, ${x0};\n"
+        for t in range(1, 8):
+            fm += f"fma.rn.f32 ${c}, f{t}, ${x0 + t}, ${c};\n"
+    return _DEC.format(pairs=_E2M1_HALF_PAIRS.format(src=f"${nc}"), fmas=fm)
+
+
+DOT1 = tl.constexpr(_dot_asm(1))
+DOT2 = tl.constexpr(_dot_asm(2))
+
+
+@triton.jit
+def _x8(x_ptr, base, woff, t: tl.constexpr):
+    return tl.load(x_ptr + base + woff + t)
+
 
 @triton.jit
 def _lean_read_kernel(c_ptr, bs_ptr, ms_ptr, x_ptr, y_ptr, H, G, V,
@@ -47,45 +89,88 @@ def _lean_read_kernel(c_ptr, bs_ptr, ms_ptr, x_ptr, y_ptr, H, G, V,
     jb = tl.arange(0, NB)
     w = tl.arange(0, 8)
     xoff = (b * G + g) * NC * K + jb[:, None] * 16 + 2 * w[None, :]  # [NB, 8] even elements
-    xe0 = tl.load(x_ptr + xoff)
-    xo0 = tl.load(x_ptr + xoff + 1)
-    if NC > 1:
-        xe1 = tl.load(x_ptr + xoff + K)
-        xo1 = tl.load(x_ptr + xoff + K + 1)
+    if FORM != 2:
+        xe0 = tl.load(x_ptr + xoff)
+        xo0 = tl.load(x_ptr + xoff + 1)
+        if NC > 1:
+            xe1 = tl.load(x_ptr + xoff + K)
+            xo1 = tl.load(x_ptr + xoff + K + 1)
     ms = tl.load(ms_ptr + mat)
+    if FORM == 2:  # X at k = 16 j + 8 wi + t: [NB, 2] per t and column
+        xw = (b * G + g) * NC * K
+        woff = jb[:, None] * 16 + tl.arange(0, 2)[None, :] * 8
+        xa0 = _x8(x_ptr, xw, woff, 0)
+        xa1 = _x8(x_ptr, xw, woff, 1)
+        xa2 = _x8(x_ptr, xw, woff, 2)
+        xa3 = _x8(x_ptr, xw, woff, 3)
+        xa4 = _x8(x_ptr, xw, woff, 4)
+        xa5 = _x8(x_ptr, xw, woff, 5)
+        xa6 = _x8(x_ptr, xw, woff, 6)
+        xa7 = _x8(x_ptr, xw, woff, 7)
+        if NC > 1:
+            xb0 = _x8(x_ptr, xw + K, woff, 0)
+            xb1 = _x8(x_ptr, xw + K, woff, 1)
+            xb2 = _x8(x_ptr, xw + K, woff, 2)
+            xb3 = _x8(x_ptr, xw + K, woff, 3)
+            xb4 = _x8(x_ptr, xw + K, woff, 4)
+            xb5 = _x8(x_ptr, xw + K, woff, 5)
+            xb6 = _x8(x_ptr, xw + K, woff, 6)
+            xb7 = _x8(x_ptr, xw + K, woff, 7)
     for r0 in tl.range(0, BV, RC, num_stages=STAGES):
         rows = vt * BV + r0 + tl.arange(0, RC)
         rowg = mat * V + rows
-        byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2) + jb[None, :, None] * 8
-                       + w[None, None, :])
-        if FORM == 9:  # the memory floor: the bytes and scales read, summed as integers
-            t = tl.sum(tl.sum(byte.to(tl.int32), axis=2), axis=1)
-            t += tl.sum(tl.load(bs_ptr + rowg[:, None] * NB + jb[None, :]).to(tl.int32), axis=1)
-            tl.store(y_ptr + rowg * NC, t.to(tl.float32) * ms)
-        else:
-            if HALF:
-                ve, vo = _e2m1_pairs_half(byte)
-            else:
-                bi = byte.to(tl.int32)
-                ve = _e2m1_value(bi)
-                vo = _e2m1_value(bi >> 4)
+        if FORM == 2:  # words of 8 codes, the products in the asm
+            wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                          + rowg[:, None, None] * (K // 8) + jb[None, :, None] * 2
+                          + tl.arange(0, 2)[None, None, :])
             sc = _e4m3_value(tl.load(bs_ptr + rowg[:, None] * NB + jb[None, :]).to(tl.int32))
-            if HALF:
-                sc = sc * E2M1_HALF
-            if FORM == 0:
-                p0 = tl.sum(ve * xe0[None] + vo * xo0[None], axis=2)
-                tl.store(y_ptr + rowg * NC, tl.sum(p0 * sc, axis=1) * ms)
-                if NC > 1:
-                    p1 = tl.sum(ve * xe1[None] + vo * xo1[None], axis=2)
-                    tl.store(y_ptr + rowg * NC + 1, tl.sum(p1 * sc, axis=1) * ms)
-            else:  # the block scale on each code first
-                ves = ve * sc[:, :, None]
-                vos = vo * sc[:, :, None]
-                y0 = tl.sum(tl.sum(ves * xe0[None] + vos * xo0[None], axis=2), axis=1)
-                tl.store(y_ptr + rowg * NC, y0 * ms)
-                if NC > 1:
-                    y1 = tl.sum(tl.sum(ves * xe1[None] + vos * xo1[None], axis=2), axis=1)
-                    tl.store(y_ptr + rowg * NC + 1, y1 * ms)
+            sc = sc * E2M1_HALF
+            if NC == 1:
+                p0 = tl.inline_asm_elementwise(
+                    DOT1, "=r,r" + ",r" * 8,
+                    [wrd, xa0[None], xa1[None], xa2[None], xa3[None], xa4[None], xa5[None],
+                     xa6[None], xa7[None]], dtype=tl.float32, is_pure=True, pack=1)
+                tl.store(y_ptr + rowg * NC, tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms)
+            else:
+                p0, p1 = tl.inline_asm_elementwise(
+                    DOT2, "=r,=r,r" + ",r" * 16,
+                    [wrd, xa0[None], xa1[None], xa2[None], xa3[None], xa4[None], xa5[None],
+                     xa6[None], xa7[None], xb0[None], xb1[None], xb2[None], xb3[None],
+                     xb4[None], xb5[None], xb6[None], xb7[None]],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                tl.store(y_ptr + rowg * NC, tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms)
+                tl.store(y_ptr + rowg * NC + 1, tl.sum(tl.sum(p1, axis=2) * sc, axis=1) * ms)
+        else:
+            byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2) + jb[None, :, None] * 8
+                           + w[None, None, :])
+            if FORM == 9:  # the memory floor: the bytes and scales read, summed as integers
+                t = tl.sum(tl.sum(byte.to(tl.int32), axis=2), axis=1)
+                t += tl.sum(tl.load(bs_ptr + rowg[:, None] * NB + jb[None, :]).to(tl.int32), axis=1)
+                tl.store(y_ptr + rowg * NC, t.to(tl.float32) * ms)
+            else:
+                if HALF:
+                    ve, vo = _e2m1_pairs_half(byte)
+                else:
+                    bi = byte.to(tl.int32)
+                    ve = _e2m1_value(bi)
+                    vo = _e2m1_value(bi >> 4)
+                sc = _e4m3_value(tl.load(bs_ptr + rowg[:, None] * NB + jb[None, :]).to(tl.int32))
+                if HALF:
+                    sc = sc * E2M1_HALF
+                if FORM == 0:
+                    p0 = tl.sum(ve * xe0[None] + vo * xo0[None], axis=2)
+                    tl.store(y_ptr + rowg * NC, tl.sum(p0 * sc, axis=1) * ms)
+                    if NC > 1:
+                        p1 = tl.sum(ve * xe1[None] + vo * xo1[None], axis=2)
+                        tl.store(y_ptr + rowg * NC + 1, tl.sum(p1 * sc, axis=1) * ms)
+                else:  # the block scale on each code first
+                    ves = ve * sc[:, :, None]
+                    vos = vo * sc[:, :, None]
+                    y0 = tl.sum(tl.sum(ves * xe0[None] + vos * xo0[None], axis=2), axis=1)
+                    tl.store(y_ptr + rowg * NC, y0 * ms)
+                    if NC > 1:
+                        y1 = tl.sum(tl.sum(ves * xe1[None] + vos * xo1[None], axis=2), axis=1)
+                        tl.store(y_ptr + rowg * NC + 1, y1 * ms)
 
 
 GEO = {"gdn": dict(B=256, H=32, G=16, V=128, K=128, NC=2),
@@ -124,7 +209,11 @@ def reference(g, R, X):
     return torch.einsum("bhvk,bhck->bhvc", C, x).reshape(-1, NC)
 
 
-CASES = [(32, 32, 2, 1, True, 9), (128, 32, 4, 2, True, 9), (64, 64, 4, 1, True, 9)] + [
+CASES = [(32, 32, 2, 1, True, 9), (64, 64, 4, 1, True, 9)] + [
+    (bv, rc, w, s, True, 2) for bv, rc, w, s in (
+        (32, 32, 1, 1), (32, 32, 2, 1), (64, 64, 2, 1), (64, 64, 4, 1), (128, 32, 1, 2),
+        (128, 16, 1, 3), (128, 32, 2, 2), (128, 64, 4, 2), (128, 128, 4, 1), (64, 32, 1, 2),
+        (128, 64, 2, 2), (128, 128, 8, 1))] + [
     (bv, rc, w, s, half, form) for half in (True,) for form in (0, 1)
          for bv, rc, w, s in ((32, 32, 2, 1), (64, 32, 2, 2), (128, 32, 2, 2), (128, 32, 4, 2),
                               (64, 64, 4, 1), (128, 64, 4, 2), (128, 16, 1, 3), (64, 16, 1, 3))]
@@ -186,6 +275,8 @@ def main():
         Ys = [torch.empty(g["B"] * g["H"] * g["V"], g["NC"], device=dev) for _ in pool]
         want = reference(*pool[0])
         for case in CASES:
+            if a.tiny and case[5] == 2:
+                continue  # inline PTX: CUDA only
             if a.tiny and case[4]:
                 case = case[:4] + (False,) + case[5:]
             row = {"model": model, "case": dict(zip(("bv", "rc", "warps", "stages", "half",

@@ -370,6 +370,12 @@ F16C_VERIFY_CANDIDATES = [_P, (128, 2, 16, 3, "tf32x3")] + [
     for bv, w, kc, st in ((128, 2, 16, 3), (128, 2, 32, 2), (128, 2, 32, 3), (64, 2, 32, 3),
                           (64, 1, 32, 3))
     for sp in (None, "ieee")]
+# --set lean (2026-12-04, twenty-first session): the nvfp4 step's read pass in the lean form
+# (records._nvfp4_read_kernel, read_pass=(block_v, num_warps, "lean")) on 1- to 4-warp tiles,
+# the records launch on the wrapper's tile; the default first.
+LEAN_STEP_CANDIDATES = [_P] + [
+    (None,) * 5 + _R8 + ((rb, rw, "lean"),)
+    for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -386,7 +392,8 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                        "fp16": "read:fp16/rec:fp32"},
                "b16b": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32"},
                "fp8step": {"fp8": "read:fp8e4m3/rec:fp32"},
-               "f16c": {"fp16": "read:fp16/rec:fp32"}}
+               "f16c": {"fp16": "read:fp16/rec:fp32"},
+               "lean": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -423,7 +430,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "b16": (B16_STEP_CANDIDATES, B16_VERIFY_CANDIDATES),
                   "b16b": ([], B16B_VERIFY_CANDIDATES),
                   "fp8step": (FP8STEP_STEP_CANDIDATES, []),
-                  "f16c": (F16C_STEP_CANDIDATES, F16C_VERIFY_CANDIDATES)}
+                  "f16c": (F16C_STEP_CANDIDATES, F16C_VERIFY_CANDIDATES),
+                  "lean": (LEAN_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -612,7 +620,9 @@ def main(argv=None):
                          "(GDN's bf16x3 default against tf32x3; Mamba-2's verify from fp8 on "
                          "2-warp tiles) or fp8step (the step from an fp8e4m3 copy: tiles, "
                          "read pass) or f16c (fp16 read copies: C's products on float16 "
-                         "tensor cores, use_dot='f16x3', against the defaults)")
+                         "tensor cores, use_dot='f16x3', against the defaults) or lean (the "
+                         "nvfp4 step's read pass in the lean form, read_pass=(block_v, "
+                         "num_warps, 'lean'), against the default)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

@@ -631,6 +631,85 @@ def test_gdn_step(read_fmt, read_pass, monkeypatch):
     assert torch.equal(ring["uR"][untouched], ref_ring["uR"][untouched])
 
 
+def _lean_launches(monkeypatch) -> list:
+    """``_kernel_launches`` plus a ``"lean"`` entry for each ``_nvfp4_read_kernel`` launch."""
+    seen = _kernel_launches(monkeypatch)
+    real = kr.records._nvfp4_read_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*a, **kw):
+                seen.append("lean")
+                return launch(*a, **kw)
+            return run
+
+    monkeypatch.setattr(kr.records, "_nvfp4_read_kernel", Counting())
+    return seen
+
+
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_lean_read_pass(gdn, monkeypatch):
+    """``read_pass=(block_v, num_warps, "lean")`` from an nvfp4 copy: the lean read pass
+    (``_nvfp4_read_kernel``: Y = C X for the step's one (Mamba-2) or two (GDN) columns), then
+    the records launch reading its Y; the outputs, the new correction (GDN) and the ring
+    against the torch references, on tiles of 16 and 32 rows (V = 16: the second with rows
+    masked off), and a sequence's outputs the same bits alone as in the batch (each row
+    depends on its own codes and its sequence's X only)."""
+    gen = _gen(16)
+    R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
+    la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
+    q = _t(torch.nn.functional.normalize(torch.randn(B, G, K, generator=gen), dim=-1)
+           * K ** -0.5)
+    ref_ring = {n: t.clone() for n, t in ring.items()}
+    b = torch.arange(B, device=DEVICE)
+    for n, t in (("la", la), ("v", v), ("k", k)) + ((("beta", beta),) if gdn else ()):
+        ref_ring[n][b, h] = t
+    J = int(h.max()) + 1
+    r = ref_ring
+    if gdn:
+        want, uR = gdn_step_output(R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
+                                   r["k"][:, :J], q, r["uR"][:, :J], h + 1)
+    else:
+        want = mamba2_step_output(R, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], q, h + 1)
+
+    def step(rg, sl, rp):
+        Rs = PackedTensor(R_st.spec, R_st.codes[sl].shape[:-1] + R_st.shape[-1:],
+                          R_st.codes[sl], R_st.block_scales[sl], R_st.matrix_scale[sl])
+        if gdn:
+            return kr.gdn_step_kernel(Rs, rg, q[sl], k[sl], v[sl], la[sl], beta[sl], h[sl],
+                                      read_pass=rp)
+        return kr.mamba2_step_kernel(Rs, rg, la[sl], v[sl], k[sl], q[sl], h[sl], read_pass=rp)
+
+    for rp in ((16, 1, "lean"), (32, 2, "lean")):
+        rg = {n: t.clone() for n, t in ring.items()}
+        seen = _lean_launches(monkeypatch)
+        got = step(rg, slice(None), rp)
+        assert seen == ["lean", (False, True)], seen
+        torch.testing.assert_close(got, want, **TOL)
+        if gdn:
+            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+        for n in ("la", "v", "k") + (("beta",) if gdn else ()):
+            assert torch.equal(rg[n], ref_ring[n]), n
+        # sequence 1 alone: the same bits as in the batch
+        alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp)
+        assert torch.equal(alone, got[1:]), rp
+
+
+def test_lean_read_pass_refused():
+    """The lean read pass takes nvfp4 copies only (an mxfp4 one is refused, naming the form and
+    the copy), and an unknown read-pass form is refused by name."""
+    gen = _gen(17)
+    _, R_st, ring, h = _ring_state(gen, "mxfp4", gdn=False)
+    la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
+    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
+    with pytest.raises(ValueError, match="'lean' takes an nvfp4 copy.*mxfp4"):
+        kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "lean"))
+    with pytest.raises(ValueError, match="read_pass form must be one of.*'fast'"):
+        kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "fast"))
+
+
 PDL_RUNS = (DEVICE == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability()[0] >= 9)
 
@@ -1232,18 +1311,20 @@ def test_e2m1_pair_decoders(mode):
     assert torch.equal(_bits(o.cpu()), _bits(table[b >> 4]))
 
 
-def _run_ptx(text, x):
+def _run_ptx(text, x, regs=None):
     """Execute the inline PTX ``text`` of a decoder (the instructions it uses: mov, shl, shr,
-    and, lop3, prmt, cvt.f32.f16) on uint32 words ``x`` (``$8``, or ``$4`` for a decoder with
-    four outputs), in numpy; returns ``{"$0": ...}`` the outputs (float32 from cvt, uint32
-    words from prmt). An emulation of the PTX ISA's definitions, independent of Triton and
-    ptxas."""
+    and, lop3, prmt, cvt.f32.f16, mul.rn.f32, fma.rn.f32) on uint32 words ``x`` (``$8``, or
+    ``$4`` for a decoder with four outputs; ``regs``: the input registers instead, uint32
+    words or float32 values), in numpy; returns ``{"$0": ...}`` the outputs (float32 from cvt,
+    mul and fma, uint32 words from prmt). An emulation of the PTX ISA's definitions,
+    independent of Triton and ptxas (fma: the exact float64 product plus the addend, rounded
+    to float64 then to float32, which can differ from one rounding in the last bit)."""
     import re
 
     import numpy as np
 
     inp = "$4" if "$4," in text and "$5" not in text else "$8"
-    reg = {inp: x.astype(np.uint32)}
+    reg = dict(regs) if regs is not None else {inp: x.astype(np.uint32)}
 
     def val(a):  # a register or an immediate
         return reg[a] if a in reg else np.uint32(int(a, 0))
@@ -1284,7 +1365,15 @@ def _run_ptx(text, x):
                 r |= byte << np.uint32(8 * k)
             (out if a[0].startswith("$") else reg)[a[0]] = r
         elif op == "cvt.f32.f16":
-            out[a[0]] = reg[a[1]].astype(np.uint16).view(np.float16).astype(np.float32)
+            f = reg[a[1]].astype(np.uint16).view(np.float16).astype(np.float32)
+            (out if a[0].startswith("$") else reg)[a[0]] = f
+        elif op in ("mul.rn.f32", "fma.rn.f32"):
+            f = reg[a[1]].astype(np.float64) * reg[a[2]].astype(np.float64)
+            if op == "fma.rn.f32":
+                f = f + reg[a[3]].astype(np.float64)
+            reg[a[0]] = f.astype(np.float32)
+            if a[0].startswith("$"):
+                out[a[0]] = reg[a[0]]
         else:
             raise AssertionError(f"instruction not emulated: {ln}")
     return out
@@ -1321,6 +1410,38 @@ def test_e2m1_half_ptx_emulated():
             want = (table[code] * np.float32(2.0 ** -14)).astype(np.float16)
             got = ((out16[f"${r}"] >> np.uint32(16 * part)) & 0xFFFF).astype(np.uint16)
             assert np.array_equal(got, want.view(np.uint16)), (r, part)
+
+
+def test_e2m1_dot8_ptx_emulated():
+    """The lean read pass's PTX (``codec._E2M1_DOT8_1_PTX`` / ``_E2M1_DOT8_2_PTX``), executed
+    by the emulation on 65,536 words (every pair of values of the low two bytes, the high two
+    bytes a permutation of them) and random float32 vectors: output c is ``sum_k e_k x_c[k]``
+    with ``e_k`` the E2M1 table value of nibble k of the word times 2^-14, against a float64
+    sum to within 2^-22 of ``sum_k |e_k x_c[k]|`` (the FMA chain's roundings); with the
+    vectors one-hot at k, code k's value bit for bit."""
+    import numpy as np
+
+    lo = np.arange(1 << 16, dtype=np.uint32)
+    x = lo | (((lo * 40503) & 0xFFFF) << 16)
+    mag = np.array(Fmt.E2M1_VALUES * 2, np.float64)
+    table = np.where(np.arange(16) >= 8, -mag, mag) * 2.0 ** -14
+    e = np.stack([table[(x >> np.uint32(4 * k)) & 15] for k in range(8)], -1)  # [N, 8]
+    rng = np.random.default_rng(0)
+    for nc, text in ((1, kr.codec._E2M1_DOT8_1_PTX.value), (2, kr.codec._E2M1_DOT8_2_PTX.value)):
+        xs = rng.standard_normal((nc, 8, x.size)).astype(np.float32)
+        regs = {f"${nc}": x}
+        regs.update({f"${nc + 1 + 8 * c + k}": xs[c, k] for c in range(nc) for k in range(8)})
+        out = _run_ptx(text, x, regs)
+        for c in range(nc):
+            want = (e * xs[c].T.astype(np.float64)).sum(-1)
+            bound = 2.0 ** -22 * np.abs(e * xs[c].T).sum(-1)
+            assert np.all(np.abs(out[f"${c}"] - want) <= bound), (nc, c)
+        for k in range(8):  # one-hot vectors: the decoded value of code k
+            regs.update({f"${nc + 1 + 8 * c + j}": np.full(x.size, float(j == k), np.float32)
+                         for c in range(nc) for j in range(8)})
+            out = _run_ptx(text, x, regs)
+            for c in range(nc):
+                assert np.array_equal(out[f"${c}"], e[:, k].astype(np.float32)), (nc, c, k)
 
 
 @pytest.mark.parametrize("read_fmt", ["nvfp4", "mxfp4"])

@@ -780,6 +780,54 @@ def _e2m1_pairs_half16(byte):
                                      dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
+# Eight E2M1 codes of a 32-bit word times eight float32 values per vector, summed (the lean
+# nvfp4 read pass, records._nvfp4_read_kernel): the packed-half pairs of _E2M1_HALF_PAIRS
+# (r0 = codes (0, 4) of the word, r1 = (1, 5), r2 = (2, 6), r3 = (3, 7), code k being nibble k,
+# the low nibble of byte k // 2 for even k), converted to float32, then one FMA chain per
+# vector in code order: out_c = sum_k value_k x_c[k], each value the E2M1 value times 2^-14.
+# Inputs: $NC the word, then x_0[0..7], x_1[0..7], ...; outputs $0..$NC-1.
+def _e2m1_dot8_text(nc: int) -> str:
+    """The PTX of ``_e2m1_dot8`` for ``nc`` vectors (see the comment above)."""
+    lines = ["{", ".reg .b32 a<4>, c<4>, r<4>, mm;", ".reg .b16 h<8>;", ".reg .f32 f<8>;",
+             _E2M1_HALF_PAIRS.format(src=f"${nc}").rstrip("\n")]
+    lines += [f"mov.b32 {{h{j}, h{j + 4}}}, r{j};" for j in range(4)]
+    lines += [f"cvt.f32.f16 f{k}, h{k};" for k in range(8)]
+    for c in range(nc):
+        x0 = nc + 1 + 8 * c
+        lines.append(f"mul.rn.f32 ${c}, f0, ${x0};")
+        lines += [f"fma.rn.f32 ${c}, f{k}, ${x0 + k}, ${c};" for k in range(1, 8)]
+    return "\n".join(lines + ["}"])
+
+
+_E2M1_DOT8_1_PTX = tl.constexpr(_e2m1_dot8_text(1))
+_E2M1_DOT8_2_PTX = tl.constexpr(_e2m1_dot8_text(2))
+
+
+@triton.jit
+def _e2m1_dot8_1(word, x0, x1, x2, x3, x4, x5, x6, x7):
+    """``sum_k e_k x_k`` over the eight E2M1 codes of each int32 ``word`` (code k = nibble k,
+    so code 0 is the low nibble of the word's first byte in memory), each ``e_k`` the code's
+    value times 2^-14 (exact: the packed-half decoder of ``_e2m1_pairs_half``), float32
+    products summed in code order by FMA. About 4 instructions per code. Inline PTX: CUDA
+    only; ``tests/test_replay_kernels.py::test_e2m1_dot8_ptx_emulated`` runs its PTX
+    through an emulation."""
+    tl.static_assert(word.dtype == tl.int32, "_e2m1_dot8_1 takes int32 words of 8 codes")
+    return tl.inline_asm_elementwise(_E2M1_DOT8_1_PTX, "=r,r" + ",r" * 8,
+                                     [word, x0, x1, x2, x3, x4, x5, x6, x7],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _e2m1_dot8_2(word, x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7):
+    """``_e2m1_dot8_1`` for two vectors ``x`` and ``y`` at once (one decode): returns
+    ``(sum_k e_k x_k, sum_k e_k y_k)``. About 5 instructions per code. Inline PTX: CUDA only."""
+    tl.static_assert(word.dtype == tl.int32, "_e2m1_dot8_2 takes int32 words of 8 codes")
+    return tl.inline_asm_elementwise(_E2M1_DOT8_2_PTX, "=r,=r,r" + ",r" * 16,
+                                     [word, x0, x1, x2, x3, x4, x5, x6, x7,
+                                      y0, y1, y2, y3, y4, y5, y6, y7],
+                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
 @triton.jit
 def _e4m3_value(code):
     """Float32 value of OFP8 E4M3FN codes (low 8 bits; magnitude 0x7F is NaN, no inf): normal

@@ -63,6 +63,7 @@ from ...packed import PackedTensor
 from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_index,
                     _check_records,
                     _check_supported, _decode_code, _decode_consts, _e2m1_pairs_half,
+                    _e2m1_dot8_1, _e2m1_dot8_2,
                     _e2m1_pairs_half16, _e2m1_pairs_lut, _e2m1_value,
                     _e4m3_value, _e5m2_value, _e8m0_value, _K_NVFP4, _stored_args,
                     E2M1_HALF_SCALE)
@@ -74,6 +75,10 @@ from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_inde
 # ``DEFAULT_WARPS`` are kept for the callers that pass them (GDN flush corrections).
 DEFAULT_BV = 64
 DEFAULT_WARPS = 4
+# Forms of a separate read pass (records_outputs(read_pass=(block_v, num_warps, form))):
+# "records" (the records kernel's YOUT path: any copy, any columns) or "lean"
+# (_nvfp4_read_kernel: nvfp4 copies, at most two columns of X, as a decode step has).
+READ_FORMS = ("records", "lean")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
 # docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
@@ -1109,6 +1114,96 @@ def _x_split_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, x16_ptr, xinv_ptr, G, TD, TQ,
 
 
 @triton.jit
+def _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c: tl.constexpr, NS: tl.constexpr,
+        K: tl.constexpr, D_REL: tl.constexpr):
+    """Column ``c`` of X (``_x_col``) at the eight element indices ``e + 0 .. e + 7``."""
+    return (_x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c, NS, K, D_REL),
+            _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e + 1, c, NS, K, D_REL),
+            _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e + 2, c, NS, K, D_REL),
+            _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e + 3, c, NS, K, D_REL),
+            _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e + 4, c, NS, K, D_REL),
+            _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e + 5, c, NS, K, D_REL),
+            _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e + 6, c, NS, K, D_REL),
+            _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e + 7, c, NS, K, D_REL))
+
+
+@triton.jit
+def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, V,
+                       TD, TQ, K: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr,
+                       D_REL: tl.constexpr, BV: tl.constexpr, PTX: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
+    ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) for the ``BV`` value
+    rows ``program_id(1) * BV ..`` of matrix ``program_id(0)`` of an nvfp4 copy, X the columns
+    of ``_x_col`` (the solved rows' keys, then the queries), and nothing else. Per value row
+    and scaling block j (16 codes): ``sum_k e_k x_k`` over the block, times the E4M3 block
+    scale, summed over the blocks, times the matrix scale (Eq. of the nvfp4 dequantisation,
+    DESIGN.md "Formats", reassociated: the scales multiply the block sums). ``PTX`` (CUDA):
+    each 32-bit word of 8 codes decoded and multiplied in one inline-PTX FMA chain per column
+    (``codec._e2m1_dot8_1`` / ``_e2m1_dot8_2``, values times 2^-14, 2^14 folded into the block
+    scale, exact); otherwise (the interpreter) the integer decoder and reductions. Each row
+    depends on its own codes and its sequence's X only. ``PDL``: a dependent launch of the
+    products launch; it waits for that grid before its stores, so that the records launch
+    after it, waiting on it, also waits on the products launch."""
+    mat = tl.program_id(0).to(tl.int64)
+    vt = tl.program_id(1)
+    b = mat // H
+    h = mat - b * H
+    g = h // (H // G)
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    rows = vt * BV + tl.arange(0, BV)
+    rmask = rows < V
+    rowg = mat * V + rows.to(tl.int64)
+    NB: tl.constexpr = K // 16
+    jb = tl.arange(0, NB)
+    sc = _e4m3_value(tl.load(cbs_ptr + rowg[:, None] * NB + jb[None, :], mask=rmask[:, None],
+                             other=0).to(tl.int32))
+    ms = tl.load(cms_ptr + mat)
+    if PTX:
+        sc = sc * E2M1_HALF_SCALE  # exact: an E4M3 value times 2^14
+        wi = tl.arange(0, 2)
+        e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
+        wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                      + rowg[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None],
+                      mask=rmask[:, None, None], other=0)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 0, NS,
+                                             K, D_REL)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if NC == 1:
+            p0 = _e2m1_dot8_1(wrd, a0[None], a1[None], a2[None], a3[None], a4[None], a5[None],
+                              a6[None], a7[None])
+            y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
+            tl.store(y_ptr + rowg, y0, mask=rmask)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 1,
+                                                 NS, K, D_REL)
+            p0, p1 = _e2m1_dot8_2(wrd, a0[None], a1[None], a2[None], a3[None], a4[None],
+                                  a5[None], a6[None], a7[None], c0[None], c1[None], c2[None],
+                                  c3[None], c4[None], c5[None], c6[None], c7[None])
+            y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
+            y1 = tl.sum(tl.sum(p1, axis=2) * sc, axis=1) * ms
+            tl.store(y_ptr + rowg * 2, y0, mask=rmask)
+            tl.store(y_ptr + rowg * 2 + 1, y1, mask=rmask)
+    else:
+        w8 = tl.arange(0, 8)
+        byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2)
+                       + (jb[:, None] * 8 + w8[None, :])[None], mask=rmask[:, None, None],
+                       other=0).to(tl.int32)
+        ve = _e2m1_value(byte)
+        vo = _e2m1_value(byte >> 4)
+        e = jb[:, None] * 16 + 2 * w8[None, :]  # [NB, 8]: the even elements
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        for c in tl.static_range(NC):
+            xe = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c, NS, K, D_REL)
+            xo = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e + 1, c, NS, K, D_REL)
+            part = tl.sum(ve * xe[None] + vo * xo[None], axis=2)
+            tl.store(y_ptr + rowg * NC + c, tl.sum(part * sc, axis=1) * ms, mask=rmask)
+
+
+@triton.jit
 def _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_ptr, bg,
                  K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BLK: tl.constexpr,
                  BV: tl.constexpr, NC: tl.constexpr, NXS: tl.constexpr, NX: tl.constexpr,
@@ -1844,12 +1939,18 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     KC = min(K, triton.next_power_of_2(k_chunk or K))
     if read_pass is False:
         read_pass = None
+    read_form = "records"
     if read_pass is not None:
-        if not (isinstance(read_pass, (tuple, list)) and len(read_pass) == 2):
-            raise ValueError(f"read_pass must be None, False or (block_v, num_warps), got "
-                             f"{read_pass!r}")
+        if not (isinstance(read_pass, (tuple, list)) and len(read_pass) in (2, 3)):
+            raise ValueError(f"read_pass must be None, False, (block_v, num_warps) or "
+                             f"(block_v, num_warps, form), got {read_pass!r}")
+        if len(read_pass) == 3:
+            read_form = read_pass[2]
+            if read_form not in READ_FORMS:
+                raise ValueError(f"read_pass form must be one of {READ_FORMS}, got "
+                                 f"{read_form!r}")
         try:
-            _check_tile(*read_pass)
+            _check_tile(*read_pass[:2])
         except ValueError as e:
             raise ValueError(f"read_pass {tuple(read_pass)!r}: {e}") from None
     ypre = read_pass is not None and NC > 0  # Y = C X in a launch of its own
@@ -1944,7 +2045,21 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                  NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
                  ONE=TD == 1,  # at most one draft row (rows - start <= TD, as the callers pass)
                  XS=False, NXS=nxs, C=C, WPRE=wpre, **consts, **forms)
-    if ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
+    lean = ypre and read_form == "lean"
+    if lean and not (C.KIND == _K_NVFP4 and NC <= 2 and fused_window is None
+                     and use_dot not in X16_DOTS):
+        raise ValueError(f"read_pass form 'lean' takes an nvfp4 copy, at most 2 columns of X "
+                         f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
+                         f"got a {spec} copy, {NC} columns, fused_window={fused_window!r}, "
+                         f"use_dot={use_dot!r}")
+    if lean:  # the lean read pass: Y = C X [B*H*V, NC], nothing else
+        rbv = triton.next_power_of_2(read_pass[0])
+        y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
+        _nvfp4_read_kernel[(B * H, triton.cdiv(V, rbv))](
+            c, cbs, cms, dk, q_arg, start, rows, y, H, G, V, TD, TQ, K=K, NC=NC, NS=NS,
+            D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
+            **_pdl_launch(pdl and zpre))
+    elif ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
         rflags = dict(flags, DOT=2 if f16 else 3 if b16 else bool(use_dot), XS=xsplit,

@@ -695,6 +695,11 @@ def test_lean_read_pass(gdn, monkeypatch):
         # sequence 1 alone: the same bits as in the batch
         alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp)
         assert torch.equal(alone, got[1:]), rp
+    # the defaults: Mamba-2 from nvfp4 takes the lean read pass, GDN the records kernel's
+    seen = _lean_launches(monkeypatch)
+    got = step({n: t.clone() for n, t in ring.items()}, slice(None), None)
+    assert seen == ([(True, False)] if gdn else ["lean"]) + [(False, True)], seen
+    torch.testing.assert_close(got, want, **TOL)
 
 
 def test_lean_read_pass_refused():

@@ -131,6 +131,12 @@ GDN_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=128, num_warps=2, read_pass=(32,
 # any tile 146.5 us at best). Mamba-2's fp8 step keeps STEP_CONFIG (221.1 us; 220.3 at best).
 GDN_STEP_FP8_CONFIG = dict(STEP_CONFIG, block_v=128, num_warps=2, read_pass=(32, 1))
 MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(32, 2))
+# Mamba-2 from an nvfp4 copy since 2026-12-04 (twenty-first session, records_tune --set lean
+# --timing graph, records_tune_lean_h200.json, B = 256, h = 7): the lean read pass
+# (_nvfp4_read_kernel) on one 64-row tile per matrix with one warp: 147.5 -> 125.2 us. GDN's
+# best lean tile (64 x 1) was 113.4 against its default's 115.4 us, within a run's spread:
+# GDN keeps the records kernel's read pass.
+MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(64, 1, "lean"))
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
@@ -1823,6 +1829,13 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             and ``num_warps`` to the records launch; ``keys_first`` has no stream of C left to
             overlap. Ignored where nothing multiplies C (no solved rows and no queries). None
             or False (default): one launch.
+            ``(block_v, num_warps, form)``: ``form`` "records" (the above) or "lean"
+            (``_nvfp4_read_kernel``: an nvfp4 copy and at most two columns of X, as a decode
+            step has, no ``fused_window`` and no ``use_dot`` of ``X16_DOTS``; refused
+            otherwise): a kernel that only reads the codes and block scales, decodes each
+            32-bit word of eight codes and multiplies it with X in one inline-PTX FMA chain
+            per column (the interpreter: the integer decoder and reductions); its tile may
+            be any power of two >= 16 rows. Mamba-2's nvfp4 step default since 2026-12-04.
         pdl: programmatic dependent launch (CUDA, compute capability 9.0 or later) between
             the launches of this call: the launch after the products launch (the read pass,
             or the records launch) starts while the products launch runs and streams C
@@ -2278,14 +2291,16 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     return ``y = gamma_{1:h+1} (R q) + V (m * (K^T q))`` ``[B, H, P]`` (no ``D x``) from the
     stored read copy ``read`` and grouped ``q [B, G, N]``. ``h``: int64 ``[B]`` records before
     the append (the caller then does h += 1). Launch configuration: ``STEP_CONFIG``
-    (``MAMBA2_STEP_WIDE_CONFIG`` for an FP32 or half read copy, ``MAMBA2_STEP_FP4_CONFIG``
-    for an E2M1 one: nvfp4, mxfp4) unless given (see :func:`records_outputs`; ``solve``: its matrix
-    forms, untimed; ``read_pass``: ``(block_v, num_warps)`` of a separate launch for the
+    (``MAMBA2_STEP_WIDE_CONFIG`` for an FP32 or half read copy, ``MAMBA2_STEP_NVFP4_CONFIG``
+    for an nvfp4 one (the lean read pass), ``MAMBA2_STEP_FP4_CONFIG`` for mxfp4) unless
+    given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed; ``read_pass``:
+    ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
     products with R, or False for one launch)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
-                  (MAMBA2_STEP_FP4_CONFIG if _fp4(read) else STEP_CONFIG), block_v=block_v,
+                  (MAMBA2_STEP_NVFP4_CONFIG if _nvfp4(read) else MAMBA2_STEP_FP4_CONFIG
+                   if _fp4(read) else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,

@@ -700,6 +700,12 @@ def test_lean_read_pass(gdn, monkeypatch):
     got = step({n: t.clone() for n, t in ring.items()}, slice(None), None)
     assert seen == ([(True, False)] if gdn else ["lean"]) + [(False, True)], seen
     torch.testing.assert_close(got, want, **TOL)
+    if not gdn:  # a caller's float16 products: the records kernel's read pass, not an error
+        seen = _lean_launches(monkeypatch)
+        got = kr.mamba2_step_kernel(R_st, {n: t.clone() for n, t in ring.items()}, la, v, k,
+                                    q, h, use_dot="f16x3")
+        assert seen == [(True, False), (False, True)], seen
+        torch.testing.assert_close(got, want, **TOL)
 
 
 def test_lean_read_pass_refused():

@@ -1134,6 +1134,23 @@ def _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c: tl.constexpr, NS: tl.conste
 
 
 @triton.jit
+def _e2m1_dot8_int(word, x0, x1, x2, x3, x4, x5, x6, x7):
+    """``codec._e2m1_dot8_1`` without PTX (the interpreter, ``e2m1_decode="integer"``): the
+    eight codes of each int32 ``word`` by the integer decoder, times 2^-14 (exact), and the
+    same float32 operations in the same order (a product, then seven FMAs), so the same
+    bits."""
+    s = 0.00006103515625  # 2^-14
+    p = (_e2m1_value(word & 15) * s) * x0
+    p = tl.fma(_e2m1_value((word >> 4) & 15) * s, x1, p)
+    p = tl.fma(_e2m1_value((word >> 8) & 15) * s, x2, p)
+    p = tl.fma(_e2m1_value((word >> 12) & 15) * s, x3, p)
+    p = tl.fma(_e2m1_value((word >> 16) & 15) * s, x4, p)
+    p = tl.fma(_e2m1_value((word >> 20) & 15) * s, x5, p)
+    p = tl.fma(_e2m1_value((word >> 24) & 15) * s, x6, p)
+    return tl.fma(_e2m1_value((word >> 28) & 15) * s, x7, p)
+
+
+@triton.jit
 def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, V,
                        TD, TQ, K: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr,
                        D_REL: tl.constexpr, BV: tl.constexpr, PTX: tl.constexpr,
@@ -1147,7 +1164,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     DESIGN.md "Formats", reassociated: the scales multiply the block sums). ``PTX`` (CUDA):
     each 32-bit word of 8 codes decoded and multiplied in one inline-PTX FMA chain per column
     (``codec._e2m1_dot8_1`` / ``_e2m1_dot8_2``, values times 2^-14, 2^14 folded into the block
-    scale, exact); otherwise (the interpreter) the integer decoder and reductions. Each row
+    scale, exact); otherwise (the interpreter, ``e2m1_decode="integer"``) the integer decoder
+    in the same float32 operations (``_e2m1_dot8_int``), so the same bits. Each row
     depends on its own codes and its sequence's X only. ``PDL``: a dependent launch of the
     products launch; it waits for that grid before its stores, so that the records launch
     after it, waiting on it, also waits on the products launch."""
@@ -1166,47 +1184,41 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     sc = _e4m3_value(tl.load(cbs_ptr + rowg[:, None] * NB + jb[None, :], mask=rmask[:, None],
                              other=0).to(tl.int32))
     ms = tl.load(cms_ptr + mat)
-    if PTX:
-        sc = sc * E2M1_HALF_SCALE  # exact: an E4M3 value times 2^14
-        wi = tl.arange(0, 2)
-        e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
-        wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                      + rowg[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None],
-                      mask=rmask[:, None, None], other=0)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 0, NS,
-                                             K, D_REL)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        if NC == 1:
+    sc = sc * E2M1_HALF_SCALE  # exact: an E4M3 value times 2^14
+    wi = tl.arange(0, 2)
+    e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
+    wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                  + rowg[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None],
+                  mask=rmask[:, None, None], other=0)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 0, NS, K,
+                                         D_REL)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if NC == 1:
+        if PTX:
             p0 = _e2m1_dot8_1(wrd, a0[None], a1[None], a2[None], a3[None], a4[None], a5[None],
                               a6[None], a7[None])
-            y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
-            tl.store(y_ptr + rowg, y0, mask=rmask)
         else:
-            c0, c1, c2, c3, c4, c5, c6, c7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 1,
-                                                 NS, K, D_REL)
+            p0 = _e2m1_dot8_int(wrd, a0[None], a1[None], a2[None], a3[None], a4[None],
+                                a5[None], a6[None], a7[None])
+        y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
+        tl.store(y_ptr + rowg, y0, mask=rmask)
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 1, NS,
+                                             K, D_REL)
+        if PTX:
             p0, p1 = _e2m1_dot8_2(wrd, a0[None], a1[None], a2[None], a3[None], a4[None],
                                   a5[None], a6[None], a7[None], c0[None], c1[None], c2[None],
                                   c3[None], c4[None], c5[None], c6[None], c7[None])
-            y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
-            y1 = tl.sum(tl.sum(p1, axis=2) * sc, axis=1) * ms
-            tl.store(y_ptr + rowg * 2, y0, mask=rmask)
-            tl.store(y_ptr + rowg * 2 + 1, y1, mask=rmask)
-    else:
-        w8 = tl.arange(0, 8)
-        byte = tl.load(c_ptr + rowg[:, None, None] * (K // 2)
-                       + (jb[:, None] * 8 + w8[None, :])[None], mask=rmask[:, None, None],
-                       other=0).to(tl.int32)
-        ve = _e2m1_value(byte)
-        vo = _e2m1_value(byte >> 4)
-        e = jb[:, None] * 16 + 2 * w8[None, :]  # [NB, 8]: the even elements
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        for c in tl.static_range(NC):
-            xe = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c, NS, K, D_REL)
-            xo = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e + 1, c, NS, K, D_REL)
-            part = tl.sum(ve * xe[None] + vo * xo[None], axis=2)
-            tl.store(y_ptr + rowg * NC + c, tl.sum(part * sc, axis=1) * ms, mask=rmask)
+        else:
+            p0 = _e2m1_dot8_int(wrd, a0[None], a1[None], a2[None], a3[None], a4[None],
+                                a5[None], a6[None], a7[None])
+            p1 = _e2m1_dot8_int(wrd, c0[None], c1[None], c2[None], c3[None], c4[None],
+                                c5[None], c6[None], c7[None])
+        y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
+        y1 = tl.sum(tl.sum(p1, axis=2) * sc, axis=1) * ms
+        tl.store(y_ptr + rowg * 2, y0, mask=rmask)
+        tl.store(y_ptr + rowg * 2 + 1, y1, mask=rmask)
 
 
 @triton.jit
@@ -2305,6 +2317,9 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
+    if read_pass is None and len(cfg.get("read_pass") or ()) == 3 and cfg["use_dot"] in X16_DOTS:
+        # a caller's 16-bit products: the records kernel's read pass (the lean one has none)
+        cfg["read_pass"] = MAMBA2_STEP_FP4_CONFIG["read_pass"]
     _check_x16_dot(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}

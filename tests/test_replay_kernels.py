@@ -710,7 +710,8 @@ def test_lean_read_pass(gdn, monkeypatch):
 
 def test_lean_read_pass_refused():
     """The lean read pass takes nvfp4 copies only (an mxfp4 one is refused, naming the form and
-    the copy), and an unknown read-pass form is refused by name."""
+    the copy), codes that start on a 4-byte boundary (it reads 32-bit words), and an unknown
+    read-pass form is refused by name."""
     gen = _gen(17)
     _, R_st, ring, h = _ring_state(gen, "mxfp4", gdn=False)
     la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
@@ -719,6 +720,14 @@ def test_lean_read_pass_refused():
         kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "lean"))
     with pytest.raises(ValueError, match="read_pass form must be one of.*'fast'"):
         kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "fast"))
+    # nvfp4 codes in a view that starts one byte into its storage: refused, not misread
+    _, N_st, _, _ = _ring_state(gen, "nvfp4", gdn=False)
+    odd = torch.empty(N_st.codes.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:]
+    odd = odd.view(N_st.codes.shape)
+    odd.copy_(N_st.codes)
+    N_odd = PackedTensor(N_st.spec, N_st.shape, odd, N_st.block_scales, N_st.matrix_scale)
+    with pytest.raises(ValueError, match="4-byte boundary"):
+        kr.mamba2_step_kernel(N_odd, ring, la, v, k, q, h)
 
 
 PDL_RUNS = (DEVICE == "cuda" and torch.version.hip is None

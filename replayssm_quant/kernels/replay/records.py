@@ -1846,8 +1846,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             step has, no ``fused_window`` and no ``use_dot`` of ``X16_DOTS``; refused
             otherwise): a kernel that only reads the codes and block scales, decodes each
             32-bit word of eight codes and multiplies it with X in one inline-PTX FMA chain
-            per column (the interpreter: the integer decoder and reductions); its tile may
-            be any power of two >= 16 rows. Mamba-2's nvfp4 step default since 2026-12-04.
+            per column (the interpreter, or ``e2m1_decode="integer"``: the integer decoder
+            in the same float32 operations, so the same bits); its tile may be any power of
+            two >= 16 rows; the codes are read as 32-bit words, so their storage must start
+            on a 4-byte boundary (refused otherwise). Mamba-2's nvfp4 step default since
+            2026-12-04.
         pdl: programmatic dependent launch (CUDA, compute capability 9.0 or later) between
             the launches of this call: the launch after the products launch (the read pass,
             or the records launch) starts while the products launch runs and streams C
@@ -2077,6 +2080,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                          f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
                          f"got a {spec} copy, {NC} columns, fused_window={fused_window!r}, "
                          f"use_dot={use_dot!r}")
+    if lean and c.data_ptr() % 4:
+        raise ValueError(f"read_pass form 'lean' reads the nvfp4 codes as 32-bit words: their "
+                         f"storage must start on a 4-byte boundary, got address "
+                         f"{c.data_ptr():#x} (a view at an odd offset; pass a copy)")
     if lean:  # the lean read pass: Y = C X [B*H*V, NC], nothing else
         rbv = triton.next_power_of_2(read_pass[0])
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)

@@ -372,7 +372,9 @@ F16C_VERIFY_CANDIDATES = [_P, (128, 2, 16, 3, "tf32x3")] + [
     for sp in (None, "ieee")]
 # --set lean (2026-12-04, twenty-first session): the nvfp4 step's read pass in the lean form
 # (records._nvfp4_read_kernel, read_pass=(block_v, num_warps, "lean")) on 1- to 4-warp tiles,
-# the records launch on the wrapper's tile; the default first.
+# the records launch on the wrapper's tile; the default first. Since then the default rows of
+# the older sets (lut, half, f16, ...) time Mamba-2's nvfp4 step on the lean read pass, and a
+# decoder named there (e2m1_decode) picks between its PTX and integer forms (the same bits).
 LEAN_STEP_CANDIDATES = [_P] + [
     (None,) * 5 + _R8 + ((rb, rw, "lean"),)
     for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 4))]

@@ -728,6 +728,50 @@ def test_lean_read_pass_refused():
     N_odd = PackedTensor(N_st.spec, N_st.shape, odd, N_st.block_scales, N_st.matrix_scale)
     with pytest.raises(ValueError, match="4-byte boundary"):
         kr.mamba2_step_kernel(N_odd, ring, la, v, k, q, h)
+    # verify's launches have T columns: the lean form is refused before any launch
+    for gdn in (False, True):
+        R, R_st, vring, _ = _ring_state(gen, "nvfp4", gdn=gdn)
+        A, args, _, _ = _verify_case(gen, R, vring, gdn, K)
+        fn = kr.gdn_verify_kernel if gdn else kr.mamba2_verify_kernel
+        with pytest.raises(ValueError, match="'lean' is the decode step's"):
+            fn(R_st, A, *args, read_pass=(16, 1, "lean"))
+
+
+def test_lean_read_pass_special_block_scales():
+    """The lean read pass with E4M3 block scales that random data never gives: subnormal
+    (0x01, 0x07), +0 and -0 (0x00, 0x80), the largest (0x7E) and NaN (0x7F, 0xFF), both models,
+    against the step references on the same stored bytes (NaN where the dequantised copy has
+    NaN)."""
+    gen = _gen(18)
+    special = (0x01, 0x07, 0x00, 0x80, 0x7E, 0x7F, 0xFF)
+    for gdn in (False, True):
+        _, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
+        bs = R_st.block_scales.clone()
+        flat = bs.view(-1)
+        idx = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(1))[:28]
+        flat[idx.to(flat.device)] = _t(torch.tensor(special * 4, dtype=torch.uint8))
+        R_sp = PackedTensor(R_st.spec, R_st.shape, R_st.codes, bs, R_st.matrix_scale)
+        R = R_sp.dequantize()
+        assert R.isnan().any() and not R.isnan().all()
+        la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
+        q = _t(torch.nn.functional.normalize(torch.randn(B, G, K, generator=gen), dim=-1)
+               * K ** -0.5)
+        ref = {n: t.clone() for n, t in ring.items()}
+        b = torch.arange(B, device=DEVICE)
+        for n, t in (("la", la), ("v", v), ("k", k)) + ((("beta", beta),) if gdn else ()):
+            ref[n][b, h] = t
+        J = int(h.max()) + 1
+        rg = {n: t.clone() for n, t in ring.items()}
+        if gdn:
+            want, _ = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
+                                      ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
+            got = kr.gdn_step_kernel(R_sp, rg, q, k, v, la, beta, h, read_pass=(16, 1, "lean"))
+        else:
+            want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
+                                      h + 1)
+            got = kr.mamba2_step_kernel(R_sp, rg, la, v, k, q, h, read_pass=(16, 1, "lean"))
+        assert want.isnan().any()
+        torch.testing.assert_close(got, want, equal_nan=True, **TOL)
 
 
 PDL_RUNS = (DEVICE == "cuda" and torch.version.hip is None
@@ -1502,6 +1546,15 @@ def test_e2m1_lookup_same_bits_in_kernels(read_fmt):
                                               e2m1_decode=dec, **extra)
                     vo = kr.mamba2_verify_kernel(R_st, A, *args, e2m1_decode=dec, **extra)
                     outs.append((o, rg, vo, None))
+            if read_fmt == "nvfp4" and gdn and not extra:  # GDN's step on the lean read
+                # pass (two columns, _e2m1_dot8_2 against its integer twin)
+                lo = []
+                for dec in decs:
+                    rg = {n_: t.clone() for n_, t in ring.items()}
+                    lo.append(kr.gdn_step_kernel(R_st, rg, q, new["k"], new["v"], new["la"],
+                                                 new["beta"], h, e2m1_decode=dec,
+                                                 read_pass=(64, 1, "lean")))
+                    assert torch.equal(_bits(lo[-1]), _bits(lo[0])), dec
             o0, r0, v0, u0 = outs[0]
             for d_, (o1, r1, v1, u1) in zip(decs[1:], outs[1:], strict=True):
                 assert torch.equal(_bits(o0), _bits(o1)), (gdn, extra, d_)

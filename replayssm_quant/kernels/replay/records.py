@@ -1164,8 +1164,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     DESIGN.md "Formats", reassociated: the scales multiply the block sums). ``PTX`` (CUDA):
     each 32-bit word of 8 codes decoded and multiplied in one inline-PTX FMA chain per column
     (``codec._e2m1_dot8_1`` / ``_e2m1_dot8_2``, values times 2^-14, 2^14 folded into the block
-    scale, exact); otherwise (the interpreter, ``e2m1_decode="integer"``) the integer decoder
-    in the same float32 operations (``_e2m1_dot8_int``), so the same bits. Each row
+    scale, exact unless a product falls below 2^-112 in magnitude, as with the half decoder);
+    otherwise (the interpreter, ``e2m1_decode="integer"``) the integer decoder in the same
+    float32 operations (``_e2m1_dot8_int``), so the same bits. Each row
     depends on its own codes and its sequence's X only. ``PDL``: a dependent launch of the
     products launch; it waits for that grid before its stores, so that the records launch
     after it, waiting on it, also waits on the products launch."""
@@ -1705,7 +1706,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     fused_window: int | None = None,
                     solve_precision: str | None = None,
                     e2m1_decode: str | None = None,
-                    read_pass: "tuple[int, int] | bool | None" = None,
+                    read_pass: "tuple[int, int] | tuple[int, int, str] | bool | None" = None,
                     pdl: bool | None = None, w_out_known: bool = False,
                     late_sum: int | None = None, split_x: bool = False,
                     fold_x: "bool | str" = False) -> torch.Tensor:
@@ -2001,6 +2002,18 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         raise ValueError(f"e2m1_decode='half' folds 2^14 into E4M3 block scales (nvfp4); this "
                          f"copy is {spec}")
     C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
+    # the lean read pass's conditions, checked before any launch of this call
+    lean = ypre and read_form == "lean"
+    if lean and not (C.KIND == _K_NVFP4 and NC <= 2 and fused_window is None
+                     and use_dot not in X16_DOTS):
+        raise ValueError(f"read_pass form 'lean' takes an nvfp4 copy, at most 2 columns of X "
+                         f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
+                         f"got a {spec} copy, {NC} columns, fused_window={fused_window!r}, "
+                         f"use_dot={use_dot!r}")
+    if lean and c.data_ptr() % 4:
+        raise ValueError(f"read_pass form 'lean' reads the nvfp4 codes as 32-bit words: their "
+                         f"storage must start on a 4-byte boundary, got address "
+                         f"{c.data_ptr():#x} (a view at an odd offset; pass a copy)")
     # C's products on float16 tensor cores: nvfp4 (E2M1 x E4M3 values, exact in float16)
     # or fp16 values as stored
     f16 = use_dot == "f16x3" and (C.KIND == _K_NVFP4 or _f16_exact(C))
@@ -2073,17 +2086,6 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                  NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
                  ONE=TD == 1,  # at most one draft row (rows - start <= TD, as the callers pass)
                  XS=False, NXS=nxs, C=C, WPRE=wpre, **consts, **forms)
-    lean = ypre and read_form == "lean"
-    if lean and not (C.KIND == _K_NVFP4 and NC <= 2 and fused_window is None
-                     and use_dot not in X16_DOTS):
-        raise ValueError(f"read_pass form 'lean' takes an nvfp4 copy, at most 2 columns of X "
-                         f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
-                         f"got a {spec} copy, {NC} columns, fused_window={fused_window!r}, "
-                         f"use_dot={use_dot!r}")
-    if lean and c.data_ptr() % 4:
-        raise ValueError(f"read_pass form 'lean' reads the nvfp4 codes as 32-bit words: their "
-                         f"storage must start on a 4-byte boundary, got address "
-                         f"{c.data_ptr():#x} (a view at an odd offset; pass a copy)")
     if lean:  # the lean read pass: Y = C X [B*H*V, NC], nothing else
         rbv = triton.next_power_of_2(read_pass[0])
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
@@ -2256,6 +2258,16 @@ def _check_x16_dot(read, cfg: dict) -> None:
         raise ValueError(f"use_dot='bf16x3' needs a bf16 or fp8 (fp8e4m3, fp8e5m2) read copy "
                          f"(bfloat16 tensor-core products of its exact values), got {spec}; "
                          f"use 'tf32x3'")
+
+
+def _check_verify_read_pass(read_pass) -> None:
+    """ValueError for a verify's ``read_pass`` in the lean form: that form is the decode
+    step's (at most two columns of X); a verify's launches have T queries (and GDN's anchor
+    launch the window's keys)."""
+    if isinstance(read_pass, (tuple, list)) and len(read_pass) == 3 and read_pass[2] == "lean":
+        raise ValueError(f"read_pass form 'lean' is the decode step's (at most 2 columns of "
+                         f"X); verify takes (block_v, num_warps) or (block_v, num_warps, "
+                         f"'records'), got {tuple(read_pass)!r}")
 
 
 def _f16_exact(C) -> bool:
@@ -2447,6 +2459,7 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass,
                   late_sum=late_sum)
+    _check_verify_read_pass(read_pass)
     _check_x16_dot(read, cfg)
     if solve_precision is None and cfg.get("solve", "substitution") == "substitution":
         cfg.pop("solve_precision", None)  # a default's; it applies to the matrix forms only
@@ -2532,6 +2545,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                   solve_precision=solve_precision, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, pdl=pdl, read_pass=read_pass,
                   late_sum=late_sum, split_x=split_x, fold_x=fold_x)
+    _check_verify_read_pass(read_pass)
     _check_x16_dot(read, cfg)
     _check_flags("gdn_verify_kernel: ", fold_cached_corrections=fold_cached_corrections,
                  skip_shared_anchor=skip_shared_anchor, fuse_shared_anchor=fuse_shared_anchor)

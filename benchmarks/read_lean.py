@@ -2,10 +2,18 @@
 columns of the step (GDN: the new key and the query; Mamba-2: the query) from an nvfp4
 read copy, in a kernel that does only that, against the records kernel's read pass.
 
-Stand-in under study, not shipped. Usage (device)::
+A stand-in (2026-12-04, docs/kernels-replay.md "Twenty-first pass"); the shipped form is
+``records._nvfp4_read_kernel``. ``FORM``: 0 reductions over blocks of decoded codes (the
+packed-half decoder, or the integer one with ``--tiny``), 1 the block scale on each code
+first, 2 one inline-PTX FMA chain per 32-bit word of 8 codes and column (the shipped form;
+CUDA only), 9 the memory floor (codes and block scales read and summed as integers; its
+check is not meaningful). Each case: (rows per program, rows per chunk, warps, stages,
+half decoder, form); outputs against a float64 reference. The shipped nvfp4 step at h = 7 is
+timed in the same run for scale. Usage::
 
-    python3 benchmarks/read_lean.py --out $OUT/read_lean_h200.json
+    python3 benchmarks/read_lean.py --out $OUT/read_lean_h200.json   # device
     python3 benchmarks/read_lean.py --sass      # CPU: static sm_90 SASS counts only
+    python benchmarks/read_lean.py --tiny       # CPU interpreter: the checks (forms 0, 1, 9)
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-KERNELS = ("_flush_kernel", "_records_kernel", "_key_products_kernel", "_fold_coeffs_kernel")
+KERNELS = ("_flush_kernel", "_records_kernel", "_key_products_kernel", "_fold_coeffs_kernel",
+           "_nvfp4_read_kernel")
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 

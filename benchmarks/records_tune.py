@@ -377,7 +377,8 @@ F16C_VERIFY_CANDIDATES = [_P, (128, 2, 16, 3, "tf32x3")] + [
 # decoder named there (e2m1_decode) picks between its PTX and integer forms (the same bits).
 LEAN_STEP_CANDIDATES = [_P] + [
     (None,) * 5 + _R8 + ((rb, rw, "lean"),)
-    for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 4))]
+    for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
+                   (128, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",

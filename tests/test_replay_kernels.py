@@ -649,6 +649,34 @@ def _lean_launches(monkeypatch) -> list:
     return seen
 
 
+def _lean_step_case(gen, R, ring, h, gdn):
+    """A new record ``(la, v, k, beta)`` and query ``q`` for a step from ``ring`` at ``h``, the
+    ring after the append, and the step references on the read copy ``R``: ``(rec, q,
+    ref_ring, want, uR)`` (``uR`` None for Mamba-2)."""
+    rec = tuple(t[:, 0] for t in _records(gen, J=1, gdn=True))
+    q = _t(torch.nn.functional.normalize(torch.randn(B, G, K, generator=gen), dim=-1)
+           * K ** -0.5)
+    r = {n: t.clone() for n, t in ring.items()}
+    b = torch.arange(B, device=DEVICE)
+    for n, t in zip(("la", "v", "k", "beta")[:4 if gdn else 3], rec):
+        r[n][b, h] = t
+    J = int(h.max()) + 1
+    if gdn:
+        want, uR = gdn_step_output(R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
+                                   r["k"][:, :J], q, r["uR"][:, :J], h + 1)
+        return rec, q, r, want, uR
+    return rec, q, r, mamba2_step_output(R, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], q,
+                                         h + 1), None
+
+
+def _lean_step(R_st, rg, rec, q, h, gdn, read_pass):
+    """The step wrapper of ``gdn`` on ``R_st`` and ring ``rg`` with record ``rec``."""
+    la, v, k, beta = rec
+    if gdn:
+        return kr.gdn_step_kernel(R_st, rg, q, k, v, la, beta, h, read_pass=read_pass)
+    return kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, read_pass=read_pass)
+
+
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_lean_read_pass(gdn, monkeypatch):
     """``read_pass=(block_v, num_warps, "lean")`` from an nvfp4 copy: the lean read pass
@@ -659,28 +687,14 @@ def test_lean_read_pass(gdn, monkeypatch):
     depends on its own codes and its sequence's X only)."""
     gen = _gen(16)
     R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
-    la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
-    q = _t(torch.nn.functional.normalize(torch.randn(B, G, K, generator=gen), dim=-1)
-           * K ** -0.5)
-    ref_ring = {n: t.clone() for n, t in ring.items()}
+    rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
+    la, v, k, _ = rec
     b = torch.arange(B, device=DEVICE)
-    for n, t in (("la", la), ("v", v), ("k", k)) + ((("beta", beta),) if gdn else ()):
-        ref_ring[n][b, h] = t
-    J = int(h.max()) + 1
-    r = ref_ring
-    if gdn:
-        want, uR = gdn_step_output(R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
-                                   r["k"][:, :J], q, r["uR"][:, :J], h + 1)
-    else:
-        want = mamba2_step_output(R, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], q, h + 1)
 
     def step(rg, sl, rp):
         Rs = PackedTensor(R_st.spec, R_st.codes[sl].shape[:-1] + R_st.shape[-1:],
                           R_st.codes[sl], R_st.block_scales[sl], R_st.matrix_scale[sl])
-        if gdn:
-            return kr.gdn_step_kernel(Rs, rg, q[sl], k[sl], v[sl], la[sl], beta[sl], h[sl],
-                                      read_pass=rp)
-        return kr.mamba2_step_kernel(Rs, rg, la[sl], v[sl], k[sl], q[sl], h[sl], read_pass=rp)
+        return _lean_step(Rs, rg, tuple(t[sl] for t in rec), q[sl], h[sl], gdn, rp)
 
     for rp in ((16, 1, "lean"), (32, 2, "lean")):
         rg = {n: t.clone() for n, t in ring.items()}
@@ -753,23 +767,9 @@ def test_lean_read_pass_special_block_scales():
         R_sp = PackedTensor(R_st.spec, R_st.shape, R_st.codes, bs, R_st.matrix_scale)
         R = R_sp.dequantize()
         assert R.isnan().any() and not R.isnan().all()
-        la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
-        q = _t(torch.nn.functional.normalize(torch.randn(B, G, K, generator=gen), dim=-1)
-               * K ** -0.5)
-        ref = {n: t.clone() for n, t in ring.items()}
-        b = torch.arange(B, device=DEVICE)
-        for n, t in (("la", la), ("v", v), ("k", k)) + ((("beta", beta),) if gdn else ()):
-            ref[n][b, h] = t
-        J = int(h.max()) + 1
-        rg = {n: t.clone() for n, t in ring.items()}
-        if gdn:
-            want, _ = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
-                                      ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
-            got = kr.gdn_step_kernel(R_sp, rg, q, k, v, la, beta, h, read_pass=(16, 1, "lean"))
-        else:
-            want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q,
-                                      h + 1)
-            got = kr.mamba2_step_kernel(R_sp, rg, la, v, k, q, h, read_pass=(16, 1, "lean"))
+        rec, q, _, want, _ = _lean_step_case(gen, R, ring, h, gdn)
+        got = _lean_step(R_sp, {n: t.clone() for n, t in ring.items()}, rec, q, h, gdn,
+                         (16, 1, "lean"))
         assert want.isnan().any()
         torch.testing.assert_close(got, want, equal_nan=True, **TOL)
 

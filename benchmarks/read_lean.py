@@ -35,46 +35,12 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from replayssm_quant.kernels.replay.codec import (  # noqa: E402
-    _e2m1_pairs_half, _e2m1_value, _e4m3_value)
+    _e2m1_dot8_1, _e2m1_dot8_2, _e2m1_pairs_half, _e2m1_value, _e4m3_value)
 
 E2M1_HALF = tl.constexpr(16384.0)
 
-# FORM 2: one asm per 32-bit word of codes (8 codes, k = 0..7 of the word): decode by the
-# packed-half pairs (codec._E2M1_HALF_PAIRS: r0 = (k0, k4), r1 = (k1, k5), r2 = (k2, k6),
-# r3 = (k3, k7)), convert, and the dot products with the X values of those 8 k in FMA
-# chains. Inputs: $NOUT the word, then 8 X values per column.
-_DEC = """{{
-.reg .b32 a<4>, c<4>, r<4>, mm;
-.reg .b16 h<8>;
-.reg .f32 f<8>;
-{pairs}mov.b32 {{h0, h4}}, r0;
-mov.b32 {{h1, h5}}, r1;
-mov.b32 {{h2, h6}}, r2;
-mov.b32 {{h3, h7}}, r3;
-cvt.f32.f16 f0, h0;
-cvt.f32.f16 f1, h1;
-cvt.f32.f16 f2, h2;
-cvt.f32.f16 f3, h3;
-cvt.f32.f16 f4, h4;
-cvt.f32.f16 f5, h5;
-cvt.f32.f16 f6, h6;
-cvt.f32.f16 f7, h7;
-{fmas}}}"""
-
-
-def _dot_asm(nc):
-    from replayssm_quant.kernels.replay.codec import _E2M1_HALF_PAIRS
-    fm = ""
-    for c in range(nc):
-        x0 = nc + 1 + 8 * c
-        fm += f"mul.rn.f32 ${c}, f0, ${x0};\n"
-        for t in range(1, 8):
-            fm += f"fma.rn.f32 ${c}, f{t}, ${x0 + t}, ${c};\n"
-    return _DEC.format(pairs=_E2M1_HALF_PAIRS.format(src=f"${nc}"), fmas=fm)
-
-
-DOT1 = tl.constexpr(_dot_asm(1))
-DOT2 = tl.constexpr(_dot_asm(2))
+# FORM 2 calls the shipped codec._e2m1_dot8_1 / _e2m1_dot8_2 (one inline-PTX FMA chain per
+# 32-bit word of 8 codes and column).
 
 
 @triton.jit
@@ -134,18 +100,14 @@ def _lean_read_kernel(c_ptr, bs_ptr, ms_ptr, x_ptr, y_ptr, H, G, V,
             sc = _e4m3_value(tl.load(bs_ptr + rowg[:, None] * NB + jb[None, :]).to(tl.int32))
             sc = sc * E2M1_HALF
             if NC == 1:
-                p0 = tl.inline_asm_elementwise(
-                    DOT1, "=r,r" + ",r" * 8,
-                    [wrd, xa0[None], xa1[None], xa2[None], xa3[None], xa4[None], xa5[None],
-                     xa6[None], xa7[None]], dtype=tl.float32, is_pure=True, pack=1)
+                p0 = _e2m1_dot8_1(wrd, xa0[None], xa1[None], xa2[None], xa3[None], xa4[None],
+                                  xa5[None], xa6[None], xa7[None])
                 tl.store(y_ptr + rowg * NC, tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms)
             else:
-                p0, p1 = tl.inline_asm_elementwise(
-                    DOT2, "=r,=r,r" + ",r" * 16,
-                    [wrd, xa0[None], xa1[None], xa2[None], xa3[None], xa4[None], xa5[None],
-                     xa6[None], xa7[None], xb0[None], xb1[None], xb2[None], xb3[None],
-                     xb4[None], xb5[None], xb6[None], xb7[None]],
-                    dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+                p0, p1 = _e2m1_dot8_2(wrd, xa0[None], xa1[None], xa2[None], xa3[None],
+                                      xa4[None], xa5[None], xa6[None], xa7[None], xb0[None],
+                                      xb1[None], xb2[None], xb3[None], xb4[None], xb5[None],
+                                      xb6[None], xb7[None])
                 tl.store(y_ptr + rowg * NC, tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms)
                 tl.store(y_ptr + rowg * NC + 1, tl.sum(tl.sum(p1, axis=2) * sc, axis=1) * ms)
         else:

@@ -50,12 +50,13 @@ from ..formats import QuantSpec, parse_spec
 from ..philox import stream_keys_to
 from ..packed import PackedTensor, _as_float32
 
-__all__ = ["quantize_triton", "pack_triton"]
+__all__ = ["quantize_triton", "pack_triton", "pack_pair_triton", "finite_amax_bits"]
 
 # Tile sizes (elements per loop step; power-of-two)
 _TILE = 2048  # unscaled and matrix-scaled kernels
 _NV_ROWS = 128  # nvfp4: block rows per tile (x 16 elements)
 _MX_ROWS = 64  # mx: block rows per program (x 32 elements)
+_PAIR_ROWS, _PAIR_WARPS = 128, 4  # pack_pair_triton: block rows per program, warps
 
 
 # ----------------------------------------------------------------------------------------
@@ -618,18 +619,47 @@ def _matrix_kernel(x_ptr, out_ptr, scale_ptr, stream_ptr, seed, MK,
 
 
 @triton.jit
+def _block_bits(seed, stream_ptr, b, m, blk, ke, ko, rvalid, K, HALF: tl.constexpr,
+                ALIGNED4: tl.constexpr):
+    """SR bits ``(re, ro)`` ([R, HALF] uint32) of the even / odd elements ``ke`` / ``ko`` of
+    block rows (matrix ``b``, row ``m``, block ``blk``, each [R]) of a ``[M, K]`` matrix with
+    the stream keys at ``stream_ptr``: element ``e = m K + k`` takes word ``e & 3`` of Philox
+    call ``e >> 2``; with ``ALIGNED4`` (K and the block a multiple of 4: each call's four
+    elements are in one block) one call serves four elements, else one call per element."""
+    st = tl.load(stream_ptr + b, mask=rvalid, other=0)
+    lo, hi = _stream_words(st)
+    elem_row = m * K
+    if ALIGNED4:  # k = 2j (+1) with j = 2i + x: element 4i + 2x (+1), word 2x (+1)
+        i = tl.arange(0, HALF // 2)
+        call = (elem_row + blk * (2 * HALF))[:, None] // 4 + i[None, :]
+        r0, r1, r2, r3 = _random_words(seed, call, lo[:, None], hi[:, None])
+        re = tl.reshape(tl.join(r0, r2), [call.shape[0], HALF])
+        ro = tl.reshape(tl.join(r1, r3), [call.shape[0], HALF])
+    else:
+        re = _random_bits(seed, elem_row[:, None] + ke, lo[:, None], hi[:, None])
+        ro = _random_bits(seed, elem_row[:, None] + ko, lo[:, None], hi[:, None])
+    return re, ro
+
+
+@triton.jit
 def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
                 NV: tl.constexpr, FP4: tl.constexpr, HALF: tl.constexpr, SR: tl.constexpr,
                 PACK: tl.constexpr, EMAX: tl.constexpr, GRID: tl.constexpr,
-                MODE: tl.constexpr = 0, THR: tl.constexpr = 0, ALIGNED4: tl.constexpr = False):
+                MODE: tl.constexpr = 0, THR: tl.constexpr = 0, ALIGNED4: tl.constexpr = False,
+                PLAIN: tl.constexpr = False, p_ptr=None, p_stream_ptr=None,
+                P_SR: tl.constexpr = False, P_GRID: tl.constexpr = None):
     """Quantise the block rows ``g`` ([R] int64 global indices, valid where g < g_end):
-    block row g is scaling block ``blk`` of row ``m`` of matrix ``b``.
+    block row g is scaling block ``blk`` of row ``m`` of matrix ``b``. ``s_g``: the NVFP4
+    matrix scale, a scalar or one per block row ([R]).
 
-    SR bits: element ``e = m K + k`` takes word ``e & 3`` of Philox call ``e >> 2``; with
-    ``ALIGNED4`` (K and the block a multiple of 4: each call's four elements are in one block)
-    one call serves four elements, else one call per element. E2M1 with RTN rounds by
-    :func:`_e2m1_rtn` (same codes and values as :func:`_quant` for finite quotients; the
-    blocks with a NaN or inf are overwritten below)."""
+    SR bits: :func:`_block_bits`. E2M1 with RTN rounds by :func:`_e2m1_rtn` (same codes and
+    values as :func:`_quant` for finite quotients; the blocks with a NaN or inf are
+    overwritten below).
+
+    ``PLAIN`` (with ``PACK``): the same loaded elements are also cast to the unscaled grid
+    ``P_GRID`` (fp16 / bf16; SR with ``P_SR`` and the stream keys at ``p_stream_ptr``) and
+    their codes stored as int16 at ``p_ptr`` (the ``[M, K]`` layout): the bytes of
+    :func:`_unscaled_kernel` on the same matrix (:func:`pack_pair_triton`)."""
     rvalid = g < g_end
     mnb = M * NB
     b = g // mnb
@@ -650,19 +680,19 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
     nan = float("nan")
     scale, safe, ok, sb_code = _block_scale(bamax, bad, s_g, NV, EMAX, MODE, THR)
 
-    if SR:
-        st = tl.load(stream_ptr + b, mask=rvalid, other=0)
-        lo, hi = _stream_words(st)
-        elem_row = m * K
-        if ALIGNED4:  # k = 2j (+1) with j = 2i + x: element 4i + 2x (+1), word 2x (+1)
-            i = tl.arange(0, HALF // 2)
-            call = (elem_row + blk * (2 * HALF))[:, None] // 4 + i[None, :]
-            r0, r1, r2, r3 = _random_words(seed, call, lo[:, None], hi[:, None])
-            re = tl.reshape(tl.join(r0, r2), [call.shape[0], HALF])
-            ro = tl.reshape(tl.join(r1, r3), [call.shape[0], HALF])
+    if PLAIN:  # the unscaled copy of the same elements (its own stream)
+        if P_SR:
+            pre, pro = _block_bits(seed, p_stream_ptr, b, m, blk, ke, ko, rvalid, K, HALF,
+                                   ALIGNED4)
         else:
-            re = _random_bits(seed, elem_row[:, None] + ke, lo[:, None], hi[:, None])
-            ro = _random_bits(seed, elem_row[:, None] + ko, lo[:, None], hi[:, None])
+            pre = 0
+            pro = 0
+        _, pce = _quant(xe, pre, P_SR, P_GRID)
+        _, pco = _quant(xo, pro, P_SR, P_GRID)
+        tl.store(p_ptr + row[:, None] + ke, pce.to(tl.int16), mask=me)
+        tl.store(p_ptr + row[:, None] + ko, pco.to(tl.int16), mask=mo)
+    if SR:
+        re, ro = _block_bits(seed, stream_ptr, b, m, blk, ke, ko, rvalid, K, HALF, ALIGNED4)
     else:
         re = 0
         ro = 0
@@ -720,6 +750,29 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
                     True, True, HALF, SR, PACK, 0, GRID, 1 if UP else 0, 0, ALIGNED4)
     if PACK:
         tl.store(mscale_ptr + b, s_g)
+
+
+@triton.jit
+def _pair_kernel(x_ptr, amax_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
+                 p_stream_ptr, seed, M, K, NB, G,
+                 ROWS: tl.constexpr, SR: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
+                 GRID: tl.constexpr, UP: tl.constexpr, ALIGNED4: tl.constexpr,
+                 PLAIN: tl.constexpr, P_SR: tl.constexpr, P_GRID: tl.constexpr):
+    """:func:`pack_pair_triton`: a program per ``ROWS`` block rows of the whole batch; the
+    matrix scale of each block row from its matrix's amax (float32 bits at ``amax_ptr``) by
+    the arithmetic of :func:`_nvfp4_kernel`."""
+    g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rvalid = g < G
+    mnb = M * NB
+    b = g // mnb
+    amax = tl.load(amax_ptr + b, mask=rvalid, other=0).to(tl.float32, bitcast=True)
+    s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
+    if UP:
+        s_g = _nvfp4_global_up(amax, s_g)
+    _block_rows(g, G, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
+                True, True, HALF, SR, True, 0, GRID, 1 if UP else 0, 0, ALIGNED4,
+                PLAIN, p_ptr, p_stream_ptr, P_SR, P_GRID)
+    tl.store(mscale_ptr + b, s_g, mask=rvalid & (g - b * mnb == 0))  # once per matrix
 
 
 @triton.jit
@@ -864,3 +917,106 @@ def pack_triton(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedTens
     if info.scaling == "none":
         codes = codes.view(torch.bfloat16 if info.element is F.BF16 else torch.float16)
     return PackedTensor(spec, x.shape, codes, bscale, mscale)
+
+
+def finite_amax_bits(x: torch.Tensor) -> torch.Tensor:
+    """int32 ``[prod(x.shape[:-2])]``: the float32 bits of each ``[M, K]`` matrix's finite
+    amax (NaN and inf count as 0), the amax :func:`_nvfp4_kernel` takes
+    (:func:`_matrix_amax`); what :func:`pack_pair_triton` reads. Torch ops (exact: a max)."""
+    xf = _as_float32(x)
+    a = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros((), device=xf.device))
+    a = a.reshape(-1, x.shape[-2] * x.shape[-1])
+    if a.shape[1] == 0:
+        return torch.zeros(a.shape[0], dtype=torch.int32, device=x.device)
+    return a.amax(dim=1).contiguous().view(torch.int32)
+
+
+def pair_casts(plain, scaled) -> bool:
+    """Whether :func:`pack_pair_triton` casts to the specs ``(plain, scaled)``: ``scaled`` is
+    NVFP4 and ``plain`` is fp32 (the identity: no cast) or unscaled (fp16, bf16; RTN or SR)."""
+    plain, scaled = parse_spec(plain), parse_spec(scaled)
+    return (scaled.info.scaling == "nvfp4"
+            and (plain.is_identity or plain.info.scaling == "none"))
+
+
+def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_stream=0,
+                     scaled_stream=0, amax_bits: torch.Tensor | None = None,
+                     rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS):
+    """Two casts of one float32 tensor in one launch that reads it once: the same bytes as
+    ``(pack_triton(x, plain, stream=plain_stream), pack_triton(x, scaled,
+    stream=scaled_stream))`` (:func:`replayssm_quant.quant.pack_reference` each).
+
+    The split flush's casts (:func:`replayssm_quant.kernels.replay.flush.flush_kernel`,
+    ``cast_form="pair"``): the anchor and the read copy are cast independently from the same
+    unrounded S (DESIGN.md section 3), each with its own SR stream; the NVFP4 matrix scale
+    comes from ``amax_bits`` (the flush takes each matrix's amax from its registers) instead
+    of a pass over ``x``.
+
+    Args:
+        x: float32 ``[..., M, K]`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), contiguous.
+        plain: fp32 (returned as ``x`` itself) or an unscaled format (fp16, bf16, with
+            ``+sr`` or not).
+        scaled: an NVFP4 spec (``nvfp4``, ``nvfp4+sr``, ``nvfp4+up``...).
+        seed: Philox key, int in [0, 2^63).
+        plain_stream, scaled_stream: SR stream keys (int or int64 tensors broadcastable to
+            ``x.shape[:-2]``), as :func:`pack_triton`'s ``stream``.
+        amax_bits: int32 ``[prod(x.shape[:-2])]``, the float32 bits of each matrix's finite
+            amax (:func:`finite_amax_bits`); None computes them from ``x``. Bits that are not
+            that amax give a different (wrong) matrix scale: the caller owns this.
+        rows, num_warps: block rows (16 elements each) per program (a power of two) and
+            warps; the bytes do not depend on them.
+
+    Returns:
+        ``(plain copy, scaled copy)``: PackedTensor each (the plain one ``x`` for fp32).
+
+    Raises:
+        ValueError: specs :func:`pair_casts` refuses, ``x`` not a contiguous float32
+            ``[..., M, K]``, ``amax_bits`` of the wrong dtype, shape or device, a bad ``rows``.
+    """
+    plain, scaled = parse_spec(plain), parse_spec(scaled)
+    if not pair_casts(plain, scaled):
+        raise ValueError(f"pack_pair_triton casts to (fp32 or an unscaled format, nvfp4), got "
+                         f"({str(plain)!r}, {str(scaled)!r})")
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() < 2 \
+            or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous float32 tensor [..., M, K], got {x!r:.80}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
+        raise ValueError(f"rows must be a power of two >= 1, got {rows!r}")
+    _check(x, scaled)
+    lead = x.shape[:-2]
+    m, k = x.shape[-2], x.shape[-1]
+    bsz = math.prod(lead)
+    dev = x.device
+    if amax_bits is None:
+        amax_bits = finite_amax_bits(x)
+    if (not isinstance(amax_bits, torch.Tensor) or amax_bits.dtype != torch.int32
+            or tuple(amax_bits.shape) != (bsz,) or amax_bits.device != dev):
+        raise ValueError(f"amax_bits must be an int32 tensor of shape ({bsz},) on {dev}, got "
+                         f"{amax_bits!r:.80}")
+    info = scaled.info
+    block = info.block
+    nb = triton.cdiv(k, block)
+    codes = torch.empty((*lead, m, nb * block // 2), dtype=torch.uint8, device=dev)
+    bscale = torch.empty((*lead, m, nb), dtype=torch.uint8, device=dev)
+    mscale = torch.empty(lead, dtype=torch.float32, device=dev)
+    st = _streams(scaled, x, scaled_stream)
+    p_on = not plain.is_identity
+    if p_on:
+        pcodes = torch.empty(x.shape, dtype=torch.int16, device=dev)
+        pst = _streams(plain, x, plain_stream)
+        pgrid = _grid_consts(plain.info.element)
+    else:
+        pcodes, pst, pgrid = codes, st, None
+    g = bsz * m * nb
+    if g:
+        _pair_kernel[(triton.cdiv(g, rows),)](
+            x, amax_bits, codes, bscale, mscale, st, pcodes, pst, int(seed), m, k, nb, g,
+            ROWS=rows, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,
+            GRID=_grid_consts(info.element), UP=scaled.scale == "up",
+            ALIGNED4=k % 4 == 0 and block % 4 == 0, PLAIN=p_on, P_SR=p_on and plain.sr,
+            P_GRID=pgrid, num_warps=num_warps)
+    out_s = PackedTensor(scaled, x.shape, codes, bscale, mscale)
+    if not p_on:
+        return x, out_s
+    pview = pcodes.view(torch.bfloat16 if plain.info.element is F.BF16 else torch.float16)
+    return PackedTensor(plain, x.shape, pview, None, None), out_s

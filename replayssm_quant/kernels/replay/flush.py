@@ -58,7 +58,7 @@ import triton.language as tl
 from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
 from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import StatePolicy, require_policy
-from ..quant import pack_triton
+from ..quant import pack_pair_triton, pack_triton, pair_casts
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _cast_store_full, _check_devices, _check_f32, _check_index, _check_records,
                     _load_full, _check_supported, _decode_consts, _finite_abs, _kind,
@@ -378,11 +378,14 @@ def _flush_kernel(
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
         RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", INV: tl.constexpr = False,
         KEYS_IN: tl.constexpr = False, FULL: tl.constexpr = False,
-        SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
+        SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39,
+        AMAX_OUT: tl.constexpr = False):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
     # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
-    # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1.
+    # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1. AMAX_OUT (PHASE 0,
+    # no matrix-scaled cast: the split flush's casts by pack_pair_triton): the finite amax of
+    # S, atomic max of its float32 bits into amax_ptr (zeroed by the caller).
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -472,6 +475,7 @@ def _flush_kernel(
             tl.atomic_max(amax_ptr + mat, amax.to(tl.int32, bitcast=True))
 
     # ---- reconstruct, write S / y / corrections, cast A and R
+    amax_s = tl.zeros([], tl.float32)  # AMAX_OUT
     if PHASE != 1:
         for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
@@ -500,6 +504,8 @@ def _flush_kernel(
                                           SOLVE and PHASE == 0, A)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax_full(x, rmask)
+                if AMAX_OUT:
+                    amax_s = tl.maximum(amax_s, _tile_amax_full(x, rmask))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
                 if STORE_S:
@@ -526,6 +532,8 @@ def _flush_kernel(
                     _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax(se, so, rmask)
+                if AMAX_OUT:
+                    amax_s = tl.maximum(amax_s, _tile_amax(se, so, rmask))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
                 if STORE_S:
@@ -547,6 +555,8 @@ def _flush_kernel(
                 if TWO:
                     if CR.MS:
                         tl.store(orms_ptr + mat, sr)
+        if AMAX_OUT:  # amax >= 0: its float32 bits order as int32 (exact, any tile order)
+            tl.atomic_max(amax_ptr + mat, amax_s.to(tl.int32, bitcast=True))
 
 
 # ----------------------------------------------------------------------------------------
@@ -559,7 +569,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  num_warps: int | None = None, variant: str | None = None,
                  beta=None, dequantize: bool = True, keys_in_kernel: bool | None = None,
                  reconstruct: str | None = None, solve_form: str | None = None,
-                 split_casts: bool | None = None):
+                 split_casts: bool | None = None, cast_form: str | None = None,
+                 _amax_out: torch.Tensor | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -625,6 +636,19 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     2635 / 2907, ``read:nvfp4/rec:fp16`` 1550 / 1954 against 2507 / 2728, but
     ``shared:fp16+sr`` 1429 / 1772 against 1375 / 1189; hence the default.
 
+    ``cast_form`` (:data:`CAST_FORMS`; split casts only, else it must be None): how the split
+    casts S. ``"pair"`` (the default where :func:`split_cast_form` allows it: an NVFP4 copy
+    beside an fp32 or unscaled one, or a single NVFP4 copy): the ``fp32`` flush also takes
+    each matrix's finite amax from its registers (an atomic max of the float32 bits, exact in
+    any order), and one launch of :func:`~replayssm_quant.kernels.quant.pack_pair_triton`
+    reads S once and writes both copies. ``"separate"``: one
+    :func:`~replayssm_quant.kernels.quant.pack_triton` per copy (the nvfp4 one makes its own
+    amax pass over S). The same bytes either way (``test_flush_cast_forms_same_bytes``); on
+    the H200 at B = 256 (``flush_parts_h200.json``, docs/kernels-replay.md, "Twenty-second
+    pass") the pair form reads S once instead of three times.
+    ``_amax_out`` (internal, the pair form): an int32 ``[B * H]`` zeroed buffer that receives
+    the float32 bits of each matrix's finite amax of S (``fp32`` policy, fused flush only).
+
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
@@ -639,8 +663,16 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                             store_state=store_state, block_v=block_v, num_warps=num_warps,
                             variant=variant, beta=beta, dequantize=dequantize,
                             keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
-                            solve_form=solve_form)
+                            solve_form=solve_form,
+                            cast_form=split_cast_form(policy, cast_form))
+    if cast_form is not None:
+        raise ValueError(f"cast_form={cast_form!r} applies to split casts only (this flush of "
+                         f"{policy} casts in the flush kernel); pass None")
     need_amax = flush_needs_amax(policy)
+    if _amax_out is not None and (need_amax or _amax_out.dtype != torch.int32
+                                  or tuple(_amax_out.shape) != (B * H,)):
+        raise ValueError(f"_amax_out needs a policy without a matrix-scaled copy and an int32 "
+                         f"[{B * H}] buffer, got {policy} and {_amax_out!r:.60}")
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
     where = "flush_kernel"
@@ -691,7 +723,10 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     single = block_v >= V
     loop = variant == "loop"
     tiles = 1 if (loop or single) else triton.cdiv(V, block_v)
-    amax = torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev)
+    if _amax_out is not None:
+        amax = _amax_out
+    else:
+        amax = torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev)
     pick = lambda t, d: t if t is not None else d  # noqa: E731
     args = (a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
             beta.contiguous() if solve else la, u_arg,
@@ -709,7 +744,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   INV=solve and solve_form == "inverse", num_stages=FLUSH_NUM_STAGES,
                   A=_decode_consts(aspec),
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
-                  **key_consts)
+                  AMAX_OUT=_amax_out is not None, **key_consts)
     if need_amax and not loop and not single:  # grid: amax launch, then the cast launch
         _flush_kernel[(B * H, tiles)](*args, PHASE=1, **consts)
         _flush_kernel[(B * H, tiles)](*args, PHASE=2, **consts)
@@ -787,25 +822,78 @@ def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
     return ka, kr
 
 
+CAST_FORMS = ("pair", "separate")  # flush_kernel(cast_form=...): how a split flush casts S
+
+
+def split_cast_form(policy, cast_form: str | None = None) -> str:
+    """The cast form of a split flush under ``policy`` (:data:`CAST_FORMS`): ``cast_form``,
+    checked, or by default ``"pair"`` where :func:`~replayssm_quant.kernels.quant.pair_casts`
+    takes the policy's copies (an NVFP4 copy beside an fp32 or unscaled one; a single-
+    checkpoint NVFP4 copy as the pair (fp32, nvfp4)), else ``"separate"``.
+
+    Raises:
+        ValueError: a ``cast_form`` not in :data:`CAST_FORMS`, or ``"pair"`` for a policy whose
+            copies it cannot cast (naming both)."""
+    policy = require_policy(policy)
+    if cast_form is not None and cast_form not in CAST_FORMS:
+        raise ValueError(f"cast_form must be one of {CAST_FORMS} or None, got {cast_form!r}")
+    ok = _pair_roles(policy) is not None
+    if cast_form is None:
+        return "pair" if ok else "separate"
+    if cast_form == "pair" and not ok:
+        raise ValueError(f"cast_form='pair' casts an NVFP4 copy beside an fp32 or unscaled one "
+                         f"(or a single NVFP4 copy); {policy} has rec={policy.rec}, "
+                         f"read={policy.read}")
+    return cast_form
+
+
+def _pair_roles(policy):
+    """``(plain spec, scaled spec, scaled is the read copy)`` of a policy the pair form casts,
+    else None."""
+    if policy.single_checkpoint:
+        return (_FP32_POLICY.rec, policy.rec, False) if pair_casts("fp32", policy.rec) else None
+    if pair_casts(policy.rec, policy.read):
+        return policy.rec, policy.read, True
+    if pair_casts(policy.read, policy.rec):
+        return policy.read, policy.rec, False
+    return None
+
+
 def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
-                 q, store_state, dequantize, **launch):
-    """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S by
-    :func:`~replayssm_quant.kernels.quant.pack_triton` (stream keys of
-    :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by :func:`_split_keys`)."""
+                 q, store_state, dequantize, cast_form, **launch):
+    """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S,
+    by one :func:`~replayssm_quant.kernels.quant.pack_pair_triton` launch with the amax the
+    flush took (``cast_form="pair"``) or by one
+    :func:`~replayssm_quant.kernels.quant.pack_triton` per copy (``"separate"``); stream
+    keys of :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by
+    :func:`_split_keys`."""
     B, H = int(anchor.shape[0]), int(anchor.shape[1])
     launch["keys_in_kernel"] = True  # the fp32 flush then range-checks the per-sequence fields
+    pair = cast_form == "pair"
+    amax = torch.zeros(B * H, dtype=torch.int32, device=w.device) if pair else None
     res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
                           sequence_ids=sequence_ids, flush_index=flush_index, q=q,
-                          store_state=False, dequantize=False, **launch)
+                          store_state=False, dequantize=False, _amax_out=amax, **launch)
     S = res.checkpoints.anchor_stored
     sa, sr = _split_keys(layer, sequence_ids, flush_index, B, H, S.device)
-
-    def cast(spec, keys):
-        return S if spec.is_identity else pack_triton(S, spec, seed=int(seed), stream=keys)
-
     two = not policy.single_checkpoint
-    a_st = cast(policy.rec, sa)
-    r_st = cast(policy.read, sr) if two else a_st
+    if pair:
+        plain, scaled, scaled_is_read = _pair_roles(policy)
+        kp, ks = (sa, sr) if scaled_is_read else (sr, sa)
+        p_st, s_st = pack_pair_triton(S, plain, scaled, seed=int(seed), plain_stream=kp,
+                                      scaled_stream=ks, amax_bits=amax)
+        if not two:
+            a_st = r_st = s_st
+        elif scaled_is_read:
+            a_st, r_st = p_st, s_st
+        else:
+            a_st, r_st = s_st, p_st
+    else:
+        def cast(spec, keys):
+            return S if spec.is_identity else pack_triton(S, spec, seed=int(seed), stream=keys)
+
+        a_st = cast(policy.rec, sa)
+        r_st = cast(policy.read, sr) if two else a_st
     cps = _checkpoints(a_st, r_st, two, dequantize)
     return FlushResult(S if store_state else None, cps, res.w), y
 
@@ -815,7 +903,8 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         block_v: int | None = None, num_warps: int | None = None,
                         variant: str | None = None, dequantize: bool = True,
                         keys_in_kernel: bool | None = None, reconstruct: str | None = None,
-                        solve_form: str | None = None, split_casts: bool | None = None):
+                        solve_form: str | None = None, split_casts: bool | None = None,
+                        cast_form: str | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
@@ -823,7 +912,7 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         store_state=store_state, block_v=block_v, num_warps=num_warps,
                         variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel,
                         reconstruct=reconstruct, solve_form=solve_form,
-                        split_casts=split_casts)
+                        split_casts=split_casts, cast_form=cast_form)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
@@ -832,7 +921,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      num_warps: int | None = None, variant: str | None = None,
                      dequantize: bool = True, keys_in_kernel: bool | None = None,
                      reconstruct: str | None = None, solve_form: str | None = None,
-                     split_casts: bool | None = None):
+                     split_casts: bool | None = None, cast_form: str | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one dot (FP32 FMA or tf32x3: ``reconstruct``), then forward substitution
@@ -844,7 +933,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
               dequantize=dequantize, keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
-              solve_form=solve_form, split_casts=split_casts)
+              solve_form=solve_form, split_casts=split_casts, cast_form=cast_form)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")

@@ -1,0 +1,126 @@
+"""Where a split nvfp4 flush spends its time (issue 15, 2026-12-04, twenty-second session).
+
+``flush_kernel(split_casts=True)`` (the default for ``read:nvfp4/rec:fp16+sr`` since the ninth
+pass) is three launches: the ``fp32`` flush writes a float32 S, then ``pack_triton`` casts S to
+the anchor (fp16, SR) and to the read copy (nvfp4: a matrix-amax pass over S, then the cast).
+This times each launch alone at B = 256 on the H200 geometries (``flush_tune.py``'s sets), the
+whole split flush, the split flush with ``cast_form="pair"`` (the fp32 flush also takes each
+matrix's finite amax; one launch casts S to both copies, reading it once), and a device copy
+of S as the bandwidth reference. CUDA-graph medians (``decode.timer``), 4 sets rotated; the
+two cast forms' stored copies are compared byte for byte.
+
+Usage (on the device; fla not needed)::
+
+    python benchmarks/flush_parts.py --pair-tiles --out $OUT/flush_parts_h200.json
+    python benchmarks/flush_parts.py --tiny --out /tmp/fp.json   # CPU, TRITON_INTERPRET=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+if "--tiny" in sys.argv:  # before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode as dc  # noqa: E402
+import flush_tune as ft  # noqa: E402
+from _commit import code_commit  # noqa: E402
+
+import replayssm_quant.kernels.quant as kq  # noqa: E402
+import replayssm_quant.kernels.replay.flush as F  # noqa: E402
+from replayssm_quant.kernels.quant import pack_pair_triton, pack_triton  # noqa: E402
+from replayssm_quant.policy import StatePolicy  # noqa: E402
+
+POLICIES = ("read:nvfp4/rec:fp16+sr", "read:nvfp4/rec:fp16", "read:nvfp4/rec:fp32")
+PAIR_TILES = ((64, 4), (128, 4), (256, 4), (128, 8), (256, 8), (512, 8), (64, 2), (128, 2))
+
+
+def _stored_equal(a, b) -> bool:
+    return ft.stored_diff(a, b) == 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tiny", action="store_true", help="small shapes on the interpreter")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--pair-tiles", action="store_true",
+                    help="also time pack_pair_triton alone on the (rows, warps) of PAIR_TILES "
+                         "(the amax given), its bytes against the default tile's")
+    args = ap.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("flush_parts.py times CUDA launches; run it on the device (or --tiny)")
+    out = {"command": " ".join(sys.argv), "code_commit": code_commit(),
+           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "timing": "CUDA graph, decode.timer" if not args.tiny else "host",
+           "results": {}}
+    fp32 = StatePolicy.parse("fp32")
+    reps, n = (args.reps, 4) if not args.tiny else (2, 1)
+    mode = "graph" if not args.tiny else None
+    for M in ft.geometries(args.tiny):
+        fk = ft.flush_kw(M)
+        var, bv, nw, form, solve = F.flush_launch(M.V, False, M.gdn, M.L)
+        cfg = (var, bv, nw, form + ("+inverse" if M.gdn and solve == "inverse" else ""))
+        gen = torch.Generator(device=ft.DEV).manual_seed(5)
+        for pstr in args.policies.split(","):
+            pol = StatePolicy.parse(pstr)
+            pool = [ft.make_set(M, gen, pol) for _ in range(n)]
+            res = {}
+
+            def t(fn):
+                r = dc.timer(fn, n, reps, 3, mode=mode)
+                return {"median_us": r["median_us"], "min_us": r["min_us"]}
+
+            S = [ft.run_flush(M, st, fp32, fk, cfg)[0].checkpoints.anchor_stored for st in pool]
+            keys = F._split_keys(0, fk["sequence_ids"], fk["flush_index"], M.B, M.H,
+                                 S[0].device)
+            res["fp32_flush_writes_S"] = t(lambda i: ft.run_flush(M, pool[i], fp32, fk, cfg))
+            if not pol.rec.is_identity:
+                res["pack_rec"] = t(lambda i: pack_triton(S[i], pol.rec, seed=ft.SEED,
+                                                          stream=keys[0]))
+            res["pack_read"] = t(lambda i: pack_triton(S[i], pol.read, seed=ft.SEED,
+                                                       stream=keys[1]))
+            res["copy_S"] = t(lambda i: S[i].clone())
+            if args.pair_tiles and pol.read.info.scaling == "nvfp4":
+                amax = [kq.finite_amax_bits(x) for x in S]
+                base = None
+                for rows, nw in PAIR_TILES:
+                    def fn(i, rows=rows, nw=nw):
+                        return pack_pair_triton(S[i], pol.rec, pol.read, seed=ft.SEED,
+                                                plain_stream=keys[0], scaled_stream=keys[1],
+                                                amax_bits=amax[i], rows=rows, num_warps=nw)
+                    got = fn(0)
+                    base = got if base is None else base
+                    same = all(_stored_equal(u, v) if u is not S[0] else True
+                               for u, v in zip(got, base))
+                    res[f"pair_cast {rows}x{nw}"] = {**t(fn), "same_bytes": same}
+            kw_split = dict(fk, split_casts=True)
+            default_cfg = cfg  # the split applies its launch options to the fp32 flush
+            runs = {}
+            for form in F.CAST_FORMS:
+                kw = dict(kw_split, cast_form=form)
+                res[f"split_{form}"] = t(lambda i, kw=kw: ft.run_flush(M, pool[i], pol, kw,
+                                                                       default_cfg))
+                runs[form] = ft.run_flush(M, pool[0], pol, kw, default_cfg)[0].checkpoints
+            a, b = runs["separate"], runs["pair"]
+            res["pair_same_bytes"] = (_stored_equal(a.anchor_stored, b.anchor_stored)
+                                      and _stored_equal(a.read_stored, b.read_stored))
+            res["S_bytes"] = S[0].numel() * 4
+            key = f"{M.name} {pstr}"
+            out["results"][key] = res
+            print(key, json.dumps(res), flush=True)
+            pool = S = None  # free the B = 256 sets before the next policy
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

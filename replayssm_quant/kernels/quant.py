@@ -645,21 +645,11 @@ def _block_bits(seed, stream_ptr, b, m, blk, ke, ko, rvalid, K, HALF: tl.constex
 def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
                 NV: tl.constexpr, FP4: tl.constexpr, HALF: tl.constexpr, SR: tl.constexpr,
                 PACK: tl.constexpr, EMAX: tl.constexpr, GRID: tl.constexpr,
-                MODE: tl.constexpr = 0, THR: tl.constexpr = 0, ALIGNED4: tl.constexpr = False,
-                PLAIN: tl.constexpr = False, p_ptr=None, p_stream_ptr=None,
-                P_SR: tl.constexpr = False, P_GRID: tl.constexpr = None):
+                MODE: tl.constexpr = 0, THR: tl.constexpr = 0, ALIGNED4: tl.constexpr = False):
     """Quantise the block rows ``g`` ([R] int64 global indices, valid where g < g_end):
     block row g is scaling block ``blk`` of row ``m`` of matrix ``b``. ``s_g``: the NVFP4
-    matrix scale, a scalar or one per block row ([R]).
-
-    SR bits: :func:`_block_bits`. E2M1 with RTN rounds by :func:`_e2m1_rtn` (same codes and
-    values as :func:`_quant` for finite quotients; the blocks with a NaN or inf are
-    overwritten below).
-
-    ``PLAIN`` (with ``PACK``): the same loaded elements are also cast to the unscaled grid
-    ``P_GRID`` (fp16 / bf16; SR with ``P_SR`` and the stream keys at ``p_stream_ptr``) and
-    their codes stored as int16 at ``p_ptr`` (the ``[M, K]`` layout): the bytes of
-    :func:`_unscaled_kernel` on the same matrix (:func:`pack_pair_triton`)."""
+    matrix scale, a scalar or one per block row ([R]). Loads the even / odd elements of each
+    block, then :func:`_block_cast`."""
     rvalid = g < g_end
     mnb = M * NB
     b = g // mnb
@@ -674,23 +664,30 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
     mo = rvalid[:, None] & (ko < K)
     xe = tl.load(x_ptr + row[:, None] + ke, mask=me, other=0.0)  # padding: zeros
     xo = tl.load(x_ptr + row[:, None] + ko, mask=mo, other=0.0)
+    _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, me, mo, row, s_g, out_ptr, bscale_ptr,
+                stream_ptr, seed, M, K, NB, NV, FP4, HALF, SR, PACK, EMAX, GRID, MODE, THR,
+                ALIGNED4)
+
+
+@triton.jit
+def _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, me, mo, row, s_g, out_ptr, bscale_ptr,
+                stream_ptr, seed, M, K, NB, NV: tl.constexpr, FP4: tl.constexpr,
+                HALF: tl.constexpr, SR: tl.constexpr, PACK: tl.constexpr, EMAX: tl.constexpr,
+                GRID: tl.constexpr, MODE: tl.constexpr, THR: tl.constexpr,
+                ALIGNED4: tl.constexpr):
+    """Scale, round and store block rows already loaded as even / odd halves ``xe`` / ``xo``
+    ([R, HALF], zeros in the padding; indices as :func:`_block_rows` computes them).
+
+    SR bits: :func:`_block_bits`. E2M1 with RTN rounds by :func:`_e2m1_rtn` (same codes and
+    values as :func:`_quant` for finite quotients; the blocks with a NaN or inf are
+    overwritten below)."""
+    j = tl.arange(0, HALF)
     bamax = tl.maximum(tl.max(_finite_abs(xe), axis=1), tl.max(_finite_abs(xo), axis=1))
     nonfin = (tl.abs(xe) < float("inf")).to(tl.int32) + (tl.abs(xo) < float("inf")).to(tl.int32)
     bad = tl.min(nonfin, axis=1) < 2  # a NaN or inf in the block
     nan = float("nan")
     scale, safe, ok, sb_code = _block_scale(bamax, bad, s_g, NV, EMAX, MODE, THR)
 
-    if PLAIN:  # the unscaled copy of the same elements (its own stream)
-        if P_SR:
-            pre, pro = _block_bits(seed, p_stream_ptr, b, m, blk, ke, ko, rvalid, K, HALF,
-                                   ALIGNED4)
-        else:
-            pre = 0
-            pro = 0
-        _, pce = _quant(xe, pre, P_SR, P_GRID)
-        _, pco = _quant(xo, pro, P_SR, P_GRID)
-        tl.store(p_ptr + row[:, None] + ke, pce.to(tl.int16), mask=me)
-        tl.store(p_ptr + row[:, None] + ko, pco.to(tl.int16), mask=mo)
     if SR:
         re, ro = _block_bits(seed, stream_ptr, b, m, blk, ke, ko, rvalid, K, HALF, ALIGNED4)
     else:
@@ -758,21 +755,49 @@ def _pair_kernel(x_ptr, amax_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p
                  ROWS: tl.constexpr, SR: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
                  GRID: tl.constexpr, UP: tl.constexpr, ALIGNED4: tl.constexpr,
                  PLAIN: tl.constexpr, P_SR: tl.constexpr, P_GRID: tl.constexpr):
-    """:func:`pack_pair_triton`: a program per ``ROWS`` block rows of the whole batch; the
-    matrix scale of each block row from its matrix's amax (float32 bits at ``amax_ptr``) by
-    the arithmetic of :func:`_nvfp4_kernel`."""
+    """:func:`pack_pair_triton`: a program per ``ROWS`` block rows of the whole batch, each
+    loaded once as a contiguous ``[ROWS, 2 HALF]`` tile. The unscaled copy (``PLAIN``) is
+    cast on that tile (its SR bits: element ``e = m K + k`` takes word ``e & 3`` of call
+    ``e >> 2`` of its stream, as :func:`_unscaled_kernel`), then the tile is split into its
+    even / odd halves for :func:`_block_cast` (NVFP4), whose matrix scale comes from the
+    matrix's amax (float32 bits at ``amax_ptr``) by the arithmetic of :func:`_nvfp4_kernel`."""
     g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rvalid = g < G
     mnb = M * NB
     b = g // mnb
+    gl = g - b * mnb
+    m = gl // NB
+    blk = gl - m * NB
+    row = (b * M + m) * K
+    t = tl.arange(0, 2 * HALF)
+    kk = blk[:, None] * (2 * HALF) + t[None, :]
+    mk = rvalid[:, None] & (kk < K)
+    x = tl.load(x_ptr + row[:, None] + kk, mask=mk, other=0.0)  # padding: zeros
+    if PLAIN:  # the unscaled copy (its own stream), on the contiguous tile
+        if P_SR:
+            lo, hi = _stream_words(tl.load(p_stream_ptr + b, mask=rvalid, other=0))
+            if ALIGNED4:  # one call per four elements: k = 4i + 2x + y takes word 2x + y
+                i = tl.arange(0, HALF // 2)
+                call = (m * K + blk * (2 * HALF))[:, None] // 4 + i[None, :]
+                r0, r1, r2, r3 = _random_words(seed, call, lo[:, None], hi[:, None])
+                r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, 2 * HALF])
+            else:
+                r = _random_bits(seed, (m * K)[:, None] + kk, lo[:, None], hi[:, None])
+        else:
+            r = 0
+        _, pc = _quant(x, r, P_SR, P_GRID)
+        tl.store(p_ptr + row[:, None] + kk, pc.to(tl.int16), mask=mk)
+    xe, xo = tl.split(tl.reshape(x, [ROWS, HALF, 2]))
+    ke = blk[:, None] * (2 * HALF) + 2 * tl.arange(0, HALF)[None, :]
+    ko = ke + 1
     amax = tl.load(amax_ptr + b, mask=rvalid, other=0).to(tl.float32, bitcast=True)
     s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
     if UP:
         s_g = _nvfp4_global_up(amax, s_g)
-    _block_rows(g, G, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB,
-                True, True, HALF, SR, True, 0, GRID, 1 if UP else 0, 0, ALIGNED4,
-                PLAIN, p_ptr, p_stream_ptr, P_SR, P_GRID)
-    tl.store(mscale_ptr + b, s_g, mask=rvalid & (g - b * mnb == 0))  # once per matrix
+    _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, rvalid[:, None] & (ke < K),
+                rvalid[:, None] & (ko < K), row, s_g, out_ptr, bscale_ptr, stream_ptr, seed,
+                M, K, NB, True, True, HALF, SR, True, 0, GRID, 1 if UP else 0, 0, ALIGNED4)
+    tl.store(mscale_ptr + b, s_g, mask=rvalid & (gl == 0))  # once per matrix
 
 
 @triton.jit

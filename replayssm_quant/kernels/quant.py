@@ -751,38 +751,41 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
 
 @triton.jit
 def _pair_kernel(x_ptr, amax_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
-                 p_stream_ptr, seed, M, K, NB, G,
-                 ROWS: tl.constexpr, SR: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
-                 GRID: tl.constexpr, UP: tl.constexpr, ALIGNED4: tl.constexpr,
-                 PLAIN: tl.constexpr, P_SR: tl.constexpr, P_GRID: tl.constexpr):
-    """:func:`pack_pair_triton`: a program per ``ROWS`` block rows of the whole batch, each
-    loaded once as a contiguous ``[ROWS, 2 HALF]`` tile. The unscaled copy (``PLAIN``) is
-    cast on that tile (its SR bits: element ``e = m K + k`` takes word ``e & 3`` of call
+                 p_stream_ptr, seed, M,
+                 K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, SR: tl.constexpr,
+                 HALF: tl.constexpr, GDIV: tl.constexpr, GRID: tl.constexpr, UP: tl.constexpr,
+                 ALIGNED4: tl.constexpr, PLAIN: tl.constexpr, P_SR: tl.constexpr,
+                 P_GRID: tl.constexpr):
+    """:func:`pack_pair_triton`: program (matrix, tile) takes ``ROWS`` block rows of one
+    matrix (K and NB constexpr: the row and block of a block row without 64-bit divisions),
+    each loaded once as a contiguous ``[ROWS, 2 HALF]`` tile. The unscaled copy (``PLAIN``)
+    is cast on that tile (its SR bits: element ``e = m K + k`` takes word ``e & 3`` of call
     ``e >> 2`` of its stream, as :func:`_unscaled_kernel`), then the tile is split into its
     even / odd halves for :func:`_block_cast` (NVFP4), whose matrix scale comes from the
     matrix's amax (float32 bits at ``amax_ptr``) by the arithmetic of :func:`_nvfp4_kernel`."""
-    g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rvalid = g < G
+    mat = tl.program_id(0).to(tl.int64)
     mnb = M * NB
-    b = g // mnb
-    gl = g - b * mnb
+    gl = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # block rows of this matrix (int32)
+    rvalid = gl < mnb
     m = gl // NB
     blk = gl - m * NB
-    row = (b * M + m) * K
+    b = mat + gl.to(tl.int64) * 0  # [ROWS]
+    g = mat * mnb + gl
+    row = (mat * M + m) * K
     t = tl.arange(0, 2 * HALF)
     kk = blk[:, None] * (2 * HALF) + t[None, :]
     mk = rvalid[:, None] & (kk < K)
     x = tl.load(x_ptr + row[:, None] + kk, mask=mk, other=0.0)  # padding: zeros
     if PLAIN:  # the unscaled copy (its own stream), on the contiguous tile
         if P_SR:
-            lo, hi = _stream_words(tl.load(p_stream_ptr + b, mask=rvalid, other=0))
+            lo, hi = _stream_words(tl.load(p_stream_ptr + mat))
             if ALIGNED4:  # one call per four elements: k = 4i + 2x + y takes word 2x + y
                 i = tl.arange(0, HALF // 2)
                 call = (m * K + blk * (2 * HALF))[:, None] // 4 + i[None, :]
-                r0, r1, r2, r3 = _random_words(seed, call, lo[:, None], hi[:, None])
+                r0, r1, r2, r3 = _random_words(seed, call, lo, hi)
                 r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, 2 * HALF])
             else:
-                r = _random_bits(seed, (m * K)[:, None] + kk, lo[:, None], hi[:, None])
+                r = _random_bits(seed, (m * K)[:, None] + kk, lo, hi)
         else:
             r = 0
         _, pc = _quant(x, r, P_SR, P_GRID)
@@ -790,14 +793,15 @@ def _pair_kernel(x_ptr, amax_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p
     xe, xo = tl.split(tl.reshape(x, [ROWS, HALF, 2]))
     ke = blk[:, None] * (2 * HALF) + 2 * tl.arange(0, HALF)[None, :]
     ko = ke + 1
-    amax = tl.load(amax_ptr + b, mask=rvalid, other=0).to(tl.float32, bitcast=True)
+    amax = tl.load(amax_ptr + mat).to(tl.float32, bitcast=True)
     s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
     if UP:
         s_g = _nvfp4_global_up(amax, s_g)
     _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, rvalid[:, None] & (ke < K),
                 rvalid[:, None] & (ko < K), row, s_g, out_ptr, bscale_ptr, stream_ptr, seed,
                 M, K, NB, True, True, HALF, SR, True, 0, GRID, 1 if UP else 0, 0, ALIGNED4)
-    tl.store(mscale_ptr + b, s_g, mask=rvalid & (gl == 0))  # once per matrix
+    if tl.program_id(1) == 0:
+        tl.store(mscale_ptr + mat, s_g)  # once per matrix
 
 
 @triton.jit
@@ -1032,10 +1036,9 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
         pgrid = _grid_consts(plain.info.element)
     else:
         pcodes, pst, pgrid = codes, st, None
-    g = bsz * m * nb
-    if g:
-        _pair_kernel[(triton.cdiv(g, rows),)](
-            x, amax_bits, codes, bscale, mscale, st, pcodes, pst, int(seed), m, k, nb, g,
+    if bsz:
+        _pair_kernel[(bsz, triton.cdiv(m * nb, rows))](
+            x, amax_bits, codes, bscale, mscale, st, pcodes, pst, int(seed), m, K=k, NB=nb,
             ROWS=rows, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up",
             ALIGNED4=k % 4 == 0 and block % 4 == 0, PLAIN=p_on, P_SR=p_on and plain.sr,

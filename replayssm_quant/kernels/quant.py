@@ -50,7 +50,7 @@ from ..formats import QuantSpec, parse_spec
 from ..philox import stream_keys_to
 from ..packed import PackedTensor, _as_float32
 
-__all__ = ["quantize_triton", "pack_triton", "pack_pair_triton", "finite_amax_bits"]
+__all__ = ["quantize_triton", "pack_triton", "pack_pair_triton"]
 
 # Tile sizes (elements per loop step; power-of-two)
 _TILE = 2048  # unscaled and matrix-scaled kernels
@@ -750,58 +750,58 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
 
 
 @triton.jit
-def _pair_kernel(x_ptr, amax_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
-                 p_stream_ptr, seed, M,
-                 K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, SR: tl.constexpr,
-                 HALF: tl.constexpr, GDIV: tl.constexpr, GRID: tl.constexpr, UP: tl.constexpr,
-                 ALIGNED4: tl.constexpr, PLAIN: tl.constexpr, P_SR: tl.constexpr,
-                 P_GRID: tl.constexpr):
-    """:func:`pack_pair_triton`: program (matrix, tile) takes ``ROWS`` block rows of one
-    matrix (K and NB constexpr: the row and block of a block row without 64-bit divisions),
-    each loaded once as a contiguous ``[ROWS, 2 HALF]`` tile. The unscaled copy (``PLAIN``)
-    is cast on that tile (its SR bits: element ``e = m K + k`` takes word ``e & 3`` of call
-    ``e >> 2`` of its stream, as :func:`_unscaled_kernel`), then the tile is split into its
-    even / odd halves for :func:`_block_cast` (NVFP4), whose matrix scale comes from the
-    matrix's amax (float32 bits at ``amax_ptr``) by the arithmetic of :func:`_nvfp4_kernel`."""
+def _pair_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_stream_ptr, seed,
+                 M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
+                 SR: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr, GRID: tl.constexpr,
+                 UP: tl.constexpr, ALIGNED4: tl.constexpr, PLAIN: tl.constexpr,
+                 P_SR: tl.constexpr, P_GRID: tl.constexpr):
+    """:func:`pack_pair_triton`: one program per matrix, as :func:`_nvfp4_kernel`: the
+    matrix amax first (:func:`_matrix_amax`), then tiles of ``ROWS`` block rows (K and NB
+    constexpr: the row and block of a block row without 64-bit divisions), each loaded once
+    as a contiguous ``[ROWS, 2 HALF]`` tile. The unscaled copy (``PLAIN``) is cast on that
+    tile (its SR bits: element ``e = m K + k`` takes word ``e & 3`` of call ``e >> 2`` of
+    its stream, as :func:`_unscaled_kernel`), then the tile is split into its even / odd
+    halves for :func:`_block_cast` (NVFP4, the arithmetic of :func:`_nvfp4_kernel`)."""
     mat = tl.program_id(0).to(tl.int64)
     mnb = M * NB
-    gl = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # block rows of this matrix (int32)
-    rvalid = gl < mnb
-    m = gl // NB
-    blk = gl - m * NB
-    b = mat + gl.to(tl.int64) * 0  # [ROWS]
-    g = mat * mnb + gl
-    row = (mat * M + m) * K
-    t = tl.arange(0, 2 * HALF)
-    kk = blk[:, None] * (2 * HALF) + t[None, :]
-    mk = rvalid[:, None] & (kk < K)
-    x = tl.load(x_ptr + row[:, None] + kk, mask=mk, other=0.0)  # padding: zeros
-    if PLAIN:  # the unscaled copy (its own stream), on the contiguous tile
-        if P_SR:
-            lo, hi = _stream_words(tl.load(p_stream_ptr + mat))
-            if ALIGNED4:  # one call per four elements: k = 4i + 2x + y takes word 2x + y
-                i = tl.arange(0, HALF // 2)
-                call = (m * K + blk * (2 * HALF))[:, None] // 4 + i[None, :]
-                r0, r1, r2, r3 = _random_words(seed, call, lo, hi)
-                r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, 2 * HALF])
-            else:
-                r = _random_bits(seed, (m * K)[:, None] + kk, lo, hi)
-        else:
-            r = 0
-        _, pc = _quant(x, r, P_SR, P_GRID)
-        tl.store(p_ptr + row[:, None] + kk, pc.to(tl.int16), mask=mk)
-    xe, xo = tl.split(tl.reshape(x, [ROWS, HALF, 2]))
-    ke = blk[:, None] * (2 * HALF) + 2 * tl.arange(0, HALF)[None, :]
-    ko = ke + 1
-    amax = tl.load(amax_ptr + mat).to(tl.float32, bitcast=True)
+    amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
     s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
     if UP:
         s_g = _nvfp4_global_up(amax, s_g)
-    _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, rvalid[:, None] & (ke < K),
-                rvalid[:, None] & (ko < K), row, s_g, out_ptr, bscale_ptr, stream_ptr, seed,
-                M, K, NB, True, True, HALF, SR, True, 0, GRID, 1 if UP else 0, 0, ALIGNED4)
-    if tl.program_id(1) == 0:
-        tl.store(mscale_ptr + mat, s_g)  # once per matrix
+    if PLAIN and P_SR:
+        lo, hi = _stream_words(tl.load(p_stream_ptr + mat))
+    t = tl.arange(0, 2 * HALF)
+    j2 = 2 * tl.arange(0, HALF)
+    for t0 in range(0, mnb, ROWS):
+        gl = t0 + tl.arange(0, ROWS)  # block rows of this matrix (int32)
+        rvalid = gl < mnb
+        m = gl // NB
+        blk = gl - m * NB
+        row = (mat * M + m) * K
+        kk = blk[:, None] * (2 * HALF) + t[None, :]
+        mk = rvalid[:, None] & (kk < K)
+        x = tl.load(x_ptr + row[:, None] + kk, mask=mk, other=0.0)  # padding: zeros
+        if PLAIN:  # the unscaled copy (its own stream), on the contiguous tile
+            if P_SR:
+                if ALIGNED4:  # one call per four elements: k = 4i + 2x + y takes word 2x + y
+                    i = tl.arange(0, HALF // 2)
+                    call = (m * K + blk * (2 * HALF))[:, None] // 4 + i[None, :]
+                    r0, r1, r2, r3 = _random_words(seed, call, lo, hi)
+                    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, 2 * HALF])
+                else:
+                    r = _random_bits(seed, (m * K)[:, None] + kk, lo, hi)
+            else:
+                r = 0
+            _, pc = _quant(x, r, P_SR, P_GRID)
+            tl.store(p_ptr + row[:, None] + kk, pc.to(tl.int16), mask=mk)
+        xe, xo = tl.split(tl.reshape(x, [ROWS, HALF, 2]))
+        ke = blk[:, None] * (2 * HALF) + j2[None, :]
+        ko = ke + 1
+        _block_cast(xe, xo, mat * mnb + gl, rvalid, mat + gl.to(tl.int64) * 0, m, blk, ke, ko,
+                    rvalid[:, None] & (ke < K), rvalid[:, None] & (ko < K), row, s_g, out_ptr,
+                    bscale_ptr, stream_ptr, seed, M, K, NB, True, True, HALF, SR, True, 0,
+                    GRID, 1 if UP else 0, 0, ALIGNED4)
+    tl.store(mscale_ptr + mat, s_g)
 
 
 @triton.jit
@@ -948,18 +948,6 @@ def pack_triton(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedTens
     return PackedTensor(spec, x.shape, codes, bscale, mscale)
 
 
-def finite_amax_bits(x: torch.Tensor) -> torch.Tensor:
-    """int32 ``[prod(x.shape[:-2])]``: the float32 bits of each ``[M, K]`` matrix's finite
-    amax (NaN and inf count as 0), the amax :func:`_nvfp4_kernel` takes
-    (:func:`_matrix_amax`); what :func:`pack_pair_triton` reads. Torch ops (exact: a max)."""
-    xf = _as_float32(x)
-    a = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros((), device=xf.device))
-    a = a.reshape(-1, x.shape[-2] * x.shape[-1])
-    if a.shape[1] == 0:
-        return torch.zeros(a.shape[0], dtype=torch.int32, device=x.device)
-    return a.amax(dim=1).contiguous().view(torch.int32)
-
-
 def pair_casts(plain, scaled) -> bool:
     """Whether :func:`pack_pair_triton` casts to the specs ``(plain, scaled)``: ``scaled`` is
     NVFP4 and ``plain`` is fp32 (the identity: no cast) or unscaled (fp16, bf16; RTN or SR)."""
@@ -969,17 +957,15 @@ def pair_casts(plain, scaled) -> bool:
 
 
 def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_stream=0,
-                     scaled_stream=0, amax_bits: torch.Tensor | None = None,
-                     rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS):
-    """Two casts of one float32 tensor in one launch that reads it once: the same bytes as
+                     scaled_stream=0, rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS):
+    """Two casts of one float32 tensor in one launch: the same bytes as
     ``(pack_triton(x, plain, stream=plain_stream), pack_triton(x, scaled,
-    stream=scaled_stream))`` (:func:`replayssm_quant.quant.pack_reference` each).
+    stream=scaled_stream))`` (:func:`replayssm_quant.quant.pack_reference` each), with each
+    tile of ``x`` loaded once for both casts (after the NVFP4 matrix-amax pass).
 
     The split flush's casts (:func:`replayssm_quant.kernels.replay.flush.flush_kernel`,
     ``cast_form="pair"``): the anchor and the read copy are cast independently from the same
-    unrounded S (DESIGN.md section 3), each with its own SR stream; the NVFP4 matrix scale
-    comes from ``amax_bits`` (the flush takes each matrix's amax from its registers) instead
-    of a pass over ``x``.
+    unrounded S (DESIGN.md section 3), each with its own SR stream.
 
     Args:
         x: float32 ``[..., M, K]`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), contiguous.
@@ -989,18 +975,15 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
         seed: Philox key, int in [0, 2^63).
         plain_stream, scaled_stream: SR stream keys (int or int64 tensors broadcastable to
             ``x.shape[:-2]``), as :func:`pack_triton`'s ``stream``.
-        amax_bits: int32 ``[prod(x.shape[:-2])]``, the float32 bits of each matrix's finite
-            amax (:func:`finite_amax_bits`); None computes them from ``x``. Bits that are not
-            that amax give a different (wrong) matrix scale: the caller owns this.
-        rows, num_warps: block rows (16 elements each) per program (a power of two) and
-            warps; the bytes do not depend on them.
+        rows, num_warps: block rows (16 elements each) per tile (a power of two) and warps;
+            the bytes do not depend on them.
 
     Returns:
         ``(plain copy, scaled copy)``: PackedTensor each (the plain one ``x`` for fp32).
 
     Raises:
         ValueError: specs :func:`pair_casts` refuses, ``x`` not a contiguous float32
-            ``[..., M, K]``, ``amax_bits`` of the wrong dtype, shape or device, a bad ``rows``.
+            ``[..., M, K]`` with non-empty matrix dims, a bad ``rows``.
     """
     plain, scaled = parse_spec(plain), parse_spec(scaled)
     if not pair_casts(plain, scaled):
@@ -1016,12 +999,6 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
     m, k = x.shape[-2], x.shape[-1]
     bsz = math.prod(lead)
     dev = x.device
-    if amax_bits is None:
-        amax_bits = finite_amax_bits(x)
-    if (not isinstance(amax_bits, torch.Tensor) or amax_bits.dtype != torch.int32
-            or tuple(amax_bits.shape) != (bsz,) or amax_bits.device != dev):
-        raise ValueError(f"amax_bits must be an int32 tensor of shape ({bsz},) on {dev}, got "
-                         f"{amax_bits!r:.80}")
     info = scaled.info
     block = info.block
     nb = triton.cdiv(k, block)
@@ -1037,9 +1014,9 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
     else:
         pcodes, pst, pgrid = codes, st, None
     if bsz:
-        _pair_kernel[(bsz, triton.cdiv(m * nb, rows))](
-            x, amax_bits, codes, bscale, mscale, st, pcodes, pst, int(seed), m, K=k, NB=nb,
-            ROWS=rows, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,
+        _pair_kernel[(bsz,)](
+            x, codes, bscale, mscale, st, pcodes, pst, int(seed), m, K=k, NB=nb, ROWS=rows,
+            TILE=_TILE, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up",
             ALIGNED4=k % 4 == 0 and block % 4 == 0, PLAIN=p_on, P_SR=p_on and plain.sr,
             P_GRID=pgrid, num_warps=num_warps)

@@ -378,14 +378,11 @@ def _flush_kernel(
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
         RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", INV: tl.constexpr = False,
         KEYS_IN: tl.constexpr = False, FULL: tl.constexpr = False,
-        SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39,
-        AMAX_OUT: tl.constexpr = False):
+        SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
     # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
-    # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1. AMAX_OUT (PHASE 0,
-    # no matrix-scaled cast: the split flush's casts by pack_pair_triton): the finite amax of
-    # S, atomic max of its float32 bits into amax_ptr (zeroed by the caller).
+    # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1.
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -475,7 +472,6 @@ def _flush_kernel(
             tl.atomic_max(amax_ptr + mat, amax.to(tl.int32, bitcast=True))
 
     # ---- reconstruct, write S / y / corrections, cast A and R
-    amax_s = tl.zeros([], tl.float32)  # AMAX_OUT
     if PHASE != 1:
         for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
@@ -504,8 +500,6 @@ def _flush_kernel(
                                           SOLVE and PHASE == 0, A)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax_full(x, rmask)
-                if AMAX_OUT:
-                    amax_s = tl.maximum(amax_s, _tile_amax_full(x, rmask))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
                 if STORE_S:
@@ -532,8 +526,6 @@ def _flush_kernel(
                     _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax(se, so, rmask)
-                if AMAX_OUT:
-                    amax_s = tl.maximum(amax_s, _tile_amax(se, so, rmask))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
                 if STORE_S:
@@ -555,8 +547,6 @@ def _flush_kernel(
                 if TWO:
                     if CR.MS:
                         tl.store(orms_ptr + mat, sr)
-        if AMAX_OUT:  # amax >= 0: its float32 bits order as int32 (exact, any tile order)
-            tl.atomic_max(amax_ptr + mat, amax_s.to(tl.int32, bitcast=True))
 
 
 # ----------------------------------------------------------------------------------------
@@ -569,8 +559,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  num_warps: int | None = None, variant: str | None = None,
                  beta=None, dequantize: bool = True, keys_in_kernel: bool | None = None,
                  reconstruct: str | None = None, solve_form: str | None = None,
-                 split_casts: bool | None = None, cast_form: str | None = None,
-                 _amax_out: torch.Tensor | None = None):
+                 split_casts: bool | None = None, cast_form: str | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -638,16 +627,13 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
 
     ``cast_form`` (:data:`CAST_FORMS`; split casts only, else it must be None): how the split
     casts S. ``"pair"`` (the default where :func:`split_cast_form` allows it: an NVFP4 copy
-    beside an fp32 or unscaled one, or a single NVFP4 copy): the ``fp32`` flush also takes
-    each matrix's finite amax from its registers (an atomic max of the float32 bits, exact in
-    any order), and one launch of :func:`~replayssm_quant.kernels.quant.pack_pair_triton`
-    reads S once and writes both copies. ``"separate"``: one
+    beside an fp32 or unscaled one, or a single NVFP4 copy): one launch of
+    :func:`~replayssm_quant.kernels.quant.pack_pair_triton` writes both copies, casting each
+    tile of S once it is loaded (after the matrix-amax pass). ``"separate"``: one
     :func:`~replayssm_quant.kernels.quant.pack_triton` per copy (the nvfp4 one makes its own
     amax pass over S). The same bytes either way (``test_flush_cast_forms_same_bytes``); on
     the H200 at B = 256 (``flush_parts_h200.json``, docs/kernels-replay.md, "Twenty-second
-    pass") the pair form reads S once instead of three times.
-    ``_amax_out`` (internal, the pair form): an int32 ``[B * H]`` zeroed buffer that receives
-    the float32 bits of each matrix's finite amax of S (``fp32`` policy, fused flush only).
+    pass") the pair form reads S twice (once from L2, in part) instead of three times.
 
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
@@ -669,10 +655,6 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         raise ValueError(f"cast_form={cast_form!r} applies to split casts only (this flush of "
                          f"{policy} casts in the flush kernel); pass None")
     need_amax = flush_needs_amax(policy)
-    if _amax_out is not None and (need_amax or _amax_out.dtype != torch.int32
-                                  or tuple(_amax_out.shape) != (B * H,)):
-        raise ValueError(f"_amax_out needs a policy without a matrix-scaled copy and an int32 "
-                         f"[{B * H}] buffer, got {policy} and {_amax_out!r:.60}")
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
     where = "flush_kernel"
@@ -723,10 +705,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     single = block_v >= V
     loop = variant == "loop"
     tiles = 1 if (loop or single) else triton.cdiv(V, block_v)
-    if _amax_out is not None:
-        amax = _amax_out
-    else:
-        amax = torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev)
+    amax = torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev)
     pick = lambda t, d: t if t is not None else d  # noqa: E731
     args = (a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
             beta.contiguous() if solve else la, u_arg,
@@ -744,7 +723,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   INV=solve and solve_form == "inverse", num_stages=FLUSH_NUM_STAGES,
                   A=_decode_consts(aspec),
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
-                  AMAX_OUT=_amax_out is not None, **key_consts)
+                  **key_consts)
     if need_amax and not loop and not single:  # grid: amax launch, then the cast launch
         _flush_kernel[(B * H, tiles)](*args, PHASE=1, **consts)
         _flush_kernel[(B * H, tiles)](*args, PHASE=2, **consts)
@@ -862,26 +841,24 @@ def _pair_roles(policy):
 def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
                  q, store_state, dequantize, cast_form, **launch):
     """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S,
-    by one :func:`~replayssm_quant.kernels.quant.pack_pair_triton` launch with the amax the
-    flush took (``cast_form="pair"``) or by one
+    by one :func:`~replayssm_quant.kernels.quant.pack_pair_triton` launch
+    (``cast_form="pair"``) or by one
     :func:`~replayssm_quant.kernels.quant.pack_triton` per copy (``"separate"``); stream
     keys of :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by
     :func:`_split_keys`."""
     B, H = int(anchor.shape[0]), int(anchor.shape[1])
     launch["keys_in_kernel"] = True  # the fp32 flush then range-checks the per-sequence fields
-    pair = cast_form == "pair"
-    amax = torch.zeros(B * H, dtype=torch.int32, device=w.device) if pair else None
     res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
                           sequence_ids=sequence_ids, flush_index=flush_index, q=q,
-                          store_state=False, dequantize=False, _amax_out=amax, **launch)
+                          store_state=False, dequantize=False, **launch)
     S = res.checkpoints.anchor_stored
     sa, sr = _split_keys(layer, sequence_ids, flush_index, B, H, S.device)
     two = not policy.single_checkpoint
-    if pair:
+    if cast_form == "pair":
         plain, scaled, scaled_is_read = _pair_roles(policy)
         kp, ks = (sa, sr) if scaled_is_read else (sr, sa)
         p_st, s_st = pack_pair_triton(S, plain, scaled, seed=int(seed), plain_stream=kp,
-                                      scaled_stream=ks, amax_bits=amax)
+                                      scaled_stream=ks)
         if not two:
             a_st = r_st = s_st
         elif scaled_is_read:

@@ -4,9 +4,9 @@
 pass) is three launches: the ``fp32`` flush writes a float32 S, then ``pack_triton`` casts S to
 the anchor (fp16, SR) and to the read copy (nvfp4: a matrix-amax pass over S, then the cast).
 This times each launch alone at B = 256 on the H200 geometries (``flush_tune.py``'s sets), the
-whole split flush, the split flush with ``cast_form="pair"`` (the fp32 flush also takes each
-matrix's finite amax; one launch casts S to both copies, reading it once), and a device copy
-of S as the bandwidth reference. CUDA-graph medians (``decode.timer``), 4 sets rotated; the
+whole split flush in both cast forms (``cast_form="separate"``; ``"pair"``: one launch casts S
+to both copies, loading each tile once for both), ``pack_pair_triton`` alone on several tiles
+(``--pair-tiles``), and a device copy of S as the bandwidth reference. CUDA-graph medians (``decode.timer``), 4 sets rotated; the
 two cast forms' stored copies are compared byte for byte.
 
 Usage (on the device; fla not needed)::

@@ -754,7 +754,7 @@ def _pair_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_st
                  M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
                  SR: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr, GRID: tl.constexpr,
                  UP: tl.constexpr, ALIGNED4: tl.constexpr, PLAIN: tl.constexpr,
-                 P_SR: tl.constexpr, P_GRID: tl.constexpr):
+                 P_SR: tl.constexpr, P_GRID: tl.constexpr, HALVES: tl.constexpr = False):
     """:func:`pack_pair_triton`: one program per matrix, as :func:`_nvfp4_kernel`: the
     matrix amax first (:func:`_matrix_amax`), then tiles of ``ROWS`` block rows (K and NB
     constexpr: the row and block of a block row without 64-bit divisions), each loaded once
@@ -780,23 +780,40 @@ def _pair_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_st
         row = (mat * M + m) * K
         kk = blk[:, None] * (2 * HALF) + t[None, :]
         mk = rvalid[:, None] & (kk < K)
-        x = tl.load(x_ptr + row[:, None] + kk, mask=mk, other=0.0)  # padding: zeros
-        if PLAIN:  # the unscaled copy (its own stream), on the contiguous tile
-            if P_SR:
-                if ALIGNED4:  # one call per four elements: k = 4i + 2x + y takes word 2x + y
-                    i = tl.arange(0, HALF // 2)
-                    call = (m * K + blk * (2 * HALF))[:, None] // 4 + i[None, :]
-                    r0, r1, r2, r3 = _random_words(seed, call, lo, hi)
-                    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, 2 * HALF])
-                else:
-                    r = _random_bits(seed, (m * K)[:, None] + kk, lo, hi)
-            else:
-                r = 0
-            _, pc = _quant(x, r, P_SR, P_GRID)
-            tl.store(p_ptr + row[:, None] + kk, pc.to(tl.int16), mask=mk)
-        xe, xo = tl.split(tl.reshape(x, [ROWS, HALF, 2]))
         ke = blk[:, None] * (2 * HALF) + j2[None, :]
         ko = ke + 1
+        if HALVES:  # even / odd halves loaded apart (as _block_rows); the unscaled codes
+            # joined back into a contiguous tile for the store
+            xe = tl.load(x_ptr + row[:, None] + ke, mask=rvalid[:, None] & (ke < K), other=0.0)
+            xo = tl.load(x_ptr + row[:, None] + ko, mask=rvalid[:, None] & (ko < K), other=0.0)
+            if PLAIN:
+                if P_SR:
+                    pre, pro = _block_bits(seed, p_stream_ptr, mat + gl.to(tl.int64) * 0, m,
+                                           blk, ke, ko, rvalid, K, HALF, ALIGNED4)
+                else:
+                    pre = 0
+                    pro = 0
+                _, pce = _quant(xe, pre, P_SR, P_GRID)
+                _, pco = _quant(xo, pro, P_SR, P_GRID)
+                pc = tl.reshape(tl.join(pce.to(tl.int16), pco.to(tl.int16)), [ROWS, 2 * HALF])
+                tl.store(p_ptr + row[:, None] + kk, pc, mask=mk)
+        else:
+            x = tl.load(x_ptr + row[:, None] + kk, mask=mk, other=0.0)  # padding: zeros
+            if PLAIN:  # the unscaled copy (its own stream), on the contiguous tile
+                if P_SR:
+                    if ALIGNED4:  # one call per four elements: k = 4i + 2x + y: word 2x + y
+                        i = tl.arange(0, HALF // 2)
+                        call = (m * K + blk * (2 * HALF))[:, None] // 4 + i[None, :]
+                        r0, r1, r2, r3 = _random_words(seed, call, lo, hi)
+                        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)),
+                                       [ROWS, 2 * HALF])
+                    else:
+                        r = _random_bits(seed, (m * K)[:, None] + kk, lo, hi)
+                else:
+                    r = 0
+                _, pc = _quant(x, r, P_SR, P_GRID)
+                tl.store(p_ptr + row[:, None] + kk, pc.to(tl.int16), mask=mk)
+            xe, xo = tl.split(tl.reshape(x, [ROWS, HALF, 2]))
         _block_cast(xe, xo, mat * mnb + gl, rvalid, mat + gl.to(tl.int64) * 0, m, blk, ke, ko,
                     rvalid[:, None] & (ke < K), rvalid[:, None] & (ko < K), row, s_g, out_ptr,
                     bscale_ptr, stream_ptr, seed, M, K, NB, True, True, HALF, SR, True, 0,
@@ -957,7 +974,8 @@ def pair_casts(plain, scaled) -> bool:
 
 
 def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_stream=0,
-                     scaled_stream=0, rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS):
+                     scaled_stream=0, rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS,
+                     halves: bool = False):
     """Two casts of one float32 tensor in one launch: the same bytes as
     ``(pack_triton(x, plain, stream=plain_stream), pack_triton(x, scaled,
     stream=scaled_stream))`` (:func:`replayssm_quant.quant.pack_reference` each), with each
@@ -1019,7 +1037,7 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
             TILE=_TILE, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up",
             ALIGNED4=k % 4 == 0 and block % 4 == 0, PLAIN=p_on, P_SR=p_on and plain.sr,
-            P_GRID=pgrid, num_warps=num_warps)
+            P_GRID=pgrid, HALVES=bool(halves), num_warps=num_warps)
     out_s = PackedTensor(scaled, x.shape, codes, bscale, mscale)
     if not p_on:
         return x, out_s

@@ -6,8 +6,9 @@ the anchor (fp16, SR) and to the read copy (nvfp4: a matrix-amax pass over S, th
 This times each launch alone at B = 256 on the H200 geometries (``flush_tune.py``'s sets), the
 whole split flush in both cast forms (``cast_form="separate"``; ``"pair"``: one launch casts S
 to both copies, loading each tile once for both), ``pack_pair_triton`` alone on several tiles
-(``--pair-tiles``), and a device copy of S as the bandwidth reference. CUDA-graph medians (``decode.timer``), 4 sets rotated; the
-two cast forms' stored copies are compared byte for byte.
+(``--pair-tiles``), and a device copy of S as the bandwidth reference. CUDA-graph medians
+(``decode.timer``), 4 sets rotated; the two cast forms' stored copies are compared byte for
+byte, and each pair tile's against the first tile's.
 
 Usage (on the device; fla not needed)::
 

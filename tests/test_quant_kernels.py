@@ -368,3 +368,87 @@ def test_sr_threshold_ceiling_below_the_32_bit_fraction():
     assert_bitwise(got, want, "kernel")
     ref = quantize_reference(x[None], "mxfp4+sr", seed=SEED, stream=stream)[0]
     assert_bitwise(ref, want, "reference")
+
+
+# ----------------------------------------------------------------------------------------
+# pack_pair_triton: two casts of one tensor in one launch (the split flush's casts)
+# ----------------------------------------------------------------------------------------
+
+PAIR_PLAIN = ["fp16+sr", "fp16", "bf16+sr", "bf16", "fp32"]
+PAIR_SCALED = ["nvfp4", "nvfp4+sr", "nvfp4+up"]
+
+
+def _check_pair(x, plain, scaled, sp, ss, **tile):
+    """pack_pair_triton against pack_reference of each copy, byte for byte (the reference
+    with its own stream per copy); the plain fp32 copy is x itself."""
+    xd = x.to(DEVICE)
+    p_st, s_st = kq.pack_pair_triton(xd, plain, scaled, seed=SEED, plain_stream=sp.to(DEVICE),
+                                     scaled_stream=ss.to(DEVICE), **tile)
+    want = pack_reference(x, scaled, seed=SEED, stream=ss)
+    assert str(s_st.spec) == str(want.spec) and tuple(s_st.shape) == tuple(want.shape)
+    for part in ("codes", "block_scales", "matrix_scale"):
+        assert_same_bytes(getattr(s_st, part), getattr(want, part), f"{plain}|{scaled} {part}")
+    if plain == "fp32":
+        assert p_st is xd
+        return p_st, s_st
+    want = pack_reference(x, plain, seed=SEED, stream=sp)
+    assert str(p_st.spec) == str(want.spec) and p_st.block_scales is None
+    assert_same_bytes(p_st.codes, want.codes, f"{plain}|{scaled} plain codes")
+    return p_st, s_st
+
+
+@pytest.mark.parametrize("scaled", PAIR_SCALED)
+@pytest.mark.parametrize("plain", PAIR_PLAIN)
+def test_pack_pair_matches_reference(plain, scaled):
+    """Both copies equal the reference packs (each with its own SR stream) on special values
+    (non-finite, -0, subnormal, FLT_MAX, grid midpoints; K = 40 leaves a padded NVFP4 tail
+    block), on random data over many binades with K = 7 (no four-element Philox alignment),
+    and with tiles of 4 block rows on 1 warp (several tiles per matrix)."""
+    x = _special("nvfp4")
+    lead = (x.shape[0],)
+    sp, ss = _streams(lead), _streams(lead) * 3 + 1
+    _check_pair(x, plain, scaled, sp, ss)
+    _check_pair(x, plain, scaled, sp, ss, rows=4, num_warps=1)
+    y = _random(((2, 1), 3, 7), seed=21)
+    _check_pair(y, plain, scaled, _streams((2, 1)), _streams((2, 1)) + 5, rows=2)
+
+
+def test_pack_pair_batch_and_tile_invariant():
+    """A matrix's two copies are the same alone, in the batch, at another batch position
+    (the batch reversed with its stream keys) and under another tile."""
+    x = _random(((5,), 24, 64), seed=17).to(DEVICE)
+    sp, ss = _streams((5,)).to(DEVICE), (_streams((5,)) + 9).to(DEVICE)
+
+    def run(xx, a, b, **tile):
+        p, s = kq.pack_pair_triton(xx, "fp16+sr", "nvfp4+sr", seed=SEED, plain_stream=a,
+                                   scaled_stream=b, **tile)
+        return p.codes.view(torch.int16), s.codes, s.block_scales, s.matrix_scale
+
+    full = run(x, sp, ss)
+    rev = run(x.flip(0).contiguous(), sp.flip(0), ss.flip(0))
+    other = run(x, sp, ss, rows=16, num_warps=2)
+    for f, r, o in zip(full, rev, other, strict=True):
+        assert_same_bytes(r.flip(0), f, "reversed batch")
+        assert_same_bytes(o, f, "tile of 16 rows")
+    for i in (0, 3):
+        alone = run(x[i : i + 1].contiguous(), sp[i : i + 1], ss[i : i + 1])
+        for a, f in zip(alone, full, strict=True):
+            assert_same_bytes(a, f[i : i + 1], f"matrix {i} alone")
+
+
+def test_pack_pair_refused():
+    x = torch.zeros(2, 4, 16, device=DEVICE)
+    for plain, scaled in (("nvfp4", "fp16"), ("fp16", "mxfp4"), ("fp8e4m3", "nvfp4"),
+                          ("fp16", "fp8e4m3"), ("nvfp4", "nvfp4")):
+        with pytest.raises(ValueError, match="casts to"):
+            kq.pack_pair_triton(x, plain, scaled)
+    with pytest.raises(ValueError, match="nvfp5"):
+        kq.pack_pair_triton(x, "fp16", "nvfp5")
+    for bad in (x.half(), x.transpose(-1, -2), torch.zeros(16, device=DEVICE)):
+        with pytest.raises(ValueError, match="contiguous float32"):
+            kq.pack_pair_triton(bad, "fp16", "nvfp4")
+    for rows in (0, 3, True, 2.0):
+        with pytest.raises(ValueError, match="rows must be"):
+            kq.pack_pair_triton(x, "fp16", "nvfp4", rows=rows)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        kq.pack_pair_triton(x, "fp16+sr", "nvfp4", plain_stream=torch.zeros(3, dtype=torch.int64))

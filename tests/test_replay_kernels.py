@@ -263,6 +263,70 @@ def test_flush_split_casts_same_bytes(model, policy):
     _same_stored(got[1].checkpoints, got[0].checkpoints)
 
 
+@pytest.mark.parametrize("model", ["gdn", "mamba2"])
+@pytest.mark.parametrize("policy", ["read:nvfp4+sr/rec:bf16+sr", "read:fp16/rec:nvfp4+up",
+                                    "shared:nvfp4+sr", "read:nvfp4/rec:fp32"])
+def test_flush_cast_forms_same_bytes(model, policy):
+    """The split flush's two cast forms (``cast_form="pair"``: one ``pack_pair_triton``
+    launch; ``"separate"``: one ``pack_triton`` per copy) and the fused casts give the same S,
+    flush-token output and stored copies bit for bit under one launch, and the reference casts
+    of that S (each copy with its own stream: the NVFP4 copy is the read copy, the anchor, or
+    the only one)."""
+    gen = _gen(12)
+    A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
+    la, v, k, beta = _records(gen, gdn=True)
+    q = _t(torch.randn(B, G, K, generator=gen))
+    length = _t(torch.tensor([L, 3]))
+    pol = StatePolicy.parse(policy)
+    launch = dict(variant="loop", block_v=16, num_warps=2, reconstruct="dot")
+    outs = {}
+    for form in ("pair", "separate", "fused"):
+        kw = dict(split_casts=form != "fused", cast_form=None if form == "fused" else form,
+                  q=q, **launch, **STREAMS)
+        if model == "gdn":
+            outs[form] = kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw)
+        else:
+            outs[form] = kr.mamba2_flush_kernel(A, la, v, k, length, pol, **kw)
+    (pair, yp) = outs["pair"]
+    for form in ("separate", "fused"):
+        other, yo = outs[form]
+        assert torch.equal(_bits(pair.state), _bits(other.state)), form
+        assert torch.equal(_bits(yp), _bits(yo)), form
+        _same_copies(pair.checkpoints, other.checkpoints)
+    _same_copies(pair.checkpoints, core.cast_checkpoints(pair.state, pol, store=True, **STREAMS))
+
+
+def test_split_cast_form_default_and_refusals():
+    """``split_cast_form``: "pair" by default only for an NVFP4 copy beside an fp16 / bf16 one
+    (either role); "pair" on request also beside fp32 or alone; refused (naming the value)
+    for other copies, unknown forms, and a cast form on a flush that does not split."""
+    from replayssm_quant.kernels.replay.flush import CAST_FORMS, split_cast_form
+
+    assert CAST_FORMS == ("pair", "separate")
+    got = {p: split_cast_form(StatePolicy.parse(p)) for p in (
+        "read:nvfp4/rec:fp16+sr", "read:fp16/rec:nvfp4+up", "read:nvfp4+sr/rec:bf16",
+        "read:nvfp4/rec:fp32", "shared:nvfp4", "read:nvfp4/rec:nvfp4+sr",
+        "read:fp8e4m3/rec:fp16", "read:mxfp4/rec:fp16")}
+    assert got == {"read:nvfp4/rec:fp16+sr": "pair", "read:fp16/rec:nvfp4+up": "pair",
+                   "read:nvfp4+sr/rec:bf16": "pair", "read:nvfp4/rec:fp32": "separate",
+                   "shared:nvfp4": "separate", "read:nvfp4/rec:nvfp4+sr": "separate",
+                   "read:fp8e4m3/rec:fp16": "separate", "read:mxfp4/rec:fp16": "separate"}
+    for p in ("read:nvfp4/rec:fp32", "shared:nvfp4+sr"):
+        assert split_cast_form(StatePolicy.parse(p), "pair") == "pair"
+    for p in ("read:fp8e4m3/rec:fp16", "read:nvfp4/rec:nvfp4"):
+        with pytest.raises(ValueError, match="cast_form='pair'"):
+            split_cast_form(StatePolicy.parse(p), "pair")
+    with pytest.raises(ValueError, match="'fused'"):
+        split_cast_form(StatePolicy.parse("read:nvfp4/rec:fp16"), "fused")
+    gen = _gen(3)
+    A = _t(torch.randn(B, H, V, K, generator=gen))
+    la, v, k, _ = _records(gen)
+    with pytest.raises(ValueError, match="split casts only"):
+        kr.mamba2_flush_kernel(A, la, v, k, _t(torch.tensor([L, 2])),
+                               StatePolicy.parse("read:nvfp4/rec:fp16"), split_casts=False,
+                               cast_form="pair", **STREAMS)
+
+
 def test_split_keys_match_checkpoint_streams():
     """The split flush's one-launch stream keys (``flush._split_keys``) equal
     :func:`checkpoint_streams`' (host and device builds) at the edges of every field, with a

@@ -56,7 +56,8 @@ __all__ = ["quantize_triton", "pack_triton", "pack_pair_triton"]
 _TILE = 2048  # unscaled and matrix-scaled kernels
 _NV_ROWS = 128  # nvfp4: block rows per tile (x 16 elements)
 _MX_ROWS = 64  # mx: block rows per program (x 32 elements)
-_PAIR_ROWS, _PAIR_WARPS = 128, 4  # pack_pair_triton: block rows per program, warps
+_PAIR_ROWS, _PAIR_WARPS = 128, 4  # pack_pair_triton: block rows per tile, warps (H200:
+# flush_parts_h200.json, docs/kernels-replay.md "Twenty-second pass")
 
 
 # ----------------------------------------------------------------------------------------
@@ -754,22 +755,21 @@ def _pair_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_st
                  M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
                  SR: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr, GRID: tl.constexpr,
                  UP: tl.constexpr, ALIGNED4: tl.constexpr, PLAIN: tl.constexpr,
-                 P_SR: tl.constexpr, P_GRID: tl.constexpr, HALVES: tl.constexpr = False):
+                 P_SR: tl.constexpr, P_GRID: tl.constexpr):
     """:func:`pack_pair_triton`: one program per matrix, as :func:`_nvfp4_kernel`: the
     matrix amax first (:func:`_matrix_amax`), then tiles of ``ROWS`` block rows (K and NB
     constexpr: the row and block of a block row without 64-bit divisions), each loaded once
-    as a contiguous ``[ROWS, 2 HALF]`` tile. The unscaled copy (``PLAIN``) is cast on that
-    tile (its SR bits: element ``e = m K + k`` takes word ``e & 3`` of call ``e >> 2`` of
-    its stream, as :func:`_unscaled_kernel`), then the tile is split into its even / odd
-    halves for :func:`_block_cast` (NVFP4, the arithmetic of :func:`_nvfp4_kernel`)."""
+    as even / odd halves (as :func:`_block_rows`). The unscaled copy (``PLAIN``) is cast on
+    the halves (SR bits of its own stream by :func:`_block_bits`: element ``e = m K + k``
+    takes word ``e & 3`` of call ``e >> 2``, as :func:`_unscaled_kernel`) and its codes
+    joined back into a contiguous ``[ROWS, 2 HALF]`` tile for the store; then
+    :func:`_block_cast` casts the halves to NVFP4 (the arithmetic of :func:`_nvfp4_kernel`)."""
     mat = tl.program_id(0).to(tl.int64)
     mnb = M * NB
     amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
     s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
     if UP:
         s_g = _nvfp4_global_up(amax, s_g)
-    if PLAIN and P_SR:
-        lo, hi = _stream_words(tl.load(p_stream_ptr + mat))
     t = tl.arange(0, 2 * HALF)
     j2 = 2 * tl.arange(0, HALF)
     for t0 in range(0, mnb, ROWS):
@@ -777,47 +777,29 @@ def _pair_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_st
         rvalid = gl < mnb
         m = gl // NB
         blk = gl - m * NB
+        b = mat + gl.to(tl.int64) * 0  # [ROWS]
         row = (mat * M + m) * K
-        kk = blk[:, None] * (2 * HALF) + t[None, :]
-        mk = rvalid[:, None] & (kk < K)
-        ke = blk[:, None] * (2 * HALF) + j2[None, :]
+        ke = blk[:, None] * (2 * HALF) + j2[None, :]  # even element of each pair
         ko = ke + 1
-        if HALVES:  # even / odd halves loaded apart (as _block_rows); the unscaled codes
-            # joined back into a contiguous tile for the store
-            xe = tl.load(x_ptr + row[:, None] + ke, mask=rvalid[:, None] & (ke < K), other=0.0)
-            xo = tl.load(x_ptr + row[:, None] + ko, mask=rvalid[:, None] & (ko < K), other=0.0)
-            if PLAIN:
-                if P_SR:
-                    pre, pro = _block_bits(seed, p_stream_ptr, mat + gl.to(tl.int64) * 0, m,
-                                           blk, ke, ko, rvalid, K, HALF, ALIGNED4)
-                else:
-                    pre = 0
-                    pro = 0
-                _, pce = _quant(xe, pre, P_SR, P_GRID)
-                _, pco = _quant(xo, pro, P_SR, P_GRID)
-                pc = tl.reshape(tl.join(pce.to(tl.int16), pco.to(tl.int16)), [ROWS, 2 * HALF])
-                tl.store(p_ptr + row[:, None] + kk, pc, mask=mk)
-        else:
-            x = tl.load(x_ptr + row[:, None] + kk, mask=mk, other=0.0)  # padding: zeros
-            if PLAIN:  # the unscaled copy (its own stream), on the contiguous tile
-                if P_SR:
-                    if ALIGNED4:  # one call per four elements: k = 4i + 2x + y: word 2x + y
-                        i = tl.arange(0, HALF // 2)
-                        call = (m * K + blk * (2 * HALF))[:, None] // 4 + i[None, :]
-                        r0, r1, r2, r3 = _random_words(seed, call, lo, hi)
-                        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)),
-                                       [ROWS, 2 * HALF])
-                    else:
-                        r = _random_bits(seed, (m * K)[:, None] + kk, lo, hi)
-                else:
-                    r = 0
-                _, pc = _quant(x, r, P_SR, P_GRID)
-                tl.store(p_ptr + row[:, None] + kk, pc.to(tl.int16), mask=mk)
-            xe, xo = tl.split(tl.reshape(x, [ROWS, HALF, 2]))
-        _block_cast(xe, xo, mat * mnb + gl, rvalid, mat + gl.to(tl.int64) * 0, m, blk, ke, ko,
-                    rvalid[:, None] & (ke < K), rvalid[:, None] & (ko < K), row, s_g, out_ptr,
-                    bscale_ptr, stream_ptr, seed, M, K, NB, True, True, HALF, SR, True, 0,
-                    GRID, 1 if UP else 0, 0, ALIGNED4)
+        me = rvalid[:, None] & (ke < K)
+        mo = rvalid[:, None] & (ko < K)
+        xe = tl.load(x_ptr + row[:, None] + ke, mask=me, other=0.0)  # padding: zeros
+        xo = tl.load(x_ptr + row[:, None] + ko, mask=mo, other=0.0)
+        if PLAIN:  # the unscaled copy (its own stream)
+            if P_SR:
+                pre, pro = _block_bits(seed, p_stream_ptr, b, m, blk, ke, ko, rvalid, K, HALF,
+                                       ALIGNED4)
+            else:
+                pre = 0
+                pro = 0
+            _, pce = _quant(xe, pre, P_SR, P_GRID)
+            _, pco = _quant(xo, pro, P_SR, P_GRID)
+            kk = blk[:, None] * (2 * HALF) + t[None, :]
+            pc = tl.reshape(tl.join(pce.to(tl.int16), pco.to(tl.int16)), [ROWS, 2 * HALF])
+            tl.store(p_ptr + row[:, None] + kk, pc, mask=rvalid[:, None] & (kk < K))
+        _block_cast(xe, xo, mat * mnb + gl, rvalid, b, m, blk, ke, ko, me, mo, row, s_g,
+                    out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB, True, True, HALF, SR,
+                    True, 0, GRID, 1 if UP else 0, 0, ALIGNED4)
     tl.store(mscale_ptr + mat, s_g)
 
 
@@ -974,12 +956,12 @@ def pair_casts(plain, scaled) -> bool:
 
 
 def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_stream=0,
-                     scaled_stream=0, rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS,
-                     halves: bool = False):
+                     scaled_stream=0, rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS):
     """Two casts of one float32 tensor in one launch: the same bytes as
     ``(pack_triton(x, plain, stream=plain_stream), pack_triton(x, scaled,
     stream=scaled_stream))`` (:func:`replayssm_quant.quant.pack_reference` each), with each
-    tile of ``x`` loaded once for both casts (after the NVFP4 matrix-amax pass).
+    tile of ``x`` loaded once for both casts (after the NVFP4 matrix-amax pass, which reads
+    the matrix once more, as :func:`pack_triton`'s does).
 
     The split flush's casts (:func:`replayssm_quant.kernels.replay.flush.flush_kernel`,
     ``cast_form="pair"``): the anchor and the read copy are cast independently from the same
@@ -1037,7 +1019,7 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
             TILE=_TILE, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up",
             ALIGNED4=k % 4 == 0 and block % 4 == 0, PLAIN=p_on, P_SR=p_on and plain.sr,
-            P_GRID=pgrid, HALVES=bool(halves), num_warps=num_warps)
+            P_GRID=pgrid, num_warps=num_warps)
     out_s = PackedTensor(scaled, x.shape, codes, bscale, mscale)
     if not p_on:
         return x, out_s

@@ -297,9 +297,9 @@ def test_flush_cast_forms_same_bytes(model, policy):
 
 
 def test_split_cast_form_default_and_refusals():
-    """``split_cast_form``: "pair" by default only for an NVFP4 copy beside an fp16 / bf16 one
-    (either role); "pair" on request also beside fp32 or alone; refused (naming the value)
-    for other copies, unknown forms, and a cast form on a flush that does not split."""
+    """``split_cast_form``: "pair" by default for an NVFP4 copy beside an fp32 / fp16 / bf16
+    one (either role) or alone; "separate" for the other split policies, which refuse "pair"
+    (naming the value), as do unknown forms and a cast form on a flush that does not split."""
     from replayssm_quant.kernels.replay.flush import CAST_FORMS, split_cast_form
 
     assert CAST_FORMS == ("pair", "separate")
@@ -308,11 +308,11 @@ def test_split_cast_form_default_and_refusals():
         "read:nvfp4/rec:fp32", "shared:nvfp4", "read:nvfp4/rec:nvfp4+sr",
         "read:fp8e4m3/rec:fp16", "read:mxfp4/rec:fp16")}
     assert got == {"read:nvfp4/rec:fp16+sr": "pair", "read:fp16/rec:nvfp4+up": "pair",
-                   "read:nvfp4+sr/rec:bf16": "pair", "read:nvfp4/rec:fp32": "separate",
-                   "shared:nvfp4": "separate", "read:nvfp4/rec:nvfp4+sr": "separate",
+                   "read:nvfp4+sr/rec:bf16": "pair", "read:nvfp4/rec:fp32": "pair",
+                   "shared:nvfp4": "pair", "read:nvfp4/rec:nvfp4+sr": "separate",
                    "read:fp8e4m3/rec:fp16": "separate", "read:mxfp4/rec:fp16": "separate"}
     for p in ("read:nvfp4/rec:fp32", "shared:nvfp4+sr"):
-        assert split_cast_form(StatePolicy.parse(p), "pair") == "pair"
+        assert split_cast_form(StatePolicy.parse(p), "separate") == "separate"
     for p in ("read:fp8e4m3/rec:fp16", "read:nvfp4/rec:nvfp4"):
         with pytest.raises(ValueError, match="cast_form='pair'"):
             split_cast_form(StatePolicy.parse(p), "pair")

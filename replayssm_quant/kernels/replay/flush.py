@@ -626,8 +626,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     ``shared:fp16+sr`` 1429 / 1772 against 1375 / 1189; hence the default.
 
     ``cast_form`` (:data:`CAST_FORMS`; split casts only, else it must be None): how the split
-    casts S. ``"pair"`` (the default for an NVFP4 copy beside an fp16 or bf16 one,
-    :func:`split_cast_form`): one launch of
+    casts S. ``"pair"`` (the default for an NVFP4 copy beside an fp32, fp16 or bf16 one, or
+    alone: :func:`split_cast_form`): one launch of
     :func:`~replayssm_quant.kernels.quant.pack_pair_triton` writes both copies, casting each
     tile of S once it is loaded (after the matrix-amax pass). ``"separate"``: one
     :func:`~replayssm_quant.kernels.quant.pack_triton` per copy (the nvfp4 one makes its own
@@ -806,11 +806,12 @@ CAST_FORMS = ("pair", "separate")  # flush_kernel(cast_form=...): how a split fl
 
 def split_cast_form(policy, cast_form: str | None = None) -> str:
     """The cast form of a split flush under ``policy`` (:data:`CAST_FORMS`): ``cast_form``,
-    checked, or by default ``"pair"`` where the policy has an NVFP4 copy beside an unscaled
-    one (fp16, bf16), else ``"separate"``. ``"pair"`` also takes an NVFP4 copy beside an
-    fp32 one, or a single-checkpoint NVFP4 copy (as the pair (fp32, nvfp4)); not by default:
-    on the H200 its NVFP4 cast alone was slower than :func:`pack_triton`'s (411 against 357
-    us at GDN's B = 256, ``flush_parts_h200.json``).
+    checked, or by default ``"pair"`` where the policy has an NVFP4 copy beside an fp32 or
+    unscaled one (fp16, bf16), or a single-checkpoint NVFP4 copy (cast as the pair (fp32,
+    nvfp4): the NVFP4 cast alone), else ``"separate"``. On the H200 at B = 256
+    (``flush_parts_h200.json``) the pair form's split flush took 1157 / 1750 us (GDN /
+    Mamba-2) against 1245 / 1921 for ``read:nvfp4/rec:fp16+sr``, and 1301 / 1335 against
+    1304 / 1383 for ``read:nvfp4/rec:fp32``.
 
     Raises:
         ValueError: a ``cast_form`` not in :data:`CAST_FORMS`, or ``"pair"`` for a policy whose
@@ -818,10 +819,9 @@ def split_cast_form(policy, cast_form: str | None = None) -> str:
     policy = require_policy(policy)
     if cast_form is not None and cast_form not in CAST_FORMS:
         raise ValueError(f"cast_form must be one of {CAST_FORMS} or None, got {cast_form!r}")
-    roles = _pair_roles(policy)
-    ok = roles is not None
+    ok = _pair_roles(policy) is not None
     if cast_form is None:
-        return "pair" if ok and not roles[0].is_identity else "separate"
+        return "pair" if ok else "separate"
     if cast_form == "pair" and not ok:
         raise ValueError(f"cast_form='pair' casts an NVFP4 copy beside an fp32 or unscaled one "
                          f"(or a single NVFP4 copy); {policy} has rec={policy.rec}, "

@@ -12,6 +12,8 @@ Kernels (one launch per call):
 * ``_nvfp4_kernel``: one program per matrix; amax loop, then a loop over tiles of
   "block rows" (one scaling block of 16 elements of one row each).
 * ``_mx_kernel`` (mxfp8, mxfp4): one program per tile of block rows (32 elements each).
+* ``_pair_kernel`` (:func:`pack_pair_triton`): NVFP4 as ``_nvfp4_kernel`` and, from the same
+  loads, an unscaled copy (fp16, bf16) of the same matrix: the split flush's two casts.
 
 Blocked formats hold a tile as two ``[R, block/2]`` halves, the even and the odd elements
 of each block, so that two E2M1 codes go to one byte (element 2i in the low nibble) with no

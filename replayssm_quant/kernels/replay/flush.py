@@ -40,7 +40,9 @@ bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0
 * Split casts (``flush_kernel(split_casts=...)``, the default for matrix-scaled copies since
   2026-12-02): ``_flush_kernel`` runs as the ``fp32`` flush and writes S, then the quantizer
   kernels (``kernels/quant.py``) cast it to A and R with the same stream keys (built by
-  ``_split_keys_kernel``), so the same bytes as the fused casts of that S.
+  ``_split_keys_kernel``), so the same bytes as the fused casts of that S: by default one
+  ``pack_pair_triton`` launch for both copies where one is NVFP4 and the other fp32, fp16 or
+  bf16 (``cast_form="pair"``, 2026-12-04), else one ``pack_triton`` per copy.
 
 Torch reference: :func:`replayssm_quant.replay.core.flush` (``reconstruct`` +
 ``cast_checkpoints``), :func:`replayssm_quant.replay.mamba2.mamba2_flush`,

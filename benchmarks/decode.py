@@ -809,9 +809,12 @@ def main(argv=None):
                         "matrix-scaled copy (nvfp4) takes the default split_casts: the fp32 "
                         "flush writes S, then the quantizer kernels cast it, with the stream "
                         "keys of checkpoint_streams built in one launch (flush._split_keys, in "
-                        "the timing); the flush's bytes and GB/s follow the traffic model of "
-                        "the fused flush, which does not count the split's float32 S (written "
-                        "once, read by each cast: about 1.5 GiB more at GDN's B = 256)",
+                        "the timing); since 2026-12-04 both casts in one launch "
+                        "(pack_pair_triton: the matrix-amax pass, then each tile once; "
+                        "cast_form='pair'); the flush's bytes and GB/s follow the traffic model "
+                        "of the fused flush, which does not count the split's float32 S "
+                        "(written once, read twice by the pair cast: about 1 GiB more at GDN's "
+                        "B = 256)",
                         "verify_T8_vs_step: worst start h over the mean FP32 non-flush step",
                         "verify timings include, for GDN, the clone/mask of the correction "
                         "buffer (the wrappers no longer synchronise with the host)",

@@ -375,7 +375,7 @@ def test_sr_threshold_ceiling_below_the_32_bit_fraction():
 # ----------------------------------------------------------------------------------------
 
 PAIR_PLAIN = ["fp16+sr", "fp16", "bf16+sr", "bf16", "fp32"]
-PAIR_SCALED = ["nvfp4", "nvfp4+sr", "nvfp4+up"]
+PAIR_SCALED = ["nvfp4", "nvfp4+sr", "nvfp4+up", "nvfp4+up+sr"]
 
 
 def _check_pair(x, plain, scaled, sp, ss, **tile):
@@ -387,7 +387,9 @@ def _check_pair(x, plain, scaled, sp, ss, **tile):
     want = pack_reference(x, scaled, seed=SEED, stream=ss)
     assert str(s_st.spec) == str(want.spec) and tuple(s_st.shape) == tuple(want.shape)
     for part in ("codes", "block_scales", "matrix_scale"):
-        assert_same_bytes(getattr(s_st, part), getattr(want, part), f"{plain}|{scaled} {part}")
+        g, w = getattr(s_st, part), getattr(want, part)
+        assert g.shape == w.shape, (part, g.shape, w.shape)  # 0-dim matrix scale: no lead dims
+        assert_same_bytes(g.reshape(-1), w.reshape(-1), f"{plain}|{scaled} {part}")
     if plain == "fp32":
         assert p_st is xd
         return p_st, s_st
@@ -411,6 +413,8 @@ def test_pack_pair_matches_reference(plain, scaled):
     _check_pair(x, plain, scaled, sp, ss, rows=4, num_warps=1)
     y = _random(((2, 1), 3, 7), seed=21)
     _check_pair(y, plain, scaled, _streams((2, 1)), _streams((2, 1)) + 5, rows=2)
+    z = _random(((), 5, 48), seed=22)  # one matrix, no leading dims (a 0-dim matrix scale)
+    _check_pair(z, plain, scaled, torch.tensor(3), torch.tensor(8))
 
 
 def test_pack_pair_batch_and_tile_invariant():
@@ -444,11 +448,14 @@ def test_pack_pair_refused():
             kq.pack_pair_triton(x, plain, scaled)
     with pytest.raises(ValueError, match="nvfp5"):
         kq.pack_pair_triton(x, "fp16", "nvfp5")
-    for bad in (x.half(), x.transpose(-1, -2), torch.zeros(16, device=DEVICE)):
+    for bad in (x.half(), x.transpose(-1, -2), torch.zeros(16, device=DEVICE), [1.0]):
         with pytest.raises(ValueError, match="contiguous float32"):
             kq.pack_pair_triton(bad, "fp16", "nvfp4")
-    for rows in (0, 3, True, 2.0):
+    for rows in (0, 3, True, 2.0, 2048):
         with pytest.raises(ValueError, match="rows must be"):
             kq.pack_pair_triton(x, "fp16", "nvfp4", rows=rows)
+    for nw in (0, 3, 64, True):
+        with pytest.raises(ValueError, match="num_warps must be"):
+            kq.pack_pair_triton(x, "fp16", "nvfp4", num_warps=nw)
     with pytest.raises(ValueError, match="does not broadcast"):
         kq.pack_pair_triton(x, "fp16+sr", "nvfp4", plain_stream=torch.zeros(3, dtype=torch.int64))

@@ -264,7 +264,7 @@ def test_flush_split_casts_same_bytes(model, policy):
 
 
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])
-@pytest.mark.parametrize("policy", ["read:nvfp4+sr/rec:bf16+sr", "read:fp16/rec:nvfp4+up",
+@pytest.mark.parametrize("policy", ["read:nvfp4+sr/rec:bf16+sr", "read:fp16+sr/rec:nvfp4+up+sr",
                                     "shared:nvfp4+sr", "read:nvfp4/rec:fp32"])
 def test_flush_cast_forms_same_bytes(model, policy):
     """The split flush's two cast forms (``cast_form="pair"``: one ``pack_pair_triton``

@@ -52,7 +52,7 @@ from ..formats import QuantSpec, parse_spec
 from ..philox import stream_keys_to
 from ..packed import PackedTensor, _as_float32
 
-__all__ = ["quantize_triton", "pack_triton", "pack_pair_triton"]
+__all__ = ["quantize_triton", "pack_triton", "pack_pair_triton", "pair_casts"]
 
 # Tile sizes (elements per loop step; power-of-two)
 _TILE = 2048  # unscaled and matrix-scaled kernels
@@ -651,8 +651,7 @@ def _block_rows(g, g_end, s_g, x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, 
                 MODE: tl.constexpr = 0, THR: tl.constexpr = 0, ALIGNED4: tl.constexpr = False):
     """Quantise the block rows ``g`` ([R] int64 global indices, valid where g < g_end):
     block row g is scaling block ``blk`` of row ``m`` of matrix ``b``. ``s_g``: the NVFP4
-    matrix scale, a scalar or one per block row ([R]). Loads the even / odd elements of each
-    block, then :func:`_block_cast`."""
+    matrix scale. Loads the even / odd elements of each block, then :func:`_block_cast`."""
     rvalid = g < g_end
     mnb = M * NB
     b = g // mnb
@@ -679,7 +678,10 @@ def _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, me, mo, row, s_g, out_ptr,
                 GRID: tl.constexpr, MODE: tl.constexpr, THR: tl.constexpr,
                 ALIGNED4: tl.constexpr):
     """Scale, round and store block rows already loaded as even / odd halves ``xe`` / ``xo``
-    ([R, HALF], zeros in the padding; indices as :func:`_block_rows` computes them).
+    ([R, HALF], zeros in the padding): block rows ``g`` (int64, global), of matrices ``b``
+    (int64), rows ``m`` and blocks ``blk`` (int64 from :func:`_block_rows`; int32 from
+    :func:`_pair_kernel`, which assumes M K < 2^31 per matrix, as the SR element index
+    does), even / odd element columns ``ke`` / ``ko`` and their masks, row starts ``row``.
 
     SR bits: :func:`_block_bits`. E2M1 with RTN rounds by :func:`_e2m1_rtn` (same codes and
     values as :func:`_quant` for finite quotients; the blocks with a NaN or inf are
@@ -984,8 +986,10 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
         ``(plain copy, scaled copy)``: PackedTensor each (the plain one ``x`` for fp32).
 
     Raises:
-        ValueError: specs :func:`pair_casts` refuses, ``x`` not a contiguous float32
-            ``[..., M, K]`` with non-empty matrix dims, a bad ``rows``.
+        ValueError: an unknown format token, specs :func:`pair_casts` refuses, ``x`` not a
+            contiguous float32 ``[..., M, K]`` with non-empty matrix dims, ``rows`` not a
+            power of two in [1, 1024], ``num_warps`` not one of 1, 2, 4, 8, 16, 32, a stream
+            that does not broadcast to ``x.shape[:-2]``.
     """
     plain, scaled = parse_spec(plain), parse_spec(scaled)
     if not pair_casts(plain, scaled):
@@ -993,9 +997,14 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
                          f"({str(plain)!r}, {str(scaled)!r})")
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() < 2 \
             or not x.is_contiguous():
-        raise ValueError(f"x must be a contiguous float32 tensor [..., M, K], got {x!r:.80}")
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
-        raise ValueError(f"rows must be a power of two >= 1, got {rows!r}")
+        got = (f"dtype {x.dtype}, shape {tuple(x.shape)}, contiguous {x.is_contiguous()}"
+               if isinstance(x, torch.Tensor) else type(x).__name__)
+        raise ValueError(f"x must be a contiguous float32 tensor [..., M, K], got {got}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= 1024 \
+            or rows & (rows - 1):
+        raise ValueError(f"rows must be a power of two in [1, 1024], got {rows!r}")
+    if isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, 32, got {num_warps!r}")
     _check(x, scaled)
     lead = x.shape[:-2]
     m, k = x.shape[-2], x.shape[-1]

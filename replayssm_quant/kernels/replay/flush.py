@@ -42,7 +42,8 @@ bits keyed by :func:`replayssm_quant.checkpoints.checkpoint_streams` (copy bit 0
   kernels (``kernels/quant.py``) cast it to A and R with the same stream keys (built by
   ``_split_keys_kernel``), so the same bytes as the fused casts of that S: by default one
   ``pack_pair_triton`` launch for both copies where one is NVFP4 and the other fp32, fp16 or
-  bf16 (``cast_form="pair"``, 2026-12-04), else one ``pack_triton`` per copy.
+  bf16, or for a single NVFP4 copy (``cast_form="pair"``, 2026-12-04), else one
+  ``pack_triton`` per copy.
 
 Torch reference: :func:`replayssm_quant.replay.core.flush` (``reconstruct`` +
 ``cast_checkpoints``), :func:`replayssm_quant.replay.mamba2.mamba2_flush`,
@@ -611,11 +612,11 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     ``split_casts`` (default: :func:`flush_splits_casts`, True for policies with a
     matrix-scaled copy): the flush of the ``fp32`` policy writes S (its launch: the ``fp32``
     default of :func:`flush_config`, or the options given, which then apply to that flush),
-    then the quantizer kernels cast it, ``A <- pack(S, rec)`` and ``R <- pack(S, read)``,
-    with the same stream keys (:func:`checkpoint_streams`), so the same bytes as the fused
-    casts of that S. Each launch then holds fewer registers than the fused one (GDN nvfp4:
-    255 and a stack), at the cost of a float32 S in memory (B H V K x 4 bytes, 0.5 GiB at
-    GDN's B = 256) and one more pass over it per cast (``keys_in_kernel`` is ignored: the
+    then the quantizer kernels cast it to A and R (``cast_form``, below) with the same stream
+    keys (:func:`checkpoint_streams`), so the same bytes as the fused casts of that S. Each
+    launch then holds fewer registers than the fused one (GDN nvfp4: 255 and a stack), at
+    the cost of a float32 S in memory (B H V K x 4 bytes, 0.5 GiB at GDN's B = 256) and the
+    casts' reads of it (``keys_in_kernel`` is ignored: the
     split's fp32 flush range-checks the per-sequence fields on the device, and
     :func:`_split_keys` builds the casts' keys in one launch). With an fp32 copy and
     ``store_state``, ``FlushResult.state`` is that copy's tensor (as in the torch
@@ -655,7 +656,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                             cast_form=split_cast_form(policy, cast_form))
     if cast_form is not None:
         raise ValueError(f"cast_form={cast_form!r} applies to split casts only (this flush of "
-                         f"{policy} casts in the flush kernel); pass None")
+                         f"{policy} does not split its casts); pass None")
     need_amax = flush_needs_amax(policy)
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)

@@ -217,6 +217,22 @@ def test_gdn_flush(fold):
                                                             store=True, **STREAMS))
 
 
+def _model_flush(model, A, la, v, k, beta, length, pol, **kw):
+    """``gdn_flush_kernel`` (with ``beta``) or ``mamba2_flush_kernel`` on the same records."""
+    if model == "gdn":
+        return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw)
+    return kr.mamba2_flush_kernel(A, la, v, k, length, pol, **kw)
+
+
+def _flush_case(seed, second_length):
+    """A float32 anchor, GDN-like records, a query and lengths ``[L, second_length]``."""
+    gen = _gen(seed)
+    A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
+    la, v, k, beta = _records(gen, gdn=True)
+    q = _t(torch.randn(B, G, K, generator=gen))
+    return A, la, v, k, beta, q, _t(torch.tensor([L, second_length]))
+
+
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])
 @pytest.mark.parametrize("policy", ["read:nvfp4/rec:fp16+sr", "shared:fp8e4m3+sr",
                                     "read:mxfp4+sr/rec:fp32", "fp32"])
@@ -224,22 +240,12 @@ def test_flush_split_casts_same_bytes(model, policy):
     """``split_casts=True`` (the fp32 flush, then the quantizer kernels cast its S) gives the
     fused flush's S, corrections, flush-token output and stored copies bit for bit, under the
     same launch (so the same S); and the reference casts of that S."""
-    gen = _gen(11)
-    A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
-    la, v, k, beta = _records(gen, gdn=True)
-    q = _t(torch.randn(B, G, K, generator=gen))
-    length = _t(torch.tensor([L, 2]))
+    A, la, v, k, beta, q, length = _flush_case(11, 2)
     pol = StatePolicy.parse(policy)
     launch = dict(variant="grid", block_v=16, num_warps=4, reconstruct="dot")
-    outs = []
-    for split in (False, True):
-        if model == "gdn":
-            outs.append(kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, q=q, **launch,
-                                            split_casts=split, **STREAMS))
-        else:
-            outs.append(kr.mamba2_flush_kernel(A, la, v, k, length, pol, q=q, **launch,
-                                               split_casts=split, **STREAMS))
-    (fused, yf), (split, ys) = outs
+    (fused, yf), (split, ys) = (
+        _model_flush(model, A, la, v, k, beta, length, pol, q=q, **launch, split_casts=split,
+                     **STREAMS) for split in (False, True))
     assert torch.equal(_bits(split.state), _bits(fused.state))
     assert torch.equal(_bits(ys), _bits(yf)) and torch.equal(_bits(split.w), _bits(fused.w))
     _same_copies(split.checkpoints, fused.checkpoints)
@@ -252,12 +258,8 @@ def test_flush_split_casts_same_bytes(model, policy):
     kw = dict(STREAMS, flush_index=3)
     got = []
     for split in (False, True):
-        if model == "gdn":
-            r, _ = kr.gdn_flush_kernel(A_st, la, beta, v, k, length, pol, store_state=False,
-                                       dequantize=False, split_casts=split, **launch, **kw)
-        else:
-            r, _ = kr.mamba2_flush_kernel(A_st, la, v, k, length, pol, store_state=False,
-                                          dequantize=False, split_casts=split, **launch, **kw)
+        r, _ = _model_flush(model, A_st, la, v, k, beta, length, pol, store_state=False,
+                            dequantize=False, split_casts=split, **launch, **kw)
         assert r.state is None and r.checkpoints.anchor is None
         got.append(r)
     _same_stored(got[1].checkpoints, got[0].checkpoints)
@@ -275,21 +277,13 @@ def test_flush_cast_forms_same_bytes(model, policy):
     flush-token output and stored copies bit for bit under one launch, and the reference casts
     of that S (each copy with its own stream: the NVFP4 copy is the read copy, the anchor, or
     the only one)."""
-    gen = _gen(12)
-    A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
-    la, v, k, beta = _records(gen, gdn=True)
-    q = _t(torch.randn(B, G, K, generator=gen))
-    length = _t(torch.tensor([L, 3]))
+    A, la, v, k, beta, q, length = _flush_case(12, 3)
     pol = StatePolicy.parse(policy)
     launch = dict(variant="loop", block_v=16, num_warps=2, reconstruct="dot")
-    outs = {}
-    for form in ("pair", "separate", "fused"):
-        kw = dict(split_casts=form != "fused", cast_form=None if form == "fused" else form,
-                  q=q, **launch, **STREAMS)
-        if model == "gdn":
-            outs[form] = kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw)
-        else:
-            outs[form] = kr.mamba2_flush_kernel(A, la, v, k, length, pol, **kw)
+    outs = {form: _model_flush(model, A, la, v, k, beta, length, pol, q=q, **launch,
+                               split_casts=form != "fused",
+                               cast_form=None if form == "fused" else form, **STREAMS)
+            for form in ("pair", "separate", "fused")}
     (pair, yp) = outs["pair"]
     for form in ("separate", "fused"):
         other, yo = outs[form]

@@ -20,12 +20,20 @@ items when the model had a ``seed`` argument).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import random
 import re
 
 _SENTENCE_END = re.compile(r"(?<=[.;:?!])\s+")
 _WORD = re.compile(r"[^\w']+")
+_TOKEN = re.compile(r"\S+")  # the words of str.split() (the same whitespace, str.isspace)
+
+
+def _first_words(text: str, start: int, n: int) -> list[str]:
+    """``text[start:].split()[:n]`` without splitting the rest of the book."""
+    return [m.group() for m in itertools.islice(_TOKEN.finditer(text, start), n)]
 
 
 def _items(context_chars=12000, n_items=64, n_words=8, item_seed=1234, n_choices=4):
@@ -41,18 +49,21 @@ def _items(context_chars=12000, n_items=64, n_words=8, item_seed=1234, n_choices
     items = []
     for d in docs:
         text = d["text"]
-        starts = [m.end() for m in _SENTENCE_END.finditer(text)]
-        cands = [s for s in starts if s >= context_chars and len(text[s:].split()) >= n_words]
+        starts = [m.end() for m in _SENTENCE_END.finditer(text)]  # each at a word's start
+        words = [m.start() for m in _TOKEN.finditer(text)]
+        # len(text[s:].split()) >= n_words: at least n_words words start at or after s
+        cands = [s for s in starts
+                 if s >= context_chars and len(words) - bisect.bisect_left(words, s) >= n_words]
         if len(cands) < n_choices:
             continue
         for p in sorted(rng.sample(cands, min(per_book, len(cands)))):
             ctx = text[p - context_chars:p].rstrip()
             ctx = ctx[ctx.find(" ") + 1:] if " " in ctx else ctx
-            target = " ".join(text[p:].split()[:n_words])
+            target = " ".join(_first_words(text, p, n_words))
             pool = [s for s in cands if abs(s - p) > 2000]
             distract = []
             for s in rng.sample(pool, len(pool)):
-                cand = " ".join(text[s:].split()[:n_words])
+                cand = " ".join(_first_words(text, s, n_words))
                 if cand != target and cand not in distract:
                     distract.append(cand)
                 if len(distract) == n_choices - 1:

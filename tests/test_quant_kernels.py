@@ -20,8 +20,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from replayssm_quant import formats as F  # noqa: E402
 from replayssm_quant.quant import pack, pack_reference, quantize, quantize_reference  # noqa: E402
@@ -444,85 +442,6 @@ def test_pack_pair_batch_and_tile_invariant():
         alone = run(x[i : i + 1].contiguous(), sp[i : i + 1], ss[i : i + 1])
         for a, f in zip(alone, full, strict=True):
             assert_same_bytes(a, f[i : i + 1], f"matrix {i} alone")
-
-
-@triton.jit
-def _div_by_rcp_kernel(x_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
-    x = tl.load(x_ptr + i, mask=ok, other=0.0)
-    b = tl.load(b_ptr + i, mask=ok, other=1.0)
-    y = tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), b)
-    tl.store(out_ptr + i, kq._div_by_rcp(x, b, y), mask=ok)
-
-
-def _div_cases(g: torch.Generator):
-    """(x, b) float32 pairs for ``_div_by_rcp``: divisors at both ends of its range, with
-    all-ones and unit mantissas, E4M3 block scales times random matrix scales, and random
-    ones; dividends a few ulps either side of b times every E2M1 grid value and midpoint
-    (the quotients where RTN codes change), random quotients in [2^-4, 9.5], tiny and zero
-    dividends, both signs."""
-    f32 = torch.float32
-    lo, hi = kq.RCP_MATRIX_SCALE_RANGE
-    ends = [2.0 ** -95, 2.0 ** 95, (2 - 2 ** -23) * 2.0 ** 94, (2 - 2 ** -23) * 2.0 ** -95,
-            1.0, 1 + 2 ** -23, 2 - 2 ** -23, 3.0, 6.0, 2688.0, 1 / 3, 0.1]
-    e4m3 = torch.tensor([0.001953125, 0.0166015625, 0.875, 1.125, 13.0, 240.0, 448.0])
-    sg = torch.exp2(torch.empty(6).uniform_(math.log2(lo), math.log2(hi), generator=g))
-    sg = sg * (1 + torch.rand(6, generator=g))
-    rnd = torch.exp2(torch.empty(20).uniform_(-95, 95, generator=g))
-    bs = torch.cat([torch.tensor(ends), (e4m3[:, None] * sg[None, :]).flatten(), rnd]).to(f32)
-    bs = bs.clamp(2.0 ** -95, 2.0 ** 95)
-    grid = torch.tensor([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0,
-                         6.0, 0.125, 9.0], dtype=torch.float64)
-    xs, ds = [], []
-    for b in bs:
-        base = (grid * float(b)).to(f32)
-        near = [base]
-        up, down = base, base
-        for _ in range(3):
-            up, down = torch.nextafter(up, torch.tensor(INF)), torch.nextafter(down, torch.tensor(0.0))
-            near += [up, down]
-        z = torch.exp2(torch.empty(64).uniform_(-4, math.log2(9.5), generator=g))
-        tiny = torch.tensor([0.0, 1e-45, 1e-40, 2.0 ** -126, 1e-20, float(b) * 2.0 ** -30])
-        x = torch.cat(near + [(z.double() * float(b)).to(f32), tiny.to(f32)])
-        x = torch.where(torch.rand(x.shape, generator=g) < 0.3, -x, x)
-        xs.append(x)
-        ds.append(torch.full_like(x, float(b)))
-    return torch.cat(xs), torch.cat(ds)
-
-
-def test_div_by_rcp_matches_div_rn():
-    """``_div_by_rcp`` (one reciprocal per divisor, FMA refinements) against the IEEE
-    float32 quotient (torch's CPU division): the same bits wherever |x / b| >= 2^-3; below,
-    the same sign and |q| < 0.25, so the same E2M1 RTN code."""
-    x, b = _div_cases(torch.Generator().manual_seed(31))
-    n = x.numel()
-    out = torch.empty(n, dtype=torch.float32, device=DEVICE)
-    _div_by_rcp_kernel[(triton.cdiv(n, 1024),)](x.to(DEVICE), b.to(DEVICE), out, n, BLOCK=1024)
-    got, want = out.cpu(), x / b
-    big = want.abs() >= 0.125
-    assert big.sum() > 0.9 * n  # most cases are in the exact range
-    assert_bitwise(got[big], want[big], "quotients >= 2^-3")
-    small = ~big
-    assert torch.equal(torch.signbit(got[small]), torch.signbit(want[small]))
-    assert (got[small].abs() < 0.25).all()
-
-
-def test_nvfp4_rcp_division_range_edges():
-    """NVFP4 packs whose matrix scale lies at either end of ``RCP_MATRIX_SCALE_RANGE`` (the
-    reciprocal division inside, ``div_rn`` outside) equal the reference, RTN and ``up``
-    scales; the element magnitudes span 2^-40 of the matrix amax, with grid midpoints."""
-    g = torch.Generator().manual_seed(41)
-    lo, hi = kq.RCP_MATRIX_SCALE_RANGE
-    x = _random(((8,), 4, 48), seed=43)
-    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75])
-    x[:, 1, 16:24] = mids
-    x[:, 2] *= torch.exp2(-40 * torch.rand(48, generator=g))
-    amax = x.abs().amax(dim=(-2, -1), keepdim=True)
-    target = torch.tensor([lo * 0.999, lo, lo * 1.001, 1.0, hi * 0.999, hi, hi * 1.001, hi * 4])
-    x = (x / amax * (target * F.NVFP4_SCALE_DIVISOR).view(8, 1, 1)).float()
-    for spec in ("nvfp4", "nvfp4+up"):
-        check_against_reference(x, spec, _streams((8,)))
 
 
 def test_pack_pair_refused():

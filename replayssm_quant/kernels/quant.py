@@ -26,9 +26,7 @@ bits), which is the exact result the reference gets from its exact float steps; 
 E2M1 RTN (``_e2m1_rtn_code``) and the fp16 / bf16 SR paths (``_f16_sr_code``,
 ``_bf16_sr_code``), except that SR onto fp16 below 2^-14 takes ``t = |y| 2^24``, ``floor(t)``
 and ``ceil(frac(t) 2^32)`` in float32, each exact (see ``_f16_sr_code``). Divisions use
-``tl.math.div_rn`` (IEEE round-to-nearest, subnormals kept), or for NVFP4 elements under RTN
-one reciprocal per block and FMA refinements with the same codes (``_div_by_rcp``, which
-states the argument and its range); every other float operation
+``tl.math.div_rn`` (IEEE round-to-nearest, subnormals kept); every other float operation
 (the scale products and the final ``value * scale``) is a single IEEE multiplication, as in
 the reference.
 
@@ -489,47 +487,6 @@ def _e8m0_value(code, BIAS: tl.constexpr = F.E8M0_BIAS, NAN: tl.constexpr = F.E8
     return tl.where(code == NAN, float("nan"), _pow2(code - BIAS))
 
 
-# Matrix scales s_g for which _block_cast divides by a reciprocal: every block divisor
-# s_b s_g (s_b an E4M3 value in [2^-9, 448], or the divisor 1) then lies in [2^-95, 2^95].
-RCP_MATRIX_SCALE_RANGE = (2.0 ** -86, 2.0 ** 86)
-
-
-@triton.jit
-def _div_by_rcp(x, b, y):
-    """``div_rn(x, b)`` for float32 ``x`` and divisors ``b`` in [2^-95, 2^95] given with their
-    correctly rounded reciprocals ``y = RN(1 / b)`` (broadcastable to ``x``), in one
-    multiplication and four FMAs per element instead of an IEEE division sequence.
-
-    With ``a = x`` (every step is odd in x, so take x >= 0): ``q0 = RN(a y)`` is within 2
-    ulp of ``z = a / b``; one refinement ``q1 = RN(q0 + RN(a - b q0) y)`` is within
-    1/2 ulp + 2^-22 ulp of z, so faithful; then
-    Markstein's theorem (P. Markstein, IBM J. Res. Dev. 34(1), 1990; Muller et al.,
-    *Handbook of Floating-Point Arithmetic*, division with an FMA: y within half an ulp of
-    1/b and q1 within one ulp of a/b give an exact remainder ``r = a - b q1`` and
-    ``RN(q1 + r y) = RN(a/b)``)
-    makes ``q2 = RN(q1 + r y)`` the correctly rounded quotient, provided r neither
-    overflows nor loses bits to underflow. With ``b >= 2^-95`` and ``z >= 2^-3`` the
-    remainder's lattice ``2^(e_b + e_q - 46)`` is at least ``2^-145``, so r is exact, and
-    ``b <= 2^95`` keeps y normal. Below 2^-3 the quotient may differ from ``div_rn`` in last
-    bits (underflowed remainders) but stays below 2^-3 (1 + 2^-20), which is all that the
-    E2M1 RTN code of an NVFP4 element depends on (its smallest threshold is 0.25; SR
-    reads every bit, so SR casts keep ``div_rn``);
-    an NVFP4 block's quotients are at most 9 (``s_b`` rounds ``amax / (6 s_g)`` to E4M3;
-    blocks with scale 0 divide by 1, exactly). The sign bit of x is set in the result, as
-    ``RN(x / b)`` has it: an exact zero remainder sum is +0 under RN (x = -0 would give
-    +0), and a negative zero code is E2M1 code 8. Checked against ``div_rn`` bit for bit for z >= 2^-3
-    (``tests/test_quant_kernels.py::test_div_by_rcp_matches_div_rn``,
-    ``benchmarks/div_check.py`` on the GPU). NaN / inf x give NaN / inf (callers overwrite
-    such blocks)."""
-    q = x * y
-    r = tl.fma(-q, b, x)
-    q = tl.fma(r, y, q)
-    r = tl.fma(-q, b, x)
-    q = tl.fma(r, y, q)
-    sign = x.to(tl.int32, bitcast=True) & -2147483648  # an exact zero sum is +0 under RN
-    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _block_scale(bamax, bad, s_g, NV: tl.constexpr, EMAX: tl.constexpr,
                  MODE: tl.constexpr = 0, THR: tl.constexpr = 0,
@@ -719,8 +676,7 @@ def _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, me, mo, row, s_g, out_ptr,
                 stream_ptr, seed, M, K, NB, NV: tl.constexpr, FP4: tl.constexpr,
                 HALF: tl.constexpr, SR: tl.constexpr, PACK: tl.constexpr, EMAX: tl.constexpr,
                 GRID: tl.constexpr, MODE: tl.constexpr, THR: tl.constexpr,
-                ALIGNED4: tl.constexpr, RCP_SG_LO: tl.constexpr = RCP_MATRIX_SCALE_RANGE[0],
-                RCP_SG_HI: tl.constexpr = RCP_MATRIX_SCALE_RANGE[1]):
+                ALIGNED4: tl.constexpr):
     """Scale, round and store block rows already loaded as even / odd halves ``xe`` / ``xo``
     ([R, HALF], zeros in the padding): block rows ``g`` (int64, global), of matrices ``b``
     (int64), rows ``m`` and blocks ``blk`` (int64 from :func:`_block_rows`; int32 from
@@ -729,11 +685,7 @@ def _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, me, mo, row, s_g, out_ptr,
 
     SR bits: :func:`_block_bits`. E2M1 with RTN rounds by :func:`_e2m1_rtn` (same codes and
     values as :func:`_quant` for finite quotients; the blocks with a NaN or inf are
-    overwritten below). NVFP4 quotients ``x / (s_b s_g)`` with RTN: :func:`_div_by_rcp` with
-    one correctly rounded reciprocal per block where the matrix scale ``s_g`` lies in
-    :data:`RCP_MATRIX_SCALE_RANGE` (its argument for the same codes as ``div_rn`` needs the
-    block divisor in [2^-95, 2^95] and RTN: SR reads every bit of small quotients);
-    ``div_rn`` per element otherwise, with SR and for MX."""
+    overwritten below)."""
     j = tl.arange(0, HALF)
     bamax = tl.maximum(tl.max(_finite_abs(xe), axis=1), tl.max(_finite_abs(xo), axis=1))
     nonfin = (tl.abs(xe) < float("inf")).to(tl.int32) + (tl.abs(xo) < float("inf")).to(tl.int32)
@@ -746,17 +698,8 @@ def _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, me, mo, row, s_g, out_ptr,
     else:
         re = 0
         ro = 0
-    if NV and not SR:
-        if (s_g >= RCP_SG_LO) & (s_g <= RCP_SG_HI):  # one test per tile (s_g: a scalar)
-            rcp = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)  # one per block
-            ye = _div_by_rcp(xe, safe[:, None], rcp[:, None])
-            yo = _div_by_rcp(xo, safe[:, None], rcp[:, None])
-        else:
-            ye = tl.math.div_rn(xe, tl.broadcast_to(safe[:, None], xe.shape))
-            yo = tl.math.div_rn(xo, tl.broadcast_to(safe[:, None], xo.shape))
-    else:
-        ye = tl.math.div_rn(xe, tl.broadcast_to(safe[:, None], xe.shape))
-        yo = tl.math.div_rn(xo, tl.broadcast_to(safe[:, None], xo.shape))
+    ye = tl.math.div_rn(xe, tl.broadcast_to(safe[:, None], xe.shape))
+    yo = tl.math.div_rn(xo, tl.broadcast_to(safe[:, None], xo.shape))
     if FP4 and not SR:
         ve, ce = _e2m1_rtn(ye)
         vo, co = _e2m1_rtn(yo)

@@ -2584,16 +2584,19 @@ def test_decode_state_batch_invariance(family, policy, backend):
     """The decode state objects (what ``decode="serving"`` runs; ``triton``: the records and
     flush kernels, here under the interpreter) give a sequence the same bits alone, in a
     batch of 3 and at another batch position: step outputs across two flushes, a verify, and
-    the final anchor and read copy (with the kernels: sequence 0, at both ends of the batch)."""
-    full = _decode_run(family, policy, [0, 1, 2], backend)
+    the final anchor and read copy (with the kernels: sequence 0 alone and at the end of the
+    reversed batch)."""
     rev = _decode_run(family, policy, [2, 1, 0], backend)
-    # with the kernels (under the interpreter, 30-50 s a row) sequence 0 alone: position 0 of
-    # the batch and position 2 of the reversed one; every sequence alone on the torch rows
+    # with the kernels (under the interpreter, 5-6 s a run on 2 cores) sequence 0 alone
+    # against position 2 of the reversed batch; on the torch rows every sequence alone
+    # against both the batch and the reversed batch
+    full = _decode_run(family, policy, [0, 1, 2], backend) if backend == "torch" else None
     for i in (0, 1, 2) if backend == "torch" else (0,):
         alone = _decode_run(family, policy, [i], backend)
-        for a, f, rv in zip(alone, full, rev, strict=True):
-            assert torch.equal(_bits(a[0]), _bits(f[i])), i
+        for j, (a, rv) in enumerate(zip(alone, rev, strict=True)):
             assert torch.equal(_bits(a[0]), _bits(rv[2 - i])), i
+            if full is not None:
+                assert torch.equal(_bits(a[0]), _bits(full[j][i])), i
 
 
 @pytest.mark.parametrize("bad", [dict(block_v=24), dict(block_v=8), dict(num_warps=3),

@@ -332,6 +332,40 @@ def test_task_items_do_not_depend_on_model_args():
     assert _task_doc_ids(base, meta | {"item_seed": 7}) != plain
 
 
+def _kjv_utils():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "kjv_longctx_utils", REPO / "evals" / "tasks" / "kjv_longctx" / "utils.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_task_words_match_str_split():
+    """The shipped task counts and takes words without splitting the rest of a book: its
+    ``_first_words`` equals ``text[s:].split()[:n]`` from every position of a text with
+    assorted Unicode whitespace, and every item's target and choices are the first
+    ``n_words`` words after a sentence start, by ``str.split`` on the embedded corpus."""
+    from replayssm_quant.data import load_corpus
+
+    u = _kjv_utils()
+    text = "a  b\tc\n\nd\xa0e\u2003f\x1cg\u3000 hh, i. J k\r\nl m  "
+    for s in range(len(text) + 1):
+        for n in (1, 3, 100):
+            assert u._first_words(text, s, n) == text[s:].split()[:n], (s, n)
+    books = {d["title"]: d["text"] for d in load_corpus("kjv", "heldout")}
+    items = u._items(context_chars=600, n_items=12, n_words=5)
+    assert len(items) == 12
+    for it in items:
+        title, _, p = it["id"].rpartition("@")
+        book = books[title]
+        assert it["target"] == " ".join(book[int(p):].split()[:5])
+        assert it["context"] in book[int(p) - 600:int(p)]
+        for c in it["choices"]:
+            assert len(c.split()) == 5 and c in book
+
+
 def _no_load(init):
     """A stand-in for HFLM.__init__ with its signature that fails if anything loads."""
     import functools

@@ -2587,7 +2587,7 @@ def test_decode_state_batch_invariance(family, policy, backend):
     the final anchor and read copy (with the kernels: sequence 0 alone and at the end of the
     reversed batch)."""
     rev = _decode_run(family, policy, [2, 1, 0], backend)
-    # with the kernels (under the interpreter, 5-6 s a run on 2 cores) sequence 0 alone
+    # with the kernels (under the interpreter, 4-6 s a run on 2 cores) sequence 0 alone
     # against position 2 of the reversed batch; on the torch rows every sequence alone
     # against both the batch and the reversed batch
     full = _decode_run(family, policy, [0, 1, 2], backend) if backend == "torch" else None

@@ -301,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"replayssm-report: error: {d!r} is a file, not a replayssm-kl output directory",
                   file=sys.stderr)
             return 2
+    if Path(args.output).is_dir():
+        print(f"replayssm-report: error: --output {args.output!r} is a directory; give the "
+              "report's file name (e.g. report.md)", file=sys.stderr)
+        return 2
     try:
         path = write_report(args.run_dirs, args.output, svg=args.svg, window=args.window,
                             unit=args.ci_unit, from_buckets=args.from_buckets)

@@ -201,7 +201,8 @@ def load_runs(paths: Sequence, prefer_buckets: bool = False) -> Runs:
         :class:`Runs`.
     Raises:
         FileNotFoundError: a directory, or both its ``positions.parquet`` and
-            ``buckets.parquet``, are missing.
+            ``buckets.parquet``, are missing (the message says so when the directory holds an
+            unfinished run: ``parts/`` or ``run_identity.json`` without the tables).
         ValueError: no paths, an unreadable file, or a schema violation (see
             :func:`validate_positions`), naming the file.
     """
@@ -217,6 +218,12 @@ def load_runs(paths: Sequence, prefer_buckets: bool = False) -> Runs:
         pq = p / "positions.parquet"
         bq = p / "buckets.parquet"
         if not pq.is_file() and not bq.is_file():
+            parts = sorted((p / "parts").glob("*.parquet")) if (p / "parts").is_dir() else []
+            if parts or (p / "run_identity.json").is_file():
+                raise FileNotFoundError(
+                    f"{p}: an unfinished replayssm-kl run ({len(parts)} finished cell file(s) in "
+                    f"{p / 'parts'}, no positions.parquet yet); run the same replayssm-kl "
+                    "command again to finish it, then report")
             raise FileNotFoundError(f"{p}: no positions.parquet or buckets.parquet (is this a "
                                     "replayssm-kl output?)")
         name, k = p.resolve().name, 2

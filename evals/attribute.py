@@ -37,7 +37,7 @@ from pathlib import Path
 
 from replayssm_quant.policy import StatePolicy
 
-from .kl import EXIT_BAD_ARGS, BadArgs
+from .kl import EXIT_BAD_ARGS, BadArgs, check_output_dir
 from .kl import main as kl_main
 
 __all__ = ["Unit", "units_for", "kl_argv", "run_cells", "cell_stats", "ssm_structure",
@@ -139,6 +139,22 @@ def add_run_arguments(p: argparse.ArgumentParser, n_flags=("--max-tokens", "-N")
     p.add_argument("--no-progress", action="store_true", help="disable progress bars")
 
 
+def check_run_arguments(a, n_flag: str = "--max-tokens", n_least: int = 1) -> None:
+    """The options :func:`add_run_arguments` adds, checked with the names the user typed
+    before any runner starts (``n_flag``: this command's name for N, at least ``n_least``),
+    and the output directory (:func:`replayssm_quant.evals.kl.check_output_dir`).
+
+    Raises:
+        BadArgs: naming the option, its value and what is expected.
+    """
+    for flag, value, least in (("--max-docs", a.max_docs, 1), (n_flag, a.max_tokens, n_least),
+                               ("--window", a.window, 1), ("--seed", a.seed, 0),
+                               ("--segment-len", a.segment_len, 1), ("--threads", a.threads, 0)):
+        if value < least:
+            raise BadArgs(f"{flag} must be >= {least}, got {value}")
+    check_output_dir(a.output_dir)
+
+
 def kl_argv(a, policies, out: Path) -> list[str]:
     """The ``replayssm-kl`` command line of a run of ``policies`` (strings) into ``out``: one
     window, one seed, no stepwise check (the runner measures it separately when asked)."""
@@ -162,6 +178,8 @@ def run_cells(a, policies, out: Path):
     Raises:
         BadArgs: the runner refused the arguments (its message is in ``out/runner.log`` and
             on stderr) or failed.
+        KeyboardInterrupt: the runner was interrupted (exit 130; its finished cells stay in
+            ``out`` for the next run).
     """
     import pandas as pd
 
@@ -169,6 +187,8 @@ def run_cells(a, policies, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "runner.log", "a") as log, contextlib.redirect_stdout(log):
         rc = kl_main(kl_argv(a, list(policies), out))
+    if rc == 130:  # interrupted; its finished cells are kept for the next invocation
+        raise KeyboardInterrupt
     if rc != 0:
         raise BadArgs(f"replayssm-kl exited with {rc} (see the message above and {out / 'runner.log'})")
     return pd.read_parquet(out / "positions.parquet")
@@ -321,13 +341,16 @@ def main(argv=None) -> int:
         StatePolicy.parse(a.policy)
         if a.group_size != 1 and a.by != "head":
             raise BadArgs(f"--group-size {a.group_size} needs --by head (layers are whole units)")
-        if a.window < 1:
-            raise BadArgs(f"--window must be >= 1, got {a.window}")
+        check_run_arguments(a)
         units_for({0: 1}, a.by, a.group_size)
         summary = attribute(a, Path(a.output_dir))
     except (BadArgs, ValueError) as e:
         print(f"replayssm-attribute: error: {e}", file=sys.stderr)
         return EXIT_BAD_ARGS
+    except KeyboardInterrupt:
+        print(f"\nreplayssm-attribute: interrupted; the finished runs are kept under {a.output_dir}; run the "
+              "same command again to resume", file=sys.stderr)
+        return 130
     print(f"replayssm-attribute: {summary['model']}, {summary['policy']}: all layers "
           f"{summary['all_layers']['kl_mean']:.4g} nats, sum of {len(summary['units'])} units "
           f"{summary['sum_of_units']:.4g} (ratio {summary['additivity_ratio']:.3f}); output {a.output_dir}")

@@ -188,6 +188,10 @@ def main(argv=None) -> int:
                     "adds the mean and standard error of the paired differences")
     ap.add_argument("-o", "--output", help="CSV path for the binned table")
     a = ap.parse_args(argv)
+    if a.output and Path(a.output).is_dir():
+        print(f"replayssm-bin-by-length: error: --output {a.output!r} is a directory; give the "
+              "CSV file's name", file=sys.stderr)
+        return 2
     tok = None
     if a.tokenizer:
         from transformers import AutoTokenizer
@@ -206,8 +210,12 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"replayssm-bin-by-length: error: {e}", file=sys.stderr)
         return 2
+    if table.empty:
+        print(f"replayssm-bin-by-length: warning: no sample falls in the bins {a.bins}",
+              file=sys.stderr)
     print(table.to_string(index=False))
     if a.output:
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)  # as replayssm-report does
         table.to_csv(a.output, index=False)
     return 0
 

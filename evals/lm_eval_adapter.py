@@ -66,7 +66,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the eval e
         "replayssm_quant.evals.lm_eval_adapter needs lm-eval: pip install 'replayssm-quant[eval]'"
     ) from e
 
-__all__ = ["ReplaySSMLM", "cli", "POLICY_GRAMMAR", "sequence_id", "check_model_args",
+__all__ = ["ReplaySSMLM", "ModelArgumentError", "cli", "POLICY_GRAMMAR", "sequence_id", "check_model_args",
            "accepted_model_args"]
 
 POLICY_GRAMMAR = GRAMMAR  # the policy grammar text, written once in replayssm_quant.policy
@@ -114,6 +114,12 @@ def _hflm_row_order(request) -> tuple:
     return -len(toks), tuple(toks)
 
 
+class ModelArgumentError(ValueError):
+    """A ReplaySSM model argument that only the loaded model can refuse (a policy map's
+    layers or heads, decay statistics of another model); ``replayssm-lm-eval`` reports it in
+    one line with exit code 2."""
+
+
 @register_model("replayssm")
 class ReplaySSMLM(HFLM):
     """HFLM with every SSM layer's state under a ReplaySSM precision policy.
@@ -141,6 +147,8 @@ class ReplaySSMLM(HFLM):
         ValueError: an unknown argument, or a bad ``state``/``window``/``seed``/``max_drafts``/
             ``gdn_fold``/``dt_limit``/``device_map``, or ``logits_cache=True`` (all before
             the model loads).
+        ModelArgumentError: (a ValueError) the policy does not fit the loaded model, e.g. a
+            policy map naming a layer that is not an SSM layer.
     """
 
     def __init__(self, pretrained="tiny-gdn", state="fp32", window=16, seed=0, max_drafts=0,
@@ -167,9 +175,12 @@ class ReplaySSMLM(HFLM):
 
         from replayssm_quant.adapters import apply_state_policy
 
-        self.handle = apply_state_policy(self.model, self.policy, window=self.window,
-                                         seed=self.seed, gdn_fold=gdn_fold,
-                                         dt_limit=self.dt_limit, decay_stats=self.decay_stats)
+        try:
+            self.handle = apply_state_policy(self.model, self.policy, window=self.window,
+                                             seed=self.seed, gdn_fold=gdn_fold,
+                                             dt_limit=self.dt_limit, decay_stats=self.decay_stats)
+        except ValueError as e:  # e.g. a policy map naming a layer the model does not have
+            raise ModelArgumentError(f"model arguments do not fit {pretrained!r}: {e}") from e
 
     # ------------------------------------------------------------------ bookkeeping
     def get_model_info(self) -> dict:
@@ -464,7 +475,11 @@ def cli(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
             return 2
-    parser.execute(args)
+    try:
+        parser.execute(args)
+    except ModelArgumentError as e:  # found once the model has loaded
+        print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from replayssm_quant.policy import StatePolicy
 from replayssm_quant.policymap import PolicyMap
 
-from .attribute import (_runs, _span, add_run_arguments, cell_stats, decay_json,
+from .attribute import (_runs, _span, add_run_arguments, cell_stats, check_run_arguments, decay_json,
                         measured_decays, run_cells, ssm_structure, units_for)
 from .kl import EXIT_BAD_ARGS, BadArgs
 
@@ -226,8 +226,7 @@ def _check(a) -> list[StatePolicy]:
         raise BadArgs(f"--budget values must be finite and > 0, got {a.budget}")
     if len(set(a.budget)) != len(a.budget):
         raise BadArgs(f"--budget repeats a value: {a.budget}; give each budget once")
-    if a.max_tokens < 2:
-        raise BadArgs(f"--at-N must be >= 2, got {a.max_tokens}")
+    check_run_arguments(a, "--at-N", 2)
     if a.group_size < 1 or a.bins < 10 or a.max_iter < 1:
         raise BadArgs(f"--group-size >= 1, --bins >= 10, --max-iter >= 1 expected, got "
                       f"{a.group_size}, {a.bins}, {a.max_iter}")
@@ -441,9 +440,18 @@ def main(argv=None) -> int:
     except (BadArgs, ValueError) as e:
         print(f"replayssm-plan: error: {e}", file=sys.stderr)
         return EXIT_BAD_ARGS
+    except KeyboardInterrupt:
+        print(f"\nreplayssm-plan: interrupted; the finished runs are kept under {a.output_dir}; run the "
+              "same command again to resume", file=sys.stderr)
+        return 130
     print(f"replayssm-plan: {s['model']} at N={s['N']}; output {a.output_dir}")
     print((Path(a.output_dir) / "plan.md").read_text())
-    return 0 if all(p["verified"] for p in s["plans"]) else 1
+    missed = [p for p in s["plans"] if not p["verified"]]
+    for p in missed:
+        print(f"replayssm-plan: no plan verified within budget {p['budget']:g} after "
+              f"{p['iterations']} run(s) (measured {p['measured']:.4g} nats); see docs/planner.md",
+              file=sys.stderr)
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

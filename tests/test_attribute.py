@@ -83,3 +83,25 @@ def test_bad_arguments_exit_2(capsys, tmp_path):
     assert "--window" in capsys.readouterr().err and not (tmp_path / "z").exists()
     assert main(["--policy", "map:fp32@L0=shared:nvfp4", "-o", str(tmp_path / "x")]) == 2
     assert "policy map" in capsys.readouterr().err
+    for flag, value in (("--seed", "-3"), ("--max-docs", "0"), ("--segment-len", "0"),
+                        ("-N", "0"), ("--threads", "-1")):
+        assert main([flag, value, "-o", str(tmp_path / "s")]) == 2
+        err = capsys.readouterr().err  # the flag as typed (not the runner's --seeds)
+        shown = "--max-tokens" if flag == "-N" else flag
+        assert err.startswith(f"replayssm-attribute: error: {shown} must be >= ") and value in err
+        assert not (tmp_path / "s").exists()  # refused before any runner starts
+    (tmp_path / "afile").write_text("x")
+    assert main(["-o", str(tmp_path / "afile")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_interrupted_runner_exits_130(tmp_path, monkeypatch, capsys):
+    """An interrupted runner (its exit code 130: finished cells kept) makes attribution exit
+    130 with the resume hint, not a bad-arguments error."""
+    import replayssm_quant.evals.attribute as at
+
+    monkeypatch.setattr(at, "kl_main", lambda argv: 130)
+    assert main(["-N", "16", "--max-docs", "1", "--no-progress", "-o", str(tmp_path / "o")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "run the same command again to resume" in err
+

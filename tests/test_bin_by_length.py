@@ -44,3 +44,21 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="increasing"):
         bin_by_length(pd.DataFrame(columns=["run", "task", "metric", "gen_len", "value"]), [5, 5])
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_output_paths_and_empty_bins(tmp_path, capsys):
+    """``-o``: a directory is refused in one line (exit 2, nothing computed); a CSV under
+    missing directories is written (they are made, as replayssm-report does); bins that no
+    sample falls in print a warning, not a silent empty table."""
+    _write_run(tmp_path / "a", "shared:nvfp4", [3, 12, 40], [1.0, 0.0, 1.0])
+    run = str(tmp_path / "a")
+    assert main([run, "-o", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    out = tmp_path / "new" / "dir" / "t.csv"
+    assert main([run, "--bins", "0", "10", "100", "-o", str(out)]) == 0
+    t = pd.read_csv(out)
+    assert list(t["n"]) == [1, 2]
+    capsys.readouterr()
+    assert main([run, "--bins", "-5", "0"]) == 0
+    assert "warning: no sample falls in the bins [-5, 0]" in capsys.readouterr().err
+

@@ -129,6 +129,47 @@ def test_dt_limit_recorded_and_part_of_resume_identity(tmp_path):
     assert main(args + ["--dt-limit", "decode"]) == 2
 
 
+def test_check_output_dir_creates_nothing_and_names_the_problem(tmp_path, monkeypatch):
+    """``check_output_dir``: an existing directory passes; a missing one (with missing
+    parents) passes and is not left behind; a file, a path under a file, and a directory the
+    file system refuses raise BadArgs naming the flag and the path."""
+    from pathlib import Path
+
+    from replayssm_quant.evals.kl import BadArgs, check_output_dir
+
+    check_output_dir(tmp_path)
+    deep = tmp_path / "a" / "b" / "c"
+    check_output_dir(deep)
+    assert not (tmp_path / "a").exists()
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for bad, why in ((f, "exists and is not a directory"), (f / "sub", "is not a directory")):
+        with pytest.raises(BadArgs, match=why) as e:
+            check_output_dir(bad, "-o")
+        assert str(e.value).startswith(f"-o {str(bad)!r}")
+
+    def refuse(self, *a, **k):  # a file system that refuses (e.g. /proc for root)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(BadArgs, match="cannot be created: Permission denied"):
+        check_output_dir(tmp_path / "new")
+
+
+def test_interrupt_before_compute_exits_130_in_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the arguments, model config or documents load: exit 130 and one line, no
+    traceback (an interrupt during the cells keeps the finished ones and says so)."""
+    import replayssm_quant.evals.kl as kl
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kl, "_check_args", interrupted)
+    assert kl.main(["--model", "tiny-gdn", "-o", str(tmp_path / "o")]) == 130
+    assert capsys.readouterr().err.strip() == ("replayssm-kl: interrupted before any cell ran; "
+                                               "nothing to keep")
+
+
 def test_output_dir_under_a_file_exit_2(tmp_path, capsys):
     """An --output-dir that cannot be created is refused in one line before any compute."""
     f = tmp_path / "afile"

@@ -199,6 +199,28 @@ def test_cli_bad_model_args_exit_2(margs, word, capsys):
     assert err.startswith("replayssm-lm-eval: error:") and word in err
 
 
+def test_policy_map_the_model_refuses_exits_2(monkeypatch, capsys):
+    """A policy map that only the loaded model can refuse (layer 99 of a 4-layer model) raises
+    ModelArgumentError (a ValueError naming the layer) from the constructor, and the command
+    line reports it in one line with exit code 2 (lm-eval's task loading is skipped here)."""
+    from lm_eval._cli.harness import HarnessCLI
+
+    from replayssm_quant.evals.lm_eval_adapter import ModelArgumentError, cli
+
+    with pytest.raises(ModelArgumentError, match="layer 99"):
+        _embedded_lm("tiny-gdn", state="map:fp32@L99=shared:fp16")
+
+    def execute(self, args):  # what lm-eval's run does first with our model arguments
+        _embedded_lm("tiny-gdn", state="map:fp32@L99=shared:fp16")
+
+    monkeypatch.setattr(HarnessCLI, "execute", execute)
+    rc = cli(["--model", "replayssm", "--model_args", "pretrained=tiny-gdn,state=map:fp32@L99=shared:fp16",
+              "--tasks", "kjv_longctx_mc"])
+    err = capsys.readouterr().err  # (after transformers' weight-loading progress bar)
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("replayssm-lm-eval: error:") and "layer 99" in last
+
+
 # ------------------------------------------------ issue 12: numbers a user can trust
 def _embedded_lm(name, **kw):
     kw.setdefault("device", "cpu")

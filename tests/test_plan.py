@@ -113,6 +113,13 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert "repeats" in capsys.readouterr().err
     assert main(["--model", "no-such-model", "--budget", "1e-4", "-o", str(tmp_path / "y")]) == 2
     assert not (tmp_path / "y").exists()  # nothing written for a missing model
+    (tmp_path / "afile").write_text("x")
+    assert main(["--budget", "1e-4", "-o", str(tmp_path / "afile")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert main(["--budget", "1e-4", "--seed", "-1", "-o", str(tmp_path / "y")]) == 2
+    assert "--seed must be >= 0, got -1" in capsys.readouterr().err
+    assert main(["--budget", "1e-4", "--at-N", "1", "-o", str(tmp_path / "y")]) == 2
+    assert "--at-N must be >= 2, got 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow

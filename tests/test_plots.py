@@ -148,6 +148,22 @@ def test_report_command(tmp_path):
     json.loads((run / "manifest.json").read_text())
 
 
+def test_report_refuses_a_directory_output_and_names_an_unfinished_run(tmp_path, capsys):
+    """``-o`` naming a directory is refused in one line; a run directory with ``parts/`` but
+    no tables (an interrupted replayssm-kl run) is named as unfinished, with what to do."""
+    run = results.write_synthetic_run(tmp_path / "run", policies=POLICIES[:1], windows=(1,),
+                                      n_tokens=16, docs=1)  # fmt: skip
+    assert report.main([str(run), "-o", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    part = tmp_path / "part"
+    (part / "parts").mkdir(parents=True)
+    (part / "parts" / "cell-0.parquet").write_bytes(b"")
+    assert report.main([str(part), "-o", str(tmp_path / "r.md")]) == 2
+    err = capsys.readouterr().err
+    assert "unfinished replayssm-kl run (1 finished cell file(s)" in err
+    assert "run the same replayssm-kl command again" in err
+
+
 def test_several_runs_are_separate_curves(tmp_path):
     a = results.write_synthetic_run(tmp_path / "ra", policies=POLICIES[:2], windows=(1,),
                                     n_tokens=16, docs=2, seed=1)  # fmt: skip

@@ -33,6 +33,7 @@ docs/kl-runner.md has the decisions and numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -149,6 +150,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_output_dir(path, flag: str = "--output-dir") -> None:
+    """Refuse an output directory that cannot hold a run, before anything loads: a path that
+    exists and is not a writable directory, or one that cannot be created (a file or an
+    unwritable directory on the way, or a file system that refuses it). Creates nothing: a
+    missing directory is made and removed again, with the missing parents between.
+
+    Raises:
+        BadArgs: naming ``flag``, the path and the reason.
+    """
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            raise BadArgs(f"{flag} {str(path)!r} exists and is not a directory")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise BadArgs(f"{flag} {str(path)!r} is not writable")
+        return
+    missing = [p.absolute()]
+    for parent in p.absolute().parents:  # the nearest existing ancestor
+        if parent.exists():
+            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+                raise BadArgs(f"{flag} {str(path)!r} cannot be created: {str(parent)!r} "
+                              f"is {'not a directory' if not parent.is_dir() else 'not writable'}")
+            break
+        missing.append(parent)
+    try:
+        p.mkdir(parents=True)
+    except OSError as e:
+        raise BadArgs(f"{flag} {str(path)!r} cannot be created: {e.strerror or e}") from None
+    for d in missing:  # deepest first
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
 def _check_args(a) -> list:
     """Validate everything that needs no model weights; returns parsed policies (StatePolicy
     or PolicyMap)."""
@@ -160,14 +194,7 @@ def _check_args(a) -> list:
         raise BadArgs(f"--prefill must be in [0, max-tokens) = [0, {a.max_tokens}), got {a.prefill}")
     if a.threads < 0:
         raise BadArgs(f"--threads must be >= 0, got {a.threads}")
-    if Path(a.output_dir).exists() and not Path(a.output_dir).is_dir():
-        raise BadArgs(f"--output-dir {a.output_dir!r} exists and is not a directory")
-    for parent in Path(a.output_dir).absolute().parents:  # the nearest existing ancestor
-        if parent.exists():
-            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-                raise BadArgs(f"--output-dir {a.output_dir!r} cannot be created: {str(parent)!r} "
-                              f"is {'not a directory' if not parent.is_dir() else 'not writable'}")
-            break
+    check_output_dir(a.output_dir)
     for name in ("segment_len", "batch_size", "max_docs"):
         if getattr(a, name) <= 0:
             raise BadArgs(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
@@ -563,6 +590,11 @@ def main(argv=None) -> int:
         if group is not None:
             group.close()
         return EXIT_BAD_ARGS
+    except KeyboardInterrupt:
+        print("\nreplayssm-kl: interrupted before any cell ran; nothing to keep", file=sys.stderr)
+        if group is not None:
+            group.close()
+        return 130
     try:
         work = dist.shard(todo, ranks.world_size)[ranks.rank]
         return run(a, policies, cfg_path, cfg, arch, token_docs, tokz, work=work, group=group,

@@ -166,8 +166,8 @@ def test_interrupt_before_compute_exits_130_in_one_line(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(kl, "_check_args", interrupted)
     assert kl.main(["--model", "tiny-gdn", "-o", str(tmp_path / "o")]) == 130
-    assert capsys.readouterr().err.strip() == ("replayssm-kl: interrupted before any cell ran; "
-                                               "nothing to keep")
+    assert capsys.readouterr().err.strip() == ("replayssm-kl: interrupted before any cell of "
+                                               "this invocation ran")
 
 
 def test_output_dir_under_a_file_exit_2(tmp_path, capsys):

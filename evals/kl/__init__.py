@@ -174,13 +174,14 @@ def check_output_dir(path, flag: str = "--output-dir") -> None:
                               f"is {'not a directory' if not parent.is_dir() else 'not writable'}")
             break
         missing.append(parent)
-    try:
-        p.mkdir(parents=True)
+    try:  # exist_ok: ranks under a launcher may probe the same path at once
+        p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise BadArgs(f"{flag} {str(path)!r} cannot be created: {e.strerror or e}") from None
-    for d in missing:  # deepest first
-        with contextlib.suppress(OSError):
-            d.rmdir()
+    finally:
+        for d in missing:  # deepest first; only empty directories go (never a run's)
+            with contextlib.suppress(OSError):
+                d.rmdir()
 
 
 def _check_args(a) -> list:
@@ -591,7 +592,8 @@ def main(argv=None) -> int:
             group.close()
         return EXIT_BAD_ARGS
     except KeyboardInterrupt:
-        print("\nreplayssm-kl: interrupted before any cell ran; nothing to keep", file=sys.stderr)
+        print("\nreplayssm-kl: interrupted before any cell of this invocation ran",
+              file=sys.stderr)
         if group is not None:
             group.close()
         return 130

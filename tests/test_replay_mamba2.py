@@ -45,3 +45,19 @@ def test_float64_working_dtype():
 
 def test_rmse_ordering_512_steps():
     C.check_rmse_ordering("mamba2")
+
+
+def test_unavailable_device_is_a_value_error():
+    """A device this torch build or machine lacks ("cuda" on a CPU-only build, a GPU index
+    beyond the machine's) is refused as ValueError naming it, for both state classes."""
+    import torch
+
+    from replayssm_quant.replay import GDNReplayState, Mamba2ReplayState
+
+    dev = "cuda:99" if torch.cuda.is_available() else "cuda"
+    with pytest.raises(ValueError, match=f"device '{dev}' is not available"):
+        Mamba2ReplayState("fp32", batch=1, heads=2, head_dim=4, d_state=8, device=dev,
+                          backend="torch")
+    with pytest.raises(ValueError, match=f"device '{dev}' is not available"):
+        GDNReplayState("fp32", batch=1, key_heads=1, value_heads=2, key_dim=8, value_dim=4,
+                       device=dev, backend="torch")

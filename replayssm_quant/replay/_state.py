@@ -113,7 +113,11 @@ class ReplayStateBase:
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         # as tensors report it: "cuda" becomes "cuda:0" (the current device), so the device
         # checks below compare equal devices as equal
-        self.device = torch.empty(0, device=device).device
+        try:
+            self.device = torch.empty(0, device=device).device
+        except (AssertionError, RuntimeError) as e:  # e.g. "cuda" on a CPU-only torch build
+            raise ValueError(f"device {device!r} is not available in this torch build or on "
+                             f"this machine ({e})") from None
         self.dtype = dtype
         self.window = window
         self.max_drafts = max_drafts

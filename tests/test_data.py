@@ -76,6 +76,8 @@ def test_kjv_errors():
         load_corpus("kjv", split="dev")
     with pytest.raises(ValueError, match="max_docs"):
         load_corpus("kjv", max_docs=-1)
+    with pytest.raises(TypeError, match="corpus name or path must be a str or os.PathLike, got NoneType"):
+        load_corpus(None)
 
 
 def test_kjv_missing_package(monkeypatch):

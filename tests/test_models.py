@@ -106,6 +106,9 @@ def test_resolve_errors(tmp_path):
         resolve_model_path("tiny-foo")
     with pytest.raises(ValueError, match="empty"):
         resolve_model_path("  ")
+    for bad in (None, 3):
+        with pytest.raises(TypeError, match="model name or path must be a str or os.PathLike"):
+            load_model(bad)
     # a bad model dtype is named with the model dtypes listed (a state format such as fp16,
     # an integer or fp8 torch dtype included), before anything loads
     for bad in ("float33", "fp16", torch.int8, torch.float8_e4m3fn):

@@ -298,9 +298,13 @@ def load_corpus(
     Raises:
         FileNotFoundError: a path that does not exist.
         ValueError: an unknown corpus name, split or file type.
+        TypeError: ``name_or_path`` is not a str or os.PathLike (e.g. None).
     """
     if max_docs is not None and max_docs < 0:
         raise ValueError(f"max_docs must be >= 0, got {max_docs}")
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"corpus name or path must be a str or os.PathLike, got "
+                        f"{type(name_or_path).__name__} {name_or_path!r}")
     name = os.fspath(name_or_path)
     key = name.lower()
     if key == "kjv":

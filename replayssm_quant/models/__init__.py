@@ -66,7 +66,11 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
             directory.
         ValueError: an empty name, or a bare name that is neither embedded, a local
             directory, nor a hub id of the form ``org/name``.
+        TypeError: ``name_or_path`` is not a str or os.PathLike (e.g. None).
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"model name or path must be a str or os.PathLike, got "
+                        f"{type(name_or_path).__name__} {name_or_path!r}")
     name = os.fspath(name_or_path)
     if not name.strip():
         raise ValueError("model name or path is empty")

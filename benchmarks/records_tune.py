@@ -657,7 +657,7 @@ def main(argv=None):
               "defaults": {n: getattr(rec, n) for n in (
                   "STEP_CONFIG", "GDN_STEP_WIDE_CONFIG", "GDN_STEP_BLOCKED_CONFIG",
                   "GDN_STEP_FP4_CONFIG", "MAMBA2_STEP_WIDE_CONFIG", "MAMBA2_STEP_FP4_CONFIG",
-                  "MAMBA2_STEP_NVFP4_CONFIG", "VERIFY_CONFIG",
+                  "MAMBA2_STEP_NVFP4_CONFIG", "GDN_STEP_NVFP4_CONFIG", "VERIFY_CONFIG",
                   "GDN_VERIFY_CONFIG",
                   "GDN_VERIFY_BLOCKED_CONFIG", "MAMBA2_VERIFY_BLOCKED_CONFIG",
                   "GDN_VERIFY_NVFP4_CONFIG", "MAMBA2_VERIFY_NVFP4_CONFIG",

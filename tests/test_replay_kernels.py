@@ -812,6 +812,48 @@ def test_lean_read_pass_refused():
             fn(R_st, A, *args, read_pass=(16, 1, "lean"))
 
 
+def test_read_pass_register_cap():
+    """``read_pass=(block_v, num_warps, form, maxnreg)``: GDN's nvfp4 step asks for its
+    default cap (96) on the read-pass launch only, its mxfp4 step for none; capped and uncapped
+    read passes give the same bits (on CUDA the cap reaches ptxas; the interpreter has no
+    registers and takes none); bad caps and a fifth field are refused by name."""
+    gen = _gen(23)
+    asked = []
+    real = kr.records._maxnreg_launch
+
+    def spy(maxnreg):
+        asked.append(maxnreg)
+        return real(maxnreg)
+
+    def step(fmt, **kw):
+        _, R_st, ring, h = _ring_state(_gen(24), fmt, gdn=True)
+        la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
+        q = _t(torch.nn.functional.normalize(torch.randn(B, G, K, generator=_gen(25)), dim=-1))
+        return kr.gdn_step_kernel(R_st, ring, q, k, v, la, beta, h, **kw), ring["uR"]
+
+    import unittest.mock as um
+
+    with um.patch.object(kr.records, "_maxnreg_launch", spy):
+        capped = step("nvfp4")
+        assert asked == [kr.records.GDN_STEP_NVFP4_CONFIG["read_pass"][3]] == [96]
+        asked.clear()
+        step("mxfp4")
+        assert asked == [None]
+    gen = _gen(23)
+    plain = step("nvfp4", read_pass=(32, 2, "records"))
+    for a, b in zip(capped, plain, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    _, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=False)
+    la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
+    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
+    for bad in (8, 256, True, "96", 96.0):
+        with pytest.raises(ValueError, match=f"read_pass maxnreg must be None or an int in "
+                                             f"\\[16, 255\\], got {re.escape(repr(bad))}"):
+            kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(32, 2, "records", bad))
+    with pytest.raises(ValueError, match="read_pass must be None, False"):
+        kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(32, 2, "records", 96, 1))
+
+
 def test_lean_read_pass_special_block_scales():
     """The lean read pass with E4M3 block scales that random data never gives: subnormal
     (0x01, 0x07), +0 and -0 (0x00, 0x80), the largest (0x7E) and NaN (0x7F, 0xFF), both models,

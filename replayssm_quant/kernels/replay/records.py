@@ -137,6 +137,12 @@ MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(3
 # best lean tile (64 x 1) was 113.4 against its default's 115.4 us, within a run's spread:
 # GDN keeps the records kernel's read pass.
 MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(64, 1, "lean"))
+# GDN from an nvfp4 copy since 2026-12-04 (twenty-third session, benchmarks/records_maxnreg.py,
+# records_maxnreg_h200.json, B = 256, h = 7): GDN_STEP_FP4_CONFIG's read pass with its registers
+# capped at 96 per thread (it takes 112 uncapped: 9 two-warp programs per SM, 10 capped).
+# The cap gives the same bits; mxfp4 keeps GDN_STEP_FP4_CONFIG (its read pass was not timed
+# with a cap).
+GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(32, 2, "records", 96))
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
@@ -1852,6 +1858,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             two >= 16 rows; the codes are read as 32-bit words, so their storage must start
             on a 4-byte boundary (refused otherwise). Mamba-2's nvfp4 step default since
             2026-12-04.
+            ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
+            per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
+            same bits): GDN's nvfp4 step default since 2026-12-04 (``(32, 2, "records",
+            96)``).
         pdl: programmatic dependent launch (CUDA, compute capability 9.0 or later) between
             the launches of this call: the launch after the products launch (the read pass,
             or the records launch) starts while the products launch runs and streams C
@@ -1969,15 +1979,24 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     if read_pass is False:
         read_pass = None
     read_form = "records"
+    read_maxnreg = None
     if read_pass is not None:
-        if not (isinstance(read_pass, (tuple, list)) and len(read_pass) in (2, 3)):
-            raise ValueError(f"read_pass must be None, False, (block_v, num_warps) or "
-                             f"(block_v, num_warps, form), got {read_pass!r}")
-        if len(read_pass) == 3:
+        if not (isinstance(read_pass, (tuple, list)) and len(read_pass) in (2, 3, 4)):
+            raise ValueError(f"read_pass must be None, False, (block_v, num_warps), "
+                             f"(block_v, num_warps, form) or (block_v, num_warps, form, "
+                             f"maxnreg), got {read_pass!r}")
+        if len(read_pass) >= 3:
             read_form = read_pass[2]
             if read_form not in READ_FORMS:
                 raise ValueError(f"read_pass form must be one of {READ_FORMS}, got "
                                  f"{read_form!r}")
+        if len(read_pass) == 4:
+            read_maxnreg = read_pass[3]
+            if not (read_maxnreg is None or (isinstance(read_maxnreg, int)
+                                             and not isinstance(read_maxnreg, bool)
+                                             and 16 <= read_maxnreg <= 255)):
+                raise ValueError(f"read_pass maxnreg must be None or an int in [16, 255], got "
+                                 f"{read_maxnreg!r}")
         try:
             _check_tile(*read_pass[:2])
         except ValueError as e:
@@ -2092,7 +2111,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         _nvfp4_read_kernel[(B * H, triton.cdiv(V, rbv))](
             c, cbs, cms, dk, q_arg, start, rows, y, H, G, V, TD, TQ, K=K, NC=NC, NS=NS,
             D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
-            **_pdl_launch(pdl and zpre))
+            **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
     elif ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
@@ -2105,7 +2124,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         rpdl = pdl and zpre and not xsplit
         _records_kernel[(B * H, triton.cdiv(V, rbv))](
             *args, y, x16, xinv, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
-            **rflags, **_pdl_launch(rpdl))
+            **rflags, **_pdl_launch(rpdl), **_maxnreg_launch(read_maxnreg))
     else:
         y = o_arg
         flags["DOT"] = 2 if f16 else 3 if b16 else bool(use_dot)
@@ -2158,6 +2177,13 @@ def _pdl_mode(pdl, device) -> bool:
 def _pdl_launch(on: bool) -> dict:
     """Launch keywords of a dependent launch (PDL) and its ``PDL`` constexpr."""
     return dict(PDL=True, launch_pdl=True) if on else {}
+
+
+def _maxnreg_launch(maxnreg: int | None) -> dict:
+    """Launch keyword of a per-thread register cap (ptxas ``maxrregcount``), where one is
+    given and the launch compiles for a GPU (the interpreter has no registers). A cap changes
+    the register allocation only, never the arithmetic: the same bits."""
+    return {} if maxnreg is None or KERNELS_INTERPRETED else {"maxnreg": maxnreg}
 
 
 def _x16_not_kept(cfg: dict, read, anchor) -> bool:
@@ -2264,10 +2290,10 @@ def _check_verify_read_pass(read_pass) -> None:
     """ValueError for a verify's ``read_pass`` in the lean form: that form is the decode
     step's (at most two columns of X); a verify's launches have T queries (and GDN's anchor
     launch the window's keys)."""
-    if isinstance(read_pass, (tuple, list)) and len(read_pass) == 3 and read_pass[2] == "lean":
+    if isinstance(read_pass, (tuple, list)) and len(read_pass) >= 3 and read_pass[2] == "lean":
         raise ValueError(f"read_pass form 'lean' is the decode step's (at most 2 columns of "
                          f"X); verify takes (block_v, num_warps) or (block_v, num_warps, "
-                         f"'records'), got {tuple(read_pass)!r}")
+                         f"'records'[, maxnreg]), got {tuple(read_pass)!r}")
 
 
 def _f16_exact(C) -> bool:
@@ -2336,7 +2362,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
-    if read_pass is None and len(cfg.get("read_pass") or ()) == 3 and cfg["use_dot"] in X16_DOTS:
+    if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
+            and cfg["read_pass"][2] == "lean" and cfg["use_dot"] in X16_DOTS):
         # a caller's 16-bit products: the records kernel's read pass (the lean one has none)
         cfg["read_pass"] = MAMBA2_STEP_FP4_CONFIG["read_pass"]
     _check_x16_dot(read, cfg)
@@ -2362,13 +2389,15 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
     [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place). Launch
     configuration: ``STEP_CONFIG`` (``GDN_STEP_WIDE_CONFIG`` for an FP32 or half read copy,
-    ``GDN_STEP_FP4_CONFIG`` for an E2M1 one (nvfp4, mxfp4), ``GDN_STEP_FP8_CONFIG`` for an
+    ``GDN_STEP_NVFP4_CONFIG`` for an nvfp4 one, ``GDN_STEP_FP4_CONFIG`` for mxfp4,
+    ``GDN_STEP_FP8_CONFIG`` for an
     fp8 one, ``GDN_STEP_BLOCKED_CONFIG`` for mxfp8) unless given (``solve``: the matrix forms
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
     of a separate launch for the products with R, or False for one launch)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
-    cfg = _config(GDN_STEP_WIDE_CONFIG if wide else GDN_STEP_FP4_CONFIG if _fp4(read) else
+    cfg = _config(GDN_STEP_WIDE_CONFIG if wide else
+                  (GDN_STEP_NVFP4_CONFIG if _nvfp4(read) else GDN_STEP_FP4_CONFIG) if _fp4(read) else
                   GDN_STEP_FP8_CONFIG if _b16(read) else
                   (GDN_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
                   num_warps=num_warps, k_chunk=k_chunk,

@@ -233,6 +233,50 @@ def _flush_case(seed, second_length):
     return A, la, v, k, beta, q, _t(torch.tensor([L, second_length]))
 
 
+def test_flush_register_cap():
+    """``flush_kernel(maxnreg=...)``: the default cap of a split flush's fp32 flush comes from
+    ``SPLIT_FLUSH_MAXNREG`` (Mamba-2's geometry with an fp16 anchor: 168; a correction solve,
+    another geometry or an fp32 anchor: none); a given cap reaches every flush launch and gives
+    the same bits (on CUDA, where it reaches ptxas); bad caps are refused by name."""
+    from replayssm_quant.kernels.replay import flush as fl
+    from replayssm_quant.quant import pack
+
+    a16 = pack(torch.zeros(1, 1, 64, 128), "fp16")
+    assert fl.split_flush_maxnreg(a16, solve=False) == 168 == fl.SPLIT_FLUSH_MAXNREG[
+        (False, 64, 128, "fp16")]
+    assert fl.split_flush_maxnreg(a16, solve=True) is None
+    assert fl.split_flush_maxnreg(torch.zeros(1, 1, 64, 128), solve=False) is None
+    assert fl.split_flush_maxnreg(pack(torch.zeros(1, 1, 32, 128), "fp16"), solve=False) is None
+    A, la, v, k, beta, q, length = _flush_case(31, 2)
+    pol = StatePolicy.parse("read:nvfp4/rec:fp16+sr")
+    A16 = pack(A.cpu(), "fp16+sr", seed=3, stream=torch.arange(B * H).view(B, H))
+    A16 = type(A16)(A16.spec, A16.shape, A16.codes.to(DEVICE), None, None)
+    asked = []
+    real = fl._maxnreg_launch
+
+    def spy(maxnreg):
+        asked.append(maxnreg)
+        return real(maxnreg)
+
+    import unittest.mock as um
+
+    runs = {}
+    with um.patch.object(fl, "_maxnreg_launch", spy):
+        for cap in (None, 200):
+            asked.clear()
+            res, y = kr.mamba2_flush_kernel(A16, la, v, k, length, pol, q=q, maxnreg=cap,
+                                            **STREAMS)
+            assert asked == [fl.split_flush_maxnreg(A16, False) if cap is None else cap]
+            runs[cap] = (res.checkpoints.anchor_stored.codes, res.checkpoints.read_stored.codes,
+                         y)
+    for a, b in zip(runs[None], runs[200], strict=True):
+        assert torch.equal(a, b)
+    for bad in (8, 256, True, "168"):
+        with pytest.raises(ValueError, match=f"maxnreg must be None or an int in "
+                                             f"\\[16, 255\\], got {re.escape(repr(bad))}"):
+            kr.mamba2_flush_kernel(A16, la, v, k, length, pol, q=q, maxnreg=bad, **STREAMS)
+
+
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])
 @pytest.mark.parametrize("policy", ["read:nvfp4/rec:fp16+sr", "shared:fp8e4m3+sr",
                                     "read:mxfp4+sr/rec:fp32", "fp32"])

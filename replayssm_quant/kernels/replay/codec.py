@@ -457,6 +457,22 @@ def _check_supported(key_dim: int, dtype) -> None:
 KERNELS_INTERPRETED = triton_interpreting()
 
 
+def _check_maxnreg(name: str, maxnreg):
+    """``maxnreg`` if it is None or an int in [16, 255] (a per-thread register cap), else
+    ValueError naming ``name`` and the value."""
+    if maxnreg is None or (isinstance(maxnreg, int) and not isinstance(maxnreg, bool)
+                           and 16 <= maxnreg <= 255):
+        return maxnreg
+    raise ValueError(f"{name} must be None or an int in [16, 255], got {maxnreg!r}")
+
+
+def _maxnreg_launch(maxnreg: int | None) -> dict:
+    """Launch keyword of a per-thread register cap (ptxas ``maxrregcount``), where one is
+    given and the launch compiles for a GPU (the interpreter has no registers). A cap changes
+    the register allocation only, never the arithmetic: the same bits."""
+    return {} if maxnreg is None or KERNELS_INTERPRETED else {"maxnreg": maxnreg}
+
+
 def _check_devices(where: str, **tensors) -> None:
     """Raise ValueError unless the named inputs are on one device and that device can run the
     Triton kernels: CUDA, or any device when they were decorated under the Triton interpreter

@@ -59,13 +59,14 @@ import triton
 import triton.language as tl
 
 from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
+from ...packed import PackedTensor
 from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import StatePolicy, require_policy
 from ..quant import pack_pair_triton, pack_triton, pair_casts
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _cast_store_full, _check_devices, _check_f32, _check_index, _check_records,
-                    _load_full, _check_supported, _decode_consts, _finite_abs, _kind,
-                    _load_stored, _matrix_scale, _stored_args)
+                    _load_full, _check_maxnreg, _check_supported, _decode_consts, _finite_abs,
+                    _kind, _load_stored, _matrix_scale, _maxnreg_launch, _stored_args)
 from .records import _check_tile, _lp, _unit_upper_inverse
 
 DEFAULT_BV_FLUSH = 32  # a flush_tune.py candidate (the first sweep's default); a call's: flush_config
@@ -562,7 +563,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  num_warps: int | None = None, variant: str | None = None,
                  beta=None, dequantize: bool = True, keys_in_kernel: bool | None = None,
                  reconstruct: str | None = None, solve_form: str | None = None,
-                 split_casts: bool | None = None, cast_form: str | None = None):
+                 split_casts: bool | None = None, cast_form: str | None = None,
+                 maxnreg: int | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -638,10 +640,16 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     the H200 at B = 256 (``flush_parts_h200.json``, docs/kernels-replay.md, "Twenty-second
     pass") the pair form reads S twice (once from L2, in part) instead of three times.
 
+    ``maxnreg``: a per-thread register cap (None or an int in [16, 255]) for the flush
+    kernel's launches, on CUDA only; it changes the register allocation, not the arithmetic.
+    Default None: no cap, except that a split flush's fp32 flush takes
+    :func:`split_flush_maxnreg`.
+
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
     policy = require_policy(policy)  # parsed at the edges
+    maxnreg = _check_maxnreg("maxnreg", maxnreg)
     B, H, V, K = (int(x) for x in anchor.shape)
     two = not policy.single_checkpoint
     if split_casts is None:
@@ -653,7 +661,9 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                             variant=variant, beta=beta, dequantize=dequantize,
                             keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
                             solve_form=solve_form,
-                            cast_form=split_cast_form(policy, cast_form))
+                            cast_form=split_cast_form(policy, cast_form),
+                            maxnreg=(split_flush_maxnreg(anchor, beta is not None)
+                                     if maxnreg is None else maxnreg))
     if cast_form is not None:
         raise ValueError(f"cast_form={cast_form!r} applies to split casts only (this flush of "
                          f"{policy} does not split its casts); pass None")
@@ -727,11 +737,12 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   A=_decode_consts(aspec),
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)
+    cap = _maxnreg_launch(maxnreg)
     if need_amax and not loop and not single:  # grid: amax launch, then the cast launch
-        _flush_kernel[(B * H, tiles)](*args, PHASE=1, **consts)
-        _flush_kernel[(B * H, tiles)](*args, PHASE=2, **consts)
+        _flush_kernel[(B * H, tiles)](*args, PHASE=1, **consts, **cap)
+        _flush_kernel[(B * H, tiles)](*args, PHASE=2, **consts, **cap)
     else:
-        _flush_kernel[(B * H, tiles)](*args, PHASE=0, **consts)
+        _flush_kernel[(B * H, tiles)](*args, PHASE=0, **consts, **cap)
     if solve and u_arg is not u:
         u.zero_()  # J == 0
     a_st = _as_stored(policy.rec, shape, bufa)
@@ -844,6 +855,26 @@ def _pair_roles(policy):
     return None
 
 
+# The split flush's fp32 flush with a register cap (2026-12-04, twenty-third session,
+# benchmarks/flush_maxnreg.py, flush_maxnreg_h200.json / flush_maxnreg_r2_h200.json, H200,
+# B = 256): Mamba-2's geometry (V = 64, K = 128, no correction solve) reading an fp16 anchor,
+# the whole read:nvfp4/rec:fp16+sr flush 1752.9 -> 1690.8 us at 168 registers (1753.5 /
+# 1752.7 -> 1689.9 / 1689.1 in a second run; 160: 1693.7, 176: no gain). GDN's lost (1161.9
+# -> 1196.0 at 168) and the fp32 policy's flushes lose at every cap; other anchors and
+# geometries are untimed: no cap.
+SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168}
+
+
+def split_flush_maxnreg(anchor, solve: bool) -> int | None:
+    """Default register cap of a split flush's fp32 flush (:data:`SPLIT_FLUSH_MAXNREG`): keyed
+    by (GDN's correction solve, V, K, the anchor's storage format); None (no cap) where the
+    key was not timed. ``anchor``: the stored anchor ``[B, H, V, K]`` (a float32 tensor or a
+    PackedTensor)."""
+    fmt = anchor.spec.name if isinstance(anchor, PackedTensor) else "fp32"
+    V, K = int(anchor.shape[-2]), int(anchor.shape[-1])
+    return SPLIT_FLUSH_MAXNREG.get((bool(solve), V, K, fmt))
+
+
 def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
                  q, store_state, dequantize, cast_form, **launch):
     """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S,
@@ -887,7 +918,7 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         variant: str | None = None, dequantize: bool = True,
                         keys_in_kernel: bool | None = None, reconstruct: str | None = None,
                         solve_form: str | None = None, split_casts: bool | None = None,
-                        cast_form: str | None = None):
+                        cast_form: str | None = None, maxnreg: int | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
@@ -895,7 +926,7 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         store_state=store_state, block_v=block_v, num_warps=num_warps,
                         variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel,
                         reconstruct=reconstruct, solve_form=solve_form,
-                        split_casts=split_casts, cast_form=cast_form)
+                        split_casts=split_casts, cast_form=cast_form, maxnreg=maxnreg)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
@@ -904,7 +935,8 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      num_warps: int | None = None, variant: str | None = None,
                      dequantize: bool = True, keys_in_kernel: bool | None = None,
                      reconstruct: str | None = None, solve_form: str | None = None,
-                     split_casts: bool | None = None, cast_form: str | None = None):
+                     split_casts: bool | None = None, cast_form: str | None = None,
+                     maxnreg: int | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one dot (FP32 FMA or tf32x3: ``reconstruct``), then forward substitution
@@ -916,7 +948,8 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
               dequantize=dequantize, keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
-              solve_form=solve_form, split_casts=split_casts, cast_form=cast_form)
+              solve_form=solve_form, split_casts=split_casts, cast_form=cast_form,
+              maxnreg=maxnreg)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")

@@ -61,7 +61,7 @@ import triton.language as tl
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
 from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_index,
-                    _check_records,
+                    _check_maxnreg, _check_records, _maxnreg_launch,
                     _check_supported, _decode_code, _decode_consts, _e2m1_pairs_half,
                     _e2m1_dot8_1, _e2m1_dot8_2,
                     _e2m1_pairs_half16, _e2m1_pairs_lut, _e2m1_value,
@@ -1991,12 +1991,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                 raise ValueError(f"read_pass form must be one of {READ_FORMS}, got "
                                  f"{read_form!r}")
         if len(read_pass) == 4:
-            read_maxnreg = read_pass[3]
-            if not (read_maxnreg is None or (isinstance(read_maxnreg, int)
-                                             and not isinstance(read_maxnreg, bool)
-                                             and 16 <= read_maxnreg <= 255)):
-                raise ValueError(f"read_pass maxnreg must be None or an int in [16, 255], got "
-                                 f"{read_maxnreg!r}")
+            read_maxnreg = _check_maxnreg("read_pass maxnreg", read_pass[3])
         try:
             _check_tile(*read_pass[:2])
         except ValueError as e:
@@ -2177,13 +2172,6 @@ def _pdl_mode(pdl, device) -> bool:
 def _pdl_launch(on: bool) -> dict:
     """Launch keywords of a dependent launch (PDL) and its ``PDL`` constexpr."""
     return dict(PDL=True, launch_pdl=True) if on else {}
-
-
-def _maxnreg_launch(maxnreg: int | None) -> dict:
-    """Launch keyword of a per-thread register cap (ptxas ``maxrregcount``), where one is
-    given and the launch compiles for a GPU (the interpreter has no registers). A cap changes
-    the register allocation only, never the arithmetic: the same bits."""
-    return {} if maxnreg is None or KERNELS_INTERPRETED else {"maxnreg": maxnreg}
 
 
 def _x16_not_kept(cfg: dict, read, anchor) -> bool:

@@ -643,7 +643,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     ``maxnreg``: a per-thread register cap (None or an int in [16, 255]) for the flush
     kernel's launches, on CUDA only; it changes the register allocation, not the arithmetic.
     Default None: no cap, except that a split flush's fp32 flush takes
-    :func:`split_flush_maxnreg`.
+    :func:`split_flush_maxnreg`. Another value raises ValueError naming it.
 
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)

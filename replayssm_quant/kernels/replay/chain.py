@@ -22,7 +22,8 @@ from ...philox import stream_keys_to
 from .codec import (KERNELS_INTERPRETED, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored,
                     _cast_consts, _cast_store,
                     _check_supported, _decode_consts, _dequant_tile, _finite_abs, _kind,
-                    _load_copy, _load_stored, _matrix_scale, _split_halves, _typed_codes)
+                    _load_copy, _load_stored, _matrix_scale, _maxnreg_launch, _split_halves,
+                    _typed_codes)
 
 # ----------------------------------------------------------------------------------------
 # anchor chain: the anchor recurrence of a run of windows, one launch
@@ -595,7 +596,7 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
     programs = B * H * (nt if split else 1)
     if maxnreg == "auto":
         maxnreg = resident_maxnreg(programs, num_warps, _sm_count(dev)) if split else None
-    launch = {} if maxnreg is None or interp else {"maxnreg": maxnreg}
+    launch = _maxnreg_launch(maxnreg)
     _chain_kernel[(programs,)](
         anchor.contiguous(), la, k, v, beta, pick(None if q is None else q.contiguous()),
         pick(out), st, int(seed), codes, pick(bufs[1]), pick(bufs[2]), ap, pick(S), sync,

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode as dc  # noqa: E402
 import flush_tune as ft  # noqa: E402
 from _commit import code_commit  # noqa: E402
-from records_maxnreg import Capped  # noqa: E402
+from records_maxnreg import capped  # noqa: E402
 
 import replayssm_quant.kernels.replay.flush as F  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
@@ -46,7 +46,6 @@ def main():
     out = {"command": " ".join(sys.argv), "code_commit": code_commit(),
            "device": torch.cuda.get_device_name(0), "timing": "CUDA graph, median us",
            "results": []}
-    real = F._flush_kernel
     for M in ft.geometries(False):
         if M.name not in args.models.split(","):
             continue
@@ -59,20 +58,17 @@ def main():
             pool = [ft.make_set(M, gen, pol) for _ in range(3)]
             kw = fk if pol.rec.is_identity and pol.read.is_identity else dict(fk, split_casts=True)
             base = None
-            try:
-                for cap in caps:
-                    F._flush_kernel = Capped(real, cap)
+            for cap in caps:
+                with capped(F, "_flush_kernel", cap):
                     a = ft.run_flush(M, pool[0], pol, kw, cfg)[0].checkpoints.anchor_stored
                     a = a if isinstance(a, torch.Tensor) else a.codes
                     base = a if base is None else base
                     us = dc.timer(lambda i: ft.run_flush(M, pool[i], pol, kw, cfg), 3, args.reps,
                                   3, mode="graph")["median_us"]
-                    row = {"model": M.name, "policy": pstr, "maxnreg": cap,
-                           "median_us": round(us, 1), "same_anchor_bits": torch.equal(a, base)}
-                    out["results"].append(row)
-                    print(json.dumps(row), flush=True)
-            finally:
-                F._flush_kernel = real
+                row = {"model": M.name, "policy": pstr, "maxnreg": cap,
+                       "median_us": round(us, 1), "same_anchor_bits": torch.equal(a, base)}
+                out["results"].append(row)
+                print(json.dumps(row), flush=True)
             pool = None
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

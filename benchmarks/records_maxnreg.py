@@ -19,6 +19,7 @@ Usage (on the device)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -49,6 +50,18 @@ class Capped:
         if self.cap is None:
             return launch
         return lambda *a, **kw: launch(*a, **{**kw, "maxnreg": self.cap})
+
+
+@contextlib.contextmanager
+def capped(module, name: str, cap):
+    """Within: ``module.name`` (a Triton kernel its module launches by that name) replaced by
+    :class:`Capped` with ``cap``; the kernel restored on exit."""
+    real = getattr(module, name)
+    setattr(module, name, Capped(real, cap))
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
 
 
 def _same(a, b) -> bool:
@@ -90,39 +103,30 @@ def main():
             print(name, rp, res[f"{name} nvfp4 step read_pass={rp}"], flush=True)
         pol = StatePolicy.parse("fp32")
         sets = [dc.make_set(M, gen, pol, 8, False) for _ in range(3)]
-        real = rec._records_kernel
         base = None
-        try:
-            for cap in (None, 160, 128, 96):
-                rec._records_kernel = Capped(real, cap)
+        for cap in (None, 160, 128, 96):
+            with capped(rec, "_records_kernel", cap):
                 o = (dc.run_step(M, sets[0], h),)
                 base = base or o
                 res[f"{name} fp32 step, records launches maxnreg={cap}"] = {
                     "median_us": t(lambda i: dc.run_step(M, sets[i], h)), "same_bits": _same(o, base)}
-                print(name, "fp32", cap, res[f"{name} fp32 step, records launches maxnreg={cap}"],
-                      flush=True)
-        finally:
-            rec._records_kernel = real
+            print(name, "fp32", cap, res[f"{name} fp32 step, records launches maxnreg={cap}"],
+                  flush=True)
         sets = None
         S = [torch.randn(256, geo[0], geo[2], geo[3], device="cuda") for _ in range(3)]
         keys = torch.arange(256 * geo[0], device="cuda").view(256, geo[0])
-        real = kq._pair_kernel
+        def cast(i):
+            return kq.pack_pair_triton(S[i], "fp16+sr", "nvfp4", seed=1, plain_stream=keys,
+                                       scaled_stream=keys)
         base = None
-        try:
-            for cap in (None, 56, 48, 40):
-                kq._pair_kernel = Capped(real, cap)
-
-                def cast(i):
-                    return kq.pack_pair_triton(S[i], "fp16+sr", "nvfp4", seed=1,
-                                               plain_stream=keys, scaled_stream=keys)
+        for cap in (None, 56, 48, 40):
+            with capped(kq, "_pair_kernel", cap):
                 p, s = cast(0)
                 got = (p.codes, s.codes, s.block_scales, s.matrix_scale)
                 base = base or got
                 res[f"{name} pair cast maxnreg={cap}"] = {"median_us": t(cast),
                                                           "same_bits": _same(got, base)}
-                print(name, "pair", cap, res[f"{name} pair cast maxnreg={cap}"], flush=True)
-        finally:
-            kq._pair_kernel = real
+            print(name, "pair", cap, res[f"{name} pair cast maxnreg={cap}"], flush=True)
         S = None
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

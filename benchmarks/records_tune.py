@@ -379,14 +379,6 @@ LEAN_STEP_CANDIDATES = [_P] + [
     (None,) * 5 + _R8 + ((rb, rw, "lean"),)
     for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
                    (128, 4))]
-# --set fused (2026-12-04, twenty-fourth session): the nvfp4 step in one launch, the records
-# launch forming Y by the lean read pass's code (read_pass=(block_v, num_warps, "fused")), on
-# 1- to 4-warp tiles, against the default (GDN: the records kernel's read pass capped at 96
-# registers; Mamba-2: the lean read pass) and the lean read pass on the same tiles.
-FUSED_STEP_CANDIDATES = [_P] + [
-    (None,) * 5 + _R8 + ((rb, rw, form),)
-    for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (128, 1), (128, 2), (128, 4))
-    for form in ("fused", "lean")]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -404,8 +396,7 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "b16b": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32"},
                "fp8step": {"fp8": "read:fp8e4m3/rec:fp32"},
                "f16c": {"fp16": "read:fp16/rec:fp32"},
-               "lean": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "fused": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
+               "lean": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -443,8 +434,7 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "b16b": ([], B16B_VERIFY_CANDIDATES),
                   "fp8step": (FP8STEP_STEP_CANDIDATES, []),
                   "f16c": (F16C_STEP_CANDIDATES, F16C_VERIFY_CANDIDATES),
-                  "lean": (LEAN_STEP_CANDIDATES, []),
-                  "fused": (FUSED_STEP_CANDIDATES, [])}
+                  "lean": (LEAN_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -635,9 +625,7 @@ def main(argv=None):
                          "read pass) or f16c (fp16 read copies: C's products on float16 "
                          "tensor cores, use_dot='f16x3', against the defaults) or lean (the "
                          "nvfp4 step's read pass in the lean form, read_pass=(block_v, "
-                         "num_warps, 'lean'), against the default) or fused (the nvfp4 "
-                         "step in one launch, read_pass=(block_v, num_warps, 'fused'), "
-                         "against the default and the lean read pass on the same tiles)")
+                         "num_warps, 'lean'), against the default)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

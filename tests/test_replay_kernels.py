@@ -827,57 +827,6 @@ def test_lean_read_pass(gdn, monkeypatch):
         torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_fused_read_form(gdn, monkeypatch):
-    """``read_pass=(block_v, num_warps, "fused")`` from an nvfp4 copy: one records launch that
-    forms Y by the lean read pass's code (no read-pass launch, no Y buffer read) on the read
-    pass's tile; the outputs, the new correction (GDN) and the ring against the torch
-    references, a sequence alone the same bits as in the batch, and (under the interpreter,
-    where nothing lays the sums out) the same bits as the two-launch lean form on that tile."""
-    gen = _gen(26)
-    R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
-    rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
-    b = torch.arange(B, device=DEVICE)
-    lean_flags = []
-    real = kr.records._records_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def run(*a, **kw):
-                lean_flags.append((kw["YOUT"], kw["YPRE"], kw.get("LEAN", False), kw["BV"],
-                                   kw["num_warps"]))
-                return launch(*a, **kw)
-            return run
-
-    def step(rg, sl, rp):
-        Rs = PackedTensor(R_st.spec, R_st.codes[sl].shape[:-1] + R_st.shape[-1:],
-                          R_st.codes[sl], R_st.block_scales[sl], R_st.matrix_scale[sl])
-        return _lean_step(Rs, rg, tuple(t[sl] for t in rec), q[sl], h[sl], gdn, rp)
-
-    for bv, w in ((16, 1), (32, 2)):
-        rg = {n: t.clone() for n, t in ring.items()}
-        seen = _lean_launches(monkeypatch)
-        monkeypatch.setattr(kr.records, "_records_kernel", Spy())
-        lean_flags.clear()
-        got = step(rg, slice(None), (bv, w, "fused"))
-        assert seen == [] and lean_flags == [(False, False, True, bv, w)], (seen, lean_flags)
-        torch.testing.assert_close(got, want, **TOL)
-        if gdn:
-            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
-        for n in ("la", "v", "k") + (("beta",) if gdn else ()):
-            assert torch.equal(rg[n], ref_ring[n]), n
-        alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), (bv, w, "fused"))
-        assert torch.equal(alone, got[1:]), (bv, w)
-        if INTERPRET:
-            rl = {n: t.clone() for n, t in ring.items()}
-            two = step(rl, slice(None), (bv, w, "lean"))
-            assert torch.equal(_bits(two), _bits(got)), (bv, w)
-            if gdn:
-                assert torch.equal(_bits(rl["uR"]), _bits(rg["uR"])), (bv, w)
-
-
 def test_lean_read_pass_refused():
     """The lean read pass takes nvfp4 copies only (an mxfp4 one is refused, naming the form and
     the copy), codes that start on a 4-byte boundary (it reads 32-bit words), and an unknown
@@ -886,9 +835,8 @@ def test_lean_read_pass_refused():
     _, R_st, ring, h = _ring_state(gen, "mxfp4", gdn=False)
     la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
     q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
-    for form in ("lean", "fused"):
-        with pytest.raises(ValueError, match=f"'{form}' takes an nvfp4 copy.*mxfp4"):
-            kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, form))
+    with pytest.raises(ValueError, match="'lean' takes an nvfp4 copy.*mxfp4"):
+        kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "lean"))
     with pytest.raises(ValueError, match="read_pass form must be one of.*'fast'"):
         kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "fast"))
     # nvfp4 codes in a view that starts one byte into its storage: refused, not misread
@@ -904,9 +852,8 @@ def test_lean_read_pass_refused():
         R, R_st, vring, _ = _ring_state(gen, "nvfp4", gdn=gdn)
         A, args, _, _ = _verify_case(gen, R, vring, gdn, K)
         fn = kr.gdn_verify_kernel if gdn else kr.mamba2_verify_kernel
-        for form in ("lean", "fused"):
-            with pytest.raises(ValueError, match=f"'{form}' is the decode step's"):
-                fn(R_st, A, *args, read_pass=(16, 1, form))
+        with pytest.raises(ValueError, match="'lean' is the decode step's"):
+            fn(R_st, A, *args, read_pass=(16, 1, "lean"))
 
 
 def test_read_pass_register_cap():

@@ -75,12 +75,10 @@ from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_inde
 # ``DEFAULT_WARPS`` are kept for the callers that pass them (GDN flush corrections).
 DEFAULT_BV = 64
 DEFAULT_WARPS = 4
-# Forms of the read pass (records_outputs(read_pass=(block_v, num_warps, form))): "records"
-# (a launch of its own, the records kernel's YOUT path: any copy, any columns), "lean" (a
-# launch of its own, _nvfp4_read_kernel: nvfp4 copies, at most two columns of X, as a decode
-# step has) or "fused" (the lean code inside the records launch, which then takes the read
-# pass's tile: one launch that streams C, no Y buffer; the same conditions as "lean").
-READ_FORMS = ("records", "lean", "fused")
+# Forms of a separate read pass (records_outputs(read_pass=(block_v, num_warps, form))):
+# "records" (the records kernel's YOUT path: any copy, any columns) or "lean"
+# (_nvfp4_read_kernel: nvfp4 copies, at most two columns of X, as a decode step has).
+READ_FORMS = ("records", "lean")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
 # docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
@@ -1159,22 +1157,35 @@ def _e2m1_dot8_int(word, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _lean_y(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, mat, rowg, rmask, b, g, ss, n, G, TD, TQ,
-            K: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr,
-            PTX: tl.constexpr, WAIT: tl.constexpr):
-    """The lean ``Y = C X`` of an nvfp4 copy (``_nvfp4_read_kernel``; the records kernel's
-    ``LEAN`` form calls it in its own launch): columns ``(y0, y1)``, float32 ``[BV]`` each, of
-    the value rows ``rowg`` (int64 global row indices, ``rmask`` the valid ones) of matrix
-    ``mat``; ``y1`` is ``y0`` when ``NC == 1``. Per value row and scaling block j (16 codes):
-    ``sum_k e_k x_k`` over the block, times the E4M3 block scale, summed over the blocks, times
-    the matrix scale (DESIGN.md "Formats", the nvfp4 dequantisation reassociated: the scales
-    multiply the block sums). ``PTX`` (CUDA): each 32-bit word of 8 codes decoded and multiplied
-    in one inline-PTX FMA chain per column (``codec._e2m1_dot8_1`` / ``_e2m1_dot8_2``, values
-    times 2^-14, 2^14 folded into the block scale, exact unless a product falls below 2^-112
-    in magnitude, as with the half decoder); otherwise (the interpreter,
-    ``e2m1_decode="integer"``) the integer decoder in the same float32 operations
-    (``_e2m1_dot8_int``), so the same bits. ``WAIT``: ``gdc_wait`` after the loads, before the
-    products (a dependent launch)."""
+def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, V,
+                       TD, TQ, K: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr,
+                       D_REL: tl.constexpr, BV: tl.constexpr, PTX: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
+    ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) for the ``BV`` value
+    rows ``program_id(1) * BV ..`` of matrix ``program_id(0)`` of an nvfp4 copy, X the columns
+    of ``_x_col`` (the solved rows' keys, then the queries), and nothing else. Per value row
+    and scaling block j (16 codes): ``sum_k e_k x_k`` over the block, times the E4M3 block
+    scale, summed over the blocks, times the matrix scale (Eq. of the nvfp4 dequantisation,
+    DESIGN.md "Formats", reassociated: the scales multiply the block sums). ``PTX`` (CUDA):
+    each 32-bit word of 8 codes decoded and multiplied in one inline-PTX FMA chain per column
+    (``codec._e2m1_dot8_1`` / ``_e2m1_dot8_2``, values times 2^-14, 2^14 folded into the block
+    scale, exact unless a product falls below 2^-112 in magnitude, as with the half decoder);
+    otherwise (the interpreter, ``e2m1_decode="integer"``) the integer decoder in the same
+    float32 operations (``_e2m1_dot8_int``), so the same bits. Each row
+    depends on its own codes and its sequence's X only. ``PDL``: a dependent launch of the
+    products launch; it waits for that grid before its stores, so that the records launch
+    after it, waiting on it, also waits on the products launch."""
+    mat = tl.program_id(0).to(tl.int64)
+    vt = tl.program_id(1)
+    b = mat // H
+    h = mat - b * H
+    g = h // (H // G)
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    rows = vt * BV + tl.arange(0, BV)
+    rmask = rows < V
+    rowg = mat * V + rows.to(tl.int64)
     NB: tl.constexpr = K // 16
     jb = tl.arange(0, NB)
     sc = _e4m3_value(tl.load(cbs_ptr + rowg[:, None] * NB + jb[None, :], mask=rmask[:, None],
@@ -1188,7 +1199,7 @@ def _lean_y(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, mat, rowg, rmask, b, g, ss, 
                   mask=rmask[:, None, None], other=0)
     a0, a1, a2, a3, a4, a5, a6, a7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 0, NS, K,
                                          D_REL)
-    if WAIT:
+    if PDL:
         tl.extra.cuda.gdc_wait()
     if NC == 1:
         if PTX:
@@ -1198,7 +1209,7 @@ def _lean_y(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, mat, rowg, rmask, b, g, ss, 
             p0 = _e2m1_dot8_int(wrd, a0[None], a1[None], a2[None], a3[None], a4[None],
                                 a5[None], a6[None], a7[None])
         y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
-        y1 = y0
+        tl.store(y_ptr + rowg, y0, mask=rmask)
     else:
         c0, c1, c2, c3, c4, c5, c6, c7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 1, NS,
                                              K, D_REL)
@@ -1213,36 +1224,6 @@ def _lean_y(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, mat, rowg, rmask, b, g, ss, 
                                 c5[None], c6[None], c7[None])
         y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
         y1 = tl.sum(tl.sum(p1, axis=2) * sc, axis=1) * ms
-    return y0, y1
-
-
-@triton.jit
-def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, V,
-                       TD, TQ, K: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr,
-                       D_REL: tl.constexpr, BV: tl.constexpr, PTX: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
-    ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) for the ``BV`` value
-    rows ``program_id(1) * BV ..`` of matrix ``program_id(0)`` of an nvfp4 copy, X the columns
-    of ``_x_col`` (the solved rows' keys, then the queries), and nothing else (``_lean_y``).
-    Each row depends on its own codes and its sequence's X only. ``PDL``: a dependent launch
-    of the products launch; it waits for that grid before its products and stores, so that
-    the records launch after it, waiting on it, also waits on the products launch."""
-    mat = tl.program_id(0).to(tl.int64)
-    vt = tl.program_id(1)
-    b = mat // H
-    h = mat - b * H
-    g = h // (H // G)
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
-    rows = vt * BV + tl.arange(0, BV)
-    rmask = rows < V
-    rowg = mat * V + rows.to(tl.int64)
-    y0, y1 = _lean_y(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, mat, rowg, rmask, b, g, ss, n, G,
-                     TD, TQ, K, NC, NS, D_REL, PTX, PDL)
-    if NC == 1:
-        tl.store(y_ptr + rowg, y0, mask=rmask)
-    else:
         tl.store(y_ptr + rowg * 2, y0, mask=rmask)
         tl.store(y_ptr + rowg * 2 + 1, y1, mask=rmask)
 
@@ -1512,10 +1493,8 @@ def _records_kernel(
         C: tl.constexpr, PDL: tl.constexpr = False, W_KNOWN: tl.constexpr = False,
         LATE: tl.constexpr = 0, NCP: tl.constexpr = 1, SPLIT: tl.constexpr = False,
         NXK: tl.constexpr = 8, NXQ: tl.constexpr = 8, FOLD: tl.constexpr = False,
-        WPRE: tl.constexpr = False, LEAN: tl.constexpr = False, LPTX: tl.constexpr = False):
+        WPRE: tl.constexpr = False):
     # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
-    # LEAN (read_pass form "fused"): Y = C X by the lean read pass's code (_lean_y; nvfp4, at
-    # most two columns; LPTX its PTX chains) in this launch, in place of YPRE's load
     # W_KNOWN (with WRITE_W): also write the corrections' other slots of wout, the known ones
     # (< ss, as read from the ring) and zeros from n on, so wout needs no copy before and no
     # mask after (verify's returned corrections)
@@ -1647,16 +1626,6 @@ def _records_kernel(
             tl.extra.cuda.gdc_wait()
         Y = tl.load(y_ptr + rowg[:, None] * NC + cx[None, :],
                     mask=rmask[:, None] & (cx[None, :] < NC), other=0.0)
-    elif LEAN:  # the lean read pass's Y in this launch (the same code, so the same bits)
-        y0, y1 = _lean_y(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, mat, rowg, rmask, b, g, ss, n,
-                         G, TD, TQ, K, NC, NS, D_REL, LPTX, False)
-        if NC == 1:
-            Y = tl.where(cx[None, :] == 0, y0[:, None], 0.0)
-        else:
-            Y = tl.where(cx[None, :] == 0, y0[:, None],
-                         tl.where(cx[None, :] == 1, y1[:, None], 0.0))
-        if PDL:  # the stream of C overlapped the products launch; Z is read below
-            tl.extra.cuda.gdc_wait()
     else:
         Y = _c_times_x(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, dk_ptr, q_ptr, kbase, isk,
                        qbase, isq, b, g, cs, n, G, TD, TQ, K, KC, STAGES, BLK, BV, NC, NS, NX,
@@ -1888,15 +1857,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             in the same float32 operations, so the same bits); its tile may be any power of
             two >= 16 rows; the codes are read as 32-bit words, so their storage must start
             on a 4-byte boundary (refused otherwise). Mamba-2's nvfp4 step default since
-            2026-12-04. Form "fused" (the same conditions as "lean"): no launch of its own;
-            the records launch forms Y by the lean code (``_lean_y``) where it would read it,
-            on the read pass's tile (``block_v`` and ``num_warps`` ignored), so one launch
-            streams C and the records; the same bits as "lean" on the same tile under the
-            interpreter (on CUDA, compiled in a larger program, the sums may be laid out
-            otherwise: within the outputs' tolerance).
+            2026-12-04.
             ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
-            same bits; "fused": the one launch's): GDN's nvfp4 step default since 2026-12-04 (``(32, 2, "records",
+            same bits): GDN's nvfp4 step default since 2026-12-04 (``(32, 2, "records",
             96)``).
         pdl: programmatic dependent launch (CUDA, compute capability 9.0 or later) between
             the launches of this call: the launch after the products launch (the read pass,
@@ -2032,11 +1996,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             _check_tile(*read_pass[:2])
         except ValueError as e:
             raise ValueError(f"read_pass {tuple(read_pass)!r}: {e}") from None
-    # Y = C X in a launch of its own; "fused": in the records launch by the lean code
-    fusedy = read_pass is not None and NC > 0 and read_form == "fused"
-    ypre = read_pass is not None and NC > 0 and not fusedy
-    if fusedy:  # one launch, on the read pass's tile and register cap
-        block_v, num_warps = read_pass[0], read_pass[1]
+    ypre = read_pass is not None and NC > 0  # Y = C X in a launch of its own
     # with a read pass, "f16x3" is the read pass's only: the records launch (and the products
     # launch before it) form the products with the keys by reductions (no 16-column padding)
     main_dot = False if ypre and use_dot in X16_DOTS else use_dot
@@ -2058,17 +2018,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
     # the lean read pass's conditions, checked before any launch of this call
     lean = ypre and read_form == "lean"
-    if (lean or fusedy) and not (C.KIND == _K_NVFP4 and NC <= 2 and fused_window is None
-                                 and use_dot not in X16_DOTS):
-        raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy, at most 2 columns "
-                         f"of X (a decode step's), no fused_window and no use_dot in "
-                         f"{X16_DOTS}; got a {spec} copy, {NC} columns, "
-                         f"fused_window={fused_window!r}, use_dot={use_dot!r}")
-    if (lean or fusedy) and c.data_ptr() % 4:
-        raise ValueError(f"read_pass form {read_form!r} reads the nvfp4 codes as 32-bit words: "
-                         f"their storage must start on a 4-byte boundary, got address "
+    if lean and not (C.KIND == _K_NVFP4 and NC <= 2 and fused_window is None
+                     and use_dot not in X16_DOTS):
+        raise ValueError(f"read_pass form 'lean' takes an nvfp4 copy, at most 2 columns of X "
+                         f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
+                         f"got a {spec} copy, {NC} columns, fused_window={fused_window!r}, "
+                         f"use_dot={use_dot!r}")
+    if lean and c.data_ptr() % 4:
+        raise ValueError(f"read_pass form 'lean' reads the nvfp4 codes as 32-bit words: their "
+                         f"storage must start on a 4-byte boundary, got address "
                          f"{c.data_ptr():#x} (a view at an odd offset; pass a copy)")
-
     # C's products on float16 tensor cores: nvfp4 (E2M1 x E4M3 values, exact in float16)
     # or fp16 values as stored
     f16 = use_dot == "f16x3" and (C.KIND == _K_NVFP4 or _f16_exact(C))
@@ -2166,9 +2125,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         flags["DOT"] = 2 if f16 else 3 if b16 else bool(use_dot)
     mpdl = pdl and (zpre or ypre or wpre)  # after a launch of this call
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
-                          num_warps=num_warps, W_KNOWN=w_out_known, LEAN=fusedy,
-                          LPTX=fusedy and mode != "integer", **flags, **_pdl_launch(mpdl),
-                          **_maxnreg_launch(read_maxnreg if fusedy else None))
+                          num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
     return o
 
 
@@ -2318,12 +2275,11 @@ def _check_x16_dot(read, cfg: dict) -> None:
 
 
 def _check_verify_read_pass(read_pass) -> None:
-    """ValueError for a verify's ``read_pass`` in the lean or fused form: those forms are the
-    decode step's (at most two columns of X); a verify's launches have T queries (and GDN's
-    anchor launch the window's keys)."""
-    if (isinstance(read_pass, (tuple, list)) and len(read_pass) >= 3
-            and read_pass[2] in ("lean", "fused")):
-        raise ValueError(f"read_pass form {read_pass[2]!r} is the decode step's (at most 2 columns of "
+    """ValueError for a verify's ``read_pass`` in the lean form: that form is the decode
+    step's (at most two columns of X); a verify's launches have T queries (and GDN's anchor
+    launch the window's keys)."""
+    if isinstance(read_pass, (tuple, list)) and len(read_pass) >= 3 and read_pass[2] == "lean":
+        raise ValueError(f"read_pass form 'lean' is the decode step's (at most 2 columns of "
                          f"X); verify takes (block_v, num_warps) or (block_v, num_warps, "
                          f"'records'[, maxnreg]), got {tuple(read_pass)!r}")
 

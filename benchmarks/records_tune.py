@@ -379,6 +379,17 @@ LEAN_STEP_CANDIDATES = [_P] + [
     (None,) * 5 + _R8 + ((rb, rw, "lean"),)
     for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
                    (128, 4))]
+# --set rtiles (2026-12-04, twenty-fourth session): the nvfp4 step's records launch (the
+# launch after the read pass) on other tiles, the read pass as the default's (GDN the records
+# kernel's read pass capped at 96 registers, Mamba-2 the lean one), and Mamba-2's lean read
+# pass capped at 64 registers (72 uncapped: 28 one-warp programs per SM, 32 capped).
+_GDN_RP, _M2_RP = (32, 2, "records", 96), (64, 1, "lean")
+RTILES_STEP_CANDIDATES = [_P] + [
+    (bv, w, None, None, None) + _R8 + (rp,)
+    for rp in (_GDN_RP, _M2_RP)
+    for bv, w in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
+                  (128, 4))] + [(None,) * 5 + _R8 + ((64, 1, "lean", 64),),
+                                (None,) * 5 + _R8 + ((32, 1, "lean", 64),)]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -396,7 +407,8 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "b16b": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp32"},
                "fp8step": {"fp8": "read:fp8e4m3/rec:fp32"},
                "f16c": {"fp16": "read:fp16/rec:fp32"},
-               "lean": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
+               "lean": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
+               "rtiles": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -434,7 +446,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "b16b": ([], B16B_VERIFY_CANDIDATES),
                   "fp8step": (FP8STEP_STEP_CANDIDATES, []),
                   "f16c": (F16C_STEP_CANDIDATES, F16C_VERIFY_CANDIDATES),
-                  "lean": (LEAN_STEP_CANDIDATES, [])}
+                  "lean": (LEAN_STEP_CANDIDATES, []),
+                  "rtiles": (RTILES_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -457,6 +470,8 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if CANDIDATE_SET == "rtiles" and c is not _P and (c[13] == _GDN_RP) != M.gdn:
+        return True  # GDN's rows keep its read pass, Mamba-2's the lean one (or a capped one)
     if CANDIDATE_SET == "b16b" and (len(c) == 16 if M.gdn else len(c) == 5 or fmt == "bf16"):
         return True  # GDN: the defaults and the 5-field row; Mamba-2: the rest, from fp8
     if len(c) > 4 and c[4] == "bf16x3" and fmt not in ("bf16", "fp8"):
@@ -625,7 +640,9 @@ def main(argv=None):
                          "read pass) or f16c (fp16 read copies: C's products on float16 "
                          "tensor cores, use_dot='f16x3', against the defaults) or lean (the "
                          "nvfp4 step's read pass in the lean form, read_pass=(block_v, "
-                         "num_warps, 'lean'), against the default)")
+                         "num_warps, 'lean'), against the default) or rtiles (the nvfp4 "
+                         "step's records launch on other tiles; Mamba-2's lean read pass with "
+                         "a register cap)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

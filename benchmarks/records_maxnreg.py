@@ -11,9 +11,14 @@ each capped run checked bit for bit against the uncapped one:
   kernel, since the fp32 step has no read pass);
 * ``pack_pair_triton`` fp16+sr + nvfp4 (the split flush's casts), capped the same way.
 
+``--read mxfp4`` (twenty-fourth pass) times the mxfp4 step (``read:mxfp4/rec:fp16+sr``),
+both models on the records kernel's read pass ``(32, 2, "records", cap)``; ``--parts``
+picks among ``step``, ``fp32`` and ``pair``.
+
 Usage (on the device)::
 
     python benchmarks/records_maxnreg.py --out $OUT/records_maxnreg_h200.json
+    python benchmarks/records_maxnreg.py --read mxfp4 --parts step --out $OUT/records_maxnreg_mxfp4_h200.json
 """
 
 from __future__ import annotations
@@ -74,7 +79,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--read", default="nvfp4", choices=("nvfp4", "mxfp4"),
+                    help="the read copy of the timed step (default nvfp4)")
+    ap.add_argument("--parts", default="step,fp32,pair",
+                    help="comma-separated subset of step, fp32, pair (default all)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"step", "fp32", "pair"}:
+        raise SystemExit(f"--parts takes step, fp32, pair; got {args.parts!r}")
     if not torch.cuda.is_available():
         raise SystemExit("records_maxnreg.py times CUDA launches; run it on the device")
     out = {"command": " ".join(sys.argv), "code_commit": code_commit(),
@@ -89,18 +101,22 @@ def main():
     for name, geo in GEOS.items():
         M = rk.Model(name, 256, *geo, 16)
         gen = torch.Generator(device="cuda").manual_seed(3)
-        pol = StatePolicy.parse("read:nvfp4/rec:fp16+sr")
-        sets = [dc.make_set(M, gen, pol, 8, False) for _ in range(3)]
-        form = (32, 2, "records") if M.gdn else (64, 1, "lean")
-        res[f"{name} nvfp4 step default"] = t(lambda i: dc.run_step(M, sets[i], h))
-        base = (dc.run_step(M, sets[0], h, read_pass=form),)
-        for cap in CAPS:
-            rp = (*form, cap)
-            same = _same((dc.run_step(M, sets[0], h, read_pass=rp),), base)
-            res[f"{name} nvfp4 step read_pass={rp}"] = {
-                "median_us": t(lambda i, rp=rp: dc.run_step(M, sets[i], h, read_pass=rp)),
-                "same_bits": same}
-            print(name, rp, res[f"{name} nvfp4 step read_pass={rp}"], flush=True)
+        rd = args.read
+        if "step" in parts:
+            pol = StatePolicy.parse(f"read:{rd}/rec:fp16+sr")
+            sets = [dc.make_set(M, gen, pol, 8, False) for _ in range(3)]
+            form = (32, 2, "records") if M.gdn or rd == "mxfp4" else (64, 1, "lean")
+            res[f"{name} {rd} step default"] = t(lambda i: dc.run_step(M, sets[i], h))
+            base = (dc.run_step(M, sets[0], h, read_pass=form),)
+            for cap in CAPS:
+                rp = (*form, cap)
+                same = _same((dc.run_step(M, sets[0], h, read_pass=rp),), base)
+                res[f"{name} {rd} step read_pass={rp}"] = {
+                    "median_us": t(lambda i, rp=rp: dc.run_step(M, sets[i], h, read_pass=rp)),
+                    "same_bits": same}
+                print(name, rp, res[f"{name} {rd} step read_pass={rp}"], flush=True)
+        if "fp32" not in parts:
+            continue
         pol = StatePolicy.parse("fp32")
         sets = [dc.make_set(M, gen, pol, 8, False) for _ in range(3)]
         base = None
@@ -113,6 +129,8 @@ def main():
             print(name, "fp32", cap, res[f"{name} fp32 step, records launches maxnreg={cap}"],
                   flush=True)
         sets = None
+        if "pair" not in parts:
+            continue
         S = [torch.randn(256, geo[0], geo[2], geo[3], device="cuda") for _ in range(3)]
         keys = torch.arange(256 * geo[0], device="cuda").view(256, geo[0])
         def cast(i):

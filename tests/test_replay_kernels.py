@@ -235,8 +235,8 @@ def _flush_case(seed, second_length):
 
 def test_flush_register_cap():
     """``flush_kernel(maxnreg=...)``: the default cap of a split flush's fp32 flush comes from
-    ``SPLIT_FLUSH_MAXNREG`` (Mamba-2's geometry with an fp16 anchor: 168; a correction solve,
-    another geometry or an fp32 anchor: none); a given cap reaches every flush launch and gives
+    ``SPLIT_FLUSH_MAXNREG`` (Mamba-2's geometry with an fp16 or bf16 anchor: 168; a correction
+    solve, another geometry, an fp32 or fp8 anchor: none); a given cap reaches every flush launch and gives
     the same bits (on CUDA, where it reaches ptxas); bad caps are refused by name."""
     from replayssm_quant.kernels.replay import flush as fl
     from replayssm_quant.quant import pack
@@ -245,6 +245,9 @@ def test_flush_register_cap():
     assert fl.split_flush_maxnreg(a16, solve=False) == 168 == fl.SPLIT_FLUSH_MAXNREG[
         (False, 64, 128, "fp16")]
     assert fl.split_flush_maxnreg(a16, solve=True) is None
+    assert fl.split_flush_maxnreg(pack(torch.zeros(1, 1, 64, 128), "bf16"), solve=False) == 168
+    assert fl.split_flush_maxnreg(pack(torch.zeros(1, 1, 64, 128), "fp8e4m3"),
+                                  solve=False) is None
     assert fl.split_flush_maxnreg(torch.zeros(1, 1, 64, 128), solve=False) is None
     assert fl.split_flush_maxnreg(pack(torch.zeros(1, 1, 32, 128), "fp16"), solve=False) is None
     A, la, v, k, beta, q, length = _flush_case(31, 2)
@@ -857,8 +860,9 @@ def test_lean_read_pass_refused():
 
 
 def test_read_pass_register_cap():
-    """``read_pass=(block_v, num_warps, form, maxnreg)``: GDN's nvfp4 step asks for its
-    default cap (96) on the read-pass launch only, its mxfp4 step for none; capped and uncapped
+    """``read_pass=(block_v, num_warps, form, maxnreg)``: GDN's nvfp4 and mxfp4 steps ask for
+    their default cap (96) on the read-pass launch only, Mamba-2's mxfp4 step for none; capped
+    and uncapped
     read passes give the same bits (on CUDA the cap reaches ptxas; the interpreter has no
     registers and takes none); bad caps and a fifth field are refused by name."""
     gen = _gen(23)
@@ -881,11 +885,20 @@ def test_read_pass_register_cap():
         capped = step("nvfp4")
         assert asked == [kr.records.GDN_STEP_NVFP4_CONFIG["read_pass"][3]] == [96]
         asked.clear()
-        step("mxfp4")
-        assert asked == [None]
+        capped_mx = step("mxfp4")
+        assert asked == [kr.records.GDN_STEP_FP4_CONFIG["read_pass"][3]] == [96]
+        asked.clear()
+        _, R_m, ring_m, h_m = _ring_state(_gen(24), "mxfp4", gdn=False)
+        la, v, k = (t[:, 0] for t in _records(_gen(27), J=1)[:3])
+        kr.mamba2_step_kernel(R_m, ring_m, la, v, k, _t(torch.randn(B, G, K, generator=_gen(27))),
+                              h_m)
+        assert asked == [None]  # Mamba-2's mxfp4 step: no cap
     gen = _gen(23)
     plain = step("nvfp4", read_pass=(32, 2, "records"))
     for a, b in zip(capped, plain, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    plain = step("mxfp4", read_pass=(32, 2, "records"))  # gen drawn as for capped_mx
+    for a, b in zip(capped_mx, plain, strict=True):
         assert torch.equal(_bits(a), _bits(b))
     _, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=False)
     la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])

@@ -860,9 +860,13 @@ def _pair_roles(policy):
 # B = 256): Mamba-2's geometry (V = 64, K = 128, no correction solve) reading an fp16 anchor,
 # the whole read:nvfp4/rec:fp16+sr flush 1752.9 -> 1690.8 us at 168 registers (1753.5 /
 # 1752.7 -> 1689.9 / 1689.1 in a second run; 160: 1693.7, 176: no gain). GDN's lost (1161.9
-# -> 1196.0 at 168) and the fp32 policy's flushes lose at every cap; other anchors and
+# -> 1196.0 at 168) and the fp32 policy's flushes lose at every cap. Twenty-fourth session
+# (flush_maxnreg_anchors_h200.json): Mamba-2 reading a bf16 anchor (read:nvfp4/rec:bf16+sr)
+# 1664.8 / 1664.7 -> 1599.4 / 1603.6 us at 168 (224, 192: no gain; 128: 1738.0); an fp32
+# anchor (read:nvfp4/rec:fp32) loses at every cap (1336.7 -> 1370.3 at 168), and so do GDN's
+# with either anchor (bf16 1125.1 -> 1151.7, fp32 1302.5 -> 1792.0 at 168). Other anchors and
 # geometries are untimed: no cap.
-SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168}
+SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168, (False, 64, 128, "bf16"): 168}
 
 
 def split_flush_maxnreg(anchor, solve: bool) -> int | None:

@@ -124,7 +124,11 @@ GDN_STEP_BLOCKED_CONFIG = dict(STEP_CONFIG, prefetch=True)
 # records_tune_readpass2_h200.json) both take the read pass: the products with R in a launch of
 # 32-row tiles with 2 warps, the records launch on 128 (GDN) / 64 (Mamba-2) rows with 2 warps:
 # GDN 138.5 -> 119.6 us, Mamba-2 163.6 -> 150.3 us (one launch at the former tiles -> read pass).
-GDN_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=128, num_warps=2, read_pass=(32, 2))
+# Since 2026-12-04 (twenty-third / twenty-fourth sessions, benchmarks/records_maxnreg.py,
+# records_maxnreg_h200.json and records_maxnreg_mxfp4_h200.json, B = 256, h = 7) the read pass
+# has its registers capped at 96 per thread (it takes 112 uncapped: 9 two-warp programs per
+# SM, 10 capped): nvfp4 115.1 -> 108.7 us, mxfp4 109.6 -> 102.3 us; the same bits.
+GDN_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=128, num_warps=2, read_pass=(32, 2, "records", 96))
 # GDN from an fp8 copy since 2026-12-03 (eighteenth session, records_tune --set fp8step --timing
 # graph, records_tune_fp8step_h200.json, B = 256, h = 7; never swept before): the read pass on
 # 32-row tiles with one warp, the records launch on 128 x 2: 156.2 -> 136.8 us (one launch on
@@ -137,12 +141,10 @@ MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(3
 # best lean tile (64 x 1) was 113.4 against its default's 115.4 us, within a run's spread:
 # GDN keeps the records kernel's read pass.
 MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(64, 1, "lean"))
-# GDN from an nvfp4 copy since 2026-12-04 (twenty-third session, benchmarks/records_maxnreg.py,
-# records_maxnreg_h200.json, B = 256, h = 7): GDN_STEP_FP4_CONFIG's read pass with its registers
-# capped at 96 per thread (it takes 112 uncapped: 9 two-warp programs per SM, 10 capped).
-# The cap gives the same bits; mxfp4 keeps GDN_STEP_FP4_CONFIG (its read pass was not timed
-# with a cap).
-GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(32, 2, "records", 96))
+# GDN from an nvfp4 copy: GDN_STEP_FP4_CONFIG (its read pass capped at 96 registers since the
+# twenty-third session; mxfp4's since the twenty-fourth). Mamba-2's mxfp4 step gains nothing
+# from a cap (135.6 us uncapped, 135.2-142.0 at 64-128; records_maxnreg_mxfp4_h200.json).
+GDN_STEP_NVFP4_CONFIG = GDN_STEP_FP4_CONFIG
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /

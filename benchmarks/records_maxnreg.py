@@ -13,7 +13,8 @@ each capped run checked bit for bit against the uncapped one:
 
 ``--read mxfp4`` (twenty-fourth pass) times the mxfp4 step (``read:mxfp4/rec:fp16+sr``),
 both models on the records kernel's read pass ``(32, 2, "records", cap)``; ``--parts``
-picks among ``step``, ``fp32`` and ``pair``.
+picks among ``step``, ``rec`` (the step's records launch after its read pass capped, the
+read pass as the default's; not in the default set), ``fp32`` and ``pair``.
 
 Usage (on the device)::
 
@@ -57,12 +58,25 @@ class Capped:
         return lambda *a, **kw: launch(*a, **{**kw, "maxnreg": self.cap})
 
 
+class CappedRecords(Capped):
+    """:class:`Capped` for ``_records_kernel``'s records launches only (``YOUT=False``): a
+    read pass in the records form keeps its own cap."""
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        if self.cap is None:
+            return launch
+        return lambda *a, **kw: launch(*a, **(kw if kw.get("YOUT") else
+                                              {**kw, "maxnreg": self.cap}))
+
+
 @contextlib.contextmanager
-def capped(module, name: str, cap):
+def capped(module, name: str, cap, kind=Capped):
     """Within: ``module.name`` (a Triton kernel its module launches by that name) replaced by
-    :class:`Capped` with ``cap``; the kernel restored on exit."""
+    ``kind`` (:class:`Capped`, or :class:`CappedRecords`) with ``cap``; the kernel restored on
+    exit."""
     real = getattr(module, name)
-    setattr(module, name, Capped(real, cap))
+    setattr(module, name, kind(real, cap))
     try:
         yield
     finally:
@@ -82,11 +96,13 @@ def main():
     ap.add_argument("--read", default="nvfp4", choices=("nvfp4", "mxfp4"),
                     help="the read copy of the timed step (default nvfp4)")
     ap.add_argument("--parts", default="step,fp32,pair",
-                    help="comma-separated subset of step, fp32, pair (default all)")
+                    help="comma-separated subset of step, rec (the step's records launch "
+                         "after its read pass, capped), fp32, pair (default: step, fp32, "
+                         "pair)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"step", "fp32", "pair"}:
-        raise SystemExit(f"--parts takes step, fp32, pair; got {args.parts!r}")
+    if not parts <= {"step", "rec", "fp32", "pair"}:
+        raise SystemExit(f"--parts takes step, rec, fp32, pair; got {args.parts!r}")
     if not torch.cuda.is_available():
         raise SystemExit("records_maxnreg.py times CUDA launches; run it on the device")
     out = {"command": " ".join(sys.argv), "code_commit": code_commit(),
@@ -115,6 +131,18 @@ def main():
                     "median_us": t(lambda i, rp=rp: dc.run_step(M, sets[i], h, read_pass=rp)),
                     "same_bits": same}
                 print(name, rp, res[f"{name} {rd} step read_pass={rp}"], flush=True)
+        if "rec" in parts:  # the nvfp4 / mxfp4 step's records launch (after the read pass)
+            pol = StatePolicy.parse(f"read:{rd}/rec:fp16+sr")
+            sets = [dc.make_set(M, gen, pol, 8, False) for _ in range(3)]
+            base = None
+            for cap in (None, 80, 72, 64, 56, 48, 40):
+                with capped(rec, "_records_kernel", cap, CappedRecords):
+                    o = (dc.run_step(M, sets[0], h),)
+                    base = base or o
+                    key = f"{name} {rd} step, records launch maxnreg={cap}"
+                    res[key] = {"median_us": t(lambda i: dc.run_step(M, sets[i], h)),
+                                "same_bits": _same(o, base)}
+                print(name, rd, "records launch", cap, res[key], flush=True)
         if "fp32" not in parts:
             continue
         pol = StatePolicy.parse("fp32")

@@ -390,12 +390,21 @@ RTILES_STEP_CANDIDATES = [_P] + [
     for bv, w in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
                   (128, 4))] + [(None,) * 5 + _R8 + ((64, 1, "lean", 64),),
                                 (None,) * 5 + _R8 + ((32, 1, "lean", 64),)]
+# --set lrec (2026-12-04, twenty-fourth session): Mamba-2's step with the lean records launch
+# after its read pass (lean_records=(heads, num_warps), _m2_step_out_kernel: one program per
+# sequence and that many value heads); from nvfp4 after the default lean read pass, from
+# FP32 after a read pass of the records kernel (the FP32 step's default is one launch).
+_LR = [(hb, w) for hb in (1, 2, 4, 8, 16) for w in (1, 2, 4)]
+LREC_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + (None, None, None, None, None, None, lr) for lr in _LR] + [
+    (None,) * 13 + (rp, None, None, None, None, None, lr)
+    for rp in ((32, 2), (64, 2), (64, 4)) for lr in (None, (2, 2), (4, 2), (8, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
         "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision", "late_sum",
-        "split_x", "fold_x")
+        "split_x", "fold_x", "lean_records")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -447,6 +456,7 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "fp8step": (FP8STEP_STEP_CANDIDATES, []),
                   "f16c": (F16C_STEP_CANDIDATES, F16C_VERIFY_CANDIDATES),
                   "lean": (LEAN_STEP_CANDIDATES, []),
+                  "lrec": (LREC_STEP_CANDIDATES, []),
                   "rtiles": (RTILES_STEP_CANDIDATES, [])}
 
 
@@ -470,6 +480,12 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if len(c) > 19 and c[19] is not None and M.gdn:
+        return True  # lean_records: Mamba-2's step
+    if CANDIDATE_SET == "lrec" and c is not _P and M.gdn:
+        return True
+    if CANDIDATE_SET == "lrec" and c is not _P and (c[13] is not None) != (fmt == "fp32"):
+        return True  # nvfp4 keeps its lean read pass, FP32 takes one of the records kernel
     if CANDIDATE_SET == "rtiles" and c is not _P and (c[13] == _GDN_RP) != M.gdn:
         return True  # GDN's rows keep its read pass, Mamba-2's the lean one (or a capped one)
     if CANDIDATE_SET == "b16b" and (len(c) == 16 if M.gdn else len(c) == 5 or fmt == "bf16"):
@@ -642,7 +658,8 @@ def main(argv=None):
                          "nvfp4 step's read pass in the lean form, read_pass=(block_v, "
                          "num_warps, 'lean'), against the default) or rtiles (the nvfp4 "
                          "step's records launch on other tiles; Mamba-2's lean read pass with "
-                         "a register cap)")
+                         "a register cap) or lrec (Mamba-2's step with the lean records "
+                         "launch, lean_records)")
     ap.add_argument("--timing", default="eager", choices=dc.TIMING_MODES,
                     help="decode.timer's mode: eager (Python launches per call), graph "
                          "(CUDA-graph replays: the kernels' GPU time) or both")

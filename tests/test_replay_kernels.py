@@ -712,6 +712,92 @@ def test_mamba2_step(read_fmt, read_pass, monkeypatch):
         assert torch.equal(ring[n], ref_ring[n]), n
 
 
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+def test_mamba2_lean_records(read_fmt, monkeypatch):
+    """``lean_records=(heads, num_warps)``: Mamba-2's step after a read pass with the lean
+    records launch (``_m2_step_out_kernel``: one program per sequence and ``heads`` value
+    heads) in place of the records kernel's: the outputs against the torch reference, the
+    appended ring equal to the reference ring (v, la, and k of both key groups), a sequence
+    alone the same bits as in the batch, on blocks of 1, 2, 4 and 8 heads (8 > H: heads
+    masked off), after the records kernel's read pass and the lean one."""
+    gen = _gen(28)
+    R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=False)
+    la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
+    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
+    ref_ring = {n: t.clone() for n, t in ring.items()}
+    b = torch.arange(B, device=DEVICE)
+    for n, t in (("la", la), ("v", v), ("k", k)):
+        ref_ring[n][b, h] = t
+    J = int(h.max()) + 1
+    want = mamba2_step_output(R, ref_ring["la"][:, :J], ref_ring["v"][:, :J],
+                              ref_ring["k"][:, :J], q, h + 1)
+    launched = []
+    real = kr.records._m2_step_out_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*a, **kw):
+                launched.append((grid, kw["HB"], kw["num_warps"]))
+                return launch(*a, **kw)
+            return run
+
+    def step(rg, sl, **kw):
+        Rs = (R_st[sl] if isinstance(R_st, torch.Tensor) else
+              PackedTensor(R_st.spec, R_st.codes[sl].shape[:-1] + R_st.shape[-1:],
+                           R_st.codes[sl], R_st.block_scales[sl], R_st.matrix_scale[sl]))
+        return kr.mamba2_step_kernel(Rs, rg, la[sl], v[sl], k[sl], q[sl], h[sl], **kw)
+
+    rps = [(16, 1)] + ([(16, 1, "lean")] if read_fmt == "nvfp4" else [])
+    for rp in rps:
+        for hb, w in ((1, 1), (2, 2), (4, 1), (8, 2)):
+            rg = {n: t.clone() for n, t in ring.items()}
+            seen = _kernel_launches(monkeypatch)
+            monkeypatch.setattr(kr.records, "_m2_step_out_kernel", Spy())
+            launched.clear()
+            got = step(rg, slice(None), read_pass=rp, lean_records=(hb, w))
+            assert launched == [((B * -(-H // hb),), hb, w)], launched
+            assert (False, True) not in seen, seen  # no records kernel's records launch
+            torch.testing.assert_close(got, want, **TOL)
+            for n in ring:
+                assert torch.equal(rg[n], ref_ring[n]), (rp, hb, n)
+            alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2),
+                         read_pass=rp, lean_records=(hb, w))
+            assert torch.equal(_bits(alone), _bits(got[1:])), (rp, hb)
+    # False: the records kernel's launch
+    seen = _kernel_launches(monkeypatch)
+    got = step({n: t.clone() for n, t in ring.items()}, slice(None), read_pass=(16, 1),
+               lean_records=False)
+    assert seen == [(True, False), (False, True)], seen
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_mamba2_lean_records_refused():
+    """``lean_records`` takes (heads, num_warps) with heads a power of two in [1, 64] and 1-8
+    warps, and only Mamba-2's step after a read pass: each refusal names the value."""
+    gen = _gen(29)
+    _, R_st, ring, h = _ring_state(gen, "fp32", gdn=False)
+    la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
+    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
+    for bad in ((3, 1), (2, 3), (128, 1), (0, 1), (2,), "4", (True, 1), (2.0, 1)):
+        with pytest.raises(ValueError, match=f"lean_records must be None or \\(heads, "
+                                             f"num_warps\\).*got {re.escape(repr(bad))}"):
+            kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1),
+                                  lean_records=bad)
+    with pytest.raises(ValueError, match="lean_records is Mamba-2's decode step after a read "
+                                         "pass.*read_pass=None"):
+        kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=False, lean_records=(2, 1))
+    # GDN's step through records_outputs: refused
+    _, G_st, gring, gh = _ring_state(gen, "fp32", gdn=True)
+    draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None], "beta": la[:, None]}
+    with pytest.raises(ValueError, match="lean_records is Mamba-2's.*gdn=True"):
+        kr.records.records_outputs(G_st, ring_la=gring["la"], ring_k=gring["k"],
+                                   ring_w=gring["uR"], q=q[:, None], start=gh, rows=gh + 1,
+                                   out_start=gh, draft=draft, gdn=True, w_out=gring["uR"],
+                                   read_pass=(16, 1), lean_records=(2, 1))
+
+
 @pytest.mark.parametrize("read_pass", READ_PASSES, ids=["one_launch", "read_pass"])
 @pytest.mark.parametrize("read_fmt", READ_FORMATS)
 def test_gdn_step(read_fmt, read_pass, monkeypatch):

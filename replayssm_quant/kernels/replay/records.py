@@ -1473,6 +1473,77 @@ def _output(p, t, Y, Z, U, cvec, idx, cx, rows, rmask, b, h, o_ptr, H, V, OT, OT
 
 
 @triton.jit
+def _m2_step_out_kernel(rla_ptr, rw_ptr, dla_ptr, dk_ptr, dv_ptr, o_ptr, ss_ptr, n_ptr, os_ptr,
+                        ala_ptr, ak_ptr, av_ptr, z_ptr, y_ptr, H, G, V, CAP, TD, OT, OT0,
+                        K: tl.constexpr, LP: tl.constexpr, NX: tl.constexpr, HB: tl.constexpr,
+                        VP: tl.constexpr, D_REL: tl.constexpr, PDL: tl.constexpr = False):
+    """The lean records launch of Mamba-2's decode step (``records_outputs(lean_records=(HB,
+    num_warps))``), after the read pass (``Y = R q``) and the products launch (``Z``): one
+    program per sequence ``b`` and ``HB`` value heads (``HB * VP`` rows, the heads' value rows
+    contiguous), which reads the records of its heads (la, v: ring slots ``< ss``, the draft
+    row at ``ss``), ``Y`` and ``Z`` (column 0: ``k_j . q``), writes the output of query 0 at
+    slot ``p = out_start[b]``, ``o_p = gamma_{1:p} (R q) + sum_{j<=p} gamma_{j+1:p} (k_j . q)
+    v_j`` (Mamba-2's output-only form, ``replay.mamba2.mamba2_step_output``; the records
+    kernel's ``_output`` with the same operations per row), and appends the draft row
+    (``_append_row``: v, la; k from the first value head of each key group). Each row depends
+    on its own sequence's records only. ``PDL``: launched after the read pass; it loads the
+    records first and waits before it reads Y or Z and before its first store."""
+    pid = tl.program_id(0).to(tl.int64)
+    nhb = tl.cdiv(H, HB)
+    b = pid // nhb
+    h0 = (pid - b * nhb) * HB
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    o0 = tl.load(os_ptr + b)
+    r = tl.arange(0, HB * VP)
+    hr = h0 + r // VP  # value head of each row
+    vr = r % VP  # value row within its head
+    rmask = (hr < H) & (vr < V)
+    gr = hr // (H // G)
+    idx = tl.arange(0, LP).to(tl.int64)
+    ring, drf, di, ri = _slots(idx, ss, n, D_REL)
+    m2 = ring[:, None] & rmask[None, :]
+    md = drf[:, None] & rmask[None, :]
+    hrow = hr[None, :]
+    la = tl.where(ring[:, None],
+                  tl.load(rla_ptr + (b * CAP + ri)[:, None] * H + hrow, mask=m2, other=0.0),
+                  tl.load(dla_ptr + (b * TD + di)[:, None] * H + hrow, mask=md, other=0.0))
+    U = tl.load(rw_ptr + ((b * CAP + ri)[:, None] * H + hrow) * V + vr[None, :], mask=m2,
+                other=0.0)
+    U += tl.load(dv_ptr + ((b * TD + di)[:, None] * H + hrow) * V + vr[None, :], mask=md,
+                 other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    cq = tl.load(y_ptr + (b * H + hr) * V + vr, mask=rmask, other=0.0)  # R q
+    kq = tl.load(z_ptr + ((b * G + gr)[None, :] * LP + idx[:, None]) * NX,
+                 mask=rmask[None, :], other=0.0)  # k_j . q
+    cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j, per row (its head's)
+    cp = tl.sum(tl.where(idx[:, None] == o0, cvec, 0.0), axis=0)
+    upto = (idx <= o0)[:, None]
+    m = tl.where(upto, tl.exp(tl.where(upto, cp[None, :] - cvec, 0.0)), 0.0)
+    o = tl.exp(cp) * cq + tl.sum((m * kq) * U, axis=0)
+    tl.store(o_ptr + ((b * OT + OT0) * H + hr) * V + vr, o, mask=rmask)
+    if n > ss:  # the decode step's append of row ss (one draft row)
+        if D_REL:
+            pd = ss * 0
+        else:
+            pd = ss
+        vp = tl.load(dv_ptr + ((b * TD + pd) * H + hr) * V + vr, mask=rmask, other=0.0)
+        tl.store(av_ptr + ((b * CAP + ss) * H + hr) * V + vr, vp, mask=rmask)
+        first = rmask & (vr == 0)
+        tl.store(ala_ptr + (b * CAP + ss) * H + hr,
+                 tl.load(dla_ptr + (b * TD + pd) * H + hr, mask=first, other=0.0), mask=first)
+        hh = h0 + tl.arange(0, HB)
+        lead = (hh < H) & (hh % (H // G) == 0)  # the first value head of its key group
+        gg = hh // (H // G)
+        kk = tl.arange(0, K)
+        kp = tl.load(dk_ptr + ((b * TD + pd) * G + gg)[:, None] * K + kk[None, :],
+                     mask=lead[:, None], other=0.0)
+        tl.store(ak_ptr + ((b * CAP + ss) * G + gg)[:, None] * K + kk[None, :], kp,
+                 mask=lead[:, None])
+
+
+@triton.jit
 def _records_kernel(
         c_ptr, cbs_ptr, cms_ptr,  # checkpoint C (stored)
         rla_ptr, rk_ptr, rw_ptr,  # ring: la [B,CAP,H], k [B,CAP,G,K], w [B,CAP,H,V] (rows < ss)
@@ -1717,7 +1788,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     read_pass: "tuple[int, int] | tuple[int, int, str] | bool | None" = None,
                     pdl: bool | None = None, w_out_known: bool = False,
                     late_sum: int | None = None, split_x: bool = False,
-                    fold_x: "bool | str" = False) -> torch.Tensor:
+                    fold_x: "bool | str" = False,
+                    lean_records: "tuple[int, int] | bool | None" = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -1864,6 +1936,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
             same bits): GDN's nvfp4 step default since 2026-12-04 (``(32, 2, "records",
             96)``).
+        lean_records: ``(heads, num_warps)``: Mamba-2's decode step (``gdn=False``, one draft
+            row, one query, ``append`` given, no ``w_out``, ``at_window`` or ``fused_window``,
+            the substitution form) with a read pass: the records launch after it is
+            ``_m2_step_out_kernel``, one program per sequence and ``heads`` value heads (a
+            power of two in [1, 64]) on ``num_warps`` warps, in place of the records kernel's
+            one program per (sequence, value head, row tile); the same formula per row (within
+            the outputs' tolerance of the records kernel's launch, not bit for bit). Where no
+            products launch runs (one value head per key group and one row tile), the records
+            kernel's launch. Refused (ValueError naming the option) for any other call. None or
+            False (default): the records kernel's launch.
         pdl: programmatic dependent launch (CUDA, compute capability 9.0 or later) between
             the launches of this call: the launch after the products launch (the read pass,
             or the records launch) starts while the products launch runs and streams C
@@ -1999,6 +2081,24 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         except ValueError as e:
             raise ValueError(f"read_pass {tuple(read_pass)!r}: {e}") from None
     ypre = read_pass is not None and NC > 0  # Y = C X in a launch of its own
+    if lean_records is False:
+        lean_records = None
+    if lean_records is not None:
+        if not (isinstance(lean_records, (tuple, list)) and len(lean_records) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in lean_records)
+                and _pow2(lean_records[0]) and 1 <= lean_records[0] <= 64
+                and _pow2(lean_records[1]) and lean_records[1] <= 8):
+            raise ValueError(f"lean_records must be None or (heads, num_warps) with heads a "
+                             f"power of two in [1, 64] and num_warps 1, 2, 4 or 8, got "
+                             f"{lean_records!r}")
+        if (gdn or TD != 1 or TQ != 1 or matrix or append is None or w_out is not None
+                or at_window is not None or fused_window is not None or not ypre):
+            raise ValueError(f"lean_records is Mamba-2's decode step after a read pass (gdn="
+                             f"False, one draft row, one query, append, solve='substitution', "
+                             f"read_pass given, no w_out / at_window / fused_window); got "
+                             f"gdn={gdn!r}, {TD} draft rows, {TQ} queries, solve={solve!r}, "
+                             f"append={'given' if append is not None else None}, "
+                             f"read_pass={read_pass!r}")
     # with a read pass, "f16x3" is the read pass's only: the records launch (and the products
     # launch before it) form the products with the keys by reductions (no 16-column padding)
     main_dot = False if ypre and use_dot in X16_DOTS else use_dot
@@ -2126,6 +2226,14 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         y = o_arg
         flags["DOT"] = 2 if f16 else 3 if b16 else bool(use_dot)
     mpdl = pdl and (zpre or ypre or wpre)  # after a launch of this call
+    if lean_records is not None and zpre:  # Mamba-2's step: the lean records launch
+        hb, lw = lean_records
+        _m2_step_out_kernel[(B * triton.cdiv(H, hb),)](
+            ring_la, ring_w, dla, dk, dv, o_arg, start, rows, out_start, a_la, a_k, a_v, z, y,
+            H, G, V, CAP, TD, o.shape[1], out_slot, K=K, LP=LP, NX=NX, HB=hb,
+            VP=triton.next_power_of_2(V), D_REL=draft_relative, num_warps=lw,
+            **_pdl_launch(mpdl))
+        return o
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
                           num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
     return o
@@ -2331,7 +2439,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
         e2m1_decode: str | None = None, read_pass=None,
-        pdl: bool | None = None, late_sum: int | None = None):
+        pdl: bool | None = None, late_sum: int | None = None, lean_records=None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -2342,7 +2450,9 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     for an nvfp4 one (the lean read pass), ``MAMBA2_STEP_FP4_CONFIG`` for mxfp4) unless
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed; ``read_pass``:
     ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
-    products with R, or False for one launch)."""
+    products with R, or False for one launch; ``lean_records``: ``(heads, num_warps)`` of the
+    lean records launch after a read pass, or False for the records kernel's; a default
+    ``lean_records`` is dropped where the step has no read pass)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
@@ -2351,11 +2461,14 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
+                  lean_records=lean_records)
     if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
             and cfg["read_pass"][2] == "lean" and cfg["use_dot"] in X16_DOTS):
         # a caller's 16-bit products: the records kernel's read pass (the lean one has none)
         cfg["read_pass"] = MAMBA2_STEP_FP4_CONFIG["read_pass"]
+    if lean_records is None and not cfg.get("read_pass"):
+        cfg.pop("lean_records", None)  # the default's lean records launch needs a read pass
     _check_x16_dot(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}

@@ -390,15 +390,13 @@ RTILES_STEP_CANDIDATES = [_P] + [
     for bv, w in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
                   (128, 4))] + [(None,) * 5 + _R8 + ((64, 1, "lean", 64),),
                                 (None,) * 5 + _R8 + ((32, 1, "lean", 64),)]
-# --set lrec (2026-12-04, twenty-fourth session): Mamba-2's step with the lean records launch
-# after its read pass (lean_records=(heads, num_warps), _m2_step_out_kernel: one program per
-# sequence and that many value heads); from nvfp4 after the default lean read pass, from
-# FP32 after a read pass of the records kernel (the FP32 step's default is one launch).
-_LR = [(hb, w) for hb in (1, 2, 4, 8, 16) for w in (1, 2, 4)]
+# --set lrec (2026-12-04, twenty-fourth session): Mamba-2's nvfp4 step with the lean records
+# launch after its lean read pass (lean_records=(heads, num_warps), _m2_step_out_kernel: one
+# program per sequence and that many value heads). (A first run, records_tune_lrec_r1_h200.json,
+# also timed the FP32 step with a read pass, 334-399 us against its one launch's 285 us.)
+_LR = [(hb, w) for hb in (1, 2, 4, 8) for w in (1, 2, 4, 8) if hb * 64 >= w * 32]
 LREC_STEP_CANDIDATES = [_P] + [
-    (None,) * 13 + (None, None, None, None, None, None, lr) for lr in _LR] + [
-    (None,) * 13 + (rp, None, None, None, None, None, lr)
-    for rp in ((32, 2), (64, 2), (64, 4)) for lr in (None, (2, 2), (4, 2), (8, 4))]
+    (None,) * 13 + (None, None, None, None, None, None, lr) for lr in _LR]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -484,8 +482,8 @@ def skip(M, c, fmt):
         return True  # lean_records: Mamba-2's step
     if CANDIDATE_SET == "lrec" and c is not _P and M.gdn:
         return True
-    if CANDIDATE_SET == "lrec" and c is not _P and (c[13] is not None) != (fmt == "fp32"):
-        return True  # nvfp4 keeps its lean read pass, FP32 takes one of the records kernel
+    if CANDIDATE_SET == "lrec" and c is not _P and fmt != "nvfp4":
+        return True  # after the nvfp4 step's lean read pass
     if CANDIDATE_SET == "rtiles" and c is not _P and (c[13] == _GDN_RP) != M.gdn:
         return True  # GDN's rows keep its read pass, Mamba-2's the lean one (or a capped one)
     if CANDIDATE_SET == "b16b" and (len(c) == 16 if M.gdn else len(c) == 5 or fmt == "bf16"):

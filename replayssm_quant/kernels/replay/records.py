@@ -1479,8 +1479,9 @@ def _m2_step_out_kernel(rla_ptr, rw_ptr, dla_ptr, dk_ptr, dv_ptr, o_ptr, ss_ptr,
                         VP: tl.constexpr, D_REL: tl.constexpr, PDL: tl.constexpr = False):
     """The lean records launch of Mamba-2's decode step (``records_outputs(lean_records=(HB,
     num_warps))``), after the read pass (``Y = R q``) and the products launch (``Z``): one
-    program per sequence ``b`` and ``HB`` value heads (``HB * VP`` rows, the heads' value rows
-    contiguous), which reads the records of its heads (la, v: ring slots ``< ss``, the draft
+    program per sequence ``b`` and ``HB`` value heads (``[HB, VP]`` value rows; the per-head
+    decays and products with the keys as ``[LP, HB]``, the records' values ``[LP, HB, VP]``),
+    which reads the records of its heads (la, v: ring slots ``< ss``, the draft
     row at ``ss``), ``Y`` and ``Z`` (column 0: ``k_j . q``), writes the output of query 0 at
     slot ``p = out_start[b]``, ``o_p = gamma_{1:p} (R q) + sum_{j<=p} gamma_{j+1:p} (k_j . q)
     v_j`` (Mamba-2's output-only form, ``replay.mamba2.mamba2_step_output``; the records
@@ -1495,51 +1496,52 @@ def _m2_step_out_kernel(rla_ptr, rw_ptr, dla_ptr, dk_ptr, dv_ptr, o_ptr, ss_ptr,
     ss = tl.load(ss_ptr + b)
     n = tl.load(n_ptr + b)
     o0 = tl.load(os_ptr + b)
-    r = tl.arange(0, HB * VP)
-    hr = h0 + r // VP  # value head of each row
-    vr = r % VP  # value row within its head
-    rmask = (hr < H) & (vr < V)
-    gr = hr // (H // G)
+    hh = h0 + tl.arange(0, HB)  # [HB] value heads
+    hok = hh < H
+    gh = hh // (H // G)
+    vr = tl.arange(0, VP)
+    rmask = hok[:, None] & (vr < V)[None, :]  # [HB, VP]
+    rowo = (b * H + hh)[:, None] * V + vr[None, :]  # [HB, VP] rows of y (and of o's slot)
     idx = tl.arange(0, LP).to(tl.int64)
     ring, drf, di, ri = _slots(idx, ss, n, D_REL)
-    m2 = ring[:, None] & rmask[None, :]
-    md = drf[:, None] & rmask[None, :]
-    hrow = hr[None, :]
+    # per (slot, head): la [LP, HB]; per (slot, head, row): v [LP, HB, VP]
     la = tl.where(ring[:, None],
-                  tl.load(rla_ptr + (b * CAP + ri)[:, None] * H + hrow, mask=m2, other=0.0),
-                  tl.load(dla_ptr + (b * TD + di)[:, None] * H + hrow, mask=md, other=0.0))
-    U = tl.load(rw_ptr + ((b * CAP + ri)[:, None] * H + hrow) * V + vr[None, :], mask=m2,
-                other=0.0)
-    U += tl.load(dv_ptr + ((b * TD + di)[:, None] * H + hrow) * V + vr[None, :], mask=md,
-                 other=0.0)
+                  tl.load(rla_ptr + (b * CAP + ri)[:, None] * H + hh[None, :],
+                          mask=ring[:, None] & hok[None, :], other=0.0),
+                  tl.load(dla_ptr + (b * TD + di)[:, None] * H + hh[None, :],
+                          mask=drf[:, None] & hok[None, :], other=0.0))
+    m3 = ring[:, None, None] & rmask[None, :, :]
+    md3 = drf[:, None, None] & rmask[None, :, :]
+    U = tl.load(rw_ptr + ((b * CAP + ri)[:, None, None] * H + hh[None, :, None]) * V
+                + vr[None, None, :], mask=m3, other=0.0)
+    U += tl.load(dv_ptr + ((b * TD + di)[:, None, None] * H + hh[None, :, None]) * V
+                 + vr[None, None, :], mask=md3, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    cq = tl.load(y_ptr + (b * H + hr) * V + vr, mask=rmask, other=0.0)  # R q
-    kq = tl.load(z_ptr + ((b * G + gr)[None, :] * LP + idx[:, None]) * NX,
-                 mask=rmask[None, :], other=0.0)  # k_j . q
-    cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j, per row (its head's)
-    cp = tl.sum(tl.where(idx[:, None] == o0, cvec, 0.0), axis=0)
+    cq = tl.load(y_ptr + rowo, mask=rmask, other=0.0)  # R q [HB, VP]
+    kq = tl.load(z_ptr + ((b * G + gh)[None, :] * LP + idx[:, None]) * NX,
+                 mask=hok[None, :], other=0.0)  # k_j . q [LP, HB]
+    cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j, per head
+    cp = tl.sum(tl.where(idx[:, None] == o0, cvec, 0.0), axis=0)  # [HB]
     upto = (idx <= o0)[:, None]
     m = tl.where(upto, tl.exp(tl.where(upto, cp[None, :] - cvec, 0.0)), 0.0)
-    o = tl.exp(cp) * cq + tl.sum((m * kq) * U, axis=0)
-    tl.store(o_ptr + ((b * OT + OT0) * H + hr) * V + vr, o, mask=rmask)
+    o = tl.exp(cp)[:, None] * cq + tl.sum((m * kq)[:, :, None] * U, axis=0)
+    tl.store(o_ptr + ((b * OT + OT0) * H + hh)[:, None] * V + vr[None, :], o, mask=rmask)
     if n > ss:  # the decode step's append of row ss (one draft row)
         if D_REL:
             pd = ss * 0
         else:
             pd = ss
-        vp = tl.load(dv_ptr + ((b * TD + pd) * H + hr) * V + vr, mask=rmask, other=0.0)
-        tl.store(av_ptr + ((b * CAP + ss) * H + hr) * V + vr, vp, mask=rmask)
-        first = rmask & (vr == 0)
-        tl.store(ala_ptr + (b * CAP + ss) * H + hr,
-                 tl.load(dla_ptr + (b * TD + pd) * H + hr, mask=first, other=0.0), mask=first)
-        hh = h0 + tl.arange(0, HB)
-        lead = (hh < H) & (hh % (H // G) == 0)  # the first value head of its key group
-        gg = hh // (H // G)
+        vrow = ((b * TD + pd) * H + hh)[:, None] * V + vr[None, :]
+        vp = tl.load(dv_ptr + vrow, mask=rmask, other=0.0)
+        tl.store(av_ptr + ((b * CAP + ss) * H + hh)[:, None] * V + vr[None, :], vp, mask=rmask)
+        tl.store(ala_ptr + (b * CAP + ss) * H + hh,
+                 tl.load(dla_ptr + (b * TD + pd) * H + hh, mask=hok, other=0.0), mask=hok)
+        lead = hok & (hh % (H // G) == 0)  # the first value head of its key group
         kk = tl.arange(0, K)
-        kp = tl.load(dk_ptr + ((b * TD + pd) * G + gg)[:, None] * K + kk[None, :],
+        kp = tl.load(dk_ptr + ((b * TD + pd) * G + gh)[:, None] * K + kk[None, :],
                      mask=lead[:, None], other=0.0)
-        tl.store(ak_ptr + ((b * CAP + ss) * G + gg)[:, None] * K + kk[None, :], kp,
+        tl.store(ak_ptr + ((b * CAP + ss) * G + gh)[:, None] * K + kk[None, :], kp,
                  mask=lead[:, None])
 
 

@@ -395,8 +395,11 @@ RTILES_STEP_CANDIDATES = [_P] + [
 # program per sequence and that many value heads). (A first run, records_tune_lrec_r1_h200.json,
 # also timed the FP32 step with a read pass, 334-399 us against its one launch's 285 us.)
 _LR = [(hb, w) for hb in (1, 2, 4, 8) for w in (1, 2, 4, 8) if hb * 64 >= w * 32]
+_LR += [(1, 1, True), (1, 2, True), (2, 1, True), (2, 2, True)]  # the read pass lets it start
 LREC_STEP_CANDIDATES = [_P] + [
-    (None,) * 13 + (None, None, None, None, None, None, lr) for lr in _LR]
+    (None,) * 13 + (None, None, None, None, None, None, lr) for lr in _LR] + [
+    (None,) * 13 + ((32, 1, "lean"), None, None, None, None, None, lr)
+    for lr in ((1, 1), (1, 1, True))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",

@@ -751,20 +751,25 @@ def test_mamba2_lean_records(read_fmt, monkeypatch):
 
     rps = [(16, 1)] + ([(16, 1, "lean")] if read_fmt == "nvfp4" else [])
     for rp in rps:
-        for hb, w in ((1, 1), (2, 2), (4, 1), (8, 2)):
+        outs = {}
+        for lr in ((1, 1), (2, 2), (4, 1), (8, 2), (1, 1, True)):
+            hb, w = lr[:2]
             rg = {n: t.clone() for n, t in ring.items()}
             seen = _kernel_launches(monkeypatch)
             monkeypatch.setattr(kr.records, "_m2_step_out_kernel", Spy())
             launched.clear()
-            got = step(rg, slice(None), read_pass=rp, lean_records=(hb, w))
+            got = step(rg, slice(None), read_pass=rp, lean_records=lr)
             assert launched == [((B * -(-H // hb),), hb, w)], launched
             assert (False, True) not in seen, seen  # no records kernel's records launch
             torch.testing.assert_close(got, want, **TOL)
             for n in ring:
                 assert torch.equal(rg[n], ref_ring[n]), (rp, hb, n)
             alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2),
-                         read_pass=rp, lean_records=(hb, w))
-            assert torch.equal(_bits(alone), _bits(got[1:])), (rp, hb)
+                         read_pass=rp, lean_records=lr)
+            assert torch.equal(_bits(alone), _bits(got[1:])), (rp, lr)
+            outs[lr] = got
+        # early (the lean read pass lets the records launch start; CUDA with PDL): same bits
+        assert torch.equal(_bits(outs[(1, 1, True)]), _bits(outs[(1, 1)]))
     # False: the records kernel's launch
     seen = _kernel_launches(monkeypatch)
     got = step({n: t.clone() for n, t in ring.items()}, slice(None), read_pass=(16, 1),
@@ -780,9 +785,11 @@ def test_mamba2_lean_records_refused():
     _, R_st, ring, h = _ring_state(gen, "fp32", gdn=False)
     la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
     q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
-    for bad in ((3, 1), (2, 3), (128, 1), (0, 1), (2,), "4", (True, 1), (2.0, 1)):
+    for bad in ((3, 1), (2, 3), (128, 1), (0, 1), (2,), "4", (True, 1), (2.0, 1), (1, 1, 1),
+                (1, 1, True, 0)):
         with pytest.raises(ValueError, match=f"lean_records must be None or \\(heads, "
-                                             f"num_warps\\).*got {re.escape(repr(bad))}"):
+                                             f"num_warps\\[, early\\]\\).*got "
+                                             f"{re.escape(repr(bad))}"):
             kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1),
                                   lean_records=bad)
     with pytest.raises(ValueError, match="lean_records is Mamba-2's decode step after a read "

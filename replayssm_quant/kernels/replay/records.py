@@ -1162,7 +1162,7 @@ def _e2m1_dot8_int(word, x0, x1, x2, x3, x4, x5, x6, x7):
 def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, V,
                        TD, TQ, K: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr,
                        D_REL: tl.constexpr, BV: tl.constexpr, PTX: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
     """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
     ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) for the ``BV`` value
     rows ``program_id(1) * BV ..`` of matrix ``program_id(0)`` of an nvfp4 copy, X the columns
@@ -1177,7 +1177,12 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     float32 operations (``_e2m1_dot8_int``), so the same bits. Each row
     depends on its own codes and its sequence's X only. ``PDL``: a dependent launch of the
     products launch; it waits for that grid before its stores, so that the records launch
-    after it, waiting on it, also waits on the products launch."""
+    after it, waiting on it, also waits on the products launch. ``EARLY``: let the dependent
+    launch after it (launched with PDL) start once every program of this one has started
+    (``gdc_launch_dependents``), so its loads before its ``gdc_wait`` overlap this launch's
+    last wave."""
+    if EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -1938,16 +1943,20 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
             same bits): GDN's nvfp4 step default since 2026-12-04 (``(32, 2, "records",
             96)``).
-        lean_records: ``(heads, num_warps)``: Mamba-2's decode step (``gdn=False``, one draft
-            row, one query, ``append`` given, no ``w_out``, ``at_window`` or ``fused_window``,
-            the substitution form) with a read pass: the records launch after it is
+        lean_records: ``(heads, num_warps)`` or ``(heads, num_warps, early)``: Mamba-2's
+            decode step (``gdn=False``, one draft row, one query, ``append`` given, no
+            ``w_out``, ``at_window`` or ``fused_window``, the substitution form) with a read
+            pass: the records launch after it is
             ``_m2_step_out_kernel``, one program per sequence and ``heads`` value heads (a
             power of two in [1, 64]) on ``num_warps`` warps, in place of the records kernel's
             one program per (sequence, value head, row tile); the same formula per row (within
             the outputs' tolerance of the records kernel's launch, not bit for bit). Where no
             products launch runs (one value head per key group and one row tile), the records
             kernel's launch. Refused (ValueError naming the option) for any other call. None or
-            False (default): the records kernel's launch.
+            False (default): the records kernel's launch. ``early`` (after the lean read pass,
+            with ``pdl``): the read pass lets the lean records launch start once all its
+            programs have started, so the records' loads overlap its last wave (the same
+            bits: the records launch still waits for it before it reads Y and Z).
         pdl: programmatic dependent launch (CUDA, compute capability 9.0 or later) between
             the launches of this call: the launch after the products launch (the read pass,
             or the records launch) starts while the products launch runs and streams C
@@ -2086,13 +2095,15 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     if lean_records is False:
         lean_records = None
     if lean_records is not None:
-        if not (isinstance(lean_records, (tuple, list)) and len(lean_records) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in lean_records)
+        if not (isinstance(lean_records, (tuple, list)) and len(lean_records) in (2, 3)
+                and all(isinstance(x, int) and not isinstance(x, bool)
+                        for x in lean_records[:2])
                 and _pow2(lean_records[0]) and 1 <= lean_records[0] <= 64
-                and _pow2(lean_records[1]) and lean_records[1] <= 8):
-            raise ValueError(f"lean_records must be None or (heads, num_warps) with heads a "
-                             f"power of two in [1, 64] and num_warps 1, 2, 4 or 8, got "
-                             f"{lean_records!r}")
+                and _pow2(lean_records[1]) and lean_records[1] <= 8
+                and (len(lean_records) == 2 or isinstance(lean_records[2], bool))):
+            raise ValueError(f"lean_records must be None or (heads, num_warps[, early]) with "
+                             f"heads a power of two in [1, 64], num_warps 1, 2, 4 or 8 and "
+                             f"early a bool, got {lean_records!r}")
         if (gdn or TD != 1 or TQ != 1 or matrix or append is None or w_out is not None
                 or at_window is not None or fused_window is not None or not ypre):
             raise ValueError(f"lean_records is Mamba-2's decode step after a read pass (gdn="
@@ -2207,10 +2218,13 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     if lean:  # the lean read pass: Y = C X [B*H*V, NC], nothing else
         rbv = triton.next_power_of_2(read_pass[0])
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
+        # EARLY: the lean records launch after it (with PDL) may start as its last wave does
+        early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
+                 and lean_records[2])
         _nvfp4_read_kernel[(B * H, triton.cdiv(V, rbv))](
             c, cbs, cms, dk, q_arg, start, rows, y, H, G, V, TD, TQ, K=K, NC=NC, NS=NS,
             D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
-            **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
+            EARLY=early, **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
     elif ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
@@ -2229,7 +2243,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         flags["DOT"] = 2 if f16 else 3 if b16 else bool(use_dot)
     mpdl = pdl and (zpre or ypre or wpre)  # after a launch of this call
     if lean_records is not None and zpre:  # Mamba-2's step: the lean records launch
-        hb, lw = lean_records
+        hb, lw = lean_records[:2]
         _m2_step_out_kernel[(B * triton.cdiv(H, hb),)](
             ring_la, ring_w, dla, dk, dv, o_arg, start, rows, out_start, a_la, a_k, a_v, z, y,
             H, G, V, CAP, TD, o.shape[1], out_slot, K=K, LP=LP, NX=NX, HB=hb,

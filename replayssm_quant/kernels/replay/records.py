@@ -140,7 +140,14 @@ MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(3
 # (_nvfp4_read_kernel) on one 64-row tile per matrix with one warp: 147.5 -> 125.2 us. GDN's
 # best lean tile (64 x 1) was 113.4 against its default's 115.4 us, within a run's spread:
 # GDN keeps the records kernel's read pass.
-MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(64, 1, "lean"))
+# Since the twenty-fourth session (records_tune --set lrec --timing graph,
+# records_tune_lrec_h200.json / records_tune_lrec2_h200.json, B = 256, h = 7): the records
+# launch after the lean read pass is the lean one (_m2_step_out_kernel), one program per
+# (sequence, value head) on one warp, started as the read pass's last wave starts (early):
+# 125.9 / 125.2 -> 112.6 / 112.4 us, early 110.4 us (2 or more heads per program, or more
+# warps, 114.0-253.6 us).
+MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(64, 1, "lean"),
+                                lean_records=(1, 1, True))
 # GDN from an nvfp4 copy: GDN_STEP_FP4_CONFIG (its read pass capped at 96 registers since the
 # twenty-third session; mxfp4's since the twenty-fourth). Mamba-2's mxfp4 step gains nothing
 # from a cap (135.6 us uncapped, 135.2-142.0 at 64-128; records_maxnreg_mxfp4_h200.json).

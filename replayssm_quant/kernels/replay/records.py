@@ -2475,7 +2475,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
     products with R, or False for one launch; ``lean_records``: ``(heads, num_warps)`` of the
     lean records launch after a read pass, or False for the records kernel's; a default
-    ``lean_records`` is dropped where the step has no read pass)."""
+    ``lean_records`` is dropped where the step has no read pass or takes a matrix form of
+    ``solve``)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
@@ -2490,8 +2491,10 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
             and cfg["read_pass"][2] == "lean" and cfg["use_dot"] in X16_DOTS):
         # a caller's 16-bit products: the records kernel's read pass (the lean one has none)
         cfg["read_pass"] = MAMBA2_STEP_FP4_CONFIG["read_pass"]
-    if lean_records is None and not cfg.get("read_pass"):
-        cfg.pop("lean_records", None)  # the default's lean records launch needs a read pass
+    if lean_records is None and (not cfg.get("read_pass")
+                                 or cfg.get("solve") not in (None, "substitution")):
+        # the default's lean records launch needs a read pass and the substitution form
+        cfg.pop("lean_records", None)
     _check_x16_dot(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}

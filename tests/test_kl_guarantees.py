@@ -242,7 +242,7 @@ def test_stepwise_check_against_token_by_token_decoding(model_dir, data_file, tm
 
     def logits(policy, window, stepwise):
         with adapters.state_policy(model, policy, window=window, seed=0, prefill=False,
-                                   sequence_ids=[0]), torch.no_grad():
+                                   sequence_ids=[adapters.sequence_id(ids)]), torch.no_grad():
             if not stepwise:
                 return segments.forward_segment(model, x[:, :24])[0][0, :10]
             cache, out_ = None, []

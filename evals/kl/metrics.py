@@ -205,11 +205,15 @@ def summarize(df, stepwise=None):
     """
     import pandas as pd
 
-    d = df.copy()
+    # rows in a fixed order (document, position, KL) so that every sum below is taken in an
+    # order that does not depend on the corpus order or the run's document order
+    keys = [k for k in ("doc", "position", "kl") if k in df.columns]
+    d = df.sort_values(keys, kind="stable").reset_index(drop=True) if keys else df.copy()
     d["bucket"] = _bucket(d["position"].to_numpy())
     sw = None
     if stepwise is not None and len(stepwise):
-        sw = stepwise.copy()
+        skeys = [k for k in ("doc", "position", "kl_path") if k in stepwise.columns]
+        sw = stepwise.sort_values(skeys, kind="stable").reset_index(drop=True)
         sw["bucket"] = _bucket(sw["position"].to_numpy())
         sw = {k: g for k, g in sw.groupby(["policy", "window", "bucket"], sort=True)}
     rows = []

@@ -37,6 +37,11 @@ STEP_COLUMNS = ("doc", "position", "policy", "window", "seed", "kl_path", "kl_pa
 METRICS_VERSION = ("2026-12-01b: float64 KL >= 0 by construction; non-finite per side; BOS; "
                    "reference fp32 with L = 1")
 
+#: Part of the resume identity: what keys a document's stochastic-rounding streams. Since
+#: 2026-12-04 a hash of the document's input tokens (before: its index in the run, so the same
+#: document gave other bits in another corpus order, and a resumed run could mix the two).
+SR_STREAMS = "sequence_id(document input tokens)"
+
 #: The fp32 reference's window: L = 1 is FP32-state decoding token by token.
 REFERENCE_WINDOW = 1
 
@@ -64,6 +69,7 @@ def run_identity(a, cfg) -> dict:
             "segment_len": a.segment_len, "gdn_fold": a.gdn_fold, "dt_limit": a.dt_limit,
             "max_tokens": a.max_tokens,
             "add_bos_token": a.add_bos_token, "metrics": METRICS_VERSION,
+            "sr_streams": SR_STREAMS,
             # decay buckets of policy maps resolve through these (None: the model's own file)
             "decay_stats": _file_sha(getattr(a, "decay_stats", None))}
 
@@ -227,6 +233,9 @@ def stepwise_summary(step) -> list:
     import numpy as np
 
     rows = []
+    # a fixed row order (document, position), whatever the run's document order
+    step = step.sort_values([k for k in ("doc", "position", "kl_path") if k in step.columns],
+                            kind="stable")
     for (pol, win), g in step.groupby(["policy", "window"], sort=True):
         def mean(c):
             v = g[c].to_numpy(np.float64)
@@ -330,7 +339,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     import torch
     from tqdm.auto import tqdm
 
-    from replayssm_quant.adapters import apply_state_policy
+    from replayssm_quant.adapters import apply_state_policy, sequence_id
     from replayssm_quant.adapters.mamba2 import DtLimit
     from replayssm_quant.adapters.segments import forward_each
     from replayssm_quant.models import load_model
@@ -389,6 +398,9 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
                    if isinstance(k, MapCellConfig) else k for c, k in configs.items()}
     timings["load_s"] = time.time() - t0
 
+    # SR stream key of each document: the hash of its N input tokens (adapters.sequence_id, as
+    # the lm-eval adapter keys a row), so a document's numbers follow it, not its index
+    seq_ids = [sequence_id(d["ids"][:N]) for d in token_docs]
     cells_of: dict = {}  # document index -> this rank's computed cells of it, in order
     for d, c in work:
         cells_of.setdefault(d, []).append(ucells[c])
@@ -404,10 +416,12 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
             ids, targets = full[:, :N], full[:, 1:N + 1]  # position t predicts token t + 1
 
             def fwd(c, x, cache, start, c_rows=None):
-                # every document alone through the model, SR keyed by its index in the run
+                # every document alone through the model, SR keyed by its own input tokens
+                # (not by its place in the run: the same document, policy and seed give the
+                # same bits in any corpus order or subset)
                 r = list(range(len(batch))) if c_rows is None else c_rows
                 return forward_each(model, x[r], cache, start=start, handle=handle,
-                                    sequence_ids=[batch[i] for i in r])
+                                    sequence_ids=[seq_ids[batch[i]] for i in r])
 
             # cells in passes of --cells-per-pass (each pass runs the reference again: the
             # caches of one pass's cells are live together)
@@ -564,7 +578,8 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
         "reference": {"policy": "fp32", "window": ref_window, "seed": 0},
         "dt_limit": str(DtLimit.parse(a.dt_limit)),
         "invariance": "each document runs through the model alone (adapters.segments.forward_each); "
-                      "SR streams keyed by document index; docs/invariance.md",
+                      "SR streams keyed by a hash of each document's input tokens "
+                      "(adapters.sequence_id); docs/invariance.md",
         "world_size": world,
         "distributed": {
             "world_size": world,

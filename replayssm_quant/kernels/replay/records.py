@@ -2473,8 +2473,9 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     for an nvfp4 one (the lean read pass), ``MAMBA2_STEP_FP4_CONFIG`` for mxfp4) unless
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed; ``read_pass``:
     ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
-    products with R, or False for one launch; ``lean_records``: ``(heads, num_warps)`` of the
-    lean records launch after a read pass, or False for the records kernel's; a default
+    products with R, or False for one launch; ``lean_records``: ``(heads, num_warps[,
+    early])`` of the lean records launch after a read pass, or False for the records kernel's
+    (:func:`records_outputs`); a default
     ``lean_records`` is dropped where the step has no read pass or takes a matrix form of
     ``solve``)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)

@@ -384,12 +384,15 @@ LEAN_STEP_CANDIDATES = [_P] + [
 # kernel's read pass capped at 96 registers, Mamba-2 the lean one), and Mamba-2's lean read
 # pass capped at 64 registers (72 uncapped: 28 one-warp programs per SM, 32 capped).
 _GDN_RP, _M2_RP = (32, 2, "records", 96), (64, 1, "lean")
+# (Mamba-2's rows name lean_records=False since its nvfp4 default took the lean records
+# launch, which has no row tile: the records kernel's launch, as when the set ran.)
+_NOLEAN = (None,) * 5 + (False,)
 RTILES_STEP_CANDIDATES = [_P] + [
-    (bv, w, None, None, None) + _R8 + (rp,)
+    (bv, w, None, None, None) + _R8 + (rp,) + (() if rp == _GDN_RP else _NOLEAN)
     for rp in (_GDN_RP, _M2_RP)
     for bv, w in ((16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2),
-                  (128, 4))] + [(None,) * 5 + _R8 + ((64, 1, "lean", 64),),
-                                (None,) * 5 + _R8 + ((32, 1, "lean", 64),)]
+                  (128, 4))] + [(None,) * 5 + _R8 + ((64, 1, "lean", 64),) + _NOLEAN,
+                                (None,) * 5 + _R8 + ((32, 1, "lean", 64),) + _NOLEAN]
 # --set lrec (2026-12-04, twenty-fourth session): Mamba-2's nvfp4 step with the lean records
 # launch after its lean read pass (lean_records=(heads, num_warps), _m2_step_out_kernel: one
 # program per sequence and that many value heads). (A first run, records_tune_lrec_r1_h200.json,

@@ -205,14 +205,16 @@ def summarize(df, stepwise=None):
     """
     import pandas as pd
 
-    # rows in a fixed order (document, position, KL) so that every sum below is taken in an
-    # order that does not depend on the corpus order or the run's document order
-    keys = [k for k in ("doc", "position", "kl") if k in df.columns]
+    # rows in an order fixed by their values (position, then the KL summed below), so every
+    # sum is taken in an order that depends on neither the corpus order nor the documents'
+    # labels (which fall back to a corpus position for unnamed records); rows equal in both
+    # keys add the same value, in any order
+    keys = [k for k in ("position", "kl") if k in df.columns]
     d = df.sort_values(keys, kind="stable").reset_index(drop=True) if keys else df.copy()
     d["bucket"] = _bucket(d["position"].to_numpy())
     sw = None
     if stepwise is not None and len(stepwise):
-        skeys = [k for k in ("doc", "position", "kl_path") if k in stepwise.columns]
+        skeys = [k for k in ("position", "kl_path", "kl_path_ref") if k in stepwise.columns]
         sw = stepwise.sort_values(skeys, kind="stable").reset_index(drop=True)
         sw["bucket"] = _bucket(sw["position"].to_numpy())
         sw = {k: g for k, g in sw.groupby(["policy", "window", "bucket"], sort=True)}

@@ -233,9 +233,10 @@ def stepwise_summary(step) -> list:
     import numpy as np
 
     rows = []
-    # a fixed row order (document, position), whatever the run's document order
-    step = step.sort_values([k for k in ("doc", "position", "kl_path") if k in step.columns],
-                            kind="stable")
+    # rows in an order fixed by the values summed below (not by the run's document order or
+    # the documents' labels); rows equal in every key add the same values, in any order
+    step = step.sort_values([k for k in ("position", "kl_path", "kl_path_ref", "kl", "kl_step")
+                             if k in step.columns], kind="stable")
     for (pol, win), g in step.groupby(["policy", "window"], sort=True):
         def mean(c):
             v = g[c].to_numpy(np.float64)

@@ -2008,7 +2008,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     Returns ``o`` (``out`` when given).
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
-    fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x, fold_x) or an
+    fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x, fold_x,
+    lean_records) or an
     output
     that is not float32
     (w_out, out).

@@ -781,6 +781,52 @@ def test_mamba2_lean_records(read_fmt, monkeypatch):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("Hs,Gs,Vs,hb", [(6, 2, 12, 4), (2, 2, 12, 1)],
+                         ids=["V12_heads_masked", "one_head_per_group"])
+def test_mamba2_lean_records_shapes(Hs, Gs, Vs, hb):
+    """The lean records launch at shapes the module's constants do not reach: V = 12 (not a
+    power of two: rows masked off in every head) with 6 heads in blocks of 4 (the last block
+    masks 2 heads off), and one value head per key group with V below one row tile (no
+    products launch runs: the records kernel's launch is taken, as documented); outputs
+    against ``mamba2_step_output``, the appended ring against the reference's."""
+    gen = _gen(30)
+    Bs, CAPs = 2, 7
+    S = _t(torch.randn(Bs, Hs, Vs, K, generator=gen))
+    R_st = _stored(S, "nvfp4", stream=_t(torch.arange(Bs * Hs).view(Bs, Hs)))
+    R = R_st.dequantize()
+    ring = {"la": _t(torch.log(0.9 + 0.0999 * torch.rand(Bs, CAPs, Hs, generator=gen))),
+            "v": _t(torch.randn(Bs, CAPs, Hs, Vs, generator=gen)),
+            "k": _t(torch.randn(Bs, CAPs, Gs, K, generator=gen) / K ** 0.5)}
+    h = _t(torch.tensor([3, 0]))
+    la = _t(torch.log(0.9 + 0.0999 * torch.rand(Bs, Hs, generator=gen)))
+    v = _t(torch.randn(Bs, Hs, Vs, generator=gen))
+    k = _t(torch.randn(Bs, Gs, K, generator=gen) / K ** 0.5)
+    q = _t(torch.randn(Bs, Gs, K, generator=gen) / K ** 0.5)
+    ref = {n: t.clone() for n, t in ring.items()}
+    b = torch.arange(Bs, device=DEVICE)
+    for n, t in (("la", la), ("v", v), ("k", k)):
+        ref[n][b, h] = t
+    J = int(h.max()) + 1
+    want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q, h + 1)
+    launched = []
+    real = kr.records._m2_step_out_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    import unittest.mock as um
+
+    with um.patch.object(kr.records, "_m2_step_out_kernel", Spy()):
+        got = kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "lean"),
+                                    lean_records=(hb, 1))
+    assert launched == ([] if Hs == Gs else [(Bs * -(-Hs // hb),)]), launched
+    torch.testing.assert_close(got, want, **TOL)
+    for n in ring:
+        assert torch.equal(ring[n], ref[n]), n
+
+
 def test_mamba2_lean_records_refused():
     """``lean_records`` takes (heads, num_warps) with heads a power of two in [1, 64] and 1-8
     warps, and only Mamba-2's step after a read pass: each refusal names the value."""

@@ -324,3 +324,30 @@ def test_positions_and_buckets_of_a_multi_cell_run(model_dir, data_file, tmp_pat
     # a policy without SR is computed once: its other seeds' rows are copies, not counted
     sr = pos["policy"].str.contains("+sr", regex=False)
     assert (summ["n"].sum()) == len(pos[sr | (pos["seed"] == 0)])
+
+
+def test_label_copies_counted_once_everywhere(model_dir, data_file, tmp_path, capsys):
+    """A non-SR policy's rows for its other seeds are label copies: summary.csv, the
+    manifest's stepwise summary and non-finite counts, and the printed table all count each
+    computed row once (a helper's audit found the printed table and the manifest counting the
+    copies: 2304 positions against summary.csv's 1152)."""
+    out = tmp_path / "copies"
+    assert main(_args(model_dir, data_file, out, "--seeds", "0", "1", "--stepwise-check",
+                      "6")) == 0
+    text = capsys.readouterr().out
+    pos = pd.read_parquet(out / "positions.parquet")
+    docs, reported = pos["doc"].nunique(), pos["position"].nunique()
+    man = json.loads((out / "manifest.json").read_text())
+    per = {r["policy"]: r for r in man["stepwise_check"]["per_policy"]}
+    assert per["eager:fp8e4m3"]["positions"] == docs * 6  # one computed seed
+    assert per["shared:nvfp4+sr"]["positions"] == docs * 6 * 2  # two computed seeds
+    summ = pd.read_csv(out / "summary.csv")
+    n = summ.groupby("policy")[["n", "path_n"]].sum()
+    assert n.loc["eager:fp8e4m3", "n"] == docs * reported
+    assert n.loc["eager:fp8e4m3", "path_n"] == docs * 6
+    assert n.loc["shared:nvfp4+sr", "n"] == 2 * docs * reported
+    # the printed table's positions column: the computed rows of each cell
+    table = text[text.index("KL(P_fp32 || P_policy)"):text.index("stepwise check")]
+    rows = {ln.split()[0]: ln.split() for ln in table.splitlines()[2:] if ln.strip()}
+    assert int(rows["eager:fp8e4m3"][-1]) == docs * reported
+    assert int(rows["shared:nvfp4+sr"][-1]) == 2 * docs * reported

@@ -551,17 +551,22 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     else:
         (out / "state_error.parquet").unlink(missing_ok=True)
     # a policy without SR has one result for every seed: its other seeds' rows are copies
-    # (labels, not data) and would double its counts and narrow its intervals
+    # (labels, not data) and would double its counts and narrow its intervals. Every
+    # statistic below (summary.csv, the manifest's counts and stepwise summary, the printed
+    # table) counts each computed row once; positions.parquet keeps the labelled copies.
     copies = [c for c, k in canon.items() if c[2] != k[2]]
-    if copies:
-        is_copy = pd.MultiIndex.from_frame(pos[["policy", "window", "seed"]]).isin(copies)
-        summ = summarize(pos[~is_copy], step)
-    else:
-        summ = summarize(pos, step)
+
+    def computed(df):
+        if df is None or not copies:
+            return df
+        return df[~pd.MultiIndex.from_frame(df[["policy", "window", "seed"]]).isin(copies)]
+
+    upos, ustep = computed(pos), computed(step)
+    summ = summarize(upos, ustep)
     summ.to_csv(out / "summary.csv", index=False)
     earlier = _earlier_manifest(out)
     n_tok = sum(len(d["ids"]) for d in token_docs)  # N + 1 per document (the last is a target only)
-    nf_by_policy = pos.groupby("policy")[["nonfinite", "nonfinite_ref", "nonfinite_policy"]].sum()
+    nf_by_policy = upos.groupby("policy")[["nonfinite", "nonfinite_ref", "nonfinite_policy"]].sum()
     manifest = {
         "command": _command(),
         "commands": earlier.get("commands", []) + [_command()],
@@ -602,9 +607,10 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
         "timings": _add_timings(earlier.get("timings"), timings) if n_new < len(ucells) * len(token_docs)
         else timings,
         "timings_this_invocation": timings,
-        "nonfinite_rows": int(pos["nonfinite"].sum()),
-        "nonfinite_ref_rows": int(pos["nonfinite_ref"].sum()),
-        "nonfinite_policy_rows": int(pos["nonfinite_policy"].sum()),
+        # computed rows (a non-SR policy's label copies for other seeds counted once)
+        "nonfinite_rows": int(upos["nonfinite"].sum()),
+        "nonfinite_ref_rows": int(upos["nonfinite_ref"].sum()),
+        "nonfinite_policy_rows": int(upos["nonfinite_policy"].sum()),
         "nonfinite_ref_positions": int(pos.loc[pos["nonfinite_ref"], ["doc", "position"]]
                                        .drop_duplicates().shape[0]),
         "nonfinite_by_policy": {p: {k: int(v) for k, v in r.items()}
@@ -614,17 +620,17 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
             "what": "KL(P_stepping || P_emulation) per position: the same cell decoded token by "
                     "token (one forward call per token with the cache) versus teacher-forced "
                     "emulation; kl_mean/kl_step_mean: the policy's KL on the same positions",
-            "per_policy": stepwise_summary(step) if K else [],
+            "per_policy": stepwise_summary(ustep) if K else [],
         },
     }
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, default=str))
     os.replace(tmp, out / "manifest.json")
-    fin = pos[~pos["nonfinite"]]
+    fin = upos[~upos["nonfinite"]]
     overall = fin.groupby(["policy", "window"]).agg(
         kl_mean=("kl", "mean"), kl_p99=("kl", lambda s: float(np.percentile(s, 99)) if len(s) else math.nan),
         kl_max=("kl", "max")).reset_index().merge(
-        pos.groupby(["policy", "window"]).agg(
+        upos.groupby(["policy", "window"]).agg(
             top1_agree=("top1_agree", "mean"), nonfinite_ref=("nonfinite_ref", "sum"),
             nonfinite_policy=("nonfinite_policy", "sum"), positions=("kl", "size")).reset_index(),
         on=["policy", "window"], how="right")

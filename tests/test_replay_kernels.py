@@ -844,6 +844,13 @@ def test_mamba2_lean_records_refused():
     with pytest.raises(ValueError, match="lean_records is Mamba-2's decode step after a read "
                                          "pass.*read_pass=None"):
         kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=False, lean_records=(2, 1))
+    # a ring so long that [slots, heads, V] exceeds Triton's 2^20 elements: refused by name
+    cap = 2 ** 20 // (64 * V) + 1  # slots rounded up to 2 * 2^20 / (64 V)
+    long = {"la": _t(torch.zeros(B, cap, H)), "v": _t(torch.zeros(B, cap, H, V)),
+            "k": _t(torch.zeros(B, cap, G, K))}
+    with pytest.raises(ValueError, match="lean_records heads=64: .* elements, above Triton's"):
+        kr.mamba2_step_kernel(R_st, long, la, v, k, q, h, read_pass=(16, 1),
+                              lean_records=(64, 1))
     # GDN's step through records_outputs: refused
     _, G_st, gring, gh = _ring_state(gen, "fp32", gdn=True)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None], "beta": la[:, None]}

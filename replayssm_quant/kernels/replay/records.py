@@ -2129,6 +2129,13 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     grid = (B * H, triton.cdiv(V, bv))
     blk = spec.info.block or 1
     LP = _lp(max(CAP, TD))
+    if lean_records is not None:  # its [slots, heads, V] tile: Triton's 2^20-element limit
+        cells = LP * lean_records[0] * triton.next_power_of_2(V)
+        if cells > 2 ** 20:
+            raise ValueError(f"lean_records heads={lean_records[0]}: the launch's [slots, heads, "
+                             f"V] tile would hold {LP} x {lean_records[0]} x "
+                             f"{triton.next_power_of_2(V)} = {cells} elements, above Triton's "
+                             f"{2 ** 20}; use fewer heads per program")
     if KC < 32 and blk > 1:
         raise ValueError(f"k_chunk {k_chunk} is below this {spec} copy's 32 (each chunk holds "
                          f"whole scaling blocks); 16 suits unblocked copies")

@@ -109,6 +109,15 @@ def _bits(x):
     return x.contiguous().view(torch.int32)
 
 
+def _rows_of(st, sl):
+    """Sequences ``sl`` (a slice of the batch dim) of a stored copy: the float32 tensor's
+    rows, or a PackedTensor of those rows' codes and scales."""
+    if isinstance(st, torch.Tensor):
+        return st[sl]
+    return PackedTensor(st.spec, st.codes[sl].shape[:-1] + st.shape[-1:], st.codes[sl],
+                        st.block_scales[sl], st.matrix_scale[sl])
+
+
 def _bytes(st):
     if isinstance(st, PackedTensor):
         return [None if t is None else t.contiguous().view(torch.uint8)
@@ -725,32 +734,13 @@ def test_mamba2_lean_records(read_fmt, monkeypatch):
     masked off), after the records kernel's read pass and the lean one."""
     gen = _gen(28)
     R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=False)
-    la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
-    q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
-    ref_ring = {n: t.clone() for n, t in ring.items()}
-    b = torch.arange(B, device=DEVICE)
-    for n, t in (("la", la), ("v", v), ("k", k)):
-        ref_ring[n][b, h] = t
-    J = int(h.max()) + 1
-    want = mamba2_step_output(R, ref_ring["la"][:, :J], ref_ring["v"][:, :J],
-                              ref_ring["k"][:, :J], q, h + 1)
-    launched = []
-    real = kr.records._m2_step_out_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launch = real[grid]
-
-            def run(*a, **kw):
-                launched.append((grid, kw["HB"], kw["num_warps"]))
-                return launch(*a, **kw)
-            return run
+    (la, v, k, _), q, ref_ring, want, _ = _lean_step_case(gen, R, ring, h, gdn=False)
+    spy = _LaunchSpy(kr.records._m2_step_out_kernel)
+    monkeypatch.setattr(kr.records, "_m2_step_out_kernel", spy)
 
     def step(rg, sl, **kw):
-        Rs = (R_st[sl] if isinstance(R_st, torch.Tensor) else
-              PackedTensor(R_st.spec, R_st.codes[sl].shape[:-1] + R_st.shape[-1:],
-                           R_st.codes[sl], R_st.block_scales[sl], R_st.matrix_scale[sl]))
-        return kr.mamba2_step_kernel(Rs, rg, la[sl], v[sl], k[sl], q[sl], h[sl], **kw)
+        return kr.mamba2_step_kernel(_rows_of(R_st, sl), rg, la[sl], v[sl], k[sl], q[sl], h[sl],
+                                     **kw)
 
     rps = [(16, 1)] + ([(16, 1, "lean")] if read_fmt == "nvfp4" else [])
     for rp in rps:
@@ -759,9 +749,10 @@ def test_mamba2_lean_records(read_fmt, monkeypatch):
             hb, w = lr[:2]
             rg = {n: t.clone() for n, t in ring.items()}
             seen = _kernel_launches(monkeypatch)
-            monkeypatch.setattr(kr.records, "_m2_step_out_kernel", Spy())
-            launched.clear()
+            n0 = len(spy.calls)
             got = step(rg, slice(None), read_pass=rp, lean_records=lr)
+            launched = [(g, kw["HB"], kw["num_warps"])
+                        for g, kw in zip(spy.grids[n0:], spy.calls[n0:])]
             assert launched == [((B * -(-H // hb),), hb, w)], launched
             assert (False, True) not in seen, seen  # no records kernel's records launch
             torch.testing.assert_close(got, want, **TOL)
@@ -783,7 +774,7 @@ def test_mamba2_lean_records(read_fmt, monkeypatch):
 
 @pytest.mark.parametrize("Hs,Gs,Vs,hb", [(6, 2, 12, 4), (2, 2, 12, 1)],
                          ids=["V12_heads_masked", "one_head_per_group"])
-def test_mamba2_lean_records_shapes(Hs, Gs, Vs, hb):
+def test_mamba2_lean_records_shapes(Hs, Gs, Vs, hb, monkeypatch):
     """The lean records launch at shapes the module's constants do not reach: V = 12 (not a
     power of two: rows masked off in every head) with 6 heads in blocks of 4 (the last block
     masks 2 heads off), and one value head per key group with V below one row tile (no
@@ -808,20 +799,11 @@ def test_mamba2_lean_records_shapes(Hs, Gs, Vs, hb):
         ref[n][b, h] = t
     J = int(h.max()) + 1
     want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q, h + 1)
-    launched = []
-    real = kr.records._m2_step_out_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    import unittest.mock as um
-
-    with um.patch.object(kr.records, "_m2_step_out_kernel", Spy()):
-        got = kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "lean"),
-                                    lean_records=(hb, 1))
-    assert launched == ([] if Hs == Gs else [(Bs * -(-Hs // hb),)]), launched
+    spy = _LaunchSpy(kr.records._m2_step_out_kernel)
+    monkeypatch.setattr(kr.records, "_m2_step_out_kernel", spy)
+    got = kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "lean"),
+                                lean_records=(hb, 1))
+    assert spy.grids == ([] if Hs == Gs else [(Bs * -(-Hs // hb),)]), spy.grids
     torch.testing.assert_close(got, want, **TOL)
     for n in ring:
         assert torch.equal(ring[n], ref[n]), n
@@ -949,9 +931,8 @@ def test_lean_read_pass(gdn, monkeypatch):
     b = torch.arange(B, device=DEVICE)
 
     def step(rg, sl, rp):
-        Rs = PackedTensor(R_st.spec, R_st.codes[sl].shape[:-1] + R_st.shape[-1:],
-                          R_st.codes[sl], R_st.block_scales[sl], R_st.matrix_scale[sl])
-        return _lean_step(Rs, rg, tuple(t[sl] for t in rec), q[sl], h[sl], gdn, rp)
+        return _lean_step(_rows_of(R_st, sl), rg, tuple(t[sl] for t in rec), q[sl], h[sl], gdn,
+                          rp)
 
     for rp in ((16, 1, "lean"), (32, 2, "lean")):
         rg = {n: t.clone() for n, t in ring.items()}
@@ -2574,17 +2555,19 @@ def test_gdn_verify_blocked_anchor_unblocked_read(monkeypatch):
 
 
 class _LaunchSpy:
-    """Stands in for ``records._records_kernel``: records each launch's keyword arguments
-    (the constexprs), then launches the real kernel."""
+    """Stands in for a Triton kernel of ``records`` (``_records_kernel``,
+    ``_m2_step_out_kernel``): records each launch's keyword arguments (the constexprs) in
+    ``calls`` and its grid in ``grids``, then launches the real kernel."""
 
     def __init__(self, real):
-        self.real, self.calls = real, []
+        self.real, self.calls, self.grids = real, [], []
 
     def __getitem__(self, grid):
         launch = self.real[grid]
 
         def run(*args, **kwargs):
             self.calls.append(kwargs)
+            self.grids.append(grid)
             return launch(*args, **kwargs)
         return run
 

@@ -403,6 +403,15 @@ LREC_STEP_CANDIDATES = [_P] + [
     (None,) * 13 + (None, None, None, None, None, None, lr) for lr in _LR] + [
     (None,) * 13 + ((32, 1, "lean"), None, None, None, None, None, lr)
     for lr in ((1, 1), (1, 1, True))]
+# --set leanheads (2026-12-04, twenty-fifth session): the lean read pass on tiles that span the
+# value heads of a key group (since then its programs tile a (sequence, key group)'s rows head
+# after head; before, one matrix's rows at most): Mamba-2's 128 heads share one key group, GDN's
+# pairs of heads one each; the records launch as each model's default after it.
+LEANHEADS_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + ((rb, rw, "lean"),)
+    for rb, rw in ((64, 1), (128, 1), (128, 2), (256, 1), (256, 2), (256, 4), (512, 2),
+                   (512, 4), (512, 8), (1024, 8))] + [
+    (None,) * 13 + ((rb, rw, "lean", 96),) for rb, rw in ((128, 1), (256, 2))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -421,7 +430,8 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "fp8step": {"fp8": "read:fp8e4m3/rec:fp32"},
                "f16c": {"fp16": "read:fp16/rec:fp32"},
                "lean": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "rtiles": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
+               "rtiles": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
+               "leanheads": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -461,7 +471,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "f16c": (F16C_STEP_CANDIDATES, F16C_VERIFY_CANDIDATES),
                   "lean": (LEAN_STEP_CANDIDATES, []),
                   "lrec": (LREC_STEP_CANDIDATES, []),
-                  "rtiles": (RTILES_STEP_CANDIDATES, [])}
+                  "rtiles": (RTILES_STEP_CANDIDATES, []),
+                  "leanheads": (LEANHEADS_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -516,8 +527,10 @@ def skip(M, c, fmt):
         return True  # the E2M1 decoder: only an nvfp4 read copy decodes E2M1 codes
     if len(c) > 4 and c[4] == "f16x3" and fmt not in ("nvfp4", "fp16"):
         return True  # float16 products of exact values: nvfp4 and fp16 read copies only
-    if len(c) > 13 and c[13] and M.V >= 64 and c[13][0] > M.V:
-        return True  # a read-pass tile larger than the value dim: same work, masked
+    if len(c) > 13 and c[13] and M.V >= 64 and c[13][0] > M.V * (
+            M.H // M.G if len(c[13]) > 2 and c[13][2] == "lean" else 1):
+        return True  # a read-pass tile larger than its rows (the lean one: a key group's
+        # heads): same work, masked
     if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):
         return True  # fusing needs A is R (the fp32 policy) and GDN's recompute path
     if len(c) > 8 and c[8] is False and (M.gdn or fmt != "fp32"):

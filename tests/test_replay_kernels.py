@@ -921,9 +921,10 @@ def test_lean_read_pass(gdn, monkeypatch):
     """``read_pass=(block_v, num_warps, "lean")`` from an nvfp4 copy: the lean read pass
     (``_nvfp4_read_kernel``: Y = C X for the step's one (Mamba-2) or two (GDN) columns), then
     the records launch reading its Y; the outputs, the new correction (GDN) and the ring
-    against the torch references, on tiles of 16 and 32 rows (V = 16: the second with rows
-    masked off), and a sequence's outputs the same bits alone as in the batch (each row
-    depends on its own codes and its sequence's X only)."""
+    against the torch references, on tiles of 16, 32 and 64 rows (V = 16 and two value heads
+    per key group: a tile within a head, one spanning the group's two heads, which share X,
+    and one with rows masked off past the group), and a sequence's outputs the same bits
+    alone as in the batch (each row depends on its own codes and its sequence's X only)."""
     gen = _gen(16)
     R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
     rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
@@ -934,7 +935,8 @@ def test_lean_read_pass(gdn, monkeypatch):
         return _lean_step(_rows_of(R_st, sl), rg, tuple(t[sl] for t in rec), q[sl], h[sl], gdn,
                           rp)
 
-    for rp in ((16, 1, "lean"), (32, 2, "lean")):
+    assert H // G == 2 and V == 16  # the tiles below span heads as the docstring says
+    for rp in ((16, 1, "lean"), (32, 2, "lean"), (64, 1, "lean")):
         rg = {n: t.clone() for n, t in ring.items()}
         seen = _lean_launches(monkeypatch)
         got = step(rg, slice(None), rp)

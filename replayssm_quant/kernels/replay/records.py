@@ -1171,9 +1171,11 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                        D_REL: tl.constexpr, BV: tl.constexpr, PTX: tl.constexpr,
                        PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
     """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
-    ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) for the ``BV`` value
-    rows ``program_id(1) * BV ..`` of matrix ``program_id(0)`` of an nvfp4 copy, X the columns
-    of ``_x_col`` (the solved rows' keys, then the queries), and nothing else. Per value row
+    ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) of an nvfp4 copy for
+    ``BV`` value rows of one (sequence, key group): its ``H // G`` matrices' rows, head after
+    head, in tiles of ``BV`` (a tile may span heads, which share X; program ``(b * G + g) *
+    tiles + t``), X the columns of ``_x_col`` (the solved rows' keys, then the queries), and
+    nothing else. Per value row
     and scaling block j (16 codes): ``sum_k e_k x_k`` over the block, times the E4M3 block
     scale, summed over the blocks, times the matrix scale (Eq. of the nvfp4 dequantisation,
     DESIGN.md "Formats", reassociated: the scales multiply the block sums). ``PTX`` (CUDA):
@@ -1190,21 +1192,23 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     last wave."""
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    mat = tl.program_id(0).to(tl.int64)
-    vt = tl.program_id(1)
-    b = mat // H
-    h = mat - b * H
-    g = h // (H // G)
+    pid = tl.program_id(0).to(tl.int64)
+    HG = H // G  # value heads per key group: their (HG * V) rows share X
+    nt = tl.cdiv(HG * V, BV)
+    bg = pid // nt
+    vt = pid - bg * nt
+    b = bg // G
+    g = bg - b * G
     ss = tl.load(ss_ptr + b)
     n = tl.load(n_ptr + b)
-    rows = vt * BV + tl.arange(0, BV)
-    rmask = rows < V
-    rowg = mat * V + rows.to(tl.int64)
+    r = vt * BV + tl.arange(0, BV)  # rows of the key group, head after head
+    rmask = r < HG * V
+    rowg = (b * H + g * HG) * V + r.to(tl.int64)  # = (b * H + h) * V + value row
     NB: tl.constexpr = K // 16
     jb = tl.arange(0, NB)
     sc = _e4m3_value(tl.load(cbs_ptr + rowg[:, None] * NB + jb[None, :], mask=rmask[:, None],
                              other=0).to(tl.int32))
-    ms = tl.load(cms_ptr + mat)
+    ms = tl.load(cms_ptr + rowg // V, mask=rmask, other=0.0)  # each row's matrix scale
     sc = sc * E2M1_HALF_SCALE  # exact: an E4M3 value times 2^14
     wi = tl.arange(0, 2)
     e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
@@ -2236,7 +2240,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         # EARLY: the lean records launch after it (with PDL) may start as its last wave does
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
-        _nvfp4_read_kernel[(B * H, triton.cdiv(V, rbv))](
+        _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
             c, cbs, cms, dk, q_arg, start, rows, y, H, G, V, TD, TQ, K=K, NC=NC, NS=NS,
             D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
             EARLY=early, **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))

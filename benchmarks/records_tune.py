@@ -412,6 +412,14 @@ LEANHEADS_STEP_CANDIDATES = [_P] + [
     for rb, rw in ((64, 1), (128, 1), (128, 2), (256, 1), (256, 2), (256, 4), (512, 2),
                    (512, 4), (512, 8), (1024, 8))] + [
     (None,) * 13 + ((rb, rw, "lean", 96),) for rb, rw in ((128, 1), (256, 2))]
+# --set idot (2026-12-04, twenty-fifth session): the lean read pass's integer-dot form
+# (read_pass=(block_v, num_warps, "idot"): X as 24-bit integers per block, each word's sum by
+# byte-permute lookups and dp4a) on the lean form's tiles and tiles spanning heads.
+IDOT_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + ((rb, rw, form),)
+    for rb, rw in ((32, 1), (64, 1), (64, 2), (128, 1), (128, 2), (256, 2), (256, 4),
+                   (512, 4))
+    for form in ("lean", "idot")]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -431,7 +439,8 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "f16c": {"fp16": "read:fp16/rec:fp32"},
                "lean": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "rtiles": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "leanheads": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
+               "leanheads": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
+               "idot": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -472,7 +481,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "lean": (LEAN_STEP_CANDIDATES, []),
                   "lrec": (LREC_STEP_CANDIDATES, []),
                   "rtiles": (RTILES_STEP_CANDIDATES, []),
-                  "leanheads": (LEANHEADS_STEP_CANDIDATES, [])}
+                  "leanheads": (LEANHEADS_STEP_CANDIDATES, []),
+                  "idot": (IDOT_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -528,7 +538,7 @@ def skip(M, c, fmt):
     if len(c) > 4 and c[4] == "f16x3" and fmt not in ("nvfp4", "fp16"):
         return True  # float16 products of exact values: nvfp4 and fp16 read copies only
     if len(c) > 13 and c[13] and M.V >= 64 and c[13][0] > M.V * (
-            M.H // M.G if len(c[13]) > 2 and c[13][2] == "lean" else 1):
+            M.H // M.G if len(c[13]) > 2 and c[13][2] in ("lean", "idot") else 1):
         return True  # a read-pass tile larger than its rows (the lean one: a key group's
         # heads): same work, masked
     if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):

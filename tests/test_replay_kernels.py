@@ -936,7 +936,8 @@ def test_lean_read_pass(gdn, monkeypatch):
                           rp)
 
     assert H // G == 2 and V == 16  # the tiles below span heads as the docstring says
-    for rp in ((16, 1, "lean"), (32, 2, "lean"), (64, 1, "lean")):
+    for rp in ((16, 1, "lean"), (32, 2, "lean"), (64, 1, "lean"), (16, 1, "idot"),
+               (32, 2, "idot"), (64, 1, "idot")):
         rg = {n: t.clone() for n, t in ring.items()}
         seen = _lean_launches(monkeypatch)
         got = step(rg, slice(None), rp)
@@ -962,6 +963,88 @@ def test_lean_read_pass(gdn, monkeypatch):
                                     q, h, use_dot="f16x3")
         assert seen == [(True, False)], seen  # then the lean records launch
         torch.testing.assert_close(got, want, **TOL)
+
+
+def _x_int_of(dk, q, NS):
+    """``records._x_int_kernel`` on keys ``dk [B, 1, G, K]`` and queries ``q [B, 1, G, K]``
+    (NS key columns, then the query): ``(X [B, G, NC, K] int64, xs [B, G, NC, K/16])``."""
+    import numpy as np
+
+    Bq, _, Gq, Kq = q.shape
+    NC = NS + 1
+    xi = torch.empty(Bq * Gq * NC * 3 * (Kq // 4), dtype=torch.int32, device=q.device)
+    xs = torch.empty(Bq * Gq * NC * (Kq // 16), dtype=torch.float32, device=q.device)
+    zero = torch.zeros(Bq, dtype=torch.int64, device=q.device)
+    kr.records._x_int_kernel[(Bq * Gq,)](dk, q, zero, zero + 1, xi, xs, Gq, 1, 1, K=Kq, NC=NC,
+                                         NS=NS, D_REL=True, num_warps=1)
+    limbs = xi.cpu().numpy().view(np.uint32).reshape(Bq, Gq, NC, 3, Kq // 4)
+    byte = np.stack([(limbs >> np.uint32(8 * i)) & np.uint32(255) for i in range(4)], -1)
+    byte = byte.astype(np.int64).reshape(Bq, Gq, NC, 3, Kq)
+    top = np.where(byte[:, :, :, 0] >= 128, byte[:, :, :, 0] - 256, byte[:, :, :, 0])
+    X = top * 65536 + byte[:, :, :, 1] * 256 + byte[:, :, :, 2]
+    return X, xs.view(Bq, Gq, NC, Kq // 16).cpu().numpy()
+
+
+def test_idot_x_integers():
+    """The integer-dot read pass's X (``records._x_int_store``, through ``_x_int_kernel``):
+    per column and block of 16 elements, ``X`` within one half of ``2 xs`` of ``x / (2 xs)``
+    (``|x - 2 xs X| <= xs``), ``xs`` a power of two at most 2^-22 of the block's largest
+    magnitude, ``|X| <= 2^22``; an all-zero block gives zeros, a block with a NaN or an
+    infinity ``X = 0`` and ``xs = NaN`` (its neighbours unchanged); float64 checks."""
+    import numpy as np
+
+    gen = _gen(31)
+    Kq = 64
+    q = torch.randn(B, 1, G, Kq, generator=gen) * torch.exp(4 * torch.randn(B, 1, G, Kq,
+                                                                            generator=gen))
+    dk = torch.randn(B, 1, G, Kq, generator=gen)
+    q[0, 0, 0, :16] = 0.0  # an all-zero block
+    q[0, 0, 1, 16:32] = 1e-38 * torch.randn(16, generator=gen)  # tiny, subnormal included
+    q[1, 0, 0, 20] = float("nan")
+    q[1, 0, 1, 40] = float("inf")
+    dk[1, 0, 0, 3] = -float("inf")
+    X, xs = _x_int_of(_t(dk), _t(q), NS=1)
+    xcols = np.stack([dk[:, 0].numpy(), q[:, 0].numpy()], 2).astype(np.float64)  # [B,G,2,K]
+    blk = xcols.reshape(B, G, 2, Kq // 16, 16)
+    bad = ~np.isfinite(blk).all(-1)
+    assert bad.sum() == 3 and np.isnan(xs[bad]).all() and (X.reshape(blk.shape)[bad] == 0).all()
+    good = ~bad
+    Xb = X.reshape(blk.shape).astype(np.float64)
+    assert np.abs(Xb).max() <= 2 ** 22
+    step = np.broadcast_to(xs[..., None], blk.shape).astype(np.float64)
+    assert (np.log2(xs[good]) == np.round(np.log2(xs[good]))).all()  # powers of two
+    assert np.all(np.abs(blk - 2 * step * Xb)[good] <= step[good])
+    amax = np.abs(blk).max(-1)
+    big = good & (amax >= 2.0 ** -100)
+    assert np.all(xs[big] <= 2.0 ** -22 * amax[big])
+    assert (Xb[0, 0, 1, 0] == 0).all() and np.isfinite(xs[0, 0, 1, 0])
+    assert (np.abs(Xb).max(-1)[big] >= 2 ** 20).all()  # the block's range is used
+
+
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_idot_read_pass_nonfinite(gdn):
+    """A NaN in one sequence's query of key group 0: under the integer-dot read pass the
+    outputs of that group's value heads are NaN, as the torch reference's; the other group's
+    heads and the other sequence are finite and the same bits as with a finite query (the
+    NaN does not leak to batch neighbours or other heads)."""
+    gen = _gen(33)
+    R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
+    rec, q, _, want, _ = _lean_step_case(gen, R, ring, h, gdn)
+    rp = (16, 1, "idot")
+    clean = _lean_step(R_st, {n: t.clone() for n, t in ring.items()}, rec, q, h, gdn, rp)
+    qn = q.clone()
+    qn[0, 0, 5] = float("nan")
+    got = _lean_step(R_st, {n: t.clone() for n, t in ring.items()}, rec, qn, h, gdn, rp)
+    hit = torch.arange(H) // (H // G) == 0
+    assert G > 1 and torch.isnan(got[0, hit]).all()
+    assert torch.equal(got[0, ~hit], clean[0, ~hit]) and torch.equal(got[1], clean[1])
+    assert torch.isfinite(clean).all()
+    torch.testing.assert_close(clean, want, **TOL)
+    J = int(h.max()) + 1
+    ref = (gdn_step_output(R, ring["la"][:, :J], ring["beta"][:, :J], ring["v"][:, :J],
+                           ring["k"][:, :J], qn, ring["uR"][:, :J], h)[0] if gdn else
+           mamba2_step_output(R, ring["la"][:, :J], ring["v"][:, :J], ring["k"][:, :J], qn, h))
+    assert torch.isnan(ref[0, hit]).all()  # the reference agrees where the NaN reaches
 
 
 def test_lean_read_pass_refused():
@@ -1671,7 +1754,8 @@ def test_e2m1_pair_decoders(mode):
 
 def _run_ptx(text, x, regs=None):
     """Execute the inline PTX ``text`` of a decoder (the instructions it uses: mov, shl, shr,
-    and, lop3, prmt, cvt.f32.f16, mul.rn.f32, fma.rn.f32) on uint32 words ``x`` (``$8``, or
+    and, or, xor, sub, lop3, prmt, dp4a, cvt.f32.f16, mul.rn.f32, fma.rn.f32) on uint32 words
+    ``x`` (``$8``, or
     ``$4`` for a decoder with four outputs; ``regs``: the input registers instead, uint32
     words or float32 values), in numpy; returns ``{"$0": ...}`` the outputs (float32 from cvt,
     mul and fma, uint32 words from prmt). An emulation of the PTX ISA's definitions,
@@ -1714,13 +1798,37 @@ def _run_ptx(text, x, regs=None):
                     r |= ((ia if k & 4 else ~ia) & (ib if k & 2 else ~ib)
                           & (ic if k & 1 else ~ic))
             reg[a[0]] = r
-        elif op == "prmt.b32":  # default mode: byte k of d is byte (sel >> 4k) & 7 of {b, a}
-            ia, ib, sel = val(a[1]), val(a[2]), int(a[3], 0)
+        elif op == "prmt.b32":  # default mode: byte k of d is byte (sel >> 4k) & 7 of {b, a},
+            # or (selector bit 3 set) that byte's sign bit replicated over the byte
+            ia, ib = val(a[1]), val(a[2])
+            sel = np.broadcast_to(val(a[3]), x.shape).astype(np.uint32)
             r = np.zeros(x.shape, np.uint32)
             for k in range(4):
-                j = sel >> 4 * k & 7
-                byte = ((ia if j < 4 else ib) >> np.uint32(8 * (j & 3))) & np.uint32(0xFF)
-                r |= byte << np.uint32(8 * k)
+                n = (sel >> np.uint32(4 * k)) & np.uint32(15)
+                j = n & np.uint32(7)
+                byte = np.zeros(x.shape, np.uint32)
+                for jj in range(8):
+                    src = (ia if jj < 4 else ib) >> np.uint32(8 * (jj & 3)) & np.uint32(0xFF)
+                    byte = np.where(j == jj, src, byte)
+                byte = np.where(n & np.uint32(8), np.where(byte & np.uint32(0x80),
+                                                           np.uint32(0xFF), np.uint32(0)), byte)
+                r |= byte.astype(np.uint32) << np.uint32(8 * k)
+            (out if a[0].startswith("$") else reg)[a[0]] = r
+        elif op in ("xor.b32", "or.b32"):
+            f = np.bitwise_xor if op == "xor.b32" else np.bitwise_or
+            reg[a[0]] = f(val(a[1]), val(a[2])).astype(np.uint32)
+        elif op == "sub.u32":
+            reg[a[0]] = (val(a[1]).astype(np.int64) - val(a[2])).astype(np.uint32)
+        elif op.startswith("dp4a."):  # d = c + sum_i a_i b_i over the four bytes (32-bit wrap)
+            ta, tb = op.split(".")[1:]
+            acc = np.broadcast_to(val(a[3]), x.shape).astype(np.int64)
+            for i in range(4):
+                ba = (val(a[1]) >> np.uint32(8 * i)).astype(np.int64) & 0xFF
+                bb = (val(a[2]) >> np.uint32(8 * i)).astype(np.int64) & 0xFF
+                ba = np.where((ta == "s32") & (ba >= 128), ba - 256, ba)
+                bb = np.where((tb == "s32") & (bb >= 128), bb - 256, bb)
+                acc = acc + ba * bb
+            r = (acc & 0xFFFFFFFF).astype(np.uint32)
             (out if a[0].startswith("$") else reg)[a[0]] = r
         elif op == "cvt.f32.f16":
             f = reg[a[1]].astype(np.uint16).view(np.float16).astype(np.float32)
@@ -1800,6 +1908,50 @@ def test_e2m1_dot8_ptx_emulated():
             out = _run_ptx(text, x, regs)
             for c in range(nc):
                 assert np.array_equal(out[f"${c}"], e[:, k].astype(np.float32)), (nc, c, k)
+
+
+def test_e2m1_idot8_ptx_emulated():
+    """The integer-dot read pass's PTX (``codec._E2M1_IDOT8_1_PTX`` / ``_E2M1_IDOT8_2_PTX``),
+    executed by the emulation on 65,536 words (every pair of values of the low two bytes, the
+    high two bytes a permutation of them) and random limbs: output c is ``sum_k 2 e_k X_k``
+    exactly (an int64 sum), ``e_k`` the E2M1 table value of nibble k and ``X_k = X0 2^16 +
+    U1 2^8 + U2`` from the limbs (X0 a signed byte in [-64, 64], U1 and U2 unsigned); with
+    one-hot integers, each code's doubled value."""
+    import numpy as np
+
+    lo = np.arange(1 << 16, dtype=np.uint32)
+    x = lo | (((lo * 40503) & 0xFFFF) << 16)
+    mag = np.array(Fmt.E2M1_VALUES * 2, np.float64)
+    table = (np.where(np.arange(16) >= 8, -mag, mag) * 2).astype(np.int64)
+    e2 = np.stack([table[(x >> np.uint32(4 * k)) & 15] for k in range(8)], -1)  # [N, 8]
+    rng = np.random.default_rng(0)
+
+    def pack(v):  # [N, 8] bytes (int64) -> the lo / hi registers (codes 0-3, 4-7)
+        u = (v & 0xFF).astype(np.uint32)
+        return [sum(u[:, 4 * h + i] << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
+                for h in range(2)]
+
+    for nc, text in ((1, kr.codec._E2M1_IDOT8_1_PTX.value),
+                     (2, kr.codec._E2M1_IDOT8_2_PTX.value)):
+        for case in ("random", *range(8)):
+            regs = {f"${nc}": x}
+            want = []
+            for c in range(nc):
+                if case == "random":
+                    X = rng.integers(-(1 << 22), (1 << 22) + 1, size=(x.size, 8))
+                else:  # one-hot: X_k = 1 at code `case`
+                    X = np.zeros((x.size, 8), np.int64)
+                    X[:, case] = 1
+                limbs = (X >> 16, (X >> 8) & 0xFF, X & 0xFF)
+                for li, limb in enumerate(limbs):
+                    lo_r, hi_r = pack(limb)
+                    regs[f"${nc + 1 + 6 * c + 2 * li}"] = lo_r
+                    regs[f"${nc + 1 + 6 * c + 2 * li + 1}"] = hi_r
+                want.append((e2 * X).sum(-1))
+            out = _run_ptx(text, x, regs)
+            for c in range(nc):
+                got = out[f"${c}"].view(np.int32).astype(np.int64)
+                assert np.array_equal(got, want[c]), (nc, c, case)
 
 
 @pytest.mark.parametrize("read_fmt", ["nvfp4", "mxfp4"])

@@ -63,7 +63,8 @@ from ...packed import PackedTensor
 from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_index,
                     _check_maxnreg, _check_records, _maxnreg_launch,
                     _check_supported, _decode_code, _decode_consts, _e2m1_pairs_half,
-                    _e2m1_dot8_1, _e2m1_dot8_2,
+                    _e2m1_dot8_1, _e2m1_dot8_2, _e2m1_idot8_1, _e2m1_idot8_2,
+                    _e2m1_idot8_int,
                     _e2m1_pairs_half16, _e2m1_pairs_lut, _e2m1_value,
                     _e4m3_value, _e5m2_value, _e8m0_value, _K_NVFP4, _stored_args,
                     E2M1_HALF_SCALE)
@@ -78,7 +79,9 @@ DEFAULT_WARPS = 4
 # Forms of a separate read pass (records_outputs(read_pass=(block_v, num_warps, form))):
 # "records" (the records kernel's YOUT path: any copy, any columns) or "lean"
 # (_nvfp4_read_kernel: nvfp4 copies, at most two columns of X, as a decode step has).
-READ_FORMS = ("records", "lean")
+READ_FORMS = ("records", "lean", "idot")
+# the forms that launch _nvfp4_read_kernel ("idot": its integer-dot form, IDOT)
+LEAN_FORMS = ("lean", "idot")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
 # docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
@@ -876,19 +879,76 @@ def _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, kfirst, kbase, 
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K: tl.constexpr,
+                 NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr):
+    """X of sequence ``b`` and key group ``g`` (``_x_col``'s NC columns) as the integer-dot
+    read pass takes it (``_nvfp4_read_kernel`` with IDOT; ``codec._e2m1_idot8_1``): per
+    column c and block j of 16 elements, E the largest float32 exponent field among the
+    block's elements (at least 24), each element times ``s = 2^(148 - E)`` (exact) rounded to
+    the nearest integer ``X`` (ties to even; ``|X| <= 2^22``, an error of at most 2^-22 of the
+    block's largest magnitude), written as three byte limbs ``X = X0 2^16 + U1 2^8 + U2``
+    packed four elements per int32 (``xi [B*G, NC, 3, K/4]``, byte i of a register the
+    element 4r + i), and ``xs [B*G, NC, K/16] = 1 / (2 s) = 2^(E - 149)`` (the doubled E2M1
+    values' and the scaling's inverse). A block with a NaN or an infinity gets ``X = 0`` and
+    ``xs = NaN`` (its outputs are NaN); elements below about 2^-125 of magnitude in a block
+    whose largest is below 2^-103 round to zero."""
+    NB: tl.constexpr = K // 16
+    jb = tl.arange(0, NB)
+    r4 = tl.arange(0, 4)
+    i4 = tl.arange(0, 4)
+    e = jb[:, None, None] * 16 + r4[None, :, None] * 4 + i4[None, None, :]  # [NB, 4, 4]
+    for c in tl.static_range(NC):
+        x = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c, NS, K, D_REL)
+        E = tl.max(tl.max((x.to(tl.int32, bitcast=True) >> 23) & 255, axis=2), axis=1)  # [NB]
+        ok = E < 255
+        E = tl.maximum(E, 24)
+        s = ((275 - E) << 23).to(tl.float32, bitcast=True)  # 2^(148 - E)
+        v = x * s[:, None, None]  # |v| < 2^22
+        v = (v + 12582912.0) - 12582912.0  # to the nearest integer (1.5 * 2^23)
+        X = tl.where(ok[:, None, None], v, 0.0).to(tl.int32)
+        sh = (i4 * 8)[None, None, :]
+        base = ((bg * NC + c) * 3) * (K // 4) + jb[:, None] * 4 + r4[None, :]  # [NB, 4]
+        tl.store(xi_ptr + base, tl.reduce(((X >> 16) & 255) << sh, 2, _bit_or))
+        tl.store(xi_ptr + base + K // 4, tl.reduce(((X >> 8) & 255) << sh, 2, _bit_or))
+        tl.store(xi_ptr + base + 2 * (K // 4), tl.reduce((X & 255) << sh, 2, _bit_or))
+        xs = tl.where(ok, ((E - 22) << 23).to(tl.float32, bitcast=True), float("nan"))
+        tl.store(xs_ptr + (bg * NC + c) * NB + jb, xs)
+
+
+@triton.jit
+def _x_int_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, xi_ptr, xs_ptr, G, TD, TQ, K: tl.constexpr,
+                  NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr):
+    """``_x_int_store`` of (sequence, key group) ``program_id(0) = b * G + g``, where no
+    products launch runs before the integer-dot read pass (one value head per key group and
+    one row tile)."""
+    bg = tl.program_id(0).to(tl.int64)
+    b = bg // G
+    g = bg - b * G
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K, NC, NS, D_REL)
+
+
+@triton.jit
 def _key_products_kernel(
-        rk_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, z_ptr, zd_ptr, G, CAP, TD, TQ,
+        rk_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, z_ptr, zd_ptr, xi_ptr, xs_ptr, G, CAP, TD, TQ,
         K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, LP: tl.constexpr,
         NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr, DOT: tl.constexpr,
         PREC: tl.constexpr, D_REL: tl.constexpr, SOLVE: tl.constexpr, GDN: tl.constexpr,
-        FUSED: tl.constexpr, PDL: tl.constexpr = False):
+        FUSED: tl.constexpr, PDL: tl.constexpr = False, XINT: tl.constexpr = False):
     """The records kernel's ``Z`` (and ``Zd``) once per (sequence, key group) (program
     ``b * G + g``), written to ``z_ptr [B*G, LP, NX]`` / ``zd_ptr [B*G, NX, NX]`` for the
     records kernel launched with ZPRE: every program of that launch for the same sequence and
     key group (the value heads of a group, the value-row tiles) reads them instead of
     recomputing the products with the record keys. PDL: let the next launch (the records
     kernel or its read pass, launched with ``launch_pdl``) start at once; it waits for this
-    grid (``gdc_wait``) before it reads Z or writes anything."""
+    grid (``gdc_wait``) before it reads Z or writes anything. XINT: also X as the
+    integer-dot read pass takes it (``_x_int_store``), read by that pass after its wait."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
@@ -908,6 +968,9 @@ def _key_products_kernel(
     tl.store(z_ptr + (pid * LP + idx[:, None]) * NX + cx[None, :], Z)
     if SOLVE > 0 and GDN and NS > 0:
         tl.store(zd_ptr + (pid * NX + cx[:, None]) * NX + cx[None, :], Zd)
+    if XINT:
+        _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, pid, K, NC, NS,
+                     D_REL)
 
 
 @triton.jit
@@ -1166,10 +1229,11 @@ def _e2m1_dot8_int(word, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, V,
-                       TD, TQ, K: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr,
-                       D_REL: tl.constexpr, BV: tl.constexpr, PTX: tl.constexpr,
-                       PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, xi_ptr,
+                       xs_ptr, H, G, V, TD, TQ, K: tl.constexpr, NC: tl.constexpr,
+                       NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
+                       PTX: tl.constexpr, PDL: tl.constexpr = False,
+                       EARLY: tl.constexpr = False, IDOT: tl.constexpr = False):
     """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
     ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) of an nvfp4 copy for
     ``BV`` value rows of one (sequence, key group): its ``H // G`` matrices' rows, head after
@@ -1189,7 +1253,14 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     after it, waiting on it, also waits on the products launch. ``EARLY``: let the dependent
     launch after it (launched with PDL) start once every program of this one has started
     (``gdc_launch_dependents``), so its loads before its ``gdc_wait`` overlap this launch's
-    last wave."""
+    last wave. ``IDOT`` (``read_pass`` form ``"idot"``): X as integers from the launch before
+    (``_x_int_store``: per column and block of 16 elements 24-bit integers ``X`` and a power
+    of two ``xs``), each word's ``sum_k 2 e_k X_k`` exact in int32 (``codec._e2m1_idot8_1``
+    / ``_e2m1_idot8_2``: byte-permute lookups and dp4a; ``_e2m1_idot8_int`` the same
+    integer without PTX), summed over the block's two words, converted to float32 and
+    multiplied by ``xs`` then by the E4M3 block scale; the blocks' sum times the matrix
+    scale. X's rounding (at most 2^-22 of each block's largest element) is the form's only
+    error beyond FP32's; with PDL it waits for the launch before it loads X."""
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
@@ -1209,12 +1280,50 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     sc = _e4m3_value(tl.load(cbs_ptr + rowg[:, None] * NB + jb[None, :], mask=rmask[:, None],
                              other=0).to(tl.int32))
     ms = tl.load(cms_ptr + rowg // V, mask=rmask, other=0.0)  # each row's matrix scale
-    sc = sc * E2M1_HALF_SCALE  # exact: an E4M3 value times 2^14
     wi = tl.arange(0, 2)
     e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
     wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
                   + rowg[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None],
                   mask=rmask[:, None, None], other=0)
+    if IDOT:
+        if PDL:  # X's integers are the launch before's
+            tl.extra.cuda.gdc_wait()
+        xl = (bg * NC * 3) * (K // 4) + jb[:, None] * 4 + wi[None, :] * 2  # [NB, 2]
+        L4: tl.constexpr = K // 4
+        a0 = tl.load(xi_ptr + xl)[None]
+        a1 = tl.load(xi_ptr + xl + 1)[None]
+        b0 = tl.load(xi_ptr + xl + L4)[None]
+        b1 = tl.load(xi_ptr + xl + L4 + 1)[None]
+        f0 = tl.load(xi_ptr + xl + 2 * L4)[None]
+        f1 = tl.load(xi_ptr + xl + 2 * L4 + 1)[None]
+        xs0 = tl.load(xs_ptr + bg * NC * NB + jb)[None, :]
+        if NC == 1:
+            if PTX:
+                i0 = _e2m1_idot8_1(wrd, a0, a1, b0, b1, f0, f1)
+            else:
+                i0 = _e2m1_idot8_int(wrd, a0, a1, b0, b1, f0, f1)
+            y0 = tl.sum((tl.sum(i0, axis=2).to(tl.float32) * xs0) * sc, axis=1) * ms
+            tl.store(y_ptr + rowg, y0, mask=rmask)
+        else:
+            xl1 = xl + 3 * L4
+            d0 = tl.load(xi_ptr + xl1)[None]
+            d1 = tl.load(xi_ptr + xl1 + 1)[None]
+            g0 = tl.load(xi_ptr + xl1 + L4)[None]
+            g1 = tl.load(xi_ptr + xl1 + L4 + 1)[None]
+            h0 = tl.load(xi_ptr + xl1 + 2 * L4)[None]
+            h1 = tl.load(xi_ptr + xl1 + 2 * L4 + 1)[None]
+            xs1 = tl.load(xs_ptr + (bg * NC + 1) * NB + jb)[None, :]
+            if PTX:
+                i0, i1 = _e2m1_idot8_2(wrd, a0, a1, b0, b1, f0, f1, d0, d1, g0, g1, h0, h1)
+            else:
+                i0 = _e2m1_idot8_int(wrd, a0, a1, b0, b1, f0, f1)
+                i1 = _e2m1_idot8_int(wrd, d0, d1, g0, g1, h0, h1)
+            y0 = tl.sum((tl.sum(i0, axis=2).to(tl.float32) * xs0) * sc, axis=1) * ms
+            y1 = tl.sum((tl.sum(i1, axis=2).to(tl.float32) * xs1) * sc, axis=1) * ms
+            tl.store(y_ptr + rowg * 2, y0, mask=rmask)
+            tl.store(y_ptr + rowg * 2 + 1, y1, mask=rmask)
+        return
+    sc = sc * E2M1_HALF_SCALE  # exact: an E4M3 value times 2^14
     a0, a1, a2, a3, a4, a5, a6, a7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 0, NS, K,
                                          D_REL)
     if PDL:
@@ -1949,7 +2058,13 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             in the same float32 operations, so the same bits); its tile may be any power of
             two >= 16 rows; the codes are read as 32-bit words, so their storage must start
             on a 4-byte boundary (refused otherwise). Mamba-2's nvfp4 step default since
-            2026-12-04.
+            2026-12-04. ``"idot"``: the same kernel and conditions with integer dot products
+            (``_nvfp4_read_kernel``'s IDOT: X rounded per block of 16 elements to 24-bit
+            integers by the products launch, or by a launch of its own where none runs;
+            each word's sum exact in int32 by byte-permute lookups and dp4a; X's rounding,
+            at most 2^-22 of each block's largest element, the only error beyond FP32's;
+            the interpreter and ``e2m1_decode="integer"`` the same integers, so the same
+            bits).
             ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
             same bits): GDN's nvfp4 step default since 2026-12-04 (``(32, 2, "records",
@@ -2151,15 +2266,15 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                          f"copy is {spec}")
     C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
     # the lean read pass's conditions, checked before any launch of this call
-    lean = ypre and read_form == "lean"
+    lean = ypre and read_form in LEAN_FORMS
     if lean and not (C.KIND == _K_NVFP4 and NC <= 2 and fused_window is None
                      and use_dot not in X16_DOTS):
-        raise ValueError(f"read_pass form 'lean' takes an nvfp4 copy, at most 2 columns of X "
+        raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy, at most 2 columns of X "
                          f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
                          f"got a {spec} copy, {NC} columns, fused_window={fused_window!r}, "
                          f"use_dot={use_dot!r}")
     if lean and c.data_ptr() % 4:
-        raise ValueError(f"read_pass form 'lean' reads the nvfp4 codes as 32-bit words: their "
+        raise ValueError(f"read_pass form {read_form!r} reads the nvfp4 codes as 32-bit words: their "
                          f"storage must start on a 4-byte boundary, got address "
                          f"{c.data_ptr():#x} (a view at an odd offset; pass a copy)")
     # C's products on float16 tensor cores: nvfp4 (E2M1 x E4M3 values, exact in float16)
@@ -2193,12 +2308,24 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     wpre = forms["FOLD"] and fold_x == "launch"
     zpre = zpre and not wpre
     pdl = _pdl_mode(pdl, q.device)
+    # the integer-dot read pass: X as integers per (sequence, key group), by the products
+    # launch or (none running) by a launch of its own first
+    idot = lean and read_form == "idot"
+    if idot:
+        xi = torch.empty(B * G * NC * 3 * (K // 4), dtype=torch.int32, device=q.device)
+        xs = torch.empty(B * G * NC * (K // 16), dtype=torch.float32, device=q.device)
+        if not zpre:
+            _x_int_kernel[(B * G,)](dk, q_arg, start, rows, xi, xs, G, TD, TQ, K=K, NC=NC,
+                                    NS=NS, D_REL=draft_relative, num_warps=1)
+    else:
+        xi = xs = o_arg
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
         z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
         zd = (torch.empty(B * G, NX, NX, dtype=torch.float32, device=q.device)
               if gdn and matrix and NS > 0 else z)
-        _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD, TQ,
-                                       num_warps=num_warps, PDL=pdl, **consts)
+        _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, xi, xs, G, CAP,
+                                       TD, TQ, num_warps=num_warps, PDL=pdl, XINT=idot,
+                                       **consts)
     elif wpre:  # the folded form's coefficients once per (sequence, value head)
         z = zd = torch.empty(B * H, 2 * NX + LP, NX, dtype=torch.float32, device=q.device)
         _fold_coeffs_kernel[(B * H,)](
@@ -2241,9 +2368,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
         _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
-            c, cbs, cms, dk, q_arg, start, rows, y, H, G, V, TD, TQ, K=K, NC=NC, NS=NS,
+            c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, V, TD, TQ, K=K, NC=NC, NS=NS,
             D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
-            EARLY=early, **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
+            EARLY=early, IDOT=idot, **_pdl_launch(pdl and zpre),
+            **_maxnreg_launch(read_maxnreg))
     elif ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
@@ -2423,8 +2551,9 @@ def _check_verify_read_pass(read_pass) -> None:
     """ValueError for a verify's ``read_pass`` in the lean form: that form is the decode
     step's (at most two columns of X); a verify's launches have T queries (and GDN's anchor
     launch the window's keys)."""
-    if isinstance(read_pass, (tuple, list)) and len(read_pass) >= 3 and read_pass[2] == "lean":
-        raise ValueError(f"read_pass form 'lean' is the decode step's (at most 2 columns of "
+    if (isinstance(read_pass, (tuple, list)) and len(read_pass) >= 3
+            and read_pass[2] in LEAN_FORMS):
+        raise ValueError(f"read_pass form {read_pass[2]!r} is the decode step's (at most 2 columns of "
                          f"X); verify takes (block_v, num_warps) or (block_v, num_warps, "
                          f"'records'[, maxnreg]), got {tuple(read_pass)!r}")
 
@@ -2501,7 +2630,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
                   lean_records=lean_records)
     if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
-            and cfg["read_pass"][2] == "lean" and cfg["use_dot"] in X16_DOTS):
+            and cfg["read_pass"][2] in LEAN_FORMS and cfg["use_dot"] in X16_DOTS):
         # a caller's 16-bit products: the records kernel's read pass (the lean one has none)
         cfg["read_pass"] = MAMBA2_STEP_FP4_CONFIG["read_pass"]
     if lean_records is None and (not cfg.get("read_pass")

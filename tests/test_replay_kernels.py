@@ -1077,8 +1077,9 @@ def test_lean_read_pass_refused():
 
 
 def test_read_pass_register_cap():
-    """``read_pass=(block_v, num_warps, form, maxnreg)``: GDN's nvfp4 and mxfp4 steps ask for
-    their default cap (96) on the read-pass launch only, Mamba-2's mxfp4 step for none; capped
+    """``read_pass=(block_v, num_warps, form, maxnreg)``: GDN's mxfp4 step asks for its
+    default cap (96) on the read-pass launch only (its nvfp4 step since the integer-dot read
+    pass for none; the cap asked for explicitly), Mamba-2's mxfp4 step for none; capped
     and uncapped
     read passes give the same bits (on CUDA the cap reaches ptxas; the interpreter has no
     registers and takes none); bad caps and a fifth field are refused by name."""
@@ -1099,8 +1100,8 @@ def test_read_pass_register_cap():
     import unittest.mock as um
 
     with um.patch.object(kr.records, "_maxnreg_launch", spy):
-        capped = step("nvfp4")
-        assert asked == [kr.records.GDN_STEP_NVFP4_CONFIG["read_pass"][3]] == [96]
+        capped = step("nvfp4", read_pass=(32, 2, "records", 96))
+        assert asked == [96]
         asked.clear()
         capped_mx = step("mxfp4")
         assert asked == [kr.records.GDN_STEP_FP4_CONFIG["read_pass"][3]] == [96]
@@ -1110,6 +1111,10 @@ def test_read_pass_register_cap():
         kr.mamba2_step_kernel(R_m, ring_m, la, v, k, _t(torch.randn(B, G, K, generator=_gen(27))),
                               h_m)
         assert asked == [None]  # Mamba-2's mxfp4 step: no cap
+        asked.clear()
+        assert len(kr.records.GDN_STEP_NVFP4_CONFIG["read_pass"]) == 3  # idot, uncapped
+        step("nvfp4")
+        assert asked == [None]
     gen = _gen(23)
     plain = step("nvfp4", read_pass=(32, 2, "records"))
     for a, b in zip(capped, plain, strict=True):

@@ -149,12 +149,19 @@ MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(3
 # (sequence, value head) on one warp, started as the read pass's last wave starts (early):
 # 125.9 / 125.2 -> 112.6 / 112.4 us, early 110.4 us (2 or more heads per program, or more
 # warps, 114.0-253.6 us).
-MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(64, 1, "lean"),
+# Since the twenty-fifth session (records_tune --set idot --timing graph,
+# records_tune_idot_h200.json, B = 256, h = 7): the read pass's integer-dot form on 128-row
+# tiles (two value heads; its programs tile a key group's rows since then) with one warp:
+# 116.9 -> 104.7 us (the FMA-chain form on that tile 113.2 us).
+MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(128, 1, "idot"),
                                 lean_records=(1, 1, True))
-# GDN from an nvfp4 copy: GDN_STEP_FP4_CONFIG (its read pass capped at 96 registers since the
-# twenty-third session; mxfp4's since the twenty-fourth). Mamba-2's mxfp4 step gains nothing
-# from a cap (135.6 us uncapped, 135.2-142.0 at 64-128; records_maxnreg_mxfp4_h200.json).
-GDN_STEP_NVFP4_CONFIG = GDN_STEP_FP4_CONFIG
+# GDN from an nvfp4 copy: until the twenty-fifth session GDN_STEP_FP4_CONFIG (its read pass
+# capped at 96 registers since the twenty-third session; mxfp4's since the twenty-fourth);
+# since then the lean read pass's integer-dot form on 64-row tiles with one warp, the records
+# launch as before: 108.8 -> 97.3 us (records_tune_idot_h200.json; the FMA-chain lean form on
+# that tile 109.6). Mamba-2's mxfp4 step gains nothing from a cap (135.6 us uncapped,
+# 135.2-142.0 at 64-128; records_maxnreg_mxfp4_h200.json).
+GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(64, 1, "idot"))
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /

@@ -951,11 +951,14 @@ def test_lean_read_pass(gdn, monkeypatch):
         # sequence 1 alone: the same bits as in the batch
         alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp)
         assert torch.equal(alone, got[1:]), rp
-    # the defaults: Mamba-2 from nvfp4 takes the lean read pass and the lean records launch
-    # (no records kernel launch), GDN the records kernel's read pass and records launch
+    # the defaults: Mamba-2 from nvfp4 takes the lean read pass (integer-dot form) and the
+    # lean records launch (no records kernel launch), GDN the lean read pass (integer-dot
+    # form, since the twenty-fifth session) and the records kernel's records launch
+    assert kr.records.GDN_STEP_NVFP4_CONFIG["read_pass"][2] == "idot"
+    assert kr.records.MAMBA2_STEP_NVFP4_CONFIG["read_pass"][2] == "idot"
     seen = _lean_launches(monkeypatch)
     got = step({n: t.clone() for n, t in ring.items()}, slice(None), None)
-    assert seen == ([(True, False), (False, True)] if gdn else ["lean"]), seen
+    assert seen == (["lean", (False, True)] if gdn else ["lean"]), seen
     torch.testing.assert_close(got, want, **TOL)
     if not gdn:  # a caller's float16 products: the records kernel's read pass, not an error
         seen = _lean_launches(monkeypatch)

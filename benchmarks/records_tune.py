@@ -420,6 +420,13 @@ IDOT_STEP_CANDIDATES = [_P] + [
     for rb, rw in ((32, 1), (64, 1), (64, 2), (128, 1), (128, 2), (256, 2), (256, 4),
                    (512, 4))
     for form in ("lean", "idot")]
+# --set idot2 (2026-12-04, twenty-fifth session): after idot, X's integers in a launch of
+# their own before the products launch (the read pass no longer waits for it) and the block
+# scales decoded by way of float16; the integer-dot tiles again, and register caps.
+IDOT2_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + ((rb, rw, "idot") + cap,)
+    for rb, rw in ((32, 1), (64, 1), (128, 1), (128, 2), (256, 2))
+    for cap in ((), (96,), (112,))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -440,7 +447,8 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "lean": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "rtiles": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "leanheads": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "idot": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
+               "idot": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
+               "idot2": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -482,7 +490,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "lrec": (LREC_STEP_CANDIDATES, []),
                   "rtiles": (RTILES_STEP_CANDIDATES, []),
                   "leanheads": (LEANHEADS_STEP_CANDIDATES, []),
-                  "idot": (IDOT_STEP_CANDIDATES, [])}
+                  "idot": (IDOT_STEP_CANDIDATES, []),
+                  "idot2": (IDOT2_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):

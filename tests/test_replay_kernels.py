@@ -1137,7 +1137,7 @@ def test_read_pass_register_cap():
 
 
 def test_lean_read_pass_special_block_scales():
-    """The lean read pass with E4M3 block scales that random data never gives: subnormal
+    """The lean read pass (both forms) with E4M3 block scales that random data never gives: subnormal
     (0x01, 0x07), +0 and -0 (0x00, 0x80), the largest (0x7E) and NaN (0x7F, 0xFF), both models,
     against the step references on the same stored bytes (NaN where the dequantised copy has
     NaN)."""
@@ -1153,10 +1153,11 @@ def test_lean_read_pass_special_block_scales():
         R = R_sp.dequantize()
         assert R.isnan().any() and not R.isnan().all()
         rec, q, _, want, _ = _lean_step_case(gen, R, ring, h, gdn)
-        got = _lean_step(R_sp, {n: t.clone() for n, t in ring.items()}, rec, q, h, gdn,
-                         (16, 1, "lean"))
         assert want.isnan().any()
-        torch.testing.assert_close(got, want, equal_nan=True, **TOL)
+        for form in ("lean", "idot"):
+            got = _lean_step(R_sp, {n: t.clone() for n, t in ring.items()}, rec, q, h, gdn,
+                             (16, 1, form))
+            torch.testing.assert_close(got, want, equal_nan=True, **TOL)
 
 
 PDL_RUNS = (DEVICE == "cuda" and torch.version.hip is None
@@ -1525,6 +1526,8 @@ def _decode_all_kernel(code_ptr, fast_ptr, gen_ptr, N: tl.constexpr, WHICH: tl.c
         f = kr.codec._e2m1_value(c)
     elif WHICH == 1:
         f = kr.codec._e4m3_value(c)
+    elif WHICH == 3:
+        f = kr.codec._e4m3_value_f16(c)
     else:
         f = kr.codec._e5m2_value(c)
     tl.store(fast_ptr + tl.arange(0, N), f)
@@ -1533,10 +1536,12 @@ def _decode_all_kernel(code_ptr, fast_ptr, gen_ptr, N: tl.constexpr, WHICH: tl.c
 
 
 @pytest.mark.parametrize("which,spec,n", [(0, "nvfp4", 16), (1, "fp8e4m3", 256),
-                                          (2, "fp8e5m2", 256)], ids=["e2m1", "e4m3", "e5m2"])
+                                          (2, "fp8e5m2", 256), (3, "fp8e4m3", 256)],
+                         ids=["e2m1", "e4m3", "e5m2", "e4m3_f16"])
 def test_fast_decoders(which, spec, n):
     """The records kernel's fast decoders equal the generic ``_decode_code`` and the torch /
-    table values bit for bit, for every code (NaN where the format has NaN)."""
+    table values bit for bit, for every code (NaN where the format has NaN); ``e4m3_f16`` the
+    integer-dot read pass's E4M3 block-scale decoder by way of float16."""
     codes = _t(torch.arange(n, dtype=torch.int32))
     fast = torch.empty(n, device=DEVICE)
     gen = torch.empty(n, device=DEVICE)
@@ -1546,7 +1551,7 @@ def test_fast_decoders(which, spec, n):
         mag = torch.tensor(Fmt.E2M1_VALUES * 2)
         ref = torch.where(torch.arange(16) >= 8, -mag, mag)
     else:
-        dt = torch.float8_e4m3fn if which == 1 else torch.float8_e5m2
+        dt = torch.float8_e4m3fn if which in (1, 3) else torch.float8_e5m2
         ref = torch.arange(n, dtype=torch.uint8).view(dt).float()
     for got in (fast, gen):
         got = got.cpu()

@@ -66,7 +66,8 @@ from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_inde
                     _e2m1_dot8_1, _e2m1_dot8_2, _e2m1_idot8_1, _e2m1_idot8_2,
                     _e2m1_idot8_int,
                     _e2m1_pairs_half16, _e2m1_pairs_lut, _e2m1_value,
-                    _e4m3_value, _e5m2_value, _e8m0_value, _K_NVFP4, _stored_args,
+                    _e4m3_value, _e4m3_value_f16, _e5m2_value, _e8m0_value, _K_NVFP4,
+                    _stored_args,
                     E2M1_HALF_SCALE)
 
 # Launch configuration of the records kernel (value rows per program, warps, K chunk streamed
@@ -930,9 +931,8 @@ def _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K: t
 @triton.jit
 def _x_int_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, xi_ptr, xs_ptr, G, TD, TQ, K: tl.constexpr,
                   NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr):
-    """``_x_int_store`` of (sequence, key group) ``program_id(0) = b * G + g``, where no
-    products launch runs before the integer-dot read pass (one value head per key group and
-    one row tile)."""
+    """``_x_int_store`` of (sequence, key group) ``program_id(0) = b * G + g``: the first
+    launch of a step with the integer-dot read pass."""
     bg = tl.program_id(0).to(tl.int64)
     b = bg // G
     g = bg - b * G
@@ -943,19 +943,18 @@ def _x_int_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, xi_ptr, xs_ptr, G, TD, TQ, K: tl
 
 @triton.jit
 def _key_products_kernel(
-        rk_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, z_ptr, zd_ptr, xi_ptr, xs_ptr, G, CAP, TD, TQ,
+        rk_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, z_ptr, zd_ptr, G, CAP, TD, TQ,
         K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, LP: tl.constexpr,
         NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr, DOT: tl.constexpr,
         PREC: tl.constexpr, D_REL: tl.constexpr, SOLVE: tl.constexpr, GDN: tl.constexpr,
-        FUSED: tl.constexpr, PDL: tl.constexpr = False, XINT: tl.constexpr = False):
+        FUSED: tl.constexpr, PDL: tl.constexpr = False):
     """The records kernel's ``Z`` (and ``Zd``) once per (sequence, key group) (program
     ``b * G + g``), written to ``z_ptr [B*G, LP, NX]`` / ``zd_ptr [B*G, NX, NX]`` for the
     records kernel launched with ZPRE: every program of that launch for the same sequence and
     key group (the value heads of a group, the value-row tiles) reads them instead of
     recomputing the products with the record keys. PDL: let the next launch (the records
     kernel or its read pass, launched with ``launch_pdl``) start at once; it waits for this
-    grid (``gdc_wait``) before it reads Z or writes anything. XINT: also X as the
-    integer-dot read pass takes it (``_x_int_store``), read by that pass after its wait."""
+    grid (``gdc_wait``) before it reads Z or writes anything."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
@@ -975,9 +974,6 @@ def _key_products_kernel(
     tl.store(z_ptr + (pid * LP + idx[:, None]) * NX + cx[None, :], Z)
     if SOLVE > 0 and GDN and NS > 0:
         tl.store(zd_ptr + (pid * NX + cx[:, None]) * NX + cx[None, :], Zd)
-    if XINT:
-        _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, pid, K, NC, NS,
-                     D_REL)
 
 
 @triton.jit
@@ -1267,7 +1263,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     integer without PTX), summed over the block's two words, converted to float32 and
     multiplied by ``xs`` then by the E4M3 block scale; the blocks' sum times the matrix
     scale. X's rounding (at most 2^-22 of each block's largest element) is the form's only
-    error beyond FP32's; with PDL it waits for the launch before it loads X."""
+    error beyond FP32's; X's integers come from the call's first launch (``_x_int_kernel``),
+    so with PDL it waits only before its stores."""
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
@@ -1284,17 +1281,19 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     rowg = (b * H + g * HG) * V + r.to(tl.int64)  # = (b * H + h) * V + value row
     NB: tl.constexpr = K // 16
     jb = tl.arange(0, NB)
-    sc = _e4m3_value(tl.load(cbs_ptr + rowg[:, None] * NB + jb[None, :], mask=rmask[:, None],
-                             other=0).to(tl.int32))
+    scode = tl.load(cbs_ptr + rowg[:, None] * NB + jb[None, :], mask=rmask[:, None], other=0)
+    if IDOT:
+        sc = _e4m3_value_f16(scode)
+    else:
+        sc = _e4m3_value(scode.to(tl.int32))
     ms = tl.load(cms_ptr + rowg // V, mask=rmask, other=0.0)  # each row's matrix scale
     wi = tl.arange(0, 2)
     e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
     wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
                   + rowg[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None],
                   mask=rmask[:, None, None], other=0)
-    if IDOT:
-        if PDL:  # X's integers are the launch before's
-            tl.extra.cuda.gdc_wait()
+    if IDOT:  # X's integers: from the call's first launch, complete before this one's
+        # predecessor began, so no wait (PDL: it waits before its stores)
         xl = (bg * NC * 3) * (K // 4) + jb[:, None] * 4 + wi[None, :] * 2  # [NB, 2]
         L4: tl.constexpr = K // 4
         a0 = tl.load(xi_ptr + xl)[None]
@@ -1310,6 +1309,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
             else:
                 i0 = _e2m1_idot8_int(wrd, a0, a1, b0, b1, f0, f1)
             y0 = tl.sum((tl.sum(i0, axis=2).to(tl.float32) * xs0) * sc, axis=1) * ms
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             tl.store(y_ptr + rowg, y0, mask=rmask)
         else:
             xl1 = xl + 3 * L4
@@ -1327,6 +1328,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                 i1 = _e2m1_idot8_int(wrd, d0, d1, g0, g1, h0, h1)
             y0 = tl.sum((tl.sum(i0, axis=2).to(tl.float32) * xs0) * sc, axis=1) * ms
             y1 = tl.sum((tl.sum(i1, axis=2).to(tl.float32) * xs1) * sc, axis=1) * ms
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             tl.store(y_ptr + rowg * 2, y0, mask=rmask)
             tl.store(y_ptr + rowg * 2 + 1, y1, mask=rmask)
         return
@@ -2067,7 +2070,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             on a 4-byte boundary (refused otherwise). Mamba-2's nvfp4 step default since
             2026-12-04. ``"idot"``: the same kernel and conditions with integer dot products
             (``_nvfp4_read_kernel``'s IDOT: X rounded per block of 16 elements to 24-bit
-            integers by the products launch, or by a launch of its own where none runs;
+            integers by a launch of its own, the call's first;
             each word's sum exact in int32 by byte-permute lookups and dp4a; X's rounding,
             at most 2^-22 of each block's largest element, the only error beyond FP32's;
             the interpreter and ``e2m1_decode="integer"`` the same integers, so the same
@@ -2315,24 +2318,23 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     wpre = forms["FOLD"] and fold_x == "launch"
     zpre = zpre and not wpre
     pdl = _pdl_mode(pdl, q.device)
-    # the integer-dot read pass: X as integers per (sequence, key group), by the products
-    # launch or (none running) by a launch of its own first
+    # the integer-dot read pass: X as integers per (sequence, key group), by a launch of
+    # their own first (an ordinary launch: complete before the products launch starts, so
+    # the read pass, dependent on the products launch, reads them without waiting for it)
     idot = lean and read_form == "idot"
     if idot:
         xi = torch.empty(B * G * NC * 3 * (K // 4), dtype=torch.int32, device=q.device)
         xs = torch.empty(B * G * NC * (K // 16), dtype=torch.float32, device=q.device)
-        if not zpre:
-            _x_int_kernel[(B * G,)](dk, q_arg, start, rows, xi, xs, G, TD, TQ, K=K, NC=NC,
-                                    NS=NS, D_REL=draft_relative, num_warps=1)
+        _x_int_kernel[(B * G,)](dk, q_arg, start, rows, xi, xs, G, TD, TQ, K=K, NC=NC, NS=NS,
+                                D_REL=draft_relative, num_warps=1)
     else:
         xi = xs = o_arg
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
         z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
         zd = (torch.empty(B * G, NX, NX, dtype=torch.float32, device=q.device)
               if gdn and matrix and NS > 0 else z)
-        _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, xi, xs, G, CAP,
-                                       TD, TQ, num_warps=num_warps, PDL=pdl, XINT=idot,
-                                       **consts)
+        _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD, TQ,
+                                       num_warps=num_warps, PDL=pdl, **consts)
     elif wpre:  # the folded form's coefficients once per (sequence, value head)
         z = zd = torch.empty(B * H, 2 * NX + LP, NX, dtype=torch.float32, device=q.device)
         _fold_coeffs_kernel[(B * H,)](

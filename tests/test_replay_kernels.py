@@ -960,12 +960,16 @@ def test_lean_read_pass(gdn, monkeypatch):
     got = step({n: t.clone() for n, t in ring.items()}, slice(None), None)
     assert seen == (["lean", (False, True)] if gdn else ["lean"]), seen
     torch.testing.assert_close(got, want, **TOL)
-    if not gdn:  # a caller's float16 products: the records kernel's read pass, not an error
-        seen = _lean_launches(monkeypatch)
-        got = kr.mamba2_step_kernel(R_st, {n: t.clone() for n, t in ring.items()}, la, v, k,
-                                    q, h, use_dot="f16x3")
-        assert seen == [(True, False)], seen  # then the lean records launch
-        torch.testing.assert_close(got, want, **TOL)
+    # a caller's float16 products: the records kernel's read pass, not an error
+    seen = _lean_launches(monkeypatch)
+    rg = {n: t.clone() for n, t in ring.items()}
+    if gdn:
+        got = kr.gdn_step_kernel(R_st, rg, q, k, v, la, rec[3], h, use_dot="f16x3")
+    else:
+        got = kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, use_dot="f16x3")
+    # then GDN's records kernel's records launch, Mamba-2's lean one
+    assert seen == ([(True, False), (False, True)] if gdn else [(True, False)]), seen
+    torch.testing.assert_close(got, want, **TOL)
 
 
 def _x_int_of(dk, q, NS):

@@ -2684,6 +2684,10 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
+    if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
+            and cfg["read_pass"][2] in LEAN_FORMS and cfg["use_dot"] in X16_DOTS):
+        # a caller's 16-bit products: the records kernel's read pass (the lean one has none)
+        cfg["read_pass"] = GDN_STEP_FP4_CONFIG["read_pass"]
     _check_x16_dot(read, cfg)
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}

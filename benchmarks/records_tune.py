@@ -427,24 +427,12 @@ IDOT2_STEP_CANDIDATES = [_P] + [
     (None,) * 13 + ((rb, rw, "idot") + cap,)
     for rb, rw in ((32, 1), (64, 1), (128, 1), (128, 2), (256, 2))
     for cap in ((), (96,), (112,))]
-# --set stream (2026-12-04, twenty-fifth session): the integer-dot read pass with each program
-# walking several row tiles in a software-pipelined loop (lean_stream=(tiles, stages),
-# records._idot_stream_kernel): X's integers loaded once per program, the next tiles' codes
-# in flight while one is summed.
-STREAM_STEP_CANDIDATES = [_P] + [
-    (None,) * 13 + ((rb, rw, "idot"),) + (None,) * 6 + (ls,)
-    for rb, rw, lss in ((32, 1, ((4, 2), (4, 3), (8, 3), (16, 3))),
-                        (64, 1, ((2, 2), (4, 2), (4, 3), (8, 3))),
-                        (128, 1, ((2, 2), (4, 3))),
-                        (64, 2, ((4, 3), (8, 3))),
-                        (128, 2, ((2, 2), (4, 3))))
-    for ls in lss]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
         "fuse_shared_anchor", "skip_shared_anchor", "anchor_block_v", "keys_first",
         "shared_products", "e2m1_decode", "read_pass", "pdl", "solve_precision", "late_sum",
-        "split_x", "fold_x", "lean_records", "lean_stream")
+        "split_x", "fold_x", "lean_records")
 # which lists cases() uses: "all" (STEP_/VERIFY_CANDIDATES) or "tf32" (TF32_*); --set, passed
 # on to the compile workers
 CANDIDATE_SET = "all"
@@ -460,8 +448,7 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "rtiles": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "leanheads": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "idot": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "idot2": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "stream": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
+               "idot2": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -504,8 +491,7 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "rtiles": (RTILES_STEP_CANDIDATES, []),
                   "leanheads": (LEANHEADS_STEP_CANDIDATES, []),
                   "idot": (IDOT_STEP_CANDIDATES, []),
-                  "idot2": (IDOT2_STEP_CANDIDATES, []),
-                  "stream": (STREAM_STEP_CANDIDATES, [])}
+                  "idot2": (IDOT2_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):

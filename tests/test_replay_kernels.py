@@ -1054,52 +1054,6 @@ def test_idot_read_pass_nonfinite(gdn):
     assert torch.isnan(ref[0, hit]).all()  # the reference agrees where the NaN reaches
 
 
-@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_idot_lean_stream(gdn):
-    """``lean_stream=(tiles, stages)``: the integer-dot read pass with each program walking
-    ``tiles`` row tiles in a pipelined loop (``records._idot_stream_kernel``) gives the same
-    bits as one tile per program (the same operations per row), here with tiles spanning the
-    key group's heads and past it (masked); the launch taken is the stream kernel; bad
-    values and other read-pass forms are refused by name."""
-    gen = _gen(35)
-    R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
-    rec, q, _, want, _ = _lean_step_case(gen, R, ring, h, gdn)
-    la, v, k, beta = rec
-
-    def step(**kw):
-        rg = {n: t.clone() for n, t in ring.items()}
-        if gdn:
-            return kr.gdn_step_kernel(R_st, rg, q, k, v, la, beta, h, **kw), rg
-        return kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, **kw), rg
-
-    one, ring_one = step(read_pass=(16, 1, "idot"))
-    torch.testing.assert_close(one, want, **TOL)
-    real = kr.records._idot_stream_kernel
-    grids = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    for ls in ((1, 1), (2, 2), (4, 3)):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(kr.records, "_idot_stream_kernel", Spy())
-            got, ring_got = step(read_pass=(16, 1, "idot"), lean_stream=ls)
-        assert grids[-1] == (B * G * -(-(H // G) * V // (16 * ls[0])),), grids
-        assert torch.equal(_bits(got), _bits(one)), ls
-        for n in ring_one:
-            assert torch.equal(_bits(ring_got[n]), _bits(ring_one[n])), (ls, n)
-    for bad in ((3, 2), (2, 0), (2, 5), (2,), "4x2", (2.0, 2), (True, 2)):
-        with pytest.raises(ValueError, match=f"lean_stream must be None or \\(tiles, "
-                                             f"stages\\).*got {re.escape(repr(bad))}"):
-            step(read_pass=(16, 1, "idot"), lean_stream=bad)
-    for rp in ((16, 1, "lean"), (16, 1, "records")):
-        with pytest.raises(ValueError, match="lean_stream applies to the read pass's "
-                                             "integer-dot form"):
-            step(read_pass=rp, lean_stream=(2, 2))
-
-
 def test_lean_read_pass_refused():
     """The lean read pass takes nvfp4 copies only (an mxfp4 one is refused, naming the form and
     the copy), codes that start on a 4-byte boundary (it reads 32-bit words), and an unknown

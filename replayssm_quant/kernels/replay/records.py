@@ -1366,80 +1366,6 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
 
 
 @triton.jit
-def _idot_stream_kernel(c_ptr, cbs_ptr, cms_ptr, ss_ptr, y_ptr, xi_ptr, xs_ptr, H, G, V,
-                        K: tl.constexpr, NC: tl.constexpr, BV: tl.constexpr, NCH: tl.constexpr,
-                        ST: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False,
-                        EARLY: tl.constexpr = False):
-    """The integer-dot read pass (``_nvfp4_read_kernel`` with IDOT) with each program walking
-    ``NCH`` tiles of ``BV`` rows of its (sequence, key group) in a loop software-pipelined
-    over ``ST`` stages (``records_outputs(lean_stream=(NCH, ST))``): X's integers are loaded
-    once per program and the next tiles' codes are in flight (async copies) while a tile is
-    summed. The same operations per row as ``_nvfp4_read_kernel``, so the same bits."""
-    if EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0).to(tl.int64)
-    HG = H // G
-    nt = tl.cdiv(HG * V, BV * NCH)
-    bg = pid // nt
-    vt = pid - bg * nt
-    NB: tl.constexpr = K // 16
-    L4: tl.constexpr = K // 4
-    jb = tl.arange(0, NB)
-    wi = tl.arange(0, 2)
-    xl = (bg * NC * 3) * L4 + jb[:, None] * 4 + wi[None, :] * 2  # [NB, 2]
-    a0 = tl.load(xi_ptr + xl)[None]
-    a1 = tl.load(xi_ptr + xl + 1)[None]
-    b0 = tl.load(xi_ptr + xl + L4)[None]
-    b1 = tl.load(xi_ptr + xl + L4 + 1)[None]
-    f0 = tl.load(xi_ptr + xl + 2 * L4)[None]
-    f1 = tl.load(xi_ptr + xl + 2 * L4 + 1)[None]
-    xs0 = tl.load(xs_ptr + bg * NC * NB + jb)[None, :]
-    if NC == 2:
-        xl1 = xl + 3 * L4
-        d0 = tl.load(xi_ptr + xl1)[None]
-        d1 = tl.load(xi_ptr + xl1 + 1)[None]
-        g0 = tl.load(xi_ptr + xl1 + L4)[None]
-        g1 = tl.load(xi_ptr + xl1 + L4 + 1)[None]
-        h0 = tl.load(xi_ptr + xl1 + 2 * L4)[None]
-        h1 = tl.load(xi_ptr + xl1 + 2 * L4 + 1)[None]
-        xs1 = tl.load(xs_ptr + (bg * NC + 1) * NB + jb)[None, :]
-    b = bg // G
-    g = bg - b * G
-    for ch in tl.range(0, NCH, num_stages=ST):
-        r = (vt * NCH + ch) * BV + tl.arange(0, BV)
-        rmask = r < HG * V
-        rowg = (b * H + g * HG) * V + r.to(tl.int64)
-        scode = tl.load(cbs_ptr + rowg[:, None] * NB + jb[None, :], mask=rmask[:, None],
-                        other=0)
-        wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                      + rowg[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None],
-                      mask=rmask[:, None, None], other=0)
-        ms = tl.load(cms_ptr + rowg // V, mask=rmask, other=0.0)
-        sc = _e4m3_value_f16(scode)
-        if NC == 1:
-            if PTX:
-                i0 = _e2m1_idot8_1(wrd, a0, a1, b0, b1, f0, f1)
-            else:
-                i0 = _e2m1_idot8_int(wrd, a0, a1, b0, b1, f0, f1)
-            y0 = tl.sum((tl.sum(i0, axis=2).to(tl.float32) * xs0) * sc, axis=1) * ms
-            if PDL:  # its stores wait for the launch before (so the launch after it does)
-                tl.extra.cuda.gdc_wait()
-            tl.store(y_ptr + rowg, y0, mask=rmask)
-        else:
-            if PTX:
-                i0, i1 = _e2m1_idot8_2(wrd, a0, a1, b0, b1, f0, f1, d0, d1, g0, g1, h0, h1)
-            else:
-                i0 = _e2m1_idot8_int(wrd, a0, a1, b0, b1, f0, f1)
-                i1 = _e2m1_idot8_int(wrd, d0, d1, g0, g1, h0, h1)
-            y0 = tl.sum((tl.sum(i0, axis=2).to(tl.float32) * xs0) * sc, axis=1) * ms
-            y1 = tl.sum((tl.sum(i1, axis=2).to(tl.float32) * xs1) * sc, axis=1) * ms
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-            tl.store(y_ptr + rowg * 2, y0, mask=rmask)
-            tl.store(y_ptr + rowg * 2 + 1, y1, mask=rmask)
-
-
-@triton.jit
 def _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_ptr, bg,
                  K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BLK: tl.constexpr,
                  BV: tl.constexpr, NC: tl.constexpr, NXS: tl.constexpr, NX: tl.constexpr,
@@ -2000,8 +1926,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                     pdl: bool | None = None, w_out_known: bool = False,
                     late_sum: int | None = None, split_x: bool = False,
                     fold_x: "bool | str" = False,
-                    lean_records: "tuple[int, int] | bool | None" = None,
-                    lean_stream: "tuple[int, int] | None" = None) -> torch.Tensor:
+                    lean_records: "tuple[int, int] | bool | None" = None) -> torch.Tensor:
     """Launch ``_records_kernel`` (low-level; see the model-specific wrappers below).
 
     Args:
@@ -2358,16 +2283,6 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                          f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
                          f"got a {spec} copy, {NC} columns, fused_window={fused_window!r}, "
                          f"use_dot={use_dot!r}")
-    if lean_stream is not None and not (
-            isinstance(lean_stream, (tuple, list)) and len(lean_stream) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in lean_stream)
-            and _pow2(lean_stream[0]) and 1 <= lean_stream[1] <= 4):
-        raise ValueError(f"lean_stream must be None or (tiles, stages) with tiles a power of "
-                         f"two and stages in [1, 4], got {lean_stream!r}")
-    if lean_stream is not None and not (lean and read_form == "idot"):
-        raise ValueError(f"lean_stream applies to the read pass's integer-dot form "
-                         f"(read_pass=(block_v, num_warps, 'idot')), got read_pass="
-                         f"{read_pass!r}")
     if lean and c.data_ptr() % 4:
         raise ValueError(f"read_pass form {read_form!r} reads the nvfp4 codes as 32-bit words: their "
                          f"storage must start on a 4-byte boundary, got address "
@@ -2461,18 +2376,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         # EARLY: the lean records launch after it (with PDL) may start as its last wave does
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
-        if lean_stream is not None:  # the integer-dot read pass, each program a loop
-            nch, st = lean_stream
-            _idot_stream_kernel[(B * G * triton.cdiv((H // G) * V, rbv * nch),)](
-                c, cbs, cms, start, y, xi, xs, H, G, V, K=K, NC=NC, BV=rbv, NCH=nch, ST=st,
-                PTX=mode != "integer", num_warps=read_pass[1], EARLY=early,
-                **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
-        else:
-            _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
-                c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, V, TD, TQ, K=K, NC=NC,
-                NS=NS, D_REL=draft_relative, BV=rbv, PTX=mode != "integer",
-                num_warps=read_pass[1], EARLY=early, IDOT=idot, **_pdl_launch(pdl and zpre),
-                **_maxnreg_launch(read_maxnreg))
+        _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
+            c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, V, TD, TQ, K=K, NC=NC, NS=NS,
+            D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
+            EARLY=early, IDOT=idot, **_pdl_launch(pdl and zpre),
+            **_maxnreg_launch(read_maxnreg))
     elif ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
@@ -2704,8 +2612,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
         e2m1_decode: str | None = None, read_pass=None,
-        pdl: bool | None = None, late_sum: int | None = None, lean_records=None,
-        lean_stream=None):
+        pdl: bool | None = None, late_sum: int | None = None, lean_records=None):
     """Decode step of Mamba-2 (kernel of :func:`replay.mamba2.mamba2_step_output` plus the
     append): write the record ``(la [B,H], v [B,H,P], k [B,G,N])`` into ring slot ``h[b]``
     (ring dict ``la [B,CAP,H]``, ``v [B,CAP,H,P]``, ``k [B,CAP,G,N]``, updated in place) and
@@ -2730,7 +2637,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
-                  lean_records=lean_records, lean_stream=lean_stream)
+                  lean_records=lean_records)
     if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
             and cfg["read_pass"][2] in LEAN_FORMS and cfg["use_dot"] in X16_DOTS):
         # a caller's 16-bit products: the records kernel's read pass (the lean one has none)
@@ -2754,7 +2661,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
         prefetch: bool | None = None, solve: str | None = None,
         keys_first: bool | None = None, shared_products: bool | None = None,
         e2m1_decode: str | None = None, read_pass=None,
-        pdl: bool | None = None, late_sum: int | None = None, lean_stream=None):
+        pdl: bool | None = None, late_sum: int | None = None):
     """Decode step of GDN (kernel of :func:`replay.gdn.gdn_step_output` plus the append):
     write the record ``(g, beta [B,HV], v [B,HV,DV], k [B,HK,DK])`` into ring slot ``h[b]``,
     solve its read-path correction ``u_h = beta (v - gamma_{1:h} R k - sum_i gamma_{i+1:h}
@@ -2776,8 +2683,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_warps=num_warps, k_chunk=k_chunk,
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
-                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
-                  lean_stream=lean_stream)
+                  e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
     if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
             and cfg["read_pass"][2] in LEAN_FORMS and cfg["use_dot"] in X16_DOTS):
         # a caller's 16-bit products: the records kernel's read pass (the lean one has none)

@@ -18,6 +18,8 @@ Usage::
     python benchmarks/sass_static.py --model gdn --policy nvfp4 --op flush [--top 25]
     python benchmarks/sass_static.py --model gdn --policy nvfp4 --op step [--e2m1 integer]
     python benchmarks/sass_static.py --quant-spec fp16+sr   # a quantizer kernel instead
+
+``SASS_DUMP=FILE`` appends each kernel's disassembly to FILE.
 """
 
 from __future__ import annotations
@@ -173,6 +175,9 @@ def sass_report(cubin: bytes, top: int) -> dict:
                              capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-g", "-c", path],
                               capture_output=True, text=True, check=True).stdout
+    if os.environ.get("SASS_DUMP"):  # the disassembly itself, appended to that file
+        with open(os.environ["SASS_DUMP"], "a") as f:
+            f.write(sass)
     ops, lines = collections.Counter(), collections.Counter()
     loc = "?"
     for line in sass.splitlines():

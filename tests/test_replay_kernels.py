@@ -979,16 +979,21 @@ def _x_int_of(dk, q, NS):
 
     Bq, _, Gq, Kq = q.shape
     NC = NS + 1
-    xi = torch.empty(Bq * Gq * NC * 3 * (Kq // 4), dtype=torch.int32, device=q.device)
+    XW = 3 * (Kq // 4) + Kq // 16
+    xi = torch.empty(Bq * Gq * NC * XW, dtype=torch.int32, device=q.device)
     xs = torch.empty(Bq * Gq * NC * (Kq // 16), dtype=torch.float32, device=q.device)
     zero = torch.zeros(Bq, dtype=torch.int64, device=q.device)
     kr.records._x_int_kernel[(Bq * Gq,)](dk, q, zero, zero + 1, xi, xs, Gq, 1, 1, K=Kq, NC=NC,
                                          NS=NS, D_REL=True, num_warps=1)
-    limbs = xi.cpu().numpy().view(np.uint32).reshape(Bq, Gq, NC, 3, Kq // 4)
+    words = xi.cpu().numpy().reshape(Bq, Gq, NC, XW)
+    limbs = words[..., :3 * (Kq // 4)].view(np.uint32).reshape(Bq, Gq, NC, 3, Kq // 4)
     byte = np.stack([(limbs >> np.uint32(8 * i)) & np.uint32(255) for i in range(4)], -1)
     byte = byte.astype(np.int64).reshape(Bq, Gq, NC, 3, Kq)
     top = np.where(byte[:, :, :, 0] >= 128, byte[:, :, :, 0] - 256, byte[:, :, :, 0])
     X = top * 65536 + byte[:, :, :, 1] * 256 + byte[:, :, :, 2]
+    bias = words[..., 3 * (Kq // 4):].astype(np.int64)  # 128 sum X per block, mod 2^32
+    want = (128 * X.reshape(Bq, Gq, NC, Kq // 16, 16).sum(-1) + 2 ** 31) % 2 ** 32 - 2 ** 31
+    assert np.array_equal(bias, want)
     return X, xs.view(Bq, Gq, NC, Kq // 16).cpu().numpy()
 
 
@@ -1771,7 +1776,7 @@ def test_e2m1_pair_decoders(mode):
 
 def _run_ptx(text, x, regs=None):
     """Execute the inline PTX ``text`` of a decoder (the instructions it uses: mov, shl, shr,
-    and, or, xor, sub, lop3, prmt, dp4a, cvt.f32.f16, mul.rn.f32, fma.rn.f32) on uint32 words
+    and, or, xor, add, sub, lop3, prmt, dp4a, cvt.f32.f16, mul.rn.f32, fma.rn.f32) on uint32 words
     ``x`` (``$8``, or
     ``$4`` for a decoder with four outputs; ``regs``: the input registers instead, uint32
     words or float32 values), in numpy; returns ``{"$0": ...}`` the outputs (float32 from cvt,
@@ -1834,8 +1839,10 @@ def _run_ptx(text, x, regs=None):
         elif op in ("xor.b32", "or.b32"):
             f = np.bitwise_xor if op == "xor.b32" else np.bitwise_or
             reg[a[0]] = f(val(a[1]), val(a[2])).astype(np.uint32)
-        elif op == "sub.u32":
-            reg[a[0]] = (val(a[1]).astype(np.int64) - val(a[2])).astype(np.uint32)
+        elif op in ("sub.u32", "add.u32"):
+            sgn = -1 if op == "sub.u32" else 1
+            r = val(a[1]).astype(np.int64) + sgn * val(a[2]).astype(np.int64)
+            reg[a[0]] = (r % 2 ** 32).astype(np.uint32)
         elif op.startswith("dp4a."):  # d = c + sum_i a_i b_i over the four bytes (32-bit wrap)
             ta, tb = op.split(".")[1:]
             acc = np.broadcast_to(val(a[3]), x.shape).astype(np.int64)
@@ -1930,10 +1937,10 @@ def test_e2m1_dot8_ptx_emulated():
 def test_e2m1_idot8_ptx_emulated():
     """The integer-dot read pass's PTX (``codec._E2M1_IDOT8_1_PTX`` / ``_E2M1_IDOT8_2_PTX``),
     executed by the emulation on 65,536 words (every pair of values of the low two bytes, the
-    high two bytes a permutation of them) and random limbs: output c is ``sum_k 2 e_k X_k``
-    exactly (an int64 sum), ``e_k`` the E2M1 table value of nibble k and ``X_k = X0 2^16 +
-    U1 2^8 + U2`` from the limbs (X0 a signed byte in [-64, 64], U1 and U2 unsigned); with
-    one-hot integers, each code's doubled value."""
+    high two bytes a permutation of them) and random limbs: output c is ``sum_k (2 e_k + 128)
+    X_k`` modulo 2^32 (from an int64 sum), ``e_k`` the E2M1 table value of nibble k and
+    ``X_k = X0 2^16 + U1 2^8 + U2`` from the limbs (X0 a signed byte in [-64, 64], U1 and U2
+    unsigned); with one-hot integers, each code's doubled value plus 128."""
     import numpy as np
 
     lo = np.arange(1 << 16, dtype=np.uint32)
@@ -1964,10 +1971,10 @@ def test_e2m1_idot8_ptx_emulated():
                     lo_r, hi_r = pack(limb)
                     regs[f"${nc + 1 + 6 * c + 2 * li}"] = lo_r
                     regs[f"${nc + 1 + 6 * c + 2 * li + 1}"] = hi_r
-                want.append((e2 * X).sum(-1))
+                want.append(((e2 + 128) * X).sum(-1) % 2 ** 32)
             out = _run_ptx(text, x, regs)
             for c in range(nc):
-                got = out[f"${c}"].view(np.int32).astype(np.int64)
+                got = out[f"${c}"].astype(np.int64)
                 assert np.array_equal(got, want[c]), (nc, c, case)
 
 

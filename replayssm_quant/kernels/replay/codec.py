@@ -844,40 +844,39 @@ def _e2m1_dot8_2(word, x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y
                                      dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
-# Eight E2M1 codes of a 32-bit word times eight integers per vector, summed exactly in
-# integer arithmetic (the integer-dot read pass, records._nvfp4_read_kernel with IDOT): each
-# code's value times 2 is the integer 0, 1, 2, 3, 4, 6, 8 or 12 with its sign; each vector
-# element is a 24-bit signed integer X = X0 2^16 + U1 2^8 + U2 held as three limbs, X0 a
-# signed byte and U1, U2 unsigned bytes, four elements per 32-bit register (byte i the
-# element of code i of the four). The byte permute (prmt, default mode) looks four codes up
-# at once in the table of the doubled magnitudes (bytes 0, 1, 2, 3, 4, 6, 8, 12): a code with
-# its sign bit set gives 0x00 (the selector's top bit replicates the picked byte's sign bit,
-# 0), so one lookup with the word gives the positive codes' magnitudes P and one with the
-# sign bits flipped the negative codes' N; the signed bytes are ((P | 0x80..) - N) ^ 0x80..
-# (a byte-wise subtraction that never borrows). Then per vector three dp4a chains, one per
-# limb, shifted by 8 bits between them: sum_k 2 e_k X_k, exact in 32 bits (|2 e_k| <= 12 and
-# |X_k| <= 2^22 + 2^16: at most 2^29 for eight codes). Inputs: $NC the word, then per vector
-# c the six limb registers (X0 of codes 0-3, X0 of 4-7, U1 0-3, U1 4-7, U2 0-3, U2 4-7);
-# outputs $0..$NC-1 (int32). About 11 + 9 NC instructions per word.
+# Eight E2M1 codes of a 32-bit word times eight integers per vector (the integer-dot read
+# pass, records._nvfp4_read_kernel with IDOT): each code's value times 2 is the integer 0, 1,
+# 2, 3, 4, 6, 8 or 12 with its sign (s_k); each vector element is a 24-bit signed integer
+# X = X0 2^16 + U1 2^8 + U2 held as three limbs, X0 a signed byte and U1, U2 unsigned bytes,
+# four elements per 32-bit register (byte i the element of code i of the four). The byte
+# permute (prmt, default mode) looks four codes up at once in the table of the doubled
+# magnitudes (bytes 0, 1, 2, 3, 4, 6, 8, 12): a code with its sign bit set gives 0x00 (the
+# selector's top bit replicates the picked byte's sign bit, 0), so one lookup with the word
+# gives the positive codes' magnitudes P and one with the sign bits flipped the negative
+# codes' N, and P + 0x80808080 - N (one three-input add; no byte borrows) holds the biased
+# bytes t_k = 128 + s_k. Then per vector three dp4a chains, one per limb, shifted by 8 bits
+# between them: sum_k t_k X_k = sum_k s_k X_k + 128 sum_k X_k modulo 2^32 (the caller takes
+# away the second term per block of 16 codes, after which the sum, at most 2^31 in
+# magnitude, is exact). Inputs: $NC the word, then per vector c the six limb registers (X0 of
+# codes 0-3, X0 of 4-7, U1 0-3, U1 4-7, U2 0-3, U2 4-7); outputs $0..$NC-1 (int32). About
+# 9 + 8 NC instructions per word.
 def _e2m1_idot8_text(nc: int) -> str:
     """The PTX of ``_e2m1_idot8`` for ``nc`` vectors (see the comment above)."""
     w = f"${nc}"
     lines = ["{", ".reg .b32 t0, t1, fl, wn, wh, wnh, pl, nl, ph, nh, sl, sh, acc;",
-             "mov.b32 t0, 0x03020100;", "mov.b32 t1, 0x0C080604;",
+             "mov.b32 t0, 0x03020100;", "mov.b32 t1, 0x0C080604;", "mov.b32 fl, 0x80808080;",
              f"xor.b32 wn, {w}, 0x88888888;", f"shr.u32 wh, {w}, 16;", "shr.u32 wnh, wn, 16;",
              f"prmt.b32 pl, t0, t1, {w};", "prmt.b32 nl, t0, t1, wn;",
              "prmt.b32 ph, t0, t1, wh;", "prmt.b32 nh, t0, t1, wnh;",
-             "mov.b32 fl, 0x80808080;",
-             "or.b32 pl, pl, fl;", "or.b32 ph, ph, fl;",
-             "sub.u32 sl, pl, nl;", "sub.u32 sh, ph, nh;",
-             "xor.b32 sl, sl, fl;", "xor.b32 sh, sh, fl;"]
+             "add.u32 sl, pl, fl;", "sub.u32 sl, sl, nl;",
+             "add.u32 sh, ph, fl;", "sub.u32 sh, sh, nh;"]
     for c in range(nc):
         r = [f"${nc + 1 + 6 * c + i}" for i in range(6)]
-        lines += [f"dp4a.s32.s32 acc, sl, {r[0]}, 0;", f"dp4a.s32.s32 acc, sh, {r[1]}, acc;",
+        lines += [f"dp4a.u32.s32 acc, sl, {r[0]}, 0;", f"dp4a.u32.s32 acc, sh, {r[1]}, acc;",
                   "shl.b32 acc, acc, 8;",
-                  f"dp4a.s32.u32 acc, sl, {r[2]}, acc;", f"dp4a.s32.u32 acc, sh, {r[3]}, acc;",
+                  f"dp4a.u32.u32 acc, sl, {r[2]}, acc;", f"dp4a.u32.u32 acc, sh, {r[3]}, acc;",
                   "shl.b32 acc, acc, 8;",
-                  f"dp4a.s32.u32 acc, sl, {r[4]}, acc;", f"dp4a.s32.u32 ${c}, sh, {r[5]}, acc;"]
+                  f"dp4a.u32.u32 acc, sl, {r[4]}, acc;", f"dp4a.u32.u32 ${c}, sh, {r[5]}, acc;"]
     return "\n".join(lines + ["}"])
 
 
@@ -887,11 +886,12 @@ _E2M1_IDOT8_2_PTX = tl.constexpr(_e2m1_idot8_text(2))
 
 @triton.jit
 def _e2m1_idot8_1(word, a0, a1, b0, b1, c0, c1):
-    """``sum_k 2 e_k X_k`` (int32, exact) over the eight E2M1 codes of each int32 ``word``
-    (code k = nibble k), ``e_k`` the code's value, ``X_k`` the 24-bit integer of limbs
-    ``(a, b, c)`` (``a0`` the signed top bytes of elements 0-3, ``a1`` of 4-7, ``b`` / ``c``
-    the unsigned middle / low bytes; see the comment above). Inline PTX (prmt, dp4a): CUDA
-    only; ``_e2m1_idot8_int`` is the same integer in Triton operations, and
+    """``sum_k (2 e_k + 128) X_k`` modulo 2^32 (int32) over the eight E2M1 codes of each int32
+    ``word`` (code k = nibble k), ``e_k`` the code's value, ``X_k`` the 24-bit integer of
+    limbs ``(a, b, c)`` (``a0`` the signed top bytes of elements 0-3, ``a1`` of 4-7, ``b`` /
+    ``c`` the unsigned middle / low bytes; see the comment above); the caller takes away
+    ``128 sum_k X_k``. Inline PTX (prmt, dp4a): CUDA only; ``_e2m1_idot8_int`` is the same
+    integer in Triton operations, and
     ``tests/test_replay_kernels.py::test_e2m1_idot8_ptx_emulated`` runs the PTX through an
     emulation."""
     tl.static_assert(word.dtype == tl.int32, "_e2m1_idot8_1 takes int32 words of 8 codes")
@@ -912,16 +912,16 @@ def _e2m1_idot8_2(word, a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1):
 
 @triton.jit
 def _idot4_int(word, sh: tl.constexpr, a, b, c):
-    """``sum_{i<4} 2 e_i X_i`` for the four codes at nibbles ``sh/4 .. sh/4 + 3`` of ``word``
-    and the limb registers ``a`` (signed top bytes), ``b``, ``c`` (unsigned bytes), in int32
-    Triton operations (exact)."""
+    """``sum_{i<4} (2 e_i + 128) X_i`` modulo 2^32 for the four codes at nibbles ``sh/4 ..
+    sh/4 + 3`` of ``word`` and the limb registers ``a`` (signed top bytes), ``b``, ``c``
+    (unsigned bytes), in int32 Triton operations."""
     acc = tl.zeros_like(word)
     for i in tl.static_range(4):
         code = (word >> (sh + 4 * i)) & 15
-        e2 = (_e2m1_value(code) * 2.0).to(tl.int32)  # 0, +-1, .., +-12: exact
+        t = (_e2m1_value(code) * 2.0).to(tl.int32) + 128  # 128 + (0, +-1, .., +-12): exact
         x = (((a << (24 - 8 * i)) >> 24) * 65536 + ((b >> (8 * i)) & 255) * 256
              + ((c >> (8 * i)) & 255))
-        acc += e2 * x
+        acc += t * x  # modulo 2^32, as dp4a's
     return acc
 
 
@@ -957,6 +957,34 @@ def _e4m3_value_f16(code):
     m = c & 127
     h = ((m << 7) | ((c & 128) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
     return tl.where(m == 127, float("nan"), h.to(tl.float32) * 256.0)
+
+
+# Four E4M3FN codes (the bytes of $4, byte i element i) to float32 by the hardware's
+# conversion to float16 pairs (cvt.rn.f16x2.e4m3x2, sm_89 and later; exact: every E4M3 value,
+# NaN included, is a float16), then each float16 to float32.
+_E4M3X4_PTX = tl.constexpr("""{
+.reg .b16 lo, hi, f0, f1, f2, f3;
+.reg .b32 h01, h23;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 h01, lo;
+cvt.rn.f16x2.e4m3x2 h23, hi;
+mov.b32 {f0, f1}, h01;
+mov.b32 {f2, f3}, h23;
+cvt.f32.f16 $0, f0;
+cvt.f32.f16 $1, f1;
+cvt.f32.f16 $2, f2;
+cvt.f32.f16 $3, f3;
+}""")
+
+
+@triton.jit
+def _e4m3_value_cvt(code):
+    """``_e4m3_value`` of uint8 codes by the hardware conversion (inline PTX, CUDA sm_89+:
+    four codes per invocation, about 2 instructions per code): the same values, NaN
+    included. ``_e4m3_value_f16`` is the same values in Triton operations."""
+    tl.static_assert(code.dtype == tl.uint8, "_e4m3_value_cvt packs four uint8 codes")
+    return tl.inline_asm_elementwise(_E4M3X4_PTX, "=r,=r,=r,=r,r", [code], dtype=tl.float32,
+                                     is_pure=True, pack=4)
 
 
 @triton.jit

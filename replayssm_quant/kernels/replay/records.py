@@ -66,7 +66,8 @@ from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_inde
                     _e2m1_dot8_1, _e2m1_dot8_2, _e2m1_idot8_1, _e2m1_idot8_2,
                     _e2m1_idot8_int,
                     _e2m1_pairs_half16, _e2m1_pairs_lut, _e2m1_value,
-                    _e4m3_value, _e4m3_value_f16, _e5m2_value, _e8m0_value, _K_NVFP4,
+                    _e4m3_value, _e4m3_value_cvt, _e4m3_value_f16, _e5m2_value,
+                    _e8m0_value, _K_NVFP4,
                     _stored_args,
                     E2M1_HALF_SCALE)
 
@@ -900,9 +901,11 @@ def _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K: t
     block's elements (at least 24), each element times ``s = 2^(148 - E)`` (exact) rounded to
     the nearest integer ``X`` (ties to even; ``|X| <= 2^22``, an error of at most 2^-22 of the
     block's largest magnitude), written as three byte limbs ``X = X0 2^16 + U1 2^8 + U2``
-    packed four elements per int32 (``xi [B*G, NC, 3, K/4]``, byte i of a register the
-    element 4r + i), and ``xs [B*G, NC, K/16] = 1 / (2 s) = 2^(E - 149)`` (the doubled E2M1
-    values' and the scaling's inverse). A block with a NaN or an infinity gets ``X = 0`` and
+    packed four elements per int32 (``xi [B*G, NC, 3 K/4 + K/16]``: limb l of elements 4r ..
+    4r + 3 at ``l K/4 + r``, byte i of a register the element 4r + i; then per block
+    ``128 sum X`` modulo 2^32, the bias ``codec._e2m1_idot8_1``'s sums carry), and
+    ``xs [B*G, NC, K/16] = 1 / (2 s) = 2^(E - 149)`` (the doubled E2M1 values' and the
+    scaling's inverse). A block with a NaN or an infinity gets ``X = 0`` and
     ``xs = NaN`` (its outputs are NaN); elements below about 2^-125 of magnitude in a block
     whose largest is below 2^-103 round to zero."""
     NB: tl.constexpr = K // 16
@@ -910,6 +913,7 @@ def _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K: t
     r4 = tl.arange(0, 4)
     i4 = tl.arange(0, 4)
     e = jb[:, None, None] * 16 + r4[None, :, None] * 4 + i4[None, None, :]  # [NB, 4, 4]
+    XW: tl.constexpr = 3 * (K // 4) + NB  # int32 words per column
     for c in tl.static_range(NC):
         x = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c, NS, K, D_REL)
         E = tl.max(tl.max((x.to(tl.int32, bitcast=True) >> 23) & 255, axis=2), axis=1)  # [NB]
@@ -920,7 +924,9 @@ def _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K: t
         v = (v + 12582912.0) - 12582912.0  # to the nearest integer (1.5 * 2^23)
         X = tl.where(ok[:, None, None], v, 0.0).to(tl.int32)
         sh = (i4 * 8)[None, None, :]
-        base = ((bg * NC + c) * 3) * (K // 4) + jb[:, None] * 4 + r4[None, :]  # [NB, 4]
+        tl.store(xi_ptr + (bg * NC + c) * XW + 3 * (K // 4) + jb,
+                 tl.sum(tl.sum(X, axis=2), axis=1) << 7)  # 128 sum X (|sum X| <= 2^26)
+        base = (bg * NC + c) * XW + jb[:, None] * 4 + r4[None, :]  # [NB, 4]
         tl.store(xi_ptr + base, tl.reduce(((X >> 16) & 255) << sh, 2, _bit_or))
         tl.store(xi_ptr + base + K // 4, tl.reduce(((X >> 8) & 255) << sh, 2, _bit_or))
         tl.store(xi_ptr + base + 2 * (K // 4), tl.reduce((X & 255) << sh, 2, _bit_or))
@@ -1233,7 +1239,7 @@ def _e2m1_dot8_int(word, x0, x1, x2, x3, x4, x5, x6, x7):
 
 @triton.jit
 def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, xi_ptr,
-                       xs_ptr, H, G, V, TD, TQ, K: tl.constexpr, NC: tl.constexpr,
+                       xs_ptr, H, G, TD, TQ, V: tl.constexpr, K: tl.constexpr, NC: tl.constexpr,
                        NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr = False,
                        EARLY: tl.constexpr = False, IDOT: tl.constexpr = False):
@@ -1261,7 +1267,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     of two ``xs``), each word's ``sum_k 2 e_k X_k`` exact in int32 (``codec._e2m1_idot8_1``
     / ``_e2m1_idot8_2``: byte-permute lookups and dp4a; ``_e2m1_idot8_int`` the same
     integer without PTX), summed over the block's two words, converted to float32 and
-    multiplied by ``xs`` then by the E4M3 block scale; the blocks' sum times the matrix
+    multiplied by ``xs`` then by the E4M3 block scale (the words' sums carry a bias of
+    ``128 sum X``, taken away per block before the conversion, after which each block's sum
+    is exact); the blocks' sum times the matrix
     scale. X's rounding (at most 2^-22 of each block's largest element) is the form's only
     error beyond FP32's; X's integers come from the call's first launch (``_x_int_kernel``),
     so with PDL it waits only before its stores."""
@@ -1276,26 +1284,39 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     g = bg - b * G
     ss = tl.load(ss_ptr + b)
     n = tl.load(n_ptr + b)
-    r = vt * BV + tl.arange(0, BV)  # rows of the key group, head after head
-    rmask = r < HG * V
-    rowg = (b * H + g * HG) * V + r.to(tl.int64)  # = (b * H + h) * V + value row
+    # the tile's rows of the key group, head after head: the first row's index (int64, once
+    # per program) and the rows' offsets from it (int32), so per-row addresses are 32-bit
+    # offsets from scalar bases; V is a constexpr, so the row's head is a division by a
+    # constant
+    off = (vt * BV).to(tl.int32)  # the tile's first row within the group
+    row0 = (b * H + g * HG) * V + vt * BV  # its index among all value rows
+    rl = tl.arange(0, BV)
+    rmask = rl < HG * V - off
     NB: tl.constexpr = K // 16
     jb = tl.arange(0, NB)
-    scode = tl.load(cbs_ptr + rowg[:, None] * NB + jb[None, :], mask=rmask[:, None], other=0)
+    scode = tl.load(cbs_ptr + row0 * NB + (rl[:, None] * NB + jb[None, :]), mask=rmask[:, None],
+                    other=0)
     if IDOT:
-        sc = _e4m3_value_f16(scode)
+        if PTX:
+            sc = _e4m3_value_cvt(scode)
+        else:
+            sc = _e4m3_value_f16(scode)
     else:
         sc = _e4m3_value(scode.to(tl.int32))
-    ms = tl.load(cms_ptr + rowg // V, mask=rmask, other=0.0)  # each row's matrix scale
+    ms = tl.load(cms_ptr + (b * H + g * HG) + (off + rl) // V, mask=rmask,
+                 other=0.0)  # each row's matrix scale
     wi = tl.arange(0, 2)
     e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
-    wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                  + rowg[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None],
+    wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row0 * (K // 8)
+                  + (rl[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None]),
                   mask=rmask[:, None, None], other=0)
+    yb = y_ptr + row0 * NC  # the tile's first row of y
     if IDOT:  # X's integers: from the call's first launch, complete before this one's
         # predecessor began, so no wait (PDL: it waits before its stores)
-        xl = (bg * NC * 3) * (K // 4) + jb[:, None] * 4 + wi[None, :] * 2  # [NB, 2]
         L4: tl.constexpr = K // 4
+        XW: tl.constexpr = 3 * L4 + NB  # _x_int_store's int32 words per column
+        xl = bg * NC * XW + jb[:, None] * 4 + wi[None, :] * 2  # [NB, 2]
+        xc0 = tl.load(xi_ptr + bg * NC * XW + 3 * L4 + jb)[None, :]  # the bias, per block
         a0 = tl.load(xi_ptr + xl)[None]
         a1 = tl.load(xi_ptr + xl + 1)[None]
         b0 = tl.load(xi_ptr + xl + L4)[None]
@@ -1308,12 +1329,13 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                 i0 = _e2m1_idot8_1(wrd, a0, a1, b0, b1, f0, f1)
             else:
                 i0 = _e2m1_idot8_int(wrd, a0, a1, b0, b1, f0, f1)
-            y0 = tl.sum((tl.sum(i0, axis=2).to(tl.float32) * xs0) * sc, axis=1) * ms
+            y0 = tl.sum(((tl.sum(i0, axis=2) - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
             if PDL:
                 tl.extra.cuda.gdc_wait()
-            tl.store(y_ptr + rowg, y0, mask=rmask)
+            tl.store(yb + rl, y0, mask=rmask)
         else:
-            xl1 = xl + 3 * L4
+            xl1 = xl + XW
+            xc1 = tl.load(xi_ptr + (bg * NC + 1) * XW + 3 * L4 + jb)[None, :]
             d0 = tl.load(xi_ptr + xl1)[None]
             d1 = tl.load(xi_ptr + xl1 + 1)[None]
             g0 = tl.load(xi_ptr + xl1 + L4)[None]
@@ -1326,12 +1348,12 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
             else:
                 i0 = _e2m1_idot8_int(wrd, a0, a1, b0, b1, f0, f1)
                 i1 = _e2m1_idot8_int(wrd, d0, d1, g0, g1, h0, h1)
-            y0 = tl.sum((tl.sum(i0, axis=2).to(tl.float32) * xs0) * sc, axis=1) * ms
-            y1 = tl.sum((tl.sum(i1, axis=2).to(tl.float32) * xs1) * sc, axis=1) * ms
+            y0 = tl.sum(((tl.sum(i0, axis=2) - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
+            y1 = tl.sum(((tl.sum(i1, axis=2) - xc1).to(tl.float32) * xs1) * sc, axis=1) * ms
             if PDL:
                 tl.extra.cuda.gdc_wait()
-            tl.store(y_ptr + rowg * 2, y0, mask=rmask)
-            tl.store(y_ptr + rowg * 2 + 1, y1, mask=rmask)
+            tl.store(yb + rl * 2, y0, mask=rmask)
+            tl.store(yb + rl * 2 + 1, y1, mask=rmask)
         return
     sc = sc * E2M1_HALF_SCALE  # exact: an E4M3 value times 2^14
     a0, a1, a2, a3, a4, a5, a6, a7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 0, NS, K,
@@ -1346,7 +1368,7 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
             p0 = _e2m1_dot8_int(wrd, a0[None], a1[None], a2[None], a3[None], a4[None],
                                 a5[None], a6[None], a7[None])
         y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
-        tl.store(y_ptr + rowg, y0, mask=rmask)
+        tl.store(yb + rl, y0, mask=rmask)
     else:
         c0, c1, c2, c3, c4, c5, c6, c7 = _x8(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e0, 1, NS,
                                              K, D_REL)
@@ -1361,8 +1383,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                                 c5[None], c6[None], c7[None])
         y0 = tl.sum(tl.sum(p0, axis=2) * sc, axis=1) * ms
         y1 = tl.sum(tl.sum(p1, axis=2) * sc, axis=1) * ms
-        tl.store(y_ptr + rowg * 2, y0, mask=rmask)
-        tl.store(y_ptr + rowg * 2 + 1, y1, mask=rmask)
+        tl.store(yb + rl * 2, y0, mask=rmask)
+        tl.store(yb + rl * 2 + 1, y1, mask=rmask)
 
 
 @triton.jit
@@ -2323,7 +2345,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # the read pass, dependent on the products launch, reads them without waiting for it)
     idot = lean and read_form == "idot"
     if idot:
-        xi = torch.empty(B * G * NC * 3 * (K // 4), dtype=torch.int32, device=q.device)
+        xi = torch.empty(B * G * NC * (3 * (K // 4) + K // 16), dtype=torch.int32,
+                         device=q.device)
         xs = torch.empty(B * G * NC * (K // 16), dtype=torch.float32, device=q.device)
         _x_int_kernel[(B * G,)](dk, q_arg, start, rows, xi, xs, G, TD, TQ, K=K, NC=NC, NS=NS,
                                 D_REL=draft_relative, num_warps=1)
@@ -2377,8 +2400,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
         _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
-            c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, V, TD, TQ, K=K, NC=NC, NS=NS,
-            D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
+            c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, TD, TQ, V=V, K=K, NC=NC,
+            NS=NS, D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
             EARLY=early, IDOT=idot, **_pdl_launch(pdl and zpre),
             **_maxnreg_launch(read_maxnreg))
     elif ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)

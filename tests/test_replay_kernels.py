@@ -1537,6 +1537,8 @@ def _decode_all_kernel(code_ptr, fast_ptr, gen_ptr, N: tl.constexpr, WHICH: tl.c
         f = kr.codec._e4m3_value(c)
     elif WHICH == 3:
         f = kr.codec._e4m3_value_f16(c)
+    elif WHICH == 4:
+        f = kr.codec._e4m3_value_cvt(c.to(tl.uint8))
     else:
         f = kr.codec._e5m2_value(c)
     tl.store(fast_ptr + tl.arange(0, N), f)
@@ -1545,12 +1547,16 @@ def _decode_all_kernel(code_ptr, fast_ptr, gen_ptr, N: tl.constexpr, WHICH: tl.c
 
 
 @pytest.mark.parametrize("which,spec,n", [(0, "nvfp4", 16), (1, "fp8e4m3", 256),
-                                          (2, "fp8e5m2", 256), (3, "fp8e4m3", 256)],
-                         ids=["e2m1", "e4m3", "e5m2", "e4m3_f16"])
+                                          (2, "fp8e5m2", 256), (3, "fp8e4m3", 256),
+                                          (4, "fp8e4m3", 256)],
+                         ids=["e2m1", "e4m3", "e5m2", "e4m3_f16", "e4m3_cvt"])
 def test_fast_decoders(which, spec, n):
     """The records kernel's fast decoders equal the generic ``_decode_code`` and the torch /
-    table values bit for bit, for every code (NaN where the format has NaN); ``e4m3_f16`` the
-    integer-dot read pass's E4M3 block-scale decoder by way of float16."""
+    table values bit for bit, for every code (NaN where the format has NaN); ``e4m3_f16`` and
+    ``e4m3_cvt`` the integer-dot read pass's E4M3 block-scale decoders (by way of float16 in
+    Triton operations; by the hardware conversion, inline PTX: CUDA only)."""
+    if which == 4 and DEVICE != "cuda":
+        pytest.skip("inline PTX: CUDA only")
     codes = _t(torch.arange(n, dtype=torch.int32))
     fast = torch.empty(n, device=DEVICE)
     gen = torch.empty(n, device=DEVICE)
@@ -1560,7 +1566,7 @@ def test_fast_decoders(which, spec, n):
         mag = torch.tensor(Fmt.E2M1_VALUES * 2)
         ref = torch.where(torch.arange(16) >= 8, -mag, mag)
     else:
-        dt = torch.float8_e4m3fn if which in (1, 3) else torch.float8_e5m2
+        dt = torch.float8_e4m3fn if which in (1, 3, 4) else torch.float8_e5m2
         ref = torch.arange(n, dtype=torch.uint8).view(dt).float()
     for got in (fast, gen):
         got = got.cpu()

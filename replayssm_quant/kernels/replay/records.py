@@ -893,44 +893,60 @@ def _bit_or(a, b):
 
 
 @triton.jit
-def _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K: tl.constexpr,
-                 NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr):
-    """X of sequence ``b`` and key group ``g`` (``_x_col``'s NC columns) as the integer-dot
-    read pass takes it (``_nvfp4_read_kernel`` with IDOT; ``codec._e2m1_idot8_1``): per
-    column c and block j of 16 elements, E the largest float32 exponent field among the
-    block's elements (at least 24), each element times ``s = 2^(148 - E)`` (exact) rounded to
-    the nearest integer ``X`` (ties to even; ``|X| <= 2^22``, an error of at most 2^-22 of the
-    block's largest magnitude), written as three byte limbs ``X = X0 2^16 + U1 2^8 + U2``
-    packed four elements per int32 (``xi [B*G, NC, 3 K/4 + K/16]``: limb l of elements 4r ..
-    4r + 3 at ``l K/4 + r``, byte i of a register the element 4r + i; then per block
-    ``128 sum X`` modulo 2^32, the bias ``codec._e2m1_idot8_1``'s sums carry), and
-    ``xs [B*G, NC, K/16] = 1 / (2 s) = 2^(E - 149)`` (the doubled E2M1 values' and the
-    scaling's inverse). A block with a NaN or an infinity gets ``X = 0`` and
-    ``xs = NaN`` (its outputs are NaN); elements below about 2^-125 of magnitude in a block
-    whose largest is below 2^-103 round to zero."""
+def _x_int_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, c: tl.constexpr, K: tl.constexpr,
+               NS: tl.constexpr, D_REL: tl.constexpr):
+    """Column ``c`` of X (``_x_col``) as the integer-dot read pass takes it, in registers:
+    per block j of 16 elements, E the largest float32 exponent field among the block's
+    elements (at least 24), each element times ``s = 2^(148 - E)`` (exact) rounded to the
+    nearest integer ``X`` (ties to even; ``|X| <= 2^22``, an error of at most 2^-22 of the
+    block's largest magnitude) as three byte limbs ``X = X0 2^16 + U1 2^8 + U2``, each
+    ``[K/16, 4]`` int32 (four elements per register, byte i the element 4r + i of the
+    block's row r), the per-block bias ``128 sum X`` modulo 2^32 (``[K/16]``) and ``xs =
+    1 / (2 s) = 2^(E - 149)`` (``[K/16]``: the doubled E2M1 values' and the scaling's
+    inverse). A block with a NaN or an infinity gets ``X = 0`` and ``xs = NaN`` (its outputs
+    are NaN); elements below about 2^-125 of magnitude in a block whose largest is below
+    2^-103 round to zero."""
     NB: tl.constexpr = K // 16
     jb = tl.arange(0, NB)
     r4 = tl.arange(0, 4)
     i4 = tl.arange(0, 4)
     e = jb[:, None, None] * 16 + r4[None, :, None] * 4 + i4[None, None, :]  # [NB, 4, 4]
+    x = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c, NS, K, D_REL)
+    E = tl.max(tl.max((x.to(tl.int32, bitcast=True) >> 23) & 255, axis=2), axis=1)  # [NB]
+    ok = E < 255
+    E = tl.maximum(E, 24)
+    s = ((275 - E) << 23).to(tl.float32, bitcast=True)  # 2^(148 - E)
+    v = x * s[:, None, None]  # |v| < 2^22
+    v = (v + 12582912.0) - 12582912.0  # to the nearest integer (1.5 * 2^23)
+    X = tl.where(ok[:, None, None], v, 0.0).to(tl.int32)
+    sh = (i4 * 8)[None, None, :]
+    l0 = tl.reduce(((X >> 16) & 255) << sh, 2, _bit_or)
+    l1 = tl.reduce(((X >> 8) & 255) << sh, 2, _bit_or)
+    l2 = tl.reduce((X & 255) << sh, 2, _bit_or)
+    bias = tl.sum(tl.sum(X, axis=2), axis=1) << 7  # 128 sum X (|sum X| <= 2^26)
+    xs = tl.where(ok, ((E - 22) << 23).to(tl.float32, bitcast=True), float("nan"))
+    return l0, l1, l2, bias, xs
+
+
+@triton.jit
+def _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K: tl.constexpr,
+                 NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr):
+    """X of sequence ``b`` and key group ``g`` (``_x_col``'s NC columns) as the integer-dot
+    read pass takes it (``_x_int_col``), written to ``xi [B*G, NC, 3 K/4 + K/16]`` int32
+    (limb l of elements 4r .. 4r + 3 at ``l K/4 + r``; then the per-block bias) and ``xs
+    [B*G, NC, K/16]``."""
+    NB: tl.constexpr = K // 16
+    jb = tl.arange(0, NB)
+    r4 = tl.arange(0, 4)
     XW: tl.constexpr = 3 * (K // 4) + NB  # int32 words per column
     for c in tl.static_range(NC):
-        x = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, e, c, NS, K, D_REL)
-        E = tl.max(tl.max((x.to(tl.int32, bitcast=True) >> 23) & 255, axis=2), axis=1)  # [NB]
-        ok = E < 255
-        E = tl.maximum(E, 24)
-        s = ((275 - E) << 23).to(tl.float32, bitcast=True)  # 2^(148 - E)
-        v = x * s[:, None, None]  # |v| < 2^22
-        v = (v + 12582912.0) - 12582912.0  # to the nearest integer (1.5 * 2^23)
-        X = tl.where(ok[:, None, None], v, 0.0).to(tl.int32)
-        sh = (i4 * 8)[None, None, :]
-        tl.store(xi_ptr + (bg * NC + c) * XW + 3 * (K // 4) + jb,
-                 tl.sum(tl.sum(X, axis=2), axis=1) << 7)  # 128 sum X (|sum X| <= 2^26)
+        l0, l1, l2, bias, xs = _x_int_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, c, K, NS,
+                                          D_REL)
         base = (bg * NC + c) * XW + jb[:, None] * 4 + r4[None, :]  # [NB, 4]
-        tl.store(xi_ptr + base, tl.reduce(((X >> 16) & 255) << sh, 2, _bit_or))
-        tl.store(xi_ptr + base + K // 4, tl.reduce(((X >> 8) & 255) << sh, 2, _bit_or))
-        tl.store(xi_ptr + base + 2 * (K // 4), tl.reduce((X & 255) << sh, 2, _bit_or))
-        xs = tl.where(ok, ((E - 22) << 23).to(tl.float32, bitcast=True), float("nan"))
+        tl.store(xi_ptr + base, l0)
+        tl.store(xi_ptr + base + K // 4, l1)
+        tl.store(xi_ptr + base + 2 * (K // 4), l2)
+        tl.store(xi_ptr + (bg * NC + c) * XW + 3 * (K // 4) + jb, bias)
         tl.store(xs_ptr + (bg * NC + c) * NB + jb, xs)
 
 

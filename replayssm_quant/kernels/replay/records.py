@@ -2104,19 +2104,21 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             32-bit word of eight codes and multiplies it with X in one inline-PTX FMA chain
             per column (the interpreter, or ``e2m1_decode="integer"``: the integer decoder
             in the same float32 operations, so the same bits); its tile may be any power of
-            two >= 16 rows; the codes are read as 32-bit words, so their storage must start
-            on a 4-byte boundary (refused otherwise). Mamba-2's nvfp4 step default since
-            2026-12-04. ``"idot"``: the same kernel and conditions with integer dot products
+            two >= 16 rows and may span the value heads of a key group (its programs tile a
+            (sequence, key group)'s rows head after head); the codes are read as 32-bit
+            words, so their storage must start on a 4-byte boundary (refused otherwise).
+            Mamba-2's nvfp4 step default from the twenty-first to the twenty-fourth session.
+            ``"idot"``: the same kernel and conditions with integer dot products
             (``_nvfp4_read_kernel``'s IDOT: X rounded per block of 16 elements to 24-bit
-            integers by a launch of its own, the call's first;
-            each word's sum exact in int32 by byte-permute lookups and dp4a; X's rounding,
-            at most 2^-22 of each block's largest element, the only error beyond FP32's;
-            the interpreter and ``e2m1_decode="integer"`` the same integers, so the same
-            bits).
+            integers by a launch of its own, the call's first; each block's sum exact in
+            int32 by byte-permute lookups and dp4a; X's rounding, at most 2^-22 of each
+            block's largest element, the only error beyond FP32's; the interpreter and
+            ``e2m1_decode="integer"`` the same integers, so the same bits): both models'
+            nvfp4 step default since 2026-12-04 (twenty-fifth session).
             ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
-            same bits): GDN's nvfp4 step default since 2026-12-04 (``(32, 2, "records",
-            96)``).
+            same bits): GDN's mxfp4 step default since 2026-12-04 (``(32, 2, "records",
+            96)``; its nvfp4 step's until the integer-dot form).
         lean_records: ``(heads, num_warps)`` or ``(heads, num_warps, early)``: Mamba-2's
             decode step (``gdn=False``, one draft row, one query, ``append`` given, no
             ``w_out``, ``at_window`` or ``fused_window``, the substitution form) with a read

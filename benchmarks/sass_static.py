@@ -18,6 +18,7 @@ Usage::
     python benchmarks/sass_static.py --model gdn --policy nvfp4 --op flush [--top 25]
     python benchmarks/sass_static.py --model gdn --policy nvfp4 --op step [--e2m1 integer]
     python benchmarks/sass_static.py --quant-spec fp16+sr   # a quantizer kernel instead
+    python benchmarks/sass_static.py --model mamba2 --op step --sm 80   # for an A100
 
 ``SASS_DUMP=FILE`` appends each kernel's disassembly to FILE.
 """
@@ -46,12 +47,14 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 KERNELS = ("_flush_kernel", "_records_kernel", "_key_products_kernel", "_fold_coeffs_kernel",
-           "_nvfp4_read_kernel")
+           "_nvfp4_read_kernel", "_x_int_kernel", "_m2_step_out_kernel")
+SM = 90  # the compute capability compiled for (--sm)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 class _Sm90Driver:
-    """The parts of a Triton driver that compiling asks for, reporting an sm_90 device."""
+    """The parts of a Triton driver that compiling asks for, reporting an sm_90 device (or
+    the capability ``SM`` names)."""
 
     def get_current_device(self):
         return 0
@@ -60,7 +63,7 @@ class _Sm90Driver:
         return 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", SM, 32)
 
     def get_active_torch_device(self):
         return torch.device("cpu")
@@ -100,6 +103,7 @@ def compile_operation(model: str, policy: str, op: str, e2m1: str | None = None,
 
     real_choice, real_outputs = records._e2m1_mode, records.records_outputs
     real_checks = records._check_devices, flush._check_devices
+    real_cvt = records._e4m3_cvt_runs
 
     def choice(e2m1_decode, device, ptx_default="lookup"):
         return (e2m1 or ptx_default) if e2m1_decode is None else e2m1_decode
@@ -112,11 +116,13 @@ def compile_operation(model: str, policy: str, op: str, e2m1: str | None = None,
 
     records._e2m1_mode, records.records_outputs = choice, outputs
     records._check_devices = flush._check_devices = no_check
+    records._e4m3_cvt_runs = lambda device: SM >= 89  # as a CUDA device of capability SM
     try:
         return _compile_operation(model, policy, op)
     finally:
         records._e2m1_mode, records.records_outputs = real_choice, real_outputs
         records._check_devices, flush._check_devices = real_checks
+        records._e4m3_cvt_runs = real_cvt
 
 
 def _compile_operation(model: str, policy: str, op: str):
@@ -212,10 +218,18 @@ def main(argv=None):
                          "wrappers' (verify's anchor launch included, which may compile a "
                          "variant that never runs; a Python literal or a string), e.g. "
                          "use_dot=f16x3; repeatable")
+    ap.add_argument("--sm", type=int, default=90,
+                    help="compute capability to compile for, as major * 10 + minor (default "
+                         "90, the H200's; e.g. 80 for an A100)")
     ap.add_argument("--quant-spec", default=None,
                     help="instead of a decode operation: the quantizer kernel of pack_triton for "
                          "this format (e.g. fp16+sr, nvfp4), on a [4, 128, 128] tensor")
     args = ap.parse_args(argv)
+    global SM
+    if args.sm < 70:
+        ap.error(f"--sm must be a compute capability of at least 70 (e.g. 80, 89, 90), got "
+                 f"{args.sm}")
+    SM = args.sm
     if args.top < 1:
         ap.error(f"--top must be >= 1, got {args.top}")
     options = {}

@@ -83,7 +83,8 @@ def test_chain_tune_check_batch_tiny(tmp_path):
 @pytest.mark.slow  # 46 s of ptxas on 2 cores (2026-12-02)
 def test_sass_static_compiles_for_sm90_without_a_gpu():
     """``benchmarks/sass_static.py`` compiles a flush for sm_90 on this CPU machine and reports
-    registers and static SASS from Triton's bundled tools (skipped where the wheel has none)."""
+    registers and static SASS from Triton's bundled tools (skipped where the wheel has none);
+    the nvfp4 step also for sm_80 (``--sm 80``: no sm_89 instruction in the defaults)."""
     import triton
 
     bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -98,8 +99,9 @@ def test_sass_static_compiles_for_sm90_without_a_gpu():
     head = [ln for ln in p.stdout.splitlines() if ln.startswith("launch 0: _flush_kernel:")]
     assert len(head) == 1 and "'REG'" in head[0]
     assert int(head[0].split()[3]) > 100  # static SASS instructions of the flush
-    # the nvfp4 step's read pass with either E2M1 decoder (--e2m1): the lookup is CUDA's
-    # default, the integer decoder the interpreter's; different code
+    # the nvfp4 step's read pass (the lean kernel's integer-dot form, the default) with
+    # either E2M1 decoder (--e2m1): the lookup is CUDA's default (inline PTX), the integer
+    # decoder the interpreter's; different code
     counts = {}
     for dec in ("lookup", "integer"):
         p = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--model", "mamba2",
@@ -107,10 +109,18 @@ def test_sass_static_compiles_for_sm90_without_a_gpu():
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         heads = [ln for ln in p.stdout.splitlines()
-                 if ln.startswith("launch ") and ": _records_kernel:" in ln]
-        assert heads, p.stdout[-2000:]  # the first records launch: the read pass (or the step)
-        counts[dec] = int(heads[0].split(": _records_kernel:")[1].split()[0])
+                 if ln.startswith("launch ") and ": _nvfp4_read_kernel:" in ln]
+        assert heads, p.stdout[-2000:]
+        counts[dec] = int(heads[0].split(": _nvfp4_read_kernel:")[1].split()[0])
     assert counts["lookup"] != counts["integer"], counts  # the option reaches the compile
+    # both models' nvfp4 step compile for an A100 (sm_80) too: the integer-dot read pass's
+    # hardware E4M3 conversion needs sm_89, so it must not be asked for there
+    for model in ("mamba2", "gdn"):
+        p = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--model", model,
+                            "--policy", "nvfp4", "--op", "step", "--top", "3", "--sm", "80"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, (model, p.stderr[-3000:])
+        assert ": _nvfp4_read_kernel:" in p.stdout, p.stdout[-2000:]
     # a quantizer kernel (--quant-spec): the fp16 SR path, and refusals
     q = subprocess.run([sys.executable, "benchmarks/sass_static.py", "--quant-spec", "fp16+sr",
                         "--top", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -123,7 +133,8 @@ def test_sass_static_compiles_for_sm90_without_a_gpu():
 @pytest.mark.parametrize("args,word", [(["--top", "0"], "--top"), (["--policy", "bogus"], "bogus"),
                                        (["--e2m1", "bogus"], "bogus"),
                                        (["--quant-spec", "fp32"], "fp32"),
-                                       (["--quant-spec", "nvfp9"], "nvfp9")])
+                                       (["--quant-spec", "nvfp9"], "nvfp9"),
+                                       (["--sm", "50"], "--sm")])
 def test_sass_static_refuses_bad_arguments(args, word):
     """``benchmarks/sass_static.py`` refuses a bad argument with exit code 2 and a message naming
     it, before compiling anything (no traceback)."""

@@ -871,20 +871,26 @@ def test_gdn_step(read_fmt, read_pass, monkeypatch):
 
 
 def _lean_launches(monkeypatch) -> list:
-    """``_kernel_launches`` plus a ``"lean"`` entry for each ``_nvfp4_read_kernel`` launch."""
+    """``_kernel_launches`` plus an entry for each ``_nvfp4_read_kernel`` launch (``"lean"``,
+    or ``"idot"`` for its integer-dot form) and ``"x_int"`` for each ``_x_int_kernel``."""
     seen = _kernel_launches(monkeypatch)
-    real = kr.records._nvfp4_read_kernel
 
-    class Counting:
-        def __getitem__(self, grid):
-            launch = real[grid]
+    def counting(real, name):
+        class Counting:
+            def __getitem__(self, grid):
+                launch = real[grid]
 
-            def run(*a, **kw):
-                seen.append("lean")
-                return launch(*a, **kw)
-            return run
+                def run(*a, **kw):
+                    seen.append(name(kw))
+                    return launch(*a, **kw)
+                return run
+        return Counting()
 
-    monkeypatch.setattr(kr.records, "_nvfp4_read_kernel", Counting())
+    monkeypatch.setattr(kr.records, "_nvfp4_read_kernel",
+                        counting(kr.records._nvfp4_read_kernel,
+                                 lambda kw: "idot" if kw.get("IDOT") else "lean"))
+    monkeypatch.setattr(kr.records, "_x_int_kernel",
+                        counting(kr.records._x_int_kernel, lambda kw: "x_int"))
     return seen
 
 
@@ -941,8 +947,10 @@ def test_lean_read_pass(gdn, monkeypatch):
         rg = {n: t.clone() for n, t in ring.items()}
         seen = _lean_launches(monkeypatch)
         got = step(rg, slice(None), rp)
-        # then the records launch: GDN's records kernel, Mamba-2's lean one (its default)
-        assert seen == (["lean", (False, True)] if gdn else ["lean"]), seen
+        # (idot: X's integers first) the read pass in its form, then the records launch:
+        # GDN's records kernel, Mamba-2's lean one (its default)
+        first = ["x_int"] if rp[2] == "idot" else []
+        assert seen == first + ([rp[2], (False, True)] if gdn else [rp[2]]), seen
         torch.testing.assert_close(got, want, **TOL)
         if gdn:
             torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
@@ -958,7 +966,7 @@ def test_lean_read_pass(gdn, monkeypatch):
     assert kr.records.MAMBA2_STEP_NVFP4_CONFIG["read_pass"][2] == "idot"
     seen = _lean_launches(monkeypatch)
     got = step({n: t.clone() for n, t in ring.items()}, slice(None), None)
-    assert seen == (["lean", (False, True)] if gdn else ["lean"]), seen
+    assert seen == (["x_int", "idot", (False, True)] if gdn else ["x_int", "idot"]), seen
     torch.testing.assert_close(got, want, **TOL)
     # a caller's float16 products: the records kernel's read pass, not an error
     seen = _lean_launches(monkeypatch)
@@ -1033,30 +1041,36 @@ def test_idot_x_integers():
     assert (np.abs(Xb).max(-1)[big] >= 2 ** 20).all()  # the block's range is used
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_idot_read_pass_nonfinite(gdn):
-    """A NaN in one sequence's query of key group 0: under the integer-dot read pass the
-    outputs of that group's value heads are NaN, as the torch reference's; the other group's
-    heads and the other sequence are finite and the same bits as with a finite query (the
-    NaN does not leak to batch neighbours or other heads)."""
+    """A NaN or an infinity in one sequence's query of key group 0: under the integer-dot
+    read pass the outputs of that group's value heads are NaN (the torch reference's are
+    non-finite there: NaN, or NaN and +-inf for an infinity); the other group's heads and the
+    other sequence are the same bits as with a finite query (nothing leaks to batch
+    neighbours or other heads)."""
     gen = _gen(33)
     R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
     rec, q, _, want, _ = _lean_step_case(gen, R, ring, h, gdn)
     rp = (16, 1, "idot")
     clean = _lean_step(R_st, {n: t.clone() for n, t in ring.items()}, rec, q, h, gdn, rp)
-    qn = q.clone()
-    qn[0, 0, 5] = float("nan")
-    got = _lean_step(R_st, {n: t.clone() for n, t in ring.items()}, rec, qn, h, gdn, rp)
-    hit = torch.arange(H) // (H // G) == 0
-    assert G > 1 and torch.isnan(got[0, hit]).all()
-    assert torch.equal(got[0, ~hit], clean[0, ~hit]) and torch.equal(got[1], clean[1])
     assert torch.isfinite(clean).all()
     torch.testing.assert_close(clean, want, **TOL)
+    hit = torch.arange(H) // (H // G) == 0
     J = int(h.max()) + 1
-    ref = (gdn_step_output(R, ring["la"][:, :J], ring["beta"][:, :J], ring["v"][:, :J],
-                           ring["k"][:, :J], qn, ring["uR"][:, :J], h)[0] if gdn else
-           mamba2_step_output(R, ring["la"][:, :J], ring["v"][:, :J], ring["k"][:, :J], qn, h))
-    assert torch.isnan(ref[0, hit]).all()  # the reference agrees where the NaN reaches
+    for bad in (float("nan"), float("inf")):
+        qn = q.clone()
+        qn[0, 0, 5] = bad
+        got = _lean_step(R_st, {n: t.clone() for n, t in ring.items()}, rec, qn, h, gdn, rp)
+        # NaN (not +-inf) where the block reaches, as documented
+        assert G > 1 and torch.isnan(got[0, hit]).all(), bad
+        assert torch.equal(got[0, ~hit], clean[0, ~hit]) and torch.equal(got[1], clean[1])
+        ref = (gdn_step_output(R, ring["la"][:, :J], ring["beta"][:, :J], ring["v"][:, :J],
+                               ring["k"][:, :J], qn, ring["uR"][:, :J], h)[0] if gdn else
+               mamba2_step_output(R, ring["la"][:, :J], ring["v"][:, :J], ring["k"][:, :J], qn,
+                                  h))
+        # the reference: non-finite where the block reaches (NaN, or NaN / +-inf for an inf)
+        assert (~torch.isfinite(ref[0, hit])).all(), bad
 
 
 def test_lean_read_pass_refused():

@@ -856,10 +856,11 @@ def _e2m1_dot8_2(word, x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y
 # codes' N, and P + 0x80808080 - N (one three-input add; no byte borrows) holds the biased
 # bytes t_k = 128 + s_k. Then per vector three dp4a chains, one per limb, shifted by 8 bits
 # between them: sum_k t_k X_k = sum_k s_k X_k + 128 sum_k X_k modulo 2^32 (the caller takes
-# away the second term per block of 16 codes, after which the sum, at most 2^31 in
-# magnitude, is exact). Inputs: $NC the word, then per vector c the six limb registers (X0 of
-# codes 0-3, X0 of 4-7, U1 0-3, U1 4-7, U2 0-3, U2 4-7); outputs $0..$NC-1 (int32). About
-# 9 + 8 NC instructions per word.
+# away the second term per block of 16 codes, after which the sum, at most 16 x 12 x 2^22 =
+# 2^29.6 in magnitude, is exact). Inputs: $NC the word, then per vector c the six limb
+# registers (X0 of codes 0-3, X0 of 4-7, U1 0-3, U1 4-7, U2 0-3, U2 4-7); outputs $0..$NC-1
+# (int32). About 9 + 8 NC instructions per word, plus the table constants where ptxas does
+# not keep them in registers across words.
 def _e2m1_idot8_text(nc: int) -> str:
     """The PTX of ``_e2m1_idot8`` for ``nc`` vectors (see the comment above)."""
     w = f"${nc}"
@@ -914,7 +915,9 @@ def _e2m1_idot8_2(word, a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1):
 def _idot4_int(word, sh: tl.constexpr, a, b, c):
     """``sum_{i<4} (2 e_i + 128) X_i`` modulo 2^32 for the four codes at nibbles ``sh/4 ..
     sh/4 + 3`` of ``word`` and the limb registers ``a`` (signed top bytes), ``b``, ``c``
-    (unsigned bytes), in int32 Triton operations."""
+    (unsigned bytes), in int32 Triton operations. The int32 wrap-around is intended (as
+    dp4a's; the caller's bias subtraction makes the block's sum exact), so Triton's
+    ``TRITON_DEBUG`` overflow checks would flag it."""
     acc = tl.zeros_like(word)
     for i in tl.static_range(4):
         code = (word >> (sh + 4 * i)) & 15

@@ -1258,7 +1258,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                        xs_ptr, H, G, TD, TQ, V: tl.constexpr, K: tl.constexpr, NC: tl.constexpr,
                        NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr = False,
-                       EARLY: tl.constexpr = False, IDOT: tl.constexpr = False):
+                       EARLY: tl.constexpr = False, IDOT: tl.constexpr = False,
+                       SCVT: tl.constexpr = False):
     """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
     ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) of an nvfp4 copy for
     ``BV`` value rows of one (sequence, key group): its ``H // G`` matrices' rows, head after
@@ -1286,9 +1287,12 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     multiplied by ``xs`` then by the E4M3 block scale (the words' sums carry a bias of
     ``128 sum X``, taken away per block before the conversion, after which each block's sum
     is exact); the blocks' sum times the matrix
-    scale. X's rounding (at most 2^-22 of each block's largest element) is the form's only
-    error beyond FP32's; X's integers come from the call's first launch (``_x_int_kernel``),
-    so with PDL it waits only before its stores."""
+    scale. X's rounding (at most 2^-22 of each block's largest element; see ``_x_int_col``
+    for blocks below 2^-103) is the form's only error beyond FP32's; X's integers come from
+    the call's first launch (``_x_int_kernel``), so with PDL it waits only before its
+    stores. ``SCVT``: the block scales by the hardware's E4M3 conversion
+    (``codec._e4m3_value_cvt``, sm_89 and later), else ``codec._e4m3_value_f16`` (the same
+    values)."""
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
@@ -1313,7 +1317,7 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     scode = tl.load(cbs_ptr + row0 * NB + (rl[:, None] * NB + jb[None, :]), mask=rmask[:, None],
                     other=0)
     if IDOT:
-        if PTX:
+        if SCVT:  # the hardware's E4M3 conversion (sm_89 and later)
             sc = _e4m3_value_cvt(scode)
         else:
             sc = _e4m3_value_f16(scode)
@@ -2112,7 +2116,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             (``_nvfp4_read_kernel``'s IDOT: X rounded per block of 16 elements to 24-bit
             integers by a launch of its own, the call's first; each block's sum exact in
             int32 by byte-permute lookups and dp4a; X's rounding, at most 2^-22 of each
-            block's largest element, the only error beyond FP32's; the interpreter and
+            block's largest element (in a block whose largest is below 2^-103, up to
+            2^-125 absolute), the only error beyond FP32's; a block of X with a NaN or an
+            infinity gives NaN outputs where it reaches (the torch reference gives NaN or
+            +-inf there; the FMA-chain form also NaN); the interpreter and
             ``e2m1_decode="integer"`` the same integers, so the same bits): both models'
             nvfp4 step default since 2026-12-04 (twenty-fifth session).
             ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
@@ -2321,7 +2328,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                      and use_dot not in X16_DOTS):
         raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy, at most 2 columns of X "
                          f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
-                         f"got a {spec} copy, {NC} columns, fused_window={fused_window!r}, "
+                         f"got the copy {spec}, {NC} columns, fused_window={fused_window!r}, "
                          f"use_dot={use_dot!r}")
     if lean and c.data_ptr() % 4:
         raise ValueError(f"read_pass form {read_form!r} reads the nvfp4 codes as 32-bit words: their "
@@ -2360,7 +2367,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     pdl = _pdl_mode(pdl, q.device)
     # the integer-dot read pass: X as integers per (sequence, key group), by a launch of
     # their own first (an ordinary launch: complete before the products launch starts, so
-    # the read pass, dependent on the products launch, reads them without waiting for it)
+    # the read pass, dependent on the products launch, reads them without waiting for it).
+    # This holds only while the products launch (or, with none, the read pass itself) is an
+    # ordinary launch directly after this one: a dependent (PDL) launch between them would
+    # let the read pass start before X's integers are written.
     idot = lean and read_form == "idot"
     if idot:
         xi = torch.empty(B * G * NC * (3 * (K // 4) + K // 16), dtype=torch.int32,
@@ -2420,8 +2430,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
             c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, TD, TQ, V=V, K=K, NC=NC,
             NS=NS, D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
-            EARLY=early, IDOT=idot, **_pdl_launch(pdl and zpre),
-            **_maxnreg_launch(read_maxnreg))
+            EARLY=early, IDOT=idot,
+            SCVT=idot and mode != "integer" and _e4m3_cvt_runs(q.device),
+            **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
     elif ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
@@ -2469,6 +2480,16 @@ def _check_flags(where: str, **flags) -> None:
     for name, v in flags.items():
         if not isinstance(v, bool):
             raise ValueError(f"{where}{name} must be True or False, got {v!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m3_cvt_runs(device: torch.device) -> bool:
+    """Whether the hardware's E4M3 to float16 conversion (``cvt.rn.f16x2.e4m3x2``, PTX for
+    sm_89 and later) runs on ``device``: NVIDIA CUDA, compute capability >= 8.9, kernels not
+    interpreted. Elsewhere the integer-dot read pass decodes its block scales in Triton
+    operations (the same values)."""
+    return (device.type == "cuda" and not KERNELS_INTERPRETED and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 @functools.lru_cache(maxsize=None)
@@ -2714,7 +2735,11 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     ``GDN_STEP_FP8_CONFIG`` for an
     fp8 one, ``GDN_STEP_BLOCKED_CONFIG`` for mxfp8) unless given (``solve``: the matrix forms
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
-    of a separate launch for the products with R, or False for one launch)."""
+    or ``(block_v, num_warps, form[, maxnreg])`` of a separate launch for the products with
+    R (form ``"records"``, ``"lean"`` or ``"idot"``, :func:`records_outputs`; the nvfp4
+    default ``(64, 1, "idot")``), or False for one launch; a default lean form with a
+    caller's ``use_dot`` of 16-bit products takes the records kernel's read pass
+    (``GDN_STEP_FP4_CONFIG``'s), which has them)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     cfg = _config(GDN_STEP_WIDE_CONFIG if wide else

@@ -1796,7 +1796,8 @@ def test_e2m1_pair_decoders(mode):
 
 def _run_ptx(text, x, regs=None):
     """Execute the inline PTX ``text`` of a decoder (the instructions it uses: mov, shl, shr,
-    and, or, xor, add, sub, lop3, prmt, dp4a, cvt.f32.f16, mul.rn.f32, fma.rn.f32) on uint32 words
+    and, or, xor, add, sub, mad.lo, lop3, prmt, dp4a, cvt.f32.f16, mul.rn.f32, fma.rn.f32) on
+    uint32 words
     ``x`` (``$8``, or
     ``$4`` for a decoder with four outputs; ``regs``: the input registers instead, uint32
     words or float32 values), in numpy; returns ``{"$0": ...}`` the outputs (float32 from cvt,
@@ -1859,6 +1860,9 @@ def _run_ptx(text, x, regs=None):
         elif op in ("xor.b32", "or.b32"):
             f = np.bitwise_xor if op == "xor.b32" else np.bitwise_or
             reg[a[0]] = f(val(a[1]), val(a[2])).astype(np.uint32)
+        elif op == "mad.lo.u32":  # the low 32 bits of a * b + c
+            r = (val(a[1]).astype(np.int64) * int(a[2], 0) + val(a[3]).astype(np.int64))
+            (out if a[0].startswith("$") else reg)[a[0]] = (r % 2 ** 32).astype(np.uint32)
         elif op in ("sub.u32", "add.u32"):
             sgn = -1 if op == "sub.u32" else 1
             r = val(a[1]).astype(np.int64) + sgn * val(a[2]).astype(np.int64)
@@ -1954,45 +1958,48 @@ def test_e2m1_dot8_ptx_emulated():
                 assert np.array_equal(out[f"${c}"], e[:, k].astype(np.float32)), (nc, c, k)
 
 
-def test_e2m1_idot8_ptx_emulated():
-    """The integer-dot read pass's PTX (``codec._E2M1_IDOT8_1_PTX`` / ``_E2M1_IDOT8_2_PTX``),
-    executed by the emulation on 65,536 words (every pair of values of the low two bytes, the
-    high two bytes a permutation of them) and random limbs: output c is ``sum_k (2 e_k + 128)
-    X_k`` modulo 2^32 (from an int64 sum), ``e_k`` the E2M1 table value of nibble k and
-    ``X_k = X0 2^16 + U1 2^8 + U2`` from the limbs (X0 a signed byte in [-64, 64], U1 and U2
-    unsigned); with one-hot integers, each code's doubled value plus 128."""
+def test_e2m1_idot16_ptx_emulated():
+    """The integer-dot read pass's PTX (``codec._E2M1_IDOT16_1_PTX`` / ``_E2M1_IDOT16_2_PTX``),
+    executed by the emulation on 65,536 blocks (two words each: every pair of values of the
+    first word's low two bytes, the other bytes permutations of them) and random limbs:
+    output c is ``sum_k (2 e_k + 128) X_k`` over the block's 16 codes modulo 2^32 (from an
+    int64 sum), ``e_k`` the E2M1 table value of nibble k and ``X_k = X0 2^16 + U1 2^8 + U2``
+    from the limbs (X0 a signed byte in [-64, 64], U1 and U2 unsigned); with one-hot
+    integers, each code's doubled value plus 128."""
     import numpy as np
 
     lo = np.arange(1 << 16, dtype=np.uint32)
-    x = lo | (((lo * 40503) & 0xFFFF) << 16)
+    w0 = lo | (((lo * 40503) & 0xFFFF) << 16)
+    w1 = ((lo * 26029) & 0xFFFF) | (((lo * 9973) & 0xFFFF) << 16)
     mag = np.array(Fmt.E2M1_VALUES * 2, np.float64)
     table = (np.where(np.arange(16) >= 8, -mag, mag) * 2).astype(np.int64)
-    e2 = np.stack([table[(x >> np.uint32(4 * k)) & 15] for k in range(8)], -1)  # [N, 8]
+    e2 = np.concatenate([np.stack([table[(w >> np.uint32(4 * k)) & 15] for k in range(8)], -1)
+                         for w in (w0, w1)], -1)  # [N, 16]
     rng = np.random.default_rng(0)
 
-    def pack(v):  # [N, 8] bytes (int64) -> the lo / hi registers (codes 0-3, 4-7)
+    def groups(v):  # [N, 16] bytes (int64) -> the four group registers (codes 4g .. 4g + 3)
         u = (v & 0xFF).astype(np.uint32)
-        return [sum(u[:, 4 * h + i] << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
-                for h in range(2)]
+        return [sum(u[:, 4 * g + i] << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
+                for g in range(4)]
 
-    for nc, text in ((1, kr.codec._E2M1_IDOT8_1_PTX.value),
-                     (2, kr.codec._E2M1_IDOT8_2_PTX.value)):
-        for case in ("random", *range(8)):
-            regs = {f"${nc}": x}
+    for nc, text in ((1, kr.codec._E2M1_IDOT16_1_PTX.value),
+                     (2, kr.codec._E2M1_IDOT16_2_PTX.value)):
+        for case in ("random", "extreme", *range(16)):
+            regs = {f"${nc}": w0, f"${nc + 1}": w1}
             want = []
             for c in range(nc):
                 if case == "random":
-                    X = rng.integers(-(1 << 22), (1 << 22) + 1, size=(x.size, 8))
+                    X = rng.integers(-(1 << 22), (1 << 22) + 1, size=(w0.size, 16))
+                elif case == "extreme":  # every element at the range's ends
+                    X = rng.choice(np.array([-(1 << 22), 1 << 22]), size=(w0.size, 16))
                 else:  # one-hot: X_k = 1 at code `case`
-                    X = np.zeros((x.size, 8), np.int64)
+                    X = np.zeros((w0.size, 16), np.int64)
                     X[:, case] = 1
-                limbs = (X >> 16, (X >> 8) & 0xFF, X & 0xFF)
-                for li, limb in enumerate(limbs):
-                    lo_r, hi_r = pack(limb)
-                    regs[f"${nc + 1 + 6 * c + 2 * li}"] = lo_r
-                    regs[f"${nc + 1 + 6 * c + 2 * li + 1}"] = hi_r
+                for li, limb in enumerate((X >> 16, (X >> 8) & 0xFF, X & 0xFF)):
+                    for g, reg in enumerate(groups(limb)):
+                        regs[f"${nc + 2 + 12 * c + 4 * li + g}"] = reg
                 want.append(((e2 + 128) * X).sum(-1) % 2 ** 32)
-            out = _run_ptx(text, x, regs)
+            out = _run_ptx(text, w0, regs)
             for c in range(nc):
                 got = out[f"${c}"].astype(np.int64)
                 assert np.array_equal(got, want[c]), (nc, c, case)

@@ -844,73 +844,20 @@ def _e2m1_dot8_2(word, x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y
                                      dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
-# Eight E2M1 codes of a 32-bit word times eight integers per vector (the integer-dot read
-# pass, records._nvfp4_read_kernel with IDOT): each code's value times 2 is the integer 0, 1,
-# 2, 3, 4, 6, 8 or 12 with its sign (s_k); each vector element is a 24-bit signed integer
-# X = X0 2^16 + U1 2^8 + U2 held as three limbs, X0 a signed byte and U1, U2 unsigned bytes,
-# four elements per 32-bit register (byte i the element of code i of the four). The byte
-# permute (prmt, default mode) looks four codes up at once in the table of the doubled
-# magnitudes (bytes 0, 1, 2, 3, 4, 6, 8, 12): a code with its sign bit set gives 0x00 (the
-# selector's top bit replicates the picked byte's sign bit, 0), so one lookup with the word
-# gives the positive codes' magnitudes P and one with the sign bits flipped the negative
-# codes' N, and P + 0x80808080 - N (one three-input add; no byte borrows) holds the biased
-# bytes t_k = 128 + s_k. Then per vector three dp4a chains, one per limb, shifted by 8 bits
-# between them: sum_k t_k X_k = sum_k s_k X_k + 128 sum_k X_k modulo 2^32 (the caller takes
-# away the second term per block of 16 codes, after which the sum, at most 16 x 12 x 2^22 =
-# 2^29.6 in magnitude, is exact). Inputs: $NC the word, then per vector c the six limb
-# registers (X0 of codes 0-3, X0 of 4-7, U1 0-3, U1 4-7, U2 0-3, U2 4-7); outputs $0..$NC-1
-# (int32). About 9 + 8 NC instructions per word, plus the table constants where ptxas does
-# not keep them in registers across words.
-def _e2m1_idot8_text(nc: int) -> str:
-    """The PTX of ``_e2m1_idot8`` for ``nc`` vectors (see the comment above)."""
-    w = f"${nc}"
-    lines = ["{", ".reg .b32 t0, t1, fl, wn, wh, wnh, pl, nl, ph, nh, sl, sh, acc;",
-             "mov.b32 t0, 0x03020100;", "mov.b32 t1, 0x0C080604;", "mov.b32 fl, 0x80808080;",
-             f"xor.b32 wn, {w}, 0x88888888;", f"shr.u32 wh, {w}, 16;", "shr.u32 wnh, wn, 16;",
-             f"prmt.b32 pl, t0, t1, {w};", "prmt.b32 nl, t0, t1, wn;",
-             "prmt.b32 ph, t0, t1, wh;", "prmt.b32 nh, t0, t1, wnh;",
-             "add.u32 sl, pl, fl;", "sub.u32 sl, sl, nl;",
-             "add.u32 sh, ph, fl;", "sub.u32 sh, sh, nh;"]
-    for c in range(nc):
-        r = [f"${nc + 1 + 6 * c + i}" for i in range(6)]
-        lines += [f"dp4a.u32.s32 acc, sl, {r[0]}, 0;", f"dp4a.u32.s32 acc, sh, {r[1]}, acc;",
-                  "shl.b32 acc, acc, 8;",
-                  f"dp4a.u32.u32 acc, sl, {r[2]}, acc;", f"dp4a.u32.u32 acc, sh, {r[3]}, acc;",
-                  "shl.b32 acc, acc, 8;",
-                  f"dp4a.u32.u32 acc, sl, {r[4]}, acc;", f"dp4a.u32.u32 ${c}, sh, {r[5]}, acc;"]
-    return "\n".join(lines + ["}"])
-
-
-_E2M1_IDOT8_1_PTX = tl.constexpr(_e2m1_idot8_text(1))
-_E2M1_IDOT8_2_PTX = tl.constexpr(_e2m1_idot8_text(2))
-
-
-@triton.jit
-def _e2m1_idot8_1(word, a0, a1, b0, b1, c0, c1):
-    """``sum_k (2 e_k + 128) X_k`` modulo 2^32 (int32) over the eight E2M1 codes of each int32
-    ``word`` (code k = nibble k), ``e_k`` the code's value, ``X_k`` the 24-bit integer of
-    limbs ``(a, b, c)`` (``a0`` the signed top bytes of elements 0-3, ``a1`` of 4-7, ``b`` /
-    ``c`` the unsigned middle / low bytes; see the comment above); the caller takes away
-    ``128 sum_k X_k``. Inline PTX (prmt, dp4a): CUDA only; ``_e2m1_idot8_int`` is the same
-    integer in Triton operations, and
-    ``tests/test_replay_kernels.py::test_e2m1_idot8_ptx_emulated`` runs the PTX through an
-    emulation."""
-    tl.static_assert(word.dtype == tl.int32, "_e2m1_idot8_1 takes int32 words of 8 codes")
-    return tl.inline_asm_elementwise(_E2M1_IDOT8_1_PTX, "=r,r" + ",r" * 6,
-                                     [word, a0, a1, b0, b1, c0, c1],
-                                     dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _e2m1_idot8_2(word, a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1):
-    """``_e2m1_idot8_1`` for two vectors (limbs ``a, b, c`` and ``d, e, f``) at once (one
-    decode): returns both int32 sums. Inline PTX: CUDA only."""
-    tl.static_assert(word.dtype == tl.int32, "_e2m1_idot8_2 takes int32 words of 8 codes")
-    return tl.inline_asm_elementwise(_E2M1_IDOT8_2_PTX, "=r,=r,r" + ",r" * 12,
-                                     [word, a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1],
-                                     dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-
-
+# E2M1 codes times integers, summed exactly (the integer-dot read pass,
+# records._nvfp4_read_kernel with IDOT): each code's value times 2 is the integer 0, 1, 2, 3,
+# 4, 6, 8 or 12 with its sign (s_k); each vector element is a 24-bit signed integer X = X0
+# 2^16 + U1 2^8 + U2 held as three limbs, X0 a signed byte and U1, U2 unsigned bytes, four
+# elements per 32-bit register (byte i the element of code i of the four). The byte permute
+# (prmt, default mode) looks four codes up at once in the table of the doubled magnitudes
+# (bytes 0, 1, 2, 3, 4, 6, 8, 12): a code with its sign bit set gives 0x00 (the selector's top
+# bit replicates the picked byte's sign bit, 0), so one lookup with the word gives the
+# positive codes' magnitudes P and one with the sign bits flipped the negative codes' N, and
+# P + 0x80808080 - N (one three-input add; no byte borrows) holds the biased bytes t_k = 128 +
+# s_k. Then per vector and limb one dp4a chain over the groups of four codes, and the limbs'
+# sums combined as A0 2^16 + A1 2^8 + A2: sum_k t_k X_k = sum_k s_k X_k + 128 sum_k X_k
+# modulo 2^32 (the caller takes away the second term per block of 16 codes, after which the
+# sum, at most 16 x 12 x 2^22 = 2^29.6 in magnitude, is exact).
 @triton.jit
 def _idot4_int(word, sh: tl.constexpr, a, b, c):
     """``sum_{i<4} (2 e_i + 128) X_i`` modulo 2^32 for the four codes at nibbles ``sh/4 ..
@@ -930,9 +877,81 @@ def _idot4_int(word, sh: tl.constexpr, a, b, c):
 
 @triton.jit
 def _e2m1_idot8_int(word, a0, a1, b0, b1, c0, c1):
-    """``_e2m1_idot8_1`` without PTX (the interpreter, ``e2m1_decode="integer"``): the same
-    exact integer, so the same bits."""
+    """``sum_k (2 e_k + 128) X_k`` modulo 2^32 (int32) over the eight E2M1 codes of each int32
+    ``word`` (code k = nibble k) and the limbs ``a`` (signed top bytes of elements 0-3 and
+    4-7), ``b``, ``c`` (unsigned middle and low bytes), in Triton operations (the
+    interpreter, ``e2m1_decode="integer"``; ``_e2m1_idot16_int`` sums two)."""
     return _idot4_int(word, 0, a0, b0, c0) + _idot4_int(word, 16, a1, b1, c1)
+
+
+# The PTX for a block of 16 codes (two words, $NC and $NC+1): the three limbs' dp4a chains
+# run over the block's four groups of four codes each and are combined once per block by two
+# multiply-adds (a form with one word per call shifted twice per word: 88 more static SASS
+# instructions in Mamba-2's read pass). Inputs after the words: per vector c and limb l the
+# four group registers (codes 0-3, 4-7 of the first word, 0-3, 4-7 of the second) at
+# $(NC + 2 + 12 c + 4 l + g); outputs $0..$NC-1 (int32): sum_k (2 e_k + 128) X_k modulo 2^32
+# over the 16 codes.
+def _e2m1_idot16_text(nc: int) -> str:
+    """The PTX of ``_e2m1_idot16`` for ``nc`` vectors (see the comment above)."""
+    lines = ["{", ".reg .b32 t0, t1, fl, wn, wh, wnh, pl, nl, ph, nh, s<4>, a0, a1, a2, r;",
+             "mov.b32 t0, 0x03020100;", "mov.b32 t1, 0x0C080604;", "mov.b32 fl, 0x80808080;"]
+    for wi in range(2):
+        w = f"${nc + wi}"
+        lines += [f"xor.b32 wn, {w}, 0x88888888;", f"shr.u32 wh, {w}, 16;",
+                  "shr.u32 wnh, wn, 16;",
+                  f"prmt.b32 pl, t0, t1, {w};", "prmt.b32 nl, t0, t1, wn;",
+                  "prmt.b32 ph, t0, t1, wh;", "prmt.b32 nh, t0, t1, wnh;",
+                  f"add.u32 s{2 * wi}, pl, fl;", f"sub.u32 s{2 * wi}, s{2 * wi}, nl;",
+                  f"add.u32 s{2 * wi + 1}, ph, fl;", f"sub.u32 s{2 * wi + 1}, s{2 * wi + 1}, nh;"]
+    for c in range(nc):
+        for limb in range(3):
+            kind = "s32" if limb == 0 else "u32"
+            regs = [f"${nc + 2 + 12 * c + 4 * limb + g}" for g in range(4)]
+            lines.append(f"dp4a.u32.{kind} a{limb}, s0, {regs[0]}, 0;")
+            lines += [f"dp4a.u32.{kind} a{limb}, s{g}, {regs[g]}, a{limb};" for g in (1, 2, 3)]
+        lines += ["mad.lo.u32 r, a0, 256, a1;", f"mad.lo.u32 ${c}, r, 256, a2;"]
+    return "\n".join(lines + ["}"])
+
+
+_E2M1_IDOT16_1_PTX = tl.constexpr(_e2m1_idot16_text(1))
+_E2M1_IDOT16_2_PTX = tl.constexpr(_e2m1_idot16_text(2))
+
+
+@triton.jit
+def _e2m1_idot16_1(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3):
+    """``sum_k (2 e_k + 128) X_k`` modulo 2^32 (int32) over the 16 E2M1 codes of a scaling
+    block held in the int32 words ``w0`` (codes 0-7) and ``w1`` (8-15), ``X_k`` the 24-bit
+    integers of limbs ``a`` (signed top bytes), ``b``, ``c`` (unsigned middle and low
+    bytes), four groups of four elements each (``a0`` elements 0-3, .., ``a3`` 12-15); the
+    caller takes away ``128 sum_k X_k`` (the comments above). About 9 instructions per word
+    for the decode and 6 dp4a per word and vector, plus 2 multiply-adds per block and vector.
+    Inline PTX (prmt, dp4a): CUDA only; ``_e2m1_idot16_int`` is the same integer in Triton
+    operations, and ``tests/test_replay_kernels.py::test_e2m1_idot16_ptx_emulated`` runs the
+    PTX through an emulation."""
+    tl.static_assert(w0.dtype == tl.int32, "_e2m1_idot16_1 takes int32 words of 8 codes")
+    return tl.inline_asm_elementwise(_E2M1_IDOT16_1_PTX, "=r,r,r" + ",r" * 12,
+                                     [w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _e2m1_idot16_2(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
+                   d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3):
+    """``_e2m1_idot16_1`` for two vectors (limbs ``a, b, c`` and ``d, e, f``) at once (one
+    decode): returns both int32 sums. Inline PTX: CUDA only."""
+    tl.static_assert(w0.dtype == tl.int32, "_e2m1_idot16_2 takes int32 words of 8 codes")
+    return tl.inline_asm_elementwise(_E2M1_IDOT16_2_PTX, "=r,=r,r,r" + ",r" * 24,
+                                     [w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
+                                      d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3],
+                                     dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3):
+    """``_e2m1_idot16_1`` without PTX (the interpreter, ``e2m1_decode="integer"``): the same
+    integer modulo 2^32, so the same bits."""
+    return (_e2m1_idot8_int(w0, a0, a1, b0, b1, c0, c1)
+            + _e2m1_idot8_int(w1, a2, a3, b2, b3, c2, c3))
 
 
 @triton.jit

@@ -63,8 +63,8 @@ from ...packed import PackedTensor
 from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_index,
                     _check_maxnreg, _check_records, _maxnreg_launch,
                     _check_supported, _decode_code, _decode_consts, _e2m1_pairs_half,
-                    _e2m1_dot8_1, _e2m1_dot8_2, _e2m1_idot8_1, _e2m1_idot8_2,
-                    _e2m1_idot8_int,
+                    _e2m1_dot8_1, _e2m1_dot8_2, _e2m1_idot16_1, _e2m1_idot16_2,
+                    _e2m1_idot16_int,
                     _e2m1_pairs_half16, _e2m1_pairs_lut, _e2m1_value,
                     _e4m3_value, _e4m3_value_cvt, _e4m3_value_f16, _e5m2_value,
                     _e8m0_value, _K_NVFP4,
@@ -1254,6 +1254,20 @@ def _e2m1_dot8_int(word, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
+def _x_limbs(xi_ptr, xl, L4: tl.constexpr):
+    """The three limbs (``_x_int_store``'s layout) of the four groups of four elements of the
+    blocks starting at ``xl [NB]``, each ``[1, NB]``: X0 of groups 0-3, U1 of 0-3, U2 of
+    0-3."""
+    return (tl.load(xi_ptr + xl)[None, :], tl.load(xi_ptr + xl + 1)[None, :],
+            tl.load(xi_ptr + xl + 2)[None, :], tl.load(xi_ptr + xl + 3)[None, :],
+            tl.load(xi_ptr + xl + L4)[None, :], tl.load(xi_ptr + xl + L4 + 1)[None, :],
+            tl.load(xi_ptr + xl + L4 + 2)[None, :], tl.load(xi_ptr + xl + L4 + 3)[None, :],
+            tl.load(xi_ptr + xl + 2 * L4)[None, :], tl.load(xi_ptr + xl + 2 * L4 + 1)[None, :],
+            tl.load(xi_ptr + xl + 2 * L4 + 2)[None, :],
+            tl.load(xi_ptr + xl + 2 * L4 + 3)[None, :])
+
+
+@triton.jit
 def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, xi_ptr,
                        xs_ptr, H, G, TD, TQ, V: tl.constexpr, K: tl.constexpr, NC: tl.constexpr,
                        NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
@@ -1281,9 +1295,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     (``gdc_launch_dependents``), so its loads before its ``gdc_wait`` overlap this launch's
     last wave. ``IDOT`` (``read_pass`` form ``"idot"``): X as integers from the launch before
     (``_x_int_store``: per column and block of 16 elements 24-bit integers ``X`` and a power
-    of two ``xs``), each word's ``sum_k 2 e_k X_k`` exact in int32 (``codec._e2m1_idot8_1``
-    / ``_e2m1_idot8_2``: byte-permute lookups and dp4a; ``_e2m1_idot8_int`` the same
-    integer without PTX), summed over the block's two words, converted to float32 and
+    of two ``xs``), each block's ``sum_k 2 e_k X_k`` exact in int32 (``codec._e2m1_idot16_1``
+    / ``_e2m1_idot16_2``: byte-permute lookups and dp4a over the block's two words;
+    ``_e2m1_idot16_int`` the same integer without PTX), converted to float32 and
     multiplied by ``xs`` then by the E4M3 block scale (the words' sums carry a bias of
     ``128 sum X``, taken away per block before the conversion, after which each block's sum
     is exact); the blocks' sum times the matrix
@@ -1335,41 +1349,32 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
         # predecessor began, so no wait (PDL: it waits before its stores)
         L4: tl.constexpr = K // 4
         XW: tl.constexpr = 3 * L4 + NB  # _x_int_store's int32 words per column
-        xl = bg * NC * XW + jb[:, None] * 4 + wi[None, :] * 2  # [NB, 2]
+        w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
+        xl = bg * NC * XW + jb * 4  # [NB]: the block's first group of four elements
         xc0 = tl.load(xi_ptr + bg * NC * XW + 3 * L4 + jb)[None, :]  # the bias, per block
-        a0 = tl.load(xi_ptr + xl)[None]
-        a1 = tl.load(xi_ptr + xl + 1)[None]
-        b0 = tl.load(xi_ptr + xl + L4)[None]
-        b1 = tl.load(xi_ptr + xl + L4 + 1)[None]
-        f0 = tl.load(xi_ptr + xl + 2 * L4)[None]
-        f1 = tl.load(xi_ptr + xl + 2 * L4 + 1)[None]
+        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3 = _x_limbs(xi_ptr, xl, L4)
         xs0 = tl.load(xs_ptr + bg * NC * NB + jb)[None, :]
         if NC == 1:
             if PTX:
-                i0 = _e2m1_idot8_1(wrd, a0, a1, b0, b1, f0, f1)
+                i0 = _e2m1_idot16_1(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
             else:
-                i0 = _e2m1_idot8_int(wrd, a0, a1, b0, b1, f0, f1)
-            y0 = tl.sum(((tl.sum(i0, axis=2) - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
+                i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
+            y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
             if PDL:
                 tl.extra.cuda.gdc_wait()
             tl.store(yb + rl, y0, mask=rmask)
         else:
-            xl1 = xl + XW
             xc1 = tl.load(xi_ptr + (bg * NC + 1) * XW + 3 * L4 + jb)[None, :]
-            d0 = tl.load(xi_ptr + xl1)[None]
-            d1 = tl.load(xi_ptr + xl1 + 1)[None]
-            g0 = tl.load(xi_ptr + xl1 + L4)[None]
-            g1 = tl.load(xi_ptr + xl1 + L4 + 1)[None]
-            h0 = tl.load(xi_ptr + xl1 + 2 * L4)[None]
-            h1 = tl.load(xi_ptr + xl1 + 2 * L4 + 1)[None]
+            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3 = _x_limbs(xi_ptr, xl + XW, L4)
             xs1 = tl.load(xs_ptr + (bg * NC + 1) * NB + jb)[None, :]
             if PTX:
-                i0, i1 = _e2m1_idot8_2(wrd, a0, a1, b0, b1, f0, f1, d0, d1, g0, g1, h0, h1)
+                i0, i1 = _e2m1_idot16_2(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3,
+                                        d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
             else:
-                i0 = _e2m1_idot8_int(wrd, a0, a1, b0, b1, f0, f1)
-                i1 = _e2m1_idot8_int(wrd, d0, d1, g0, g1, h0, h1)
-            y0 = tl.sum(((tl.sum(i0, axis=2) - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
-            y1 = tl.sum(((tl.sum(i1, axis=2) - xc1).to(tl.float32) * xs1) * sc, axis=1) * ms
+                i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
+                i1 = _e2m1_idot16_int(w0, w1, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
+            y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
+            y1 = tl.sum(((i1 - xc1).to(tl.float32) * xs1) * sc, axis=1) * ms
             if PDL:
                 tl.extra.cuda.gdc_wait()
             tl.store(yb + rl * 2, y0, mask=rmask)

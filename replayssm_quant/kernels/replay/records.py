@@ -154,14 +154,16 @@ MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(3
 # Since the twenty-fifth session (records_tune --set idot --timing graph,
 # records_tune_idot_h200.json, B = 256, h = 7): the read pass's integer-dot form on 128-row
 # tiles (two value heads; its programs tile a key group's rows since then) with one warp:
-# 116.9 -> 104.7 us (the FMA-chain form on that tile 113.2 us).
+# 116.9 -> 104.7 us (the FMA-chain form on that tile 113.2 us); 98.9 us after the form's later
+# changes (records_tune_idot3_h200.json; decode.py's window mean at 37526c6: 100.9 us).
 MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(128, 1, "idot"),
                                 lean_records=(1, 1, True))
 # GDN from an nvfp4 copy: until the twenty-fifth session GDN_STEP_FP4_CONFIG (its read pass
 # capped at 96 registers since the twenty-third session; mxfp4's since the twenty-fourth);
 # since then the lean read pass's integer-dot form on 64-row tiles with one warp, the records
 # launch as before: 108.8 -> 97.3 us (records_tune_idot_h200.json; the FMA-chain lean form on
-# that tile 109.6). Mamba-2's mxfp4 step gains nothing from a cap (135.6 us uncapped,
+# that tile 109.6); 88.9 us after the form's later changes (records_tune_idot3_h200.json;
+# decode.py's window mean at 37526c6: 88.0 us). Mamba-2's mxfp4 step gains nothing from a cap (135.6 us uncapped,
 # 135.2-142.0 at 64-128; records_maxnreg_mxfp4_h200.json).
 GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(64, 1, "idot"))
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /

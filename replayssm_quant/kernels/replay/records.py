@@ -2335,7 +2335,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                      and use_dot not in X16_DOTS):
         raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy, at most 2 columns of X "
                          f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
-                         f"got the copy {spec}, {NC} columns, fused_window={fused_window!r}, "
+                         f"got the copy {spec}, {NC} column{'s' if NC != 1 else ''} of X, "
+                         f"fused_window={fused_window!r}, "
                          f"use_dot={use_dot!r}")
     if lean and c.data_ptr() % 4:
         raise ValueError(f"read_pass form {read_form!r} reads the nvfp4 codes as 32-bit words: their "

@@ -2496,16 +2496,21 @@ def _e4m3_cvt_runs(device: torch.device) -> bool:
     sm_89 and later) runs on ``device``: NVIDIA CUDA, compute capability >= 8.9, kernels not
     interpreted. Elsewhere the integer-dot read pass decodes its block scales in Triton
     operations (the same values)."""
-    return (device.type == "cuda" and not KERNELS_INTERPRETED and torch.version.hip is None
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    return _nvidia_at_least(device, (8, 9))
 
 
 @functools.lru_cache(maxsize=None)
 def _pdl_runs(device: torch.device) -> bool:
     """Whether programmatic dependent launch runs on ``device`` (NVIDIA CUDA, compute
     capability >= 9.0, kernels not interpreted); asked once per device (the step's hot path)."""
+    return _nvidia_at_least(device, (9, 0))
+
+
+def _nvidia_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Whether ``device`` is an NVIDIA CUDA device of compute capability ``>= capability``
+    (major, minor) running compiled kernels (not the interpreter)."""
     return (device.type == "cuda" and not KERNELS_INTERPRETED and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and torch.cuda.get_device_capability(device) >= capability)
 
 
 def _pdl_mode(pdl, device) -> bool:
@@ -2675,6 +2680,16 @@ def _anchor_config(cfg: dict, anchor) -> dict:
     return out
 
 
+def _x16_read_pass(cfg: dict, read_pass, records_pass) -> None:
+    """A step configuration whose default read pass is a lean form (no 16-bit products) but
+    whose caller asked for ``use_dot`` of 16-bit products (``X16_DOTS``) takes the records
+    kernel's read pass ``records_pass``, which has them; a ``read_pass`` the caller gave is
+    kept (and refused later if it cannot take them). Updates ``cfg`` in place."""
+    if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
+            and cfg["read_pass"][2] in LEAN_FORMS and cfg["use_dot"] in X16_DOTS):
+        cfg["read_pass"] = records_pass
+
+
 # ---------------------------------------------------------------- decode step
 def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None = None,
         num_warps: int | None = None, k_chunk: int | None = None,
@@ -2708,10 +2723,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
                   lean_records=lean_records)
-    if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
-            and cfg["read_pass"][2] in LEAN_FORMS and cfg["use_dot"] in X16_DOTS):
-        # a caller's 16-bit products: the records kernel's read pass (the lean one has none)
-        cfg["read_pass"] = MAMBA2_STEP_FP4_CONFIG["read_pass"]
+    _x16_read_pass(cfg, read_pass, MAMBA2_STEP_FP4_CONFIG["read_pass"])
     if lean_records is None and (not cfg.get("read_pass")
                                  or cfg.get("solve") not in (None, "substitution")):
         # the default's lean records launch needs a read pass and the substitution form
@@ -2758,10 +2770,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   num_stages=num_stages, use_dot=use_dot, prefetch=prefetch, solve=solve,
                   keys_first=keys_first, shared_products=shared_products,
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum)
-    if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
-            and cfg["read_pass"][2] in LEAN_FORMS and cfg["use_dot"] in X16_DOTS):
-        # a caller's 16-bit products: the records kernel's read pass (the lean one has none)
-        cfg["read_pass"] = GDN_STEP_FP4_CONFIG["read_pass"]
+    _x16_read_pass(cfg, read_pass, GDN_STEP_FP4_CONFIG["read_pass"])
     _check_x16_dot(read, cfg)
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}

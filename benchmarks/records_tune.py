@@ -427,6 +427,14 @@ IDOT2_STEP_CANDIDATES = [_P] + [
     (None,) * 13 + ((rb, rw, "idot") + cap,)
     for rb, rw in ((32, 1), (64, 1), (128, 1), (128, 2), (256, 2))
     for cap in ((), (96,), (112,))]
+# --set idotpdl (2026-12-04, twenty-sixth session): the integer-dot read pass with X's
+# integers overlapping its first loads (form "idot_pdl": the read pass dependent on X's
+# integers' launch, the products launch after it) against "idot", on the default tiles and
+# their neighbours.
+IDOTPDL_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + ((rb, rw, form),)
+    for rb, rw in ((64, 1), (128, 1), (256, 2))
+    for form in ("idot", "idot_pdl")]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -448,7 +456,8 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "rtiles": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "leanheads": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "idot": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "idot2": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
+               "idot2": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
+               "idotpdl": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -491,7 +500,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "rtiles": (RTILES_STEP_CANDIDATES, []),
                   "leanheads": (LEANHEADS_STEP_CANDIDATES, []),
                   "idot": (IDOT_STEP_CANDIDATES, []),
-                  "idot2": (IDOT2_STEP_CANDIDATES, [])}
+                  "idot2": (IDOT2_STEP_CANDIDATES, []),
+                  "idotpdl": (IDOTPDL_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -547,7 +557,7 @@ def skip(M, c, fmt):
     if len(c) > 4 and c[4] == "f16x3" and fmt not in ("nvfp4", "fp16"):
         return True  # float16 products of exact values: nvfp4 and fp16 read copies only
     if len(c) > 13 and c[13] and M.V >= 64 and c[13][0] > M.V * (
-            M.H // M.G if len(c[13]) > 2 and c[13][2] in ("lean", "idot") else 1):
+            M.H // M.G if len(c[13]) > 2 and c[13][2] in rec.LEAN_FORMS else 1):
         return True  # a read-pass tile larger than its rows (the lean one: a key group's
         # heads): same work, masked
     if len(c) > 7 and c[7] and not (M.gdn and fmt == "fp32"):

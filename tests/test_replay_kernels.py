@@ -943,14 +943,15 @@ def test_lean_read_pass(gdn, monkeypatch):
 
     assert H // G == 2 and V == 16  # the tiles below span heads as the docstring says
     for rp in ((16, 1, "lean"), (32, 2, "lean"), (64, 1, "lean"), (16, 1, "idot"),
-               (32, 2, "idot"), (64, 1, "idot")):
+               (32, 2, "idot"), (64, 1, "idot"), (32, 2, "idot_pdl")):
         rg = {n: t.clone() for n, t in ring.items()}
         seen = _lean_launches(monkeypatch)
         got = step(rg, slice(None), rp)
         # (idot: X's integers first) the read pass in its form, then the records launch:
         # GDN's records kernel, Mamba-2's lean one (its default)
-        first = ["x_int"] if rp[2] == "idot" else []
-        assert seen == first + ([rp[2], (False, True)] if gdn else [rp[2]]), seen
+        idot = rp[2] in kr.records.IDOT_FORMS
+        first, form = (["x_int"], "idot") if idot else ([], rp[2])
+        assert seen == first + ([form, (False, True)] if gdn else [form]), seen
         torch.testing.assert_close(got, want, **TOL)
         if gdn:
             torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
@@ -1187,6 +1188,59 @@ PDL_RUNS = (DEVICE == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability()[0] >= 9)
 
 
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_idot_pdl_launch_order(gdn, monkeypatch):
+    """Read-pass form ``"idot_pdl"``: with dependent launches (CUDA, sm >= 90) X's integers'
+    launch lets the read pass start at once (``PDL``), the read pass (dependent on it) waits
+    for it before it reads them (``WAITX``), and the products launch comes after the read
+    pass, dependent on it, waiting for it before its stores (``WAIT``), so the records launch,
+    which waits on the products launch, waits on all three; without them (``pdl=False``, the
+    interpreter) the launches of form ``"idot"``. Both give the bits of form ``"idot"``."""
+    gen = _gen(23)
+    R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
+    rec, q, _, want, _ = _lean_step_case(gen, R, ring, h, gdn)
+    seen = []
+
+    def spy(name, flags):
+        real = getattr(kr.records, name)
+
+        class Spy:
+            def __getitem__(self, grid):
+                launch = real[grid]
+
+                def run(*a, **kw):
+                    seen.append((name,) + tuple(bool(kw.get(f)) for f in flags))
+                    return launch(*a, **kw)
+                return run
+        monkeypatch.setattr(kr.records, name, Spy())
+
+    spy("_x_int_kernel", ("PDL",))
+    spy("_key_products_kernel", ("WAIT", "launch_pdl"))
+    spy("_nvfp4_read_kernel", ("WAITX", "launch_pdl"))
+    outs = {}
+    for form, pdl in (("idot", False), ("idot_pdl", False), ("idot_pdl", None)):
+        seen.clear()
+        la, v, k, beta = rec
+        rg = {n: t.clone() for n, t in ring.items()}
+        rp = (32, 1, form)
+        if gdn:
+            o = kr.gdn_step_kernel(R_st, rg, q, k, v, la, beta, h, read_pass=rp, pdl=pdl)
+        else:
+            o = kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, read_pass=rp, pdl=pdl)
+        outs[form, pdl] = [o] + [rg[n] for n in sorted(rg)]
+        overlapped = form == "idot_pdl" and pdl is None and PDL_RUNS
+        if overlapped:
+            assert seen == [("_x_int_kernel", True), ("_nvfp4_read_kernel", True, True),
+                            ("_key_products_kernel", True, True)], seen
+        else:
+            assert seen == [("_x_int_kernel", False), ("_key_products_kernel", False, False),
+                            ("_nvfp4_read_kernel", False, pdl is None and PDL_RUNS)], seen
+        torch.testing.assert_close(o, want, **TOL)
+    for key, got in outs.items():
+        for w, g_ in zip(outs["idot", False], got, strict=True):
+            assert torch.equal(_bits(g_), _bits(w)), key
+
+
 def test_pdl_option_checked():
     """``pdl``: a non-bool is refused by name; ``pdl=True`` where programmatic dependent launch
     cannot run (the interpreter, CPU, CUDA before compute capability 9.0) is refused, not
@@ -1241,17 +1295,17 @@ def test_pdl_same_bits_eager_and_graph(gdn, read_fmt):
     recs = _records(gen, J=1, gdn=gdn)
     q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
 
-    def step(pdl):
+    def step(pdl, **kw):
         rg = {n: t.clone() for n, t in ring.items()}
         # the decay a strided view (its copy, made by the call, must precede the first launch)
         la = torch.stack([recs[0][:, 0], recs[0][:, 0]], dim=-1)[..., 0]
         assert not la.is_contiguous()
         if gdn:
             v, k, beta = (t[:, 0] for t in recs[1:])
-            o = kr.gdn_step_kernel(R_st, rg, q, k, v, la, beta, h, pdl=pdl)
+            o = kr.gdn_step_kernel(R_st, rg, q, k, v, la, beta, h, pdl=pdl, **kw)
         else:
             v, k = (t[:, 0] for t in recs[1:3])
-            o = kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, pdl=pdl)
+            o = kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, pdl=pdl, **kw)
         return [o] + [rg[n] for n in sorted(rg)]
 
     A, args, _, _ = _verify_case(gen, R, ring, gdn, K)
@@ -1261,8 +1315,16 @@ def test_pdl_same_bits_eager_and_graph(gdn, read_fmt):
             return list(kr.gdn_verify_kernel(R_st, A, *args, pdl=pdl, shared_products=True))
         return [kr.mamba2_verify_kernel(R_st, A, *args, pdl=pdl)]
 
-    for op in (step, verify):
-        want = op(False)
+    def step_idot_pdl(pdl):  # nvfp4: the read pass's form "idot_pdl" (with pdl: overlapped)
+        cfg = (kr.records.GDN_STEP_NVFP4_CONFIG if gdn
+               else kr.records.MAMBA2_STEP_NVFP4_CONFIG)["read_pass"]
+        return step(pdl, read_pass=(cfg[0], cfg[1], "idot_pdl"))
+
+    ops = [(step, step), (verify, verify)]
+    if read_fmt == "nvfp4":
+        ops.append((step, step_idot_pdl))
+    for ref, op in ops:
+        want = ref(False)
         got = op(True)
         for w, g_ in zip(want, got, strict=True):
             assert torch.equal(_bits(g_), _bits(w)), op.__name__

@@ -81,9 +81,12 @@ DEFAULT_WARPS = 4
 # Forms of a separate read pass (records_outputs(read_pass=(block_v, num_warps, form))):
 # "records" (the records kernel's YOUT path: any copy, any columns) or "lean"
 # (_nvfp4_read_kernel: nvfp4 copies, at most two columns of X, as a decode step has).
-READ_FORMS = ("records", "lean", "idot")
-# the forms that launch _nvfp4_read_kernel ("idot": its integer-dot form, IDOT)
-LEAN_FORMS = ("lean", "idot")
+READ_FORMS = ("records", "lean", "idot", "idot_pdl")
+# the forms that launch _nvfp4_read_kernel ("idot": its integer-dot form, IDOT; "idot_pdl":
+# the same with the read pass dependent (PDL) on X's integers' launch and the products launch
+# after it, so that X's integers overlap the read pass's first loads)
+LEAN_FORMS = ("lean", "idot", "idot_pdl")
+IDOT_FORMS = ("idot", "idot_pdl")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
 # docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
@@ -954,9 +957,14 @@ def _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K: t
 
 @triton.jit
 def _x_int_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, xi_ptr, xs_ptr, G, TD, TQ, K: tl.constexpr,
-                  NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr):
+                  NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """``_x_int_store`` of (sequence, key group) ``program_id(0) = b * G + g``: the first
-    launch of a step with the integer-dot read pass."""
+    launch of a step with the integer-dot read pass. ``PDL`` (form ``"idot_pdl"``): let the
+    read pass after it (launched with PDL; it waits for this grid before it reads X's
+    integers) start at once."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     bg = tl.program_id(0).to(tl.int64)
     b = bg // G
     g = bg - b * G
@@ -971,14 +979,17 @@ def _key_products_kernel(
         K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, LP: tl.constexpr,
         NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr, DOT: tl.constexpr,
         PREC: tl.constexpr, D_REL: tl.constexpr, SOLVE: tl.constexpr, GDN: tl.constexpr,
-        FUSED: tl.constexpr, PDL: tl.constexpr = False):
+        FUSED: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False):
     """The records kernel's ``Z`` (and ``Zd``) once per (sequence, key group) (program
     ``b * G + g``), written to ``z_ptr [B*G, LP, NX]`` / ``zd_ptr [B*G, NX, NX]`` for the
     records kernel launched with ZPRE: every program of that launch for the same sequence and
     key group (the value heads of a group, the value-row tiles) reads them instead of
     recomputing the products with the record keys. PDL: let the next launch (the records
     kernel or its read pass, launched with ``launch_pdl``) start at once; it waits for this
-    grid (``gdc_wait``) before it reads Z or writes anything."""
+    grid (``gdc_wait``) before it reads Z or writes anything. ``WAIT`` (read-pass form
+    ``"idot_pdl"``: this launch is a dependent one after the read pass): wait for the read
+    pass's grid before the stores, so that the records launch, waiting on this grid, also
+    waits on the read pass."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
@@ -995,6 +1006,8 @@ def _key_products_kernel(
     Z, Zd = _key_products(rk_ptr, dk_ptr, q_ptr, krow, kdrow, ring, drf, 0, kbase, isk, qbase,
                           isq, cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC, NS, NX,
                           D_REL, DOT, PREC, False, SOLVE, GDN)
+    if WAIT:
+        tl.extra.cuda.gdc_wait()
     tl.store(z_ptr + (pid * LP + idx[:, None]) * NX + cx[None, :], Z)
     if SOLVE > 0 and GDN and NS > 0:
         tl.store(zd_ptr + (pid * NX + cx[:, None]) * NX + cx[None, :], Zd)
@@ -1275,7 +1288,7 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                        NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr = False,
                        EARLY: tl.constexpr = False, IDOT: tl.constexpr = False,
-                       SCVT: tl.constexpr = False):
+                       SCVT: tl.constexpr = False, WAITX: tl.constexpr = False):
     """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
     ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) of an nvfp4 copy for
     ``BV`` value rows of one (sequence, key group): its ``H // G`` matrices' rows, head after
@@ -1308,7 +1321,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     the call's first launch (``_x_int_kernel``), so with PDL it waits only before its
     stores. ``SCVT``: the block scales by the hardware's E4M3 conversion
     (``codec._e4m3_value_cvt``, sm_89 and later), else ``codec._e4m3_value_f16`` (the same
-    values)."""
+    values). ``WAITX`` (form ``"idot_pdl"``, with ``PDL``): this launch is the dependent of
+    X's integers' launch (the products launch comes after it): it issues its loads of the
+    codes and scales, then waits for that grid before it reads X's integers."""
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
@@ -1348,7 +1363,10 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                   mask=rmask[:, None, None], other=0)
     yb = y_ptr + row0 * NC  # the tile's first row of y
     if IDOT:  # X's integers: from the call's first launch, complete before this one's
-        # predecessor began, so no wait (PDL: it waits before its stores)
+        # predecessor began, so no wait (PDL: it waits before its stores); WAITX: that
+        # launch is this one's predecessor: wait for it here, after the loads of the codes
+        if WAITX:
+            tl.extra.cuda.gdc_wait()
         L4: tl.constexpr = K // 4
         XW: tl.constexpr = 3 * L4 + NB  # _x_int_store's int32 words per column
         w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
@@ -1362,7 +1380,7 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
             else:
                 i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
             y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
-            if PDL:
+            if PDL and not WAITX:
                 tl.extra.cuda.gdc_wait()
             tl.store(yb + rl, y0, mask=rmask)
         else:
@@ -1377,7 +1395,7 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                 i1 = _e2m1_idot16_int(w0, w1, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
             y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
             y1 = tl.sum(((i1 - xc1).to(tl.float32) * xs1) * sc, axis=1) * ms
-            if PDL:
+            if PDL and not WAITX:
                 tl.extra.cuda.gdc_wait()
             tl.store(yb + rl * 2, y0, mask=rmask)
             tl.store(yb + rl * 2 + 1, y1, mask=rmask)
@@ -2128,7 +2146,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             infinity gives NaN outputs where it reaches (the torch reference gives NaN or
             +-inf there; the FMA-chain form also NaN); the interpreter and
             ``e2m1_decode="integer"`` the same integers, so the same bits): both models'
-            nvfp4 step default since 2026-12-04 (twenty-fifth session).
+            nvfp4 step default since 2026-12-04 (twenty-fifth session). ``"idot_pdl"``:
+            the same kernels and bits; with dependent launches (``pdl``) and a products
+            launch, X's integers' launch comes first and lets the read pass start at once
+            (the read pass waits for it after issuing its loads of the codes), and the
+            products launch comes after the read pass, dependent on it (it waits for it
+            before its stores); otherwise the launches of ``"idot"``.
             ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
             same bits): GDN's mxfp4 step default since 2026-12-04 (``(32, 2, "records",
@@ -2379,21 +2402,33 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # This holds only while the products launch (or, with none, the read pass itself) is an
     # ordinary launch directly after this one: a dependent (PDL) launch between them would
     # let the read pass start before X's integers are written.
-    idot = lean and read_form == "idot"
+    # Form "idot_pdl" (with PDL and a products launch): X's integers' launch lets the read
+    # pass start at once (the read pass waits for it after issuing its loads of the codes),
+    # and the products launch comes after the read pass, dependent on it, and waits for it
+    # before its stores; the records launch, waiting on the products launch, so waits on
+    # every launch before it. Without PDL or a products launch it is "idot" (the same bits).
+    idot = lean and read_form in IDOT_FORMS
+    xwait = idot and read_form == "idot_pdl" and pdl and zpre
     if idot:
         xi = torch.empty(B * G * NC * (3 * (K // 4) + K // 16), dtype=torch.int32,
                          device=q.device)
         xs = torch.empty(B * G * NC * (K // 16), dtype=torch.float32, device=q.device)
         _x_int_kernel[(B * G,)](dk, q_arg, start, rows, xi, xs, G, TD, TQ, K=K, NC=NC, NS=NS,
-                                D_REL=draft_relative, num_warps=1)
+                                D_REL=draft_relative, PDL=xwait, num_warps=1)
     else:
         xi = xs = o_arg
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
         z = torch.empty(B * G, LP, NX, dtype=torch.float32, device=q.device)
         zd = (torch.empty(B * G, NX, NX, dtype=torch.float32, device=q.device)
               if gdn and matrix and NS > 0 else z)
-        _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD, TQ,
-                                       num_warps=num_warps, PDL=pdl, **consts)
+
+        def products(after_read_pass: bool):
+            _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD,
+                                           TQ, num_warps=num_warps, PDL=pdl,
+                                           WAIT=after_read_pass, **consts,
+                                           **({"launch_pdl": True} if after_read_pass else {}))
+        if not xwait:
+            products(False)
     elif wpre:  # the folded form's coefficients once per (sequence, value head)
         z = zd = torch.empty(B * H, 2 * NX + LP, NX, dtype=torch.float32, device=q.device)
         _fold_coeffs_kernel[(B * H,)](
@@ -2438,9 +2473,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
             c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, TD, TQ, V=V, K=K, NC=NC,
             NS=NS, D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
-            EARLY=early, IDOT=idot,
-            SCVT=idot and mode != "integer" and _e4m3_cvt_runs(q.device),
+            EARLY=early or xwait, IDOT=idot,
+            SCVT=idot and mode != "integer" and _e4m3_cvt_runs(q.device), WAITX=xwait,
             **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
+        if xwait:
+            products(True)
     elif ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)

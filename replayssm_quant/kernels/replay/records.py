@@ -87,6 +87,9 @@ READ_FORMS = ("records", "lean", "idot", "idot_pdl")
 # after it, so that X's integers overlap the read pass's first loads)
 LEAN_FORMS = ("lean", "idot", "idot_pdl")
 IDOT_FORMS = ("idot", "idot_pdl")
+# the integer-dot read pass's E4M3 block scales where the hardware converts them (sm_89+):
+# 1 four codes per conversion call, 2 one code per call (_nvfp4_read_kernel's SCVT)
+READ_PASS_E4M3_CVT = 2
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
 # docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
@@ -1345,8 +1348,17 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     rmask = rl < HG * V - off
     NB: tl.constexpr = K // 16
     jb = tl.arange(0, NB)
+    wi = tl.arange(0, 2)
+    e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
+    # the codes first: nothing the compiler cannot move loads across (a layout conversion's
+    # barrier) comes before them
+    wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row0 * (K // 8)
+                  + (rl[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None]),
+                  mask=rmask[:, None, None], other=0)
     scode = tl.load(cbs_ptr + row0 * NB + (rl[:, None] * NB + jb[None, :]), mask=rmask[:, None],
                     other=0)
+    ms = tl.load(cms_ptr + (b * H + g * HG) + (off + rl) // V, mask=rmask,
+                 other=0.0)  # each row's matrix scale
     if IDOT:
         if SCVT:  # the hardware's E4M3 conversion (sm_89 and later)
             sc = _e4m3_value_cvt(scode)
@@ -1354,13 +1366,6 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
             sc = _e4m3_value_f16(scode)
     else:
         sc = _e4m3_value(scode.to(tl.int32))
-    ms = tl.load(cms_ptr + (b * H + g * HG) + (off + rl) // V, mask=rmask,
-                 other=0.0)  # each row's matrix scale
-    wi = tl.arange(0, 2)
-    e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
-    wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row0 * (K // 8)
-                  + (rl[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None]),
-                  mask=rmask[:, None, None], other=0)
     yb = y_ptr + row0 * NC  # the tile's first row of y
     if IDOT:  # X's integers: from the call's first launch, complete before this one's
         # predecessor began, so no wait (PDL: it waits before its stores); WAITX: that

@@ -435,6 +435,14 @@ IDOTPDL_STEP_CANDIDATES = [_P] + [
     (None,) * 13 + ((rb, rw, form),)
     for rb, rw in ((64, 1), (128, 1), (256, 2))
     for form in ("idot", "idot_pdl")]
+# --set glrec (2026-12-04, twenty-sixth session): GDN's lean records launch (_step_out_kernel,
+# one program per sequence and value heads, the draft row's correction solved in it) after
+# the integer-dot read pass, against the records kernel's launch; Mamba-2's default rows for
+# comparison.
+GLREC_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + ((64, 1, form), None, None, None, None, None, lr)
+    for form in ("idot", "idot_pdl")
+    for lr in ((1, 1), (1, 2), (2, 2), (1, 1, True), (1, 2, True), (2, 2, True))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -457,7 +465,8 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "leanheads": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "idot": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "idot2": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "idotpdl": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
+               "idotpdl": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
+               "glrec": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -501,7 +510,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "leanheads": (LEANHEADS_STEP_CANDIDATES, []),
                   "idot": (IDOT_STEP_CANDIDATES, []),
                   "idot2": (IDOT2_STEP_CANDIDATES, []),
-                  "idotpdl": (IDOTPDL_STEP_CANDIDATES, [])}
+                  "idotpdl": (IDOTPDL_STEP_CANDIDATES, []),
+                  "glrec": (GLREC_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -524,8 +534,10 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
-    if len(c) > 19 and c[19] is not None and M.gdn:
-        return True  # lean_records: Mamba-2's step
+    if len(c) > 19 and c[19] is not None and M.gdn and CANDIDATE_SET not in ("glrec",):
+        return True  # lean_records: Mamba-2's step (GDN's in --set glrec)
+    if CANDIDATE_SET == "glrec" and c is not _P and not M.gdn:
+        return True  # GDN's rows
     if CANDIDATE_SET == "lrec" and c is not _P and M.gdn:
         return True
     if CANDIDATE_SET == "lrec" and c is not _P and fmt != "nvfp4":

@@ -727,7 +727,7 @@ def test_mamba2_step(read_fmt, read_pass, monkeypatch):
 @pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
 def test_mamba2_lean_records(read_fmt, monkeypatch):
     """``lean_records=(heads, num_warps)``: Mamba-2's step after a read pass with the lean
-    records launch (``_m2_step_out_kernel``: one program per sequence and ``heads`` value
+    records launch (``_step_out_kernel``: one program per sequence and ``heads`` value
     heads) in place of the records kernel's: the outputs against the torch reference, the
     appended ring equal to the reference ring (v, la, and k of both key groups), a sequence
     alone the same bits as in the batch, on blocks of 1, 2, 4 and 8 heads (8 > H: heads
@@ -735,8 +735,8 @@ def test_mamba2_lean_records(read_fmt, monkeypatch):
     gen = _gen(28)
     R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=False)
     (la, v, k, _), q, ref_ring, want, _ = _lean_step_case(gen, R, ring, h, gdn=False)
-    spy = _LaunchSpy(kr.records._m2_step_out_kernel)
-    monkeypatch.setattr(kr.records, "_m2_step_out_kernel", spy)
+    spy = _LaunchSpy(kr.records._step_out_kernel)
+    monkeypatch.setattr(kr.records, "_step_out_kernel", spy)
 
     def step(rg, sl, **kw):
         return kr.mamba2_step_kernel(_rows_of(R_st, sl), rg, la[sl], v[sl], k[sl], q[sl], h[sl],
@@ -772,6 +772,71 @@ def test_mamba2_lean_records(read_fmt, monkeypatch):
     torch.testing.assert_close(got, want, **TOL)
 
 
+def test_gdn_lean_records(monkeypatch):
+    """``lean_records=(heads, num_warps[, early])`` on GDN's step after a read pass: the lean
+    records launch (``_step_out_kernel`` with ``GDN``: the draft row's correction solved in
+    it) in place of the records kernel's; the outputs and the new correction against the
+    torch reference (``gdn_step_output``), the appended ring (la, v, k, beta) equal to the
+    reference ring, a sequence alone the same bits as in the batch, on blocks of 1, 2 and 4
+    heads (4 > H: heads masked off), after the records kernel's read pass and the
+    integer-dot one; a sequence that does not step (``rows == start``) gets the output of
+    its ring alone and writes nothing."""
+    gen = _gen(31)
+    R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=True)
+    (la, v, k, beta), q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn=True)
+    spy = _LaunchSpy(kr.records._step_out_kernel)
+    monkeypatch.setattr(kr.records, "_step_out_kernel", spy)
+    b = torch.arange(B, device=DEVICE)
+
+    def step(rg, sl, **kw):
+        return kr.gdn_step_kernel(_rows_of(R_st, sl), rg, q[sl], k[sl], v[sl], la[sl],
+                                  beta[sl], h[sl], **kw)
+
+    for rp in ((16, 1), (16, 1, "idot"), (32, 2, "idot_pdl")):
+        outs = {}
+        for lr in ((1, 1), (2, 2), (4, 1), (1, 1, True)):
+            hb, w = lr[:2]
+            rg = {n: t.clone() for n, t in ring.items()}
+            seen = _kernel_launches(monkeypatch)
+            n0 = len(spy.calls)
+            got = step(rg, slice(None), read_pass=rp, lean_records=lr)
+            launched = [(g_, kw["HB"], kw["num_warps"], kw["GDN"])
+                        for g_, kw in zip(spy.grids[n0:], spy.calls[n0:])]
+            assert launched == [((B * -(-H // hb),), hb, w, True)], launched
+            assert (False, True) not in seen, seen  # no records kernel's records launch
+            torch.testing.assert_close(got, want, **TOL)
+            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+            for n in ("la", "v", "k", "beta"):
+                assert torch.equal(rg[n], ref_ring[n]), (rp, lr, n)
+            # the other slots of the corrections untouched
+            other = torch.ones_like(rg["uR"], dtype=torch.bool)
+            other[b, h] = False
+            assert torch.equal(rg["uR"][other], ring["uR"][other])
+            alone = {n: t[1:].clone() for n, t in ring.items()}
+            got1 = step(alone, slice(1, 2), read_pass=rp, lean_records=lr)
+            assert torch.equal(_bits(got1), _bits(got[1:])), (rp, lr)
+            assert torch.equal(_bits(alone["uR"]), _bits(rg["uR"][1:])), (rp, lr)
+            outs[lr] = got
+        assert torch.equal(_bits(outs[(1, 1, True)]), _bits(outs[(1, 1)]))
+    # a sequence that does not step: its output from the ring alone, nothing written
+    draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
+    rg = {n: t.clone() for n, t in ring.items()}
+    rows = h + (b != 0).long()  # sequence 0: rows == start
+    o = kr.records.records_outputs(
+        R_st, ring_la=rg["la"], ring_k=rg["k"], ring_w=rg["uR"], q=q[:, None], start=h,
+        rows=rows, out_start=h - (b == 0).long(), draft=draft, gdn=True, w_out=rg["uR"],
+        append={n: rg[n] for n in ("la", "k", "v", "beta")}, read_pass=(16, 1, "idot"),
+        lean_records=(1, 1), shared_products=True)
+    assert torch.equal(rg["uR"][0], ring["uR"][0]) and torch.equal(rg["v"][0], ring["v"][0])
+    o_ref = kr.records.records_outputs(
+        R_st, ring_la=ring["la"].clone(), ring_k=ring["k"].clone(),
+        ring_w=ring["uR"].clone(), q=q[:, None], start=h, rows=rows,
+        out_start=h - (b == 0).long(), draft=draft, gdn=True, w_out=ring["uR"].clone(),
+        append={n: ring[n].clone() for n in ("la", "k", "v", "beta")},
+        read_pass=(16, 1, "idot"), shared_products=True)
+    torch.testing.assert_close(o, o_ref, **TOL)
+
+
 @pytest.mark.parametrize("Hs,Gs,Vs,hb", [(6, 2, 12, 4), (2, 2, 12, 1)],
                          ids=["V12_heads_masked", "one_head_per_group"])
 def test_mamba2_lean_records_shapes(Hs, Gs, Vs, hb, monkeypatch):
@@ -799,8 +864,8 @@ def test_mamba2_lean_records_shapes(Hs, Gs, Vs, hb, monkeypatch):
         ref[n][b, h] = t
     J = int(h.max()) + 1
     want = mamba2_step_output(R, ref["la"][:, :J], ref["v"][:, :J], ref["k"][:, :J], q, h + 1)
-    spy = _LaunchSpy(kr.records._m2_step_out_kernel)
-    monkeypatch.setattr(kr.records, "_m2_step_out_kernel", spy)
+    spy = _LaunchSpy(kr.records._step_out_kernel)
+    monkeypatch.setattr(kr.records, "_step_out_kernel", spy)
     got = kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "lean"),
                                 lean_records=(hb, 1))
     assert spy.grids == ([] if Hs == Gs else [(Bs * -(-Hs // hb),)]), spy.grids
@@ -823,7 +888,7 @@ def test_mamba2_lean_records_refused():
                                              f"{re.escape(repr(bad))}"):
             kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1),
                                   lean_records=bad)
-    with pytest.raises(ValueError, match="lean_records is Mamba-2's decode step after a read "
+    with pytest.raises(ValueError, match="lean_records is a decode step's after a read "
                                          "pass.*read_pass=None"):
         kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=False, lean_records=(2, 1))
     # a ring so long that [slots, heads, V] exceeds Triton's 2^20 elements: refused by name
@@ -833,14 +898,23 @@ def test_mamba2_lean_records_refused():
     with pytest.raises(ValueError, match="lean_records heads=64: .* elements, above Triton's"):
         kr.mamba2_step_kernel(R_st, long, la, v, k, q, h, read_pass=(16, 1),
                               lean_records=(64, 1))
-    # GDN's step through records_outputs: refused
+    # through records_outputs: GDN without the corrections' w_out, or with w_out_known, and
+    # Mamba-2 with a w_out: refused, naming them
     _, G_st, gring, gh = _ring_state(gen, "fp32", gdn=True)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None], "beta": la[:, None]}
-    with pytest.raises(ValueError, match="lean_records is Mamba-2's.*gdn=True"):
-        kr.records.records_outputs(G_st, ring_la=gring["la"], ring_k=gring["k"],
-                                   ring_w=gring["uR"], q=q[:, None], start=gh, rows=gh + 1,
-                                   out_start=gh, draft=draft, gdn=True, w_out=gring["uR"],
-                                   read_pass=(16, 1), lean_records=(2, 1))
+    kw = dict(ring_la=gring["la"], ring_k=gring["k"], ring_w=gring["uR"], q=q[:, None],
+              start=gh, rows=gh + 1, out_start=gh, draft=draft, read_pass=(16, 1),
+              lean_records=(2, 1),
+              append={n: gring[n] for n in ("la", "k", "v", "beta")})
+    with pytest.raises(ValueError, match="lean_records is a decode step's.*gdn=True.*"
+                                         "w_out=None"):
+        kr.records.records_outputs(G_st, gdn=True, **kw)
+    with pytest.raises(ValueError, match="lean_records is a decode step's.*gdn=True.*"
+                                         "w_out_known=True"):
+        kr.records.records_outputs(G_st, gdn=True, w_out=gring["uR"], w_out_known=True, **kw)
+    with pytest.raises(ValueError, match="lean_records is a decode step's.*gdn=False.*"
+                                         "w_out=given"):
+        kr.records.records_outputs(G_st, gdn=False, w_out=gring["uR"], **kw)
 
 
 @pytest.mark.parametrize("read_pass", READ_PASSES, ids=["one_launch", "read_pass"])
@@ -2823,7 +2897,7 @@ def test_gdn_verify_blocked_anchor_unblocked_read(monkeypatch):
 
 class _LaunchSpy:
     """Stands in for a Triton kernel of ``records`` (``_records_kernel``,
-    ``_m2_step_out_kernel``): records each launch's keyword arguments (the constexprs) in
+    ``_step_out_kernel``): records each launch's keyword arguments (the constexprs) in
     ``calls`` and its grid in ``grids``, then launches the real kernel."""
 
     def __init__(self, real):

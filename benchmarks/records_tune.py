@@ -443,6 +443,15 @@ GLREC_STEP_CANDIDATES = [_P] + [
     (None,) * 13 + ((64, 1, form), None, None, None, None, None, lr)
     for form in ("idot", "idot_pdl")
     for lr in ((1, 1), (1, 2), (2, 2), (1, 1, True), (1, 2, True), (2, 2, True))]
+# --set lean32 (2026-12-04, twenty-sixth session): FP32 read copies' step as a lean read pass
+# (_f32_read_kernel: Y = R X and nothing else) with PDL, then the lean records launch
+# (_step_out_kernel), against the one-launch default.
+LEAN32_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + ((rb, rw, "lean"), True, None, None, None, None, lr)
+    for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
+    for lr in ((1, 1, True),)] + [
+    (None,) * 13 + ((32, 2, "lean"), True, None, None, None, None, lr)
+    for lr in ((1, 1), (1, 2, True), (2, 2, True))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -466,7 +475,8 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "idot": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "idot2": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "idotpdl": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "glrec": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
+               "glrec": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
+               "lean32": {"fp32": "fp32"}}
 
 
 def geometries(tiny: bool):
@@ -511,7 +521,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "idot": (IDOT_STEP_CANDIDATES, []),
                   "idot2": (IDOT2_STEP_CANDIDATES, []),
                   "idotpdl": (IDOTPDL_STEP_CANDIDATES, []),
-                  "glrec": (GLREC_STEP_CANDIDATES, [])}
+                  "glrec": (GLREC_STEP_CANDIDATES, []),
+                  "lean32": (LEAN32_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -534,8 +545,9 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
-    if len(c) > 19 and c[19] is not None and M.gdn and CANDIDATE_SET not in ("glrec",):
-        return True  # lean_records: Mamba-2's step (GDN's in --set glrec)
+    if (len(c) > 19 and c[19] is not None and M.gdn
+            and CANDIDATE_SET not in ("glrec", "lean32")):
+        return True  # lean_records: Mamba-2's step (GDN's in --set glrec / lean32)
     if CANDIDATE_SET == "glrec" and c is not _P and not M.gdn:
         return True  # GDN's rows
     if CANDIDATE_SET == "lrec" and c is not _P and M.gdn:

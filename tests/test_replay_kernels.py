@@ -1055,6 +1055,50 @@ def test_lean_read_pass(gdn, monkeypatch):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_lean_read_pass_fp32(gdn, monkeypatch):
+    """``read_pass=(block_v, num_warps, "lean")`` from an FP32 copy: the lean read pass of
+    FP32 rows (``_f32_read_kernel``: Y = R X, one or two columns) on tiles within a head,
+    spanning a key group's two heads and past it, then the records kernel's records launch
+    or the lean one (``lean_records``); the outputs (GDN: and the new correction) against
+    the torch reference, the appended ring equal to the reference ring, a sequence alone
+    the same bits as in the batch. The integer-dot forms take nvfp4 copies only (refused
+    by name)."""
+    gen = _gen(33)
+    R, R_st, ring, h = _ring_state(gen, "fp32", gdn=gdn)
+    rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
+    b = torch.arange(B, device=DEVICE)
+    spy = _LaunchSpy(kr.records._f32_read_kernel)
+    monkeypatch.setattr(kr.records, "_f32_read_kernel", spy)
+
+    def step(rg, sl, rp, lr):
+        la, v, k, beta = (t[sl] for t in rec)
+        if gdn:
+            return kr.gdn_step_kernel(_rows_of(R_st, sl), rg, q[sl], k, v, la, beta, h[sl],
+                                      read_pass=rp, lean_records=lr, shared_products=True)
+        return kr.mamba2_step_kernel(_rows_of(R_st, sl), rg, la, v, k, q[sl], h[sl],
+                                     read_pass=rp, lean_records=lr, shared_products=True)
+
+    for rp, lr in (((16, 1, "lean"), False), ((32, 2, "lean"), (1, 1)),
+                   ((64, 1, "lean"), (2, 1, True))):
+        rg = {n: t.clone() for n, t in ring.items()}
+        seen = _kernel_launches(monkeypatch)
+        n0 = len(spy.calls)
+        got = step(rg, slice(None), rp, lr)
+        assert [kw["NC"] for kw in spy.calls[n0:]] == [2 if gdn else 1], spy.calls[n0:]
+        # no records-kernel read pass; its records launch only without lean_records
+        assert seen == ([] if lr else [(False, True)]), seen
+        torch.testing.assert_close(got, want, **TOL)
+        if gdn:
+            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+        for n in ("la", "v", "k") + (("beta",) if gdn else ()):
+            assert torch.equal(rg[n], ref_ring[n]), (rp, n)
+        alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp, lr)
+        assert torch.equal(_bits(alone), _bits(got[1:])), rp
+    with pytest.raises(ValueError, match="read_pass form 'idot' takes an nvfp4 copy.*fp32"):
+        step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, "idot"), False)
+
+
 def _x_int_of(dk, q, NS):
     """``records._x_int_kernel`` on keys ``dk [B, 1, G, K]`` and queries ``q [B, 1, G, K]``
     (NS key columns, then the query): ``(X [B, G, NC, K] int64, xs [B, G, NC, K/16])``."""

@@ -67,7 +67,7 @@ from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_inde
                     _e2m1_idot16_int,
                     _e2m1_pairs_half16, _e2m1_pairs_lut, _e2m1_value,
                     _e4m3_value, _e4m3_value_cvt, _e4m3_value_f16, _e5m2_value,
-                    _e8m0_value, _K_NVFP4,
+                    _e8m0_value, _K_FLOAT, _K_NVFP4,
                     _stored_args,
                     E2M1_HALF_SCALE)
 
@@ -1438,6 +1438,54 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
 
 
 @triton.jit
+def _f32_read_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, TD, TQ,
+                     V: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr,
+                     D_REL: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
+                     EARLY: tl.constexpr = False):
+    """The lean read pass of an FP32 copy (``records_outputs(read_pass=(block_v, num_warps,
+    "lean"))`` with C float32): ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y
+    [B*H*V, NC]``) for ``BV`` value rows of one (sequence, key group), tiled as
+    ``_nvfp4_read_kernel`` tiles them (head after head; program ``(b * G + g) * tiles +
+    t``), X the columns of ``_x_col``: per row one float32 reduction over K of the products
+    (the FP32 state read, the step's ``R k`` / ``R q``, Eq. of the output-only form). Each
+    row depends on its own values and its sequence's X only. ``PDL`` / ``EARLY``: as
+    ``_nvfp4_read_kernel``'s (wait for the products launch before the stores; let the
+    launch after this one start once every program of this one has started)."""
+    if EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0).to(tl.int64)
+    HG = H // G  # value heads per key group: their (HG * V) rows share X
+    nt = tl.cdiv(HG * V, BV)
+    bg = pid // nt
+    vt = pid - bg * nt
+    b = bg // G
+    g = bg - b * G
+    off = (vt * BV).to(tl.int32)  # the tile's first row within the group
+    row0 = (b * H + g * HG) * V + vt * BV  # its index among all value rows
+    rl = tl.arange(0, BV)
+    rmask = rl < HG * V - off
+    kk = tl.arange(0, K)
+    c = tl.load(c_ptr + row0 * K + (rl[:, None] * K + kk[None, :]), mask=rmask[:, None],
+                other=0.0)  # [BV, K]
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    yb = y_ptr + row0 * NC  # the tile's first row of y
+    x0 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, 0, NS, K, D_REL)
+    y0 = tl.sum(c * x0[None, :], axis=1)
+    if NC == 1:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        tl.store(yb + rl, y0, mask=rmask)
+    else:
+        x1 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, 1, NS, K, D_REL)
+        y1 = tl.sum(c * x1[None, :], axis=1)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        tl.store(yb + rl * 2, y0, mask=rmask)
+        tl.store(yb + rl * 2 + 1, y1, mask=rmask)
+
+
+@triton.jit
 def _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_ptr, bg,
                  K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BLK: tl.constexpr,
                  BV: tl.constexpr, NC: tl.constexpr, NXS: tl.constexpr, NX: tl.constexpr,
@@ -2393,14 +2441,17 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
     # the lean read pass's conditions, checked before any launch of this call
     lean = ypre and read_form in LEAN_FORMS
-    if lean and not (C.KIND == _K_NVFP4 and NC <= 2 and fused_window is None
+    # the lean read pass of an FP32 copy (form "lean" only)
+    lean32 = lean and C.KIND == _K_FLOAT and read_form == "lean"
+    if lean and not ((C.KIND == _K_NVFP4 or lean32) and NC <= 2 and fused_window is None
                      and use_dot not in X16_DOTS):
-        raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy, at most 2 columns of X "
+        raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy (form 'lean' also "
+                         f"an fp32 one), at most 2 columns of X "
                          f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
                          f"got the copy {spec}, {NC} column{'s' if NC != 1 else ''} of X, "
                          f"fused_window={fused_window!r}, "
                          f"use_dot={use_dot!r}")
-    if lean and c.data_ptr() % 4:
+    if lean and not lean32 and c.data_ptr() % 4:
         raise ValueError(f"read_pass form {read_form!r} reads the nvfp4 codes as 32-bit words: their "
                          f"storage must start on a 4-byte boundary, got address "
                          f"{c.data_ptr():#x} (a view at an odd offset; pass a copy)")
@@ -2509,14 +2560,20 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         # EARLY: the lean records launch after it (with PDL) may start as its last wave does
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
-        _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
-            c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, TD, TQ, V=V, K=K, NC=NC,
-            NS=NS, D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
-            EARLY=early or xwait, IDOT=idot,
-            SCVT=idot and mode != "integer" and _e4m3_cvt_runs(q.device), WAITX=xwait,
-            **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
-        if xwait:
-            products(True)
+        if lean32:
+            _f32_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
+                c, dk, q_arg, start, rows, y, H, G, TD, TQ, V=V, K=K, NC=NC, NS=NS,
+                D_REL=draft_relative, BV=rbv, num_warps=read_pass[1], EARLY=early,
+                **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
+        else:
+            _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
+                c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, TD, TQ, V=V, K=K, NC=NC,
+                NS=NS, D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
+                EARLY=early or xwait, IDOT=idot,
+                SCVT=idot and mode != "integer" and _e4m3_cvt_runs(q.device), WAITX=xwait,
+                **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
+            if xwait:
+                products(True)
     elif ypre:  # the read pass: Y = C X [B*H*V, NC] in its own launch (its own tile)
         rbv = max(MIN_DOT, triton.next_power_of_2(read_pass[0]))
         y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)

@@ -394,8 +394,8 @@ RTILES_STEP_CANDIDATES = [_P] + [
                   (128, 4))] + [(None,) * 5 + _R8 + ((64, 1, "lean", 64),) + _NOLEAN,
                                 (None,) * 5 + _R8 + ((32, 1, "lean", 64),) + _NOLEAN]
 # --set lrec (2026-12-04, twenty-fourth session): Mamba-2's nvfp4 step with the lean records
-# launch after its lean read pass (lean_records=(heads, num_warps), _step_out_kernel, then _m2_step_out_kernel: one
-# program per sequence and that many value heads). (A first run, records_tune_lrec_r1_h200.json,
+# launch after its lean read pass (lean_records=(heads, num_warps), _m2_step_out_kernel, now
+# _step_out_kernel: one program per sequence and that many value heads). (A first run, records_tune_lrec_r1_h200.json,
 # also timed the FP32 step with a read pass, 334-399 us against its one launch's 285 us.)
 _LR = [(hb, w) for hb in (1, 2, 4, 8) for w in (1, 2, 4, 8) if hb * 64 >= w * 32]
 _LR += [(1, 1, True), (1, 2, True), (2, 1, True), (2, 2, True)]  # the read pass lets it start

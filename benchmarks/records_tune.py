@@ -442,7 +442,9 @@ IDOTPDL_STEP_CANDIDATES = [_P] + [
 GLREC_STEP_CANDIDATES = [_P] + [
     (None,) * 13 + ((64, 1, form), None, None, None, None, None, lr)
     for form in ("idot", "idot_pdl")
-    for lr in ((1, 1), (1, 2), (2, 2), (1, 1, True), (1, 2, True), (2, 2, True))]
+    # (early changes nothing after "idot_pdl": its products launch lets the records start)
+    for lr in ((1, 1), (1, 2), (2, 2)) + (((1, 1, True), (1, 2, True), (2, 2, True))
+                                          if form == "idot" else ())]
 # --set lean32 (2026-12-04, twenty-sixth session): FP32 read copies' step as a lean read pass
 # (_f32_read_kernel: Y = R X and nothing else) with PDL, then the lean records launch
 # (_step_out_kernel), against the one-launch default.

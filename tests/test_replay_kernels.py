@@ -777,10 +777,10 @@ def test_gdn_lean_records(monkeypatch):
     records launch (``_step_out_kernel`` with ``GDN``: the draft row's correction solved in
     it) in place of the records kernel's; the outputs and the new correction against the
     torch reference (``gdn_step_output``), the appended ring (la, v, k, beta) equal to the
-    reference ring, a sequence alone the same bits as in the batch, on blocks of 1, 2 and 4
-    heads (4 > H: heads masked off), after the records kernel's read pass and the
-    integer-dot one; a sequence that does not step (``rows == start``) gets the output of
-    its ring alone and writes nothing."""
+    reference ring, each sequence alone the same bits as in the batch, on blocks of 1, 2 and
+    4 heads, after the records kernel's read pass and the integer-dot ones; a sequence that
+    does not step (``rows == start``) gets the output of its ring alone and writes nothing.
+    Masked heads and rows: ``test_gdn_lean_records_shapes``."""
     gen = _gen(31)
     R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=True)
     (la, v, k, beta), q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn=True)
@@ -812,10 +812,11 @@ def test_gdn_lean_records(monkeypatch):
             other = torch.ones_like(rg["uR"], dtype=torch.bool)
             other[b, h] = False
             assert torch.equal(rg["uR"][other], ring["uR"][other])
-            alone = {n: t[1:].clone() for n, t in ring.items()}
-            got1 = step(alone, slice(1, 2), read_pass=rp, lean_records=lr)
-            assert torch.equal(_bits(got1), _bits(got[1:])), (rp, lr)
-            assert torch.equal(_bits(alone["uR"]), _bits(rg["uR"][1:])), (rp, lr)
+            for i in range(B):  # each sequence alone: the same bits as in the batch
+                alone = {n: t[i:i + 1].clone() for n, t in ring.items()}
+                got1 = step(alone, slice(i, i + 1), read_pass=rp, lean_records=lr)
+                assert torch.equal(_bits(got1), _bits(got[i:i + 1])), (rp, lr, i)
+                assert torch.equal(_bits(alone["uR"]), _bits(rg["uR"][i:i + 1])), (rp, lr, i)
             outs[lr] = got
         assert torch.equal(_bits(outs[(1, 1, True)]), _bits(outs[(1, 1)]))
     # a sequence that does not step: its output from the ring alone, nothing written
@@ -827,7 +828,8 @@ def test_gdn_lean_records(monkeypatch):
         rows=rows, out_start=h - (b == 0).long(), draft=draft, gdn=True, w_out=rg["uR"],
         append={n: rg[n] for n in ("la", "k", "v", "beta")}, read_pass=(16, 1, "idot"),
         lean_records=(1, 1), shared_products=True)
-    assert torch.equal(rg["uR"][0], ring["uR"][0]) and torch.equal(rg["v"][0], ring["v"][0])
+    for n in ring:  # nothing written for sequence 0
+        assert torch.equal(rg[n][0], ring[n][0]), n
     o_ref = kr.records.records_outputs(
         R_st, ring_la=ring["la"].clone(), ring_k=ring["k"].clone(),
         ring_w=ring["uR"].clone(), q=q[:, None], start=h, rows=rows,
@@ -835,6 +837,73 @@ def test_gdn_lean_records(monkeypatch):
         append={n: ring[n].clone() for n in ("la", "k", "v", "beta")},
         read_pass=(16, 1, "idot"), shared_products=True)
     torch.testing.assert_close(o, o_ref, **TOL)
+
+
+@pytest.mark.parametrize("hb", [1, 4, 8])
+def test_gdn_lean_records_shapes(hb):
+    """GDN's lean records launch at shapes the module's constants do not reach: three
+    sequences at different ring positions (3, 5 and 2 records), V = 12 (not a power of two:
+    rows masked off in every head), 6 value heads in 2 key groups in blocks of ``hb`` (4 and
+    8: heads masked off); outputs and new corrections against ``gdn_step_output``, the
+    appended ring against the reference's, every other slot and head untouched, and each
+    sequence alone the same bits as in the batch. Solved rows other than the step's one are
+    refused by name."""
+    gen = _gen(32)
+    Bs, Hs, Gs, Vs, CAPs = 3, 6, 2, 12, 7
+    S = _t(torch.randn(Bs, Hs, Vs, K, generator=gen))
+    R_st = _stored(S, "nvfp4", stream=_t(torch.arange(Bs * Hs).view(Bs, Hs)))
+    R = R_st.dequantize()
+    nrm = torch.nn.functional.normalize
+    ring = {"la": _t(torch.log(0.9 + 0.0999 * torch.rand(Bs, CAPs, Hs, generator=gen))),
+            "v": _t(torch.randn(Bs, CAPs, Hs, Vs, generator=gen)),
+            "k": _t(nrm(torch.randn(Bs, CAPs, Gs, K, generator=gen), dim=-1)),
+            "beta": _t(torch.sigmoid(torch.randn(Bs, CAPs, Hs, generator=gen))),
+            "uR": _t(torch.randn(Bs, CAPs, Hs, Vs, generator=gen))}
+    h = _t(torch.tensor([3, 5, 2]))
+    la = _t(torch.log(0.9 + 0.0999 * torch.rand(Bs, Hs, generator=gen)))
+    v = _t(torch.randn(Bs, Hs, Vs, generator=gen))
+    k = _t(nrm(torch.randn(Bs, Gs, K, generator=gen), dim=-1))
+    beta = _t(torch.sigmoid(torch.randn(Bs, Hs, generator=gen)))
+    q = _t(torch.randn(Bs, Gs, K, generator=gen) / K ** 0.5)
+    ref = {n: t.clone() for n, t in ring.items()}
+    b = torch.arange(Bs, device=DEVICE)
+    for n, t in (("la", la), ("v", v), ("k", k), ("beta", beta)):
+        ref[n][b, h] = t
+    J = int(h.max()) + 1
+    want, uR = gdn_step_output(R, ref["la"][:, :J], ref["beta"][:, :J], ref["v"][:, :J],
+                               ref["k"][:, :J], q, ref["uR"][:, :J], h + 1)
+    ref["uR"][b, h] = uR[b, h]
+
+    def step(rg, sl):
+        return kr.gdn_step_kernel(_rows_of(R_st, sl), rg, q[sl], k[sl], v[sl], la[sl],
+                                  beta[sl], h[sl], read_pass=(16, 1, "idot"),
+                                  lean_records=(hb, 1))
+
+    rg = {n: t.clone() for n, t in ring.items()}
+    got = step(rg, slice(None))
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+    for n in ("la", "v", "k", "beta"):
+        assert torch.equal(rg[n], ref[n]), n
+    other = torch.ones_like(rg["uR"], dtype=torch.bool)
+    other[b, h] = False
+    assert torch.equal(rg["uR"][other], ring["uR"][other])
+    for i in range(Bs):
+        alone = {n: t[i:i + 1].clone() for n, t in ring.items()}
+        assert torch.equal(_bits(step(alone, slice(i, i + 1))), _bits(got[i:i + 1])), i
+        for n in ring:
+            assert torch.equal(_bits(alone[n]), _bits(rg[n][i:i + 1])), (i, n)
+    # solved rows other than the decode step's one: refused, naming solved
+    draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
+    for solved in (0, 2):
+        with pytest.raises(ValueError, match=f"lean_records is the option of a decode step.*"
+                                             f"solved={solved}"):
+            kr.records.records_outputs(
+                R_st, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"], q=q[:, None],
+                start=h, rows=h + 1, out_start=h, draft=draft, gdn=True, w_out=ring["uR"],
+                append={n: ring[n].clone() for n in ("la", "k", "v", "beta")},
+                read_pass=(16, 1), lean_records=(1, 1), solved=solved,
+                shared_products=True)
 
 
 @pytest.mark.parametrize("Hs,Gs,Vs,hb", [(6, 2, 12, 4), (2, 2, 12, 1)],
@@ -888,7 +957,7 @@ def test_mamba2_lean_records_refused():
                                              f"{re.escape(repr(bad))}"):
             kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1),
                                   lean_records=bad)
-    with pytest.raises(ValueError, match="lean_records is a decode step's after a read "
+    with pytest.raises(ValueError, match="lean_records is the option of a decode step after a read "
                                          "pass.*read_pass=None"):
         kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=False, lean_records=(2, 1))
     # a ring so long that [slots, heads, V] exceeds Triton's 2^20 elements: refused by name
@@ -906,13 +975,13 @@ def test_mamba2_lean_records_refused():
               start=gh, rows=gh + 1, out_start=gh, draft=draft, read_pass=(16, 1),
               lean_records=(2, 1),
               append={n: gring[n] for n in ("la", "k", "v", "beta")})
-    with pytest.raises(ValueError, match="lean_records is a decode step's.*gdn=True.*"
+    with pytest.raises(ValueError, match="lean_records is the option of a decode step.*gdn=True.*"
                                          "w_out=None"):
         kr.records.records_outputs(G_st, gdn=True, **kw)
-    with pytest.raises(ValueError, match="lean_records is a decode step's.*gdn=True.*"
+    with pytest.raises(ValueError, match="lean_records is the option of a decode step.*gdn=True.*"
                                          "w_out_known=True"):
         kr.records.records_outputs(G_st, gdn=True, w_out=gring["uR"], w_out_known=True, **kw)
-    with pytest.raises(ValueError, match="lean_records is a decode step's.*gdn=False.*"
+    with pytest.raises(ValueError, match="lean_records is the option of a decode step.*gdn=False.*"
                                          "w_out=given"):
         kr.records.records_outputs(G_st, gdn=False, w_out=gring["uR"], **kw)
 
@@ -1317,7 +1386,7 @@ def test_idot_pdl_launch_order(gdn, monkeypatch):
     gen = _gen(23)
     R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
     rec, q, _, want, _ = _lean_step_case(gen, R, ring, h, gdn)
-    seen = []
+    seen, compiled = [], {}
 
     def spy(name, flags):
         real = getattr(kr.records, name)
@@ -1328,7 +1397,8 @@ def test_idot_pdl_launch_order(gdn, monkeypatch):
 
                 def run(*a, **kw):
                     seen.append((name,) + tuple(bool(kw.get(f)) for f in flags))
-                    return launch(*a, **kw)
+                    compiled[seen[-1]] = launch(*a, **kw)
+                    return compiled[seen[-1]]
                 return run
         monkeypatch.setattr(kr.records, name, Spy())
 
@@ -1350,6 +1420,16 @@ def test_idot_pdl_launch_order(gdn, monkeypatch):
         if overlapped:
             assert seen == [("_x_int_kernel", True), ("_nvfp4_read_kernel", True, True),
                             ("_key_products_kernel", True, True)], seen
+            # the compiled waits where the order needs them (PTX): X's integers' launch
+            # lets the read pass start; the read pass waits after issuing loads (the codes)
+            # and before others (X's integers); the products launch waits before storing
+            ptx = {key[0]: compiled[key].asm["ptx"] for key in seen}
+            assert "griddepcontrol.launch_dependents" in ptx["_x_int_kernel"]
+            rp_ptx = ptx["_nvfp4_read_kernel"]
+            wait = rp_ptx.index("griddepcontrol.wait")
+            assert "ld.global" in rp_ptx[:wait] and "ld.global" in rp_ptx[wait:]
+            pr_ptx = ptx["_key_products_kernel"]
+            assert pr_ptx.index("griddepcontrol.wait") < pr_ptx.index("st.global")
         else:
             assert seen == [("_x_int_kernel", False), ("_key_products_kernel", False, False),
                             ("_nvfp4_read_kernel", False, pdl is None and PDL_RUNS)], seen
@@ -1407,7 +1487,9 @@ def test_pdl_same_bits_eager_and_graph(gdn, read_fmt):
     tensor, and verify's outputs (GDN: and corrections), eagerly and replayed from a CUDA
     graph (where the dependency becomes a programmatic edge). Both read copies take their
     default launches: products + one records launch (fp32), products + read pass + records
-    (nvfp4)."""
+    (nvfp4); then nvfp4's overlapped integer-dot form (``"idot_pdl"``, against ``"idot"``
+    without PDL), GDN's lean records launch after its read pass, and an FP32 copy's lean read
+    pass with the lean records launch."""
     gen = _gen(8)
     R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=gdn)
     recs = _records(gen, J=1, gdn=gdn)
@@ -1438,9 +1520,20 @@ def test_pdl_same_bits_eager_and_graph(gdn, read_fmt):
                else kr.records.MAMBA2_STEP_NVFP4_CONFIG)["read_pass"]
         return step(pdl, read_pass=(cfg[0], cfg[1], "idot_pdl"))
 
+    def step_lean_records(pdl):  # GDN's lean records launch (early), after the read pass
+        return step(pdl, lean_records=(1, 1, True))
+
+    def step_lean32(pdl):  # an FP32 copy: the lean read pass, then the lean records launch
+        return step(pdl, read_pass=(32, 2, "lean"), lean_records=(1, 1, True),
+                    shared_products=True)
+
     ops = [(step, step), (verify, verify)]
     if read_fmt == "nvfp4":
         ops.append((step, step_idot_pdl))
+        if gdn:
+            ops.append((step_lean_records, step_lean_records))
+    else:
+        ops.append((step_lean32, step_lean32))
     for ref, op in ops:
         want = ref(False)
         got = op(True)

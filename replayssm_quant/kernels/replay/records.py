@@ -87,9 +87,6 @@ READ_FORMS = ("records", "lean", "idot", "idot_pdl")
 # after it, so that X's integers overlap the read pass's first loads)
 LEAN_FORMS = ("lean", "idot", "idot_pdl")
 IDOT_FORMS = ("idot", "idot_pdl")
-# the integer-dot read pass's E4M3 block scales where the hardware converts them (sm_89+):
-# 1 four codes per conversion call, 2 one code per call (_nvfp4_read_kernel's SCVT)
-READ_PASS_E4M3_CVT = 2
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
 # docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
@@ -1781,11 +1778,11 @@ def _step_out_kernel(rla_ptr, rw_ptr, dla_ptr, dk_ptr, dv_ptr, dbeta_ptr, o_ptr,
     else:
         pd = ss
     step = n > ss  # the decode step's draft row ss (one at most)
-    # its v and beta (the draft tensors hold one row whether or not a sequence steps)
+    hstep = hok & (hh * 0 + n > ss)  # [HB]: the heads' rows of a sequence that steps
     vrow = ((b * TD + pd) * H + hh)[:, None] * V + vr[None, :]
-    vp = tl.load(dv_ptr + vrow, mask=rmask, other=0.0)  # [HB, VP]
+    vp = tl.load(dv_ptr + vrow, mask=rmask & hstep[:, None], other=0.0)  # [HB, VP]
     if GDN:
-        bp = tl.load(dbeta_ptr + (b * TD + pd) * H + hh, mask=hok, other=0.0)  # [HB]
+        bp = tl.load(dbeta_ptr + (b * TD + pd) * H + hh, mask=hstep, other=0.0)  # [HB]
     else:  # Mamba-2: w = v for the draft row too
         md3 = drf[:, None, None] & rmask[None, :, :]
         U += tl.load(dv_ptr + ((b * TD + di)[:, None, None] * H + hh[None, :, None]) * V
@@ -2210,7 +2207,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             overlap. Ignored where nothing multiplies C (no solved rows and no queries). None
             or False (default): one launch.
             ``(block_v, num_warps, form)``: ``form`` "records" (the above) or "lean"
-            (``_nvfp4_read_kernel``: an nvfp4 copy and at most two columns of X, as a decode
+            (from an FP32 copy, ``_f32_read_kernel``: the copy's rows times X, one float32
+            reduction over K per row and column, nothing else, tiled as below; from an nvfp4
+            one ``_nvfp4_read_kernel``; both: at most two columns of X, as a decode
             step has, no ``fused_window`` and no ``use_dot`` of ``X16_DOTS``; refused
             otherwise): a kernel that only reads the codes and block scales, decodes each
             32-bit word of eight codes and multiplies it with X in one inline-PTX FMA chain
@@ -2253,7 +2252,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             False (default): the records kernel's launch. ``early`` (after the lean read pass,
             with ``pdl``): the read pass lets the lean records launch start once all its
             programs have started, so the records' loads overlap its last wave (the same
-            bits: the records launch still waits for it before it reads Y and Z).
+            bits: the records launch still waits for it before it reads Y and Z). Under
+            read-pass form ``"idot_pdl"`` the launch before the records launch is the
+            products launch, which lets it start at once anyway: ``early`` changes nothing
+            there.
         pdl: programmatic dependent launch (CUDA, compute capability 9.0 or later) between
             the launches of this call: the launch after the products launch (the read pass,
             or the records launch) starts while the products launch runs and streams C
@@ -2402,14 +2404,15 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             raise ValueError(f"lean_records must be None or (heads, num_warps[, early]) with "
                              f"heads a power of two in [1, 64], num_warps 1, 2, 4 or 8 and "
                              f"early a bool, got {lean_records!r}")
-        if (TD != 1 or TQ != 1 or matrix or append is None or (w_out is not None) != gdn
-                or w_out_known or at_window is not None or fused_window is not None
-                or not ypre):
-            raise ValueError(f"lean_records is a decode step's after a read pass (one draft "
-                             f"row, one query, append, solve='substitution', read_pass given, "
-                             f"no at_window / fused_window / w_out_known; w_out given for GDN "
-                             f"and only for GDN); got gdn={gdn!r}, {TD} draft rows, {TQ} "
-                             f"queries, solve={solve!r}, "
+        if (TD != 1 or TQ != 1 or NS != (1 if gdn else 0) or matrix or append is None
+                or (w_out is not None) != gdn or w_out_known or at_window is not None
+                or fused_window is not None or not ypre):
+            raise ValueError(f"lean_records is the option of a decode step after a read pass "
+                             f"(one draft row, one query, append, solve='substitution', "
+                             f"read_pass given, no at_window / fused_window / w_out_known; "
+                             f"GDN: w_out given and solved=1; Mamba-2: no w_out, no solved "
+                             f"rows); got gdn={gdn!r}, {TD} draft rows, {TQ} queries, "
+                             f"solved={NS}, solve={solve!r}, "
                              f"append={'given' if append is not None else None}, "
                              f"w_out={'given' if w_out is not None else None}, "
                              f"w_out_known={w_out_known!r}, read_pass={read_pass!r}")
@@ -2842,7 +2845,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     for an nvfp4 one (the lean read pass), ``MAMBA2_STEP_FP4_CONFIG`` for mxfp4) unless
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed; ``read_pass``:
     ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
-    products with R, or False for one launch; ``lean_records``: ``(heads, num_warps[,
+    products with R (form ``"records"``, ``"lean"``, ``"idot"`` or ``"idot_pdl"``; an FP32
+    copy takes ``"lean"`` too), or False for one launch; ``lean_records``: ``(heads, num_warps[,
     early])`` of the lean records launch after a read pass, or False for the records kernel's
     (:func:`records_outputs`); a default
     ``lean_records`` is dropped where the step has no read pass or takes a matrix form of
@@ -2890,7 +2894,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     fp8 one, ``GDN_STEP_BLOCKED_CONFIG`` for mxfp8) unless given (``solve``: the matrix forms
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
     or ``(block_v, num_warps, form[, maxnreg])`` of a separate launch for the products with
-    R (form ``"records"``, ``"lean"`` or ``"idot"``, :func:`records_outputs`; the nvfp4
+    R (form ``"records"``, ``"lean"``, ``"idot"`` or ``"idot_pdl"``, :func:`records_outputs`;
+    the nvfp4
     default ``(64, 1, "idot")``), or False for one launch; a default lean form with a
     caller's ``use_dot`` of 16-bit products takes the records kernel's read pass
     (``GDN_STEP_FP4_CONFIG``'s), which has them; ``lean_records``: ``(heads, num_warps[,

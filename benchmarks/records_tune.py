@@ -445,6 +445,13 @@ GLREC_STEP_CANDIDATES = [_P] + [
     # (early changes nothing after "idot_pdl": its products launch lets the records start)
     for lr in ((1, 1), (1, 2), (2, 2)) + (((1, 1, True), (1, 2, True), (2, 2, True))
                                           if form == "idot" else ())]
+# --set glrec2 (2026-12-04, twenty-sixth session): after glrec, GDN's lean records launch on
+# the read-pass tiles of --set idotpdl (128 x 1 had become the fastest).
+GLREC2_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + ((rb, rw, "idot"), None, None, None, None, None, lr)
+    for rb, rw in ((64, 1), (128, 1), (256, 2))
+    for lr in ((1, 1, True), (1, 2, True))] + [
+    (None,) * 13 + ((128, 1, "idot_pdl"), None, None, None, None, None, (1, 1))]
 # --set lean32 (2026-12-04, twenty-sixth session): FP32 read copies' step as a lean read pass
 # (_f32_read_kernel: Y = R X and nothing else) with PDL, then the lean records launch
 # (_step_out_kernel), against the one-launch default.
@@ -478,7 +485,8 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "idot2": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "idotpdl": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "glrec": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
-               "lean32": {"fp32": "fp32"}}
+               "lean32": {"fp32": "fp32"},
+               "glrec2": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
 def geometries(tiny: bool):
@@ -524,7 +532,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "idot2": (IDOT2_STEP_CANDIDATES, []),
                   "idotpdl": (IDOTPDL_STEP_CANDIDATES, []),
                   "glrec": (GLREC_STEP_CANDIDATES, []),
-                  "lean32": (LEAN32_STEP_CANDIDATES, [])}
+                  "lean32": (LEAN32_STEP_CANDIDATES, []),
+                  "glrec2": (GLREC2_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -548,9 +557,9 @@ def cfg_dict(c):
 
 def skip(M, c, fmt):
     if (len(c) > 19 and c[19] is not None and M.gdn
-            and CANDIDATE_SET not in ("glrec", "lean32")):
-        return True  # lean_records: Mamba-2's step (GDN's in --set glrec / lean32)
-    if CANDIDATE_SET == "glrec" and c is not _P and not M.gdn:
+            and CANDIDATE_SET not in ("glrec", "glrec2", "lean32")):
+        return True  # lean_records: Mamba-2's step (GDN's in --set glrec, glrec2, lean32)
+    if CANDIDATE_SET in ("glrec", "glrec2") and c is not _P and not M.gdn:
         return True  # GDN's rows
     if CANDIDATE_SET == "lrec" and c is not _P and M.gdn:
         return True
@@ -761,7 +770,8 @@ def main(argv=None):
               "device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (interpreter)",
               "triton": __import__("triton").__version__, "torch": torch.__version__,
               "defaults": {n: getattr(rec, n) for n in (
-                  "STEP_CONFIG", "GDN_STEP_WIDE_CONFIG", "GDN_STEP_BLOCKED_CONFIG",
+                  "STEP_CONFIG", "GDN_STEP_WIDE_CONFIG", "GDN_STEP_F32_CONFIG",
+                  "GDN_STEP_BLOCKED_CONFIG",
                   "GDN_STEP_FP4_CONFIG", "MAMBA2_STEP_WIDE_CONFIG", "MAMBA2_STEP_FP4_CONFIG",
                   "MAMBA2_STEP_NVFP4_CONFIG", "GDN_STEP_NVFP4_CONFIG", "VERIFY_CONFIG",
                   "GDN_VERIFY_CONFIG",

@@ -1002,7 +1002,10 @@ def test_gdn_step(read_fmt, read_pass, monkeypatch):
     want, uR = gdn_step_output(R, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
                                r["k"][:, :J], q, r["uR"][:, :J], h + 1)
     seen = _kernel_launches(monkeypatch)
-    got = kr.gdn_step_kernel(R_st, ring, q, k, v, la, beta, h, read_pass=read_pass)
+    # lean_records=False: the records kernel's records launch after a read pass (the fp32
+    # and nvfp4 defaults' lean records launch: test_gdn_lean_records, test_lean_read_pass*)
+    got = kr.gdn_step_kernel(R_st, ring, q, k, v, la, beta, h, read_pass=read_pass,
+                             lean_records=False)
     _check_launches(seen, read_pass)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(ring["uR"][b, h], uR[b, h], **TOL)  # the new correction
@@ -1090,11 +1093,11 @@ def test_lean_read_pass(gdn, monkeypatch):
         rg = {n: t.clone() for n, t in ring.items()}
         seen = _lean_launches(monkeypatch)
         got = step(rg, slice(None), rp)
-        # (idot: X's integers first) the read pass in its form, then the records launch:
-        # GDN's records kernel, Mamba-2's lean one (its default)
+        # (idot: X's integers first) the read pass in its form, then the lean records
+        # launch (both models' default)
         idot = rp[2] in kr.records.IDOT_FORMS
         first, form = (["x_int"], "idot") if idot else ([], rp[2])
-        assert seen == first + ([form, (False, True)] if gdn else [form]), seen
+        assert seen == first + [form], seen
         torch.testing.assert_close(got, want, **TOL)
         if gdn:
             torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
@@ -1103,14 +1106,15 @@ def test_lean_read_pass(gdn, monkeypatch):
         # sequence 1 alone: the same bits as in the batch
         alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp)
         assert torch.equal(alone, got[1:]), rp
-    # the defaults: Mamba-2 from nvfp4 takes the lean read pass (integer-dot form) and the
-    # lean records launch (no records kernel launch), GDN the lean read pass (integer-dot
-    # form, since the twenty-fifth session) and the records kernel's records launch
+    # the defaults: both models from nvfp4 take the lean read pass (integer-dot form; Mamba-2
+    # with X's integers overlapped, "idot_pdl", since the twenty-sixth session) and the
+    # lean records launch (no records kernel launch; GDN's since the twenty-sixth session)
     assert kr.records.GDN_STEP_NVFP4_CONFIG["read_pass"][2] == "idot"
-    assert kr.records.MAMBA2_STEP_NVFP4_CONFIG["read_pass"][2] == "idot"
+    assert kr.records.MAMBA2_STEP_NVFP4_CONFIG["read_pass"][2] == "idot_pdl"
+    assert kr.records.GDN_STEP_NVFP4_CONFIG["lean_records"] == (1, 1, True)
     seen = _lean_launches(monkeypatch)
     got = step({n: t.clone() for n, t in ring.items()}, slice(None), None)
-    assert seen == (["x_int", "idot", (False, True)] if gdn else ["x_int", "idot"]), seen
+    assert seen == ["x_int", "idot"], seen
     torch.testing.assert_close(got, want, **TOL)
     # a caller's float16 products: the records kernel's read pass, not an error
     seen = _lean_launches(monkeypatch)
@@ -1119,8 +1123,8 @@ def test_lean_read_pass(gdn, monkeypatch):
         got = kr.gdn_step_kernel(R_st, rg, q, k, v, la, rec[3], h, use_dot="f16x3")
     else:
         got = kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, use_dot="f16x3")
-    # then GDN's records kernel's records launch, Mamba-2's lean one
-    assert seen == ([(True, False), (False, True)] if gdn else [(True, False)]), seen
+    # then the lean records launch (both models' default)
+    assert seen == [(True, False)], seen
     torch.testing.assert_close(got, want, **TOL)
 
 

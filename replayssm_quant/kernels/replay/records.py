@@ -60,7 +60,7 @@ import triton.language as tl
 
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
-from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_index,
+from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_index, _kind,
                     _check_maxnreg, _check_records, _maxnreg_launch,
                     _check_supported, _decode_code, _decode_consts, _e2m1_pairs_half,
                     _e2m1_dot8_1, _e2m1_dot8_2, _e2m1_idot16_1, _e2m1_idot16_2,
@@ -159,7 +159,11 @@ MAMBA2_STEP_FP4_CONFIG = dict(STEP_CONFIG, block_v=64, num_warps=2, read_pass=(3
 # tiles (two value heads; its programs tile a key group's rows since then) with one warp:
 # 116.9 -> 104.7 us (the FMA-chain form on that tile 113.2 us); 98.9 us after the form's later
 # changes (records_tune_idot3_h200.json; decode.py's window mean at 37526c6: 100.9 us).
-MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(128, 1, "idot"),
+# Since the twenty-sixth session (records_tune --set idotpdl --timing graph,
+# records_tune_idotpdl_h200.json, B = 256, h = 7): X's integers overlapping the read pass's
+# first loads (form "idot_pdl"): 98.3 -> 95.2 us on the same tile (256 x 2: 95.5). (early
+# changes nothing after "idot_pdl"; kept for callers that pass another form.)
+MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(128, 1, "idot_pdl"),
                                 lean_records=(1, 1, True))
 # GDN from an nvfp4 copy: until the twenty-fifth session GDN_STEP_FP4_CONFIG (its read pass
 # capped at 96 registers since the twenty-third session; mxfp4's since the twenty-fourth);
@@ -168,7 +172,23 @@ MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(128, 1, "idot
 # that tile 109.6); 88.9 us after the form's later changes (records_tune_idot3_h200.json;
 # decode.py's window mean at 37526c6: 88.0 us). Mamba-2's mxfp4 step gains nothing from a cap (135.6 us uncapped,
 # 135.2-142.0 at 64-128; records_maxnreg_mxfp4_h200.json).
-GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(64, 1, "idot"))
+# Since the twenty-sixth session (records_tune --set idotpdl / glrec / glrec2 --timing graph,
+# records_tune_{idotpdl,glrec,glrec2}_h200.json, B = 256, h = 7): 128-row read tiles (the
+# per-block PTX of 37526c6 had moved the best tile: 84.0 against 89.1 us at 64 x 1, timed
+# on 466336d's code, records_tune_idot2_base_h200.json) and the lean records launch
+# (_step_out_kernel, one program per (sequence, value head) on one warp, started as the read
+# pass's last wave starts): 89.4 -> 78.5 us with it at 64 x 1. "idot_pdl" is slower for GDN
+# (85.7 against 83.9 us at 128 x 1): its products launch (14 us) then runs after the read pass.
+GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(128, 1, "idot"),
+                             lean_records=(1, 1, True))
+# GDN from an FP32 copy since the twenty-sixth session (records_tune --set lean32 --timing
+# graph, records_tune_lean32_h200.json, B = 256, h = 7): the lean read pass of FP32 rows
+# (_f32_read_kernel) on 32-row tiles with 2 warps, dependent on the products launch (PDL),
+# then the lean records launch: 171.5 -> 164.4 us (every tile 164.4-165.8). Mamba-2's FP32
+# step keeps its one launch (284.8 us; 289.1-303.6 this way). Half copies keep
+# GDN_STEP_WIDE_CONFIG (the lean FP32 read pass reads float32 rows only).
+GDN_STEP_F32_CONFIG = dict(GDN_STEP_WIDE_CONFIG, read_pass=(32, 2, "lean"),
+                           lean_records=(1, 1, True), pdl=None)
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
@@ -2888,7 +2908,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     (k_i . k) u_i)`` against the stored read copy and the cached corrections, cache it in
     ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
     [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place). Launch
-    configuration: ``STEP_CONFIG`` (``GDN_STEP_WIDE_CONFIG`` for an FP32 or half read copy,
+    configuration: ``STEP_CONFIG`` (``GDN_STEP_F32_CONFIG`` for an FP32 read copy: the lean
+    FP32 read pass and the lean records launch; ``GDN_STEP_WIDE_CONFIG`` for a half one,
     ``GDN_STEP_NVFP4_CONFIG`` for an nvfp4 one, ``GDN_STEP_FP4_CONFIG`` for mxfp4,
     ``GDN_STEP_FP8_CONFIG`` for an
     fp8 one, ``GDN_STEP_BLOCKED_CONFIG`` for mxfp8) unless given (``solve``: the matrix forms
@@ -2904,7 +2925,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     dropped where the step has no read pass or takes a matrix form of ``solve``)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
-    cfg = _config(GDN_STEP_WIDE_CONFIG if wide else
+    f32 = not isinstance(read, PackedTensor) or _kind(read.spec) == _K_FLOAT
+    cfg = _config(GDN_STEP_F32_CONFIG if f32 else GDN_STEP_WIDE_CONFIG if wide else
                   (GDN_STEP_NVFP4_CONFIG if _nvfp4(read) else GDN_STEP_FP4_CONFIG) if _fp4(read) else
                   GDN_STEP_FP8_CONFIG if _b16(read) else
                   (GDN_STEP_BLOCKED_CONFIG if blocked else STEP_CONFIG), block_v=block_v,
@@ -2918,6 +2940,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                                  or cfg.get("solve") not in (None, "substitution")):
         # a default lean records launch needs a read pass and the substitution form
         cfg.pop("lean_records", None)
+    if f32 and pdl is None and not cfg.get("read_pass"):
+        cfg["pdl"] = GDN_STEP_WIDE_CONFIG["pdl"]  # one launch from FP32: its timed form
     _check_x16_dot(read, cfg)
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}

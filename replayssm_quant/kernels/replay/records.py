@@ -172,14 +172,17 @@ MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(128, 1, "idot
 # that tile 109.6); 88.9 us after the form's later changes (records_tune_idot3_h200.json;
 # decode.py's window mean at 37526c6: 88.0 us). Mamba-2's mxfp4 step gains nothing from a cap (135.6 us uncapped,
 # 135.2-142.0 at 64-128; records_maxnreg_mxfp4_h200.json).
-# Since the twenty-sixth session (records_tune --set idotpdl / glrec / glrec2 --timing graph,
-# records_tune_{idotpdl,glrec,glrec2}_h200.json, B = 256, h = 7): 128-row read tiles (the
-# per-block PTX of 37526c6 had moved the best tile: 84.0 against 89.1 us at 64 x 1, timed
-# on 466336d's code, records_tune_idot2_base_h200.json) and the lean records launch
-# (_step_out_kernel, one program per (sequence, value head) on one warp, started as the read
-# pass's last wave starts): 89.4 -> 78.5 us with it at 64 x 1. "idot_pdl" is slower for GDN
-# (85.7 against 83.9 us at 128 x 1): its products launch (14 us) then runs after the read pass.
-GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(128, 1, "idot"),
+# Since the twenty-sixth session (records_tune --set glrec --timing graph,
+# records_tune_glrec_h200.json, B = 256, h = 7): the lean records launch (_step_out_kernel,
+# one program per (sequence, value head) on one warp, started as the read pass's last wave
+# starts): 89.4 -> 78.5 us. Not yet timed: the same on 128-row read tiles, which had become
+# the fastest with the records kernel's launch after them (83.9 against 89.5 us at 64 x 1,
+# records_tune_idotpdl_h200.json; 84.0 against 89.1 on 466336d's code,
+# records_tune_idot2_base_h200.json: the per-block PTX of 37526c6 had moved the best tile).
+# records_tune --set glrec2 times it. "idot_pdl" is slower for GDN (85.7 against 83.9 us at
+# 128 x 1; 81.7 with the lean records launch against 78.5): its products launch (14 us) then
+# runs after the read pass.
+GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(64, 1, "idot"),
                              lean_records=(1, 1, True))
 # GDN from an FP32 copy since the twenty-sixth session (records_tune --set lean32 --timing
 # graph, records_tune_lean32_h200.json, B = 256, h = 7): the lean read pass of FP32 rows

@@ -792,9 +792,13 @@ def test_gdn_lean_records(monkeypatch):
         return kr.gdn_step_kernel(_rows_of(R_st, sl), rg, q[sl], k[sl], v[sl], la[sl],
                                   beta[sl], h[sl], **kw)
 
-    for rp in ((16, 1), (16, 1, "idot"), (32, 2, "idot_pdl")):
+    # every block on the integer-dot read pass; one on the records kernel's and the
+    # overlapped one (the suite's time)
+    cases = {(16, 1): ((1, 1),), (16, 1, "idot"): ((1, 1), (2, 2), (4, 1), (1, 1, True)),
+             (32, 2, "idot_pdl"): ((2, 2),)}
+    for rp, lrs in cases.items():
         outs = {}
-        for lr in ((1, 1), (2, 2), (4, 1), (1, 1, True)):
+        for lr in lrs:
             hb, w = lr[:2]
             rg = {n: t.clone() for n, t in ring.items()}
             seen = _kernel_launches(monkeypatch)
@@ -818,7 +822,8 @@ def test_gdn_lean_records(monkeypatch):
                 assert torch.equal(_bits(got1), _bits(got[i:i + 1])), (rp, lr, i)
                 assert torch.equal(_bits(alone["uR"]), _bits(rg["uR"][i:i + 1])), (rp, lr, i)
             outs[lr] = got
-        assert torch.equal(_bits(outs[(1, 1, True)]), _bits(outs[(1, 1)]))
+        if (1, 1, True) in outs:  # early: the same bits
+            assert torch.equal(_bits(outs[(1, 1, True)]), _bits(outs[(1, 1)]))
     # a sequence that does not step: its output from the ring alone, nothing written
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     rg = {n: t.clone() for n, t in ring.items()}

@@ -1306,6 +1306,29 @@ def _x_limbs(xi_ptr, xl, L4: tl.constexpr):
 
 
 @triton.jit
+def _key_group_tile(H, G, V: tl.constexpr, BV: tl.constexpr):
+    """The lean read passes' tile of program ``program_id(0) = (b * G + g) * tiles + t``:
+    ``BV`` rows of a (sequence, key group)'s ``H // G`` matrices, head after head (a tile may
+    span heads, which share X). Returns ``(HG, bg, b, g, off, row0, rl, rmask)``: value heads
+    per key group, ``b * G + g``, the sequence and key group, the tile's first row within
+    the group (int32) and among all value rows (int64, once per program), the rows' int32
+    offsets from it and their mask (rows past the group), so per-row addresses are 32-bit
+    offsets from scalar bases; V is a constexpr, so a row's head is a division by a
+    constant."""
+    pid = tl.program_id(0).to(tl.int64)
+    HG = H // G  # value heads per key group: their (HG * V) rows share X
+    nt = tl.cdiv(HG * V, BV)
+    bg = pid // nt
+    vt = pid - bg * nt
+    b = bg // G
+    g = bg - b * G
+    off = (vt * BV).to(tl.int32)  # the tile's first row within the group
+    row0 = (b * H + g * HG) * V + vt * BV  # its index among all value rows
+    rl = tl.arange(0, BV)
+    return HG, bg, b, g, off, row0, rl, rl < HG * V - off
+
+
+@triton.jit
 def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, xi_ptr,
                        xs_ptr, H, G, TD, TQ, V: tl.constexpr, K: tl.constexpr, NC: tl.constexpr,
                        NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
@@ -1349,23 +1372,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     codes and scales, then waits for that grid before it reads X's integers."""
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0).to(tl.int64)
-    HG = H // G  # value heads per key group: their (HG * V) rows share X
-    nt = tl.cdiv(HG * V, BV)
-    bg = pid // nt
-    vt = pid - bg * nt
-    b = bg // G
-    g = bg - b * G
+    HG, bg, b, g, off, row0, rl, rmask = _key_group_tile(H, G, V, BV)
     ss = tl.load(ss_ptr + b)
     n = tl.load(n_ptr + b)
-    # the tile's rows of the key group, head after head: the first row's index (int64, once
-    # per program) and the rows' offsets from it (int32), so per-row addresses are 32-bit
-    # offsets from scalar bases; V is a constexpr, so the row's head is a division by a
-    # constant
-    off = (vt * BV).to(tl.int32)  # the tile's first row within the group
-    row0 = (b * H + g * HG) * V + vt * BV  # its index among all value rows
-    rl = tl.arange(0, BV)
-    rmask = rl < HG * V - off
     NB: tl.constexpr = K // 16
     jb = tl.arange(0, NB)
     wi = tl.arange(0, 2)
@@ -1473,17 +1482,7 @@ def _f32_read_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, TD, TQ,
     launch after this one start once every program of this one has started)."""
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0).to(tl.int64)
-    HG = H // G  # value heads per key group: their (HG * V) rows share X
-    nt = tl.cdiv(HG * V, BV)
-    bg = pid // nt
-    vt = pid - bg * nt
-    b = bg // G
-    g = bg - b * G
-    off = (vt * BV).to(tl.int32)  # the tile's first row within the group
-    row0 = (b * H + g * HG) * V + vt * BV  # its index among all value rows
-    rl = tl.arange(0, BV)
-    rmask = rl < HG * V - off
+    _, _, b, g, _, row0, rl, rmask = _key_group_tile(H, G, V, BV)
     kk = tl.arange(0, K)
     c = tl.load(c_ptr + row0 * K + (rl[:, None] * K + kk[None, :]), mask=rmask[:, None],
                 other=0.0)  # [BV, K]

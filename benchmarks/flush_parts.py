@@ -4,11 +4,12 @@
 pass) is three launches: the ``fp32`` flush writes a float32 S, then ``pack_triton`` casts S to
 the anchor (fp16, SR) and to the read copy (nvfp4: a matrix-amax pass over S, then the cast).
 This times each launch alone at B = 256 on the H200 geometries (``flush_tune.py``'s sets), the
-whole split flush in both cast forms (``cast_form="separate"``; ``"pair"``: one launch casts S
-to both copies, loading each tile once for both), ``pack_pair_triton`` alone on several tiles
+whole split flush in each cast form (``cast_form="separate"``; ``"pair"``: one launch casts S
+to both copies, loading each tile once for both; ``"pair_lean"``: that launch in its lean
+form, twenty-seventh pass), ``pack_pair_triton`` alone in both kernel forms on several tiles
 (``--pair-tiles``), and a device copy of S as the bandwidth reference. CUDA-graph medians
-(``decode.timer``), 4 sets rotated; the two cast forms' stored copies are compared byte for
-byte, and each pair tile's against the first tile's.
+(``decode.timer``), 4 sets rotated; the cast forms' stored copies are compared byte for
+byte, and each pair tile's (either form) against the first generic tile's.
 
 Usage (on the device; fla not needed)::
 
@@ -34,7 +35,7 @@ import flush_tune as ft  # noqa: E402
 from _commit import code_commit  # noqa: E402
 
 import replayssm_quant.kernels.replay.flush as F  # noqa: E402
-from replayssm_quant.kernels.quant import pack_pair_triton, pack_triton  # noqa: E402
+from replayssm_quant.kernels.quant import PAIR_FORMS, pack_pair_triton, pack_triton  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 
 POLICIES = ("read:nvfp4/rec:fp16+sr", "read:nvfp4/rec:fp16", "read:nvfp4/rec:fp32")
@@ -52,8 +53,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="small shapes on the interpreter")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--pair-tiles", action="store_true",
-                    help="also time pack_pair_triton alone on the (rows, warps) of PAIR_TILES, "
-                         "its bytes against the first tile's")
+                    help="also time pack_pair_triton alone in each form on the (rows, warps) "
+                         "of PAIR_TILES, its bytes against the first generic tile's")
     args = ap.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("flush_parts.py times CUDA launches; run it on the device (or --tiny)")
@@ -90,16 +91,17 @@ def main():
             res["copy_S"] = t(lambda i: S[i].clone())
             if args.pair_tiles and pol.read.info.scaling == "nvfp4":
                 base = None
-                for rows, nw in PAIR_TILES:
-                    def fn(i, rows=rows, nw=nw):
-                        return pack_pair_triton(S[i], pol.rec, pol.read, seed=ft.SEED,
-                                                plain_stream=keys[0], scaled_stream=keys[1],
-                                                rows=rows, num_warps=nw)
-                    got = fn(0)
-                    base = got if base is None else base
-                    same = all(_stored_equal(u, v) if u is not S[0] else True
-                               for u, v in zip(got, base))
-                    res[f"pair_cast {rows}x{nw}"] = {**t(fn), "same_bytes": same}
+                for pform in PAIR_FORMS:
+                    for rows, nw in PAIR_TILES:
+                        def fn(i, rows=rows, nw=nw, pform=pform):
+                            return pack_pair_triton(S[i], pol.rec, pol.read, seed=ft.SEED,
+                                                    plain_stream=keys[0], scaled_stream=keys[1],
+                                                    rows=rows, num_warps=nw, form=pform)
+                        got = fn(0)
+                        base = got if base is None else base
+                        same = all(_stored_equal(u, v) if u is not S[0] else True
+                                   for u, v in zip(got, base))
+                        res[f"pair_cast {pform} {rows}x{nw}"] = {**t(fn), "same_bytes": same}
             kw_split = dict(fk, split_casts=True)
             default_cfg = cfg  # the split applies its launch options to the fp32 flush
             runs = {}
@@ -108,9 +110,10 @@ def main():
                 res[f"split_{form}"] = t(lambda i, kw=kw: ft.run_flush(M, pool[i], pol, kw,
                                                                        default_cfg))
                 runs[form] = ft.run_flush(M, pool[0], pol, kw, default_cfg)[0].checkpoints
-            a, b = runs["separate"], runs["pair"]
-            res["pair_same_bytes"] = (_stored_equal(a.anchor_stored, b.anchor_stored)
-                                      and _stored_equal(a.read_stored, b.read_stored))
+            a = runs["separate"]
+            res["pair_same_bytes"] = all(_stored_equal(a.anchor_stored, b.anchor_stored)
+                                         and _stored_equal(a.read_stored, b.read_stored)
+                                         for b in runs.values())
             res["S_bytes"] = S[0].numel() * 4
             key = f"{M.name} {pstr}"
             out["results"][key] = res

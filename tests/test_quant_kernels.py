@@ -20,6 +20,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from replayssm_quant import formats as F  # noqa: E402
 from replayssm_quant.quant import pack, pack_reference, quantize, quantize_reference  # noqa: E402
@@ -379,8 +381,14 @@ PAIR_SCALED = ["nvfp4", "nvfp4+sr", "nvfp4+up", "nvfp4+up+sr"]
 # the default run: every plain and every scaled spec at least once; the other pairs are slow
 PAIR_FAST = {("fp16+sr", "nvfp4+sr"), ("fp16+sr", "nvfp4+up+sr"), ("fp16", "nvfp4+up"),
              ("bf16+sr", "nvfp4"), ("bf16", "nvfp4+up+sr"), ("fp32", "nvfp4")}
-PAIR_CASES = [pytest.param(p, c, marks=() if (p, c) in PAIR_FAST else pytest.mark.slow,
-                           id=f"{p}-{c}") for p in PAIR_PLAIN for c in PAIR_SCALED]
+# the lean kernel: the policies the decode benchmark times (fp16+sr / fp16 + nvfp4), its
+# generic fallback for bf16 with SR on both copies, the fp32 plain copy with nvfp4+up
+PAIR_FAST_LEAN = {("fp16+sr", "nvfp4"), ("fp16", "nvfp4"), ("bf16+sr", "nvfp4+sr"),
+                  ("fp32", "nvfp4+up")}
+PAIR_CASES = [pytest.param(p, c, form, marks=() if (p, c) in fast else pytest.mark.slow,
+                           id=f"{p}-{c}-{form}")
+              for form, fast in (("generic", PAIR_FAST), ("lean", PAIR_FAST_LEAN))
+              for p in PAIR_PLAIN for c in PAIR_SCALED]
 
 
 def _check_pair(x, plain, scaled, sp, ss, **tile):
@@ -404,40 +412,48 @@ def _check_pair(x, plain, scaled, sp, ss, **tile):
     return p_st, s_st
 
 
-@pytest.mark.parametrize("plain,scaled", PAIR_CASES)
-def test_pack_pair_matches_reference(plain, scaled):
+@pytest.mark.parametrize("plain,scaled,form", PAIR_CASES)
+def test_pack_pair_matches_reference(plain, scaled, form):
     """Both copies equal the reference packs (each with its own SR stream) on special values
     (non-finite, -0, subnormal, FLT_MAX, grid midpoints; K = 40 leaves a padded NVFP4 tail
-    block), on random data over many binades with K = 7 (no four-element Philox alignment),
-    and with tiles of 4 block rows on 1 warp (several tiles per matrix)."""
+    block of 8), on random data over many binades with K = 7 (no four-element Philox
+    alignment: the lean form falls back to the generic kernel) and K = 44 (a tail block of
+    12), and with tiles of 4 block rows on 1 warp (several tiles per matrix); each kernel
+    form (``form``)."""
     x = _special("nvfp4")
     lead = (x.shape[0],)
     sp, ss = _streams(lead), _streams(lead) * 3 + 1
-    _check_pair(x, plain, scaled, sp, ss)
-    _check_pair(x, plain, scaled, sp, ss, rows=4, num_warps=1)
+    _check_pair(x, plain, scaled, sp, ss, form=form)
+    _check_pair(x, plain, scaled, sp, ss, rows=4, num_warps=1, form=form)
     y = _random(((2, 1), 3, 7), seed=21)
-    _check_pair(y, plain, scaled, _streams((2, 1)), _streams((2, 1)) + 5, rows=2)
+    _check_pair(y, plain, scaled, _streams((2, 1)), _streams((2, 1)) + 5, rows=2, form=form)
+    w = _random(((2,), 3, 44), seed=23)
+    _check_pair(w, plain, scaled, _streams((2,)) + 2, _streams((2,)) + 7, rows=2, form=form)
     z = _random(((), 5, 48), seed=22)  # one matrix, no leading dims (a 0-dim matrix scale)
-    _check_pair(z, plain, scaled, torch.tensor(3), torch.tensor(8))
+    _check_pair(z, plain, scaled, torch.tensor(3), torch.tensor(8), form=form)
 
 
-def test_pack_pair_batch_and_tile_invariant():
+@pytest.mark.parametrize("form", ["generic", "lean"])
+def test_pack_pair_batch_and_tile_invariant(form):
     """A matrix's two copies are the same alone, in the batch, at another batch position
-    (the batch reversed with its stream keys) and under another tile."""
+    (the batch reversed with its stream keys), under another tile and in the other kernel
+    form."""
     x = _random(((5,), 24, 64), seed=17).to(DEVICE)
     sp, ss = _streams((5,)).to(DEVICE), (_streams((5,)) + 9).to(DEVICE)
 
     def run(xx, a, b, **tile):
         p, s = kq.pack_pair_triton(xx, "fp16+sr", "nvfp4+sr", seed=SEED, plain_stream=a,
-                                   scaled_stream=b, **tile)
+                                   scaled_stream=b, **{"form": form, **tile})
         return p.codes.view(torch.int16), s.codes, s.block_scales, s.matrix_scale
 
     full = run(x, sp, ss)
     rev = run(x.flip(0).contiguous(), sp.flip(0), ss.flip(0))
     other = run(x, sp, ss, rows=16, num_warps=2)
-    for f, r, o in zip(full, rev, other, strict=True):
+    alt = run(x, sp, ss, form={"generic": "lean", "lean": "generic"}[form])
+    for f, r, o, a in zip(full, rev, other, alt, strict=True):
         assert_same_bytes(r.flip(0), f, "reversed batch")
         assert_same_bytes(o, f, "tile of 16 rows")
+        assert_same_bytes(a, f, "the other form")
     for i in (0, 3):
         alone = run(x[i : i + 1].contiguous(), sp[i : i + 1], ss[i : i + 1])
         for a, f in zip(alone, full, strict=True):
@@ -458,8 +474,146 @@ def test_pack_pair_refused():
     for rows in (0, 3, True, 2.0, 2048):
         with pytest.raises(ValueError, match="rows must be"):
             kq.pack_pair_triton(x, "fp16", "nvfp4", rows=rows)
+    for form in ("fast", "", 1, "Lean"):
+        with pytest.raises(ValueError, match="form must be one of"):
+            kq.pack_pair_triton(x, "fp16", "nvfp4", form=form)
     for nw in (0, 3, 64, True):
         with pytest.raises(ValueError, match="num_warps must be"):
             kq.pack_pair_triton(x, "fp16", "nvfp4", num_warps=nw)
     with pytest.raises(ValueError, match="does not broadcast"):
         kq.pack_pair_triton(x, "fp16+sr", "nvfp4", plain_stream=torch.zeros(3, dtype=torch.int64))
+
+
+# ----------------------------------------------------------------------------------------
+# the lean pair cast's helpers against the generic ones
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _lean_codes_kernel(y_ptr, r_ptr, out_ptr, N, BLOCK: tl.constexpr, G16: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    y = tl.load(y_ptr + i, mask=m, other=0.0)
+    r = tl.load(r_ptr + i, mask=m, other=0).to(tl.uint32, bitcast=True)
+    bits = y.to(tl.int32, bitcast=True)
+    _, sr_gen = kq._quant(y, r, True, G16)
+    _, rtn_gen = kq._quant(y, 0, False, G16)
+    tl.store(out_ptr + i, kq._f16_sr_signed(bits, r), mask=m)
+    tl.store(out_ptr + N + i, sr_gen, mask=m)
+    tl.store(out_ptr + 2 * N + i, kq._f16_rtn_signed(y), mask=m)
+    tl.store(out_ptr + 3 * N + i, rtn_gen, mask=m)
+    fin = tl.abs(y) < float("inf")  # the E2M1 codes are defined for finite quotients
+    tl.store(out_ptr + 4 * N + i, tl.where(fin, kq._e2m1_rtn_code_lean(y), -1), mask=m)
+    tl.store(out_ptr + 5 * N + i, tl.where(fin, kq._e2m1_rtn_code(y), -1), mask=m)
+
+
+def _lean_codes(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """[6, n] int32: fp16 SR codes (lean, generic), fp16 RTN codes (lean, generic), E2M1 RTN
+    codes (lean, generic; -1 for non-finite y)."""
+    n = y.numel()
+    out = torch.empty(6, n, dtype=torch.int32, device=y.device)
+    block = 1024
+    _lean_codes_kernel[(triton.cdiv(n, block),)](y, r, out, n, BLOCK=block,
+                                                 G16=kq._grid_consts(F.FP16))
+    return out
+
+
+def test_lean_cast_codes_match_generic():
+    """The lean pair cast's per-element helpers give the generic helpers' codes: fp16 with
+    SR (``_f16_sr_signed`` against ``_quant``) and RTN (``_f16_rtn_signed``, the hardware
+    conversion on CUDA, against ``_quant``), signs, NaN (several payloads, signalling ones
+    included), +-inf, -0 and saturation included; E2M1 RTN (``_e2m1_rtn_code_lean`` against
+    ``_e2m1_rtn_code``) for finite values. Inputs: every float32 within 64 ulps of 2^e
+    (e = -40..16) and of the E2M1 midpoints and grid points, values near 65504 and 65520,
+    subnormals, a log-uniform sample, both signs; each with the draws 0, 1, 2^31, 2^32 - 1, a
+    random one and those at and beside the SR threshold (both formulas, as in
+    ``test_fp16_bf16_sr_codes_match_generic``). On CUDA also every float32 bit pattern for
+    the RTN codes, every float32 below 2^17 with a random draw for the SR codes, and every
+    float32 in [0, 8] (both signs) for the E2M1 codes."""
+    g = torch.Generator().manual_seed(31)
+    pts = [2.0**e for e in range(-40, 17)] + [65504.0, 65520.0, 1e-40, 0.25, 0.75, 1.25, 1.75,
+                                              2.5, 3.5, 5.0, 6.0, 7.0, 0.5, 1.5, 3.0, 4.0]
+    bits = torch.tensor(pts).view(torch.int32)[:, None] + torch.arange(-64, 64, dtype=torch.int32)
+    special = torch.tensor([0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0x7FA00000, 0x7F800000,
+                            0x7F7FFFFF, 0, 1, 0x007FFFFF, 0x00800000],
+                           dtype=torch.int64).to(torch.int32)
+    sample = torch.pow(2.0, torch.empty(3000).uniform_(-40, 17, generator=g))
+    y = torch.cat([bits.clamp_min(0).flatten().view(torch.float32), special.view(torch.float32),
+                   sample, torch.rand(2000, generator=g) * 8])
+    mbits = y.view(torch.int32).long() & 0x7FFFFFFF
+    ya = mbits.to(torch.int32).view(torch.float32).double()
+    frac = ya * 2.0**24 - torch.floor(ya * 2.0**24)
+    thr = [(mbits & 0x1FFF) << 19, torch.ceil(torch.nan_to_num(frac) * 2.0**32).long()]
+    rs = [torch.zeros_like(mbits), torch.ones_like(mbits), torch.full_like(mbits, 1 << 31),
+          torch.full_like(mbits, (1 << 32) - 1), torch.randint(0, 1 << 32, mbits.shape, generator=g)]
+    rs += [t + d for t in thr for d in (-1, 0, 1)]
+    r = torch.cat([x.clamp(0, (1 << 32) - 1) for x in rs])
+    r = torch.where(r >= 1 << 31, r - (1 << 32), r).to(torch.int32)
+    yy = y.repeat(len(rs))
+    yy = torch.cat([yy, -yy])
+    r = torch.cat([r, r])
+    out = _lean_codes(yy.to(DEVICE), r.to(DEVICE)).cpu()
+    for name, (a, b) in {"fp16 SR": (0, 1), "fp16 RTN": (2, 3), "E2M1 RTN": (4, 5)}.items():
+        bad = (out[a] != out[b]).nonzero().flatten()
+        assert bad.numel() == 0, (f"{name}: {bad.numel()} differ; first y = {yy[bad[0]].item()!r} "
+                                  f"(bits {int(yy[bad[0]].view(torch.int32)):#x}), draw "
+                                  f"{int(r[bad[0]]) & 0xFFFFFFFF:#x}: {int(out[a, bad[0]]):#x} "
+                                  f"against {int(out[b, bad[0]]):#x}")
+    assert int((out[4] >= 0).sum()) > 0.9 * out.shape[1]  # the E2M1 half compared values
+    if DEVICE == "cuda":
+        gc = torch.Generator(device="cuda").manual_seed(32)
+        step = 1 << 27
+        for lo in range(-(1 << 31), 1 << 31, step):  # every bit pattern: RTN
+            b = torch.arange(lo, lo + step, dtype=torch.int64, device="cuda").to(torch.int32)
+            out = _lean_codes(b.view(torch.float32), torch.zeros_like(b))
+            assert torch.equal(out[2], out[3]), f"fp16 RTN, block {lo:#x}"
+        top = int(torch.tensor(2.0**17).view(torch.int32))
+        for lo in range(0, top, step):
+            b = torch.arange(lo, min(lo + step, top), dtype=torch.int32, device="cuda")
+            rr = torch.randint(-(1 << 31), 1 << 31, b.shape, dtype=torch.int32, device="cuda",
+                               generator=gc)
+            for sign in (0, -(2**31)):
+                out = _lean_codes((b | sign).view(torch.float32), rr)
+                assert torch.equal(out[0], out[1]), f"fp16 SR, block {lo:#x} sign {sign}"
+        top = int(torch.tensor(8.0).view(torch.int32))
+        for lo in range(0, top + 1, step):
+            b = torch.arange(lo, min(lo + step, top + 1), dtype=torch.int32, device="cuda")
+            for sign in (0, -(2**31)):
+                out = _lean_codes((b | sign).view(torch.float32), torch.zeros_like(b))
+                assert torch.equal(out[4], out[5]), f"E2M1 RTN, block {lo:#x} sign {sign}"
+
+
+@triton.jit
+def _philox_words_kernel(out_ptr, c_ptr, seed, N: tl.constexpr):
+    i = tl.arange(0, N)
+    c0 = tl.load(c_ptr + i).to(tl.uint32, bitcast=True)
+    lo = tl.load(c_ptr + N + i).to(tl.uint32, bitcast=True)
+    hi = tl.load(c_ptr + 2 * N + i).to(tl.uint32, bitcast=True)
+    a = kq._random_words(seed, c0, lo, hi)
+    b = kq._random_words(seed, c0, lo, hi, True)
+    for w in tl.static_range(4):
+        tl.store(out_ptr + w * N + i, a[w].to(tl.int32, bitcast=True))
+        tl.store(out_ptr + (4 + w) * N + i, b[w].to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("seed", [SEED, 0, 1, 2**31 - 1, 2**32 + 7, 2**63 - 1])
+def test_philox_wide_matches_triton(seed):
+    """``_philox_wide`` (each round's products as one 64-bit multiply) gives the four words of
+    ``tl.philox`` and of the torch reference (``philox4x32``) for random and extreme counters
+    and stream words; seeds with one or both key words, and 1 (which Triton specialises to a
+    compile-time constant)."""
+    from replayssm_quant.philox import philox4x32
+
+    n = 256
+    c = torch.randint(-(2**31), 2**31, (3 * n,), dtype=torch.int32,
+                      generator=torch.Generator().manual_seed(33))
+    c[:4] = torch.tensor([0, -1, 2**31 - 1, -(2**31)], dtype=torch.int32)
+    c[n : n + 2] = torch.tensor([0, -1], dtype=torch.int32)
+    out = torch.empty(8 * n, dtype=torch.int32, device=DEVICE)
+    _philox_words_kernel[(1,)](out, c.to(DEVICE), seed, N=n)
+    out = out.cpu().long() & 0xFFFFFFFF
+    u = c.long() & 0xFFFFFFFF
+    ref = torch.cat(philox4x32(u[:n], u[n : 2 * n], u[2 * n :], torch.zeros(n, dtype=torch.int64),
+                               seed & 0xFFFFFFFF, seed >> 32))
+    assert torch.equal(out[: 4 * n], ref)
+    assert torch.equal(out[4 * n :], ref)

@@ -60,6 +60,11 @@ _NV_ROWS = 128  # nvfp4: block rows per tile (x 16 elements)
 _MX_ROWS = 64  # mx: block rows per program (x 32 elements)
 _PAIR_ROWS, _PAIR_WARPS = 128, 4  # pack_pair_triton: block rows per tile, warps (H200:
 # flush_parts_h200.json, docs/kernels-replay.md "Twenty-second pass")
+# pack_pair_triton's per-element arithmetic: "generic" (the quantizer kernels' helpers) or
+# "lean" (the same bytes in fewer instructions; docs/kernels-replay.md "Twenty-seventh
+# pass": untimed on a GPU when written, so not yet the default)
+PAIR_FORMS = ("generic", "lean")
+_PAIR_FORM = "generic"
 
 
 # ----------------------------------------------------------------------------------------
@@ -163,10 +168,39 @@ def _pow2(e, BIAS: tl.constexpr = _FP32_BIAS, MB: tl.constexpr = _FP32_MBITS,
 
 
 @triton.jit
-def _random_words(seed, call, st_lo, st_hi):
+def _philox_wide(seed, c0, c1, c2, c3, ROUNDS: tl.constexpr = 10,
+                 KEY_A: tl.constexpr = 0x9E3779B9, KEY_B: tl.constexpr = 0xBB67AE85,
+                 ROUND_A: tl.constexpr = 0xD2511F53, ROUND_B: tl.constexpr = 0xCD9E8D57):
+    """Philox-4x32-10 of uint32 counters ``(c0, c1, c2, c3)`` under the 64-bit key ``seed``:
+    the same four words as ``tl.philox(seed, c0, c1, c2, c3)`` (Salmon et al., SC 2011;
+    :func:`replayssm_quant.philox.philox4x32` is the torch reference), with each round's two
+    products formed as one 32 x 32 -> 64-bit multiply (high word and low word from one
+    ``IMAD.WIDE.U32`` on sm_90) instead of a separate high and low multiply. Static sm_90
+    SASS of four calls per thread: 216 instructions against ``tl.philox``'s 296."""
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for _ in tl.static_range(ROUNDS):
+        p0 = c0.to(tl.uint64) * ROUND_A
+        p2 = c2.to(tl.uint64) * ROUND_B
+        n0 = (p2 >> 32).to(tl.uint32) ^ c1 ^ k0
+        n2 = (p0 >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1 = p2.to(tl.uint32)
+        c3 = p0.to(tl.uint32)
+        c0 = n0
+        c2 = n2
+        k0 = k0 + KEY_A
+        k1 = k1 + KEY_B
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _random_words(seed, call, st_lo, st_hi, WIDE: tl.constexpr = False):
     """The four uint32 output words of Philox calls ``call`` (any shape) of one stream:
-    tl.philox(seed, call, stream lo, stream hi, 0) (:mod:`replayssm_quant.philox`)."""
+    tl.philox(seed, call, stream lo, stream hi, 0) (:mod:`replayssm_quant.philox`); with
+    ``WIDE`` the same words by :func:`_philox_wide`."""
     c0 = call.to(tl.uint32)
+    if WIDE:
+        return _philox_wide(tl.to_tensor(seed).to(tl.uint64), c0, st_lo + c0 * 0, st_hi + c0 * 0, c0 * 0)
     return tl.philox(seed, c0, st_lo + c0 * 0, st_hi + c0 * 0, c0 * 0)
 
 
@@ -310,6 +344,38 @@ def _f16_sr_code(bits, r):
 
 
 @triton.jit
+def _f16_sr_signed(bits, r, NAN: tl.constexpr = _FP16_NAN_CODE):
+    """The signed fp16 code that :func:`_round` gives float32 ``y`` (int32 ``bits``, any
+    value) with SR and draw ``r`` (``_quant(y, r, True, fp16)``'s code): finite values by
+    :func:`_f16_sr_code` (saturating at 65504), +-inf to 0x7C00 / 0xFC00, NaN to 0x7E00 /
+    0xFE00, the sign in bit 15 (-0 included). The same codes in fewer instructions than
+    ``_round``'s NaN / inf / sign selects (the lean pair cast, :func:`_pair_kernel`):
+    ``_f16_sr_code`` reads only the magnitude bits, its result on a non-finite magnitude is
+    replaced, and the sign is bit 31 moved to bit 15. Equality with ``_quant`` is tested on
+    every special value, binade edge and threshold (``test_lean_cast_codes_match_generic``)."""
+    m = bits & 0x7FFFFFFF
+    code = _f16_sr_code(tl.minimum(m, 0x7F7FFFFF), r)
+    special = tl.where(m == 0x7F800000, 0x7C00, NAN)
+    code = tl.where(m >= 0x7F800000, special, code)
+    return code | ((bits >> 16) & 0x8000)
+
+
+@triton.jit
+def _f16_rtn_signed(y, NAN: tl.constexpr = _FP16_NAN_CODE, FMAX: tl.constexpr = F.FP16.max):
+    """The signed fp16 code that :func:`_round` gives float32 ``y`` with RTN
+    (``_quant(y, 0, False, fp16)``'s code) by the hardware conversion (``cvt.rn.f16.f32``,
+    round to nearest even, fp16 subnormals included) of ``y`` clamped to +-65504 when finite
+    (the reference saturates; the conversion would give inf from 65520 up), +-inf kept, and
+    NaN mapped to 0x7E00 / 0xFE00 (the conversion's NaN is 0x7FFF on CUDA). Equality with
+    ``_quant`` is tested in ``test_lean_cast_codes_match_generic``."""
+    fin = tl.abs(y) < float("inf")
+    c = tl.where(fin, tl.minimum(tl.maximum(y, -FMAX), FMAX), y)
+    code = c.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    sign = (y.to(tl.int32, bitcast=True) >> 16) & 0x8000
+    return tl.where(y != y, NAN | sign, code)
+
+
+@triton.jit
 def _bf16_sr_code(bits, r):
     """:func:`_grid_code` with SR onto the bfloat16 grid of finite float32 ``|y|`` (int32
     bits): bfloat16 shares float32's exponent range (its subnormals are float32's), so the
@@ -413,6 +479,26 @@ def _e2m1_rtn(y, EMIN: tl.constexpr = F.E2M1.emin, MBITS: tl.constexpr = F.E2M1.
     mag = _grid_value(code & 7, EMIN, MBITS, SUBQ)
     vbits = mag.to(tl.int32, bitcast=True) | ((code & 8) << 28)
     return vbits.to(tl.float32, bitcast=True), code
+
+
+@triton.jit
+def _e2m1_rtn_code_lean(y):
+    """:func:`_e2m1_rtn_code` (signed E2M1 code of finite float32 ``y``, RTN ties to even,
+    saturating at 6) in fewer instructions, for the lean pair cast. Below 2 the E2M1 grid
+    is fixed-point with step 0.5 (0, 0.5, 1, 1.5; 2 from 1.75 up), so the code is
+    ``RNE(2 |y|)``, read from the float32 bits of ``2 |y| + 1.5 * 2^23`` (a sum in
+    [2^23, 2^24), whose ulp is 1: its one rounding is the round to nearest even integer,
+    exact whether the compiler fuses the product into an FMA or not). From 2 up, the
+    integer rounding of :func:`_e2m1_rtn_code`. Equality is tested on every float32 in
+    [0, 8] on CUDA and near every midpoint under the interpreter
+    (``test_lean_cast_codes_match_generic``)."""
+    b = y.to(tl.int32, bitcast=True)
+    m = b & 0x7FFFFFFF
+    a = m.to(tl.float32, bitcast=True)
+    low = (a * 2.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+    nrm = tl.minimum(((m + 0x1FFFFF + ((m >> 22) & 1)) >> 22) - 252, 7)
+    n = tl.where(m < 0x40000000, low, nrm)
+    return n | ((b >> 28) & 8)
 
 
 @triton.jit
@@ -808,6 +894,164 @@ def _pair_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_st
 
 
 @triton.jit
+def _plain_codes(x, r, P_SR: tl.constexpr, P_GRID: tl.constexpr):
+    """Signed codes (int32, sign in bit 15) of float32 ``x`` cast to the unscaled grid
+    ``P_GRID`` (fp16 or bf16) with SR draws ``r`` (``P_SR``) or RTN: fp16 by
+    :func:`_f16_sr_signed` / :func:`_f16_rtn_signed`, bf16 by :func:`_quant` (the same codes
+    as ``_quant`` in every case)."""
+    if P_GRID.EMIN == -14 and P_GRID.MBITS == 10:  # fp16
+        if P_SR:
+            code = _f16_sr_signed(x.to(tl.int32, bitcast=True), r)
+        else:
+            code = _f16_rtn_signed(x)
+    else:
+        _, code = _quant(x, r, P_SR, P_GRID)
+    return code
+
+
+@triton.jit
+def _load4(src, mask):
+    """The four float32 elements ``src + w`` (w = 0..3) of Philox calls (zeros where
+    ``mask`` is off: the padding of a tail block)."""
+    return (tl.load(src, mask=mask, other=0.0), tl.load(src + 1, mask=mask, other=0.0),
+            tl.load(src + 2, mask=mask, other=0.0), tl.load(src + 3, mask=mask, other=0.0))
+
+
+@triton.jit
+def _amax4(x0, x1, x2, x3):
+    """Elementwise ``max |x_w|`` of four tensors, NaN where any is NaN (``max.NaN``: one
+    instruction per element): where the result is finite it is the finite amax of
+    :func:`_finite_abs`; a NaN or inf result marks a block with a NaN or inf (whose amax
+    is not used: its scale is NaN)."""
+    nan: tl.constexpr = tl.PropagateNan.ALL
+    return tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1), propagate_nan=nan),
+                      tl.maximum(tl.abs(x2), tl.abs(x3), propagate_nan=nan), propagate_nan=nan)
+
+
+@triton.jit
+def _plain_word(x0, x1, x2, x3, seed, call, lo, hi, P_SR: tl.constexpr, P_GRID: tl.constexpr):
+    """The unscaled copy's codes of the four elements ``4 call + w`` (``x_w``) of one Philox
+    call, as one little-endian 64-bit word (element ``4 call`` in the low 16 bits)."""
+    if P_SR:
+        r0, r1, r2, r3 = _random_words(seed, call, lo, hi, True)
+    else:
+        r0 = 0
+        r1 = 0
+        r2 = 0
+        r3 = 0
+    w01 = _plain_codes(x0, r0, P_SR, P_GRID) | (_plain_codes(x1, r1, P_SR, P_GRID) << 16)
+    w23 = _plain_codes(x2, r2, P_SR, P_GRID) | (_plain_codes(x3, r3, P_SR, P_GRID) << 16)
+    return (w01.to(tl.uint32, bitcast=True).to(tl.uint64)
+            | (w23.to(tl.uint32, bitcast=True).to(tl.uint64) << 32))
+
+
+@triton.jit
+def _nvfp4_nibbles(x0, x1, x2, x3, safe, seed, call, lo, hi, SR: tl.constexpr,
+                   GRID: tl.constexpr):
+    """The E2M1 codes of ``x_w / safe`` (``div_rn``; RTN by :func:`_e2m1_rtn_code_lean`, or SR
+    with the words of Philox call ``call``) as one 16-bit value (uint64): byte 0 holds
+    elements 0 (low nibble) and 1, byte 1 elements 2 and 3."""
+    y0 = tl.math.div_rn(x0, safe)
+    y1 = tl.math.div_rn(x1, safe)
+    y2 = tl.math.div_rn(x2, safe)
+    y3 = tl.math.div_rn(x3, safe)
+    if SR:
+        r0, r1, r2, r3 = _random_words(seed, call, lo, hi, True)
+        _, c0 = _quant(y0, r0, True, GRID)
+        _, c1 = _quant(y1, r1, True, GRID)
+        _, c2 = _quant(y2, r2, True, GRID)
+        _, c3 = _quant(y3, r3, True, GRID)
+    else:
+        c0 = _e2m1_rtn_code_lean(y0)
+        c1 = _e2m1_rtn_code_lean(y1)
+        c2 = _e2m1_rtn_code_lean(y2)
+        c3 = _e2m1_rtn_code_lean(y3)
+    return ((c0 | (c1 << 4)) | ((c2 | (c3 << 4)) << 8)).to(tl.uint32, bitcast=True).to(tl.uint64)
+
+
+@triton.jit
+def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_stream_ptr,
+                      seed, M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr,
+                      TILE: tl.constexpr, SR: tl.constexpr, GDIV: tl.constexpr,
+                      GRID: tl.constexpr, UP: tl.constexpr, PLAIN: tl.constexpr,
+                      P_SR: tl.constexpr, P_GRID: tl.constexpr):
+    """:func:`pack_pair_triton` with ``form="lean"``: the bytes of :func:`_pair_kernel` in
+    fewer instructions per element (NVFP4 blocks of 16, ``K % 4 == 0``). One program per
+    matrix: the matrix amax pass, then tiles of ``ROWS`` block rows held as sixteen 1-D
+    ``[ROWS]`` tensors, one per element of the block (``a_w``, ``b_w``, ``c_w``, ``d_w``:
+    elements ``w``, ``4 + w``, ``8 + w``, ``12 + w``), so that a thread holds whole block
+    rows (the block amax and scale are computed once per block row, with no reduction
+    across threads) and
+
+    * element ``4 i + w`` of the block takes word ``w`` of its Philox call (DESIGN.md
+      section 3: the call ``(m K + k) >> 2``) as it comes (:func:`_random_words` by
+      :func:`_philox_wide`; the stream keys of one matrix loaded once);
+    * the plain copy's four codes of a call are one 64-bit word (``p_ptr`` as int64), and
+      the NVFP4 copy's 16 nibbles of a block row one 64-bit word (``out_ptr`` as int64),
+      stored without joining halves;
+    * fp16 codes come from :func:`_plain_codes` and E2M1 RTN codes from
+      :func:`_e2m1_rtn_code_lean`; the block scales (:func:`_block_scale`) and the
+      division (``div_rn``) are those of :func:`_block_cast`."""
+    mat = tl.program_id(0).to(tl.int64)
+    mnb = M * NB
+    amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
+    s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
+    if UP:
+        s_g = _nvfp4_global_up(amax, s_g)
+    plo = 0
+    phi = 0
+    slo = 0
+    shi = 0
+    if PLAIN and P_SR:
+        plo, phi = _stream_words(tl.load(p_stream_ptr + mat))
+    if SR:
+        slo, shi = _stream_words(tl.load(stream_ptr + mat))
+    for t0 in range(0, mnb, ROWS):
+        gl = t0 + tl.arange(0, ROWS)  # block rows of this matrix (int32)
+        rvalid = gl < mnb
+        m = gl // NB
+        blk = gl - m * NB
+        k = blk * 16  # the block's first element in its row
+        row = (mat * M + m) * K  # int64
+        src = x_ptr + row + k
+        a0, a1, a2, a3 = _load4(src, rvalid & (k < K))  # padding: zeros
+        b0, b1, b2, b3 = _load4(src + 4, rvalid & (k + 4 < K))
+        c0, c1, c2, c3 = _load4(src + 8, rvalid & (k + 8 < K))
+        d0, d1, d2, d3 = _load4(src + 12, rvalid & (k + 12 < K))
+        call = m * (K // 4) + blk * 4  # the block's first Philox call (e >> 2, e = m K + k)
+        if PLAIN:
+            pw = row // 4 + blk * 4  # the plain codes as 64-bit words, one per call
+            tl.store(p_ptr + pw, _plain_word(a0, a1, a2, a3, seed, call, plo, phi, P_SR,
+                                             P_GRID).to(tl.int64, bitcast=True),
+                     mask=rvalid & (k < K))
+            tl.store(p_ptr + pw + 1, _plain_word(b0, b1, b2, b3, seed, call + 1, plo, phi,
+                                                 P_SR, P_GRID).to(tl.int64, bitcast=True),
+                     mask=rvalid & (k + 4 < K))
+            tl.store(p_ptr + pw + 2, _plain_word(c0, c1, c2, c3, seed, call + 2, plo, phi,
+                                                 P_SR, P_GRID).to(tl.int64, bitcast=True),
+                     mask=rvalid & (k + 8 < K))
+            tl.store(p_ptr + pw + 3, _plain_word(d0, d1, d2, d3, seed, call + 3, plo, phi,
+                                                 P_SR, P_GRID).to(tl.int64, bitcast=True),
+                     mask=rvalid & (k + 12 < K))
+        nan: tl.constexpr = tl.PropagateNan.ALL
+        bamax = tl.maximum(tl.maximum(_amax4(a0, a1, a2, a3), _amax4(b0, b1, b2, b3),
+                                      propagate_nan=nan),
+                           tl.maximum(_amax4(c0, c1, c2, c3), _amax4(d0, d1, d2, d3),
+                                      propagate_nan=nan), propagate_nan=nan)
+        bad = ~(bamax < float("inf"))  # a NaN or inf in the block
+        _, safe, ok, sb_code = _block_scale(bamax, bad, s_g, True, 0, 1 if UP else 0, 0)
+        nib = _nvfp4_nibbles(a0, a1, a2, a3, safe, seed, call, slo, shi, SR, GRID) \
+            | (_nvfp4_nibbles(b0, b1, b2, b3, safe, seed, call + 1, slo, shi, SR, GRID) << 16) \
+            | (_nvfp4_nibbles(c0, c1, c2, c3, safe, seed, call + 2, slo, shi, SR, GRID) << 32) \
+            | (_nvfp4_nibbles(d0, d1, d2, d3, safe, seed, call + 3, slo, shi, SR, GRID) << 48)
+        nib = tl.where(ok, nib, 0)  # also the bad blocks: E2M1 NaN encodes as 0
+        tl.store(out_ptr + (mat * M + m) * NB + blk, nib.to(tl.int64, bitcast=True),
+                 mask=rvalid)  # a block row's 8 bytes: one 64-bit word
+        tl.store(bscale_ptr + mat * mnb + gl, sb_code.to(tl.uint8), mask=rvalid)
+    tl.store(mscale_ptr + mat, s_g)
+
+
+@triton.jit
 def _mx_kernel(x_ptr, out_ptr, bscale_ptr, stream_ptr, seed, M, K, NB, G,
                ROWS: tl.constexpr, FP4: tl.constexpr, EMAX: tl.constexpr, SR: tl.constexpr,
                PACK: tl.constexpr, HALF: tl.constexpr, GRID: tl.constexpr,
@@ -960,7 +1204,8 @@ def pair_casts(plain, scaled) -> bool:
 
 
 def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_stream=0,
-                     scaled_stream=0, rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS):
+                     scaled_stream=0, rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS,
+                     form: str | None = None):
     """Two casts of one float32 tensor in one launch: the same bytes as
     ``(pack_triton(x, plain, stream=plain_stream), pack_triton(x, scaled,
     stream=scaled_stream))`` (:func:`replayssm_quant.quant.pack_reference` each), with each
@@ -981,6 +1226,10 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
             ``x.shape[:-2]``), as :func:`pack_triton`'s ``stream``.
         rows, num_warps: block rows (16 elements each) per tile (a power of two) and warps;
             the bytes do not depend on them.
+        form: the kernel, one of :data:`PAIR_FORMS` (None: the module default
+            ``_PAIR_FORM``): ``"generic"`` :func:`_pair_kernel` (the quantizer kernels'
+            helpers), ``"lean"`` :func:`_pair_lean_kernel` (the same bytes in fewer
+            instructions per element) where ``K % 4 == 0``, else :func:`_pair_kernel`.
 
     Returns:
         ``(plain copy, scaled copy)``: PackedTensor each (the plain one ``x`` for fp32).
@@ -988,9 +1237,14 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
     Raises:
         ValueError: an unknown format token, specs :func:`pair_casts` refuses, ``x`` not a
             contiguous float32 ``[..., M, K]`` with non-empty matrix dims, ``rows`` not a
-            power of two in [1, 1024], ``num_warps`` not one of 1, 2, 4, 8, 16, 32, a stream
-            that does not broadcast to ``x.shape[:-2]``.
+            power of two in [1, 1024], ``num_warps`` not one of 1, 2, 4, 8, 16, 32, ``form``
+            not one of :data:`PAIR_FORMS`, a stream that does not broadcast to
+            ``x.shape[:-2]``.
     """
+    if form is None:
+        form = _PAIR_FORM
+    if form not in PAIR_FORMS:
+        raise ValueError(f"form must be one of {PAIR_FORMS}, got {form!r}")
     plain, scaled = parse_spec(plain), parse_spec(scaled)
     if not pair_casts(plain, scaled):
         raise ValueError(f"pack_pair_triton casts to (fp32 or an unscaled format, nvfp4), got "
@@ -1024,7 +1278,15 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
         pgrid = _grid_consts(plain.info.element)
     else:
         pcodes, pst, pgrid = codes, st, None
-    if bsz:
+    if bsz and form == "lean" and k % 4 == 0:
+        assert block == 16  # NVFP4's scaling block
+        _pair_lean_kernel[(bsz,)](
+            x, codes.view(torch.int64), bscale, mscale, st,
+            pcodes.view(torch.int64) if p_on else pcodes, pst, int(seed), m, K=k, NB=nb,
+            ROWS=rows, TILE=_TILE, SR=scaled.sr, GDIV=F.NVFP4_SCALE_DIVISOR,
+            GRID=_grid_consts(info.element), UP=scaled.scale == "up", PLAIN=p_on,
+            P_SR=p_on and plain.sr, P_GRID=pgrid, num_warps=num_warps)
+    elif bsz:
         _pair_kernel[(bsz,)](
             x, codes, bscale, mscale, st, pcodes, pst, int(seed), m, K=k, NB=nb, ROWS=rows,
             TILE=_TILE, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,

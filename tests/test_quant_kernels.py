@@ -385,9 +385,12 @@ PAIR_FAST = {("fp16+sr", "nvfp4+sr"), ("fp16+sr", "nvfp4+up+sr"), ("fp16", "nvfp
 # generic fallback for bf16 with SR on both copies, the fp32 plain copy with nvfp4+up
 PAIR_FAST_LEAN = {("fp16+sr", "nvfp4"), ("fp16", "nvfp4"), ("bf16+sr", "nvfp4+sr"),
                   ("fp32", "nvfp4+up")}
+# the reciprocal division: RTN NVFP4 copies (under SR it is the lean form)
+PAIR_FAST_RCP = {("fp16+sr", "nvfp4"), ("fp16", "nvfp4+up"), ("fp32", "nvfp4")}
 PAIR_CASES = [pytest.param(p, c, form, marks=() if (p, c) in fast else pytest.mark.slow,
                            id=f"{p}-{c}-{form}")
-              for form, fast in (("generic", PAIR_FAST), ("lean", PAIR_FAST_LEAN))
+              for form, fast in (("generic", PAIR_FAST), ("lean", PAIR_FAST_LEAN),
+                                 ("lean_rcp", PAIR_FAST_RCP))
               for p in PAIR_PLAIN for c in PAIR_SCALED]
 
 
@@ -433,7 +436,7 @@ def test_pack_pair_matches_reference(plain, scaled, form):
     _check_pair(z, plain, scaled, torch.tensor(3), torch.tensor(8), form=form)
 
 
-@pytest.mark.parametrize("form", ["generic", "lean"])
+@pytest.mark.parametrize("form", ["generic", "lean", "lean_rcp"])
 def test_pack_pair_batch_and_tile_invariant(form):
     """A matrix's two copies are the same alone, in the batch, at another batch position
     (the batch reversed with its stream keys), under another tile and in the other kernel
@@ -449,7 +452,7 @@ def test_pack_pair_batch_and_tile_invariant(form):
     full = run(x, sp, ss)
     rev = run(x.flip(0).contiguous(), sp.flip(0), ss.flip(0))
     other = run(x, sp, ss, rows=16, num_warps=2)
-    alt = run(x, sp, ss, form={"generic": "lean", "lean": "generic"}[form])
+    alt = run(x, sp, ss, form={"generic": "lean", "lean": "generic", "lean_rcp": "generic"}[form])
     for f, r, o, a in zip(full, rev, other, alt, strict=True):
         assert_same_bytes(r.flip(0), f, "reversed batch")
         assert_same_bytes(o, f, "tile of 16 rows")
@@ -482,6 +485,87 @@ def test_pack_pair_refused():
             kq.pack_pair_triton(x, "fp16", "nvfp4", num_warps=nw)
     with pytest.raises(ValueError, match="does not broadcast"):
         kq.pack_pair_triton(x, "fp16+sr", "nvfp4", plain_stream=torch.zeros(3, dtype=torch.int64))
+
+
+@triton.jit
+def _div_by_rcp_kernel(x_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    x = tl.load(x_ptr + i, mask=ok, other=0.0)
+    b = tl.load(b_ptr + i, mask=ok, other=1.0)
+    y = tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), b)
+    tl.store(out_ptr + i, kq._div_by_rcp(x, b, y), mask=ok)
+
+
+def _div_cases(g: torch.Generator):
+    """(x, b) float32 pairs for ``_div_by_rcp``: divisors at both ends of its range, with
+    all-ones and unit mantissas, E4M3 block scales times random matrix scales, and random
+    ones; dividends a few ulps either side of b times every E2M1 grid value and midpoint
+    (the quotients where RTN codes change), random quotients in [2^-4, 9.5], tiny and zero
+    dividends, both signs."""
+    f32 = torch.float32
+    lo, hi = kq.RCP_MATRIX_SCALE_RANGE
+    ends = [2.0 ** -95, 2.0 ** 95, (2 - 2 ** -23) * 2.0 ** 94, (2 - 2 ** -23) * 2.0 ** -95,
+            1.0, 1 + 2 ** -23, 2 - 2 ** -23, 3.0, 6.0, 2688.0, 1 / 3, 0.1]
+    e4m3 = torch.tensor([0.001953125, 0.0166015625, 0.875, 1.125, 13.0, 240.0, 448.0])
+    sg = torch.exp2(torch.empty(6).uniform_(math.log2(lo), math.log2(hi), generator=g))
+    sg = sg * (1 + torch.rand(6, generator=g))
+    rnd = torch.exp2(torch.empty(20).uniform_(-95, 95, generator=g))
+    bs = torch.cat([torch.tensor(ends), (e4m3[:, None] * sg[None, :]).flatten(), rnd]).to(f32)
+    bs = bs.clamp(2.0 ** -95, 2.0 ** 95)
+    grid = torch.tensor([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0,
+                         6.0, 0.125, 9.0], dtype=torch.float64)
+    xs, ds = [], []
+    for b in bs:
+        base = (grid * float(b)).to(f32)
+        near = [base]
+        up, down = base, base
+        for _ in range(3):
+            up, down = torch.nextafter(up, torch.tensor(INF)), torch.nextafter(down, torch.tensor(0.0))
+            near += [up, down]
+        z = torch.exp2(torch.empty(64).uniform_(-4, math.log2(9.5), generator=g))
+        tiny = torch.tensor([0.0, 1e-45, 1e-40, 2.0 ** -126, 1e-20, float(b) * 2.0 ** -30])
+        x = torch.cat(near + [(z.double() * float(b)).to(f32), tiny.to(f32)])
+        x = torch.where(torch.rand(x.shape, generator=g) < 0.3, -x, x)
+        xs.append(x)
+        ds.append(torch.full_like(x, float(b)))
+    return torch.cat(xs), torch.cat(ds)
+
+
+def test_div_by_rcp_matches_div_rn():
+    """``_div_by_rcp`` (one reciprocal per divisor, FMA refinements) against the IEEE
+    float32 quotient (torch's CPU division): the same bits wherever |x / b| >= 2^-3; below,
+    the same sign and |q| < 0.25, so the same E2M1 RTN code."""
+    x, b = _div_cases(torch.Generator().manual_seed(31))
+    n = x.numel()
+    out = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    _div_by_rcp_kernel[(triton.cdiv(n, 1024),)](x.to(DEVICE), b.to(DEVICE), out, n, BLOCK=1024)
+    got, want = out.cpu(), x / b
+    big = want.abs() >= 0.125
+    assert big.sum() > 0.9 * n  # most cases are in the exact range
+    assert_bitwise(got[big], want[big], "quotients >= 2^-3")
+    small = ~big
+    assert torch.equal(torch.signbit(got[small]), torch.signbit(want[small]))
+    assert (got[small].abs() < 0.25).all()
+
+
+def test_pack_pair_rcp_division_range_edges():
+    """The lean pair cast with the reciprocal division (``form="lean_rcp"``) on matrices whose
+    NVFP4 matrix scale lies at either end of ``RCP_MATRIX_SCALE_RANGE`` (the reciprocal
+    division inside, ``div_rn`` outside) equals the reference, RTN and ``up`` scales, beside
+    fp16 with SR; the element magnitudes span 2^-40 of the matrix amax, with grid
+    midpoints."""
+    g = torch.Generator().manual_seed(41)
+    lo, hi = kq.RCP_MATRIX_SCALE_RANGE
+    x = _random(((8,), 4, 48), seed=43)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75])
+    x[:, 1, 16:24] = mids
+    x[:, 2] *= torch.exp2(-40 * torch.rand(48, generator=g))
+    amax = x.abs().amax(dim=(-2, -1), keepdim=True)
+    target = torch.tensor([lo * 0.999, lo, lo * 1.001, 1.0, hi * 0.999, hi, hi * 1.001, hi * 4])
+    x = (x / amax * (target * F.NVFP4_SCALE_DIVISOR).view(8, 1, 1)).float()
+    for scaled in ("nvfp4", "nvfp4+up"):
+        _check_pair(x, "fp16+sr", scaled, _streams((8,)), _streams((8,)) + 3, form="lean_rcp")
 
 
 # ----------------------------------------------------------------------------------------

@@ -329,7 +329,8 @@ def test_flush_split_casts_same_bytes(model, policy):
     pytest.param("mamba2", "read:nvfp4/rec:fp32", marks=pytest.mark.slow)])
 def test_flush_cast_forms_same_bytes(model, policy):
     """The split flush's cast forms (``cast_form="pair"``: one ``pack_pair_triton`` launch;
-    ``"pair_lean"``: the same in its lean form; ``"separate"``: one ``pack_triton`` per copy)
+    ``"pair_lean"`` / ``"pair_lean_rcp"``: the same in its lean forms; ``"separate"``: one
+    ``pack_triton`` per copy)
     and the fused casts give the same S, flush-token output and stored copies bit for bit
     under one launch, and the reference casts of that S (each copy with its own stream: the
     NVFP4 copy is the read copy, the anchor, or the only one)."""
@@ -339,9 +340,9 @@ def test_flush_cast_forms_same_bytes(model, policy):
     outs = {form: _model_flush(model, A, la, v, k, beta, length, pol, q=q, **launch,
                                split_casts=form != "fused",
                                cast_form=None if form == "fused" else form, **STREAMS)
-            for form in ("pair", "pair_lean", "separate", "fused")}
+            for form in ("pair", "pair_lean", "pair_lean_rcp", "separate", "fused")}
     (pair, yp) = outs["pair"]
-    for form in ("pair_lean", "separate", "fused"):
+    for form in ("pair_lean", "pair_lean_rcp", "separate", "fused"):
         other, yo = outs[form]
         assert torch.equal(_bits(pair.state), _bits(other.state)), form
         assert torch.equal(_bits(yp), _bits(yo)), form
@@ -351,12 +352,12 @@ def test_flush_cast_forms_same_bytes(model, policy):
 
 def test_split_cast_form_default_and_refusals():
     """``split_cast_form``: "pair" by default for an NVFP4 copy beside an fp32 / fp16 / bf16
-    one (either role) or alone; "separate" for the other split policies, which refuse "pair"
-    and "pair_lean" (naming the value), as do unknown forms and a cast form on a flush that
-    does not split."""
+    one (either role) or alone; "separate" for the other split policies, which refuse the
+    pair forms (naming the value), as do unknown forms and a cast form on a flush that does
+    not split."""
     from replayssm_quant.kernels.replay.flush import CAST_FORMS, split_cast_form
 
-    assert CAST_FORMS == ("pair", "pair_lean", "separate")
+    assert CAST_FORMS == ("pair", "pair_lean", "pair_lean_rcp", "separate")
     got = {p: split_cast_form(StatePolicy.parse(p)) for p in (
         "read:nvfp4/rec:fp16+sr", "read:fp16/rec:nvfp4+up", "read:nvfp4+sr/rec:bf16",
         "read:nvfp4/rec:fp32", "shared:nvfp4", "read:nvfp4/rec:nvfp4+sr",
@@ -368,7 +369,7 @@ def test_split_cast_form_default_and_refusals():
     for p in ("read:nvfp4/rec:fp32", "shared:nvfp4+sr"):
         assert split_cast_form(StatePolicy.parse(p), "separate") == "separate"
     for p in ("read:fp8e4m3/rec:fp16", "read:nvfp4/rec:nvfp4"):
-        for form in ("pair", "pair_lean"):
+        for form in ("pair", "pair_lean", "pair_lean_rcp"):
             with pytest.raises(ValueError, match=f"cast_form='{form}'"):
                 split_cast_form(StatePolicy.parse(p), form)
         assert split_cast_form(StatePolicy.parse("read:nvfp4/rec:fp16"), "pair_lean") \

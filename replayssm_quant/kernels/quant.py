@@ -63,7 +63,7 @@ _PAIR_ROWS, _PAIR_WARPS = 128, 4  # pack_pair_triton: block rows per tile, warps
 # pack_pair_triton's per-element arithmetic: "generic" (the quantizer kernels' helpers) or
 # "lean" (the same bytes in fewer instructions; docs/kernels-replay.md "Twenty-seventh
 # pass": untimed on a GPU when written, so not yet the default)
-PAIR_FORMS = ("generic", "lean")
+PAIR_FORMS = ("generic", "lean", "lean_rcp")
 _PAIR_FORM = "generic"
 
 
@@ -573,6 +573,50 @@ def _e8m0_value(code, BIAS: tl.constexpr = F.E8M0_BIAS, NAN: tl.constexpr = F.E8
     return tl.where(code == NAN, float("nan"), _pow2(code - BIAS))
 
 
+# Matrix scales s_g for which the lean pair cast (form "lean_rcp") divides by a reciprocal:
+# every block divisor s_b s_g (s_b an E4M3 value in [2^-9, 448], or the divisor 1) then
+# lies in [2^-95, 2^95]. (Written for _block_cast on 2026-12-04, 6e6c3f3, and measured 2-9%
+# slower there; reverted in 6984b60; docs/kernels-replay.md "Twenty-third pass".)
+RCP_MATRIX_SCALE_RANGE = (2.0 ** -86, 2.0 ** 86)
+
+
+@triton.jit
+def _div_by_rcp(x, b, y):
+    """``div_rn(x, b)`` for float32 ``x`` and divisors ``b`` in [2^-95, 2^95] given with their
+    correctly rounded reciprocals ``y = RN(1 / b)`` (broadcastable to ``x``), in one
+    multiplication and four FMAs per element instead of an IEEE division sequence.
+
+    With ``a = x`` (every step is odd in x, so take x >= 0): ``q0 = RN(a y)`` is within 2
+    ulp of ``z = a / b``; one refinement ``q1 = RN(q0 + RN(a - b q0) y)`` is within
+    1/2 ulp + 2^-22 ulp of z, so faithful; then
+    Markstein's theorem (P. Markstein, IBM J. Res. Dev. 34(1), 1990; Muller et al.,
+    *Handbook of Floating-Point Arithmetic*, division with an FMA: y within half an ulp of
+    1/b and q1 within one ulp of a/b give an exact remainder ``r = a - b q1`` and
+    ``RN(q1 + r y) = RN(a/b)``)
+    makes ``q2 = RN(q1 + r y)`` the correctly rounded quotient, provided r neither
+    overflows nor loses bits to underflow. With ``b >= 2^-95`` and ``z >= 2^-3`` the
+    remainder's lattice ``2^(e_b + e_q - 46)`` is at least ``2^-145``, so r is exact, and
+    ``b <= 2^95`` keeps y normal. Below 2^-3 the quotient may differ from ``div_rn`` in last
+    bits (underflowed remainders) but stays below 2^-3 (1 + 2^-20), which is all that the
+    E2M1 RTN code of an NVFP4 element depends on (its smallest threshold is 0.25; SR
+    reads every bit, so SR casts keep ``div_rn``);
+    an NVFP4 block's quotients are at most 9 (``s_b`` rounds ``amax / (6 s_g)`` to E4M3;
+    blocks with scale 0 divide by 1, exactly). The sign bit of x is set in the result, as
+    ``RN(x / b)`` has it: an exact zero remainder sum is +0 under RN (x = -0 would give
+    +0), and a negative zero code is E2M1 code 8. Checked against ``div_rn`` bit for bit for z >= 2^-3
+    (``tests/test_quant_kernels.py::test_div_by_rcp_matches_div_rn``,
+    ``benchmarks/div_check.py`` on the GPU: every dividend of 36 360 divisors, 0 differences
+    at 6e6c3f3). NaN / inf x give NaN / inf (callers overwrite
+    such blocks)."""
+    q = x * y
+    r = tl.fma(-q, b, x)
+    q = tl.fma(r, y, q)
+    r = tl.fma(-q, b, x)
+    q = tl.fma(r, y, q)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648  # an exact zero sum is +0 under RN
+    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _block_scale(bamax, bad, s_g, NV: tl.constexpr, EMAX: tl.constexpr,
                  MODE: tl.constexpr = 0, THR: tl.constexpr = 0,
@@ -946,15 +990,22 @@ def _plain_word(x0, x1, x2, x3, seed, call, lo, hi, P_SR: tl.constexpr, P_GRID: 
 
 
 @triton.jit
-def _nvfp4_nibbles(x0, x1, x2, x3, safe, seed, call, lo, hi, SR: tl.constexpr,
-                   GRID: tl.constexpr):
-    """The E2M1 codes of ``x_w / safe`` (``div_rn``; RTN by :func:`_e2m1_rtn_code_lean`, or SR
-    with the words of Philox call ``call``) as one 16-bit value (uint64): byte 0 holds
-    elements 0 (low nibble) and 1, byte 1 elements 2 and 3."""
-    y0 = tl.math.div_rn(x0, safe)
-    y1 = tl.math.div_rn(x1, safe)
-    y2 = tl.math.div_rn(x2, safe)
-    y3 = tl.math.div_rn(x3, safe)
+def _nvfp4_nibbles(x0, x1, x2, x3, safe, rcp, seed, call, lo, hi, SR: tl.constexpr,
+                   GRID: tl.constexpr, RCP: tl.constexpr):
+    """The E2M1 codes of ``x_w / safe`` (``div_rn``, or with ``RCP`` :func:`_div_by_rcp` by
+    ``rcp = RN(1 / safe)``; RTN by :func:`_e2m1_rtn_code_lean`, or SR with the words of Philox
+    call ``call``) as one 16-bit value (uint64): byte 0 holds elements 0 (low nibble) and 1,
+    byte 1 elements 2 and 3."""
+    if RCP:
+        y0 = _div_by_rcp(x0, safe, rcp)
+        y1 = _div_by_rcp(x1, safe, rcp)
+        y2 = _div_by_rcp(x2, safe, rcp)
+        y3 = _div_by_rcp(x3, safe, rcp)
+    else:
+        y0 = tl.math.div_rn(x0, safe)
+        y1 = tl.math.div_rn(x1, safe)
+        y2 = tl.math.div_rn(x2, safe)
+        y3 = tl.math.div_rn(x3, safe)
     if SR:
         r0, r1, r2, r3 = _random_words(seed, call, lo, hi, True)
         _, c0 = _quant(y0, r0, True, GRID)
@@ -970,42 +1021,14 @@ def _nvfp4_nibbles(x0, x1, x2, x3, safe, seed, call, lo, hi, SR: tl.constexpr,
 
 
 @triton.jit
-def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_stream_ptr,
-                      seed, M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr,
-                      TILE: tl.constexpr, SR: tl.constexpr, GDIV: tl.constexpr,
-                      GRID: tl.constexpr, UP: tl.constexpr, PLAIN: tl.constexpr,
-                      P_SR: tl.constexpr, P_GRID: tl.constexpr):
-    """:func:`pack_pair_triton` with ``form="lean"``: the bytes of :func:`_pair_kernel` in
-    fewer instructions per element (NVFP4 blocks of 16, ``K % 4 == 0``). One program per
-    matrix: the matrix amax pass, then tiles of ``ROWS`` block rows held as sixteen 1-D
-    ``[ROWS]`` tensors, one per element of the block (``a_w``, ``b_w``, ``c_w``, ``d_w``:
-    elements ``w``, ``4 + w``, ``8 + w``, ``12 + w``), so that a thread holds whole block
-    rows (the block amax and scale are computed once per block row, with no reduction
-    across threads) and
-
-    * element ``4 i + w`` of the block takes word ``w`` of its Philox call (DESIGN.md
-      section 3: the call ``(m K + k) >> 2``) as it comes (:func:`_random_words` by
-      :func:`_philox_wide`; the stream keys of one matrix loaded once);
-    * the plain copy's four codes of a call are one 64-bit word (``p_ptr`` as int64), and
-      the NVFP4 copy's 16 nibbles of a block row one 64-bit word (``out_ptr`` as int64),
-      stored without joining halves;
-    * fp16 codes come from :func:`_plain_codes` and E2M1 RTN codes from
-      :func:`_e2m1_rtn_code_lean`; the block scales (:func:`_block_scale`) and the
-      division (``div_rn``) are those of :func:`_block_cast`."""
-    mat = tl.program_id(0).to(tl.int64)
+def _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo, shi, M,
+                     K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, SR: tl.constexpr,
+                     GRID: tl.constexpr, UP: tl.constexpr, PLAIN: tl.constexpr,
+                     P_SR: tl.constexpr, P_GRID: tl.constexpr, RCP: tl.constexpr):
+    """The tile loop of :func:`_pair_lean_kernel` over one matrix (``RCP``: the NVFP4
+    elements divided by :func:`_div_by_rcp`, for RTN casts with ``s_g`` in
+    :data:`RCP_MATRIX_SCALE_RANGE` only)."""
     mnb = M * NB
-    amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
-    s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
-    if UP:
-        s_g = _nvfp4_global_up(amax, s_g)
-    plo = 0
-    phi = 0
-    slo = 0
-    shi = 0
-    if PLAIN and P_SR:
-        plo, phi = _stream_words(tl.load(p_stream_ptr + mat))
-    if SR:
-        slo, shi = _stream_words(tl.load(stream_ptr + mat))
     for t0 in range(0, mnb, ROWS):
         gl = t0 + tl.arange(0, ROWS)  # block rows of this matrix (int32)
         rvalid = gl < mnb
@@ -1040,14 +1063,75 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
                                       propagate_nan=nan), propagate_nan=nan)
         bad = ~(bamax < float("inf"))  # a NaN or inf in the block
         _, safe, ok, sb_code = _block_scale(bamax, bad, s_g, True, 0, 1 if UP else 0, 0)
-        nib = _nvfp4_nibbles(a0, a1, a2, a3, safe, seed, call, slo, shi, SR, GRID) \
-            | (_nvfp4_nibbles(b0, b1, b2, b3, safe, seed, call + 1, slo, shi, SR, GRID) << 16) \
-            | (_nvfp4_nibbles(c0, c1, c2, c3, safe, seed, call + 2, slo, shi, SR, GRID) << 32) \
-            | (_nvfp4_nibbles(d0, d1, d2, d3, safe, seed, call + 3, slo, shi, SR, GRID) << 48)
+        if RCP:  # one correctly rounded reciprocal per block row
+            rcp = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
+        else:
+            rcp = safe
+        nib = _nvfp4_nibbles(a0, a1, a2, a3, safe, rcp, seed, call, slo, shi, SR, GRID, RCP) \
+            | (_nvfp4_nibbles(b0, b1, b2, b3, safe, rcp, seed, call + 1, slo, shi, SR, GRID,
+                              RCP) << 16) \
+            | (_nvfp4_nibbles(c0, c1, c2, c3, safe, rcp, seed, call + 2, slo, shi, SR, GRID,
+                              RCP) << 32) \
+            | (_nvfp4_nibbles(d0, d1, d2, d3, safe, rcp, seed, call + 3, slo, shi, SR, GRID,
+                              RCP) << 48)
         nib = tl.where(ok, nib, 0)  # also the bad blocks: E2M1 NaN encodes as 0
         tl.store(out_ptr + (mat * M + m) * NB + blk, nib.to(tl.int64, bitcast=True),
                  mask=rvalid)  # a block row's 8 bytes: one 64-bit word
         tl.store(bscale_ptr + mat * mnb + gl, sb_code.to(tl.uint8), mask=rvalid)
+
+
+@triton.jit
+def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_stream_ptr,
+                      seed, M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr,
+                      TILE: tl.constexpr, SR: tl.constexpr, GDIV: tl.constexpr,
+                      GRID: tl.constexpr, UP: tl.constexpr, PLAIN: tl.constexpr,
+                      P_SR: tl.constexpr, P_GRID: tl.constexpr, RCP_FORM: tl.constexpr,
+                      RCP_LO: tl.constexpr = RCP_MATRIX_SCALE_RANGE[0],
+                      RCP_HI: tl.constexpr = RCP_MATRIX_SCALE_RANGE[1]):
+    """:func:`pack_pair_triton` with ``form="lean"`` (``"lean_rcp"``: ``RCP_FORM``): the bytes of :func:`_pair_kernel` in
+    fewer instructions per element (NVFP4 blocks of 16, ``K % 4 == 0``). One program per
+    matrix: the matrix amax pass, then tiles of ``ROWS`` block rows held as sixteen 1-D
+    ``[ROWS]`` tensors, one per element of the block (``a_w``, ``b_w``, ``c_w``, ``d_w``:
+    elements ``w``, ``4 + w``, ``8 + w``, ``12 + w``), so that a thread holds whole block
+    rows (the block amax and scale are computed once per block row, with no reduction
+    across threads) and
+
+    * element ``4 i + w`` of the block takes word ``w`` of its Philox call (DESIGN.md
+      section 3: the call ``(m K + k) >> 2``) as it comes (:func:`_random_words` by
+      :func:`_philox_wide`; the stream keys of one matrix loaded once);
+    * the plain copy's four codes of a call are one 64-bit word (``p_ptr`` as int64), and
+      the NVFP4 copy's 16 nibbles of a block row one 64-bit word (``out_ptr`` as int64),
+      stored without joining halves;
+    * fp16 codes come from :func:`_plain_codes` and E2M1 RTN codes from
+      :func:`_e2m1_rtn_code_lean`; the block scales (:func:`_block_scale`) and the
+      division (``div_rn``) are those of :func:`_block_cast`;
+    * with ``RCP_FORM`` (RTN casts, the matrix scale in :data:`RCP_MATRIX_SCALE_RANGE`, one
+      test per matrix) the elements are divided by :func:`_div_by_rcp`: one reciprocal per
+      block row and four FMAs per element, the same E2M1 codes."""
+    mat = tl.program_id(0).to(tl.int64)
+    mnb = M * NB
+    amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
+    s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
+    if UP:
+        s_g = _nvfp4_global_up(amax, s_g)
+    plo = 0
+    phi = 0
+    slo = 0
+    shi = 0
+    if PLAIN and P_SR:
+        plo, phi = _stream_words(tl.load(p_stream_ptr + mat))
+    if SR:
+        slo, shi = _stream_words(tl.load(stream_ptr + mat))
+    if RCP_FORM and not SR:
+        if (s_g >= RCP_LO) & (s_g <= RCP_HI):  # one test per matrix: one loop runs
+            _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
+                             shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, True)
+        else:
+            _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
+                             shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, False)
+    else:
+        _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo, shi,
+                         M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, False)
     tl.store(mscale_ptr + mat, s_g)
 
 
@@ -1229,7 +1313,9 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
         form: the kernel, one of :data:`PAIR_FORMS` (None: the module default
             ``_PAIR_FORM``): ``"generic"`` :func:`_pair_kernel` (the quantizer kernels'
             helpers), ``"lean"`` :func:`_pair_lean_kernel` (the same bytes in fewer
-            instructions per element) where ``K % 4 == 0``, else :func:`_pair_kernel`.
+            instructions per element) where ``K % 4 == 0``, else :func:`_pair_kernel`;
+            ``"lean_rcp"`` the same, and an RTN NVFP4 copy divides its elements by one
+            reciprocal per block (:func:`_div_by_rcp`) where its matrix scale allows.
 
     Returns:
         ``(plain copy, scaled copy)``: PackedTensor each (the plain one ``x`` for fp32).
@@ -1278,14 +1364,15 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
         pgrid = _grid_consts(plain.info.element)
     else:
         pcodes, pst, pgrid = codes, st, None
-    if bsz and form == "lean" and k % 4 == 0:
+    if bsz and form in ("lean", "lean_rcp") and k % 4 == 0:
         assert block == 16  # NVFP4's scaling block
         _pair_lean_kernel[(bsz,)](
             x, codes.view(torch.int64), bscale, mscale, st,
             pcodes.view(torch.int64) if p_on else pcodes, pst, int(seed), m, K=k, NB=nb,
             ROWS=rows, TILE=_TILE, SR=scaled.sr, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up", PLAIN=p_on,
-            P_SR=p_on and plain.sr, P_GRID=pgrid, num_warps=num_warps)
+            P_SR=p_on and plain.sr, P_GRID=pgrid, RCP_FORM=form == "lean_rcp",
+            num_warps=num_warps)
     elif bsz:
         _pair_kernel[(bsz,)](
             x, codes, bscale, mscale, st, pcodes, pst, int(seed), m, K=k, NB=nb, ROWS=rows,

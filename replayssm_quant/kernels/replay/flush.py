@@ -634,9 +634,9 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     casts S. ``"pair"`` (the default for an NVFP4 copy beside an fp32, fp16 or bf16 one, or
     alone: :func:`split_cast_form`): one launch of
     :func:`~replayssm_quant.kernels.quant.pack_pair_triton` writes both copies, casting each
-    tile of S once it is loaded (after the matrix-amax pass); ``"pair_lean"`` the same launch
-    in its lean form (``pack_pair_triton(form="lean")``, the same bytes in fewer
-    instructions). ``"separate"``: one
+    tile of S once it is loaded (after the matrix-amax pass); ``"pair_lean"`` and
+    ``"pair_lean_rcp"`` the same launch in its lean forms (``pack_pair_triton(form="lean")``
+    / ``"lean_rcp"``, the same bytes in fewer instructions). ``"separate"``: one
     :func:`~replayssm_quant.kernels.quant.pack_triton` per copy (the nvfp4 one makes its own
     amax pass over S). The same bytes either way (``test_flush_cast_forms_same_bytes``); on
     the H200 at B = 256 (``flush_parts_h200.json``, docs/kernels-replay.md, "Twenty-second
@@ -817,10 +817,12 @@ def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
     return ka, kr
 
 
-# flush_kernel(cast_form=...): how a split flush casts S. "pair_lean" is "pair" with
-# pack_pair_triton(form="lean"): the same bytes in fewer instructions per element
-# (docs/kernels-replay.md, "Twenty-seventh pass"; untimed on a GPU when written)
-CAST_FORMS = ("pair", "pair_lean", "separate")
+# flush_kernel(cast_form=...): how a split flush casts S. "pair_lean" / "pair_lean_rcp" are
+# "pair" with pack_pair_triton(form="lean" / "lean_rcp"): the same bytes in fewer
+# instructions per element (docs/kernels-replay.md, "Twenty-seventh pass"; untimed on a GPU
+# when written, so not the default)
+CAST_FORMS = ("pair", "pair_lean", "pair_lean_rcp", "separate")
+_PAIR_CAST_FORMS = {"pair": "generic", "pair_lean": "lean", "pair_lean_rcp": "lean_rcp"}
 
 
 def split_cast_form(policy, cast_form: str | None = None) -> str:
@@ -833,15 +835,16 @@ def split_cast_form(policy, cast_form: str | None = None) -> str:
     1304 / 1383 for ``read:nvfp4/rec:fp32``.
 
     Raises:
-        ValueError: a ``cast_form`` not in :data:`CAST_FORMS`, or ``"pair"`` /
-            ``"pair_lean"`` for a policy whose copies it cannot cast (naming both)."""
+        ValueError: a ``cast_form`` not in :data:`CAST_FORMS`, or a pair form (``"pair"``,
+            ``"pair_lean"``, ``"pair_lean_rcp"``) for a policy whose copies it cannot cast
+            (naming both)."""
     policy = require_policy(policy)
     if cast_form is not None and cast_form not in CAST_FORMS:
         raise ValueError(f"cast_form must be one of {CAST_FORMS} or None, got {cast_form!r}")
     ok = _pair_roles(policy) is not None
     if cast_form is None:
         return "pair" if ok else "separate"
-    if cast_form in ("pair", "pair_lean") and not ok:
+    if cast_form in _PAIR_CAST_FORMS and not ok:
         raise ValueError(f"cast_form={cast_form!r} casts an NVFP4 copy beside an fp32 or "
                          f"unscaled one (or a single NVFP4 copy); {policy} has "
                          f"rec={policy.rec}, read={policy.read}")
@@ -888,7 +891,8 @@ def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids,
                  q, store_state, dequantize, cast_form, **launch):
     """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S,
     by one :func:`~replayssm_quant.kernels.quant.pack_pair_triton` launch
-    (``cast_form="pair"``; ``"pair_lean"``: its ``form="lean"``) or by one
+    (``cast_form="pair"``; ``"pair_lean"`` / ``"pair_lean_rcp"``: its ``form="lean"`` /
+    ``"lean_rcp"``) or by one
     :func:`~replayssm_quant.kernels.quant.pack_triton` per copy (``"separate"``); stream
     keys of :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by
     :func:`_split_keys`."""
@@ -900,12 +904,11 @@ def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids,
     S = res.checkpoints.anchor_stored
     sa, sr = _split_keys(layer, sequence_ids, flush_index, B, H, S.device)
     two = not policy.single_checkpoint
-    if cast_form in ("pair", "pair_lean"):
+    if cast_form in _PAIR_CAST_FORMS:
         plain, scaled, scaled_is_read = _pair_roles(policy)
         kp, ks = (sa, sr) if scaled_is_read else (sr, sa)
         p_st, s_st = pack_pair_triton(S, plain, scaled, seed=int(seed), plain_stream=kp,
-                                      scaled_stream=ks,
-                                      form="lean" if cast_form == "pair_lean" else "generic")
+                                      scaled_stream=ks, form=_PAIR_CAST_FORMS[cast_form])
         if not two:
             a_st = r_st = s_st
         elif scaled_is_read:

@@ -1088,13 +1088,13 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
                       P_SR: tl.constexpr, P_GRID: tl.constexpr, RCP_FORM: tl.constexpr,
                       RCP_LO: tl.constexpr = RCP_MATRIX_SCALE_RANGE[0],
                       RCP_HI: tl.constexpr = RCP_MATRIX_SCALE_RANGE[1]):
-    """:func:`pack_pair_triton` with ``form="lean"`` (``"lean_rcp"``: ``RCP_FORM``): the bytes of :func:`_pair_kernel` in
-    fewer instructions per element (NVFP4 blocks of 16, ``K % 4 == 0``). One program per
-    matrix: the matrix amax pass, then tiles of ``ROWS`` block rows held as sixteen 1-D
-    ``[ROWS]`` tensors, one per element of the block (``a_w``, ``b_w``, ``c_w``, ``d_w``:
-    elements ``w``, ``4 + w``, ``8 + w``, ``12 + w``), so that a thread holds whole block
-    rows (the block amax and scale are computed once per block row, with no reduction
-    across threads) and
+    """:func:`pack_pair_triton` with ``form="lean"`` (``"lean_rcp"``: ``RCP_FORM``): the
+    bytes of :func:`_pair_kernel` in fewer instructions per element (NVFP4 blocks of 16,
+    ``K % 4 == 0``). One program per matrix: the matrix amax pass, then tiles of ``ROWS``
+    block rows (:func:`_pair_lean_tiles`) held as sixteen 1-D ``[ROWS]`` tensors, one per
+    element of the block (``a_w``, ``b_w``, ``c_w``, ``d_w``: elements ``w``, ``4 + w``,
+    ``8 + w``, ``12 + w``), so that a thread holds whole block rows (the block amax and
+    scale are computed once per block row, with no reduction across threads) and
 
     * element ``4 i + w`` of the block takes word ``w`` of its Philox call (DESIGN.md
       section 3: the call ``(m K + k) >> 2``) as it comes (:func:`_random_words` by
@@ -1109,7 +1109,6 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
       test per matrix) the elements are divided by :func:`_div_by_rcp`: one reciprocal per
       block row and four FMAs per element, the same E2M1 codes."""
     mat = tl.program_id(0).to(tl.int64)
-    mnb = M * NB
     amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
     s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
     if UP:

@@ -18,7 +18,15 @@ Usage::
     python benchmarks/sass_static.py --model gdn --policy nvfp4 --op flush [--top 25]
     python benchmarks/sass_static.py --model gdn --policy nvfp4 --op step [--e2m1 integer]
     python benchmarks/sass_static.py --quant-spec fp16+sr   # a quantizer kernel instead
+    python benchmarks/sass_static.py --pair fp16+sr,nvfp4 --pair-form lean --loops
     python benchmarks/sass_static.py --model mamba2 --op step --sm 80   # for an A100
+
+``--pair PLAIN,SCALED`` compiles ``pack_pair_triton`` (the split flush's pair cast) on a
+``[4, 64, 128]`` tensor with a seed above 2^32, as the flush passes (a seed of 1 would be
+specialised by Triton to a constant and change the Philox code), in the form ``--pair-form``.
+``--loops`` adds, per loop of each kernel (a backward branch spanning at least 200
+instructions), its static instruction count and that count per jit function of
+``kernels/quant.py`` (the lines' enclosing ``def``): what the twenty-seventh pass counted.
 
 ``SASS_DUMP=FILE`` appends each kernel's disassembly to FILE.
 """
@@ -171,6 +179,70 @@ def compile_quantizer(spec: str):
     return compiled
 
 
+def compile_pair(plain: str, scaled: str, form: str):
+    """Compile ``pack_pair_triton(x, plain, scaled, form=form)`` for a ``[4, 64, 128]`` tensor
+    (Mamba-2's matrices) with a seed above 2^32 and distinct stream keys, without launching;
+    returns ``[(kernel name, compiled)]``."""
+    with _compiling() as compiled:
+        from replayssm_quant.kernels.quant import pack_pair_triton
+
+        keys = torch.arange(4, dtype=torch.int64) * 0x1_0000_0001 + 17
+        try:
+            pack_pair_triton(torch.zeros(4, 64, 128), plain, scaled, seed=0x1234_5678_9ABC,
+                             plain_stream=keys, scaled_stream=keys + 5, form=form)
+        except triton.CompilationError:
+            raise
+        except Exception as e:  # host code after the (unlaunched) kernel; keep the compile
+            print(f"note: host code after the compiles raised {type(e).__name__}: {e}"[:300])
+    return compiled
+
+
+def _functions(path: str) -> dict:
+    """Line number -> name of the enclosing top-level ``def`` of a Python source file."""
+    names, cur = {}, "?"
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            m = re.match(r"def (\w+)", line)
+            if m:
+                cur = m.group(1)
+            names[i] = cur
+    return names
+
+
+def loop_report(sass: str, min_size: int = 200) -> list:
+    """Per loop of a disassembly (``nvdisasm -g``; a backward branch spanning at least
+    ``min_size`` instructions): ``{"instructions": n, "functions": {name: n}}``, the
+    instructions attributed to the jit function whose source line they carry (files of the
+    ``replayssm_quant`` package; others by file name)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines)
+              if (m := re.match(r"^(\.L_x_\d+):", ln))}
+    srcs: dict = {}
+    loops = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        if not (m and m.group(1) in labels and labels[m.group(1)] < i):
+            continue
+        count, funcs, fn = 0, collections.Counter(), "?"
+        for body in lines[labels[m.group(1)]:i + 1]:
+            f = re.search(r'File "([^"]+)", line (\d+)', body)
+            if f:
+                path, no = f.group(1), int(f.group(2))
+                if "replayssm_quant" in path and os.path.exists(path):
+                    if path not in srcs:
+                        srcs[path] = _functions(path)
+                    fn = srcs[path].get(no, "?")
+                else:
+                    fn = os.path.basename(path)
+                continue
+            if re.match(r"\s*/\*[0-9a-f]+\*/\s+", body):
+                count += 1
+                funcs[fn] += 1
+        if count >= min_size:
+            loops.append({"instructions": count, "functions": dict(funcs.most_common())})
+    return loops
+
+
 def sass_report(cubin: bytes, top: int) -> dict:
     """Resource usage and static SASS counts (per opcode, per source line) of a cubin."""
     with tempfile.TemporaryDirectory() as d:
@@ -198,7 +270,8 @@ def sass_report(cubin: bytes, top: int) -> dict:
     usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
     usage.pop("SHARED", None)  # cuobjdump's static figure; Triton's allocation is dynamic
     return {"instructions": sum(ops.values()), "usage": {k: int(v) for k, v in usage.items()},
-            "opcodes": dict(ops.most_common(top)), "lines": dict(lines.most_common(top))}
+            "opcodes": dict(ops.most_common(top)), "lines": dict(lines.most_common(top)),
+            "loops": loop_report(sass)}
 
 
 def main(argv=None):
@@ -224,6 +297,13 @@ def main(argv=None):
     ap.add_argument("--quant-spec", default=None,
                     help="instead of a decode operation: the quantizer kernel of pack_triton for "
                          "this format (e.g. fp16+sr, nvfp4), on a [4, 128, 128] tensor")
+    ap.add_argument("--pair", default=None, metavar="PLAIN,SCALED",
+                    help="instead of a decode operation: pack_pair_triton's kernel for these two "
+                         "specs (e.g. fp16+sr,nvfp4) on a [4, 64, 128] tensor")
+    ap.add_argument("--pair-form", default="generic",
+                    help="pack_pair_triton's form with --pair (generic, lean, lean_rcp)")
+    ap.add_argument("--loops", action="store_true",
+                    help="also list each loop's static instructions per jit function")
     args = ap.parse_args(argv)
     global SM
     if args.sm < 70:
@@ -260,7 +340,23 @@ def main(argv=None):
     for tool in ("ptxas", "nvdisasm", "cuobjdump"):
         if not os.path.exists(os.path.join(_BIN, tool)):
             sys.exit(f"sass_static.py needs Triton's bundled {tool} (not found in {_BIN})")
-    if args.quant_spec is not None:
+    if args.pair is not None:
+        from replayssm_quant.kernels.quant import PAIR_FORMS, pair_casts
+
+        specs = args.pair.split(",")
+        if len(specs) != 2:
+            ap.error(f"--pair must be PLAIN,SCALED (e.g. fp16+sr,nvfp4), got {args.pair!r}")
+        if args.pair_form not in PAIR_FORMS:
+            ap.error(f"--pair-form must be one of {PAIR_FORMS}, got {args.pair_form!r}")
+        try:
+            ok = pair_casts(*specs)
+        except ValueError as e:
+            ap.error(f"--pair: {e}")
+        if not ok:
+            ap.error(f"--pair: pack_pair_triton casts to (fp32 or an unscaled format, nvfp4), "
+                     f"got {args.pair!r}")
+        kernels = compile_pair(specs[0], specs[1], args.pair_form)
+    elif args.quant_spec is not None:
         kernels = compile_quantizer(args.quant_spec)
         if not kernels:
             sys.exit(f"no quantizer kernel was compiled for {args.quant_spec!r} (fp32 has none)")
@@ -279,6 +375,10 @@ def main(argv=None):
         print("  opcodes:", ", ".join(f"{o} {c}" for o, c in r["opcodes"].items()))
         for loc, c in r["lines"].items():
             print(f"  {c:6d}  {loc}")
+        if args.loops:
+            for j, lp in enumerate(r["loops"]):
+                print(f"  loop {j}: {lp['instructions']} instructions: "
+                      + ", ".join(f"{f} {c}" for f, c in lp["functions"].items()))
 
 
 if __name__ == "__main__":

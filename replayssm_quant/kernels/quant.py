@@ -354,7 +354,7 @@ def _f16_sr_signed(bits, r, NAN: tl.constexpr = _FP16_NAN_CODE):
     replaced, and the sign is bit 31 moved to bit 15. Equality with ``_quant`` is tested on
     every special value, binade edge and threshold (``test_lean_cast_codes_match_generic``)."""
     m = bits & 0x7FFFFFFF
-    code = _f16_sr_code(tl.minimum(m, 0x7F7FFFFF), r)
+    code = _f16_sr_code(m, r)  # (a non-finite m wraps in int32; replaced below)
     special = tl.where(m == 0x7F800000, 0x7C00, NAN)
     code = tl.where(m >= 0x7F800000, special, code)
     return code | ((bits >> 16) & 0x8000)

@@ -40,6 +40,9 @@ from replayssm_quant.policy import StatePolicy  # noqa: E402
 
 POLICIES = ("read:nvfp4/rec:fp16+sr", "read:nvfp4/rec:fp16", "read:nvfp4/rec:fp32")
 PAIR_TILES = ((128, 4), (64, 4), (64, 2), (128, 8), (256, 8), (32, 1))
+# the lean forms hold a tile's block rows as 1-D tensors over the program's threads: rows
+# below 32 x num_warps would be held twice, so their tiles have at least one row per thread
+LEAN_TILES = ((128, 4), (256, 4), (64, 2), (256, 8), (512, 8), (32, 1))
 
 
 def _stored_equal(a, b) -> bool:
@@ -92,7 +95,7 @@ def main():
             if args.pair_tiles and pol.read.info.scaling == "nvfp4":
                 base = None
                 for pform in PAIR_FORMS:
-                    for rows, nw in PAIR_TILES:
+                    for rows, nw in (PAIR_TILES if pform == "generic" else LEAN_TILES):
                         def fn(i, rows=rows, nw=nw, pform=pform):
                             return pack_pair_triton(S[i], pol.rec, pol.read, seed=ft.SEED,
                                                     plain_stream=keys[0], scaled_stream=keys[1],

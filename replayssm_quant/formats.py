@@ -61,6 +61,8 @@ __all__ = [
     "FP32_EMIN",
     "FP32_MIN_SUBNORMAL_EXP",
     "E4M3_NAN_CODE",
+    "FP16_NAN_CODE",
+    "FP16_NAN_CODE_NEG",
     "SR_RANDOM_BITS",
     "SCALE_MODES",
     "MX_RCEIL_FRAC",
@@ -120,6 +122,9 @@ MXFP4_EMAX = 2  # exponent of the largest E2M1 normal (6 = 1.5 * 2^2), OCP MX Ta
 NVFP4_SCALE_DIVISOR = E4M3_MAX * E2M1_MAX  # 2688: NVFP4 matrix scale s_g = amax / (448 * 6)
 E4M3_MAX_CODE = 0x7E  # OFP8 E4M3FN magnitude code of 448 (S.1111.110); 0x7F is NaN
 E4M3_NAN_CODE_NEG = 0xFF  # E4M3_NAN_CODE with the sign bit (torch float32 -> float8 of -NaN)
+# fp16 NaN codes, whatever the NaN's payload (the canonical quiet NaN with the sign kept, as
+# torch's CPU float32 -> float16 gives for the canonical float32 NaN)
+FP16_NAN_CODE, FP16_NAN_CODE_NEG = 0x7E00, 0xFE00
 E4M3_MIN_SUBNORMAL = E4M3.min_subnormal  # 2^-9 = 0.001953125: E4M3 subnormal quantum
 E2M1_MIN_SUBNORMAL = E2M1.min_subnormal  # 2^-1 = 0.5: E2M1 subnormal quantum
 

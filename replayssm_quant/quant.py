@@ -320,8 +320,15 @@ def pack_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedT
         if spec.is_identity:
             return PackedTensor(spec, shape, _as_float32(x).clone())
         elem = _parts(x, spec, seed, stream).elem
-        dt = torch.bfloat16 if info.element is F.BF16 else torch.float16
-        return PackedTensor(spec, shape, elem.to(dt))
+        if info.element is F.BF16:
+            return PackedTensor(spec, shape, elem.to(torch.bfloat16))  # NaN: 0xFFFF
+        # fp16: NaN as 0x7E00 | sign whatever its payload (torch's CPU conversion keeps the
+        # payload's top bits, so its NaN codes vary with the input and the platform)
+        codes = elem.to(torch.float16).view(torch.int16)
+        nan = torch.where(torch.signbit(elem), F.FP16_NAN_CODE_NEG - 0x10000,
+                          F.FP16_NAN_CODE).to(torch.int16)
+        codes = torch.where(torch.isnan(elem), nan, codes)
+        return PackedTensor(spec, shape, codes.view(torch.float16))
     parts = _parts(x, spec, seed, stream)
     grid = info.element
     if grid is F.E2M1:

@@ -190,6 +190,12 @@ def _special(fmt: str) -> torch.Tensor:
     x[0, 1, 16:32] = -0.0
     x[0, 2, 33] = -INF  # non-finite in the padded tail block
     x[0, 3, :] = torch.randn(k, generator=g) * 1e-38
+    # NaNs with payloads (quiet, signalling, negative) in blocks that hold no inf: the
+    # block amax must mark them without an inf beside them; fp16 codes are 0x7E00 | sign
+    bits = torch.tensor([0x7FFFFFFF, 0x7FA00000, 0xFFA00000 - 2**32, 0x7F800001],
+                        dtype=torch.int64).to(torch.int32)
+    x[0, 2, 20:24] = bits.view(torch.float32)
+    x[0, 3, 5] = bits[1:2].view(torch.float32)
     # 1: all zeros, half of them -0.0
     x[1] = 0.0
     x[1, :, ::2] = -0.0
@@ -381,8 +387,9 @@ PAIR_SCALED = ["nvfp4", "nvfp4+sr", "nvfp4+up", "nvfp4+up+sr"]
 # the default run: every plain and every scaled spec at least once; the other pairs are slow
 PAIR_FAST = {("fp16+sr", "nvfp4+sr"), ("fp16+sr", "nvfp4+up+sr"), ("fp16", "nvfp4+up"),
              ("bf16+sr", "nvfp4"), ("bf16", "nvfp4+up+sr"), ("fp32", "nvfp4")}
-# the lean kernel: the policies the decode benchmark times (fp16+sr / fp16 + nvfp4), its
-# generic fallback for bf16 with SR on both copies, the fp32 plain copy with nvfp4+up
+# the lean kernel: the policies the decode benchmark times (fp16+sr / fp16 + nvfp4), bf16
+# codes (by _quant inside the lean kernel) with SR on both copies, the fp32 plain copy with
+# nvfp4+up
 PAIR_FAST_LEAN = {("fp16+sr", "nvfp4"), ("fp16", "nvfp4"), ("bf16+sr", "nvfp4+sr"),
                   ("fp32", "nvfp4+up")}
 # the reciprocal division: RTN NVFP4 copies (under SR it is the lean form)
@@ -420,9 +427,9 @@ def test_pack_pair_matches_reference(plain, scaled, form):
     """Both copies equal the reference packs (each with its own SR stream) on special values
     (non-finite, -0, subnormal, FLT_MAX, grid midpoints; K = 40 leaves a padded NVFP4 tail
     block of 8), on random data over many binades with K = 7 (no four-element Philox
-    alignment: the lean form falls back to the generic kernel) and K = 44 (a tail block of
-    12), and with tiles of 4 block rows on 1 warp (several tiles per matrix); each kernel
-    form (``form``)."""
+    alignment: the lean form falls back to the generic kernel), K = 44, 20 and 4 (tail
+    blocks of 12 and 4, and a row that is one padded block), and with tiles of 4 block rows
+    on 1 warp (several tiles per matrix); each kernel form (``form``)."""
     x = _special("nvfp4")
     lead = (x.shape[0],)
     sp, ss = _streams(lead), _streams(lead) * 3 + 1
@@ -432,6 +439,10 @@ def test_pack_pair_matches_reference(plain, scaled, form):
     _check_pair(y, plain, scaled, _streams((2, 1)), _streams((2, 1)) + 5, rows=2, form=form)
     w = _random(((2,), 3, 44), seed=23)
     _check_pair(w, plain, scaled, _streams((2,)) + 2, _streams((2,)) + 7, rows=2, form=form)
+    v = _random(((2,), 3, 20), seed=24)
+    _check_pair(v, plain, scaled, _streams((2,)) + 4, _streams((2,)) + 9, form=form)
+    u = _random(((3,), 2, 4), seed=25)
+    _check_pair(u, plain, scaled, _streams((3,)) + 6, _streams((3,)) + 1, rows=2, form=form)
     z = _random(((), 5, 48), seed=22)  # one matrix, no leading dims (a 0-dim matrix scale)
     _check_pair(z, plain, scaled, torch.tensor(3), torch.tensor(8), form=form)
 
@@ -444,8 +455,10 @@ def test_pack_pair_batch_and_tile_invariant(form):
     x = _random(((5,), 24, 64), seed=17).to(DEVICE)
     sp, ss = _streams((5,)).to(DEVICE), (_streams((5,)) + 9).to(DEVICE)
 
+    scaled = "nvfp4" if form == "lean_rcp" else "nvfp4+sr"  # the reciprocal: RTN only
+
     def run(xx, a, b, **tile):
-        p, s = kq.pack_pair_triton(xx, "fp16+sr", "nvfp4+sr", seed=SEED, plain_stream=a,
+        p, s = kq.pack_pair_triton(xx, "fp16+sr", scaled, seed=SEED, plain_stream=a,
                                    scaled_stream=b, **{"form": form, **tile})
         return p.codes.view(torch.int16), s.codes, s.block_scales, s.matrix_scale
 
@@ -566,6 +579,27 @@ def test_pack_pair_rcp_division_range_edges():
     x = (x / amax * (target * F.NVFP4_SCALE_DIVISOR).view(8, 1, 1)).float()
     for scaled in ("nvfp4", "nvfp4+up"):
         _check_pair(x, "fp16+sr", scaled, _streams((8,)), _streams((8,)) + 3, form="lean_rcp")
+    # far outside the range, where the reciprocal division would give wrong codes (the
+    # range test is what keeps them right): block scales from 2^-9 to 448, E2M1 grid points
+    # and midpoints nudged by -1, 0, +1 ulp
+    vals = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0,
+                         6.0, 0.125, 0.375], dtype=torch.float64)
+    sbs = [2.0**-9, 3 * 2.0**-9, 2.0**-6 * 1.125, 0.875, 1.0, 13.0, 448.0, 2.0**-8]
+    for e in (-122, -118, -100, 100):
+        y = torch.zeros(2, 8, 64, dtype=torch.float64)
+        for r in range(8):
+            for blk in range(4):
+                v = vals[torch.randperm(16, generator=g)] * sbs[(r + blk) % 8]
+                v[0] = 6.0 * sbs[(r + blk) % 8]  # the block amax: s_b exactly
+                y[:, r, blk * 16:(blk + 1) * 16] = v
+        y[:, 0, 0] = 2688.0  # amax 2688: s_g = 1 before the scaling by 2^e
+        y = (y * 2.0**e).float()
+        nudge = torch.randint(-1, 2, y.shape, generator=g, dtype=torch.int32)
+        nudge[..., ::16] = 0
+        y = torch.where(y != 0, (y.view(torch.int32) + nudge).view(torch.float32), y)
+        y[1] = -y[1]
+        for scaled in ("nvfp4", "nvfp4+up"):
+            _check_pair(y, "fp16", scaled, _streams((2,)), _streams((2,)), form="lean_rcp")
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,10 +14,13 @@ Kernels (one launch per call):
 * ``_mx_kernel`` (mxfp8, mxfp4): one program per tile of block rows (32 elements each).
 * ``_pair_kernel`` (:func:`pack_pair_triton`): NVFP4 as ``_nvfp4_kernel`` and, from the same
   loads, an unscaled copy (fp16, bf16) of the same matrix: the split flush's two casts.
+* ``_pair_lean_kernel`` (:func:`pack_pair_triton` with ``form="lean"`` / ``"lean_rcp"``):
+  the same bytes in fewer instructions per element (see its docstring: the exceptions
+  below marked "lean" are its own).
 
 Blocked formats hold a tile as two ``[R, block/2]`` halves, the even and the odd elements
 of each block, so that two E2M1 codes go to one byte (element 2i in the low nibble) with no
-reshuffle.
+reshuffle (lean: sixteen 1-D tensors, one per element of the block).
 
 Rounding uses no floating-point arithmetic on the element, with one exception:
 ``_grid_code`` reads sign, exponent and significand from the FP32 bits and computes the code
@@ -25,16 +28,22 @@ of the target grid point with integer shifts (round half to even, or SR against 
 bits), which is the exact result the reference gets from its exact float steps; so do the
 E2M1 RTN (``_e2m1_rtn_code``) and the fp16 / bf16 SR paths (``_f16_sr_code``,
 ``_bf16_sr_code``), except that SR onto fp16 below 2^-14 takes ``t = |y| 2^24``, ``floor(t)``
-and ``ceil(frac(t) 2^32)`` in float32, each exact (see ``_f16_sr_code``). Divisions use
-``tl.math.div_rn`` (IEEE round-to-nearest, subnormals kept); every other float operation
-(the scale products and the final ``value * scale``) is a single IEEE multiplication, as in
-the reference.
+and ``ceil(frac(t) 2^32)`` in float32, each exact (see ``_f16_sr_code``). Lean: the E2M1
+RTN code below 2 is read from ``2|y| + 1.5 * 2^23`` (one exact rounding,
+``_e2m1_rtn_code_lean``) and the fp16 RTN code comes from the hardware conversion
+(``_f16_rtn_signed``), each shown equal to the integer paths. Divisions use
+``tl.math.div_rn`` (IEEE round-to-nearest, subnormals kept), except ``"lean_rcp"``'s
+reciprocal division (``_div_by_rcp``: the same quotients where the E2M1 code reads them);
+every other float operation (the scale products and the final ``value * scale``) is a single
+IEEE multiplication, as in the reference.
 
 GPU notes: non-FTZ ``div.rn.f32`` and ``mul.rn.f32`` are assumed (``_f16_sr_code`` multiplies
 float32 subnormals by 2^24; its test's r = 0 draws would see them flushed); ``tl.philox`` reproduces
 :func:`replayssm_quant.philox.random_bits` (key = seed, counter = (element >> 2, stream lo,
-stream hi, 0), word element & 3). NaN handling never relies on ``tl.max``/``tl.maximum`` NaN semantics:
-non-finite values are replaced by zero before every max and tracked by a separate flag.
+stream hi, 0), word element & 3). NaN handling does not rely on the default NaN semantics of
+``tl.max``/``tl.maximum``: non-finite values are replaced by zero before every max and
+tracked by a separate flag, except in the lean pair cast, whose block amax is
+``tl.maximum(..., propagate_nan=ALL)`` (``max.NaN``: a NaN or inf result is the flag).
 Written for Triton 3.6 and 3.9 (interpreter included).
 """
 
@@ -60,9 +69,10 @@ _NV_ROWS = 128  # nvfp4: block rows per tile (x 16 elements)
 _MX_ROWS = 64  # mx: block rows per program (x 32 elements)
 _PAIR_ROWS, _PAIR_WARPS = 128, 4  # pack_pair_triton: block rows per tile, warps (H200:
 # flush_parts_h200.json, docs/kernels-replay.md "Twenty-second pass")
-# pack_pair_triton's per-element arithmetic: "generic" (the quantizer kernels' helpers) or
-# "lean" (the same bytes in fewer instructions; docs/kernels-replay.md "Twenty-seventh
-# pass": untimed on a GPU when written, so not yet the default)
+# pack_pair_triton's kernel: "generic" (the quantizer kernels' helpers), "lean" (the same
+# bytes in fewer instructions) or "lean_rcp" (lean, and RTN NVFP4 elements divided by a
+# reciprocal per block); docs/kernels-replay.md "Twenty-seventh pass": the lean forms were
+# untimed on a GPU when written, so not yet the default
 PAIR_FORMS = ("generic", "lean", "lean_rcp")
 _PAIR_FORM = "generic"
 
@@ -74,7 +84,7 @@ _PAIR_FORM = "generic"
 
 # NaN codes that torch's float32 conversions produce (the reference packs with them)
 _BF16_NAN_CODE = 0xFFFF  # torch float32 -> bfloat16 gives 0xFFFF for NaN of either sign
-_FP16_NAN_CODE, _FP16_NAN_CODE_NEG = 0x7E00, 0xFE00  # float32 -> float16: quiet NaN, sign kept
+_FP16_NAN_CODE, _FP16_NAN_CODE_NEG = F.FP16_NAN_CODE, F.FP16_NAN_CODE_NEG  # any payload
 _E2M1_NAN_CODE = 0  # reference _e2m1_encode maps NaN to code 0 (E2M1 has no NaN)
 # E4M3 / E5M2: torch float32 -> float8 gives 0x7F | sign for NaN (F.E4M3_NAN_CODE[_NEG])
 
@@ -349,7 +359,7 @@ def _f16_sr_signed(bits, r, NAN: tl.constexpr = _FP16_NAN_CODE):
     value) with SR and draw ``r`` (``_quant(y, r, True, fp16)``'s code): finite values by
     :func:`_f16_sr_code` (saturating at 65504), +-inf to 0x7C00 / 0xFC00, NaN to 0x7E00 /
     0xFE00, the sign in bit 15 (-0 included). The same codes in fewer instructions than
-    ``_round``'s NaN / inf / sign selects (the lean pair cast, :func:`_pair_kernel`):
+    ``_round``'s NaN / inf / sign selects (the lean pair cast, :func:`_pair_lean_kernel`):
     ``_f16_sr_code`` reads only the magnitude bits, its result on a non-finite magnitude is
     replaced, and the sign is bit 31 moved to bit 15. Equality with ``_quant`` is tested on
     every special value, binade edge and threshold (``test_lean_cast_codes_match_generic``)."""
@@ -606,8 +616,9 @@ def _div_by_rcp(x, b, y):
     +0), and a negative zero code is E2M1 code 8. Checked against ``div_rn`` bit for bit for z >= 2^-3
     (``tests/test_quant_kernels.py::test_div_by_rcp_matches_div_rn``,
     ``benchmarks/div_check.py`` on the GPU: every dividend of 36 360 divisors, 0 differences
-    at 6e6c3f3). NaN / inf x give NaN / inf (callers overwrite
-    such blocks)."""
+    at 6e6c3f3). A review (2026-12-04) found no case where one refinement differed from
+    ``div_rn`` (1.3e9 pairs, on the CPU); the second stays, as the proof needs it. NaN and
+    inf x give NaN (callers overwrite such blocks)."""
     q = x * y
     r = tl.fma(-q, b, x)
     q = tl.fma(r, y, q)
@@ -995,7 +1006,8 @@ def _nvfp4_nibbles(x0, x1, x2, x3, safe, rcp, seed, call, lo, hi, SR: tl.constex
     """The E2M1 codes of ``x_w / safe`` (``div_rn``, or with ``RCP`` :func:`_div_by_rcp` by
     ``rcp = RN(1 / safe)``; RTN by :func:`_e2m1_rtn_code_lean`, or SR with the words of Philox
     call ``call``) as one 16-bit value (uint64): byte 0 holds elements 0 (low nibble) and 1,
-    byte 1 elements 2 and 3."""
+    byte 1 elements 2 and 3. For finite quotients only: a block with a NaN or inf can give
+    negative codes, so the caller zeroes the whole block-row word of such blocks (``ok``)."""
     if RCP:
         y0 = _div_by_rcp(x0, safe, rcp)
         y1 = _div_by_rcp(x1, safe, rcp)
@@ -1027,7 +1039,8 @@ def _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi
                      P_SR: tl.constexpr, P_GRID: tl.constexpr, RCP: tl.constexpr):
     """The tile loop of :func:`_pair_lean_kernel` over one matrix (``RCP``: the NVFP4
     elements divided by :func:`_div_by_rcp`, for RTN casts with ``s_g`` in
-    :data:`RCP_MATRIX_SCALE_RANGE` only)."""
+    :data:`RCP_MATRIX_SCALE_RANGE` only). Indices within a matrix are int32: ``M K`` and
+    ``M NB`` below 2^31 (as the generic kernel and the SR element index assume)."""
     mnb = M * NB
     for t0 in range(0, mnb, ROWS):
         gl = t0 + tl.arange(0, ROWS)  # block rows of this matrix (int32)
@@ -1314,7 +1327,9 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
             helpers), ``"lean"`` :func:`_pair_lean_kernel` (the same bytes in fewer
             instructions per element) where ``K % 4 == 0``, else :func:`_pair_kernel`;
             ``"lean_rcp"`` the same, and an RTN NVFP4 copy divides its elements by one
-            reciprocal per block (:func:`_div_by_rcp`) where its matrix scale allows.
+            reciprocal per block (:func:`_div_by_rcp`) where its matrix scale lies in
+            :data:`RCP_MATRIX_SCALE_RANGE` (with SR it is ``"lean"``). A matrix holds
+            fewer than 2^31 elements (int32 indices, as the SR element index).
 
     Returns:
         ``(plain copy, scaled copy)``: PackedTensor each (the plain one ``x`` for fp32).

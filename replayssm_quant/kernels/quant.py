@@ -507,7 +507,7 @@ def _e2m1_rtn_code_lean(y):
     a = m.to(tl.float32, bitcast=True)
     low = (a * 2.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
     nrm = tl.minimum(((m + 0x1FFFFF + ((m >> 22) & 1)) >> 22) - 252, 7)
-    n = tl.where(m < 0x3F800000, low, nrm)
+    n = tl.where(m < 0x40000000, low, nrm)
     return n | ((b >> 28) & 8)
 
 

@@ -320,15 +320,17 @@ def pack_reference(x: torch.Tensor, spec, *, seed: int = 0, stream=0) -> PackedT
         if spec.is_identity:
             return PackedTensor(spec, shape, _as_float32(x).clone())
         elem = _parts(x, spec, seed, stream).elem
+        # NaN codes set here, whatever the NaN's payload and sign (torch's conversions pass
+        # payload bits on in some cases: fp16 on x86 keeps their top bits), as the kernels
+        # write them: bf16 0xFFFF (torch's CPU code for a NaN), fp16 0x7E00 | sign
         if info.element is F.BF16:
-            return PackedTensor(spec, shape, elem.to(torch.bfloat16))  # NaN: 0xFFFF
-        # fp16: NaN as 0x7E00 | sign whatever its payload (torch's CPU conversion keeps the
-        # payload's top bits, so its NaN codes vary with the input and the platform)
-        codes = elem.to(torch.float16).view(torch.int16)
-        nan = torch.where(torch.signbit(elem), F.FP16_NAN_CODE_NEG - 0x10000,
-                          F.FP16_NAN_CODE).to(torch.int16)
-        codes = torch.where(torch.isnan(elem), nan, codes)
-        return PackedTensor(spec, shape, codes.view(torch.float16))
+            dt, nan = torch.bfloat16, torch.full_like(elem, -1, dtype=torch.int16)  # 0xFFFF
+        else:
+            dt = torch.float16
+            nan = torch.where(torch.signbit(elem), F.FP16_NAN_CODE_NEG - 0x10000,
+                              F.FP16_NAN_CODE).to(torch.int16)
+        codes = torch.where(torch.isnan(elem), nan, elem.to(dt).view(torch.int16))
+        return PackedTensor(spec, shape, codes.view(dt))
     parts = _parts(x, spec, seed, stream)
     grid = info.element
     if grid is F.E2M1:

@@ -41,8 +41,9 @@ from replayssm_quant.policy import StatePolicy  # noqa: E402
 POLICIES = ("read:nvfp4/rec:fp16+sr", "read:nvfp4/rec:fp16", "read:nvfp4/rec:fp32")
 PAIR_TILES = ((128, 4), (64, 4), (64, 2), (128, 8), (256, 8), (32, 1))
 # the lean forms hold a tile's block rows as 1-D tensors over the program's threads: rows
-# below 32 x num_warps would be held twice, so their tiles have at least one row per thread
-LEAN_TILES = ((128, 4), (256, 4), (64, 2), (256, 8), (512, 8), (32, 1))
+# below 32 x num_warps would be held twice, so their tiles have at least one row per thread;
+# a tile of all the matrix's block rows (Mamba-2 512, GDN 1024) reads S once (SINGLE)
+LEAN_TILES = ((128, 4), (256, 4), (64, 2), (256, 8), (512, 8), (1024, 16), (32, 1))
 
 
 def _stored_equal(a, b) -> bool:

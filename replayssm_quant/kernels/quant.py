@@ -984,6 +984,14 @@ def _amax4(x0, x1, x2, x3):
 
 
 @triton.jit
+def _finite_amax4(x0, x1, x2, x3):
+    """Elementwise max of :func:`_finite_abs` of four tensors (NaN and inf count as 0, as in
+    :func:`_matrix_amax`)."""
+    return tl.maximum(tl.maximum(_finite_abs(x0), _finite_abs(x1)),
+                      tl.maximum(_finite_abs(x2), _finite_abs(x3)))
+
+
+@triton.jit
 def _plain_word(x0, x1, x2, x3, seed, call, lo, hi, P_SR: tl.constexpr, P_GRID: tl.constexpr):
     """The unscaled copy's codes of the four elements ``4 call + w`` (``x_w``) of one Philox
     call, as one little-endian 64-bit word (element ``4 call`` in the low 16 bits)."""
@@ -1033,6 +1041,75 @@ def _nvfp4_nibbles(x0, x1, x2, x3, safe, rcp, seed, call, lo, hi, SR: tl.constex
 
 
 @triton.jit
+def _lean_rows(x_ptr, mat, gl, M, K: tl.constexpr, NB: tl.constexpr):
+    """Load block rows ``gl`` ([ROWS] int32, of matrix ``mat``) for the lean pair cast: the
+    sixteen ``[ROWS]`` tensors of the block's elements ``4 i + w`` (zeros in a tail block's
+    padding and past the matrix's last block row), and the rows' validity, row, block,
+    first element and row start (int64)."""
+    rvalid = gl < M * NB
+    m = gl // NB
+    blk = gl - m * NB
+    k = blk * 16  # the block's first element in its row
+    row = (mat * M + m) * K  # int64
+    src = x_ptr + row + k
+    a0, a1, a2, a3 = _load4(src, rvalid & (k < K))  # padding: zeros
+    b0, b1, b2, b3 = _load4(src + 4, rvalid & (k + 4 < K))
+    c0, c1, c2, c3 = _load4(src + 8, rvalid & (k + 8 < K))
+    d0, d1, d2, d3 = _load4(src + 12, rvalid & (k + 12 < K))
+    return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+            rvalid, m, blk, k, row)
+
+
+@triton.jit
+def _lean_cast_rows(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+                    rvalid, m, blk, k, row, gl, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g,
+                    plo, phi, slo, shi, M, K: tl.constexpr, NB: tl.constexpr,
+                    SR: tl.constexpr, GRID: tl.constexpr, UP: tl.constexpr,
+                    PLAIN: tl.constexpr, P_SR: tl.constexpr, P_GRID: tl.constexpr,
+                    RCP: tl.constexpr):
+    """Cast and store loaded block rows (:func:`_lean_rows`) with the matrix scale ``s_g``:
+    the plain copy's 64-bit words, the NVFP4 block scales and 64-bit nibble words (``RCP``:
+    the elements divided by :func:`_div_by_rcp`)."""
+    call = m * (K // 4) + blk * 4  # the block's first Philox call (e >> 2, e = m K + k)
+    if PLAIN:
+        pw = row // 4 + blk * 4  # the plain codes as 64-bit words, one per call
+        tl.store(p_ptr + pw, _plain_word(a0, a1, a2, a3, seed, call, plo, phi, P_SR,
+                                         P_GRID).to(tl.int64, bitcast=True),
+                 mask=rvalid & (k < K))
+        tl.store(p_ptr + pw + 1, _plain_word(b0, b1, b2, b3, seed, call + 1, plo, phi,
+                                             P_SR, P_GRID).to(tl.int64, bitcast=True),
+                 mask=rvalid & (k + 4 < K))
+        tl.store(p_ptr + pw + 2, _plain_word(c0, c1, c2, c3, seed, call + 2, plo, phi,
+                                             P_SR, P_GRID).to(tl.int64, bitcast=True),
+                 mask=rvalid & (k + 8 < K))
+        tl.store(p_ptr + pw + 3, _plain_word(d0, d1, d2, d3, seed, call + 3, plo, phi,
+                                             P_SR, P_GRID).to(tl.int64, bitcast=True),
+                 mask=rvalid & (k + 12 < K))
+    nan: tl.constexpr = tl.PropagateNan.ALL
+    bamax = tl.maximum(tl.maximum(_amax4(a0, a1, a2, a3), _amax4(b0, b1, b2, b3),
+                                  propagate_nan=nan),
+                       tl.maximum(_amax4(c0, c1, c2, c3), _amax4(d0, d1, d2, d3),
+                                  propagate_nan=nan), propagate_nan=nan)
+    bad = ~(bamax < float("inf"))  # a NaN or inf in the block
+    _, safe, ok, sb_code = _block_scale(bamax, bad, s_g, True, 0, 1 if UP else 0, 0)
+    if RCP:  # one correctly rounded reciprocal per block row
+        rcp = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
+    else:
+        rcp = safe
+    nib = _nvfp4_nibbles(a0, a1, a2, a3, safe, rcp, seed, call, slo, shi, SR, GRID, RCP) \
+        | (_nvfp4_nibbles(b0, b1, b2, b3, safe, rcp, seed, call + 1, slo, shi, SR, GRID,
+                          RCP) << 16) \
+        | (_nvfp4_nibbles(c0, c1, c2, c3, safe, rcp, seed, call + 2, slo, shi, SR, GRID,
+                          RCP) << 32) \
+        | (_nvfp4_nibbles(d0, d1, d2, d3, safe, rcp, seed, call + 3, slo, shi, SR, GRID,
+                          RCP) << 48)
+    nib = tl.where(ok, nib, 0)  # also the bad blocks: E2M1 NaN encodes as 0
+    tl.store(out_ptr + (mat * M + m) * NB + blk, nib.to(tl.int64, bitcast=True),
+             mask=rvalid)  # a block row's 8 bytes: one 64-bit word
+    tl.store(bscale_ptr + mat * (M * NB) + gl, sb_code.to(tl.uint8), mask=rvalid)
+
+
+@triton.jit
 def _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo, shi, M,
                      K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, SR: tl.constexpr,
                      GRID: tl.constexpr, UP: tl.constexpr, PLAIN: tl.constexpr,
@@ -1041,56 +1118,13 @@ def _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi
     elements divided by :func:`_div_by_rcp`, for RTN casts with ``s_g`` in
     :data:`RCP_MATRIX_SCALE_RANGE` only). Indices within a matrix are int32: ``M K`` and
     ``M NB`` below 2^31 (as the generic kernel and the SR element index assume)."""
-    mnb = M * NB
-    for t0 in range(0, mnb, ROWS):
+    for t0 in range(0, M * NB, ROWS):
         gl = t0 + tl.arange(0, ROWS)  # block rows of this matrix (int32)
-        rvalid = gl < mnb
-        m = gl // NB
-        blk = gl - m * NB
-        k = blk * 16  # the block's first element in its row
-        row = (mat * M + m) * K  # int64
-        src = x_ptr + row + k
-        a0, a1, a2, a3 = _load4(src, rvalid & (k < K))  # padding: zeros
-        b0, b1, b2, b3 = _load4(src + 4, rvalid & (k + 4 < K))
-        c0, c1, c2, c3 = _load4(src + 8, rvalid & (k + 8 < K))
-        d0, d1, d2, d3 = _load4(src + 12, rvalid & (k + 12 < K))
-        call = m * (K // 4) + blk * 4  # the block's first Philox call (e >> 2, e = m K + k)
-        if PLAIN:
-            pw = row // 4 + blk * 4  # the plain codes as 64-bit words, one per call
-            tl.store(p_ptr + pw, _plain_word(a0, a1, a2, a3, seed, call, plo, phi, P_SR,
-                                             P_GRID).to(tl.int64, bitcast=True),
-                     mask=rvalid & (k < K))
-            tl.store(p_ptr + pw + 1, _plain_word(b0, b1, b2, b3, seed, call + 1, plo, phi,
-                                                 P_SR, P_GRID).to(tl.int64, bitcast=True),
-                     mask=rvalid & (k + 4 < K))
-            tl.store(p_ptr + pw + 2, _plain_word(c0, c1, c2, c3, seed, call + 2, plo, phi,
-                                                 P_SR, P_GRID).to(tl.int64, bitcast=True),
-                     mask=rvalid & (k + 8 < K))
-            tl.store(p_ptr + pw + 3, _plain_word(d0, d1, d2, d3, seed, call + 3, plo, phi,
-                                                 P_SR, P_GRID).to(tl.int64, bitcast=True),
-                     mask=rvalid & (k + 12 < K))
-        nan: tl.constexpr = tl.PropagateNan.ALL
-        bamax = tl.maximum(tl.maximum(_amax4(a0, a1, a2, a3), _amax4(b0, b1, b2, b3),
-                                      propagate_nan=nan),
-                           tl.maximum(_amax4(c0, c1, c2, c3), _amax4(d0, d1, d2, d3),
-                                      propagate_nan=nan), propagate_nan=nan)
-        bad = ~(bamax < float("inf"))  # a NaN or inf in the block
-        _, safe, ok, sb_code = _block_scale(bamax, bad, s_g, True, 0, 1 if UP else 0, 0)
-        if RCP:  # one correctly rounded reciprocal per block row
-            rcp = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
-        else:
-            rcp = safe
-        nib = _nvfp4_nibbles(a0, a1, a2, a3, safe, rcp, seed, call, slo, shi, SR, GRID, RCP) \
-            | (_nvfp4_nibbles(b0, b1, b2, b3, safe, rcp, seed, call + 1, slo, shi, SR, GRID,
-                              RCP) << 16) \
-            | (_nvfp4_nibbles(c0, c1, c2, c3, safe, rcp, seed, call + 2, slo, shi, SR, GRID,
-                              RCP) << 32) \
-            | (_nvfp4_nibbles(d0, d1, d2, d3, safe, rcp, seed, call + 3, slo, shi, SR, GRID,
-                              RCP) << 48)
-        nib = tl.where(ok, nib, 0)  # also the bad blocks: E2M1 NaN encodes as 0
-        tl.store(out_ptr + (mat * M + m) * NB + blk, nib.to(tl.int64, bitcast=True),
-                 mask=rvalid)  # a block row's 8 bytes: one 64-bit word
-        tl.store(bscale_ptr + mat * mnb + gl, sb_code.to(tl.uint8), mask=rvalid)
+        (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+         rvalid, m, blk, k, row) = _lean_rows(x_ptr, mat, gl, M, K, NB)
+        _lean_cast_rows(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+                        rvalid, m, blk, k, row, gl, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g,
+                        plo, phi, slo, shi, M, K, NB, SR, GRID, UP, PLAIN, P_SR, P_GRID, RCP)
 
 
 @triton.jit
@@ -1099,6 +1133,7 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
                       TILE: tl.constexpr, SR: tl.constexpr, GDIV: tl.constexpr,
                       GRID: tl.constexpr, UP: tl.constexpr, PLAIN: tl.constexpr,
                       P_SR: tl.constexpr, P_GRID: tl.constexpr, RCP_FORM: tl.constexpr,
+                      SINGLE: tl.constexpr = False,
                       RCP_LO: tl.constexpr = RCP_MATRIX_SCALE_RANGE[0],
                       RCP_HI: tl.constexpr = RCP_MATRIX_SCALE_RANGE[1]):
     """:func:`pack_pair_triton` with ``form="lean"`` (``"lean_rcp"``: ``RCP_FORM``): the
@@ -1120,12 +1155,11 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
       division (``div_rn``) are those of :func:`_block_cast`;
     * with ``RCP_FORM`` (RTN casts, the matrix scale in :data:`RCP_MATRIX_SCALE_RANGE`, one
       test per matrix) the elements are divided by :func:`_div_by_rcp`: one reciprocal per
-      block row and four FMAs per element, the same E2M1 codes."""
+      block row and four FMAs per element, the same E2M1 codes;
+    * with ``SINGLE`` (``ROWS`` covers the matrix's block rows) there is no amax pass: the
+      one tile is loaded, its finite amax taken from the registers (:func:`_finite_amax4`,
+      a max: order-free, the amax pass's value), and cast, so S is read once."""
     mat = tl.program_id(0).to(tl.int64)
-    amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
-    s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
-    if UP:
-        s_g = _nvfp4_global_up(amax, s_g)
     plo = 0
     phi = 0
     slo = 0
@@ -1134,17 +1168,43 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
         plo, phi = _stream_words(tl.load(p_stream_ptr + mat))
     if SR:
         slo, shi = _stream_words(tl.load(stream_ptr + mat))
-    if RCP_FORM and not SR:
-        if (s_g >= RCP_LO) & (s_g <= RCP_HI):  # one test per matrix: one loop runs
-            _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
-                             shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, True)
+    if SINGLE:  # one tile holds the matrix: its amax from the loaded tile, S read once
+        gl = tl.arange(0, ROWS)
+        (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+         rvalid, m, blk, k, row) = _lean_rows(x_ptr, mat, gl, M, K, NB)
+        fa = tl.maximum(tl.maximum(_finite_amax4(a0, a1, a2, a3), _finite_amax4(b0, b1, b2, b3)),
+                        tl.maximum(_finite_amax4(c0, c1, c2, c3), _finite_amax4(d0, d1, d2, d3)))
+        amax = tl.max(fa, axis=0)
+        s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
+        if UP:
+            s_g = _nvfp4_global_up(amax, s_g)
+        if RCP_FORM and not SR and (s_g >= RCP_LO) & (s_g <= RCP_HI):
+            _lean_cast_rows(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+                            rvalid, m, blk, k, row, gl, out_ptr, bscale_ptr, p_ptr, seed, mat,
+                            s_g, plo, phi, slo, shi, M, K, NB, SR, GRID, UP, PLAIN, P_SR,
+                            P_GRID, True)
         else:
-            _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
-                             shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, False)
+            _lean_cast_rows(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+                            rvalid, m, blk, k, row, gl, out_ptr, bscale_ptr, p_ptr, seed, mat,
+                            s_g, plo, phi, slo, shi, M, K, NB, SR, GRID, UP, PLAIN, P_SR,
+                            P_GRID, False)
+        tl.store(mscale_ptr + mat, s_g)
     else:
-        _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo, shi,
-                         M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, False)
-    tl.store(mscale_ptr + mat, s_g)
+        amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
+        s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
+        if UP:
+            s_g = _nvfp4_global_up(amax, s_g)
+        if RCP_FORM and not SR:
+            if (s_g >= RCP_LO) & (s_g <= RCP_HI):  # one test per matrix: one loop runs
+                _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
+                                 shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, True)
+            else:
+                _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
+                                 shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, False)
+        else:
+            _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo, shi,
+                             M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, False)
+        tl.store(mscale_ptr + mat, s_g)
 
 
 @triton.jit
@@ -1386,7 +1446,7 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
             ROWS=rows, TILE=_TILE, SR=scaled.sr, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up", PLAIN=p_on,
             P_SR=p_on and plain.sr, P_GRID=pgrid, RCP_FORM=form == "lean_rcp",
-            num_warps=num_warps)
+            SINGLE=rows >= m * nb, num_warps=num_warps)
     elif bsz:
         _pair_kernel[(bsz,)](
             x, codes, bscale, mscale, st, pcodes, pst, int(seed), m, K=k, NB=nb, ROWS=rows,

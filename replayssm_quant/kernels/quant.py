@@ -457,24 +457,30 @@ def _quant(y, r, SR: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_code_from_1(m):
+    """E2M1 RTN magnitude code of finite float32 ``|y| >= 1`` (int32 bits ``m``): the bits
+    rounded to one mantissa bit, half to even, in integer arithmetic (``m + 0x1FFFFF + bit
+    22`` carries into bit 22 exactly when the dropped bits exceed half, or equal it and bit
+    22 is odd; a carry into the exponent is kept), whose ``>> 22`` is ``252 + code`` (1.0 ->
+    2, 1.5 -> 3, 2 -> 4, ..., 6 -> 7), saturated at 7. Shared by :func:`_e2m1_rtn_code` and
+    :func:`_e2m1_rtn_code_lean`."""
+    return tl.minimum(((m + 0x1FFFFF + ((m >> 22) & 1)) >> 22) - 252, 7)
+
+
+@triton.jit
 def _e2m1_rtn_code(y):
     """Signed E2M1 code (int32, sign in bit 3) of finite float32 ``y`` rounded to nearest,
     ties to even, saturating at 6: the code :func:`_quant` gives on the E2M1 grid, in about
     half its instructions. Below 1 (E2M1's subnormal step 0.5) by comparing |y| with the
     midpoints 0.25 (``>``: a tie goes to the even code 0) and 0.75 (``>=``: to code 2); from 1
-    up by rounding the float32 bits of |y| to one mantissa bit, half to even, in integer
-    arithmetic (``b + 0x1FFFFF + bit 22`` carries into bit 22 exactly when the dropped bits
-    exceed half, or equal it and bit 22 is odd; a carry into the exponent is kept), whose
-    ``bits >> 22`` is then ``252 + code`` (1.0 -> 2, 1.5 -> 3, 2 -> 4, ..., 6 -> 7), saturated
-    at 7. ``y`` must be finite (no NaN/inf codes here; callers mask such blocks). Equality
+    up by :func:`_e2m1_code_from_1`. ``y`` must be finite (no NaN/inf codes here; callers mask such blocks). Equality
     with ``_quant`` is tested on every float32 in [0, 8] on the GPU and near every midpoint
     under the interpreter (``test_e2m1_rtn_code_matches_generic``)."""
     b = y.to(tl.int32, bitcast=True)
     m = b & 0x7FFFFFFF  # |y| (finite: below 0x7F800000, so the sum below stays in int32)
     a = m.to(tl.float32, bitcast=True)
     sub = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32)
-    nrm = tl.minimum(((m + 0x1FFFFF + ((m >> 22) & 1)) >> 22) - 252, 7)
-    n = tl.where(a < 1.0, sub, nrm)
+    n = tl.where(a < 1.0, sub, _e2m1_code_from_1(m))
     return n | ((b >> 28) & 8)
 
 
@@ -498,16 +504,15 @@ def _e2m1_rtn_code_lean(y):
     is fixed-point with step 0.5 (0, 0.5, 1, 1.5; 2 from 1.75 up), so the code is
     ``RNE(2 |y|)``, read from the float32 bits of ``2 |y| + 1.5 * 2^23`` (a sum in
     [2^23, 2^24), whose ulp is 1: its one rounding is the round to nearest even integer,
-    exact whether the compiler fuses the product into an FMA or not). From 2 up, the
-    integer rounding of :func:`_e2m1_rtn_code`. Equality is tested on every float32 in
+    exact whether the compiler fuses the product into an FMA or not). From 2 up,
+    :func:`_e2m1_code_from_1`, as :func:`_e2m1_rtn_code`. Equality is tested on every float32 in
     [0, 8] on CUDA and near every midpoint under the interpreter
     (``test_lean_cast_codes_match_generic``)."""
     b = y.to(tl.int32, bitcast=True)
     m = b & 0x7FFFFFFF
     a = m.to(tl.float32, bitcast=True)
     low = (a * 2.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-    nrm = tl.minimum(((m + 0x1FFFFF + ((m >> 22) & 1)) >> 22) - 252, 7)
-    n = tl.where(m < 0x40000000, low, nrm)
+    n = tl.where(m < 0x40000000, low, _e2m1_code_from_1(m))
     return n | ((b >> 28) & 8)
 
 
@@ -1194,16 +1199,12 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
         s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
         if UP:
             s_g = _nvfp4_global_up(amax, s_g)
-        if RCP_FORM and not SR:
-            if (s_g >= RCP_LO) & (s_g <= RCP_HI):  # one test per matrix: one loop runs
-                _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
-                                 shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, True)
-            else:
-                _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
-                                 shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, False)
+        if RCP_FORM and not SR and (s_g >= RCP_LO) & (s_g <= RCP_HI):  # one test per matrix
+            _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
+                             shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, True)
         else:
-            _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo, shi,
-                             M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, False)
+            _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
+                             shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, False)
         tl.store(mscale_ptr + mat, s_g)
 
 

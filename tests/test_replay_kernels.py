@@ -592,26 +592,33 @@ def test_flush_default_wide_gdn():
 
 
 # the default suite: each model's default form (GDN with a solve: tf32x3_full+inverse; Mamba-2,
-# and GDN folding cached corrections: tf32x3_full) and the split casts; the other forms (17-22 s
-# each under the interpreter) with -m slow
+# and GDN folding cached corrections: tf32x3_full) and the split casts in each pair cast form;
+# the other forms (17-22 s each under the interpreter) with -m slow
 @pytest.mark.parametrize("model,form,split", [
     (m, f, sp) if (m, f) in (("gdn", "tf32x3_full+inverse"), ("mamba2", "tf32x3_full")) or sp
     else pytest.param(m, f, sp, marks=SLOW)
     for m, forms in (
         ("gdn", (("dot", False), ("rank1", False), ("tf32x3", False), ("dot+inverse", False),
                  ("tf32x3_full", False), ("dot_full+inverse", False),
-                 ("tf32x3_full+inverse", False), ("tf32x3_full+inverse", True))),
+                 ("tf32x3_full+inverse", False), ("tf32x3_full+inverse", True),
+                 ("tf32x3_full+inverse", "pair_lean"),
+                 ("tf32x3_full+inverse", "pair_lean_rcp"))),
         ("mamba2", (("dot", False), ("rank1", False), ("tf32x3", False),
-                    ("tf32x3_full", False), ("tf32x3_full", True))))
+                    ("tf32x3_full", False), ("tf32x3_full", True),
+                    ("tf32x3_full", "pair_lean"), ("tf32x3_full", "pair_lean_rcp"))))
     for f, sp in forms])
 def test_flush_forms_batch_invariant(model, form, split):
     """Every ``reconstruct`` form gives each sequence the same bits alone, in the batch and at
     the other batch position (reversed batch): S, the flush token's output, the anchor and
     read copy (an SR dual policy: the in-kernel stream keys follow the sequence id, not the
     position), GDN's corrections. Two row tiles (V = 40, block_v 32), lengths L and 3. The
-    fused casts, and once the split ones (``split_casts``: keys by ``_split_keys``)."""
+    fused casts, and once the split ones (``split_casts``: keys by ``_split_keys``; ``split``
+    True: the default cast form, else the named lean pair form; ``"pair_lean_rcp"`` with an
+    RTN read copy, which its reciprocal division needs)."""
     gen = _gen(14)
-    pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr")
+    pol = StatePolicy.parse("read:nvfp4/rec:fp16+sr" if split == "pair_lean_rcp"
+                            else "read:nvfp4+sr/rec:fp16+sr")
+    cast = {"cast_form": split} if isinstance(split, str) else {}
     A, la, k, v, beta, q = _config_inputs(gen, False, 40)
     length = _t(torch.tensor([L, 3]))
     ids, fi = STREAMS["sequence_ids"], STREAMS["flush_index"]
@@ -619,7 +626,7 @@ def test_flush_forms_batch_invariant(model, form, split):
     def run(rows):
         r = torch.tensor(rows)
         kw = dict(seed=SEED, layer=3, sequence_ids=ids[r], flush_index=fi[r], q=q[r],
-                  block_v=32, split_casts=split, **_form(form))
+                  block_v=32, split_casts=bool(split), **cast, **_form(form))
         if model == "gdn":
             res, y = kr.gdn_flush_kernel(A[r], la[r], beta[r], v[r], k[r], length[r], pol, **kw)
         else:

@@ -6,7 +6,9 @@ the anchor (fp16, SR) and to the read copy (nvfp4: a matrix-amax pass over S, th
 This times each launch alone at B = 256 on the H200 geometries (``flush_tune.py``'s sets), the
 whole split flush in each cast form (``cast_form="separate"``; ``"pair"``: one launch casts S
 to both copies, loading each tile once for both; ``"pair_lean"``: that launch in its lean
-form, twenty-seventh pass), ``pack_pair_triton`` alone in both kernel forms on several tiles
+form, twenty-seventh pass; ``"+amax"``: with ``flush_amax=True``, the matrix amax taken by
+the fp32 flush as it writes S, so the cast reads S once, twenty-eighth pass),
+``pack_pair_triton`` alone in both kernel forms on several tiles
 (``--pair-tiles``), and a device copy of S as the bandwidth reference. CUDA-graph medians
 (``decode.timer``), 4 sets rotated; the cast forms' stored copies are compared byte for
 byte, and each pair tile's (either form) against the first generic tile's.
@@ -109,8 +111,9 @@ def main():
             kw_split = dict(fk, split_casts=True)
             default_cfg = cfg  # the split applies its launch options to the fp32 flush
             runs = {}
-            for form in F.CAST_FORMS:
-                kw = dict(kw_split, cast_form=form)
+            for form in F.CAST_FORMS + tuple(f"{f}+amax" for f in F._PAIR_CAST_FORMS):
+                kw = dict(kw_split, cast_form=form.removesuffix("+amax"),
+                          flush_amax=form.endswith("+amax"))
                 res[f"split_{form}"] = t(lambda i, kw=kw: ft.run_flush(M, pool[i], pol, kw,
                                                                        default_cfg))
                 runs[form] = ft.run_flush(M, pool[0], pol, kw, default_cfg)[0].checkpoints

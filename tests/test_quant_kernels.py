@@ -401,6 +401,12 @@ PAIR_CASES = [pytest.param(p, c, form, marks=() if (p, c) in fast else pytest.ma
               for p in PAIR_PLAIN for c in PAIR_SCALED]
 
 
+def _finite_amax(x):
+    """Each matrix's max |x| over its finite elements (0 where none): float32 ``x.shape[:-2]``."""
+    a = x.abs()
+    return torch.where(a < float("inf"), a, torch.zeros_like(a)).amax(dim=(-2, -1))
+
+
 def _check_pair(x, plain, scaled, sp, ss, **tile):
     """pack_pair_triton against pack_reference of each copy, byte for byte (the reference
     with its own stream per copy); the plain fp32 copy is x itself."""
@@ -435,6 +441,9 @@ def test_pack_pair_matches_reference(plain, scaled, form):
     sp, ss = _streams(lead), _streams(lead) * 3 + 1
     _check_pair(x, plain, scaled, sp, ss, form=form)
     _check_pair(x, plain, scaled, sp, ss, rows=4, num_warps=1, form=form)
+    # the matrix amax given (as the split flush's fp32 flush gives it): the same bytes
+    _check_pair(x, plain, scaled, sp, ss, rows=4, num_warps=1, form=form,
+                matrix_amax=_finite_amax(x).to(DEVICE))
     y = _random(((2, 1), 3, 7), seed=21)
     _check_pair(y, plain, scaled, _streams((2, 1)), _streams((2, 1)) + 5, rows=2, form=form)
     w = _random(((2,), 3, 44), seed=23)
@@ -498,6 +507,31 @@ def test_pack_pair_refused():
             kq.pack_pair_triton(x, "fp16", "nvfp4", num_warps=nw)
     with pytest.raises(ValueError, match="does not broadcast"):
         kq.pack_pair_triton(x, "fp16+sr", "nvfp4", plain_stream=torch.zeros(3, dtype=torch.int64))
+    for bad in (torch.zeros(3, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                torch.zeros(2, 1, device=DEVICE), 1.0):
+        with pytest.raises(ValueError, match=r"matrix_amax must be None or a float32 tensor "
+                                             r"of shape \(2,\)"):
+            kq.pack_pair_triton(x, "fp16", "nvfp4", matrix_amax=bad)
+
+
+@pytest.mark.parametrize("form", ["generic", "lean", "lean_rcp"])
+def test_pack_pair_takes_the_given_matrix_amax(form):
+    """With ``matrix_amax`` the kernel makes no amax pass of its own: the matrix scale is
+    the given amax / (448 x 6) in float32 (1 for a zero amax), whatever the data, on several
+    tiles per matrix and on one (the single-tile lean form takes the amax from its tile)."""
+    x = _random(((3,), 8, 32), seed=31).to(DEVICE)
+    given = torch.tensor([0.0, 1.5, 300.0], device=DEVICE)
+    _, s = kq.pack_pair_triton(x, "fp16", "nvfp4", rows=4, num_warps=1, form=form,
+                               matrix_amax=given)
+    want = torch.where(given > 0, given / F.NVFP4_SCALE_DIVISOR, torch.ones_like(given))
+    assert_same_bytes(s.matrix_scale, want, "matrix scale from the given amax")
+    _, one = kq.pack_pair_triton(x, "fp16", "nvfp4", rows=16, num_warps=1, form=form,
+                                 matrix_amax=given)
+    if form == "generic":  # the generic kernel has no single-tile form
+        assert_same_bytes(one.matrix_scale, want, "one tile")
+    else:
+        ref = pack_reference(x.cpu(), "nvfp4")
+        assert_same_bytes(one.matrix_scale, ref.matrix_scale.to(DEVICE), "one tile (own amax)")
 
 
 @triton.jit

@@ -330,24 +330,102 @@ def test_flush_split_casts_same_bytes(model, policy):
 def test_flush_cast_forms_same_bytes(model, policy):
     """The split flush's cast forms (``cast_form="pair"``: one ``pack_pair_triton`` launch;
     ``"pair_lean"`` / ``"pair_lean_rcp"``: the same in its lean forms; ``"separate"``: one
-    ``pack_triton`` per copy)
+    ``pack_triton`` per copy; ``+amax``: the pair form with ``flush_amax=True``, the matrix
+    amax taken by the fp32 flush, on one program per matrix and on a program per row tile)
     and the fused casts give the same S, flush-token output and stored copies bit for bit
     under one launch, and the reference casts of that S (each copy with its own stream: the
     NVFP4 copy is the read copy, the anchor, or the only one)."""
     A, la, v, k, beta, q, length = _flush_case(12, 3)
     pol = StatePolicy.parse(policy)
     launch = dict(variant="loop", block_v=16, num_warps=2, reconstruct="dot")
-    outs = {form: _model_flush(model, A, la, v, k, beta, length, pol, q=q, **launch,
-                               split_casts=form != "fused",
-                               cast_form=None if form == "fused" else form, **STREAMS)
-            for form in ("pair", "pair_lean", "pair_lean_rcp", "separate", "fused")}
+    forms = ("pair", "pair_lean", "pair_lean_rcp", "separate", "fused", "pair+amax",
+             "pair_lean+amax", "pair_lean_rcp+amax")
+
+    def run(form):
+        kw = dict(launch, split_casts=form != "fused")
+        if form != "fused":
+            kw["cast_form"] = form.removesuffix("+amax")
+            kw["flush_amax"] = form.endswith("+amax")
+        if form == "pair_lean+amax":
+            kw["variant"] = "grid"  # several programs per matrix: atomic max across tiles
+        return _model_flush(model, A, la, v, k, beta, length, pol, q=q, **kw, **STREAMS)
+
+    outs = {form: run(form) for form in forms}
     (pair, yp) = outs["pair"]
-    for form in ("pair_lean", "pair_lean_rcp", "separate", "fused"):
+    for form in forms[1:]:
         other, yo = outs[form]
         assert torch.equal(_bits(pair.state), _bits(other.state)), form
         assert torch.equal(_bits(yp), _bits(yo)), form
         _same_copies(pair.checkpoints, other.checkpoints)
     _same_copies(pair.checkpoints, core.cast_checkpoints(pair.state, pol, store=True, **STREAMS))
+
+
+@pytest.mark.parametrize("model", ["gdn", "mamba2"])
+def test_flush_amax_is_the_finite_amax_of_S(model):
+    """``flush_kernel(amax_out=...)`` (the ``fp32`` flush as the split flush runs it with
+    ``flush_amax``): the float32 bits of each matrix's max |S| over its finite elements
+    (torch on the kernel's own S, with an inf, a NaN and an all-zero matrix in the sequence
+    whose S is its anchor), on a program per row tile (V = 40, block_v 16: three tiles, an
+    atomic max across them) and one program per matrix; and the split flush with
+    ``flush_amax=True`` stores the same copies as without (and as the reference casts of S)
+    on that S, in both pair forms."""
+    gen = _gen(21)
+    A, la, k, v, beta, q = _config_inputs(gen, False, 40)
+    A[1, 0, 5, 3] = float("inf")
+    A[1, 2, 33, 7] = float("nan")
+    A[1, 3] = 0.0
+    length = _t(torch.tensor([L, 0]))  # sequence 1: S = its anchor
+    fp32 = StatePolicy.parse("fp32")
+    for variant in ("grid", "loop"):
+        amax = torch.full((B * H,), -1, dtype=torch.int32, device=DEVICE)  # overwritten
+        res, _ = kr.flush_kernel(A, la, v, k, length, fp32, variant=variant, block_v=16,
+                                 beta=beta if model == "gdn" else None, amax_out=amax,
+                                 **STREAMS)
+        a = res.state.abs()
+        want = torch.where(a < float("inf"), a, torch.zeros_like(a)).amax(dim=(-2, -1))
+        assert torch.equal(amax, want.reshape(-1).view(torch.int32)), variant
+        assert want[1, 3] == 0 and torch.isfinite(want).all()
+    pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr")
+    kw = dict(variant="grid", block_v=16, split_casts=True, **STREAMS)
+    base, _ = _model_flush(model, A, la, v, k, beta, length, pol, cast_form="pair",
+                           flush_amax=False, **kw)
+    _same_copies(base.checkpoints, core.cast_checkpoints(base.state, pol, store=True, **STREAMS))
+    for form in ("pair", "pair_lean"):
+        got, _ = _model_flush(model, A, la, v, k, beta, length, pol, cast_form=form,
+                              flush_amax=True, **kw)
+        assert torch.equal(_bits(got.state), _bits(base.state))
+        _same_copies(got.checkpoints, base.checkpoints)
+
+
+def test_flush_amax_refusals():
+    """``flush_amax`` needs split casts in a pair form and a bool; ``amax_out`` an int32
+    ``[B * H]`` tensor on the device, on a flush that neither splits its casts nor has a
+    matrix-scaled copy. Each error names the bad value."""
+    gen = _gen(3)
+    A = _t(torch.randn(B, H, V, K, generator=gen))
+    la, v, k, _ = _records(gen)
+    n = _t(torch.tensor([L, 2]))
+    nv = StatePolicy.parse("read:nvfp4/rec:fp16")
+
+    def flush(pol, **kw):
+        return kr.flush_kernel(A, la, v, k, n, pol, **kw, **STREAMS)
+
+    with pytest.raises(ValueError, match="flush_amax must be None, True or False, got 1"):
+        flush(nv, flush_amax=1)
+    with pytest.raises(ValueError, match="needs a pair cast form.*'separate'"):
+        flush(nv, cast_form="separate", flush_amax=True)
+    with pytest.raises(ValueError, match="flush_amax=True applies to split casts only"):
+        flush(nv, split_casts=False, flush_amax=True)
+    with pytest.raises(ValueError, match="amax_out applies to a flush without split casts"):
+        flush(nv, amax_out=torch.zeros(B * H, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="without a matrix-scaled copy"):
+        flush(nv, split_casts=False, amax_out=torch.zeros(B * H, dtype=torch.int32,
+                                                          device=DEVICE))
+    for bad in (torch.zeros(B * H, device=DEVICE), torch.zeros(B, H, dtype=torch.int32,
+                                                              device=DEVICE), [0] * (B * H)):
+        with pytest.raises(ValueError, match=rf"amax_out must be an int32 tensor of shape "
+                                             rf"\({B * H},\)"):
+            flush(StatePolicy.parse("fp32"), amax_out=bad)
 
 
 def test_split_cast_form_default_and_refusals():

@@ -902,10 +902,11 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
 
 @triton.jit
 def _pair_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_stream_ptr, seed,
-                 M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
-                 SR: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr, GRID: tl.constexpr,
-                 UP: tl.constexpr, ALIGNED4: tl.constexpr, PLAIN: tl.constexpr,
-                 P_SR: tl.constexpr, P_GRID: tl.constexpr):
+                 amax_ptr, M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr,
+                 TILE: tl.constexpr, SR: tl.constexpr, HALF: tl.constexpr, GDIV: tl.constexpr,
+                 GRID: tl.constexpr, UP: tl.constexpr, ALIGNED4: tl.constexpr,
+                 PLAIN: tl.constexpr, P_SR: tl.constexpr, P_GRID: tl.constexpr,
+                 GIVEN_AMAX: tl.constexpr = False):
     """:func:`pack_pair_triton`: one program per matrix, as :func:`_nvfp4_kernel`: the
     matrix amax first (:func:`_matrix_amax`), then tiles of ``ROWS`` block rows (K and NB
     constexpr: the row and block of a block row without 64-bit divisions), each loaded once
@@ -913,10 +914,15 @@ def _pair_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_st
     the halves (SR bits of its own stream by :func:`_block_bits`: element ``e = m K + k``
     takes word ``e & 3`` of call ``e >> 2``, as :func:`_unscaled_kernel`) and its codes
     joined back into a contiguous ``[ROWS, 2 HALF]`` tile for the store; then
-    :func:`_block_cast` casts the halves to NVFP4 (the arithmetic of :func:`_nvfp4_kernel`)."""
+    :func:`_block_cast` casts the halves to NVFP4 (the arithmetic of :func:`_nvfp4_kernel`).
+    ``GIVEN_AMAX``: the matrix amax is read from ``amax_ptr`` (float32 ``[matrices]``) instead
+    of the amax pass."""
     mat = tl.program_id(0).to(tl.int64)
     mnb = M * NB
-    amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
+    if GIVEN_AMAX:
+        amax = tl.load(amax_ptr + mat)
+    else:
+        amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
     s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
     if UP:
         s_g = _nvfp4_global_up(amax, s_g)
@@ -1134,11 +1140,11 @@ def _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi
 
 @triton.jit
 def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_stream_ptr,
-                      seed, M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr,
+                      seed, amax_ptr, M, K: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr,
                       TILE: tl.constexpr, SR: tl.constexpr, GDIV: tl.constexpr,
                       GRID: tl.constexpr, UP: tl.constexpr, PLAIN: tl.constexpr,
                       P_SR: tl.constexpr, P_GRID: tl.constexpr, RCP_FORM: tl.constexpr,
-                      SINGLE: tl.constexpr = False,
+                      SINGLE: tl.constexpr = False, GIVEN_AMAX: tl.constexpr = False,
                       RCP_LO: tl.constexpr = RCP_MATRIX_SCALE_RANGE[0],
                       RCP_HI: tl.constexpr = RCP_MATRIX_SCALE_RANGE[1]):
     """:func:`pack_pair_triton` with ``form="lean"`` (``"lean_rcp"``: ``RCP_FORM``): the
@@ -1163,7 +1169,9 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
       block row and four FMAs per element, the same E2M1 codes;
     * with ``SINGLE`` (``ROWS`` covers the matrix's block rows) there is no amax pass: the
       one tile is loaded, its finite amax taken from the registers (:func:`_finite_amax4`,
-      a max: order-free, the amax pass's value), and cast, so S is read once."""
+      a max: order-free, the amax pass's value), and cast, so S is read once;
+    * with ``GIVEN_AMAX`` (and not ``SINGLE``) the matrix amax is read from ``amax_ptr``
+      (float32 ``[matrices]``) instead of the amax pass, so S is read once."""
     mat = tl.program_id(0).to(tl.int64)
     plo = 0
     phi = 0
@@ -1195,7 +1203,10 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
                             P_GRID, False)
         tl.store(mscale_ptr + mat, s_g)
     else:
-        amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
+        if GIVEN_AMAX:
+            amax = tl.load(amax_ptr + mat)
+        else:
+            amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
         s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
         if UP:
             s_g = _nvfp4_global_up(amax, s_g)
@@ -1362,7 +1373,7 @@ def pair_casts(plain, scaled) -> bool:
 
 def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_stream=0,
                      scaled_stream=0, rows: int = _PAIR_ROWS, num_warps: int = _PAIR_WARPS,
-                     form: str | None = None):
+                     form: str | None = None, matrix_amax: torch.Tensor | None = None):
     """Two casts of one float32 tensor in one launch: the same bytes as
     ``(pack_triton(x, plain, stream=plain_stream), pack_triton(x, scaled,
     stream=scaled_stream))`` (:func:`replayssm_quant.quant.pack_reference` each), with each
@@ -1391,6 +1402,14 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
             reciprocal per block (:func:`_div_by_rcp`) where its matrix scale lies in
             :data:`RCP_MATRIX_SCALE_RANGE` (with SR it is ``"lean"``). A matrix holds
             fewer than 2^31 elements (int32 indices, as the SR element index).
+        matrix_amax: None (the kernel's own amax pass over each matrix), or float32
+            ``x.shape[:-2]`` on ``x``'s device: each matrix's finite amax, the max of ``|x|``
+            over its finite elements (0 where it has none), computed by the caller, e.g. the
+            split flush's ``fp32`` flush as it writes S (``flush_kernel(amax_out=...)``), so
+            that ``x`` is read once (the single-tile lean form takes it from its registers
+            anyway). The bytes are
+            :func:`~replayssm_quant.quant.pack_reference`'s only if it is that amax; it is
+            not checked.
 
     Returns:
         ``(plain copy, scaled copy)``: PackedTensor each (the plain one ``x`` for fp32).
@@ -1400,7 +1419,8 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
             contiguous float32 ``[..., M, K]`` with non-empty matrix dims, ``rows`` not a
             power of two in [1, 1024], ``num_warps`` not one of 1, 2, 4, 8, 16, 32, ``form``
             not one of :data:`PAIR_FORMS`, a stream that does not broadcast to
-            ``x.shape[:-2]``.
+            ``x.shape[:-2]``, a ``matrix_amax`` that is not a float32 tensor of shape
+            ``x.shape[:-2]`` on ``x``'s device.
     """
     if form is None:
         form = _PAIR_FORM
@@ -1422,6 +1442,14 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
         raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, 32, got {num_warps!r}")
     _check(x, scaled)
     lead = x.shape[:-2]
+    if matrix_amax is not None and not (
+            isinstance(matrix_amax, torch.Tensor) and matrix_amax.dtype == torch.float32
+            and tuple(matrix_amax.shape) == tuple(lead) and matrix_amax.device == x.device):
+        got = (f"dtype {matrix_amax.dtype}, shape {tuple(matrix_amax.shape)}, device "
+               f"{matrix_amax.device}" if isinstance(matrix_amax, torch.Tensor)
+               else type(matrix_amax).__name__)
+        raise ValueError(f"matrix_amax must be None or a float32 tensor of shape "
+                         f"{tuple(lead)} (x.shape[:-2]) on {x.device}, got {got}")
     m, k = x.shape[-2], x.shape[-1]
     bsz = math.prod(lead)
     dev = x.device
@@ -1439,22 +1467,26 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
         pgrid = _grid_consts(plain.info.element)
     else:
         pcodes, pst, pgrid = codes, st, None
+    given = matrix_amax is not None
+    amax_arg = matrix_amax.contiguous() if given else mscale
     if bsz and form in ("lean", "lean_rcp") and k % 4 == 0:
         assert block == 16  # NVFP4's scaling block
         _pair_lean_kernel[(bsz,)](
             x, codes.view(torch.int64), bscale, mscale, st,
-            pcodes.view(torch.int64) if p_on else pcodes, pst, int(seed), m, K=k, NB=nb,
+            pcodes.view(torch.int64) if p_on else pcodes, pst, int(seed), amax_arg, m, K=k,
+            NB=nb,
             ROWS=rows, TILE=_TILE, SR=scaled.sr, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up", PLAIN=p_on,
             P_SR=p_on and plain.sr, P_GRID=pgrid, RCP_FORM=form == "lean_rcp",
-            SINGLE=rows >= m * nb, num_warps=num_warps)
+            SINGLE=rows >= m * nb, GIVEN_AMAX=given, num_warps=num_warps)
     elif bsz:
         _pair_kernel[(bsz,)](
-            x, codes, bscale, mscale, st, pcodes, pst, int(seed), m, K=k, NB=nb, ROWS=rows,
+            x, codes, bscale, mscale, st, pcodes, pst, int(seed), amax_arg, m, K=k, NB=nb,
+            ROWS=rows,
             TILE=_TILE, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up",
             ALIGNED4=k % 4 == 0 and block % 4 == 0, PLAIN=p_on, P_SR=p_on and plain.sr,
-            P_GRID=pgrid, num_warps=num_warps)
+            P_GRID=pgrid, GIVEN_AMAX=given, num_warps=num_warps)
     out_s = PackedTensor(scaled, x.shape, codes, bscale, mscale)
     if not p_on:
         return x, out_s

@@ -382,11 +382,13 @@ def _flush_kernel(
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
         RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", INV: tl.constexpr = False,
         KEYS_IN: tl.constexpr = False, FULL: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False,
         SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
     # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
-    # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1.
+    # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1. AMAX_OUT (PHASE 0,
+    # no matrix-scaled copy): also the finite amax of the S it writes, atomic max into amax_ptr.
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -477,6 +479,7 @@ def _flush_kernel(
 
     # ---- reconstruct, write S / y / corrections, cast A and R
     if PHASE != 1:
+        out_amax = tl.zeros([], tl.float32)  # AMAX_OUT: the finite amax of this program's S
         for v0 in range(v_lo, v_hi, BV):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
@@ -504,6 +507,8 @@ def _flush_kernel(
                                           SOLVE and PHASE == 0, A)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax_full(x, rmask)
+                if AMAX_OUT:
+                    out_amax = tl.maximum(out_amax, _tile_amax_full(x, rmask))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
                 if STORE_S:
@@ -530,6 +535,8 @@ def _flush_kernel(
                     _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax(se, so, rmask)
+                if AMAX_OUT:
+                    out_amax = tl.maximum(out_amax, _tile_amax(se, so, rmask))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
                 if STORE_S:
@@ -551,6 +558,8 @@ def _flush_kernel(
                 if TWO:
                     if CR.MS:
                         tl.store(orms_ptr + mat, sr)
+        if AMAX_OUT:  # out_amax >= 0: its float32 bits order as int32 (a max: order-free)
+            tl.atomic_max(amax_ptr + mat, out_amax.to(tl.int32, bitcast=True))
 
 
 # ----------------------------------------------------------------------------------------
@@ -564,7 +573,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  beta=None, dequantize: bool = True, keys_in_kernel: bool | None = None,
                  reconstruct: str | None = None, solve_form: str | None = None,
                  split_casts: bool | None = None, cast_form: str | None = None,
-                 maxnreg: int | None = None):
+                 maxnreg: int | None = None, flush_amax: bool | None = None,
+                 amax_out: torch.Tensor | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -642,6 +652,16 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     the H200 at B = 256 (``flush_parts_h200.json``, docs/kernels-replay.md, "Twenty-second
     pass") the pair form reads S twice (once from L2, in part) instead of three times.
 
+    ``flush_amax`` (split casts in a pair form only; default :data:`SPLIT_FLUSH_AMAX`): the
+    split's ``fp32`` flush also takes each matrix's finite amax of the S it writes (a max per
+    tile, then one integer ``atomic_max`` on the float32 bits per program: exact and
+    order-free, so the same value in any launch, batch or order), and the pair cast takes it
+    (``pack_pair_triton(matrix_amax=...)``) instead of its own amax pass over S: S is read
+    once instead of twice. The same bytes (``test_flush_cast_forms_same_bytes``).
+    ``amax_out`` (an int32 tensor ``[B * H]`` on the device, overwritten; flushes without a
+    matrix-scaled copy and without split casts only): receives those float32 bits (what the
+    split flush passes its ``fp32`` flush).
+
     ``maxnreg``: a per-thread register cap (None or an int in [16, 255]) for the flush
     kernel's launches, on CUDA only; it changes the register allocation, not the arithmetic.
     Default None: no cap, except that a split flush's fp32 flush takes
@@ -656,20 +676,46 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     two = not policy.single_checkpoint
     if split_casts is None:
         split_casts = flush_splits_casts(policy)
-    if split_casts and not (policy.rec.is_identity and (not two or policy.read.is_identity)):
+    splits = split_casts and not (policy.rec.is_identity
+                                  and (not two or policy.read.is_identity))
+    if flush_amax is not None and not isinstance(flush_amax, bool):
+        raise ValueError(f"flush_amax must be None, True or False, got {flush_amax!r}")
+    if splits and amax_out is not None:
+        raise ValueError(f"amax_out applies to a flush without split casts; {policy} splits "
+                         f"its casts (pass split_casts=False or amax_out=None)")
+    if splits:
+        form = split_cast_form(policy, cast_form)
+        if flush_amax is None:
+            flush_amax = SPLIT_FLUSH_AMAX and form in _PAIR_CAST_FORMS
+        if flush_amax and form not in _PAIR_CAST_FORMS:
+            raise ValueError(f"flush_amax=True needs a pair cast form {tuple(_PAIR_CAST_FORMS)}"
+                             f", got cast_form={form!r}")
         return _split_flush(anchor, la, w, k, length, policy, seed=seed, layer=layer,
                             sequence_ids=sequence_ids, flush_index=flush_index, q=q,
                             store_state=store_state, block_v=block_v, num_warps=num_warps,
                             variant=variant, beta=beta, dequantize=dequantize,
                             keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
-                            solve_form=solve_form,
-                            cast_form=split_cast_form(policy, cast_form),
+                            solve_form=solve_form, cast_form=form, flush_amax=flush_amax,
                             maxnreg=(split_flush_maxnreg(anchor, beta is not None)
                                      if maxnreg is None else maxnreg))
     if cast_form is not None:
         raise ValueError(f"cast_form={cast_form!r} applies to split casts only (this flush of "
                          f"{policy} does not split its casts); pass None")
+    if flush_amax:
+        raise ValueError(f"flush_amax=True applies to split casts only (this flush of {policy} "
+                         f"does not split its casts)")
     need_amax = flush_needs_amax(policy)
+    if amax_out is not None:
+        if need_amax:
+            raise ValueError(f"amax_out applies to a flush without a matrix-scaled copy; "
+                             f"{policy} has one (its matrix amax is internal)")
+        if not (isinstance(amax_out, torch.Tensor) and amax_out.dtype == torch.int32
+                and tuple(amax_out.shape) == (B * H,) and amax_out.device == w.device):
+            got = (f"dtype {amax_out.dtype}, shape {tuple(amax_out.shape)}, device "
+                   f"{amax_out.device}" if isinstance(amax_out, torch.Tensor)
+                   else type(amax_out).__name__)
+            raise ValueError(f"amax_out must be an int32 tensor of shape ({B * H},) on "
+                             f"{w.device}, got {got}")
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
     where = "flush_kernel"
@@ -720,7 +766,11 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     single = block_v >= V
     loop = variant == "loop"
     tiles = 1 if (loop or single) else triton.cdiv(V, block_v)
-    amax = torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev)
+    if amax_out is not None:
+        amax = amax_out
+        amax.zero_()
+    else:
+        amax = torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev)
     pick = lambda t, d: t if t is not None else d  # noqa: E731
     args = (a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
             beta.contiguous() if solve else la, u_arg,
@@ -736,7 +786,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   PREC="tf32x3" if reconstruct.startswith("tf32x3") else "ieee",
                   num_warps=num_warps,
                   INV=solve and solve_form == "inverse", num_stages=FLUSH_NUM_STAGES,
-                  A=_decode_consts(aspec),
+                  A=_decode_consts(aspec), AMAX_OUT=amax_out is not None,
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)
     cap = _maxnreg_launch(maxnreg)
@@ -874,6 +924,10 @@ def _pair_roles(policy):
 # anchor (read:nvfp4/rec:fp32) loses at every cap (1336.7 -> 1370.3 at 168), and so do GDN's
 # with either anchor (bf16 1125.1 -> 1151.7, fp32 1302.5 -> 1792.0 at 168). Other anchors and
 # geometries are untimed: no cap.
+# flush_kernel(flush_amax=...): its default (twenty-eighth pass, 2026-12-05; untimed when
+# written, so off)
+SPLIT_FLUSH_AMAX = False
+
 SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168, (False, 64, 128, "bf16"): 168}
 
 
@@ -888,27 +942,31 @@ def split_flush_maxnreg(anchor, solve: bool) -> int | None:
 
 
 def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
-                 q, store_state, dequantize, cast_form, **launch):
+                 q, store_state, dequantize, cast_form, flush_amax, **launch):
     """``flush_kernel(split_casts=True)``: the ``fp32`` flush, then the two casts of its S,
     by one :func:`~replayssm_quant.kernels.quant.pack_pair_triton` launch
     (``cast_form="pair"``; ``"pair_lean"`` / ``"pair_lean_rcp"``: its ``form="lean"`` /
     ``"lean_rcp"``) or by one
     :func:`~replayssm_quant.kernels.quant.pack_triton` per copy (``"separate"``); stream
     keys of :func:`checkpoint_streams`, copy 0 for A and 1 for R, built by
-    :func:`_split_keys`."""
+    :func:`_split_keys`. ``flush_amax``: the fp32 flush also writes each matrix's amax
+    (``amax_out``) and the pair cast takes it (``matrix_amax``) instead of its amax pass."""
     B, H = int(anchor.shape[0]), int(anchor.shape[1])
     launch["keys_in_kernel"] = True  # the fp32 flush then range-checks the per-sequence fields
+    amax = torch.empty(B * H, dtype=torch.int32, device=w.device) if flush_amax else None
     res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
                           sequence_ids=sequence_ids, flush_index=flush_index, q=q,
-                          store_state=False, dequantize=False, **launch)
+                          store_state=False, dequantize=False, amax_out=amax, **launch)
     S = res.checkpoints.anchor_stored
     sa, sr = _split_keys(layer, sequence_ids, flush_index, B, H, S.device)
     two = not policy.single_checkpoint
     if cast_form in _PAIR_CAST_FORMS:
         plain, scaled, scaled_is_read = _pair_roles(policy)
         kp, ks = (sa, sr) if scaled_is_read else (sr, sa)
-        p_st, s_st = pack_pair_triton(S, plain, scaled, seed=int(seed), plain_stream=kp,
-                                      scaled_stream=ks, form=_PAIR_CAST_FORMS[cast_form])
+        p_st, s_st = pack_pair_triton(
+            S, plain, scaled, seed=int(seed), plain_stream=kp, scaled_stream=ks,
+            form=_PAIR_CAST_FORMS[cast_form],
+            matrix_amax=amax.view(torch.float32).view(B, H) if flush_amax else None)
         if not two:
             a_st = r_st = s_st
         elif scaled_is_read:
@@ -931,7 +989,8 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         variant: str | None = None, dequantize: bool = True,
                         keys_in_kernel: bool | None = None, reconstruct: str | None = None,
                         solve_form: str | None = None, split_casts: bool | None = None,
-                        cast_form: str | None = None, maxnreg: int | None = None):
+                        cast_form: str | None = None, maxnreg: int | None = None,
+                        flush_amax: bool | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
@@ -939,7 +998,8 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         store_state=store_state, block_v=block_v, num_warps=num_warps,
                         variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel,
                         reconstruct=reconstruct, solve_form=solve_form,
-                        split_casts=split_casts, cast_form=cast_form, maxnreg=maxnreg)
+                        split_casts=split_casts, cast_form=cast_form, maxnreg=maxnreg,
+                        flush_amax=flush_amax)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
@@ -949,7 +1009,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      dequantize: bool = True, keys_in_kernel: bool | None = None,
                      reconstruct: str | None = None, solve_form: str | None = None,
                      split_casts: bool | None = None, cast_form: str | None = None,
-                     maxnreg: int | None = None):
+                     maxnreg: int | None = None, flush_amax: bool | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one dot (FP32 FMA or tf32x3: ``reconstruct``), then forward substitution
@@ -962,7 +1022,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
               dequantize=dequantize, keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
               solve_form=solve_form, split_casts=split_casts, cast_form=cast_form,
-              maxnreg=maxnreg)
+              maxnreg=maxnreg, flush_amax=flush_amax)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")

@@ -207,10 +207,14 @@ def _philox_wide(seed, c0, c1, c2, c3, ROUNDS: tl.constexpr = 10,
 def _random_words(seed, call, st_lo, st_hi, WIDE: tl.constexpr = False):
     """The four uint32 output words of Philox calls ``call`` (any shape) of one stream:
     tl.philox(seed, call, stream lo, stream hi, 0) (:mod:`replayssm_quant.philox`); with
-    ``WIDE`` the same words by :func:`_philox_wide`."""
+    ``WIDE`` the same words by :func:`_philox_wide`. ``seed`` may arrive as an int32 or
+    int64 scalar, or as a constexpr (Triton specialises the value 1): it is widened by an
+    addition to an int64 zero (a seed lies in [0, 2^63), so the uint64 bits are its value,
+    as ``tl.philox`` reads it; ``tl.to_tensor`` is not in Triton 3.6)."""
     c0 = call.to(tl.uint32)
     if WIDE:
-        return _philox_wide(tl.to_tensor(seed).to(tl.uint64), c0, st_lo + c0 * 0, st_hi + c0 * 0, c0 * 0)
+        s64 = (seed + tl.zeros([], tl.int64)).to(tl.uint64)
+        return _philox_wide(s64, c0, st_lo + c0 * 0, st_hi + c0 * 0, c0 * 0)
     return tl.philox(seed, c0, st_lo + c0 * 0, st_hi + c0 * 0, c0 * 0)
 
 

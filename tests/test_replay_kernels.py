@@ -331,7 +331,9 @@ def test_flush_cast_forms_same_bytes(model, policy):
     """The split flush's cast forms (``cast_form="pair"``: one ``pack_pair_triton`` launch;
     ``"pair_lean"`` / ``"pair_lean_rcp"``: the same in its lean forms; ``"separate"``: one
     ``pack_triton`` per copy; ``+amax``: the pair form with ``flush_amax=True``, the matrix
-    amax taken by the fp32 flush, on one program per matrix and on a program per row tile)
+    amax taken by the fp32 flush, in its loop and grid launches; V = 16: one tile per matrix,
+    so the lean cast takes its single-tile form; the given amax across several tiles and
+    through the lean cast's tile loop: ``test_flush_amax_is_the_finite_amax_of_S``)
     and the fused casts give the same S, flush-token output and stored copies bit for bit
     under one launch, and the reference casts of that S (each copy with its own stream: the
     NVFP4 copy is the read copy, the anchor, or the only one)."""
@@ -347,7 +349,7 @@ def test_flush_cast_forms_same_bytes(model, policy):
             kw["cast_form"] = form.removesuffix("+amax")
             kw["flush_amax"] = form.endswith("+amax")
         if form == "pair_lean+amax":
-            kw["variant"] = "grid"  # several programs per matrix: atomic max across tiles
+            kw["variant"] = "grid"  # the fp32 flush's program-per-tile launch
         return _model_flush(model, A, la, v, k, beta, length, pol, q=q, **kw, **STREAMS)
 
     outs = {form: run(form) for form in forms}
@@ -365,19 +367,21 @@ def test_flush_amax_is_the_finite_amax_of_S(model):
     """``flush_kernel(amax_out=...)`` (the ``fp32`` flush as the split flush runs it with
     ``flush_amax``): the float32 bits of each matrix's max |S| over its finite elements
     (torch on the kernel's own S, with an inf, a NaN and an all-zero matrix in the sequence
-    whose S is its anchor), on a program per row tile (V = 40, block_v 16: three tiles, an
-    atomic max across them) and one program per matrix; and the split flush with
-    ``flush_amax=True`` stores the same copies as without (and as the reference casts of S)
-    on that S, in both pair forms."""
+    whose S is its anchor), on a program per row tile (V = 72, block_v 16: five tiles, an
+    atomic max across them) and one program per matrix (the buffer starts at the bits of
+    FLT_MAX: the kernel must clear it); and the split flush with ``flush_amax=True`` stores
+    the same copies as without (and as the reference casts of S) on that S, in both pair
+    forms (144 NVFP4 block rows per matrix: the lean cast's tile loop, not its single-tile
+    form)."""
     gen = _gen(21)
-    A, la, k, v, beta, q = _config_inputs(gen, False, 40)
+    A, la, k, v, beta, q = _config_inputs(gen, False, 72)
     A[1, 0, 5, 3] = float("inf")
     A[1, 2, 33, 7] = float("nan")
     A[1, 3] = 0.0
     length = _t(torch.tensor([L, 0]))  # sequence 1: S = its anchor
     fp32 = StatePolicy.parse("fp32")
     for variant in ("grid", "loop"):
-        amax = torch.full((B * H,), -1, dtype=torch.int32, device=DEVICE)  # overwritten
+        amax = torch.full((B * H,), 0x7F7FFFFF, dtype=torch.int32, device=DEVICE)  # cleared
         res, _ = kr.flush_kernel(A, la, v, k, length, fp32, variant=variant, block_v=16,
                                  beta=beta if model == "gdn" else None, amax_out=amax,
                                  **STREAMS)
@@ -422,9 +426,10 @@ def test_flush_amax_refusals():
         flush(nv, split_casts=False, amax_out=torch.zeros(B * H, dtype=torch.int32,
                                                           device=DEVICE))
     for bad in (torch.zeros(B * H, device=DEVICE), torch.zeros(B, H, dtype=torch.int32,
-                                                              device=DEVICE), [0] * (B * H)):
-        with pytest.raises(ValueError, match=rf"amax_out must be an int32 tensor of shape "
-                                             rf"\({B * H},\)"):
+                                                              device=DEVICE), [0] * (B * H),
+                torch.zeros(2 * B * H, dtype=torch.int32, device=DEVICE)[::2]):
+        with pytest.raises(ValueError, match=rf"amax_out must be a contiguous int32 tensor of "
+                                             rf"shape \({B * H},\)"):
             flush(StatePolicy.parse("fp32"), amax_out=bad)
 
 

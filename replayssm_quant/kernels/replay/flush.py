@@ -658,7 +658,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     order-free, so the same value in any launch, batch or order), and the pair cast takes it
     (``pack_pair_triton(matrix_amax=...)``) instead of its own amax pass over S: S is read
     once instead of twice. The same bytes (``test_flush_cast_forms_same_bytes``).
-    ``amax_out`` (an int32 tensor ``[B * H]`` on the device, overwritten; flushes without a
+    ``amax_out`` (a contiguous int32 tensor ``[B * H]`` on the device, overwritten; flushes without a
     matrix-scaled copy and without split casts only): receives those float32 bits (what the
     split flush passes its ``fp32`` flush).
 
@@ -710,12 +710,13 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
             raise ValueError(f"amax_out applies to a flush without a matrix-scaled copy; "
                              f"{policy} has one (its matrix amax is internal)")
         if not (isinstance(amax_out, torch.Tensor) and amax_out.dtype == torch.int32
-                and tuple(amax_out.shape) == (B * H,) and amax_out.device == w.device):
+                and tuple(amax_out.shape) == (B * H,) and amax_out.device == w.device
+                and amax_out.is_contiguous()):
             got = (f"dtype {amax_out.dtype}, shape {tuple(amax_out.shape)}, device "
-                   f"{amax_out.device}" if isinstance(amax_out, torch.Tensor)
-                   else type(amax_out).__name__)
-            raise ValueError(f"amax_out must be an int32 tensor of shape ({B * H},) on "
-                             f"{w.device}, got {got}")
+                   f"{amax_out.device}, contiguous {amax_out.is_contiguous()}"
+                   if isinstance(amax_out, torch.Tensor) else type(amax_out).__name__)
+            raise ValueError(f"amax_out must be a contiguous int32 tensor of shape "
+                             f"({B * H},) on {w.device}, got {got}")
     (a, abs_, ams), aspec = _stored_args(anchor)
     _check_supported(K, w.dtype)
     where = "flush_kernel"
@@ -913,6 +914,10 @@ def _pair_roles(policy):
     return None
 
 
+# flush_kernel(flush_amax=...): its default (twenty-eighth pass, 2026-12-05; untimed when
+# written, so off)
+SPLIT_FLUSH_AMAX = False
+
 # The split flush's fp32 flush with a register cap (2026-12-04, twenty-third session,
 # benchmarks/flush_maxnreg.py, flush_maxnreg_h200.json / flush_maxnreg_r2_h200.json, H200,
 # B = 256): Mamba-2's geometry (V = 64, K = 128, no correction solve) reading an fp16 anchor,
@@ -924,10 +929,6 @@ def _pair_roles(policy):
 # anchor (read:nvfp4/rec:fp32) loses at every cap (1336.7 -> 1370.3 at 168), and so do GDN's
 # with either anchor (bf16 1125.1 -> 1151.7, fp32 1302.5 -> 1792.0 at 168). Other anchors and
 # geometries are untimed: no cap.
-# flush_kernel(flush_amax=...): its default (twenty-eighth pass, 2026-12-05; untimed when
-# written, so off)
-SPLIT_FLUSH_AMAX = False
-
 SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168, (False, 64, 128, "bf16"): 168}
 
 

@@ -811,10 +811,13 @@ def main(argv=None):
                         "keys of checkpoint_streams built in one launch (flush._split_keys, in "
                         "the timing); since 2026-12-04 both casts in one launch "
                         "(pack_pair_triton: the matrix-amax pass, then each tile once; "
-                        "cast_form='pair'); the flush's bytes and GB/s follow the traffic model "
+                        "cast_form='pair'); since 2026-12-05 in the lean pair form "
+                        "(cast_form='pair_lean') and, beside an fp16 / bf16 copy, with the "
+                        "matrix amax taken by the fp32 flush as it writes S (flush_amax: S "
+                        "read once); the flush's bytes and GB/s follow the traffic model "
                         "of the fused flush, which does not count the split's float32 S "
-                        "(written once, read twice by the pair cast: about 1 GiB more at GDN's "
-                        "B = 256)",
+                        "(written once, read once or twice by the pair cast: 0.5-1 GiB more "
+                        "at GDN's B = 256)",
                         "verify_T8_vs_step: worst start h over the mean FP32 non-flush step",
                         "verify timings include, for GDN, the clone/mask of the correction "
                         "buffer (the wrappers no longer synchronise with the host)",

@@ -434,21 +434,28 @@ def test_flush_amax_refusals():
 
 
 def test_split_cast_form_default_and_refusals():
-    """``split_cast_form``: "pair" by default for an NVFP4 copy beside an fp32 / fp16 / bf16
-    one (either role) or alone; "separate" for the other split policies, which refuse the
+    """``split_cast_form``: "pair_lean" by default for an NVFP4 copy beside an fp32 / fp16 /
+    bf16 one (either role) or alone (``split_flush_amax``: with the amax from the fp32 flush
+    beside fp16 / bf16); "separate" for the other split policies, which refuse the
     pair forms (naming the value), as do unknown forms and a cast form on a flush that does
     not split."""
-    from replayssm_quant.kernels.replay.flush import CAST_FORMS, split_cast_form
+    from replayssm_quant.kernels.replay.flush import CAST_FORMS, split_cast_form, split_flush_amax
 
     assert CAST_FORMS == ("pair", "pair_lean", "pair_lean_rcp", "separate")
     got = {p: split_cast_form(StatePolicy.parse(p)) for p in (
         "read:nvfp4/rec:fp16+sr", "read:fp16/rec:nvfp4+up", "read:nvfp4+sr/rec:bf16",
         "read:nvfp4/rec:fp32", "shared:nvfp4", "read:nvfp4/rec:nvfp4+sr",
         "read:fp8e4m3/rec:fp16", "read:mxfp4/rec:fp16")}
-    assert got == {"read:nvfp4/rec:fp16+sr": "pair", "read:fp16/rec:nvfp4+up": "pair",
-                   "read:nvfp4+sr/rec:bf16": "pair", "read:nvfp4/rec:fp32": "pair",
-                   "shared:nvfp4": "pair", "read:nvfp4/rec:nvfp4+sr": "separate",
+    assert got == {"read:nvfp4/rec:fp16+sr": "pair_lean", "read:fp16/rec:nvfp4+up": "pair_lean",
+                   "read:nvfp4+sr/rec:bf16": "pair_lean", "read:nvfp4/rec:fp32": "pair_lean",
+                   "shared:nvfp4": "pair_lean", "read:nvfp4/rec:nvfp4+sr": "separate",
                    "read:fp8e4m3/rec:fp16": "separate", "read:mxfp4/rec:fp16": "separate"}
+    # flush_amax by default where the pair's plain copy is fp16 / bf16, not fp32
+    assert {p: split_flush_amax(StatePolicy.parse(p)) for p in got} == {
+        "read:nvfp4/rec:fp16+sr": True, "read:fp16/rec:nvfp4+up": True,
+        "read:nvfp4+sr/rec:bf16": True, "read:nvfp4/rec:fp32": False, "shared:nvfp4": False,
+        "read:nvfp4/rec:nvfp4+sr": False, "read:fp8e4m3/rec:fp16": False,
+        "read:mxfp4/rec:fp16": False}
     for p in ("read:nvfp4/rec:fp32", "shared:nvfp4+sr"):
         assert split_cast_form(StatePolicy.parse(p), "separate") == "separate"
     for p in ("read:fp8e4m3/rec:fp16", "read:nvfp4/rec:nvfp4"):

@@ -641,18 +641,19 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     ``shared:fp16+sr`` 1429 / 1772 against 1375 / 1189; hence the default.
 
     ``cast_form`` (:data:`CAST_FORMS`; split casts only, else it must be None): how the split
-    casts S. ``"pair"`` (the default for an NVFP4 copy beside an fp32, fp16 or bf16 one, or
-    alone: :func:`split_cast_form`): one launch of
+    casts S. ``"pair"``: one launch of
     :func:`~replayssm_quant.kernels.quant.pack_pair_triton` writes both copies, casting each
-    tile of S once it is loaded (after the matrix-amax pass); ``"pair_lean"`` and
-    ``"pair_lean_rcp"`` the same launch in its lean forms (``pack_pair_triton(form="lean")``
-    / ``"lean_rcp"``, the same bytes in fewer instructions). ``"separate"``: one
+    tile of S once it is loaded (after the matrix-amax pass); ``"pair_lean"`` (the default
+    for an NVFP4 copy beside an fp32, fp16 or bf16 one, or alone, since the twenty-eighth
+    pass: :func:`split_cast_form`) and ``"pair_lean_rcp"`` the same launch in its lean forms
+    (``pack_pair_triton(form="lean")`` / ``"lean_rcp"``, the same bytes in fewer
+    instructions). ``"separate"``: one
     :func:`~replayssm_quant.kernels.quant.pack_triton` per copy (the nvfp4 one makes its own
     amax pass over S). The same bytes either way (``test_flush_cast_forms_same_bytes``); on
     the H200 at B = 256 (``flush_parts_h200.json``, docs/kernels-replay.md, "Twenty-second
     pass") the pair form reads S twice (once from L2, in part) instead of three times.
 
-    ``flush_amax`` (split casts in a pair form only; default :data:`SPLIT_FLUSH_AMAX`): the
+    ``flush_amax`` (split casts in a pair form only; default :func:`split_flush_amax`): the
     split's ``fp32`` flush also takes each matrix's finite amax of the S it writes (a max per
     tile, then one integer ``atomic_max`` on the float32 bits per program: exact and
     order-free, so the same value in any launch, batch or order), and the pair cast takes it
@@ -686,7 +687,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     if splits:
         form = split_cast_form(policy, cast_form)
         if flush_amax is None:
-            flush_amax = SPLIT_FLUSH_AMAX and form in _PAIR_CAST_FORMS
+            flush_amax = form in _PAIR_CAST_FORMS and split_flush_amax(policy)
         if flush_amax and form not in _PAIR_CAST_FORMS:
             raise ValueError(f"flush_amax=True needs a pair cast form {tuple(_PAIR_CAST_FORMS)}"
                              f", got cast_form={form!r}")
@@ -870,20 +871,23 @@ def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
 
 # flush_kernel(cast_form=...): how a split flush casts S. "pair_lean" / "pair_lean_rcp" are
 # "pair" with pack_pair_triton(form="lean" / "lean_rcp"): the same bytes in fewer
-# instructions per element (docs/kernels-replay.md, "Twenty-seventh pass"; untimed on a GPU
-# when written, so not the default)
+# instructions per element (docs/kernels-replay.md, "Twenty-seventh pass"); "pair_lean" the
+# default since the twenty-eighth pass (timed on the H200)
 CAST_FORMS = ("pair", "pair_lean", "pair_lean_rcp", "separate")
 _PAIR_CAST_FORMS = {"pair": "generic", "pair_lean": "lean", "pair_lean_rcp": "lean_rcp"}
 
 
 def split_cast_form(policy, cast_form: str | None = None) -> str:
     """The cast form of a split flush under ``policy`` (:data:`CAST_FORMS`): ``cast_form``,
-    checked, or by default ``"pair"`` where the policy has an NVFP4 copy beside an fp32 or
-    unscaled one (fp16, bf16), or a single-checkpoint NVFP4 copy (cast as the pair (fp32,
+    checked, or by default ``"pair_lean"`` where the policy has an NVFP4 copy beside an fp32
+    or unscaled one (fp16, bf16), or a single-checkpoint NVFP4 copy (cast as the pair (fp32,
     nvfp4): the NVFP4 cast alone), else ``"separate"``. On the H200 at B = 256
     (``flush_parts_h200.json``) the pair form's split flush took 1157 / 1750 us (GDN /
     Mamba-2) against 1245 / 1921 for ``read:nvfp4/rec:fp16+sr``, and 1301 / 1335 against
-    1304 / 1383 for ``read:nvfp4/rec:fp32``.
+    1304 / 1383 for ``read:nvfp4/rec:fp32``; the lean pair form
+    (``flush_parts_lean_rtn_2397684_h200.json``) 1019.3 / 1396.1 against the pair form's
+    1126.1 / 1622.6 for ``read:nvfp4/rec:fp16``, 1280.2 / 1300.2 against 1297.6 / 1332.3 for
+    ``read:nvfp4/rec:fp32`` (``"pair_lean_rcp"``: 1020.6 / 1380.7 and 1284.6 / 1298.9).
 
     Raises:
         ValueError: a ``cast_form`` not in :data:`CAST_FORMS`, or a pair form (``"pair"``,
@@ -894,7 +898,7 @@ def split_cast_form(policy, cast_form: str | None = None) -> str:
         raise ValueError(f"cast_form must be one of {CAST_FORMS} or None, got {cast_form!r}")
     ok = _pair_roles(policy) is not None
     if cast_form is None:
-        return "pair" if ok else "separate"
+        return "pair_lean" if ok else "separate"
     if cast_form in _PAIR_CAST_FORMS and not ok:
         raise ValueError(f"cast_form={cast_form!r} casts an NVFP4 copy beside an fp32 or "
                          f"unscaled one (or a single NVFP4 copy); {policy} has "
@@ -914,9 +918,18 @@ def _pair_roles(policy):
     return None
 
 
-# flush_kernel(flush_amax=...): its default (twenty-eighth pass, 2026-12-05; untimed when
-# written, so off)
-SPLIT_FLUSH_AMAX = False
+def split_flush_amax(policy) -> bool:
+    """Default ``flush_amax`` of a split flush in a pair form under ``policy``: True where the
+    pair's plain copy is fp16 or bf16, False where it is fp32 (``read:nvfp4/rec:fp32``, and a
+    single NVFP4 copy, cast as the pair (fp32, nvfp4)). On the H200 at B = 256
+    (``flush_parts_lean_rtn_2397684_h200.json``, docs/kernels-replay.md "Twenty-eighth
+    pass"), GDN / Mamba-2 split flushes in the lean pair form, without and with the amax from
+    the fp32 flush: ``read:nvfp4/rec:fp16`` 1019.3 / 1396.1 -> 972.9 / 1311.6 us, but
+    ``read:nvfp4/rec:fp32`` 1280.2 / 1300.2 -> 1269.9 / 1337.0 (Mamba-2 loses: its fp32 flush,
+    which then is the anchor's own cast, pays for the amax). False for a policy the pair
+    form does not cast."""
+    roles = _pair_roles(require_policy(policy))
+    return roles is not None and not roles[0].is_identity
 
 # The split flush's fp32 flush with a register cap (2026-12-04, twenty-third session,
 # benchmarks/flush_maxnreg.py, flush_maxnreg_h200.json / flush_maxnreg_r2_h200.json, H200,

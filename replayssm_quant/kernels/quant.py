@@ -1478,16 +1478,14 @@ def pack_pair_triton(x: torch.Tensor, plain, scaled, *, seed: int = 0, plain_str
         _pair_lean_kernel[(bsz,)](
             x, codes.view(torch.int64), bscale, mscale, st,
             pcodes.view(torch.int64) if p_on else pcodes, pst, int(seed), amax_arg, m, K=k,
-            NB=nb,
-            ROWS=rows, TILE=_TILE, SR=scaled.sr, GDIV=F.NVFP4_SCALE_DIVISOR,
+            NB=nb, ROWS=rows, TILE=_TILE, SR=scaled.sr, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up", PLAIN=p_on,
             P_SR=p_on and plain.sr, P_GRID=pgrid, RCP_FORM=form == "lean_rcp",
             SINGLE=rows >= m * nb, GIVEN_AMAX=given, num_warps=num_warps)
     elif bsz:
         _pair_kernel[(bsz,)](
             x, codes, bscale, mscale, st, pcodes, pst, int(seed), amax_arg, m, K=k, NB=nb,
-            ROWS=rows,
-            TILE=_TILE, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,
+            ROWS=rows, TILE=_TILE, SR=scaled.sr, HALF=block // 2, GDIV=F.NVFP4_SCALE_DIVISOR,
             GRID=_grid_consts(info.element), UP=scaled.scale == "up",
             ALIGNED4=k % 4 == 0 and block % 4 == 0, PLAIN=p_on, P_SR=p_on and plain.sr,
             P_GRID=pgrid, GIVEN_AMAX=given, num_warps=num_warps)

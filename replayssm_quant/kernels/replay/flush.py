@@ -659,9 +659,9 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     order-free, so the same value in any launch, batch or order), and the pair cast takes it
     (``pack_pair_triton(matrix_amax=...)``) instead of its own amax pass over S: S is read
     once instead of twice. The same bytes (``test_flush_cast_forms_same_bytes``).
-    ``amax_out`` (a contiguous int32 tensor ``[B * H]`` on the device, overwritten; flushes without a
-    matrix-scaled copy and without split casts only): receives those float32 bits (what the
-    split flush passes its ``fp32`` flush).
+    ``amax_out`` (a contiguous int32 tensor ``[B * H]`` on the device, overwritten; flushes
+    without a matrix-scaled copy and without split casts only): receives those float32 bits
+    (what the split flush passes its ``fp32`` flush).
 
     ``maxnreg``: a per-thread register cap (None or an int in [16, 255]) for the flush
     kernel's launches, on CUDA only; it changes the register allocation, not the arithmetic.
@@ -930,6 +930,7 @@ def split_flush_amax(policy) -> bool:
     form does not cast."""
     roles = _pair_roles(require_policy(policy))
     return roles is not None and not roles[0].is_identity
+
 
 # The split flush's fp32 flush with a register cap (2026-12-04, twenty-third session,
 # benchmarks/flush_maxnreg.py, flush_maxnreg_h200.json / flush_maxnreg_r2_h200.json, H200,

@@ -887,7 +887,9 @@ def split_cast_form(policy, cast_form: str | None = None) -> str:
     1304 / 1383 for ``read:nvfp4/rec:fp32``; the lean pair form
     (``flush_parts_lean_rtn_2397684_h200.json``) 1019.3 / 1396.1 against the pair form's
     1126.1 / 1622.6 for ``read:nvfp4/rec:fp16``, 1280.2 / 1300.2 against 1297.6 / 1332.3 for
-    ``read:nvfp4/rec:fp32`` (``"pair_lean_rcp"``: 1020.6 / 1380.7 and 1284.6 / 1298.9).
+    ``read:nvfp4/rec:fp32`` (``"pair_lean_rcp"``: 1020.6 / 1380.7 and 1284.6 / 1298.9);
+    for ``read:nvfp4/rec:fp16+sr`` (``flush_parts_lean_sr_9cd1d53_h200.json``) 1074.5 /
+    1487.6 against 1156.4 / 1682.8, and 1018.6 / 1399.6 with :func:`split_flush_amax`.
 
     Raises:
         ValueError: a ``cast_form`` not in :data:`CAST_FORMS`, or a pair form (``"pair"``,

@@ -587,6 +587,28 @@ def _nvfp4_global_up(amax, s, E4M3_MAX: tl.constexpr = F.E4M3_MAX,
 
 
 @triton.jit
+def _nvfp4_matrix_scale(amax, GDIV: tl.constexpr, UP: tl.constexpr):
+    """NVFP4 matrix scale s_g of a finite amax (reference ``quant._parts``): amax / (448 * 6)
+    (``GDIV``), 1 where that is 0, moved up by :func:`_nvfp4_global_up` under ``UP``."""
+    s_g = _amax_scale(amax, GDIV)
+    if UP:
+        s_g = _nvfp4_global_up(amax, s_g)
+    return s_g
+
+
+@triton.jit
+def _pair_matrix_amax(x_ptr, amax_ptr, mat, M, K: tl.constexpr, TILE: tl.constexpr,
+                      GIVEN_AMAX: tl.constexpr):
+    """The pair casts' matrix amax of matrix ``mat``: read from ``amax_ptr`` (``GIVEN_AMAX``,
+    :func:`pack_pair_triton`'s ``matrix_amax``) or by the amax pass, :func:`_matrix_amax`."""
+    if GIVEN_AMAX:
+        amax = tl.load(amax_ptr + mat)
+    else:
+        amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
+    return amax
+
+
+@triton.jit
 def _e8m0_value(code, BIAS: tl.constexpr = F.E8M0_BIAS, NAN: tl.constexpr = F.E8M0_NAN):
     """Float32 value of E8M0 scale codes (int32): 2^(code - 127), NaN for code 0xFF."""
     return tl.where(code == NAN, float("nan"), _pow2(code - BIAS))
@@ -890,10 +912,7 @@ def _nvfp4_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, seed, M, K
                   GRID: tl.constexpr, UP: tl.constexpr = False, ALIGNED4: tl.constexpr = False):
     b = tl.program_id(0).to(tl.int64)
     MK = M * K
-    amax = _matrix_amax(x_ptr, b * MK, MK, TILE)
-    s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
-    if UP:
-        s_g = _nvfp4_global_up(amax, s_g)
+    s_g = _nvfp4_matrix_scale(_matrix_amax(x_ptr, b * MK, MK, TILE), GDIV, UP)
     mnb = M * NB
     g0 = b * mnb
     for t in range(0, mnb, ROWS):
@@ -923,13 +942,8 @@ def _pair_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr, p_st
     of the amax pass."""
     mat = tl.program_id(0).to(tl.int64)
     mnb = M * NB
-    if GIVEN_AMAX:
-        amax = tl.load(amax_ptr + mat)
-    else:
-        amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
-    s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
-    if UP:
-        s_g = _nvfp4_global_up(amax, s_g)
+    s_g = _nvfp4_matrix_scale(_pair_matrix_amax(x_ptr, amax_ptr, mat, M, K, TILE, GIVEN_AMAX),
+                              GDIV, UP)
     t = tl.arange(0, 2 * HALF)
     j2 = 2 * tl.arange(0, HALF)
     for t0 in range(0, mnb, ROWS):
@@ -1191,10 +1205,7 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
          rvalid, m, blk, k, row) = _lean_rows(x_ptr, mat, gl, M, K, NB)
         fa = tl.maximum(tl.maximum(_finite_amax4(a0, a1, a2, a3), _finite_amax4(b0, b1, b2, b3)),
                         tl.maximum(_finite_amax4(c0, c1, c2, c3), _finite_amax4(d0, d1, d2, d3)))
-        amax = tl.max(fa, axis=0)
-        s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
-        if UP:
-            s_g = _nvfp4_global_up(amax, s_g)
+        s_g = _nvfp4_matrix_scale(tl.max(fa, axis=0), GDIV, UP)
         if RCP_FORM and not SR and (s_g >= RCP_LO) & (s_g <= RCP_HI):
             _lean_cast_rows(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
                             rvalid, m, blk, k, row, gl, out_ptr, bscale_ptr, p_ptr, seed, mat,
@@ -1207,13 +1218,8 @@ def _pair_lean_kernel(x_ptr, out_ptr, bscale_ptr, mscale_ptr, stream_ptr, p_ptr,
                             P_GRID, False)
         tl.store(mscale_ptr + mat, s_g)
     else:
-        if GIVEN_AMAX:
-            amax = tl.load(amax_ptr + mat)
-        else:
-            amax = _matrix_amax(x_ptr, mat * M * K, M * K, TILE)
-        s_g = _amax_scale(amax, GDIV)  # amax / (448 * 6), or 1
-        if UP:
-            s_g = _nvfp4_global_up(amax, s_g)
+        s_g = _nvfp4_matrix_scale(
+            _pair_matrix_amax(x_ptr, amax_ptr, mat, M, K, TILE, GIVEN_AMAX), GDIV, UP)
         if RCP_FORM and not SR and (s_g >= RCP_LO) & (s_g <= RCP_HI):  # one test per matrix
             _pair_lean_tiles(x_ptr, out_ptr, bscale_ptr, p_ptr, seed, mat, s_g, plo, phi, slo,
                              shi, M, K, NB, ROWS, SR, GRID, UP, PLAIN, P_SR, P_GRID, True)

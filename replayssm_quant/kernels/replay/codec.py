@@ -28,7 +28,7 @@ from ...capabilities import replay_kernels_supported, triton_interpreting
 from ...formats import QuantSpec, parse_spec
 from ...packed import PackedTensor
 from ..quant import (_amax_scale, _block_scale, _e2m1_rtn, _e8m0_value, _finite_abs,
-                     _grid_consts, _grid_value, _nvfp4_global_up, _quant, _random_pairs,
+                     _grid_consts, _grid_value, _nvfp4_matrix_scale, _quant, _random_pairs,
                      _random_tile, _stream_words, scale_consts)
 
 # Format kinds (constexpr KIND of a stored copy / of a cast)
@@ -243,9 +243,7 @@ def _matrix_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr, SCALE: tl.conste
     """fp8: s = amax / FMAX; nvfp4: s_g = amax / (448 * 6), moved up under the ``up`` scale
     mode (``SCALE`` 1); 1 where that is 0 (reference ``quant._parts``)."""
     if KIND == 3:
-        s = _amax_scale(amax, GDIV)
-        if SCALE == 1:
-            s = _nvfp4_global_up(amax, s)
+        s = _nvfp4_matrix_scale(amax, GDIV, SCALE == 1)
     else:
         s = _amax_scale(amax, FMAX)
     return s

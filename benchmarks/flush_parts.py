@@ -61,6 +61,13 @@ def main():
     ap.add_argument("--pair-tiles", action="store_true",
                     help="also time pack_pair_triton alone in each form on the (rows, warps) "
                          "of PAIR_TILES, its bytes against the first generic tile's")
+    ap.add_argument("--tile-forms", default=None,
+                    help="with --pair-tiles: comma list of the forms to time (PAIR_FORMS, "
+                         "each with '+amax' for the matrix amax given, as the split flush's "
+                         "fp32 flush hands it over); default all of them")
+    ap.add_argument("--split-forms", default=None,
+                    help="comma list of the whole split flushes to time (CAST_FORMS, the pair "
+                         "forms also with '+amax'; 'none': none); default all of them")
     args = ap.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("flush_parts.py times CUDA launches; run it on the device (or --tiny)")
@@ -97,30 +104,42 @@ def main():
             res["copy_S"] = t(lambda i: S[i].clone())
             if args.pair_tiles and pol.read.info.scaling == "nvfp4":
                 base = None
-                for pform in PAIR_FORMS:
+                # each matrix's finite amax, as the fp32 flush hands it to the cast (+amax)
+                amax = [torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=(-2, -1))
+                        for x in S]
+                tile_forms = (args.tile_forms.split(",") if args.tile_forms
+                              else list(PAIR_FORMS) + [f"{f}+amax" for f in PAIR_FORMS])
+                for tform in tile_forms:
+                    pform = tform.removesuffix("+amax")
+                    given = tform.endswith("+amax")
                     for rows, nw in (PAIR_TILES if pform == "generic" else LEAN_TILES):
-                        def fn(i, rows=rows, nw=nw, pform=pform):
+                        def fn(i, rows=rows, nw=nw, pform=pform, given=given):
                             return pack_pair_triton(S[i], pol.rec, pol.read, seed=ft.SEED,
                                                     plain_stream=keys[0], scaled_stream=keys[1],
-                                                    rows=rows, num_warps=nw, form=pform)
+                                                    rows=rows, num_warps=nw, form=pform,
+                                                    matrix_amax=amax[i] if given else None)
                         got = fn(0)
                         base = got if base is None else base
                         same = all(_stored_equal(u, v) if u is not S[0] else True
                                    for u, v in zip(got, base))
-                        res[f"pair_cast {pform} {rows}x{nw}"] = {**t(fn), "same_bytes": same}
+                        res[f"pair_cast {tform} {rows}x{nw}"] = {**t(fn), "same_bytes": same}
             kw_split = dict(fk, split_casts=True)
             default_cfg = cfg  # the split applies its launch options to the fp32 flush
             runs = {}
-            for form in F.CAST_FORMS + tuple(f"{f}+amax" for f in F._PAIR_CAST_FORMS):
+            split_forms = F.CAST_FORMS + tuple(f"{f}+amax" for f in F._PAIR_CAST_FORMS)
+            if args.split_forms:
+                split_forms = [f for f in args.split_forms.split(",") if f != "none"]
+            for form in split_forms:
                 kw = dict(kw_split, cast_form=form.removesuffix("+amax"),
                           flush_amax=form.endswith("+amax"))
                 res[f"split_{form}"] = t(lambda i, kw=kw: ft.run_flush(M, pool[i], pol, kw,
                                                                        default_cfg))
                 runs[form] = ft.run_flush(M, pool[0], pol, kw, default_cfg)[0].checkpoints
-            a = runs["separate"]
-            res["pair_same_bytes"] = all(_stored_equal(a.anchor_stored, b.anchor_stored)
-                                         and _stored_equal(a.read_stored, b.read_stored)
-                                         for b in runs.values())
+            if runs:  # every split form's copies against the first's
+                a = next(iter(runs.values()))
+                res["pair_same_bytes"] = all(_stored_equal(a.anchor_stored, b.anchor_stored)
+                                             and _stored_equal(a.read_stored, b.read_stored)
+                                             for b in runs.values())
             res["S_bytes"] = S[0].numel() * 4
             key = f"{M.name} {pstr}"
             out["results"][key] = res

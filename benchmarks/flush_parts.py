@@ -67,7 +67,9 @@ def main():
                          "fp32 flush hands it over); default all of them")
     ap.add_argument("--split-forms", default=None,
                     help="comma list of the whole split flushes to time (CAST_FORMS, the pair "
-                         "forms also with '+amax'; 'none': none); default all of them")
+                         "forms also with '+amax'; NAME@R: the inline cast on R block rows per "
+                         "warp; NAME^N: the fp32 flush capped at N registers, 0 none; 'none': "
+                         "none); default all of them")
     args = ap.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("flush_parts.py times CUDA launches; run it on the device (or --tiny)")
@@ -130,11 +132,20 @@ def main():
             if args.split_forms:
                 split_forms = [f for f in args.split_forms.split(",") if f != "none"]
             for form in split_forms:
-                kw = dict(kw_split, cast_form=form.removesuffix("+amax"),
-                          flush_amax=form.endswith("+amax"))
+                # NAME[@rows][^maxnreg]: the inline pair cast's block rows per warp, and the
+                # fp32 flush's register cap (0: none), for this form only
+                name, cap = form.split("^") if "^" in form else (form, None)
+                name, rows = name.split("@") if "@" in name else (name, None)
+                kw = dict(kw_split, cast_form=name.removesuffix("+amax"))
+                if not name.startswith("pair_inline"):
+                    kw["flush_amax"] = name.endswith("+amax")
+                if cap is not None:
+                    kw["maxnreg"] = int(cap) or None
+                F.INLINE_ROWS_PER_WARP = int(rows) if rows else 32
                 res[f"split_{form}"] = t(lambda i, kw=kw: ft.run_flush(M, pool[i], pol, kw,
                                                                        default_cfg))
                 runs[form] = ft.run_flush(M, pool[0], pol, kw, default_cfg)[0].checkpoints
+                F.INLINE_ROWS_PER_WARP = 32
             if runs:  # every split form's copies against the first's
                 a = next(iter(runs.values()))
                 res["pair_same_bytes"] = all(_stored_equal(a.anchor_stored, b.anchor_stored)

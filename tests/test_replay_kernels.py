@@ -329,7 +329,8 @@ def test_flush_split_casts_same_bytes(model, policy):
     pytest.param("mamba2", "read:nvfp4/rec:fp32", marks=pytest.mark.slow)])
 def test_flush_cast_forms_same_bytes(model, policy):
     """The split flush's cast forms (``cast_form="pair"``: one ``pack_pair_triton`` launch;
-    ``"pair_lean"`` / ``"pair_lean_rcp"``: the same in its lean forms; ``"separate"``: one
+    ``"pair_lean"`` / ``"pair_lean_rcp"``: the same in its lean forms; ``"pair_inline"`` /
+    ``"pair_inline_rcp"``: the lean cast inside the fp32 flush's programs; ``"separate"``: one
     ``pack_triton`` per copy; ``+amax``: the pair form with ``flush_amax=True``, the matrix
     amax taken by the fp32 flush, in its loop and grid launches; V = 16: one tile per matrix,
     so the lean cast takes its single-tile form; the given amax across several tiles and
@@ -341,13 +342,14 @@ def test_flush_cast_forms_same_bytes(model, policy):
     pol = StatePolicy.parse(policy)
     launch = dict(variant="loop", block_v=16, num_warps=2, reconstruct="dot")
     forms = ("pair", "pair_lean", "pair_lean_rcp", "separate", "fused", "pair+amax",
-             "pair_lean+amax", "pair_lean_rcp+amax")
+             "pair_lean+amax", "pair_lean_rcp+amax", "pair_inline", "pair_inline_rcp")
 
     def run(form):
         kw = dict(launch, split_casts=form != "fused")
         if form != "fused":
             kw["cast_form"] = form.removesuffix("+amax")
-            kw["flush_amax"] = form.endswith("+amax")
+            if not form.startswith("pair_inline"):
+                kw["flush_amax"] = form.endswith("+amax")
         if form == "pair_lean+amax":
             kw["variant"] = "grid"  # the fp32 flush's program-per-tile launch
         return _model_flush(model, A, la, v, k, beta, length, pol, q=q, **kw, **STREAMS)
@@ -398,6 +400,13 @@ def test_flush_amax_is_the_finite_amax_of_S(model):
         got, _ = _model_flush(model, A, la, v, k, beta, length, pol, cast_form=form,
                               flush_amax=True, **kw)
         assert torch.equal(_bits(got.state), _bits(base.state))
+        _same_copies(got.checkpoints, base.checkpoints)
+    # the inline pair cast: the amax of the S each program has just written, the lean cast's
+    # tile loop over that matrix (one program per matrix)
+    for form in ("pair_inline", "pair_inline_rcp"):
+        got, _ = _model_flush(model, A, la, v, k, beta, length, pol, cast_form=form,
+                              **dict(kw, variant="loop"))
+        assert torch.equal(_bits(got.state), _bits(base.state)), form
         _same_copies(got.checkpoints, base.checkpoints)
 
 

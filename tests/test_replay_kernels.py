@@ -450,7 +450,8 @@ def test_split_cast_form_default_and_refusals():
     not split."""
     from replayssm_quant.kernels.replay.flush import CAST_FORMS, split_cast_form, split_flush_amax
 
-    assert CAST_FORMS == ("pair", "pair_lean", "pair_lean_rcp", "separate")
+    assert CAST_FORMS == ("pair", "pair_lean", "pair_lean_rcp", "pair_inline", "pair_inline_rcp",
+                          "separate")
     got = {p: split_cast_form(StatePolicy.parse(p)) for p in (
         "read:nvfp4/rec:fp16+sr", "read:fp16/rec:nvfp4+up", "read:nvfp4+sr/rec:bf16",
         "read:nvfp4/rec:fp32", "shared:nvfp4", "read:nvfp4/rec:nvfp4+sr",
@@ -468,7 +469,7 @@ def test_split_cast_form_default_and_refusals():
     for p in ("read:nvfp4/rec:fp32", "shared:nvfp4+sr"):
         assert split_cast_form(StatePolicy.parse(p), "separate") == "separate"
     for p in ("read:fp8e4m3/rec:fp16", "read:nvfp4/rec:nvfp4"):
-        for form in ("pair", "pair_lean", "pair_lean_rcp"):
+        for form in ("pair", "pair_lean", "pair_lean_rcp", "pair_inline", "pair_inline_rcp"):
             with pytest.raises(ValueError, match=f"cast_form='{form}'"):
                 split_cast_form(StatePolicy.parse(p), form)
         assert split_cast_form(StatePolicy.parse("read:nvfp4/rec:fp16"), "pair_lean") \
@@ -482,6 +483,17 @@ def test_split_cast_form_default_and_refusals():
         kr.mamba2_flush_kernel(A, la, v, k, _t(torch.tensor([L, 2])),
                                StatePolicy.parse("read:nvfp4/rec:fp16"), split_casts=False,
                                cast_form="pair", **STREAMS)
+    # the inline pair cast needs one program per matrix, and whole NVFP4 blocks per row
+    nv = StatePolicy.parse("read:nvfp4/rec:fp16")
+    with pytest.raises(ValueError, match=r"one program per matrix.*variant='grid', block_v=16"):
+        kr.mamba2_flush_kernel(_t(torch.randn(B, H, 40, K, generator=gen)), la,
+                               _t(torch.randn(B, L, H, 40, generator=gen)), k,
+                               _t(torch.tensor([L, 2])), nv, cast_form="pair_inline",
+                               variant="grid", block_v=16, **STREAMS)
+    with pytest.raises(ValueError, match="K % 16 == 0.*K=36"):
+        kr.mamba2_flush_kernel(_t(torch.randn(B, H, V, 36, generator=gen)), la, v,
+                               _t(torch.randn(B, L, G, 36, generator=gen)),
+                               _t(torch.tensor([L, 2])), nv, cast_form="pair_inline", **STREAMS)
 
 
 def test_split_keys_match_checkpoint_streams():

@@ -68,8 +68,9 @@ def main():
     ap.add_argument("--split-forms", default=None,
                     help="comma list of the whole split flushes to time (CAST_FORMS, the pair "
                          "forms also with '+amax'; NAME@R: the inline cast on R block rows per "
-                         "warp; NAME^N: the fp32 flush capped at N registers, 0 none; 'none': "
-                         "none); default all of them")
+                         "warp; NAME^N: the fp32 flush capped at N registers, 0 none; "
+                         "NAME%%VARIANT:BLOCK_V:WARPS: the fp32 flush's launch; 'none': none); "
+                         "default all of them")
     args = ap.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("flush_parts.py times CUDA launches; run it on the device (or --tiny)")
@@ -134,7 +135,12 @@ def main():
             for form in split_forms:
                 # NAME[@rows][^maxnreg]: the inline pair cast's block rows per warp, and the
                 # fp32 flush's register cap (0: none), for this form only
-                name, cap = form.split("^") if "^" in form else (form, None)
+                name, launch = form.split("%") if "%" in form else (form, None)
+                fcfg = default_cfg
+                if launch:  # %VARIANT:BLOCK_V:WARPS: the fp32 flush's launch (its form kept)
+                    var, bv, nw = launch.split(":")
+                    fcfg = (var, int(bv), int(nw), default_cfg[3])
+                name, cap = name.split("^") if "^" in name else (name, None)
                 name, rows = name.split("@") if "@" in name else (name, None)
                 kw = dict(kw_split, cast_form=name.removesuffix("+amax"))
                 if not name.startswith("pair_inline"):
@@ -142,9 +148,13 @@ def main():
                 if cap is not None:
                     kw["maxnreg"] = int(cap) or None
                 F.INLINE_ROWS_PER_WARP = int(rows) if rows else 32
-                res[f"split_{form}"] = t(lambda i, kw=kw: ft.run_flush(M, pool[i], pol, kw,
-                                                                       default_cfg))
-                runs[form] = ft.run_flush(M, pool[0], pol, kw, default_cfg)[0].checkpoints
+                try:
+                    runs[form] = ft.run_flush(M, pool[0], pol, kw, fcfg)[0].checkpoints
+                except ValueError as e:  # a launch this geometry refuses: recorded, not timed
+                    res[f"split_{form}"] = {"refused": str(e)}
+                    continue
+                res[f"split_{form}"] = t(lambda i, kw=kw, fcfg=fcfg: ft.run_flush(
+                    M, pool[i], pol, kw, fcfg))
                 F.INLINE_ROWS_PER_WARP = 32
             if runs:  # every split form's copies against the first's
                 a = next(iter(runs.values()))

@@ -45,7 +45,8 @@ PAIR_TILES = ((128, 4), (64, 4), (64, 2), (128, 8), (256, 8), (32, 1))
 # the lean forms hold a tile's block rows as 1-D tensors over the program's threads: rows
 # below 32 x num_warps would be held twice, so their tiles have at least one row per thread;
 # a tile of all the matrix's block rows (Mamba-2 512, GDN 1024) reads S once (SINGLE)
-LEAN_TILES = ((128, 4), (256, 4), (64, 2), (256, 8), (512, 8), (1024, 16), (32, 1))
+LEAN_TILES = ((128, 4), (256, 4), (64, 2), (256, 8), (512, 8), (1024, 16), (32, 1), (64, 1),
+              (128, 2))
 
 
 def _stored_equal(a, b) -> bool:
@@ -67,8 +68,8 @@ def main():
                          "fp32 flush hands it over); default all of them")
     ap.add_argument("--split-forms", default=None,
                     help="comma list of the whole split flushes to time (CAST_FORMS, the pair "
-                         "forms also with '+amax'; NAME@R: the inline cast on R block rows per "
-                         "warp; NAME^N: the fp32 flush capped at N registers, 0 none; "
+                         "forms also with '+amax'; NAME#RxW: the lean pair cast on tiles of R "
+                         "block rows and W warps; NAME^N: the fp32 flush capped at N registers, 0 none; "
                          "NAME%%VARIANT:BLOCK_V:WARPS: the fp32 flush's launch; 'none': none); "
                          "default all of them")
     args = ap.parse_args()
@@ -133,29 +134,31 @@ def main():
             if args.split_forms:
                 split_forms = [f for f in args.split_forms.split(",") if f != "none"]
             for form in split_forms:
-                # NAME[@rows][^maxnreg]: the inline pair cast's block rows per warp, and the
-                # fp32 flush's register cap (0: none), for this form only
+                # NAME[#RxW][^maxnreg][%VARIANT:BLOCK_V:WARPS]: the lean pair cast's tile, the
+                # fp32 flush's register cap (0: none) and launch, for this form only
                 name, launch = form.split("%") if "%" in form else (form, None)
                 fcfg = default_cfg
-                if launch:  # %VARIANT:BLOCK_V:WARPS: the fp32 flush's launch (its form kept)
+                if launch:  # the fp32 flush's launch (its reconstruct form kept)
                     var, bv, nw = launch.split(":")
                     fcfg = (var, int(bv), int(nw), default_cfg[3])
                 name, cap = name.split("^") if "^" in name else (name, None)
-                name, rows = name.split("@") if "@" in name else (name, None)
-                kw = dict(kw_split, cast_form=name.removesuffix("+amax"))
-                if not name.startswith("pair_inline"):
-                    kw["flush_amax"] = name.endswith("+amax")
+                name, tile = name.split("#") if "#" in name else (name, None)
+                kw = dict(kw_split, cast_form=name.removesuffix("+amax"),
+                          flush_amax=name.endswith("+amax"))
                 if cap is not None:
                     kw["maxnreg"] = int(cap) or None
-                F.INLINE_ROWS_PER_WARP = int(rows) if rows else 32
+                saved = dict(F.SPLIT_PAIR_TILES)
+                if tile:  # RxW: the lean pair cast's block rows per tile and warps
+                    F.SPLIT_PAIR_TILES[(M.V, M.K)] = tuple(int(x) for x in tile.split("x"))
                 try:
                     runs[form] = ft.run_flush(M, pool[0], pol, kw, fcfg)[0].checkpoints
+                    res[f"split_{form}"] = t(lambda i, kw=kw, fcfg=fcfg: ft.run_flush(
+                        M, pool[i], pol, kw, fcfg))
                 except ValueError as e:  # a launch this geometry refuses: recorded, not timed
                     res[f"split_{form}"] = {"refused": str(e)}
-                    continue
-                res[f"split_{form}"] = t(lambda i, kw=kw, fcfg=fcfg: ft.run_flush(
-                    M, pool[i], pol, kw, fcfg))
-                F.INLINE_ROWS_PER_WARP = 32
+                finally:
+                    F.SPLIT_PAIR_TILES.clear()
+                    F.SPLIT_PAIR_TILES.update(saved)
             if runs:  # every split form's copies against the first's
                 a = next(iter(runs.values()))
                 res["pair_same_bytes"] = all(_stored_equal(a.anchor_stored, b.anchor_stored)

@@ -329,8 +329,7 @@ def test_flush_split_casts_same_bytes(model, policy):
     pytest.param("mamba2", "read:nvfp4/rec:fp32", marks=pytest.mark.slow)])
 def test_flush_cast_forms_same_bytes(model, policy):
     """The split flush's cast forms (``cast_form="pair"``: one ``pack_pair_triton`` launch;
-    ``"pair_lean"`` / ``"pair_lean_rcp"``: the same in its lean forms; ``"pair_inline"`` /
-    ``"pair_inline_rcp"``: the lean cast inside the fp32 flush's programs; ``"separate"``: one
+    ``"pair_lean"`` / ``"pair_lean_rcp"``: the same in its lean forms; ``"separate"``: one
     ``pack_triton`` per copy; ``+amax``: the pair form with ``flush_amax=True``, the matrix
     amax taken by the fp32 flush, in its loop and grid launches; V = 16: one tile per matrix,
     so the lean cast takes its single-tile form; the given amax across several tiles and
@@ -342,14 +341,13 @@ def test_flush_cast_forms_same_bytes(model, policy):
     pol = StatePolicy.parse(policy)
     launch = dict(variant="loop", block_v=16, num_warps=2, reconstruct="dot")
     forms = ("pair", "pair_lean", "pair_lean_rcp", "separate", "fused", "pair+amax",
-             "pair_lean+amax", "pair_lean_rcp+amax", "pair_inline", "pair_inline_rcp")
+             "pair_lean+amax", "pair_lean_rcp+amax")
 
     def run(form):
         kw = dict(launch, split_casts=form != "fused")
         if form != "fused":
             kw["cast_form"] = form.removesuffix("+amax")
-            if not form.startswith("pair_inline"):
-                kw["flush_amax"] = form.endswith("+amax")
+            kw["flush_amax"] = form.endswith("+amax")
         if form == "pair_lean+amax":
             kw["variant"] = "grid"  # the fp32 flush's program-per-tile launch
         return _model_flush(model, A, la, v, k, beta, length, pol, q=q, **kw, **STREAMS)
@@ -401,13 +399,6 @@ def test_flush_amax_is_the_finite_amax_of_S(model):
                               flush_amax=True, **kw)
         assert torch.equal(_bits(got.state), _bits(base.state))
         _same_copies(got.checkpoints, base.checkpoints)
-    # the inline pair cast: the amax of the S each program has just written, the lean cast's
-    # tile loop over that matrix (one program per matrix)
-    for form in ("pair_inline", "pair_inline_rcp"):
-        got, _ = _model_flush(model, A, la, v, k, beta, length, pol, cast_form=form,
-                              **dict(kw, variant="loop"))
-        assert torch.equal(_bits(got.state), _bits(base.state)), form
-        _same_copies(got.checkpoints, base.checkpoints)
 
 
 def test_flush_amax_refusals():
@@ -450,8 +441,7 @@ def test_split_cast_form_default_and_refusals():
     not split."""
     from replayssm_quant.kernels.replay.flush import CAST_FORMS, split_cast_form, split_flush_amax
 
-    assert CAST_FORMS == ("pair", "pair_lean", "pair_lean_rcp", "pair_inline", "pair_inline_rcp",
-                          "separate")
+    assert CAST_FORMS == ("pair", "pair_lean", "pair_lean_rcp", "separate")
     got = {p: split_cast_form(StatePolicy.parse(p)) for p in (
         "read:nvfp4/rec:fp16+sr", "read:fp16/rec:nvfp4+up", "read:nvfp4+sr/rec:bf16",
         "read:nvfp4/rec:fp32", "shared:nvfp4", "read:nvfp4/rec:nvfp4+sr",
@@ -469,7 +459,7 @@ def test_split_cast_form_default_and_refusals():
     for p in ("read:nvfp4/rec:fp32", "shared:nvfp4+sr"):
         assert split_cast_form(StatePolicy.parse(p), "separate") == "separate"
     for p in ("read:fp8e4m3/rec:fp16", "read:nvfp4/rec:nvfp4"):
-        for form in ("pair", "pair_lean", "pair_lean_rcp", "pair_inline", "pair_inline_rcp"):
+        for form in ("pair", "pair_lean", "pair_lean_rcp"):
             with pytest.raises(ValueError, match=f"cast_form='{form}'"):
                 split_cast_form(StatePolicy.parse(p), form)
         assert split_cast_form(StatePolicy.parse("read:nvfp4/rec:fp16"), "pair_lean") \
@@ -483,17 +473,6 @@ def test_split_cast_form_default_and_refusals():
         kr.mamba2_flush_kernel(A, la, v, k, _t(torch.tensor([L, 2])),
                                StatePolicy.parse("read:nvfp4/rec:fp16"), split_casts=False,
                                cast_form="pair", **STREAMS)
-    # the inline pair cast needs one program per matrix, and whole NVFP4 blocks per row
-    nv = StatePolicy.parse("read:nvfp4/rec:fp16")
-    with pytest.raises(ValueError, match=r"one program per matrix.*variant='grid', block_v=16"):
-        kr.mamba2_flush_kernel(_t(torch.randn(B, H, 40, K, generator=gen)), la,
-                               _t(torch.randn(B, L, H, 40, generator=gen)), k,
-                               _t(torch.tensor([L, 2])), nv, cast_form="pair_inline",
-                               variant="grid", block_v=16, **STREAMS)
-    with pytest.raises(ValueError, match="K % 16 == 0.*K=36"):
-        kr.mamba2_flush_kernel(_t(torch.randn(B, H, V, 36, generator=gen)), la, v,
-                               _t(torch.randn(B, L, G, 36, generator=gen)),
-                               _t(torch.tensor([L, 2])), nv, cast_form="pair_inline", **STREAMS)
 
 
 def test_split_keys_match_checkpoint_streams():

@@ -58,14 +58,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import formats as _F
 from ...checkpoints import Checkpoints, FlushResult, checkpoint_streams, length_mask
 from ...packed import PackedTensor
 from ...philox import STREAM_FIELDS, STREAM_SHIFTS, stream_key, stream_keys_to
 from ...policy import StatePolicy, require_policy
-from ..quant import (RCP_MATRIX_SCALE_RANGE, _grid_consts, _nvfp4_matrix_scale,
-                     _pair_lean_tiles, _stream_words, pack_pair_triton, pack_triton,
-                     pair_casts)
+from ..quant import _PAIR_ROWS, _PAIR_WARPS, pack_pair_triton, pack_triton, pair_casts
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _cast_store_full, _check_devices, _check_f32, _check_index, _check_records,
                     _load_full, _check_maxnreg, _check_supported, _decode_consts, _finite_abs,
@@ -377,8 +374,6 @@ def _flush_kernel(
         or_ptr, orbs_ptr, orms_ptr,  # new read copy
         s_ptr, q_ptr, y_ptr,  # S [B,H,V,K] (STORE_S); q [B,G,K] -> y = S q [B,H,V] (Q_OUT)
         amax_ptr,  # int32 [B*H]: float32 bits of the matrix amax (PHASE 1 max-es, PHASE 2 reads)
-        pp_ptr, po_ptr, pbs_ptr, pms_ptr,  # INLINE: the pair's plain codes (int64 words),
-        # NVFP4 codes (int64 words), block scales and matrix scales
         H, G, V, J,
         K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         TWO: tl.constexpr, STORE_S: tl.constexpr, Q_OUT: tl.constexpr,
@@ -388,24 +383,12 @@ def _flush_kernel(
         RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", INV: tl.constexpr = False,
         KEYS_IN: tl.constexpr = False, FULL: tl.constexpr = False,
         AMAX_OUT: tl.constexpr = False,
-        SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39,
-        INLINE: tl.constexpr = False, I_ROWS: tl.constexpr = 64, I_NB: tl.constexpr = 1,
-        I_SR: tl.constexpr = False, I_GDIV: tl.constexpr = 2688.0,
-        I_GRID: tl.constexpr = None, I_UP: tl.constexpr = False,
-        I_PLAIN: tl.constexpr = False, I_PSR: tl.constexpr = False,
-        I_PGRID: tl.constexpr = None, I_SCALED_IS_READ: tl.constexpr = True,
-        I_RCP: tl.constexpr = False,
-        RCP_LO: tl.constexpr = RCP_MATRIX_SCALE_RANGE[0],
-        RCP_HI: tl.constexpr = RCP_MATRIX_SCALE_RANGE[1]):
+        SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
     # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
     # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1. AMAX_OUT (PHASE 0,
     # no matrix-scaled copy): also the finite amax of the S it writes, atomic max into amax_ptr.
-    # INLINE (PHASE 0, the fp32 flush of a split flush, LOOP or SINGLE: the program holds the
-    # matrix, KEYS_IN): after writing S (at oa_ptr) this program casts its matrix to the pair
-    # (plain copy, NVFP4 copy) with the lean pair cast (quant._pair_lean_tiles), reading S
-    # back from L2, with the matrix amax of the S it wrote.
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -524,7 +507,7 @@ def _flush_kernel(
                                           SOLVE and PHASE == 0, A)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax_full(x, rmask)
-                if AMAX_OUT or INLINE:
+                if AMAX_OUT:
                     out_amax = tl.maximum(out_amax, _tile_amax_full(x, rmask))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
@@ -552,7 +535,7 @@ def _flush_kernel(
                     _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax(se, so, rmask)
-                if AMAX_OUT or INLINE:
+                if AMAX_OUT:
                     out_amax = tl.maximum(out_amax, _tile_amax(se, so, rmask))
                 sa = _matrix_scale(amax, CA.KIND, CA.FMAX, CA.SCALE)
                 sr = _matrix_scale(amax, CR.KIND, CR.FMAX, CR.SCALE)
@@ -577,32 +560,6 @@ def _flush_kernel(
                         tl.store(orms_ptr + mat, sr)
         if AMAX_OUT:  # out_amax >= 0: its float32 bits order as int32 (a max: order-free)
             tl.atomic_max(amax_ptr + mat, out_amax.to(tl.int32, bitcast=True))
-        if INLINE:  # the pair cast of this program's matrix from the S it has just written
-            tl.debug_barrier()  # every thread's stores of S visible to the whole program
-            s_g = _nvfp4_matrix_scale(out_amax, I_GDIV, I_UP)
-            if I_SCALED_IS_READ:
-                kp = key_a
-                ks = key_r
-            else:
-                kp = key_r
-                ks = key_a
-            plo = 0
-            phi = 0
-            slo = 0
-            shi = 0
-            if I_PLAIN and I_PSR:
-                plo, phi = _stream_words(kp)
-            if I_SR:
-                slo, shi = _stream_words(ks)
-            if I_RCP and not I_SR and (s_g >= RCP_LO) & (s_g <= RCP_HI):  # one test per matrix
-                _pair_lean_tiles(oa_ptr, po_ptr, pbs_ptr, pp_ptr, seed, mat, s_g, plo, phi, slo,
-                                 shi, V, K, I_NB, I_ROWS, I_SR, I_GRID, I_UP, I_PLAIN, I_PSR,
-                                 I_PGRID, True)
-            else:
-                _pair_lean_tiles(oa_ptr, po_ptr, pbs_ptr, pp_ptr, seed, mat, s_g, plo, phi, slo,
-                                 shi, V, K, I_NB, I_ROWS, I_SR, I_GRID, I_UP, I_PLAIN, I_PSR,
-                                 I_PGRID, False)
-            tl.store(pms_ptr + mat, s_g)
 
 
 # ----------------------------------------------------------------------------------------
@@ -617,7 +574,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  reconstruct: str | None = None, solve_form: str | None = None,
                  split_casts: bool | None = None, cast_form: str | None = None,
                  maxnreg: int | None = None, flush_amax: bool | None = None,
-                 amax_out: torch.Tensor | None = None, _inline=None):
+                 amax_out: torch.Tensor | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -823,7 +780,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
             stream_keys_to(sr.reshape(-1).contiguous(), dev), int(seed), kbits,
             bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
             bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
-            S, qq, y, amax, *(_inline["ptrs"] if _inline else (bufa[0],) * 4), H, G, V, J)
+            S, qq, y, amax, H, G, V, J)
     consts = dict(K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
                   Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
                   SINGLE=single, RANK1=reconstruct == "rank1",
@@ -833,10 +790,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   INV=solve and solve_form == "inverse", num_stages=FLUSH_NUM_STAGES,
                   A=_decode_consts(aspec), AMAX_OUT=amax_out is not None,
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
-                  **key_consts, **(_inline["consts"] if _inline else {}))
-    if _inline and not (keys_in_kernel and (loop or single) and not need_amax):
-        raise AssertionError("the inline pair cast runs in the split's fp32 flush, one program "
-                             "per matrix, keys in the kernel")
+                  **key_consts)
     cap = _maxnreg_launch(maxnreg)
     if need_amax and not loop and not single:  # grid: amax launch, then the cast launch
         _flush_kernel[(B * H, tiles)](*args, PHASE=1, **consts, **cap)
@@ -919,14 +873,8 @@ def _split_keys(layer: int, sequence_ids, flush_index, B: int, H: int, dev):
 # "pair" with pack_pair_triton(form="lean" / "lean_rcp"): the same bytes in fewer
 # instructions per element (docs/kernels-replay.md, "Twenty-seventh pass"); "pair_lean" the
 # default since the twenty-eighth pass (timed on the H200)
-CAST_FORMS = ("pair", "pair_lean", "pair_lean_rcp", "pair_inline", "pair_inline_rcp",
-              "separate")
+CAST_FORMS = ("pair", "pair_lean", "pair_lean_rcp", "separate")
 _PAIR_CAST_FORMS = {"pair": "generic", "pair_lean": "lean", "pair_lean_rcp": "lean_rcp"}
-# the pair cast inside the fp32 flush (``_flush_kernel`` INLINE): the lean pair cast's code,
-# each program casting the matrix whose S it has just written (RCP: ``"lean_rcp"``'s division)
-_INLINE_CAST_FORMS = {"pair_inline": False, "pair_inline_rcp": True}
-# block rows of the inline pair cast's tiles per warp of the fp32 flush's program
-INLINE_ROWS_PER_WARP = 32
 
 
 def split_cast_form(policy, cast_form: str | None = None) -> str:
@@ -953,7 +901,7 @@ def split_cast_form(policy, cast_form: str | None = None) -> str:
     ok = _pair_roles(policy) is not None
     if cast_form is None:
         return "pair_lean" if ok else "separate"
-    if (cast_form in _PAIR_CAST_FORMS or cast_form in _INLINE_CAST_FORMS) and not ok:
+    if cast_form in _PAIR_CAST_FORMS and not ok:
         raise ValueError(f"cast_form={cast_form!r} casts an NVFP4 copy beside an fp32 or "
                          f"unscaled one (or a single NVFP4 copy); {policy} has "
                          f"rec={policy.rec}, read={policy.read}")
@@ -1000,6 +948,18 @@ def split_flush_amax(policy) -> bool:
 SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168, (False, 64, 128, "bf16"): 168}
 
 
+# The lean pair cast's tile (block rows of 16 elements per tile, warps) in a split flush, by
+# the matrix shape (V, K); pack_pair_triton's default (128, 4) elsewhere. The bytes do not
+# depend on it.
+SPLIT_PAIR_TILES: dict = {}
+
+
+def split_pair_tile(V: int, K: int) -> tuple[int, int]:
+    """``(rows, num_warps)`` of a split flush's lean pair cast on ``[V, K]`` matrices
+    (:data:`SPLIT_PAIR_TILES`, else ``pack_pair_triton``'s default)."""
+    return SPLIT_PAIR_TILES.get((int(V), int(K)), (_PAIR_ROWS, _PAIR_WARPS))
+
+
 def split_flush_maxnreg(anchor, solve: bool) -> int | None:
     """Default register cap of a split flush's fp32 flush (:data:`SPLIT_FLUSH_MAXNREG`): keyed
     by (GDN's correction solve, V, K, the anchor's storage format); None (no cap) where the
@@ -1022,11 +982,6 @@ def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids,
     (``amax_out``) and the pair cast takes it (``matrix_amax``) instead of its amax pass."""
     B, H = int(anchor.shape[0]), int(anchor.shape[1])
     launch["keys_in_kernel"] = True  # the fp32 flush then range-checks the per-sequence fields
-    if cast_form in _INLINE_CAST_FORMS:
-        return _inline_flush(anchor, la, w, k, length, policy, seed=seed, layer=layer,
-                             sequence_ids=sequence_ids, flush_index=flush_index, q=q,
-                             store_state=store_state, dequantize=dequantize,
-                             rcp=_INLINE_CAST_FORMS[cast_form], **launch)
     amax = torch.empty(B * H, dtype=torch.int32, device=w.device) if flush_amax else None
     res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
                           sequence_ids=sequence_ids, flush_index=flush_index, q=q,
@@ -1037,9 +992,12 @@ def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids,
     if cast_form in _PAIR_CAST_FORMS:
         plain, scaled, scaled_is_read = _pair_roles(policy)
         kp, ks = (sa, sr) if scaled_is_read else (sr, sa)
+        form = _PAIR_CAST_FORMS[cast_form]
+        rows, nw = ((_PAIR_ROWS, _PAIR_WARPS) if form == "generic"
+                    else split_pair_tile(*S.shape[-2:]))
         p_st, s_st = pack_pair_triton(
             S, plain, scaled, seed=int(seed), plain_stream=kp, scaled_stream=ks,
-            form=_PAIR_CAST_FORMS[cast_form],
+            form=form, rows=rows, num_warps=nw,
             matrix_amax=amax.view(torch.float32).view(B, H) if flush_amax else None)
         if not two:
             a_st = r_st = s_st
@@ -1053,73 +1011,6 @@ def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids,
 
         a_st = cast(policy.rec, sa)
         r_st = cast(policy.read, sr) if two else a_st
-    cps = _checkpoints(a_st, r_st, two, dequantize)
-    return FlushResult(S if store_state else None, cps, res.w), y
-
-
-def _inline_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
-                  q, store_state, dequantize, rcp, **launch):
-    """``flush_kernel(split_casts=True, cast_form="pair_inline")``: one launch of the
-    ``fp32`` flush in which each program, having written its matrix's S (and taken its finite
-    amax), casts that matrix to the pair (plain copy, NVFP4 copy) with the lean pair cast,
-    reading S back while it is still in L2 (``_flush_kernel`` INLINE), instead of a second
-    launch that reads S from DRAM. The same bytes as ``"pair_lean"``: the same S, the same
-    matrix amax, the same cast code and stream keys (``rcp``: ``"pair_lean_rcp"``'s).
-
-    Raises:
-        ValueError: a launch in which a program does not hold a whole matrix (``variant=
-            "grid"`` with ``block_v < V``), or ``K`` not a multiple of 16 (the lean cast's
-            64-bit words), naming the value."""
-    B, H, V, K = (int(x) for x in anchor.shape)
-    if K % 16:
-        raise ValueError(f"cast_form='pair_inline' casts rows of whole NVFP4 blocks (K % 16 "
-                         f"== 0), got K={K}")
-    J = int(w.shape[1])
-    var, bv, nw, _, _ = flush_launch(V, False, launch.get("beta") is not None, max(J, 1),
-                                     variant=launch.get("variant"),
-                                     block_v=launch.get("block_v"),
-                                     num_warps=launch.get("num_warps"),
-                                     reconstruct=launch.get("reconstruct"),
-                                     solve_form=launch.get("solve_form"))
-    if var != "loop" and bv < V:
-        raise ValueError(f"cast_form='pair_inline' needs one program per matrix (variant="
-                         f"'loop', or block_v >= V = {V}), got variant={var!r}, block_v={bv}")
-    plain, scaled, scaled_is_read = _pair_roles(policy)
-    dev = w.device
-    shape = (B, H, V, K)
-    nb = K // 16
-    codes = torch.empty((B, H, V, K // 2), dtype=torch.uint8, device=dev)
-    bscale = torch.empty((B, H, V, nb), dtype=torch.uint8, device=dev)
-    mscale = torch.empty((B, H), dtype=torch.float32, device=dev)
-    p_on = not plain.is_identity
-    pcodes = torch.empty(shape, dtype=torch.int16, device=dev) if p_on else codes
-    inline = {"ptrs": (pcodes.view(torch.int64) if p_on else codes.view(torch.int64),
-                       codes.view(torch.int64), bscale, mscale),
-              "consts": dict(INLINE=True, I_ROWS=INLINE_ROWS_PER_WARP * nw, I_NB=nb,
-                             I_SR=scaled.sr, I_GDIV=_F.NVFP4_SCALE_DIVISOR,
-                             I_GRID=_grid_consts(scaled.info.element),
-                             I_UP=scaled.scale == "up", I_PLAIN=p_on,
-                             I_PSR=p_on and plain.sr,
-                             I_PGRID=_grid_consts(plain.info.element) if p_on else None,
-                             I_SCALED_IS_READ=scaled_is_read, I_RCP=bool(rcp))}
-    res, y = flush_kernel(anchor, la, w, k, length, _FP32_POLICY, seed=seed, layer=layer,
-                          sequence_ids=sequence_ids, flush_index=flush_index, q=q,
-                          store_state=False, dequantize=False, _inline=inline, **launch)
-    S = res.checkpoints.anchor_stored
-    s_st = PackedTensor(scaled, shape, codes, bscale, mscale)
-    if p_on:
-        pview = pcodes.view(torch.bfloat16 if plain.info.element is _F.BF16
-                            else torch.float16)
-        p_st = PackedTensor(plain, shape, pview, None, None)
-    else:
-        p_st = S
-    two = not policy.single_checkpoint
-    if not two:
-        a_st = r_st = s_st
-    elif scaled_is_read:
-        a_st, r_st = p_st, s_st
-    else:
-        a_st, r_st = s_st, p_st
     cps = _checkpoints(a_st, r_st, two, dequantize)
     return FlushResult(S if store_state else None, cps, res.w), y
 

@@ -950,8 +950,12 @@ SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168, (False, 64, 128, "bf16"): 
 
 # The lean pair cast's tile (block rows of 16 elements per tile, warps) in a split flush, by
 # the matrix shape (V, K); pack_pair_triton's default (128, 4) elsewhere. The bytes do not
-# depend on it.
-SPLIT_PAIR_TILES: dict = {}
+# depend on it. 2026-12-05 (twenty-ninth session; flush_parts_tiles_64ee084_h200.json and
+# flush_parts_inline_0681585_h200.json, H200, B = 256, read:nvfp4/rec:fp16+sr, the cast with
+# the given amax alone, two runs): Mamba-2's 64 x 128 on 32 x 1 738.4 / 739.1 us against
+# 769.5 / 764.8 at 128 x 4 (the whole split flush 1387.1 against 1406.7); GDN's 128 x 128 on
+# 256 x 8 384.9 / 384.6 against 391.9 / 391.3 (split flush 1014.0 against 1028.8).
+SPLIT_PAIR_TILES: dict = {(64, 128): (32, 1), (128, 128): (256, 8)}
 
 
 def split_pair_tile(V: int, K: int) -> tuple[int, int]:

@@ -362,6 +362,42 @@ def test_flush_cast_forms_same_bytes(model, policy):
     _same_copies(pair.checkpoints, core.cast_checkpoints(pair.state, pol, store=True, **STREAMS))
 
 
+def test_split_pair_tile_reaches_the_cast_and_keeps_the_bytes(monkeypatch):
+    """``SPLIT_PAIR_TILES``: the split flush's lean pair cast takes the tile of its matrix
+    shape (else ``pack_pair_triton``'s default; the generic form always its default), and the
+    stored copies do not depend on it: a one-tile form, the lean cast's tile loop (2 and 4
+    tiles per matrix) and the default give the same bytes, equal to the reference casts of
+    S."""
+    import replayssm_quant.kernels.replay.flush as F
+    from replayssm_quant.kernels import quant as Q
+
+    assert F.split_pair_tile(V, K) == (Q._PAIR_ROWS, Q._PAIR_WARPS)  # the test shape: untabled
+    assert F.split_pair_tile(64, 128) == (32, 1) and F.split_pair_tile(128, 128) == (256, 8)
+    seen = []
+    real = F.pack_pair_triton
+
+    def spy(*a, **kw):
+        seen.append((kw["form"], kw["rows"], kw["num_warps"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(F, "pack_pair_triton", spy)
+    A, la, v, k, beta, q, length = _flush_case(14, 2)
+    pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr")
+    kw = dict(variant="loop", block_v=16, num_warps=2, reconstruct="dot", split_casts=True,
+              store_state=True, **STREAMS)
+    base, _ = _model_flush("mamba2", A, la, v, k, beta, length, pol, **kw)
+    assert seen[-1] == ("lean", Q._PAIR_ROWS, Q._PAIR_WARPS)
+    _same_copies(base.checkpoints, core.cast_checkpoints(base.state, pol, store=True, **STREAMS))
+    for tile in ((32, 1), (16, 1), (8, 2)):  # V K / 16 = 32 block rows: 1, 2 and 4 tiles
+        monkeypatch.setitem(F.SPLIT_PAIR_TILES, (V, K), tile)
+        got, _ = _model_flush("mamba2", A, la, v, k, beta, length, pol, **kw)
+        assert seen[-1] == ("lean",) + tile
+        assert torch.equal(_bits(got.state), _bits(base.state))
+        _same_copies(got.checkpoints, base.checkpoints)
+    _model_flush("mamba2", A, la, v, k, beta, length, pol, cast_form="pair", **kw)
+    assert seen[-1] == ("generic", Q._PAIR_ROWS, Q._PAIR_WARPS)  # the table is the lean form's
+
+
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])
 def test_flush_amax_is_the_finite_amax_of_S(model):
     """``flush_kernel(amax_out=...)`` (the ``fp32`` flush as the split flush runs it with

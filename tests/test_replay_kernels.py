@@ -1216,9 +1216,9 @@ def test_lean_read_pass(gdn, monkeypatch):
     """``read_pass=(block_v, num_warps, "lean")`` from an nvfp4 copy: the lean read pass
     (``_nvfp4_read_kernel``: Y = C X for the step's one (Mamba-2) or two (GDN) columns), then
     the records launch reading its Y; the outputs, the new correction (GDN) and the ring
-    against the torch references, on tiles of 16, 32 and 64 rows (V = 16 and two value heads
+    against the torch references, on tiles of 16 to 128 rows (V = 16 and two value heads
     per key group: a tile within a head, one spanning the group's two heads, which share X,
-    and one with rows masked off past the group), and a sequence's outputs the same bits
+    and ones with rows masked off past the group), and a sequence's outputs the same bits
     alone as in the batch (each row depends on its own codes and its sequence's X only)."""
     gen = _gen(16)
     R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
@@ -1232,7 +1232,7 @@ def test_lean_read_pass(gdn, monkeypatch):
 
     assert H // G == 2 and V == 16  # the tiles below span heads as the docstring says
     for rp in ((16, 1, "lean"), (32, 2, "lean"), (64, 1, "lean"), (16, 1, "idot"),
-               (32, 2, "idot"), (64, 1, "idot"), (32, 2, "idot_pdl")):
+               (32, 2, "idot"), (64, 1, "idot"), (128, 1, "idot"), (32, 2, "idot_pdl")):
         rg = {n: t.clone() for n, t in ring.items()}
         seen = _lean_launches(monkeypatch)
         got = step(rg, slice(None), rp)
@@ -1252,7 +1252,7 @@ def test_lean_read_pass(gdn, monkeypatch):
     # the defaults: both models from nvfp4 take the lean read pass (integer-dot form; Mamba-2
     # with X's integers overlapped, "idot_pdl", since the twenty-sixth session) and the
     # lean records launch (no records kernel launch; GDN's since the twenty-sixth session)
-    assert kr.records.GDN_STEP_NVFP4_CONFIG["read_pass"][2] == "idot"
+    assert kr.records.GDN_STEP_NVFP4_CONFIG["read_pass"] == (128, 1, "idot")
     assert kr.records.MAMBA2_STEP_NVFP4_CONFIG["read_pass"][2] == "idot_pdl"
     assert kr.records.GDN_STEP_NVFP4_CONFIG["lean_records"] == (1, 1, True)
     seen = _lean_launches(monkeypatch)

@@ -182,7 +182,11 @@ MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(128, 1, "idot
 # records_tune --set glrec2 times it. "idot_pdl" is slower for GDN (85.7 against 83.9 us at
 # 128 x 1; 81.7 with the lean records launch against 78.5): its products launch (14 us) then
 # runs after the read pass.
-GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(64, 1, "idot"),
+# Twenty-ninth session (records_tune --set glrec2 --timing graph, two runs,
+# records_tune_glrec2{,_r2}_bfde448_h200.json, B = 256, h = 7): with the lean records launch
+# the 128-row read tiles on one warp take 75.8 / 76.1 us against 78.4-78.6 at 64 x 1 (256 x 2:
+# 75.6 / 76.3; the records launch on 2 warps 5-6 us slower on every tile).
+GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(128, 1, "idot"),
                              lean_records=(1, 1, True))
 # GDN from an FP32 copy since the twenty-sixth session (records_tune --set lean32 --timing
 # graph, records_tune_lean32_h200.json, B = 256, h = 7): the lean read pass of FP32 rows
@@ -2919,7 +2923,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     or ``(block_v, num_warps, form[, maxnreg])`` of a separate launch for the products with
     R (form ``"records"``, ``"lean"``, ``"idot"`` or ``"idot_pdl"``, :func:`records_outputs`;
     the nvfp4
-    default ``(64, 1, "idot")``), or False for one launch; a default lean form with a
+    default ``(128, 1, "idot")``), or False for one launch; a default lean form with a
     caller's ``use_dot`` of 16-bit products takes the records kernel's read pass
     (``GDN_STEP_FP4_CONFIG``'s), which has them; ``lean_records``: ``(heads, num_warps[,
     early])`` of the lean records launch after a read pass (``_step_out_kernel``), or False

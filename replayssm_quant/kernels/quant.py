@@ -68,11 +68,13 @@ _TILE = 2048  # unscaled and matrix-scaled kernels
 _NV_ROWS = 128  # nvfp4: block rows per tile (x 16 elements)
 _MX_ROWS = 64  # mx: block rows per program (x 32 elements)
 _PAIR_ROWS, _PAIR_WARPS = 128, 4  # pack_pair_triton: block rows per tile, warps (H200:
-# flush_parts_h200.json, docs/kernels-replay.md "Twenty-second pass")
+# flush_parts_h200.json, docs/kernels-replay.md "Twenty-second pass"; the generic form's
+# tile, the lean form's on shapes the split flush has not timed: flush.SPLIT_PAIR_TILES)
 # pack_pair_triton's kernel: "generic" (the quantizer kernels' helpers), "lean" (the same
 # bytes in fewer instructions) or "lean_rcp" (lean, and RTN NVFP4 elements divided by a
-# reciprocal per block); docs/kernels-replay.md "Twenty-seventh pass": the lean forms were
-# untimed on a GPU when written, so not yet the default
+# reciprocal per block); docs/kernels-replay.md "Twenty-seventh pass". The module default
+# stays "generic" (it handles every K); the split flush asks for "lean" (its cast_form
+# "pair_lean", the default since the twenty-eighth pass, timed on the H200)
 PAIR_FORMS = ("generic", "lean", "lean_rcp")
 _PAIR_FORM = "generic"
 

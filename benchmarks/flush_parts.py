@@ -1,17 +1,27 @@
 """Where a split nvfp4 flush spends its time (issue 15, 2026-12-04, twenty-second session).
 
 ``flush_kernel(split_casts=True)`` (the default for ``read:nvfp4/rec:fp16+sr`` since the ninth
-pass) is three launches: the ``fp32`` flush writes a float32 S, then ``pack_triton`` casts S to
-the anchor (fp16, SR) and to the read copy (nvfp4: a matrix-amax pass over S, then the cast).
-This times each launch alone at B = 256 on the H200 geometries (``flush_tune.py``'s sets), the
-whole split flush in each cast form (``cast_form="separate"``; ``"pair"``: one launch casts S
-to both copies, loading each tile once for both; ``"pair_lean"``: that launch in its lean
-form, twenty-seventh pass; ``"+amax"``: with ``flush_amax=True``, the matrix amax taken by
-the fp32 flush as it writes S, so the cast reads S once, twenty-eighth pass),
-``pack_pair_triton`` alone in both kernel forms on several tiles
-(``--pair-tiles``), and a device copy of S as the bandwidth reference. CUDA-graph medians
-(``decode.timer``), 4 sets rotated; the cast forms' stored copies are compared byte for
-byte, and each pair tile's (either form) against the first generic tile's.
+pass) is two or three launches: the ``fp32`` flush writes a float32 S, then S is cast to the
+anchor (fp16, SR) and to the read copy (nvfp4, with a matrix scale). This times, at B = 256 on
+the H200 geometries (``flush_tune.py``'s sets):
+
+* each launch alone (the fp32 flush, ``pack_triton`` per copy) and a device copy of S, the
+  bandwidth reference;
+* the whole split flush in each cast form (``--split-forms``; ``cast_form="separate"``: one
+  ``pack_triton`` per copy; ``"pair"``: one launch casts S to both copies, loading each tile
+  once for both; ``"pair_lean"`` / ``"pair_lean_rcp"``: that launch in its lean forms,
+  twenty-seventh pass; ``+amax``: with ``flush_amax=True``, the matrix amax taken by the fp32
+  flush as it writes S, so the cast reads S once, twenty-eighth pass), each form's stored
+  copies compared byte for byte with the first form's (``same_bytes`` per form,
+  ``pair_same_bytes`` for all). A form may carry options, in this order:
+  ``NAME[+amax][#RxW][^N][%VARIANT:BLOCK_V:WARPS]``: ``#RxW`` the lean pair cast on tiles of R
+  block rows and W warps (lean forms only; twenty-ninth pass), ``^N`` the fp32 flush's
+  register cap (0: 255, i.e. none), ``%...`` the fp32 flush's launch (a launch the geometry
+  refuses is recorded, not timed);
+* with ``--pair-tiles``, ``pack_pair_triton`` alone in the forms of ``--tile-forms`` on
+  several tiles, each tile's bytes against the first timed tile's.
+
+CUDA-graph medians (``decode.timer``), 4 sets rotated.
 
 Usage (on the device; fla not needed)::
 
@@ -53,6 +63,37 @@ def _stored_equal(a, b) -> bool:
     return ft.stored_diff(a, b) == 0
 
 
+def _split_form(form: str, default_cfg):
+    """``(name, fp32 flush launch, register cap, pair tile)`` of a ``--split-forms`` entry
+    ``NAME[+amax][#RxW][^N][%VARIANT:BLOCK_V:WARPS]``; SystemExit naming a bad entry."""
+    def bad(why):
+        raise SystemExit(f"--split-forms entry {form!r}: {why} (expected "
+                         "NAME[+amax][#RxW][^N][%VARIANT:BLOCK_V:WARPS], NAME in "
+                         f"{F.CAST_FORMS})")
+    rest, launch = form.split("%", 1) if "%" in form else (form, None)
+    rest, cap = rest.split("^", 1) if "^" in rest else (rest, None)
+    name, tile = rest.split("#", 1) if "#" in rest else (rest, None)
+    base = name.removesuffix("+amax")
+    if base not in F.CAST_FORMS:
+        bad(f"unknown cast form {base!r}")
+    if name.endswith("+amax") and base not in F._PAIR_CAST_FORMS:
+        bad("+amax applies to the pair forms")
+    fcfg = default_cfg
+    try:
+        if launch:  # the fp32 flush's launch (its reconstruct form kept)
+            var, bv, nw = launch.split(":")
+            fcfg = (var, int(bv), int(nw), default_cfg[3])
+        cap = None if cap is None else (int(cap) or 255)
+        if tile:
+            rows, nw = (int(x) for x in tile.split("x"))
+            tile = (rows, nw)
+    except ValueError:
+        bad("a malformed option")
+    if tile and base not in ("pair_lean", "pair_lean_rcp"):
+        bad("#RxW applies to the lean pair forms")
+    return name, fcfg, cap, tile
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -60,19 +101,23 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="small shapes on the interpreter")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--pair-tiles", action="store_true",
-                    help="also time pack_pair_triton alone in each form on the (rows, warps) "
-                         "of PAIR_TILES, its bytes against the first generic tile's")
+                    help="also time pack_pair_triton alone in the --tile-forms on the (rows, "
+                         "warps) of PAIR_TILES (generic) / LEAN_TILES (lean forms), each tile's "
+                         "bytes against the first timed tile's")
     ap.add_argument("--tile-forms", default=None,
                     help="with --pair-tiles: comma list of the forms to time (PAIR_FORMS, "
                          "each with '+amax' for the matrix amax given, as the split flush's "
                          "fp32 flush hands it over); default all of them")
     ap.add_argument("--split-forms", default=None,
-                    help="comma list of the whole split flushes to time (CAST_FORMS, the pair "
-                         "forms also with '+amax'; NAME#RxW: the lean pair cast on tiles of R "
-                         "block rows and W warps; NAME^N: the fp32 flush capped at N registers, 0 none; "
-                         "NAME%%VARIANT:BLOCK_V:WARPS: the fp32 flush's launch; 'none': none); "
-                         "default all of them")
+                    help="comma list of the whole split flushes to time, each "
+                         "NAME[+amax][#RxW][^N][%%VARIANT:BLOCK_V:WARPS] (NAME in CAST_FORMS; "
+                         "+amax: pair forms only; #RxW: the lean pair cast's tile, lean forms "
+                         "only; ^N: the fp32 flush's register cap, 0 for 255, i.e. none; "
+                         "%%...: the fp32 flush's launch); 'none': none; default every form")
     args = ap.parse_args()
+    for form in (args.split_forms or "none").split(","):  # bad entries refused before any work
+        if form != "none":
+            _split_form(form, ("loop", 16, 2, "dot"))
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("flush_parts.py times CUDA launches; run it on the device (or --tiny)")
     out = {"command": " ".join(sys.argv), "code_commit": code_commit(),
@@ -134,31 +179,29 @@ def main():
             if args.split_forms:
                 split_forms = [f for f in args.split_forms.split(",") if f != "none"]
             for form in split_forms:
-                # NAME[#RxW][^maxnreg][%VARIANT:BLOCK_V:WARPS]: the lean pair cast's tile, the
-                # fp32 flush's register cap (0: none) and launch, for this form only
-                name, launch = form.split("%") if "%" in form else (form, None)
-                fcfg = default_cfg
-                if launch:  # the fp32 flush's launch (its reconstruct form kept)
-                    var, bv, nw = launch.split(":")
-                    fcfg = (var, int(bv), int(nw), default_cfg[3])
-                name, cap = name.split("^") if "^" in name else (name, None)
-                name, tile = name.split("#") if "#" in name else (name, None)
+                name, fcfg, cap, tile = _split_form(form, default_cfg)
                 kw = dict(kw_split, cast_form=name.removesuffix("+amax"),
                           flush_amax=name.endswith("+amax"))
                 if cap is not None:
-                    kw["maxnreg"] = int(cap) or None
-                saved = dict(F.SPLIT_PAIR_TILES)
-                if tile:  # RxW: the lean pair cast's block rows per tile and warps
-                    F.SPLIT_PAIR_TILES[(M.V, M.K)] = tuple(int(x) for x in tile.split("x"))
+                    kw["maxnreg"] = cap
+                saved = dict(F.SPLIT_PAIR_TILES), F.SPLIT_PAIR_TILES_FROM
+                if tile:  # the lean pair cast's tile, at any batch
+                    F.SPLIT_PAIR_TILES[(M.V, M.K)] = tile
+                    F.SPLIT_PAIR_TILES_FROM = 0
                 try:
                     runs[form] = ft.run_flush(M, pool[0], pol, kw, fcfg)[0].checkpoints
                     res[f"split_{form}"] = t(lambda i, kw=kw, fcfg=fcfg: ft.run_flush(
                         M, pool[i], pol, kw, fcfg))
+                    first = next(iter(runs.values()))
+                    res[f"split_{form}"]["same_bytes"] = (
+                        _stored_equal(first.anchor_stored, runs[form].anchor_stored)
+                        and _stored_equal(first.read_stored, runs[form].read_stored))
                 except ValueError as e:  # a launch this geometry refuses: recorded, not timed
                     res[f"split_{form}"] = {"refused": str(e)}
                 finally:
                     F.SPLIT_PAIR_TILES.clear()
-                    F.SPLIT_PAIR_TILES.update(saved)
+                    F.SPLIT_PAIR_TILES.update(saved[0])
+                    F.SPLIT_PAIR_TILES_FROM = saved[1]
             if runs:  # every split form's copies against the first's
                 a = next(iter(runs.values()))
                 res["pair_same_bytes"] = all(_stored_equal(a.anchor_stored, b.anchor_stored)

@@ -8,6 +8,7 @@ marked slow (``python -m pytest -m slow``).
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,32 @@ def test_flush_tune_split_casts_refuses_jobs():
                         "--jobs", "3", "--out", "/tmp/unused.json"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--split-casts" in p.stderr and "--jobs 3" in p.stderr
+
+
+def test_flush_parts_split_form_grammar():
+    """``benchmarks/flush_parts.py --split-forms`` entries
+    ``NAME[+amax][#RxW][^N][%VARIANT:BLOCK_V:WARPS]``: each option parsed into the launch it
+    sets (``^0``: a cap of 255, no cap; the fp32 flush's reconstruct form kept), and bad
+    entries refused by name: an unknown cast form, ``+amax`` off the pair forms, a tile off
+    the lean forms, malformed or misordered options."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import flush_parts as fp
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cfg = ("loop", 32, 2, "tf32x3_full")
+    assert fp._split_form("pair_lean+amax", cfg) == ("pair_lean+amax", cfg, None, None)
+    assert fp._split_form("pair_lean+amax#32x1^0%grid:64:4", cfg) == (
+        "pair_lean+amax", ("grid", 64, 4, "tf32x3_full"), 255, (32, 1))
+    assert fp._split_form("pair_lean_rcp#256x8^168", cfg) == (
+        "pair_lean_rcp", cfg, 168, (256, 8))
+    assert fp._split_form("separate%loop:16:4", cfg) == (
+        "separate", ("loop", 16, 4, "tf32x3_full"), None, None)
+    for bad, why in (("pair_inline", "unknown cast form 'pair_inline'"),
+                     ("separate+amax", r"\+amax applies to the pair forms"),
+                     ("pair#32x1", "#RxW applies to the lean pair forms"),
+                     ("pair_lean#32x1+amax", "a malformed option"),
+                     ("pair_lean^x", "a malformed option"),
+                     ("pair_lean%loop:16", "a malformed option")):
+        with pytest.raises(SystemExit, match=rf"entry '{re.escape(bad)}': {why}"):
+            fp._split_form(bad, cfg)

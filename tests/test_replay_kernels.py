@@ -364,15 +364,19 @@ def test_flush_cast_forms_same_bytes(model, policy):
 
 def test_split_pair_tile_reaches_the_cast_and_keeps_the_bytes(monkeypatch):
     """``SPLIT_PAIR_TILES``: the split flush's lean pair cast takes the tile of its matrix
-    shape (else ``pack_pair_triton``'s default; the generic form always its default), and the
-    stored copies do not depend on it: a one-tile form, the lean cast's tile loop (2 and 4
-    tiles per matrix) and the default give the same bytes, equal to the reference casts of
-    S."""
+    shape from ``SPLIT_PAIR_TILES_FROM`` matrices up (else ``pack_pair_triton``'s default;
+    the generic form always its default), and the stored copies do not depend on it: a
+    one-tile form, the lean cast's tile loop (2 and 4 tiles per matrix) and the default give
+    the same bytes, equal to the reference casts of S."""
     import replayssm_quant.kernels.replay.flush as F
     from replayssm_quant.kernels import quant as Q
 
-    assert F.split_pair_tile(V, K) == (Q._PAIR_ROWS, Q._PAIR_WARPS)  # the test shape: untabled
-    assert F.split_pair_tile(64, 128) == (32, 1) and F.split_pair_tile(128, 128) == (256, 8)
+    default = (Q._PAIR_ROWS, Q._PAIR_WARPS)
+    assert F.split_pair_tile(V, K, 1 << 20) == default  # the test shape: untabled
+    assert F.split_pair_tile(64, 128, 256 * 128) == (32, 1)  # Mamba-2 at B = 256
+    assert F.split_pair_tile(128, 128, 256 * 32) == (256, 8)  # GDN at B = 256
+    assert F.split_pair_tile(64, 128, 128) == default  # Mamba-2 at B = 1: too few programs
+    assert F.split_pair_tile(128, 128, 64 * 32) == default
     seen = []
     real = F.pack_pair_triton
 
@@ -388,6 +392,10 @@ def test_split_pair_tile_reaches_the_cast_and_keeps_the_bytes(monkeypatch):
     base, _ = _model_flush("mamba2", A, la, v, k, beta, length, pol, **kw)
     assert seen[-1] == ("lean", Q._PAIR_ROWS, Q._PAIR_WARPS)
     _same_copies(base.checkpoints, core.cast_checkpoints(base.state, pol, store=True, **STREAMS))
+    monkeypatch.setitem(F.SPLIT_PAIR_TILES, (V, K), (16, 1))
+    _model_flush("mamba2", A, la, v, k, beta, length, pol, **kw)
+    assert seen[-1] == ("lean",) + default  # B H = 8 matrices: below the threshold
+    monkeypatch.setattr(F, "SPLIT_PAIR_TILES_FROM", B * H)
     for tile in ((32, 1), (16, 1), (8, 2)):  # V K / 16 = 32 block rows: 1, 2 and 4 tiles
         monkeypatch.setitem(F.SPLIT_PAIR_TILES, (V, K), tile)
         got, _ = _model_flush("mamba2", A, la, v, k, beta, length, pol, **kw)

@@ -949,19 +949,28 @@ SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168, (False, 64, 128, "bf16"): 
 
 
 # The lean pair cast's tile (block rows of 16 elements per tile, warps) in a split flush, by
-# the matrix shape (V, K); pack_pair_triton's default (128, 4) elsewhere. The bytes do not
-# depend on it. 2026-12-05 (twenty-ninth session; flush_parts_tiles_64ee084_h200.json and
+# the matrix shape (V, K), from SPLIT_PAIR_TILES_FROM matrices (B H) up; pack_pair_triton's
+# default (128, 4) elsewhere. The bytes do not depend on it, so neither does a choice by the
+# batch. 2026-12-05 (twenty-ninth session; flush_parts_tiles_64ee084_h200.json and
 # flush_parts_inline_0681585_h200.json, H200, B = 256, read:nvfp4/rec:fp16+sr, the cast with
 # the given amax alone, two runs): Mamba-2's 64 x 128 on 32 x 1 738.4 / 739.1 us against
 # 769.5 / 764.8 at 128 x 4 (the whole split flush 1387.1 against 1406.7); GDN's 128 x 128 on
-# 256 x 8 384.9 / 384.6 against 391.9 / 391.3 (split flush 1014.0 against 1028.8).
+# 256 x 8 384.9 / 384.6 against 391.9 / 391.3 (split flush 1014.0 against 1028.8). Timed at
+# B = 256 only (32768 / 8192 matrices). At B = 1 Mamba-2's 32 x 1 tile leaves 128 one-warp
+# programs for 132 SMs: decode.py's nvfp4 flush took 59.8 / 60.2 us against 40.5 at 128 x 4
+# (decode_h200.json at bfde448 against b523287's run), hence the threshold; B = 64 was
+# unchanged (392.7 / 393.5 against 392.2 us).
 SPLIT_PAIR_TILES: dict = {(64, 128): (32, 1), (128, 128): (256, 8)}
+SPLIT_PAIR_TILES_FROM = 8192
 
 
-def split_pair_tile(V: int, K: int) -> tuple[int, int]:
-    """``(rows, num_warps)`` of a split flush's lean pair cast on ``[V, K]`` matrices
-    (:data:`SPLIT_PAIR_TILES`, else ``pack_pair_triton``'s default)."""
-    return SPLIT_PAIR_TILES.get((int(V), int(K)), (_PAIR_ROWS, _PAIR_WARPS))
+def split_pair_tile(V: int, K: int, matrices: int) -> tuple[int, int]:
+    """``(rows, num_warps)`` of a split flush's lean pair cast on ``matrices`` ``[V, K]``
+    matrices: :data:`SPLIT_PAIR_TILES` from :data:`SPLIT_PAIR_TILES_FROM` matrices up, else
+    ``pack_pair_triton``'s default. The stored bytes do not depend on it."""
+    if int(matrices) >= SPLIT_PAIR_TILES_FROM:
+        return SPLIT_PAIR_TILES.get((int(V), int(K)), (_PAIR_ROWS, _PAIR_WARPS))
+    return _PAIR_ROWS, _PAIR_WARPS
 
 
 def split_flush_maxnreg(anchor, solve: bool) -> int | None:
@@ -998,7 +1007,7 @@ def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids,
         kp, ks = (sa, sr) if scaled_is_read else (sr, sa)
         form = _PAIR_CAST_FORMS[cast_form]
         rows, nw = ((_PAIR_ROWS, _PAIR_WARPS) if form == "generic"
-                    else split_pair_tile(*S.shape[-2:]))
+                    else split_pair_tile(*S.shape[-2:], B * H))
         p_st, s_st = pack_pair_triton(
             S, plain, scaled, seed=int(seed), plain_stream=kp, scaled_stream=ks,
             form=form, rows=rows, num_warps=nw,

@@ -175,17 +175,17 @@ MAMBA2_STEP_NVFP4_CONFIG = dict(MAMBA2_STEP_FP4_CONFIG, read_pass=(128, 1, "idot
 # Since the twenty-sixth session (records_tune --set glrec --timing graph,
 # records_tune_glrec_h200.json, B = 256, h = 7): the lean records launch (_step_out_kernel,
 # one program per (sequence, value head) on one warp, started as the read pass's last wave
-# starts): 89.4 -> 78.5 us. Not yet timed: the same on 128-row read tiles, which had become
-# the fastest with the records kernel's launch after them (83.9 against 89.5 us at 64 x 1,
+# starts): 89.4 -> 78.5 us. The 128-row read tiles had become the fastest with the records
+# kernel's launch after them (83.9 against 89.5 us at 64 x 1,
 # records_tune_idotpdl_h200.json; 84.0 against 89.1 on 466336d's code,
-# records_tune_idot2_base_h200.json: the per-block PTX of 37526c6 had moved the best tile).
-# records_tune --set glrec2 times it. "idot_pdl" is slower for GDN (85.7 against 83.9 us at
-# 128 x 1; 81.7 with the lean records launch against 78.5): its products launch (14 us) then
-# runs after the read pass.
+# records_tune_idot2_base_h200.json: the per-block PTX of 37526c6 had moved the best tile);
+# records_tune --set glrec2 timed them with the lean records launch (below). "idot_pdl" is
+# slower for GDN (85.7 against 83.9 us at 128 x 1; 81.7 with the lean records launch against
+# 78.5): its products launch (14 us) then runs after the read pass.
 # Twenty-ninth session (records_tune --set glrec2 --timing graph, two runs,
 # records_tune_glrec2{,_r2}_bfde448_h200.json, B = 256, h = 7): with the lean records launch
 # the 128-row read tiles on one warp take 75.8 / 76.1 us against 78.4-78.6 at 64 x 1 (256 x 2:
-# 75.6 / 76.3; the records launch on 2 warps 5-6 us slower on every tile).
+# 75.6 / 76.3; the records launch on 2 warps 5.6-6.4 us slower on every tile).
 GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(128, 1, "idot"),
                              lean_records=(1, 1, True))
 # GDN from an FP32 copy since the twenty-sixth session (records_tune --set lean32 --timing

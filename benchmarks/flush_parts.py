@@ -49,6 +49,7 @@ from _commit import code_commit  # noqa: E402
 import replayssm_quant.kernels.replay.flush as F  # noqa: E402
 from replayssm_quant.kernels.quant import PAIR_FORMS, pack_pair_triton, pack_triton  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
+from replayssm_quant.quant import _finite_abs  # noqa: E402
 
 POLICIES = ("read:nvfp4/rec:fp16+sr", "read:nvfp4/rec:fp16", "read:nvfp4/rec:fp32")
 PAIR_TILES = ((128, 4), (64, 4), (64, 2), (128, 8), (256, 8), (32, 1))
@@ -154,8 +155,7 @@ def main():
             if args.pair_tiles and pol.read.info.scaling == "nvfp4":
                 base = None
                 # each matrix's finite amax, as the fp32 flush hands it to the cast (+amax)
-                amax = [torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=(-2, -1))
-                        for x in S]
+                amax = [_finite_abs(x).amax(dim=(-2, -1)) for x in S]
                 tile_forms = (args.tile_forms.split(",") if args.tile_forms
                               else list(PAIR_FORMS) + [f"{f}+amax" for f in PAIR_FORMS])
                 for tform in tile_forms:
@@ -202,11 +202,8 @@ def main():
                     F.SPLIT_PAIR_TILES.clear()
                     F.SPLIT_PAIR_TILES.update(saved[0])
                     F.SPLIT_PAIR_TILES_FROM = saved[1]
-            if runs:  # every split form's copies against the first's
-                a = next(iter(runs.values()))
-                res["pair_same_bytes"] = all(_stored_equal(a.anchor_stored, b.anchor_stored)
-                                             and _stored_equal(a.read_stored, b.read_stored)
-                                             for b in runs.values())
+            if runs:  # every timed split form's copies equal the first's
+                res["pair_same_bytes"] = all(res[f"split_{f}"]["same_bytes"] for f in runs)
             res["S_bytes"] = S[0].numel() * 4
             key = f"{M.name} {pstr}"
             out["results"][key] = res

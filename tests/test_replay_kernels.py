@@ -407,6 +407,53 @@ def test_split_pair_tile_reaches_the_cast_and_keeps_the_bytes(monkeypatch):
 
 
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])
+def test_split_pair_tile_switch_is_batch_invariant(model, monkeypatch):
+    """The split flush chooses its pair-cast tile by the batch's matrix count
+    (``SPLIT_PAIR_TILES_FROM``); with the threshold between one sequence's matrices and the
+    batch's, a sequence's copies are the same bits alone (the default tile), in the batch
+    (the tabled tile) and at the other batch position, under a rounded policy (SR anchor,
+    SR NVFP4 read copy), for both model families."""
+    import replayssm_quant.kernels.replay.flush as F
+
+    monkeypatch.setitem(F.SPLIT_PAIR_TILES, (V, K), (16, 1))
+    monkeypatch.setattr(F, "SPLIT_PAIR_TILES_FROM", B * H)  # the batch of 2 only
+    seen = []
+    real = F.pack_pair_triton
+
+    def spy(*a, **kw):
+        seen.append((kw["rows"], kw["num_warps"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(F, "pack_pair_triton", spy)
+    A, la, v, k, beta, q, length = _flush_case(15, 3)
+    pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr")
+    kw = dict(variant="loop", block_v=16, num_warps=2, reconstruct="dot", split_casts=True,
+              store_state=True, seed=SEED, layer=3)
+    ids, fl = STREAMS["sequence_ids"], STREAMS["flush_index"]
+
+    def run(*rows):
+        sel = torch.tensor(rows, device=DEVICE)
+        return _model_flush(model, A[sel], la[sel], v[sel], k[sel],
+                            beta[sel] if beta is not None else None, length[sel], pol,
+                            sequence_ids=ids[sel], flush_index=fl[sel], **kw)[0]
+
+    batch = run(*range(B))
+    assert seen[-1] == (16, 1)
+    rev = run(*reversed(range(B)))
+    assert seen[-1] == (16, 1)
+    for s in range(B):
+        alone = run(s)
+        assert seen[-1] == (F._PAIR_ROWS, F._PAIR_WARPS)  # one sequence: below the threshold
+        for got, i in ((batch, s), (rev, B - 1 - s)):
+            assert torch.equal(_bits(got.state[i:i + 1]), _bits(alone.state)), (model, s)
+            for name in ("anchor_stored", "read_stored"):
+                for g, w in zip(_bytes(getattr(got.checkpoints, name)),
+                                _bytes(getattr(alone.checkpoints, name)), strict=True):
+                    assert (g is None and w is None) or torch.equal(g[i:i + 1], w), \
+                        (model, s, name)
+
+
+@pytest.mark.parametrize("model", ["gdn", "mamba2"])
 def test_flush_amax_is_the_finite_amax_of_S(model):
     """``flush_kernel(amax_out=...)`` (the ``fp32`` flush as the split flush runs it with
     ``flush_amax``): the float32 bits of each matrix's max |S| over its finite elements

@@ -75,12 +75,32 @@ def _check_seed(seed) -> int:
     return seed
 
 
-def _check_stream(stream) -> torch.Tensor:
-    if isinstance(stream, torch.Tensor) and (stream.is_floating_point() or stream.is_complex()):
-        raise ValueError(f"stream must be integer stream keys, got dtype {stream.dtype}")
-    if isinstance(stream, float):
-        raise ValueError(f"stream must be integer stream keys, got {stream!r}")
-    return torch.as_tensor(stream, dtype=torch.int64)
+def _int64_values(value, name: str) -> torch.Tensor:
+    """``value`` (an int, a sequence of ints, or an integer tensor) as an int64 tensor (a
+    tensor keeps its device). Raises ValueError naming ``name`` for anything else: floats
+    (which ``torch.as_tensor(..., dtype=torch.int64)`` would truncate, so 1.7 would become the
+    key 1), bools, strings, and ints outside int64."""
+    what = "an int or integer tensor (int64 range)"
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be {what}, got a tensor of dtype {value.dtype}")
+        return value.to(torch.int64)
+    if isinstance(value, (bool, float, complex, str, bytes)) or value is None:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ValueError(f"{name} must be {what}, got {value!r} ({e})") from None
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be {what}, got {value!r} (dtype {t.dtype})")
+    return t.to(torch.int64)
+
+
+def _check_stream(stream, name: str = "stream") -> torch.Tensor:
+    """Stream keys (:func:`stream_key`) as int64: an int, a sequence of ints or an integer
+    tensor. Raises ValueError naming ``name`` otherwise (floats, bools, strings, ints beyond
+    int64)."""
+    return _int64_values(stream, name)
 
 
 def _calls(seed: int, stream: torch.Tensor, calls: torch.Tensor):
@@ -146,11 +166,9 @@ def stream_keys_to(stream, device) -> torch.Tensor:
     """Integer stream keys (an int or an integer tensor) as int64 on ``device``. Keys are built
     on the host (:func:`stream_key`); a host tensor bound for CUDA goes through pinned memory
     with a non-blocking copy, since a copy from pageable memory makes the host wait for every
-    queued kernel. The caller rejects float keys first."""
+    queued kernel. Raises ValueError for keys that are not integers (:func:`_check_stream`)."""
     device = torch.device(device)
-    if not isinstance(stream, torch.Tensor):
-        return torch.as_tensor(stream, dtype=torch.int64, device=device)
-    t = stream.to(torch.int64)
+    t = _check_stream(stream)
     if t.device == device:
         return t
     if device.type == "cuda" and t.device.type == "cpu":
@@ -184,13 +202,15 @@ def stream_key(*, layer=0, sequence=0, head=0, flush=0, copy=0) -> torch.Tensor:
     independent bits (DESIGN.md section 3, "Flush").
 
     Raises:
-        ValueError: a field is negative or does not fit its bit width (see ``STREAM_FIELDS``).
+        ValueError: a field is not an int or integer tensor (a float such as ``layer=1.5`` is
+            refused, not truncated), is negative, or does not fit its bit width (see
+            ``STREAM_FIELDS``).
     """
     values = dict(layer=layer, sequence=sequence, head=head, flush=flush, copy=copy)
     key = torch.zeros((), dtype=torch.int64)
     shift = 0
     for name, width in STREAM_FIELDS:
-        v = torch.as_tensor(values[name], dtype=torch.int64)
+        v = _int64_values(values[name], f"stream field {name}")
         if v.numel() and (int(v.min()) < 0 or int(v.max()) >= (1 << width)):
             raise ValueError(
                 f"stream field {name}={v.min().item()}..{v.max().item()} out of range "

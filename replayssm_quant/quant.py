@@ -51,7 +51,7 @@ from . import formats as F
 from .formats import QuantSpec, parse_spec
 from .packed import (PackedTensor, _as_float32, _e2m1_encode, _e8m0_decode, _fp8_encode,
                      _pack_nibbles, _pow2)
-from .philox import random_bits_matrix, stream_keys_to
+from .philox import _check_stream, random_bits_matrix, stream_keys_to
 
 __all__ = [
     "quantize",
@@ -173,9 +173,7 @@ def _sr_bits(spec: QuantSpec, x: torch.Tensor, seed: int, stream) -> torch.Tenso
     if not spec.sr:
         return None
     lead = x.shape[:-2]
-    if isinstance(stream, torch.Tensor) and (stream.is_floating_point() or stream.is_complex()):
-        raise ValueError(f"stream must be an int or an integer tensor, got dtype {stream.dtype}")
-    stream = stream_keys_to(stream, x.device)
+    stream = stream_keys_to(stream, x.device)  # ValueError for keys that are not integers
     try:
         stream = torch.broadcast_to(stream, lead)
     except RuntimeError:
@@ -380,10 +378,13 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
         float32 tensor of x's shape (``fp32`` returns float32/float64 input unchanged).
 
     Raises:
-        ValueError: bad spec, seed, stream shape, or shape (fewer than 2 dims, empty matrix).
+        ValueError: bad spec, seed, stream (not integer keys: floats, bools and strings are
+            refused, not truncated, even where RTN does not use them; or a shape that does not
+            broadcast), or x's shape (fewer than 2 dims, empty matrix).
     """
     spec = parse_spec(spec)
     _check_seed(seed)
+    _check_stream(stream)
     _check_input(x)
     if spec.is_identity:
         return quantize_reference(x, spec)
@@ -395,10 +396,14 @@ def pack(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None 
     """Quantise ``x`` and return its real packed storage as a :class:`PackedTensor`.
 
     Same arguments, values and errors as :func:`quantize`;
-    ``pack(x, s).dequantize()`` equals ``quantize(x, s)`` bit for bit.
+    ``pack(x, s).dequantize()`` equals ``quantize(x, s)`` bit for bit, except for ``fp32``
+    on float64 input: ``quantize`` returns such input unchanged (the working precision of a
+    float64 run is kept, as the state path's float64 equivalence runs need), while ``pack``
+    stores float32, its storage format, so its values are rounded (and saturated) to float32.
     """
     spec = parse_spec(spec)
     _check_seed(seed)
+    _check_stream(stream)
     _check_input(x)
     kernels = not spec.is_identity and _use_kernels(x, backend)
     return B.select(pack_reference, kernels)(x, spec, seed=seed, stream=stream)

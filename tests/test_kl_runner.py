@@ -123,6 +123,22 @@ def test_bad_arguments_exit_2(model_dir, data_file, tmp_path, bad, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize("bad", [["--seeds", str(2 ** 70)], ["env", "bogus"]])
+def test_bad_seed_or_backend_exit_2_before_any_work(model_dir, data_file, tmp_path, bad, capsys,
+                                                     monkeypatch):
+    """A seed beyond Philox's key and a REPLAYSSM_BACKEND that names no backend are refused
+    up front (exit 2, the value named), not by a traceback after the output folder exists."""
+    args = _args(model_dir, data_file, tmp_path / "bad")
+    if bad[0] == "env":
+        monkeypatch.setenv("REPLAYSSM_BACKEND", bad[1])
+    else:
+        args += bad
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert ("2^63" in err and str(2 ** 70) in err) if bad[0] != "env" else "'bogus'" in err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_model_without_ssm_layers_exit_2(data_file, tmp_path, capsys):
     import transformers as T
 
@@ -259,3 +275,25 @@ def test_window_beyond_the_document_warns(capsys, tmp_path):
     _check_args(build_parser().parse_args(["-N", "8", "--windows", "16", "--prefill", "2",
                                            "-o", out]))
     assert "warning" not in capsys.readouterr().err
+
+
+def test_shared_sr_sequence_ids_are_reported(model_dir, data_file, tmp_path, capsys, monkeypatch):
+    """Documents whose 20-bit SR ids collide are named in the manifest and a note on stderr
+    (their roundings draw the same bits); distinct ids: an empty record and no note."""
+    import replayssm_quant.adapters as adapters
+    from replayssm_quant.evals.kl.run import shared_sequence_ids
+
+    assert shared_sequence_ids([3, 5, 3, 9, 5], list("abcde")) == {3: ["a", "c"], 5: ["b", "e"]}
+    assert shared_sequence_ids([1, 2], ["a", "b"]) == {}
+    out = tmp_path / "distinct"
+    assert main(_args(model_dir, data_file, out)) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["sr_sequence_ids"] == {"bits": adapters.SEQ_ID_BITS, "shared": {}}
+    assert "share an SR sequence id" not in capsys.readouterr().err
+    monkeypatch.setattr(adapters, "sequence_id", lambda tokens: 7)  # every document collides
+    out = tmp_path / "shared"
+    assert main(_args(model_dir, data_file, out)) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert list(man["sr_sequence_ids"]["shared"]) == ["7"]
+    assert man["sr_sequence_ids"]["shared"]["7"] == man["data"]["documents"]
+    assert "2 of 2 documents share an SR sequence id" in capsys.readouterr().err

@@ -378,9 +378,28 @@ def test_stream_key_fields_and_errors():
         stream_key(head=1024)
     with pytest.raises(ValueError, match="flush"):
         stream_key(flush=-1)
+    # a float field is refused, not truncated to another key (layer=1.5 would be layer 1)
+    for bad in (dict(layer=1.5), dict(head=torch.tensor([0.5, 1.5])), dict(sequence=True),
+                dict(copy="1")):
+        with pytest.raises(ValueError, match=f"stream field {next(iter(bad))}"):
+            stream_key(**bad)
+    assert torch.equal(stream_key(head=torch.tensor([1, 2], dtype=torch.int32)),
+                       stream_key(head=torch.tensor([1, 2])))
 
 
 # -- fake vs packed -----------------------------------------------------------------------
+
+
+def test_fp32_of_float64_quantize_keeps_pack_rounds():
+    """The documented exception to pack == quantize: ``fp32`` keeps a float64 run's working
+    precision in ``quantize``; ``pack`` stores float32 (rounded, saturated)."""
+    x = torch.tensor([[1 + 2 ** -40, 1e300, -1e300, 3.0]], dtype=torch.float64)
+    q = quantize(x, "fp32")
+    assert q.dtype == torch.float64 and torch.equal(q, x)
+    d = pack(x, "fp32").dequantize()
+    f32max = torch.finfo(torch.float32).max
+    assert d.dtype == torch.float32
+    assert d.tolist() == [[1.0, f32max, -f32max, 3.0]]
 
 
 @pytest.mark.parametrize("spec", [s + sr for s in FORMAT_NAMES for sr in ("", "+sr")])
@@ -461,3 +480,15 @@ def test_backend_and_stream_errors(monkeypatch):
         quantize(torch.zeros(2, 2), "nvfp4", backend="triton")
     with pytest.raises(ValueError, match="integer"):
         quantize(torch.zeros(3, 2, 2), "nvfp4+sr", stream=torch.zeros(3))
+    # keys that are not integers are refused by name, with SR and with RTN (which does not
+    # use them), by quantize and pack alike; a Python float is not truncated to a key
+    x = torch.randn(2, 4, 32)
+    for bad in (1.7, 2 ** 70, "a", True, None, [1.5], torch.tensor([True, False])):
+        for fn in (quantize, pack):
+            for spec in ("nvfp4+sr", "nvfp4", "fp16+sr"):
+                with pytest.raises(ValueError, match=r"stream must be an int or integer tensor"):
+                    fn(x, spec, stream=bad)
+    # integer keys in any integer form draw the same bits
+    ref = quantize(x, "nvfp4+sr", seed=3, stream=torch.tensor([5, 9]))
+    for ok in ([5, 9], (5, 9), torch.tensor([5, 9], dtype=torch.int32)):
+        assert torch.equal(quantize(x, "nvfp4+sr", seed=3, stream=ok), ref)

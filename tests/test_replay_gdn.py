@@ -143,3 +143,17 @@ def test_corrections_solve_matches_sequential_delta_rule():
 
 def test_rmse_ordering_512_steps():
     C.check_rmse_ordering("gdn")
+
+
+@pytest.mark.parametrize("bad", ["false", 0, 1, None])
+def test_fold_cached_corrections_must_be_a_bool(bad):
+    """A string or int is refused by name, not coerced (bool("false") is True)."""
+    from replayssm_quant.replay.gdn import GDNReplayState
+
+    with pytest.raises(ValueError, match=r"fold_cached_corrections must be True or False"):
+        GDNReplayState("shared:fp16", batch=1, key_heads=1, value_heads=1, key_dim=32,
+                       value_dim=8, fold_cached_corrections=bad)
+    for ok in (False, True):
+        st = GDNReplayState("shared:fp16", batch=1, key_heads=1, value_heads=1, key_dim=32,
+                            value_dim=8, fold_cached_corrections=ok)
+        assert st.fold_cached_corrections is ok

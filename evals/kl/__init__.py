@@ -184,6 +184,23 @@ def check_output_dir(path, flag: str = "--output-dir") -> None:
                 d.rmdir()
 
 
+def check_backend_env() -> None:
+    """BadArgs for a ``REPLAYSSM_BACKEND`` (or a deprecated per-family variable) that names no
+    backend, before any work: otherwise the first operation that reads it fails mid-run,
+    after the output directory has been written to."""
+    import warnings
+
+    from replayssm_quant.backend import OpFamily, requested_backend
+
+    with warnings.catch_warnings():  # the deprecation warnings come again at first use
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for family in OpFamily:
+            try:
+                requested_backend(family)
+            except ValueError as e:
+                raise BadArgs(str(e)) from None
+
+
 def _check_args(a) -> list:
     """Validate everything that needs no model weights; returns parsed policies (StatePolicy
     or PolicyMap)."""
@@ -201,8 +218,9 @@ def _check_args(a) -> list:
             raise BadArgs(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
     if any(w < 1 for w in a.windows):
         raise BadArgs(f"--windows must be >= 1, got {a.windows}")
-    if any(s < 0 for s in a.seeds):
-        raise BadArgs(f"--seeds must be >= 0, got {a.seeds}")
+    if any(not 0 <= s < 2 ** 63 for s in a.seeds):
+        raise BadArgs(f"--seeds must be ints in [0, 2^63) (SR's Philox key), got {a.seeds}")
+    check_backend_env()
     for flag, vals in (("--windows", a.windows), ("--seeds", a.seeds)):
         rep = sorted({v for v in vals if vals.count(v) > 1})
         if rep:

@@ -273,6 +273,18 @@ def state_part_path(out: Path, doc: dict, cell) -> Path:
     return _state_dir(out) / f"{_cell_key(doc, *cell)}.parquet"
 
 
+def shared_sequence_ids(seq_ids, names) -> dict:
+    """The SR sequence ids (``adapters.sequence_id``, 20-bit hashes of the documents' tokens)
+    that more than one document of a run draws: ``{id: [document names]}`` (empty when every
+    id is distinct). Distinct documents collide by chance once a corpus has about
+    ``sqrt(2^20)`` = 1024 documents (the birthday bound); such documents draw the same SR bits
+    at every flush, so their rounding noise is correlated, though their values differ."""
+    by_id: dict = {}
+    for s, n in zip(seq_ids, names):
+        by_id.setdefault(int(s), []).append(n)
+    return {s: v for s, v in sorted(by_id.items()) if len(v) > 1}
+
+
 def run_cells(policies, a) -> list:
     """The run's cells ``(policy string, window, seed)``, policy-major, as the tables order them."""
     return [(str(p), w, s) for p in policies for w in a.windows for s in a.seeds]
@@ -340,7 +352,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     import torch
     from tqdm.auto import tqdm
 
-    from replayssm_quant.adapters import apply_state_policy, sequence_id
+    from replayssm_quant.adapters import SEQ_ID_BITS, apply_state_policy, sequence_id
     from replayssm_quant.adapters.mamba2 import DtLimit
     from replayssm_quant.adapters.segments import forward_each
     from replayssm_quant.models import load_model
@@ -402,6 +414,14 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     # SR stream key of each document: the hash of its N input tokens (adapters.sequence_id, as
     # the lm-eval adapter keys a row), so a document's numbers follow it, not its index
     seq_ids = [sequence_id(d["ids"][:N]) for d in token_docs]
+    shared_ids = shared_sequence_ids(seq_ids, [d["id"] for d in token_docs])
+    if shared_ids and rank == 0:
+        print(f"replayssm-kl: note: {sum(len(v) for v in shared_ids.values())} of "
+              f"{len(seq_ids)} documents share an SR sequence id with another (a "
+              f"{SEQ_ID_BITS}-bit hash of the tokens; expected once the corpus nears "
+              f"sqrt(2^{SEQ_ID_BITS}) documents): their stochastic roundings draw the same "
+              f"random bits, so their rounding noise is correlated (manifest.json "
+              f"'sr_sequence_ids'; docs/kl-runner.md)", file=sys.stderr)
     cells_of: dict = {}  # document index -> this rank's computed cells of it, in order
     for d, c in work:
         cells_of.setdefault(d, []).append(ucells[c])
@@ -583,6 +603,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
         "policy_maps": resolve_maps(policies, cfg, cfg_path, getattr(a, "decay_stats", None)),
         "reference": {"policy": "fp32", "window": ref_window, "seed": 0},
         "dt_limit": str(DtLimit.parse(a.dt_limit)),
+        "sr_sequence_ids": {"bits": SEQ_ID_BITS, "shared": {str(k): v for k, v in shared_ids.items()}},
         "invariance": "each document runs through the model alone (adapters.segments.forward_each); "
                       "SR streams keyed by a hash of each document's input tokens "
                       "(adapters.sequence_id); docs/invariance.md",

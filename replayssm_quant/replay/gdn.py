@@ -183,7 +183,10 @@ class GDNReplayState(ReplayStateBase):
         if value_heads % key_heads:
             raise ValueError(f"key_heads={key_heads} must divide value_heads={value_heads}")
         self.key_heads = key_heads
-        self.fold_cached_corrections = bool(fold_cached_corrections)
+        if not isinstance(fold_cached_corrections, bool):  # bool("false") would be True
+            raise ValueError(f"fold_cached_corrections must be True or False, got "
+                             f"{fold_cached_corrections!r}")
+        self.fold_cached_corrections = fold_cached_corrections
         fold = _fold(self.fold_cached_corrections)
         self._RING = {"la": (value_heads,), "beta": (value_heads,), "v": (value_heads, value_dim),
                       "k": (key_heads, key_dim), "uR": (value_heads, value_dim)}

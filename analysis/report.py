@@ -116,6 +116,39 @@ def _key_dim(manifest: dict) -> int | None:
     return None
 
 
+def _partial_note(agg: pd.DataFrame) -> str:
+    """What the partial octaves of ``agg`` (:func:`~replayssm_quant.analysis.results.kl_by_position`
+    rows, base 2) hold, computed from the runs: ``"`512+*` holds N = 512 only, 1 of the
+    octave's 512 positions"``, one clause per distinct (first N, last N)."""
+    part = agg[agg["partial"]]
+    spans = sorted({(int(lo), int(hi)) for lo, hi in zip(part["n_lo"], part["n_hi"])})
+    clauses = []
+    for lo, hi in spans:
+        k = hi - lo + 1
+        held = f"N = {lo} only" if k == 1 else f"N = {lo}..{hi}"
+        clauses.append(f"`{lo}+*` holds {held}, {k} of the octave's {lo} positions")
+    return "; ".join(clauses)
+
+
+def _check_distinct(run_dirs: Sequence) -> None:
+    """Refuse a run directory given twice (the same directory, however spelled), which would
+    otherwise be reported as two runs (``name`` and ``name-2``).
+
+    Raises:
+        ValueError: naming the directory and how it was given.
+    """
+    seen: dict = {}
+    for d in run_dirs:
+        key = Path(d).resolve()
+        if key in seen:
+            if str(seen[key]) == str(d):
+                raise ValueError(f"run directory {str(d)!r} is given twice; give each run "
+                                 "directory once")
+            raise ValueError(f"run directories {str(seen[key])!r} and {str(d)!r} are the same "
+                             f"directory ({key}); give each run directory once")
+        seen[key] = d
+
+
 def _main_window(df: pd.DataFrame, window: int | None) -> int | None:
     """The window of the per-N figures: the one asked, else 16 if the run has it, else the
     only one, else the largest (None if the frame has none)."""
@@ -142,10 +175,11 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False,
             :func:`~replayssm_quant.analysis.results.load_runs`).
     Raises:
         FileNotFoundError / ValueError: from :func:`replayssm_quant.analysis.results.load_runs`,
-            or an absent window.
+            an absent window, or a run directory given twice.
     """
     from . import plots, results
 
+    _check_distinct(run_dirs)
     runs = results.load_runs(run_dirs, prefer_buckets=from_buckets)
     df = runs.positions
     main_w = _main_window(df, window)
@@ -222,7 +256,7 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False,
     lines += [markdown_table(wide), ""]
     if agg["partial"].any():
         lines += ["`*`: the run ends inside this octave, so it holds fewer positions per document "
-                  "than the octave's width (the last bucket of N = 1024 holds one).", ""]
+                  f"than the octave's width ({_partial_note(agg)}).", ""]
 
     lines += ["## Figures", ""]
     wkw = {"window": main_w} if df["window"].nunique() > 1 else {}

@@ -12,8 +12,9 @@ Outputs (``-o OUT``):
 
 * ``attribution.csv`` / ``attribution.md``: one row per unit, ranked by mean KL: layer, heads,
   mean KL (nats, over all finite positions of all documents) with its standard error over
-  documents, share of the summed contributions, the heads' mean decay, the cell's policy map;
-  the markdown adds the all-layers KL and the additivity ratio sum(units) / all.
+  documents (NaN, ``n/a`` in the markdown, with one document), share of the summed
+  contributions, the heads' mean decay, the cell's policy map; the markdown adds the
+  all-layers KL and the additivity ratio sum(units) / all.
 * ``heatmap.png``: layer x head, colour = log10 of the unit's KL (a head group's cells share
   its value), each cell annotated with that head's mean decay (seaborn).
 * ``decay.json``: per-head mean decay measured on the same documents
@@ -196,7 +197,8 @@ def run_cells(a, policies, out: Path):
 
 def cell_stats(pos, policy: str, min_position: int = 0) -> dict:
     """Mean KL of one cell over its finite rows at positions >= ``min_position`` (nats), its
-    standard error over documents (document means; 0 for one document), and counts.
+    standard error over documents (document means; NaN for fewer than two documents, where it
+    is undefined), and counts.
 
     Raises:
         ValueError: the cell is not in ``pos``.
@@ -208,7 +210,7 @@ def cell_stats(pos, policy: str, min_position: int = 0) -> dict:
         raise ValueError(f"no rows for cell {policy!r}")
     fin = rows[~rows["nonfinite"]]
     per_doc = fin.groupby("doc")["kl"].mean().to_numpy(np.float64)
-    se = float(per_doc.std(ddof=1) / math.sqrt(per_doc.size)) if per_doc.size > 1 else 0.0
+    se = float(per_doc.std(ddof=1) / math.sqrt(per_doc.size)) if per_doc.size > 1 else math.nan
     return {"kl_mean": float(fin["kl"].mean()) if len(fin) else math.nan, "kl_se": se,
             "kl_p99": float(np.percentile(fin["kl"], 99)) if len(fin) else math.nan,
             "top1_agree": float(rows["top1_agree"].mean()), "positions": int(len(rows)),
@@ -301,7 +303,7 @@ def attribute(a, out: Path) -> dict:
     whole = cell_stats(pos, cells["all"])
     ratio = total / whole["kl_mean"] if whole["kl_mean"] > 0 else math.nan
     out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / "attribution.csv", index=False)
+    df.to_csv(out / "attribution.csv", index=False, na_rep="NaN")
     (out / "decay.json").write_text(json.dumps(decay_json(
         decays, f"per-head mean decay over the {a.max_docs} x {a.max_tokens}-token documents of "
         f"this attribution (replayssm_quant.adapters.measure_head_decay)"), indent=1))
@@ -317,6 +319,12 @@ def attribute(a, out: Path) -> dict:
     return summary
 
 
+def _fmt_se(se) -> str:
+    """A standard error for a table: 2 significant digits, ``n/a`` where it is undefined (NaN:
+    fewer than two documents)."""
+    return "n/a" if se is None or math.isnan(se) else f"{se:.2g}"
+
+
 def _markdown(df, s: dict) -> str:
     lines = [f"# KL attribution: `{s['policy']}` on {s['model']}", "",
              f"{s['documents']} documents x N = {s['N']} tokens, window {s['window']}, seed {s['seed']}; "
@@ -327,7 +335,7 @@ def _markdown(df, s: dict) -> str:
              "", "| rank | unit | layer | heads | mean KL | s.e. | share | mean decay | top-1 agree |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in df.itertuples():
-        lines.append(f"| {r.rank} | {r.unit} | {r.layer} | {r.heads} | {r.kl_mean:.3g} | {r.kl_se:.2g} | "
+        lines.append(f"| {r.rank} | {r.unit} | {r.layer} | {r.heads} | {r.kl_mean:.3g} | {_fmt_se(r.kl_se)} | "
                      f"{r.share:.1%} | {r.mean_decay:.3f} | {r.top1_agree:.4f} |")
     return "\n".join(lines) + "\n"
 
@@ -338,7 +346,11 @@ def main(argv=None) -> int:
         if str(a.policy).lower().startswith("map:") or str(a.policy).endswith(".json"):
             raise BadArgs(f"--policy {a.policy!r}: attribution puts one unit at a time at a "
                           "single policy; give a policy string, not a policy map")
-        StatePolicy.parse(a.policy)
+        if StatePolicy.parse(a.policy) == StatePolicy.parse("fp32"):
+            raise BadArgs(f"--policy {a.policy!r} is the FP32-state reference itself (it reads "
+                          "as 'fp32'): every unit's KL would be float32 rounding noise, not a "
+                          "contribution; give a policy that rounds the state (e.g. "
+                          "read:nvfp4/rec:fp32)")
         if a.group_size != 1 and a.by != "head":
             raise BadArgs(f"--group-size {a.group_size} needs --by head (layers are whole units)")
         check_run_arguments(a)

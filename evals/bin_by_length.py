@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_samples", "bin_by_length", "main"]
+__all__ = ["load_samples", "check_bins", "outside_bins", "bin_by_length", "main"]
 
 
 def _run_label(results_dir: Path) -> str:
@@ -94,6 +94,7 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
 
     Raises:
         FileNotFoundError: a path does not exist or holds no samples files.
+        NotADirectoryError: a path is a file.
         ValueError: ``length`` is neither ``"response"`` nor ``"context"``.
     """
     import pandas as pd
@@ -104,6 +105,9 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"no such lm-eval output directory: {p}")
+        if not p.is_dir():
+            raise NotADirectoryError(f"{p} is not a directory: give the lm-eval --output_path "
+                                     "directory of a --log_samples run, not a file in it")
         files = sorted(p.rglob("samples_*.jsonl"))
         if not files:
             raise FileNotFoundError(f"{p} holds no samples_*.jsonl files (run lm-eval with --log_samples)")
@@ -138,23 +142,51 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
                                        "value"])
 
 
+def check_bins(bins) -> list[int]:
+    """``bins`` as a list of int edges, checked: at least two, non-negative (lengths are
+    token or word counts) and strictly increasing.
+
+    Raises:
+        ValueError: naming the edges and what is expected.
+    """
+    bins = [int(b) for b in bins]
+    if len(bins) < 2 or bins[0] < 0 or any(b >= c for b, c in zip(bins, bins[1:])):
+        raise ValueError(f"bins must be at least two increasing non-negative edges (lengths "
+                         f"are counts >= 0), got {bins}")
+    return bins
+
+
+def outside_bins(df, bins) -> tuple[int, int, int | None, int | None]:
+    """Samples of ``df`` (:func:`load_samples` rows) whose length falls outside
+    ``[bins[0], bins[-1])``, so that :func:`bin_by_length` leaves them out: ``(outside,
+    samples, shortest, longest)``, counting a sample (run, task, document, length) once
+    whatever its number of metrics; ``shortest``/``longest`` are the outside lengths (None
+    when none is outside)."""
+    key = [c for c in ("run", "task", "doc_id", "doc_hash", "gen_len") if c in df.columns]
+    s = df.drop_duplicates(key)
+    out = s[(s["gen_len"] < bins[0]) | (s["gen_len"] >= bins[-1])]["gen_len"]
+    if out.empty:
+        return 0, len(s), None, None
+    return len(out), len(s), int(out.min()), int(out.max())
+
+
 def bin_by_length(df, bins, baseline: str | None = None):
     """Mean and standard error of each metric per (run, task, metric, length bin).
 
-    ``bins`` are increasing edges; lengths fall in ``[edge_i, edge_{i+1})``. With
+    ``bins`` are increasing non-negative edges; lengths fall in ``[edge_i, edge_{i+1})``, and
+    lengths outside ``[bins[0], bins[-1])`` are left out (:func:`outside_bins` counts them). With
     ``baseline`` (a run label, e.g. ``"fp32 L=16"``) also the paired difference of every run
     from it: ``n_paired`` samples scored by both (same task, document hash and metric),
     ``delta_mean`` and ``delta_sem`` of (value - baseline value). Paired differences remove the
     item-to-item spread, which is far larger than a state policy's effect.
 
     Raises:
-        ValueError: fewer than two edges, edges not increasing, or ``baseline`` not a run.
+        ValueError: fewer than two edges, a negative edge, edges not increasing, or
+            ``baseline`` not a run.
     """
     import pandas as pd
 
-    bins = [int(b) for b in bins]
-    if len(bins) < 2 or any(b >= c for b, c in zip(bins, bins[1:])):
-        raise ValueError(f"bins must be at least two increasing edges, got {bins}")
+    bins = check_bins(bins)
     df = df.copy()
     df["bin"] = pd.cut(df["gen_len"], bins=bins, right=False)
     g = df.groupby(["run", "task", "metric", "bin"], observed=True)["value"]
@@ -177,11 +209,18 @@ def bin_by_length(df, bins, baseline: str | None = None):
     return out.drop(columns="std")
 
 
+#: default ``--bins`` edges (lengths in tokens, or words without a tokenizer)
+DEFAULT_BINS = [0, 64, 256, 1024, 4096, 16384, 1 << 20]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="replayssm-bin-by-length", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="lm-eval --output_path directories (with --log_samples)")
     ap.add_argument("--tokenizer", help="HF tokenizer (id or local dir) to count tokens; default: words")
-    ap.add_argument("--bins", nargs="+", type=int, default=[0, 64, 256, 1024, 4096, 16384, 1 << 20])
+    ap.add_argument("--bins", nargs="+", type=int, metavar="EDGE", default=DEFAULT_BINS,
+                    help="increasing non-negative length edges: bins [e0, e1), [e1, e2), ...; "
+                    "lengths outside [first, last) are left out, with a warning that counts "
+                    f"them (default: {' '.join(map(str, DEFAULT_BINS))})")
     ap.add_argument("--length", choices=("response", "context"), default="response",
                     help="what to bin by: the generated response (default) or the prompt")
     ap.add_argument("--baseline", help="run label (e.g. 'fp32 L=16') to pair every sample with: "
@@ -191,6 +230,11 @@ def main(argv=None) -> int:
     if a.output and Path(a.output).is_dir():
         print(f"replayssm-bin-by-length: error: --output {a.output!r} is a directory; give the "
               "CSV file's name", file=sys.stderr)
+        return 2
+    try:
+        check_bins(a.bins)  # before any tokenizer loads or sample is read
+    except ValueError as e:
+        print(f"replayssm-bin-by-length: error: --bins: {e}", file=sys.stderr)
         return 2
     tok = None
     if a.tokenizer:
@@ -206,10 +250,18 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     try:
-        table = bin_by_length(load_samples(a.runs, tok, a.length), a.bins, a.baseline)
-    except (FileNotFoundError, ValueError) as e:
+        samples = load_samples(a.runs, tok, a.length)
+        table = bin_by_length(samples, a.bins, a.baseline)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"replayssm-bin-by-length: error: {e}", file=sys.stderr)
         return 2
+    n_out, n_all, shortest, longest = outside_bins(samples, a.bins)
+    if n_out:
+        unit = "tokens" if tok is not None else "words"
+        span = f"{shortest}" if shortest == longest else f"{shortest}..{longest}"
+        print(f"replayssm-bin-by-length: warning: {n_out} of {n_all} sample(s) fall outside the "
+              f"bins [{a.bins[0]}, {a.bins[-1]}) (length {span} {unit}) and are left out of "
+              "the table; widen --bins to count them", file=sys.stderr)
     if table.empty:
         print(f"replayssm-bin-by-length: warning: no sample falls in the bins {a.bins}",
               file=sys.stderr)

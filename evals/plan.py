@@ -51,8 +51,8 @@ from pathlib import Path
 from replayssm_quant.policy import StatePolicy
 from replayssm_quant.policymap import PolicyMap
 
-from .attribute import (_runs, _span, add_run_arguments, cell_stats, check_run_arguments, decay_json,
-                        measured_decays, run_cells, ssm_structure, units_for)
+from .attribute import (_fmt_se, _runs, _span, add_run_arguments, cell_stats, check_run_arguments,
+                        decay_json, measured_decays, run_cells, ssm_structure, units_for)
 from .kl import EXIT_BAD_ARGS, BadArgs
 
 __all__ = ["DEFAULT_CANDIDATES", "DEFAULT_UNIFORM", "policy_bytes", "solve_plan", "plan_map",
@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, nargs="+", required=True,
                    help="KL budget(s) in nats: mean KL(P_fp32 || P_plan) over positions N/2..N-1")
     p.add_argument("--candidates", nargs="+", default=list(DEFAULT_CANDIDATES),
-                   help=f"per-head policy choices (default: {' '.join(DEFAULT_CANDIDATES)})")
+                   help=f"per-head policy choices (default: {' '.join(DEFAULT_CANDIDATES)}); "
+                   "eager: ones only when --group-size covers whole layers")
     p.add_argument("--uniform", nargs="*", default=list(DEFAULT_UNIFORM),
                    help="further uniform policies measured for the comparison (default: "
                    f"{' '.join(DEFAULT_UNIFORM)})")
@@ -247,6 +248,26 @@ def _check(a) -> list[StatePolicy]:
     return ([fp32] if fp32 not in cands else []) + cands
 
 
+def _check_eager(cands, heads: dict[int, int], group_size: int) -> None:
+    """Refuse ``eager:`` candidates where a unit is less than a whole layer: all heads of a
+    layer share one flush schedule (``eager:`` runs with window 1, the rest with L), so an
+    ``eager:`` head group beside the layer's other heads (fp32 during attribution) is a map
+    the runner refuses (docs/planner.md, "One flush schedule per layer").
+
+    Raises:
+        BadArgs: naming the eager candidates and what to do instead.
+    """
+    eager = [str(c) for c in cands if c.is_eager]
+    if eager and any(group_size < h for h in heads.values()):
+        most = max(heads.values())
+        raise BadArgs(
+            f"--candidates {' '.join(eager)}: eager: policies round the state after every token "
+            "(window 1) and all heads of a layer share one flush schedule (docs/planner.md), so "
+            "an eager: unit cannot sit beside the windowed heads of its layer, and the units here "
+            f"are groups of {group_size} head(s) of layers of up to {most}; give eager: policies "
+            f"to --uniform to compare them, or plan whole layers with --group-size {most}")
+
+
 def run_plan(a) -> dict:
     """The whole plan of ``a`` (parsed :func:`build_parser` arguments); returns the summary
     written to ``OUT/plan.json``."""
@@ -257,6 +278,7 @@ def run_plan(a) -> dict:
     N, L = a.max_tokens, a.window
     lo = N // 2
     heads, dims = ssm_structure(a.model)  # a missing model fails here, before OUT exists
+    _check_eager(cands, heads, a.group_size)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("plan-*.json"):  # plans of an earlier invocation are not this run's
         old.unlink()
@@ -289,7 +311,7 @@ def run_plan(a) -> dict:
                          "mean_decay": sum(decays[u.layer][h] for h in u.heads) / n})
         costs.append(cu)
         kls.append(ku)
-    pd.DataFrame(rows).to_csv(out / "attribution.csv", index=False)
+    pd.DataFrame(rows).to_csv(out / "attribution.csv", index=False, na_rep="NaN")
 
     # uniform frontier
     frontier = []
@@ -357,7 +379,7 @@ def run_plan(a) -> dict:
                                    "kl_se": p["measured_se"], "kl_all": p["kl_all"], "nonfinite": 0,
                                    "per_token": p["per_token"], "footprint": p["footprint"]} for p in plans])
     fr = fr.sort_values(["kind", "per_token"]).reset_index(drop=True)
-    fr.to_csv(out / "frontier.csv", index=False)
+    fr.to_csv(out / "frontier.csv", index=False, na_rep="NaN")
     summary = {"model": a.model, "N": N, "documents": a.max_docs, "window": L, "seed": a.seed,
                "objective": a.objective,
                "metric": f"mean KL over positions {lo}..{N - 1} (nats)", "candidates": [str(c) for c in cands],
@@ -395,7 +417,7 @@ def _markdown(s: dict, fr) -> str:
               "| kind | policy | KL at N | s.e. | KL all positions | bytes/token | footprint |",
               "|---|---|---|---|---|---|---|"]
     for r in fr.itertuples():
-        lines.append(f"| {r.kind} | {r.policy} | {r.kl_at_n:.3g} | {r.kl_se:.2g} | {r.kl_all:.3g} | "
+        lines.append(f"| {r.kind} | {r.policy} | {r.kl_at_n:.3g} | {_fmt_se(r.kl_se)} | {r.kl_all:.3g} | "
                      f"{r.per_token:.0f} | {r.footprint:.0f} |")
     lines += ["", "Per-head choices (layer: policy per head):", ""]
     for p in s["plans"]:
@@ -435,6 +457,12 @@ def _figure(fr, path: Path, title: str, objective: str = "per_token") -> None:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    bar_was_on = None
+    if a.no_progress:  # transformers' "Loading weights" bar too, restored on return
+        from transformers.utils import logging as hf_logging
+
+        bar_was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
     try:
         s = run_plan(a)
     except (BadArgs, ValueError) as e:
@@ -444,6 +472,9 @@ def main(argv=None) -> int:
         print(f"\nreplayssm-plan: interrupted; the finished runs are kept under {a.output_dir}; run the "
               "same command again to resume", file=sys.stderr)
         return 130
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     print(f"replayssm-plan: {s['model']} at N={s['N']}; output {a.output_dir}")
     print((Path(a.output_dir) / "plan.md").read_text())
     missed = [p for p in s["plans"] if not p["verified"]]

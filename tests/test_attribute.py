@@ -2,6 +2,7 @@
 KL against a direct computation, and additivity of the contributions."""
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -93,6 +94,47 @@ def test_bad_arguments_exit_2(capsys, tmp_path):
     (tmp_path / "afile").write_text("x")
     assert main(["-o", str(tmp_path / "afile")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+    for pol in ("fp32", "shared:fp32", "read:fp32/rec:fp32+sr"):  # the reference itself
+        assert main(["--policy", pol, "-o", str(tmp_path / "f")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"replayssm-attribute: error: --policy {pol!r} is the FP32-state "
+                              "reference itself") and "float32 rounding noise" in err
+        assert not (tmp_path / "f").exists()
+
+
+def _fake_cells(monkeypatch, docs):
+    """Replace the runner and the decay measurement of attribution by synthetic cells
+    (``docs`` documents, KL growing with the cell's index) and decays of 0.5."""
+    import replayssm_quant.evals.attribute as at
+
+    def run_cells(a, policies, out):
+        return pd.DataFrame([{"policy": p, "doc": d, "position": i, "kl": (k + 1) * 1e-3 * (1 + d + i),
+                              "nonfinite": False, "top1_agree": True}
+                             for k, p in enumerate(policies) for d in range(docs) for i in range(4)])
+
+    monkeypatch.setattr(at, "run_cells", run_cells)
+    monkeypatch.setattr(at, "measured_decays",
+                        lambda a: {i: (0.5,) * h for i, h in at.ssm_structure(a.model)[0].items()})
+
+
+def test_one_document_has_no_standard_error(tmp_path, capsys, monkeypatch):
+    """With --max-docs 1 the standard error over documents is undefined: ``n/a`` in the
+    printed table, NaN in the CSV and JSON (never 0); with two documents it is a number."""
+    _fake_cells(monkeypatch, docs=1)
+    out = tmp_path / "att"
+    assert main(["--max-docs", "1", "-N", "16", "--no-progress", "-o", str(out)]) == 0
+    table = [ln.split("|") for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 1 |")]
+    assert len(table) == 1 and table[0][6].strip() == "n/a"
+    assert pd.read_csv(out / "attribution.csv")["kl_se"].isna().all()
+    assert "NaN" in (out / "attribution.csv").read_text()
+    s = json.loads((out / "attribution.json").read_text())
+    assert all(math.isnan(u["kl_se"]) for u in s["units"]) and math.isnan(s["all_layers"]["kl_se"])
+    _fake_cells(monkeypatch, docs=2)
+    out2 = tmp_path / "att2"
+    assert main(["--max-docs", "2", "-N", "16", "--no-progress", "-o", str(out2)]) == 0
+    se = pd.read_csv(out2 / "attribution.csv")["kl_se"]
+    assert (se > 0).all()  # document means (k+1)e-3 * (2.5, 3.5): s.e. (k+1)e-3 / 2
+    assert sorted(se) == pytest.approx([(k + 1) * 1e-3 / 2 for k in range(len(se))])
 
 
 def test_interrupted_runner_exits_130(tmp_path, monkeypatch, capsys):

@@ -59,6 +59,57 @@ def test_output_paths_and_empty_bins(tmp_path, capsys):
     t = pd.read_csv(out)
     assert list(t["n"]) == [1, 2]
     capsys.readouterr()
-    assert main([run, "--bins", "-5", "0"]) == 0
-    assert "warning: no sample falls in the bins [-5, 0]" in capsys.readouterr().err
+    assert main([run, "--bins", "100", "200"]) == 0
+    assert "warning: no sample falls in the bins [100, 200]" in capsys.readouterr().err
+
+
+def test_samples_outside_the_bins_are_counted(tmp_path, capsys):
+    """A sample beyond the last edge (or before the first) is left out of the table with a
+    warning naming how many and the bins' range; one inside every bin gives no warning. A
+    sample is counted once whatever its number of metrics."""
+    _write_run(tmp_path / "a", "shared:nvfp4", [3, 12, 22], [1.0, 0.0, 1.0])
+    run = str(tmp_path / "a")
+    assert main([run, "--bins", "0", "21"]) == 0
+    cap = capsys.readouterr()
+    assert ("warning: 1 of 3 sample(s) fall outside the bins [0, 21) (length 22 words) and are "
+            "left out of the table") in cap.err
+    assert "no sample falls" not in cap.err and "[0, 21)" in cap.out
+    assert main([run, "--bins", "5", "20"]) == 0
+    assert "2 of 3 sample(s) fall outside the bins [5, 20) (length 3..22 words)" in capsys.readouterr().err
+    assert main([run, "--bins", "0", "23"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    df = load_samples([run])
+    two = pd.concat([df, df.assign(metric="other")])  # two metrics per sample
+    from replayssm_quant.evals.bin_by_length import outside_bins
+
+    assert outside_bins(two, [0, 21]) == (1, 3, 22, 22)
+    assert outside_bins(two, [0, 100]) == (0, 3, None, None)
+
+
+def test_bad_bins_and_a_file_are_refused(tmp_path, capsys):
+    """Negative, repeated or decreasing edges, or a single one, exit 2 naming the edges (no
+    empty table); a file given as a run is named as not a directory."""
+    _write_run(tmp_path / "a", "shared:nvfp4", [3, 12], [1.0, 0.0])
+    run = str(tmp_path / "a")
+    for bins in (["-1", "0"], ["-5", "10"], ["10", "5"], ["0", "0"], ["7"]):
+        assert main([run, "--bins", *bins]) == 2
+        cap = capsys.readouterr()
+        assert cap.err.startswith("replayssm-bin-by-length: error: --bins: bins must be at least "
+                                  "two increasing non-negative edges") and cap.out == ""
+        assert f"got [{', '.join(bins)}]" in cap.err
+    with pytest.raises(ValueError, match="non-negative"):
+        bin_by_length(load_samples([run]), [-1, 0])
+    f = tmp_path / "a" / "samples_mytask_2026-11-29T00.jsonl"
+    assert main([str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f} is not a directory" in err and "holds no samples" not in err
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        load_samples([f])
+
+
+def test_bins_help_shows_the_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--bins EDGE [EDGE ...]" in out and "(default: 0 64 256 1024 4096 16384 1048576)" in out
 

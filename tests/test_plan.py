@@ -130,3 +130,78 @@ def test_plan_tiny_gdn_budget_holds(tmp_path):
                  "--uniform", "--no-progress", "-o", str(out)]) == 0
     p = json.loads((out / "plan.json").read_text())["plans"][0]
     assert p["verified"] and p["measured"] <= 1e-4
+
+
+def test_eager_candidates_are_refused_up_front(tmp_path, capsys):
+    """An eager: candidate on units smaller than a layer would make a map mixing eager and
+    windowed heads of one layer, which the runner refuses mid-run: the planner refuses it
+    before any run, naming the candidate and what to do (exit 2, nothing written)."""
+    out = tmp_path / "p"
+    assert main(["--model", "tiny-gdn", "--budget", "1e-4", "--at-N", "16", "--max-docs", "1",
+                 "--candidates", "eager:fp16", "shared:fp16", "--uniform", "--no-progress",
+                 "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("replayssm-plan: error: --candidates eager:fp16: eager: policies round "
+                          "the state after every token")
+    assert "--uniform" in err and "--group-size 4" in err and "map:" not in err
+    assert not out.exists()
+
+
+def _fake_plan_cells(monkeypatch, seen=None):
+    """Replace the plan's runner and decay measurement by synthetic one-document cells (KL
+    1e-6 for every cell but fp32, 0 there); ``seen`` collects whether transformers' progress
+    bar was on when the decays were measured."""
+    import replayssm_quant.evals.plan as pl
+    from transformers.utils import logging as hf_logging
+
+    def run_cells(a, policies, out):
+        return pd.DataFrame([{"policy": p, "doc": 0, "position": i, "kl": 0.0 if p == "fp32" else 1e-6,
+                              "nonfinite": False, "top1_agree": True}
+                             for p in policies for i in range(a.max_tokens)])
+
+    def decays(a):
+        if seen is not None:
+            seen.append(hf_logging.is_progress_bar_enabled())
+        return {i: (0.5,) * h for i, h in pl.ssm_structure(a.model)[0].items()}
+
+    monkeypatch.setattr(pl, "run_cells", run_cells)
+    monkeypatch.setattr(pl, "measured_decays", decays)
+
+
+def test_one_document_has_no_standard_error(tmp_path, capsys, monkeypatch):
+    """--max-docs 1: the frontier's s.e. column says n/a (undefined from one document) and the
+    CSV and JSON carry NaN, never 0."""
+    _fake_plan_cells(monkeypatch)
+    out = tmp_path / "p"
+    assert main(["--model", "tiny-mamba2", "--budget", "1e-4", "--at-N", "8", "--max-docs", "1",
+                 "--group-size", "8", "--candidates", "shared:fp16", "--uniform", "--no-progress",
+                 "-o", str(out)]) == 0
+    rows = [ln.split("|") for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith(("| uniform |", "| plan |"))]
+    assert len(rows) == 3 and {r[4].strip() for r in rows} == {"n/a"}
+    assert pd.read_csv(out / "frontier.csv")["kl_se"].isna().all()
+    s = json.loads((out / "plan.json").read_text())
+    assert math.isnan(s["plans"][0]["measured_se"]) and all(math.isnan(u["kl_se"]) for u in s["uniform"])
+
+
+def test_no_progress_silences_the_weight_loading_bar(tmp_path, monkeypatch):
+    """--no-progress turns transformers' progress bars (the "Loading weights" bar) off while
+    the plan runs and back on afterwards; without it they stay as they were."""
+    from transformers.utils import logging as hf_logging
+
+    seen: list = []
+    _fake_plan_cells(monkeypatch, seen)
+    was_on = hf_logging.is_progress_bar_enabled()
+    args = ["--model", "tiny-mamba2", "--budget", "1e-4", "--at-N", "8", "--max-docs", "1",
+            "--group-size", "8", "--candidates", "shared:fp16", "--uniform"]
+    try:
+        hf_logging.enable_progress_bar()
+        assert main([*args, "--no-progress", "-o", str(tmp_path / "a")]) == 0
+        assert seen == [False] and hf_logging.is_progress_bar_enabled()
+        assert main([*args, "-o", str(tmp_path / "b")]) == 0
+        assert seen == [False, True] and hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # off before: stays off
+        assert main([*args, "--no-progress", "-o", str(tmp_path / "c")]) == 0
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()

@@ -336,3 +336,44 @@ def test_report_from_buckets_prefers_the_bucket_table(tmp_path):
     assert report.main([str(both), "-o", str(tmp_path / "r" / "report.md"),
                         "--from-buckets"]) == 0
     assert "buckets.parquet" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_report_octave_footnote_is_the_runs_own_n(tmp_path):
+    """The `*` footnote of the octave table says what the run's own last octave holds (a run
+    of N = 20 tokens: N = 16..20, 5 of the octave's 16 positions; N = 16: N = 16 only), not
+    another run length's."""
+    from replayssm_quant.analysis import report
+
+    for n, note in ((20, "`16+*` holds N = 16..20, 5 of the octave's 16 positions"),
+                    (16, "`16+*` holds N = 16 only, 1 of the octave's 16 positions")):
+        run = R.write_synthetic_run(tmp_path / f"n{n}", policies=("shared:nvfp4+sr",),
+                                    windows=(1,), n_tokens=n, docs=2)
+        out = tmp_path / f"r{n}" / "report.md"
+        assert report.main([str(run), "-o", str(out)]) == 0
+        text = out.read_text()
+        assert "| 16+* |" in text.split("## Mean KL per position octave")[1].split("\n## ")[0]
+        assert f"than the octave's width ({note})." in text
+        assert "N = 1024" not in text
+
+
+def test_report_refuses_a_run_directory_given_twice(tmp_path, capsys, monkeypatch):
+    """The same directory twice (as typed, or spelled two ways) exits 2 naming it, writing
+    nothing, instead of reporting one run as two (``run`` and ``run-2``); two different
+    directories of the same name are two runs."""
+    from replayssm_quant.analysis import report
+
+    run = R.write_synthetic_run(tmp_path / "int512", policies=("shared:nvfp4+sr",), windows=(1,),
+                                n_tokens=16, docs=1)
+    out = tmp_path / "r" / "report.md"
+    monkeypatch.chdir(tmp_path)
+    assert report.main(["int512", "int512", "-o", str(out)]) == 2
+    assert capsys.readouterr().err == ("replayssm-report: error: run directory 'int512' is given "
+                                       "twice; give each run directory once\n")
+    assert report.main(["int512", "./int512/", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "run directories 'int512' and './int512/' are the same directory" in err
+    assert str(run.resolve()) in err and not out.parent.exists()
+    other = R.write_synthetic_run(tmp_path / "b" / "int512", policies=("shared:nvfp4+sr",),
+                                  windows=(1,), n_tokens=16, docs=1)
+    assert report.main(["int512", str(other), "-o", str(out)]) == 0
+    assert "| int512-2 |" in out.read_text()

@@ -320,6 +320,51 @@ def test_bad_distributed_arguments_exit_2(bad, words, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_ranks_with_other_arguments_are_refused_before_any_work(tmp_path):
+    """Two ranks started with different settings into a new folder (no run_identity.json yet
+    for them to check): refused by name on rank 0 (exit 2) before any cell, where before they
+    computed other cells into the same tables. The wrapper adds --dtype float64 to rank 1."""
+    wrap = tmp_path / "wrap.sh"
+    base = _launcher(1)[_launcher(1).index("--max-restarts") + 2:]  # how to run replayssm-kl
+    run = " ".join(base[1:] if base[0] == "--no-python" else [sys.executable] + base)
+    wrap.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then exec {run} "$@" --dtype float64; '
+                    f'else exec {run} "$@"; fi\n')
+    wrap.chmod(0o755)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "0", "--no-python", str(wrap)]
+    out = tmp_path / "mixed"
+    r = subprocess.run(cmd + ARGS + ["-o", str(out)], capture_output=True, text=True,
+                       timeout=LAUNCH_TIMEOUT, env=_env())
+    assert r.returncode != 0
+    assert "the ranks were started with different arguments or data (" in r.stderr
+    assert "dtype: 'float32' on rank 0, 'float64' on rank 1" in r.stderr
+    assert not list(out.glob("parts/*.parquet"))  # nothing computed
+
+
+def test_fingerprint_names_what_differs(tmp_path):
+    """_check_same_run on a fake two-rank group: equal fingerprints pass; a rank with other
+    seeds, documents or --gdn-fold is named with the keys that differ."""
+    from replayssm_quant.evals.kl import BadArgs, _check_same_run, build_parser
+
+    class Group:
+        def __init__(self, other):
+            self.other = other
+
+        def all_gather(self, obj):
+            return [obj, self.other(obj)]
+
+    a = build_parser().parse_args(SMALL + ["-o", str(tmp_path / "x")])
+    cfg = type("Cfg", (), {"to_json_string": lambda self: "{}"})()
+    cells = [("shared:nvfp4+sr", 4, 0)]
+    docs = [{"id": "d0", "sha": "aa"}, {"id": "d1", "sha": "bb"}]
+    _check_same_run(a, cfg, cells, docs, Group(lambda fp: dict(fp)))
+    for change, key in ((lambda fp: {**fp, "cells": ["x"]}, "cells"),
+                        (lambda fp: {**fp, "documents": fp["documents"][:1]}, "documents"),
+                        (lambda fp: {**fp, "gdn_fold": "cached"}, "gdn_fold")):
+        with pytest.raises(BadArgs, match=rf"\({key}: .* on rank 0, .* on rank 1\)"):
+            _check_same_run(a, cfg, cells, docs, Group(change))
+
+
 def test_bad_launcher_environment_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "two")

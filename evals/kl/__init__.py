@@ -491,6 +491,40 @@ def _check_documents(token_docs) -> None:
         seen_id[d["id"]] = seen_sha[d["sha"]] = d["id"]
 
 
+def run_fingerprint(a, cfg, ucells, token_docs) -> dict:
+    """What every rank of one run must agree on: the settings that change its numbers
+    (:func:`~replayssm_quant.evals.kl.run.run_identity`), the computed cells, the documents
+    (ids and token hashes), and the stepwise and state-error checks. (The output folder is
+    checked by a probe file, :func:`_check_shared_output`: ranks on other nodes may mount it
+    at another path.)"""
+    return {**run_identity(a, cfg), "cells": [str(c) for c in ucells],
+            "documents": [(d["id"], d["sha"]) for d in token_docs],
+            "stepwise_check": a.stepwise_check, "state_error": bool(a.state_error)}
+
+
+def _check_same_run(a, cfg, ucells, token_docs, group) -> None:
+    """Refuse (every rank together, before any work is shared out) ranks started with
+    different arguments or data: rank 0 hands out ``(document, cell)`` indices that each rank
+    looks up in its own lists, so a rank with another ``--dtype``, ``--gdn-fold``, policy list,
+    seed list or corpus would otherwise compute other cells into the same tables. A resumed
+    run is also caught by each rank's ``run_identity.json`` check; a new folder only here.
+
+    Raises:
+        BadArgs: naming the first rank that differs from rank 0 and the settings that differ.
+    """
+    prints = group.all_gather(run_fingerprint(a, cfg, ucells, token_docs))
+    for r, fp in enumerate(prints[1:], 1):
+        diff = [k for k in prints[0] if fp.get(k) != prints[0][k]]
+        if diff:
+            def show(v):
+                t = repr(v)
+                return t if len(t) <= 80 else t[:77] + "..."
+            desc = "; ".join(f"{k}: {show(prints[0][k])} on rank 0, {show(fp.get(k))} on rank {r}"
+                             for k in diff)
+            raise BadArgs(f"the ranks were started with different arguments or data ({desc}); "
+                          "start every rank with the same command and --dataset")
+
+
 def _check_shared_output(a, cfg, group) -> None:
     """Every rank must see the same ``--output-dir`` (rank 0 merges the ranks' part files):
     rank 0 writes a probe file there, every rank looks for it."""
@@ -581,6 +615,8 @@ def main(argv=None) -> int:
             return 0
         devices, gpus = rank_devices(a, ranks)
         group = dist.start_group(ranks, devices[0], a.dist_timeout)
+        if ranks.world_size > 1:
+            _check_same_run(a, cfg, ucells, token_docs, group)
         todo = group.broadcast(pending_pairs(out, token_docs, ucells, a.stepwise_check, a.state_error)
                                if ranks.rank == 0 else None)
         missing = len(todo)

@@ -115,6 +115,90 @@ def test_kl_exact_zero_and_extreme_logits():
     np.testing.assert_allclose(back["kl"], _oracle_kl(pol, ref), rtol=1e-12)
 
 
+def _oracle_metrics(ref, pol, tgt):
+    """Per-position nll_ref, nll (nats), dp_ref = |P(target) - P_ref(target)| and top-1
+    agreement, in numpy float64 from a hand-written log-softmax (max-shifted log-sum-exp)."""
+    def log_softmax(x):
+        x = np.asarray(x, dtype=np.float64)
+        m = x.max(-1, keepdims=True)
+        return x - (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))
+    lr, lq = log_softmax(ref), log_softmax(pol)
+    t = np.asarray(tgt)[..., None]
+    lrt = np.take_along_axis(lr, t, -1)[..., 0]
+    lqt = np.take_along_axis(lq, t, -1)[..., 0]
+    return {"nll_ref": -lrt, "nll": -lqt, "dp_ref": np.abs(np.exp(lqt) - np.exp(lrt)),
+            "top1_agree": np.asarray(ref).argmax(-1) == np.asarray(pol).argmax(-1)}
+
+
+def test_nll_dp_and_top1_against_a_float64_oracle():
+    """The other per-position columns, against numpy float64 on the same logits: NLLs in nats
+    of the given targets, the absolute change of the target's probability, argmax agreement
+    (the runner level is test_runner_metrics_follow_its_logits_and_next_tokens)."""
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(3, 50, 4096, generator=g) * 4
+    pol = ref + 0.3 * torch.randn(ref.shape, generator=g)
+    tgt = torch.randint(0, 4096, (3, 50), generator=g)
+    m = position_metrics(ref, pol, tgt)
+    want = _oracle_metrics(ref.numpy(), pol.numpy(), tgt.numpy())
+    for k in ("nll_ref", "nll", "dp_ref"):
+        assert m[k].dtype == np.float64
+        np.testing.assert_allclose(m[k], want[k], rtol=1e-12, atol=1e-15, err_msg=k)
+    assert (m["top1_agree"] == want["top1_agree"]).all()
+    assert 0 < want["top1_agree"].mean() < 1  # both outcomes occur
+
+
+def test_runner_metrics_follow_its_logits_and_next_tokens(model_dir, data_file, tmp_path,
+                                                           monkeypatch):
+    """positions.parquet's nll_ref, nll, dp_ref and top1_agree at position p are those of the
+    logits the runner's model calls returned at p (the reference's and the policy's), with the
+    document's token p + 1 as the target: recomputed here from the recorded calls."""
+    calls = []  # (policy, start, input ids [B, T], logits [B, T, V])
+    orig_fe = segments.forward_each
+    orig_use = adapters.StatePolicyHandle.use
+    current = {}
+
+    def use(handle, config):
+        orig_use(handle, config)
+        current["policy"] = str(handle.policy)
+
+    def forward_each(model, input_ids, caches=None, *, start=0, **kw):
+        logits, caches = orig_fe(model, input_ids, caches, start=start, **kw)
+        calls.append((current.get("policy"), start, input_ids.clone(), logits.detach().clone()))
+        return logits, caches
+
+    monkeypatch.setattr(adapters.StatePolicyHandle, "use", use)
+    monkeypatch.setattr(segments, "forward_each", forward_each)
+    out = tmp_path / "m"
+    assert main(_args(model_dir, data_file, out, "--stepwise-check", "0")) == 0
+    pos = pd.read_parquet(out / "positions.parquet")
+    docs = json.loads((out / "manifest.json").read_text())["data"]["documents"]
+    whole = {}  # policy -> (ids [B, N], logits [B, N, V]) in start order, first call per start
+    for pol in {c[0] for c in calls}:
+        seen = {}
+        for p, start, ids, lg in calls:
+            if p == pol and start not in seen and ids.shape[0] == len(docs):
+                seen[start] = (ids, lg)
+        starts = sorted(seen)
+        whole[pol] = (torch.cat([seen[s][0] for s in starts], 1),
+                      torch.cat([seen[s][1] for s in starts], 1))
+    assert "fp32" in whole and "shared:nvfp4+sr" in whole
+    ids, ref = whole["fp32"]
+    _, pol = whole["shared:nvfp4+sr"]
+    N = ids.shape[1]
+    checked = 0
+    for b, doc in enumerate(docs):
+        rows = pos[(pos.doc == doc) & (pos.policy == "shared:nvfp4+sr")].sort_values("position")
+        rows = rows[rows.position < N - 1]  # the last target is not among the inputs
+        p = rows.position.to_numpy()
+        want = _oracle_metrics(ref[b, p].numpy(), pol[b, p].numpy(), ids[b, p + 1].numpy())
+        for k in ("nll_ref", "nll", "dp_ref"):
+            np.testing.assert_allclose(rows[k].to_numpy(), want[k], rtol=1e-9, atol=1e-12,
+                                       err_msg=f"{doc} {k}")
+        assert (rows["top1_agree"].to_numpy() == want["top1_agree"]).all()
+        checked += len(rows)
+    assert checked == 2 * (N - 1 - 3)  # every reported position but the last, both documents
+
+
 # ------------------------------------------------------------------------------ 7: non-finite
 def test_nonfinite_reference_and_policy_are_recorded(model_dir, data_file, tmp_path, monkeypatch):
     spy = Spy(monkeypatch)

@@ -98,3 +98,32 @@ def test_generate_under_policy_and_cached_fold_variant():
         with apply_state_policy(model, "shared:nvfp4+sr", window=3, gdn_fold="cached"):
             out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape == (2, 14)
+
+
+def test_cached_fold_reaches_the_gdn_states():
+    """gdn_fold="cached" through the adapters: under a dual policy (where the two folds
+    differ: the cached read-path corrections carry the NVFP4 read copy's error into the
+    anchor) emulation still equals stepping, and the anchors differ from the default
+    (recompute) fold's after the flushes, so the option reaches every GDN layer's state."""
+    from replayssm_quant.config import GDNFold
+
+    model = tiny_model("qwen3_5", dtype=torch.float64)
+    ids = _ids(2, N)
+    pol = "read:nvfp4/rec:fp32"
+    anchors = {}
+    with torch.no_grad():
+        for fold in ("cached", "recompute"):
+            with apply_state_policy(model, pol, window=L, seed=3, gdn_fold=fold) as h:
+                assert h.gdn_fold is GDNFold(fold)
+                em, ce = _emulate(model, ids, cut=P + 7)
+                st, cs = _step(model, ids)
+                se, ss = h.states(ce), h.states(cs)
+            assert (em - st).abs().max().item() <= TOL, fold
+            assert se and se.keys() == ss.keys()
+            for i in se:
+                assert se[i].flushes == ss[i].flushes >= 3
+                assert (se[i].anchor - ss[i].anchor).abs().max().item() < 1e-9
+            anchors[fold] = se
+    for i in anchors["cached"]:
+        d = (anchors["cached"][i].anchor - anchors["recompute"][i].anchor).abs().max().item()
+        assert d > 1e-6, (i, d)

@@ -184,11 +184,14 @@ class ReplaySSMLM(HFLM):
 
     # ------------------------------------------------------------------ bookkeeping
     def get_model_info(self) -> dict:
-        """HFLM's model info plus the state policy, window, seed and drafts."""
+        """HFLM's model info plus the state policy, window, seed, drafts, dt limit and the
+        log-softmax dtype (``softmax_dtype``, whose default here is float32, not HFLM's None)."""
         info = super().get_model_info()
         info.update(replayssm_state=str(self.policy), replayssm_window=self.window,
                     replayssm_seed=self.seed, replayssm_max_drafts=self.max_drafts,
-                    replayssm_dt_limit=str(self.dt_limit))
+                    replayssm_dt_limit=str(self.dt_limit),
+                    # the adapter's default (float32) differs from HFLM's (None)
+                    replayssm_softmax_dtype=str(self.softmax_dtype))
         return info
 
     def _row(self, context_enc, continuation_enc) -> _Row:

@@ -127,3 +127,63 @@ def test_cached_fold_reaches_the_gdn_states():
     for i in anchors["cached"]:
         d = (anchors["cached"][i].anchor - anchors["recompute"][i].anchor).abs().max().item()
         assert d > 1e-6, (i, d)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+def test_state_path_ignores_autocast(arch, monkeypatch):
+    """Under torch.autocast (HFLM's mixed_precision_dtype) the projections run in bfloat16 as
+    in the unpatched model, but the state path keeps its own precision: each layer's
+    recurrence outputs (exact prefill and the policy's windows) equal, bit for bit, those of
+    the same inputs and starting state run again here without autocast. Before, the torch
+    path's products ran in bfloat16 and `fp32` was not FP32-state decoding."""
+    import replayssm_quant.adapters as A
+    import replayssm_quant.adapters.state as S
+
+    seen = []  # ("prefill", inp, o) / ("advance", S0, kwargs, inp, o)
+    orig_prefill, orig_init, orig_adv = A.prefill_scan, S.LayerState.__init__, S.LayerState.advance
+
+    def prefill(family, inp, *a, **k):
+        o, st = orig_prefill(family, inp, *a, **k)
+        seen.append(("prefill", family, {n: v.clone() for n, v in inp.items()}, o.clone()))
+        return o, st
+
+    def init(self, S0, **kw):
+        orig_init(self, S0, **kw)
+        self._audit = (S0.clone(), kw)
+
+    def advance(self, inp):
+        o = orig_adv(self, inp)
+        seen.append(("advance", self._audit, {n: v.clone() for n, v in inp.items()}, o.clone()))
+        return o
+
+    monkeypatch.setattr(A, "prefill_scan", prefill)
+    monkeypatch.setattr(S.LayerState, "__init__", init)
+    monkeypatch.setattr(S.LayerState, "advance", advance)
+    model = tiny_model(arch)  # float32
+    ids = _ids(2, N)
+    runs = (("fp32", True), ("read:nvfp4/rec:fp16+sr", False))
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = []
+            for pol, prefill_flag in runs:
+                with apply_state_policy(model, pol, window=L, seed=3, prefill=prefill_flag):
+                    auto.append(forward_segment(model, ids)[0].float())
+        n_auto = len(seen)
+        with apply_state_policy(model, "fp32", window=L, seed=3):
+            plain = forward_segment(model, ids)[0].float()
+    del seen[n_auto:]
+    assert (auto[0] - plain).abs().max().item() > 1e-3  # autocast did act on the model
+    kinds = {s[0] for s in seen}
+    assert kinds == {"prefill", "advance"}, kinds
+    with torch.no_grad():
+        for rec in seen:
+            if rec[0] == "prefill":
+                _, family, inp, o = rec
+                again, _ = orig_prefill(family, inp)
+            else:
+                _, (S0, kw), inp, o = rec
+                st = S.LayerState.__new__(S.LayerState)
+                orig_init(st, S0.clone(), **kw)
+                again = orig_adv(st, inp)
+            assert o.dtype == again.dtype == torch.float32
+            assert torch.equal(o, again), (rec[0], (o - again).abs().max().item())

@@ -451,3 +451,10 @@ def test_dt_limit_model_arg_reaches_the_adapters():
     assert str(lm.handle.dt_limit) == "clamp"
     assert lm.get_model_info()["replayssm_dt_limit"] == "clamp"
     assert str(_embedded_lm("tiny-mamba2").handle.dt_limit) == "decode"
+
+
+def test_model_info_records_the_softmax_dtype():
+    """The results record the log-softmax dtype, whose default differs from HFLM's (None)."""
+    assert _embedded_lm("tiny-gdn").get_model_info()["replayssm_softmax_dtype"] == "torch.float32"
+    lm = _embedded_lm("tiny-gdn", softmax_dtype="float64")
+    assert lm.get_model_info()["replayssm_softmax_dtype"] == "torch.float64"

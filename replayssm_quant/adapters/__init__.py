@@ -573,6 +573,23 @@ def _offloaded_weights(mixer):
     return stack
 
 
+def _state_precision(device: torch.device):
+    """A context in which the ReplaySSM state path runs at its own precision: autocast off on
+    ``device``'s type where it is on (HFLM's ``mixed_precision_dtype``, a caller's
+    ``torch.autocast``). The state policy decides the state's precision (DESIGN.md sections 3
+    and 4: the recurrence in the working dtype, the copies in their formats); under autocast
+    the torch path's products would otherwise run in bfloat16 / float16 and ``fp32`` would not
+    be FP32-state decoding. The projections before it and the output path after it stay
+    under the caller's autocast, as in the unpatched model."""
+    try:
+        on = torch.is_autocast_enabled(device.type)
+    except (TypeError, RuntimeError, ValueError):  # a device type autocast does not know
+        on = False
+    if not on:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _make_forward(handle: StatePolicyHandle, family: str):
     fam = _family_module(family)
 
@@ -603,6 +620,14 @@ def _make_forward(handle: StatePolicyHandle, family: str):
                     f"run later segments unpadded (rows of equal length)")
         dt_limit = handle.dt_limit if fresh else getattr(entry, _DT_ATTR, handle.dt_limit)
         inp, ctx = fam.extract(self, hidden_states, cache, attention_mask, dt_limit=dt_limit)
+        with _state_precision(hidden_states.device):  # the state path: no autocast
+            o = _state_path(self, hidden_states, attention_mask, entry, state, fresh, inp,
+                            dt_limit)
+        return fam.output(self, ctx, o)
+
+    def _state_path(self, hidden_states, attention_mask, entry, state, fresh, inp, dt_limit):
+        """The recurrence of this call from the mixer's inputs: outputs ``[B, T, H, V]``."""
+        layer_idx = self.layer_idx
         if handle._decay_recorder is not None:
             _record_decay(handle._decay_recorder, layer_idx, family, inp, attention_mask)
         Bsz, H, V, K = state_dims(family, inp)
@@ -618,7 +643,7 @@ def _make_forward(handle: StatePolicyHandle, family: str):
                 o, S = prefill_scan(family, inp)
                 if entry is not None:
                     _attach(entry, LayerState(S, **kw))
-                return fam.output(self, ctx, o)
+                return o
             wd = inp["v"].dtype if family == "gdn" else inp["x"].dtype
             state = LayerState(torch.zeros(Bsz, H, V, K, dtype=wd, device=hidden_states.device), **kw)
             if entry is not None:
@@ -626,8 +651,7 @@ def _make_forward(handle: StatePolicyHandle, family: str):
         elif state.batch_size != Bsz:
             raise ValueError(f"batch size changed from {state.batch_size} to {Bsz} on a cache "
                              f"that carries ReplaySSM state (layer {layer_idx})")
-        o = state.step(inp) if T == 1 else state.advance(inp)
-        return fam.output(self, ctx, o)
+        return state.step(inp) if T == 1 else state.advance(inp)
 
     return forward
 

@@ -115,21 +115,6 @@ class Model:
         B, _, HV, DV = inp["v"].shape
         return (B, HV, DV, inp["k"].shape[-1])
 
-    def flush_state(self, anchor, inp, policy, **kw):
-        """Unrounded state the flush routine reconstructs from ``anchor`` and the tokens of inp."""
-        from replayssm_quant.replay import gdn_flush, mamba2_flush, mamba2_records
-
-        from replayssm_quant.policy import StatePolicy
-
-        policy = StatePolicy.parse(policy)
-        B = anchor.shape[0]
-        common = dict(seed=0, layer=0, sequence_ids=torch.arange(B),
-                      flush_index=torch.ones(B, dtype=torch.int64), **kw)
-        if self.name == "mamba2":
-            la, v, k = mamba2_records(inp["x"], inp["dt"], inp["A"], inp["B"])
-            return mamba2_flush(anchor, la, v, k, policy, **common).state
-        return gdn_flush(anchor, inp["g"], inp["beta"], inp["v"], inp["k"], policy, **common).state
-
 
 def snapshot(state):
     """Everything observable plus the ring, to check that a failed call changed nothing."""

@@ -384,7 +384,7 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
     """
     spec = parse_spec(spec)
     _check_seed(seed)
-    _check_stream(stream)
+    stream = _check_stream(stream)  # int64 keys, not checked again by the casts
     _check_input(x)
     if spec.is_identity:
         return quantize_reference(x, spec)
@@ -403,7 +403,7 @@ def pack(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None 
     """
     spec = parse_spec(spec)
     _check_seed(seed)
-    _check_stream(stream)
+    stream = _check_stream(stream)
     _check_input(x)
     kernels = not spec.is_identity and _use_kernels(x, backend)
     return B.select(pack_reference, kernels)(x, spec, seed=seed, stream=stream)

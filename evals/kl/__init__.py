@@ -512,13 +512,14 @@ def _check_same_run(a, cfg, ucells, token_docs, group) -> None:
     Raises:
         BadArgs: naming the first rank that differs from rank 0 and the settings that differ.
     """
+    def show(v):
+        t = repr(v)
+        return t if len(t) <= 80 else t[:77] + "..."
+
     prints = group.all_gather(run_fingerprint(a, cfg, ucells, token_docs))
     for r, fp in enumerate(prints[1:], 1):
         diff = [k for k in prints[0] if fp.get(k) != prints[0][k]]
         if diff:
-            def show(v):
-                t = repr(v)
-                return t if len(t) <= 80 else t[:77] + "..."
             desc = "; ".join(f"{k}: {show(prints[0][k])} on rank 0, {show(fp.get(k))} on rank {r}"
                              for k in diff)
             raise BadArgs(f"the ranks were started with different arguments or data ({desc}); "

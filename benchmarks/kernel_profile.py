@@ -3,8 +3,8 @@
 ``read:nvfp4/rec:fp16+sr``) and report what the compiler made of every Triton kernel it
 launched: registers per thread, spilled registers, shared memory, warps. The flush is the
 fused ``_flush_kernel`` (``split_casts=False``); since the ninth pass the decode default for
-an nvfp4 copy is the split flush (the fp32 flush, then ``_nvfp4_kernel`` and
-``_unscaled_kernel`` of ``kernels/quant.py``).
+an nvfp4 copy is the split flush (the fp32 flush, then the pair cast of ``kernels/quant.py``),
+which ``--split-flush`` profiles instead.
 
 Run it under Nsight Compute for the hardware view (the device's ``ncu`` needs
 ``--clock-control none``)::
@@ -79,6 +79,10 @@ def main(argv=None):
     ap.add_argument("--verify-solve", default=None, choices=records.SOLVE_FORMS,
                     help="run verify with this records_outputs(solve=...) instead of the "
                          "defaults' (the verify launch defaults patched for this run)")
+    ap.add_argument("--split-flush", action="store_true",
+                    help="profile the flush as decode.py times it (a matrix-scaled policy's "
+                         "split flush: the fp32 flush, then the pair cast) instead of the fused "
+                         "_flush_kernel")
     ap.add_argument("--verify-fuse", action="store_true",
                     help="GDN verify with fuse_shared_anchor=True (needs a matrix form of "
                          "--verify-solve; has an effect under the fp32 policy only)")
@@ -125,7 +129,8 @@ def main(argv=None):
             # the fused flush kernel (decode.py's default splits a matrix-scaled policy's casts
             # into the fp32 flush and the quantizer kernels: profile those with the quantizer
             # kernels' names, or flush_tune.py --split-casts)
-            fa = dict(dc.flush_args(M, st), split_casts=False)
+            fa = (dc.flush_args(M, st) if args.split_flush else
+                  dict(dc.flush_args(M, st), split_casts=False))
             h = torch.full((B,), L - 2, dtype=torch.int64, device=dc.DEV)
             start = torch.full((B,), L - T, dtype=torch.int64, device=dc.DEV)
             run = {"step": lambda: dc.run_step(M, st, h),

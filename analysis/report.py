@@ -24,6 +24,8 @@ from typing import Sequence
 
 import pandas as pd
 
+from replayssm_quant.outpaths import output_file_problem
+
 __all__ = ["main", "write_report", "markdown_table"]
 
 
@@ -338,6 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if Path(args.output).is_dir():
         print(f"replayssm-report: error: --output {args.output!r} is a directory; give the "
               "report's file name (e.g. report.md)", file=sys.stderr)
+        return 2
+    problem = output_file_problem(args.output)  # a file on the way, an unwritable directory
+    if problem:
+        print(f"replayssm-report: error: {problem}", file=sys.stderr)
         return 2
     try:
         path = write_report(args.run_dirs, args.output, svg=args.svg, window=args.window,

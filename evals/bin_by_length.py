@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from replayssm_quant.outpaths import output_file_problem
+
 __all__ = ["load_samples", "check_bins", "outside_bins", "bin_by_length", "main"]
 
 
@@ -74,6 +76,27 @@ PAIR_METRICS = {"word_perplexity": "nll_per_word", "byte_perplexity": "nll_per_b
                 "bits_per_byte": "bits_per_byte"}
 
 
+def _check_distinct_runs(paths) -> None:
+    """Refuse a directory given twice, however spelled, or one inside another: its samples
+    would be counted twice (n doubled, standard errors shrunk) with no other sign.
+
+    Raises:
+        ValueError: naming both paths.
+    """
+    seen = []
+    for p in paths:
+        key = Path(p).resolve()
+        for q, qkey in seen:
+            if key == qkey:
+                raise ValueError(f"{str(p)!r} is given twice (as {str(q)!r} and {str(p)!r}); "
+                                 "give each lm-eval output directory once")
+            if qkey in key.parents or key in qkey.parents:
+                inner, outer = (p, q) if qkey in key.parents else (q, p)
+                raise ValueError(f"{str(inner)!r} lies inside {str(outer)!r}: its samples would "
+                                 "be read twice; give each lm-eval output directory once")
+        seen.append((p, key))
+
+
 def load_samples(paths, tokenizer=None, length: str = "response"):
     """Per-sample rows from lm-eval ``--log_samples`` output directories.
 
@@ -95,13 +118,15 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
     Raises:
         FileNotFoundError: a path does not exist or holds no samples files.
         NotADirectoryError: a path is a file.
-        ValueError: ``length`` is neither ``"response"`` nor ``"context"``.
+        ValueError: ``length`` is neither ``"response"`` nor ``"context"``; a directory is
+            given twice, or inside another given one.
     """
     import pandas as pd
 
     if length not in ("response", "context"):
         raise ValueError(f"length must be 'response' or 'context', got {length!r}")
     rows = []
+    _check_distinct_runs(paths)
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"no such lm-eval output directory: {p}")
@@ -227,9 +252,9 @@ def main(argv=None) -> int:
                     "adds the mean and standard error of the paired differences")
     ap.add_argument("-o", "--output", help="CSV path for the binned table")
     a = ap.parse_args(argv)
-    if a.output and Path(a.output).is_dir():
-        print(f"replayssm-bin-by-length: error: --output {a.output!r} is a directory; give the "
-              "CSV file's name", file=sys.stderr)
+    problem = output_file_problem(a.output) if a.output else None
+    if problem:
+        print(f"replayssm-bin-by-length: error: {problem}", file=sys.stderr)
         return 2
     try:
         check_bins(a.bins)  # before any tokenizer loads or sample is read

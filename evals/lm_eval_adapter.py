@@ -47,6 +47,7 @@ import inspect
 import os
 import sys
 from collections import defaultdict, deque
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -54,6 +55,7 @@ import torch
 from replayssm_quant.adapters import sequence_id
 from replayssm_quant.adapters.segments import forward_segment
 from replayssm_quant.config import GDNFold
+from replayssm_quant.outpaths import output_file_problem
 from replayssm_quant.policy import GRAMMAR, StatePolicy
 from replayssm_quant.policymap import PolicyMap, load_decay_stats, parse_state_arg
 
@@ -472,18 +474,76 @@ def cli(argv: list[str] | None = None) -> int:
     parser = HarnessCLI()
     args = parser.parse_args()
     model, margs = _cli_model_args(args)
-    if model == "replayssm":
-        try:
+    try:
+        if model == "replayssm":
             check_model_args(margs)
-        except ValueError as e:
-            print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
-            return 2
+        check_run_args(args)
+    except ValueError as e:
+        print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
+        return 2
     try:
         parser.execute(args)
     except ModelArgumentError as e:  # found once the model has loaded
         print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:
+        if not str(e).startswith("Tasks not found"):
+            raise
+        print(f"replayssm-lm-eval: error: {e}{_tasks_hint(str(e))}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _tasks_hint(message: str) -> str:
+    """A hint for lm-eval's "Tasks not found" error where the missing tasks are this
+    package's (they need ``--include_path``)."""
+    if "kjv_" not in message:
+        return ""
+    from replayssm_quant.evals import TASKS_DIR
+
+    return (f"; this package's kjv_* tasks need --include_path {TASKS_DIR} (in a checkout: "
+            "evals/tasks)")
+
+
+def check_run_args(args) -> None:
+    """Refuse lm-eval command-line values that would otherwise fail late or pass silently,
+    before anything loads: ``--device cuda...`` where torch has no CUDA device (HFLM asserts
+    after the tokenizer loads), a ``--batch_size`` below 1 (HFLM takes 0 and runs), and an
+    ``--output_path`` that cannot be written (lm-eval logs that after the whole evaluation
+    and exits 0 with nothing saved).
+
+    Args:
+        args: the namespace of lm-eval's parser (``device``, ``batch_size``, ``output_path``;
+            absent ones are skipped).
+
+    Raises:
+        ValueError: naming the flag, the value and what is expected.
+    """
+    device = getattr(args, "device", None)
+    if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available (torch "
+                         f"{torch.__version__}); use --device cpu")
+    bs = getattr(args, "batch_size", None)
+    if bs is not None:
+        text = str(bs).strip()
+        if text.startswith("auto"):
+            tail = text[len("auto"):]
+            if tail and not (tail.startswith(":") and tail[1:].isdigit() and int(tail[1:]) >= 1):
+                raise ValueError(f"--batch_size {bs!r}: expected a positive integer, 'auto' or "
+                                 "'auto:N' (N >= 1)")
+        else:
+            try:
+                n = int(text)
+            except ValueError:
+                n = 0
+            if n < 1:
+                raise ValueError(f"--batch_size {bs!r}: expected a positive integer, 'auto' or "
+                                 "'auto:N' (N >= 1)")
+    out = getattr(args, "output_path", None)
+    if out and not Path(out).is_dir():
+        problem = output_file_problem(out, "--output_path")
+        if problem:
+            raise ValueError(problem)
 
 
 if __name__ == "__main__":  # pragma: no cover

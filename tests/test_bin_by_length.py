@@ -113,3 +113,27 @@ def test_bins_help_shows_the_default(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--bins EDGE [EDGE ...]" in out and "(default: 0 64 256 1024 4096 16384 1048576)" in out
 
+
+
+def test_a_run_given_twice_or_nested_is_refused(tmp_path, capsys):
+    """The same directory twice (however spelled), or one inside another, would count its
+    samples twice (n doubled, the standard error shrunk by sqrt 2): refused, exit 2."""
+    _write_run(tmp_path / "a", "shared:nvfp4", [3, 12, 40], [1.0, 0.0, 1.0])
+    run = str(tmp_path / "a")
+    with pytest.raises(ValueError, match="given twice"):
+        load_samples([run, str(tmp_path / "x" / ".." / "a")])
+    with pytest.raises(ValueError, match="lies inside"):
+        load_samples([str(tmp_path), run])
+    assert main([run, run]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert len(load_samples([run])) == 3  # once is fine
+
+
+def test_output_under_a_file_is_refused_before_reading(tmp_path, capsys):
+    """``-o`` below a plain file: exit 2 in one line naming the file, before any sample is
+    read (a missing run directory is not reached)."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "t.csv"
+    assert main([str(tmp_path / "missing"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a directory" in err and "afile" in err and "\n" not in err

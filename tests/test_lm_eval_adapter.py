@@ -458,3 +458,59 @@ def test_model_info_records_the_softmax_dtype():
     assert _embedded_lm("tiny-gdn").get_model_info()["replayssm_softmax_dtype"] == "torch.float32"
     lm = _embedded_lm("tiny-gdn", softmax_dtype="float64")
     assert lm.get_model_info()["replayssm_softmax_dtype"] == "torch.float64"
+
+
+@pytest.mark.parametrize("extra, word", [
+    (["--batch_size", "0"], "--batch_size '0'"),
+    (["--batch_size", "-2"], "--batch_size '-2'"),
+    (["--batch_size", "auto:0"], "--batch_size 'auto:0'"),
+    (["--batch_size", "many"], "--batch_size 'many'"),
+    (["--output_path", "{afile}/out"], "is not a directory"),
+    (["--device", "cuda"], "CUDA is not available"),
+])
+def test_cli_run_args_refused_before_loading(extra, word, tmp_path, capsys, monkeypatch):
+    """lm-eval values that would fail late or pass silently exit 2 in one line before any
+    model loads: a batch size below 1 (HFLM takes 0 and runs), an output path under a file
+    (lm-eval logs that after the run and exits 0), CUDA where torch has none."""
+    from replayssm_quant.evals.lm_eval_adapter import cli
+
+    if extra[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    extra = [e.format(afile=afile) for e in extra]
+    monkeypatch.setattr(HFLM, "__init__", _no_load(HFLM.__init__))
+    rc = cli(["--model", "replayssm", "--model_args", "pretrained=tiny-gdn", "--tasks",
+              "kjv_longctx_mc", "--include_path", str(REPO / "evals" / "tasks"), "--limit", "1",
+              *extra])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("replayssm-lm-eval: error:") and word in err and "\n" not in err
+
+
+def test_check_run_args_accepts_lm_eval_forms(tmp_path):
+    """``auto``, ``auto:N`` and positive integers pass, as does an output path that is an
+    existing directory or a new file under one."""
+    from types import SimpleNamespace
+
+    from replayssm_quant.evals.lm_eval_adapter import check_run_args
+
+    for bs in ("1", "8", "auto", "auto:4", 16, None):
+        check_run_args(SimpleNamespace(batch_size=bs, output_path=None, device="cpu"))
+    for out in (tmp_path, tmp_path / "new" / "results.json"):
+        check_run_args(SimpleNamespace(batch_size=None, output_path=str(out), device=None))
+
+
+def test_cli_kjv_tasks_without_include_path_hint(capsys, monkeypatch):
+    """The package's kjv_* tasks are not lm-eval's: without --include_path lm-eval's "Tasks
+    not found" becomes one line that names the flag and the tasks' directory (exit 2)."""
+    from replayssm_quant.evals import TASKS_DIR
+    from replayssm_quant.evals.lm_eval_adapter import cli
+
+    monkeypatch.setattr(HFLM, "__init__", _no_load(HFLM.__init__))
+    rc = cli(["--model", "replayssm", "--model_args", "pretrained=tiny-gdn", "--tasks",
+              "kjv_longctx_mc", "--limit", "1"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("replayssm-lm-eval: error: Tasks not found")
+    assert f"--include_path {TASKS_DIR}" in err

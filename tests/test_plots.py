@@ -155,6 +155,10 @@ def test_report_refuses_a_directory_output_and_names_an_unfinished_run(tmp_path,
                                       n_tokens=16, docs=1)  # fmt: skip
     assert report.main([str(run), "-o", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")  # -o below a file: named, before any work
+    assert report.main([str(run), "-o", str(tmp_path / "afile" / "r.md")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--output" in err and "afile' is not a directory" in err and "_figures" not in err
     part = tmp_path / "part"
     (part / "parts").mkdir(parents=True)
     (part / "parts" / "cell-0.parquet").write_bytes(b"")

@@ -256,7 +256,8 @@ class SpecError(ValueError):
 def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
     """Parse a format token such as ``"nvfp4"``, ``"fp8e4m3+sr"``, ``"mxfp4+rceil+sr"``
     (DESIGN.md section 3; scale modes: :data:`SCALE_MODES`, in any order with ``+sr``; the
-    default mode's name is accepted and dropped from the canonical form).
+    default mode's name is accepted and dropped from the canonical form, as is ``+sr`` on
+    ``fp32``, which stores its values unchanged).
 
     Raises:
         ValueError: naming the bad token and listing the accepted ones (:class:`SpecError`
@@ -289,4 +290,6 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
             scale = "" if suf == modes[0] else suf
         else:
             raise bad
+    if name == "fp32":  # FP32 values are stored unchanged: '+sr' rounds nothing
+        sr = False
     return QuantSpec(name, sr, scale)

@@ -271,6 +271,10 @@ def test_window_beyond_the_document_warns(capsys, tmp_path):
     _check_args(build_parser().parse_args(["-N", "8", "--windows", "4", "8", "16", "-o", out]))
     err = capsys.readouterr().err
     assert "warning: --windows 8 16 >= --max-tokens 8 without --prefill" in err, err
+    assert "> 4 x --max-tokens" not in err  # 16 is not far beyond
+    _check_args(build_parser().parse_args(["-N", "8", "--windows", "32", "33", "64", "-o", out]))
+    err = capsys.readouterr().err  # the cost warning names the windows far beyond N only
+    assert "warning: --windows 33 64 > 4 x --max-tokens" in err and "(L / 8)^2" in err, err
     _check_args(build_parser().parse_args(["-N", "8", "--windows", "4", "-o", out]))
     _check_args(build_parser().parse_args(["-N", "8", "--windows", "16", "--prefill", "2",
                                            "-o", out]))

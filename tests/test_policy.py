@@ -28,6 +28,8 @@ def test_parse_examples(s, kind, read, rec):
     ("  Shared:NVFP4+SR ", "shared:nvfp4+sr"),
     ("shared:fp32", "fp32"),
     ("read:fp32/rec:fp32+sr", "fp32"),
+    ("read:fp32+sr/rec:fp16", "read:fp32/rec:fp16"),  # '+sr' on fp32 rounds nothing
+    ("read:nvfp4/rec:fp32+sr", "read:nvfp4/rec:fp32"),
     ("READ:MXFP4/REC:BF16", "read:mxfp4/rec:bf16"),
 ])
 def test_canonical_form(s, canon):

@@ -461,6 +461,12 @@ LEAN32_STEP_CANDIDATES = [_P] + [
     for lr in ((1, 1, True),)] + [
     (None,) * 13 + ((32, 2, "lean"), True, None, None, None, None, lr)
     for lr in ((1, 1), (1, 2, True), (2, 2, True))]
+# --set lout (2026-12-05, thirty-first session): the FP32 step's records work inside the lean
+# FP32 read pass (read-pass form "lean_out", _f32_step_kernel: no records launch), against
+# the defaults (GDN: the lean read pass, then the lean records launch; Mamba-2: one launch).
+LOUT_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + ((rb, rw, "lean_out"),)
+    for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -533,7 +539,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "idotpdl": (IDOTPDL_STEP_CANDIDATES, []),
                   "glrec": (GLREC_STEP_CANDIDATES, []),
                   "lean32": (LEAN32_STEP_CANDIDATES, []),
-                  "glrec2": (GLREC2_STEP_CANDIDATES, [])}
+                  "glrec2": (GLREC2_STEP_CANDIDATES, []),
+                  "lout": (LOUT_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -556,6 +563,9 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
+    if len(c) > 13 and c[13] and len(c[13]) > 2 and c[13][2] == "lean_out" and (
+            fmt != "fp32" or M.V % c[13][0]):
+        return True  # the records work in the lean FP32 read pass: FP32 copies, tiles in a head
     if (len(c) > 19 and c[19] is not None and M.gdn
             and CANDIDATE_SET not in ("glrec", "glrec2", "lean32")):
         return True  # lean_records: Mamba-2's step (GDN's in --set glrec, glrec2, lean32)

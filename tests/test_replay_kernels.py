@@ -1370,6 +1370,60 @@ def test_lean_read_pass_fp32(gdn, monkeypatch):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, "idot"), False)
 
 
+@pytest.mark.parametrize("v_rows", [16, 32], ids=["V16", "V32"])
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_lean_out_fp32(gdn, v_rows, monkeypatch):
+    """``read_pass=(block_v, num_warps, "lean_out")`` from an FP32 copy: the lean FP32 read pass
+    does the records work on its own rows (``_f32_step_kernel``; no records launch): the
+    outputs (GDN: and the new correction) against the torch reference and within float32
+    rounding of the lean read pass with the lean records launch, the appended ring equal to
+    the reference ring (v from every tile, la / beta / k once per head or key group, on one and
+    on two tiles per head), a sequence alone the same bits as in the batch, eagerly the same
+    bits twice. Refused by name: an nvfp4 copy, a tile that does not divide V. (V = 32: two
+    16-row tiles per head, this module's geometry otherwise.)"""
+    monkeypatch.setitem(globals(), "V", v_rows)
+    gen = _gen(34)
+    R, R_st, ring, h = _ring_state(gen, "fp32", gdn=gdn)
+    rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
+    b = torch.arange(B, device=DEVICE)
+    spy = _LaunchSpy(kr.records._f32_step_kernel)
+    monkeypatch.setattr(kr.records, "_f32_step_kernel", spy)
+
+    def step(rg, sl, rp, lr=None, read=R_st):
+        la, v, k, beta = (t[sl] for t in rec)
+        if gdn:
+            return kr.gdn_step_kernel(_rows_of(read, sl), rg, q[sl], k, v, la, beta, h[sl],
+                                      read_pass=rp, lean_records=lr, shared_products=True)
+        return kr.mamba2_step_kernel(_rows_of(read, sl), rg, la, v, k, q[sl], h[sl],
+                                     read_pass=rp, lean_records=lr, shared_products=True)
+
+    lean_ring = {n: t.clone() for n, t in ring.items()}
+    lean = step(lean_ring, slice(None), (16, 1, "lean"), (1, 1))
+    for rp in ((16, 1, "lean_out"), (16, 2, "lean_out")):
+        rg = {n: t.clone() for n, t in ring.items()}
+        seen = _kernel_launches(monkeypatch)
+        n0 = len(spy.calls)
+        got = step(rg, slice(None), rp)
+        assert [kw["NC"] for kw in spy.calls[n0:]] == [2 if gdn else 1], spy.calls[n0:]
+        assert seen == [], seen  # no records-kernel launch
+        torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(got, lean, atol=1e-6, rtol=1e-6)
+        if gdn:
+            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+            torch.testing.assert_close(rg["uR"], lean_ring["uR"], atol=1e-6, rtol=1e-6)
+        for n in ("la", "v", "k") + (("beta",) if gdn else ()):
+            assert torch.equal(rg[n], ref_ring[n]), (rp, n)
+        again = step({n: t.clone() for n, t in ring.items()}, slice(None), rp)
+        assert torch.equal(_bits(again), _bits(got)), rp
+        alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp)
+        assert torch.equal(_bits(alone), _bits(got[1:])), rp
+    with pytest.raises(ValueError, match=f"block_v {2 * V} does not divide V = {V}"):
+        step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, "lean_out"))
+    R4 = _stored(R, "nvfp4", stream=_t(torch.arange(B * H).view(B, H)))
+    with pytest.raises(ValueError, match="'lean_out' takes an fp32 copy"):
+        step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, "lean_out"), read=R4)
+
+
 def _x_int_of(dk, q, NS):
     """``records._x_int_kernel`` on keys ``dk [B, 1, G, K]`` and queries ``q [B, 1, G, K]``
     (NS key columns, then the query): ``(X [B, G, NC, K] int64, xs [B, G, NC, K/16])``."""

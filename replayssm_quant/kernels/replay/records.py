@@ -81,11 +81,11 @@ DEFAULT_WARPS = 4
 # Forms of a separate read pass (records_outputs(read_pass=(block_v, num_warps, form))):
 # "records" (the records kernel's YOUT path: any copy, any columns) or "lean"
 # (_nvfp4_read_kernel: nvfp4 copies, at most two columns of X, as a decode step has).
-READ_FORMS = ("records", "lean", "idot", "idot_pdl")
+READ_FORMS = ("records", "lean", "idot", "idot_pdl", "lean_out")
 # the forms that launch _nvfp4_read_kernel ("idot": its integer-dot form, IDOT; "idot_pdl":
 # the same with the read pass dependent (PDL) on X's integers' launch and the products launch
 # after it, so that X's integers overlap the read pass's first loads)
-LEAN_FORMS = ("lean", "idot", "idot_pdl")
+LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out")
 IDOT_FORMS = ("idot", "idot_pdl")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
@@ -1509,6 +1509,94 @@ def _f32_read_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, TD, TQ,
 
 
 @triton.jit
+def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr,
+                     dv_ptr, dbeta_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr, av_ptr, abeta_ptr,
+                     z_ptr, H, G, CAP, TD, TQ, OT, OT0, WCAP, V: tl.constexpr,
+                     K: tl.constexpr, LP: tl.constexpr, NX: tl.constexpr, NC: tl.constexpr,
+                     NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
+                     GDN: tl.constexpr, PDL: tl.constexpr = False):
+    """The lean FP32 read pass with the decode step's records work on its own rows (read-pass
+    form ``"lean_out"``; no records launch): ``_f32_read_kernel``'s tile and products (``Y = C
+    X``, one float32 reduction over K per row and column) and then, for the tile's ``BV``
+    value rows of one value head (``V % BV == 0``), what ``_step_out_kernel`` does for them:
+    GDN's correction of the draft row ``u_p = beta_p (v_p - gamma_{1:p} R k_p) - sum_{i<p}
+    beta_p gamma_{i+1:p} (k_i . k_p) u_i`` (written to ``wo`` at slot p), the output of query 0
+    at slot ``o``, ``o_o = gamma_{1:o} (R q) + sum_{j<=o} gamma_{j+1:o} (k_j . q) w_j`` (the
+    output-only form, ``replay.gdn.gdn_step_output`` / ``replay.mamba2.mamba2_step_output``),
+    and the append of the draft row (v on every tile; la, beta on the head's first tile; k
+    on the first tile of each key group). Every operation is per row once the head's scalars
+    (decays, ``Z`` of the products launch) are known, so no other program's rows are read.
+    ``PDL``: launched after the products launch; it reads C, the records and X first and
+    waits for the products launch before it reads ``Z``."""
+    _, _, b, g, off, row0, rl, rmask = _key_group_tile(H, G, V, BV)
+    HG = H // G
+    hl = off // V  # the tile's head within the key group (V % BV == 0: one head per tile)
+    h = g * HG + hl
+    vr = off - hl * V + rl  # the tile's rows within its head
+    kk = tl.arange(0, K)
+    c = tl.load(c_ptr + row0 * K + (rl[:, None] * K + kk[None, :]), mask=rmask[:, None],
+                other=0.0)  # [BV, K]
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    o0 = tl.load(os_ptr + b)
+    idx = tl.arange(0, LP).to(tl.int64)
+    ring, drf, di, ri = _slots(idx, ss, n, D_REL)
+    la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
+                  tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))  # [LP]
+    m2 = ring[:, None] & rmask[None, :]
+    U = tl.load(rw_ptr + ((b * CAP + ri)[:, None] * H + h) * V + vr[None, :], mask=m2,
+                other=0.0)  # [LP, BV]
+    if D_REL:
+        pd = ss * 0
+    else:
+        pd = ss
+    step = n > ss  # the decode step's draft row ss (one at most)
+    rstep = rmask & (rl * 0 + n > ss)
+    vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + vr, mask=rstep, other=0.0)  # [BV]
+    if GDN:
+        bp = tl.load(dbeta_ptr + (b * TD + pd) * H + h, mask=step, other=0.0)
+    else:  # Mamba-2: w = v for the draft row too
+        U += tl.load(dv_ptr + ((b * TD + di)[:, None] * H + h) * V + vr[None, :],
+                     mask=drf[:, None] & rmask[None, :], other=0.0)
+    x0 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, 0, NS, K, D_REL)
+    y0 = tl.sum(c * x0[None, :], axis=1)  # R k_p (GDN) or R q (Mamba-2)
+    if NC == 2:
+        x1 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, 1, NS, K, D_REL)
+        cq = tl.sum(c * x1[None, :], axis=1)  # R q
+    else:
+        cq = y0
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    zrow = ((b * G + g) * LP + idx) * NX  # [LP]
+    kq = tl.load(z_ptr + zrow + (NC - 1))  # k_j . q [LP]
+    cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
+    if GDN:
+        if step:
+            kkp = tl.load(z_ptr + zrow)  # k_i . k_p [LP]
+            sel = idx == ss
+            cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
+            before = idx < ss
+            coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
+            u = bp * (vp - tl.exp(cp) * y0) - tl.sum(coef[:, None] * U, axis=0)  # [BV]
+            tl.store(wo_ptr + ((b * WCAP + ss) * H + h) * V + vr, u, mask=rmask)
+            U = tl.where(sel[:, None], u[None, :], U)
+    cp = tl.sum(tl.where(idx == o0, cvec, 0.0), axis=0)
+    upto = idx <= o0
+    m = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)), 0.0)
+    o = tl.exp(cp) * cq + tl.sum((m * kq)[:, None] * U, axis=0)
+    tl.store(o_ptr + ((b * OT + OT0) * H + h) * V + vr, o, mask=rmask)
+    if step:  # the decode step's append of row ss
+        tl.store(av_ptr + ((b * CAP + ss) * H + h) * V + vr, vp, mask=rmask)
+        if off - hl * V == 0:  # the head's first tile: its scalars
+            tl.store(ala_ptr + (b * CAP + ss) * H + h, tl.load(dla_ptr + (b * TD + pd) * H + h))
+            if GDN:
+                tl.store(abeta_ptr + (b * CAP + ss) * H + h, bp)
+            if off == 0:  # the key group's first tile: its key
+                kp = tl.load(dk_ptr + ((b * TD + pd) * G + g) * K + kk)
+                tl.store(ak_ptr + ((b * CAP + ss) * G + g) * K + kk, kp)
+
+
+@triton.jit
 def _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_ptr, bg,
                  K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BLK: tl.constexpr,
                  BV: tl.constexpr, NC: tl.constexpr, NXS: tl.constexpr, NX: tl.constexpr,
@@ -2430,10 +2518,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             raise ValueError(f"lean_records must be None or (heads, num_warps[, early]) with "
                              f"heads a power of two in [1, 64], num_warps 1, 2, 4 or 8 and "
                              f"early a bool, got {lean_records!r}")
+    if lean_records is not None or read_form == "lean_out":
+        what = "lean_records" if lean_records is not None else "read_pass form 'lean_out'"
         if (TD != 1 or TQ != 1 or NS != (1 if gdn else 0) or matrix or append is None
                 or (w_out is not None) != gdn or w_out_known or at_window is not None
                 or fused_window is not None or not ypre):
-            raise ValueError(f"lean_records is the option of a decode step after a read pass "
+            raise ValueError(f"{what} is the option of a decode step after a read pass "
                              f"(one draft row, one query, append, solve='substitution', "
                              f"read_pass given, no at_window / fused_window / w_out_known; "
                              f"GDN: w_out given and solved=1; Mamba-2: no w_out, no solved "
@@ -2470,12 +2560,18 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
     # the lean read pass's conditions, checked before any launch of this call
     lean = ypre and read_form in LEAN_FORMS
-    # the lean read pass of an FP32 copy (form "lean" only)
-    lean32 = lean and C.KIND == _K_FLOAT and read_form == "lean"
+    # the lean read pass of an FP32 copy (forms "lean" and "lean_out")
+    lean32 = lean and C.KIND == _K_FLOAT and read_form in ("lean", "lean_out")
+    if read_form == "lean_out" and not lean32:
+        raise ValueError(f"read_pass form 'lean_out' takes an fp32 copy, got {spec}")
+    if read_form == "lean_out" and V % triton.next_power_of_2(read_pass[0]):
+        raise ValueError(f"read_pass form 'lean_out' needs tiles within one value head: "
+                         f"block_v {triton.next_power_of_2(read_pass[0])} does not divide "
+                         f"V = {V}")
     if lean and not ((C.KIND == _K_NVFP4 or lean32) and NC <= 2 and fused_window is None
                      and use_dot not in X16_DOTS):
-        raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy (form 'lean' also "
-                         f"an fp32 one), at most 2 columns of X "
+        raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy (forms 'lean' and "
+                         f"'lean_out' also an fp32 one), at most 2 columns of X "
                          f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
                          f"got the copy {spec}, {NC} column{'s' if NC != 1 else ''} of X, "
                          f"fused_window={fused_window!r}, "
@@ -2589,7 +2685,15 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         # EARLY: the lean records launch after it (with PDL) may start as its last wave does
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
-        if lean32:
+        if lean32 and read_form == "lean_out" and zpre:  # the records work in the read pass
+            _f32_step_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
+                c, dk, q_arg, start, rows, out_start, ring_la, ring_w, dla, dv, dbeta, o_arg,
+                wo, a_la, a_k, a_v, a_beta, z, H, G, CAP, TD, TQ, o.shape[1], out_slot,
+                wo.shape[1] if w_out is not None else 1, V=V, K=K, LP=LP, NX=NX, NC=NC,
+                NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn, num_warps=read_pass[1],
+                **_pdl_launch(pdl), **_maxnreg_launch(read_maxnreg))
+            return o
+        if lean32:  # ("lean_out" without a products launch: the lean read pass, then records)
             _f32_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
                 c, dk, q_arg, start, rows, y, H, G, TD, TQ, V=V, K=K, NC=NC, NS=NS,
                 D_REL=draft_relative, BV=rbv, num_warps=read_pass[1], EARLY=early,

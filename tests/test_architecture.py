@@ -23,8 +23,9 @@ SOURCES = {ROOT / PKG: PKG, ROOT / "evals": f"{PKG}.evals", ROOT / "analysis": f
 ROOMS = {
     # "config": the parsed StateConfig of the parse-once change (imports only policy), a leaf
     # "policymap": per-layer/per-head policy maps (issue 18), parsed at the edges, a leaf
+    # "outpaths": the command-line tools' output-path check (stdlib only), a leaf
     "leaf": ["formats", "philox", "packed", "checkpoints", "capabilities", "policy", "policymap",
-             "config"],
+             "config", "outpaths"],
     "kernels": ["kernels"],
     "backend": ["backend"],
     "reference": ["quant", "reference", "replay"],

@@ -1424,6 +1424,60 @@ def test_lean_out_fp32(gdn, v_rows, monkeypatch):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, "lean_out"), read=R4)
 
 
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_lean_out_records_outputs(gdn):
+    """``records_outputs(read_pass=(16, 1, "lean_out"))`` beside ``"lean"`` with the lean
+    records launch, on what the step wrappers never pass: a sequence that does not step
+    (``rows == start``: its output from the ring alone, nothing written for it), an output
+    position other than the draft row (``out_start = start - 1``), the outputs in slot 1 of a
+    two-slot ``out`` (slot 0 untouched), and (GDN) corrections written to a ``w_out`` whose
+    capacity differs from the ring's. The refusals: ``lean_records`` given with it, no
+    ``shared_products``."""
+    gen = _gen(35)
+    R, R_st, ring, h = _ring_state(gen, "fp32", gdn=gdn)
+    (la, v, k, beta), q, *_ = _lean_step_case(gen, R, ring, h, gdn)
+    b = torch.arange(B, device=DEVICE)
+    h = torch.maximum(h, torch.ones_like(h))  # out_start = h - 1 >= 0
+    rows = h + (b != 0).long()  # sequence 0 does not step
+    draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
+    if gdn:
+        draft["beta"] = beta[:, None]
+
+    def call(rp, lr):
+        rg = {n: t.clone() for n, t in ring.items()}
+        out = torch.full((B, 2, H, V), 7.0, device=DEVICE)
+        wo = torch.full((B, CAP + 3, H, V), 5.0, device=DEVICE) if gdn else None
+        if gdn:
+            wo[:, :CAP] = rg["uR"]
+        kr.records.records_outputs(
+            R_st, ring_la=rg["la"], ring_k=rg["k"], ring_w=rg["uR"] if gdn else rg["v"],
+            q=q[:, None], start=h, rows=rows, out_start=h - 1, draft=draft, gdn=gdn,
+            w_out=wo, append={n: rg[n] for n in (("la", "k", "v", "beta") if gdn else
+                                                   ("la", "k", "v"))},
+            out=out, out_slot=1, read_pass=rp, lean_records=lr, shared_products=True)
+        return out, wo, rg
+
+    out, wo, rg = call((16, 1, "lean_out"), None)
+    out_l, wo_l, rg_l = call((16, 1, "lean"), (1, 1))
+    assert torch.equal(out[:, 0], torch.full_like(out[:, 0], 7.0))  # slot 0 untouched
+    torch.testing.assert_close(out, out_l, atol=1e-6, rtol=1e-6)
+    for n in ring:  # the ring: the same appends; nothing written for sequence 0
+        assert torch.equal(rg[n], rg_l[n]), n
+        assert torch.equal(rg[n][0], ring[n][0]), n
+    if gdn:
+        torch.testing.assert_close(wo, wo_l, atol=1e-6, rtol=1e-6)
+        assert torch.equal(wo[0], wo_l[0]) and torch.equal(wo[:, CAP:], wo_l[:, CAP:])
+    with pytest.raises(ValueError, match="lean_records must be None"):
+        call((16, 1, "lean_out"), (1, 1))
+    with pytest.raises(ValueError, match="needs shared_products=True"):
+        kr.records.records_outputs(
+            R_st, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"] if gdn else ring["v"],
+            q=q[:, None], start=h, rows=rows, out_start=h - 1, draft=draft, gdn=gdn,
+            w_out=ring["uR"].clone() if gdn else None,
+            append={n: ring[n].clone() for n in ring if n != "uR"},
+            read_pass=(16, 1, "lean_out"))
+
+
 def _x_int_of(dk, q, NS):
     """``records._x_int_kernel`` on keys ``dk [B, 1, G, K]`` and queries ``q [B, 1, G, K]``
     (NS key columns, then the query): ``(X [B, G, NC, K] int64, xs [B, G, NC, K/16])``."""

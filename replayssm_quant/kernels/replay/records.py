@@ -79,12 +79,15 @@ from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_inde
 DEFAULT_BV = 64
 DEFAULT_WARPS = 4
 # Forms of a separate read pass (records_outputs(read_pass=(block_v, num_warps, form))):
-# "records" (the records kernel's YOUT path: any copy, any columns) or "lean"
-# (_nvfp4_read_kernel: nvfp4 copies, at most two columns of X, as a decode step has).
+# "records" (the records kernel's YOUT path: any copy, any columns), "lean"
+# (_nvfp4_read_kernel for nvfp4 copies, _f32_read_kernel for FP32 ones: at most two columns of
+# X, as a decode step has) and "lean_out" (FP32 copies, a decode step: _f32_step_kernel, the
+# lean read pass that also does the records work on its rows, so no records launch follows).
 READ_FORMS = ("records", "lean", "idot", "idot_pdl", "lean_out")
-# the forms that launch _nvfp4_read_kernel ("idot": its integer-dot form, IDOT; "idot_pdl":
-# the same with the read pass dependent (PDL) on X's integers' launch and the products launch
-# after it, so that X's integers overlap the read pass's first loads)
+# the lean forms: Y = R X and nothing else, in a launch of its own ("lean" from nvfp4 or FP32;
+# "idot": _nvfp4_read_kernel's integer-dot form, IDOT; "idot_pdl": the same with the read pass
+# dependent (PDL) on X's integers' launch and the products launch after it, so that X's
+# integers overlap the read pass's first loads), and "lean_out" (above)
 LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out")
 IDOT_FORMS = ("idot", "idot_pdl")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
@@ -2347,7 +2350,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             launch, X's integers' launch comes first and lets the read pass start at once
             (the read pass waits for it after issuing its loads of the codes), and the
             products launch comes after the read pass, dependent on it (it waits for it
-            before its stores); otherwise the launches of ``"idot"``.
+            before its stores); otherwise the launches of ``"idot"``. ``"lean_out"`` (an
+            FP32 copy, a decode step under the conditions of ``lean_records``, with
+            ``shared_products``; 2026-12-05): ``_f32_step_kernel``, the ``"lean"`` read pass
+            of FP32 rows that then does the records work of ``lean_records``'s launch on its
+            own rows (the draft row's correction, the output, the append), per row once the
+            head's decays and the products launch's ``Z`` are known, so no records launch
+            follows and no Y is stored; its tiles must lie within a value head (``block_v``
+            divides V; refused otherwise) and ``lean_records`` must be None. The same
+            operations per element as ``"lean"`` with the lean records launch, summed in
+            another layout: within the outputs' tolerance of it, not bit for bit.
             ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
             same bits): GDN's mxfp4 step default since 2026-12-04 (``(32, 2, "records",
@@ -2564,6 +2576,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     lean32 = lean and C.KIND == _K_FLOAT and read_form in ("lean", "lean_out")
     if read_form == "lean_out" and not lean32:
         raise ValueError(f"read_pass form 'lean_out' takes an fp32 copy, got {spec}")
+    if read_form == "lean_out" and not shared_products:
+        raise ValueError("read_pass form 'lean_out' reads the products with the keys from the "
+                         "products launch: it needs shared_products=True")
+    if read_form == "lean_out" and lean_records is not None:
+        raise ValueError(f"read_pass form 'lean_out' does the records work in the read pass: "
+                         f"lean_records must be None, got {lean_records!r}")
     if read_form == "lean_out" and V % triton.next_power_of_2(read_pass[0]):
         raise ValueError(f"read_pass form 'lean_out' needs tiles within one value head: "
                          f"block_v {triton.next_power_of_2(read_pass[0])} does not divide "
@@ -2595,7 +2613,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     q_arg = q.contiguous()
     dk = draft["k"].contiguous()
     dla, dv, dbeta = draft["la"].contiguous(), draft["v"].contiguous(), beta.contiguous()
-    zpre = shared_products and (H // G) * grid[1] > 1
+    # the products launch (Z once per (sequence, key group)); "lean_out" always takes it (its
+    # read pass forms no products with the keys)
+    zpre = shared_products and ((H // G) * grid[1] > 1 or read_form == "lean_out")
     # split_x: GDN's matrix form on X in two tiles (one launch that forms its own products
     # with the keys; 32-bit products; not the fused A path; no append)
     forms.update(SPLIT=bool(split_x and gdn and matrix and fused_window is None and not zpre
@@ -2681,11 +2701,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                  XS=False, NXS=nxs, C=C, WPRE=wpre, **consts, **forms)
     if lean:  # the lean read pass: Y = C X [B*H*V, NC], nothing else
         rbv = triton.next_power_of_2(read_pass[0])
-        y = torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device)
+        y = (o_arg if read_form == "lean_out" else  # (the fused launch stores no Y)
+             torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device))
         # EARLY: the lean records launch after it (with PDL) may start as its last wave does
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
-        if lean32 and read_form == "lean_out" and zpre:  # the records work in the read pass
+        if read_form == "lean_out":  # the records work in the read pass
             _f32_step_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
                 c, dk, q_arg, start, rows, out_start, ring_la, ring_w, dla, dv, dbeta, o_arg,
                 wo, a_la, a_k, a_v, a_beta, z, H, G, CAP, TD, TQ, o.shape[1], out_slot,
@@ -2693,7 +2714,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                 NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn, num_warps=read_pass[1],
                 **_pdl_launch(pdl), **_maxnreg_launch(read_maxnreg))
             return o
-        if lean32:  # ("lean_out" without a products launch: the lean read pass, then records)
+        if lean32:
             _f32_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
                 c, dk, q_arg, start, rows, y, H, G, TD, TQ, V=V, K=K, NC=NC, NS=NS,
                 D_REL=draft_relative, BV=rbv, num_warps=read_pass[1], EARLY=early,
@@ -2736,6 +2757,14 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
                           num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
     return o
+
+
+def _read_form(read_pass) -> str | None:
+    """The form of a ``read_pass`` option (``"records"`` when it names none; None for no
+    read pass)."""
+    if not read_pass:
+        return None
+    return read_pass[2] if isinstance(read_pass, (tuple, list)) and len(read_pass) > 2 else "records"
 
 
 def _min_nx(dot, matrix: bool, use_dot, gdn: bool) -> int:
@@ -2976,11 +3005,11 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed; ``read_pass``:
     ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
     products with R (form ``"records"``, ``"lean"``, ``"idot"`` or ``"idot_pdl"``; an FP32
-    copy takes ``"lean"`` too), or False for one launch; ``lean_records``: ``(heads, num_warps[,
+    copy takes ``"lean"`` and ``"lean_out"`` too), or False for one launch; ``lean_records``: ``(heads, num_warps[,
     early])`` of the lean records launch after a read pass, or False for the records kernel's
     (:func:`records_outputs`); a default
-    ``lean_records`` is dropped where the step has no read pass or takes a matrix form of
-    ``solve``)."""
+    ``lean_records`` is dropped where the step has no read pass, takes a matrix form of
+    ``solve`` or the read-pass form ``"lean_out"``)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
@@ -2993,8 +3022,10 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   lean_records=lean_records)
     _x16_read_pass(cfg, read_pass, MAMBA2_STEP_FP4_CONFIG["read_pass"])
     if lean_records is None and (not cfg.get("read_pass")
-                                 or cfg.get("solve") not in (None, "substitution")):
+                                 or cfg.get("solve") not in (None, "substitution")
+                                 or _read_form(cfg["read_pass"]) == "lean_out"):
         # the default's lean records launch needs a read pass and the substitution form
+        # ("lean_out" does the records work in its read pass)
         cfg.pop("lean_records", None)
     _check_x16_dot(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
@@ -3025,14 +3056,15 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     fp8 one, ``GDN_STEP_BLOCKED_CONFIG`` for mxfp8) unless given (``solve``: the matrix forms
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
     or ``(block_v, num_warps, form[, maxnreg])`` of a separate launch for the products with
-    R (form ``"records"``, ``"lean"``, ``"idot"`` or ``"idot_pdl"``, :func:`records_outputs`;
-    the nvfp4
+    R (form ``"records"``, ``"lean"``, ``"idot"``, ``"idot_pdl"`` or, from an FP32 copy,
+    ``"lean_out"``, :func:`records_outputs`; the nvfp4
     default ``(128, 1, "idot")``), or False for one launch; a default lean form with a
     caller's ``use_dot`` of 16-bit products takes the records kernel's read pass
     (``GDN_STEP_FP4_CONFIG``'s), which has them; ``lean_records``: ``(heads, num_warps[,
     early])`` of the lean records launch after a read pass (``_step_out_kernel``), or False
     for the records kernel's (:func:`records_outputs`); a default ``lean_records`` is
-    dropped where the step has no read pass or takes a matrix form of ``solve``)."""
+    dropped where the step has no read pass, takes a matrix form of ``solve`` or the
+    read-pass form ``"lean_out"``)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     f32 = not isinstance(read, PackedTensor) or _kind(read.spec) == _K_FLOAT
@@ -3047,8 +3079,10 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   lean_records=lean_records)
     _x16_read_pass(cfg, read_pass, GDN_STEP_FP4_CONFIG["read_pass"])
     if lean_records is None and (not cfg.get("read_pass")
-                                 or cfg.get("solve") not in (None, "substitution")):
+                                 or cfg.get("solve") not in (None, "substitution")
+                                 or _read_form(cfg["read_pass"]) == "lean_out"):
         # a default lean records launch needs a read pass and the substitution form
+        # ("lean_out" does the records work in its read pass)
         cfg.pop("lean_records", None)
     if f32 and pdl is None and not cfg.get("read_pass"):
         cfg["pdl"] = GDN_STEP_WIDE_CONFIG["pdl"]  # one launch from FP32: its timed form

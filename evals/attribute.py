@@ -284,6 +284,10 @@ def attribute(a, out: Path) -> dict:
     policy = StatePolicy.parse(a.policy)
     heads, _ = ssm_structure(a.model)
     units = units_for(heads, a.by, a.group_size)
+    if a.by == "head" and heads and a.group_size >= max(heads.values()):
+        print(f"replayssm-attribute: note: --group-size {a.group_size} covers every layer's "
+              f"{max(heads.values())} heads: each unit is a whole layer (as --by layer)",
+              file=sys.stderr)
     cells = {u.label: u.policy_map(policy) for u in units}
     cells["all"] = str(policy)
     pos = run_cells(a, list(cells.values()), out / "kl")

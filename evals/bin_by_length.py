@@ -288,8 +288,8 @@ def main(argv=None) -> int:
               f"bins [{a.bins[0]}, {a.bins[-1]}) (length {span} {unit}) and are left out of "
               "the table; widen --bins to count them", file=sys.stderr)
     if table.empty:
-        print(f"replayssm-bin-by-length: warning: no sample falls in the bins {a.bins}",
-              file=sys.stderr)
+        print(f"replayssm-bin-by-length: warning: no sample falls in the bins "
+              f"[{a.bins[0]}, {a.bins[-1]})", file=sys.stderr)
     print(table.to_string(index=False))
     if a.output:
         Path(a.output).parent.mkdir(parents=True, exist_ok=True)  # as replayssm-report does

@@ -73,6 +73,20 @@ def test_head_groups_sum_to_the_all_layers_kl(tmp_path):
     assert {u["heads"] for u in s["units"]} == {"0-3", "4-7"}
 
 
+def test_head_group_of_a_whole_layer_is_noted(tmp_path, capsys):
+    """--group-size at least a layer's heads makes every unit a whole layer: said on stderr
+    (a group of 4 on 8 heads says nothing)."""
+    args = ["--model", "tiny-mamba2", "--by", "head", "-N", "16", "--max-docs", "1",
+            "--no-progress"]
+    assert main(args + ["--group-size", "99", "-o", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "note: --group-size 99 covers every layer's 8 heads" in err, err
+    s = json.loads((tmp_path / "a" / "attribution.json").read_text())
+    assert {u["heads"] for u in s["units"]} == {"0-7"}
+    assert main(args + ["--group-size", "4", "-o", str(tmp_path / "b")]) == 0
+    assert "--group-size" not in capsys.readouterr().err
+
+
 def test_bad_arguments_exit_2(capsys, tmp_path):
     assert main(["--policy", "shared:nvfp5", "-o", str(tmp_path / "x")]) == 2
     assert "nvfp5" in capsys.readouterr().err

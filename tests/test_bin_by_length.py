@@ -60,7 +60,7 @@ def test_output_paths_and_empty_bins(tmp_path, capsys):
     assert list(t["n"]) == [1, 2]
     capsys.readouterr()
     assert main([run, "--bins", "100", "200"]) == 0
-    assert "warning: no sample falls in the bins [100, 200]" in capsys.readouterr().err
+    assert "warning: no sample falls in the bins [100, 200)" in capsys.readouterr().err
 
 
 def test_samples_outside_the_bins_are_counted(tmp_path, capsys):

@@ -301,3 +301,16 @@ def test_shared_sr_sequence_ids_are_reported(model_dir, data_file, tmp_path, cap
     assert list(man["sr_sequence_ids"]["shared"]) == ["7"]
     assert man["sr_sequence_ids"]["shared"]["7"] == man["data"]["documents"]
     assert "2 of 2 documents share an SR sequence id" in capsys.readouterr().err
+
+
+def test_fewer_documents_than_max_docs_noted(tmp_path, data_file, capsys):
+    """--max-docs above what the dataset holds runs what there is and says so on stderr
+    (the plan's count alone was easy to miss)."""
+    out = tmp_path / "run"
+    assert main(["--model", "tiny-mamba2", "--dataset", data_file, "--max-docs", "50", "-N", "16",
+                 "--policies", "fp32", "--stepwise-check", "0", "--no-progress",
+                 "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    n = len(json.loads((out / "manifest.json").read_text())["data"]["documents"])
+    assert 1 <= n < 50
+    assert f"note: --max-docs 50, but the dataset holds {n} document(s) of 17 tokens" in err, err

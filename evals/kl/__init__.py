@@ -590,6 +590,10 @@ def main(argv=None) -> int:
         if not token_docs:
             raise BadArgs(f"dataset {a.dataset} has fewer than {a.max_tokens} tokens in all; "
                           "lower --max-tokens")
+        if len(token_docs) < a.max_docs:
+            print(f"replayssm-kl: note: --max-docs {a.max_docs}, but the dataset holds "
+                  f"{len(token_docs)} document(s) of {a.max_tokens + 1} tokens: running "
+                  f"{len(token_docs)}", file=sys.stderr)
         _check_documents(token_docs)
         cells, _canon, ucells, _configs = cell_plan(policies, a)  # ucells: the units of work
         try:

@@ -280,10 +280,11 @@ def _check_args(a) -> list:
               f"those cells only eager: policies (rounded every token) differ from FP32 state",
               file=sys.stderr)
         big = [w for w in idle if w > 4 * a.max_tokens]
-        if big:  # the GDN window solve is padded to L for its bits: cost grows as L^2 per token
+        if big:  # the window forms pad their records to L for their bits (replay/window.py)
             print(f"replayssm-kl: warning: --windows {' '.join(map(str, big))} > 4 x --max-tokens: "
-                  f"each GDN token solves its window padded to L (L x L per head), so these "
-                  f"cells cost up to (L / {a.max_tokens})^2 times a window of {a.max_tokens}, "
+                  f"the window forms pad each call's records to L for their bits, so these "
+                  f"cells cost more than a window of {a.max_tokens} (at least L / "
+                  f"{a.max_tokens} times; GDN's correction solve up to (L / {a.max_tokens})^2), "
                   f"which computes the same no-flush outputs (up to last bits)", file=sys.stderr)
     return pols
 

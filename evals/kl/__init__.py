@@ -283,9 +283,10 @@ def _check_args(a) -> list:
         if big:  # the window forms pad their records to L for their bits (replay/window.py)
             print(f"replayssm-kl: warning: --windows {' '.join(map(str, big))} > 4 x --max-tokens: "
                   f"the window forms pad each call's records to L for their bits, so these "
-                  f"cells cost more than a window of {a.max_tokens} (at least L / "
-                  f"{a.max_tokens} times; GDN's correction solve up to (L / {a.max_tokens})^2), "
-                  f"which computes the same no-flush outputs (up to last bits)", file=sys.stderr)
+                  f"cells' state path costs more than with a window of {a.max_tokens} (about "
+                  f"L / {a.max_tokens} times; GDN's correction solve up to (L / "
+                  f"{a.max_tokens})^2), which computes the same no-flush outputs (up to last "
+                  f"bits)", file=sys.stderr)
     return pols
 
 

@@ -213,6 +213,10 @@ class QuantSpec:
             raise ValueError(
                 f"unknown state format {self.name!r}; expected one of {', '.join(FORMAT_NAMES)}"
             )
+        if not isinstance(self.sr, bool):  # a truthy "no" would turn SR on
+            raise ValueError(f"QuantSpec sr must be a bool, got {self.sr!r}")
+        if self.name == "fp32" and self.sr:  # FP32 values are stored unchanged: SR rounds nothing
+            object.__setattr__(self, "sr", False)
         if self.scale:
             modes = SCALE_MODES.get(FORMATS[self.name].scaling, ())
             if self.scale not in modes[1:]:
@@ -290,6 +294,4 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
             scale = "" if suf == modes[0] else suf
         else:
             raise bad
-    if name == "fp32":  # FP32 values are stored unchanged: '+sr' rounds nothing
-        sr = False
-    return QuantSpec(name, sr, scale)
+    return QuantSpec(name, sr, scale)  # ('+sr' on fp32 is dropped there)

@@ -399,12 +399,20 @@ class PolicyMap:
                                  "decay_stats (a JSON file as written by replayssm-attribute, or "
                                  "docs/models/<model>-stats.json), or measure them with "
                                  "replayssm_quant.adapters.measure_head_decay")
-            decay = {int(i): [float(x) for x in v] for i, v in dict(decay).items()}
+            try:
+                decay = {int(i): [float(x) for x in v] for i, v in dict(decay).items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"head decays must map layer indices to lists of floats in "
+                                 f"[0, 1] ({e})") from None
             for i, h in ssm.items():
                 if i not in decay or len(decay[i]) != h:
                     got = "none" if i not in decay else f"{len(decay[i])}"
                     raise ValueError(f"head decays for layer {i}: expected {h} values (one per head), "
                                      f"got {got}; the decay stats do not match this model")
+                for hd, d in enumerate(decay[i]):
+                    if not (0.0 <= d <= 1.0):  # NaN too: it would match no bucket silently
+                        raise ValueError(f"head decays: layer {i} head {hd} has mean decay {d}, "
+                                         "expected a value in [0, 1]")
         out: dict[int, list[StatePolicy]] = {}
         layer_rule: dict[int, StatePolicy] = {}
         for r, p in self.layers:
@@ -520,6 +528,10 @@ def load_decay_stats(stats) -> dict[int, tuple[float, ...]]:
                 per[li][h] = d
         except (KeyError, TypeError) as e:
             raise ValueError(f"{src}: every entry of 'decays' needs 'layer', 'head' and 'mean' ({e})") from None
+        except ValueError as e:
+            if str(e).startswith(src):
+                raise
+            raise ValueError(f"{src}: an entry of 'decays' is not numbers ({e})") from None
         out = {}
         for li, hs in per.items():
             if sorted(hs) != list(range(len(hs))):

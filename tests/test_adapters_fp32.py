@@ -85,8 +85,29 @@ def test_bad_arguments():
         apply_state_policy(model, "shared:fp7")
     with pytest.raises(ValueError, match="window"):
         apply_state_policy(model, "fp32", window=0)
+    for bad in ("false", None, 0):  # bool("false") would be True
+        with pytest.raises(ValueError, match="prefill must be True or False"):
+            apply_state_policy(model, "fp32", prefill=bad)
     h = apply_state_policy(model, "fp32")
     with pytest.raises(RuntimeError, match="already applied"):
         apply_state_policy(model, "fp32")
     h.remove()
     h.remove()  # idempotent
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "qwen3_5"])
+def test_empty_calls_and_another_batch_are_refused(arch):
+    """A call with no tokens, and a call that continues a cache with another batch, are refused
+    in one line naming the shapes (they failed deep inside torch or transformers' cache)."""
+    model = tiny_model(arch)
+    h = apply_state_policy(model, "shared:nvfp4", window=4)
+    try:
+        with pytest.raises(ValueError, match=r"needs \[batch, T, hidden\] with batch >= 1 and T >= 1"):
+            forward_segment(model, _ids(2, 0))
+        _, cache = forward_segment(model, _ids(2, 6))
+        with pytest.raises(ValueError, match="this call has batch 3 but the cache it continues "
+                                             "holds the state of 2 sequences"):
+            forward_segment(model, _ids(3, 2), cache, start=6)
+        forward_segment(model, _ids(2, 2), cache, start=6)  # the same batch goes on
+    finally:
+        h.remove()

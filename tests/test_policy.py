@@ -72,3 +72,16 @@ def test_roundtrip(f, g, kind):
     p = StatePolicy.parse(s)
     assert StatePolicy.parse(str(p)) == p
     assert StatePolicy.parse(s.upper()) == p
+
+
+def test_quant_spec_sr_must_be_a_bool():
+    """``QuantSpec(sr=...)``: a truthy string would turn stochastic rounding on; refused.
+    ``sr=True`` on fp32 is dropped (it rounds nothing), as the parser drops ``+sr``."""
+    from replayssm_quant.formats import QuantSpec
+
+    with pytest.raises(ValueError, match="sr must be a bool, got 'no'"):
+        QuantSpec("fp16", "no")
+    with pytest.raises(ValueError, match="sr must be a bool"):
+        QuantSpec("nvfp4", 1)
+    assert str(QuantSpec("fp32", True)) == "fp32" and QuantSpec("fp32", True) == QuantSpec("fp32")
+    assert str(QuantSpec("fp16", True)) == "fp16+sr"

@@ -384,3 +384,21 @@ def test_lm_eval_state_takes_maps(tmp_path):
     assert lm.handle.config.for_layer(1).policy == P("shared:nvfp4")
     assert lm.get_model_info()["replayssm_state"] == "map:shared:nvfp4@L0=fp32"
     assert ll(str(u))[1] == ll("shared:nvfp4")[1] != mapped
+
+
+def test_head_decays_out_of_range_or_not_numbers_are_refused():
+    """Decays given straight to ``head_policies`` / ``resolve`` are checked as
+    ``load_decay_stats`` checks a file's: a NaN would match no bucket and a value above 1 the
+    top one, silently. Non-numbers name their source."""
+    pm = parse_state_arg("map:fp32@D0.5-0.9=shared:nvfp4+sr")
+    ok = {0: [0.1, 0.6, 0.95]}
+    assert [str(p) for p in pm.head_policies({0: 3}, ok)[0]] == ["fp32", "shared:nvfp4+sr", "fp32"]
+    for bad, word in (([0.1, float("nan"), 0.5], "head 1 has mean decay nan"),
+                      ([0.1, 1.5, 0.5], "head 1 has mean decay 1.5"),
+                      ([-1.0, 0.5, 0.5], "head 0 has mean decay -1.0")):
+        with pytest.raises(ValueError, match=word):
+            pm.head_policies({0: 3}, {0: bad})
+    with pytest.raises(ValueError, match="lists of floats"):
+        pm.head_policies({0: 3}, {0: ["x", 0.5, 0.5]})
+    with pytest.raises(ValueError, match="not numbers"):
+        load_decay_stats({"decays": [{"layer": 0, "head": 0, "mean": "a"}]})

@@ -243,7 +243,9 @@ class StatePolicyHandle:
         self._decay_recorder: dict | None = None  # measure_head_decay's accumulators
         self.config = self.build_config(policy, window=window, seed=seed, fold=gdn_fold)
         self.window = window  # as asked for (config.window is 1 under eager policies)
-        self.prefill = bool(prefill)
+        if not isinstance(prefill, bool):  # bool("false") is True
+            raise ValueError(f"prefill must be True or False, got {prefill!r}")
+        self.prefill = prefill
         if decode == "serving":
             self._check_serving()
         self.sequence_ids = sequence_ids
@@ -607,6 +609,14 @@ def _make_forward(handle: StatePolicyHandle, family: str):
             entry = cache.layers[layer_idx]
             state = _live_state(entry)
         fresh = state is None
+        if hidden_states.dim() != 3 or 0 in hidden_states.shape[:2]:
+            raise ValueError(f"layer {layer_idx}: hidden_states has shape "
+                             f"{tuple(hidden_states.shape)}; a ReplaySSM layer needs [batch, T, "
+                             f"hidden] with batch >= 1 and T >= 1 tokens")
+        if not fresh and state.batch_size != hidden_states.shape[0]:
+            raise ValueError(f"layer {layer_idx}: this call has batch {hidden_states.shape[0]} but "
+                             f"the cache it continues holds the state of {state.batch_size} "
+                             f"sequences; continue a cache with the same batch")
         exact_prefill = fresh and handle.prefill
         if not exact_prefill:
             rows = _padded_rows(attention_mask)

@@ -109,6 +109,10 @@ def _e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 
 
+# the stored element dtype of the unscaled formats (codes hold the values themselves)
+_PLAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclass
 class PackedTensor:
     """Real low-precision storage of a ``[..., M, K]`` tensor.
@@ -130,6 +134,38 @@ class PackedTensor:
     codes: torch.Tensor
     block_scales: torch.Tensor | None = None
     matrix_scale: torch.Tensor | None = None
+
+    def __post_init__(self):
+        """Check what the attributes above promise, so that a mismatched construction fails
+        here, naming the field, rather than later inside a decoder.
+
+        Raises:
+            ValueError: ``spec`` not a :class:`QuantSpec` (a format string is parsed),
+                ``codes`` not a tensor, its leading dims not ``shape``'s, an element dtype
+                that is not the format's, or a missing block / matrix scale.
+        """
+        if isinstance(self.spec, str):
+            self.spec = F.parse_spec(self.spec)
+        if not isinstance(self.spec, QuantSpec):
+            raise ValueError(f"PackedTensor spec must be a QuantSpec or a format string, got "
+                             f"{self.spec!r}")
+        if not isinstance(self.codes, torch.Tensor):
+            raise ValueError(f"PackedTensor codes must be a tensor, got {type(self.codes).__name__}")
+        self.shape = torch.Size(self.shape)
+        if len(self.shape) < 1 or tuple(self.codes.shape[:-1]) != tuple(self.shape[:-1]):
+            raise ValueError(f"PackedTensor codes of shape {tuple(self.codes.shape)} do not hold "
+                             f"a {self.spec} tensor of shape {tuple(self.shape)} (the leading "
+                             f"dims must agree)")
+        info = self.spec.info
+        want = (_PLAIN_DTYPES.get(self.spec.name, torch.float32) if info.scaling == "none"
+                else torch.uint8)
+        if self.codes.dtype != want:
+            raise ValueError(f"PackedTensor codes of a {self.spec} tensor must be {want}, got "
+                             f"{self.codes.dtype}")
+        if info.scaling in ("nvfp4", "mx") and self.block_scales is None:
+            raise ValueError(f"PackedTensor of {self.spec} needs block_scales")
+        if info.scaling in ("matrix", "nvfp4") and self.matrix_scale is None:
+            raise ValueError(f"PackedTensor of {self.spec} needs matrix_scale")
 
     @property
     def nbytes(self) -> int:

@@ -495,3 +495,26 @@ def test_backend_and_stream_errors(monkeypatch):
     ref = quantize(x, "nvfp4+sr", seed=3, stream=torch.tensor([5, 9]))
     for ok in ([5, 9], (5, 9), torch.tensor([5, 9], dtype=torch.int32)):
         assert torch.equal(quantize(x, "nvfp4+sr", seed=3, stream=ok), ref)
+
+
+def test_packed_tensor_checks_its_fields():
+    """A PackedTensor built by hand with fields that do not fit fails at construction, naming
+    the field (it failed later inside a decoder, or decoded to another shape than declared);
+    a format string is parsed."""
+    x = torch.randn(2, 32)
+    p = pack(x, "nvfp4")
+    q = PackedTensor("nvfp4", p.shape, p.codes, p.block_scales, p.matrix_scale)
+    assert q.spec == p.spec and torch.equal(q.dequantize(), p.dequantize())
+    with pytest.raises(ValueError, match=r"codes of shape \(2, 16\) do not hold .* \(4, 32\)"):
+        PackedTensor(p.spec, torch.Size((4, 32)), p.codes, p.block_scales, p.matrix_scale)
+    with pytest.raises(ValueError, match="must be torch.uint8, got torch.float32"):
+        PackedTensor(p.spec, p.shape, p.codes.float(), p.block_scales, p.matrix_scale)
+    with pytest.raises(ValueError, match="needs block_scales"):
+        PackedTensor(p.spec, p.shape, p.codes, None, p.matrix_scale)
+    with pytest.raises(ValueError, match="needs matrix_scale"):
+        PackedTensor(p.spec, p.shape, p.codes, p.block_scales, None)
+    with pytest.raises(ValueError, match="spec must be a QuantSpec"):
+        PackedTensor(3, p.shape, p.codes)
+    h = pack(x, "fp16")
+    with pytest.raises(ValueError, match="must be torch.float16, got torch.float32"):
+        PackedTensor(h.spec, h.shape, h.codes.float())

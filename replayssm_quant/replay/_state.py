@@ -223,7 +223,12 @@ class ReplayStateBase:
     def prefill(self, S: torch.Tensor) -> None:
         """Start every sequence from the exact state ``S [B, H, V, K]`` of a prompt (computed by
         the model's own scan in FP32): A and R are cast independently from it as flush 0,
-        h = 0, the buffer is emptied and any pending drafts are dropped."""
+        h = 0, the buffer is emptied and any pending drafts are dropped.
+
+        Raises:
+            ValueError: ``S`` not a tensor of :attr:`state_shape`, of the state's dtype and on
+                its device (the message names the shape and dtype expected).
+        """
         check_tensor("S", S, self.state_shape, self.dtype, self.device)
         self._set_all(S.clone())
 

@@ -224,6 +224,15 @@ class GDNReplayState(ReplayStateBase):
         cached; a sequence reaching h = L flushes (corrections re-solved against A, or, on the
         kernels, the cached ones where R is A: :meth:`GDNFold.folds_cached`) and reads its
         output from the unrounded flushed state.
+
+        Inputs (the state's dtype and device): ``q, k [B, HK, DK]``, ``v [B, HV, DV]``,
+        ``g`` (log decay) and ``beta [B, HV]``.
+
+        Raises:
+            ValueError: drafts pending (call :meth:`commit` first); an input that is not a
+                tensor of the documented shape, of the state's dtype (float32 or float64, the
+                working precision it was built with) or on its device (the message names the
+                argument, its shape and the expected one).
         """
         self._check_not_pending("step")
         self._check_inputs(q, k, v, g, beta)
@@ -248,6 +257,13 @@ class GDNReplayState(ReplayStateBase):
         reads the flushed state's value (corrections re-solved against A, or, on the kernels
         where R is A, the cached ones: :meth:`GDNFold.folds_cached`). Call :meth:`commit` next.
         Returns ``o [B, T, HV, DV]``.
+
+        Raises:
+            ValueError: drafts pending (call :meth:`commit` first); T above the
+                ``max_drafts`` the state was built with; an input that is not a tensor of the
+                documented shape (one T for all), of the state's dtype (float32 or float64,
+                the working precision it was built with) or on its device (the message names
+                the argument, its shape and the expected one).
         """
         self._check_not_pending("verify")
         if not isinstance(v, torch.Tensor) or v.dim() != 4:

@@ -177,6 +177,16 @@ class Mamba2ReplayState(ReplayStateBase):
 
         Appends the record; a sequence reaching h = L flushes and reads its output from the
         unrounded flushed state, the others read R plus the buffer in output-only form.
+
+        Inputs (the state's dtype and device): ``x [B, H, P]``, ``dt [B, H]`` (the step
+        size: the records are ``la = dt A``, ``v = dt x``, ``k = B``), ``A [H]``,
+        ``B, C [B, G, N]``, ``D [H]`` or None.
+
+        Raises:
+            ValueError: drafts pending (call :meth:`commit` first); an input that is not a
+                tensor of the documented shape, of the state's dtype (float32 or float64, the
+                working precision it was built with) or on its device (the message names the
+                argument, its shape and the expected one).
         """
         self._check_not_pending("step")
         self._check_inputs(x, dt, A, B, C, D)
@@ -203,6 +213,13 @@ class Mamba2ReplayState(ReplayStateBase):
         the h committed records; a draft landing on slot L reads the flushed state's value
         (from A), as stepwise decoding would. Call :meth:`commit` next.
         Returns ``y [B, T, H, P]``.
+
+        Raises:
+            ValueError: drafts pending (call :meth:`commit` first); T above the
+                ``max_drafts`` the state was built with; an input that is not a tensor of the
+                documented shape (one T for all), of the state's dtype (float32 or float64,
+                the working precision it was built with) or on its device (the message names
+                the argument, its shape and the expected one).
         """
         self._check_not_pending("verify")
         if not isinstance(x, torch.Tensor) or x.dim() != 4:

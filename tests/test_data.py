@@ -199,6 +199,15 @@ def test_long_documents_synthetic():
     assert [d["members"] for d in tail] == [["0", "1"], ["2"], ["3", "4"]]
     with pytest.raises(ValueError, match="min_chars"):
         long_documents(docs, 0)
+    for bad in ("8", 1.5, True):  # not ints: named, not a TypeError from a comparison
+        with pytest.raises(ValueError, match="min_chars must be an int > 0"):
+            long_documents(docs, bad)
+    for bad_docs in (None, ["abc"], [{"id": 1}]):
+        with pytest.raises(ValueError, match="docs must be|document 0 is not"):
+            long_documents(bad_docs, 8)
+    for bad in (1.5, "2", True, -1):
+        with pytest.raises(ValueError, match="max_docs must be None or an int >= 0"):
+            load_corpus("kjv", max_docs=bad)
 
 
 def test_long_documents_kjv_canonical_order():

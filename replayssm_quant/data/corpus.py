@@ -297,11 +297,13 @@ def load_corpus(
 
     Raises:
         FileNotFoundError: a path that does not exist.
-        ValueError: an unknown corpus name, split or file type.
+        ValueError: an unknown corpus name, split or file type; ``max_docs`` not None or an
+            int >= 0.
         TypeError: ``name_or_path`` is not a str or os.PathLike (e.g. None).
     """
-    if max_docs is not None and max_docs < 0:
-        raise ValueError(f"max_docs must be >= 0, got {max_docs}")
+    if max_docs is not None and (isinstance(max_docs, bool) or not isinstance(max_docs, int)
+                                 or max_docs < 0):
+        raise ValueError(f"max_docs must be None or an int >= 0, got {max_docs!r}")
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"corpus name or path must be a str or os.PathLike, got "
                         f"{type(name_or_path).__name__} {name_or_path!r}")
@@ -349,9 +351,12 @@ def long_documents(
         min_chars: minimum length in characters (> 0).
         drop_last: drop a trailing group shorter than ``min_chars`` (default) instead of
             returning it short.
+
+    Raises:
+        ValueError: ``min_chars`` not an int > 0; a document without a ``"text"`` string.
     """
-    if min_chars <= 0:
-        raise ValueError(f"min_chars must be > 0, got {min_chars}")
+    if isinstance(min_chars, bool) or not isinstance(min_chars, int) or min_chars <= 0:
+        raise ValueError(f"min_chars must be an int > 0, got {min_chars!r}")
     out: list[Document] = []
     group: list[Document] = []
     length = 0
@@ -366,7 +371,12 @@ def long_documents(
             "members": [str(d["id"]) for d in group],
         })
 
-    for d in docs:
+    if docs is None:
+        raise ValueError("docs must be documents as load_corpus returns them, got None")
+    for i, d in enumerate(docs):
+        if not isinstance(d, dict) or not isinstance(d.get("text"), str):
+            raise ValueError(f"document {i} is not a {{'id', 'title', 'text'}} dict with a text "
+                             f"string (as load_corpus returns): got {type(d).__name__}")
         if group:
             length += len(sep)
         group.append(d)

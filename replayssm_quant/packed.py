@@ -206,6 +206,16 @@ class PackedTensor:
         return (elem * scale.repeat_interleave(block, -1))[..., :k]
 
     def to(self, device) -> "PackedTensor":
+        """The same storage on ``device`` (codes and scales moved; the values unchanged).
+
+        Raises:
+            ValueError: ``device`` is not a device this torch build or machine has.
+        """
+        try:
+            device = torch.empty(0, device=device).device
+        except (AssertionError, RuntimeError) as e:  # e.g. "cuda" on a CPU-only build
+            raise ValueError(f"device {device!r} is not available in this torch build or on "
+                             f"this machine ({e})") from None
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PackedTensor(self.spec, self.shape, self.codes.to(device),
                             mv(self.block_scales), mv(self.matrix_scale))

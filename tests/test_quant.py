@@ -518,3 +518,15 @@ def test_packed_tensor_checks_its_fields():
     h = pack(x, "fp16")
     with pytest.raises(ValueError, match="must be torch.float16, got torch.float32"):
         PackedTensor(h.spec, h.shape, h.codes.float())
+
+
+def test_packed_tensor_to_an_unavailable_device_is_a_value_error():
+    """``PackedTensor.to`` on a device this build or machine lacks names it (a raw torch
+    assertion before); to the same device the values are unchanged."""
+    p = pack(torch.randn(2, 32), "nvfp4")
+    assert torch.equal(p.to("cpu").dequantize(), p.dequantize())
+    dev = "cuda:99" if torch.cuda.is_available() else "cuda"
+    with pytest.raises(ValueError, match=f"device '{dev}' is not available"):
+        p.to(dev)
+    with pytest.raises(ValueError, match="device 'bogus' is not available"):
+        p.to("bogus")

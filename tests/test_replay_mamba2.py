@@ -61,3 +61,20 @@ def test_unavailable_device_is_a_value_error():
     with pytest.raises(ValueError, match=f"device '{dev}' is not available"):
         GDNReplayState("fp32", batch=1, key_heads=1, value_heads=2, key_dim=8, value_dim=4,
                        device=dev, backend="torch")
+
+
+def test_stream_key_fields_are_named_as_arguments():
+    """heads, layer and sequence_ids beyond the SR stream key's bit fields are refused under
+    the argument's name and limit (they were reported as the key's field, heads as
+    ``head=heads - 1``); the limits themselves pass."""
+    from replayssm_quant.replay import Mamba2ReplayState
+
+    kw = dict(batch=2, head_dim=4, d_state=8, backend="torch")
+    Mamba2ReplayState("fp32", heads=1024, layer=255, sequence_ids=[0, 2 ** 20 - 1], **kw)
+    for bad, msg in ((dict(heads=1025), "heads must be in [1, 1024], got 1025"),
+                     (dict(heads=2, layer=256), "layer must be in [0, 255], got 256"),
+                     (dict(heads=2, sequence_ids=[-1, 2]), "sequence_ids must be in [0, 1048576)"),
+                     (dict(heads=2, sequence_ids=[0, 2 ** 20]), "20-bit field), got 0..1048576")):
+        with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("(", r"\(")
+                           .replace(")", r"\)")):
+            Mamba2ReplayState("fp32", **bad, **kw)

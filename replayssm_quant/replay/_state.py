@@ -13,7 +13,7 @@ import torch
 from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
 from ..config import GDNFold, StateConfig
 from ..packed import PackedTensor
-from ..philox import stream_key
+from ..philox import STREAM_FIELDS, stream_key
 from ..policy import StatePolicy
 from .core import cast_checkpoints
 
@@ -130,6 +130,16 @@ class ReplayStateBase:
         if sequence_ids.shape != (batch,) or sequence_ids.is_floating_point():
             raise ValueError(f"sequence_ids must be an integer tensor of shape ({batch},), "
                              f"got {tuple(sequence_ids.shape)} {sequence_ids.dtype}")
+        # the SR stream key's fields (philox.STREAM_FIELDS), checked here under the
+        # arguments' own names
+        widths = dict(STREAM_FIELDS)
+        _check_int("heads", heads, 1, 1 << widths["head"])
+        _check_int("layer", layer, 0, (1 << widths["layer"]) - 1)
+        if sequence_ids.numel() and (int(sequence_ids.min()) < 0
+                                     or int(sequence_ids.max()) >= 1 << widths["sequence"]):
+            raise ValueError(f"sequence_ids must be in [0, {1 << widths['sequence']}) (the SR "
+                             f"stream key's {widths['sequence']}-bit field), got "
+                             f"{int(sequence_ids.min())}..{int(sequence_ids.max())}")
         stream_key(layer=layer, sequence=sequence_ids, head=heads - 1)  # range check
         self.sequence_ids = sequence_ids.to(torch.int64).to(self.device)
         cap = window + max_drafts

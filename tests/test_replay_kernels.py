@@ -1326,6 +1326,18 @@ def test_lean_read_pass(gdn, monkeypatch):
     torch.testing.assert_close(got, want, **TOL)
 
 
+def _lean_case_step(gdn, read, rg, rec, q, h, sl, **kw):
+    """The family's step kernel (``shared_products``) on rows ``sl`` of ``_lean_step_case``'s
+    record ``rec = (la, v, k, beta)``, query ``q`` and positions ``h``, from the read copy
+    ``read`` and the ring ``rg`` (updated in place); ``kw``: the launch options."""
+    la, v, k, beta = (t[sl] for t in rec)
+    if gdn:
+        return kr.gdn_step_kernel(_rows_of(read, sl), rg, q[sl], k, v, la, beta, h[sl],
+                                  shared_products=True, **kw)
+    return kr.mamba2_step_kernel(_rows_of(read, sl), rg, la, v, k, q[sl], h[sl],
+                                 shared_products=True, **kw)
+
+
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_lean_read_pass_fp32(gdn, monkeypatch):
     """``read_pass=(block_v, num_warps, "lean")`` from an FP32 copy: the lean read pass of
@@ -1343,12 +1355,7 @@ def test_lean_read_pass_fp32(gdn, monkeypatch):
     monkeypatch.setattr(kr.records, "_f32_read_kernel", spy)
 
     def step(rg, sl, rp, lr):
-        la, v, k, beta = (t[sl] for t in rec)
-        if gdn:
-            return kr.gdn_step_kernel(_rows_of(R_st, sl), rg, q[sl], k, v, la, beta, h[sl],
-                                      read_pass=rp, lean_records=lr, shared_products=True)
-        return kr.mamba2_step_kernel(_rows_of(R_st, sl), rg, la, v, k, q[sl], h[sl],
-                                     read_pass=rp, lean_records=lr, shared_products=True)
+        return _lean_case_step(gdn, R_st, rg, rec, q, h, sl, read_pass=rp, lean_records=lr)
 
     for rp, lr in (((16, 1, "lean"), False), ((32, 2, "lean"), (1, 1)),
                    ((64, 1, "lean"), (2, 1, True))):
@@ -1390,12 +1397,7 @@ def test_lean_out_fp32(gdn, v_rows, monkeypatch):
     monkeypatch.setattr(kr.records, "_f32_step_kernel", spy)
 
     def step(rg, sl, rp, lr=None, read=R_st):
-        la, v, k, beta = (t[sl] for t in rec)
-        if gdn:
-            return kr.gdn_step_kernel(_rows_of(read, sl), rg, q[sl], k, v, la, beta, h[sl],
-                                      read_pass=rp, lean_records=lr, shared_products=True)
-        return kr.mamba2_step_kernel(_rows_of(read, sl), rg, la, v, k, q[sl], h[sl],
-                                     read_pass=rp, lean_records=lr, shared_products=True)
+        return _lean_case_step(gdn, read, rg, rec, q, h, sl, read_pass=rp, lean_records=lr)
 
     lean_ring = {n: t.clone() for n, t in ring.items()}
     lean = step(lean_ring, slice(None), (16, 1, "lean"), (1, 1))

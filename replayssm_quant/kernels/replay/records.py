@@ -2759,14 +2759,6 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     return o
 
 
-def _read_form(read_pass) -> str | None:
-    """The form of a ``read_pass`` option (``"records"`` when it names none; None for no
-    read pass)."""
-    if not read_pass:
-        return None
-    return read_pass[2] if isinstance(read_pass, (tuple, list)) and len(read_pass) > 2 else "records"
-
-
 def _min_nx(dot, matrix: bool, use_dot, gdn: bool) -> int:
     """Fewest columns of X (padded with zeros): 2 for reductions; for products (``dot``, or
     the matrix forms' small products) MIN_DOT_F32 where X's columns are only ever the N of a
@@ -2927,12 +2919,19 @@ def _check_x16_dot(read, cfg: dict) -> None:
                          f"use 'tf32x3'")
 
 
+def _read_form(read_pass) -> str | None:
+    """The form of a ``read_pass`` option (``"records"`` when it names none; None for no
+    read pass)."""
+    if not read_pass:
+        return None
+    return read_pass[2] if isinstance(read_pass, (tuple, list)) and len(read_pass) > 2 else "records"
+
+
 def _check_verify_read_pass(read_pass) -> None:
     """ValueError for a verify's ``read_pass`` in the lean form: that form is the decode
     step's (at most two columns of X); a verify's launches have T queries (and GDN's anchor
     launch the window's keys)."""
-    if (isinstance(read_pass, (tuple, list)) and len(read_pass) >= 3
-            and read_pass[2] in LEAN_FORMS):
+    if _read_form(read_pass) in LEAN_FORMS:
         raise ValueError(f"read_pass form {read_pass[2]!r} is the decode step's (at most 2 columns of "
                          f"X); verify takes (block_v, num_warps) or (block_v, num_warps, "
                          f"'records'[, maxnreg]), got {tuple(read_pass)!r}")
@@ -2981,9 +2980,19 @@ def _x16_read_pass(cfg: dict, read_pass, records_pass) -> None:
     whose caller asked for ``use_dot`` of 16-bit products (``X16_DOTS``) takes the records
     kernel's read pass ``records_pass``, which has them; a ``read_pass`` the caller gave is
     kept (and refused later if it cannot take them). Updates ``cfg`` in place."""
-    if (read_pass is None and len(cfg.get("read_pass") or ()) >= 3
-            and cfg["read_pass"][2] in LEAN_FORMS and cfg["use_dot"] in X16_DOTS):
+    if (read_pass is None and _read_form(cfg.get("read_pass")) in LEAN_FORMS
+            and cfg["use_dot"] in X16_DOTS):
         cfg["read_pass"] = records_pass
+
+
+def _drop_default_lean_records(cfg: dict, lean_records) -> None:
+    """A step configuration's default ``lean_records`` (the caller gave None) is dropped where
+    the step cannot take it: no read pass, a matrix form of ``solve``, or the read-pass form
+    ``"lean_out"`` (which does the records work in its read pass). Updates ``cfg`` in place."""
+    if lean_records is None and (not cfg.get("read_pass")
+                                 or cfg.get("solve") not in (None, "substitution")
+                                 or _read_form(cfg["read_pass"]) == "lean_out"):
+        cfg.pop("lean_records", None)
 
 
 # ---------------------------------------------------------------- decode step
@@ -3021,12 +3030,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
                   lean_records=lean_records)
     _x16_read_pass(cfg, read_pass, MAMBA2_STEP_FP4_CONFIG["read_pass"])
-    if lean_records is None and (not cfg.get("read_pass")
-                                 or cfg.get("solve") not in (None, "substitution")
-                                 or _read_form(cfg["read_pass"]) == "lean_out"):
-        # the default's lean records launch needs a read pass and the substitution form
-        # ("lean_out" does the records work in its read pass)
-        cfg.pop("lean_records", None)
+    _drop_default_lean_records(cfg, lean_records)
     _check_x16_dot(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
@@ -3078,12 +3082,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
                   lean_records=lean_records)
     _x16_read_pass(cfg, read_pass, GDN_STEP_FP4_CONFIG["read_pass"])
-    if lean_records is None and (not cfg.get("read_pass")
-                                 or cfg.get("solve") not in (None, "substitution")
-                                 or _read_form(cfg["read_pass"]) == "lean_out"):
-        # a default lean records launch needs a read pass and the substitution form
-        # ("lean_out" does the records work in its read pass)
-        cfg.pop("lean_records", None)
+    _drop_default_lean_records(cfg, lean_records)
     if f32 and pdl is None and not cfg.get("read_pass"):
         cfg["pdl"] = GDN_STEP_WIDE_CONFIG["pdl"]  # one launch from FP32: its timed form
     _check_x16_dot(read, cfg)

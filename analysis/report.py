@@ -24,7 +24,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from replayssm_quant.outpaths import output_file_problem
+from replayssm_quant.outpaths import check_distinct_dirs, output_file_problem
 
 __all__ = ["main", "write_report", "markdown_table"]
 
@@ -132,25 +132,6 @@ def _partial_note(agg: pd.DataFrame) -> str:
     return "; ".join(clauses)
 
 
-def _check_distinct(run_dirs: Sequence) -> None:
-    """Refuse a run directory given twice (the same directory, however spelled), which would
-    otherwise be reported as two runs (``name`` and ``name-2``).
-
-    Raises:
-        ValueError: naming the directory and how it was given.
-    """
-    seen: dict = {}
-    for d in run_dirs:
-        key = Path(d).resolve()
-        if key in seen:
-            if str(seen[key]) == str(d):
-                raise ValueError(f"run directory {str(d)!r} is given twice; give each run "
-                                 "directory once")
-            raise ValueError(f"run directories {str(seen[key])!r} and {str(d)!r} are the same "
-                             f"directory ({key}); give each run directory once")
-        seen[key] = d
-
-
 def _main_window(df: pd.DataFrame, window: int | None) -> int | None:
     """The window of the per-N figures: the one asked, else 16 if the run has it, else the
     only one, else the largest (None if the frame has none)."""
@@ -181,7 +162,7 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False,
     """
     from . import plots, results
 
-    _check_distinct(run_dirs)
+    check_distinct_dirs(run_dirs)
     runs = results.load_runs(run_dirs, prefer_buckets=from_buckets)
     df = runs.positions
     main_w = _main_window(df, window)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replayssm_quant.outpaths import output_file_problem
+from replayssm_quant.outpaths import check_distinct_dirs, output_file_problem
 
 __all__ = ["load_samples", "check_bins", "outside_bins", "bin_by_length", "main"]
 
@@ -76,27 +76,6 @@ PAIR_METRICS = {"word_perplexity": "nll_per_word", "byte_perplexity": "nll_per_b
                 "bits_per_byte": "bits_per_byte"}
 
 
-def _check_distinct_runs(paths) -> None:
-    """Refuse a directory given twice, however spelled, or one inside another: its samples
-    would be counted twice (n doubled, standard errors shrunk) with no other sign.
-
-    Raises:
-        ValueError: naming both paths.
-    """
-    seen = []
-    for p in paths:
-        key = Path(p).resolve()
-        for q, qkey in seen:
-            if key == qkey:
-                raise ValueError(f"{str(p)!r} is given twice (as {str(q)!r} and {str(p)!r}); "
-                                 "give each lm-eval output directory once")
-            if qkey in key.parents or key in qkey.parents:
-                inner, outer = (p, q) if qkey in key.parents else (q, p)
-                raise ValueError(f"{str(inner)!r} lies inside {str(outer)!r}: its samples would "
-                                 "be read twice; give each lm-eval output directory once")
-        seen.append((p, key))
-
-
 def load_samples(paths, tokenizer=None, length: str = "response"):
     """Per-sample rows from lm-eval ``--log_samples`` output directories.
 
@@ -126,7 +105,9 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
     if length not in ("response", "context"):
         raise ValueError(f"length must be 'response' or 'context', got {length!r}")
     rows = []
-    _check_distinct_runs(paths)
+    # once each: a directory given twice or inside another would count its samples twice
+    check_distinct_dirs(paths, "lm-eval output directory", "lm-eval output directories",
+                        nested=True)
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"no such lm-eval output directory: {p}")

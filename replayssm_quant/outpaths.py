@@ -6,7 +6,55 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["output_file_problem"]
+__all__ = ["output_file_problem", "nearest_existing", "ancestor_problem", "check_distinct_dirs"]
+
+
+def nearest_existing(path) -> tuple[Path | None, list[Path]]:
+    """The nearest existing one of ``path`` (made absolute) and its ancestors, and the missing
+    ones below it, deepest first."""
+    missing: list[Path] = []
+    for d in (p := Path(path).absolute(), *p.parents):
+        if d.exists():
+            return d, missing
+        missing.append(d)
+    return None, missing
+
+
+def ancestor_problem(parent: Path | None) -> str | None:
+    """Why nothing can be made under the existing ``parent`` ("not a directory", "not
+    writable"), or None."""
+    if parent is None:
+        return None
+    if not parent.is_dir():
+        return "not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return "not writable"
+    return None
+
+
+def check_distinct_dirs(paths, noun: str = "run directory", nouns: str = "run directories",
+                        nested: bool = False) -> None:
+    """Refuse a directory given twice, however spelled (and, with ``nested``, one inside
+    another given one), which a tool would otherwise read twice.
+
+    Raises:
+        ValueError: naming the directories (``noun`` / ``nouns``: what the tool calls them).
+    """
+    seen: dict = {}
+    for d in paths:
+        key = Path(d).resolve()
+        if key in seen:
+            if str(seen[key]) == str(d):
+                raise ValueError(f"{noun} {str(d)!r} is given twice; give each {noun} once")
+            raise ValueError(f"{nouns} {str(seen[key])!r} and {str(d)!r} are the same directory "
+                             f"({key}): given twice; give each {noun} once")
+        if nested:
+            for qkey, q in seen.items():
+                if qkey in key.parents or key in qkey.parents:
+                    inner, outer = (d, q) if qkey in key.parents else (q, d)
+                    raise ValueError(f"{str(inner)!r} lies inside {str(outer)!r}: its files would "
+                                     f"be read twice; give each {noun} once")
+        seen[key] = d
 
 
 def output_file_problem(path, flag: str = "--output") -> str | None:
@@ -24,15 +72,8 @@ def output_file_problem(path, flag: str = "--output") -> str | None:
         None, or a message naming ``flag`` and the path: the path is a directory, the nearest
         existing ancestor is not a directory, or it is not writable.
     """
-    p = Path(path)
-    if p.is_dir():
+    if Path(path).is_dir():
         return f"{flag} {str(path)!r} is a directory; give a file name"
-    for parent in p.absolute().parents:  # the nearest existing ancestor
-        if parent.exists():
-            if not parent.is_dir():
-                return (f"{flag} {str(path)!r} cannot be written: {str(parent)!r} is not a "
-                        "directory")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                return f"{flag} {str(path)!r} cannot be written: {str(parent)!r} is not writable"
-            return None
-    return None
+    parent, _ = nearest_existing(Path(path).absolute().parent)
+    reason = ancestor_problem(parent)
+    return f"{flag} {str(path)!r} cannot be written: {str(parent)!r} is {reason}" if reason else None

@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 from replayssm_quant.config import GDNFold
+from replayssm_quant.outpaths import ancestor_problem, nearest_existing
 
 from .documents import BOS_CHOICES, BadTokenizer, load_tokenization, make_documents
 from .metrics import PERCENTILES, pair_kl, position_metrics, summarize  # noqa: F401 (re-exported)
@@ -166,14 +167,10 @@ def check_output_dir(path, flag: str = "--output-dir") -> None:
         if not os.access(p, os.W_OK | os.X_OK):
             raise BadArgs(f"{flag} {str(path)!r} is not writable")
         return
-    missing = [p.absolute()]
-    for parent in p.absolute().parents:  # the nearest existing ancestor
-        if parent.exists():
-            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-                raise BadArgs(f"{flag} {str(path)!r} cannot be created: {str(parent)!r} "
-                              f"is {'not a directory' if not parent.is_dir() else 'not writable'}")
-            break
-        missing.append(parent)
+    parent, missing = nearest_existing(p)
+    reason = ancestor_problem(parent)
+    if reason:
+        raise BadArgs(f"{flag} {str(path)!r} cannot be created: {str(parent)!r} is {reason}")
     try:  # exist_ok: ranks under a launcher may probe the same path at once
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:

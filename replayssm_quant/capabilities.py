@@ -12,7 +12,7 @@ import os
 import torch
 
 __all__ = ["TRITON_INTERPRET_ENV", "triton_interpreting", "REPLAY_MIN_KEY_DIM",
-           "replay_kernels_supported"]
+           "replay_kernels_supported", "available_device"]
 
 TRITON_INTERPRET_ENV = "TRITON_INTERPRET"  # Triton's own switch for its interpreter
 REPLAY_MIN_KEY_DIM = 32  # replay kernels: whole nvfp4 (16) and mx (32) blocks along the key axis
@@ -29,3 +29,18 @@ def replay_kernels_supported(key_dim: int, dtype: torch.dtype) -> bool:
     >= :data:`REPLAY_MIN_KEY_DIM` (any value dim)."""
     return (dtype == torch.float32 and key_dim >= REPLAY_MIN_KEY_DIM
             and (key_dim & (key_dim - 1)) == 0)
+
+
+def available_device(device) -> torch.device:
+    """``device`` as tensors report it ("cuda" becomes "cuda:0", the current device), so that
+    equal devices compare equal.
+
+    Raises:
+        ValueError: a device this torch build or machine lacks ("cuda" on a CPU-only build, a
+            GPU index beyond the machine's, an unknown name), naming it.
+    """
+    try:
+        return torch.empty(0, device=device).device
+    except (AssertionError, RuntimeError) as e:
+        raise ValueError(f"device {device!r} is not available in this torch build or on "
+                         f"this machine ({e})") from None

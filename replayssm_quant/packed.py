@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import formats as F
+from .capabilities import available_device
 from .formats import QuantSpec
 
 __all__ = ["PackedTensor"]
@@ -211,11 +212,7 @@ class PackedTensor:
         Raises:
             ValueError: ``device`` is not a device this torch build or machine has.
         """
-        try:
-            device = torch.empty(0, device=device).device
-        except (AssertionError, RuntimeError) as e:  # e.g. "cuda" on a CPU-only build
-            raise ValueError(f"device {device!r} is not available in this torch build or on "
-                             f"this machine ({e})") from None
+        device = available_device(device)
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PackedTensor(self.spec, self.shape, self.codes.to(device),
                             mv(self.block_scales), mv(self.matrix_scale))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..capabilities import available_device
 from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
 from ..config import GDNFold, StateConfig
 from ..packed import PackedTensor
@@ -111,13 +112,8 @@ class ReplayStateBase:
                 + ": drafts must fit in one window to be verified in output-only form")
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-        # as tensors report it: "cuda" becomes "cuda:0" (the current device), so the device
-        # checks below compare equal devices as equal
-        try:
-            self.device = torch.empty(0, device=device).device
-        except (AssertionError, RuntimeError) as e:  # e.g. "cuda" on a CPU-only torch build
-            raise ValueError(f"device {device!r} is not available in this torch build or on "
-                             f"this machine ({e})") from None
+        # as tensors report it, so the device checks below compare equal devices as equal
+        self.device = available_device(device)
         self.dtype = dtype
         self.window = window
         self.max_drafts = max_drafts

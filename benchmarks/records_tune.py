@@ -467,6 +467,12 @@ LEAN32_STEP_CANDIDATES = [_P] + [
 LOUT_STEP_CANDIDATES = [_P] + [
     (None,) * 13 + ((rb, rw, "lean_out"),)
     for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))]
+# --set lone (2026-12-05, thirty-second session): "lean_out" without the products launch
+# (read-pass form "lean_one": each program forms its products with the record keys, so the
+# FP32 step is one launch), beside "lean_out" at its best H100 tile (32 x 1) and the defaults.
+LONE_STEP_CANDIDATES = [_P, (None,) * 13 + ((32, 1, "lean_out"),)] + [
+    (None,) * 13 + ((rb, rw, "lean_one"),)
+    for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -492,6 +498,7 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "idotpdl": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "glrec": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "lean32": {"fp32": "fp32"},
+               "lone": {"fp32": "fp32"},
                "glrec2": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
@@ -540,7 +547,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "glrec": (GLREC_STEP_CANDIDATES, []),
                   "lean32": (LEAN32_STEP_CANDIDATES, []),
                   "glrec2": (GLREC2_STEP_CANDIDATES, []),
-                  "lout": (LOUT_STEP_CANDIDATES, [])}
+                  "lout": (LOUT_STEP_CANDIDATES, []),
+                  "lone": (LONE_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -563,7 +571,7 @@ def cfg_dict(c):
 
 
 def skip(M, c, fmt):
-    if len(c) > 13 and c[13] and len(c[13]) > 2 and c[13][2] == "lean_out" and (
+    if len(c) > 13 and c[13] and len(c[13]) > 2 and c[13][2] in ("lean_out", "lean_one") and (
             fmt != "fp32" or M.V % c[13][0]):
         return True  # the records work in the lean FP32 read pass: FP32 copies, tiles in a head
     if (len(c) > 19 and c[19] is not None and M.gdn

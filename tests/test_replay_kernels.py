@@ -1377,17 +1377,20 @@ def test_lean_read_pass_fp32(gdn, monkeypatch):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, "idot"), False)
 
 
+@pytest.mark.parametrize("form", ["lean_out", "lean_one"])
 @pytest.mark.parametrize("v_rows", [16, 32], ids=["V16", "V32"])
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_lean_out_fp32(gdn, v_rows, monkeypatch):
-    """``read_pass=(block_v, num_warps, "lean_out")`` from an FP32 copy: the lean FP32 read pass
-    does the records work on its own rows (``_f32_step_kernel``; no records launch): the
-    outputs (GDN: and the new correction) against the torch reference and within float32
-    rounding of the lean read pass with the lean records launch, the appended ring equal to
-    the reference ring (v from every tile, la / beta / k once per head or key group, on one and
-    on two tiles per head), a sequence alone the same bits as in the batch, eagerly the same
-    bits twice. Refused by name: an nvfp4 copy, a tile that does not divide V. (V = 32: two
-    16-row tiles per head, this module's geometry otherwise.)"""
+def test_lean_out_fp32(gdn, v_rows, form, monkeypatch):
+    """``read_pass=(block_v, num_warps, form)`` from an FP32 copy, form ``"lean_out"`` or
+    ``"lean_one"``: the lean FP32 read pass does the records work on its own rows
+    (``_f32_step_kernel``; no records launch; ``"lean_one"``: no products launch either, each
+    program forms Z from the record keys, ``ZIN``): the outputs (GDN: and the new correction)
+    against the torch reference and within float32 rounding of the lean read pass with the
+    lean records launch, the appended ring equal to the reference ring (v from every tile,
+    la / beta / k once per head or key group, on one and on two tiles per head), a sequence
+    alone the same bits as in the batch, eagerly the same bits twice. Refused by name: an
+    nvfp4 copy, a tile that does not divide V. (V = 32: two 16-row tiles per head, this
+    module's geometry otherwise.)"""
     monkeypatch.setitem(globals(), "V", v_rows)
     gen = _gen(34)
     R, R_st, ring, h = _ring_state(gen, "fp32", gdn=gdn)
@@ -1395,18 +1398,23 @@ def test_lean_out_fp32(gdn, v_rows, monkeypatch):
     b = torch.arange(B, device=DEVICE)
     spy = _LaunchSpy(kr.records._f32_step_kernel)
     monkeypatch.setattr(kr.records, "_f32_step_kernel", spy)
+    zspy = _LaunchSpy(kr.records._key_products_kernel)
+    monkeypatch.setattr(kr.records, "_key_products_kernel", zspy)
 
     def step(rg, sl, rp, lr=None, read=R_st):
         return _lean_case_step(gdn, read, rg, rec, q, h, sl, read_pass=rp, lean_records=lr)
 
     lean_ring = {n: t.clone() for n, t in ring.items()}
     lean = step(lean_ring, slice(None), (16, 1, "lean"), (1, 1))
-    for rp in ((16, 1, "lean_out"), (16, 2, "lean_out")):
+    for rp in ((16, 1, form), (16, 2, form)):
         rg = {n: t.clone() for n, t in ring.items()}
         seen = _kernel_launches(monkeypatch)
-        n0 = len(spy.calls)
+        n0, z0 = len(spy.calls), len(zspy.calls)
         got = step(rg, slice(None), rp)
-        assert [kw["NC"] for kw in spy.calls[n0:]] == [2 if gdn else 1], spy.calls[n0:]
+        assert [(kw["NC"], kw["ZIN"]) for kw in spy.calls[n0:]] == \
+            [(2 if gdn else 1, form == "lean_one")], spy.calls[n0:]
+        # the products launch: "lean_out" only
+        assert len(zspy.calls) - z0 == (form == "lean_out"), zspy.calls[z0:]
         assert seen == [], seen  # no records-kernel launch
         torch.testing.assert_close(got, want, **TOL)
         torch.testing.assert_close(got, lean, atol=1e-6, rtol=1e-6)
@@ -1419,11 +1427,12 @@ def test_lean_out_fp32(gdn, v_rows, monkeypatch):
         assert torch.equal(_bits(again), _bits(got)), rp
         alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp)
         assert torch.equal(_bits(alone), _bits(got[1:])), rp
-    with pytest.raises(ValueError, match=f"block_v {2 * V} does not divide V = {V}"):
-        step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, "lean_out"))
+    with pytest.raises(ValueError, match=f"'{form}' needs tiles within one value head: "
+                                         f"block_v {2 * V} does not divide V = {V}"):
+        step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, form))
     R4 = _stored(R, "nvfp4", stream=_t(torch.arange(B * H).view(B, H)))
-    with pytest.raises(ValueError, match="'lean_out' takes an fp32 copy"):
-        step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, "lean_out"), read=R4)
+    with pytest.raises(ValueError, match=f"'{form}' takes an fp32 copy"):
+        step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, form), read=R4)
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
@@ -1433,8 +1442,9 @@ def test_lean_out_records_outputs(gdn):
     (``rows == start``: its output from the ring alone, nothing written for it), an output
     position other than the draft row (``out_start = start - 1``), the outputs in slot 1 of a
     two-slot ``out`` (slot 0 untouched), and (GDN) corrections written to a ``w_out`` whose
-    capacity differs from the ring's. The refusals: ``lean_records`` given with it, no
-    ``shared_products``."""
+    capacity differs from the ring's; ``"lean_one"`` the same without ``shared_products``
+    (it forms its own products with the keys). The refusals: ``lean_records`` given with
+    either, ``"lean_out"`` without ``shared_products``."""
     gen = _gen(35)
     R, R_st, ring, h = _ring_state(gen, "fp32", gdn=gdn)
     (la, v, k, beta), q, *_ = _lean_step_case(gen, R, ring, h, gdn)
@@ -1445,7 +1455,7 @@ def test_lean_out_records_outputs(gdn):
     if gdn:
         draft["beta"] = beta[:, None]
 
-    def call(rp, lr):
+    def call(rp, lr, shared=True):
         rg = {n: t.clone() for n, t in ring.items()}
         out = torch.full((B, 2, H, V), 7.0, device=DEVICE)
         wo = torch.full((B, CAP + 3, H, V), 5.0, device=DEVICE) if gdn else None
@@ -1456,21 +1466,23 @@ def test_lean_out_records_outputs(gdn):
             q=q[:, None], start=h, rows=rows, out_start=h - 1, draft=draft, gdn=gdn,
             w_out=wo, append={n: rg[n] for n in (("la", "k", "v", "beta") if gdn else
                                                    ("la", "k", "v"))},
-            out=out, out_slot=1, read_pass=rp, lean_records=lr, shared_products=True)
+            out=out, out_slot=1, read_pass=rp, lean_records=lr, shared_products=shared)
         return out, wo, rg
 
-    out, wo, rg = call((16, 1, "lean_out"), None)
     out_l, wo_l, rg_l = call((16, 1, "lean"), (1, 1))
-    assert torch.equal(out[:, 0], torch.full_like(out[:, 0], 7.0))  # slot 0 untouched
-    torch.testing.assert_close(out, out_l, atol=1e-6, rtol=1e-6)
-    for n in ring:  # the ring: the same appends; nothing written for sequence 0
-        assert torch.equal(rg[n], rg_l[n]), n
-        assert torch.equal(rg[n][0], ring[n][0]), n
-    if gdn:
-        torch.testing.assert_close(wo, wo_l, atol=1e-6, rtol=1e-6)
-        assert torch.equal(wo[0], wo_l[0]) and torch.equal(wo[:, CAP:], wo_l[:, CAP:])
-    with pytest.raises(ValueError, match="lean_records must be None"):
-        call((16, 1, "lean_out"), (1, 1))
+    for rp, shared in (((16, 1, "lean_out"), True), ((16, 1, "lean_one"), False)):
+        out, wo, rg = call(rp, None, shared)
+        assert torch.equal(out[:, 0], torch.full_like(out[:, 0], 7.0))  # slot 0 untouched
+        torch.testing.assert_close(out, out_l, atol=1e-6, rtol=1e-6)
+        for n in ring:  # the ring: the same appends; nothing written for sequence 0
+            assert torch.equal(rg[n], rg_l[n]), (rp, n)
+            assert torch.equal(rg[n][0], ring[n][0]), (rp, n)
+        if gdn:
+            torch.testing.assert_close(wo, wo_l, atol=1e-6, rtol=1e-6)
+            assert torch.equal(wo[0], wo_l[0]) and torch.equal(wo[:, CAP:], wo_l[:, CAP:])
+        with pytest.raises(ValueError, match=f"'{rp[2]}' does the records work.*"
+                                             "lean_records must be None"):
+            call(rp, (1, 1))
     with pytest.raises(ValueError, match="needs shared_products=True"):
         kr.records.records_outputs(
             R_st, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"] if gdn else ring["v"],

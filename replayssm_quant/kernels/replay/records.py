@@ -82,13 +82,17 @@ DEFAULT_WARPS = 4
 # "records" (the records kernel's YOUT path: any copy, any columns), "lean"
 # (_nvfp4_read_kernel for nvfp4 copies, _f32_read_kernel for FP32 ones: at most two columns of
 # X, as a decode step has) and "lean_out" (FP32 copies, a decode step: _f32_step_kernel, the
-# lean read pass that also does the records work on its rows, so no records launch follows).
-READ_FORMS = ("records", "lean", "idot", "idot_pdl", "lean_out")
+# lean read pass that also does the records work on its rows, so no records launch follows)
+# and "lean_one" ("lean_out" that also forms its own products with the record keys, so no
+# products launch comes before it: the decode step in one launch).
+READ_FORMS = ("records", "lean", "idot", "idot_pdl", "lean_out", "lean_one")
 # the lean forms: Y = R X and nothing else, in a launch of its own ("lean" from nvfp4 or FP32;
 # "idot": _nvfp4_read_kernel's integer-dot form, IDOT; "idot_pdl": the same with the read pass
 # dependent (PDL) on X's integers' launch and the products launch after it, so that X's
-# integers overlap the read pass's first loads), and "lean_out" (above)
-LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out")
+# integers overlap the read pass's first loads), and "lean_out" and "lean_one" (above)
+LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out", "lean_one")
+# the read-pass forms that do the records work in the read pass (_f32_step_kernel)
+STEP_FORMS = ("lean_out", "lean_one")
 IDOT_FORMS = ("idot", "idot_pdl")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
@@ -1514,10 +1518,12 @@ def _f32_read_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, TD, TQ,
 @triton.jit
 def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr,
                      dv_ptr, dbeta_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr, av_ptr, abeta_ptr,
-                     z_ptr, H, G, CAP, TD, TQ, OT, OT0, WCAP, V: tl.constexpr,
+                     z_ptr, rk_ptr, H, G, CAP, TD, TQ, OT, OT0, WCAP, V: tl.constexpr,
                      K: tl.constexpr, LP: tl.constexpr, NX: tl.constexpr, NC: tl.constexpr,
                      NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
-                     GDN: tl.constexpr, PDL: tl.constexpr = False):
+                     GDN: tl.constexpr, PDL: tl.constexpr = False, ZIN: tl.constexpr = False,
+                     KC: tl.constexpr = 128, STAGES: tl.constexpr = 1, DOT: tl.constexpr = False,
+                     PREC: tl.constexpr = "ieee"):
     """The lean FP32 read pass with the decode step's records work on its own rows (read-pass
     form ``"lean_out"``; no records launch): ``_f32_read_kernel``'s tile and products (``Y = C
     X``, one float32 reduction over K per row and column) and then, for the tile's ``BV``
@@ -1530,7 +1536,12 @@ def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_pt
     on the first tile of each key group). Every operation is per row once the head's scalars
     (decays, ``Z`` of the products launch) are known, so no other program's rows are read.
     ``PDL``: launched after the products launch; it reads C, the records and X first and
-    waits for the products launch before it reads ``Z``."""
+    waits for the products launch before it reads ``Z``. ``ZIN`` (read-pass form
+    ``"lean_one"``): no products launch; the program forms ``Z`` itself from the record keys
+    (``rk_ptr``, the draft key) with ``_key_products``, as ``_key_products_kernel`` does with
+    the same ``KC``, ``STAGES``, ``DOT`` and ``PREC`` (a reduction's order follows the
+    launch's ``num_warps``, so the last bits of ``Z`` may differ from the products launch's;
+    they depend on the (sequence, key group) alone)."""
     _, _, b, g, off, row0, rl, rmask = _key_group_tile(H, G, V, BV)
     HG = H // G
     hl = off // V  # the tile's head within the key group (V % BV == 0: one head per tile)
@@ -1568,14 +1579,26 @@ def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_pt
         cq = tl.sum(c * x1[None, :], axis=1)  # R q
     else:
         cq = y0
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    zrow = ((b * G + g) * LP + idx) * NX  # [LP]
-    kq = tl.load(z_ptr + zrow + (NC - 1))  # k_j . q [LP]
+    if ZIN:  # Z from the record keys, in this program
+        cx = tl.arange(0, NX)
+        cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, False)
+        Z, _ = _key_products(rk_ptr, dk_ptr, q_ptr, ((b * CAP + ri) * G + g) * K,
+                             ((b * TD + di) * G + g) * K, ring, drf, 0, kbase, isk, qbase, isq,
+                             cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC, NS, NX, D_REL,
+                             DOT, PREC, False, 0, GDN)
+        kq = _col(Z, cx, NC - 1)  # k_j . q [LP]
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        zrow = ((b * G + g) * LP + idx) * NX  # [LP]
+        kq = tl.load(z_ptr + zrow + (NC - 1))  # k_j . q [LP]
     cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
     if GDN:
         if step:
-            kkp = tl.load(z_ptr + zrow)  # k_i . k_p [LP]
+            if ZIN:
+                kkp = _col(Z, cx, 0)  # k_i . k_p [LP]
+            else:
+                kkp = tl.load(z_ptr + zrow)  # k_i . k_p [LP]
             sel = idx == ss
             cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
             before = idx < ss
@@ -2360,6 +2383,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             divides V; refused otherwise) and ``lean_records`` must be None. The same
             operations per element as ``"lean"`` with the lean records launch, summed in
             another layout: within the outputs' tolerance of it, not bit for bit.
+            ``"lean_one"`` (2026-12-05, thirty-second session): ``"lean_out"`` without the
+            products launch, so the decode step is one launch: each program forms its
+            (sequence, key group)'s products with the record keys itself (the products
+            launch's ``_key_products``, the same chunking and products; its reductions'
+            order follows the read pass's ``num_warps``, so within the outputs' tolerance of
+            ``"lean_out"``, not bit for bit); ``shared_products`` is not needed.
             ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
             same bits): GDN's mxfp4 step default since 2026-12-04 (``(32, 2, "records",
@@ -2530,8 +2559,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             raise ValueError(f"lean_records must be None or (heads, num_warps[, early]) with "
                              f"heads a power of two in [1, 64], num_warps 1, 2, 4 or 8 and "
                              f"early a bool, got {lean_records!r}")
-    if lean_records is not None or read_form == "lean_out":
-        what = "lean_records" if lean_records is not None else "read_pass form 'lean_out'"
+    if lean_records is not None or read_form in STEP_FORMS:
+        what = ("lean_records" if lean_records is not None else
+                f"read_pass form {read_form!r}")
         if (TD != 1 or TQ != 1 or NS != (1 if gdn else 0) or matrix or append is None
                 or (w_out is not None) != gdn or w_out_known or at_window is not None
                 or fused_window is not None or not ypre):
@@ -2572,18 +2602,19 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     C = C._replace(LUT=mode == "lookup" and C.FP4, HALF=mode == "half" and C.FP4)
     # the lean read pass's conditions, checked before any launch of this call
     lean = ypre and read_form in LEAN_FORMS
-    # the lean read pass of an FP32 copy (forms "lean" and "lean_out")
-    lean32 = lean and C.KIND == _K_FLOAT and read_form in ("lean", "lean_out")
-    if read_form == "lean_out" and not lean32:
-        raise ValueError(f"read_pass form 'lean_out' takes an fp32 copy, got {spec}")
+    # the lean read pass of an FP32 copy (forms "lean", "lean_out" and "lean_one")
+    lean32 = lean and C.KIND == _K_FLOAT and read_form in ("lean",) + STEP_FORMS
+    if read_form in STEP_FORMS and not lean32:
+        raise ValueError(f"read_pass form {read_form!r} takes an fp32 copy, got {spec}")
     if read_form == "lean_out" and not shared_products:
         raise ValueError("read_pass form 'lean_out' reads the products with the keys from the "
-                         "products launch: it needs shared_products=True")
-    if read_form == "lean_out" and lean_records is not None:
-        raise ValueError(f"read_pass form 'lean_out' does the records work in the read pass: "
-                         f"lean_records must be None, got {lean_records!r}")
-    if read_form == "lean_out" and V % triton.next_power_of_2(read_pass[0]):
-        raise ValueError(f"read_pass form 'lean_out' needs tiles within one value head: "
+                         "products launch: it needs shared_products=True ('lean_one' forms "
+                         "them itself)")
+    if read_form in STEP_FORMS and lean_records is not None:
+        raise ValueError(f"read_pass form {read_form!r} does the records work in the read "
+                         f"pass: lean_records must be None, got {lean_records!r}")
+    if read_form in STEP_FORMS and V % triton.next_power_of_2(read_pass[0]):
+        raise ValueError(f"read_pass form {read_form!r} needs tiles within one value head: "
                          f"block_v {triton.next_power_of_2(read_pass[0])} does not divide "
                          f"V = {V}")
     if lean and not ((C.KIND == _K_NVFP4 or lean32) and NC <= 2 and fused_window is None
@@ -2614,8 +2645,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     dk = draft["k"].contiguous()
     dla, dv, dbeta = draft["la"].contiguous(), draft["v"].contiguous(), beta.contiguous()
     # the products launch (Z once per (sequence, key group)); "lean_out" always takes it (its
-    # read pass forms no products with the keys)
-    zpre = shared_products and ((H // G) * grid[1] > 1 or read_form == "lean_out")
+    # read pass forms no products with the keys), "lean_one" never (it forms them itself)
+    zpre = (shared_products and ((H // G) * grid[1] > 1 or read_form == "lean_out")
+            and read_form != "lean_one")
     # split_x: GDN's matrix form on X in two tiles (one launch that forms its own products
     # with the keys; 32-bit products; not the fused A path; no append)
     forms.update(SPLIT=bool(split_x and gdn and matrix and fused_window is None and not zpre
@@ -2701,18 +2733,23 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                  XS=False, NXS=nxs, C=C, WPRE=wpre, **consts, **forms)
     if lean:  # the lean read pass: Y = C X [B*H*V, NC], nothing else
         rbv = triton.next_power_of_2(read_pass[0])
-        y = (o_arg if read_form == "lean_out" else  # (the fused launch stores no Y)
+        y = (o_arg if read_form in STEP_FORMS else  # (the fused launch stores no Y)
              torch.empty(B * H * V * NC, dtype=torch.float32, device=q.device))
         # EARLY: the lean records launch after it (with PDL) may start as its last wave does
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
-        if read_form == "lean_out":  # the records work in the read pass
+        if read_form in STEP_FORMS:  # the records work in the read pass
+            # "lean_one": the call's only launch (no dependent launch: nothing of this call
+            # before it to wait for)
+            zin = read_form == "lean_one"
             _f32_step_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
                 c, dk, q_arg, start, rows, out_start, ring_la, ring_w, dla, dv, dbeta, o_arg,
-                wo, a_la, a_k, a_v, a_beta, z, H, G, CAP, TD, TQ, o.shape[1], out_slot,
-                wo.shape[1] if w_out is not None else 1, V=V, K=K, LP=LP, NX=NX, NC=NC,
-                NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn, num_warps=read_pass[1],
-                **_pdl_launch(pdl), **_maxnreg_launch(read_maxnreg))
+                wo, a_la, a_k, a_v, a_beta, z, ring_k, H, G, CAP, TD, TQ, o.shape[1],
+                out_slot, wo.shape[1] if w_out is not None else 1, V=V, K=K, LP=LP, NX=NX,
+                NC=NC, NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn, ZIN=zin, KC=KC,
+                STAGES=num_stages or 1, DOT=bool(main_dot), PREC=prec,
+                num_warps=read_pass[1], **_pdl_launch(pdl and zpre),
+                **_maxnreg_launch(read_maxnreg))
             return o
         if lean32:
             _f32_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
@@ -2988,10 +3025,11 @@ def _x16_read_pass(cfg: dict, read_pass, records_pass) -> None:
 def _drop_default_lean_records(cfg: dict, lean_records) -> None:
     """A step configuration's default ``lean_records`` (the caller gave None) is dropped where
     the step cannot take it: no read pass, a matrix form of ``solve``, or the read-pass form
-    ``"lean_out"`` (which does the records work in its read pass). Updates ``cfg`` in place."""
+    ``"lean_out"`` or ``"lean_one"`` (which do the records work in their read pass). Updates
+    ``cfg`` in place."""
     if lean_records is None and (not cfg.get("read_pass")
                                  or cfg.get("solve") not in (None, "substitution")
-                                 or _read_form(cfg["read_pass"]) == "lean_out"):
+                                 or _read_form(cfg["read_pass"]) in STEP_FORMS):
         cfg.pop("lean_records", None)
 
 
@@ -3014,11 +3052,11 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed; ``read_pass``:
     ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
     products with R (form ``"records"``, ``"lean"``, ``"idot"`` or ``"idot_pdl"``; an FP32
-    copy takes ``"lean"`` and ``"lean_out"`` too), or False for one launch; ``lean_records``: ``(heads, num_warps[,
-    early])`` of the lean records launch after a read pass, or False for the records kernel's
-    (:func:`records_outputs`); a default
+    copy takes ``"lean"``, ``"lean_out"`` and ``"lean_one"`` too), or False for one launch;
+    ``lean_records``: ``(heads, num_warps[, early])`` of the lean records launch after a
+    read pass, or False for the records kernel's (:func:`records_outputs`); a default
     ``lean_records`` is dropped where the step has no read pass, takes a matrix form of
-    ``solve`` or the read-pass form ``"lean_out"``)."""
+    ``solve`` or the read-pass forms ``"lean_out"`` and ``"lean_one"``)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
@@ -3061,14 +3099,14 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
     or ``(block_v, num_warps, form[, maxnreg])`` of a separate launch for the products with
     R (form ``"records"``, ``"lean"``, ``"idot"``, ``"idot_pdl"`` or, from an FP32 copy,
-    ``"lean_out"``, :func:`records_outputs`; the nvfp4
+    ``"lean_out"`` or ``"lean_one"``, :func:`records_outputs`; the nvfp4
     default ``(128, 1, "idot")``), or False for one launch; a default lean form with a
     caller's ``use_dot`` of 16-bit products takes the records kernel's read pass
     (``GDN_STEP_FP4_CONFIG``'s), which has them; ``lean_records``: ``(heads, num_warps[,
     early])`` of the lean records launch after a read pass (``_step_out_kernel``), or False
     for the records kernel's (:func:`records_outputs`); a default ``lean_records`` is
     dropped where the step has no read pass, takes a matrix form of ``solve`` or the
-    read-pass form ``"lean_out"``)."""
+    read-pass forms ``"lean_out"`` and ``"lean_one"``)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     f32 = not isinstance(read, PackedTensor) or _kind(read.spec) == _K_FLOAT

@@ -1516,6 +1516,121 @@ def _f32_read_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, TD, TQ,
 
 
 @triton.jit
+def _step_rows_load(ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, b, h, vr,
+                    rmask, H, CAP, TD, V: tl.constexpr, LP: tl.constexpr,
+                    D_REL: tl.constexpr, GDN: tl.constexpr):
+    """What the records work of a decode step's read pass (``_f32_step_kernel``,
+    ``_nvfp4_step_kernel``) loads for value rows ``vr [BV]`` (mask ``rmask``) of value head
+    ``h`` of sequence ``b``, before the rows' products with R: ``(ss, n, o0, idx, ring, drf,
+    di, ri, la, U, pd, vp, bp)``: the sequence's draft row, rows and output slot, the record
+    slots (``_slots``), their log decays ``la [LP]``, the cached corrections (GDN; Mamba-2:
+    v, the draft row's too) ``U [LP, BV]``, the draft row's index, its v ``[BV]`` and (GDN)
+    beta."""
+    ss = tl.load(ss_ptr + b)
+    n = tl.load(n_ptr + b)
+    o0 = tl.load(os_ptr + b)
+    idx = tl.arange(0, LP).to(tl.int64)
+    ring, drf, di, ri = _slots(idx, ss, n, D_REL)
+    la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
+                  tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))  # [LP]
+    m2 = ring[:, None] & rmask[None, :]
+    U = tl.load(rw_ptr + ((b * CAP + ri)[:, None] * H + h) * V + vr[None, :], mask=m2,
+                other=0.0)  # [LP, BV]
+    if D_REL:
+        pd = ss * 0
+    else:
+        pd = ss
+    rstep = rmask & (vr * 0 + n > ss)
+    vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + vr, mask=rstep, other=0.0)  # [BV]
+    if GDN:
+        bp = tl.load(dbeta_ptr + (b * TD + pd) * H + h, mask=n > ss, other=0.0)
+    else:  # Mamba-2: w = v for the draft row too
+        bp = 0.0
+        U += tl.load(dv_ptr + ((b * TD + di)[:, None] * H + h) * V + vr[None, :],
+                     mask=drf[:, None] & rmask[None, :], other=0.0)
+    return ss, n, o0, idx, ring, drf, di, ri, la, U, pd, vp, bp
+
+
+@triton.jit
+def _step_products(z_ptr, rk_ptr, dk_ptr, q_ptr, b, g, ss, n, idx, ring, drf, di, ri, G, CAP,
+                   TD, TQ, K: tl.constexpr, LP: tl.constexpr, NX: tl.constexpr,
+                   NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr,
+                   GDN: tl.constexpr, PDL: tl.constexpr, ZIN: tl.constexpr,
+                   KC: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr,
+                   PREC: tl.constexpr):
+    """A decode step's products with the record keys for sequence ``b``, key group ``g``:
+    ``(kq, kkp)``, ``k_j . q`` and (GDN; else zeros) ``k_i . k_p`` ``[LP]``: from the products
+    launch's ``Z`` (``PDL``: after waiting for it) or, with ``ZIN``, formed here from the
+    record keys by ``_key_products`` (``_key_products_kernel``'s products, the same chunks
+    ``KC`` / ``STAGES`` and ``DOT`` / ``PREC``)."""
+    if ZIN:
+        cx = tl.arange(0, NX)
+        cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, False)
+        Z, _ = _key_products(rk_ptr, dk_ptr, q_ptr, ((b * CAP + ri) * G + g) * K,
+                             ((b * TD + di) * G + g) * K, ring, drf, 0, kbase, isk, qbase, isq,
+                             cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC, NS, NX, D_REL,
+                             DOT, PREC, False, 0, GDN)
+        kq = _col(Z, cx, NC - 1)
+        if GDN:
+            kkp = _col(Z, cx, 0)
+        else:
+            kkp = kq * 0.0
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        zrow = ((b * G + g) * LP + idx) * NX  # [LP]
+        kq = tl.load(z_ptr + zrow + (NC - 1))
+        if GDN:
+            kkp = tl.load(z_ptr + zrow)
+        else:
+            kkp = kq * 0.0
+    return kq, kkp
+
+
+@triton.jit
+def _step_rows_finish(y0, cq, kq, kkp, la, U, vp, bp, b, g, h, hl, off, vr, rmask, ss, n, o0,
+                      idx, pd, dk_ptr, dla_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr, av_ptr,
+                      abeta_ptr, H, G, CAP, TD, OT, OT0, WCAP, V: tl.constexpr,
+                      K: tl.constexpr, GDN: tl.constexpr):
+    """The records work of a decode step's read pass on value rows ``vr`` of head ``h``
+    (``hl`` within its key group, the tile's first row ``off`` within the group), given
+    ``y0 = R k_p`` (GDN; Mamba-2: ``R q``) and ``cq = R q`` ``[BV]``, the products with the
+    keys (``_step_products``) and what ``_step_rows_load`` loaded: GDN's correction of the
+    draft row ``u_p = beta_p (v_p - gamma_{1:p} R k_p) - sum_{i<p} beta_p gamma_{i+1:p}
+    (k_i . k_p) u_i`` (written to ``wo`` at slot p), the output of query 0 at slot ``o``,
+    ``o_o = gamma_{1:o} (R q) + sum_{j<=o} gamma_{j+1:o} (k_j . q) w_j`` (the output-only
+    form, ``replay.gdn.gdn_step_output`` / ``replay.mamba2.mamba2_step_output``), and the
+    append of the draft row (v on every tile; la, beta on the head's first tile; k on the
+    key group's first tile)."""
+    step = n > ss  # the decode step's draft row ss (one at most)
+    cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
+    if GDN:
+        if step:
+            sel = idx == ss
+            cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
+            before = idx < ss
+            coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
+            u = bp * (vp - tl.exp(cp) * y0) - tl.sum(coef[:, None] * U, axis=0)  # [BV]
+            tl.store(wo_ptr + ((b * WCAP + ss) * H + h) * V + vr, u, mask=rmask)
+            U = tl.where(sel[:, None], u[None, :], U)
+    cp = tl.sum(tl.where(idx == o0, cvec, 0.0), axis=0)
+    upto = idx <= o0
+    m = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)), 0.0)
+    o = tl.exp(cp) * cq + tl.sum((m * kq)[:, None] * U, axis=0)
+    tl.store(o_ptr + ((b * OT + OT0) * H + h) * V + vr, o, mask=rmask)
+    if step:  # the decode step's append of row ss
+        tl.store(av_ptr + ((b * CAP + ss) * H + h) * V + vr, vp, mask=rmask)
+        if off - hl * V == 0:  # the head's first tile: its scalars
+            tl.store(ala_ptr + (b * CAP + ss) * H + h, tl.load(dla_ptr + (b * TD + pd) * H + h))
+            if GDN:
+                tl.store(abeta_ptr + (b * CAP + ss) * H + h, bp)
+            if off == 0:  # the key group's first tile: its key
+                kk = tl.arange(0, K)
+                kp = tl.load(dk_ptr + ((b * TD + pd) * G + g) * K + kk)
+                tl.store(ak_ptr + ((b * CAP + ss) * G + g) * K + kk, kp)
+
+
+@triton.jit
 def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr,
                      dv_ptr, dbeta_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr, av_ptr, abeta_ptr,
                      z_ptr, rk_ptr, H, G, CAP, TD, TQ, OT, OT0, WCAP, V: tl.constexpr,
@@ -1550,28 +1665,9 @@ def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_pt
     kk = tl.arange(0, K)
     c = tl.load(c_ptr + row0 * K + (rl[:, None] * K + kk[None, :]), mask=rmask[:, None],
                 other=0.0)  # [BV, K]
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
-    o0 = tl.load(os_ptr + b)
-    idx = tl.arange(0, LP).to(tl.int64)
-    ring, drf, di, ri = _slots(idx, ss, n, D_REL)
-    la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
-                  tl.load(dla_ptr + (b * TD + di) * H + h, mask=drf, other=0.0))  # [LP]
-    m2 = ring[:, None] & rmask[None, :]
-    U = tl.load(rw_ptr + ((b * CAP + ri)[:, None] * H + h) * V + vr[None, :], mask=m2,
-                other=0.0)  # [LP, BV]
-    if D_REL:
-        pd = ss * 0
-    else:
-        pd = ss
-    step = n > ss  # the decode step's draft row ss (one at most)
-    rstep = rmask & (rl * 0 + n > ss)
-    vp = tl.load(dv_ptr + ((b * TD + pd) * H + h) * V + vr, mask=rstep, other=0.0)  # [BV]
-    if GDN:
-        bp = tl.load(dbeta_ptr + (b * TD + pd) * H + h, mask=step, other=0.0)
-    else:  # Mamba-2: w = v for the draft row too
-        U += tl.load(dv_ptr + ((b * TD + di)[:, None] * H + h) * V + vr[None, :],
-                     mask=drf[:, None] & rmask[None, :], other=0.0)
+    ss, n, o0, idx, ring, drf, di, ri, la, U, pd, vp, bp = _step_rows_load(
+        ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, b, h, vr, rmask, H,
+        CAP, TD, V, LP, D_REL, GDN)
     x0 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, 0, NS, K, D_REL)
     y0 = tl.sum(c * x0[None, :], axis=1)  # R k_p (GDN) or R q (Mamba-2)
     if NC == 2:
@@ -1579,47 +1675,12 @@ def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_pt
         cq = tl.sum(c * x1[None, :], axis=1)  # R q
     else:
         cq = y0
-    if ZIN:  # Z from the record keys, in this program
-        cx = tl.arange(0, NX)
-        cs, isk, kbase, isq, qbase = _x_setup(cx, ss, n, b, g, G, TD, TQ, K, NS, D_REL, False)
-        Z, _ = _key_products(rk_ptr, dk_ptr, q_ptr, ((b * CAP + ri) * G + g) * K,
-                             ((b * TD + di) * G + g) * K, ring, drf, 0, kbase, isk, qbase, isq,
-                             cx, b, g, cs, n, G, TD, TQ, K, KC, STAGES, LP, NC, NS, NX, D_REL,
-                             DOT, PREC, False, 0, GDN)
-        kq = _col(Z, cx, NC - 1)  # k_j . q [LP]
-    else:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        zrow = ((b * G + g) * LP + idx) * NX  # [LP]
-        kq = tl.load(z_ptr + zrow + (NC - 1))  # k_j . q [LP]
-    cvec = tl.cumsum(la, axis=0)  # c_p = sum_{j<=p} la_j
-    if GDN:
-        if step:
-            if ZIN:
-                kkp = _col(Z, cx, 0)  # k_i . k_p [LP]
-            else:
-                kkp = tl.load(z_ptr + zrow)  # k_i . k_p [LP]
-            sel = idx == ss
-            cp = tl.sum(tl.where(sel, cvec, 0.0), axis=0)
-            before = idx < ss
-            coef = tl.where(before, (bp * tl.exp(tl.where(before, cp - cvec, 0.0))) * kkp, 0.0)
-            u = bp * (vp - tl.exp(cp) * y0) - tl.sum(coef[:, None] * U, axis=0)  # [BV]
-            tl.store(wo_ptr + ((b * WCAP + ss) * H + h) * V + vr, u, mask=rmask)
-            U = tl.where(sel[:, None], u[None, :], U)
-    cp = tl.sum(tl.where(idx == o0, cvec, 0.0), axis=0)
-    upto = idx <= o0
-    m = tl.where(upto, tl.exp(tl.where(upto, cp - cvec, 0.0)), 0.0)
-    o = tl.exp(cp) * cq + tl.sum((m * kq)[:, None] * U, axis=0)
-    tl.store(o_ptr + ((b * OT + OT0) * H + h) * V + vr, o, mask=rmask)
-    if step:  # the decode step's append of row ss
-        tl.store(av_ptr + ((b * CAP + ss) * H + h) * V + vr, vp, mask=rmask)
-        if off - hl * V == 0:  # the head's first tile: its scalars
-            tl.store(ala_ptr + (b * CAP + ss) * H + h, tl.load(dla_ptr + (b * TD + pd) * H + h))
-            if GDN:
-                tl.store(abeta_ptr + (b * CAP + ss) * H + h, bp)
-            if off == 0:  # the key group's first tile: its key
-                kp = tl.load(dk_ptr + ((b * TD + pd) * G + g) * K + kk)
-                tl.store(ak_ptr + ((b * CAP + ss) * G + g) * K + kk, kp)
+    kq, kkp = _step_products(z_ptr, rk_ptr, dk_ptr, q_ptr, b, g, ss, n, idx, ring, drf, di, ri,
+                             G, CAP, TD, TQ, K, LP, NX, NC, NS, D_REL, GDN, PDL, ZIN, KC,
+                             STAGES, DOT, PREC)
+    _step_rows_finish(y0, cq, kq, kkp, la, U, vp, bp, b, g, h, hl, off, vr, rmask, ss, n, o0,
+                      idx, pd, dk_ptr, dla_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr, av_ptr,
+                      abeta_ptr, H, G, CAP, TD, OT, OT0, WCAP, V, K, GDN)
 
 
 @triton.jit

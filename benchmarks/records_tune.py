@@ -467,12 +467,16 @@ LEAN32_STEP_CANDIDATES = [_P] + [
 LOUT_STEP_CANDIDATES = [_P] + [
     (None,) * 13 + ((rb, rw, "lean_out"),)
     for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))]
-# --set lone (2026-12-05, thirty-second session): "lean_out" without the products launch
-# (read-pass form "lean_one": each program forms its products with the record keys, so the
-# FP32 step is one launch), beside "lean_out" at its best H100 tile (32 x 1) and the defaults.
-LONE_STEP_CANDIDATES = [_P, (None,) * 13 + ((32, 1, "lean_out"),)] + [
+# --set one (2026-12-05, thirty-second session): the decode step in one launch. FP32 copies:
+# "lean_out" without the products launch (read-pass form "lean_one": each program forms its
+# products with the record keys), beside "lean_out" at its best H100 tile (32 x 1); nvfp4
+# copies: "idot_one" (the integer-dot read pass with X's integers formed in the program, the
+# products with the keys and the records work on its rows). Each beside the defaults.
+ONE_STEP_CANDIDATES = [_P, (None,) * 13 + ((32, 1, "lean_out"),)] + [
     (None,) * 13 + ((rb, rw, "lean_one"),)
-    for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))]
+    for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))] + [
+    (None,) * 13 + ((rb, rw, "idot_one"),)
+    for rb, rw in ((16, 1), (32, 1), (64, 1), (64, 2), (128, 1), (128, 2), (128, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -498,7 +502,6 @@ POLICY_SETS = {"b16": {"bf16": "read:bf16/rec:fp32", "fp8": "read:fp8e4m3/rec:fp
                "idotpdl": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "glrec": {"nvfp4": "read:nvfp4/rec:fp16+sr"},
                "lean32": {"fp32": "fp32"},
-               "lone": {"fp32": "fp32"},
                "glrec2": {"nvfp4": "read:nvfp4/rec:fp16+sr"}}
 
 
@@ -548,7 +551,7 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "lean32": (LEAN32_STEP_CANDIDATES, []),
                   "glrec2": (GLREC2_STEP_CANDIDATES, []),
                   "lout": (LOUT_STEP_CANDIDATES, []),
-                  "lone": (LONE_STEP_CANDIDATES, [])}
+                  "one": (ONE_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -574,6 +577,9 @@ def skip(M, c, fmt):
     if len(c) > 13 and c[13] and len(c[13]) > 2 and c[13][2] in ("lean_out", "lean_one") and (
             fmt != "fp32" or M.V % c[13][0]):
         return True  # the records work in the lean FP32 read pass: FP32 copies, tiles in a head
+    if len(c) > 13 and c[13] and len(c[13]) > 2 and c[13][2] == "idot_one" and (
+            fmt != "nvfp4" or M.V % c[13][0]):
+        return True  # the nvfp4 step in one launch: nvfp4 copies, tiles in a head
     if (len(c) > 19 and c[19] is not None and M.gdn
             and CANDIDATE_SET not in ("glrec", "glrec2", "lean32")):
         return True  # lean_records: Mamba-2's step (GDN's in --set glrec, glrec2, lean32)

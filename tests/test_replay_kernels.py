@@ -1435,6 +1435,65 @@ def test_lean_out_fp32(gdn, v_rows, form, monkeypatch):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, form), read=R4)
 
 
+@pytest.mark.parametrize("v_rows", [16, 32], ids=["V16", "V32"])
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+def test_idot_one_nvfp4(gdn, v_rows, monkeypatch):
+    """``read_pass=(block_v, num_warps, "idot_one")`` from an nvfp4 copy: the decode step in
+    one launch (``_nvfp4_step_kernel``: ``"idot"``'s integer-dot read pass with X's integers
+    formed in the program, the products with the record keys, the records work on its rows;
+    no X-integer, products or records launch): the outputs (GDN: and the new correction)
+    against the torch reference on the dequantised copy and within float32 rounding of
+    ``"idot"`` with its launches, the appended ring equal to the reference ring (one and two
+    tiles per head), a sequence alone the same bits as in the batch, the same bits twice.
+    Refused by name: an FP32 copy, a tile that does not divide V."""
+    monkeypatch.setitem(globals(), "V", v_rows)
+    gen = _gen(36)
+    R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
+    rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
+    b = torch.arange(B, device=DEVICE)
+    spies = {n: _LaunchSpy(getattr(kr.records, n)) for n in (
+        "_nvfp4_step_kernel", "_x_int_kernel", "_key_products_kernel", "_nvfp4_read_kernel",
+        "_step_out_kernel")}
+    for n, spy in spies.items():
+        monkeypatch.setattr(kr.records, n, spy)
+
+    def step(rg, sl, rp, read=R_st):
+        return _lean_case_step(gdn, read, rg, rec, q, h, sl, read_pass=rp)
+
+    idot_ring = {n: t.clone() for n, t in ring.items()}
+    idot = step(idot_ring, slice(None), (16, 1, "idot"))
+    assert spies["_nvfp4_read_kernel"].calls and spies["_x_int_kernel"].calls
+    for rp in ((16, 1, "idot_one"), (16, 2, "idot_one")):
+        rg = {n: t.clone() for n, t in ring.items()}
+        seen = _kernel_launches(monkeypatch)
+        n0 = {n: len(spy.calls) for n, spy in spies.items()}
+        got = step(rg, slice(None), rp)
+        launched = {n: len(spy.calls) - n0[n] for n, spy in spies.items()}
+        assert launched == {"_nvfp4_step_kernel": 1, "_x_int_kernel": 0,
+                            "_key_products_kernel": 0, "_nvfp4_read_kernel": 0,
+                            "_step_out_kernel": 0}, launched
+        assert spies["_nvfp4_step_kernel"].calls[-1]["NC"] == (2 if gdn else 1)
+        assert seen == [], seen  # no records-kernel launch
+        torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(got, idot, atol=1e-6, rtol=1e-6)
+        if gdn:
+            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+            torch.testing.assert_close(rg["uR"], idot_ring["uR"], atol=1e-6, rtol=1e-6)
+        for n in ("la", "v", "k") + (("beta",) if gdn else ()):
+            assert torch.equal(rg[n], ref_ring[n]), (rp, n)
+        again = step({n: t.clone() for n, t in ring.items()}, slice(None), rp)
+        assert torch.equal(_bits(again), _bits(got)), rp
+        alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp)
+        assert torch.equal(_bits(alone), _bits(got[1:])), rp
+    with pytest.raises(ValueError, match=f"'idot_one' needs tiles within one value head: "
+                                         f"block_v {2 * V} does not divide V = {V}"):
+        step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, "idot_one"))
+    R32 = _stored(R, "fp32", stream=_t(torch.arange(B * H).view(B, H)))
+    with pytest.raises(ValueError, match="'idot_one' takes an nvfp4 copy"):
+        step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, "idot_one"),
+             read=R32)
+
+
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_lean_out_records_outputs(gdn):
     """``records_outputs(read_pass=(16, 1, "lean_out"))`` beside ``"lean"`` with the lean

@@ -84,15 +84,20 @@ DEFAULT_WARPS = 4
 # X, as a decode step has) and "lean_out" (FP32 copies, a decode step: _f32_step_kernel, the
 # lean read pass that also does the records work on its rows, so no records launch follows)
 # and "lean_one" ("lean_out" that also forms its own products with the record keys, so no
-# products launch comes before it: the decode step in one launch).
-READ_FORMS = ("records", "lean", "idot", "idot_pdl", "lean_out", "lean_one")
+# products launch comes before it: the decode step in one launch); "idot_one" (nvfp4 copies,
+# a decode step: _nvfp4_step_kernel, "idot"'s read pass with X's integers formed in the
+# program, then "lean_one"'s products with the keys and records work: one launch).
+READ_FORMS = ("records", "lean", "idot", "idot_pdl", "lean_out", "lean_one", "idot_one")
 # the lean forms: Y = R X and nothing else, in a launch of its own ("lean" from nvfp4 or FP32;
 # "idot": _nvfp4_read_kernel's integer-dot form, IDOT; "idot_pdl": the same with the read pass
 # dependent (PDL) on X's integers' launch and the products launch after it, so that X's
-# integers overlap the read pass's first loads), and "lean_out" and "lean_one" (above)
-LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out", "lean_one")
-# the read-pass forms that do the records work in the read pass (_f32_step_kernel)
-STEP_FORMS = ("lean_out", "lean_one")
+# integers overlap the read pass's first loads), and "lean_out", "lean_one" and "idot_one"
+# (above)
+LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out", "lean_one", "idot_one")
+# the read-pass forms that do the records work in the read pass: FP32 copies
+# (_f32_step_kernel) and nvfp4 ones (_nvfp4_step_kernel)
+F32_STEP_FORMS = ("lean_out", "lean_one")
+STEP_FORMS = F32_STEP_FORMS + ("idot_one",)
 IDOT_FORMS = ("idot", "idot_pdl")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
@@ -1684,6 +1689,98 @@ def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_pt
 
 
 @triton.jit
+def _x_int_limbs(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, c: tl.constexpr, K: tl.constexpr,
+                 NS: tl.constexpr, D_REL: tl.constexpr):
+    """Column ``c`` of X as integers (``_x_int_col``) in the form ``_x_limbs`` loads them
+    from ``_x_int_store``'s buffer, in registers: the twelve limbs ``[1, K/16]`` (X0, U1, U2
+    of groups 0-3), the per-block bias and ``xs`` ``[1, K/16]``; the same integers."""
+    l0, l1, l2, bias, xs = _x_int_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, c, K, NS, D_REL)
+    r4 = tl.arange(0, 4)[None, :]
+    return (tl.sum(tl.where(r4 == 0, l0, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 1, l0, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 2, l0, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 3, l0, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 0, l1, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 1, l1, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 2, l1, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 3, l1, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 0, l2, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 1, l2, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 2, l2, 0), axis=1)[None, :],
+            tl.sum(tl.where(r4 == 3, l2, 0), axis=1)[None, :],
+            bias[None, :], xs[None, :])
+
+
+@triton.jit
+def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr,
+                       rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr,
+                       av_ptr, abeta_ptr, rk_ptr, H, G, CAP, TD, TQ, OT, OT0, WCAP,
+                       V: tl.constexpr, K: tl.constexpr, LP: tl.constexpr, NX: tl.constexpr,
+                       NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr,
+                       BV: tl.constexpr, GDN: tl.constexpr, PTX: tl.constexpr,
+                       SCVT: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr,
+                       DOT: tl.constexpr, PREC: tl.constexpr):
+    """A decode step from an nvfp4 read copy in one launch (read-pass form ``"idot_one"``):
+    ``_nvfp4_read_kernel``'s integer-dot products ``Y = C X`` (``IDOT``, ``PTX`` / ``SCVT`` as
+    there) for ``BV`` value rows of one value head (``V % BV == 0``), with X's integers
+    formed in the program (``_x_int_limbs``: the integers ``_x_int_kernel`` would store, so
+    the same Y bits as ``"idot"``), then the products with the record keys
+    (``_step_products`` with ``ZIN``) and the records work on the tile's rows
+    (``_step_rows_finish``: GDN's draft-row correction, the output, the append), as
+    ``_f32_step_kernel`` does for FP32 rows. Each row depends on its own codes, its
+    sequence's records and X only."""
+    HG, bg, b, g, off, row0, rl, rmask = _key_group_tile(H, G, V, BV)
+    hl = off // V  # the tile's head within the key group (V % BV == 0: one head per tile)
+    h = g * HG + hl
+    vr = off - hl * V + rl  # the tile's rows within its head
+    NB: tl.constexpr = K // 16
+    jb = tl.arange(0, NB)
+    wi = tl.arange(0, 2)
+    # the codes first (as in _nvfp4_read_kernel)
+    wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row0 * (K // 8)
+                  + (rl[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None]),
+                  mask=rmask[:, None, None], other=0)
+    scode = tl.load(cbs_ptr + row0 * NB + (rl[:, None] * NB + jb[None, :]), mask=rmask[:, None],
+                    other=0)
+    ms = tl.load(cms_ptr + (b * H + g * HG) + (off + rl) // V, mask=rmask,
+                 other=0.0)  # each row's matrix scale
+    if SCVT:  # the hardware's E4M3 conversion (sm_89 and later)
+        sc = _e4m3_value_cvt(scode)
+    else:
+        sc = _e4m3_value_f16(scode)
+    ss, n, o0, idx, ring, drf, di, ri, la, U, pd, vp, bp = _step_rows_load(
+        ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, b, h, vr, rmask, H,
+        CAP, TD, V, LP, D_REL, GDN)
+    w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
+    a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_limbs(
+        dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 0, K, NS, D_REL)
+    if NC == 1:
+        if PTX:
+            i0 = _e2m1_idot16_1(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
+        else:
+            i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
+        y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
+        cq = y0
+    else:
+        d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_limbs(
+            dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 1, K, NS, D_REL)
+        if PTX:
+            i0, i1 = _e2m1_idot16_2(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3,
+                                    d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
+        else:
+            i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
+            i1 = _e2m1_idot16_int(w0, w1, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
+        y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
+        cq = tl.sum(((i1 - xc1).to(tl.float32) * xs1) * sc, axis=1) * ms
+    kq, kkp = _step_products(rk_ptr, rk_ptr, dk_ptr, q_ptr, b, g, ss, n, idx, ring, drf, di, ri,
+                             G, CAP, TD, TQ, K, LP, NX, NC, NS, D_REL, GDN, False, True, KC,
+                             STAGES, DOT, PREC)
+    _step_rows_finish(y0, cq, kq, kkp, la, U, vp, bp, b, g, h, hl, off, vr, rmask, ss, n, o0,
+                      idx, pd, dk_ptr, dla_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr, av_ptr,
+                      abeta_ptr, H, G, CAP, TD, OT, OT0, WCAP, V, K, GDN)
+
+
+@triton.jit
 def _c_times_x16(c_ptr, cbs_ptr, cms_ptr, mat, rowg, rmask, cx, x16_ptr, xinv_ptr, bg,
                  K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, BLK: tl.constexpr,
                  BV: tl.constexpr, NC: tl.constexpr, NXS: tl.constexpr, NX: tl.constexpr,
@@ -2664,9 +2761,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # the lean read pass's conditions, checked before any launch of this call
     lean = ypre and read_form in LEAN_FORMS
     # the lean read pass of an FP32 copy (forms "lean", "lean_out" and "lean_one")
-    lean32 = lean and C.KIND == _K_FLOAT and read_form in ("lean",) + STEP_FORMS
-    if read_form in STEP_FORMS and not lean32:
+    lean32 = lean and C.KIND == _K_FLOAT and read_form in ("lean",) + F32_STEP_FORMS
+    if read_form in F32_STEP_FORMS and not lean32:
         raise ValueError(f"read_pass form {read_form!r} takes an fp32 copy, got {spec}")
+    if read_form == "idot_one" and C.KIND != _K_NVFP4:
+        raise ValueError(f"read_pass form 'idot_one' takes an nvfp4 copy, got {spec}")
     if read_form == "lean_out" and not shared_products:
         raise ValueError("read_pass form 'lean_out' reads the products with the keys from the "
                          "products launch: it needs shared_products=True ('lean_one' forms "
@@ -2706,9 +2805,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     dk = draft["k"].contiguous()
     dla, dv, dbeta = draft["la"].contiguous(), draft["v"].contiguous(), beta.contiguous()
     # the products launch (Z once per (sequence, key group)); "lean_out" always takes it (its
-    # read pass forms no products with the keys), "lean_one" never (it forms them itself)
+    # read pass forms no products with the keys), "lean_one" and "idot_one" never (they form
+    # them themselves)
     zpre = (shared_products and ((H // G) * grid[1] > 1 or read_form == "lean_out")
-            and read_form != "lean_one")
+            and read_form not in ("lean_one", "idot_one"))
     # split_x: GDN's matrix form on X in two tiles (one launch that forms its own products
     # with the keys; 32-bit products; not the fused A path; no append)
     forms.update(SPLIT=bool(split_x and gdn and matrix and fused_window is None and not zpre
@@ -2799,6 +2899,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         # EARLY: the lean records launch after it (with PDL) may start as its last wave does
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
+        if read_form == "idot_one":  # the call's only launch
+            _nvfp4_step_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
+                c, cbs, cms, dk, q_arg, start, rows, out_start, ring_la, ring_w, dla, dv, dbeta,
+                o_arg, wo, a_la, a_k, a_v, a_beta, ring_k, H, G, CAP, TD, TQ, o.shape[1],
+                out_slot, wo.shape[1] if w_out is not None else 1, V=V, K=K, LP=LP, NX=NX,
+                NC=NC, NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn, PTX=mode != "integer",
+                SCVT=mode != "integer" and _e4m3_cvt_runs(q.device), KC=KC,
+                STAGES=num_stages or 1, DOT=bool(main_dot), PREC=prec,
+                num_warps=read_pass[1], **_maxnreg_launch(read_maxnreg))
+            return o
         if read_form in STEP_FORMS:  # the records work in the read pass
             # "lean_one": the call's only launch (no dependent launch: nothing of this call
             # before it to wait for)

@@ -713,6 +713,35 @@ def resummarize(path, emulation, out, argv):
     return result
 
 
+def apply_read_pass_overrides(specs) -> dict:
+    """``--read-pass CONFIG=BV,W,FORM``: set ``replay.records.CONFIG["read_pass"]`` to
+    ``(BV, W, FORM)`` for this process (a form of ``records.STEP_FORMS`` also drops the
+    configuration's ``lean_records``). Returns ``{CONFIG: the configuration now}``; raises
+    ValueError naming a bad specification, an unknown configuration or form."""
+    recs = kr.records
+    out = {}
+    for spec in specs:
+        name, sep, val = spec.partition("=")
+        parts = val.split(",")
+        if not sep or len(parts) != 3:
+            raise ValueError(f"--read-pass takes CONFIG=BV,W,FORM, got {spec!r}")
+        if not (name.endswith("_CONFIG") and isinstance(getattr(recs, name, None), dict)):
+            raise ValueError(f"--read-pass: {name!r} is not a configuration of "
+                             f"replay.records (e.g. GDN_STEP_F32_CONFIG)")
+        try:
+            bv, w = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise ValueError(f"--read-pass: BV and W must be ints, got {spec!r}") from None
+        if parts[2] not in recs.READ_FORMS:
+            raise ValueError(f"--read-pass: form {parts[2]!r} is not one of {recs.READ_FORMS}")
+        cfg = dict(getattr(recs, name), read_pass=(bv, w, parts[2]))
+        if parts[2] in recs.STEP_FORMS:
+            cfg.pop("lean_records", None)
+        setattr(recs, name, cfg)
+        out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -736,6 +765,11 @@ def main(argv=None):
                          "emulate/plain ratio becomes summary.emulation_vs_plain_fla_max")
     ap.add_argument("--ref-seqs", type=int, default=0,
                     help="sequences checked against the reference flush (0: all)")
+    ap.add_argument("--read-pass", action="append", default=[], metavar="CONFIG=BV,W,FORM",
+                    help="time a step configuration of replay.records with another read pass "
+                         "(e.g. GDN_STEP_F32_CONFIG=32,1,lean_one); a form that does the "
+                         "records work in its read pass drops the configuration's "
+                         "lean_records; recorded under 'overrides' (repeatable)")
     ap.add_argument("--resummarize", default=None, metavar="JSON",
                     help="time nothing: recompute the summary of this decode result (with "
                          "--emulation) and write it to --out")
@@ -748,6 +782,10 @@ def main(argv=None):
         if args.emulation and not Path(args.emulation).is_file():
             ap.error(f"--emulation: no such file {args.emulation!r}")
         return resummarize(args.resummarize, args.emulation, args.out, argv)
+    try:
+        overrides = apply_read_pass_overrides(args.read_pass)
+    except ValueError as e:
+        ap.error(str(e))
     if args.tiny != INTERPRET:
         raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before triton is imported "
                          "(decode.py sets it when --tiny is on its command line)")
@@ -787,6 +825,7 @@ def main(argv=None):
               "fla": {"available": fla_fns is not None, "skip_reason": fla_reason,
                       "gdn": "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule",
                       "mamba2": "fla.ops.simple_gla.fused_recurrent_simple_gla"},
+              "overrides": overrides,
               "window_L": L, "verify_T": T, "batches": batches, "policies": POLICIES,
               "timing": f"median of {args.reps} calls, CUDA events per call, pool rotated "
                         f"(>= {POOL_L2_MULTIPLE} x L2 = {POOL_L2_MULTIPLE * l2_bytes()} bytes); "

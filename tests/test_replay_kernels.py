@@ -1393,7 +1393,8 @@ def test_lean_out_fp32(gdn, v_rows, form, monkeypatch):
     module's geometry otherwise.)"""
     monkeypatch.setitem(globals(), "V", v_rows)
     gen = _gen(34)
-    R, R_st, ring, h = _ring_state(gen, "fp32", gdn=gdn)
+    R, R_st, ring, _ = _ring_state(gen, "fp32", gdn=gdn)
+    h = _t(torch.tensor([1, 2]))  # both sequences read ring records (sequence 1: at b * CAP)
     rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
     b = torch.arange(B, device=DEVICE)
     spy = _LaunchSpy(kr.records._f32_step_kernel)
@@ -1425,8 +1426,9 @@ def test_lean_out_fp32(gdn, v_rows, form, monkeypatch):
             assert torch.equal(rg[n], ref_ring[n]), (rp, n)
         again = step({n: t.clone() for n, t in ring.items()}, slice(None), rp)
         assert torch.equal(_bits(again), _bits(got)), rp
-        alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp)
-        assert torch.equal(_bits(alone), _bits(got[1:])), rp
+        for i in range(B):  # each sequence alone
+            alone = step({n: t[i:i + 1].clone() for n, t in ring.items()}, slice(i, i + 1), rp)
+            assert torch.equal(_bits(alone), _bits(got[i:i + 1])), (rp, i)
     with pytest.raises(ValueError, match=f"'{form}' needs tiles within one value head: "
                                          f"block_v {2 * V} does not divide V = {V}"):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, form))
@@ -1448,7 +1450,8 @@ def test_idot_one_nvfp4(gdn, v_rows, monkeypatch):
     Refused by name: an FP32 copy, a tile that does not divide V."""
     monkeypatch.setitem(globals(), "V", v_rows)
     gen = _gen(36)
-    R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
+    R, R_st, ring, _ = _ring_state(gen, "nvfp4", gdn=gdn)
+    h = _t(torch.tensor([1, 2]))  # both sequences read ring records (sequence 1: at b * CAP)
     rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
     b = torch.arange(B, device=DEVICE)
     spies = {n: _LaunchSpy(getattr(kr.records, n)) for n in (
@@ -1483,8 +1486,9 @@ def test_idot_one_nvfp4(gdn, v_rows, monkeypatch):
             assert torch.equal(rg[n], ref_ring[n]), (rp, n)
         again = step({n: t.clone() for n, t in ring.items()}, slice(None), rp)
         assert torch.equal(_bits(again), _bits(got)), rp
-        alone = step({n: t[1:].clone() for n, t in ring.items()}, slice(1, 2), rp)
-        assert torch.equal(_bits(alone), _bits(got[1:])), rp
+        for i in range(B):  # each sequence alone
+            alone = step({n: t[i:i + 1].clone() for n, t in ring.items()}, slice(i, i + 1), rp)
+            assert torch.equal(_bits(alone), _bits(got[i:i + 1])), (rp, i)
     with pytest.raises(ValueError, match=f"'idot_one' needs tiles within one value head: "
                                          f"block_v {2 * V} does not divide V = {V}"):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, "idot_one"))
@@ -1494,18 +1498,21 @@ def test_idot_one_nvfp4(gdn, v_rows, monkeypatch):
              read=R32)
 
 
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_lean_out_records_outputs(gdn):
+def test_lean_out_records_outputs(gdn, read_fmt):
     """``records_outputs(read_pass=(16, 1, "lean_out"))`` beside ``"lean"`` with the lean
     records launch, on what the step wrappers never pass: a sequence that does not step
     (``rows == start``: its output from the ring alone, nothing written for it), an output
     position other than the draft row (``out_start = start - 1``), the outputs in slot 1 of a
     two-slot ``out`` (slot 0 untouched), and (GDN) corrections written to a ``w_out`` whose
     capacity differs from the ring's; ``"lean_one"`` the same without ``shared_products``
-    (it forms its own products with the keys). The refusals: ``lean_records`` given with
-    either, ``"lean_out"`` without ``shared_products``."""
+    (it forms its own products with the keys); from an nvfp4 copy ``"idot_one"`` beside
+    ``"idot"`` with the lean records launch, on the same cases. The refusals:
+    ``lean_records`` given with any of them, ``"lean_out"`` without ``shared_products``,
+    a draft indexed by slot (``draft_relative=False``)."""
     gen = _gen(35)
-    R, R_st, ring, h = _ring_state(gen, "fp32", gdn=gdn)
+    R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=gdn)
     (la, v, k, beta), q, *_ = _lean_step_case(gen, R, ring, h, gdn)
     b = torch.arange(B, device=DEVICE)
     h = torch.maximum(h, torch.ones_like(h))  # out_start = h - 1 >= 0
@@ -1514,7 +1521,7 @@ def test_lean_out_records_outputs(gdn):
     if gdn:
         draft["beta"] = beta[:, None]
 
-    def call(rp, lr, shared=True):
+    def call(rp, lr, shared=True, rel=True):
         rg = {n: t.clone() for n, t in ring.items()}
         out = torch.full((B, 2, H, V), 7.0, device=DEVICE)
         wo = torch.full((B, CAP + 3, H, V), 5.0, device=DEVICE) if gdn else None
@@ -1525,11 +1532,17 @@ def test_lean_out_records_outputs(gdn):
             q=q[:, None], start=h, rows=rows, out_start=h - 1, draft=draft, gdn=gdn,
             w_out=wo, append={n: rg[n] for n in (("la", "k", "v", "beta") if gdn else
                                                    ("la", "k", "v"))},
-            out=out, out_slot=1, read_pass=rp, lean_records=lr, shared_products=shared)
+            out=out, out_slot=1, read_pass=rp, lean_records=lr, shared_products=shared,
+            draft_relative=rel)
         return out, wo, rg
 
-    out_l, wo_l, rg_l = call((16, 1, "lean"), (1, 1))
-    for rp, shared in (((16, 1, "lean_out"), True), ((16, 1, "lean_one"), False)):
+    if read_fmt == "fp32":
+        out_l, wo_l, rg_l = call((16, 1, "lean"), (1, 1))
+        forms = (((16, 1, "lean_out"), True), ((16, 1, "lean_one"), False))
+    else:
+        out_l, wo_l, rg_l = call((16, 1, "idot"), (1, 1))
+        forms = (((16, 1, "idot_one"), False), ((16, 1, "idot_one"), True))
+    for rp, shared in forms:
         out, wo, rg = call(rp, None, shared)
         assert torch.equal(out[:, 0], torch.full_like(out[:, 0], 7.0))  # slot 0 untouched
         torch.testing.assert_close(out, out_l, atol=1e-6, rtol=1e-6)
@@ -1542,6 +1555,11 @@ def test_lean_out_records_outputs(gdn):
         with pytest.raises(ValueError, match=f"'{rp[2]}' does the records work.*"
                                              "lean_records must be None"):
             call(rp, (1, 1))
+        with pytest.raises(ValueError, match=f"'{rp[2]}' is the option of a decode step.*"
+                                             "draft_relative=False"):
+            call(rp, None, shared, rel=False)
+    if read_fmt == "nvfp4":
+        return
     with pytest.raises(ValueError, match="needs shared_products=True"):
         kr.records.records_outputs(
             R_st, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"] if gdn else ring["v"],

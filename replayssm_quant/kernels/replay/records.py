@@ -1654,7 +1654,7 @@ def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_pt
     output-only form, ``replay.gdn.gdn_step_output`` / ``replay.mamba2.mamba2_step_output``),
     and the append of the draft row (v on every tile; la, beta on the head's first tile; k
     on the first tile of each key group). Every operation is per row once the head's scalars
-    (decays, ``Z`` of the products launch) are known, so no other program's rows are read.
+    (decays, ``Z`` of the products with the keys) are known, so no other program's rows are read.
     ``PDL``: launched after the products launch; it reads C, the records and X first and
     waits for the products launch before it reads ``Z``. ``ZIN`` (read-pass form
     ``"lean_one"``): no products launch; the program forms ``Z`` itself from the record keys
@@ -2546,7 +2546,14 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             (sequence, key group)'s products with the record keys itself (the products
             launch's ``_key_products``, the same chunking and products; its reductions'
             order follows the read pass's ``num_warps``, so within the outputs' tolerance of
-            ``"lean_out"``, not bit for bit); ``shared_products`` is not needed.
+            ``"lean_out"``, not bit for bit); ``shared_products`` and ``pdl`` do not apply
+            (one ordinary launch). ``"idot_one"`` (an nvfp4 copy, the same decode-step
+            conditions; 2026-12-05): ``_nvfp4_step_kernel``, the decode step from an nvfp4
+            copy in one launch: ``"idot"``'s integer-dot products with X's integers formed
+            in the program (the integers ``_x_int_kernel`` stores, so the same Y), then
+            ``"lean_one"``'s products with the record keys and records work on its rows
+            (tiles within a value head; ``lean_records`` must be None; ``shared_products``
+            and ``pdl`` do not apply).
             ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
             same bits): GDN's mxfp4 step default since 2026-12-04 (``(32, 2, "records",
@@ -2722,12 +2729,14 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                 f"read_pass form {read_form!r}")
         if (TD != 1 or TQ != 1 or NS != (1 if gdn else 0) or matrix or append is None
                 or (w_out is not None) != gdn or w_out_known or at_window is not None
-                or fused_window is not None or not ypre):
+                or fused_window is not None or not ypre or not draft_relative):
             raise ValueError(f"{what} is the option of a decode step after a read pass "
-                             f"(one draft row, one query, append, solve='substitution', "
-                             f"read_pass given, no at_window / fused_window / w_out_known; "
-                             f"GDN: w_out given and solved=1; Mamba-2: no w_out, no solved "
-                             f"rows); got gdn={gdn!r}, {TD} draft rows, {TQ} queries, "
+                             f"(one draft row given as draft, indexed relative to start "
+                             f"(draft_relative=True), one query, append, "
+                             f"solve='substitution', read_pass given, no at_window / "
+                             f"fused_window / w_out_known; GDN: w_out given and solved=1; "
+                             f"Mamba-2: no w_out, no solved rows); got gdn={gdn!r}, "
+                             f"draft_relative={draft_relative!r}, {TD} draft rows, {TQ} queries, "
                              f"solved={NS}, solve={solve!r}, "
                              f"append={'given' if append is not None else None}, "
                              f"w_out={'given' if w_out is not None else None}, "
@@ -2779,8 +2788,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                          f"V = {V}")
     if lean and not ((C.KIND == _K_NVFP4 or lean32) and NC <= 2 and fused_window is None
                      and use_dot not in X16_DOTS):
-        raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy (forms 'lean' and "
-                         f"'lean_out' also an fp32 one), at most 2 columns of X "
+        raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy (forms 'lean', "
+                         f"'lean_out' and 'lean_one' an fp32 one), at most 2 columns of X "
                          f"(a decode step's), no fused_window and no use_dot in {X16_DOTS}; "
                          f"got the copy {spec}, {NC} column{'s' if NC != 1 else ''} of X, "
                          f"fused_window={fused_window!r}, "
@@ -3196,8 +3205,8 @@ def _x16_read_pass(cfg: dict, read_pass, records_pass) -> None:
 def _drop_default_lean_records(cfg: dict, lean_records) -> None:
     """A step configuration's default ``lean_records`` (the caller gave None) is dropped where
     the step cannot take it: no read pass, a matrix form of ``solve``, or the read-pass form
-    ``"lean_out"`` or ``"lean_one"`` (which do the records work in their read pass). Updates
-    ``cfg`` in place."""
+    ``"lean_out"``, ``"lean_one"`` or ``"idot_one"`` (which do the records work in their read
+    pass). Updates ``cfg`` in place."""
     if lean_records is None and (not cfg.get("read_pass")
                                  or cfg.get("solve") not in (None, "substitution")
                                  or _read_form(cfg["read_pass"]) in STEP_FORMS):
@@ -3223,11 +3232,12 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed; ``read_pass``:
     ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
     products with R (form ``"records"``, ``"lean"``, ``"idot"`` or ``"idot_pdl"``; an FP32
-    copy takes ``"lean"``, ``"lean_out"`` and ``"lean_one"`` too), or False for one launch;
+    copy takes ``"lean"``, ``"lean_out"`` and ``"lean_one"`` too; an nvfp4 one ``"idot_one"``),
+    or False for one launch;
     ``lean_records``: ``(heads, num_warps[, early])`` of the lean records launch after a
     read pass, or False for the records kernel's (:func:`records_outputs`); a default
     ``lean_records`` is dropped where the step has no read pass, takes a matrix form of
-    ``solve`` or the read-pass forms ``"lean_out"`` and ``"lean_one"``)."""
+    ``solve`` or the read-pass forms ``"lean_out"``, ``"lean_one"`` and ``"idot_one"``)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
@@ -3270,14 +3280,15 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
     or ``(block_v, num_warps, form[, maxnreg])`` of a separate launch for the products with
     R (form ``"records"``, ``"lean"``, ``"idot"``, ``"idot_pdl"`` or, from an FP32 copy,
-    ``"lean_out"`` or ``"lean_one"``, :func:`records_outputs`; the nvfp4
+    ``"lean_out"`` or ``"lean_one"``, from an nvfp4 one ``"idot_one"``,
+    :func:`records_outputs`; the nvfp4
     default ``(128, 1, "idot")``), or False for one launch; a default lean form with a
     caller's ``use_dot`` of 16-bit products takes the records kernel's read pass
     (``GDN_STEP_FP4_CONFIG``'s), which has them; ``lean_records``: ``(heads, num_warps[,
     early])`` of the lean records launch after a read pass (``_step_out_kernel``), or False
     for the records kernel's (:func:`records_outputs`); a default ``lean_records`` is
     dropped where the step has no read pass, takes a matrix form of ``solve`` or the
-    read-pass forms ``"lean_out"`` and ``"lean_one"``)."""
+    read-pass forms ``"lean_out"``, ``"lean_one"`` and ``"idot_one"``)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     f32 = not isinstance(read, PackedTensor) or _kind(read.spec) == _K_FLOAT

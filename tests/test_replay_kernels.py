@@ -1438,6 +1438,59 @@ def test_lean_out_fp32(gdn, v_rows, form, monkeypatch):
 
 
 @pytest.mark.parametrize("v_rows", [16, 32], ids=["V16", "V32"])
+def test_gdn_fp32_step_default_lean_out(v_rows, monkeypatch):
+    """GDN's FP32 step by default (``GDN_STEP_F32_CONFIG``): the products launch, then the
+    lean FP32 read pass with the records work (``"lean_out"``, 32-row tiles), no records
+    launch; where 32 does not divide V (V = 16) ``GDN_STEP_F32_SPAN_CONFIG`` (the lean read
+    pass, then the lean records launch). With ``lean_records`` given and no ``read_pass`` the
+    default tile runs as ``"lean"`` with that launch. Each against the torch reference and
+    within float32 rounding of the others, each sequence alone the same bits as in the
+    batch."""
+    assert kr.records.GDN_STEP_F32_CONFIG["read_pass"] == (32, 1, "lean_out")
+    monkeypatch.setitem(globals(), "V", v_rows)
+    gen = _gen(37)
+    R, R_st, ring, _ = _ring_state(gen, "fp32", gdn=True)
+    h = _t(torch.tensor([1, 2]))
+    rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, True)
+    la, v, k, beta = rec
+    b = torch.arange(B, device=DEVICE)
+    spies = {n: _LaunchSpy(getattr(kr.records, n)) for n in (
+        "_f32_step_kernel", "_f32_read_kernel", "_key_products_kernel", "_step_out_kernel")}
+    for n, spy in spies.items():
+        monkeypatch.setattr(kr.records, n, spy)
+
+    def step(sl, **kw):
+        rg = {n: t[sl].clone() for n, t in ring.items()}
+        return kr.gdn_step_kernel(_rows_of(R_st, sl), rg, q[sl], k[sl], v[sl], la[sl], beta[sl],
+                                  h[sl], **kw), rg
+
+    outs = {}
+    split = {"_f32_step_kernel": 0, "_f32_read_kernel": 1, "_key_products_kernel": 1,
+             "_step_out_kernel": 1}
+    for name, kw, launches in (
+            ("default", {}, split if v_rows % 32 else
+             {"_f32_step_kernel": 1, "_f32_read_kernel": 0, "_key_products_kernel": 1,
+              "_step_out_kernel": 0}),
+            ("lean_records", {"lean_records": (1, 1)}, split)):
+        seen = _kernel_launches(monkeypatch)
+        n0 = {n: len(spy.calls) for n, spy in spies.items()}
+        got, rg = step(slice(None), **kw)
+        assert {n: len(spy.calls) - n0[n] for n, spy in spies.items()} == launches, name
+        if launches["_f32_read_kernel"]:  # the tile: 32 rows (the SPAN tile has 2 warps)
+            assert spies["_f32_read_kernel"].calls[-1]["BV"] == 32
+        assert seen == [], seen  # no records-kernel launch
+        torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+        for n in ("la", "v", "k", "beta"):
+            assert torch.equal(rg[n], ref_ring[n]), (name, n)
+        for i in range(B):
+            alone, _ = step(slice(i, i + 1), **kw)
+            assert torch.equal(_bits(alone), _bits(got[i:i + 1])), (name, i)
+        outs[name] = got
+    torch.testing.assert_close(outs["default"], outs["lean_records"], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("v_rows", [16, 32], ids=["V16", "V32"])
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_idot_one_nvfp4(gdn, v_rows, monkeypatch):
     """``read_pass=(block_v, num_warps, "idot_one")`` from an nvfp4 copy: the decode step in

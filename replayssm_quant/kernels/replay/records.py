@@ -206,8 +206,19 @@ GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(128, 1, "idot"),
 # then the lean records launch: 171.5 -> 164.4 us (every tile 164.4-165.8). Mamba-2's FP32
 # step keeps its one launch (284.8 us; 289.1-303.6 this way). Half copies keep
 # GDN_STEP_WIDE_CONFIG (the lean FP32 read pass reads float32 rows only).
-GDN_STEP_F32_CONFIG = dict(GDN_STEP_WIDE_CONFIG, read_pass=(32, 2, "lean"),
-                           lean_records=(1, 1, True), pdl=None)
+# Since the thirty-second session (2026-12-05), on H100 evidence (no H200 was lent): the
+# records work in the lean FP32 read pass (read-pass form "lean_out", 32-row tiles, 1 warp),
+# so no records launch follows the products launch and the read pass: records_tune --set lout
+# / --set one, B = 256, h = 7, 221.0 / 221.2 -> 217.0 / 216.8 us (records_tune_lout_f5091d7_h100,
+# records_tune_one_1dc4f92_h100); decode.py GDN B = 256, fp32 step mean 222.2 -> 215.7 us,
+# amortised 1.526x -> 1.566x fla (decode_gdn_lout32x1_1dc4f92_h100). Forming the products with
+# the keys in the same launch ("lean_one") lost: 251.6 us at best.
+GDN_STEP_F32_CONFIG = dict(GDN_STEP_WIDE_CONFIG, read_pass=(32, 1, "lean_out"), pdl=None)
+# GDN_STEP_F32_CONFIG's form needs tiles within a value head; where its tile does not divide
+# the head dim V, the step takes the previous default (the lean read pass on tiles that may
+# span heads, then the lean records launch; 164.4 us on the H200 at B = 256, h = 7)
+GDN_STEP_F32_SPAN_CONFIG = dict(GDN_STEP_WIDE_CONFIG, read_pass=(32, 2, "lean"),
+                                lean_records=(1, 1, True), pdl=None)
 # Verify (2026-12-01, records_tune --set verify2, records_tune_verify2_h200.json, B = 256, h = 0 /
 # h = 8): the matrix form of the solve and the outputs (solve="inverse") in every case. GDN
 # 128 rows, tf32x3: 615 / 1335 us from an FP32 copy (forward substitution, 64 rows: 982 /
@@ -3202,15 +3213,34 @@ def _x16_read_pass(cfg: dict, read_pass, records_pass) -> None:
         cfg["read_pass"] = records_pass
 
 
-def _drop_default_lean_records(cfg: dict, lean_records) -> None:
+def _fit_step_form(cfg: dict, read_pass, lean_records, V: int, fallback: dict) -> None:
+    """A default read pass of ``STEP_FORMS`` (the caller gave no ``read_pass``) whose tile
+    does not divide the head dim ``V`` is replaced by ``fallback``'s read pass, with its
+    ``lean_records`` where the caller gave none. Updates ``cfg`` in place."""
+    rp = cfg.get("read_pass")
+    if (read_pass is None and _read_form(rp) in STEP_FORMS
+            and V % triton.next_power_of_2(rp[0])):
+        cfg["read_pass"] = fallback["read_pass"]
+        if lean_records is None and "lean_records" in fallback:
+            cfg["lean_records"] = fallback["lean_records"]
+
+
+def _drop_default_lean_records(cfg: dict, lean_records, read_pass=None) -> None:
     """A step configuration's default ``lean_records`` (the caller gave None) is dropped where
     the step cannot take it: no read pass, a matrix form of ``solve``, or the read-pass form
     ``"lean_out"``, ``"lean_one"`` or ``"idot_one"`` (which do the records work in their read
-    pass). Updates ``cfg`` in place."""
+    pass). Where the caller gave ``lean_records`` (a launch, or False for the records
+    kernel's) but no ``read_pass`` and the default read pass is one of those forms, the
+    default tile takes the form with a records launch after it (``"lean"``; ``"idot"`` for
+    ``"idot_one"``). Updates ``cfg`` in place."""
+    form = _read_form(cfg.get("read_pass"))
     if lean_records is None and (not cfg.get("read_pass")
                                  or cfg.get("solve") not in (None, "substitution")
-                                 or _read_form(cfg["read_pass"]) in STEP_FORMS):
+                                 or form in STEP_FORMS):
         cfg.pop("lean_records", None)
+    elif lean_records is not None and read_pass is None and form in STEP_FORMS:
+        rp = cfg["read_pass"]
+        cfg["read_pass"] = (rp[0], rp[1], "idot" if form == "idot_one" else "lean")
 
 
 # ---------------------------------------------------------------- decode step
@@ -3237,7 +3267,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     ``lean_records``: ``(heads, num_warps[, early])`` of the lean records launch after a
     read pass, or False for the records kernel's (:func:`records_outputs`); a default
     ``lean_records`` is dropped where the step has no read pass, takes a matrix form of
-    ``solve`` or the read-pass forms ``"lean_out"``, ``"lean_one"`` and ``"idot_one"``)."""
+    ``solve`` or the read-pass forms ``"lean_out"``, ``"lean_one"`` and ``"idot_one"``; a
+    given one without ``read_pass`` runs the default tile in ``"lean"`` / ``"idot"``)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
@@ -3249,7 +3280,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
                   lean_records=lean_records)
     _x16_read_pass(cfg, read_pass, MAMBA2_STEP_FP4_CONFIG["read_pass"])
-    _drop_default_lean_records(cfg, lean_records)
+    _drop_default_lean_records(cfg, lean_records, read_pass)
     _check_x16_dot(read, cfg)
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
@@ -3272,8 +3303,10 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     (k_i . k) u_i)`` against the stored read copy and the cached corrections, cache it in
     ``ring["uR"]`` and return ``o [B, HV, DV]`` in output-only form. Ring dict: ``la, beta
     [B,CAP,HV]``, ``v, uR [B,CAP,HV,DV]``, ``k [B,CAP,HK,DK]`` (updated in place). Launch
-    configuration: ``STEP_CONFIG`` (``GDN_STEP_F32_CONFIG`` for an FP32 read copy: the lean
-    FP32 read pass and the lean records launch; ``GDN_STEP_WIDE_CONFIG`` for a half one,
+    configuration: ``STEP_CONFIG`` (``GDN_STEP_F32_CONFIG`` for an FP32 read copy: the
+    products launch, then the lean FP32 read pass with the records work on its rows
+    (``"lean_out"``; ``GDN_STEP_F32_SPAN_CONFIG`` where its tile does not divide DV);
+    ``GDN_STEP_WIDE_CONFIG`` for a half one,
     ``GDN_STEP_NVFP4_CONFIG`` for an nvfp4 one, ``GDN_STEP_FP4_CONFIG`` for mxfp4,
     ``GDN_STEP_FP8_CONFIG`` for an
     fp8 one, ``GDN_STEP_BLOCKED_CONFIG`` for mxfp8) unless given (``solve``: the matrix forms
@@ -3288,7 +3321,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     early])`` of the lean records launch after a read pass (``_step_out_kernel``), or False
     for the records kernel's (:func:`records_outputs`); a default ``lean_records`` is
     dropped where the step has no read pass, takes a matrix form of ``solve`` or the
-    read-pass forms ``"lean_out"``, ``"lean_one"`` and ``"idot_one"``)."""
+    read-pass forms ``"lean_out"``, ``"lean_one"`` and ``"idot_one"``; a given one without
+    ``read_pass`` runs the default tile in ``"lean"`` / ``"idot"``)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     f32 = not isinstance(read, PackedTensor) or _kind(read.spec) == _K_FLOAT
@@ -3302,7 +3336,9 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
                   e2m1_decode=e2m1_decode, read_pass=read_pass, pdl=pdl, late_sum=late_sum,
                   lean_records=lean_records)
     _x16_read_pass(cfg, read_pass, GDN_STEP_FP4_CONFIG["read_pass"])
-    _drop_default_lean_records(cfg, lean_records)
+    if f32:
+        _fit_step_form(cfg, read_pass, lean_records, v.shape[-1], GDN_STEP_F32_SPAN_CONFIG)
+    _drop_default_lean_records(cfg, lean_records, read_pass)
     if f32 and pdl is None and not cfg.get("read_pass"):
         cfg["pdl"] = GDN_STEP_WIDE_CONFIG["pdl"]  # one launch from FP32: its timed form
     _check_x16_dot(read, cfg)

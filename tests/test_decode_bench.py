@@ -240,3 +240,35 @@ def test_decode_model_shared_products_switch():
             getattr(records, n).clear()
             getattr(records, n).update(d)
     assert {n: getattr(records, n) for n in before} == before
+
+
+def test_read_pass_overrides(monkeypatch):
+    """``decode.py --read-pass CONFIG=BV,W,FORM`` (``apply_read_pass_overrides``): sets the
+    named configuration's read pass (a records-work form also drops its ``lean_records``),
+    returns what it set, and refuses a malformed specification, an unknown configuration
+    and an unknown form by name."""
+    env = dict(os.environ)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import decode
+    finally:
+        sys.path.pop(0)
+        os.environ.clear()
+        os.environ.update(env)  # (decode.py sets REPLAYSSM_BACKEND where unset)
+    recs = decode.kr.records
+    for name in ("GDN_STEP_F32_CONFIG", "GDN_STEP_NVFP4_CONFIG"):
+        monkeypatch.setattr(recs, name, dict(getattr(recs, name)))  # restored afterwards
+    nv = recs.GDN_STEP_NVFP4_CONFIG
+    assert "lean_records" in nv
+    out = decode.apply_read_pass_overrides(["GDN_STEP_NVFP4_CONFIG=64,2,idot_one",
+                                            "GDN_STEP_F32_CONFIG=16,1,lean"])
+    assert recs.GDN_STEP_NVFP4_CONFIG["read_pass"] == (64, 2, "idot_one")
+    assert "lean_records" not in recs.GDN_STEP_NVFP4_CONFIG
+    assert out["GDN_STEP_NVFP4_CONFIG"]["read_pass"] == [64, 2, "idot_one"]
+    assert recs.GDN_STEP_F32_CONFIG["read_pass"] == (16, 1, "lean")
+    for bad, msg in (("GDN_STEP_F32_CONFIG=16,1", "takes CONFIG=BV,W,FORM"),
+                     ("NOPE_CONFIG=16,1,lean", "'NOPE_CONFIG' is not a configuration"),
+                     ("GDN_STEP_F32_CONFIG=a,1,lean", "BV and W must be ints"),
+                     ("GDN_STEP_F32_CONFIG=16,1,leen", "form 'leen' is not one of")):
+        with pytest.raises(ValueError, match=msg):
+            decode.apply_read_pass_overrides([bad])

@@ -55,7 +55,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 KERNELS = ("_flush_kernel", "_records_kernel", "_key_products_kernel", "_fold_coeffs_kernel",
-           "_nvfp4_read_kernel", "_x_int_kernel", "_step_out_kernel", "_f32_read_kernel")
+           "_nvfp4_read_kernel", "_x_int_kernel", "_step_out_kernel", "_f32_read_kernel",
+           "_f32_step_kernel", "_nvfp4_step_kernel")
 SM = 90  # the compute capability compiled for (--sm)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 

@@ -1377,6 +1377,28 @@ def test_lean_read_pass_fp32(gdn, monkeypatch):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, "idot"), False)
 
 
+def _check_step_form(step, ring, rp, got, rg, ref, near, h, gdn):
+    """A decode step's outputs ``got`` and ring ``rg`` after it, with read pass ``rp``: against
+    the torch reference ``ref = (want, uR, ref_ring)`` (the outputs, GDN's new corrections;
+    the ring's appends exact), within float32 rounding of another form's ``near = (out,
+    ring)``, the same bits twice and each sequence alone the same bits as in the batch
+    (``step(ring, rows, rp)`` runs the step on fresh copies)."""
+    want, uR, ref_ring = ref
+    b = torch.arange(B, device=DEVICE)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got, near[0], atol=1e-6, rtol=1e-6)
+    if gdn:
+        torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
+        torch.testing.assert_close(rg["uR"], near[1]["uR"], atol=1e-6, rtol=1e-6)
+    for n in ("la", "v", "k") + (("beta",) if gdn else ()):
+        assert torch.equal(rg[n], ref_ring[n]), (rp, n)
+    again = step({n: t.clone() for n, t in ring.items()}, slice(None), rp)
+    assert torch.equal(_bits(again), _bits(got)), rp
+    for i in range(B):  # each sequence alone
+        alone = step({n: t[i:i + 1].clone() for n, t in ring.items()}, slice(i, i + 1), rp)
+        assert torch.equal(_bits(alone), _bits(got[i:i + 1])), (rp, i)
+
+
 @pytest.mark.parametrize("form", ["lean_out", "lean_one"])
 @pytest.mark.parametrize("v_rows", [16, 32], ids=["V16", "V32"])
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
@@ -1396,7 +1418,6 @@ def test_lean_out_fp32(gdn, v_rows, form, monkeypatch):
     R, R_st, ring, _ = _ring_state(gen, "fp32", gdn=gdn)
     h = _t(torch.tensor([1, 2]))  # both sequences read ring records (sequence 1: at b * CAP)
     rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
-    b = torch.arange(B, device=DEVICE)
     spy = _LaunchSpy(kr.records._f32_step_kernel)
     monkeypatch.setattr(kr.records, "_f32_step_kernel", spy)
     zspy = _LaunchSpy(kr.records._key_products_kernel)
@@ -1417,18 +1438,8 @@ def test_lean_out_fp32(gdn, v_rows, form, monkeypatch):
         # the products launch: "lean_out" only
         assert len(zspy.calls) - z0 == (form == "lean_out"), zspy.calls[z0:]
         assert seen == [], seen  # no records-kernel launch
-        torch.testing.assert_close(got, want, **TOL)
-        torch.testing.assert_close(got, lean, atol=1e-6, rtol=1e-6)
-        if gdn:
-            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
-            torch.testing.assert_close(rg["uR"], lean_ring["uR"], atol=1e-6, rtol=1e-6)
-        for n in ("la", "v", "k") + (("beta",) if gdn else ()):
-            assert torch.equal(rg[n], ref_ring[n]), (rp, n)
-        again = step({n: t.clone() for n, t in ring.items()}, slice(None), rp)
-        assert torch.equal(_bits(again), _bits(got)), rp
-        for i in range(B):  # each sequence alone
-            alone = step({n: t[i:i + 1].clone() for n, t in ring.items()}, slice(i, i + 1), rp)
-            assert torch.equal(_bits(alone), _bits(got[i:i + 1])), (rp, i)
+        _check_step_form(step, ring, rp, got, rg, (want, uR, ref_ring), (lean, lean_ring), h,
+                         gdn)
     with pytest.raises(ValueError, match=f"'{form}' needs tiles within one value head: "
                                          f"block_v {2 * V} does not divide V = {V}"):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, form))
@@ -1506,7 +1517,6 @@ def test_idot_one_nvfp4(gdn, v_rows, monkeypatch):
     R, R_st, ring, _ = _ring_state(gen, "nvfp4", gdn=gdn)
     h = _t(torch.tensor([1, 2]))  # both sequences read ring records (sequence 1: at b * CAP)
     rec, q, ref_ring, want, uR = _lean_step_case(gen, R, ring, h, gdn)
-    b = torch.arange(B, device=DEVICE)
     spies = {n: _LaunchSpy(getattr(kr.records, n)) for n in (
         "_nvfp4_step_kernel", "_x_int_kernel", "_key_products_kernel", "_nvfp4_read_kernel",
         "_step_out_kernel")}
@@ -1530,18 +1540,8 @@ def test_idot_one_nvfp4(gdn, v_rows, monkeypatch):
                             "_step_out_kernel": 0}, launched
         assert spies["_nvfp4_step_kernel"].calls[-1]["NC"] == (2 if gdn else 1)
         assert seen == [], seen  # no records-kernel launch
-        torch.testing.assert_close(got, want, **TOL)
-        torch.testing.assert_close(got, idot, atol=1e-6, rtol=1e-6)
-        if gdn:
-            torch.testing.assert_close(rg["uR"][b, h], uR[b, h], **TOL)
-            torch.testing.assert_close(rg["uR"], idot_ring["uR"], atol=1e-6, rtol=1e-6)
-        for n in ("la", "v", "k") + (("beta",) if gdn else ()):
-            assert torch.equal(rg[n], ref_ring[n]), (rp, n)
-        again = step({n: t.clone() for n, t in ring.items()}, slice(None), rp)
-        assert torch.equal(_bits(again), _bits(got)), rp
-        for i in range(B):  # each sequence alone
-            alone = step({n: t[i:i + 1].clone() for n, t in ring.items()}, slice(i, i + 1), rp)
-            assert torch.equal(_bits(alone), _bits(got[i:i + 1])), (rp, i)
+        _check_step_form(step, ring, rp, got, rg, (want, uR, ref_ring), (idot, idot_ring), h,
+                         gdn)
     with pytest.raises(ValueError, match=f"'idot_one' needs tiles within one value head: "
                                          f"block_v {2 * V} does not divide V = {V}"):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, "idot_one"))

@@ -1356,6 +1356,55 @@ def _key_group_tile(H, G, V: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _nvfp4_tile_codes(c_ptr, cbs_ptr, cms_ptr, b, g, H, HG, off, row0, rl, rmask,
+                      V: tl.constexpr, K: tl.constexpr):
+    """A lean nvfp4 read pass's tile (``_key_group_tile``'s rows ``rl`` from ``row0``, mask
+    ``rmask``): the codes as 32-bit words of eight ``wrd [BV, K/16, 2]`` int32, the E4M3
+    block-scale codes ``[BV, K/16]`` and each row's matrix scale ``ms [BV]`` (its head's)."""
+    NB: tl.constexpr = K // 16
+    jb = tl.arange(0, NB)
+    wi = tl.arange(0, 2)
+    wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row0 * (K // 8)
+                  + (rl[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None]),
+                  mask=rmask[:, None, None], other=0)
+    scode = tl.load(cbs_ptr + row0 * NB + (rl[:, None] * NB + jb[None, :]), mask=rmask[:, None],
+                    other=0)
+    ms = tl.load(cms_ptr + (b * H + g * HG) + (off + rl) // V, mask=rmask,
+                 other=0.0)  # each row's matrix scale
+    return wrd, scode, ms
+
+
+@triton.jit
+def _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
+               d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1, sc, ms,
+               NC: tl.constexpr, PTX: tl.constexpr):
+    """The integer-dot read pass's rows (``_nvfp4_read_kernel``'s ``IDOT``): ``(y0, y1)``
+    ``[BV]``, ``y_c = sum_j ((I_cj - bias_cj) xs_cj) s_j`` times the matrix scale ``ms``, each
+    block's integer ``I_cj = sum_k 2 e_k X_k`` from the words ``w0, w1 [BV, K/16]`` and X's
+    limbs (column 0: ``a*, b*, f*``, bias ``xc0``, ``xs0``; column 1 (NC = 2): ``d*, g*,
+    h*``, ``xc1``, ``xs1``; with NC = 1 they are not read and ``y1`` is ``y0``) by
+    ``_e2m1_idot16_1`` / ``_e2m1_idot16_2`` (``PTX``) or ``_e2m1_idot16_int``; ``sc
+    [BV, K/16]`` the block scales' values."""
+    if NC == 1:
+        if PTX:
+            i0 = _e2m1_idot16_1(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
+        else:
+            i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
+        y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
+        y1 = y0
+    else:
+        if PTX:
+            i0, i1 = _e2m1_idot16_2(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3,
+                                    d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
+        else:
+            i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
+            i1 = _e2m1_idot16_int(w0, w1, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
+        y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
+        y1 = tl.sum(((i1 - xc1).to(tl.float32) * xs1) * sc, axis=1) * ms
+    return y0, y1
+
+
+@triton.jit
 def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, xi_ptr,
                        xs_ptr, H, G, TD, TQ, V: tl.constexpr, K: tl.constexpr, NC: tl.constexpr,
                        NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
@@ -1408,13 +1457,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     e0 = jb[:, None] * 16 + wi[None, :] * 8  # [NB, 2]: the first code of each word
     # the codes first: nothing the compiler cannot move loads across (a layout conversion's
     # barrier) comes before them
-    wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row0 * (K // 8)
-                  + (rl[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None]),
-                  mask=rmask[:, None, None], other=0)
-    scode = tl.load(cbs_ptr + row0 * NB + (rl[:, None] * NB + jb[None, :]), mask=rmask[:, None],
-                    other=0)
-    ms = tl.load(cms_ptr + (b * H + g * HG) + (off + rl) // V, mask=rmask,
-                 other=0.0)  # each row's matrix scale
+    wrd, scode, ms = _nvfp4_tile_codes(c_ptr, cbs_ptr, cms_ptr, b, g, H, HG, off, row0, rl,
+                                       rmask, V, K)
     if IDOT:
         if SCVT:  # the hardware's E4M3 conversion (sm_89 and later)
             sc = _e4m3_value_cvt(scode)
@@ -1436,11 +1480,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
         a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3 = _x_limbs(xi_ptr, xl, L4)
         xs0 = tl.load(xs_ptr + bg * NC * NB + jb)[None, :]
         if NC == 1:
-            if PTX:
-                i0 = _e2m1_idot16_1(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
-            else:
-                i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
-            y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
+            y0, _ = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
+                               a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0, sc,
+                               ms, NC, PTX)
             if PDL and not WAITX:
                 tl.extra.cuda.gdc_wait()
             tl.store(yb + rl, y0, mask=rmask)
@@ -1448,14 +1490,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
             xc1 = tl.load(xi_ptr + (bg * NC + 1) * XW + 3 * L4 + jb)[None, :]
             d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3 = _x_limbs(xi_ptr, xl + XW, L4)
             xs1 = tl.load(xs_ptr + (bg * NC + 1) * NB + jb)[None, :]
-            if PTX:
-                i0, i1 = _e2m1_idot16_2(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3,
-                                        d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
-            else:
-                i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
-                i1 = _e2m1_idot16_int(w0, w1, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
-            y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
-            y1 = tl.sum(((i1 - xc1).to(tl.float32) * xs1) * sc, axis=1) * ms
+            y0, y1 = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0,
+                                xs0, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1,
+                                sc, ms, NC, PTX)
             if PDL and not WAITX:
                 tl.extra.cuda.gdc_wait()
             tl.store(yb + rl * 2, y0, mask=rmask)
@@ -1744,17 +1781,9 @@ def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os
     hl = off // V  # the tile's head within the key group (V % BV == 0: one head per tile)
     h = g * HG + hl
     vr = off - hl * V + rl  # the tile's rows within its head
-    NB: tl.constexpr = K // 16
-    jb = tl.arange(0, NB)
-    wi = tl.arange(0, 2)
     # the codes first (as in _nvfp4_read_kernel)
-    wrd = tl.load(c_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + row0 * (K // 8)
-                  + (rl[:, None, None] * (K // 8) + (jb[:, None] * 2 + wi[None, :])[None]),
-                  mask=rmask[:, None, None], other=0)
-    scode = tl.load(cbs_ptr + row0 * NB + (rl[:, None] * NB + jb[None, :]), mask=rmask[:, None],
-                    other=0)
-    ms = tl.load(cms_ptr + (b * H + g * HG) + (off + rl) // V, mask=rmask,
-                 other=0.0)  # each row's matrix scale
+    wrd, scode, ms = _nvfp4_tile_codes(c_ptr, cbs_ptr, cms_ptr, b, g, H, HG, off, row0, rl,
+                                       rmask, V, K)
     if SCVT:  # the hardware's E4M3 conversion (sm_89 and later)
         sc = _e4m3_value_cvt(scode)
     else:
@@ -1766,23 +1795,16 @@ def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os
     a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_limbs(
         dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 0, K, NS, D_REL)
     if NC == 1:
-        if PTX:
-            i0 = _e2m1_idot16_1(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
-        else:
-            i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
-        y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
+        y0, _ = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
+                           a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0, sc, ms, NC,
+                           PTX)
         cq = y0
     else:
         d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_limbs(
             dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 1, K, NS, D_REL)
-        if PTX:
-            i0, i1 = _e2m1_idot16_2(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3,
-                                    d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
-        else:
-            i0 = _e2m1_idot16_int(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3)
-            i1 = _e2m1_idot16_int(w0, w1, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3)
-        y0 = tl.sum(((i0 - xc0).to(tl.float32) * xs0) * sc, axis=1) * ms
-        cq = tl.sum(((i1 - xc1).to(tl.float32) * xs1) * sc, axis=1) * ms
+        y0, cq = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
+                            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1, sc, ms, NC,
+                            PTX)
     kq, kkp = _step_products(rk_ptr, rk_ptr, dk_ptr, q_ptr, b, g, ss, n, idx, ring, drf, di, ri,
                              G, CAP, TD, TQ, K, LP, NX, NC, NS, D_REL, GDN, False, True, KC,
                              STAGES, DOT, PREC)

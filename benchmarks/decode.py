@@ -402,7 +402,11 @@ def run_verify(M, st, start, **cfg):
 
 def run_flush(M, st, policy, fa, store_state=False):
     """Flush of the L ring records into the stored anchor ``st["A"]``, with the flush token's
-    output ``S q``; returns ``(FlushResult, y [B, H, V])``."""
+    output ``S q``; returns ``(FlushResult, y [B, H, V])``. The timed serving form
+    (``store_state`` False) also passes ``return_w=False``: ``FlushResult.w`` (the folded
+    corrections, which a serving engine never reads) is None, so GDN's fold of cached
+    corrections takes them unmasked and its solve does not write them out; the checked
+    store-state form returns them."""
     r = st["ring"]
     length = fa["length"]
     kw = {k_: v for k_, v in fa.items() if k_ != "length"}
@@ -410,9 +414,11 @@ def run_flush(M, st, policy, fa, store_state=False):
         return kr.gdn_flush_kernel(st["A"], r["la"], r["beta"], r["v"], r["k"], length, policy,
                                    q=st["q"], store_state=store_state,
                                    dequantize=store_state, u_cached=r["uR"],
-                                   fold_cached_corrections=st["fold"] is GDNFold.CACHED, **kw)
+                                   fold_cached_corrections=st["fold"] is GDNFold.CACHED,
+                                   return_w=store_state, **kw)
     return kr.mamba2_flush_kernel(st["A"], r["la"], r["v"], r["k"], length, policy, q=st["q"],
-                                  store_state=store_state, dequantize=store_state, **kw)
+                                  store_state=store_state, dequantize=store_state,
+                                  return_w=store_state, **kw)
 
 
 # ------------------------------------------------------------------------------ checks
@@ -856,7 +862,12 @@ def main(argv=None):
                         "read once); the flush's bytes and GB/s follow the traffic model "
                         "of the fused flush, which does not count the split's float32 S "
                         "(written once, read once or twice by the pair cast: 0.5-1 GiB more "
-                        "at GDN's B = 256)",
+                        "at GDN's B = 256); since 2026-12-05 (thirty-third pass) with "
+                        "return_w=False (FlushResult.w None: GDN's cached corrections are "
+                        "folded unmasked, the kernel reading slots < length only, and its "
+                        "solve does not write them out) and the per-sequence range checks "
+                        "in one launch (codec._assert_ranges) instead of one torch kernel "
+                        "per comparison",
                         "verify_T8_vs_step: worst start h over the mean FP32 non-flush step",
                         "verify timings include, for GDN, the clone/mask of the correction "
                         "buffer (the wrappers no longer synchronise with the host)",

@@ -31,6 +31,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from replayssm_quant.config import GDNFold  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
@@ -770,6 +771,103 @@ def test_flush_default_wide_gdn():
                                   fold_cached_corrections=True, **STREAMS)[0]
         assert torch.equal(_bits(res.state), _bits(ref.state)), p
         _same_copies(res.checkpoints, ref.checkpoints)
+
+
+class _AtenLog(TorchDispatchMode):
+    """The aten ops a block of code dispatches (names), e.g. to show a torch op is gone."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["gdn_fold", "gdn_solve", "gdn_solve_two_phase", "mamba2"])
+def test_flush_return_w(case):
+    """``return_w=False`` (the serving flush) gives S, the flush token's output and both
+    copies bit for bit as the default, with ``FlushResult.w`` None. GDN folding cached
+    corrections: the cached ones go to the kernel unmasked (no ``aten::where`` copy of them),
+    and NaN at slots >= length (a stale ring) changes nothing, as the kernel folds only
+    slots < length; the default's ``w`` is the cached corrections zeroed there (the
+    reference's). GDN with a solve: the same bits without the corrections written out, also
+    on the two-phase grid launch of a matrix-scaled copy (which keeps them between its
+    phases). Lengths L and 3."""
+    gen = _gen(23)
+    A, la, k, v, beta, q = _config_inputs(gen, False, 32)
+    length = _t(torch.tensor([L, 3]))
+    u = _t(torch.randn(B, L, H, 32, generator=gen))
+    u_nan = u.clone()
+    u_nan[1, 3:] = float("nan")
+    pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr" if case != "gdn_fold"
+                            else "fp32")
+    kw = dict(q=q, **STREAMS)
+    if case == "gdn_solve_two_phase":  # fused casts on a grid of row tiles: PHASE 1 then 2
+        kw.update(split_casts=False, variant="grid", block_v=16, reconstruct="dot")
+
+    def run(**extra):
+        if case == "mamba2":
+            return kr.mamba2_flush_kernel(A, la, v, k, length, pol, **kw, **extra)
+        if case == "gdn_fold":
+            return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw, **extra,
+                                       fold_cached_corrections=True)
+        return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw, **extra)
+
+    if case == "gdn_fold":
+        ref = gdn_flush(A, la, beta, v, k, pol, length=length, u_cached=u,
+                        fold=GDNFold.CACHED, store=True, **STREAMS)
+        full, y_full = run(u_cached=u)
+        assert torch.equal(full.w, torch.where(core.length_mask(length, L)[:, :, None, None],
+                                               u, 0.0))
+        torch.testing.assert_close(full.state, ref.state, **TOL)
+        runs = []
+        for uc in (u, u_nan):
+            log = _AtenLog()
+            with log:
+                runs.append(run(u_cached=uc, return_w=False))
+            assert "where" not in log.ops, log.ops
+        log = _AtenLog()
+        with log:
+            run(u_cached=u)
+        assert "where" in log.ops  # the default masks them (what return_w=False skips)
+    else:
+        full, y_full = run()
+        runs = [run(return_w=False)]
+        if case != "mamba2":  # the solved corrections are zero at slots >= length
+            assert not full.w[1, 3:].any() and full.w[0].abs().sum() > 0
+    for res, y in runs:
+        assert res.w is None
+        assert torch.equal(_bits(res.state), _bits(full.state))
+        assert torch.equal(_bits(y), _bits(y_full))
+        _same_copies(res.checkpoints, full.checkpoints)
+    with pytest.raises(ValueError, match="return_w"):
+        run(return_w=1) if case != "gdn_fold" else run(u_cached=u, return_w=1)
+
+
+def test_assert_ranges():
+    """``codec._assert_ranges``: one launch checks up to three integer tensors against
+    inclusive bounds (int64, negative bounds, the last of 600 elements: past one 256-wide
+    block) and the assertion raises the message (CPU: at once); arguments it cannot check
+    are refused by name."""
+    from replayssm_quant.kernels.replay.codec import _assert_ranges
+
+    x = _t(torch.arange(600, dtype=torch.int64))
+    y = _t(torch.full((600,), -5, dtype=torch.int32))
+    big = _t(torch.full((600,), 1 << 40, dtype=torch.int64))
+    _assert_ranges("fine", (x, 0, 599), (y, -5, -5), (big, 0, 1 << 40))
+    if ASSERTS_RECOVER:
+        for checks in ([(x, 0, 598)], [(x, 1, 599)], [(x, 0, 599), (y, -4, 0)],
+                       [(x, 0, 599), (y, -5, 0), (big, 0, (1 << 40) - 1)]):
+            with pytest.raises(RuntimeError, match="bad range"):
+                _assert_ranges("bad range", *checks)
+    with pytest.raises(ValueError, match="1 to 3"):
+        _assert_ranges("m")
+    with pytest.raises(ValueError, match="600 elements"):
+        _assert_ranges("m", (x, 0, 599), (x[:5], 0, 9))
+    with pytest.raises(ValueError, match="empty range"):
+        _assert_ranges("m", (x, 3, 2))
 
 
 # the default suite: each model's default form (GDN with a solve: tf32x3_full+inverse; Mamba-2,

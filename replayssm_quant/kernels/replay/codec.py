@@ -567,6 +567,67 @@ def _check_index(where: str, name: str, t, B: int, allow_scalar: bool = False) -
                          + (" or 1" if allow_scalar else ""))
 
 
+@triton.jit
+def _range_load(p, i, m, lo, hi, ON: tl.constexpr):
+    """1 where element ``i`` of ``p`` lies outside ``[lo, hi]`` (0 where masked or not ``ON``)."""
+    if ON:
+        x = tl.load(p + i, mask=m, other=lo).to(tl.int64)
+        return ((x < lo) | (x > hi)).to(tl.int32)
+    return tl.zeros_like(i)
+
+
+@triton.jit
+def _range_check_kernel(ok_ptr, a_ptr, a_lo, a_hi, b_ptr, b_lo, b_hi, c_ptr, c_lo, c_hi, n,
+                        NA: tl.constexpr, NB: tl.constexpr, NC: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """One program: ``ok = all(a in [a_lo, a_hi]) and (b ...) and (c ...)`` over ``n``
+    elements each (integers, compared as int64); stores the bool into ``ok_ptr``."""
+    bad = tl.zeros([BLOCK], tl.int32)
+    for i0 in range(0, n, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < n
+        bad |= _range_load(a_ptr, i, m, a_lo, a_hi, NA)
+        bad |= _range_load(b_ptr, i, m, b_lo, b_hi, NB)
+        bad |= _range_load(c_ptr, i, m, c_lo, c_hi, NC)
+    tl.store(ok_ptr, tl.max(bad, axis=0) == 0)
+
+
+def _assert_ranges(msg: str, *checks) -> None:
+    """Device-side range check of per-sequence integer tensors, without a host sync:
+    ``checks`` are up to three ``(t, lo, hi)`` with ``t`` an integer tensor of ``n`` elements
+    (the same ``n`` for all) on one device and ``lo <= t <= hi`` required element-wise (Python
+    ints, within int64). One Triton launch forms the bool, then ``torch._assert_async(ok, msg)``
+    raises RuntimeError with ``msg`` at once on the CPU (interpreter) and at the next
+    synchronisation on CUDA (a device-side assertion). Two launches instead of one torch
+    kernel per comparison and reduction (about 1-2 us each on the H100 at B = 256).
+
+    Raises:
+        ValueError: no checks or more than three, tensors of different sizes or devices, or
+            ``lo > hi`` (naming them)."""
+    if not 1 <= len(checks) <= 3:
+        raise ValueError(f"_assert_ranges takes 1 to 3 (tensor, lo, hi) checks, got "
+                         f"{len(checks)}")
+    ts = [c[0].reshape(-1) for c in checks]
+    n = ts[0].numel()
+    dev = ts[0].device
+    for (t, lo, hi), tt in zip(checks, ts, strict=True):
+        if tt.numel() != n or tt.device != dev:
+            raise ValueError(f"_assert_ranges: every tensor needs {n} elements on {dev}, got "
+                             f"{tt.numel()} on {tt.device}")
+        if int(lo) > int(hi):
+            raise ValueError(f"_assert_ranges: empty range [{lo}, {hi}]")
+    ok = torch.empty((), dtype=torch.bool, device=dev)
+    args = []
+    for j in range(3):
+        if j < len(checks):
+            args += [ts[j].contiguous(), int(checks[j][1]), int(checks[j][2])]
+        else:
+            args += [ts[0], 0, 0]
+    _range_check_kernel[(1,)](ok, *args, n, NA=True, NB=len(checks) > 1, NC=len(checks) > 2,
+                              BLOCK=256, num_warps=4)
+    torch._assert_async(ok, msg)
+
+
 def _stored_args(stored) -> tuple[tuple, QuantSpec]:
     """(pointer tensors, spec) of a stored copy: a PackedTensor or an FP32 tensor."""
     if isinstance(stored, PackedTensor):

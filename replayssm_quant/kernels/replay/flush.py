@@ -66,7 +66,8 @@ from ..quant import _PAIR_ROWS, _PAIR_WARPS, pack_pair_triton, pack_triton, pair
 from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, _cast_store,
                     _cast_store_full, _check_devices, _check_f32, _check_index, _check_records,
                     _load_full, _check_maxnreg, _check_supported, _decode_consts, _finite_abs,
-                    _kind, _load_stored, _matrix_scale, _maxnreg_launch, _stored_args)
+                    _kind, _load_stored, _matrix_scale, _maxnreg_launch, _stored_args,
+                    _assert_ranges)
 from .records import _check_tile, _lp, _unit_upper_inverse
 
 DEFAULT_BV_FLUSH = 32  # a flush_tune.py candidate (the first sweep's default); a call's: flush_config
@@ -382,13 +383,14 @@ def _flush_kernel(
         A: tl.constexpr, CA: tl.constexpr, CR: tl.constexpr,
         RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", INV: tl.constexpr = False,
         KEYS_IN: tl.constexpr = False, FULL: tl.constexpr = False,
-        AMAX_OUT: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False, STORE_W: tl.constexpr = True,
         SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
     # tile program_id(1). SINGLE: one tile covers the matrix (BV >= V). PHASE 0: everything;
     # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1. AMAX_OUT (PHASE 0,
     # no matrix-scaled copy): also the finite amax of the S it writes, atomic max into amax_ptr.
+    # STORE_W (PHASE 0 with SOLVE): write the solved corrections to u_ptr (FlushResult.w).
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -493,7 +495,7 @@ def _flush_kernel(
                         x, wt = _flush_tile_full(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows,
                                                  rmask, n, H, V, J, idx, live, m, eg, ecp, bvec,
                                                  cf, kf, K, KH, BV, LP, SOLVE, A, PREC, INV)
-                    if SOLVE and PHASE == 0:
+                    if SOLVE and PHASE == 0 and STORE_W:
                         _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 elif SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
                     x = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, u_ptr, u_ptr, la_ptr,
@@ -504,7 +506,7 @@ def _flush_kernel(
                     x = _flush_tile_rank1(a_ptr, abs_ptr, ams_ptr, w_ptr, u_ptr, la_ptr,
                                           beta_ptr, k_ptr, mat, b, h, g, rows, rmask, n, H, G,
                                           V, J, idx, total, eg, cf, K, KH, BV, LP, SOLVE,
-                                          SOLVE and PHASE == 0, A)
+                                          SOLVE and PHASE == 0 and STORE_W, A)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax_full(x, rmask)
                 if AMAX_OUT:
@@ -531,7 +533,7 @@ def _flush_kernel(
                     se, so, wt = _flush_tile(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows,
                                              rmask, n, H, V, J, idx, live, m, eg, ecp, bvec, cf,
                                              ke, ko, K, KH, BV, LP, SOLVE, A, PREC, INV)
-                if SOLVE and PHASE == 0:
+                if SOLVE and PHASE == 0 and STORE_W:
                     _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 if NEED_AMAX and SINGLE:
                     amax = _tile_amax(se, so, rmask)
@@ -574,7 +576,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  reconstruct: str | None = None, solve_form: str | None = None,
                  split_casts: bool | None = None, cast_form: str | None = None,
                  maxnreg: int | None = None, flush_amax: bool | None = None,
-                 amax_out: torch.Tensor | None = None):
+                 amax_out: torch.Tensor | None = None, return_w: bool = True):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -668,10 +670,24 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     Default None: no cap, except that a split flush's fp32 flush takes
     :func:`split_flush_maxnreg`. Another value raises ValueError naming it.
 
+    ``return_w`` (default True): ``FlushResult.w`` holds the folded values (GDN: the solved
+    corrections, or the cached ones masked to ``length`` by :func:`gdn_flush_kernel`).
+    ``False`` (a serving engine's flush, which never reads them): ``FlushResult.w`` is None,
+    and a GDN solve does not write its corrections out (one ``[B, J, H, V]`` FP32 write
+    less; the two-phase launch of a matrix-scaled copy on a grid of row tiles still keeps
+    them between its phases). S, y and the copies are the same bits either way.
+
+    Raises ValueError for a bad option (naming it); the range of ``length`` and of the
+    per-sequence key fields is checked on the device (one launch and one
+    ``torch._assert_async``: RuntimeError at once on the CPU, at the next synchronisation
+    on CUDA).
+
     Returns ``(FlushResult, y)``: ``FlushResult.state`` is S when ``store_state`` (else None),
     its checkpoints hold the stored copies (PackedTensor, or the float32 tensor for ``fp32``)
     and their dequantised values; ``y = S q [B, H, V]`` when ``q [B, G, K]`` is given."""
     policy = require_policy(policy)  # parsed at the edges
+    if not isinstance(return_w, bool):
+        raise ValueError(f"return_w must be True or False, got {return_w!r}")
     maxnreg = _check_maxnreg("maxnreg", maxnreg)
     B, H, V, K = (int(x) for x in anchor.shape)
     two = not policy.single_checkpoint
@@ -697,7 +713,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                             variant=variant, beta=beta, dequantize=dequantize,
                             keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
                             solve_form=solve_form, cast_form=form, flush_amax=flush_amax,
-                            maxnreg=(split_flush_maxnreg(anchor, beta is not None)
+                            return_w=return_w, maxnreg=(split_flush_maxnreg(anchor, beta is not None)
                                      if maxnreg is None else maxnreg))
     if cast_form is not None:
         raise ValueError(f"cast_form={cast_form!r} applies to split casts only (this flush of "
@@ -732,7 +748,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     _check_index(where, "flush_index", flush_index, B, allow_scalar=True)
     # (sequence_ids and flush_index may stay on the host: the key code moves them)
     _check_devices(where, anchor=anchor, la=la, w=w, k=k, beta=beta, q=q, length=length)
-    ok = (length.clamp(0, J) == length).all()  # device-side checks, one assertion (no sync)
+    # device-side checks: one range-check launch and one assertion (no host sync)
+    checks = [(length, 0, J)]
     msg = f"{where}: length must be in [0, J = {J}] (the record slots)"
     dev = w.device
     if keys_in_kernel is None:
@@ -740,15 +757,15 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     if keys_in_kernel:
         sa, sr, kbits, key_consts = _key_fields(layer, sequence_ids, flush_index, B, H, dev)
         key_consts["KEYS_IN"] = True
-        width = dict(STREAM_FIELDS)  # the per-sequence fields (x >> w == 0: 0 <= x < 2^w)
-        ok = ok & (((sa >> width["sequence"]) | (sr >> width["flush"])) == 0).all()
+        width = dict(STREAM_FIELDS)  # the per-sequence fields: 0 <= x < 2^w
+        checks += [(sa, 0, 2 ** width["sequence"] - 1), (sr, 0, 2 ** width["flush"] - 1)]
         msg += (f", sequence_ids in [0, 2^{width['sequence']}) and flush_index in "
                 f"[0, 2^{width['flush']})")
     else:
         sa, sr = checkpoint_streams(layer=layer, sequence_ids=sequence_ids, heads=H,
                                     flush_index=flush_index)
         kbits, key_consts = 0, {}
-    torch._assert_async(ok, msg)
+    _assert_ranges(msg, *checks)
     shape = (B, H, V, K)
     bufa = _alloc_copy(policy.rec, shape, dev)
     bufr = _alloc_copy(policy.read, shape, dev) if two else bufa
@@ -756,7 +773,11 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     y = torch.empty(B, H, V, dtype=torch.float32, device=dev) if q is not None else bufa[0]
     qq = q.contiguous() if q is not None else bufa[0]
     solve = beta is not None
-    u = torch.empty_like(w) if solve else w  # the kernel writes every slot (0 at >= length)
+    single = block_v >= V
+    loop = variant == "loop"
+    two_phase = need_amax and not loop and not single  # phase 2 reads phase 1's corrections
+    # the kernel writes every slot (0 at >= length) where it stores the corrections
+    u = torch.empty_like(w) if solve and (return_w or two_phase) else w
     if J == 0:  # no records: S = A; keep shapes valid for the kernel
         la = torch.zeros(B, 1, H, dtype=torch.float32, device=dev)
         w = torch.zeros(B, 1, H, V, dtype=torch.float32, device=dev)
@@ -765,14 +786,13 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         length = torch.zeros_like(length)
         J = 1
     u_arg = (u if u.shape[1] == J else torch.empty_like(w)) if solve else w  # w: unused pointer
-    single = block_v >= V
-    loop = variant == "loop"
     tiles = 1 if (loop or single) else triton.cdiv(V, block_v)
     if amax_out is not None:
         amax = amax_out
         amax.zero_()
     else:
-        amax = torch.zeros(B * H if need_amax else 1, dtype=torch.int32, device=dev)
+        amax = (torch.zeros(B * H, dtype=torch.int32, device=dev) if need_amax
+                else torch.empty(1, dtype=torch.int32, device=dev))  # unused: no fill launch
     pick = lambda t, d: t if t is not None else d  # noqa: E731
     args = (a, abs_, ams, la.contiguous(), w.contiguous(), k.contiguous(), length,
             beta.contiguous() if solve else la, u_arg,
@@ -789,20 +809,22 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   num_warps=num_warps,
                   INV=solve and solve_form == "inverse", num_stages=FLUSH_NUM_STAGES,
                   A=_decode_consts(aspec), AMAX_OUT=amax_out is not None,
+                  STORE_W=solve and return_w,
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)
     cap = _maxnreg_launch(maxnreg)
-    if need_amax and not loop and not single:  # grid: amax launch, then the cast launch
+    if two_phase:  # grid: amax launch, then the cast launch
         _flush_kernel[(B * H, tiles)](*args, PHASE=1, **consts, **cap)
         _flush_kernel[(B * H, tiles)](*args, PHASE=2, **consts, **cap)
     else:
         _flush_kernel[(B * H, tiles)](*args, PHASE=0, **consts, **cap)
-    if solve and u_arg is not u:
+    if solve and return_w and u_arg is not u:
         u.zero_()  # J == 0
     a_st = _as_stored(policy.rec, shape, bufa)
     r_st = _as_stored(policy.read, shape, bufr) if two else a_st
     cps = _checkpoints(a_st, r_st, two, dequantize)
-    res = FlushResult(S if store_state else None, cps, u if solve else w)
+    res = FlushResult(S if store_state else None, cps,
+                      (u if solve else w) if return_w else None)
     return res, (y if q is not None else None)
 
 
@@ -1035,16 +1057,17 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         keys_in_kernel: bool | None = None, reconstruct: str | None = None,
                         solve_form: str | None = None, split_casts: bool | None = None,
                         cast_form: str | None = None, maxnreg: int | None = None,
-                        flush_amax: bool | None = None):
+                        flush_amax: bool | None = None, return_w: bool = True):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
-    grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``."""
+    grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``;
+    options as :func:`flush_kernel`'s (``return_w=False``: ``FlushResult.w`` is None)."""
     return flush_kernel(anchor, la, v, k, length, policy, seed=seed, layer=layer,
                         sequence_ids=sequence_ids, flush_index=flush_index, q=q,
                         store_state=store_state, block_v=block_v, num_warps=num_warps,
                         variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel,
                         reconstruct=reconstruct, solve_form=solve_form,
                         split_casts=split_casts, cast_form=cast_form, maxnreg=maxnreg,
-                        flush_amax=flush_amax)
+                        flush_amax=flush_amax, return_w=return_w)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
@@ -1054,7 +1077,8 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      dequantize: bool = True, keys_in_kernel: bool | None = None,
                      reconstruct: str | None = None, solve_form: str | None = None,
                      split_casts: bool | None = None, cast_form: str | None = None,
-                     maxnreg: int | None = None, flush_amax: bool | None = None):
+                     maxnreg: int | None = None, flush_amax: bool | None = None,
+                     return_w: bool = True):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one dot (FP32 FMA or tf32x3: ``reconstruct``), then forward substitution
@@ -1062,17 +1086,25 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
     the inverse for more than 64 value rows and up to 16 slots, :func:`flush_config`), or the
     cached ones are folded (``fold_cached_corrections``; what a single-checkpoint policy's
     decode state runs, :meth:`~replayssm_quant.config.GDNFold.folds_cached`). ``FlushResult.w`` holds the folded
-    corrections ``[B, J, HV, DV]``. Returns ``(FlushResult, y)``."""
+    corrections ``[B, J, HV, DV]`` (the cached ones zeroed at slots ``>= length``; the
+    kernel itself folds only slots ``< length``, so with ``return_w=False``, a serving
+    engine's flush, ``FlushResult.w`` is None and the cached corrections are passed as they
+    are: no masked copy of them, a ``[B, J, HV, DV]`` read and write fewer, and the same S,
+    y and copies). Returns ``(FlushResult, y)``."""
+    if not isinstance(return_w, bool):
+        raise ValueError(f"return_w must be True or False, got {return_w!r}")
     kw = dict(seed=seed, layer=layer, sequence_ids=sequence_ids, flush_index=flush_index, q=q,
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
               dequantize=dequantize, keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
               solve_form=solve_form, split_casts=split_casts, cast_form=cast_form,
-              maxnreg=maxnreg, flush_amax=flush_amax)
+              maxnreg=maxnreg, flush_amax=flush_amax, return_w=return_w)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")
         _check_devices("gdn_flush_kernel", anchor=anchor, la=la, beta=beta, v=v, k=k,
                        length=length, u_cached=u_cached)
+        if not return_w:  # the kernel reads slots < length only
+            return flush_kernel(anchor, la, u_cached, k, length, policy, **kw)
         live = length_mask(length, la.shape[1])
         u = torch.where(live[:, :, None, None], u_cached, torch.zeros((), dtype=v.dtype,
                                                                       device=v.device))
@@ -1086,16 +1118,21 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
 # (replayssm_quant/backend.py) swaps one for the other. They read the stored checkpoints.
 def mamba2_state_flush(anchor, recs: dict, length, policy, *, seed, layer, sequence_ids,
                        flush_index) -> FlushResult:
-    """Kernel of :func:`replay.mamba2.mamba2_state_flush`: :func:`mamba2_flush_kernel`."""
+    """Kernel of :func:`replay.mamba2.mamba2_state_flush`: :func:`mamba2_flush_kernel`, with
+    ``return_w=False`` (``FlushResult.w`` None: the state objects read the state and the
+    checkpoints only)."""
     return mamba2_flush_kernel(anchor, recs["la"], recs["v"], recs["k"], length, policy,
                                seed=seed, layer=layer, sequence_ids=sequence_ids,
-                               flush_index=flush_index)[0]
+                               flush_index=flush_index, return_w=False)[0]
 
 
 def gdn_state_flush(anchor, recs: dict, length, policy, *, seed, layer, sequence_ids,
                     flush_index, fold_cached_corrections: bool = False) -> FlushResult:
-    """Kernel of :func:`replay.gdn.gdn_state_flush`: :func:`gdn_flush_kernel`."""
+    """Kernel of :func:`replay.gdn.gdn_state_flush`: :func:`gdn_flush_kernel`, with
+    ``return_w=False`` (``FlushResult.w`` None: the state objects read the state and the
+    checkpoints only; the cached corrections are then folded without a masked copy)."""
     return gdn_flush_kernel(anchor, recs["la"], recs["beta"], recs["v"], recs["k"], length,
                             policy, seed=seed, layer=layer, sequence_ids=sequence_ids,
                             flush_index=flush_index, u_cached=recs["uR"],
-                            fold_cached_corrections=fold_cached_corrections)[0]
+                            fold_cached_corrections=fold_cached_corrections,
+                            return_w=False)[0]

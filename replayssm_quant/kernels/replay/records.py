@@ -60,7 +60,8 @@ import triton.language as tl
 
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
-from .codec import (KERNELS_INTERPRETED, _check_devices, _check_f32, _check_index, _kind,
+from .codec import (KERNELS_INTERPRETED, _assert_ranges, _check_devices, _check_f32,
+                    _check_index, _kind,
                     _check_maxnreg, _check_records, _maxnreg_launch,
                     _check_supported, _decode_code, _decode_consts, _e2m1_pairs_half,
                     _e2m1_dot8_1, _e2m1_dot8_2, _e2m1_idot16_1, _e2m1_idot16_2,
@@ -3397,8 +3398,10 @@ def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_
     _check_index(where, "start", start, B)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{where}: window must be an int >= 1, got {window!r}")
-    torch._assert_async(((start >= 0) & (start + T <= J)).all(),
-                        f"{where}: start + T must be in [T, J = {J}] (the drafts fit the ring)")
+    msg = f"{where}: start + T must be in [T, J = {J}] (the drafts fit the ring)"
+    if T > J:  # no start fits: known on the host
+        raise ValueError(f"{msg}; T = {T} drafts exceed the J = {J} record slots")
+    _assert_ranges(msg, (start, 0, J - T))  # one launch and one assertion (no host sync)
 
 
 # ---------------------------------------------------------------- verify
@@ -3553,8 +3556,11 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     T = q.shape[1]
     B, J = la.shape[:2]
     if fuse_shared_anchor:
-        torch._assert_async((start + T <= window).all(), "gdn_verify_kernel: "
-                            "fuse_shared_anchor=True needs start + T <= window")
+        if T > window:
+            raise ValueError(f"gdn_verify_kernel: fuse_shared_anchor=True needs start + T <= "
+                             f"window, but T = {T} > window = {window}")
+        _assert_ranges("gdn_verify_kernel: fuse_shared_anchor=True needs start + T <= window",
+                       (start, -(2 ** 62), window - T))
     if T == 0:  # no drafts: the known corrections before start, zeros from start on
         return (q.new_zeros(B, 0, la.shape[2], v.shape[3]),
                 torch.where(length_mask(start, J)[:, :, None, None], u_known, 0.0))

@@ -29,6 +29,21 @@ def test_kernel_profile_tiny(tmp_path):
     assert set(r["launched_in_order"]) == ops and r["calls_each"] == 2 and r["batch"] == 2
 
 
+def test_cstream_tiny(tmp_path):
+    """``benchmarks/cstream.py --tiny``: every form of verify's ``C X`` computes the product
+    (against float64; under the interpreter the TF32 passes are FP32, so all agree to FP32
+    rounding) and the rows are written."""
+    out = tmp_path / "cs.json"
+    p = _run("cstream.py", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["form"] for r in rows} == {"read", "dot", "split3", "tdot"}
+    for r in rows:
+        assert "error" not in r, r
+        if r["form"] != "read":
+            assert r["rel_fro"] < 1e-6 and r["max_err_vs_absprod"] < 1e-6, r
+
+
 @pytest.mark.slow  # 34 s under the interpreter (2026-12-02); the script runs on the device each pass
 def test_emulation_profile_tiny(tmp_path):
     out = tmp_path / "ep.json"

@@ -477,6 +477,12 @@ ONE_STEP_CANDIDATES = [_P, (None,) * 13 + ((32, 1, "lean_out"),)] + [
     for rb, rw in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))] + [
     (None,) * 13 + ((rb, rw, "idot_one"),)
     for rb, rw in ((16, 1), (32, 1), (64, 1), (64, 2), (128, 1), (128, 2), (128, 4))]
+# --set iout (2026-12-05, thirty-third session): "idot_out" from nvfp4 copies (the step kernel
+# after the X integers' and products launches: "idot" without its records launch, as
+# "lean_out" from FP32), beside the defaults.
+IOUT_STEP_CANDIDATES = [_P] + [
+    (None,) * 13 + ((rb, rw, "idot_out"),)
+    for rb, rw in ((32, 1), (64, 1), (64, 2), (128, 1), (128, 2), (128, 4))]
 # A candidate sets the fields it lists; the rest take the wrappers' defaults, so the verify
 # rows of the older sets (5 or 6 fields) run solve="inverse", the default since 2026-12-01.
 KEYS = ("block_v", "num_warps", "k_chunk", "num_stages", "use_dot", "prefetch", "solve",
@@ -551,7 +557,8 @@ CANDIDATE_SETS = {"tf32": (TF32_STEP_CANDIDATES, TF32_VERIFY_CANDIDATES),
                   "lean32": (LEAN32_STEP_CANDIDATES, []),
                   "glrec2": (GLREC2_STEP_CANDIDATES, []),
                   "lout": (LOUT_STEP_CANDIDATES, []),
-                  "one": (ONE_STEP_CANDIDATES, [])}
+                  "one": (ONE_STEP_CANDIDATES, []),
+                  "iout": (IOUT_STEP_CANDIDATES, [])}
 
 
 def cases(M, T):
@@ -577,7 +584,7 @@ def skip(M, c, fmt):
     if len(c) > 13 and c[13] and len(c[13]) > 2 and c[13][2] in ("lean_out", "lean_one") and (
             fmt != "fp32" or M.V % c[13][0]):
         return True  # the records work in the lean FP32 read pass: FP32 copies, tiles in a head
-    if len(c) > 13 and c[13] and len(c[13]) > 2 and c[13][2] == "idot_one" and (
+    if len(c) > 13 and c[13] and len(c[13]) > 2 and c[13][2] in ("idot_one", "idot_out") and (
             fmt != "nvfp4" or M.V % c[13][0]):
         return True  # the nvfp4 step in one launch: nvfp4 copies, tiles in a head
     if (len(c) > 19 and c[19] is not None and M.gdn

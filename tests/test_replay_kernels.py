@@ -1599,13 +1599,16 @@ def test_gdn_fp32_step_default_lean_out(v_rows, monkeypatch):
     torch.testing.assert_close(outs["default"], outs["lean_records"], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("form", ["idot_one", "idot_out"])
 @pytest.mark.parametrize("v_rows", [16, 32], ids=["V16", "V32"])
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_idot_one_nvfp4(gdn, v_rows, monkeypatch):
+def test_idot_one_nvfp4(gdn, v_rows, form, monkeypatch):
     """``read_pass=(block_v, num_warps, "idot_one")`` from an nvfp4 copy: the decode step in
     one launch (``_nvfp4_step_kernel``: ``"idot"``'s integer-dot read pass with X's integers
     formed in the program, the products with the record keys, the records work on its rows;
-    no X-integer, products or records launch): the outputs (GDN: and the new correction)
+    no X-integer, products or records launch); ``"idot_out"``: the same kernel after the
+    X-integer and products launches (no read or records launch, the step kernel's ``ONE``
+    off). For both: the outputs (GDN: and the new correction)
     against the torch reference on the dequantised copy and within float32 rounding of
     ``"idot"`` with its launches, the appended ring equal to the reference ring (one and two
     tiles per head), a sequence alone the same bits as in the batch, the same bits twice.
@@ -1627,26 +1630,27 @@ def test_idot_one_nvfp4(gdn, v_rows, monkeypatch):
     idot_ring = {n: t.clone() for n, t in ring.items()}
     idot = step(idot_ring, slice(None), (16, 1, "idot"))
     assert spies["_nvfp4_read_kernel"].calls and spies["_x_int_kernel"].calls
-    for rp in ((16, 1, "idot_one"), (16, 2, "idot_one")):
+    one = form == "idot_one"
+    for rp in ((16, 1, form), (16, 2, form)):
         rg = {n: t.clone() for n, t in ring.items()}
         seen = _kernel_launches(monkeypatch)
         n0 = {n: len(spy.calls) for n, spy in spies.items()}
         got = step(rg, slice(None), rp)
         launched = {n: len(spy.calls) - n0[n] for n, spy in spies.items()}
-        assert launched == {"_nvfp4_step_kernel": 1, "_x_int_kernel": 0,
-                            "_key_products_kernel": 0, "_nvfp4_read_kernel": 0,
+        assert launched == {"_nvfp4_step_kernel": 1, "_x_int_kernel": int(not one),
+                            "_key_products_kernel": int(not one), "_nvfp4_read_kernel": 0,
                             "_step_out_kernel": 0}, launched
         assert spies["_nvfp4_step_kernel"].calls[-1]["NC"] == (2 if gdn else 1)
+        assert spies["_nvfp4_step_kernel"].calls[-1]["ONE"] == one
         assert seen == [], seen  # no records-kernel launch
         _check_step_form(step, ring, rp, got, rg, (want, uR, ref_ring), (idot, idot_ring), h,
                          gdn)
-    with pytest.raises(ValueError, match=f"'idot_one' needs tiles within one value head: "
+    with pytest.raises(ValueError, match=f"'{form}' needs tiles within one value head: "
                                          f"block_v {2 * V} does not divide V = {V}"):
-        step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, "idot_one"))
+        step({n: t.clone() for n, t in ring.items()}, slice(None), (2 * V, 1, form))
     R32 = _stored(R, "fp32", stream=_t(torch.arange(B * H).view(B, H)))
-    with pytest.raises(ValueError, match="'idot_one' takes an nvfp4 copy"):
-        step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, "idot_one"),
-             read=R32)
+    with pytest.raises(ValueError, match=f"'{form}' takes an nvfp4 copy"):
+        step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, form), read=R32)
 
 
 @pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
@@ -1658,9 +1662,10 @@ def test_lean_out_records_outputs(gdn, read_fmt):
     position other than the draft row (``out_start = start - 1``), the outputs in slot 1 of a
     two-slot ``out`` (slot 0 untouched), and (GDN) corrections written to a ``w_out`` whose
     capacity differs from the ring's; ``"lean_one"`` the same without ``shared_products``
-    (it forms its own products with the keys); from an nvfp4 copy ``"idot_one"`` beside
-    ``"idot"`` with the lean records launch, on the same cases. The refusals:
-    ``lean_records`` given with any of them, ``"lean_out"`` without ``shared_products``,
+    (it forms its own products with the keys); from an nvfp4 copy ``"idot_one"`` and
+    ``"idot_out"`` beside ``"idot"`` with the lean records launch, on the same cases. The
+    refusals: ``lean_records`` given with any of them, ``"lean_out"`` / ``"idot_out"``
+    without ``shared_products``,
     a draft indexed by slot (``draft_relative=False``)."""
     gen = _gen(35)
     R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=gdn)
@@ -1692,7 +1697,8 @@ def test_lean_out_records_outputs(gdn, read_fmt):
         forms = (((16, 1, "lean_out"), True), ((16, 1, "lean_one"), False))
     else:
         out_l, wo_l, rg_l = call((16, 1, "idot"), (1, 1))
-        forms = (((16, 1, "idot_one"), False), ((16, 1, "idot_one"), True))
+        forms = (((16, 1, "idot_one"), False), ((16, 1, "idot_one"), True),
+                 ((16, 1, "idot_out"), True))
     for rp, shared in forms:
         out, wo, rg = call(rp, None, shared)
         assert torch.equal(out[:, 0], torch.full_like(out[:, 0], 7.0))  # slot 0 untouched
@@ -1709,15 +1715,13 @@ def test_lean_out_records_outputs(gdn, read_fmt):
         with pytest.raises(ValueError, match=f"'{rp[2]}' is the option of a decode step.*"
                                              "draft_relative=False"):
             call(rp, None, shared, rel=False)
-    if read_fmt == "nvfp4":
-        return
     with pytest.raises(ValueError, match="needs shared_products=True"):
         kr.records.records_outputs(
             R_st, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"] if gdn else ring["v"],
             q=q[:, None], start=h, rows=rows, out_start=h - 1, draft=draft, gdn=gdn,
             w_out=ring["uR"].clone() if gdn else None,
             append={n: ring[n].clone() for n in ring if n != "uR"},
-            read_pass=(16, 1, "lean_out"))
+            read_pass=(16, 1, "lean_out" if read_fmt == "fp32" else "idot_out"))
 
 
 def _x_int_of(dk, q, NS):

@@ -87,18 +87,23 @@ DEFAULT_WARPS = 4
 # and "lean_one" ("lean_out" that also forms its own products with the record keys, so no
 # products launch comes before it: the decode step in one launch); "idot_one" (nvfp4 copies,
 # a decode step: _nvfp4_step_kernel, "idot"'s read pass with X's integers formed in the
-# program, then "lean_one"'s products with the keys and records work: one launch).
-READ_FORMS = ("records", "lean", "idot", "idot_pdl", "lean_out", "lean_one", "idot_one")
+# program, then "lean_one"'s products with the keys and records work: one launch);
+# "idot_out" (nvfp4 copies, a decode step: _nvfp4_step_kernel with "idot"'s X integers'
+# launch and the products launch before it, the records work on its rows: no records launch,
+# as "lean_out" from FP32).
+READ_FORMS = ("records", "lean", "idot", "idot_pdl", "lean_out", "lean_one", "idot_one",
+              "idot_out")
 # the lean forms: Y = R X and nothing else, in a launch of its own ("lean" from nvfp4 or FP32;
 # "idot": _nvfp4_read_kernel's integer-dot form, IDOT; "idot_pdl": the same with the read pass
 # dependent (PDL) on X's integers' launch and the products launch after it, so that X's
 # integers overlap the read pass's first loads), and "lean_out", "lean_one" and "idot_one"
 # (above)
-LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out", "lean_one", "idot_one")
+LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out", "lean_one", "idot_one", "idot_out")
 # the read-pass forms that do the records work in the read pass: FP32 copies
 # (_f32_step_kernel) and nvfp4 ones (_nvfp4_step_kernel)
 F32_STEP_FORMS = ("lean_out", "lean_one")
-STEP_FORMS = F32_STEP_FORMS + ("idot_one",)
+NVFP4_STEP_FORMS = ("idot_one", "idot_out")
+STEP_FORMS = F32_STEP_FORMS + NVFP4_STEP_FORMS
 IDOT_FORMS = ("idot", "idot_pdl")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
@@ -1763,12 +1768,14 @@ def _x_int_limbs(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, c: tl.constexpr, K: tl.c
 @triton.jit
 def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr,
                        rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr,
-                       av_ptr, abeta_ptr, rk_ptr, H, G, CAP, TD, TQ, OT, OT0, WCAP,
+                       av_ptr, abeta_ptr, rk_ptr, z_ptr, xi_ptr, xs_ptr, H, G, CAP, TD, TQ,
+                       OT, OT0, WCAP,
                        V: tl.constexpr, K: tl.constexpr, LP: tl.constexpr, NX: tl.constexpr,
                        NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr,
                        BV: tl.constexpr, GDN: tl.constexpr, PTX: tl.constexpr,
                        SCVT: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr,
-                       DOT: tl.constexpr, PREC: tl.constexpr):
+                       DOT: tl.constexpr, PREC: tl.constexpr, ONE: tl.constexpr = True,
+                       PDL: tl.constexpr = False):
     """A decode step from an nvfp4 read copy in one launch (read-pass form ``"idot_one"``):
     ``_nvfp4_read_kernel``'s integer-dot products ``Y = C X`` (``IDOT``, ``PTX`` / ``SCVT`` as
     there) for ``BV`` value rows of one value head (``V % BV == 0``), with X's integers
@@ -1777,7 +1784,14 @@ def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os
     (``_step_products`` with ``ZIN``) and the records work on the tile's rows
     (``_step_rows_finish``: GDN's draft-row correction, the output, the append), as
     ``_f32_step_kernel`` does for FP32 rows. Each row depends on its own codes, its
-    sequence's records and X only."""
+    sequence's records and X only. ``ONE`` False (read-pass form ``"idot_out"``): X's
+    integers from ``_x_int_kernel``'s buffers (``xi``, ``xs``: complete before the products
+    launch began) and the products with the keys from the products launch's ``Z``
+    (``z_ptr``; ``PDL``: this launch depends on it and waits for it before reading ``Z``),
+    as ``"idot"``'s read pass and lean records launch have them: the same ``Y`` as
+    ``"idot"``'s read pass, and its records work within float32 rounding of the lean records
+    launch's (the sums over the record slots follow this launch's layout), one launch
+    fewer."""
     HG, bg, b, g, off, row0, rl, rmask = _key_group_tile(H, G, V, BV)
     hl = off // V  # the tile's head within the key group (V % BV == 0: one head per tile)
     h = g * HG + hl
@@ -1793,21 +1807,36 @@ def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os
         ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, b, h, vr, rmask, H,
         CAP, TD, V, LP, D_REL, GDN)
     w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
-    a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_limbs(
-        dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 0, K, NS, D_REL)
+    NB: tl.constexpr = K // 16
+    L4: tl.constexpr = K // 4
+    XW: tl.constexpr = 3 * L4 + NB  # _x_int_store's int32 words per column
+    jb = tl.arange(0, NB)
+    xl = bg * NC * XW + jb * 4  # [NB]: the block's first group of four elements
+    if ONE:
+        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_limbs(
+            dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 0, K, NS, D_REL)
+    else:
+        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3 = _x_limbs(xi_ptr, xl, L4)
+        xc0 = tl.load(xi_ptr + bg * NC * XW + 3 * L4 + jb)[None, :]  # the bias, per block
+        xs0 = tl.load(xs_ptr + bg * NC * NB + jb)[None, :]
     if NC == 1:
         y0, _ = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
                            a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0, sc, ms, NC,
                            PTX)
         cq = y0
     else:
-        d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_limbs(
-            dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 1, K, NS, D_REL)
+        if ONE:
+            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_limbs(
+                dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 1, K, NS, D_REL)
+        else:
+            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3 = _x_limbs(xi_ptr, xl + XW, L4)
+            xc1 = tl.load(xi_ptr + (bg * NC + 1) * XW + 3 * L4 + jb)[None, :]
+            xs1 = tl.load(xs_ptr + (bg * NC + 1) * NB + jb)[None, :]
         y0, cq = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
                             d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1, sc, ms, NC,
                             PTX)
-    kq, kkp = _step_products(rk_ptr, rk_ptr, dk_ptr, q_ptr, b, g, ss, n, idx, ring, drf, di, ri,
-                             G, CAP, TD, TQ, K, LP, NX, NC, NS, D_REL, GDN, False, True, KC,
+    kq, kkp = _step_products(z_ptr, rk_ptr, dk_ptr, q_ptr, b, g, ss, n, idx, ring, drf, di, ri,
+                             G, CAP, TD, TQ, K, LP, NX, NC, NS, D_REL, GDN, PDL, ONE, KC,
                              STAGES, DOT, PREC)
     _step_rows_finish(y0, cq, kq, kkp, la, U, vp, bp, b, g, h, hl, off, vr, rmask, ss, n, o0,
                       idx, pd, dk_ptr, dla_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr, av_ptr,
@@ -2587,7 +2616,13 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             in the program (the integers ``_x_int_kernel`` stores, so the same Y), then
             ``"lean_one"``'s products with the record keys and records work on its rows
             (tiles within a value head; ``lean_records`` must be None; ``shared_products``
-            and ``pdl`` do not apply).
+            and ``pdl`` do not apply). ``"idot_out"`` (an nvfp4 copy, the same conditions;
+            2026-12-05, thirty-third session): ``_nvfp4_step_kernel`` after ``"idot"``'s X
+            integers' launch and the products launch (``shared_products`` must be True;
+            with ``pdl`` dependent on the products launch), so the records launch of
+            ``"idot"`` is folded into the read pass, as ``"lean_out"`` folds it from FP32
+            (``"idot"``'s products ``Y``; the records work within float32 rounding of its
+            lean records launch).
             ``(block_v, num_warps, form, maxnreg)``: the same with the read pass's registers
             per thread capped at ``maxnreg`` (None or an int in [16, 255]; on CUDA only, the
             same bits): GDN's mxfp4 step default since 2026-12-04 (``(32, 2, "records",
@@ -2807,12 +2842,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     lean32 = lean and C.KIND == _K_FLOAT and read_form in ("lean",) + F32_STEP_FORMS
     if read_form in F32_STEP_FORMS and not lean32:
         raise ValueError(f"read_pass form {read_form!r} takes an fp32 copy, got {spec}")
-    if read_form == "idot_one" and C.KIND != _K_NVFP4:
-        raise ValueError(f"read_pass form 'idot_one' takes an nvfp4 copy, got {spec}")
-    if read_form == "lean_out" and not shared_products:
-        raise ValueError("read_pass form 'lean_out' reads the products with the keys from the "
-                         "products launch: it needs shared_products=True ('lean_one' forms "
-                         "them itself)")
+    if read_form in NVFP4_STEP_FORMS and C.KIND != _K_NVFP4:
+        raise ValueError(f"read_pass form {read_form!r} takes an nvfp4 copy, got {spec}")
+    if read_form in ("lean_out", "idot_out") and not shared_products:
+        raise ValueError(f"read_pass form {read_form!r} reads the products with the keys from "
+                         f"the products launch: it needs shared_products=True ('lean_one' / "
+                         f"'idot_one' form them themselves)")
     if read_form in STEP_FORMS and lean_records is not None:
         raise ValueError(f"read_pass form {read_form!r} does the records work in the read "
                          f"pass: lean_records must be None, got {lean_records!r}")
@@ -2850,7 +2885,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # the products launch (Z once per (sequence, key group)); "lean_out" always takes it (its
     # read pass forms no products with the keys), "lean_one" and "idot_one" never (they form
     # them themselves)
-    zpre = (shared_products and ((H // G) * grid[1] > 1 or read_form == "lean_out")
+    zpre = (shared_products and ((H // G) * grid[1] > 1 or read_form in ("lean_out", "idot_out"))
             and read_form not in ("lean_one", "idot_one"))
     # split_x: GDN's matrix form on X in two tiles (one launch that forms its own products
     # with the keys; 32-bit products; not the fused A path; no append)
@@ -2878,7 +2913,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # and the products launch comes after the read pass, dependent on it, and waits for it
     # before its stores; the records launch, waiting on the products launch, so waits on
     # every launch before it. Without PDL or a products launch it is "idot" (the same bits).
-    idot = lean and read_form in IDOT_FORMS
+    idot = lean and read_form in IDOT_FORMS + ("idot_out",)
     xwait = idot and read_form == "idot_pdl" and pdl and zpre
     if idot:
         xi = torch.empty(B * G * NC * (3 * (K // 4) + K // 16), dtype=torch.int32,
@@ -2942,15 +2977,18 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         # EARLY: the lean records launch after it (with PDL) may start as its last wave does
         early = (pdl and zpre and lean_records is not None and len(lean_records) == 3
                  and lean_records[2])
-        if read_form == "idot_one":  # the call's only launch
+        if read_form in NVFP4_STEP_FORMS:  # "idot_one": the call's only launch; "idot_out":
+            # after X's integers' launch and the products launch (dependent on it with PDL)
+            one = read_form == "idot_one"
             _nvfp4_step_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
                 c, cbs, cms, dk, q_arg, start, rows, out_start, ring_la, ring_w, dla, dv, dbeta,
-                o_arg, wo, a_la, a_k, a_v, a_beta, ring_k, H, G, CAP, TD, TQ, o.shape[1],
-                out_slot, wo.shape[1] if w_out is not None else 1, V=V, K=K, LP=LP, NX=NX,
-                NC=NC, NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn, PTX=mode != "integer",
-                SCVT=mode != "integer" and _e4m3_cvt_runs(q.device), KC=KC,
-                STAGES=num_stages or 1, DOT=bool(main_dot), PREC=prec,
-                num_warps=read_pass[1], **_maxnreg_launch(read_maxnreg))
+                o_arg, wo, a_la, a_k, a_v, a_beta, ring_k, z, xi, xs, H, G, CAP, TD, TQ,
+                o.shape[1], out_slot, wo.shape[1] if w_out is not None else 1, V=V, K=K, LP=LP,
+                NX=NX, NC=NC, NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn,
+                PTX=mode != "integer", SCVT=mode != "integer" and _e4m3_cvt_runs(q.device),
+                KC=KC, STAGES=num_stages or 1, DOT=bool(main_dot), PREC=prec, ONE=one,
+                PDL=(not one) and pdl and zpre, num_warps=read_pass[1],
+                **_pdl_launch((not one) and pdl and zpre), **_maxnreg_launch(read_maxnreg))
             return o
         if read_form in STEP_FORMS:  # the records work in the read pass
             # "lean_one": the call's only launch (no dependent launch: nothing of this call
@@ -3251,11 +3289,11 @@ def _fit_step_form(cfg: dict, read_pass, lean_records, V: int, fallback: dict) -
 def _drop_default_lean_records(cfg: dict, lean_records, read_pass=None) -> None:
     """A step configuration's default ``lean_records`` (the caller gave None) is dropped where
     the step cannot take it: no read pass, a matrix form of ``solve``, or the read-pass form
-    ``"lean_out"``, ``"lean_one"`` or ``"idot_one"`` (which do the records work in their read
-    pass). Where the caller gave ``lean_records`` (a launch, or False for the records
-    kernel's) but no ``read_pass`` and the default read pass is one of those forms, the
-    default tile takes the form with a records launch after it (``"lean"``; ``"idot"`` for
-    ``"idot_one"``). Updates ``cfg`` in place."""
+    ``"lean_out"``, ``"lean_one"``, ``"idot_one"`` or ``"idot_out"`` (which do the records
+    work in their read pass). Where the caller gave ``lean_records`` (a launch, or False for
+    the records kernel's) but no ``read_pass`` and the default read pass is one of those
+    forms, the default tile takes the form with a records launch after it (``"lean"``;
+    ``"idot"`` for ``"idot_one"`` and ``"idot_out"``). Updates ``cfg`` in place."""
     form = _read_form(cfg.get("read_pass"))
     if lean_records is None and (not cfg.get("read_pass")
                                  or cfg.get("solve") not in (None, "substitution")
@@ -3263,7 +3301,7 @@ def _drop_default_lean_records(cfg: dict, lean_records, read_pass=None) -> None:
         cfg.pop("lean_records", None)
     elif lean_records is not None and read_pass is None and form in STEP_FORMS:
         rp = cfg["read_pass"]
-        cfg["read_pass"] = (rp[0], rp[1], "idot" if form == "idot_one" else "lean")
+        cfg["read_pass"] = (rp[0], rp[1], "idot" if form in NVFP4_STEP_FORMS else "lean")
 
 
 # ---------------------------------------------------------------- decode step
@@ -3285,13 +3323,14 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed; ``read_pass``:
     ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
     products with R (form ``"records"``, ``"lean"``, ``"idot"`` or ``"idot_pdl"``; an FP32
-    copy takes ``"lean"``, ``"lean_out"`` and ``"lean_one"`` too; an nvfp4 one ``"idot_one"``),
-    or False for one launch;
+    copy takes ``"lean"``, ``"lean_out"`` and ``"lean_one"`` too; an nvfp4 one
+    ``"idot_one"`` or ``"idot_out"``), or False for one launch;
     ``lean_records``: ``(heads, num_warps[, early])`` of the lean records launch after a
     read pass, or False for the records kernel's (:func:`records_outputs`); a default
     ``lean_records`` is dropped where the step has no read pass, takes a matrix form of
-    ``solve`` or the read-pass forms ``"lean_out"``, ``"lean_one"`` and ``"idot_one"``; a
-    given one without ``read_pass`` runs the default tile in ``"lean"`` / ``"idot"``)."""
+    ``solve`` or the read-pass forms ``"lean_out"``, ``"lean_one"``, ``"idot_one"`` and
+    ``"idot_out"``; a given one without ``read_pass`` runs the default tile in ``"lean"`` /
+    ``"idot"``)."""
     # FP32 and bf16/fp16 copies (element-wise formats; the tiles were swept on FP32 only)
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     cfg = _config(MAMBA2_STEP_WIDE_CONFIG if wide else
@@ -3336,7 +3375,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
     or ``(block_v, num_warps, form[, maxnreg])`` of a separate launch for the products with
     R (form ``"records"``, ``"lean"``, ``"idot"``, ``"idot_pdl"`` or, from an FP32 copy,
-    ``"lean_out"`` or ``"lean_one"``, from an nvfp4 one ``"idot_one"``,
+    ``"lean_out"`` or ``"lean_one"``, from an nvfp4 one ``"idot_one"`` or ``"idot_out"``,
     :func:`records_outputs`; the nvfp4
     default ``(128, 1, "idot")``), or False for one launch; a default lean form with a
     caller's ``use_dot`` of 16-bit products takes the records kernel's read pass
@@ -3344,7 +3383,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     early])`` of the lean records launch after a read pass (``_step_out_kernel``), or False
     for the records kernel's (:func:`records_outputs`); a default ``lean_records`` is
     dropped where the step has no read pass, takes a matrix form of ``solve`` or the
-    read-pass forms ``"lean_out"``, ``"lean_one"`` and ``"idot_one"``; a given one without
+    read-pass forms ``"lean_out"``, ``"lean_one"``, ``"idot_one"`` and ``"idot_out"``; a given one without
     ``read_pass`` runs the default tile in ``"lean"`` / ``"idot"``)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")

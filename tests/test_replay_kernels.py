@@ -1653,6 +1653,46 @@ def test_idot_one_nvfp4(gdn, v_rows, form, monkeypatch):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, form), read=R32)
 
 
+class _RecordingKernel:
+    """A Triton kernel stand-in that records each launch's keywords and launches nothing
+    (the launch keywords of a path the interpreter cannot run, e.g. PDL)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(kwargs)
+        return run
+
+
+@pytest.mark.parametrize("form,fmt", [("lean_out", "fp32"), ("idot_out", "nvfp4")])
+def test_step_forms_pdl_launch(form, fmt, monkeypatch):
+    """With PDL on (CUDA, sm_90: forced here, where the interpreter cannot run it), the step
+    forms that follow the products launch (``"lean_out"``, ``"idot_out"``) launch their step
+    kernel as its dependent: ``launch_pdl`` and the ``PDL`` constexpr set once (a keyword
+    passed twice was a TypeError on the H100 that no CPU test reached), ``"idot_out"`` with
+    ``ONE`` off, after X's integers' launch and the products launch. Launch keywords only;
+    the values are the other tests'."""
+    gen = _gen(38)
+    R, R_st, ring, _ = _ring_state(gen, fmt, gdn=True)
+    h = _t(torch.tensor([1, 2]))
+    rec, q, *_ = _lean_step_case(gen, R, ring, h, True)
+    monkeypatch.setattr(kr.records, "_pdl_runs", lambda device: True)
+    fakes = {n: _RecordingKernel() for n in ("_f32_step_kernel", "_nvfp4_step_kernel",
+                                               "_x_int_kernel", "_key_products_kernel")}
+    for n, f in fakes.items():
+        monkeypatch.setattr(kr.records, n, f)
+    _lean_case_step(True, R_st, {n: t.clone() for n, t in ring.items()}, rec, q, h,
+                    slice(None), read_pass=(16, 1, form))
+    step = fakes["_f32_step_kernel" if fmt == "fp32" else "_nvfp4_step_kernel"].calls
+    assert len(step) == 1 and step[0]["PDL"] is True and step[0]["launch_pdl"] is True
+    assert len(fakes["_key_products_kernel"].calls) == 1
+    assert "launch_pdl" not in fakes["_key_products_kernel"].calls[0]
+    if form == "idot_out":
+        assert step[0]["ONE"] is False and len(fakes["_x_int_kernel"].calls) == 1
+
+
 @pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
 def test_lean_out_records_outputs(gdn, read_fmt):

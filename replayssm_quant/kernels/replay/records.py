@@ -2987,7 +2987,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                 NX=NX, NC=NC, NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn,
                 PTX=mode != "integer", SCVT=mode != "integer" and _e4m3_cvt_runs(q.device),
                 KC=KC, STAGES=num_stages or 1, DOT=bool(main_dot), PREC=prec, ONE=one,
-                PDL=(not one) and pdl and zpre, num_warps=read_pass[1],
+                num_warps=read_pass[1],
                 **_pdl_launch((not one) and pdl and zpre), **_maxnreg_launch(read_maxnreg))
             return o
         if read_form in STEP_FORMS:  # the records work in the read pass

@@ -75,8 +75,9 @@ def _dot_kernel(c_ptr, x_ptr, y_ptr, V, K: tl.constexpr, BV: tl.constexpr, KC: t
 
 @triton.jit
 def _hi(x):
-    """The TF32 high part of FP32 ``x``: the low 13 mantissa bits cleared (exact: x - hi is an
-    FP32 number with at most 11 significant bits below hi's last)."""
+    """The TF32 high part of FP32 ``x``: the low 13 mantissa bits cleared. ``x - hi`` is exact
+    in FP32 but has up to 13 significant bits, so the tensor core's TF32 conversion of the low
+    part rounds it (``split3``'s error, 6.2e-7 against tf32x3's 1.4e-7 on the H100)."""
     return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 

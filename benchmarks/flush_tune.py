@@ -232,9 +232,11 @@ def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,
     var, bv, nw, form = cfg
     # "dot+inverse": reconstruct + solve_form; a bare form solves by substitution
     form, _, solve_form = form.partition("+")
+    # return_w: the timed serving form (store_state False) skips FlushResult.w, as
+    # decode.run_flush does; the checked store-state form returns it
     kw = dict(q=st["q"], store_state=store_state, dequantize=dequantize, block_v=bv,
               num_warps=nw, variant=var, keys_in_kernel=keys_in_kernel, reconstruct=form,
-              solve_form=solve_form or "substitution", **fk)
+              solve_form=solve_form or "substitution", return_w=store_state, **fk)
     if M.gdn:
         if M.fold_cached:
             kw.update(u_cached=st["u"], fold_cached_corrections=True)

@@ -92,8 +92,10 @@ class Checkpoints:
 class FlushResult:
     """What a flush produces: the unrounded reconstructed ``state`` (the flush token's output is
     read from it), the new checkpoints and the values ``w`` that were folded (GDN: the
-    corrections used)."""
+    corrections used). The kernels' flushes leave ``w`` None where the caller asks them not
+    to return it (``return_w=False``; the state objects' kernel flushes, which read only the
+    state and the checkpoints), and ``state`` None without ``store_state``."""
 
-    state: torch.Tensor
+    state: torch.Tensor | None
     checkpoints: Checkpoints
-    w: torch.Tensor
+    w: torch.Tensor | None

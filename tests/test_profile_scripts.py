@@ -29,6 +29,19 @@ def test_kernel_profile_tiny(tmp_path):
     assert set(r["launched_in_order"]) == ops and r["calls_each"] == 2 and r["batch"] == 2
 
 
+def test_op_kernels_tiny(tmp_path):
+    """``benchmarks/op_kernels.py --tiny``: every (model, policy, operation) runs (on the
+    interpreter: no kernel times) and is written."""
+    out = tmp_path / "ok.json"
+    p = _run("op_kernels.py", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert set(r["ops"]) == {f"{m}/{pol}/{op}" for m in ("gdn", "mamba2")
+                             for pol in ("fp32", "nvfp4") for op in ("flush", "step_h7",
+                                                                       "verify_h0")}
+    assert r["B"] == 2
+
+
 def test_cstream_tiny(tmp_path):
     """``benchmarks/cstream.py --tiny``: every form of verify's ``C X`` computes the product
     (against float64; under the interpreter the TF32 passes are FP32, so all agree to FP32

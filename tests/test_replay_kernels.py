@@ -785,37 +785,41 @@ class _AtenLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("case", ["gdn_fold", "gdn_solve", "gdn_solve_two_phase", "mamba2"])
+@pytest.mark.parametrize("case", ["gdn_fold", "gdn_fold-dot", "gdn_fold-rank1", "gdn_fold-tf32x3",
+                                  "gdn_solve", "gdn_solve_two_phase", "mamba2"])
 def test_flush_return_w(case):
     """``return_w=False`` (the serving flush) gives S, the flush token's output and both
     copies bit for bit as the default, with ``FlushResult.w`` None. GDN folding cached
-    corrections: the cached ones go to the kernel unmasked (no ``aten::where`` copy of them),
-    and NaN at slots >= length (a stale ring) changes nothing, as the kernel folds only
-    slots < length; the default's ``w`` is the cached corrections zeroed there (the
-    reference's). GDN with a solve: the same bits without the corrections written out, also
-    on the two-phase grid launch of a matrix-scaled copy (which keeps them between its
-    phases). Lengths L and 3."""
+    corrections (the default launch and the dot, rank-1 and key-half tf32x3 forms): the
+    cached ones go to the kernel unmasked (no ``aten::where`` copy of them), and NaN at
+    slots >= length (a stale ring) changes nothing, as the kernel folds only slots < length;
+    the default's ``w`` is the cached corrections zeroed there (the reference's). Mamba-2:
+    NaN values at slots >= length change nothing either. GDN with a solve: the same bits
+    without the corrections written out, also on the two-phase grid launch of a
+    matrix-scaled copy (which keeps them between its phases). Lengths L and 3."""
     gen = _gen(23)
     A, la, k, v, beta, q = _config_inputs(gen, False, 32)
     length = _t(torch.tensor([L, 3]))
     u = _t(torch.randn(B, L, H, 32, generator=gen))
     u_nan = u.clone()
     u_nan[1, 3:] = float("nan")
-    pol = StatePolicy.parse("read:nvfp4+sr/rec:fp16+sr" if case != "gdn_fold"
-                            else "fp32")
+    fold = case.startswith("gdn_fold")
+    pol = StatePolicy.parse("fp32" if fold else "read:nvfp4+sr/rec:fp16+sr")
     kw = dict(q=q, **STREAMS)
+    if "-" in case:
+        kw["reconstruct"] = case.split("-")[1]
     if case == "gdn_solve_two_phase":  # fused casts on a grid of row tiles: PHASE 1 then 2
         kw.update(split_casts=False, variant="grid", block_v=16, reconstruct="dot")
 
-    def run(**extra):
+    def run(vals=v, **extra):
         if case == "mamba2":
-            return kr.mamba2_flush_kernel(A, la, v, k, length, pol, **kw, **extra)
-        if case == "gdn_fold":
+            return kr.mamba2_flush_kernel(A, la, vals, k, length, pol, **kw, **extra)
+        if fold:
             return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw, **extra,
                                        fold_cached_corrections=True)
         return kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, **kw, **extra)
 
-    if case == "gdn_fold":
+    if fold:
         ref = gdn_flush(A, la, beta, v, k, pol, length=length, u_cached=u,
                         fold=GDNFold.CACHED, store=True, **STREAMS)
         full, y_full = run(u_cached=u)
@@ -835,15 +839,20 @@ def test_flush_return_w(case):
     else:
         full, y_full = run()
         runs = [run(return_w=False)]
-        if case != "mamba2":  # the solved corrections are zero at slots >= length
+        if case == "mamba2":  # NaN values past the length: never folded
+            v_nan = v.clone()
+            v_nan[1, 3:] = float("nan")
+            runs.append(run(v_nan, return_w=False))
+        else:  # the solved corrections are zero at slots >= length
             assert not full.w[1, 3:].any() and full.w[0].abs().sum() > 0
+    assert torch.isfinite(full.state).all()
     for res, y in runs:
         assert res.w is None
         assert torch.equal(_bits(res.state), _bits(full.state))
         assert torch.equal(_bits(y), _bits(y_full))
         _same_copies(res.checkpoints, full.checkpoints)
     with pytest.raises(ValueError, match="return_w"):
-        run(return_w=1) if case != "gdn_fold" else run(u_cached=u, return_w=1)
+        run(return_w=1) if not fold else run(u_cached=u, return_w=1)
 
 
 def test_assert_ranges():
@@ -857,6 +866,10 @@ def test_assert_ranges():
     y = _t(torch.full((600,), -5, dtype=torch.int32))
     big = _t(torch.full((600,), 1 << 40, dtype=torch.int64))
     _assert_ranges("fine", (x, 0, 599), (y, -5, -5), (big, 0, 1 << 40))
+    # 300 int32 elements (a partial last block) in a range without 0: masked lanes count not
+    five = _t(torch.full((300,), 5, dtype=torch.int32))
+    _assert_ranges("fine", (five, 5, 5))
+    _assert_ranges("empty batch", (x[:0], 3, 3))
     if ASSERTS_RECOVER:
         for checks in ([(x, 0, 598)], [(x, 1, 599)], [(x, 0, 599), (y, -4, 0)],
                        [(x, 0, 599), (y, -5, 0), (big, 0, (1 << 40) - 1)]):

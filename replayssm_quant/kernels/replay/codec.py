@@ -571,8 +571,8 @@ def _check_index(where: str, name: str, t, B: int, allow_scalar: bool = False) -
 def _range_load(p, i, m, lo, hi, ON: tl.constexpr):
     """1 where element ``i`` of ``p`` lies outside ``[lo, hi]`` (0 where masked or not ``ON``)."""
     if ON:
-        x = tl.load(p + i, mask=m, other=lo).to(tl.int64)
-        return ((x < lo) | (x > hi)).to(tl.int32)
+        x = tl.load(p + i, mask=m, other=0).to(tl.int64)
+        return (((x < lo) | (x > hi)) & m).to(tl.int32)
     return tl.zeros_like(i)
 
 

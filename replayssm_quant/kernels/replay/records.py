@@ -3599,7 +3599,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
             raise ValueError(f"gdn_verify_kernel: fuse_shared_anchor=True needs start + T <= "
                              f"window, but T = {T} > window = {window}")
         _assert_ranges("gdn_verify_kernel: fuse_shared_anchor=True needs start + T <= window",
-                       (start, -(2 ** 62), window - T))
+                       (start, 0, window - T))  # (start >= 0: _check_verify's check)
     if T == 0:  # no drafts: the known corrections before start, zeros from start on
         return (q.new_zeros(B, 0, la.shape[2], v.shape[3]),
                 torch.where(length_mask(start, J)[:, :, None, None], u_known, 0.0))

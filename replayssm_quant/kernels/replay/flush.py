@@ -713,7 +713,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                             variant=variant, beta=beta, dequantize=dequantize,
                             keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
                             solve_form=solve_form, cast_form=form, flush_amax=flush_amax,
-                            return_w=return_w, maxnreg=(split_flush_maxnreg(anchor, beta is not None)
+                            return_w=return_w,
+                            maxnreg=(split_flush_maxnreg(anchor, beta is not None)
                                      if maxnreg is None else maxnreg))
     if cast_form is not None:
         raise ValueError(f"cast_form={cast_form!r} applies to split casts only (this flush of "

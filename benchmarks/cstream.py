@@ -58,6 +58,14 @@ def _read_kernel(c_ptr, y_ptr, V, K: tl.constexpr, BV: tl.constexpr, KC: tl.cons
 
 
 @triton.jit
+def _cx_tiles(c_ptr, x_ptr, mat, rows, cols, j, V, K: tl.constexpr, NX: tl.constexpr):
+    """The chunk ``cols`` of C's rows ``rows`` ``[BV, KC]`` and of X ``[KC, NX]``."""
+    c = tl.load(c_ptr + (mat * V + rows)[:, None] * K + cols[None, :])
+    x = tl.load(x_ptr + (mat * K + cols)[:, None] * NX + j[None, :])
+    return c, x
+
+
+@triton.jit
 def _dot_kernel(c_ptr, x_ptr, y_ptr, V, K: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
                 NX: tl.constexpr, PREC: tl.constexpr):
     mat = tl.program_id(0).to(tl.int64)
@@ -67,8 +75,7 @@ def _dot_kernel(c_ptr, x_ptr, y_ptr, V, K: tl.constexpr, BV: tl.constexpr, KC: t
     acc = tl.zeros([BV, NX], tl.float32)
     for k0 in range(0, K, KC):
         cols = k0 + tl.arange(0, KC)
-        c = tl.load(c_ptr + (mat * V + rows)[:, None] * K + cols[None, :])
-        x = tl.load(x_ptr + (mat * K + cols)[:, None] * NX + j[None, :])
+        c, x = _cx_tiles(c_ptr, x_ptr, mat, rows, cols, j, V, K, NX)
         acc = tl.dot(c, x, acc, input_precision=PREC)
     tl.store(y_ptr + (mat * V + rows)[:, None] * NX + j[None, :], acc)
 
@@ -92,8 +99,7 @@ def _split3_kernel(c_ptr, x_ptr, y_ptr, V, K: tl.constexpr, BV: tl.constexpr,
     small = tl.zeros([BV, NX], tl.float32)
     for k0 in range(0, K, KC):
         cols = k0 + tl.arange(0, KC)
-        c = tl.load(c_ptr + (mat * V + rows)[:, None] * K + cols[None, :])
-        x = tl.load(x_ptr + (mat * K + cols)[:, None] * NX + j[None, :])
+        c, x = _cx_tiles(c_ptr, x_ptr, mat, rows, cols, j, V, K, NX)
         ch = _hi(c)
         xh = _hi(x)
         small = tl.dot(ch, x - xh, small, input_precision="tf32")

@@ -1339,6 +1339,23 @@ def _x_limbs(xi_ptr, xl, L4: tl.constexpr):
 
 
 @triton.jit
+def _x_int_stored(xi_ptr, xs_ptr, bg, c: tl.constexpr, NC: tl.constexpr, K: tl.constexpr):
+    """Column ``c`` of X's integers for (sequence, key group) ``bg`` as ``_x_int_kernel``
+    stored them (``_x_int_store``'s layout: per column three limbs of ``K/4`` words, then a
+    bias word per block; ``xs`` per block): the twelve limbs ``[1, K/16]`` (``_x_limbs``), the
+    bias and ``xs`` ``[1, K/16]``, the form ``_x_int_limbs`` returns them in."""
+    NB: tl.constexpr = K // 16
+    L4: tl.constexpr = K // 4
+    XW: tl.constexpr = 3 * L4 + NB  # _x_int_store's int32 words per column
+    jb = tl.arange(0, NB)
+    col = bg * NC + c
+    l0, l1, l2, l3, m0, m1, m2, m3, n0, n1, n2, n3 = _x_limbs(xi_ptr, col * XW + jb * 4, L4)
+    bias = tl.load(xi_ptr + col * XW + 3 * L4 + jb)[None, :]
+    xs = tl.load(xs_ptr + col * NB + jb)[None, :]
+    return l0, l1, l2, l3, m0, m1, m2, m3, n0, n1, n2, n3, bias, xs
+
+
+@triton.jit
 def _key_group_tile(H, G, V: tl.constexpr, BV: tl.constexpr):
     """The lean read passes' tile of program ``program_id(0) = (b * G + g) * tiles + t``:
     ``BV`` rows of a (sequence, key group)'s ``H // G`` matrices, head after head (a tile may
@@ -1478,13 +1495,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
         # launch is this one's predecessor: wait for it here, after the loads of the codes
         if WAITX:
             tl.extra.cuda.gdc_wait()
-        L4: tl.constexpr = K // 4
-        XW: tl.constexpr = 3 * L4 + NB  # _x_int_store's int32 words per column
         w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
-        xl = bg * NC * XW + jb * 4  # [NB]: the block's first group of four elements
-        xc0 = tl.load(xi_ptr + bg * NC * XW + 3 * L4 + jb)[None, :]  # the bias, per block
-        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3 = _x_limbs(xi_ptr, xl, L4)
-        xs0 = tl.load(xs_ptr + bg * NC * NB + jb)[None, :]
+        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_stored(
+            xi_ptr, xs_ptr, bg, 0, NC, K)
         if NC == 1:
             y0, _ = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
                                a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0, sc,
@@ -1493,9 +1506,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                 tl.extra.cuda.gdc_wait()
             tl.store(yb + rl, y0, mask=rmask)
         else:
-            xc1 = tl.load(xi_ptr + (bg * NC + 1) * XW + 3 * L4 + jb)[None, :]
-            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3 = _x_limbs(xi_ptr, xl + XW, L4)
-            xs1 = tl.load(xs_ptr + (bg * NC + 1) * NB + jb)[None, :]
+            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_stored(
+                xi_ptr, xs_ptr, bg, 1, NC, K)
             y0, y1 = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0,
                                 xs0, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1,
                                 sc, ms, NC, PTX)
@@ -1807,18 +1819,12 @@ def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os
         ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, b, h, vr, rmask, H,
         CAP, TD, V, LP, D_REL, GDN)
     w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
-    NB: tl.constexpr = K // 16
-    L4: tl.constexpr = K // 4
-    XW: tl.constexpr = 3 * L4 + NB  # _x_int_store's int32 words per column
-    jb = tl.arange(0, NB)
-    xl = bg * NC * XW + jb * 4  # [NB]: the block's first group of four elements
     if ONE:
         a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_limbs(
             dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 0, K, NS, D_REL)
     else:
-        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3 = _x_limbs(xi_ptr, xl, L4)
-        xc0 = tl.load(xi_ptr + bg * NC * XW + 3 * L4 + jb)[None, :]  # the bias, per block
-        xs0 = tl.load(xs_ptr + bg * NC * NB + jb)[None, :]
+        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_stored(
+            xi_ptr, xs_ptr, bg, 0, NC, K)
     if NC == 1:
         y0, _ = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
                            a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0, sc, ms, NC,
@@ -1829,9 +1835,8 @@ def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os
             d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_limbs(
                 dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 1, K, NS, D_REL)
         else:
-            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3 = _x_limbs(xi_ptr, xl + XW, L4)
-            xc1 = tl.load(xi_ptr + (bg * NC + 1) * XW + 3 * L4 + jb)[None, :]
-            xs1 = tl.load(xs_ptr + (bg * NC + 1) * NB + jb)[None, :]
+            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_stored(
+                xi_ptr, xs_ptr, bg, 1, NC, K)
         y0, cq = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
                             d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1, sc, ms, NC,
                             PTX)

@@ -4489,3 +4489,102 @@ def test_decode_state_mixed_counts_batch_invariance(family, backend, policies):
             got = _mixed_counts_run(family, backend, seqs, counts, policy, window=window)
             for a, g in zip(alone, got, strict=True):
                 assert torch.equal(_bits(a), _bits(g)), (policy, counts)
+
+
+
+def _slot_forms(real, mode):
+    """``records_outputs`` with its slot indices (``start``, ``rows``, ``out_start``)
+    rewritten: ``"tensors"`` forms every offset index (``(t, d)``, or an int meaning
+    ``start + d``) as a tensor on the host first (the form before the offsets);
+    ``"shifted"`` passes every index as ``(t - 3, d + 3)``, so every kernel must add its
+    offset to read the right rows."""
+    def call(*a, start, rows, out_start, **kw):
+        st = start if isinstance(start, tuple) else (start, 0)
+
+        def pair(x):
+            return x if isinstance(x, tuple) else (st[0], st[1] + x) if isinstance(x, int) \
+                else (x, 0)
+        idx = [pair(x) for x in (start, rows, out_start)]
+        if mode == "tensors":
+            idx = [t + d for t, d in idx]
+        else:
+            idx = [(t - 3, d + 3) for t, d in idx]
+        return real(*a, start=idx[0], rows=idx[1], out_start=idx[2], **kw)
+    return call
+
+
+# the decode step's launch forms whose kernels load the slot indices (records kernel alone,
+# read pass + records launch, the lean read passes + lean records launch, the fused forms,
+# the float16 read pass with X split once)
+SLOT_STEP_FORMS = {
+    "fp32": [dict(), dict(read_pass=(16, 1, "lean"), lean_records=(2, 1)),
+             dict(read_pass=(16, 1, "lean_out")), dict(read_pass=False)],
+    "nvfp4": [dict(), dict(read_pass=(16, 1, "lean"), lean_records=(2, 1)),
+              dict(read_pass=(16, 1, "idot_out")), dict(read_pass=(16, 1), use_dot="f16x3")],
+}
+
+
+@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4"])
+def test_slot_offsets(read_fmt, monkeypatch):
+    """The decode step and verify pass ``rows = start + d`` (and verify's anchor launch its
+    start and output slot) as offsets the kernels add as they load ``start``: no torch add
+    runs, and the outputs, the corrections and the ring are the same bits as with the
+    indices formed as tensors, and as with every index passed as ``(t - 3, d + 3)`` (so
+    each kernel's offset of each index is exercised: one that did not add would read other
+    rows). Both models; the step (h = [2, 0]) in several launch forms; verify (start = [1,
+    0], T = 3, sequence 0 on the flush slot), GDN also folding the cached corrections. Bad
+    slot indices are refused by name."""
+    real = kr.records.records_outputs
+    runs = {}
+    for mode in ("offsets", "tensors", "shifted"):
+        monkeypatch.setattr(kr.records, "records_outputs",
+                            real if mode == "offsets" else _slot_forms(real, mode))
+        gen = _gen(41)
+        out = []
+        for gdn in (True, False):
+            R, R_st, ring, h = _ring_state(gen, read_fmt, gdn=gdn)
+            la, v, k, beta = (t[:, 0] for t in _records(gen, J=1, gdn=True))
+            q = _t(torch.nn.functional.normalize(torch.randn(B, G, K, generator=gen), dim=-1)
+                   * K ** -0.5)
+            qT = _t(torch.nn.functional.normalize(torch.randn(B, T, G, K, generator=gen),
+                                                  dim=-1) * K ** -0.5)
+            A = _t(torch.randn(B, H, V, K, generator=gen) * 0.3)
+            start = _t(torch.tensor([1, 0]))
+            J = int(start.max()) + T
+            log = _AtenLog()
+            with log:
+                for form in SLOT_STEP_FORMS[read_fmt]:
+                    r = {n: t.clone() for n, t in ring.items()}
+                    if gdn:
+                        out.append(kr.gdn_step_kernel(R_st, r, q, k, v, la, beta, h, **form))
+                    else:
+                        out.append(kr.mamba2_step_kernel(R_st, r, la, v, k, q, h, **form))
+                    out += [r[n] for n in sorted(r)]
+                r = ring
+                if gdn:
+                    for fold in (False, True):
+                        out += list(kr.gdn_verify_kernel(
+                            R_st, A, r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
+                            r["k"][:, :J], qT, r["uR"][:, :J], start, L, fold))
+                else:
+                    out.append(kr.mamba2_verify_kernel(
+                        R_st, A, r["la"][:, :J], r["v"][:, :J], r["k"][:, :J], qT, start, L))
+            if mode == "offsets":
+                assert "add" not in log.ops, log.ops
+        runs[mode] = out
+    for mode in ("tensors", "shifted"):
+        for i, (a, b) in enumerate(zip(runs["offsets"], runs[mode], strict=True)):
+            assert torch.equal(_bits(a), _bits(b)), (mode, i)
+    monkeypatch.undo()
+    _, R_st, ring, h = _ring_state(_gen(42), "fp32", gdn=False)
+    kw = dict(ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
+              q=_t(torch.zeros(B, 1, G, K)), draft={n: ring[n][:, :1] for n in ("la", "k", "v")})
+    for bad, match in [(dict(start=h, rows=-1, out_start=0), "rows: the offset .* >= 0, got -1"),
+                       (dict(start=(h, -2), rows=1, out_start=0), "start: the offset"),
+                       (dict(start=0, rows=h, out_start=h), "start: expected an int64 tensor"),
+                       (dict(start=h, rows=1.5, out_start=h), "rows: expected .*got 1.5"),
+                       (dict(start=h, rows=True, out_start=h), "rows: expected .*got True"),
+                       (dict(start=h, rows=(h.float(), 1), out_start=h),
+                        "rows: expected an integer tensor.*float32")]:
+        with pytest.raises(ValueError, match=match):
+            kr.records.records_outputs(R_st, **kw, **bad)

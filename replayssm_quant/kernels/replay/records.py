@@ -1014,7 +1014,9 @@ def _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K: t
 @triton.jit
 def _x_int_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, xi_ptr, xs_ptr, G, TD, TQ, K: tl.constexpr,
                   NC: tl.constexpr, NS: tl.constexpr, D_REL: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = False,
+                  SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+                  OS_ADD: tl.constexpr = 0):
     """``_x_int_store`` of (sequence, key group) ``program_id(0) = b * G + g``: the first
     launch of a step with the integer-dot read pass. ``PDL`` (form ``"idot_pdl"``): let the
     read pass after it (launched with PDL; it waits for this grid before it reads X's
@@ -1024,8 +1026,8 @@ def _x_int_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, xi_ptr, xs_ptr, G, TD, TQ, K: tl
     bg = tl.program_id(0).to(tl.int64)
     b = bg // G
     g = bg - b * G
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
+    ss = tl.load(ss_ptr + b) + SS_ADD
+    n = tl.load(n_ptr + b) + N_ADD
     _x_int_store(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, K, NC, NS, D_REL)
 
 
@@ -1035,7 +1037,9 @@ def _key_products_kernel(
         K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, LP: tl.constexpr,
         NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr, DOT: tl.constexpr,
         PREC: tl.constexpr, D_REL: tl.constexpr, SOLVE: tl.constexpr, GDN: tl.constexpr,
-        FUSED: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False):
+        FUSED: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False,
+        SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+        OS_ADD: tl.constexpr = 0):
     """The records kernel's ``Z`` (and ``Zd``) once per (sequence, key group) (program
     ``b * G + g``), written to ``z_ptr [B*G, LP, NX]`` / ``zd_ptr [B*G, NX, NX]`` for the
     records kernel launched with ZPRE: every program of that launch for the same sequence and
@@ -1051,8 +1055,8 @@ def _key_products_kernel(
     pid = tl.program_id(0).to(tl.int64)
     b = pid // G
     g = pid - b * G
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
+    ss = tl.load(ss_ptr + b) + SS_ADD
+    n = tl.load(n_ptr + b) + N_ADD
     idx = tl.arange(0, LP).to(tl.int64)
     cx = tl.arange(0, NX)
     ring, drf, di, ri = _slots(idx, ss, n, D_REL)
@@ -1089,7 +1093,9 @@ def _fold_coeffs_kernel(
         K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr, LP: tl.constexpr,
         NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr, PREC: tl.constexpr,
         D_REL: tl.constexpr, SOLVE: tl.constexpr, NSQ: tl.constexpr, FUSED: tl.constexpr,
-        SPREC: tl.constexpr, AT_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False):
+        SPREC: tl.constexpr, AT_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
+        SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+        OS_ADD: tl.constexpr = 0):
     """``fold_x="launch"``: the coefficients of ``_fold_matrices`` once per (sequence, value
     head) (program ``b * H + h``), written to ``w_ptr [B*H, 2 NX + LP, NX]`` (``Wy``, ``Wv``,
     ``Wu``) for the records kernel launched with WPRE, so its programs start the stream of C
@@ -1103,12 +1109,12 @@ def _fold_coeffs_kernel(
     b = mat // H
     h = mat - b * H
     g = h // (H // G)
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
+    ss = tl.load(ss_ptr + b) + SS_ADD
+    n = tl.load(n_ptr + b) + N_ADD
     if AT_WINDOW:
         if n != window:
             return
-    o0 = tl.load(os_ptr + b)
+    o0 = tl.load(os_ptr + b) + OS_ADD
     idx = tl.arange(0, LP).to(tl.int64)
     cx = tl.arange(0, NX)
     ring, drf, di, ri = _slots(idx, ss, n, D_REL)
@@ -1269,7 +1275,9 @@ def _split_f16(x):
 @triton.jit
 def _x_split_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, x16_ptr, xinv_ptr, G, TD, TQ,
                     K: tl.constexpr, NS: tl.constexpr, NXS: tl.constexpr, D_REL: tl.constexpr,
-                    FUSED: tl.constexpr):
+                    FUSED: tl.constexpr,
+                    SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+                    OS_ADD: tl.constexpr = 0):
     """X of one (sequence, key group) (program ``b * G + g``; the columns of ``_x_setup``:
     the solved rows' keys, then the queries) split for the float16 read pass
     (``_c_times_x16``): ``x16 [K, 16]`` float16 with column ``t * NXS + c`` the term t (hi,
@@ -1279,8 +1287,8 @@ def _x_split_kernel(dk_ptr, q_ptr, ss_ptr, n_ptr, x16_ptr, xinv_ptr, G, TD, TQ,
     bg = tl.program_id(0).to(tl.int64)
     b = bg // G
     g = bg - b * G
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
+    ss = tl.load(ss_ptr + b) + SS_ADD
+    n = tl.load(n_ptr + b) + N_ADD
     j = tl.arange(0, 16)
     cs, isk, kbase, isq, qbase = _x_setup(j % NXS, ss, n, b, g, G, TD, TQ, K, NS, D_REL, FUSED)
     live = j < 3 * NXS
@@ -1433,7 +1441,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                        NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
                        PTX: tl.constexpr, PDL: tl.constexpr = False,
                        EARLY: tl.constexpr = False, IDOT: tl.constexpr = False,
-                       SCVT: tl.constexpr = False, WAITX: tl.constexpr = False):
+                       SCVT: tl.constexpr = False, WAITX: tl.constexpr = False,
+                       SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+                       OS_ADD: tl.constexpr = 0):
     """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
     ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) of an nvfp4 copy for
     ``BV`` value rows of one (sequence, key group): its ``H // G`` matrices' rows, head after
@@ -1472,8 +1482,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     HG, bg, b, g, off, row0, rl, rmask = _key_group_tile(H, G, V, BV)
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
+    ss = tl.load(ss_ptr + b) + SS_ADD
+    n = tl.load(n_ptr + b) + N_ADD
     NB: tl.constexpr = K // 16
     jb = tl.arange(0, NB)
     wi = tl.arange(0, 2)
@@ -1552,7 +1562,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
 def _f32_read_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, TD, TQ,
                      V: tl.constexpr, K: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr,
                      D_REL: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False,
-                     EARLY: tl.constexpr = False):
+                     EARLY: tl.constexpr = False,
+                     SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+                     OS_ADD: tl.constexpr = 0):
     """The lean read pass of an FP32 copy (``records_outputs(read_pass=(block_v, num_warps,
     "lean"))`` with C float32): ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y
     [B*H*V, NC]``) for ``BV`` value rows of one (sequence, key group), tiled as
@@ -1568,8 +1580,8 @@ def _f32_read_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, TD, TQ,
     kk = tl.arange(0, K)
     c = tl.load(c_ptr + row0 * K + (rl[:, None] * K + kk[None, :]), mask=rmask[:, None],
                 other=0.0)  # [BV, K]
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
+    ss = tl.load(ss_ptr + b) + SS_ADD
+    n = tl.load(n_ptr + b) + N_ADD
     yb = y_ptr + row0 * NC  # the tile's first row of y
     x0 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, 0, NS, K, D_REL)
     y0 = tl.sum(c * x0[None, :], axis=1)
@@ -1589,7 +1601,8 @@ def _f32_read_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_ptr, H, G, TD, TQ,
 @triton.jit
 def _step_rows_load(ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, b, h, vr,
                     rmask, H, CAP, TD, V: tl.constexpr, LP: tl.constexpr,
-                    D_REL: tl.constexpr, GDN: tl.constexpr):
+                    D_REL: tl.constexpr, GDN: tl.constexpr,
+                    SS_ADD: tl.constexpr, N_ADD: tl.constexpr, OS_ADD: tl.constexpr):
     """What the records work of a decode step's read pass (``_f32_step_kernel``,
     ``_nvfp4_step_kernel``) loads for value rows ``vr [BV]`` (mask ``rmask``) of value head
     ``h`` of sequence ``b``, before the rows' products with R: ``(ss, n, o0, idx, ring, drf,
@@ -1597,9 +1610,9 @@ def _step_rows_load(ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbe
     slots (``_slots``), their log decays ``la [LP]``, the cached corrections (GDN; Mamba-2:
     v, the draft row's too) ``U [LP, BV]``, the draft row's index, its v ``[BV]`` and (GDN)
     beta."""
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
-    o0 = tl.load(os_ptr + b)
+    ss = tl.load(ss_ptr + b) + SS_ADD
+    n = tl.load(n_ptr + b) + N_ADD
+    o0 = tl.load(os_ptr + b) + OS_ADD
     idx = tl.arange(0, LP).to(tl.int64)
     ring, drf, di, ri = _slots(idx, ss, n, D_REL)
     la = tl.where(ring, tl.load(rla_ptr + (b * CAP + ri) * H + h, mask=ring, other=0.0),
@@ -1709,7 +1722,9 @@ def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_pt
                      NS: tl.constexpr, D_REL: tl.constexpr, BV: tl.constexpr,
                      GDN: tl.constexpr, PDL: tl.constexpr = False, ZIN: tl.constexpr = False,
                      KC: tl.constexpr = 128, STAGES: tl.constexpr = 1, DOT: tl.constexpr = False,
-                     PREC: tl.constexpr = "ieee"):
+                     PREC: tl.constexpr = "ieee",
+                     SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+                     OS_ADD: tl.constexpr = 0):
     """The lean FP32 read pass with the decode step's records work on its own rows (read-pass
     form ``"lean_out"``; no records launch): ``_f32_read_kernel``'s tile and products (``Y = C
     X``, one float32 reduction over K per row and column) and then, for the tile's ``BV``
@@ -1738,7 +1753,7 @@ def _f32_step_kernel(c_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr, rw_pt
                 other=0.0)  # [BV, K]
     ss, n, o0, idx, ring, drf, di, ri, la, U, pd, vp, bp = _step_rows_load(
         ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, b, h, vr, rmask, H,
-        CAP, TD, V, LP, D_REL, GDN)
+        CAP, TD, V, LP, D_REL, GDN, SS_ADD, N_ADD, OS_ADD)
     x0 = _x_col(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, kk, 0, NS, K, D_REL)
     y0 = tl.sum(c * x0[None, :], axis=1)  # R k_p (GDN) or R q (Mamba-2)
     if NC == 2:
@@ -1787,7 +1802,9 @@ def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os
                        BV: tl.constexpr, GDN: tl.constexpr, PTX: tl.constexpr,
                        SCVT: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr,
                        DOT: tl.constexpr, PREC: tl.constexpr, ONE: tl.constexpr = True,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False,
+                       SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+                       OS_ADD: tl.constexpr = 0):
     """A decode step from an nvfp4 read copy in one launch (read-pass form ``"idot_one"``):
     ``_nvfp4_read_kernel``'s integer-dot products ``Y = C X`` (``IDOT``, ``PTX`` / ``SCVT`` as
     there) for ``BV`` value rows of one value head (``V % BV == 0``), with X's integers
@@ -1817,7 +1834,7 @@ def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os
         sc = _e4m3_value_f16(scode)
     ss, n, o0, idx, ring, drf, di, ri, la, U, pd, vp, bp = _step_rows_load(
         ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, b, h, vr, rmask, H,
-        CAP, TD, V, LP, D_REL, GDN)
+        CAP, TD, V, LP, D_REL, GDN, SS_ADD, N_ADD, OS_ADD)
     w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
     if ONE:
         a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_limbs(
@@ -2096,7 +2113,9 @@ def _step_out_kernel(rla_ptr, rw_ptr, dla_ptr, dk_ptr, dv_ptr, dbeta_ptr, o_ptr,
                      CAP, TD, OT, OT0, WCAP, K: tl.constexpr, LP: tl.constexpr,
                      NX: tl.constexpr, HB: tl.constexpr, VP: tl.constexpr,
                      D_REL: tl.constexpr, GDN: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False,
+                     SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+                     OS_ADD: tl.constexpr = 0):
     """The lean records launch of a decode step (``records_outputs(lean_records=(HB,
     num_warps))``), after the read pass (``Y = R X``: Mamba-2 ``R q``; GDN ``R k_p`` and ``R
     q``, ``y [B*H*V, NC]``) and the products launch (``Z``: column 0 ``k_j . k_p`` (GDN) or
@@ -2119,9 +2138,9 @@ def _step_out_kernel(rla_ptr, rw_ptr, dla_ptr, dk_ptr, dv_ptr, dbeta_ptr, o_ptr,
     nhb = tl.cdiv(H, HB)
     b = pid // nhb
     h0 = (pid - b * nhb) * HB
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
-    o0 = tl.load(os_ptr + b)
+    ss = tl.load(ss_ptr + b) + SS_ADD
+    n = tl.load(n_ptr + b) + N_ADD
+    o0 = tl.load(os_ptr + b) + OS_ADD
     hh = h0 + tl.arange(0, HB)  # [HB] value heads
     hok = hh < H
     gh = hh // (H // G)
@@ -2216,7 +2235,9 @@ def _records_kernel(
         C: tl.constexpr, PDL: tl.constexpr = False, W_KNOWN: tl.constexpr = False,
         LATE: tl.constexpr = 0, NCP: tl.constexpr = 1, SPLIT: tl.constexpr = False,
         NXK: tl.constexpr = 8, NXQ: tl.constexpr = 8, FOLD: tl.constexpr = False,
-        WPRE: tl.constexpr = False):
+        WPRE: tl.constexpr = False,
+        SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
+        OS_ADD: tl.constexpr = 0):
     # C: the stored checkpoint's DecodeConsts; ONE: TD == 1
     # W_KNOWN (with WRITE_W): also write the corrections' other slots of wout, the known ones
     # (< ss, as read from the ring) and zeros from n on, so wout needs no copy before and no
@@ -2239,14 +2260,14 @@ def _records_kernel(
     b = mat // H
     h = mat - b * H
     g = h // (H // G)
-    ss = tl.load(ss_ptr + b)
-    n = tl.load(n_ptr + b)
+    ss = tl.load(ss_ptr + b) + SS_ADD
+    n = tl.load(n_ptr + b) + N_ADD
     if AT_WINDOW:  # only the sequences whose rows end on the flush slot (verify's A path)
         if n != window:
             if PDL:  # no grid of this call left running behind a program that returns
                 tl.extra.cuda.gdc_wait()
             return
-    o0 = tl.load(os_ptr + b)
+    o0 = tl.load(os_ptr + b) + OS_ADD
     rows = vt * BV + tl.arange(0, BV)
     rmask = rows < V
     rowg = mat * V + rows.to(tl.int64)
@@ -2448,7 +2469,11 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             records of slots ``< start[b]`` (w: Mamba-2 v, GDN cached corrections).
         q: ``[B, TQ, G, K]``; outputs at slots ``out_start[b] + t``.
         start, rows, out_start: int64 ``[B]``: rows ``start..rows-1`` come from ``draft``
-            (GDN: their corrections are solved against C).
+            (GDN: their corrections are solved against C). Each may also be ``(t, d)``: the
+            int64 ``[B]`` tensor ``t`` plus a Python int ``d >= 0``, added in the kernels as
+            they load ``t`` (no tensor ``t + d`` is formed: one small launch less in a decode
+            step's chain); ``rows`` and ``out_start`` may be a plain int ``d >= 0``, meaning
+            ``start + d``.
         draft: dict ``la [B,TD,H]``, ``k [B,TD,G,K]``, ``v [B,TD,H,V]``, ``beta [B,TD,H]``
             (GDN), indexed by ``slot - start`` (``draft_relative``) or by slot.
         w_out: ``[B, WCAP, H, V]`` receives the solved corrections of rows ``start..rows-1``.
@@ -2695,11 +2720,16 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
     fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x, fold_x,
-    lean_records) or an
+    lean_records), a bad slot index (``start``, ``rows``, ``out_start``: not an int64
+    tensor, an int or a ``(tensor, int)`` pair, or a negative offset) or an
     output
     that is not float32
     (w_out, out).
     """
+    start, ss_add = _slot_index("start", start)
+    rows, n_add = _slot_index("rows", rows, (start, ss_add))
+    out_start, os_add = _slot_index("out_start", out_start, (start, ss_add))
+    adds = dict(SS_ADD=ss_add, N_ADD=n_add, OS_ADD=os_add)  # every launch below takes them
     (c, cbs, cms), spec = _stored_args(checkpoint)
     ring_la, ring_k, ring_w = ring_la.contiguous(), ring_k.contiguous(), ring_w.contiguous()
     for name, t in [("w_out", w_out), ("out", out)] + list((append or {}).items()):
@@ -2925,7 +2955,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                          device=q.device)
         xs = torch.empty(B * G * NC * (K // 16), dtype=torch.float32, device=q.device)
         _x_int_kernel[(B * G,)](dk, q_arg, start, rows, xi, xs, G, TD, TQ, K=K, NC=NC, NS=NS,
-                                D_REL=draft_relative, PDL=xwait, num_warps=1)
+                                D_REL=draft_relative, PDL=xwait, num_warps=1, **adds)
     else:
         xi = xs = o_arg
     if zpre:  # Z (and Zd) once per (sequence, key group), read by the records kernel
@@ -2936,7 +2966,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         def products(after_read_pass: bool):
             _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD,
                                            TQ, num_warps=num_warps, PDL=pdl,
-                                           WAIT=after_read_pass, **consts,
+                                           WAIT=after_read_pass, **consts, **adds,
                                            **({"launch_pdl": True} if after_read_pass else {}))
         if not xwait:
             products(False)
@@ -2949,7 +2979,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             K=K, KC=KC, STAGES=num_stages or 1, LP=LP, NC=NC, NS=NS, NX=NX, PREC=prec,
             D_REL=draft_relative, SOLVE=matrix, NSQ=max(0, (max(NS, 1) - 1).bit_length() - 1),
             FUSED=fused_window is not None, SPREC=solve_precision,
-            AT_WINDOW=at_window is not None, PDL=pdl, num_warps=num_warps)
+            AT_WINDOW=at_window is not None, PDL=pdl, num_warps=num_warps, **adds)
     else:
         z = zd = o_arg
     args = (c, cbs, cms, ring_la, ring_k, ring_w, dla, dk, dv, dbeta, q_arg, o_arg, start, rows,
@@ -2962,7 +2992,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         xinv = torch.empty(B * G, nxs, dtype=torch.float32, device=q.device)
         _x_split_kernel[(B * G,)](dk, q_arg, start, rows, x16, xinv, G, TD, TQ, K=K, NS=NS,
                                   NXS=nxs, D_REL=draft_relative, FUSED=fused_window is not None,
-                                  num_warps=2)
+                                  num_warps=2, **adds)
     else:
         x16 = xinv = o_arg
     scalars = (H, G, V, CAP, TD, TQ, wo.shape[1] if w_out is not None else 1,
@@ -2992,7 +3022,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                 NX=NX, NC=NC, NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn,
                 PTX=mode != "integer", SCVT=mode != "integer" and _e4m3_cvt_runs(q.device),
                 KC=KC, STAGES=num_stages or 1, DOT=bool(main_dot), PREC=prec, ONE=one,
-                num_warps=read_pass[1],
+                num_warps=read_pass[1], **adds,
                 **_pdl_launch((not one) and pdl and zpre), **_maxnreg_launch(read_maxnreg))
             return o
         if read_form in STEP_FORMS:  # the records work in the read pass
@@ -3005,20 +3035,20 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
                 out_slot, wo.shape[1] if w_out is not None else 1, V=V, K=K, LP=LP, NX=NX,
                 NC=NC, NS=NS, D_REL=draft_relative, BV=rbv, GDN=gdn, ZIN=zin, KC=KC,
                 STAGES=num_stages or 1, DOT=bool(main_dot), PREC=prec,
-                num_warps=read_pass[1], **_pdl_launch(pdl and zpre),
+                num_warps=read_pass[1], **adds, **_pdl_launch(pdl and zpre),
                 **_maxnreg_launch(read_maxnreg))
             return o
         if lean32:
             _f32_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
                 c, dk, q_arg, start, rows, y, H, G, TD, TQ, V=V, K=K, NC=NC, NS=NS,
-                D_REL=draft_relative, BV=rbv, num_warps=read_pass[1], EARLY=early,
+                D_REL=draft_relative, BV=rbv, num_warps=read_pass[1], EARLY=early, **adds,
                 **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
         else:
             _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
                 c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, TD, TQ, V=V, K=K, NC=NC,
                 NS=NS, D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
                 EARLY=early or xwait, IDOT=idot,
-                SCVT=idot and mode != "integer" and _e4m3_cvt_runs(q.device), WAITX=xwait,
+                SCVT=idot and mode != "integer" and _e4m3_cvt_runs(q.device), WAITX=xwait, **adds,
                 **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
             if xwait:
                 products(True)
@@ -3033,7 +3063,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         # them: an ordinary launch, since it reads the split X at once)
         rpdl = pdl and zpre and not xsplit
         _records_kernel[(B * H, triton.cdiv(V, rbv))](
-            *args, y, x16, xinv, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1],
+            *args, y, x16, xinv, *scalars, BV=rbv, YOUT=True, YPRE=False, num_warps=read_pass[1], **adds,
             **rflags, **_pdl_launch(rpdl), **_maxnreg_launch(read_maxnreg))
     else:
         y = o_arg
@@ -3045,12 +3075,39 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             ring_la, ring_w, dla, dk, dv, dbeta, o_arg, wo, start, rows, out_start, a_la, a_k,
             a_v, a_beta, z, y, H, G, V, CAP, TD, o.shape[1], out_slot,
             wo.shape[1] if w_out is not None else 1, K=K, LP=LP, NX=NX, HB=hb,
-            VP=triton.next_power_of_2(V), D_REL=draft_relative, GDN=gdn, num_warps=lw,
+            VP=triton.next_power_of_2(V), D_REL=draft_relative, GDN=gdn, num_warps=lw, **adds,
             **_pdl_launch(mpdl))
         return o
     _records_kernel[grid](*args, y, x16, xinv, *scalars, BV=bv, YOUT=False, YPRE=ypre,
-                          num_warps=num_warps, W_KNOWN=w_out_known, **flags, **_pdl_launch(mpdl))
+                          num_warps=num_warps, W_KNOWN=w_out_known, **flags, **adds,
+                          **_pdl_launch(mpdl))
     return o
+
+
+def _slot_index(name: str, x, start=None) -> "tuple[torch.Tensor, int]":
+    """``(t, d)`` of a slot index of :func:`records_outputs` (``start``, ``rows``,
+    ``out_start``): an int64 tensor ``t`` (``d = 0``), a pair ``(t, d)``, or, for ``rows`` and
+    ``out_start`` (``start`` given as ``(t, d0)``), a plain int ``d`` meaning ``start + d``.
+    The kernels add ``d`` (a ``tl.constexpr``) as they load ``t``. Raises ValueError naming
+    ``name`` for anything else or a negative ``d``."""
+    if isinstance(x, int) and not isinstance(x, bool) and start is not None:
+        t, d = start[0], start[1] + x
+    elif (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], torch.Tensor)
+          and isinstance(x[1], int) and not isinstance(x[1], bool)):
+        t, d = x
+    elif isinstance(x, torch.Tensor):
+        t, d = x, 0
+    else:
+        raise ValueError(f"{name}: expected an int64 tensor [B]"
+                         + (", an int (start + int)" if start is not None else "")
+                         + f" or a (tensor, int) pair, got {x!r}")
+    if (not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex
+            or t.dtype == torch.bool):
+        raise ValueError(f"{name}: expected an integer tensor [B], got "
+                         f"{getattr(t, 'dtype', type(t).__name__)}")
+    if d < 0:
+        raise ValueError(f"{name}: the offset added to the tensor must be >= 0, got {d}")
+    return t, d
 
 
 def _min_nx(dot, matrix: bool, use_dot, gdn: bool) -> int:
@@ -3352,7 +3409,7 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     _check_devices("mamba2_step_kernel", read=read, la=la, v=v, k=k, q=q, h=h, ring=ring)
     draft = {"la": la[:, None], "k": k[:, None], "v": v[:, None]}
     y = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["v"],
-                        q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft,
+                        q=q[:, None], start=h, rows=1, out_start=0, draft=draft,
                         append={"la": ring["la"], "k": ring["k"], "v": ring["v"]}, **cfg)
     return y[:, 0]
 
@@ -3412,7 +3469,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
-                        q=q[:, None], start=h, rows=h + 1, out_start=h, draft=draft, gdn=True,
+                        q=q[:, None], start=h, rows=1, out_start=0, draft=draft, gdn=True,
                         w_out=ring["uR"],
                         append={"la": ring["la"], "k": ring["k"], "v": ring["v"],
                                 "beta": ring["beta"]}, **cfg)
@@ -3506,12 +3563,12 @@ def mamba2_verify_kernel(read, anchor, la, v, k, q, start, window: int, *,
     B = q.shape[0]
     if T == 0:
         return q.new_zeros(B, 0, la.shape[2], v.shape[3])
-    n = start + T
-    kw = dict(ring_la=la, ring_k=k, ring_w=v, start=n, rows=n)
-    y = records_outputs(read, q=q, out_start=start, **kw, **cfg)
+    # rows = start + T, in the kernels as they load start (no tensor formed)
+    kw = dict(ring_la=la, ring_k=k, ring_w=v, start=(start, T), rows=0)
+    y = records_outputs(read, q=q, out_start=(start, 0), **kw, **cfg)
     if skip_shared_anchor and anchor is read:
         return y
-    records_outputs(anchor, q=q[:, T - 1:], out_start=n - 1, out=y, out_slot=T - 1,
+    records_outputs(anchor, q=q[:, T - 1:], out_start=(start, T - 1), out=y, out_slot=T - 1,
                     at_window=window, **kw, **_anchor_config(cfg, anchor))
     return y
 
@@ -3608,9 +3665,9 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     if T == 0:  # no drafts: the known corrections before start, zeros from start on
         return (q.new_zeros(B, 0, la.shape[2], v.shape[3]),
                 torch.where(length_mask(start, J)[:, :, None, None], u_known, 0.0))
-    n = start + T
     draft = {"la": la, "k": k, "v": v, "beta": beta}
     if fuse_shared_anchor and anchor is read and not fold_cached_corrections:
+        n = start + T
         uR = u_known.clone()
         o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start,
                             rows=n, out_start=start, draft=draft, draft_relative=False,
@@ -3619,15 +3676,18 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
     # the corrections: the known ones before start, the solved ones, zeros from n on, all
     # written by the kernel (no copy of u_known before, no mask after)
     uR = torch.empty(u_known.shape, dtype=u_known.dtype, device=u_known.device)
-    o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start, rows=n,
-                        out_start=start, draft=draft, draft_relative=False, gdn=True, w_out=uR,
+    # rows = start + T (and the anchor launch's start + T - 1) in the kernels as they load
+    # start: no tensor formed
+    o = records_outputs(read, ring_la=la, ring_k=k, ring_w=u_known, q=q, start=start, rows=T,
+                        out_start=0, draft=draft, draft_relative=False, gdn=True, w_out=uR,
                         solved=T, w_out_known=True, **cfg)
-    last = dict(q=q[:, T - 1:], out_start=n - 1, out=o, out_slot=T - 1, at_window=window)
+    last = dict(q=q[:, T - 1:], out_start=(start, T - 1), out=o, out_slot=T - 1,
+                at_window=window)
     if fold_cached_corrections:
         if skip_shared_anchor and anchor is read:
             return o, uR
-        records_outputs(anchor, ring_la=la, ring_k=k, ring_w=uR, start=n, rows=n, **last,
-                        **_anchor_config(cfg, anchor))
+        records_outputs(anchor, ring_la=la, ring_k=k, ring_w=uR, start=(start, T), rows=0,
+                        **last, **_anchor_config(cfg, anchor))
     else:
         # the anchor programs that run have rows == window and start 0: at most ``window``
         # solved rows (the matrix forms size their system by it; substitution loops on rows)
@@ -3647,7 +3707,7 @@ def gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window: i
                                        else {})},
                                    block_v=anchor_block_v), anchor)
         records_outputs(anchor, ring_la=la, ring_k=k, ring_w=u_known,
-                        start=torch.zeros_like(start), rows=n, draft=draft,
+                        start=torch.zeros_like(start), rows=(start, T), draft=draft,
                         draft_relative=False, gdn=True, solved=solved, **last, **acfg)
     return o, uR
 

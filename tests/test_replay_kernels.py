@@ -1398,14 +1398,15 @@ def test_lean_read_pass(gdn, monkeypatch):
 
     assert H // G == 2 and V == 16  # the tiles below span heads as the docstring says
     for rp in ((16, 1, "lean"), (32, 2, "lean"), (64, 1, "lean"), (16, 1, "idot"),
-               (32, 2, "idot"), (64, 1, "idot"), (128, 1, "idot"), (32, 2, "idot_pdl")):
+               (32, 2, "idot"), (64, 1, "idot"), (128, 1, "idot"), (32, 2, "idot_pdl"),
+               (32, 2, "idot_in"), (128, 1, "idot_in")):
         rg = {n: t.clone() for n, t in ring.items()}
         seen = _lean_launches(monkeypatch)
         got = step(rg, slice(None), rp)
-        # (idot: X's integers first) the read pass in its form, then the lean records
-        # launch (both models' default)
+        # (idot: X's integers first, except "idot_in", whose read pass forms them) the read
+        # pass in its form, then the lean records launch (both models' default)
         idot = rp[2] in kr.records.IDOT_FORMS
-        first, form = (["x_int"], "idot") if idot else ([], rp[2])
+        first, form = (["x_int"] if rp[2] != "idot_in" else [], "idot") if idot else ([], rp[2])
         assert seen == first + [form], seen
         torch.testing.assert_close(got, want, **TOL)
         if gdn:
@@ -1878,8 +1879,9 @@ def test_lean_read_pass_refused():
     _, R_st, ring, h = _ring_state(gen, "mxfp4", gdn=False)
     la, v, k = (t[:, 0] for t in _records(gen, J=1)[:3])
     q = _t(torch.randn(B, G, K, generator=gen) / K ** 0.5)
-    with pytest.raises(ValueError, match="'lean' takes an nvfp4 copy.*mxfp4"):
-        kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "lean"))
+    for form in ("lean", "idot_in"):
+        with pytest.raises(ValueError, match=f"'{form}' takes an nvfp4 copy.*mxfp4"):
+            kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, form))
     with pytest.raises(ValueError, match="read_pass form must be one of.*'fast'"):
         kr.mamba2_step_kernel(R_st, ring, la, v, k, q, h, read_pass=(16, 1, "fast"))
     # nvfp4 codes in a view that starts one byte into its storage: refused, not misread
@@ -1895,8 +1897,9 @@ def test_lean_read_pass_refused():
         R, R_st, vring, _ = _ring_state(gen, "nvfp4", gdn=gdn)
         A, args, _, _ = _verify_case(gen, R, vring, gdn, K)
         fn = kr.gdn_verify_kernel if gdn else kr.mamba2_verify_kernel
-        with pytest.raises(ValueError, match="'lean' is the decode step's"):
-            fn(R_st, A, *args, read_pass=(16, 1, "lean"))
+        for form in ("lean", "idot_in"):
+            with pytest.raises(ValueError, match=f"'{form}' is the decode step's"):
+                fn(R_st, A, *args, read_pass=(16, 1, form))
 
 
 def test_read_pass_register_cap():
@@ -1991,7 +1994,9 @@ def test_idot_pdl_launch_order(gdn, monkeypatch):
     for it before it reads them (``WAITX``), and the products launch comes after the read
     pass, dependent on it, waiting for it before its stores (``WAIT``), so the records launch,
     which waits on the products launch, waits on all three; without them (``pdl=False``, the
-    interpreter) the launches of form ``"idot"``. Both give the bits of form ``"idot"``."""
+    interpreter) the launches of form ``"idot"``. Form ``"idot_in"``: no launch for X's
+    integers (the read pass forms them), the products launch then the read pass. All give
+    the bits of form ``"idot"``."""
     gen = _gen(23)
     R, R_st, ring, h = _ring_state(gen, "nvfp4", gdn=gdn)
     rec, q, _, want, _ = _lean_step_case(gen, R, ring, h, gdn)
@@ -2015,7 +2020,8 @@ def test_idot_pdl_launch_order(gdn, monkeypatch):
     spy("_key_products_kernel", ("WAIT", "launch_pdl"))
     spy("_nvfp4_read_kernel", ("WAITX", "launch_pdl"))
     outs = {}
-    for form, pdl in (("idot", False), ("idot_pdl", False), ("idot_pdl", None)):
+    for form, pdl in (("idot", False), ("idot_pdl", False), ("idot_pdl", None),
+                      ("idot_in", False), ("idot_in", None)):
         seen.clear()
         la, v, k, beta = rec
         rg = {n: t.clone() for n, t in ring.items()}
@@ -2026,7 +2032,10 @@ def test_idot_pdl_launch_order(gdn, monkeypatch):
             o = kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, read_pass=rp, pdl=pdl)
         outs[form, pdl] = [o] + [rg[n] for n in sorted(rg)]
         overlapped = form == "idot_pdl" and pdl is None and PDL_RUNS
-        if overlapped:
+        if form == "idot_in":  # no launch for X's integers: the read pass forms them
+            assert seen == [("_key_products_kernel", False, False),
+                            ("_nvfp4_read_kernel", False, pdl is None and PDL_RUNS)], seen
+        elif overlapped:
             assert seen == [("_x_int_kernel", True), ("_nvfp4_read_kernel", True, True),
                             ("_key_products_kernel", True, True)], seen
             # the compiled waits where the order needs them (PTX): X's integers' launch

@@ -92,19 +92,21 @@ DEFAULT_WARPS = 4
 # launch and the products launch before it, the records work on its rows: no records launch,
 # as "lean_out" from FP32).
 READ_FORMS = ("records", "lean", "idot", "idot_pdl", "lean_out", "lean_one", "idot_one",
-              "idot_out")
+              "idot_out", "idot_in")
 # the lean forms: Y = R X and nothing else, in a launch of its own ("lean" from nvfp4 or FP32;
 # "idot": _nvfp4_read_kernel's integer-dot form, IDOT; "idot_pdl": the same with the read pass
 # dependent (PDL) on X's integers' launch and the products launch after it, so that X's
-# integers overlap the read pass's first loads), and "lean_out", "lean_one" and "idot_one"
+# integers overlap the read pass's first loads; "idot_in": the same read pass forming X's
+# integers itself, so no launch of their own), and "lean_out", "lean_one" and "idot_one"
 # (above)
-LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out", "lean_one", "idot_one", "idot_out")
+LEAN_FORMS = ("lean", "idot", "idot_pdl", "lean_out", "lean_one", "idot_one", "idot_out",
+              "idot_in")
 # the read-pass forms that do the records work in the read pass: FP32 copies
 # (_f32_step_kernel) and nvfp4 ones (_nvfp4_step_kernel)
 F32_STEP_FORMS = ("lean_out", "lean_one")
 NVFP4_STEP_FORMS = ("idot_one", "idot_out")
 STEP_FORMS = F32_STEP_FORMS + NVFP4_STEP_FORMS
-IDOT_FORMS = ("idot", "idot_pdl")
+IDOT_FORMS = ("idot", "idot_pdl", "idot_in")
 # Launch defaults: the fastest of benchmarks/records_tune.py on the H200 at B = 256 (results
 # benchmarks/results/records_tune_h200.json and records_tune_tf32_h200.json,
 # docs/kernels-replay.md): the whole key dim as one chunk for the step (until the sixth
@@ -1443,7 +1445,7 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                        EARLY: tl.constexpr = False, IDOT: tl.constexpr = False,
                        SCVT: tl.constexpr = False, WAITX: tl.constexpr = False,
                        SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
-                       OS_ADD: tl.constexpr = 0):
+                       OS_ADD: tl.constexpr = 0, XIN: tl.constexpr = False):
     """The lean read pass (``records_outputs(read_pass=(block_v, num_warps, "lean"))``):
     ``Y = C X`` ``[BV, NC]`` (NC = 1 or 2; float32 to ``y [B*H*V, NC]``) of an nvfp4 copy for
     ``BV`` value rows of one (sequence, key group): its ``H // G`` matrices' rows, head after
@@ -1478,7 +1480,10 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
     (``codec._e4m3_value_cvt``, sm_89 and later), else ``codec._e4m3_value_f16`` (the same
     values). ``WAITX`` (form ``"idot_pdl"``, with ``PDL``): this launch is the dependent of
     X's integers' launch (the products launch comes after it): it issues its loads of the
-    codes and scales, then waits for that grid before it reads X's integers."""
+    codes and scales, then waits for that grid before it reads X's integers. ``XIN`` (form
+    ``"idot_in"``, with ``IDOT``): X's integers formed in the program (``_x_int_limbs``, the
+    integers ``_x_int_kernel`` would store, so the same bits), so the step has no launch for
+    them."""
     if EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     HG, bg, b, g, off, row0, rl, rmask = _key_group_tile(H, G, V, BV)
@@ -1506,8 +1511,12 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
         if WAITX:
             tl.extra.cuda.gdc_wait()
         w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
-        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_stored(
-            xi_ptr, xs_ptr, bg, 0, NC, K)
+        if XIN:
+            a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_limbs(
+                dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 0, K, NS, D_REL)
+        else:
+            a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_stored(
+                xi_ptr, xs_ptr, bg, 0, NC, K)
         if NC == 1:
             y0, _ = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
                                a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0, sc,
@@ -1516,8 +1525,12 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                 tl.extra.cuda.gdc_wait()
             tl.store(yb + rl, y0, mask=rmask)
         else:
-            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_stored(
-                xi_ptr, xs_ptr, bg, 1, NC, K)
+            if XIN:
+                d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_limbs(
+                    dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 1, K, NS, D_REL)
+            else:
+                d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_stored(
+                    xi_ptr, xs_ptr, bg, 1, NC, K)
             y0, y1 = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0,
                                 xs0, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1,
                                 sc, ms, NC, PTX)
@@ -2624,7 +2637,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             launch, X's integers' launch comes first and lets the read pass start at once
             (the read pass waits for it after issuing its loads of the codes), and the
             products launch comes after the read pass, dependent on it (it waits for it
-            before its stores); otherwise the launches of ``"idot"``. ``"lean_out"`` (an
+            before its stores); otherwise the launches of ``"idot"``. ``"idot_in"``
+            (2026-12-05, thirty-fourth session): ``"idot"``'s read pass forming X's integers
+            in each program (``_x_int_limbs``: the same integers, so the same bits), so no
+            launch for them precedes the products launch. ``"lean_out"`` (an
             FP32 copy, a decode step under the conditions of ``lean_records``, with
             ``shared_products``; 2026-12-05): ``_f32_step_kernel``, the ``"lean"`` read pass
             of FP32 rows that then does the records work of ``lean_records``'s launch on its
@@ -2950,7 +2966,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     # every launch before it. Without PDL or a products launch it is "idot" (the same bits).
     idot = lean and read_form in IDOT_FORMS + ("idot_out",)
     xwait = idot and read_form == "idot_pdl" and pdl and zpre
-    if idot:
+    xin = idot and read_form == "idot_in"  # X's integers formed in the read pass
+    if idot and not xin:
         xi = torch.empty(B * G * NC * (3 * (K // 4) + K // 16), dtype=torch.int32,
                          device=q.device)
         xs = torch.empty(B * G * NC * (K // 16), dtype=torch.float32, device=q.device)
@@ -3047,7 +3064,7 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
             _nvfp4_read_kernel[(B * G * triton.cdiv((H // G) * V, rbv),)](
                 c, cbs, cms, dk, q_arg, start, rows, y, xi, xs, H, G, TD, TQ, V=V, K=K, NC=NC,
                 NS=NS, D_REL=draft_relative, BV=rbv, PTX=mode != "integer", num_warps=read_pass[1],
-                EARLY=early or xwait, IDOT=idot,
+                EARLY=early or xwait, IDOT=idot, XIN=xin,
                 SCVT=idot and mode != "integer" and _e4m3_cvt_runs(q.device), WAITX=xwait, **adds,
                 **_pdl_launch(pdl and zpre), **_maxnreg_launch(read_maxnreg))
             if xwait:
@@ -3384,7 +3401,8 @@ def mamba2_step_kernel(read, ring: dict, la, v, k, q, h, *, block_v: int | None 
     for an nvfp4 one (the lean read pass), ``MAMBA2_STEP_FP4_CONFIG`` for mxfp4) unless
     given (see :func:`records_outputs`; ``solve``: its matrix forms, untimed; ``read_pass``:
     ``(block_v, num_warps)`` or ``(block_v, num_warps, form)`` of a separate launch for the
-    products with R (form ``"records"``, ``"lean"``, ``"idot"`` or ``"idot_pdl"``; an FP32
+    products with R (form ``"records"``, ``"lean"``, ``"idot"``, ``"idot_pdl"`` or
+    ``"idot_in"``; an FP32
     copy takes ``"lean"``, ``"lean_out"`` and ``"lean_one"`` too; an nvfp4 one
     ``"idot_one"`` or ``"idot_out"``), or False for one launch;
     ``lean_records``: ``(heads, num_warps[, early])`` of the lean records launch after a
@@ -3436,7 +3454,8 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     fp8 one, ``GDN_STEP_BLOCKED_CONFIG`` for mxfp8) unless given (``solve``: the matrix forms
     of :func:`records_outputs`, untimed for the step; ``read_pass``: ``(block_v, num_warps)``
     or ``(block_v, num_warps, form[, maxnreg])`` of a separate launch for the products with
-    R (form ``"records"``, ``"lean"``, ``"idot"``, ``"idot_pdl"`` or, from an FP32 copy,
+    R (form ``"records"``, ``"lean"``, ``"idot"``, ``"idot_pdl"``, ``"idot_in"`` or, from an
+    FP32 copy,
     ``"lean_out"`` or ``"lean_one"``, from an nvfp4 one ``"idot_one"`` or ``"idot_out"``,
     :func:`records_outputs`; the nvfp4
     default ``(128, 1, "idot")``), or False for one launch; a default lean form with a

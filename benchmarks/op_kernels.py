@@ -67,13 +67,20 @@ def main(argv=None):
     ap.add_argument("--B", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter, B = 2, small heads")
     ap.add_argument("--out", default="")
+    ap.add_argument("--models", default="gdn,mamba2", help="comma list (default both)")
     a = ap.parse_args(argv)
     B = 2 if a.tiny else a.B
     res = {"command": "python3 " + " ".join([sys.argv[0]] + sys.argv[1:]),
            "device": torch.cuda.get_device_name() if dc.DEV == "cuda" else "cpu",
            "torch": torch.__version__, "code_commit": os.environ.get("CODE_COMMIT", ""),
            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "B": B, "ops": {}}
+    models = [m for m in a.models.split(",") if m]
+    bad = set(models) - set(GEOMETRIES)
+    if bad or not models:
+        ap.error(f"--models takes a comma list of {sorted(GEOMETRIES)}, got {a.models!r}")
     for mname, (H, G, V, K) in (TINY if a.tiny else GEOMETRIES).items():
+        if mname not in models:
+            continue
         M = rk.Model(mname, B, H, G, V, K, 16)
         gen = torch.Generator(device=dc.DEV).manual_seed(0)
         for pname, pstr in dc.POLICIES.items():

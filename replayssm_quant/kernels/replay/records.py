@@ -2481,12 +2481,12 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         ring_la, ring_k, ring_w: ``[B, CAP, H]``, ``[B, CAP, G, K]``, ``[B, CAP, H, V]``: the
             records of slots ``< start[b]`` (w: Mamba-2 v, GDN cached corrections).
         q: ``[B, TQ, G, K]``; outputs at slots ``out_start[b] + t``.
-        start, rows, out_start: int64 ``[B]``: rows ``start..rows-1`` come from ``draft``
-            (GDN: their corrections are solved against C). Each may also be ``(t, d)``: the
-            int64 ``[B]`` tensor ``t`` plus a Python int ``d >= 0``, added in the kernels as
-            they load ``t`` (no tensor ``t + d`` is formed: one small launch less in a decode
-            step's chain); ``rows`` and ``out_start`` may be a plain int ``d >= 0``, meaning
-            ``start + d``.
+        start, rows, out_start: int64 (or int32) ``[B]``: rows ``start..rows-1`` come from
+            ``draft`` (GDN: their corrections are solved against C). Each may also be ``(t,
+            d)``: the ``[B]`` tensor ``t`` plus a Python int ``d >= 0``, added in the kernels
+            as they load ``t`` (no tensor ``t + d`` is formed: one small launch less in a
+            decode step's chain; each distinct ``d`` compiles its own specialisation);
+            ``rows`` and ``out_start`` may be a plain int ``d >= 0``, meaning ``start + d``.
         draft: dict ``la [B,TD,H]``, ``k [B,TD,G,K]``, ``v [B,TD,H,V]``, ``beta [B,TD,H]``
             (GDN), indexed by ``slot - start`` (``draft_relative``) or by slot.
         w_out: ``[B, WCAP, H, V]`` receives the solved corrections of rows ``start..rows-1``.
@@ -2736,8 +2736,9 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     Raises ``ValueError`` naming a bad launch option (block_v, num_warps, k_chunk,
     num_stages, use_dot, prefetch, keys_first, shared_products, solve, solve_precision,
     fused_window, e2m1_decode, read_pass, pdl, w_out_known, late_sum, split_x, fold_x,
-    lean_records), a bad slot index (``start``, ``rows``, ``out_start``: not an int64
-    tensor, an int or a ``(tensor, int)`` pair, or a negative offset) or an
+    lean_records), a bad slot index (``start`` not an int64 / int32 tensor or a ``(tensor,
+    int)`` pair, ``rows`` / ``out_start`` not one of those or an int, or a negative offset)
+    or an
     output
     that is not float32
     (w_out, out).
@@ -2954,7 +2955,8 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
     zpre = zpre and not wpre
     pdl = _pdl_mode(pdl, q.device)
     # the integer-dot read pass: X as integers per (sequence, key group), by a launch of
-    # their own first (an ordinary launch: complete before the products launch starts, so
+    # their own first (form "idot_in": formed in the read pass instead, no such launch)
+    # (an ordinary launch: complete before the products launch starts, so
     # the read pass, dependent on the products launch, reads them without waiting for it).
     # This holds only while the products launch (or, with none, the read pass itself) is an
     # ordinary launch directly after this one: a dependent (PDL) launch between them would
@@ -3103,11 +3105,14 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
 
 def _slot_index(name: str, x, start=None) -> "tuple[torch.Tensor, int]":
     """``(t, d)`` of a slot index of :func:`records_outputs` (``start``, ``rows``,
-    ``out_start``): an int64 tensor ``t`` (``d = 0``), a pair ``(t, d)``, or, for ``rows`` and
-    ``out_start`` (``start`` given as ``(t, d0)``), a plain int ``d`` meaning ``start + d``.
-    The kernels add ``d`` (a ``tl.constexpr``) as they load ``t``. Raises ValueError naming
-    ``name`` for anything else or a negative ``d``."""
+    ``out_start``): an int64 or int32 tensor ``t`` (``d = 0``), a pair ``(t, d)``, or, for
+    ``rows`` and ``out_start`` (``start`` given as ``(t, d0)``), a plain int ``d`` meaning
+    ``start + d``. The kernels add ``d`` (a ``tl.constexpr``, so each distinct ``d``, e.g. a
+    verify's draft count, compiles its own specialisation) as they load ``t``. Raises
+    ValueError naming ``name`` for anything else or a negative offset."""
     if isinstance(x, int) and not isinstance(x, bool) and start is not None:
+        if x < 0:
+            raise ValueError(f"{name}: the offset added to start must be >= 0, got {x}")
         t, d = start[0], start[1] + x
     elif (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], torch.Tensor)
           and isinstance(x[1], int) and not isinstance(x[1], bool)):
@@ -3118,10 +3123,8 @@ def _slot_index(name: str, x, start=None) -> "tuple[torch.Tensor, int]":
         raise ValueError(f"{name}: expected an int64 tensor [B]"
                          + (", an int (start + int)" if start is not None else "")
                          + f" or a (tensor, int) pair, got {x!r}")
-    if (not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex
-            or t.dtype == torch.bool):
-        raise ValueError(f"{name}: expected an integer tensor [B], got "
-                         f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name}: expected an int64 (or int32) tensor [B], got {t.dtype}")
     if d < 0:
         raise ValueError(f"{name}: the offset added to the tensor must be >= 0, got {d}")
     return t, d

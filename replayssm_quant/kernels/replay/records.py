@@ -1511,12 +1511,8 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
         if WAITX:
             tl.extra.cuda.gdc_wait()
         w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
-        if XIN:
-            a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_limbs(
-                dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 0, K, NS, D_REL)
-        else:
-            a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_stored(
-                xi_ptr, xs_ptr, bg, 0, NC, K)
+        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_of(
+            XIN, dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, 0, NC, K, NS, D_REL)
         if NC == 1:
             y0, _ = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
                                a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0, sc,
@@ -1525,12 +1521,9 @@ def _nvfp4_read_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, y_
                 tl.extra.cuda.gdc_wait()
             tl.store(yb + rl, y0, mask=rmask)
         else:
-            if XIN:
-                d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_limbs(
-                    dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 1, K, NS, D_REL)
-            else:
-                d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_stored(
-                    xi_ptr, xs_ptr, bg, 1, NC, K)
+            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_of(
+                XIN, dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, 1, NC, K, NS,
+                D_REL)
             y0, y1 = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0,
                                 xs0, d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1,
                                 sc, ms, NC, PTX)
@@ -1806,6 +1799,19 @@ def _x_int_limbs(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, c: tl.constexpr, K: tl.c
 
 
 @triton.jit
+def _x_int_of(IN: tl.constexpr, dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg,
+              c: tl.constexpr, NC: tl.constexpr, K: tl.constexpr, NS: tl.constexpr,
+              D_REL: tl.constexpr):
+    """Column ``c`` of X's integers for the integer-dot read pass, in ``_x_int_limbs``'s form:
+    formed in the program (``IN``: ``_x_int_limbs``) or loaded from ``_x_int_kernel``'s
+    buffers (``_x_int_stored``); the same integers either way."""
+    if IN:
+        return _x_int_limbs(dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, c, K, NS, D_REL)
+    else:
+        return _x_int_stored(xi_ptr, xs_ptr, bg, c, NC, K)
+
+
+@triton.jit
 def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os_ptr, rla_ptr,
                        rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, o_ptr, wo_ptr, ala_ptr, ak_ptr,
                        av_ptr, abeta_ptr, rk_ptr, z_ptr, xi_ptr, xs_ptr, H, G, CAP, TD, TQ,
@@ -1849,24 +1855,16 @@ def _nvfp4_step_kernel(c_ptr, cbs_ptr, cms_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, os
         ss_ptr, n_ptr, os_ptr, rla_ptr, rw_ptr, dla_ptr, dv_ptr, dbeta_ptr, b, h, vr, rmask, H,
         CAP, TD, V, LP, D_REL, GDN, SS_ADD, N_ADD, OS_ADD)
     w0, w1 = tl.split(wrd)  # [BV, NB]: each block's codes 0-7 and 8-15
-    if ONE:
-        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_limbs(
-            dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 0, K, NS, D_REL)
-    else:
-        a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_stored(
-            xi_ptr, xs_ptr, bg, 0, NC, K)
+    a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0 = _x_int_of(
+        ONE, dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, 0, NC, K, NS, D_REL)
     if NC == 1:
         y0, _ = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
                            a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0, sc, ms, NC,
                            PTX)
         cq = y0
     else:
-        if ONE:
-            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_limbs(
-                dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, 1, K, NS, D_REL)
-        else:
-            d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_stored(
-                xi_ptr, xs_ptr, bg, 1, NC, K)
+        d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1 = _x_int_of(
+            ONE, dk_ptr, q_ptr, b, g, ss, n, G, TD, TQ, xi_ptr, xs_ptr, bg, 1, NC, K, NS, D_REL)
         y0, cq = _idot_rows(w0, w1, a0, a1, a2, a3, b0, b1, b2, b3, f0, f1, f2, f3, xc0, xs0,
                             d0, d1, d2, d3, g0, g1, g2, g3, h0, h1, h2, h3, xc1, xs1, sc, ms, NC,
                             PTX)

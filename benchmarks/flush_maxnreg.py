@@ -39,6 +39,9 @@ def main():
     ap.add_argument("--caps", default="none,224,192,168,128,96",
                     help="comma list of caps, 'none' for the uncapped kernel (may repeat)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--fold-cached", action="store_true",
+                    help="GDN folds cached corrections (the fp32 policy's serving flush in "
+                         "decode.py) instead of solving them")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("flush_maxnreg.py times CUDA launches; run it on the device")
@@ -46,12 +49,12 @@ def main():
     out = {"command": " ".join(sys.argv), "code_commit": code_commit(),
            "device": torch.cuda.get_device_name(0), "timing": "CUDA graph, median us",
            "results": []}
-    for M in ft.geometries(False):
+    for M in ft.geometries(False, args.fold_cached):
         if M.name not in args.models.split(","):
             continue
         fk = ft.flush_kw(M)
-        var, bv, nw, form, solve = F.flush_launch(M.V, False, M.gdn, M.L)
-        cfg = (var, bv, nw, form + ("+inverse" if M.gdn and solve == "inverse" else ""))
+        var, bv, nw, form, solve = F.flush_launch(M.V, False, M.solves, M.L)
+        cfg = (var, bv, nw, form + ("+inverse" if M.solves and solve == "inverse" else ""))
         gen = torch.Generator(device="cuda").manual_seed(5)
         for pstr in args.policies.split(","):
             pol = StatePolicy.parse(pstr)
@@ -65,7 +68,8 @@ def main():
                     base = a if base is None else base
                     us = dc.timer(lambda i: ft.run_flush(M, pool[i], pol, kw, cfg), 3, args.reps,
                                   3, mode="graph")["median_us"]
-                row = {"model": M.name, "policy": pstr, "maxnreg": cap,
+                row = {"model": M.name, "policy": pstr, "fold_cached": M.fold_cached,
+                       "config": list(cfg), "maxnreg": cap,
                        "median_us": round(us, 1), "same_anchor_bits": torch.equal(a, base)}
                 out["results"].append(row)
                 print(json.dumps(row), flush=True)

@@ -1560,42 +1560,6 @@ def test_lean_out_fp32(gdn, v_rows, form, monkeypatch):
         step({n: t.clone() for n, t in ring.items()}, slice(None), (16, 1, form), read=R4)
 
 
-@pytest.mark.parametrize("case", [("fp32", (16, 1, "lean_out")), ("nvfp4", (16, 1, "idot")),
-                                  ("nvfp4", (16, 1, "idot_pdl"))],
-                         ids=["fp32-lean_out", "nvfp4-idot", "nvfp4-idot_pdl"])
-@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
-def test_products_programs(gdn, case, monkeypatch):
-    """The products launch on fewer programs than (sequence, key group) pairs
-    (``records.PRODUCTS_PROGRAMS``: each program walks pairs P apart): the same bits as one
-    program per pair (outputs, the new correction, the appended ring), for P = 1 and a P
-    that does not divide the B * G pairs; the launch's grid is P."""
-    spec, rp = case
-    gen = _gen(41)
-    R, R_st, ring, _ = _ring_state(gen, spec, gdn=gdn)
-    h = _t(torch.tensor([1, 2]))
-    rec, q, _, _, _ = _lean_step_case(gen, R, ring, h, gdn)
-    lr = None if rp[2] == "lean_out" else (1, 1)
-    zspy = _LaunchSpy(kr.records._key_products_kernel)
-    monkeypatch.setattr(kr.records, "_key_products_kernel", zspy)
-
-    def run(p):
-        monkeypatch.setattr(kr.records, "PRODUCTS_PROGRAMS", p)
-        rg = {n: t.clone() for n, t in ring.items()}
-        n0 = len(zspy.calls)
-        y = _lean_case_step(gdn, R_st, rg, rec, q, h, slice(None), read_pass=rp,
-                            lean_records=lr)
-        assert [g[0] for g in zspy.grids[n0:]] == [min(p or B * G, B * G)], zspy.grids[n0:]
-        return y, rg
-
-    base, base_ring = run(None)
-    assert B * G == 4
-    for p in (1, 3):
-        got, rg = run(p)
-        assert torch.equal(_bits(got), _bits(base)), p
-        for n in base_ring:
-            assert torch.equal(_bits(rg[n]), _bits(base_ring[n])), (p, n)
-
-
 @pytest.mark.parametrize("v_rows", [16, 32], ids=["V16", "V32"])
 def test_gdn_fp32_step_default_lean_out(v_rows, monkeypatch):
     """GDN's FP32 step by default (``GDN_STEP_F32_CONFIG``): the products launch, then the

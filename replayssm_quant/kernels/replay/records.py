@@ -222,9 +222,6 @@ GDN_STEP_NVFP4_CONFIG = dict(GDN_STEP_FP4_CONFIG, read_pass=(128, 1, "idot"),
 # amortised 1.526x -> 1.566x fla (decode_gdn_lout32x1_1dc4f92_h100). Forming the products with
 # the keys in the same launch ("lean_one") lost: 251.6 us at best.
 GDN_STEP_F32_CONFIG = dict(GDN_STEP_WIDE_CONFIG, read_pass=(32, 1, "lean_out"), pdl=None)
-# EXPERIMENT (thirty-fifth session): the products launch's grid; None: one program per
-# (sequence, key group); an int P < B * G: P programs that each walk pairs P apart
-PRODUCTS_PROGRAMS: int | None = None
 # GDN_STEP_F32_CONFIG's form needs tiles within a value head; where its tile does not divide
 # the head dim V, the step takes the previous default (the lean read pass on tiles that may
 # span heads, then the lean records launch; 164.4 us on the H200 at B = 256, h = 7)
@@ -1044,7 +1041,7 @@ def _key_products_kernel(
         PREC: tl.constexpr, D_REL: tl.constexpr, SOLVE: tl.constexpr, GDN: tl.constexpr,
         FUSED: tl.constexpr, PDL: tl.constexpr = False, WAIT: tl.constexpr = False,
         SS_ADD: tl.constexpr = 0, N_ADD: tl.constexpr = 0,
-        OS_ADD: tl.constexpr = 0, BG=0, PERSIST: tl.constexpr = False):
+        OS_ADD: tl.constexpr = 0):
     """The records kernel's ``Z`` (and ``Zd``) once per (sequence, key group) (program
     ``b * G + g``), written to ``z_ptr [B*G, LP, NX]`` / ``zd_ptr [B*G, NX, NX]`` for the
     records kernel launched with ZPRE: every program of that launch for the same sequence and
@@ -1054,31 +1051,10 @@ def _key_products_kernel(
     grid (``gdc_wait``) before it reads Z or writes anything. ``WAIT`` (read-pass form
     ``"idot_pdl"``: this launch is a dependent one after the read pass): wait for the read
     pass's grid before the stores, so that the records launch, waiting on this grid, also
-    waits on the read pass. ``PERSIST``: a grid smaller than the ``BG`` (sequence, key group)
-    pairs; program ``i`` forms pairs ``i, i + P, i + 2P, ...`` (P programs) with the same
-    code, so the same bits, and with PDL the next launch may start once these P programs
-    have (one wave, where a grid of ``BG`` programs needs several)."""
+    waits on the read pass."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if PERSIST:
-        for bg in range(tl.program_id(0).to(tl.int64), BG, tl.num_programs(0)):
-            _key_products_one(bg, rk_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, z_ptr,
-                              zd_ptr, G, CAP, TD, TQ, K, KC, STAGES, LP, NC, NS, NX, DOT, PREC,
-                              D_REL, SOLVE, GDN, FUSED, WAIT, SS_ADD, N_ADD)
-    else:
-        _key_products_one(tl.program_id(0).to(tl.int64), rk_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr,
-                          z_ptr, zd_ptr, G, CAP, TD, TQ, K, KC, STAGES, LP, NC, NS, NX, DOT,
-                          PREC, D_REL, SOLVE, GDN, FUSED, WAIT, SS_ADD, N_ADD)
-
-
-@triton.jit
-def _key_products_one(pid, rk_ptr, dk_ptr, q_ptr, ss_ptr, n_ptr, z_ptr, zd_ptr, G, CAP, TD, TQ,
-                      K: tl.constexpr, KC: tl.constexpr, STAGES: tl.constexpr,
-                      LP: tl.constexpr, NC: tl.constexpr, NS: tl.constexpr, NX: tl.constexpr,
-                      DOT: tl.constexpr, PREC: tl.constexpr, D_REL: tl.constexpr,
-                      SOLVE: tl.constexpr, GDN: tl.constexpr, FUSED: tl.constexpr,
-                      WAIT: tl.constexpr, SS_ADD: tl.constexpr, N_ADD: tl.constexpr):
-    """``_key_products_kernel``'s work on (sequence, key group) ``pid = b * G + g``."""
+    pid = tl.program_id(0).to(tl.int64)
     b = pid // G
     g = pid - b * G
     ss = tl.load(ss_ptr + b) + SS_ADD
@@ -3004,13 +2980,10 @@ def records_outputs(checkpoint, *, ring_la, ring_k, ring_w, q, start, rows, out_
         zd = (torch.empty(B * G, NX, NX, dtype=torch.float32, device=q.device)
               if gdn and matrix and NS > 0 else z)
 
-        nprog = B * G if PRODUCTS_PROGRAMS is None else min(B * G, PRODUCTS_PROGRAMS)
-        persist = {} if nprog == B * G else dict(BG=B * G, PERSIST=True)
-
         def products(after_read_pass: bool):
-            _key_products_kernel[(nprog,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD,
+            _key_products_kernel[(B * G,)](ring_k, dk, q_arg, start, rows, z, zd, G, CAP, TD,
                                            TQ, num_warps=num_warps, PDL=pdl,
-                                           WAIT=after_read_pass, **consts, **adds, **persist,
+                                           WAIT=after_read_pass, **consts, **adds,
                                            **({"launch_pdl": True} if after_read_pass else {}))
         if not xwait:
             products(False)

@@ -99,7 +99,7 @@ def _compiling():
 
 
 def compile_operation(model: str, policy: str, op: str, e2m1: str | None = None,
-                      records_options: dict | None = None):
+                      records_options: dict | None = None, flush_options: dict | None = None):
     """Run ``op`` (flush | step | verify) of ``benchmarks/decode.py`` under ``policy`` on CPU
     tensors with every launch turned into a compile; returns ``[(kernel name, compiled)]``.
     ``e2m1``: the records kernel's E2M1 decoder where its launch leaves the choice to the
@@ -107,7 +107,8 @@ def compile_operation(model: str, policy: str, op: str, e2m1: str | None = None,
     although the tensors here are on the CPU, or one of ``"lookup"``, ``"integer"``,
     ``"half"`` (nvfp4 only); a launch that names its decoder keeps it.
     ``records_options``: launch options given to every ``records_outputs`` call in place of
-    the wrappers' (e.g. ``{"use_dot": "f16x3"}``)."""
+    the wrappers' (e.g. ``{"use_dot": "f16x3"}``). ``flush_options``: launch options of the
+    flush call (``op="flush"``; e.g. ``{"anchor_tma": True}``)."""
     from replayssm_quant.kernels.replay import flush, records
 
     real_choice, real_outputs = records._e2m1_mode, records.records_outputs
@@ -125,16 +126,21 @@ def compile_operation(model: str, policy: str, op: str, e2m1: str | None = None,
 
     records._e2m1_mode, records.records_outputs = choice, outputs
     records._check_devices = flush._check_devices = no_check
+    # the device-side range checks: their flag is written by a launch that only compiles here,
+    # so torch._assert_async would read uninitialised memory (a flaky host error)
+    real_ranges = flush._assert_ranges, records._assert_ranges
+    flush._assert_ranges = records._assert_ranges = lambda *a, **k: None
     records._e4m3_cvt_runs = lambda device: SM >= 89  # as a CUDA device of capability SM
     try:
-        return _compile_operation(model, policy, op)
+        return _compile_operation(model, policy, op, flush_options)
     finally:
         records._e2m1_mode, records.records_outputs = real_choice, real_outputs
         records._check_devices, flush._check_devices = real_checks
+        flush._assert_ranges, records._assert_ranges = real_ranges
         records._e4m3_cvt_runs = real_cvt
 
 
-def _compile_operation(model: str, policy: str, op: str):
+def _compile_operation(model: str, policy: str, op: str, flush_options: dict | None = None):
     with _compiling() as compiled:
         import decode as dc
         import replay_kernels as rk
@@ -153,7 +159,8 @@ def _compile_operation(model: str, policy: str, op: str):
         try:
             if op == "flush":
                 # the fused flush (the decode default splits matrix-scaled casts out of it)
-                dc.run_flush(M, st, pol, dict(dc.flush_args(M, st), split_casts=False))
+                dc.run_flush(M, st, pol, dict(dc.flush_args(M, st), split_casts=False,
+                                              **(flush_options or {})))
             elif op == "step":
                 dc.run_step(M, st, torch.full((B,), min(7, M.L - 2), dtype=torch.int64))
             else:
@@ -300,6 +307,9 @@ def main(argv=None):
                          "wrappers' (verify's anchor launch included, which may compile a "
                          "variant that never runs; a Python literal or a string), e.g. "
                          "use_dot=f16x3; repeatable")
+    ap.add_argument("--flush-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --op flush: a launch option of the flush call (a Python literal "
+                         "or a string), e.g. anchor_tma=True or block_v=16; repeatable")
     ap.add_argument("--sm", type=int, default=90,
                     help="compute capability to compile for, as major * 10 + minor (default "
                          "90, the H200's; e.g. 80 for an A100)")
@@ -321,15 +331,19 @@ def main(argv=None):
     SM = args.sm
     if args.top < 1:
         ap.error(f"--top must be >= 1, got {args.top}")
-    options = {}
-    for item in args.records_option:
-        key, eq, text = item.partition("=")
-        if not eq or not key.isidentifier():
-            ap.error(f"--records-option must be KEY=VALUE, got {item!r}")
-        try:
-            options[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            options[key] = text
+    options, flush_options = {}, {}
+    for flag, items, into in (("--records-option", args.records_option, options),
+                              ("--flush-option", args.flush_option, flush_options)):
+        for item in items:
+            key, eq, text = item.partition("=")
+            if not eq or not key.isidentifier():
+                ap.error(f"{flag} must be KEY=VALUE, got {item!r}")
+            try:
+                into[key] = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                into[key] = text
+    if flush_options and args.op != "flush":
+        ap.error(f"--flush-option applies to --op flush, got --op {args.op}")
     if args.quant_spec is not None:
         from replayssm_quant.formats import parse_spec
 
@@ -371,7 +385,7 @@ def main(argv=None):
             sys.exit(f"no quantizer kernel was compiled for {args.quant_spec!r} (fp32 has none)")
     else:
         kernels = [(n, k) for n, k in compile_operation(args.model, args.policy, args.op,
-                                                          args.e2m1, options)
+                                                          args.e2m1, options, flush_options)
                    if n in KERNELS]
     if not kernels:
         sys.exit(f"no replay kernel ({', '.join(KERNELS)}) was compiled for {args.model} "

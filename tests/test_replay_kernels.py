@@ -290,6 +290,62 @@ def test_flush_register_cap():
             kr.mamba2_flush_kernel(A16, la, v, k, length, pol, q=q, maxnreg=bad, **STREAMS)
 
 
+@pytest.mark.parametrize("case", ["fold", "solve", "nvfp4-read"])
+def test_flush_anchor_tma(case, monkeypatch):
+    """``flush_kernel(anchor_tma=True)`` (an FP32 anchor's row tiles through a TMA tensor
+    descriptor) and ``loop_stages`` (the row-tile loop's pipeline depth): the same S, flush
+    token output, corrections and stored copies, bit for bit, as the default loads, in the
+    ``loop`` variant over two row tiles per matrix and in the ``grid`` variant, for the fold of
+    given values (what the fp32 policy's flush runs), GDN's correction solve by the inverse,
+    and a matrix-scaled read copy (the amax pass also loads through the descriptor). Bad
+    options are refused by name."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a CUDA device of capability 9.0 or more")
+    from replayssm_quant.quant import pack
+    monkeypatch.setitem(globals(), "V", 32)  # two 16-row tiles per matrix
+    A, la, v, k, beta, q, length = _flush_case(43, 2)
+    pol = StatePolicy.parse("read:nvfp4/rec:fp32" if case == "nvfp4-read" else "fp32")
+    extra = dict(beta=beta, solve_form="inverse") if case == "solve" else {}
+
+    def run(**kw):
+        res, y = kr.flush_kernel(A, la, v, k, length, pol, q=q, split_casts=False,
+                                 num_warps=2, reconstruct="tf32x3_full", **extra, **STREAMS,
+                                 **kw)
+        cps = res.checkpoints
+        rd = cps.read_stored
+        return [res.state, y, cps.anchor_stored] + ([res.w] if case == "solve" else []) + (
+            [rd.codes, rd.block_scales, rd.matrix_scale] if case == "nvfp4-read" else [])
+
+    for variant in ("loop", "grid"):
+        base = run(variant=variant, block_v=16)
+        for tma, stages in ((True, None), (True, 2), (False, 2), (True, 3)):
+            got = run(variant=variant, block_v=16, anchor_tma=tma, loop_stages=stages)
+            for a, b in zip(base, got, strict=True):  # every byte (codes, scales, floats)
+                assert torch.equal(a.contiguous().view(torch.uint8),
+                                   b.contiguous().view(torch.uint8)), (variant, tma, stages)
+    bad = [(dict(anchor_tma=1), "anchor_tma must be True or False, got 1"),
+           (dict(loop_stages=0), "loop_stages must be None or an int in \\[1, 8\\], got 0"),
+           (dict(loop_stages=True), "loop_stages must be None or an int in \\[1, 8\\], got True"),
+           (dict(anchor_tma=True, reconstruct="tf32x3"),
+            "anchor_tma needs a whole-tile form of reconstruct \\('dot_full' or "
+            "'tf32x3_full'\\), got 'tf32x3'"),
+           (dict(anchor_tma=True, block_v=64), "anchor_tma needs block_v dividing V: 64 does "
+                                               "not divide V = 32")]
+    for kw, msg in bad:
+        opts = dict(dict(variant="loop", block_v=16, reconstruct="tf32x3_full"), **kw)
+        with pytest.raises(ValueError, match=msg):
+            kr.flush_kernel(A, la, v, k, length, pol, q=q, split_casts=False, **extra,
+                            **STREAMS, **opts)
+    A16 = pack(A.cpu(), "fp16", seed=3, stream=torch.arange(B * H).view(B, H))
+    A16 = type(A16)(A16.spec, A16.shape, A16.codes.to(DEVICE), None, None)
+    with pytest.raises(ValueError, match="anchor_tma needs a float32 anchor tensor, got fp16"):
+        kr.flush_kernel(A16, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp16"), q=q,
+                        split_casts=False, anchor_tma=True, **extra, **STREAMS)
+    with pytest.raises(ValueError, match="anchor_tma and loop_stages apply to the fused flush"):
+        kr.flush_kernel(A, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp32"), q=q,
+                        split_casts=True, loop_stages=2, **extra, **STREAMS)
+
+
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])
 @pytest.mark.parametrize("policy", ["read:nvfp4/rec:fp16+sr", "shared:fp8e4m3+sr",
                                     "read:mxfp4+sr/rec:fp32", "fp32"])

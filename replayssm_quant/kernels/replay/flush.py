@@ -280,13 +280,19 @@ def _flush_tile_full(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, 
                      idx, live, m, eg, ecp, bvec, cf, kf,
                      K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
                      SOLVE: tl.constexpr, A: tl.constexpr, PREC: tl.constexpr = "ieee",
-                     INV: tl.constexpr = False):
+                     INV: tl.constexpr = False, a_desc=None, v0=0, TMA: tl.constexpr = False):
     """:func:`_flush_tile` on one ``[BV, K]`` tile in column order (``reconstruct="dot_full"``
     / ``"tf32x3_full"``): the same formulas with the whole keys ``kf [LP, K]`` in each dot
     instead of one dot per key half, so the anchor is loaded, and S cast and stored, as whole
-    rows (``_load_full`` / ``_cast_store_full``, as the rank-1 form does). Returns
+    rows (``_load_full`` / ``_cast_store_full``, as the rank-1 form does). ``TMA``: an FP32
+    anchor's rows ``v0..v0+BV-1`` (all within the matrix) come through the tensor descriptor
+    ``a_desc`` over the anchor as ``[B*H*V, K]`` (the same values; in a loop over row tiles
+    the compiler can issue the next tile's copy before this one is used). Returns
     ``(S [BV, K], W [BV, LP])``."""
-    x = _load_full(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
+    if TMA:
+        x = a_desc.load([(mat * V + v0).to(tl.int32), 0])
+    else:
+        x = _load_full(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
     wt = tl.load(w_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None],
                  mask=rmask[:, None] & live[None, :], other=0.0)  # [BV, LP]
     if SOLVE:
@@ -375,7 +381,7 @@ def _flush_kernel(
         or_ptr, orbs_ptr, orms_ptr,  # new read copy
         s_ptr, q_ptr, y_ptr,  # S [B,H,V,K] (STORE_S); q [B,G,K] -> y = S q [B,H,V] (Q_OUT)
         amax_ptr,  # int32 [B*H]: float32 bits of the matrix amax (PHASE 1 max-es, PHASE 2 reads)
-        H, G, V, J,
+        H, G, V, J, a_desc,  # a_desc: TMA, the FP32 anchor as [B*H*V, K] (else unused)
         K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         TWO: tl.constexpr, STORE_S: tl.constexpr, Q_OUT: tl.constexpr,
         NEED_AMAX: tl.constexpr, SOLVE: tl.constexpr, LOOP: tl.constexpr,
@@ -384,6 +390,7 @@ def _flush_kernel(
         RANK1: tl.constexpr = False, PREC: tl.constexpr = "ieee", INV: tl.constexpr = False,
         KEYS_IN: tl.constexpr = False, FULL: tl.constexpr = False,
         AMAX_OUT: tl.constexpr = False, STORE_W: tl.constexpr = True,
+        TMA: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
         SH_HEAD: tl.constexpr = 1, SH_SEQ: tl.constexpr = 19, SH_FLUSH: tl.constexpr = 39):
     # A: DecodeConsts of the stored anchor; CA, CR: CastConsts of the anchor and read casts.
     # LOOP: this program walks every row tile of its matrix (grid (B*H, 1)); else it takes
@@ -391,6 +398,8 @@ def _flush_kernel(
     # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1. AMAX_OUT (PHASE 0,
     # no matrix-scaled copy): also the finite amax of the S it writes, atomic max into amax_ptr.
     # STORE_W (PHASE 0 with SOLVE): write the solved corrections to u_ptr (FlushResult.w).
+    # TMA: FP32 anchor tiles through the descriptor a_desc (_flush_tile_full); LOOP_STAGES:
+    # the cast pass's row-tile loop's pipeline depth (None: the launch's num_stages).
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)
     b = mat // H
@@ -465,7 +474,7 @@ def _flush_kernel(
             elif FULL:
                 x, wt = _flush_tile_full(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask,
                                          n, H, V, J, idx, live, m, eg, ecp, bvec, cf, kf,
-                                         K, KH, BV, LP, SOLVE, A, PREC, INV)
+                                         K, KH, BV, LP, SOLVE, A, PREC, INV, a_desc, v0, TMA)
                 if SOLVE and PHASE == 1:  # the corrections, for phase 2 (and FlushResult.w)
                     _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 amax = tl.maximum(amax, _tile_amax_full(x, rmask))
@@ -482,7 +491,7 @@ def _flush_kernel(
     # ---- reconstruct, write S / y / corrections, cast A and R
     if PHASE != 1:
         out_amax = tl.zeros([], tl.float32)  # AMAX_OUT: the finite amax of this program's S
-        for v0 in range(v_lo, v_hi, BV):
+        for v0 in tl.range(v_lo, v_hi, BV, num_stages=LOOP_STAGES):
             rows = v0 + tl.arange(0, BV)
             rmask = rows < V
             if RANK1 or FULL:  # one [BV, K] tile in column order
@@ -490,11 +499,13 @@ def _flush_kernel(
                     if SOLVE and PHASE == 2:  # fold the corrections phase 1 solved
                         x, wt = _flush_tile_full(a_ptr, abs_ptr, ams_ptr, u_ptr, mat, b, h, rows,
                                                  rmask, n, H, V, J, idx, live, m, eg, ecp, bvec,
-                                                 cf, kf, K, KH, BV, LP, False, A, PREC, INV)
+                                                 cf, kf, K, KH, BV, LP, False, A, PREC, INV,
+                                                 a_desc, v0, TMA)
                     else:
                         x, wt = _flush_tile_full(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows,
                                                  rmask, n, H, V, J, idx, live, m, eg, ecp, bvec,
-                                                 cf, kf, K, KH, BV, LP, SOLVE, A, PREC, INV)
+                                                 cf, kf, K, KH, BV, LP, SOLVE, A, PREC, INV,
+                                                 a_desc, v0, TMA)
                     if SOLVE and PHASE == 0 and STORE_W:
                         _store_corrections(u_ptr, wt, b, J, idx, h, H, V, rows, rmask)
                 elif SOLVE and PHASE == 2:  # fold the corrections phase 1 solved (the same bits)
@@ -576,7 +587,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  reconstruct: str | None = None, solve_form: str | None = None,
                  split_casts: bool | None = None, cast_form: str | None = None,
                  maxnreg: int | None = None, flush_amax: bool | None = None,
-                 amax_out: torch.Tensor | None = None, return_w: bool = True):
+                 amax_out: torch.Tensor | None = None, return_w: bool = True,
+                 anchor_tma: bool = False, loop_stages: int | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -677,6 +689,25 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     less; the two-phase launch of a matrix-scaled copy on a grid of row tiles still keeps
     them between its phases). S, y and the copies are the same bits either way.
 
+    ``anchor_tma`` (default False; 2026-12-05, thirty-fifth pass, not yet timed): a float32
+    anchor's row tiles are loaded through a TMA tensor descriptor over the anchor viewed as
+    ``[B * H * V, K]`` (``triton.tools.tensor_descriptor.TensorDescriptor``) instead of
+    ordinary loads, so that in the ``loop`` variant the compiler's software pipeline can
+    issue the next tile's copy into shared memory while a tile is folded (the fold flush ran
+    at 83% of the device copy's rate on the H200, its tile loads not pipelined: static sm_90
+    SASS at ba7376e has them as ``LDG`` at the top of each iteration). The same values, so
+    the same S, y and copies. Needs the fused flush (no split casts), a float32 anchor
+    tensor whose storage starts on a 16-byte boundary, a whole-tile form of ``reconstruct``
+    (``"dot_full"`` / ``"tf32x3_full"``), ``block_v`` dividing V, fewer than 2^31 rows, and
+    a CUDA device of capability 9.0 or more (or the interpreter); refused by name otherwise.
+    ``loop_stages`` (None or an int in [1, 8]; default None: the launch's ``num_stages``,
+    :data:`FLUSH_NUM_STAGES`): the software-pipeline depth of the cast pass's loop over row
+    tiles (``tl.range(..., num_stages=loop_stages)``), which with ``anchor_tma`` keeps
+    ``loop_stages - 1`` tiles' copies in flight (static sm_90 SASS at 2 or 3: the copies of
+    the next tiles issued before the wait; with the default, none). It changes the schedule,
+    not the operations; the fused flush only (refused with split casts). Both untimed:
+    ``benchmarks/flush_tma.py`` times them.
+
     Raises ValueError for a bad option (naming it); the range of ``length`` and of the
     per-sequence key fields is checked on the device (one launch and one
     ``torch._assert_async``: RuntimeError at once on the CPU, at the next synchronisation
@@ -688,6 +719,12 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     policy = require_policy(policy)  # parsed at the edges
     if not isinstance(return_w, bool):
         raise ValueError(f"return_w must be True or False, got {return_w!r}")
+    if not isinstance(anchor_tma, bool):
+        raise ValueError(f"anchor_tma must be True or False, got {anchor_tma!r}")
+    if loop_stages is not None and (isinstance(loop_stages, bool)
+                                    or not isinstance(loop_stages, int)
+                                    or not 1 <= loop_stages <= 8):
+        raise ValueError(f"loop_stages must be None or an int in [1, 8], got {loop_stages!r}")
     maxnreg = _check_maxnreg("maxnreg", maxnreg)
     B, H, V, K = (int(x) for x in anchor.shape)
     two = not policy.single_checkpoint
@@ -701,6 +738,10 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         raise ValueError(f"amax_out applies to a flush without split casts; {policy} splits "
                          f"its casts (pass split_casts=False or amax_out=None)")
     if splits:
+        if anchor_tma or loop_stages is not None:
+            raise ValueError(f"anchor_tma and loop_stages apply to the fused flush; {policy} "
+                             f"splits its casts (pass split_casts=False, or leave them at "
+                             f"False / None)")
         form = split_cast_form(policy, cast_form)
         if flush_amax is None:
             flush_amax = form in _PAIR_CAST_FORMS and split_flush_amax(policy)
@@ -742,6 +783,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     variant, block_v, num_warps, reconstruct, solve_form = flush_launch(
         V, need_amax, beta is not None, J, variant=variant, block_v=block_v,
         num_warps=num_warps, reconstruct=reconstruct, solve_form=solve_form)
+    if anchor_tma:
+        _check_anchor_tma(anchor, a, reconstruct, block_v, V, B * H * V)
     if q is not None:
         _check_f32(where, "q", q, (B, G, K))
     _check_index(where, "length", length, B)
@@ -801,7 +844,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
             stream_keys_to(sr.reshape(-1).contiguous(), dev), int(seed), kbits,
             bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
             bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
-            S, qq, y, amax, H, G, V, J)
+            S, qq, y, amax, H, G, V, J, _anchor_desc(a, block_v, K) if anchor_tma else None)
     consts = dict(K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
                   Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
                   SINGLE=single, RANK1=reconstruct == "rank1",
@@ -810,7 +853,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   num_warps=num_warps,
                   INV=solve and solve_form == "inverse", num_stages=FLUSH_NUM_STAGES,
                   A=_decode_consts(aspec), AMAX_OUT=amax_out is not None,
-                  STORE_W=solve and return_w,
+                  STORE_W=solve and return_w, TMA=anchor_tma, LOOP_STAGES=loop_stages,
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)
     cap = _maxnreg_launch(maxnreg)
@@ -827,6 +870,35 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     res = FlushResult(S if store_state else None, cps,
                       (u if solve else w) if return_w else None)
     return res, (y if q is not None else None)
+
+
+def _check_anchor_tma(anchor, a, reconstruct: str, block_v: int, V: int, rows: int) -> None:
+    """Refuse ``anchor_tma=True`` where a TMA descriptor cannot load the anchor's tiles
+    (:func:`flush_kernel`), naming what is wrong."""
+    if isinstance(anchor, PackedTensor) or anchor.dtype != torch.float32:
+        raise ValueError(f"anchor_tma needs a float32 anchor tensor, got "
+                         f"{anchor.spec if isinstance(anchor, PackedTensor) else anchor.dtype}")
+    if not reconstruct.endswith("_full"):
+        raise ValueError(f"anchor_tma needs a whole-tile form of reconstruct ('dot_full' or "
+                         f"'tf32x3_full'), got {reconstruct!r}")
+    if V % block_v:
+        raise ValueError(f"anchor_tma needs block_v dividing V: {block_v} does not divide "
+                         f"V = {V}")
+    if rows >= 2 ** 31:
+        raise ValueError(f"anchor_tma addresses rows with int32: B * H * V = {rows} >= 2^31")
+    if a.data_ptr() % 16:
+        raise ValueError(f"anchor_tma needs the anchor's storage on a 16-byte boundary, got "
+                         f"address {a.data_ptr():#x} (a view at an odd offset; pass a copy)")
+    if a.is_cuda and torch.cuda.get_device_capability(a.device)[0] < 9:
+        raise ValueError(f"anchor_tma needs a CUDA device of capability 9.0 or more (TMA), "
+                         f"got {torch.cuda.get_device_capability(a.device)}")
+
+
+def _anchor_desc(a, block_v: int, K: int):
+    """A TMA tensor descriptor of the float32 anchor ``a [B, H, V, K]`` viewed as ``[B*H*V, K]``,
+    blocks of ``[block_v, K]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor.from_tensor(a.reshape(-1, K), [block_v, K])
 
 
 def _checkpoints(a_st, r_st, two: bool, dequantize: bool) -> Checkpoints:
@@ -1058,7 +1130,8 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         keys_in_kernel: bool | None = None, reconstruct: str | None = None,
                         solve_form: str | None = None, split_casts: bool | None = None,
                         cast_form: str | None = None, maxnreg: int | None = None,
-                        flush_amax: bool | None = None, return_w: bool = True):
+                        flush_amax: bool | None = None, return_w: bool = True,
+                        anchor_tma: bool = False, loop_stages: int | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``;
     options as :func:`flush_kernel`'s (``return_w=False``: ``FlushResult.w`` is None)."""
@@ -1068,7 +1141,8 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         variant=variant, dequantize=dequantize, keys_in_kernel=keys_in_kernel,
                         reconstruct=reconstruct, solve_form=solve_form,
                         split_casts=split_casts, cast_form=cast_form, maxnreg=maxnreg,
-                        flush_amax=flush_amax, return_w=return_w)
+                        flush_amax=flush_amax, return_w=return_w, anchor_tma=anchor_tma,
+                        loop_stages=loop_stages)
 
 
 def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
@@ -1079,7 +1153,8 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      reconstruct: str | None = None, solve_form: str | None = None,
                      split_casts: bool | None = None, cast_form: str | None = None,
                      maxnreg: int | None = None, flush_amax: bool | None = None,
-                     return_w: bool = True):
+                     return_w: bool = True, anchor_tma: bool = False,
+                     loop_stages: int | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:
     ``A k_p`` by one dot (FP32 FMA or tf32x3: ``reconstruct``), then forward substitution
@@ -1098,7 +1173,8 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
               store_state=store_state, block_v=block_v, num_warps=num_warps, variant=variant,
               dequantize=dequantize, keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
               solve_form=solve_form, split_casts=split_casts, cast_form=cast_form,
-              maxnreg=maxnreg, flush_amax=flush_amax, return_w=return_w)
+              maxnreg=maxnreg, flush_amax=flush_amax, return_w=return_w, anchor_tma=anchor_tma,
+              loop_stages=loop_stages)
     if fold_cached_corrections:
         if u_cached is None:
             raise ValueError("fold_cached_corrections=True needs u_cached")

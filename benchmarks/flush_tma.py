@@ -1,0 +1,107 @@
+"""The flush's FP32 anchor tiles through a TMA descriptor, with a pipelined row-tile loop
+(issue 15, thirty-fifth pass; ``flush_kernel(anchor_tma=..., loop_stages=...)``).
+
+GDN's fp32 flush (the fold of cached corrections that the ``fp32`` policy's decode state
+runs) moved its 1175 MB at 83% of the device copy's rate on the H200 at ba7376e; static
+sm_90 SASS shows its anchor tiles loaded with ``LDG`` at the top of each iteration of the
+row-tile loop, never ahead. This times, at B = 256 on ``flush_tune.py``'s geometries and sets
+(CUDA-graph medians, ``decode.timer``, 4 sets rotated), the serving flush (``fp32`` policy,
+stored anchor in, A out, the flush token's ``S q``, S not written, no corrections returned):
+GDN's fold, GDN's correction solve, Mamba-2's fp32 flush, each in its default launch and with
+``anchor_tma`` / ``loop_stages`` and a few tiles, alternating ``--rounds`` times; every row's
+stored anchor and ``S q`` compared byte for byte with the default's (``same_bits``).
+
+Usage (on the device; fla not needed)::
+
+    python3 benchmarks/flush_tma.py --out $OUT/flush_tma_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode as dc  # noqa: E402
+import flush_tune as ft  # noqa: E402
+from _commit import code_commit  # noqa: E402
+
+from replayssm_quant.kernels import replay as kr  # noqa: E402
+from replayssm_quant.policy import StatePolicy  # noqa: E402
+
+CASES = [("gdn", True), ("gdn", False), ("mamba2", False)]  # (model, fold cached corrections)
+# (label, launch options); the default launch first (the reference of same_bits)
+CONFIGS = [("default", {}),
+           ("tma", dict(anchor_tma=True)),
+           ("tma_ls2", dict(anchor_tma=True, loop_stages=2)),
+           ("tma_ls3", dict(anchor_tma=True, loop_stages=3)),
+           ("ls1", dict(loop_stages=1)),
+           ("ls2", dict(loop_stages=2)),
+           ("tma_ls2_16x2", dict(anchor_tma=True, loop_stages=2, block_v=16, num_warps=2)),
+           ("tma_ls2_64x4", dict(anchor_tma=True, loop_stages=2, block_v=64, num_warps=4)),
+           ("tma_ls3_16x1", dict(anchor_tma=True, loop_stages=3, block_v=16, num_warps=1))]
+
+
+def flush(M, st, pol, fk, **opts):
+    """The serving flush of ``flush_tune.run_flush`` with launch options ``opts``."""
+    kw = dict(q=st["q"], store_state=False, dequantize=False, return_w=False, **fk, **opts)
+    if M.gdn:
+        if M.fold_cached:
+            kw.update(u_cached=st["u"], fold_cached_corrections=True)
+        return kr.gdn_flush_kernel(st["A"], st["la"], st["beta"], st["v"], st["k"],
+                                   st["length"], pol, **kw)
+    return kr.mamba2_flush_kernel(st["A"], st["la"], st["v"], st["k"], st["length"], pol, **kw)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", default=None,
+                    help="comma list of config labels (default all): " +
+                         ", ".join(c for c, _ in CONFIGS))
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("flush_tma.py times CUDA launches; run it on the device")
+    want = None if a.configs is None else set(a.configs.split(","))
+    configs = [c for c in CONFIGS if want is None or c[0] in want or c[0] == "default"]
+    pol = StatePolicy.parse("fp32")
+    out = {"command": "python3 " + " ".join([sys.argv[0]] + sys.argv[1:]),
+           "code_commit": code_commit(), "device": torch.cuda.get_device_name(0),
+           "timing": "CUDA graph medians, decode.timer", "rows": []}
+    for name, fold in CASES:
+        M = next(m for m in ft.geometries(False, fold) if m.name == name)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        pool = [ft.make_set(M, gen, pol) for _ in range(4)]
+        fk = ft.flush_kw(M)
+        base = None
+        for rnd in range(a.rounds):
+            for label, opts in configs:
+                try:
+                    res, y = flush(M, pool[0], pol, fk, **opts)
+                    got = (res.checkpoints.anchor_stored.view(torch.uint8).clone(),
+                           y.view(torch.uint8).clone())
+                    base = got if base is None else base
+                    us = dc.timer(lambda i: flush(M, pool[i], pol, fk, **opts), 4,  # noqa: B023
+                                  a.reps, 3, mode="graph")["median_us"]
+                    row = {"model": name, "fold_cached": fold, "config": label, "options": opts,
+                           "round": rnd, "median_us": round(us, 1),
+                           "same_bits": all(torch.equal(x, z) for x, z in zip(got, base))}
+                except Exception as e:  # noqa: BLE001  (a config that fails is recorded)
+                    row = {"model": name, "fold_cached": fold, "config": label,
+                           "options": opts, "round": rnd,
+                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                out["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        pool = None
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """Register caps (ptxas ``maxnreg``) on the flush kernel, a lead for issue 15 (twenty-third
 pass, docs/kernels-replay.md): every ``_flush_kernel`` launch of a flush capped through a
-stand-in wrapper (the flush has no cap option), B = 256 on the H200 geometries, the ``fp32``
+stand-in wrapper (written before ``flush_kernel(maxnreg=...)``), B = 256 on the H200
+geometries, the ``fp32``
 flush and the split ``read:nvfp4/rec:fp16+sr`` flush (its fp32 flush reads the fp16 anchor;
 the pair cast is not capped), CUDA-graph medians in us, the stored anchor of each capped run
 compared bit for bit with the first run's.
@@ -10,6 +11,11 @@ Usage (on the device)::
     python benchmarks/flush_maxnreg.py --out $OUT/flush_maxnreg_h200.json
     python benchmarks/flush_maxnreg.py --models mamba2 --policies read:nvfp4/rec:fp16+sr \\
         --caps none,176,168,160,152,none,168,176 --reps 40 --out $OUT/flush_maxnreg_r2_h200.json
+    python benchmarks/flush_maxnreg.py --models gdn --policies fp32 --fold-cached \\
+        --caps none,224,192,168,128,none --reps 30 --out $OUT/flush_maxnreg_fold_h200.json
+
+``--fold-cached``: GDN folds cached corrections (the ``fp32`` policy's serving flush in
+``decode.py``) instead of solving them.
 """
 
 from __future__ import annotations

@@ -86,11 +86,14 @@ def main(argv=None):
                     res, y = flush(M, pool[0], pol, fk, **opts)
                     got = (res.checkpoints.anchor_stored.view(torch.uint8).clone(),
                            y.view(torch.uint8).clone())
-                    base = got if base is None else base
+                    if label == "default":
+                        base = got
+                    if base is None:  # the default failed: nothing to compare with
+                        raise RuntimeError("the default launch failed, so no reference bits")
                     us = dc.timer(lambda i: flush(M, pool[i], pol, fk, **opts), 4,  # noqa: B023
                                   a.reps, 3, mode="graph")["median_us"]
                     row = {"model": name, "fold_cached": fold, "config": label, "options": opts,
-                           "round": rnd, "median_us": round(us, 1),
+                           "round": rnd, "median_us": round(us, 1), "reference": "default",
                            "same_bits": all(torch.equal(x, z) for x, z in zip(got, base))}
                 except Exception as e:  # noqa: BLE001  (a config that fails is recorded)
                     row = {"model": name, "fold_cached": fold, "config": label,

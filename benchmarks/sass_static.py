@@ -344,6 +344,11 @@ def main(argv=None):
                 into[key] = text
     if flush_options and args.op != "flush":
         ap.error(f"--flush-option applies to --op flush, got --op {args.op}")
+    taken = {"split_casts", "length", "sequence_ids", "flush_index", "seed", "layer", "q",
+             "store_state", "dequantize", "u_cached", "fold_cached_corrections", "return_w"}
+    if taken & set(flush_options):
+        ap.error(f"--flush-option cannot set {sorted(taken & set(flush_options))}: the "
+                 f"compiled call sets them (the decode benchmark's fused serving flush)")
     if args.quant_spec is not None:
         from replayssm_quant.formats import parse_spec
 

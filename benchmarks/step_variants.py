@@ -80,8 +80,9 @@ def main(argv=None):
                             for r in ok.kernels_of(
                                 lambda: dc.run_step(M, pool[0], h, **cfg))]  # noqa: B023
                 except Exception as e:  # noqa: BLE001  (a variant that fails is recorded)
-                    row = {"h": hv, "variant": name, "round": rnd,
-                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    row = {"h": hv, "variant": name, "options": {k: list(v) if isinstance(
+                        v, tuple) else v for k, v in cfg.items()}, "round": rnd,
+                        "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
     with open(a.out, "w") as f:

@@ -316,9 +316,11 @@ def test_flush_anchor_tma(case, monkeypatch):
         return [res.state, y, cps.anchor_stored] + ([res.w] if case == "solve" else []) + (
             [rd.codes, rd.block_scales, rd.matrix_scale] if case == "nvfp4-read" else [])
 
-    for variant in ("loop", "grid"):
+    for variant in ("loop", "grid"):  # the grid variant's programs have one tile each
         base = run(variant=variant, block_v=16)
-        for tma, stages in ((True, None), (True, 2), (False, 2), (True, 3)):
+        forms = ((True, None), (True, 1), (True, 2), (False, 1)) if variant == "loop" else (
+            (True, None),)
+        for tma, stages in forms:
             got = run(variant=variant, block_v=16, anchor_tma=tma, loop_stages=stages)
             for a, b in zip(base, got, strict=True):  # every byte (codes, scales, floats)
                 assert torch.equal(a.contiguous().view(torch.uint8),
@@ -341,9 +343,54 @@ def test_flush_anchor_tma(case, monkeypatch):
     with pytest.raises(ValueError, match="anchor_tma needs a float32 anchor tensor, got fp16"):
         kr.flush_kernel(A16, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp16"), q=q,
                         split_casts=False, anchor_tma=True, **extra, **STREAMS)
-    with pytest.raises(ValueError, match="anchor_tma and loop_stages apply to the fused flush"):
-        kr.flush_kernel(A, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp32"), q=q,
-                        split_casts=True, loop_stages=2, **extra, **STREAMS)
+    for kw in (dict(loop_stages=2), dict(anchor_tma=True)):
+        with pytest.raises(ValueError, match="anchor_tma and loop_stages apply to the fused "
+                                             f"flush, got anchor_tma={kw.get('anchor_tma', False)}"
+                                             f", loop_stages={kw.get('loop_stages')}"):
+            kr.flush_kernel(A, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp32"), q=q,
+                            split_casts=True, **kw, **extra, **STREAMS)
+    odd = torch.empty(A.numel() + 1, device=DEVICE)[1:].view(A.shape)  # 4-byte offset
+    odd.copy_(A)
+    with pytest.raises(ValueError, match="anchor_tma needs the anchor's storage on a 16-byte "
+                                         "boundary"):
+        kr.flush_kernel(odd, la, v, k, length, pol, q=q, split_casts=False, variant="loop",
+                        block_v=16, reconstruct="tf32x3_full", anchor_tma=True, **extra,
+                        **STREAMS)
+
+
+@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn-fold"])
+def test_flush_anchor_tma_wrappers(gdn, monkeypatch):
+    """The model wrappers pass ``anchor_tma`` and ``loop_stages`` on to the flush (GDN: the
+    fold of cached corrections in the serving form, ``return_w=False`` and no S stored, what
+    the fp32 policy's decode state runs): one descriptor made, the same bytes of the copy and
+    the flush token's output as without."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a CUDA device of capability 9.0 or more")
+    from replayssm_quant.kernels.replay import flush as fl
+    monkeypatch.setitem(globals(), "V", 32)
+    A, la, v, k, beta, q, length = _flush_case(47, 3)
+    pol = StatePolicy.parse("fp32")
+    made = []
+    real = fl._anchor_desc
+    monkeypatch.setattr(fl, "_anchor_desc", lambda *a: made.append(a[1:]) or real(*a))
+
+    def run(**kw):
+        opts = dict(q=q, store_state=False, dequantize=False, return_w=False, variant="loop",
+                    block_v=16, num_warps=2, reconstruct="tf32x3_full", **STREAMS, **kw)
+        if gdn:
+            res, y = kr.gdn_flush_kernel(A, la, beta, v, k, length, pol, u_cached=v * 0.1,
+                                         fold_cached_corrections=True, **opts)
+        else:
+            res, y = kr.mamba2_flush_kernel(A, la, v, k, length, pol, **opts)
+        assert res.w is None
+        return res.checkpoints.anchor_stored, y
+
+    base = run()
+    assert made == []
+    got = run(anchor_tma=True, loop_stages=2)
+    assert made == [(16, K)]
+    for a, b in zip(base, got, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
 
 
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])

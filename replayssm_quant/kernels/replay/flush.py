@@ -67,7 +67,7 @@ from .codec import (_K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored, _cast_consts, 
                     _cast_store_full, _check_devices, _check_f32, _check_index, _check_records,
                     _load_full, _check_maxnreg, _check_supported, _decode_consts, _finite_abs,
                     _kind, _load_stored, _matrix_scale, _maxnreg_launch, _stored_args,
-                    _assert_ranges)
+                    _assert_ranges, KERNELS_INTERPRETED)
 from .records import _check_tile, _lp, _unit_upper_inverse
 
 DEFAULT_BV_FLUSH = 32  # a flush_tune.py candidate (the first sweep's default); a call's: flush_config
@@ -695,18 +695,24 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     ordinary loads, so that in the ``loop`` variant the compiler's software pipeline can
     issue the next tile's copy into shared memory while a tile is folded (the fold flush ran
     at 83% of the device copy's rate on the H200, its tile loads not pipelined: static sm_90
-    SASS at ba7376e has them as ``LDG`` at the top of each iteration). The same values, so
-    the same S, y and copies. Needs the fused flush (no split casts), a float32 anchor
-    tensor whose storage starts on a 16-byte boundary, a whole-tile form of ``reconstruct``
-    (``"dot_full"`` / ``"tf32x3_full"``), ``block_v`` dividing V, fewer than 2^31 rows, and
-    a CUDA device of capability 9.0 or more (or the interpreter); refused by name otherwise.
+    SASS at ba7376e, Triton 3.9, has them as ``LDG`` at the top of each iteration). The
+    same values are loaded, so S, y and the copies are expected to be the same bits (checked
+    on the interpreter; on CUDA by ``test_flush_anchor_tma``, not yet run on a device: the
+    compiler may lay the tile out differently, and ``FLUSH_NUM_STAGES``'s note shows a
+    schedule changing a fused solve's last bits). Needs the fused flush (no split casts), a
+    float32 anchor tensor whose storage starts on a 16-byte boundary, a whole-tile form of
+    ``reconstruct`` (``"dot_full"`` / ``"tf32x3_full"``), ``block_v`` dividing V, fewer than
+    2^31 rows, and a CUDA device of capability 9.0 or more (or the interpreter); refused by
+    name otherwise.
     ``loop_stages`` (None or an int in [1, 8]; default None: the launch's ``num_stages``,
     :data:`FLUSH_NUM_STAGES`): the software-pipeline depth of the cast pass's loop over row
     tiles (``tl.range(..., num_stages=loop_stages)``), which with ``anchor_tma`` keeps
-    ``loop_stages - 1`` tiles' copies in flight (static sm_90 SASS at 2 or 3: the copies of
-    the next tiles issued before the wait; with the default, none). It changes the schedule,
-    not the operations; the fused flush only (refused with split casts). Both untimed:
-    ``benchmarks/flush_tma.py`` times them.
+    ``loop_stages - 1`` tiles' copies in flight (static sm_90 SASS at 2 or 3, Triton 3.9:
+    the copies of the next tiles issued before the wait; with the default, none). It changes
+    the schedule, not the operations (the bits: as for ``anchor_tma``); it has no effect where
+    a program has one row tile (``variant="grid"``, or ``block_v >= V``) and does not apply
+    to the amax pass of a matrix-scaled copy; the fused flush only (refused with split
+    casts). Both untimed: ``benchmarks/flush_tma.py`` times them.
 
     Raises ValueError for a bad option (naming it); the range of ``length`` and of the
     per-sequence key fields is checked on the device (one launch and one
@@ -739,9 +745,10 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                          f"its casts (pass split_casts=False or amax_out=None)")
     if splits:
         if anchor_tma or loop_stages is not None:
-            raise ValueError(f"anchor_tma and loop_stages apply to the fused flush; {policy} "
-                             f"splits its casts (pass split_casts=False, or leave them at "
-                             f"False / None)")
+            raise ValueError(f"anchor_tma and loop_stages apply to the fused flush, got "
+                             f"anchor_tma={anchor_tma!r}, loop_stages={loop_stages!r} with "
+                             f"{policy}, which splits its casts (pass split_casts=False, or "
+                             f"anchor_tma=False and loop_stages=None)")
         form = split_cast_form(policy, cast_form)
         if flush_amax is None:
             flush_amax = form in _PAIR_CAST_FORMS and split_flush_amax(policy)
@@ -785,6 +792,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         num_warps=num_warps, reconstruct=reconstruct, solve_form=solve_form)
     if anchor_tma:
         _check_anchor_tma(anchor, a, reconstruct, block_v, V, B * H * V)
+    tma = anchor_tma and B * H * V > 0  # an empty batch launches nothing to load
     if q is not None:
         _check_f32(where, "q", q, (B, G, K))
     _check_index(where, "length", length, B)
@@ -844,7 +852,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
             stream_keys_to(sr.reshape(-1).contiguous(), dev), int(seed), kbits,
             bufa[0], pick(bufa[1], bufa[0]), pick(bufa[2], bufa[0]),
             bufr[0], pick(bufr[1], bufr[0]), pick(bufr[2], bufr[0]),
-            S, qq, y, amax, H, G, V, J, _anchor_desc(a, block_v, K) if anchor_tma else None)
+            S, qq, y, amax, H, G, V, J, _anchor_desc(a, block_v, K) if tma else None)
     consts = dict(K=K, KH=K // 2, BV=block_v, LP=_lp(J), TWO=two, STORE_S=store_state,
                   Q_OUT=q is not None, NEED_AMAX=need_amax, SOLVE=solve, LOOP=loop,
                   SINGLE=single, RANK1=reconstruct == "rank1",
@@ -853,7 +861,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                   num_warps=num_warps,
                   INV=solve and solve_form == "inverse", num_stages=FLUSH_NUM_STAGES,
                   A=_decode_consts(aspec), AMAX_OUT=amax_out is not None,
-                  STORE_W=solve and return_w, TMA=anchor_tma, LOOP_STAGES=loop_stages,
+                  STORE_W=solve and return_w, TMA=tma, LOOP_STAGES=loop_stages,
                   CA=_cast_consts(policy.rec), CR=_cast_consts(policy.read if two else policy.rec),
                   **key_consts)
     cap = _maxnreg_launch(maxnreg)
@@ -889,7 +897,7 @@ def _check_anchor_tma(anchor, a, reconstruct: str, block_v: int, V: int, rows: i
     if a.data_ptr() % 16:
         raise ValueError(f"anchor_tma needs the anchor's storage on a 16-byte boundary, got "
                          f"address {a.data_ptr():#x} (a view at an odd offset; pass a copy)")
-    if a.is_cuda and torch.cuda.get_device_capability(a.device)[0] < 9:
+    if a.is_cuda and not KERNELS_INTERPRETED and torch.cuda.get_device_capability(a.device)[0] < 9:
         raise ValueError(f"anchor_tma needs a CUDA device of capability 9.0 or more (TMA), "
                          f"got {torch.cuda.get_device_capability(a.device)}")
 

@@ -5,11 +5,13 @@ GDN's fp32 flush (the fold of cached corrections that the ``fp32`` policy's deco
 runs) moved its 1175 MB at 83% of the device copy's rate on the H200 at ba7376e; static
 sm_90 SASS shows its anchor tiles loaded with ``LDG`` at the top of each iteration of the
 row-tile loop, never ahead. This times, at B = 256 on ``flush_tune.py``'s geometries and sets
-(CUDA-graph medians, ``decode.timer``, 4 sets rotated), the serving flush (``fp32`` policy,
-stored anchor in, A out, the flush token's ``S q``, S not written, no corrections returned):
-GDN's fold, GDN's correction solve, Mamba-2's fp32 flush, each in its default launch and with
-``anchor_tma`` / ``loop_stages`` and a few tiles, alternating ``--rounds`` times; every row's
-stored anchor and ``S q`` compared byte for byte with the default's (``same_bits``).
+(CUDA-graph medians, ``decode.timer``, 4 sets rotated), the serving flush (stored anchor in,
+the copies out, the flush token's ``S q``, S not written, no corrections returned): under
+``fp32`` GDN's fold, GDN's correction solve and Mamba-2's flush; under
+``read:nvfp4/rec:fp16+sr`` both models' split flush (whose fp32 flush reads the fp16 anchor
+through the descriptor), each in its default launch and with ``anchor_tma`` /
+``loop_stages`` and a few tiles, alternating ``--rounds`` times; every row's stored copies
+and ``S q`` compared byte for byte with the default's (``same_bits``).
 
 Usage (on the device; fla not needed)::
 
@@ -33,7 +35,10 @@ from _commit import code_commit  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 
-CASES = [("gdn", True), ("gdn", False), ("mamba2", False)]  # (model, fold cached corrections)
+NVFP4 = "read:nvfp4/rec:fp16+sr"
+# (model, fold cached corrections, policy)
+CASES = [("gdn", True, "fp32"), ("gdn", False, "fp32"), ("mamba2", False, "fp32"),
+         ("gdn", False, NVFP4), ("mamba2", False, NVFP4)]
 # (label, launch options); the default launch first (the reference of same_bits)
 CONFIGS = [("default", {}),
            ("tma", dict(anchor_tma=True)),
@@ -57,6 +62,16 @@ def flush(M, st, pol, fk, **opts):
     return kr.mamba2_flush_kernel(st["A"], st["la"], st["v"], st["k"], st["length"], pol, **kw)
 
 
+def stored_bytes(res, y):
+    """Every byte of the flush's stored copies (codes, scales) and of ``y``."""
+    out = []
+    for st in (res.checkpoints.anchor_stored, res.checkpoints.read_stored):
+        ts = [st] if isinstance(st, torch.Tensor) else [
+            t for t in (st.codes, st.block_scales, st.matrix_scale) if t is not None]
+        out += [t.contiguous().view(torch.uint8).clone() for t in ts]
+    return out + [y.view(torch.uint8).clone()]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -70,11 +85,11 @@ def main(argv=None):
         raise SystemExit("flush_tma.py times CUDA launches; run it on the device")
     want = None if a.configs is None else set(a.configs.split(","))
     configs = [c for c in CONFIGS if want is None or c[0] in want or c[0] == "default"]
-    pol = StatePolicy.parse("fp32")
     out = {"command": "python3 " + " ".join([sys.argv[0]] + sys.argv[1:]),
            "code_commit": code_commit(), "device": torch.cuda.get_device_name(0),
            "timing": "CUDA graph medians, decode.timer", "rows": []}
-    for name, fold in CASES:
+    for name, fold, pstr in CASES:
+        pol = StatePolicy.parse(pstr)
         M = next(m for m in ft.geometries(False, fold) if m.name == name)
         gen = torch.Generator(device="cuda").manual_seed(5)
         pool = [ft.make_set(M, gen, pol) for _ in range(4)]
@@ -83,20 +98,19 @@ def main(argv=None):
         for rnd in range(a.rounds):
             for label, opts in configs:
                 try:
-                    res, y = flush(M, pool[0], pol, fk, **opts)
-                    got = (res.checkpoints.anchor_stored.view(torch.uint8).clone(),
-                           y.view(torch.uint8).clone())
+                    got = stored_bytes(*flush(M, pool[0], pol, fk, **opts))
                     if label == "default":
                         base = got
                     if base is None:  # the default failed: nothing to compare with
                         raise RuntimeError("the default launch failed, so no reference bits")
                     us = dc.timer(lambda i: flush(M, pool[i], pol, fk, **opts), 4,  # noqa: B023
                                   a.reps, 3, mode="graph")["median_us"]
-                    row = {"model": name, "fold_cached": fold, "config": label, "options": opts,
-                           "round": rnd, "median_us": round(us, 1), "reference": "default",
+                    row = {"model": name, "fold_cached": fold, "policy": pstr, "config": label,
+                           "options": opts, "round": rnd, "median_us": round(us, 1),
+                           "reference": "default",
                            "same_bits": all(torch.equal(x, z) for x, z in zip(got, base))}
                 except Exception as e:  # noqa: BLE001  (a config that fails is recorded)
-                    row = {"model": name, "fold_cached": fold, "config": label,
+                    row = {"model": name, "fold_cached": fold, "policy": pstr, "config": label,
                            "options": opts, "round": rnd,
                            "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 out["rows"].append(row)

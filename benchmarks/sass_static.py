@@ -159,8 +159,8 @@ def _compile_operation(model: str, policy: str, op: str, flush_options: dict | N
         try:
             if op == "flush":
                 # the fused flush (the decode default splits matrix-scaled casts out of it)
-                dc.run_flush(M, st, pol, dict(dc.flush_args(M, st), split_casts=False,
-                                              **(flush_options or {})))
+                dc.run_flush(M, st, pol, {**dc.flush_args(M, st), "split_casts": False,
+                                          **(flush_options or {})})
             elif op == "step":
                 dc.run_step(M, st, torch.full((B,), min(7, M.L - 2), dtype=torch.int64))
             else:
@@ -309,7 +309,8 @@ def main(argv=None):
                          "use_dot=f16x3; repeatable")
     ap.add_argument("--flush-option", action="append", default=[], metavar="KEY=VALUE",
                     help="with --op flush: a launch option of the flush call (a Python literal "
-                         "or a string), e.g. anchor_tma=True or block_v=16; repeatable")
+                         "or a string), e.g. anchor_tma=True, block_v=16, or split_casts=True "
+                         "(the fused flush is compiled otherwise); repeatable")
     ap.add_argument("--sm", type=int, default=90,
                     help="compute capability to compile for, as major * 10 + minor (default "
                          "90, the H200's; e.g. 80 for an A100)")
@@ -344,7 +345,7 @@ def main(argv=None):
                 into[key] = text
     if flush_options and args.op != "flush":
         ap.error(f"--flush-option applies to --op flush, got --op {args.op}")
-    taken = {"split_casts", "length", "sequence_ids", "flush_index", "seed", "layer", "q",
+    taken = {"length", "sequence_ids", "flush_index", "seed", "layer", "q",
              "store_state", "dequantize", "u_cached", "fold_cached_corrections", "return_w"}
     if taken & set(flush_options):
         ap.error(f"--flush-option cannot set {sorted(taken & set(flush_options))}: the "

@@ -290,38 +290,56 @@ def test_flush_register_cap():
             kr.mamba2_flush_kernel(A16, la, v, k, length, pol, q=q, maxnreg=bad, **STREAMS)
 
 
-@pytest.mark.parametrize("case", ["fold", "solve", "nvfp4-read"])
+@pytest.mark.parametrize("case", ["fold", "solve", "nvfp4-read", "split-fp16"])
 def test_flush_anchor_tma(case, monkeypatch):
-    """``flush_kernel(anchor_tma=True)`` (an FP32 anchor's row tiles through a TMA tensor
+    """``flush_kernel(anchor_tma=True)`` (the anchor's row tiles through a TMA tensor
     descriptor) and ``loop_stages`` (the row-tile loop's pipeline depth): the same S, flush
     token output, corrections and stored copies, bit for bit, as the default loads, in the
     ``loop`` variant over two row tiles per matrix and in the ``grid`` variant, for the fold of
     given values (what the fp32 policy's flush runs), GDN's correction solve by the inverse,
-    and a matrix-scaled read copy (the amax pass also loads through the descriptor). Bad
-    options are refused by name."""
+    a matrix-scaled read copy (the amax pass also loads through the descriptor), and the
+    split flush of ``read:nvfp4/rec:fp16+sr`` (its fp32 flush re-solves against the fp16
+    anchor, loaded through the descriptor as fp16 and widened). Bad options are refused by
+    name."""
     if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a CUDA device of capability 9.0 or more")
     from replayssm_quant.quant import pack
     monkeypatch.setitem(globals(), "V", 32)  # two 16-row tiles per matrix
     A, la, v, k, beta, q, length = _flush_case(43, 2)
-    pol = StatePolicy.parse("read:nvfp4/rec:fp32" if case == "nvfp4-read" else "fp32")
-    extra = dict(beta=beta, solve_form="inverse") if case == "solve" else {}
+    pol = StatePolicy.parse({"nvfp4-read": "read:nvfp4/rec:fp32",
+                             "split-fp16": "read:nvfp4/rec:fp16+sr"}.get(case, "fp32"))
+    extra = dict(beta=beta, solve_form="inverse") if case in ("solve", "split-fp16") else {}
+    split = case == "split-fp16"
+    anchor = A
+    if split:
+        A16 = pack(A.cpu(), "fp16+sr", seed=3, stream=torch.arange(B * H).view(B, H))
+        anchor = type(A16)(A16.spec, A16.shape, A16.codes.to(DEVICE), None, None)
 
     def run(**kw):
-        res, y = kr.flush_kernel(A, la, v, k, length, pol, q=q, split_casts=False,
+        res, y = kr.flush_kernel(anchor, la, v, k, length, pol, q=q, split_casts=split,
                                  num_warps=2, reconstruct="tf32x3_full", **extra, **STREAMS,
                                  **kw)
         cps = res.checkpoints
-        rd = cps.read_stored
-        return [res.state, y, cps.anchor_stored] + ([res.w] if case == "solve" else []) + (
-            [rd.codes, rd.block_scales, rd.matrix_scale] if case == "nvfp4-read" else [])
+        out = [res.state, y]
+        for st in (cps.anchor_stored, cps.read_stored):
+            out += [st] if isinstance(st, torch.Tensor) else [
+                t for t in (st.codes, st.block_scales, st.matrix_scale) if t is not None]
+        return out + ([res.w] if "beta" in extra else [])
 
-    for variant in ("loop", "grid"):  # the grid variant's programs have one tile each
+    from replayssm_quant.kernels.replay import flush as fl
+    made = []
+    real = fl._anchor_desc
+    monkeypatch.setattr(fl, "_anchor_desc", lambda *a: made.append(a[0].dtype) or real(*a))
+    # the grid variant's programs have one tile each; the split case (slow on the
+    # interpreter) runs the loop variant at depth 2 only
+    for variant in ("loop",) if split else ("loop", "grid"):
         base = run(variant=variant, block_v=16)
-        forms = ((True, None), (True, 1), (True, 2), (False, 1)) if variant == "loop" else (
-            (True, None),)
+        forms = ((True, 2),) if split else ((True, None), (True, 1), (True, 2), (False, 1)) \
+            if variant == "loop" else ((True, None),)
         for tma, stages in forms:
+            made.clear()
             got = run(variant=variant, block_v=16, anchor_tma=tma, loop_stages=stages)
+            assert made == ([torch.float16 if split else torch.float32] if tma else []), made
             for a, b in zip(base, got, strict=True):  # every byte (codes, scales, floats)
                 assert torch.equal(a.contiguous().view(torch.uint8),
                                    b.contiguous().view(torch.uint8)), (variant, tma, stages)
@@ -338,17 +356,12 @@ def test_flush_anchor_tma(case, monkeypatch):
         with pytest.raises(ValueError, match=msg):
             kr.flush_kernel(A, la, v, k, length, pol, q=q, split_casts=False, **extra,
                             **STREAMS, **opts)
-    A16 = pack(A.cpu(), "fp16", seed=3, stream=torch.arange(B * H).view(B, H))
-    A16 = type(A16)(A16.spec, A16.shape, A16.codes.to(DEVICE), None, None)
-    with pytest.raises(ValueError, match="anchor_tma needs a float32 anchor tensor, got fp16"):
-        kr.flush_kernel(A16, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp16"), q=q,
-                        split_casts=False, anchor_tma=True, **extra, **STREAMS)
-    for kw in (dict(loop_stages=2), dict(anchor_tma=True)):
-        with pytest.raises(ValueError, match="anchor_tma and loop_stages apply to the fused "
-                                             f"flush, got anchor_tma={kw.get('anchor_tma', False)}"
-                                             f", loop_stages={kw.get('loop_stages')}"):
-            kr.flush_kernel(A, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp32"), q=q,
-                            split_casts=True, **kw, **extra, **STREAMS)
+    A8 = pack(A.cpu(), "fp8e4m3", seed=3, stream=torch.arange(B * H).view(B, H))
+    A8 = type(A8)(A8.spec, A8.shape, A8.codes.to(DEVICE), None, A8.matrix_scale.to(DEVICE))
+    with pytest.raises(ValueError, match="anchor_tma needs a float32 anchor tensor or an fp16 "
+                                         "/ bf16 stored one, got fp8e4m3"):
+        kr.flush_kernel(A8, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp8e4m3"),
+                        q=q, split_casts=False, anchor_tma=True, **extra, **STREAMS)
     odd = torch.empty(A.numel() + 1, device=DEVICE)[1:].view(A.shape)  # 4-byte offset
     odd.copy_(A)
     with pytest.raises(ValueError, match="anchor_tma needs the anchor's storage on a 16-byte "

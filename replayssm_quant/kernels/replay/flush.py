@@ -284,13 +284,14 @@ def _flush_tile_full(a_ptr, abs_ptr, ams_ptr, w_ptr, mat, b, h, rows, rmask, n, 
     """:func:`_flush_tile` on one ``[BV, K]`` tile in column order (``reconstruct="dot_full"``
     / ``"tf32x3_full"``): the same formulas with the whole keys ``kf [LP, K]`` in each dot
     instead of one dot per key half, so the anchor is loaded, and S cast and stored, as whole
-    rows (``_load_full`` / ``_cast_store_full``, as the rank-1 form does). ``TMA``: an FP32
-    anchor's rows ``v0..v0+BV-1`` (all within the matrix) come through the tensor descriptor
-    ``a_desc`` over the anchor as ``[B*H*V, K]`` (the same values; in a loop over row tiles
-    the compiler can issue the next tile's copy before this one is used). Returns
+    rows (``_load_full`` / ``_cast_store_full``, as the rank-1 form does). ``TMA``: an FP32,
+    fp16 or bf16 anchor's rows ``v0..v0+BV-1`` (all within the matrix) come through the
+    tensor descriptor ``a_desc`` over the anchor's values as ``[B*H*V, K]`` (the same values;
+    in a loop over row tiles the compiler can issue the next tile's copy before this one is
+    used). Returns
     ``(S [BV, K], W [BV, LP])``."""
-    if TMA:
-        x = a_desc.load([(mat * V + v0).to(tl.int32), 0])
+    if TMA:  # float32, or an fp16 / bf16 anchor's values widened as _load_full does
+        x = a_desc.load([(mat * V + v0).to(tl.int32), 0]).to(tl.float32)
     else:
         x = _load_full(a_ptr, abs_ptr, ams_ptr, mat, rows, rmask, V, K, KH, BV, A)
     wt = tl.load(w_ptr + ((b * J + idx) * H + h)[None, :] * V + rows[:, None],
@@ -690,8 +691,9 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     them between its phases). S, y and the copies are the same bits either way.
 
     ``anchor_tma`` (default False; 2026-12-05, thirty-fifth pass, not yet timed): a float32
-    anchor's row tiles are loaded through a TMA tensor descriptor over the anchor viewed as
-    ``[B * H * V, K]`` (``triton.tools.tensor_descriptor.TensorDescriptor``) instead of
+    anchor's row tiles (or an fp16 / bf16 stored anchor's values, widened to float32 as the
+    ordinary loads widen them) are loaded through a TMA tensor descriptor over the anchor
+    viewed as ``[B * H * V, K]`` (``triton.tools.tensor_descriptor.TensorDescriptor``) instead of
     ordinary loads, so that in the ``loop`` variant the compiler's software pipeline can
     issue the next tile's copy into shared memory while a tile is folded (the fold flush ran
     at 83% of the device copy's rate on the H200, its tile loads not pipelined: static sm_90
@@ -699,8 +701,9 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     same values are loaded, so S, y and the copies are expected to be the same bits (checked
     on the interpreter; on CUDA by ``test_flush_anchor_tma``, not yet run on a device: the
     compiler may lay the tile out differently, and ``FLUSH_NUM_STAGES``'s note shows a
-    schedule changing a fused solve's last bits). Needs the fused flush (no split casts), a
-    float32 anchor tensor whose storage starts on a 16-byte boundary, a whole-tile form of
+    schedule changing a fused solve's last bits). With split casts it applies to the split's
+    ``fp32`` flush (which reads the anchor). Needs a float32 anchor tensor or an fp16 / bf16
+    stored one, whose storage starts on a 16-byte boundary, a whole-tile form of
     ``reconstruct`` (``"dot_full"`` / ``"tf32x3_full"``), ``block_v`` dividing V, fewer than
     2^31 rows, and a CUDA device of capability 9.0 or more (or the interpreter); refused by
     name otherwise.
@@ -711,8 +714,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     the copies of the next tiles issued before the wait; with the default, none). It changes
     the schedule, not the operations (the bits: as for ``anchor_tma``); it has no effect where
     a program has one row tile (``variant="grid"``, or ``block_v >= V``) and does not apply
-    to the amax pass of a matrix-scaled copy; the fused flush only (refused with split
-    casts). Both untimed: ``benchmarks/flush_tma.py`` times them.
+    to the amax pass of a matrix-scaled copy; with split casts, to the split's ``fp32``
+    flush. Both untimed: ``benchmarks/flush_tma.py`` times them.
 
     Raises ValueError for a bad option (naming it); the range of ``length`` and of the
     per-sequence key fields is checked on the device (one launch and one
@@ -744,11 +747,6 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         raise ValueError(f"amax_out applies to a flush without split casts; {policy} splits "
                          f"its casts (pass split_casts=False or amax_out=None)")
     if splits:
-        if anchor_tma or loop_stages is not None:
-            raise ValueError(f"anchor_tma and loop_stages apply to the fused flush, got "
-                             f"anchor_tma={anchor_tma!r}, loop_stages={loop_stages!r} with "
-                             f"{policy}, which splits its casts (pass split_casts=False, or "
-                             f"anchor_tma=False and loop_stages=None)")
         form = split_cast_form(policy, cast_form)
         if flush_amax is None:
             flush_amax = form in _PAIR_CAST_FORMS and split_flush_amax(policy)
@@ -761,7 +759,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                             variant=variant, beta=beta, dequantize=dequantize,
                             keys_in_kernel=keys_in_kernel, reconstruct=reconstruct,
                             solve_form=solve_form, cast_form=form, flush_amax=flush_amax,
-                            return_w=return_w,
+                            return_w=return_w, anchor_tma=anchor_tma,
+                            loop_stages=loop_stages,
                             maxnreg=(split_flush_maxnreg(anchor, beta is not None)
                                      if maxnreg is None else maxnreg))
     if cast_form is not None:
@@ -883,8 +882,11 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
 def _check_anchor_tma(anchor, a, reconstruct: str, block_v: int, V: int, rows: int) -> None:
     """Refuse ``anchor_tma=True`` where a TMA descriptor cannot load the anchor's tiles
     (:func:`flush_kernel`), naming what is wrong."""
-    if isinstance(anchor, PackedTensor) or anchor.dtype != torch.float32:
-        raise ValueError(f"anchor_tma needs a float32 anchor tensor, got "
+    half = (isinstance(anchor, PackedTensor) and anchor.block_scales is None
+            and anchor.matrix_scale is None and a.dtype in (torch.float16, torch.bfloat16))
+    if not (half or (isinstance(anchor, torch.Tensor) and anchor.dtype == torch.float32)):
+        raise ValueError(f"anchor_tma needs a float32 anchor tensor or an fp16 / bf16 stored "
+                         f"one, got "
                          f"{anchor.spec if isinstance(anchor, PackedTensor) else anchor.dtype}")
     if not reconstruct.endswith("_full"):
         raise ValueError(f"anchor_tma needs a whole-tile form of reconstruct ('dot_full' or "
@@ -903,8 +905,8 @@ def _check_anchor_tma(anchor, a, reconstruct: str, block_v: int, V: int, rows: i
 
 
 def _anchor_desc(a, block_v: int, K: int):
-    """A TMA tensor descriptor of the float32 anchor ``a [B, H, V, K]`` viewed as ``[B*H*V, K]``,
-    blocks of ``[block_v, K]``."""
+    """A TMA tensor descriptor of the anchor's values ``a [B, H, V, K]`` (float32, float16 or
+    bfloat16) viewed as ``[B*H*V, K]``, blocks of ``[block_v, K]``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     return TensorDescriptor.from_tensor(a.reshape(-1, K), [block_v, K])
 

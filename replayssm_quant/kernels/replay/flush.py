@@ -382,7 +382,7 @@ def _flush_kernel(
         or_ptr, orbs_ptr, orms_ptr,  # new read copy
         s_ptr, q_ptr, y_ptr,  # S [B,H,V,K] (STORE_S); q [B,G,K] -> y = S q [B,H,V] (Q_OUT)
         amax_ptr,  # int32 [B*H]: float32 bits of the matrix amax (PHASE 1 max-es, PHASE 2 reads)
-        H, G, V, J, a_desc,  # a_desc: TMA, the FP32 anchor as [B*H*V, K] (else unused)
+        H, G, V, J, a_desc,  # a_desc: TMA, the anchor values as [B*H*V, K] (else unused)
         K: tl.constexpr, KH: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr,
         TWO: tl.constexpr, STORE_S: tl.constexpr, Q_OUT: tl.constexpr,
         NEED_AMAX: tl.constexpr, SOLVE: tl.constexpr, LOOP: tl.constexpr,
@@ -399,7 +399,7 @@ def _flush_kernel(
     # 1: matrix amax only (atomic max); 2: casts with the amax of phase 1. AMAX_OUT (PHASE 0,
     # no matrix-scaled copy): also the finite amax of the S it writes, atomic max into amax_ptr.
     # STORE_W (PHASE 0 with SOLVE): write the solved corrections to u_ptr (FlushResult.w).
-    # TMA: FP32 anchor tiles through the descriptor a_desc (_flush_tile_full); LOOP_STAGES:
+    # TMA: the anchor tiles (FP32, fp16, bf16) through the descriptor a_desc; LOOP_STAGES:
     # the cast pass's row-tile loop's pipeline depth (None: the launch's num_stages).
     mat = tl.program_id(0).to(tl.int64)
     vt = tl.program_id(1)

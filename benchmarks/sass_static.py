@@ -349,7 +349,7 @@ def main(argv=None):
              "store_state", "dequantize", "u_cached", "fold_cached_corrections", "return_w"}
     if taken & set(flush_options):
         ap.error(f"--flush-option cannot set {sorted(taken & set(flush_options))}: the "
-                 f"compiled call sets them (the decode benchmark's fused serving flush)")
+                 f"compiled call sets them (the decode benchmark's serving flush)")
     if args.quant_spec is not None:
         from replayssm_quant.formats import parse_spec
 

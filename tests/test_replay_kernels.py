@@ -290,7 +290,7 @@ def test_flush_register_cap():
             kr.mamba2_flush_kernel(A16, la, v, k, length, pol, q=q, maxnreg=bad, **STREAMS)
 
 
-@pytest.mark.parametrize("case", ["fold", "solve", "nvfp4-read", "split-fp16"])
+@pytest.mark.parametrize("case", ["fold", "solve", "nvfp4-read", "split-fp16", "shared-bf16"])
 def test_flush_anchor_tma(case, monkeypatch):
     """``flush_kernel(anchor_tma=True)`` (the anchor's row tiles through a TMA tensor
     descriptor) and ``loop_stages`` (the row-tile loop's pipeline depth): the same S, flush
@@ -299,21 +299,25 @@ def test_flush_anchor_tma(case, monkeypatch):
     given values (what the fp32 policy's flush runs), GDN's correction solve by the inverse,
     a matrix-scaled read copy (the amax pass also loads through the descriptor), and the
     split flush of ``read:nvfp4/rec:fp16+sr`` (its fp32 flush re-solves against the fp16
-    anchor, loaded through the descriptor as fp16 and widened). Bad options are refused by
-    name."""
+    anchor, loaded through the descriptor as fp16 and widened), and the fused flush of
+    ``shared:bf16`` (a bf16 anchor); the half-anchor cases on the ``loop`` variant at depth 2
+    only. Bad options are refused by name."""
     if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a CUDA device of capability 9.0 or more")
     from replayssm_quant.quant import pack
     monkeypatch.setitem(globals(), "V", 32)  # two 16-row tiles per matrix
     A, la, v, k, beta, q, length = _flush_case(43, 2)
     pol = StatePolicy.parse({"nvfp4-read": "read:nvfp4/rec:fp32",
-                             "split-fp16": "read:nvfp4/rec:fp16+sr"}.get(case, "fp32"))
+                             "split-fp16": "read:nvfp4/rec:fp16+sr",
+                             "shared-bf16": "shared:bf16"}.get(case, "fp32"))
     extra = dict(beta=beta, solve_form="inverse") if case in ("solve", "split-fp16") else {}
     split = case == "split-fp16"
-    anchor = A
-    if split:
-        A16 = pack(A.cpu(), "fp16+sr", seed=3, stream=torch.arange(B * H).view(B, H))
+    half = {"split-fp16": ("fp16+sr", torch.float16), "shared-bf16": ("bf16", torch.bfloat16)}
+    anchor, values = A, torch.float32
+    if case in half:
+        A16 = pack(A.cpu(), half[case][0], seed=3, stream=torch.arange(B * H).view(B, H))
         anchor = type(A16)(A16.spec, A16.shape, A16.codes.to(DEVICE), None, None)
+        values = half[case][1]
 
     def run(**kw):
         res, y = kr.flush_kernel(anchor, la, v, k, length, pol, q=q, split_casts=split,
@@ -330,16 +334,17 @@ def test_flush_anchor_tma(case, monkeypatch):
     made = []
     real = fl._anchor_desc
     monkeypatch.setattr(fl, "_anchor_desc", lambda *a: made.append(a[0].dtype) or real(*a))
-    # the grid variant's programs have one tile each; the split case (slow on the
-    # interpreter) runs the loop variant at depth 2 only
-    for variant in ("loop",) if split else ("loop", "grid"):
+    # the grid variant's programs have one tile each; the half-anchor cases (the split one
+    # slow on the interpreter) run the loop variant at depth 2 only
+    for variant in ("loop",) if case in half else ("loop", "grid"):
         base = run(variant=variant, block_v=16)
-        forms = ((True, 2),) if split else ((True, None), (True, 1), (True, 2), (False, 1)) \
+        forms = ((True, 2),) if case in half else ((True, None), (True, 1), (True, 2),
+                                                   (False, 1)) \
             if variant == "loop" else ((True, None),)
         for tma, stages in forms:
             made.clear()
             got = run(variant=variant, block_v=16, anchor_tma=tma, loop_stages=stages)
-            assert made == ([torch.float16 if split else torch.float32] if tma else []), made
+            assert made == ([values] if tma else []), made
             for a, b in zip(base, got, strict=True):  # every byte (codes, scales, floats)
                 assert torch.equal(a.contiguous().view(torch.uint8),
                                    b.contiguous().view(torch.uint8)), (variant, tma, stages)
@@ -358,10 +363,17 @@ def test_flush_anchor_tma(case, monkeypatch):
                             **STREAMS, **opts)
     A8 = pack(A.cpu(), "fp8e4m3", seed=3, stream=torch.arange(B * H).view(B, H))
     A8 = type(A8)(A8.spec, A8.shape, A8.codes.to(DEVICE), None, A8.matrix_scale.to(DEVICE))
-    with pytest.raises(ValueError, match="anchor_tma needs a float32 anchor tensor or an fp16 "
-                                         "/ bf16 stored one, got fp8e4m3"):
+    with pytest.raises(ValueError, match="anchor_tma needs an anchor of fp32, fp16 or bf16 "
+                                         "values without scales, got fp8e4m3"):
         kr.flush_kernel(A8, la, v, k, length, StatePolicy.parse("read:nvfp4/rec:fp8e4m3"),
                         q=q, split_casts=False, anchor_tma=True, **extra, **STREAMS)
+    A16 = pack(A.cpu(), "fp16", seed=3, stream=torch.arange(B * H).view(B, H))
+    strided = A16.codes.to(DEVICE).transpose(2, 3).contiguous().transpose(2, 3)
+    with pytest.raises(ValueError, match="anchor_tma needs the anchor's values contiguous"):
+        kr.flush_kernel(type(A16)(A16.spec, A16.shape, strided, None, None), la, v, k, length,
+                        StatePolicy.parse("shared:fp16"), q=q, split_casts=False,
+                        variant="loop", block_v=16, reconstruct="tf32x3_full", anchor_tma=True,
+                        **extra, **STREAMS)
     odd = torch.empty(A.numel() + 1, device=DEVICE)[1:].view(A.shape)  # 4-byte offset
     odd.copy_(A)
     with pytest.raises(ValueError, match="anchor_tma needs the anchor's storage on a 16-byte "

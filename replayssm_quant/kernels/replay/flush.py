@@ -882,12 +882,16 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
 def _check_anchor_tma(anchor, a, reconstruct: str, block_v: int, V: int, rows: int) -> None:
     """Refuse ``anchor_tma=True`` where a TMA descriptor cannot load the anchor's tiles
     (:func:`flush_kernel`), naming what is wrong."""
-    half = (isinstance(anchor, PackedTensor) and anchor.block_scales is None
-            and anchor.matrix_scale is None and a.dtype in (torch.float16, torch.bfloat16))
-    if not (half or (isinstance(anchor, torch.Tensor) and anchor.dtype == torch.float32)):
-        raise ValueError(f"anchor_tma needs a float32 anchor tensor or an fp16 / bf16 stored "
-                         f"one, got "
+    plain = (isinstance(anchor, PackedTensor) and anchor.block_scales is None
+             and anchor.matrix_scale is None
+             and a.dtype in (torch.float32, torch.float16, torch.bfloat16))
+    if not (plain or (isinstance(anchor, torch.Tensor) and anchor.dtype == torch.float32)):
+        raise ValueError(f"anchor_tma needs an anchor of fp32, fp16 or bf16 values without "
+                         f"scales, got "
                          f"{anchor.spec if isinstance(anchor, PackedTensor) else anchor.dtype}")
+    if not a.is_contiguous():
+        raise ValueError(f"anchor_tma needs the anchor's values contiguous, got strides "
+                         f"{tuple(a.stride())} for shape {tuple(a.shape)}")
     if not reconstruct.endswith("_full"):
         raise ValueError(f"anchor_tma needs a whole-tile form of reconstruct ('dot_full' or "
                          f"'tf32x3_full'), got {reconstruct!r}")

@@ -32,7 +32,7 @@ import decode as dc  # noqa: E402
 import flush_tune as ft  # noqa: E402
 from _commit import code_commit  # noqa: E402
 
-from replayssm_quant.kernels import replay as kr  # noqa: E402
+import replayssm_quant.kernels.replay.flush as F  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 
 NVFP4 = "read:nvfp4/rec:fp16+sr"
@@ -51,25 +51,22 @@ CONFIGS = [("default", {}),
            ("tma_ls3_16x1", dict(anchor_tma=True, loop_stages=3, block_v=16, num_warps=1))]
 
 
-def flush(M, st, pol, fk, **opts):
-    """The serving flush of ``flush_tune.run_flush`` with launch options ``opts``."""
-    kw = dict(q=st["q"], store_state=False, dequantize=False, return_w=False, **fk, **opts)
-    if M.gdn:
-        if M.fold_cached:
-            kw.update(u_cached=st["u"], fold_cached_corrections=True)
-        return kr.gdn_flush_kernel(st["A"], st["la"], st["beta"], st["v"], st["k"],
-                                   st["length"], pol, **kw)
-    return kr.mamba2_flush_kernel(st["A"], st["la"], st["v"], st["k"], st["length"], pol, **kw)
+def launch(M, opts):
+    """``flush_tune.run_flush``'s ``cfg`` and further options for ``opts``: the default launch
+    of the fp32 flush that reads the anchor (``flush.flush_launch``: the serving flush under
+    ``fp32``, the split's first launch under the nvfp4 policy), with ``opts``' tile."""
+    var, bv, nw, form, solve = F.flush_launch(M.V, False, M.solves, M.L)
+    cfg = (var, opts.get("block_v", bv), opts.get("num_warps", nw),
+           form + ("+inverse" if M.solves and solve == "inverse" else ""))
+    return cfg, {k: v for k, v in opts.items() if k not in ("block_v", "num_warps")}
 
 
-def stored_bytes(res, y):
-    """Every byte of the flush's stored copies (codes, scales) and of ``y``."""
-    out = []
-    for st in (res.checkpoints.anchor_stored, res.checkpoints.read_stored):
-        ts = [st] if isinstance(st, torch.Tensor) else [
-            t for t in (st.codes, st.block_scales, st.matrix_scale) if t is not None]
-        out += [t.contiguous().view(torch.uint8).clone() for t in ts]
-    return out + [y.view(torch.uint8).clone()]
+def same_bits(got, base):
+    """Whether two ``(FlushResult, y)`` hold the same bytes in both copies and in ``y``."""
+    (r, y), (r0, y0) = got, base
+    return (ft.stored_diff(r.checkpoints.anchor_stored, r0.checkpoints.anchor_stored) == 0
+            and ft.stored_diff(r.checkpoints.read_stored, r0.checkpoints.read_stored) == 0
+            and ft.stored_diff(y, y0) == 0)
 
 
 def main(argv=None):
@@ -97,19 +94,20 @@ def main(argv=None):
         base = None
         for rnd in range(a.rounds):
             for label, opts in configs:
+                cfg, extra = launch(M, opts)
                 try:
-                    got = stored_bytes(*flush(M, pool[0], pol, fk, **opts))
+                    got = ft.run_flush(M, pool[0], pol, fk, cfg, **extra)
                     if label == "default":
                         base = got
                     if base is None:  # the default failed: nothing to compare with
                         raise RuntimeError("the default launch failed, so no reference bits")
-                    us = dc.timer(lambda i: flush(M, pool[i], pol, fk, **opts), 4,  # noqa: B023
-                                  a.reps, 3, mode="graph")["median_us"]
+                    us = dc.timer(lambda i: ft.run_flush(M, pool[i], pol, fk, cfg,  # noqa: B023
+                                                         **extra),  # noqa: B023
+                                  4, a.reps, 3, mode="graph")["median_us"]
                     row = {"model": name, "fold_cached": fold, "policy": pstr, "config": label,
                            "options": opts, "round": rnd, "median_us": round(us, 1),
                            "reference": "default",
-                           "same_bits": all(torch.equal(x, z)
-                                            for x, z in zip(got, base, strict=True))}
+                           "same_bits": same_bits(got, base)}
                 except Exception as e:  # noqa: BLE001  (a config that fails is recorded)
                     row = {"model": name, "fold_cached": fold, "policy": pstr, "config": label,
                            "options": opts, "round": rnd,

@@ -228,7 +228,9 @@ def flush_kw(M, split_casts=False):
 
 
 def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,
-              keys_in_kernel=None):
+              keys_in_kernel=None, **launch):
+    """The flush of set ``st`` in launch ``cfg`` (``(variant, block_v, num_warps, form)``);
+    ``launch``: further options of the flush call (e.g. ``anchor_tma``)."""
     var, bv, nw, form = cfg
     # "dot+inverse": reconstruct + solve_form; a bare form solves by substitution
     form, _, solve_form = form.partition("+")
@@ -236,7 +238,7 @@ def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,
     # decode.run_flush does; the checked store-state form returns it
     kw = dict(q=st["q"], store_state=store_state, dequantize=dequantize, block_v=bv,
               num_warps=nw, variant=var, keys_in_kernel=keys_in_kernel, reconstruct=form,
-              solve_form=solve_form or "substitution", return_w=store_state, **fk)
+              solve_form=solve_form or "substitution", return_w=store_state, **fk, **launch)
     if M.gdn:
         if M.fold_cached:
             kw.update(u_cached=st["u"], fold_cached_corrections=True)

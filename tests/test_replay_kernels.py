@@ -1022,10 +1022,11 @@ def test_assert_ranges():
                  ("tf32x3_full", False), ("dot_full+inverse", False),
                  ("tf32x3_full+inverse", False), ("tf32x3_full+inverse", True),
                  ("tf32x3_full+inverse", "pair_lean"),
-                 ("tf32x3_full+inverse", "pair_lean_rcp"))),
+                 ("tf32x3_full+inverse", "pair_lean_rcp"), ("tf32x3_full+inverse", "tma"))),
         ("mamba2", (("dot", False), ("rank1", False), ("tf32x3", False),
                     ("tf32x3_full", False), ("tf32x3_full", True),
-                    ("tf32x3_full", "pair_lean"), ("tf32x3_full", "pair_lean_rcp"))))
+                    ("tf32x3_full", "pair_lean"), ("tf32x3_full", "pair_lean_rcp"),
+                    ("tf32x3_full", "tma"))))
     for f, sp in forms])
 def test_flush_forms_batch_invariant(model, form, split):
     """Every ``reconstruct`` form gives each sequence the same bits alone, in the batch and at
@@ -1034,19 +1035,25 @@ def test_flush_forms_batch_invariant(model, form, split):
     position), GDN's corrections. Two row tiles (V = 40, block_v 32), lengths L and 3. The
     fused casts, and once the split ones (``split_casts``: keys by ``_split_keys``; ``split``
     True: the default cast form, else the named lean pair form; ``"pair_lean_rcp"`` with an
-    RTN read copy, which its reciprocal division needs)."""
+    RTN read copy, which its reciprocal division needs; ``"tma"``: the default split with
+    the anchor's tiles through a TMA descriptor and a pipelined row-tile loop, ``anchor_tma``
+    and ``loop_stages=2``, on V = 32 in two 16-row tiles, since its tiles must divide V)."""
+    if split == "tma" and DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a CUDA device of capability 9.0 or more")
     gen = _gen(14)
     pol = StatePolicy.parse("read:nvfp4/rec:fp16+sr" if split == "pair_lean_rcp"
                             else "read:nvfp4+sr/rec:fp16+sr")
-    cast = {"cast_form": split} if isinstance(split, str) else {}
-    A, la, k, v, beta, q = _config_inputs(gen, False, 40)
+    tma = split == "tma"
+    cast = ({"anchor_tma": True, "loop_stages": 2} if tma
+            else {"cast_form": split} if isinstance(split, str) else {})
+    A, la, k, v, beta, q = _config_inputs(gen, False, 32 if tma else 40)
     length = _t(torch.tensor([L, 3]))
     ids, fi = STREAMS["sequence_ids"], STREAMS["flush_index"]
 
     def run(rows):
         r = torch.tensor(rows)
         kw = dict(seed=SEED, layer=3, sequence_ids=ids[r], flush_index=fi[r], q=q[r],
-                  block_v=32, split_casts=bool(split), **cast, **_form(form))
+                  block_v=16 if tma else 32, split_casts=bool(split), **cast, **_form(form))
         if model == "gdn":
             res, y = kr.gdn_flush_kernel(A[r], la[r], beta[r], v[r], k[r], length[r], pol, **kw)
         else:

@@ -301,7 +301,12 @@ def test_flush_anchor_tma(case, monkeypatch):
     split flush of ``read:nvfp4/rec:fp16+sr`` (its fp32 flush re-solves against the fp16
     anchor, loaded through the descriptor as fp16 and widened), and the fused flush of
     ``shared:bf16`` (a bf16 anchor); the half-anchor cases on the ``loop`` variant at depth 2
-    only. Bad options are refused by name."""
+    only. On CUDA the descriptor's tiles may reach the registers in another layout, and the
+    FP32 dot's summation order follows the layout (``flush_kernel``'s docstring), so there S,
+    ``y`` and the corrections need only agree with the default's to FP32 rounding (measured on
+    an H100: GDN's fold and Mamba-2's flush change last bits, the solve does not); everywhere
+    the stored copies must be the casts of the kernel's own S, bit for bit. Bad options are
+    refused by name."""
     if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a CUDA device of capability 9.0 or more")
     from replayssm_quant.quant import pack
@@ -324,11 +329,14 @@ def test_flush_anchor_tma(case, monkeypatch):
                                  num_warps=2, reconstruct="tf32x3_full", **extra, **STREAMS,
                                  **kw)
         cps = res.checkpoints
-        out = [res.state, y]
+        # the copies are the casts of this launch's own S, bit for bit
+        _same_copies(cps, core.cast_checkpoints(res.state, pol, store=True, **STREAMS))
+        floats = [res.state, y] + ([res.w] if "beta" in extra else [])
+        stored = []
         for st in (cps.anchor_stored, cps.read_stored):
-            out += [st] if isinstance(st, torch.Tensor) else [
+            stored += [st] if isinstance(st, torch.Tensor) else [
                 t for t in (st.codes, st.block_scales, st.matrix_scale) if t is not None]
-        return out + ([res.w] if "beta" in extra else [])
+        return floats, stored
 
     from replayssm_quant.kernels.replay import flush as fl
     made = []
@@ -345,9 +353,16 @@ def test_flush_anchor_tma(case, monkeypatch):
             made.clear()
             got = run(variant=variant, block_v=16, anchor_tma=tma, loop_stages=stages)
             assert made == ([values] if tma else []), made
-            for a, b in zip(base, got, strict=True):  # every byte (codes, scales, floats)
-                assert torch.equal(a.contiguous().view(torch.uint8),
-                                   b.contiguous().view(torch.uint8)), (variant, tma, stages)
+            if DEVICE == "cpu":  # the interpreter: every byte (codes, scales, floats)
+                for a, b in zip(base[0] + base[1], got[0] + got[1], strict=True):
+                    assert torch.equal(a.contiguous().view(torch.uint8),
+                                       b.contiguous().view(torch.uint8)), (variant, tma, stages)
+            else:  # CUDA: FP32 rounding of another summation order (the copies checked above)
+                where = f"{(variant, tma, stages)}: "
+                for a, b in zip(base[0], got[0], strict=True):
+                    torch.testing.assert_close(b, a, rtol=1e-5,
+                                               atol=1e-6 * float(a.abs().max()),
+                                               msg=lambda m, w=where: w + m)
     bad = [(dict(anchor_tma=1), "anchor_tma must be True or False, got 1"),
            (dict(loop_stages=0), "loop_stages must be None or an int in \\[1, 8\\], got 0"),
            (dict(loop_stages=True), "loop_stages must be None or an int in \\[1, 8\\], got True"),
@@ -388,7 +403,8 @@ def test_flush_anchor_tma_wrappers(gdn, monkeypatch):
     """The model wrappers pass ``anchor_tma`` and ``loop_stages`` on to the flush (GDN: the
     fold of cached corrections in the serving form, ``return_w=False`` and no S stored, what
     the fp32 policy's decode state runs): one descriptor made, the same bytes of the copy and
-    the flush token's output as without."""
+    the flush token's output as without (on CUDA: the same to FP32 rounding, as in
+    :func:`test_flush_anchor_tma`)."""
     if DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs a CUDA device of capability 9.0 or more")
     from replayssm_quant.kernels.replay import flush as fl
@@ -414,8 +430,11 @@ def test_flush_anchor_tma_wrappers(gdn, monkeypatch):
     assert made == []
     got = run(anchor_tma=True, loop_stages=2)
     assert made == [(16, K)]
-    for a, b in zip(base, got, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
+    for a, b in zip(base, got, strict=True):  # the fp32 anchor is S itself
+        if DEVICE == "cpu":
+            assert torch.equal(_bits(a), _bits(b))
+        else:  # CUDA: the dot's summation order may follow the descriptor's layout
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
 
 
 @pytest.mark.parametrize("model", ["gdn", "mamba2"])

@@ -9,7 +9,9 @@ row-tile loop, never ahead. This times, at B = 256 on ``flush_tune.py``'s geomet
 the copies out, the flush token's ``S q``, S not written, no corrections returned): under
 ``fp32`` GDN's fold, GDN's correction solve and Mamba-2's flush; under
 ``read:nvfp4/rec:fp16+sr`` both models' split flush (whose fp32 flush reads the fp16 anchor
-through the descriptor), each in its default launch and with ``anchor_tma`` /
+through the descriptor), under ``read:nvfp4/rec:fp32`` GDN's split flush (its fp32 flush
+re-solves against the FP32 anchor: ``flush.FLUSH_ANCHOR_TMA``'s key, so its default takes the
+descriptor on a device of capability 9.0 or more; config ``loads`` the ordinary loads), each in its default launch and with ``anchor_tma`` /
 ``loop_stages`` and a few tiles, alternating ``--rounds`` times; every row's stored copies
 and ``S q`` compared byte for byte with the default's (``same_bits``).
 
@@ -38,9 +40,12 @@ from replayssm_quant.policy import StatePolicy  # noqa: E402
 NVFP4 = "read:nvfp4/rec:fp16+sr"
 # (model, fold cached corrections, policy)
 CASES = [("gdn", True, "fp32"), ("gdn", False, "fp32"), ("mamba2", False, "fp32"),
-         ("gdn", False, NVFP4), ("mamba2", False, NVFP4)]
+         ("gdn", False, NVFP4), ("mamba2", False, NVFP4),
+         ("gdn", False, "read:nvfp4/rec:fp32")]  # the split re-solve against an FP32 anchor
 # (label, launch options); the default launch first (the reference of same_bits)
 CONFIGS = [("default", {}),
+           ("loads", dict(anchor_tma=False)),  # the ordinary loads (the default before 2026-12-05's
+           # FLUSH_ANCHOR_TMA, which keys GDN's solve against an FP32 anchor)
            ("tma", dict(anchor_tma=True)),
            ("tma_ls2", dict(anchor_tma=True, loop_stages=2)),
            ("tma_ls3", dict(anchor_tma=True, loop_stages=3)),

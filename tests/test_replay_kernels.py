@@ -363,7 +363,7 @@ def test_flush_anchor_tma(case, monkeypatch):
                     torch.testing.assert_close(b, a, rtol=1e-5,
                                                atol=1e-6 * float(a.abs().max()),
                                                msg=lambda m, w=where: w + m)
-    bad = [(dict(anchor_tma=1), "anchor_tma must be True or False, got 1"),
+    bad = [(dict(anchor_tma=1), "anchor_tma must be None, True or False, got 1"),
            (dict(loop_stages=0), "loop_stages must be None or an int in \\[1, 8\\], got 0"),
            (dict(loop_stages=True), "loop_stages must be None or an int in \\[1, 8\\], got True"),
            (dict(anchor_tma=True, reconstruct="tf32x3"),
@@ -396,6 +396,76 @@ def test_flush_anchor_tma(case, monkeypatch):
         kr.flush_kernel(odd, la, v, k, length, pol, q=q, split_casts=False, variant="loop",
                         block_v=16, reconstruct="tf32x3_full", anchor_tma=True, **extra,
                         **STREAMS)
+
+
+def test_flush_anchor_tma_default(monkeypatch):
+    """``anchor_tma=None`` (the default) takes the descriptor, at :data:`FLUSH_ANCHOR_TMA`'s
+    pipeline depth, exactly where :func:`flush.flush_anchor_tma` has the key (GDN's correction
+    solve, V, K, the anchor's format) and the device can (capability 9.0 or more, compiled;
+    faked here on the interpreter): one descriptor, the same bits as the ordinary loads on the
+    interpreter (to FP32 rounding on CUDA, as in :func:`test_flush_anchor_tma`), also for an
+    anchor at an address the descriptor cannot take (then loaded from a copy); no descriptor
+    for an unkeyed geometry or format, without the solve, for a launch it cannot take
+    (``reconstruct="tf32x3"``) or with ``anchor_tma=False``."""
+    from replayssm_quant.kernels.replay import flush as fl
+    from replayssm_quant.quant import pack
+
+    # the resolver, keyed by (solve, V, K, format), only where the device can
+    f32 = torch.zeros(1, 1, 128, 128)
+    assert fl.flush_anchor_tma(f32, solve=True) is None  # a CPU tensor: no TMA
+    monkeypatch.setattr(fl, "_tma_capable", lambda t: True)
+    assert fl.flush_anchor_tma(f32, solve=True) == 2 == fl.FLUSH_ANCHOR_TMA[
+        (True, 128, 128, "fp32")]
+    assert fl.flush_anchor_tma(pack(f32, "fp32"), solve=True) == 2
+    assert fl.flush_anchor_tma(f32, solve=False) is None  # the fold
+    assert fl.flush_anchor_tma(pack(f32, "fp16"), solve=True) is None
+    assert fl.flush_anchor_tma(torch.zeros(1, 1, 64, 128), solve=True) is None
+    if DEVICE == "cuda":
+        monkeypatch.undo()  # the real device answers on CUDA
+        if torch.cuda.get_device_capability()[0] < 9:
+            pytest.skip("TMA needs a CUDA device of capability 9.0 or more")
+    monkeypatch.setitem(fl.FLUSH_ANCHOR_TMA, (True, 32, K, "fp32"), 2)  # this test's shape
+    monkeypatch.setitem(globals(), "V", 32)  # two 16-row tiles per matrix
+    A, la, v, k, beta, q, length = _flush_case(53, 3)
+    pol = StatePolicy.parse("fp32")
+    made, stages = [], []
+    real = fl._anchor_desc
+    monkeypatch.setattr(fl, "_anchor_desc", lambda *a: made.append(a[1:]) or real(*a))
+    kernel = fl._flush_kernel
+
+    class Spy:  # the launches' pipeline depth of the row-tile loop
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                stages.append(kw["LOOP_STAGES"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(fl, "_flush_kernel", Spy())
+
+    def run(anchor, **kw):  # GDN's default launch at V = 128, here on two row tiles
+        made.clear()
+        stages.clear()
+        kw = dict(dict(variant="loop", block_v=16, reconstruct="tf32x3_full"), **kw)
+        res, y = kr.flush_kernel(anchor, la, v, k, length, pol, q=q, beta=beta,
+                                 split_casts=False, **STREAMS, **kw)
+        return [res.state, y, res.w, res.checkpoints.anchor_stored], list(made)
+
+    base, none = run(A, anchor_tma=False)
+    assert none == [] and stages == [None]
+    odd = torch.empty(A.numel() + 1, device=DEVICE)[1:].view(A.shape)  # 4 bytes off 16
+    odd.copy_(A)
+    for anchor in (A, odd):
+        got, desc = run(anchor)
+        assert desc == [(16, K)] and stages == [2], (desc, stages)
+        for a, b in zip(base, got, strict=True):
+            if DEVICE == "cpu":
+                assert torch.equal(_bits(a), _bits(b))
+            else:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
+    assert run(A, reconstruct="tf32x3")[1] == []  # a launch the descriptor cannot take
+    made.clear()
+    kr.flush_kernel(A, la, v, k, length, pol, q=q, split_casts=False, **STREAMS)
+    assert made == []  # no solve (the fold): not keyed
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn-fold"])

@@ -589,7 +589,7 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
                  split_casts: bool | None = None, cast_form: str | None = None,
                  maxnreg: int | None = None, flush_amax: bool | None = None,
                  amax_out: torch.Tensor | None = None, return_w: bool = True,
-                 anchor_tma: bool = False, loop_stages: int | None = None):
+                 anchor_tma: bool | None = None, loop_stages: int | None = None):
     """Kernel of :func:`core.flush` (with the records masked to ``length``): reconstruct S from
     the stored anchor (PackedTensor or float32 ``[B, H, V, K]``) and the records
     ``la [B,J,H]``, ``w [B,J,H,V]``, grouped ``k [B,J,G,K]`` (slots ``< length[b]``), then
@@ -690,32 +690,41 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     less; the two-phase launch of a matrix-scaled copy on a grid of row tiles still keeps
     them between its phases). S, y and the copies are the same bits either way.
 
-    ``anchor_tma`` (default False; 2026-12-05, thirty-fifth pass, not yet timed): a float32
-    anchor's row tiles (or an fp16 / bf16 stored anchor's values, widened to float32 as the
-    ordinary loads widen them) are loaded through a TMA tensor descriptor over the anchor
-    viewed as ``[B * H * V, K]`` (``triton.tools.tensor_descriptor.TensorDescriptor``) instead of
+    ``anchor_tma`` (None, True or False; 2026-12-05, thirty-fifth pass): a float32 anchor's
+    row tiles (or an fp16 / bf16 stored anchor's values, widened to float32 as the ordinary
+    loads widen them) are loaded through a TMA tensor descriptor over the anchor viewed as
+    ``[B * H * V, K]`` (``triton.tools.tensor_descriptor.TensorDescriptor``) instead of
     ordinary loads, so that in the ``loop`` variant the compiler's software pipeline can
-    issue the next tile's copy into shared memory while a tile is folded (the fold flush ran
-    at 83% of the device copy's rate on the H200, its tile loads not pipelined: static sm_90
-    SASS at ba7376e, Triton 3.9, has them as ``LDG`` at the top of each iteration). The
-    same values are loaded, so S, y and the copies are expected to be the same bits (checked
-    on the interpreter; on CUDA by ``test_flush_anchor_tma``, not yet run on a device: the
-    compiler may lay the tile out differently, and ``FLUSH_NUM_STAGES``'s note shows a
-    schedule changing a fused solve's last bits). With split casts it applies to the split's
-    ``fp32`` flush (which reads the anchor). Needs a float32 anchor tensor or an fp16 / bf16
-    stored one, whose storage starts on a 16-byte boundary, a whole-tile form of
-    ``reconstruct`` (``"dot_full"`` / ``"tf32x3_full"``), ``block_v`` dividing V, fewer than
-    2^31 rows, and a CUDA device of capability 9.0 or more (or the interpreter); refused by
-    name otherwise.
+    issue the next tile's copy into shared memory while a tile is folded (static sm_90 SASS
+    at ba7376e, Triton 3.9, has the ordinary loads as ``LDG`` at the top of each iteration).
+    The same values are loaded, but on CUDA the descriptor's tiles may reach the registers in
+    another layout and the FP32 dot's summation order follows the layout, so S, y and the
+    copies may differ from the ordinary loads' in last bits (on an H100,
+    ``flush_tma_r3_2996ba7_h100.json``: GDN's correction solve gave the same bits, GDN's fold
+    and Mamba-2's flush other bits); on the interpreter the same bits. The copies are always
+    the casts of the launch's own S, and a given choice is fixed per shape, format and device,
+    so results stay batch-invariant. Default None: :func:`flush_anchor_tma` (the descriptor
+    with its pipeline depth where :data:`FLUSH_ANCHOR_TMA` has the key, at present GDN's
+    correction solve against an FP32 anchor at 128 x 128 on a device of capability 9.0 or
+    more: 905-933 -> 630-641 us at B = 256 on an H100, the same bits; the launch's values
+    are first made contiguous and 16-byte aligned by a copy if they are not; a launch option
+    that the descriptor cannot take, a ``reconstruct`` form that is not whole-tile or a
+    ``block_v`` not dividing V, leaves the ordinary loads), else the ordinary loads. With
+    split casts it applies to the split's ``fp32`` flush (which reads the anchor). ``True``
+    needs a float32 anchor tensor or an fp16 / bf16 stored one, whose storage starts on a
+    16-byte boundary, a whole-tile form of ``reconstruct`` (``"dot_full"`` /
+    ``"tf32x3_full"``), ``block_v`` dividing V, fewer than 2^31 rows, and a CUDA device of
+    capability 9.0 or more (or the interpreter); refused by name otherwise.
     ``loop_stages`` (None or an int in [1, 8]; default None: the launch's ``num_stages``,
-    :data:`FLUSH_NUM_STAGES`): the software-pipeline depth of the cast pass's loop over row
-    tiles (``tl.range(..., num_stages=loop_stages)``), which with ``anchor_tma`` keeps
+    :data:`FLUSH_NUM_STAGES`, or :func:`flush_anchor_tma`'s depth where the default takes the
+    descriptor): the software-pipeline depth of the cast pass's loop over row tiles
+    (``tl.range(..., num_stages=loop_stages)``), which with ``anchor_tma`` keeps
     ``loop_stages - 1`` tiles' copies in flight (static sm_90 SASS at 2 or 3, Triton 3.9:
     the copies of the next tiles issued before the wait; with the default, none). It changes
     the schedule, not the operations (the bits: as for ``anchor_tma``); it has no effect where
     a program has one row tile (``variant="grid"``, or ``block_v >= V``) and does not apply
     to the amax pass of a matrix-scaled copy; with split casts, to the split's ``fp32``
-    flush. Both untimed: ``benchmarks/flush_tma.py`` times them.
+    flush. ``benchmarks/flush_tma.py`` times both.
 
     Raises ValueError for a bad option (naming it); the range of ``length`` and of the
     per-sequence key fields is checked on the device (one launch and one
@@ -728,8 +737,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     policy = require_policy(policy)  # parsed at the edges
     if not isinstance(return_w, bool):
         raise ValueError(f"return_w must be True or False, got {return_w!r}")
-    if not isinstance(anchor_tma, bool):
-        raise ValueError(f"anchor_tma must be True or False, got {anchor_tma!r}")
+    if anchor_tma is not None and not isinstance(anchor_tma, bool):
+        raise ValueError(f"anchor_tma must be None, True or False, got {anchor_tma!r}")
     if loop_stages is not None and (isinstance(loop_stages, bool)
                                     or not isinstance(loop_stages, int)
                                     or not 1 <= loop_stages <= 8):
@@ -789,6 +798,15 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     variant, block_v, num_warps, reconstruct, solve_form = flush_launch(
         V, need_amax, beta is not None, J, variant=variant, block_v=block_v,
         num_warps=num_warps, reconstruct=reconstruct, solve_form=solve_form)
+    if anchor_tma is None:  # the default: FLUSH_ANCHOR_TMA where its launch can take it
+        depth = flush_anchor_tma(anchor, beta is not None)
+        anchor_tma = (depth is not None and reconstruct.endswith("_full")
+                      and V % block_v == 0 and B * H * V < 2 ** 31)
+        if anchor_tma:
+            if loop_stages is None:
+                loop_stages = depth
+            if not a.is_contiguous() or a.data_ptr() % 16:  # the same loads at any address
+                a = a.contiguous() if not a.is_contiguous() else a.clone()
     if anchor_tma:
         _check_anchor_tma(anchor, a, reconstruct, block_v, V, B * H * V)
     tma = anchor_tma and B * H * V > 0  # an empty batch launches nothing to load
@@ -1056,6 +1074,19 @@ def split_flush_amax(policy) -> bool:
 # geometries are untimed: no cap.
 SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168, (False, 64, 128, "bf16"): 168}
 
+# The anchor's row tiles through a TMA descriptor by default (flush_kernel(anchor_tma=None)),
+# keyed by (GDN's correction solve, V, K, the anchor's storage format): the row-tile loop's
+# pipeline depth (loop_stages). 2026-12-05, thirty-sixth session (flush_tma_2996ba7_h100.json
+# and flush_tma_r3_2996ba7_h100.json, one H100, B = 256, five rounds in two calls): GDN's
+# correction solve against an FP32 anchor (the flush of every read:F/rec:fp32 policy; the
+# fp32 policy's own flush folds the cached corrections instead and is not keyed) 904.9-932.5
+# -> 629.7-641.1 us with the same bits at depth 2 (without the descriptor, depth 1: 761-773
+# us, other bits). Not keyed, because they gained nothing or lost on the H100: GDN's fold
+# (410.5-411.3 -> 409.4-410.0 us, other bits), the fp16-anchor solve of the split nvfp4 flush
+# (the whole flush 1057-1069 -> 1051-1057 at depth None, 1118-1121 at depth 2), Mamba-2 fp32
+# and nvfp4 (slower). Untimed on the H200.
+FLUSH_ANCHOR_TMA = {(True, 128, 128, "fp32"): 2}
+
 
 # The lean pair cast's tile (block rows of 16 elements per tile, warps) in a split flush, by
 # the matrix shape (V, K), from SPLIT_PAIR_TILES_FROM matrices (B H) up; pack_pair_triton's
@@ -1090,6 +1121,29 @@ def split_flush_maxnreg(anchor, solve: bool) -> int | None:
     fmt = anchor.spec.name if isinstance(anchor, PackedTensor) else "fp32"
     V, K = int(anchor.shape[-2]), int(anchor.shape[-1])
     return SPLIT_FLUSH_MAXNREG.get((bool(solve), V, K, fmt))
+
+
+def flush_anchor_tma(anchor, solve: bool) -> int | None:
+    """Default of ``flush_kernel(anchor_tma=None)``: the pipeline depth of the row-tile loop
+    (:data:`FLUSH_ANCHOR_TMA`) where the flush's anchor tiles go through a TMA descriptor by
+    default, else None (ordinary loads). Keyed by (GDN's correction solve, V, K, the anchor's
+    storage format); only for an anchor on a CUDA device of capability 9.0 or more (never on
+    the interpreter, where the kernels' CPU tests run the ordinary loads unless asked). The
+    key depends on the shape, format and device only, never on the batch or the memory
+    address, so neither does the choice. ``anchor``: the stored anchor ``[B, H, V, K]`` (a
+    float32 tensor or a PackedTensor)."""
+    fmt = anchor.spec.name if isinstance(anchor, PackedTensor) else "fp32"
+    if not _tma_capable(anchor.codes if isinstance(anchor, PackedTensor) else anchor):
+        return None
+    V, K = int(anchor.shape[-2]), int(anchor.shape[-1])
+    return FLUSH_ANCHOR_TMA.get((bool(solve), V, K, fmt))
+
+
+def _tma_capable(t: torch.Tensor) -> bool:
+    """Whether the default launch may load ``t`` through a TMA descriptor: a tensor on a CUDA
+    device of capability 9.0 or more, the kernels compiled (not interpreted)."""
+    return (t.is_cuda and not KERNELS_INTERPRETED
+            and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
 def _split_flush(anchor, la, w, k, length, policy, *, seed, layer, sequence_ids, flush_index,
@@ -1145,7 +1199,7 @@ def mamba2_flush_kernel(anchor, la, v, k, length, policy, *, seed, layer, sequen
                         solve_form: str | None = None, split_casts: bool | None = None,
                         cast_form: str | None = None, maxnreg: int | None = None,
                         flush_amax: bool | None = None, return_w: bool = True,
-                        anchor_tma: bool = False, loop_stages: int | None = None):
+                        anchor_tma: bool | None = None, loop_stages: int | None = None):
     """Kernel of :func:`replay.mamba2.mamba2_flush` (records ``la [B,J,H]``, ``v [B,J,H,P]``,
     grouped ``k [B,J,G,N]``, ``length`` int64 ``[B]``). Returns ``(FlushResult, y)``;
     options as :func:`flush_kernel`'s (``return_w=False``: ``FlushResult.w`` is None)."""
@@ -1167,7 +1221,7 @@ def gdn_flush_kernel(anchor, la, beta, v, k, length, policy, *, seed, layer, seq
                      reconstruct: str | None = None, solve_form: str | None = None,
                      split_casts: bool | None = None, cast_form: str | None = None,
                      maxnreg: int | None = None, flush_amax: bool | None = None,
-                     return_w: bool = True, anchor_tma: bool = False,
+                     return_w: bool = True, anchor_tma: bool | None = None,
                      loop_stages: int | None = None):
     """Kernel of :func:`replay.gdn.gdn_flush`: the corrections are re-solved against the
     stored anchor inside the flush kernel (each tile of value rows solves its own rows:

@@ -709,7 +709,9 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     more: 905-933 -> 630-641 us at B = 256 on an H100, the same bits; the launch's values
     are first made contiguous and 16-byte aligned by a copy if they are not; a launch option
     that the descriptor cannot take, a ``reconstruct`` form that is not whole-tile or a
-    ``block_v`` not dividing V, leaves the ordinary loads), else the ordinary loads. With
+    ``block_v`` not dividing V, leaves the ordinary loads, and so do 2^31 rows or more, B >=
+    524288 at 128 x 128, where the H100 gave the two the same bits), else the ordinary
+    loads. With
     split casts it applies to the split's ``fp32`` flush (which reads the anchor). ``True``
     needs a float32 anchor tensor or an fp16 / bf16 stored one, whose storage starts on a
     16-byte boundary, a whole-tile form of ``reconstruct`` (``"dot_full"`` /

@@ -710,8 +710,8 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     are first made contiguous and 16-byte aligned by a copy if they are not; a launch option
     that the descriptor cannot take, a ``reconstruct`` form that is not whole-tile or a
     ``block_v`` not dividing V, leaves the ordinary loads, and so do 2^31 rows or more, B >=
-    524288 at 128 x 128, where the H100 gave the two the same bits), else the ordinary
-    loads. With
+    524288 with 32 heads of 128 rows, where the H100 gave the two the same bits), else the
+    ordinary loads. With
     split casts it applies to the split's ``fp32`` flush (which reads the anchor). ``True``
     needs a float32 anchor tensor or an fp16 / bf16 stored one, whose storage starts on a
     16-byte boundary, a whole-tile form of ``reconstruct`` (``"dot_full"`` /

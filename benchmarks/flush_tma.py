@@ -11,9 +11,10 @@ the copies out, the flush token's ``S q``, S not written, no corrections returne
 ``read:nvfp4/rec:fp16+sr`` both models' split flush (whose fp32 flush reads the fp16 anchor
 through the descriptor), under ``read:nvfp4/rec:fp32`` GDN's split flush (its fp32 flush
 re-solves against the FP32 anchor: ``flush.FLUSH_ANCHOR_TMA``'s key, so its default takes the
-descriptor on a device of capability 9.0 or more; config ``loads`` the ordinary loads), each in its default launch and with ``anchor_tma`` /
-``loop_stages`` and a few tiles, alternating ``--rounds`` times; every row's stored copies
-and ``S q`` compared byte for byte with the default's (``same_bits``).
+descriptor on a device of capability 9.0 or more; config ``loads`` the ordinary loads),
+each in its default launch and with ``anchor_tma`` / ``loop_stages`` and a few tiles,
+alternating ``--rounds`` times; every row's stored copies and ``S q`` compared byte for byte
+with the default's (``same_bits``).
 
 Usage (on the device; fla not needed)::
 

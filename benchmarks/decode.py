@@ -748,6 +748,44 @@ def apply_read_pass_overrides(specs) -> dict:
     return out
 
 
+def apply_flush_tma_overrides(specs) -> dict:
+    """``--flush-tma SOLVE,V,K,FORMAT=DEPTH`` (or ``=none``): set (or drop) the key
+    ``(bool(SOLVE), V, K, FORMAT)`` of ``replay.flush.FLUSH_ANCHOR_TMA``, the flushes whose
+    default launch loads the anchor's tiles through a TMA descriptor with a row-tile loop of
+    pipeline depth DEPTH (e.g. ``0,128,128,fp32=2``: GDN's fold of cached corrections, the
+    ``fp32`` policy's flush). Returns the table now, its keys as strings; raises ValueError
+    naming a malformed specification, a SOLVE other than 0 or 1, a non-positive V or K, a
+    FORMAT the descriptor cannot load (fp32, fp16, bf16) or a DEPTH outside [1, 8]."""
+    table = kr.flush.FLUSH_ANCHOR_TMA
+    for spec in specs:
+        key, sep, val = spec.partition("=")
+        parts = key.split(",")
+        if not sep or len(parts) != 4:
+            raise ValueError(f"--flush-tma takes SOLVE,V,K,FORMAT=DEPTH (or =none), "
+                             f"got {spec!r}")
+        if parts[0] not in ("0", "1"):
+            raise ValueError(f"--flush-tma: SOLVE must be 0 or 1, got {parts[0]!r}")
+        try:
+            V, K = int(parts[1]), int(parts[2])
+        except ValueError:
+            raise ValueError(f"--flush-tma: V and K must be ints, got {spec!r}") from None
+        if V < 1 or K < 1:
+            raise ValueError(f"--flush-tma: V and K must be positive, got {spec!r}")
+        if parts[3] not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"--flush-tma: FORMAT must be fp32, fp16 or bf16 (what the "
+                             f"descriptor loads), got {parts[3]!r}")
+        k = (parts[0] == "1", V, K, parts[3])
+        if val == "none":
+            table.pop(k, None)
+            continue
+        if not (val.isdigit() and 1 <= int(val) <= 8):
+            raise ValueError(f"--flush-tma: DEPTH must be an int in [1, 8] or none, "
+                             f"got {val!r}")
+        table[k] = int(val)
+    return {",".join(str(int(x) if isinstance(x, bool) else x) for x in k): d
+            for k, d in table.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -776,6 +814,13 @@ def main(argv=None):
                          "(e.g. GDN_STEP_F32_CONFIG=32,1,lean_one); a form that does the "
                          "records work in its read pass drops the configuration's "
                          "lean_records; recorded under 'overrides' (repeatable)")
+    ap.add_argument("--flush-tma", action="append", default=[],
+                    metavar="SOLVE,V,K,FORMAT=DEPTH",
+                    help="time the flushes keyed SOLVE,V,K,FORMAT with the anchor's tiles "
+                         "through a TMA descriptor at loop depth DEPTH, or with the ordinary "
+                         "loads (=none): replay.flush.FLUSH_ANCHOR_TMA, e.g. 0,128,128,fp32=2 "
+                         "for GDN's fp32 fold; the table is recorded under "
+                         "'overrides' (repeatable)")
     ap.add_argument("--resummarize", default=None, metavar="JSON",
                     help="time nothing: recompute the summary of this decode result (with "
                          "--emulation) and write it to --out")
@@ -790,6 +835,8 @@ def main(argv=None):
         return resummarize(args.resummarize, args.emulation, args.out, argv)
     try:
         overrides = apply_read_pass_overrides(args.read_pass)
+        if args.flush_tma:
+            overrides["FLUSH_ANCHOR_TMA"] = apply_flush_tma_overrides(args.flush_tma)
     except ValueError as e:
         ap.error(str(e))
     if args.tiny != INTERPRET:

@@ -272,3 +272,39 @@ def test_read_pass_overrides(monkeypatch):
                      ("GDN_STEP_F32_CONFIG=16,1,leen", "form 'leen' is not one of")):
         with pytest.raises(ValueError, match=msg):
             decode.apply_read_pass_overrides([bad])
+
+
+def test_flush_tma_overrides(monkeypatch):
+    """``decode.py --flush-tma SOLVE,V,K,FORMAT=DEPTH`` (``apply_flush_tma_overrides``): sets
+    or drops the key of ``replay.flush.FLUSH_ANCHOR_TMA`` that the flush's default reads
+    (``flush_anchor_tma``), returns the table, and refuses bad specifications by name."""
+    import torch
+
+    env = dict(os.environ)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import decode
+    finally:
+        sys.path.pop(0)
+        os.environ.clear()
+        os.environ.update(env)
+    fl = decode.kr.flush
+    monkeypatch.setattr(fl, "FLUSH_ANCHOR_TMA", dict(fl.FLUSH_ANCHOR_TMA))  # restored after
+    out = decode.apply_flush_tma_overrides(["0,128,128,fp32=2", "1,128,128,fp32=none",
+                                            "1,128,128,fp16=3"])
+    assert fl.FLUSH_ANCHOR_TMA == {(False, 128, 128, "fp32"): 2, (True, 128, 128, "fp16"): 3}
+    assert out == {"0,128,128,fp32": 2, "1,128,128,fp16": 3}
+    monkeypatch.setattr(fl, "_tma_capable", lambda t: True)  # what the default then reads
+    assert fl.flush_anchor_tma(torch.zeros(1, 1, 128, 128), solve=False) == 2
+    assert fl.flush_anchor_tma(torch.zeros(1, 1, 128, 128), solve=True) is None
+    for bad, msg in (("0,128,128=2", "takes SOLVE,V,K,FORMAT=DEPTH"),
+                     ("0,128,128,fp32", "takes SOLVE,V,K,FORMAT=DEPTH"),
+                     ("2,128,128,fp32=2", "SOLVE must be 0 or 1, got '2'"),
+                     ("0,a,128,fp32=2", "V and K must be ints"),
+                     ("0,0,128,fp32=2", "V and K must be positive"),
+                     ("0,128,128,nvfp4=2", "FORMAT must be fp32, fp16 or bf16"),
+                     ("0,128,128,fp32=9", "DEPTH must be an int in \\[1, 8\\] or none, got '9'"),
+                     ("0,128,128,fp32=x", "DEPTH must be an int")):
+        with pytest.raises(ValueError, match=msg):
+            decode.apply_flush_tma_overrides([bad])
+

@@ -778,7 +778,7 @@ def apply_flush_tma_overrides(specs) -> dict:
         if val == "none":
             table.pop(k, None)
             continue
-        if not (val.isdigit() and 1 <= int(val) <= 8):
+        if not (val.isascii() and val.isdigit() and 1 <= int(val) <= 8):
             raise ValueError(f"--flush-tma: DEPTH must be an int in [1, 8] or none, "
                              f"got {val!r}")
         table[k] = int(val)

@@ -8,6 +8,9 @@ the serving call: stored anchor in, A out, S q, S not written) with
 ``tf32x3_full`` + inverse, and the former ``loop`` 64 x 4 FP32 dot + inverse) and Mamba-2's
 fp32 flush (``loop`` 32 x 2 ``tf32x3_full``). CUDA-graph medians (``decode.timer``, 30 calls,
 4 sets rotated); ``same_bits``: the stored anchor equals the first depth's byte for byte.
+Every launch takes the ordinary anchor loads (``anchor_tma=False``): since 2026-12-05 GDN's
+correction solve against an FP32 anchor takes a TMA descriptor at a fixed loop depth by
+default (``flush.FLUSH_ANCHOR_TMA``), which this depth sweep would not reach.
 
 Usage (on the device; fla not needed)::
 
@@ -59,11 +62,12 @@ def main():
             base = None
             for label, ns in DEPTHS:
                 F.FLUSH_NUM_STAGES = ns
-                r, _ = ft.run_flush(M, pool[0], pol, fk, cfg)
+                r, _ = ft.run_flush(M, pool[0], pol, fk, cfg, anchor_tma=False)
                 a = r.checkpoints.anchor_stored
                 same = None if base is None else bool(torch.equal(a, base))
                 base = a.clone() if base is None else base
-                t = dc.timer(lambda i: ft.run_flush(M, pool[i], pol, fk, cfg), len(pool),
+                t = dc.timer(lambda i: ft.run_flush(M, pool[i], pol, fk, cfg,
+                                                    anchor_tma=False), len(pool),
                              args.reps, 3, mode="graph")
                 key = f"{name}{'-fold-cached' if fold else ''} {'/'.join(map(str, cfg))} " \
                       f"stages={label}"

@@ -50,8 +50,8 @@ CONFIGS = [("default", {}),
            ("tma", dict(anchor_tma=True)),
            ("tma_ls2", dict(anchor_tma=True, loop_stages=2)),
            ("tma_ls3", dict(anchor_tma=True, loop_stages=3)),
-           ("ls1", dict(loop_stages=1)),
-           ("ls2", dict(loop_stages=2)),
+           ("ls1", dict(anchor_tma=False, loop_stages=1)),  # the ordinary loads at depth 1
+           ("ls2", dict(anchor_tma=False, loop_stages=2)),
            ("tma_ls2_16x2", dict(anchor_tma=True, loop_stages=2, block_v=16, num_warps=2)),
            ("tma_ls2_64x4", dict(anchor_tma=True, loop_stages=2, block_v=64, num_warps=4)),
            ("tma_ls3_16x1", dict(anchor_tma=True, loop_stages=3, block_v=16, num_warps=1))]

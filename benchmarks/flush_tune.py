@@ -16,6 +16,9 @@ then timed as the median of ``--reps`` calls (CUDA events around each call), inp
 over ``--pool`` sets of distinct buffers (at least 4 and at least 4 x L2 bytes), so L2 does not
 flatter. The default configuration is also timed with ``dequantize=True`` (what
 ``benchmarks/decode.py`` measures: the wrapper then dequantises A and R in torch).
+Each launch takes the flush's default anchor loads: since 2026-12-05 GDN's correction solve
+against an FP32 anchor at 128 x 128 (the fp32 policy without its fold) loads them through a
+TMA descriptor in the configurations the descriptor can take (``flush.FLUSH_ANCHOR_TMA``).
 
 Checks, on pool set 0: every configuration's stored A and R are bit-identical (every byte) to
 those of the first configuration of its reconstruct form (the default is the first of its

@@ -384,11 +384,12 @@ def test_flush_anchor_tma(case, monkeypatch):
                         q=q, split_casts=False, anchor_tma=True, **extra, **STREAMS)
     A16 = pack(A.cpu(), "fp16", seed=3, stream=torch.arange(B * H).view(B, H))
     strided = A16.codes.to(DEVICE).transpose(2, 3).contiguous().transpose(2, 3)
-    with pytest.raises(ValueError, match="anchor_tma needs the anchor's values contiguous"):
-        kr.flush_kernel(type(A16)(A16.spec, A16.shape, strided, None, None), la, v, k, length,
-                        StatePolicy.parse("shared:fp16"), q=q, split_casts=False,
-                        variant="loop", block_v=16, reconstruct="tf32x3_full", anchor_tma=True,
-                        **extra, **STREAMS)
+    f16 = dict(q=q, split_casts=False, variant="loop", block_v=16, reconstruct="tf32x3_full",
+               anchor_tma=True, **extra, **STREAMS)
+    got, want = (kr.flush_kernel(type(A16)(A16.spec, A16.shape, c, None, None), la, v, k, length,
+                                 StatePolicy.parse("shared:fp16"), **f16)[0].state
+                 for c in (strided, A16.codes.to(DEVICE)))  # a strided anchor: its values
+    assert torch.equal(_bits(got), _bits(want))
     odd = torch.empty(A.numel() + 1, device=DEVICE)[1:].view(A.shape)  # 4-byte offset
     odd.copy_(A)
     with pytest.raises(ValueError, match="anchor_tma needs the anchor's storage on a 16-byte "
@@ -406,7 +407,10 @@ def test_flush_anchor_tma_default(monkeypatch):
     interpreter (to FP32 rounding on CUDA, as in :func:`test_flush_anchor_tma`), also for an
     anchor at an address the descriptor cannot take (then loaded from a copy); no descriptor
     for an unkeyed geometry or format, without the solve, for a launch it cannot take
-    (``reconstruct="tf32x3"``) or with ``anchor_tma=False``."""
+    (``reconstruct="tf32x3"``) or with ``anchor_tma=False``. A stored fp32 anchor
+    (PackedTensor) is keyed as the tensor is; through the GDN wrapper, the split flush of
+    ``read:nvfp4/rec:fp32`` takes it in its fp32 flush and a flush casting in the kernel
+    (``read:bf16/rec:fp32``, untimed with it) does not."""
     from replayssm_quant.kernels.replay import flush as fl
     from replayssm_quant.quant import pack
 
@@ -466,6 +470,57 @@ def test_flush_anchor_tma_default(monkeypatch):
     made.clear()
     kr.flush_kernel(A, la, v, k, length, pol, q=q, split_casts=False, **STREAMS)
     assert made == []  # no solve (the fold): not keyed
+    # a stored fp32 anchor (PackedTensor) is keyed as the tensor is
+    A32 = pack(A.cpu(), "fp32")
+    A32 = type(A32)(A32.spec, A32.shape, A32.codes.to(DEVICE), None, None)
+    got, desc = run(A32)
+    assert desc == [(16, K)] and stages == [2], (desc, stages)
+    if DEVICE == "cpu":
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(base, got, strict=True))
+    # policies: the split flush of read:nvfp4/rec:fp32 takes it in its fp32 flush, through the
+    # GDN wrapper too; a flush that casts in the kernel (read:bf16/rec:fp32) does not
+    opts = dict(q=q, variant="loop", block_v=16, reconstruct="tf32x3_full", **STREAMS)
+    for pstr, want_desc in (("read:nvfp4/rec:fp32", [(16, K)]), ("read:bf16/rec:fp32", [])):
+        p2 = StatePolicy.parse(pstr)
+        outs = []
+        for tma in (None, False):
+            made.clear()
+            res, y = kr.gdn_flush_kernel(A, la, beta, v, k, length, p2, anchor_tma=tma, **opts)
+            assert made == (want_desc if tma is None else []), (pstr, tma, made)
+            cps = res.checkpoints
+            outs.append([res.state, y, res.w, cps.anchor, cps.read])
+        if DEVICE == "cpu":
+            for a, b in zip(*outs, strict=True):
+                assert torch.equal(_bits(a), _bits(b)), pstr
+
+
+def test_stored_copy_strides():
+    """A stored copy whose buffers are strided views (codes transposed and back, block scales
+    likewise) is read by its values, not its memory order: the kernels' buffers are made
+    contiguous (``codec._stored_args``; before 2026-12-05 a strided fp16 anchor gave a flush
+    whose S was off by 1.3). The flush of a strided fp16 anchor equals the contiguous one's,
+    bit for bit, and an nvfp4 copy's codes and scales come out contiguous with its values."""
+    from replayssm_quant.kernels.replay import codec
+    from replayssm_quant.quant import pack
+
+    def strided(t):
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    A, la, v, k, beta, q, length = _flush_case(59, 3)
+    A16 = pack(A.cpu(), "fp16", seed=3, stream=torch.arange(B * H).view(B, H))
+    c16 = A16.codes.to(DEVICE)
+    pol = StatePolicy.parse("shared:fp16")
+    got, want = (kr.flush_kernel(type(A16)(A16.spec, A16.shape, c, None, None), la, v, k,
+                                 length, pol, q=q, beta=beta, split_casts=False, **STREAMS)
+                 for c in (strided(c16), c16))
+    assert not strided(c16).is_contiguous()
+    for a, b in ((got[0].state, want[0].state), (got[1], want[1])):
+        assert torch.equal(_bits(a), _bits(b))
+    R = pack(A.cpu(), "nvfp4", seed=3, stream=torch.arange(B * H).view(B, H))
+    view = type(R)(R.spec, R.shape, strided(R.codes), strided(R.block_scales), R.matrix_scale)
+    (c, bs, ms), spec = codec._stored_args(view)
+    assert spec == R.spec and c.is_contiguous() and bs.is_contiguous()
+    assert torch.equal(c, R.codes) and torch.equal(bs, R.block_scales)
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn-fold"])

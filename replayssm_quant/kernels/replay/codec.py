@@ -629,12 +629,15 @@ def _assert_ranges(msg: str, *checks) -> None:
 
 
 def _stored_args(stored) -> tuple[tuple, QuantSpec]:
-    """(pointer tensors, spec) of a stored copy: a PackedTensor or an FP32 tensor."""
+    """(pointer tensors, spec) of a stored copy: a PackedTensor or an FP32 tensor, each
+    buffer contiguous (a copy where it is not: the kernels index the buffers as dense
+    row-major arrays, so a strided view, such as codes transposed and back, would otherwise
+    be read in the wrong order)."""
     if isinstance(stored, PackedTensor):
-        dummy = stored.codes
-        return ((stored.codes, stored.block_scales if stored.block_scales is not None else dummy,
-                 stored.matrix_scale if stored.matrix_scale is not None else dummy),
-                stored.spec)
+        codes = stored.codes.contiguous()
+        bs = stored.block_scales.contiguous() if stored.block_scales is not None else codes
+        ms = stored.matrix_scale.contiguous() if stored.matrix_scale is not None else codes
+        return (codes, bs, ms), stored.spec
     if stored.dtype != torch.float32:
         raise ValueError(f"a stored FP32 copy must be float32, got {stored.dtype}")
     return (stored.contiguous(), stored, stored), parse_spec("fp32")

@@ -703,11 +703,15 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     ``flush_tma_r3_2996ba7_h100.json``: GDN's correction solve gave the same bits, GDN's fold
     and Mamba-2's flush other bits); on the interpreter the same bits. The copies are always
     the casts of the launch's own S, and a given choice is fixed per shape, format and device,
-    so results stay batch-invariant. Default None: :func:`flush_anchor_tma` (the descriptor
-    with its pipeline depth where :data:`FLUSH_ANCHOR_TMA` has the key, at present GDN's
-    correction solve against an FP32 anchor at 128 x 128 on a device of capability 9.0 or
-    more: 905-933 -> 630-641 us at B = 256 on an H100, the same bits; the launch's values
-    are first made contiguous and 16-byte aligned by a copy if they are not; a launch option
+    so results stay batch-invariant. Default None: for a flush that writes S alone (the
+    ``fp32`` policy's flush, and the first launch of a split flush, which every policy with a
+    matrix-scaled copy runs), :func:`flush_anchor_tma` (the descriptor with its pipeline
+    depth where :data:`FLUSH_ANCHOR_TMA` has the key, at present GDN's correction solve
+    against an FP32 anchor at 128 x 128, as under ``read:nvfp4/rec:fp32``, on a device of
+    capability 9.0 or more: 905-933 -> 630-641 us at B = 256 on an H100, the same bits;
+    flushes that cast in the kernel, e.g. ``read:bf16/rec:fp32``'s, are untimed with it and
+    keep the ordinary loads; the launch's values
+    are first 16-byte aligned by a copy if they are not; a launch option
     that the descriptor cannot take, a ``reconstruct`` form that is not whole-tile or a
     ``block_v`` not dividing V, leaves the ordinary loads, and so do 2^31 rows or more, B >=
     524288 with 32 heads of 128 rows, where the H100 gave the two the same bits), else the
@@ -800,15 +804,17 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     variant, block_v, num_warps, reconstruct, solve_form = flush_launch(
         V, need_amax, beta is not None, J, variant=variant, block_v=block_v,
         num_warps=num_warps, reconstruct=reconstruct, solve_form=solve_form)
-    if anchor_tma is None:  # the default: FLUSH_ANCHOR_TMA where its launch can take it
-        depth = flush_anchor_tma(anchor, beta is not None)
+    if anchor_tma is None:  # the default: FLUSH_ANCHOR_TMA where its launch can take it,
+        # for a flush that writes S alone (the fp32 policy's, the split flush's first launch)
+        fp32_only = policy.single_checkpoint and policy.rec.is_identity
+        depth = flush_anchor_tma(anchor, beta is not None) if fp32_only else None
         anchor_tma = (depth is not None and reconstruct.endswith("_full")
                       and V % block_v == 0 and B * H * V < 2 ** 31)
         if anchor_tma:
             if loop_stages is None:
                 loop_stages = depth
-            if not a.is_contiguous() or a.data_ptr() % 16:  # the same loads at any address
-                a = a.contiguous() if not a.is_contiguous() else a.clone()
+            if a.data_ptr() % 16:  # the same loads at any address (a is contiguous)
+                a = a.clone()
     if anchor_tma:
         _check_anchor_tma(anchor, a, reconstruct, block_v, V, B * H * V)
     tma = anchor_tma and B * H * V > 0  # an empty batch launches nothing to load
@@ -909,9 +915,6 @@ def _check_anchor_tma(anchor, a, reconstruct: str, block_v: int, V: int, rows: i
         raise ValueError(f"anchor_tma needs an anchor of fp32, fp16 or bf16 values without "
                          f"scales, got "
                          f"{anchor.spec if isinstance(anchor, PackedTensor) else anchor.dtype}")
-    if not a.is_contiguous():
-        raise ValueError(f"anchor_tma needs the anchor's values contiguous, got strides "
-                         f"{tuple(a.stride())} for shape {tuple(a.shape)}")
     if not reconstruct.endswith("_full"):
         raise ValueError(f"anchor_tma needs a whole-tile form of reconstruct ('dot_full' or "
                          f"'tf32x3_full'), got {reconstruct!r}")
@@ -1078,15 +1081,18 @@ SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168, (False, 64, 128, "bf16"): 
 
 # The anchor's row tiles through a TMA descriptor by default (flush_kernel(anchor_tma=None)),
 # keyed by (GDN's correction solve, V, K, the anchor's storage format): the row-tile loop's
-# pipeline depth (loop_stages). 2026-12-05, thirty-sixth session (flush_tma_2996ba7_h100.json
-# and flush_tma_r3_2996ba7_h100.json, one H100, B = 256, five rounds in two calls): GDN's
-# correction solve against an FP32 anchor (the flush of every read:F/rec:fp32 policy; the
-# fp32 policy's own flush folds the cached corrections instead and is not keyed) 904.9-932.5
-# -> 629.7-641.1 us with the same bits at depth 2 (without the descriptor, depth 1: 761-773
-# us, other bits). Not keyed, because they gained nothing or lost on the H100: GDN's fold
-# (410.5-411.3 -> 409.4-410.0 us, other bits), the fp16-anchor solve of the split nvfp4 flush
-# (the whole flush 1057-1069 -> 1051-1057 at depth None, 1118-1121 at depth 2), Mamba-2 fp32
-# and nvfp4 (slower). Untimed on the H200.
+# pipeline depth (loop_stages); only for flushes that write S alone (the fp32 policy's, a split
+# flush's first launch). 2026-12-05, thirty-sixth session (flush_tma_2996ba7_h100.json and
+# flush_tma_r3_2996ba7_h100.json, one H100, B = 256, five rounds in two calls): GDN's
+# correction solve against an FP32 anchor (the split flush of read:nvfp4/rec:fp32 and of
+# every read:F/rec:fp32 policy with a matrix-scaled F; the fp32 policy's own flush folds the
+# cached corrections instead and is not keyed) 904.9-932.5 -> 629.7-641.1 us with the same
+# bits at depth 2 (without the descriptor, depth 1: 761-773 us, other bits). Not keyed: GDN's
+# fold (410.5-411.3 -> 409.4-410.0 us, other bits: at the copy's rate on the H100, untimed on
+# the H200), the fp16-anchor solve of the split nvfp4 flush (the whole flush 1057-1069 ->
+# 1051-1057 at depth None, 1118-1121 at depth 2), Mamba-2's nvfp4 split flush (1437-1456 ->
+# 1475-1481) and Mamba-2 fp32 (whose times spread 792-900 us in every config, inconclusive).
+# Untimed on the H200.
 FLUSH_ANCHOR_TMA = {(True, 128, 128, "fp32"): 2}
 
 

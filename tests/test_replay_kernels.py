@@ -492,6 +492,13 @@ def test_flush_anchor_tma_default(monkeypatch):
         if DEVICE == "cpu":
             for a, b in zip(*outs, strict=True):
                 assert torch.equal(_bits(a), _bits(b)), pstr
+    # a single-checkpoint flush that casts in the kernel (shared:bf16): not S alone, even keyed
+    monkeypatch.setitem(fl.FLUSH_ANCHOR_TMA, (True, 32, K, "bf16"), 2)
+    Ab = pack(A.cpu(), "bf16")
+    Ab = type(Ab)(Ab.spec, Ab.shape, Ab.codes.to(DEVICE), None, None)
+    made.clear()
+    kr.gdn_flush_kernel(Ab, la, beta, v, k, length, StatePolicy.parse("shared:bf16"), **opts)
+    assert made == []
 
 
 def test_stored_copy_strides():
@@ -517,10 +524,12 @@ def test_stored_copy_strides():
     for a, b in ((got[0].state, want[0].state), (got[1], want[1])):
         assert torch.equal(_bits(a), _bits(b))
     R = pack(A.cpu(), "nvfp4", seed=3, stream=torch.arange(B * H).view(B, H))
-    view = type(R)(R.spec, R.shape, strided(R.codes), strided(R.block_scales), R.matrix_scale)
+    view = type(R)(R.spec, R.shape, strided(R.codes), strided(R.block_scales),
+                   strided(R.matrix_scale))
     (c, bs, ms), spec = codec._stored_args(view)
-    assert spec == R.spec and c.is_contiguous() and bs.is_contiguous()
+    assert spec == R.spec and c.is_contiguous() and bs.is_contiguous() and ms.is_contiguous()
     assert torch.equal(c, R.codes) and torch.equal(bs, R.block_scales)
+    assert torch.equal(ms, R.matrix_scale)
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn-fold"])

@@ -1091,7 +1091,7 @@ SPLIT_FLUSH_MAXNREG = {(False, 64, 128, "fp16"): 168, (False, 64, 128, "bf16"): 
 # fold (410.5-411.3 -> 409.4-410.0 us, other bits: at the copy's rate on the H100, untimed on
 # the H200), the fp16-anchor solve of the split nvfp4 flush (the whole flush 1057-1069 ->
 # 1051-1057 at depth None, 1118-1121 at depth 2), Mamba-2's nvfp4 split flush (1437-1456 ->
-# 1475-1481) and Mamba-2 fp32 (whose times spread 792-900 us in every config, inconclusive).
+# 1475-1481) and Mamba-2 fp32 (792-900 us across configs, up to 91 within one: inconclusive).
 # Untimed on the H200.
 FLUSH_ANCHOR_TMA = {(True, 128, 128, "fp32"): 2}
 

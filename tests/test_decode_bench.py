@@ -4,6 +4,7 @@ interpreter, writes the JSON the issue specifies, and its in-run correctness che
 One subprocess (the command CI would run), about 15 s on the shared 2-core machine.
 """
 
+import importlib
 import json
 import os
 import subprocess
@@ -103,14 +104,22 @@ def test_summary(result):
         assert set(summ["by_batch"][name]) == set(result["models"][name])
 
 
-def _decode_main(argv):
-    """``benchmarks/decode.py``'s main in this process (for the options that time nothing)."""
+def _bench_module(name: str):
+    """Import ``benchmarks/<name>.py`` in this process; ``sys.path`` and the environment are
+    as before afterwards (``decode.py`` sets ``REPLAYSSM_BACKEND`` where unset)."""
+    env = dict(os.environ)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import decode
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return decode.main(argv)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _decode_main(argv):
+    """``benchmarks/decode.py``'s main in this process (for the options that time nothing)."""
+    return _bench_module("decode").main(argv)
 
 
 def test_resummarize_with_an_emulation_result(result, tmp_path, capsys):
@@ -183,11 +192,7 @@ def test_best_of_graph_and_eager(result, tmp_path):
     assert summ["by_batch"]["mamba2"]["B2"] == summ["mamba2"]
     assert summ["gdn"] == result["summary"]["gdn"]  # no eager timings there: as timed
     assert "gdn" not in summ["graph"]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import decode
-    finally:
-        sys.path.pop(0)
+    decode = _bench_module("decode")
     with pytest.raises(ValueError, match="'bogus'"):
         decode.timer(lambda i: None, 1, 1, 0, mode="bogus")
 
@@ -217,11 +222,7 @@ def test_decode_model_shared_products_switch():
     """``decode_model.py --shared-products off`` sets ``shared_products`` to False in every
     records launch default that has the key (the steps' and Mamba-2's verify), and on sets it
     back; GDN's verify defaults, which never set it, are left alone."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import decode_model
-    finally:
-        sys.path.pop(0)
+    decode_model = _bench_module("decode_model")
     from replayssm_quant.kernels.replay import records
 
     before = {n: dict(getattr(records, n)) for n in dir(records) if n.endswith("_CONFIG")}
@@ -247,14 +248,7 @@ def test_read_pass_overrides(monkeypatch):
     named configuration's read pass (a records-work form also drops its ``lean_records``),
     returns what it set, and refuses a malformed specification, an unknown configuration
     and an unknown form by name."""
-    env = dict(os.environ)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import decode
-    finally:
-        sys.path.pop(0)
-        os.environ.clear()
-        os.environ.update(env)  # (decode.py sets REPLAYSSM_BACKEND where unset)
+    decode = _bench_module("decode")
     recs = decode.kr.records
     for name in ("GDN_STEP_F32_CONFIG", "GDN_STEP_NVFP4_CONFIG"):
         monkeypatch.setattr(recs, name, dict(getattr(recs, name)))  # restored afterwards
@@ -280,14 +274,7 @@ def test_flush_tma_overrides(monkeypatch):
     (``flush_anchor_tma``), returns the table, and refuses bad specifications by name."""
     import torch
 
-    env = dict(os.environ)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import decode
-    finally:
-        sys.path.pop(0)
-        os.environ.clear()
-        os.environ.update(env)
+    decode = _bench_module("decode")
     fl = decode.kr.flush
     monkeypatch.setattr(fl, "FLUSH_ANCHOR_TMA", dict(fl.FLUSH_ANCHOR_TMA))  # restored after
     out = decode.apply_flush_tma_overrides(["0,128,128,fp32=2", "1,128,128,fp32=none",

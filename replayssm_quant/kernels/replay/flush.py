@@ -808,15 +808,17 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
         # for a flush that writes S alone (the fp32 policy's, the split flush's first launch)
         fp32_only = policy.single_checkpoint and policy.rec.is_identity
         depth = flush_anchor_tma(anchor, beta is not None) if fp32_only else None
-        anchor_tma = (depth is not None and reconstruct.endswith("_full")
-                      and V % block_v == 0 and B * H * V < 2 ** 31)
+        anchor_tma = depth is not None and _anchor_tma_refusal(
+            anchor, a, reconstruct, block_v, V, B * H * V, address=False) is None
         if anchor_tma:
             if loop_stages is None:
                 loop_stages = depth
             if a.data_ptr() % 16:  # the same loads at any address (a is contiguous)
                 a = a.clone()
     if anchor_tma:
-        _check_anchor_tma(anchor, a, reconstruct, block_v, V, B * H * V)
+        refusal = _anchor_tma_refusal(anchor, a, reconstruct, block_v, V, B * H * V)
+        if refusal is not None:
+            raise ValueError(refusal)
     tma = anchor_tma and B * H * V > 0  # an empty batch launches nothing to load
     if q is not None:
         _check_f32(where, "q", q, (B, G, K))
@@ -905,30 +907,32 @@ def flush_kernel(anchor, la, w, k, length, policy, *, seed: int, layer: int, seq
     return res, (y if q is not None else None)
 
 
-def _check_anchor_tma(anchor, a, reconstruct: str, block_v: int, V: int, rows: int) -> None:
-    """Refuse ``anchor_tma=True`` where a TMA descriptor cannot load the anchor's tiles
-    (:func:`flush_kernel`), naming what is wrong."""
+def _anchor_tma_refusal(anchor, a, reconstruct: str, block_v: int, V: int, rows: int,
+                        address: bool = True) -> str | None:
+    """Why a TMA descriptor cannot load the anchor's tiles in this launch (the message of
+    :func:`flush_kernel`'s refusal of ``anchor_tma=True``, naming what is wrong), or None;
+    ``address=False`` leaves out the storage's alignment (the default path copies a
+    misaligned anchor instead)."""
     plain = (isinstance(anchor, PackedTensor) and anchor.block_scales is None
              and anchor.matrix_scale is None
              and a.dtype in (torch.float32, torch.float16, torch.bfloat16))
     if not (plain or (isinstance(anchor, torch.Tensor) and anchor.dtype == torch.float32)):
-        raise ValueError(f"anchor_tma needs an anchor of fp32, fp16 or bf16 values without "
-                         f"scales, got "
-                         f"{anchor.spec if isinstance(anchor, PackedTensor) else anchor.dtype}")
+        return (f"anchor_tma needs an anchor of fp32, fp16 or bf16 values without scales, "
+                f"got {anchor.spec if isinstance(anchor, PackedTensor) else anchor.dtype}")
     if not reconstruct.endswith("_full"):
-        raise ValueError(f"anchor_tma needs a whole-tile form of reconstruct ('dot_full' or "
-                         f"'tf32x3_full'), got {reconstruct!r}")
+        return (f"anchor_tma needs a whole-tile form of reconstruct ('dot_full' or "
+                f"'tf32x3_full'), got {reconstruct!r}")
     if V % block_v:
-        raise ValueError(f"anchor_tma needs block_v dividing V: {block_v} does not divide "
-                         f"V = {V}")
+        return f"anchor_tma needs block_v dividing V: {block_v} does not divide V = {V}"
     if rows >= 2 ** 31:
-        raise ValueError(f"anchor_tma addresses rows with int32: B * H * V = {rows} >= 2^31")
-    if a.data_ptr() % 16:
-        raise ValueError(f"anchor_tma needs the anchor's storage on a 16-byte boundary, got "
-                         f"address {a.data_ptr():#x} (a view at an odd offset; pass a copy)")
-    if a.is_cuda and not KERNELS_INTERPRETED and torch.cuda.get_device_capability(a.device)[0] < 9:
-        raise ValueError(f"anchor_tma needs a CUDA device of capability 9.0 or more (TMA), "
-                         f"got {torch.cuda.get_device_capability(a.device)}")
+        return f"anchor_tma addresses rows with int32: B * H * V = {rows} >= 2^31"
+    if address and a.data_ptr() % 16:
+        return (f"anchor_tma needs the anchor's storage on a 16-byte boundary, got address "
+                f"{a.data_ptr():#x} (a view at an odd offset; pass a copy)")
+    if a.is_cuda and not KERNELS_INTERPRETED and not _tma_capable(a):
+        return (f"anchor_tma needs a CUDA device of capability 9.0 or more (TMA), got "
+                f"{torch.cuda.get_device_capability(a.device)}")
+    return None
 
 
 def _anchor_desc(a, block_v: int, K: int):
@@ -1126,9 +1130,14 @@ def split_flush_maxnreg(anchor, solve: bool) -> int | None:
     by (GDN's correction solve, V, K, the anchor's storage format); None (no cap) where the
     key was not timed. ``anchor``: the stored anchor ``[B, H, V, K]`` (a float32 tensor or a
     PackedTensor)."""
+    return SPLIT_FLUSH_MAXNREG.get(_anchor_key(anchor, solve))
+
+
+def _anchor_key(anchor, solve: bool) -> tuple[bool, int, int, str]:
+    """The key of :data:`SPLIT_FLUSH_MAXNREG` and :data:`FLUSH_ANCHOR_TMA`: (GDN's correction
+    solve, V, K, the stored anchor's format)."""
     fmt = anchor.spec.name if isinstance(anchor, PackedTensor) else "fp32"
-    V, K = int(anchor.shape[-2]), int(anchor.shape[-1])
-    return SPLIT_FLUSH_MAXNREG.get((bool(solve), V, K, fmt))
+    return bool(solve), int(anchor.shape[-2]), int(anchor.shape[-1]), fmt
 
 
 def flush_anchor_tma(anchor, solve: bool) -> int | None:
@@ -1140,11 +1149,9 @@ def flush_anchor_tma(anchor, solve: bool) -> int | None:
     key depends on the shape, format and device only, never on the batch or the memory
     address, so neither does the choice. ``anchor``: the stored anchor ``[B, H, V, K]`` (a
     float32 tensor or a PackedTensor)."""
-    fmt = anchor.spec.name if isinstance(anchor, PackedTensor) else "fp32"
     if not _tma_capable(anchor.codes if isinstance(anchor, PackedTensor) else anchor):
         return None
-    V, K = int(anchor.shape[-2]), int(anchor.shape[-1])
-    return FLUSH_ANCHOR_TMA.get((bool(solve), V, K, fmt))
+    return FLUSH_ANCHOR_TMA.get(_anchor_key(anchor, solve))
 
 
 def _tma_capable(t: torch.Tensor) -> bool:

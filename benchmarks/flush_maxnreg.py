@@ -59,8 +59,7 @@ def main():
         if M.name not in args.models.split(","):
             continue
         fk = ft.flush_kw(M)
-        var, bv, nw, form, solve = F.flush_launch(M.V, False, M.solves, M.L)
-        cfg = (var, bv, nw, form + ("+inverse" if M.solves and solve == "inverse" else ""))
+        cfg = ft.launch_cfg(M.V, False, M.solves, M.L)
         gen = torch.Generator(device="cuda").manual_seed(5)
         for pstr in args.policies.split(","):
             pol = StatePolicy.parse(pstr)

@@ -34,7 +34,6 @@ import decode as dc  # noqa: E402
 import flush_tune as ft  # noqa: E402
 from _commit import code_commit  # noqa: E402
 
-import replayssm_quant.kernels.replay.flush as F  # noqa: E402
 from replayssm_quant.kernels.quant import pack_pair_triton  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 
@@ -87,8 +86,7 @@ def main():
         return dc.timer(fn, n, reps, 3, mode=mode)["median_us"]
 
     for M0 in ft.geometries(args.tiny):
-        var, bv, nw, form, solve = F.flush_launch(M0.V, False, M0.gdn, M0.L)
-        cfg = (var, bv, nw, form + ("+inverse" if M0.gdn and solve == "inverse" else ""))
+        cfg = ft.launch_cfg(M0.V, False, M0.gdn, M0.L)
         gen = torch.Generator(device=ft.DEV).manual_seed(5)
         fk = ft.flush_kw(M0)
         res = {}

@@ -130,8 +130,7 @@ def main():
     mode = "graph" if not args.tiny else None
     for M in ft.geometries(args.tiny):
         fk = ft.flush_kw(M)
-        var, bv, nw, form, solve = F.flush_launch(M.V, False, M.gdn, M.L)
-        cfg = (var, bv, nw, form + ("+inverse" if M.gdn and solve == "inverse" else ""))
+        cfg = ft.launch_cfg(M.V, False, M.gdn, M.L)
         gen = torch.Generator(device=ft.DEV).manual_seed(5)
         for pstr in args.policies.split(","):
             pol = StatePolicy.parse(pstr)

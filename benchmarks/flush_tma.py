@@ -35,7 +35,6 @@ import decode as dc  # noqa: E402
 import flush_tune as ft  # noqa: E402
 from _commit import code_commit  # noqa: E402
 
-import replayssm_quant.kernels.replay.flush as F  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 
 NVFP4 = "read:nvfp4/rec:fp16+sr"
@@ -64,9 +63,8 @@ def launch(M, opts):
     """``flush_tune.run_flush``'s ``cfg`` and further options for ``opts``: the default launch
     of the fp32 flush that reads the anchor (``flush.flush_launch``: the serving flush under
     ``fp32``, the split's first launch under the nvfp4 policy), with ``opts``' tile."""
-    var, bv, nw, form, solve = F.flush_launch(M.V, False, M.solves, M.L)
-    cfg = (var, opts.get("block_v", bv), opts.get("num_warps", nw),
-           form + ("+inverse" if M.solves and solve == "inverse" else ""))
+    var, bv, nw, form = ft.launch_cfg(M.V, False, M.solves, M.L)
+    cfg = (var, opts.get("block_v", bv), opts.get("num_warps", nw), form)
     return cfg, {k: v for k, v in opts.items() if k not in ("block_v", "num_warps")}
 
 
@@ -104,6 +102,8 @@ def main(argv=None):
         for rnd in range(a.rounds):
             for label, opts in configs:
                 cfg, extra = launch(M, opts)
+                row = {"model": name, "fold_cached": fold, "policy": pstr, "config": label,
+                       "options": opts, "round": rnd}
                 try:
                     got = ft.run_flush(M, pool[0], pol, fk, cfg, **extra)
                     if label == "default":
@@ -113,14 +113,10 @@ def main(argv=None):
                     us = dc.timer(lambda i: ft.run_flush(M, pool[i], pol, fk, cfg,  # noqa: B023
                                                          **extra),  # noqa: B023
                                   4, a.reps, 3, mode="graph")["median_us"]
-                    row = {"model": name, "fold_cached": fold, "policy": pstr, "config": label,
-                           "options": opts, "round": rnd, "median_us": round(us, 1),
-                           "reference": "default",
-                           "same_bits": same_bits(got, base)}
+                    row.update(median_us=round(us, 1), reference="default",
+                               same_bits=same_bits(got, base))
                 except Exception as e:  # noqa: BLE001  (a config that fails is recorded)
-                    row = {"model": name, "fold_cached": fold, "policy": pstr, "config": label,
-                           "options": opts, "round": rnd,
-                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
         pool = None

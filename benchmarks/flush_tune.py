@@ -171,8 +171,7 @@ def candidates(V, tiny, need_amax=False, gdn=False, forms=None, slots=16):
     if tiny and gdn:
         cands += [("loop", 16, 4, "dot+inverse")]
     out = []
-    dv, db, dw, dr, ds = flush_launch(V, need_amax, gdn, slots)  # what flush_kernel runs
-    default = (dv, db, dw, dr + ("+inverse" if gdn and ds == "inverse" else ""))
+    default = launch_cfg(V, need_amax, gdn, slots)  # what flush_kernel runs
     for var, bv, nw, form in [default] + cands:
         if bv >= V:  # one tile: the variants coincide; the smallest such block
             var, bv = "grid", single
@@ -228,6 +227,14 @@ def flush_kw(M, split_casts=False):
     return dict(seed=SEED, layer=0, sequence_ids=torch.arange(M.B, device=DEV) * 3 + 1,
                 flush_index=torch.ones(M.B, dtype=torch.int64, device=DEV),
                 split_casts=split_casts)
+
+
+def launch_cfg(V, need_amax, gdn, slots):
+    """The launch ``flush_kernel`` runs by default (``flush.flush_launch``) as
+    :func:`run_flush`'s ``cfg``: ``(variant, block_v, num_warps, form)``, the form
+    ``"<reconstruct>+inverse"`` where GDN's solve (``gdn``) takes the inverse."""
+    dv, db, dw, dr, ds = flush_launch(V, need_amax, gdn, slots)
+    return dv, db, dw, dr + ("+inverse" if gdn and ds == "inverse" else "")
 
 
 def run_flush(M, st, policy, fk, cfg, store_state=False, dequantize=False,

@@ -87,25 +87,23 @@ def run_policy(M, pname, pool, variants, a, res):
         base = dc.run_step(M, pool[0], h).clone()
         for rnd in range(a.rounds):
             for name, cfg in variants:
+                row = {"policy": pname, "h": hv, "variant": name,
+                       "options": {k: list(v) if isinstance(v, tuple) else v
+                                   for k, v in cfg.items()}, "round": rnd}
                 try:
                     y = dc.run_step(M, pool[0], h, **cfg)
                     t = dc.timer(lambda i: dc.run_step(M, pool[i], h, **cfg), 2,  # noqa: B023
                                  a.reps, 3, mode="graph")
-                    row = {"policy": pname, "h": hv, "variant": name,
-                           "options": {k: list(v) if isinstance(v, tuple) else v
-                                       for k, v in cfg.items()}, "round": rnd,
-                           "median_us": round(t["median_us"], 2),
-                           "max_abs_vs_default": float((y - base).abs().max())}
-                    if rnd == 0 and name in PROFILED:
-                        row["kernels"] = [
-                            {"kernel": r["kernel"][:40], "us": round(r["us_per_call"], 1)}
-                            for r in ok.kernels_of(
-                                lambda: dc.run_step(M, pool[0], h, **cfg))]  # noqa: B023
+                    kernels = [
+                        {"kernel": r["kernel"][:40], "us": round(r["us_per_call"], 1)}
+                        for r in ok.kernels_of(lambda: dc.run_step(M, pool[0], h, **cfg))  # noqa: B023
+                    ] if rnd == 0 and name in PROFILED else None
+                    row.update(median_us=round(t["median_us"], 2),
+                               max_abs_vs_default=float((y - base).abs().max()))
+                    if kernels is not None:
+                        row["kernels"] = kernels
                 except Exception as e:  # noqa: BLE001  (a variant that fails is recorded)
-                    row = {"policy": pname, "h": hv, "variant": name,
-                           "options": {k: list(v) if isinstance(v, tuple) else v
-                                       for k, v in cfg.items()}, "round": rnd,
-                           "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
 

@@ -1901,11 +1901,12 @@ def test_gdn_fp32_step_default_lean_out(v_rows, monkeypatch):
     torch.testing.assert_close(outs["default"], outs["lean_records"], atol=1e-6, rtol=1e-6)
 
 
-# V = 32 (two value-row tiles per head at 16 rows) for GDN's "idot_out" by default; the other
-# V = 32 cases (8-18 s each under the interpreter on 2 cores, 2026-12-05) with -m slow
+# V = 16 by default; the V = 32 cases (two value-row tiles per head at 16 rows; 8-25 s each
+# under the interpreter on 2 cores, 2026-12-05) with -m slow. GDN's "idot_out" at V = 32 was
+# a default case until the suite reached 900 s at 63337cb; both forms are options, neither a
+# default launch
 @pytest.mark.parametrize("gdn,v_rows,form", [
-    (g, v, f) if (v == 16 or (g and f == "idot_out")) else
-    pytest.param(g, v, f, marks=pytest.mark.slow)
+    (g, v, f) if v == 16 else pytest.param(g, v, f, marks=pytest.mark.slow)
     for g in (False, True) for v in (16, 32) for f in ("idot_one", "idot_out")],
     ids=[f"{'gdn' if g else 'mamba2'}-V{v}-{f}" for g in (False, True) for v in (16, 32)
          for f in ("idot_one", "idot_out")])

@@ -35,10 +35,11 @@ def _run_label(results_dir: Path) -> str:
     """The state policy recorded in the run's results JSON, else the directory name."""
     for f in sorted(results_dir.rglob("results_*.json")):
         try:
-            cfg = json.loads(f.read_text()).get("config", {})
+            res = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if cfg.get("replayssm_state"):
+        cfg = res.get("config") if isinstance(res, dict) else None  # not lm-eval's results
+        if isinstance(cfg, dict) and cfg.get("replayssm_state"):
             return f"{cfg['replayssm_state']} L={cfg.get('replayssm_window')}"
     return results_dir.name
 
@@ -120,8 +121,15 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
         label = _run_label(p)
         for f in files:
             task = f.name[len("samples_"):].rsplit("_", 1)[0]
-            for line in f.read_text().splitlines():
-                rec = json.loads(line)
+            for i, line in enumerate(f.read_text().splitlines(), 1):
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{f}, line {i}: not a JSON record ({e}); expected lm-eval's "
+                                     "--log_samples output, one JSON object per line") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{f}, line {i}: a JSON {type(rec).__name__}, not an "
+                                     "object; expected lm-eval's --log_samples records")
                 if length == "context":
                     text = _context(rec)
                 elif not _is_generation(rec):  # log-likelihood requests generate nothing

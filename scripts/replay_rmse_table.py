@@ -17,18 +17,37 @@ import time
 
 import torch
 
+from replayssm_quant.policy import StatePolicy
 from replayssm_quant.replay.drift import DEFAULT_POLICIES, policy_drift
+
+
+def _int_at_least(lo: int):
+    """argparse type: an int >= ``lo``, else an error naming the value."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
+        return v
+    return parse
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=512)
-    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--seeds", type=_int_at_least(0), nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=_int_at_least(1), default=512, help="decode steps (tokens)")
+    ap.add_argument("--window", type=_int_at_least(1), default=16, help="window L (tokens)")
     ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
     ap.add_argument("--models", nargs="+", default=["mamba2", "gdn"], choices=["mamba2", "gdn"])
     ap.add_argument("--csv", default=None, help="write the tidy rows here")
     args = ap.parse_args(argv)
+    for p in args.policies:
+        try:
+            StatePolicy.parse(p)
+        except ValueError as e:
+            ap.error(f"--policies: {e}")
     torch.set_num_threads(1)
     t0 = time.time()
     rows = [r for m in args.models for s in args.seeds

@@ -46,6 +46,26 @@ def test_errors(tmp_path):
     assert main([str(tmp_path / "missing")]) == 2
 
 
+def test_foreign_json_files_in_the_tree(tmp_path, capsys):
+    """A results_*.json that is not lm-eval's (a list; another tool's summary found by the
+    recursive search) is skipped for the label; a samples file whose line is not a JSON object
+    is an error naming the file and line."""
+    _write_run(tmp_path / "a", "shared:nvfp4", [3, 4], [1.0, 0.0])
+    (tmp_path / "a" / "sub").mkdir()
+    (tmp_path / "a" / "sub" / "results_summary.json").write_text("[]")
+    (tmp_path / "a" / "results_a.json").write_text('{"config": [1]}')
+    df = load_samples([tmp_path / "a"])
+    assert set(df["run"]) == {"shared:nvfp4 L=16"} and len(df) == 2
+    for i, bad in enumerate(("not json", "[1, 2]")):
+        d = tmp_path / f"bad{i}"
+        d.mkdir()
+        (d / "samples_t_2026.jsonl").write_text(json.dumps({"doc_id": 0}) + "\n" + bad + "\n")
+        with pytest.raises(ValueError, match=r"samples_t_2026\.jsonl, line 2"):
+            load_samples([d])
+        assert main([str(d)]) == 2
+        assert "line 2" in capsys.readouterr().err
+
+
 def test_output_paths_and_empty_bins(tmp_path, capsys):
     """``-o``: a directory is refused in one line (exit 2, nothing computed); a CSV under
     missing directories is written (they are made, as replayssm-report does); bins that no

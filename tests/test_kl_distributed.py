@@ -284,6 +284,22 @@ def test_plan_that_does_not_fit_is_refused_before_any_compute(tmp_path, capsys):
         assert not out.exists()
 
 
+def test_window_far_past_the_documents_is_planned_and_refused(tmp_path, capsys):
+    """Each window is padded to its full L, so a window of 100000 tokens over 32-token documents
+    needs hundreds of GiB of [rows, H, L, L] products: the plan counts them and refuses before
+    any compute (the run used to end in an allocator error after a dry run said it fits)."""
+    out = tmp_path / "wide"
+    base = ["--model", "tiny-gdn", "-N", "32", "--max-docs", "1", "--policies", "shared:nvfp4",
+            "--stepwise-check", "0", "--no-progress", "-o", str(out), "--memory-budget", "64"]
+    for extra in (["--dry-run"], []):
+        assert main(base + ["--windows", "100000", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "the plan does not fit" in err and "--windows" in err and "GiB" in err
+        assert not out.exists()
+    assert main(base + ["--windows", "4096", "--dry-run"]) == 0
+    capsys.readouterr()
+
+
 def test_memory_plan_of_a_finished_run_and_resume_state(tmp_path, capsys):
     """The manifest records every rank's plan and measured peak; a dry run over a finished
     directory reports nothing left to compute."""

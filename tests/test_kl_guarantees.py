@@ -300,6 +300,56 @@ def test_bos_true_without_tokenizer_exit_2(model_dir, data_file, tmp_path, capsy
     assert "--add-bos-token true" in err and "no usable tokenizer" in err
 
 
+def _tokenizer_dir(tmp_path, name, tokenizer_json):
+    """The embedded tiny-gdn's weights beside a given tokenizer.json (None: no tokenizer)."""
+    src = EMBEDDED_MODELS["tiny-gdn"]
+    d = tmp_path / name
+    d.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        os.symlink(src / f, d / f)
+    if tokenizer_json is not None:
+        (d / "tokenizer_config.json").write_bytes((src / "tokenizer_config.json").read_bytes())
+        (d / "tokenizer.json").write_text(tokenizer_json)
+    return str(d)
+
+
+def test_tokenizer_files_that_do_not_load_exit_2(data_file, tmp_path, capsys):
+    """A tokenizer that is there but broken is an error naming the files, never the silent byte
+    fallback (which is for directories without tokenizer files, and says so)."""
+    bad = _tokenizer_dir(tmp_path, "bad", '{"garbage": 1')
+    assert main(_args(bad, data_file, tmp_path / "x", "--dry-run")) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer.json" in err and "do not load" in err and bad in err
+    none = _tokenizer_dir(tmp_path, "none", None)
+    assert main(_args(none, data_file, tmp_path / "y", "--dry-run")) == 0
+    assert "no tokenizer files" in capsys.readouterr().err
+    # a tokenizer whose ids pass the model's vocabulary (4096): an error, not the fallback
+    from replayssm_quant.evals.kl.documents import BadTokenizer, load_tokenization
+
+    with pytest.raises(BadTokenizer, match="outside the model's vocabulary of 8"):
+        load_tokenization(str(EMBEDDED_MODELS["tiny-gdn"]), 8)
+    assert load_tokenization(none, 4096).fallback.startswith(f"model {none!r} has no tokenizer")
+    assert load_tokenization(str(EMBEDDED_MODELS["tiny-gdn"]), 4096).fallback is None
+
+
+def test_model_directory_without_usable_weights_exit_2(data_file, tmp_path, capsys):
+    """No weight file, or a truncated safetensors file: exit 2 naming it before any compute (a
+    dry run, which plans from the config alone, notes it and goes on)."""
+    src = EMBEDDED_MODELS["tiny-gdn"]
+    none, cut = tmp_path / "none", tmp_path / "cut"
+    for d in (none, cut):
+        d.mkdir()
+        for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            os.symlink(src / f, d / f)
+    (cut / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:100])
+    for d, want in ((none, "has a config but no weights"), (cut, "model.safetensors' do not open")):
+        assert main(_args(str(d), data_file, tmp_path / "x")) == 2
+        assert want in capsys.readouterr().err
+        assert not (tmp_path / "x").exists()
+        assert main(_args(str(d), data_file, tmp_path / "x", "--dry-run")) == 0
+        assert want in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ 11: stepwise
 def test_stepwise_check_against_token_by_token_decoding(model_dir, data_file, tmp_path, monkeypatch):
     """kl_path = KL(stepping || emulation) per position equals what the adapters give when this

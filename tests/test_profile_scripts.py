@@ -190,3 +190,27 @@ def test_philox_bench_refuses_without_cuda(tmp_path):
                        text=True, timeout=120)
     assert p.returncode != 0 and "CUDA" in p.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_replay_rmse_table_refuses_bad_arguments_and_runs(capsys):
+    """``scripts/replay_rmse_table.py`` (docs/replay.md's drift table): a bad count or policy is
+    a usage error naming the option and value (exit 2, no traceback); a tiny run prints the
+    table row of each policy with finite RMSEs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("replay_rmse_table",
+                                                  ROOT / "scripts" / "replay_rmse_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for args, want in ((["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+                       (["--window", "-2"], "--window: expected an integer >= 1, got -2"),
+                       (["--seeds", "-1"], "--seeds: expected an integer >= 0, got -1"),
+                       (["--policies", "nvfp5"], "bad state policy 'nvfp5'")):
+        with pytest.raises(SystemExit) as e:
+            mod.main(args)
+        assert e.value.code == 2 and want in capsys.readouterr().err
+    assert mod.main(["--seeds", "0", "--steps", "8", "--window", "4", "--models", "gdn",
+                     "--policies", "shared:fp16"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| gdn |")]
+    assert len(rows) == 1 and "`shared:fp16`" in rows[0]
+    assert all(float(x) < 1e-2 for x in rows[0].strip("| ").split(" | ")[3:])

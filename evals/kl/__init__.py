@@ -308,6 +308,29 @@ def _load_config(model: str):
     return path, cfg, arch
 
 
+#: transformers' weight file names in a model directory (one file, or an index of shards).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def _check_weights(path: str) -> None:
+    """Refuse a model directory without weights, or whose safetensors files do not open (their
+    headers only are read), before any compute: :class:`BadArgs` naming the file."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+        raise BadArgs(f"model directory {path!r} has a config but no weights (expected one of "
+                      f"{', '.join(WEIGHT_FILES)})")
+    from safetensors import safe_open
+
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(path, f), "pt"):
+                    pass
+            except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+                raise BadArgs(f"model weights {os.path.join(path, f)!r} do not open: "
+                              f"{type(e).__name__}: {e}") from None
+
+
 def _check_maps(a, policies, cfg, cfg_path) -> None:
     """Resolve every policy map against the model's SSM layers (a weightless copy of the
     model), so that a map naming a missing layer or head, or decay buckets without decays,
@@ -478,7 +501,8 @@ def refusal(plans, passes=None) -> str:
     hint = f"--cells-per-pass {passes} (fits), " if passes else ""
     return ("the plan does not fit: " + bad[0].why() + more
             + f". Use {hint}more ranks (each then holds fewer cells), --device-map auto over more GPUs, "
-            "a smaller --batch-size or --segment-len, fewer --stepwise-check positions, or "
+            "a smaller --batch-size or --segment-len, smaller --windows (each window is padded "
+            "to L, so its activations grow as L squared), fewer --stepwise-check positions, or "
             "fewer policies/windows/seeds per run (see --dry-run; --memory-budget overrides the "
             "detected budget)")
 
@@ -577,6 +601,13 @@ def main(argv=None) -> int:
         policies = _check_args(a)
         ranks = dist.ranks_from_env(planning=a.dry_run)
         cfg_path, cfg, arch = _load_config(a.model)
+        if os.path.isdir(cfg_path):
+            try:
+                _check_weights(cfg_path)
+            except BadArgs as e:  # a dry run plans from the config alone
+                if not a.dry_run:
+                    raise
+                print(f"replayssm-kl: note: {e}: a run would refuse it", file=sys.stderr)
         _check_maps(a, policies, cfg, cfg_path)
         docs = _load_docs(a)
         vocab = cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size
@@ -584,6 +615,8 @@ def main(argv=None) -> int:
             tokz = load_tokenization(cfg_path, vocab, a.add_bos_token)
         except BadTokenizer as e:
             raise BadArgs(str(e)) from None
+        if tokz.fallback:
+            print(f"replayssm-kl: note: {tokz.fallback}", file=sys.stderr)
         token_docs = make_documents(docs, tokz, a.max_tokens + 1, a.max_docs)
         _check_identity(a, cfg)
         if not token_docs:

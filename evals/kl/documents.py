@@ -46,6 +46,7 @@ class Tokenization:
         add_special_tokens: what documents are encoded with.
         bos_token_id: the tokenizer's BOS id (None if it has none).
         prepend_bos: the runner prepends BOS itself (``true`` on a tokenizer that does not add it).
+        fallback: why the UTF-8 byte fallback is used (None with a tokenizer).
     """
 
     encode_raw: Callable[[str, bool], list]
@@ -56,6 +57,7 @@ class Tokenization:
     prepend_bos: bool = False
     starts_with_bos: list = field(default_factory=list)
     bos_text: str | None = None
+    fallback: str | None = None
 
     def encode_document(self, text: str) -> list:
         # like HFLM.tok_encode: a text that already starts with the BOS string gets no second BOS
@@ -76,30 +78,53 @@ class Tokenization:
                 "documents": len(self.starts_with_bos)}
 
 
+#: Files whose presence in a model directory means it ships a tokenizer (transformers' names).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "spiece.model", "vocab.txt")
+
+
 def load_tokenization(path: str, vocab: int, add_bos_token: str = "auto") -> Tokenization:
-    """The model directory's tokenizer (or the UTF-8 byte fallback when it has none usable)
-    with the BOS choice applied. Raises :class:`BadTokenizer` for ``true`` without a BOS token."""
+    """The model directory's tokenizer (or the UTF-8 byte fallback, ``ids = bytes mod vocab``,
+    when the directory has no tokenizer files; ``Tokenization.fallback`` then says why, for the
+    caller to report) with the BOS choice applied (HFLM's ``add_bos_token``). Raises
+    :class:`BadTokenizer` for ``true`` without a BOS token, for tokenizer files that do not load
+    or encode :data:`PROBE_TEXT` to nothing (naming the files and the error), and for a
+    tokenizer whose ids reach past the model's vocabulary ``vocab``."""
     if add_bos_token not in BOS_CHOICES:
         raise BadTokenizer(f"--add-bos-token must be one of {', '.join(BOS_CHOICES)}, "
                            f"got {add_bos_token!r}")
-    tok = None
+    files = ([f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
+             if os.path.isdir(path) else [])
+    tok, why = None, f"model {path!r} has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
     try:
         from transformers import AutoTokenizer
 
         kw = {"add_bos_token": True} if add_bos_token == "true" else {}
         tok = AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path), **kw)
         probe = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-        if not probe or max(probe) >= vocab:  # a directory without tokenizer files loads an empty one
-            tok = None
-    except Exception:  # noqa: BLE001 - model directories without a tokenizer
+    except Exception as e:  # noqa: BLE001 - model directories without a tokenizer
+        if files:
+            raise BadTokenizer(f"model {path!r}: its tokenizer files ({', '.join(files)}) do not "
+                               f"load: {type(e).__name__}: {e}") from None
         tok = None
+        if not os.path.isdir(path):
+            why = f"no tokenizer loads for {path!r} ({type(e).__name__}: {e})"
+    if tok is not None and not probe:  # a directory without tokenizer files loads an empty one
+        if files:
+            raise BadTokenizer(f"model {path!r}: its tokenizer ({', '.join(files)}) encodes "
+                               f"{PROBE_TEXT!r} to no ids")
+        tok = None
+    if tok is not None and max(probe) >= vocab:
+        raise BadTokenizer(f"model {path!r}: its tokenizer encodes {PROBE_TEXT!r} to id "
+                           f"{max(probe)}, outside the model's vocabulary of {vocab}")
     if tok is None:
         if add_bos_token == "true":
             raise BadTokenizer(f"--add-bos-token true: model {path!r} has no usable tokenizer "
                                "(the runner falls back to UTF-8 bytes), so there is no BOS token; "
                                "use --add-bos-token auto or false")
         return Tokenization(lambda s, special: [b % vocab for b in s.encode("utf-8")],
-                            f"utf8-bytes-mod-{vocab}", add_bos_token, False, None, False)
+                            f"utf8-bytes-mod-{vocab}", add_bos_token, False, None, False,
+                            fallback=f"{why}: documents are encoded as UTF-8 bytes mod {vocab}")
     bos = tok.bos_token_id
     if add_bos_token == "true":
         if bos is None:

@@ -19,7 +19,8 @@ weights) and the run's settings. Per rank:
   logits of the first K positions kept per document for the reference and every cell;
 * **activations**: one forward call of the longest call (prefill or segment) through one
   layer: hidden states, MLP, the SSM mixer's projections; on CPU also the attention scores of
-  the math path;
+  the math path; and the window form's ``[rows, H, L, L]`` products (each window is padded to
+  its full L, so this term grows with L squared even where L exceeds N);
 * a fixed overhead per process (CUDA context and allocator slack, or the Python process).
 
 It is an estimate (allocator fragmentation and library workspaces are not modelled); the
@@ -275,6 +276,12 @@ def plan_rank(rank: int, shape: ModelShape, a, pairs: list, cell_configs: list, 
     act = T * (12 * shape.hidden + 4 * shape.intermediate + 4 * widest) * shape.work_bytes
     if devices and devices[0] == "cpu" and shape.attention_layers:
         act += T * N * shape.attention_heads * shape.work_bytes  # math-path attention scores
+    # the window form pads each window to its full L (replay/window.py, "Invariance"), and its
+    # solve and outputs hold a few [rows, H, L, L] tensors (GDN's k.k and q.k products, Mamba-2's
+    # decay differences): quadratic in L, whatever N is
+    Lmax = max([c.window for c in cell_configs] + [ref_config.window])
+    heads = max([H for _f, H, _v, _k, _c, _n in shape.mixers] + [0])
+    act += 4 * rows * heads * Lmax * Lmax * shape.work_bytes
     activations = act if pairs else 0
     cuda = bool(devices) and devices[0].startswith("cuda")
     overhead = CUDA_OVERHEAD if cuda else CPU_OVERHEAD

@@ -308,17 +308,17 @@ def _load_config(model: str):
     return path, cfg, arch
 
 
-#: transformers' weight file names in a model directory (one file, or an index of shards).
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
-
-
 def _check_weights(path: str) -> None:
-    """Refuse a model directory without weights, or whose safetensors files do not open (their
-    headers only are read), before any compute: :class:`BadArgs` naming the file."""
-    if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+    """Refuse a model directory without weights (transformers' file names: one file, or an
+    index of shards), or whose safetensors files do not open (their headers only are read),
+    before any compute: :class:`BadArgs` naming the file."""
+    from transformers.utils import (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
+                                    WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
+
+    names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in names):
         raise BadArgs(f"model directory {path!r} has a config but no weights (expected one of "
-                      f"{', '.join(WEIGHT_FILES)})")
+                      f"{', '.join(names)})")
     from safetensors import safe_open
 
     for f in sorted(os.listdir(path)):

@@ -93,7 +93,8 @@ def main(argv=None):
                    "step_h7": lambda: dc.run_step(M, st, h7),  # noqa: B023
                    "verify_h0": lambda: dc.run_verify(M, st, h0)}  # noqa: B023
             for oname, fn in ops.items():
-                rows = kernels_of(fn)
+                # --tiny: one call, no warm-up (the interpreter has no kernel times to take)
+                rows = kernels_of(fn, calls=1, warm=0) if a.tiny else kernels_of(fn)
                 key = f"{mname}/{pname}/{oname}"
                 res["ops"][key] = {"kernels_per_call": sum(r["per_call"] for r in rows),
                                    "gpu_us_per_call": sum(r["us_per_call"] for r in rows),

@@ -18,6 +18,65 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def _patch_language_once_per_launch():
+    """Make the Triton interpreter patch ``triton.language`` once per kernel launch.
+
+    The interpreter (``triton.runtime.interpreter``, triton 3.x) patches the language module's
+    builtins for every launch, restoring them after it, and again for every call of a
+    ``@triton.jit`` helper inside the kernel, a patch it never restores. A nested patch finds
+    the builtins already replaced, so it changes nothing, but it walks the modules with
+    ``inspect.getmembers`` each time: a third of the interpreter's time in the flush and
+    records kernels (measured 2026-12-06, docs/testing.md). Here a nested call whose language
+    modules the running launch has patched already skips it; any other call patches as
+    before. The kernels run the same operations on the same values, so results keep their
+    bits. Nothing changes where the interpreter is off or its internals are not the expected
+    ones (``_patch_lang`` absent).
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or getattr(original, "_once_per_launch", False):
+        return
+    patched = []  # per running launch: the ids of the language modules it patched
+
+    def langs_of(fn):
+        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+    class _Launch:
+        def __init__(self, scope):
+            self.scope = scope
+
+        def restore(self):
+            try:
+                self.scope.restore()
+            finally:
+                patched.pop()
+
+    class _Nothing:
+        def restore(self):
+            pass
+
+    def patch_lang(fn):
+        langs = langs_of(fn)
+        if patched and langs <= patched[-1]:
+            return _Nothing()  # a helper inside a launch that already patched its modules
+        scope = original(fn)
+        if patched:  # a helper that sees other modules: patched as upstream does, kept
+            return scope
+        patched.append(langs)
+        return _Launch(scope)
+
+    patch_lang._once_per_launch = True
+    interpreter._patch_lang = patch_lang
+
+
+_patch_language_once_per_launch()
+
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -44,3 +103,47 @@ def data_file(tmp_path_factory):
     f = d / "docs.jsonl"
     f.write_text("\n".join(json.dumps({"id": f"d{i}", "text": KL_TEXT[i * 7:]}) for i in range(3)))
     return str(f)
+
+
+#: Test files that ``--dist loadfile`` (pyproject.toml) may run in parts on different workers:
+#: files with no module- or session-scoped fixture of their own, whose single worker would
+#: otherwise be the suite's critical path (docs/testing.md). Each part is a run of whole test
+#: functions in file order, the parts about equal in test count.
+SPLIT_FILES = {"tests/test_replay_kernels.py": 4}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's ``loadfile`` scheduling, with the files of :data:`SPLIT_FILES` in parts."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SplitFileScheduling(LoadFileScheduling):
+        def schedule(self):
+            if self.collection is None and self.registered_collections:
+                self._parts = _file_parts(next(iter(self.registered_collections.values())))
+            return super().schedule()
+
+        def _split_scope(self, nodeid):
+            part = getattr(self, "_parts", {}).get(nodeid)
+            path = super()._split_scope(nodeid)
+            return path if part is None else f"{path}::part{part}"
+
+    return SplitFileScheduling(config, log)
+
+
+def _file_parts(nodeids):
+    """``{nodeid: part}`` for the tests of :data:`SPLIT_FILES`: whole test functions (every
+    parametrized case of one together) in file order, cut into ``n`` runs of about equal
+    test count."""
+    parts = {}
+    for path, n in SPLIT_FILES.items():
+        ids = [i for i in nodeids if i.split("::", 1)[0] == path]
+        done = 0
+        for i, nodeid in enumerate(ids):
+            func = nodeid.split("[", 1)[0]
+            if i and func != ids[i - 1].split("[", 1)[0]:
+                done = i  # a new function starts: it may start a new part
+            parts[nodeid] = min(n - 1, done * n // max(len(ids), 1))
+    return parts

@@ -77,6 +77,10 @@ FLUSH_POLICIES = [
     "read:mxfp4+rceil+sr/rec:nvfp4+up", "read:nvfp4+up+sr/rec:mxfp8+even",
 ]
 READ_FORMATS = ["fp32", "bf16", "fp16", "fp8e4m3", "fp8e5m2", "nvfp4", "mxfp8", "mxfp4"]
+# The default suite (CPU, interpreter, 2 cores) keeps a covering set of each cross product:
+# every value of every axis at least once (docs/testing.md). ``-m slow`` runs the rest, and
+# every device run takes all cases (``-o addopts=""``).
+SLOW = pytest.mark.slow
 
 
 def _gen(seed):
@@ -603,12 +607,15 @@ def test_flush_split_casts_same_bytes(model, policy):
     _same_stored(got[1].checkpoints, got[0].checkpoints)
 
 
+# default: an NVFP4 read copy (GDN, FP32 anchor), anchor (Mamba-2) and shared copy (GDN); the
+# other cases (12-18 s each under the interpreter on 2 cores, 2026-12-06) with -m slow
 @pytest.mark.parametrize("model,policy", [
-    ("gdn", "read:nvfp4+sr/rec:bf16+sr"), ("gdn", "read:fp16+sr/rec:nvfp4+up+sr"),
+    pytest.param("gdn", "read:nvfp4+sr/rec:bf16+sr", marks=SLOW),
+    pytest.param("gdn", "read:fp16+sr/rec:nvfp4+up+sr", marks=SLOW),
     ("gdn", "shared:nvfp4+sr"), ("gdn", "read:nvfp4/rec:fp32"),
-    ("mamba2", "read:fp16+sr/rec:nvfp4+up+sr"), ("mamba2", "shared:nvfp4+sr"),
-    pytest.param("mamba2", "read:nvfp4+sr/rec:bf16+sr", marks=pytest.mark.slow),
-    pytest.param("mamba2", "read:nvfp4/rec:fp32", marks=pytest.mark.slow)])
+    ("mamba2", "read:fp16+sr/rec:nvfp4+up+sr"), pytest.param("mamba2", "shared:nvfp4+sr", marks=SLOW),
+    pytest.param("mamba2", "read:nvfp4+sr/rec:bf16+sr", marks=SLOW),
+    pytest.param("mamba2", "read:nvfp4/rec:fp32", marks=SLOW)])
 def test_flush_cast_forms_same_bytes(model, policy):
     """The split flush's cast forms (``cast_form="pair"``: one ``pack_pair_triton`` launch;
     ``"pair_lean"`` / ``"pair_lean_rcp"``: the same in its lean forms; ``"separate"``: one
@@ -644,6 +651,22 @@ def test_flush_cast_forms_same_bytes(model, policy):
     _same_copies(pair.checkpoints, core.cast_checkpoints(pair.state, pol, store=True, **STREAMS))
 
 
+def test_split_pair_tile_table():
+    """``split_pair_tile``: the tabled tile of a matrix shape from ``SPLIT_PAIR_TILES_FROM``
+    matrices up, else ``pack_pair_triton``'s default."""
+    import replayssm_quant.kernels.replay.flush as F
+    from replayssm_quant.kernels import quant as Q
+
+    default = (Q._PAIR_ROWS, Q._PAIR_WARPS)
+    assert F.split_pair_tile(V, K, 1 << 20) == default  # the test shape: untabled
+    assert F.split_pair_tile(64, 128, 256 * 128) == (32, 1)  # Mamba-2 at B = 256
+    assert F.split_pair_tile(128, 128, 256 * 32) == (256, 8)  # GDN at B = 256
+    assert F.split_pair_tile(64, 128, 128) == default  # Mamba-2 at B = 1: too few programs
+    assert F.split_pair_tile(128, 128, 64 * 32) == default
+
+
+@SLOW  # 36 s under the interpreter on 2 cores (2026-12-06); the default suite has the table
+# (test_split_pair_tile_table) and a tabled tile's bytes (test_split_pair_tile_switch_is_...)
 def test_split_pair_tile_reaches_the_cast_and_keeps_the_bytes(monkeypatch):
     """``SPLIT_PAIR_TILES``: the split flush's lean pair cast takes the tile of its matrix
     shape from ``SPLIT_PAIR_TILES_FROM`` matrices up (else ``pack_pair_triton``'s default;
@@ -654,11 +677,6 @@ def test_split_pair_tile_reaches_the_cast_and_keeps_the_bytes(monkeypatch):
     from replayssm_quant.kernels import quant as Q
 
     default = (Q._PAIR_ROWS, Q._PAIR_WARPS)
-    assert F.split_pair_tile(V, K, 1 << 20) == default  # the test shape: untabled
-    assert F.split_pair_tile(64, 128, 256 * 128) == (32, 1)  # Mamba-2 at B = 256
-    assert F.split_pair_tile(128, 128, 256 * 32) == (256, 8)  # GDN at B = 256
-    assert F.split_pair_tile(64, 128, 128) == default  # Mamba-2 at B = 1: too few programs
-    assert F.split_pair_tile(128, 128, 64 * 32) == default
     seen = []
     real = F.pack_pair_triton
 
@@ -688,7 +706,9 @@ def test_split_pair_tile_reaches_the_cast_and_keeps_the_bytes(monkeypatch):
     assert seen[-1] == ("generic", Q._PAIR_ROWS, Q._PAIR_WARPS)  # the table is the lean form's
 
 
-@pytest.mark.parametrize("model", ["gdn", "mamba2"])
+# GDN (24 s under the interpreter on 2 cores, 2026-12-06) with -m slow: the tile switch is the
+# split cast's, the same launch for both families
+@pytest.mark.parametrize("model", [pytest.param("gdn", marks=SLOW), "mamba2"])
 def test_split_pair_tile_switch_is_batch_invariant(model, monkeypatch):
     """The split flush chooses its pair-cast tile by the batch's matrix count
     (``SPLIT_PAIR_TILES_FROM``); with the threshold between one sequence's matrices and the
@@ -735,7 +755,9 @@ def test_split_pair_tile_switch_is_batch_invariant(model, monkeypatch):
                         (model, s, name)
 
 
-@pytest.mark.parametrize("model", ["gdn", "mamba2"])
+# GDN (18 s under the interpreter on 2 cores, 2026-12-06) with -m slow: the amax is the fp32
+# flush kernel's, whose reconstruction the GDN cases of test_flush_configs cover
+@pytest.mark.parametrize("model", [pytest.param("gdn", marks=SLOW), "mamba2"])
 def test_flush_amax_is_the_finite_amax_of_S(model):
     """``flush_kernel(amax_out=...)`` (the ``fp32`` flush as the split flush runs it with
     ``flush_amax``): the float32 bits of each matrix's max |S| over its finite elements
@@ -925,17 +947,16 @@ def _config_inputs(gen, exact, V2):
     return A, la, k, v, beta, q
 
 
-# the default suite keeps nvfp4 exact for both models and one random-input case (fp8 read copy
-# beside an fp32 anchor, Mamba-2); the four slow cases took 9-74 s each under the interpreter
-# on 2 cores (2026-12-02); -m slow runs them
-SLOW = pytest.mark.slow
+# the default suite keeps nvfp4 exact for GDN and one random-input case (fp8 read copy beside
+# an fp32 anchor, Mamba-2); the slow cases took 9-74 s each under the interpreter on 2 cores
+# (2026-12-02; Mamba-2's nvfp4 exact case 14.6 s, 2026-12-06); -m slow runs them
 
 
 @pytest.mark.parametrize("policy,model,exact,configs", [
     ("read:nvfp4+sr/rec:fp16+sr", "gdn", True, "fast"),
     pytest.param("read:nvfp4+sr/rec:fp16+sr", "gdn", True, "all", marks=SLOW),
     pytest.param("read:nvfp4+sr/rec:fp16+sr", "gdn", False, "all", marks=SLOW),
-    ("read:nvfp4+sr/rec:fp16+sr", "mamba2", True, "fast"),
+    pytest.param("read:nvfp4+sr/rec:fp16+sr", "mamba2", True, "fast", marks=SLOW),
     pytest.param("read:nvfp4+sr/rec:fp16+sr", "mamba2", True, "all", marks=SLOW),
     ("read:fp8e4m3/rec:fp32", "mamba2", False, "fast"),
     pytest.param("read:fp8e4m3/rec:fp32", "mamba2", False, "all", marks=SLOW),
@@ -1165,11 +1186,16 @@ def test_assert_ranges():
 
 
 # the default suite: each model's default form (GDN with a solve: tf32x3_full+inverse; Mamba-2,
-# and GDN folding cached corrections: tf32x3_full) and the split casts in each pair cast form;
-# the other forms (17-22 s each under the interpreter) with -m slow
+# and GDN folding cached corrections: tf32x3_full) with the fused casts, and each split cast
+# form once (GDN: the default and pair_lean_rcp; Mamba-2: pair_lean and tma); the other cases
+# (6-22 s each under the interpreter on 2 cores) with -m slow
+FORMS_DEFAULT = {("gdn", "tf32x3_full+inverse", False), ("gdn", "tf32x3_full+inverse", True),
+                 ("gdn", "tf32x3_full+inverse", "pair_lean_rcp"), ("mamba2", "tf32x3_full", False),
+                 ("mamba2", "tf32x3_full", "pair_lean"), ("mamba2", "tf32x3_full", "tma")}
+
+
 @pytest.mark.parametrize("model,form,split", [
-    (m, f, sp) if (m, f) in (("gdn", "tf32x3_full+inverse"), ("mamba2", "tf32x3_full")) or sp
-    else pytest.param(m, f, sp, marks=SLOW)
+    (m, f, sp) if (m, f, sp) in FORMS_DEFAULT else pytest.param(m, f, sp, marks=SLOW)
     for m, forms in (
         ("gdn", (("dot", False), ("rank1", False), ("tf32x3", False), ("dot+inverse", False),
                  ("tf32x3_full", False), ("dot_full+inverse", False),
@@ -1436,7 +1462,9 @@ def test_gdn_lean_records(monkeypatch):
     torch.testing.assert_close(o, o_ref, **TOL)
 
 
-@pytest.mark.parametrize("hb", [1, 4, 8])
+# heads in blocks of 4 and 8 (heads masked off) by default; blocks of one head (8 s under the
+# interpreter on 2 cores, 2026-12-06) with -m slow
+@pytest.mark.parametrize("hb", [pytest.param(1, marks=SLOW), 4, 8])
 def test_gdn_lean_records_shapes(hb):
     """GDN's lean records launch at shapes the module's constants do not reach: three
     sequences at different ring positions (3, 5 and 2 records), V = 12 (not a power of two:
@@ -1665,7 +1693,10 @@ def _lean_step(R_st, rg, rec, q, h, gdn, read_pass):
     return kr.mamba2_step_kernel(R_st, rg, la, v, k, q, h, read_pass=read_pass)
 
 
-@pytest.mark.parametrize("gdn", [False, True], ids=["mamba2", "gdn"])
+# Mamba-2 (one column; 12 s under the interpreter on 2 cores, 2026-12-06) with -m slow: the
+# same kernels as GDN's two columns; Mamba-2 through the lean read pass, against the
+# reference, by default in test_slot_offsets[nvfp4]
+@pytest.mark.parametrize("gdn", [pytest.param(False, marks=SLOW), True], ids=["mamba2", "gdn"])
 def test_lean_read_pass(gdn, monkeypatch):
     """``read_pass=(block_v, num_warps, "lean")`` from an nvfp4 copy: the lean read pass
     (``_nvfp4_read_kernel``: Y = C X for the step's one (Mamba-2) or two (GDN) columns), then
@@ -1901,12 +1932,13 @@ def test_gdn_fp32_step_default_lean_out(v_rows, monkeypatch):
     torch.testing.assert_close(outs["default"], outs["lean_records"], atol=1e-6, rtol=1e-6)
 
 
-# V = 16 by default; the V = 32 cases (two value-row tiles per head at 16 rows; 8-25 s each
-# under the interpreter on 2 cores, 2026-12-05) with -m slow. GDN's "idot_out" at V = 32 was
-# a default case until the suite reached 900 s at 63337cb; both forms are options, neither a
+# V = 16 by default, each form once (GDN idot_one, Mamba-2 idot_out); the V = 32 cases (two
+# value-row tiles per head at 16 rows) and the other two V = 16 ones (8-25 s each under the
+# interpreter on 2 cores, 2026-12-05/06) with -m slow. GDN's "idot_out" at V = 32 was a
+# default case until the suite reached 900 s at 63337cb; both forms are options, neither a
 # default launch
 @pytest.mark.parametrize("gdn,v_rows,form", [
-    (g, v, f) if v == 16 else pytest.param(g, v, f, marks=pytest.mark.slow)
+    (g, v, f) if v == 16 and g == (f == "idot_one") else pytest.param(g, v, f, marks=SLOW)
     for g in (False, True) for v in (16, 32) for f in ("idot_one", "idot_out")],
     ids=[f"{'gdn' if g else 'mamba2'}-V{v}-{f}" for g in (False, True) for v in (16, 32)
          for f in ("idot_one", "idot_out")])
@@ -3309,8 +3341,14 @@ def _ring_state_k(gen, read_fmt, gdn, Kd):
     return R, R_st, ring
 
 
-@pytest.mark.parametrize("cfg", range(len(CONFIGS)))
-@pytest.mark.parametrize("read_fmt", ["fp32", "nvfp4", "mxfp8", "fp8e4m3", "mxfp4"])
+RECORDS_FORMATS = ["fp32", "nvfp4", "mxfp8", "fp8e4m3", "mxfp4"]
+
+
+# default: configuration i with format i mod 5 (every configuration and format; 1.6-6 s a case
+# under the interpreter on 2 cores, 2026-12-06); the other 48 pairs with -m slow
+@pytest.mark.parametrize("read_fmt,cfg", [
+    (f, c) if fi == c % len(RECORDS_FORMATS) else pytest.param(f, c, marks=SLOW)
+    for fi, f in enumerate(RECORDS_FORMATS) for c in range(len(CONFIGS))])
 def test_records_configs(read_fmt, cfg):
     """Step (GDN and Mamba-2) and verify (both, a draft on the flush slot) under each launch
     configuration, K = 64 streamed in chunks, against the torch references."""
@@ -4194,11 +4232,12 @@ def _decode_run(family, policy, rows, backend, gen_seed=41):
     return torch.cat([torch.stack(outs, 1), ver], 1), st.anchor, st.read_copy
 
 
-# the default suite: every case with the torch backend, and with the kernels a dual and a single
-# checkpoint policy (one per family); the other two kernel cases (34-51 s) with -m slow
+# the default suite: every case with the torch backend, and with the kernels Mamba-2's single
+# checkpoint policy (GDN's kernels under the SR dual policy:
+# test_decode_state_mixed_counts_batch_invariance); the other kernel cases (30-51 s each
+# under the interpreter on 2 cores) with -m slow
 @pytest.mark.parametrize("family,policy,backend", [
-    (f, p, be) if be == "torch" or (f, p) in (("gdn", "read:nvfp4/rec:fp16+sr"),
-                                              ("mamba2", "shared:nvfp4"))
+    (f, p, be) if be == "torch" or (f, p) == ("mamba2", "shared:nvfp4")
     else pytest.param(f, p, be, marks=SLOW)
     for f, p in (("gdn", "read:nvfp4/rec:fp16+sr"), ("mamba2", "read:nvfp4/rec:fp16+sr"),
                  ("gdn", "shared:fp8e4m3+sr"), ("mamba2", "shared:nvfp4"))

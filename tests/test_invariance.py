@@ -128,8 +128,8 @@ def test_kl_runner_batch_invariance(model, tmp_path):
     and 3 (documents 1 and 2 change batch position), for rounded policies of every kind."""
     from replayssm_quant.evals.kl import main
 
-    # N = 24 in segments of 10: two segment boundaries inside a window of 4 (N = 48 in
-    # segments of 20 took 33-42 s per model on 2 cores, 2026-12-06)
+    # N = 24 in segments of 10: a segment boundary inside a window of 4 (at 10) and one on a
+    # flush (at 20); N = 48 in segments of 20 took 33-42 s per model on 2 cores (2026-12-06)
     common = ["--model", model, "--max-docs", "3", "-N", "24", "--windows", "4",
               "--segment-len", "10", "--policies", "eager:fp8e4m3", "shared:nvfp4+sr",
               "read:nvfp4/rec:fp16+sr", "--no-progress"]

@@ -5,6 +5,7 @@ be set before triton is imported anywhere.
 """
 
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,15 +23,17 @@ def _patch_language_once_per_launch():
     """Make the Triton interpreter patch ``triton.language`` once per kernel launch.
 
     The interpreter (``triton.runtime.interpreter``, triton 3.x) patches the language module's
-    builtins for every launch, restoring them after it, and again for every call of a
-    ``@triton.jit`` helper inside the kernel, a patch it never restores. A nested patch finds
-    the builtins already replaced, so it changes nothing, but it walks the modules with
-    ``inspect.getmembers`` each time: a third of the interpreter's time in the flush and
-    records kernels (measured 2026-12-06, docs/testing.md). Here a nested call whose language
-    modules the running launch has patched already skips it; any other call patches as
-    before. The kernels run the same operations on the same values, so results keep their
-    bits. Nothing changes where the interpreter is off or its internals are not the expected
-    ones (``_patch_lang`` absent).
+    builtins for every launch (``GridExecutor.__call__``), restoring them after it, and again
+    for every call of a ``@triton.jit`` helper inside the kernel, a patch it never restores.
+    A nested patch finds the builtins already replaced, so it changes nothing, but it walks
+    the modules with ``inspect.getmembers`` each time (8.8 s of 27 s of interpreter time in a
+    flush test, profiled 2026-12-06, docs/testing.md). Here a helper called inside a running
+    launch whose language modules (``tl``, ``tl.core``) that launch or an earlier helper in
+    it patched already skips it; every other call (a launch, a helper that sees other
+    modules or none, a helper called outside a launch) patches as before. The kernels run the same operations on the
+    same values, so results keep their bits. Nothing changes where the interpreter is off
+    or its internals are not the expected ones (``_patch_lang`` or ``GridExecutor.__call__``
+    absent).
     """
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
@@ -40,7 +43,9 @@ def _patch_language_once_per_launch():
     except ImportError:
         return
     original = getattr(interpreter, "_patch_lang", None)
-    if original is None or getattr(original, "_once_per_launch", False):
+    launch_code = getattr(getattr(getattr(interpreter, "GridExecutor", None), "__call__", None),
+                          "__code__", None)
+    if original is None or launch_code is None or getattr(original, "_once_per_launch", False):
         return
     patched = []  # per running launch: the ids of the language modules it patched
 
@@ -63,13 +68,16 @@ def _patch_language_once_per_launch():
 
     def patch_lang(fn):
         langs = langs_of(fn)
-        if patched and langs <= patched[-1]:
+        if sys._getframe(1).f_code is launch_code:  # a launch: patched, restored at its end
+            scope = original(fn)
+            patched.append(langs)
+            return _Launch(scope)
+        if patched and langs and langs <= patched[-1]:
             return _Nothing()  # a helper inside a launch that already patched its modules
-        scope = original(fn)
-        if patched:  # a helper that sees other modules: patched as upstream does, kept
-            return scope
-        patched.append(langs)
-        return _Launch(scope)
+        scope = original(fn)  # as upstream: patched, never restored
+        if patched and langs:  # (triton.language's own helpers, tl.sum and co., see tl.core)
+            patched[-1] = patched[-1] | langs
+        return scope
 
     patch_lang._once_per_launch = True
     interpreter._patch_lang = patch_lang

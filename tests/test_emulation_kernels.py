@@ -59,9 +59,9 @@ def _records(gdn: bool, B=2, T=12, H=2, V=6, K=32, seed=0):
     return la, k, v, beta
 
 
-# the default suite: every policy for both families in one tile, and in tiles of 4 rows for
-# every other policy, alternating the family; the other 11 cases with -m slow (about 1 s each
-# under the interpreter on 2 cores, 2026-12-06)
+# the default suite: every policy for both families in one tile, and every policy in tiles of
+# 4 rows for one family (alternating by policy); the other 11 cases with -m slow (about 1 s
+# each under the interpreter on 2 cores, 2026-12-06)
 @pytest.mark.parametrize("gdn,policy,block_v", [
     (g, p, bv) if bv is None or i % 2 == int(g) else pytest.param(g, p, bv, marks=pytest.mark.slow)
     for bv in (None, 4) for i, p in enumerate(POLICIES) for g in (False, True)])

@@ -607,14 +607,15 @@ def test_flush_split_casts_same_bytes(model, policy):
     _same_stored(got[1].checkpoints, got[0].checkpoints)
 
 
-# default: an NVFP4 read copy (GDN, FP32 anchor), anchor (Mamba-2) and shared copy (GDN); the
-# other cases (12-18 s each under the interpreter on 2 cores, 2026-12-06) with -m slow
+# default: an NVFP4 read copy beside an FP32 (GDN) and an SR bf16 anchor (Mamba-2), an NVFP4
+# anchor (Mamba-2) and a shared NVFP4 copy (GDN); the other cases (12-18 s each under the
+# interpreter on 2 cores, 2026-12-06) with -m slow
 @pytest.mark.parametrize("model,policy", [
     pytest.param("gdn", "read:nvfp4+sr/rec:bf16+sr", marks=SLOW),
     pytest.param("gdn", "read:fp16+sr/rec:nvfp4+up+sr", marks=SLOW),
     ("gdn", "shared:nvfp4+sr"), ("gdn", "read:nvfp4/rec:fp32"),
     ("mamba2", "read:fp16+sr/rec:nvfp4+up+sr"), pytest.param("mamba2", "shared:nvfp4+sr", marks=SLOW),
-    pytest.param("mamba2", "read:nvfp4+sr/rec:bf16+sr", marks=SLOW),
+    ("mamba2", "read:nvfp4+sr/rec:bf16+sr"),
     pytest.param("mamba2", "read:nvfp4/rec:fp32", marks=SLOW)])
 def test_flush_cast_forms_same_bytes(model, policy):
     """The split flush's cast forms (``cast_form="pair"``: one ``pack_pair_triton`` launch;
@@ -707,7 +708,7 @@ def test_split_pair_tile_reaches_the_cast_and_keeps_the_bytes(monkeypatch):
 
 
 # GDN (24 s under the interpreter on 2 cores, 2026-12-06) with -m slow: the tile switch is the
-# split cast's, the same launch for both families
+# split cast's (pack_pair_triton after the flush), the same launch for both families
 @pytest.mark.parametrize("model", [pytest.param("gdn", marks=SLOW), "mamba2"])
 def test_split_pair_tile_switch_is_batch_invariant(model, monkeypatch):
     """The split flush chooses its pair-cast tile by the batch's matrix count
@@ -755,8 +756,9 @@ def test_split_pair_tile_switch_is_batch_invariant(model, monkeypatch):
                         (model, s, name)
 
 
-# GDN (18 s under the interpreter on 2 cores, 2026-12-06) with -m slow: the amax is the fp32
-# flush kernel's, whose reconstruction the GDN cases of test_flush_configs cover
+# GDN (18 s under the interpreter on 2 cores, 2026-12-06) with -m slow: AMAX_OUT is the same
+# epilogue of the flush kernel's row tile for both families (_tile_amax_full after either
+# model's reconstruction)
 @pytest.mark.parametrize("model", [pytest.param("gdn", marks=SLOW), "mamba2"])
 def test_flush_amax_is_the_finite_amax_of_S(model):
     """``flush_kernel(amax_out=...)`` (the ``fp32`` flush as the split flush runs it with
@@ -1185,10 +1187,11 @@ def test_assert_ranges():
         _assert_ranges("m", (x, 3, 2))
 
 
-# the default suite: each model's default form (GDN with a solve: tf32x3_full+inverse; Mamba-2,
-# and GDN folding cached corrections: tf32x3_full) with the fused casts, and each split cast
-# form once (GDN: the default and pair_lean_rcp; Mamba-2: pair_lean and tma); the other cases
-# (6-22 s each under the interpreter on 2 cores) with -m slow
+# the default suite: each model's default form (GDN with a solve: tf32x3_full+inverse;
+# Mamba-2: tf32x3_full) with the fused casts, and each split cast form once (GDN: the default
+# split, pair_lean for this policy, and pair_lean_rcp; Mamba-2: pair_lean and tma); the other
+# cases (GDN's tf32x3_full, as it folds cached corrections, among them; 6-22 s each under the
+# interpreter on 2 cores) with -m slow
 FORMS_DEFAULT = {("gdn", "tf32x3_full+inverse", False), ("gdn", "tf32x3_full+inverse", True),
                  ("gdn", "tf32x3_full+inverse", "pair_lean_rcp"), ("mamba2", "tf32x3_full", False),
                  ("mamba2", "tf32x3_full", "pair_lean"), ("mamba2", "tf32x3_full", "tma")}
@@ -1694,8 +1697,8 @@ def _lean_step(R_st, rg, rec, q, h, gdn, read_pass):
 
 
 # Mamba-2 (one column; 12 s under the interpreter on 2 cores, 2026-12-06) with -m slow: the
-# same kernels as GDN's two columns; Mamba-2 through the lean read pass, against the
-# reference, by default in test_slot_offsets[nvfp4]
+# same kernels as GDN's two columns; Mamba-2's lean and integer-dot read passes against the
+# reference by default in test_lean_read_pass_special_block_scales
 @pytest.mark.parametrize("gdn", [pytest.param(False, marks=SLOW), True], ids=["mamba2", "gdn"])
 def test_lean_read_pass(gdn, monkeypatch):
     """``read_pass=(block_v, num_warps, "lean")`` from an nvfp4 copy: the lean read pass
@@ -3345,9 +3348,11 @@ RECORDS_FORMATS = ["fp32", "nvfp4", "mxfp8", "fp8e4m3", "mxfp4"]
 
 
 # default: configuration i with format i mod 5 (every configuration and format; 1.6-6 s a case
-# under the interpreter on 2 cores, 2026-12-06); the other 48 pairs with -m slow
+# under the interpreter on 2 cores, 2026-12-06), and the last configuration (late_sum, which
+# the blocked copies ignore) from fp32 as well; the other 47 pairs with -m slow
 @pytest.mark.parametrize("read_fmt,cfg", [
-    (f, c) if fi == c % len(RECORDS_FORMATS) else pytest.param(f, c, marks=SLOW)
+    (f, c) if fi == c % len(RECORDS_FORMATS) or (f, c) == ("fp32", len(CONFIGS) - 1)
+    else pytest.param(f, c, marks=SLOW)
     for fi, f in enumerate(RECORDS_FORMATS) for c in range(len(CONFIGS))])
 def test_records_configs(read_fmt, cfg):
     """Step (GDN and Mamba-2) and verify (both, a draft on the flush slot) under each launch

@@ -1,7 +1,9 @@
 """Shared test configuration.
 
 Tests are CPU-only: Triton kernels run under the interpreter (TRITON_INTERPRET=1), which must
-be set before triton is imported anywhere.
+be set before triton is imported anywhere. Two speed-ups that change no result
+(docs/testing.md): the interpreter patches ``triton.language`` once per launch, and
+``--dist loadfile`` runs the files of :data:`SPLIT_FILES` in parts.
 """
 
 import os
@@ -28,12 +30,13 @@ def _patch_language_once_per_launch():
     A nested patch finds the builtins already replaced, so it changes nothing, but it walks
     the modules with ``inspect.getmembers`` each time (8.8 s of 27 s of interpreter time in a
     flush test, profiled 2026-12-06, docs/testing.md). Here a helper called inside a running
-    launch whose language modules (``tl``, ``tl.core``) that launch or an earlier helper in
-    it patched already skips it; every other call (a launch, a helper that sees other
-    modules or none, a helper called outside a launch) patches as before. The kernels run the same operations on the
-    same values, so results keep their bits. Nothing changes where the interpreter is off
-    or its internals are not the expected ones (``_patch_lang`` or ``GridExecutor.__call__``
-    absent).
+    launch skips the patch when that launch, or an earlier helper in it, has patched the
+    helper's language modules (``tl``, ``tl.core``). Every other call (a launch, a helper
+    that sees other modules or none, a helper called outside a launch) patches as before.
+    The kernels run the same operations on the same values, so results keep their bits.
+    Nothing changes where the interpreter is off or its internals are not the expected ones
+    (``_patch_lang`` or ``GridExecutor.__call__`` absent). Tested by
+    ``tests/test_interpreter_patch.py``.
     """
     if os.environ.get("TRITON_INTERPRET") != "1":
         return

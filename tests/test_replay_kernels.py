@@ -952,8 +952,6 @@ def _config_inputs(gen, exact, V2):
 # the default suite keeps nvfp4 exact for GDN and one random-input case (fp8 read copy beside
 # an fp32 anchor, Mamba-2); the slow cases took 9-74 s each under the interpreter on 2 cores
 # (2026-12-02; Mamba-2's nvfp4 exact case 14.6 s, 2026-12-06); -m slow runs them
-
-
 @pytest.mark.parametrize("policy,model,exact,configs", [
     ("read:nvfp4+sr/rec:fp16+sr", "gdn", True, "fast"),
     pytest.param("read:nvfp4+sr/rec:fp16+sr", "gdn", True, "all", marks=SLOW),

@@ -187,3 +187,30 @@ def test_state_path_ignores_autocast(arch, monkeypatch):
                 again = orig_adv(st, inp)
             assert o.dtype == again.dtype == torch.float32
             assert torch.equal(o, again), (rec[0], (o - again).abs().max().item())
+
+
+def test_generate_without_cache_refused_under_exact_prefill():
+    """generate(use_cache=False) re-runs the whole sequence as a fresh exact prefill for every
+    token, so under prefill=True the policy would never act: refused, by keyword and through
+    a generation config. With prefill=False each call emulates the sequence under the policy,
+    which is allowed and really rounds. Removing the patch restores the class's generate."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("qwen3_5")
+    ids = _ids(1, 6)
+    gen = dict(max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        plain = model.generate(ids, use_cache=False, output_logits=True,
+                               return_dict_in_generate=True, **gen)
+        with apply_state_policy(model, "eager:fp8e4m3", window=4):
+            with pytest.raises(ValueError, match="use_cache=False"):
+                model.generate(ids, use_cache=False, **gen)
+            with pytest.raises(ValueError, match="use_cache=False"):
+                model.generate(ids, generation_config=GenerationConfig(use_cache=False, **gen))
+            assert model.generate(ids, **gen).shape == (1, 10)  # the default keeps a cache
+        assert "generate" not in model.__dict__
+        with apply_state_policy(model, "eager:fp8e4m3", window=4, prefill=False):
+            out = model.generate(ids, use_cache=False, output_logits=True,
+                                 return_dict_in_generate=True, **gen)
+    d = max((a - b).abs().max().item() for a, b in zip(plain.logits, out.logits))
+    assert d > 1e-3, d  # the policy acted

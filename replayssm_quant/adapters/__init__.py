@@ -23,6 +23,8 @@ state and the attention KV cache, so segments of a document carry it by passing 
   ``prefill=False`` starts from the zero state and treats the call like any later call.
 * later call with 1 token: one ReplaySSM step (flush at h == L).
 * later call with T > 1 tokens: teacher-forced emulation window by window, equal to T steps.
+* ``model.generate(use_cache=False)`` with ``prefill=True`` raises ``ValueError``: every token
+  would be a fresh exact prefill, so the policy would never act (FP32-state decoding).
 
 Conv states, projections, norms and the output projection are computed by the adapter in
 plain torch with the mixer's own weights and norm modules (never the GPU-only fla /
@@ -256,6 +258,7 @@ class StatePolicyHandle:
         #: default, since it adds small reductions to every call
         self.track_input_stats = False
         self._hooks: list = []
+        self._generate_prev = None  # the instance's own ``generate`` before the patch, if any
         self._auto_ids: torch.Tensor | None = None  # content ids of the current fresh-cache call
         self._signature = inspect.signature(model.forward)
 
@@ -399,7 +402,32 @@ class StatePolicyHandle:
             self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             self.model.register_forward_hook(self._post_forward, always_call=True),
         ]
+        gen = getattr(self.model, "generate", None)
+        if callable(gen):
+            self._generate_prev = self.model.__dict__.get("generate", _NO_ATTR)
+            self.model.generate = self._guarded_generate(gen)
         self.active = True
+
+    def _guarded_generate(self, generate):
+        """``model.generate`` under the patch: refuses ``use_cache=False`` with the exact
+        prefill, where every generated token would re-run the whole sequence as a fresh
+        prefill (exact state, cast as flush 0 and never read), so the policy would never
+        round a state that an output reads: silently FP32-state decoding."""
+        handle = self
+
+        def guarded(*args, **kwargs):
+            if handle.active and handle.prefill and not _generate_uses_cache(handle.model, kwargs):
+                raise ValueError(
+                    f"generate(use_cache=False) under state policy {handle.policy}: without a "
+                    f"cache every new token re-runs the whole sequence as an exact prefill, so "
+                    f"the policy never rounds a state an output reads (the tokens would be "
+                    f"FP32-state decoding); leave use_cache on (the default), or use "
+                    f"prefill=False to emulate the whole sequence under the policy on every call")
+            return generate(*args, **kwargs)
+
+        guarded.__doc__ = getattr(generate, "__doc__", None)
+        guarded.__wrapped__ = generate
+        return guarded
 
     def remove(self) -> None:
         """Restore the original mixers (idempotent)."""
@@ -414,6 +442,13 @@ class StatePolicyHandle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        prev = getattr(self, "_generate_prev", None)
+        if prev is not None:  # put back what the instance had (usually nothing: the class's)
+            if prev is _NO_ATTR:
+                self.model.__dict__.pop("generate", None)
+            else:
+                self.model.generate = prev
+            self._generate_prev = None
         self._auto_ids = None
         self.active = False
 
@@ -497,6 +532,22 @@ class StatePolicyHandle:
         return (f"StatePolicyHandle(policy={self.policy}, window={self.window}, seed={self.seed}, "
                 f"prefill={self.prefill}, dt_limit={self.dt_limit}, layers={len(self.mixers)}, "
                 f"active={self.active})")
+
+
+_NO_ATTR = object()  # "the instance had no attribute of that name"
+
+
+def _generate_uses_cache(model, kwargs: dict) -> bool:
+    """Whether ``model.generate(**kwargs)`` keeps a cache: ``use_cache`` as transformers
+    resolves it (the call's keyword, else the ``generation_config`` passed, else the model's
+    own ``generation_config``; on by default)."""
+    if kwargs.get("use_cache") is not None:
+        return bool(kwargs["use_cache"])
+    for gc in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        flag = getattr(gc, "use_cache", None)
+        if flag is not None:
+            return bool(flag)
+    return True
 
 
 def _attach(entry, state: LayerState) -> None:

@@ -83,6 +83,18 @@ def _parse_policy(state) -> "StatePolicy | PolicyMap":
         raise ValueError(f"bad model argument state={state!r}: {e}") from e
 
 
+def _check_drafts(max_drafts: int, window: int, policy) -> None:
+    """``max_drafts`` as the decode state objects take it (docs/replay.md, decision 7):
+    ``0 <= T <= L``, and ``T <= 1`` under an eager policy (window 1)."""
+    eager = isinstance(policy, StatePolicy) and policy.is_eager
+    limit = 1 if eager else window
+    if max_drafts > limit:
+        raise ValueError(
+            f"model argument max_drafts={max_drafts} must be <= window={limit}"
+            + (" (eager policies run with window 1)" if eager else "")
+            + ": drafts must fit in one window to be verified (docs/replay.md, decision 7)")
+
+
 def _as_int(name: str, value, minimum: int) -> int:
     """An integer model argument (lm-eval passes strings), with a clear error."""
     # lm-eval's argument parser turns "-3" into -3.0: show such values as the user typed them
@@ -134,8 +146,10 @@ class ReplaySSMLM(HFLM):
         decay_stats: JSON file of per-head mean decays for a map's decay buckets (default: the
             model directory's ``decay_stats.json``).
         window: flush window L (default 16). seed: SR seed (default 0).
-        max_drafts: drafts T for speculative decoding studies (accepted and recorded; lm-eval's
-            generate path decodes one token at a time, so it has no effect there).
+        max_drafts: drafts T for speculative decoding studies, ``0 <= T <= window`` (``<= 1``
+            under an eager policy), as the decode state objects take it; recorded in the model
+            info. lm-eval's generate path decodes one token at a time, so it changes no
+            result.
         gdn_fold: ``recompute`` (default) or ``cached`` (the unstable variant, for study).
         dt_limit: Mamba-2 ``time_step_limit`` rule, ``decode`` (default: no clamp, as the decode
             step and serving) or ``clamp`` (as the chunked scan); docs/adapters.md.
@@ -161,6 +175,7 @@ class ReplaySSMLM(HFLM):
         self.window = _as_int("window", window, 1)
         self.seed = _as_int("seed", seed, 0)
         self.max_drafts = _as_int("max_drafts", max_drafts, 0)
+        _check_drafts(self.max_drafts, self.window, self.policy)
         _check_gdn_fold(gdn_fold)
         self.dt_limit = _check_dt_limit(dt_limit)
         # lm-eval's logits cache shares one forward between requests whose tokens agree; under
@@ -398,7 +413,8 @@ def check_model_args(model_args: str | dict | None) -> None:
 
     Raises:
         ValueError: an unknown key (the message lists :func:`accepted_model_args`), or a bad
-            ``state``, ``window``, ``seed``, ``max_drafts``, ``gdn_fold`` or ``logits_cache``.
+            ``state``, ``window``, ``seed``, ``max_drafts`` (also: more than the window),
+            ``gdn_fold`` or ``logits_cache``.
     """
     if not model_args:
         return
@@ -417,9 +433,12 @@ def check_model_args(model_args: str | dict | None) -> None:
     _refuse_unknown(kv)
     if "state" in kv:
         _parse_policy(kv["state"])
-    for name, minimum in (("window", 1), ("seed", 0), ("max_drafts", 0)):
-        if name in kv:
-            _as_int(name, kv[name], minimum)
+    ints = {name: _as_int(name, kv[name], minimum)
+            for name, minimum in (("window", 1), ("seed", 0), ("max_drafts", 0)) if name in kv}
+    if "max_drafts" in ints:
+        defaults = inspect.signature(ReplaySSMLM.__init__).parameters
+        _check_drafts(ints["max_drafts"], ints.get("window", defaults["window"].default),
+                      _parse_policy(kv.get("state", defaults["state"].default)))
     _check_gdn_fold(kv.get("gdn_fold", "recompute"))
     _check_dt_limit(kv.get("dt_limit", "decode"))
     _check_logits_cache(kv.get("logits_cache", False))

@@ -141,6 +141,18 @@ def test_bad_numeric_args(tiny_dir, arg, val):
         _lm(tiny_dir, **{arg: val})
 
 
+@pytest.mark.parametrize("args", [dict(max_drafts=17), dict(max_drafts=5, window=4),
+                                  dict(max_drafts=2, state="eager:fp8e4m3")])
+def test_drafts_beyond_the_window_refused(args):
+    """max_drafts as the decode state objects take it: 0 <= T <= L (L = 1 under eager),
+    refused before anything loads; T = L is fine."""
+    from replayssm_quant.evals.lm_eval_adapter import check_model_args
+
+    with pytest.raises(ValueError, match=f"max_drafts={args['max_drafts']} must be <= window"):
+        check_model_args(args)
+    check_model_args(dict(args, max_drafts=args.get("window", 1 if "state" in args else 16)))
+
+
 def _cli(tmp_path, limit, tasks, context_chars, *extra):
     out = tmp_path / "lm_eval_out"
     cmd = [sys.executable, "-m", "replayssm_quant.evals.lm_eval_adapter", "--model", "replayssm",

@@ -37,10 +37,15 @@ def available_device(device) -> torch.device:
 
     Raises:
         ValueError: a device this torch build or machine lacks ("cuda" on a CPU-only build, a
-            GPU index beyond the machine's, an unknown name), naming it.
+            GPU index beyond the machine's, an unknown name), or ``"meta"`` (tensors there hold
+            no values, and a state's checkpoints and records must), naming it.
     """
     try:
-        return torch.empty(0, device=device).device
+        dev = torch.empty(0, device=device).device
     except (AssertionError, RuntimeError) as e:
         raise ValueError(f"device {device!r} is not available in this torch build or on "
                          f"this machine ({e})") from None
+    if dev.type == "meta":
+        raise ValueError(f"device {device!r} holds no values (torch's meta device); a state "
+                         f"needs a device with memory, e.g. 'cpu' or 'cuda'")
+    return dev

@@ -3,6 +3,7 @@ test_replay_mamba2.py and test_replay_gdn.py with a :class:`Model` handle."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,10 @@ def check_bad_inputs(M):
         M.state(inp, "fp32", window=4, max_drafts=5)
     with pytest.raises(ValueError, match="nvfp5"):
         M.state(inp, "shared:nvfp5", window=4)
+    with pytest.raises(ValueError, match="'meta' holds no values"):
+        M.state(inp, "fp32", window=4, device="meta")
+    with pytest.raises(ValueError, match=r"window=1000000000000 \+ max_drafts=0 .* GiB"):
+        M.state(inp, "fp32", window=10**12)  # a ring no machine holds, refused by name
     st = M.state(inp, "read:nvfp4+sr/rec:fp16", window=4, max_drafts=2)
     run_steps(st, M.tok, inp, 5)  # one flush, h = 1
     before = snapshot(st)
@@ -170,6 +175,9 @@ def check_bad_inputs(M):
         assert same_snapshot(pending, snapshot(st))
     st.commit(torch.tensor([0, 2]))
     assert st.committed.tolist() == [1, 3]
+    st.verify(*M.tok(inp, slice(0, 1)))
+    st.commit(np.int64(1))  # numpy integers count as ints
+    assert st.committed.tolist() == [2, 0]  # the second reached L = 4 and flushed
 
 
 def check_dtype_float64_keeps_fp32_exact(M):

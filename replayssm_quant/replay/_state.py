@@ -8,6 +8,9 @@ validation (every public method validates all of its inputs before it mutates an
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from ..capabilities import available_device
@@ -139,8 +142,17 @@ class ReplayStateBase:
         stream_key(layer=layer, sequence=sequence_ids, head=heads - 1)  # range check
         self.sequence_ids = sequence_ids.to(torch.int64).to(self.device)
         cap = window + max_drafts
-        self._ring = {name: torch.zeros(batch, cap, *shape, dtype=dtype, device=self.device)
-                      for name, shape in self._RING.items()}
+        try:
+            self._ring = {name: torch.zeros(batch, cap, *shape, dtype=dtype, device=self.device)
+                          for name, shape in self._RING.items()}
+        except RuntimeError as e:  # the allocators' errors, CUDA's OutOfMemoryError included
+            per_slot = sum(math.prod(shape) for shape in self._RING.values())
+            gib = batch * cap * per_slot * torch.finfo(dtype).bits / 8 / 2**30
+            raise ValueError(
+                f"window={window} + max_drafts={max_drafts} = {cap} record slots for {batch} "
+                f"sequences need a ring of {gib:.3g} GiB on {self.device}, which could not be "
+                f"allocated ({str(e).splitlines()[0][:200]}); expected a window whose ring fits "
+                f"memory (the paper's windows are 4 to 64)") from e
         self._h = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self._pending: int | None = None
         self._committed = False  # the last verify() has been committed (for commit's message)
@@ -174,7 +186,9 @@ class ReplayStateBase:
 
     @property
     def pending_drafts(self) -> int | None:
-        """Number of verified, not yet committed drafts (None when nothing is pending)."""
+        """Drafts of the last ``verify`` not yet committed: None when no ``verify`` awaits its
+        ``commit``; an int ``T >= 0`` while one does (0 after ``verify`` with no drafts, which
+        still needs ``commit(0)``)."""
         return self._pending
 
     @property
@@ -287,8 +301,9 @@ class ReplayStateBase:
     # ------------------------------------------------------------------ ring / protocol helpers
     def _check_not_pending(self, what: str) -> None:
         if self._pending is not None:
-            raise ValueError(f"{what}() called with {self._pending} verified drafts pending: "
-                             "call commit(accepted) first")
+            raise ValueError(f"{what}() called while a verify() of {self._pending} drafts is "
+                             f"pending: call commit(accepted) first "
+                             f"(0 <= accepted <= {self._pending})")
 
     def _check_drafts(self, T: int) -> None:
         if T > self.max_drafts:
@@ -326,7 +341,8 @@ class ReplayStateBase:
         T = self._pending
         if isinstance(accepted, bool):
             raise ValueError(f"accepted must be an int or an integer tensor, got {accepted!r}")
-        if isinstance(accepted, int):
+        if isinstance(accepted, numbers.Integral):  # int, numpy integers
+            accepted = int(accepted)
             a = torch.full((self.batch,), accepted, dtype=torch.int64, device=self.device)
         elif isinstance(accepted, torch.Tensor) and not accepted.is_floating_point() \
                 and accepted.dtype != torch.bool:

@@ -166,6 +166,10 @@ class GDNReplayState(ReplayStateBase):
         backend: ``"auto"`` (Triton kernels of :mod:`replayssm_quant.kernels.replay` for step,
             verify and flush on CUDA, float32, key_dim a power of two >= 32), ``"torch"`` or
             ``"triton"``; None defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
+
+    Raises:
+        ValueError: as :class:`~replayssm_quant.replay.mamba2.Mamba2ReplayState`, and
+            ``key_heads`` not dividing ``value_heads``.
     """
 
     def __init__(self, policy, *, batch: int, key_heads: int, value_heads: int, key_dim: int,

@@ -131,6 +131,12 @@ class Mamba2ReplayState(ReplayStateBase):
     The state starts as zeros (cast as flush 0). See ``step``, ``verify``, ``commit``,
     ``flush``, ``prefill`` and the properties of
     :class:`~replayssm_quant.replay._state.ReplayStateBase`.
+
+    Raises:
+        ValueError: a bad policy, size, window, ``max_drafts``, seed, layer, sequence ids,
+            dtype or backend (naming the value); a device this machine lacks or torch's
+            ``"meta"`` device; a record ring (``batch x (window + max_drafts)`` slots) that
+            cannot be allocated (naming the window and its size in GiB).
     """
 
     def __init__(self, policy, *, batch: int, heads: int, head_dim: int, d_state: int,

@@ -31,6 +31,39 @@ def check_fp32_matches_float64_recurrence(M, L, T=64):
     assert st.read_nbytes == 0 and st.anchor_nbytes == 4 * S_ref.numel()
 
 
+def window_decay_sum(M, inp, L):
+    """The largest |sum of log decays| over a window of L records (float64): what the
+    window forms' cumulative sums c = cumsum(la) reach before they are differenced."""
+    la = inp["g"] if M.name == "gdn" else inp["dt"] * inp["A"]
+    la = la.double()
+    T = la.shape[1] // L * L
+    return float(la[:, :T].reshape(la.shape[0], -1, L, la.shape[-1]).sum(2).abs().max())
+
+
+def check_fp32_error_bound_large_decays(M, total, L=16):
+    """The precision limit docs/replay.md ("Precision with large decays") states: under fp32
+    in float32 the window forms difference cumulative log decays, so outputs carry a relative
+    error of about an ulp of the window's largest |sum of log decays| (the float32 recurrence
+    stays near 1e-7). Four tokens of window 1 get a decay of ``total / 4`` nats each; the error
+    must stay within 1.5 ulp of that sum plus 1e-6."""
+    import math
+
+    inp = M.inputs(T=2 * L, seed=3)
+    if M.name == "gdn":
+        inp["g"][:, 5:9] = -total / 4
+    else:
+        inp["dt"][:, 5:9] = total / 4 / inp["A"].abs()
+    c = window_decay_sum(M, inp, L)
+    assert total <= c <= total + L  # the inserted decays dominate the window's sum
+    y_ref, _ = M.recurrent(inp)
+    inp32 = {n: t.float() for n, t in inp.items()}
+    y = run_steps(M.state(inp32, "fp32", window=L), M.tok, inp32, 2 * L)
+    ulp = 2.0 ** (math.floor(math.log2(c)) - 23)
+    err = rel_err(y.double(), y_ref)
+    assert err <= 1.5 * ulp + 1e-6, (err, ulp)
+    return err
+
+
 def check_read_copy_is_independent_cast(M, L=4, windows=3):
     """Test 2 (first half): with rec:fp32, R after the n-th flush equals Q_read(S_unrounded)
     bit for bit, where S_unrounded is the anchor of an fp32-policy run (rec:fp32 leaves the

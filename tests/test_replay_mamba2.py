@@ -13,6 +13,11 @@ def test_fp32_matches_float64_recurrence(L):
     C.check_fp32_matches_float64_recurrence(M, L)
 
 
+@pytest.mark.parametrize("total", [100.0, 1000.0])
+def test_fp32_error_bound_large_decays(total):
+    C.check_fp32_error_bound_large_decays(M, total)
+
+
 def test_read_copy_is_independent_cast():
     C.check_read_copy_is_independent_cast(M)
 

@@ -7,12 +7,14 @@ check their own inputs, so the rule is written once.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 __all__ = ["TRITON_INTERPRET_ENV", "triton_interpreting", "REPLAY_MIN_KEY_DIM",
-           "replay_kernels_supported", "available_device"]
+           "replay_kernels_supported", "available_device", "device_memory_bytes",
+           "check_allocation"]
 
 TRITON_INTERPRET_ENV = "TRITON_INTERPRET"  # Triton's own switch for its interpreter
 REPLAY_MIN_KEY_DIM = 32  # replay kernels: whole nvfp4 (16) and mx (32) blocks along the key axis
@@ -49,3 +51,40 @@ def available_device(device) -> torch.device:
         raise ValueError(f"device {device!r} holds no values (torch's meta device); a state "
                          f"needs a device with memory, e.g. 'cpu' or 'cuda'")
     return dev
+
+
+@functools.lru_cache(maxsize=None)
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes: the machine's physical memory for the CPU
+    (``os.sysconf``), the card's for CUDA (``torch.cuda.get_device_properties``); None where
+    it cannot be read (then nothing is refused on its account)."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return None
+    return None
+
+
+def check_allocation(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse an allocation larger than all of ``device``'s memory before it is attempted.
+
+    Linux grants such a CPU allocation lazily and then kills the process while it writes the
+    zeros, with no Python error; a CUDA one fails with a message that names no argument.
+
+    Args:
+        nbytes: the allocation's size in bytes.
+        device: where it would live.
+        what: the argument that set the size and what it allocates, for the message (e.g.
+            ``"window=100000 + max_drafts=0: a record ring of 2 sequences x 100000 slots"``).
+
+    Raises:
+        ValueError: ``nbytes`` exceeds the device's total memory, naming ``what`` and both
+            sizes in GiB.
+    """
+    total = device_memory_bytes(device)
+    if total is not None and nbytes > total:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.3g} GiB on {device}, more than its "
+                         f"{total / 2**30:.3g} GiB of memory")

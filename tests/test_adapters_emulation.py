@@ -214,3 +214,14 @@ def test_generate_without_cache_refused_under_exact_prefill():
                                  return_dict_in_generate=True, **gen)
     d = max((a - b).abs().max().item() for a, b in zip(plain.logits, out.logits))
     assert d > 1e-3, d  # the policy acted
+
+
+@pytest.mark.parametrize("decode", ["window", "serving"])
+def test_window_beyond_memory_refused_by_name(decode):
+    """A window whose records cannot fit the machine is refused with a ValueError naming it,
+    before anything is allocated (Linux would grant the allocation and then kill the process
+    while it writes the zeros)."""
+    model = tiny_model("qwen3_5")
+    with torch.no_grad(), apply_state_policy(model, "shared:fp16", window=10**12, decode=decode):
+        with pytest.raises(ValueError, match=r"window.*=1000000000000.* GiB on cpu, more than"):
+            model.generate(_ids(1, 6), max_new_tokens=2, do_sample=False)

@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from ..capabilities import available_device
+from ..capabilities import available_device, check_allocation
 from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
 from ..config import GDNFold, StateConfig
 from ..packed import PackedTensor
@@ -142,17 +142,17 @@ class ReplayStateBase:
         stream_key(layer=layer, sequence=sequence_ids, head=heads - 1)  # range check
         self.sequence_ids = sequence_ids.to(torch.int64).to(self.device)
         cap = window + max_drafts
+        what = (f"window={window} + max_drafts={max_drafts}: a record ring of {batch} "
+                f"sequences x {cap} slots")
+        per_slot = sum(math.prod(shape) for shape in self._RING.values())
+        check_allocation(batch * cap * per_slot * torch.finfo(dtype).bits // 8, self.device,
+                         what)
         try:
             self._ring = {name: torch.zeros(batch, cap, *shape, dtype=dtype, device=self.device)
                           for name, shape in self._RING.items()}
         except RuntimeError as e:  # the allocators' errors, CUDA's OutOfMemoryError included
-            per_slot = sum(math.prod(shape) for shape in self._RING.values())
-            gib = batch * cap * per_slot * torch.finfo(dtype).bits / 8 / 2**30
-            raise ValueError(
-                f"window={window} + max_drafts={max_drafts} = {cap} record slots for {batch} "
-                f"sequences need a ring of {gib:.3g} GiB on {self.device}, which could not be "
-                f"allocated ({str(e).splitlines()[0][:200]}); expected a window whose ring fits "
-                f"memory (the paper's windows are 4 to 64)") from e
+            raise ValueError(f"{what} could not be allocated on {self.device} "
+                             f"({str(e).splitlines()[0][:200]})") from e
         self._h = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self._pending: int | None = None
         self._committed = False  # the last verify() has been committed (for commit's message)

@@ -37,10 +37,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 
 from .. import backend as B
 from ..backend import kernel_ops as kr  # kernel entry points, through the backend seam
+from ..capabilities import check_allocation
 from ..config import Family, GDNFold, StateConfig
 from ..policy import HeadPolicy
 from . import core
@@ -189,7 +192,13 @@ def _padded(t: torch.Tensor, L: int, at: int = 0) -> torch.Tensor:
     """A fresh zero tensor of ``L`` slots along dim 1 with ``t`` written at slots
     ``at .. at + t.shape[1] - 1``: a window's records (or queries) at the window's full length,
     so every window runs the same arithmetic on tensors of the same shape (see "Invariance")."""
-    out = t.new_zeros(t.shape[0], L, *t.shape[2:])
+    what = f"window L={L}: a window's records padded to L slots ({tuple(t.shape)} -> L)"
+    check_allocation(t.shape[0] * L * math.prod(t.shape[2:]) * t.element_size(), t.device, what)
+    try:
+        out = t.new_zeros(t.shape[0], L, *t.shape[2:])
+    except RuntimeError as e:  # the allocators' errors, CUDA's OutOfMemoryError included
+        raise ValueError(f"{what} could not be allocated on {t.device} "
+                         f"({str(e).splitlines()[0][:200]})") from e
     out[:, at: at + t.shape[1]] = t
     return out
 

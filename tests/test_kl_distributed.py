@@ -125,9 +125,15 @@ def test_stopped_run_resumes_with_another_world_size(single, tmp_path, capsys):
     assert "5 of 10 cells are done" in capsys.readouterr().out
     assert len(list((out / "parts").glob("*.parquet"))) == 5
     assert not (out / "positions.parquet").exists()  # tables only once every cell is done
+    stopped = json.loads((out / "parts" / "invocations.jsonl").read_text())
+    assert stopped["cells_computed"] == 5 and stopped["timings"]["total_s"] > 0
     _torchrun(2, out)
     man = json.loads((out / "manifest.json").read_text())
     assert man["cells_computed_this_run"] == 5 and man["world_size"] == 2
+    # the stopped invocation's compute and command count in the final manifest
+    assert len(man["commands"]) == 2
+    assert man["timings"]["total_s"] > man["timings_this_invocation"]["total_s"]
+    assert not (out / "parts" / "invocations.jsonl").exists()
     assert sum(x["pairs"] for x in man["distributed"]["ranks"]) == 5
     _assert_same_tables(single, out)
 

@@ -261,6 +261,25 @@ def test_resume_keeps_timings_and_drops_a_stale_stepwise_table(tmp_path):
     assert len(man["commands"]) == 2
 
 
+def test_resume_that_computes_only_stepwise_parts_says_so(tmp_path, capsys):
+    """A resume whose KL cells are all done but whose stepwise check is new (another K)
+    computes the stepwise parts alone, and its summary line and manifest say what it
+    computed instead of "nothing recomputed"."""
+    out = tmp_path / "run"
+    args = ["--model", "tiny-mamba2", "--max-docs", "1", "-N", "16", "--policies",
+            "shared:fp16", "--windows", "4", "--no-progress", "-o", str(out)]
+    assert main(args + ["--stepwise-check", "4"]) == 0
+    capsys.readouterr()
+    assert main(args + ["--stepwise-check", "6"]) == 0
+    printed = capsys.readouterr().out
+    assert "every KL cell already in the output; computed 1 stepwise-check part" in printed
+    assert "nothing recomputed" not in printed
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["cells_computed_this_run"] == 0 and man["stepwise_parts_computed_this_run"] == 1
+    assert main(args + ["--stepwise-check", "6"]) == 0
+    assert "nothing recomputed" in capsys.readouterr().out
+
+
 def test_window_beyond_the_document_warns(capsys, tmp_path):
     """A window of at least --max-tokens without --prefill flushes nowhere in a document (the
     read copy stays the exact cast of the zero initial state): the run says so on stderr for

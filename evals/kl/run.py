@@ -105,6 +105,32 @@ def _earlier_manifest(out: Path) -> dict:
         return {}
 
 
+def _ledger_path(out: Path) -> Path:
+    """``parts/invocations.jsonl``: the compute of invocations that stopped at
+    ``--max-cells`` (they write no manifest), counted by the invocation that writes one."""
+    return out / "parts" / "invocations.jsonl"
+
+
+def _ledger_append(out: Path, entry: dict) -> None:
+    with open(_ledger_path(out), "a") as f:
+        f.write(json.dumps(entry, default=str) + "\n")
+
+
+def _ledger_read(out: Path) -> list:
+    """The ledger's entries (a line cut short by a crash is skipped)."""
+    try:
+        lines = _ledger_path(out).read_text().splitlines()
+    except OSError:
+        return []
+    entries = []
+    for line in lines:
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            continue
+    return entries
+
+
 def _add_timings(old, new: dict) -> dict:
     """``new`` plus the compute seconds of ``old`` (same keys; nested dicts per policy)."""
     if not isinstance(old, dict):
@@ -393,7 +419,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     reported = np.concatenate([np.arange(lo, hi) for lo, hi in bounds if hi > P])
     assert reported.tolist() == list(range(P, N)), "segment bounds do not tile [prefill, N)"
     model = handle = None
-    n_new = n_refs = 0
+    n_new = n_refs = n_step_new = n_state_new = 0
     threads = _set_threads(a)
     if work:
         kw = {"device_map": device_map} if device_map else {}
@@ -520,12 +546,14 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
                             sr = {k: v[j] for k, v in step_rows[c].items()}
                             df = pd.DataFrame({**key, "position": np.arange(P, step_end), **sr})
                             _write_parquet(df[list(STEP_COLUMNS)], step_part_path(out, K, doc, c))
+                            n_step_new += 1
                         if E and not state_part_path(out, doc, c).exists():
                             df = pd.DataFrame(err_rows[c][j], columns=[
                                 k for k in STATE_ERROR_COLUMNS if k not in key])
                             for k, v in key.items():
                                 df[k] = v
                             _write_parquet(df[list(STATE_ERROR_COLUMNS)], state_part_path(out, doc, c))
+                            n_state_new += 1
     if handle is not None:
         handle.remove()
     timings["total_s"] = time.time() - t0
@@ -535,15 +563,25 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
             "peak_memory": _peak_memory(device, device_map),
             "device_map": sorted({str(v) for v in device_map.values()}) if device_map else None,
             "pairs": len(work), "documents": len(docs), "references": n_refs,
-            "cells_computed": n_new, "threads": threads, "params": params, "timings": timings}
+            "cells_computed": n_new, "stepwise_parts_computed": n_step_new,
+            "state_error_parts_computed": n_state_new,
+            "threads": threads, "params": params, "timings": timings}
     # every rank's statistics on rank 0; this waits for the slowest rank
     ranks_stats = group.all_gather(mine) if group is not None else [mine]
     if rank != 0:
         return 0
     n_new = sum(r["cells_computed"] for r in ranks_stats)
+    n_step_new = sum(r["stepwise_parts_computed"] for r in ranks_stats)
+    n_state_new = sum(r["state_error_parts_computed"] for r in ranks_stats)
     params = params if params is not None else next((r["params"] for r in ranks_stats
                                                      if r["params"] is not None), None)
     if left:
+        if n_new or n_step_new or n_state_new:  # its compute counts in the final manifest
+            timings = _sum_timings([r["timings"] for r in ranks_stats])
+            timings["total_s"] = time.time() - t0
+            _ledger_append(out, {"command": _command(), "timings": timings,
+                                 "cells_computed": n_new, "stepwise_parts_computed": n_step_new,
+                                 "state_error_parts_computed": n_state_new})
         done = len(ucells) * len(token_docs) - left
         print(f"replayssm-kl: stopped after --max-cells {a.max_cells}: {done} of "
               f"{len(ucells) * len(token_docs)} cells are done ({n_new} in this run, on {world} "
@@ -585,11 +623,17 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     summ = summarize(upos, ustep)
     summ.to_csv(out / "summary.csv", index=False)
     earlier = _earlier_manifest(out)
+    ledger = _ledger_read(out)  # --max-cells invocations since the last manifest
     n_tok = sum(len(d["ids"]) for d in token_docs)  # N + 1 per document (the last is a target only)
     nf_by_policy = upos.groupby("policy")[["nonfinite", "nonfinite_ref", "nonfinite_policy"]].sum()
+    all_timings = (_add_timings(earlier.get("timings"), timings)
+                   if n_new < len(ucells) * len(token_docs) else timings)
+    for e in ledger:
+        all_timings = _add_timings(e.get("timings"), all_timings)
     manifest = {
         "command": _command(),
-        "commands": earlier.get("commands", []) + [_command()],
+        "commands": (earlier.get("commands", []) + [e["command"] for e in ledger]
+                     + [_command()]),
         "args": vars(a), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": _git_commit(),
         "versions": _versions(), "metrics": METRICS_VERSION,
         "model": {"name": a.model, "path": cfg_path, "model_type": arch, "dtype": a.dtype,
@@ -616,17 +660,20 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
             "ranks": [{k: v for k, v in r.items() if k != "params"} for r in ranks_stats],
             "memory_plan": plans,
         },
-        "cells_computed_this_run": n_new, "threads": ranks_stats[0]["threads"],
+        "cells_computed_this_run": n_new,
+        "stepwise_parts_computed_this_run": n_step_new,
+        "state_error_parts_computed_this_run": n_state_new,
+        "threads": ranks_stats[0]["threads"],
         "shared_cells": {f"{c[0]} L={c[1]} seed={c[2]}": f"{k[0]} L={k[1]} seed={k[2]}"
                          for c, k in canon.items() if c != k},
         "shared_cells_note": "cells that cannot differ (eager: policies run with L = 1; policies "
                              "without SR ignore the seed) are computed once and labelled with "
                              "each requested window and seed",
         "state_error": bool(E),
-        # compute of every invocation that contributed to these tables (a resume adds to it);
-        # seconds summed over ranks, total_s the wall time of the invocations
-        "timings": _add_timings(earlier.get("timings"), timings) if n_new < len(ucells) * len(token_docs)
-        else timings,
+        # compute of every invocation that contributed to these tables (a resume adds to it;
+        # so do --max-cells invocations, through the ledger); seconds summed over ranks,
+        # total_s the wall time of the invocations
+        "timings": all_timings,
         "timings_this_invocation": timings,
         # computed rows (a non-SR policy's label copies for other seeds counted once)
         "nonfinite_rows": int(upos["nonfinite"].sum()),
@@ -647,6 +694,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2, default=str))
     os.replace(tmp, out / "manifest.json")
+    _ledger_path(out).unlink(missing_ok=True)  # now counted in the manifest
     fin = upos[~upos["nonfinite"]]
     overall = fin.groupby(["policy", "window"]).agg(
         kl_mean=("kl", "mean"), kl_p99=("kl", lambda s: float(np.percentile(s, 99)) if len(s) else math.nan),
@@ -657,8 +705,17 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
         on=["policy", "window"], how="right")
     where = f", {world} ranks" if world > 1 else ""
     docs = f"{len(token_docs)} document{'' if len(token_docs) == 1 else 's'}"
-    took = (f"{timings['total_s']:.1f} s" if n_new else
-            "every cell already in the output, nothing recomputed")
+    parts = [f"{n} {what} part{'' if n == 1 else 's'}" for n, what in
+             ((n_step_new, "stepwise-check"), (n_state_new, "state-error")) if n]
+    if n_new:
+        took = f"{timings['total_s']:.1f} s"
+        if all_timings["total_s"] > timings["total_s"] + 0.05:
+            took += f" ({all_timings['total_s']:.1f} s with the earlier invocations)"
+    elif parts:
+        took = (f"{timings['total_s']:.1f} s: every KL cell already in the output; computed "
+                f"{' and '.join(parts)}")
+    else:
+        took = "every cell already in the output, nothing recomputed"
     print(f"{'' if a.no_progress else chr(10)}replayssm-kl: {docs} x {N} tokens, "
           f"model {a.model} ({arch}), {took}{where}; output {out}")
     with pd.option_context("display.width", 160, "display.max_columns", 20):

@@ -333,3 +333,24 @@ def test_fewer_documents_than_max_docs_noted(tmp_path, data_file, capsys):
     n = len(json.loads((out / "manifest.json").read_text())["data"]["documents"])
     assert 1 <= n < 50
     assert f"note: --max-docs 50, but the dataset holds {n} document(s) of 17 tokens" in err, err
+
+
+def test_damaged_part_file_is_named_and_exits_2(tmp_path, capsys):
+    """A part file cut short (a disk error, a copy gone wrong) stops the rerun with one line
+    naming it and exit code 2, not a traceback; deleting it recomputes that cell to the same
+    table."""
+    out = tmp_path / "run"
+    args = ["--model", "tiny-mamba2", "--max-docs", "1", "-N", "16", "--policies",
+            "shared:fp16", "--windows", "4", "--stepwise-check", "0", "--no-progress",
+            "-o", str(out)]
+    assert main(args) == 0
+    table = pd.read_parquet(out / "positions.parquet")
+    (part,) = (out / "parts").glob("*.parquet")
+    part.write_bytes(part.read_bytes()[:100])
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"part file {part} cannot be read" in err and "delete it and rerun" in err
+    part.unlink()
+    assert main(args) == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "positions.parquet"), table)

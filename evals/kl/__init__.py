@@ -45,6 +45,7 @@ from .documents import BOS_CHOICES, BadTokenizer, load_tokenization, make_docume
 from .metrics import PERCENTILES, pair_kl, position_metrics, summarize  # noqa: F401 (re-exported)
 from .memory import cache_bytes, check_budget_arg, device_budget, format_bytes, model_shape, plan_rank
 from .run import (COLUMNS, IDENTITY_FILE, METRICS_VERSION, STEP_COLUMNS, BadArgs,  # noqa: F401
+                  DamagedPart,
                   REFERENCE_WINDOW, _check_identity, _set_threads, cell_plan, pending_pairs, run,
                   run_cells, run_identity,
                   stepwise_summary)
@@ -700,6 +701,9 @@ def main(argv=None) -> int:
                    device=devices[0], device_map=mine.device_map if mine else None,
                    params=shape.params if shape else None,
                    left=missing - len(todo), plans=[_plan_record(p) for p in plans])
+    except DamagedPart as e:
+        print(f"replayssm-kl: error: {e}", file=sys.stderr)
+        return EXIT_BAD_ARGS
     except KeyboardInterrupt:
         done = len(list((Path(a.output_dir) / "parts").glob("*.parquet")))
         print(f"\nreplayssm-kl: interrupted; {done} finished cells are saved in "

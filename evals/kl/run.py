@@ -50,6 +50,12 @@ class BadArgs(Exception):
     """A user error detected before any compute (exit code 2)."""
 
 
+class DamagedPart(Exception):
+    """A part file of the output directory that cannot be read or holds other rows than its
+    cell's (exit code 2: the message names the file; deleting it and rerunning recomputes
+    that cell)."""
+
+
 # ------------------------------------------------------------------------------ run
 def _cell_key(doc, policy, window, seed) -> str:
     """Part-file key of one (document, policy, window, seed) cell. The document enters by the
@@ -785,12 +791,20 @@ def _assemble(token_docs, cells, part, columns, positions):
     for d in range(len(token_docs)):
         for c in cells:
             f = part(d, c)
-            df = pd.read_parquet(f)
+            try:
+                df = pd.read_parquet(f)
+            except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+                raise DamagedPart(f"part file {f} cannot be read ({str(e).splitlines()[0][:160]}); "
+                                  f"delete it and rerun to recompute that cell") from None
+            missing = [k for k in columns if k not in df.columns and k != "doc"]
+            if missing:
+                raise DamagedPart(f"part file {f} lacks the columns {missing}; delete it and "
+                                  f"rerun to recompute that cell")
             df["policy"], df["window"], df["seed"] = c[0], c[1], c[2]  # a shared part's labels
             if positions is not None and not np.array_equal(df["position"].to_numpy(), positions):
-                raise RuntimeError(f"{f} holds positions {df['position'].min()}..{df['position'].max()} "
-                                   f"({len(df)} rows), expected {positions[0]}..{positions[-1]}; "
-                                   "delete it and rerun")
+                raise DamagedPart(f"part file {f} holds positions {df['position'].min()}.."
+                                  f"{df['position'].max()} ({len(df)} rows), expected "
+                                  f"{positions[0]}..{positions[-1]}; delete it and rerun")
             df["doc"] = token_docs[d]["id"]
             frames.append(df[list(columns)])
     return pd.concat(frames, ignore_index=True)

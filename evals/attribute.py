@@ -283,6 +283,15 @@ def attribute(a, out: Path) -> dict:
 
     policy = StatePolicy.parse(a.policy)
     heads, _ = ssm_structure(a.model)
+    if policy.is_eager and a.by == "head" and any(a.group_size < h for h in heads.values()):
+        most = max(heads.values())
+        raise BadArgs(
+            f"--policy {policy} with --by head: eager: policies round the state after every "
+            "token (window 1) and all heads of a layer share one flush schedule "
+            "(docs/planner.md, 'One flush schedule per layer'), so an eager: head group cannot "
+            f"sit beside the FP32 heads of its layer, and the units here are groups of "
+            f"{a.group_size} head(s) of layers of up to {most}; attribute eager: policies "
+            f"--by layer, or --by head --group-size {most}")
     units = units_for(heads, a.by, a.group_size)
     if a.by == "head" and heads and a.group_size >= max(heads.values()):
         print(f"replayssm-attribute: note: --group-size {a.group_size} covers every layer's "
@@ -350,11 +359,12 @@ def main(argv=None) -> int:
         if str(a.policy).lower().startswith("map:") or str(a.policy).endswith(".json"):
             raise BadArgs(f"--policy {a.policy!r}: attribution puts one unit at a time at a "
                           "single policy; give a policy string, not a policy map")
-        if StatePolicy.parse(a.policy) == StatePolicy.parse("fp32"):
+        pol = StatePolicy.parse(a.policy)
+        if pol.read.is_identity and pol.rec.is_identity:  # fp32, and eager:fp32 (window 1)
             raise BadArgs(f"--policy {a.policy!r} is the FP32-state reference itself (it reads "
-                          "as 'fp32'): every unit's KL would be float32 rounding noise, not a "
-                          "contribution; give a policy that rounds the state (e.g. "
-                          "read:nvfp4/rec:fp32)")
+                          f"as '{pol}', which rounds no state): every unit's KL would be "
+                          "float32 rounding noise, not a contribution; give a policy that "
+                          "rounds the state (e.g. read:nvfp4/rec:fp32)")
         if a.group_size != 1 and a.by != "head":
             raise BadArgs(f"--group-size {a.group_size} needs --by head (layers are whole units)")
         check_run_arguments(a)

@@ -108,12 +108,29 @@ def test_bad_arguments_exit_2(capsys, tmp_path):
     (tmp_path / "afile").write_text("x")
     assert main(["-o", str(tmp_path / "afile")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
-    for pol in ("fp32", "shared:fp32", "read:fp32/rec:fp32+sr"):  # the reference itself
+    for pol in ("fp32", "shared:fp32", "read:fp32/rec:fp32+sr", "eager:fp32"):  # the reference
         assert main(["--policy", pol, "-o", str(tmp_path / "f")]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"replayssm-attribute: error: --policy {pol!r} is the FP32-state "
                               "reference itself") and "float32 rounding noise" in err
         assert not (tmp_path / "f").exists()
+
+
+def test_eager_head_groups_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    """eager: runs at window 1 and a layer's heads share one flush schedule, so an eager:
+    head group beside FP32 heads is a map the runner refuses: attribution refuses it up front
+    by the flags typed (not through a sub-run's error on a map the user never wrote), and
+    takes it for whole layers."""
+    import replayssm_quant.evals.attribute as at
+
+    def no_runs(*args, **kwargs):
+        raise AssertionError("a sub-run started")
+
+    monkeypatch.setattr(at, "run_cells", no_runs)
+    assert main(["--policy", "eager:fp8e4m3", "--by", "head", "-o", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("replayssm-attribute: error: --policy eager:fp8e4m3 with --by head")
+    assert "--by layer" in err and "replayssm-kl exited" not in err
 
 
 def _fake_cells(monkeypatch, docs):

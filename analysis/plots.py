@@ -18,6 +18,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from .results import (  # noqa: E402
+    KL_NOISE_FLOOR,
     kl_by_position,
     require_columns,
     rtn_sr_ratio,
@@ -43,7 +44,7 @@ __all__ = [
 POSITION_PLOT_COLUMNS = ("doc", "position", "policy", "window", "kl", "nonfinite")
 #: nats: mean KL below this is float32 path noise of the emulation (the stepwise check and the
 #: fp32 policy at L > 1 measure ~1e-12), drawn off the axis of the KL-versus-N figure
-KL_FLOOR = 1e-9
+KL_FLOOR = KL_NOISE_FLOOR
 _FIGSIZE = (6.4, 4.2)
 
 

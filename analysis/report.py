@@ -59,6 +59,7 @@ def _bos(manifest: dict) -> str:
 
 
 def _path_noise_section(noise: pd.DataFrame) -> list:
+    from .results import KL_NOISE_FLOOR
     lines = ["## Emulation path noise (stepping versus teacher-forced emulation)", ""]
     if noise.empty:
         return lines + ["_No stepwise check in these runs: rerun `replayssm-kl` with "
@@ -79,6 +80,13 @@ def _path_noise_section(noise: pd.DataFrame) -> list:
         markdown_table(noise),
         "",
     ]
+    quiet = noise[noise["kl_mean"] < KL_NOISE_FLOOR]
+    if len(quiet):
+        lines += ["> **No policy effect above float32 noise** in the checked positions for: "
+                  + ", ".join(f"`{r.policy}` L={r.window} ({r.run}: {r.kl_mean:.2g} nats)"
+                              for r in quiet.itertuples())
+                  + f" (below {KL_NOISE_FLOOR:g} nats, e.g. no flush inside the first K "
+                  "positions): their `path_to_effect` and `mean_rel_diff` are left empty.", ""]
     loud = noise[noise["path_to_effect"] > 0.1]
     if len(loud):
         lines += ["> **Path noise above 10% of the policy's KL** for: "

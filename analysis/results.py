@@ -75,6 +75,12 @@ _NUMERIC = ("position", "window", "seed", "kl", "dp_ref", "nll_ref", "nll")
 #: nats: runs before 2026-12-01 computed KL in FP32, which rounds slightly below 0; the current
 #: runner's KL is >= 0 by construction (docs/kl-runner.md)
 KL_NEGATIVE_TOL = -1e-4
+#: nats: a mean KL below this is float32 arithmetic noise of the two forward paths (the
+#: stepwise check and the fp32 policy at L > 1 measure ~1e-12), not an effect of the policy.
+#: Ratios with such a mean (``path_to_effect``, ``mean_rel_diff``, the shared/separate ratio)
+#: are NaN: e.g. with ``--prefill 0`` no flush falls inside the first K positions of a window
+#: longer than K, so the policy's KL there is ~1e-13 and any ratio to it is noise over noise.
+KL_NOISE_FLOOR = 1e-9
 
 
 def require_columns(df: pd.DataFrame, columns: Iterable[str], who: str) -> None:
@@ -542,7 +548,8 @@ def path_noise(stepwise: pd.DataFrame, by: Sequence[str] = ("policy", "window"))
     positions (nats); ``kl_mean``: the policy's KL on the same positions as the runner measures
     it (emulation), ``kl_step_mean``: the same with both sides stepped token by token;
     ``path_to_effect`` = ``path_kl_mean / kl_mean``; ``mean_rel_diff`` = ``kl_mean /
-    kl_step_mean - 1`` (how far the emulated mean KL is from the decoded one);
+    kl_step_mean - 1`` (how far the emulated mean KL is from the decoded one); both NaN where
+    a mean KL is below :data:`KL_NOISE_FLOOR` (no effect to compare against);
     ``path_kl_ref_mean``: the reference's own path noise. Rows with ``nonfinite`` are left out of the means and counted.
 
     Raises ValueError for missing columns."""
@@ -566,8 +573,9 @@ def path_noise(stepwise: pd.DataFrame, by: Sequence[str] = ("policy", "window"))
                 path_kl_mean=mean("kl_path"),
                 path_kl_max=float(path.max()) if path.size else math.nan,
                 kl_mean=kl, kl_step_mean=mean("kl_step"),
-                path_to_effect=mean("kl_path") / kl if kl > 0 else math.nan,
-                mean_rel_diff=kl / mean("kl_step") - 1 if mean("kl_step") > 0 else math.nan,
+                path_to_effect=mean("kl_path") / kl if kl > KL_NOISE_FLOOR else math.nan,
+                mean_rel_diff=(kl / mean("kl_step") - 1
+                               if min(kl, mean("kl_step")) > KL_NOISE_FLOOR else math.nan),
                 path_kl_ref_mean=mean("kl_path_ref"),
                 top1_path_agree=float(fin["top1_path_agree"].mean()) if len(fin) else math.nan,
                 nonfinite=int(g["nonfinite"].astype(bool).sum()),
@@ -587,7 +595,8 @@ def shared_separate_ratio(df: pd.DataFrame, base: float = 2.0) -> pd.DataFrame:
 
     Returns:
         Frame with ``read, rec, shared, window, bucket, n_mid, partial, kl_shared, kl_separate,
-        ratio`` (plus ``run``); empty (same columns) when nothing pairs.
+        ratio`` (plus ``run``; ``ratio`` NaN where either mean is below
+        :data:`KL_NOISE_FLOOR`); empty (same columns) when nothing pairs.
     Raises:
         ValueError: missing columns.
     """
@@ -615,7 +624,8 @@ def shared_separate_ratio(df: pd.DataFrame, base: float = 2.0) -> pd.DataFrame:
     m = m.sort_values("rank", kind="stable").drop_duplicates(extra + ["policy", "window", "bucket"])
     m = m.rename(columns={"mean_sh": "kl_shared", "mean": "kl_separate", "policy_sh": "shared"})
     with np.errstate(divide="ignore", invalid="ignore"):
-        m["ratio"] = m["kl_shared"] / m["kl_separate"]
+        m["ratio"] = (m["kl_shared"] / m["kl_separate"]).where(
+            (m["kl_shared"] >= KL_NOISE_FLOOR) & (m["kl_separate"] >= KL_NOISE_FLOOR))
     return m[cols].sort_values(extra + ["read", "rec", "window", "bucket"]).reset_index(drop=True)
 
 
@@ -628,7 +638,8 @@ def rtn_sr_ratio(df: pd.DataFrame, base: float = 2.0, unit: str = "doc") -> pd.D
 
     Returns:
         Frame with ``sr_policy, rtn_policy, window, bucket, n_mid, partial, kl_rtn, kl_sr,
-        ratio`` (plus ``run``); empty (same columns) when nothing pairs.
+        ratio`` (plus ``run``; ``ratio`` NaN where either mean is below
+        :data:`KL_NOISE_FLOOR`); empty (same columns) when nothing pairs.
     Raises:
         ValueError: missing columns.
     """
@@ -648,7 +659,8 @@ def rtn_sr_ratio(df: pd.DataFrame, base: float = 2.0, unit: str = "doc") -> pd.D
                  suffixes=("", "_rtn"))
     m = m.rename(columns={"policy": "sr_policy", "mean": "kl_sr", "mean_rtn": "kl_rtn"})
     with np.errstate(divide="ignore", invalid="ignore"):
-        m["ratio"] = m["kl_rtn"] / m["kl_sr"]
+        m["ratio"] = (m["kl_rtn"] / m["kl_sr"]).where(
+            (m["kl_rtn"] >= KL_NOISE_FLOOR) & (m["kl_sr"] >= KL_NOISE_FLOOR))
     return m[cols].sort_values(extra + ["sr_policy", "window", "bucket"]).reset_index(drop=True)
 
 

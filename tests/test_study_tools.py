@@ -215,6 +215,29 @@ def test_rtn_sr_ratio_is_the_ratio_of_bucket_means():
     assert R.rtn_sr_ratio(pos[pos.policy == "shared:nvfp4"]).empty
 
 
+def test_ratios_are_empty_below_the_noise_floor():
+    """A bucket whose mean KL is float32 noise (below KL_NOISE_FLOOR) has no meaningful ratio
+    to another: rtn_sr_ratio and shared_separate_ratio leave it NaN there and keep the others;
+    path_noise leaves path_to_effect and mean_rel_diff NaN for a cell with no effect."""
+    pos = R.validate_positions(_synthetic_positions(np.random.default_rng(4)))
+    early = pos["position"] < 8  # buckets 0..3: the first 8 positions
+    pos.loc[early & (pos.policy == "shared:nvfp4"), "kl"] = 1e-13
+    r = R.rtn_sr_ratio(pos)
+    assert r.loc[r.n_mid < 8, "ratio"].isna().all() and len(r.loc[r.n_mid < 8])
+    assert r.loc[r.n_mid >= 8, "ratio"].notna().all() and len(r.loc[r.n_mid >= 8])
+    sep = pos[pos.policy == "shared:nvfp4+sr"].assign(policy="read:nvfp4/rec:fp16")
+    sh = R.shared_separate_ratio(pd.concat([pos[pos.policy == "shared:nvfp4"], sep]))
+    assert sh.loc[sh.n_mid < 8, "ratio"].isna().all() and sh.loc[sh.n_mid >= 8, "ratio"].notna().all()
+    step = pd.DataFrame({"doc": "a", "position": np.arange(4), "policy": ["p"] * 2 + ["q"] * 2,
+                         "window": 16, "seed": 0, "kl": [1e-13, 1e-13, 1e-3, 1e-3],
+                         "kl_step": [1e-13, 2e-13, 1e-3, 2e-3], "kl_path": 1e-12,
+                         "kl_path_ref": 1e-12, "top1_path_agree": True, "nonfinite": False})
+    noise = R.path_noise(step).set_index("policy")
+    assert np.isnan(noise.loc["p", "path_to_effect"]) and np.isnan(noise.loc["p", "mean_rel_diff"])
+    assert noise.loc["q", "path_to_effect"] == pytest.approx(1e-9)
+    assert noise.loc["q", "mean_rel_diff"] == pytest.approx(1e-3 / 1.5e-3 - 1)
+
+
 def test_report_reads_a_run_kept_as_buckets(tmp_path):
     pos = _synthetic_positions(np.random.default_rng(4))
     full, slim = tmp_path / "full", tmp_path / "slim"

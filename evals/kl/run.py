@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from replayssm_quant.analysis.results import KL_NOISE_FLOOR
+
 from .metrics import bucket_sums, pair_kl, position_metrics, summarize
 from .state_error import STATE_ERROR_COLUMNS, state_error_rows
 
@@ -282,8 +284,9 @@ def stepwise_summary(step) -> list:
                      "path_kl_p99": float(np.percentile(path, 99)) if path.size else math.nan,
                      "path_kl_max": float(path.max()) if path.size else math.nan,
                      "kl_mean": kl, "kl_step_mean": mean("kl_step"),
-                     "path_to_effect": (mean("kl_path") / kl) if kl and kl > 0 else math.nan,
-                     "mean_rel_diff": (kl / mean("kl_step") - 1) if mean("kl_step") > 0 else math.nan,
+                     "path_to_effect": (mean("kl_path") / kl) if kl > KL_NOISE_FLOOR else math.nan,
+                     "mean_rel_diff": ((kl / mean("kl_step") - 1)
+                                       if min(kl, mean("kl_step")) > KL_NOISE_FLOOR else math.nan),
                      "path_kl_ref_mean": mean("kl_path_ref"),
                      "top1_path_agree": float(g["top1_path_agree"].mean()),
                      "nonfinite": int(g["nonfinite"].sum())})

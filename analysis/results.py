@@ -89,7 +89,9 @@ def require_columns(df: pd.DataFrame, columns: Iterable[str], who: str) -> None:
     Args: df: a frame; columns: the required names; who: the caller, quoted in the message.
     """
     if not isinstance(df, pd.DataFrame):
-        raise ValueError(f"{who}: expected a pandas DataFrame, got {type(df).__name__}")
+        hint = (" (load_runs returns a Runs: pass its .positions, or .stepwise / .state_error)"
+                if isinstance(df, Runs) else "")
+        raise ValueError(f"{who}: expected a pandas DataFrame, got {type(df).__name__}{hint}")
     missing = [c for c in columns if c not in df.columns]
     if missing:
         raise ValueError(
@@ -192,7 +194,10 @@ def load_run(path) -> Runs:
 
 
 def load_runs(paths: Sequence, prefer_buckets: bool = False) -> Runs:
-    """Load one or several ``replayssm-kl`` output directories into one validated frame.
+    """Load one or several ``replayssm-kl`` output directories as one :class:`Runs`: the
+    validated positions of every run in one frame (``runs.positions``, with a ``run``
+    column), beside their summaries, stepwise tables, state errors and manifests. The
+    table functions take the frame: ``kl_by_position(load_runs(dirs).positions)``.
 
     Args:
         paths: directories holding ``positions.parquet`` or ``buckets.parquet`` (one of them

@@ -228,9 +228,10 @@ def _check(a) -> list[StatePolicy]:
     if len(set(a.budget)) != len(a.budget):
         raise BadArgs(f"--budget repeats a value: {a.budget}; give each budget once")
     check_run_arguments(a, "--at-N", 2)
-    if a.group_size < 1 or a.bins < 10 or a.max_iter < 1:
-        raise BadArgs(f"--group-size >= 1, --bins >= 10, --max-iter >= 1 expected, got "
-                      f"{a.group_size}, {a.bins}, {a.max_iter}")
+    for flag, value, least in (("--group-size", a.group_size, 1), ("--bins", a.bins, 10),
+                               ("--max-iter", a.max_iter, 1)):
+        if value < least:
+            raise BadArgs(f"{flag} must be >= {least}, got {value}")
     cands = []
     for s in a.candidates:
         try:

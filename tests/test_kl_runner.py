@@ -94,7 +94,7 @@ def test_document_order_does_not_change_numbers(model_dir, data_file, tmp_path, 
     del ident["sr_streams"]
     (res / "run_identity.json").write_text(json.dumps(ident))
     assert main(_args(model_dir, str(rev), res, *extra)) == 2
-    assert "sr_streams: None there" in capsys.readouterr().err
+    assert "the SR stream version: None there" in capsys.readouterr().err
 
 
 def test_fp32_policy_gives_zero_kl(model_dir, data_file, tmp_path):
@@ -165,7 +165,7 @@ def test_resume_never_reuses_cells_of_other_settings(model_dir, data_file, tmp_p
     args[args.index("--max-tokens") + 1] = "20"
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "max_tokens" in err and "another --output-dir" in err
+    assert "--max-tokens (-N; --at-N of replayssm-plan): " in err and "another --output-dir" in err
     # other documents, same settings: their cells are computed, not taken from the old ones
     other = tmp_path / "other.jsonl"
     other.write_text("\n".join(json.dumps({"id": f"o{i}", "text": TEXT[::-1][i * 5:]}) for i in range(2)))
@@ -354,3 +354,13 @@ def test_damaged_part_file_is_named_and_exits_2(tmp_path, capsys):
     part.unlink()
     assert main(args) == 0
     pd.testing.assert_frame_equal(pd.read_parquet(out / "positions.parquet"), table)
+
+
+def test_state_error_names_the_windows_the_segment_does_not_divide(tmp_path, capsys):
+    """--state-error needs --segment-len a multiple of every window; the message names the
+    windows it is not a multiple of, under their own flag."""
+    assert main(["--model", "tiny-gdn", "-N", "64", "--max-docs", "1", "--segment-len", "24",
+                 "--windows", "4", "16", "32", "--state-error", "--no-progress",
+                 "-o", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "24 is not a multiple of --windows 16 32" in err, err

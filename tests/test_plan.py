@@ -120,6 +120,9 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert "--seed must be >= 0, got -1" in capsys.readouterr().err
     assert main(["--budget", "1e-4", "--at-N", "1", "-o", str(tmp_path / "y")]) == 2
     assert "--at-N must be >= 2, got 1" in capsys.readouterr().err
+    for flag, value, least in (("--group-size", "0", 1), ("--bins", "9", 10), ("--max-iter", "0", 1)):
+        assert main(["--budget", "1e-4", flag, value, "-o", str(tmp_path / "y")]) == 2
+        assert f"{flag} must be >= {least}, got {value}" in capsys.readouterr().err
 
 
 @pytest.mark.slow

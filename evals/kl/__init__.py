@@ -228,8 +228,9 @@ def _check_args(a) -> list:
         bad = [w for w in a.windows if a.segment_len % w]
         if bad:
             raise BadArgs(f"--state-error compares states where both sit on a flush, at segment "
-                          f"ends: --segment-len {a.segment_len} must be a multiple of every "
-                          f"window, not of {', '.join(map(str, bad))}")
+                          f"ends: --segment-len must be a multiple of every window, and "
+                          f"{a.segment_len} is not a multiple of --windows "
+                          f"{' '.join(map(str, bad))}")
     if a.stepwise_check is None:
         a.stepwise_check = min(DEFAULT_STEPWISE_CHECK, a.max_tokens - a.prefill)
     elif not 0 <= a.stepwise_check <= a.max_tokens - a.prefill:

@@ -82,6 +82,17 @@ def run_identity(a, cfg) -> dict:
             "decay_stats": _file_sha(getattr(a, "decay_stats", None))}
 
 
+#: what sets each field of :func:`run_identity`, as the identity check's message names it
+IDENTITY_FLAGS = {
+    "model": "--model", "config_sha256": "the model's config (sha256)", "dtype": "--dtype",
+    "device_type": "--device (type)", "prefill": "--prefill", "segment_len": "--segment-len",
+    "gdn_fold": "--gdn-fold", "dt_limit": "--dt-limit",
+    "max_tokens": "--max-tokens (-N; --at-N of replayssm-plan)",
+    "add_bos_token": "--add-bos-token", "metrics": "the metrics version",
+    "sr_streams": "the SR stream version", "decay_stats": "--decay-stats (sha256)",
+}
+
+
 def _file_sha(path) -> str | None:
     """sha256 of a file's bytes (None for None)."""
     if path is None:
@@ -100,7 +111,8 @@ def _check_identity(a, cfg) -> None:
     new = run_identity(a, cfg)
     diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
     if diff:
-        desc = ", ".join(f"{k}: {o!r} there vs {n!r} now" for k, (o, n) in diff.items())
+        desc = ", ".join(f"{IDENTITY_FLAGS.get(k, k)}: {o!r} there vs {n!r} now"
+                         for k, (o, n) in diff.items())
         raise BadArgs(f"--output-dir {a.output_dir!r} holds a run with other settings ({desc}); "
                       "use another --output-dir or remove it")
 

@@ -436,7 +436,8 @@ def print_plan(a, arch, shape, tokz, token_docs, policies, cells, ucells, todo, 
           f"segments of {min(a.segment_len, a.max_tokens)}, batch {a.batch_size}, tokenizer {tokz.name}, "
           f"BOS {a.add_bos_token} ({bos['documents_starting_with_bos']} of "
           f"{bos['documents']} documents start with BOS)")
-    print(f"      {len(cells)} cell{'' if len(cells) == 1 else 's'} = policies {[str(p) for p in policies]} x windows {a.windows} "
+    print(f"      {len(cells)} cell{'' if len(cells) == 1 else 's'} = policies "
+          f"{[str(p) for p in policies]} x windows {a.windows} "
           f"x seeds {a.seeds} ({len(ucells)} computed: eager: cells run with L = 1, cells "
           f"without SR ignore the seed); reference fp32 (L = {REFERENCE_WINDOW}) computed once "
           f"per document and rank; stepwise check of the first {a.stepwise_check} positions")

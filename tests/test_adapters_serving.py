@@ -8,6 +8,8 @@ differ by float reassociation, and the logits agree to float reassociation;
 ``fp32`` serving reproduces the unpatched model. Bad uses raise clear errors.
 """
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -15,6 +17,11 @@ from replayssm_quant.adapters import apply_state_policy, state_policy
 from replayssm_quant.adapters.tiny import TINY_VOCAB, tiny_model
 
 TOL = 1e-4
+# With fla installed, transformers hands the *unpatched* GDN model's CPU tensors to fla's
+# Triton kernels, which need CUDA tensors (seen on the device machine, 2026-12-06): the
+# comparison with the unpatched model is then not runnable on a CPU model. The patched model
+# never calls fla (docs/adapters.md), so the serving/window comparison still runs.
+FLA_ROUTES_CPU_GDN = importlib.util.find_spec("fla") is not None
 GEN = dict(max_new_tokens=11, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
@@ -54,11 +61,11 @@ def test_serving_equals_window_form(arch, policy):
     model = tiny_model(arch)
     ids = _ids(2, 6)
     runs = _generate_both(model, policy, ids, 4)
-    with torch.no_grad():
-        ref = model.generate(ids, **GEN)
     w, s = runs["window"], runs["serving"]
     _same_generation(w, s)
-    if policy == "fp32":
+    if policy == "fp32" and not (arch == "qwen3_5" and FLA_ROUTES_CPU_GDN):
+        with torch.no_grad():
+            ref = model.generate(ids, **GEN)
         _same_generation(s, ref)
     # after 11 steps at L = 4: two flushes, h = 2, and really the serving objects
     sw, ss = _states(w.past_key_values), _states(s.past_key_values)

@@ -257,9 +257,13 @@ def plot_ratio_vs_n(df: pd.DataFrame, path=None, window: int | None = None):
     df = _select_window(df, window) if window is not None else df[df["window"] > 1]
     r = shared_separate_ratio(df)
     ratio = r["ratio"].astype(float)  # an empty result has object columns
+    paired = not r.empty
     r = r[np.isfinite(ratio) & (ratio > 0)]
     if r.empty:
-        raise ValueError("plot_ratio_vs_n: no read:F/rec:G policy with a shared:F partner")
+        raise ValueError("plot_ratio_vs_n: " + (
+            f"every paired bucket's mean KL is below {KL_NOISE_FLOOR:g} nats (float32 noise: "
+            "no effect to take a ratio of)" if paired
+            else "no read:F/rec:G policy with a shared:F partner"))
     r = r.assign(curve=_label(r, _runs(df), r["shared"] + " / read:" + r["read"] + "/rec:" + r["rec"]
                               + (" L=" + r["window"].astype(str) if window is None else "")))
     return _ratio_figure(r, "KL(shared) / KL(separate)", "Shared over separate precision", window,
@@ -344,9 +348,13 @@ def plot_rtn_vs_sr(df: pd.DataFrame, window: int | None = None, path=None):
     d = _select_window(df, window)
     r = rtn_sr_ratio(d)
     ratio = r["ratio"].astype(float)
+    paired = not r.empty
     r = r[np.isfinite(ratio) & (ratio > 0)]
     if r.empty:
-        raise ValueError("plot_rtn_vs_sr: no policy with +sr whose RTN twin is in the run")
+        raise ValueError("plot_rtn_vs_sr: " + (
+            f"every paired bucket's mean KL is below {KL_NOISE_FLOOR:g} nats (float32 noise: "
+            "no effect to take a ratio of)" if paired
+            else "no policy with +sr whose RTN twin is in the run"))
     r = r.assign(curve=_label(r, _runs(d), r["rtn_policy"] + " / +sr"
                               + (" L=" + r["window"].astype(str) if window is None else "")))
     return _ratio_figure(r, "KL(RTN) / KL(SR)", "Round-to-nearest over stochastic rounding", window,

@@ -80,11 +80,11 @@ def _path_noise_section(noise: pd.DataFrame) -> list:
         markdown_table(noise),
         "",
     ]
-    quiet = noise[noise["kl_mean"] < KL_NOISE_FLOOR]
+    quiet = noise[(noise["kl_mean"] < KL_NOISE_FLOOR) | (noise["kl_step_mean"] < KL_NOISE_FLOOR)]
     if len(quiet):
         lines += ["> **No policy effect above float32 noise** in the checked positions for: "
-                  + ", ".join(f"`{r.policy}` L={r.window} ({r.run}: {r.kl_mean:.2g} nats)"
-                              for r in quiet.itertuples())
+                  + ", ".join(f"`{r.policy}` L={r.window} ({r.run}: {r.kl_mean:.2g} nats emulated, "
+                              f"{r.kl_step_mean:.2g} stepped)" for r in quiet.itertuples())
                   + f" (below {KL_NOISE_FLOOR:g} nats, e.g. no flush inside the first K "
                   "positions): their `path_to_effect` and `mean_rel_diff` are left empty.", ""]
     loud = noise[noise["path_to_effect"] > 0.1]

@@ -578,9 +578,9 @@ def path_noise(stepwise: pd.DataFrame, by: Sequence[str] = ("policy", "window"))
                 path_kl_mean=mean("kl_path"),
                 path_kl_max=float(path.max()) if path.size else math.nan,
                 kl_mean=kl, kl_step_mean=mean("kl_step"),
-                path_to_effect=mean("kl_path") / kl if kl > KL_NOISE_FLOOR else math.nan,
+                path_to_effect=mean("kl_path") / kl if kl >= KL_NOISE_FLOOR else math.nan,
                 mean_rel_diff=(kl / mean("kl_step") - 1
-                               if min(kl, mean("kl_step")) > KL_NOISE_FLOOR else math.nan),
+                               if min(kl, mean("kl_step")) >= KL_NOISE_FLOOR else math.nan),
                 path_kl_ref_mean=mean("kl_path_ref"),
                 top1_path_agree=float(fin["top1_path_agree"].mean()) if len(fin) else math.nan,
                 nonfinite=int(g["nonfinite"].astype(bool).sum()),

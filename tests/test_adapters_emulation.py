@@ -207,13 +207,46 @@ def test_generate_without_cache_refused_under_exact_prefill():
                 model.generate(ids, use_cache=False, **gen)
             with pytest.raises(ValueError, match="use_cache=False"):
                 model.generate(ids, generation_config=GenerationConfig(use_cache=False, **gen))
+            with pytest.raises(ValueError, match="use_cache=False"):  # by position
+                model.generate(ids, GenerationConfig(use_cache=False, **gen))
+            model.generation_config.use_cache = False  # the model's own config
+            with pytest.raises(ValueError, match="use_cache=False"):
+                model.generate(ids, **gen)
+            model.generation_config.use_cache = True
             assert model.generate(ids, **gen).shape == (1, 10)  # the default keeps a cache
-        assert "generate" not in model.__dict__
+        assert "generate" not in model.__dict__ and "_replayssm_handle" not in model.__dict__
         with apply_state_policy(model, "eager:fp8e4m3", window=4, prefill=False):
             out = model.generate(ids, use_cache=False, output_logits=True,
                                  return_dict_in_generate=True, **gen)
     d = max((a - b).abs().max().item() for a, b in zip(plain.logits, out.logits))
     assert d > 1e-3, d  # the policy acted
+
+
+def test_guarded_generate_follows_a_deep_copy_and_yields_to_later_patches():
+    """The guard is a method of the model it was applied to: a deep copy of the patched
+    model generates with the copy's weights (and its own guard), and remove() leaves a
+    generate that someone patched in after the policy alone."""
+    import copy
+
+    model = tiny_model("qwen3_5")
+    ids = _ids(1, 6)
+    gen = dict(max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        with apply_state_policy(model, "fp32", window=4):
+            twin = copy.deepcopy(model)
+            for p in twin.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+            ours = model.generate(ids, **gen)
+            theirs = twin.generate(ids, **gen)
+            assert torch.equal(theirs, type(twin).generate(twin, ids, **gen))
+            assert not torch.equal(ours, theirs)
+            with pytest.raises(ValueError, match="use_cache=False"):
+                twin.generate(ids, use_cache=False, **gen)
+        h = apply_state_policy(model, "fp32", window=4)
+        later = lambda *a, **k: "later"  # noqa: E731
+        model.generate = later
+        h.remove()
+        assert model.generate is later
 
 
 @pytest.mark.parametrize("decode", ["window", "serving"])

@@ -238,6 +238,26 @@ def test_ratios_are_empty_below_the_noise_floor():
     assert noise.loc["q", "mean_rel_diff"] == pytest.approx(1e-3 / 1.5e-3 - 1)
 
 
+def test_report_notes_cells_without_effect_and_plots_say_why():
+    """The report's path-noise section lists a cell whose checked positions show no effect
+    (instead of flagging its path noise as 270 % of an effect of 1e-13 nats), flags a real
+    one, and a ratio figure whose every pair is below the floor names that reason."""
+    from replayssm_quant.analysis import plots
+    from replayssm_quant.analysis.report import _path_noise_section
+
+    noise = pd.DataFrame({"run": "r", "policy": ["p", "q"], "window": 16,
+                          "path_kl_mean": [3e-13, 5e-4], "kl_mean": [1e-13, 1e-3],
+                          "kl_step_mean": [1e-13, 1e-3], "path_to_effect": [np.nan, 0.5],
+                          "mean_rel_diff": [np.nan, 0.0]})
+    text = "\n".join(_path_noise_section(noise))
+    assert "No policy effect above float32 noise** in the checked positions for: `p` L=16" in text
+    assert "Path noise above 10% of the policy's KL** for: `q` L=16 (r: 50%)" in text
+    pos = R.validate_positions(_synthetic_positions(np.random.default_rng(5)))
+    pos["kl"] = np.where(pos["nonfinite"], np.nan, 1e-12)
+    with pytest.raises(ValueError, match="every paired bucket's mean KL is below 1e-09"):
+        plots.plot_rtn_vs_sr(pos)
+
+
 def test_report_reads_a_run_kept_as_buckets(tmp_path):
     pos = _synthetic_positions(np.random.default_rng(4))
     full, slim = tmp_path / "full", tmp_path / "slim"

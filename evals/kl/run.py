@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-from replayssm_quant.analysis.results import KL_NOISE_FLOOR
-
 from .metrics import bucket_sums, pair_kl, position_metrics, summarize
 from .state_error import STATE_ERROR_COLUMNS, state_error_rows
 
@@ -278,6 +276,8 @@ def stepwise_summary(step) -> list:
     next to the policy's KL on the same positions (emulated and stepped)."""
     import numpy as np
 
+    from replayssm_quant.analysis.results import KL_NOISE_FLOOR  # pandas, scipy: lazily
+
     rows = []
     # rows in an order fixed by the values summed below (not by the run's document order or
     # the documents' labels); rows equal in every key add the same values, in any order
@@ -296,9 +296,9 @@ def stepwise_summary(step) -> list:
                      "path_kl_p99": float(np.percentile(path, 99)) if path.size else math.nan,
                      "path_kl_max": float(path.max()) if path.size else math.nan,
                      "kl_mean": kl, "kl_step_mean": mean("kl_step"),
-                     "path_to_effect": (mean("kl_path") / kl) if kl > KL_NOISE_FLOOR else math.nan,
+                     "path_to_effect": (mean("kl_path") / kl) if kl >= KL_NOISE_FLOOR else math.nan,
                      "mean_rel_diff": ((kl / mean("kl_step") - 1)
-                                       if min(kl, mean("kl_step")) > KL_NOISE_FLOOR else math.nan),
+                                       if min(kl, mean("kl_step")) >= KL_NOISE_FLOOR else math.nan),
                      "path_kl_ref_mean": mean("kl_path_ref"),
                      "top1_path_agree": float(g["top1_path_agree"].mean()),
                      "nonfinite": int(g["nonfinite"].sum())})

@@ -258,7 +258,9 @@ class StatePolicyHandle:
         #: default, since it adds small reductions to every call
         self.track_input_stats = False
         self._hooks: list = []
-        self._generate_prev = None  # the instance's own ``generate`` before the patch, if any
+        #: (whether the instance had its own ``generate`` before the patch, that attribute)
+        self._generate_prev: tuple | None = None
+        self._generate_method = None  # the guarded generate this handle installed
         self._auto_ids: torch.Tensor | None = None  # content ids of the current fresh-cache call
         self._signature = inspect.signature(model.forward)
 
@@ -402,32 +404,16 @@ class StatePolicyHandle:
             self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             self.model.register_forward_hook(self._post_forward, always_call=True),
         ]
-        gen = getattr(self.model, "generate", None)
-        if callable(gen):
-            self._generate_prev = self.model.__dict__.get("generate", _NO_ATTR)
-            self.model.generate = self._guarded_generate(gen)
+        if callable(getattr(self.model, "generate", None)):
+            # a method bound to the model (a deep copy of the model rebinds it to the copy), that
+            # finds this handle through the model (copied along with it) and calls what the
+            # model's generate was before
+            self._generate_prev = ("generate" in self.model.__dict__,
+                                   self.model.__dict__.get("generate"))
+            self.model.__dict__[_HANDLE_ATTR] = self
+            self._generate_method = types.MethodType(_guarded_generate, self.model)
+            self.model.generate = self._generate_method
         self.active = True
-
-    def _guarded_generate(self, generate):
-        """``model.generate`` under the patch: refuses ``use_cache=False`` with the exact
-        prefill, where every generated token would re-run the whole sequence as a fresh
-        prefill (exact state, cast as flush 0 and never read), so the policy would never
-        round a state that an output reads: silently FP32-state decoding."""
-        handle = self
-
-        def guarded(*args, **kwargs):
-            if handle.active and handle.prefill and not _generate_uses_cache(handle.model, kwargs):
-                raise ValueError(
-                    f"generate(use_cache=False) under state policy {handle.policy}: without a "
-                    f"cache every new token re-runs the whole sequence as an exact prefill, so "
-                    f"the policy never rounds a state an output reads (the tokens would be "
-                    f"FP32-state decoding); leave use_cache on (the default), or use "
-                    f"prefill=False to emulate the whole sequence under the policy on every call")
-            return generate(*args, **kwargs)
-
-        guarded.__doc__ = getattr(generate, "__doc__", None)
-        guarded.__wrapped__ = generate
-        return guarded
 
     def remove(self) -> None:
         """Restore the original mixers (idempotent)."""
@@ -443,12 +429,17 @@ class StatePolicyHandle:
             h.remove()
         self._hooks = []
         prev = getattr(self, "_generate_prev", None)
-        if prev is not None:  # put back what the instance had (usually nothing: the class's)
-            if prev is _NO_ATTR:
-                self.model.__dict__.pop("generate", None)
-            else:
-                self.model.generate = prev
-            self._generate_prev = None
+        if prev is not None:  # put back what the instance had (usually nothing: the class's),
+            # unless someone patched generate again after us: theirs stays
+            if self.model.__dict__.get("generate") is self._generate_method:
+                had, value = prev
+                if had:
+                    self.model.generate = value
+                else:
+                    self.model.__dict__.pop("generate", None)
+            if self.model.__dict__.get(_HANDLE_ATTR) is self:
+                del self.model.__dict__[_HANDLE_ATTR]
+            self._generate_prev = self._generate_method = None
         self._auto_ids = None
         self.active = False
 
@@ -534,16 +525,45 @@ class StatePolicyHandle:
                 f"active={self.active})")
 
 
-_NO_ATTR = object()  # "the instance had no attribute of that name"
+_HANDLE_ATTR = "_replayssm_handle"  # the model's applied StatePolicyHandle (for generate)
 
 
-def _generate_uses_cache(model, kwargs: dict) -> bool:
-    """Whether ``model.generate(**kwargs)`` keeps a cache: ``use_cache`` as transformers
-    resolves it (the call's keyword, else the ``generation_config`` passed, else the model's
-    own ``generation_config``; on by default)."""
+def _guarded_generate(model, *args, **kwargs):
+    """``model.generate`` while a state policy is applied: refuses ``use_cache=False`` with the
+    exact prefill, where every generated token would re-run the whole sequence as a fresh
+    prefill (exact state, cast as flush 0 and never read), so the policy would never round a
+    state that an output reads: silently FP32-state decoding. Otherwise the model's own
+    ``generate``.
+
+    Raises:
+        ValueError: ``use_cache`` off (by keyword, a ``generation_config`` passed by keyword
+            or position, or the model's own ``generation_config``) under ``prefill=True``.
+    """
+    handle = model.__dict__.get(_HANDLE_ATTR)
+    had, value = getattr(handle, "_generate_prev", None) or (False, None)
+    inner = value if had else types.MethodType(type(model).generate, model)
+    if (handle is not None and handle.active and handle.prefill
+            and not _generate_uses_cache(model, inner, args, kwargs)):
+        raise ValueError(
+            f"generate(use_cache=False) under state policy {handle.policy}: without a cache "
+            f"every new token re-runs the whole sequence as an exact prefill, so the policy "
+            f"never rounds a state an output reads (the tokens would be FP32-state decoding); "
+            f"leave use_cache on (the default), or use prefill=False to emulate the whole "
+            f"sequence under the policy on every call")
+    return inner(*args, **kwargs)
+
+
+def _generate_uses_cache(model, generate, args: tuple, kwargs: dict) -> bool:
+    """Whether ``generate(*args, **kwargs)`` keeps a cache: ``use_cache`` as transformers
+    resolves it (the call's keyword, else the ``generation_config`` passed by keyword or
+    position, else the model's own ``generation_config``; on by default)."""
     if kwargs.get("use_cache") is not None:
         return bool(kwargs["use_cache"])
-    for gc in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+    try:
+        named = inspect.signature(generate).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        named = kwargs
+    for gc in (named.get("generation_config"), getattr(model, "generation_config", None)):
         flag = getattr(gc, "use_cache", None)
         if flag is not None:
             return bool(flag)

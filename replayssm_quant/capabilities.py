@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["TRITON_INTERPRET_ENV", "triton_interpreting", "REPLAY_MIN_KEY_DIM",
            "replay_kernels_supported", "available_device", "device_memory_bytes",
-           "check_allocation"]
+           "check_allocation", "is_allocation_error"]
 
 TRITON_INTERPRET_ENV = "TRITON_INTERPRET"  # Triton's own switch for its interpreter
 REPLAY_MIN_KEY_DIM = 32  # replay kernels: whole nvfp4 (16) and mx (32) blocks along the key axis
@@ -71,8 +71,10 @@ def device_memory_bytes(device: torch.device) -> int | None:
 def check_allocation(nbytes: int, device: torch.device, what: str) -> None:
     """Refuse an allocation larger than all of ``device``'s memory before it is attempted.
 
-    Linux grants such a CPU allocation lazily and then kills the process while it writes the
-    zeros, with no Python error; a CUDA one fails with a message that names no argument.
+    Such an allocation fails with an allocator message that names no argument, or, where the
+    system grants memory lazily (Linux overcommit), can get the process killed while it writes
+    the zeros (seen for a record ring of a 10^9-token window). This check cannot see what
+    other processes or a cgroup limit leave free: it refuses only what no run could hold.
 
     Args:
         nbytes: the allocation's size in bytes.
@@ -88,3 +90,14 @@ def check_allocation(nbytes: int, device: torch.device, what: str) -> None:
     if total is not None and nbytes > total:
         raise ValueError(f"{what} needs {nbytes / 2**30:.3g} GiB on {device}, more than its "
                          f"{total / 2**30:.3g} GiB of memory")
+
+
+def is_allocation_error(e: BaseException) -> bool:
+    """Whether ``e`` is an allocator's failure (CUDA's ``OutOfMemoryError``, the CPU
+    allocator's "can't allocate memory"), not another ``RuntimeError`` such as a sticky CUDA
+    error of an earlier kernel."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    if oom is not None and isinstance(e, oom):
+        return True
+    text = str(e)
+    return "can't allocate memory" in text or "out of memory" in text.lower()

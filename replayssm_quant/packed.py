@@ -210,7 +210,8 @@ class PackedTensor:
         """The same storage on ``device`` (codes and scales moved; the values unchanged).
 
         Raises:
-            ValueError: ``device`` is not a device this torch build or machine has.
+            ValueError: ``device`` is not a device this torch build or machine has, or is
+                torch's ``"meta"`` device (no values to hold the codes).
         """
         device = available_device(device)
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731

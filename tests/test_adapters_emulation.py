@@ -258,3 +258,18 @@ def test_window_beyond_memory_refused_by_name(decode):
     with torch.no_grad(), apply_state_policy(model, "shared:fp16", window=10**12, decode=decode):
         with pytest.raises(ValueError, match=r"window.*=1000000000000.* GiB on cpu, more than"):
             model.generate(_ids(1, 6), max_new_tokens=2, do_sample=False)
+
+
+def test_window_whose_matrices_exceed_memory_refused_by_name():
+    """A window whose padded records fit but whose L x L decay and solve matrices cannot is
+    refused by name too, before they are built."""
+    from replayssm_quant.capabilities import device_memory_bytes
+
+    total = device_memory_bytes(torch.device("cpu"))
+    if total is None:
+        pytest.skip("this machine's memory size cannot be read")
+    model = tiny_model("qwen3_5")
+    L = 1 << 22  # 4M: records of a few hundred MiB, matrices of terabytes
+    with torch.no_grad(), apply_state_policy(model, "shared:fp16", window=L):
+        with pytest.raises(ValueError, match=rf"window L={L}: the window form's L x L decay"):
+            model.generate(_ids(1, 6), max_new_tokens=2, do_sample=False)

@@ -364,3 +364,26 @@ def test_state_error_names_the_windows_the_segment_does_not_divide(tmp_path, cap
                  "-o", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert "24 is not a multiple of --windows 16 32" in err, err
+
+
+def test_max_cells_ledger_counted_once(tmp_path, capsys):
+    """A --max-cells invocation's compute counts in the final manifest once: also when its
+    ledger line survives the manifest (a crash between the two), and not when a later
+    invocation recomputed every cell."""
+    out = tmp_path / "run"
+    args = ["--model", "tiny-mamba2", "--max-docs", "1", "-N", "16", "--policies",
+            "shared:fp16", "eager:fp8e4m3", "--windows", "4", "--stepwise-check", "0",
+            "--no-progress", "-o", str(out)]
+    assert main(args + ["--max-cells", "1"]) == 0
+    ledger = out / "parts" / "invocations.jsonl"
+    line = ledger.read_text()
+    assert main(args) == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert len(man["commands"]) == 2 and len(man["invocations_counted"]) == 1
+    ledger.write_text(line)  # as if the run had crashed before removing it
+    assert main(args) == 0
+    again = json.loads((out / "manifest.json").read_text())
+    assert again["invocations_counted"] == man["invocations_counted"]
+    assert len(again["commands"]) == 3  # this rerun's own command, not the ledger's again
+    assert again["timings"]["policies_s"] == man["timings"]["policies_s"]  # nothing twice
+    capsys.readouterr()

@@ -600,7 +600,8 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
         if n_new or n_step_new or n_state_new:  # its compute counts in the final manifest
             timings = _sum_timings([r["timings"] for r in ranks_stats])
             timings["total_s"] = time.time() - t0
-            _ledger_append(out, {"command": _command(), "timings": timings,
+            _ledger_append(out, {"id": f"{time.time_ns()}-{os.getpid()}",
+                                 "command": _command(), "timings": timings,
                                  "cells_computed": n_new, "stepwise_parts_computed": n_step_new,
                                  "state_error_parts_computed": n_state_new})
         done = len(ucells) * len(token_docs) - left
@@ -644,7 +645,12 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     summ = summarize(upos, ustep)
     summ.to_csv(out / "summary.csv", index=False)
     earlier = _earlier_manifest(out)
-    ledger = _ledger_read(out)  # --max-cells invocations since the last manifest
+    # --max-cells invocations since the last manifest; none that a manifest already took in
+    # (a crash between writing it and removing the ledger), and none when this invocation
+    # computed every cell (their parts are gone)
+    counted = set(earlier.get("invocations_counted", []))
+    ledger = ([e for e in _ledger_read(out) if e.get("id") not in counted]
+              if n_new < len(ucells) * len(token_docs) else [])
     n_tok = sum(len(d["ids"]) for d in token_docs)  # N + 1 per document (the last is a target only)
     nf_by_policy = upos.groupby("policy")[["nonfinite", "nonfinite_ref", "nonfinite_policy"]].sum()
     all_timings = (_add_timings(earlier.get("timings"), timings)
@@ -696,6 +702,8 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
         # total_s the wall time of the invocations
         "timings": all_timings,
         "timings_this_invocation": timings,
+        # the --max-cells invocations (parts/invocations.jsonl) whose compute `timings` holds
+        "invocations_counted": sorted(counted | {e["id"] for e in ledger if "id" in e}),
         # computed rows (a non-SR policy's label copies for other seeds counted once)
         "nonfinite_rows": int(upos["nonfinite"].sum()),
         "nonfinite_ref_rows": int(upos["nonfinite_ref"].sum()),
@@ -735,6 +743,8 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     elif parts:
         took = (f"{timings['total_s']:.1f} s: every KL cell already in the output; computed "
                 f"{' and '.join(parts)}")
+        if all_timings["total_s"] > timings["total_s"] + 0.05:
+            took += f" ({all_timings['total_s']:.1f} s with the earlier invocations)"
     else:
         took = "every cell already in the output, nothing recomputed"
     print(f"{'' if a.no_progress else chr(10)}replayssm-kl: {docs} x {N} tokens, "

@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from ..capabilities import available_device, check_allocation
+from ..capabilities import available_device, check_allocation, is_allocation_error
 from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
 from ..config import GDNFold, StateConfig
 from ..packed import PackedTensor
@@ -145,14 +145,16 @@ class ReplayStateBase:
         what = (f"window={window} + max_drafts={max_drafts}: a record ring of {batch} "
                 f"sequences x {cap} slots")
         per_slot = sum(math.prod(shape) for shape in self._RING.values())
-        check_allocation(batch * cap * per_slot * torch.finfo(dtype).bits // 8, self.device,
-                         what)
+        nbytes = batch * cap * per_slot * torch.finfo(dtype).bits // 8
+        check_allocation(nbytes, self.device, what)
         try:
             self._ring = {name: torch.zeros(batch, cap, *shape, dtype=dtype, device=self.device)
                           for name, shape in self._RING.items()}
-        except RuntimeError as e:  # the allocators' errors, CUDA's OutOfMemoryError included
-            raise ValueError(f"{what} could not be allocated on {self.device} "
-                             f"({str(e).splitlines()[0][:200]})") from e
+        except RuntimeError as e:
+            if not is_allocation_error(e):
+                raise
+            raise ValueError(f"{what} ({nbytes / 2**30:.3g} GiB) could not be allocated on "
+                             f"{self.device} ({str(e).splitlines()[0][:200]})") from e
         self._h = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self._pending: int | None = None
         self._committed = False  # the last verify() has been committed (for commit's message)
@@ -343,6 +345,9 @@ class ReplayStateBase:
             raise ValueError(f"accepted must be an int or an integer tensor, got {accepted!r}")
         if isinstance(accepted, numbers.Integral):  # int, numpy integers
             accepted = int(accepted)
+            if not 0 <= accepted <= T:
+                raise ValueError(f"accepted counts must be in [0, {T}] (the number of verified "
+                                 f"drafts), got {accepted}")
             a = torch.full((self.batch,), accepted, dtype=torch.int64, device=self.device)
         elif isinstance(accepted, torch.Tensor) and not accepted.is_floating_point() \
                 and accepted.dtype != torch.bool:

@@ -35,15 +35,14 @@ like the state objects. The batched form of full windows on the kernel path is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 from .. import backend as B
 from ..backend import kernel_ops as kr  # kernel entry points, through the backend seam
-from ..capabilities import check_allocation
+from ..capabilities import check_allocation, is_allocation_error
 from ..config import Family, GDNFold, StateConfig
 from ..policy import HeadPolicy
 from . import core
@@ -196,11 +195,22 @@ def _padded(t: torch.Tensor, L: int, at: int = 0) -> torch.Tensor:
     check_allocation(t.shape[0] * L * math.prod(t.shape[2:]) * t.element_size(), t.device, what)
     try:
         out = t.new_zeros(t.shape[0], L, *t.shape[2:])
-    except RuntimeError as e:  # the allocators' errors, CUDA's OutOfMemoryError included
+    except RuntimeError as e:
+        if not is_allocation_error(e):
+            raise
         raise ValueError(f"{what} could not be allocated on {t.device} "
                          f"({str(e).splitlines()[0][:200]})") from e
     out[:, at: at + t.shape[1]] = t
     return out
+
+
+def _check_window_matrices(B: int, H: int, L: int, t: torch.Tensor) -> None:
+    """Refuse a window whose L x L decay and solve matrices (``core.window_outputs``,
+    ``core.solve_corrections``: about four ``[B, L, L, H]`` tensors live at once) exceed the
+    device's memory, naming L, before any is built."""
+    check_allocation(4 * B * H * L * L * t.element_size(), t.device,
+                     f"window L={L}: the window form's L x L decay and solve matrices "
+                     f"({B} sequences x {H} heads)")
 
 
 def _check_fit(h0: int, W: int, L: int) -> None:
@@ -260,6 +270,7 @@ def mamba2_window(carry: WindowCarry, x, dt, A, B, C, D=None, *, config: StateCo
     H = x.shape[2]
     h0, W = carry.h, x.shape[1]
     _check_fit(h0, W, L)
+    _check_window_matrices(x.shape[0], H, L, x)
     la, v, k = mamba2_records(x, dt, A, B)
     recs = _cat_records(carry, {"la": la, "v": v, "k": k})
     J = h0 + W
@@ -313,6 +324,7 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, config: StateConfig):
     W, HV = v.shape[1], v.shape[2]
     h0 = carry.h
     _check_fit(h0, W, L)
+    _check_window_matrices(v.shape[0], HV, L, v)
     new = {"la": g, "beta": beta, "v": v, "k": k, "uR": torch.zeros_like(v)}
     recs = _cat_records(carry, new)
     J = h0 + W

@@ -85,8 +85,11 @@ def _parse_policy(state) -> "StatePolicy | PolicyMap":
 
 def _check_drafts(max_drafts: int, window: int, policy) -> None:
     """``max_drafts`` as the decode state objects take it (docs/replay.md, decision 7):
-    ``0 <= T <= L``, and ``T <= 1`` under an eager policy (window 1)."""
-    eager = isinstance(policy, StatePolicy) and policy.is_eager
+    ``0 <= T <= L``, and ``T <= 1`` under an eager policy (window 1) or a policy map that
+    puts any layer under one."""
+    # a policy map's eager layers run with window 1 too (PolicyMap.policies: every policy named)
+    eager = (policy.is_eager if isinstance(policy, StatePolicy)
+             else any(p.is_eager for p in policy.policies()))
     limit = 1 if eager else window
     if max_drafts > limit:
         raise ValueError(

@@ -142,7 +142,8 @@ def test_bad_numeric_args(tiny_dir, arg, val):
 
 
 @pytest.mark.parametrize("args", [dict(max_drafts=17), dict(max_drafts=5, window=4),
-                                  dict(max_drafts=2, state="eager:fp8e4m3")])
+                                  dict(max_drafts=2, state="eager:fp8e4m3"),
+                                  dict(max_drafts=2, state="map:fp32@L1=eager:fp8e4m3")])
 def test_drafts_beyond_the_window_refused(args):
     """max_drafts as the decode state objects take it: 0 <= T <= L (L = 1 under eager),
     refused before anything loads; T = L is fine."""

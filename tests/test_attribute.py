@@ -119,8 +119,7 @@ def test_bad_arguments_exit_2(capsys, tmp_path):
 def test_eager_head_groups_refused_before_any_run(tmp_path, capsys, monkeypatch):
     """eager: runs at window 1 and a layer's heads share one flush schedule, so an eager:
     head group beside FP32 heads is a map the runner refuses: attribution refuses it up front
-    by the flags typed (not through a sub-run's error on a map the user never wrote), and
-    takes it for whole layers."""
+    by the flags typed (not through a sub-run's error on a map the user never wrote)."""
     import replayssm_quant.evals.attribute as at
 
     def no_runs(*args, **kwargs):

@@ -7,14 +7,16 @@ check their own inputs, so the rule is written once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from typing import Callable
 
 import torch
 
 __all__ = ["TRITON_INTERPRET_ENV", "triton_interpreting", "REPLAY_MIN_KEY_DIM",
            "replay_kernels_supported", "available_device", "device_memory_bytes",
-           "check_allocation", "is_allocation_error"]
+           "allocation", "check_allocation", "is_allocation_error"]
 
 TRITON_INTERPRET_ENV = "TRITON_INTERPRET"  # Triton's own switch for its interpreter
 REPLAY_MIN_KEY_DIM = 32  # replay kernels: whole nvfp4 (16) and mx (32) blocks along the key axis
@@ -68,27 +70,49 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_allocation(nbytes: int, device: torch.device, what: str) -> None:
-    """Refuse an allocation larger than all of ``device``'s memory before it is attempted.
+@contextlib.contextmanager
+def allocation(nbytes: int, device: torch.device, what: "Callable[[], str]"):
+    """Context for an allocation of ``nbytes`` on ``device``: refused before it is attempted
+    when it is larger than all of the device's memory, and an allocator's failure inside the
+    block raised as ``ValueError`` naming ``what`` too.
 
     Such an allocation fails with an allocator message that names no argument, or, where the
     system grants memory lazily (Linux overcommit), can get the process killed while it writes
-    the zeros (seen for a record ring of a 10^9-token window). This check cannot see what
+    the zeros (seen for a record ring of a 10^9-token window). The check cannot see what
     other processes or a cgroup limit leave free: it refuses only what no run could hold.
 
     Args:
         nbytes: the allocation's size in bytes.
         device: where it would live.
-        what: the argument that set the size and what it allocates, for the message (e.g.
-            ``"window=100000 + max_drafts=0: a record ring of 2 sequences x 100000 slots"``).
+        what: returns the argument that set the size and what it allocates, for the message
+            (e.g. ``"window=100000 + max_drafts=0: a record ring of 2 sequences x 100000
+            slots"``); called only to raise, so a hot path formats nothing.
 
     Raises:
-        ValueError: ``nbytes`` exceeds the device's total memory, naming ``what`` and both
+        ValueError: ``nbytes`` exceeds the device's total memory (naming ``what`` and both
+            sizes in GiB), or the allocator failed inside the block (``what``, the size and
+            the allocator's first line). Other errors pass through unchanged.
+    """
+    check_allocation(nbytes, device, what)
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_allocation_error(e):
+            raise
+        raise ValueError(f"{what()} ({nbytes / 2**30:.3g} GiB) could not be allocated on "
+                         f"{device} ({str(e).splitlines()[0][:200]})") from e
+
+
+def check_allocation(nbytes: int, device: torch.device, what: "Callable[[], str]") -> None:
+    """The check of :func:`allocation` alone, for memory that is allocated elsewhere later.
+
+    Raises:
+        ValueError: ``nbytes`` exceeds the device's total memory, naming ``what()`` and both
             sizes in GiB.
     """
     total = device_memory_bytes(device)
     if total is not None and nbytes > total:
-        raise ValueError(f"{what} needs {nbytes / 2**30:.3g} GiB on {device}, more than its "
+        raise ValueError(f"{what()} needs {nbytes / 2**30:.3g} GiB on {device}, more than its "
                          f"{total / 2**30:.3g} GiB of memory")
 
 

@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from ..capabilities import available_device, check_allocation, is_allocation_error
+from ..capabilities import allocation, available_device
 from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
 from ..config import GDNFold, StateConfig
 from ..packed import PackedTensor
@@ -142,19 +142,12 @@ class ReplayStateBase:
         stream_key(layer=layer, sequence=sequence_ids, head=heads - 1)  # range check
         self.sequence_ids = sequence_ids.to(torch.int64).to(self.device)
         cap = window + max_drafts
-        what = (f"window={window} + max_drafts={max_drafts}: a record ring of {batch} "
-                f"sequences x {cap} slots")
         per_slot = sum(math.prod(shape) for shape in self._RING.values())
-        nbytes = batch * cap * per_slot * torch.finfo(dtype).bits // 8
-        check_allocation(nbytes, self.device, what)
-        try:
+        with allocation(batch * cap * per_slot * torch.finfo(dtype).bits // 8, self.device,
+                        lambda: f"window={window} + max_drafts={max_drafts}: a record ring of "
+                                f"{batch} sequences x {cap} slots"):
             self._ring = {name: torch.zeros(batch, cap, *shape, dtype=dtype, device=self.device)
                           for name, shape in self._RING.items()}
-        except RuntimeError as e:
-            if not is_allocation_error(e):
-                raise
-            raise ValueError(f"{what} ({nbytes / 2**30:.3g} GiB) could not be allocated on "
-                             f"{self.device} ({str(e).splitlines()[0][:200]})") from e
         self._h = torch.zeros(batch, dtype=torch.int64, device=self.device)
         self._pending: int | None = None
         self._committed = False  # the last verify() has been committed (for commit's message)

@@ -42,7 +42,7 @@ import torch
 
 from .. import backend as B
 from ..backend import kernel_ops as kr  # kernel entry points, through the backend seam
-from ..capabilities import check_allocation, is_allocation_error
+from ..capabilities import allocation, check_allocation
 from ..config import Family, GDNFold, StateConfig
 from ..policy import HeadPolicy
 from . import core
@@ -191,15 +191,10 @@ def _padded(t: torch.Tensor, L: int, at: int = 0) -> torch.Tensor:
     """A fresh zero tensor of ``L`` slots along dim 1 with ``t`` written at slots
     ``at .. at + t.shape[1] - 1``: a window's records (or queries) at the window's full length,
     so every window runs the same arithmetic on tensors of the same shape (see "Invariance")."""
-    what = f"window L={L}: a window's records padded to L slots ({tuple(t.shape)} -> L)"
-    check_allocation(t.shape[0] * L * math.prod(t.shape[2:]) * t.element_size(), t.device, what)
-    try:
+    with allocation(t.shape[0] * L * math.prod(t.shape[2:]) * t.element_size(), t.device,
+                    lambda: f"window L={L}: a window's records padded to L slots "
+                            f"({tuple(t.shape)} -> L)"):
         out = t.new_zeros(t.shape[0], L, *t.shape[2:])
-    except RuntimeError as e:
-        if not is_allocation_error(e):
-            raise
-        raise ValueError(f"{what} could not be allocated on {t.device} "
-                         f"({str(e).splitlines()[0][:200]})") from e
     out[:, at: at + t.shape[1]] = t
     return out
 
@@ -209,8 +204,8 @@ def _check_window_matrices(B: int, H: int, L: int, t: torch.Tensor) -> None:
     ``core.solve_corrections``: about four ``[B, L, L, H]`` tensors live at once) exceed the
     device's memory, naming L, before any is built."""
     check_allocation(4 * B * H * L * L * t.element_size(), t.device,
-                     f"window L={L}: the window form's L x L decay and solve matrices "
-                     f"({B} sequences x {H} heads)")
+                     lambda: f"window L={L}: the window form's L x L decay and solve matrices "
+                             f"({B} sequences x {H} heads)")
 
 
 def _check_fit(h0: int, W: int, L: int) -> None:

@@ -42,9 +42,6 @@ __all__ = [
 ]
 
 POSITION_PLOT_COLUMNS = ("doc", "position", "policy", "window", "kl", "nonfinite")
-#: nats: mean KL below this is float32 path noise of the emulation (the stepwise check and the
-#: fp32 policy at L > 1 measure ~1e-12), drawn off the axis of the KL-versus-N figure
-KL_FLOOR = KL_NOISE_FLOOR
 _FIGSIZE = (6.4, 4.2)
 
 
@@ -168,10 +165,10 @@ def plot_kl_vs_n(df: pd.DataFrame, window: int | None = None, path=None, include
     agg = agg[agg["mean"] > 0]
     fig, ax = plt.subplots(figsize=_FIGSIZE)
     notes = _bands(ax, agg, "curve", log=True, unit=unit)
-    low = agg[agg["mean"] < KL_FLOOR]
+    low = agg[agg["mean"] < KL_NOISE_FLOOR]
     if len(low):  # float32 arithmetic differences, not rounding: keep them off the axis
-        ax.set_ylim(bottom=KL_FLOOR)
-        notes.append(f"below {KL_FLOOR:g} nats (off the axis): float32 arithmetic noise of the "
+        ax.set_ylim(bottom=KL_NOISE_FLOOR)
+        notes.append(f"below {KL_NOISE_FLOOR:g} nats (off the axis): float32 arithmetic noise of the "
                      "emulation (e.g. read copies before their first flush), not rounding")
     if len(zero):  # exact zeros cannot sit on a log axis: say where they are
         first = zero.groupby("curve")["n_hi"].max().sort_index()
@@ -260,14 +257,21 @@ def plot_ratio_vs_n(df: pd.DataFrame, path=None, window: int | None = None):
     paired = not r.empty
     r = r[np.isfinite(ratio) & (ratio > 0)]
     if r.empty:
-        raise ValueError("plot_ratio_vs_n: " + (
-            f"every paired bucket's mean KL is below {KL_NOISE_FLOOR:g} nats (float32 noise: "
-            "no effect to take a ratio of)" if paired
-            else "no read:F/rec:G policy with a shared:F partner"))
+        raise ValueError(_no_ratio("plot_ratio_vs_n", paired,
+                                   "no read:F/rec:G policy with a shared:F partner"))
     r = r.assign(curve=_label(r, _runs(df), r["shared"] + " / read:" + r["read"] + "/rec:" + r["rec"]
                               + (" L=" + r["window"].astype(str) if window is None else "")))
     return _ratio_figure(r, "KL(shared) / KL(separate)", "Shared over separate precision", window,
                          "above the dashed line the separate read copy has the lower KL", path)
+
+
+def _no_ratio(who: str, paired: bool, unpaired: str) -> str:
+    """Why a ratio figure has nothing to draw: ``unpaired`` when no policies pair, else every
+    pair's means below :data:`KL_NOISE_FLOOR`."""
+    if not paired:
+        return f"{who}: {unpaired}"
+    return (f"{who}: every paired bucket's mean KL is below {KL_NOISE_FLOOR:g} nats (float32 "
+            "noise: no effect to take a ratio of)")
 
 
 def _ratio_figure(r: pd.DataFrame, ylabel: str, title: str, window, note: str, path):
@@ -351,10 +355,8 @@ def plot_rtn_vs_sr(df: pd.DataFrame, window: int | None = None, path=None):
     paired = not r.empty
     r = r[np.isfinite(ratio) & (ratio > 0)]
     if r.empty:
-        raise ValueError("plot_rtn_vs_sr: " + (
-            f"every paired bucket's mean KL is below {KL_NOISE_FLOOR:g} nats (float32 noise: "
-            "no effect to take a ratio of)" if paired
-            else "no policy with +sr whose RTN twin is in the run"))
+        raise ValueError(_no_ratio("plot_rtn_vs_sr", paired,
+                                   "no policy with +sr whose RTN twin is in the run"))
     r = r.assign(curve=_label(r, _runs(d), r["rtn_policy"] + " / +sr"
                               + (" L=" + r["window"].astype(str) if window is None else "")))
     return _ratio_figure(r, "KL(RTN) / KL(SR)", "Round-to-nearest over stochastic rounding", window,

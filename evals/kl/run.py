@@ -736,13 +736,10 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     docs = f"{len(token_docs)} document{'' if len(token_docs) == 1 else 's'}"
     parts = [f"{n} {what} part{'' if n == 1 else 's'}" for n, what in
              ((n_step_new, "stepwise-check"), (n_state_new, "state-error")) if n]
-    if n_new:
+    if n_new or parts:
         took = f"{timings['total_s']:.1f} s"
-        if all_timings["total_s"] > timings["total_s"] + 0.05:
-            took += f" ({all_timings['total_s']:.1f} s with the earlier invocations)"
-    elif parts:
-        took = (f"{timings['total_s']:.1f} s: every KL cell already in the output; computed "
-                f"{' and '.join(parts)}")
+        if not n_new:
+            took += f": every KL cell already in the output; computed {' and '.join(parts)}"
         if all_timings["total_s"] > timings["total_s"] + 0.05:
             took += f" ({all_timings['total_s']:.1f} s with the earlier invocations)"
     else:

@@ -51,9 +51,14 @@ def _patch_language_once_per_launch():
     if original is None or launch_code is None or getattr(original, "_once_per_launch", False):
         return
     patched = []  # per running launch: the ids of the language modules it patched
+    langs_by_fn = {}  # helper -> its language modules (its globals, read once)
 
     def langs_of(fn):
-        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        langs = langs_by_fn.get(fn)
+        if langs is None:
+            langs = langs_by_fn[fn] = frozenset(
+                id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        return langs
 
     class _Launch:
         def __init__(self, scope):

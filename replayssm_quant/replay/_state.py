@@ -80,6 +80,11 @@ def _check_int(name, value, lo, hi=None):
         raise ValueError(f"{name} must be {rng}, got {value}")
 
 
+def _acceptance_error(T: int, got) -> ValueError:
+    return ValueError(f"accepted counts must be in [0, {T}] (the number of verified drafts), "
+                      f"got {got}")
+
+
 class ReplayStateBase:
     """Common part of the per-layer ReplaySSM state (see the subclasses for the model maths).
 
@@ -338,9 +343,8 @@ class ReplayStateBase:
             raise ValueError(f"accepted must be an int or an integer tensor, got {accepted!r}")
         if isinstance(accepted, numbers.Integral):  # int, numpy integers
             accepted = int(accepted)
-            if not 0 <= accepted <= T:
-                raise ValueError(f"accepted counts must be in [0, {T}] (the number of verified "
-                                 f"drafts), got {accepted}")
+            if not 0 <= accepted <= T:  # before torch.full, which cannot hold 2**63 and up
+                raise _acceptance_error(T, accepted)
             a = torch.full((self.batch,), accepted, dtype=torch.int64, device=self.device)
         elif isinstance(accepted, torch.Tensor) and not accepted.is_floating_point() \
                 and accepted.dtype != torch.bool:
@@ -351,8 +355,7 @@ class ReplayStateBase:
         else:
             raise ValueError(f"accepted must be an int or an integer tensor, got {accepted!r}")
         if bool((a < 0).any()) or bool((a > T).any()):
-            raise ValueError(f"accepted counts must be in [0, {T}] (the number of verified "
-                             f"drafts), got {a.tolist()}")
+            raise _acceptance_error(T, a.tolist())
         self._pending = None
         self._committed = True
         self._h += a

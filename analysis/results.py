@@ -83,6 +83,22 @@ KL_NEGATIVE_TOL = -1e-4
 KL_NOISE_FLOOR = 1e-9
 
 
+def path_ratios(path_kl: float, kl: float, kl_step: float) -> tuple[float, float]:
+    """``(path_to_effect, mean_rel_diff)`` of a stepwise-checked cell: ``path_kl / kl`` and
+    ``kl / kl_step - 1`` (means in nats), each NaN where a mean it divides by, or compares, is
+    below :data:`KL_NOISE_FLOOR` (or NaN). The runner's manifest and :func:`path_noise` both
+    use it."""
+    to_effect = path_kl / kl if kl >= KL_NOISE_FLOOR else math.nan
+    rel = kl / kl_step - 1 if min(kl, kl_step) >= KL_NOISE_FLOOR else math.nan
+    return to_effect, rel
+
+
+def _ratio_above_floor(num: pd.Series, den: pd.Series) -> pd.Series:
+    """``num / den``, NaN where either mean is below :data:`KL_NOISE_FLOOR`."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (num / den).where((num >= KL_NOISE_FLOOR) & (den >= KL_NOISE_FLOOR))
+
+
 def require_columns(df: pd.DataFrame, columns: Iterable[str], who: str) -> None:
     """Raise ValueError naming every column of ``columns`` missing from ``df``.
 
@@ -570,6 +586,7 @@ def path_noise(stepwise: pd.DataFrame, by: Sequence[str] = ("policy", "window"))
             return float(v.mean()) if v.size else math.nan
 
         kl = mean("kl")
+        to_effect, rel = path_ratios(mean("kl_path"), kl, mean("kl_step"))
         path = fin["kl_path"].to_numpy(dtype=float)
         rows.append(
             dict(
@@ -578,9 +595,7 @@ def path_noise(stepwise: pd.DataFrame, by: Sequence[str] = ("policy", "window"))
                 path_kl_mean=mean("kl_path"),
                 path_kl_max=float(path.max()) if path.size else math.nan,
                 kl_mean=kl, kl_step_mean=mean("kl_step"),
-                path_to_effect=mean("kl_path") / kl if kl >= KL_NOISE_FLOOR else math.nan,
-                mean_rel_diff=(kl / mean("kl_step") - 1
-                               if min(kl, mean("kl_step")) >= KL_NOISE_FLOOR else math.nan),
+                path_to_effect=to_effect, mean_rel_diff=rel,
                 path_kl_ref_mean=mean("kl_path_ref"),
                 top1_path_agree=float(fin["top1_path_agree"].mean()) if len(fin) else math.nan,
                 nonfinite=int(g["nonfinite"].astype(bool).sum()),
@@ -628,9 +643,7 @@ def shared_separate_ratio(df: pd.DataFrame, base: float = 2.0) -> pd.DataFrame:
     m["rank"] = 2 * (m["read"] != m["read_sh"]).astype(int) + (m["kind_sh"] == "eager").astype(int)
     m = m.sort_values("rank", kind="stable").drop_duplicates(extra + ["policy", "window", "bucket"])
     m = m.rename(columns={"mean_sh": "kl_shared", "mean": "kl_separate", "policy_sh": "shared"})
-    with np.errstate(divide="ignore", invalid="ignore"):
-        m["ratio"] = (m["kl_shared"] / m["kl_separate"]).where(
-            (m["kl_shared"] >= KL_NOISE_FLOOR) & (m["kl_separate"] >= KL_NOISE_FLOOR))
+    m["ratio"] = _ratio_above_floor(m["kl_shared"], m["kl_separate"])
     return m[cols].sort_values(extra + ["read", "rec", "window", "bucket"]).reset_index(drop=True)
 
 
@@ -663,9 +676,7 @@ def rtn_sr_ratio(df: pd.DataFrame, base: float = 2.0, unit: str = "doc") -> pd.D
     m = sr.merge(rtn, left_on=key + ["rtn_policy"], right_on=key + ["policy"],
                  suffixes=("", "_rtn"))
     m = m.rename(columns={"policy": "sr_policy", "mean": "kl_sr", "mean_rtn": "kl_rtn"})
-    with np.errstate(divide="ignore", invalid="ignore"):
-        m["ratio"] = (m["kl_rtn"] / m["kl_sr"]).where(
-            (m["kl_rtn"] >= KL_NOISE_FLOOR) & (m["kl_sr"] >= KL_NOISE_FLOOR))
+    m["ratio"] = _ratio_above_floor(m["kl_rtn"], m["kl_sr"])
     return m[cols].sort_values(extra + ["sr_policy", "window", "bucket"]).reset_index(drop=True)
 
 

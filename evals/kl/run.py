@@ -276,7 +276,7 @@ def stepwise_summary(step) -> list:
     next to the policy's KL on the same positions (emulated and stepped)."""
     import numpy as np
 
-    from replayssm_quant.analysis.results import KL_NOISE_FLOOR  # pandas, scipy: lazily
+    from replayssm_quant.analysis.results import path_ratios  # pandas, scipy: lazily
 
     rows = []
     # rows in an order fixed by the values summed below (not by the run's document order or
@@ -291,14 +291,13 @@ def stepwise_summary(step) -> list:
         path = g["kl_path"].to_numpy(np.float64)
         path = path[np.isfinite(path)]
         kl = mean("kl")
+        to_effect, rel = path_ratios(mean("kl_path"), kl, mean("kl_step"))
         rows.append({"policy": pol, "window": int(win), "positions": int(len(g)),
                      "path_kl_mean": mean("kl_path"),
                      "path_kl_p99": float(np.percentile(path, 99)) if path.size else math.nan,
                      "path_kl_max": float(path.max()) if path.size else math.nan,
                      "kl_mean": kl, "kl_step_mean": mean("kl_step"),
-                     "path_to_effect": (mean("kl_path") / kl) if kl >= KL_NOISE_FLOOR else math.nan,
-                     "mean_rel_diff": ((kl / mean("kl_step") - 1)
-                                       if min(kl, mean("kl_step")) >= KL_NOISE_FLOOR else math.nan),
+                     "path_to_effect": to_effect, "mean_rel_diff": rel,
                      "path_kl_ref_mean": mean("kl_path_ref"),
                      "top1_path_agree": float(g["top1_path_agree"].mean()),
                      "nonfinite": int(g["nonfinite"].sum())})

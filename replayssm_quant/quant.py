@@ -31,7 +31,8 @@ Scale rules (scales themselves always use RTN, never SR):
   is rounded to nearest, ``6 * s_b`` may be below the block amax: the largest element then
   clips to +-6 (E2M1 max). Example: block amax 3.1875, ``s_g`` = 1 -> 0.53125 is a tie ->
   ``s_b = 0.5``, 3.1875 / 0.5 = 6.375 -> 6. SR never exceeds 6 (saturation after rounding).
-  A block whose ``s_b`` underflows to 0 (all zeros) gives exact zeros, never NaN.
+  A block whose ``s_b`` underflows to 0 (all zeros, or tiny beside the matrix amax) gives
+  exact zeros with the elements' signs, never NaN.
 * mxfp8 / mxfp4 (OCP MX v1.0 section 6.3): per block of 32,
   ``X = 2^clamp(floor(log2 block_amax) - emax_elem, -127, 127)`` with the exponent read from
   the bits; block_amax = 0 gives code 0 (2^-127) and zeros.
@@ -256,7 +257,10 @@ def _parts(x: torch.Tensor, spec: QuantSpec, seed: int, stream) -> _Parts:
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # 0 and NaN -> 1
         y = xb / safe[..., None]
         elem = round_to_grid(y, grid, None if rbits is None else rbits.unflatten(-1, (nb, block)))
-        elem = torch.where((scale > 0)[..., None], elem, torch.zeros_like(elem))
+        # a block whose scale is 0 (all zeros, or below the smallest E4M3 scale) stores
+        # zeros that keep each element's sign (E2M1 has a -0 code)
+        elem = torch.where((scale > 0)[..., None], elem,
+                           torch.copysign(torch.zeros_like(elem), y))
         elem = torch.where(bad[..., None], nan, elem)
         return _Parts(elem.flatten(-2), scale.repeat_interleave(block, -1), s_g, block_codes)
 

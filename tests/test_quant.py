@@ -295,6 +295,30 @@ def test_sr_of_zero_is_zero_and_keeps_sign():
         assert not torch.signbit(q[..., 0]).any() and torch.signbit(q[..., 1]).all(), spec
 
 
+def test_nvfp4_zero_scale_block_keeps_signs():
+    """A block whose E4M3 scale is 0 stores zeros with each element's sign, as every other
+    format keeps -0.0: an all-(-0) block, and a block of +-1e-7 under a matrix amax of 1
+    (block amax / (6 s_g) far below E4M3's smallest step; with scale rule ``up`` that block
+    gets the smallest scale instead, so only its all-zero blocks are checked there), RTN and
+    SR, fake and packed."""
+    x = torch.zeros(2, 48)
+    x[0, 16:32] = -0.0
+    x[1, 0] = 1.0
+    x[1, 16:32] = 1e-7 * torch.tensor([1.0, -1.0] * 8)
+    x[1, 32:48] = -0.0
+    want = torch.signbit(x)
+    for spec in ("nvfp4", "nvfp4+sr", "nvfp4+up", "nvfp4+up+sr"):
+        q = quantize(x, spec, seed=1, stream=0)
+        d = pack(x, spec, seed=1, stream=0).dequantize()
+        cols = slice(32, 48) if "up" in spec else slice(16, 48)
+        for got in (q, d):
+            assert (got[:, cols] == 0).all() and (got[0] == 0).all(), spec
+            assert torch.equal(torch.signbit(got[:, cols]), want[:, cols]), spec
+            assert torch.equal(torch.signbit(got[0]), want[0]), spec
+    codes = pack(x, "nvfp4").codes  # E2M1 pairs: element 2i in the low nibble
+    assert (codes[0, 8:16] == 0x88).all() and (codes[1, 8:16] == 0x80).all()
+
+
 # -- random bits --------------------------------------------------------------------------
 
 

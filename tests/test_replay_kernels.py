@@ -155,11 +155,14 @@ def _cast_paths(policy):
 def test_flush_exact_inputs_bit_identical(policy):
     """(a) Exact reconstruction (decay 1, dyadic values): S, A, R and the packed bytes equal
     the reference flush bit for bit; also the flush token's output S q. Fused and split casts
-    (``_cast_paths``)."""
+    (``_cast_paths``). One row holds a block of +-2^-40 beside the matrix's values of about
+    1 and no records: an NVFP4 block scale of 0, whose zeros keep their signs."""
     gen = _gen(1)
     A = _dyadic(gen, (B, H, V, K))
     la = torch.zeros(B, L, H, device=DEVICE)
     w, k, q = _dyadic(gen, (B, L, H, V)), _dyadic(gen, (B, L, G, K)), _dyadic(gen, (B, G, K))
+    A[0, 0, 0, 16:32] = 2.0 ** -40 * torch.tensor([1.0, -1.0, -1.0, 1.0] * 4, device=DEVICE)
+    w[0, :, 0, 0] = 0.0  # S's row is the anchor's: 1 * A + 0
     length = _t(torch.tensor([L, 2]))
     ref = mamba2_flush(A, la, w, k, StatePolicy.parse(policy), length=length, store=True, **STREAMS)
     for split in _cast_paths(policy):

@@ -523,6 +523,13 @@ def _e2m1_rtn_code_lean(y):
 
 
 @triton.jit
+def _signed_zero(code):
+    """+-0.0 (float32) with the sign of the signed E2M1 code ``code`` (sign in bit 3), set in
+    the bits (Triton lowers ``-x`` as ``0 - x``, which loses -0 on CUDA)."""
+    return ((code & 8) << 28).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _finite_abs(x):
     a = tl.abs(x)
     return tl.where(a < float("inf"), a, 0.0)
@@ -880,11 +887,12 @@ def _block_cast(xe, xo, g, rvalid, b, m, blk, ke, ko, me, mo, row, s_g, out_ptr,
     else:
         ve, ce = _quant(ye, re, SR, GRID)
         vo, co = _quant(yo, ro, SR, GRID)
-    if NV:
-        ve = tl.where(ok[:, None], ve, 0.0)
-        vo = tl.where(ok[:, None], vo, 0.0)
-        ce = tl.where(ok[:, None], ce, 0)  # also the bad blocks: E2M1 NaN encodes as 0
-        co = tl.where(ok[:, None], co, 0)
+    if NV:  # a block with scale 0 keeps only the signs (+-0); a bad block's codes are 0
+        # (E2M1 has no NaN: its scale code marks it)
+        ce = tl.where(ok[:, None], ce, tl.where(bad[:, None], 0, ce & 8))
+        co = tl.where(ok[:, None], co, tl.where(bad[:, None], 0, co & 8))
+        ve = tl.where(ok[:, None], ve, _signed_zero(ce))
+        vo = tl.where(ok[:, None], vo, _signed_zero(co))
     else:
         bad_code = GRID.NAN_POS  # positive NaN: 0x7F for E4M3, 0 for E2M1
         ce = tl.where(bad[:, None], bad_code, ce)
@@ -1134,7 +1142,9 @@ def _lean_cast_rows(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, 
                           RCP) << 32) \
         | (_nvfp4_nibbles(d0, d1, d2, d3, safe, rcp, seed, call + 3, slo, shi, SR, GRID,
                           RCP) << 48)
-    nib = tl.where(ok, nib, 0)  # also the bad blocks: E2M1 NaN encodes as 0
+    # a block with scale 0 keeps only the codes' signs (+-0); a bad block's codes are 0 (E2M1
+    # has no NaN: its scale code marks it)
+    nib = tl.where(ok, nib, tl.where(bad, 0, ((nib >> 3) & 0x1111111111111111) << 3))
     tl.store(out_ptr + (mat * M + m) * NB + blk, nib.to(tl.int64, bitcast=True),
              mask=rvalid)  # a block row's 8 bytes: one 64-bit word
     tl.store(bscale_ptr + mat * (M * NB) + gl, sb_code.to(tl.uint8), mask=rvalid)

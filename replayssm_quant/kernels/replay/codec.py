@@ -27,7 +27,7 @@ from ... import formats as F
 from ...capabilities import replay_kernels_supported, triton_interpreting
 from ...formats import QuantSpec, parse_spec
 from ...packed import PackedTensor
-from ..quant import (_amax_scale, _block_scale, _e2m1_rtn, _e8m0_value, _finite_abs,
+from ..quant import (_amax_scale, _block_scale, _e2m1_rtn, _e8m0_value, _finite_abs, _signed_zero,
                      _grid_consts, _grid_value, _nvfp4_matrix_scale, _quant, _random_pairs,
                      _random_tile, _stream_words, scale_consts)
 
@@ -321,8 +321,10 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
                 ve, ce = _quant(ye, re, C.SR, C)
                 vo, co = _quant(yo, ro, C.SR, C)
             if C.KIND == 3:
-                ce = tl.where(ok[:, :, None], ce, 0)  # also the bad blocks: E2M1 NaN is 0
-                co = tl.where(ok[:, :, None], co, 0)
+                # a block with scale 0 keeps only the signs (+-0); a bad block's codes are 0
+                # (E2M1 has no NaN: its scale code marks it)
+                ce = tl.where(ok[:, :, None], ce, tl.where(bad[:, :, None], 0, ce & 8))
+                co = tl.where(ok[:, :, None], co, tl.where(bad[:, :, None], 0, co & 8))
             else:
                 ce = tl.where(bad[:, :, None], C.NAN_POS, ce)
                 co = tl.where(bad[:, :, None], C.NAN_POS, co)
@@ -334,10 +336,10 @@ def _cast_store(xe, xo, rows, rmask, mat, V, s_mat, seed, st_ptr, out_ptr, bs_pt
             else:
                 c = tl.reshape(tl.join(ce, co), [BV, K]).to(tl.uint8)
                 tl.store(out_ptr + rowg[:, None] * K + kk[None, :], c, mask=m2)
-            if C.KIND == 3:  # the values of the codes just stored (code 0 is +0.0) and the
-                # element scale s_b s_g (NaN for a bad block), so no decode is needed
-                r0 = tl.where(ok[:, :, None], ve, 0.0)
-                r1 = tl.where(ok[:, :, None], vo, 0.0)
+            if C.KIND == 3:  # the values of the codes just stored (codes 0 / 8 are +-0.0)
+                # and the element scale s_b s_g (NaN for a bad block), so no decode is needed
+                r0 = tl.where(ok[:, :, None], ve, _signed_zero(ce))
+                r1 = tl.where(ok[:, :, None], vo, _signed_zero(co))
                 r2 = scale
             else:
                 r0, r1, r2 = ce, co, sb_code

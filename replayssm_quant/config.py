@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from .philox import as_int
 from .policy import HeadPolicy, StatePolicy
 
 __all__ = ["Family", "GDNFold", "StateConfig", "LayerwiseConfig", "check_window", "check_seed"]
@@ -82,17 +83,21 @@ def _parse_enum(cls, value, name: str):
 
 
 def check_window(window) -> int:
-    """``window`` as an int >= 1 (ValueError naming the value otherwise)."""
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    """``window`` as an int >= 1 (a numpy integer is taken as its int; ValueError naming the
+    value otherwise)."""
+    w = as_int(window)
+    if w is None or w < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
-    return window
+    return w
 
 
 def check_seed(seed) -> int:
-    """``seed`` as an int in [0, 2^63) (ValueError naming the value otherwise)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+    """``seed`` as an int in [0, 2^63) (a numpy integer is taken as its int; ValueError
+    naming the value otherwise)."""
+    s = as_int(seed)
+    if s is None or not 0 <= s < 2**63:
         raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
-    return seed
+    return s
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,8 @@ class StateConfig:
         if not isinstance(self.policy, (StatePolicy, HeadPolicy)):
             raise TypeError(f"StateConfig.policy must be a parsed StatePolicy or HeadPolicy, got "
                             f"{type(self.policy).__name__}; use StateConfig.build(...)")
-        check_window(self.window)
-        check_seed(self.seed)
+        object.__setattr__(self, "window", check_window(self.window))  # numpy ints as int
+        object.__setattr__(self, "seed", check_seed(self.seed))
         if self.policy.is_eager and self.window != 1:
             raise ValueError(f"an eager policy runs with window 1, got {self.window}; "
                              "use StateConfig.build(...)")
@@ -142,7 +147,7 @@ class StateConfig:
             ValueError: naming the bad value and what was expected.
         """
         pol = policy if isinstance(policy, HeadPolicy) else StatePolicy.parse(policy)
-        check_window(window)
+        window = check_window(window)
         return cls(pol, 1 if pol.is_eager else window, check_seed(seed), GDNFold.parse(fold))
 
     @property

@@ -21,6 +21,8 @@ call ``c`` is never used for any other element, so the draws stay independent.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 __all__ = ["philox4x32", "random_bits", "random_bits_matrix", "stream_key", "stream_keys_to",
@@ -69,10 +71,21 @@ def philox4x32(
     return tuple(torch.broadcast_to(c, shape) for c in (c0, c1, c2, c3))
 
 
+def as_int(value) -> int | None:
+    """``value`` as a Python int if it is an integer (``int``, numpy integers: any
+    ``numbers.Integral``) and not a bool; else None. The one rule for the integer arguments
+    (seeds, windows, counts) checked across the package, so a numpy integer is accepted
+    wherever an int is."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+    s = as_int(seed)
+    if s is None or not 0 <= s < 2**64:
         raise ValueError(f"seed must be an int in [0, 2^64), got {seed!r}")
-    return seed
+    return s
 
 
 def _int64_values(value, name: str) -> torch.Tensor:

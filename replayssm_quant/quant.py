@@ -52,7 +52,7 @@ from . import formats as F
 from .formats import QuantSpec, parse_spec
 from .packed import (PackedTensor, _as_float32, _e2m1_encode, _e8m0_decode, _fp8_encode,
                      _pack_nibbles, _pow2)
-from .philox import _check_stream, random_bits_matrix, stream_keys_to
+from .philox import _check_stream, as_int, random_bits_matrix, stream_keys_to
 
 __all__ = [
     "quantize",
@@ -353,9 +353,10 @@ def _use_kernels(x: torch.Tensor, backend) -> bool:
 
 
 def _check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+    s = as_int(seed)
+    if s is None or not 0 <= s < 2**63:
         raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
-    return seed
+    return s
 
 
 def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None = None):
@@ -387,7 +388,7 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
             broadcast), or x's shape (fewer than 2 dims, empty matrix).
     """
     spec = parse_spec(spec)
-    _check_seed(seed)
+    seed = _check_seed(seed)
     stream = _check_stream(stream)  # int64 keys, not checked again by the casts
     _check_input(x)
     if spec.is_identity:
@@ -406,7 +407,7 @@ def pack(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None 
     stores float32, its storage format, so its values are rounded (and saturated) to float32.
     """
     spec = parse_spec(spec)
-    _check_seed(seed)
+    seed = _check_seed(seed)
     stream = _check_stream(stream)
     _check_input(x)
     kernels = not spec.is_identity and _use_kernels(x, backend)

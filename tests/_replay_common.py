@@ -166,6 +166,16 @@ def check_bad_inputs(M):
         M.state(inp, "fp32", window=4, device="meta")
     with pytest.raises(ValueError, match=r"window=1000000000000 \+ max_drafts=0: .*GiB.* on cpu"):
         M.state(inp, "fp32", window=10**12)  # a ring no machine holds, refused by name
+    with pytest.raises(ValueError, match="window must be an int, got True"):
+        M.state(inp, "fp32", window=True)
+    with pytest.raises(ValueError, match=r"window must be an int, got np.float64\(4.0\)"):
+        M.state(inp, "fp32", window=np.float64(4))
+    # numpy integers count as ints (as commit's count does), kept as Python ints
+    st = M.state(inp, "shared:fp16+sr", window=np.int64(4), max_drafts=np.int32(2),
+                 seed=np.uint16(3), layer=np.int64(1))
+    assert (st.window, st.max_drafts, st.seed, st.layer) == (4, 2, 3, 1)
+    assert all(type(v) is int for v in (st.window, st.max_drafts, st.seed, st.layer,
+                                        st.config.window, st.config.seed))
     st = M.state(inp, "read:nvfp4+sr/rec:fp16", window=4, max_drafts=2)
     run_steps(st, M.tok, inp, 5)  # one flush, h = 1
     before = snapshot(st)

@@ -382,6 +382,13 @@ def test_random_bits_words_distinct():
         random_bits(7, torch.tensor(1.7), torch.arange(4))
     with pytest.raises(ValueError, match="seed"):
         random_bits_matrix(1.5, torch.tensor(3), 2, 2)
+    with pytest.raises(ValueError, match="seed"):
+        random_bits(np.True_, torch.tensor(3), torch.arange(4))
+    # a numpy integer seed is its int: the same bits, here and in quantize
+    assert torch.equal(random_bits(np.int64(7), torch.tensor(3), torch.arange(64)), bits)
+    x = torch.randn(3, 16)
+    assert torch.equal(quantize(x, "nvfp4+sr", seed=np.uint32(9), stream=2),
+                       quantize(x, "nvfp4+sr", seed=9, stream=2))
 
 
 def test_sr_independent_of_batch_composition():

@@ -17,7 +17,7 @@ from ..capabilities import allocation, available_device
 from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
 from ..config import GDNFold, StateConfig
 from ..packed import PackedTensor
-from ..philox import STREAM_FIELDS, stream_key
+from ..philox import STREAM_FIELDS, as_int, stream_key
 from ..policy import StatePolicy
 from .core import cast_checkpoints
 
@@ -72,12 +72,15 @@ def check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.d
         raise ValueError(f"{name} is on device {t.device}, expected {device}")
 
 
-def _check_int(name, value, lo, hi=None):
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(name, value, lo, hi=None) -> int:
+    """``value`` as an int in ``[lo, hi]`` (numpy integers taken as their int)."""
+    v = as_int(value)
+    if v is None:
         raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
+    if v < lo or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {rng}, got {value}")
+        raise ValueError(f"{name} must be {rng}, got {v}")
+    return v
 
 
 def _acceptance_error(T: int, got) -> ValueError:
@@ -99,11 +102,11 @@ class ReplayStateBase:
     def __init__(self, policy, *, batch: int, heads: int, value_dim: int, key_dim: int,
                  window: int, max_drafts: int, seed: int, layer: int, sequence_ids,
                  dtype: torch.dtype, device, fold: GDNFold = GDNFold.RECOMPUTE) -> None:
-        _check_int("window", window, 1)
-        _check_int("max_drafts", max_drafts, 0)
-        _check_int("batch", batch, 1)
-        _check_int("seed", seed, 0, 2**63 - 1)
-        _check_int("layer", layer, 0)
+        window = _check_int("window", window, 1)
+        max_drafts = _check_int("max_drafts", max_drafts, 0)
+        batch = _check_int("batch", batch, 1)
+        seed = _check_int("seed", seed, 0, 2**63 - 1)
+        layer = _check_int("layer", layer, 0)
         # the edge: parse once (eager policies run with window 1: conventional decoding rounds
         # the state after every token)
         self.config = StateConfig.build(policy, window=window, seed=seed, fold=fold)
@@ -137,7 +140,7 @@ class ReplayStateBase:
         # the SR stream key's fields (philox.STREAM_FIELDS), checked here under the
         # arguments' own names
         widths = dict(STREAM_FIELDS)
-        _check_int("heads", heads, 1, 1 << widths["head"])
+        self.heads = heads = _check_int("heads", heads, 1, 1 << widths["head"])
         _check_int("layer", layer, 0, (1 << widths["layer"]) - 1)
         if sequence_ids.numel() and (int(sequence_ids.min()) < 0
                                      or int(sequence_ids.max()) >= 1 << widths["sequence"]):

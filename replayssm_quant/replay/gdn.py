@@ -28,7 +28,7 @@ from .. import backend as B
 from ..checkpoints import Checkpoints
 from ..config import GDNFold
 from . import core
-from ._state import ReplayStateBase, check_tensor
+from ._state import ReplayStateBase, _check_int, check_tensor
 
 
 def gdn_flush(anchor, la, beta, v, k, policy, *, seed: int, layer: int, sequence_ids,
@@ -176,14 +176,14 @@ class GDNReplayState(ReplayStateBase):
                  value_dim: int, window: int = 16, max_drafts: int = 0, seed: int = 0,
                  layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu",
                  fold_cached_corrections: bool = False, backend: str | None = None):
+        key_heads, value_heads, key_dim, value_dim = (
+            _check_int(name, val, 1) for name, val in (
+                ("key_heads", key_heads), ("value_heads", value_heads), ("key_dim", key_dim),
+                ("value_dim", value_dim)))
         self._kernels = B.use_kernels(B.OpFamily.REPLAY, backend, device=device, dtype=dtype,
                                       key_dim=key_dim)
         self._ops = B.ops(self._kernels, step=gdn_state_step, verify=gdn_state_verify,
                           flush=gdn_state_flush)  # torch references or their kernels
-        for name, val in (("key_heads", key_heads), ("value_heads", value_heads),
-                          ("key_dim", key_dim), ("value_dim", value_dim)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
         if value_heads % key_heads:
             raise ValueError(f"key_heads={key_heads} must divide value_heads={value_heads}")
         self.key_heads = key_heads

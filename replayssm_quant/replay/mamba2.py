@@ -14,7 +14,7 @@ import torch
 from .. import backend as B
 from ..checkpoints import Checkpoints
 from . import core
-from ._state import ReplayStateBase, check_tensor
+from ._state import ReplayStateBase, _check_int, check_tensor
 
 
 def mamba2_records(x, dt, A, B):
@@ -143,14 +143,14 @@ class Mamba2ReplayState(ReplayStateBase):
                  groups: int = 1, window: int = 16, max_drafts: int = 0, seed: int = 0,
                  layer: int = 0, sequence_ids=None, dtype=torch.float32, device="cpu",
                  backend: str | None = None):
+        heads, head_dim, d_state, groups = (
+            _check_int(name, val, 1) for name, val in (
+                ("heads", heads), ("head_dim", head_dim), ("d_state", d_state),
+                ("groups", groups)))
         self._kernels = B.use_kernels(B.OpFamily.REPLAY, backend, device=device, dtype=dtype,
                                       key_dim=d_state)
         self._ops = B.ops(self._kernels, step=mamba2_state_step, verify=mamba2_state_verify,
                           flush=mamba2_state_flush)  # torch references or their kernels
-        for name, val in (("heads", heads), ("head_dim", head_dim), ("d_state", d_state),
-                          ("groups", groups)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
         if heads % groups:
             raise ValueError(f"groups={groups} must divide heads={heads}")
         self.groups = groups

@@ -167,6 +167,9 @@ def _check_input(x: torch.Tensor) -> None:
         )
     if x.shape[-1] == 0 or x.shape[-2] == 0:
         raise ValueError(f"x must have non-empty matrix dims [M, K], got shape {tuple(x.shape)}")
+    if x.device.type == "meta":
+        raise ValueError("x is on device 'meta', which holds no values (torch's meta device); "
+                         "quantise a tensor on cpu or cuda")
 
 
 def _sr_bits(spec: QuantSpec, x: torch.Tensor, seed: int, stream) -> torch.Tensor | None:
@@ -385,7 +388,8 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
     Raises:
         ValueError: bad spec, seed, stream (not integer keys: floats, bools and strings are
             refused, not truncated, even where RTN does not use them; or a shape that does not
-            broadcast), or x's shape (fewer than 2 dims, empty matrix).
+            broadcast), x's shape (fewer than 2 dims, empty matrix), or x on the meta
+            device (no values).
     """
     spec = parse_spec(spec)
     seed = _check_seed(seed)

@@ -295,6 +295,14 @@ def test_sr_of_zero_is_zero_and_keeps_sign():
         assert not torch.signbit(q[..., 0]).any() and torch.signbit(q[..., 1]).all(), spec
 
 
+def test_meta_tensor_refused_by_name():
+    x = torch.randn(4, 16, device="meta")
+    for fn in (quantize, pack):
+        for spec in ("fp16", "nvfp4+sr", "fp32"):
+            with pytest.raises(ValueError, match="device 'meta', which holds no values"):
+                fn(x, spec)
+
+
 def test_nvfp4_zero_scale_block_keeps_signs():
     """A block whose E4M3 scale is 0 stores zeros with each element's sign, as every other
     format keeps -0.0: an all-(-0) block, and a block of +-1e-7 under a matrix amax of 1

@@ -119,7 +119,9 @@ class Mamba2ReplayState(ReplayStateBase):
         max_drafts: T, 0 <= T <= L, most drafts one ``verify`` may take.
         seed, layer: SR stream keys (with sequence_ids, head, flush index, copy).
         sequence_ids: int ``[B]`` stable ids for the SR streams (default ``arange(B)``); give
-            each sequence its own id so results do not depend on batch composition.
+            each sequence its own id so results do not depend on batch composition. Equal
+            ids are allowed and give equal SR draws (rows whose rounding errors are then not
+            independent; docs/replay.md, "SR streams").
         dtype: working dtype, float32 or float64. Stored states have FP32 precision at most
             (formats round in FP32); ``fp32`` keeps the working dtype.
         device: where the state lives; every input must be there.

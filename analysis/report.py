@@ -96,6 +96,27 @@ def _path_noise_section(noise: pd.DataFrame) -> list:
     return lines
 
 
+def _summary_notes(summ: pd.DataFrame, clipped: int, unit: str) -> list:
+    """Notes under the summary table: CI bounds clipped at 0, and the cells whose KL columns
+    leave out non-finite positions (a policy that diverges on some positions would otherwise
+    look better there)."""
+    lines = []
+    units = "documents" if unit == "doc" else "(document, seed) sequences"
+    if clipped:
+        lines += [f"`kl_ci_lo`: the 95% t interval over {units}; its lower bound is clipped at "
+                  f"0 (KL >= 0) in {clipped} row(s), where few {units} make the interval wide.",
+                  ""]
+    bad = summ[summ["nonfinite"] > 0]
+    if len(bad):
+        cells = ", ".join(f"`{r.policy}` L = {r.window} ({r.nonfinite} positions, "
+                          f"{r.nonfinite_frac:.1%})" for r in bad.itertuples())
+        lines += [f"**Non-finite logits** in {cells}: the `kl_*` columns are over the finite "
+                  "positions only, so they leave out the positions where the run diverged "
+                  "(`top1_agree` counts those as disagreement). Compare `nonfinite_frac` "
+                  "first.", ""]
+    return lines
+
+
 def markdown_table(df: pd.DataFrame, max_rows: int | None = None) -> str:
     """A GitHub-flavoured markdown table of ``df`` (floats to 4 significant digits)."""
     if max_rows is not None and len(df) > max_rows:
@@ -230,7 +251,10 @@ def write_report(run_dirs: Sequence, output="report.md", svg: bool = False,
     if len(noise):
         summ = summ.merge(noise[["run", "policy", "window", "path_kl_mean"]],
                           on=["run", "policy", "window"], how="left")
+    below = summ["kl_ci_lo"] < 0
+    summ["kl_ci_lo"] = summ["kl_ci_lo"].clip(lower=0.0)  # NaN (one document) stays NaN
     lines += [markdown_table(summ), ""]
+    lines += _summary_notes(summ, int(below.sum()), unit)
     if len(noise):
         lines += ["`path_kl_mean`: emulation path noise of the cell, measured on its first "
                   "positions (next section): per-position KL values of that size can come from "

@@ -519,7 +519,8 @@ def summarize(df: pd.DataFrame, by: Sequence[str] = ("policy", "window"),
               unit: str = "doc") -> pd.DataFrame:
     """Whole-run summary per ``by``: mean KL (nats) with a 95% CI over documents (or over
     (document, seed) sequences with ``unit="sequence"``, see :func:`kl_by_position`), median,
-    p90, p99, p99.9, max, top-1 agreement, non-finite count and fraction (either side; with
+    p90, p99, p99.9, max, top-1 agreement (over all positions, a non-finite one counting as
+    disagreement, as the runner's summary counts it), non-finite count and fraction (either side; with
     ``nonfinite_ref`` / ``nonfinite_policy`` columns also the count per side). Rows with a
     ``weight`` (read from ``buckets.parquet``) count as that many positions; their percentiles
     are NaN (not kept) and the maximum comes from ``kl_max_bucket``.
@@ -551,8 +552,9 @@ def summarize(df: pd.DataFrame, by: Sequence[str] = ("policy", "window"),
                 zip(by, key), positions=int(round(n)), kl_mean=m, kl_ci_lo=lo, kl_ci_hi=hi,
                 kl_median=q[0], kl_p90=q[1], kl_p99=q[2], kl_p999=q[3],
                 kl_max=float(mx),
-                top1_agree=float((wf * fin["top1_agree"].astype(float)).sum() / wf.sum())
-                if len(fin) else math.nan,
+                # non-finite positions count as disagreement, as in the runner's summary
+                top1_agree=float((wf * fin["top1_agree"].astype(float)).sum()) / n
+                if n else math.nan,
                 nonfinite=int(round(float(w[nf].sum()))),
                 nonfinite_frac=float(w[nf].sum()) / n if n else math.nan,
                 **{c: int(round(float(w[g[c].astype(bool)].sum()))) for c in NONFINITE_SIDES

@@ -420,3 +420,33 @@ def test_report_refuses_a_run_directory_given_twice(tmp_path, capsys, monkeypatc
                                   windows=(1,), n_tokens=16, docs=1)
     assert report.main(["int512", str(other), "-o", str(out)]) == 0
     assert "| int512-2 |" in out.read_text()
+
+
+def test_summary_top1_counts_nonfinite_and_report_notes_them(tmp_path):
+    """A policy that diverges on some positions must not score higher: summarize's top-1
+    agreement counts non-finite positions as disagreement (as the runner's summary does),
+    computed here directly from the rows; the report clips a negative CI bound at 0 (KL >=
+    0) and names the cell with non-finite positions under its summary table."""
+    from replayssm_quant.analysis import report
+
+    run = R.write_synthetic_run(tmp_path / "run", policies=("shared:nvfp4+sr",), windows=(16,),
+                                n_tokens=64, docs=2)
+    pos = pd.read_parquet(run / "positions.parquet")
+    docs = sorted(pos["doc"].unique())
+    pos["kl"] = np.where(pos["doc"] == docs[0], 1e-6, 1e-2)  # t interval over 2 docs: lo < 0
+    pos["top1_agree"] = True
+    bad = (pos["doc"] == docs[1]) & (pos["position"] >= 48)
+    pos.loc[bad, ["kl", "nonfinite"]] = [np.nan, True]
+    pos.to_parquet(run / "positions.parquet", index=False)
+
+    s = R.summarize(R.validate_positions(pos)).iloc[0]
+    assert s["top1_agree"] == pytest.approx(1.0 - bad.sum() / len(pos))  # 112 / 128
+    assert s["kl_ci_lo"] < 0 and s["nonfinite"] == bad.sum() == 16
+
+    out = tmp_path / "rep" / "report.md"
+    out.parent.mkdir()
+    assert report.main([str(run), "-o", str(out)]) == 0
+    summary = out.read_text().split("## Summary per policy and window")[1].split("\n## ")[0]
+    assert "its lower bound is clipped at 0 (KL >= 0) in 1 row(s)" in summary
+    assert "**Non-finite logits** in `shared:nvfp4+sr` L = 16 (16 positions, 12.5%)" in summary
+    assert "-0." not in summary.split("`kl_ci_lo`")[0]  # no negative number in the table

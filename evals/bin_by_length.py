@@ -31,17 +31,67 @@ from replayssm_quant.outpaths import check_distinct_dirs, output_file_problem
 __all__ = ["load_samples", "check_bins", "outside_bins", "bin_by_length", "main"]
 
 
-def _run_label(results_dir: Path) -> str:
-    """The state policy recorded in the run's results JSON, else the directory name."""
-    for f in sorted(results_dir.rglob("results_*.json")):
+def _results_for(samples_file: Path) -> dict | None:
+    """The results JSON that lm-eval wrote with ``samples_file``: the one in its folder with
+    the same date suffix (``samples_<task>_<date>.jsonl`` beside ``results_<date>.json``),
+    else the folder's first one that reads as lm-eval's (a ``config`` object); None if there
+    is none."""
+    date = samples_file.stem.rsplit("_", 1)[-1]
+    folder = samples_file.parent
+    for f in [folder / f"results_{date}.json", *sorted(folder.glob("results_*.json"))]:
         try:
             res = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        cfg = res.get("config") if isinstance(res, dict) else None  # not lm-eval's results
-        if isinstance(cfg, dict) and cfg.get("replayssm_state"):
-            return f"{cfg['replayssm_state']} L={cfg.get('replayssm_window')}"
-    return results_dir.name
+        if isinstance(res, dict) and isinstance(res.get("config"), dict):  # lm-eval's
+            return res
+    return None
+
+
+def _pretrained(cfg: dict):
+    args = cfg.get("model_args")
+    if isinstance(args, dict):
+        return args.get("pretrained")
+    if isinstance(args, str):
+        for part in args.replace(" ", ",").split(","):
+            if part.startswith("pretrained="):
+                return part[len("pretrained="):]
+    return None
+
+
+#: settings of a ReplaySSM run that a label names when two runs share a policy and window:
+#: (label key, results-JSON ``config`` key; ``model`` is read from the JSON's ``model_name``)
+_LABEL_FIELDS = (("model", None), ("seed", "replayssm_seed"), ("dtype", "model_dtype"),
+                 ("dt_limit", "replayssm_dt_limit"), ("softmax_dtype", "replayssm_softmax_dtype"),
+                 ("max_drafts", "replayssm_max_drafts"))
+
+
+def _identity(res: dict | None, fallback: str) -> tuple[str, dict]:
+    """A samples file's short label (``"<policy> L=<window>"`` from its results JSON, else
+    ``fallback``: the directory name) and the settings that tell runs of one label apart."""
+    cfg = res.get("config") if isinstance(res, dict) else None
+    if not isinstance(cfg, dict):
+        return fallback, {}
+    settings = {}
+    for key, field in _LABEL_FIELDS:
+        settings[key] = (res.get("model_name") or _pretrained(cfg)) if field is None \
+            else cfg.get(field)
+    if cfg.get("replayssm_state"):
+        return f"{cfg['replayssm_state']} L={cfg.get('replayssm_window')}", settings
+    return fallback, settings
+
+
+def _labels(idents: list[tuple[str, dict]]) -> list[str]:
+    """One label per file: the short label, extended by the settings that differ between
+    files of the same short label (e.g. ``"fp32 L=16 model=tiny-gdn"`` beside ``"fp32 L=16
+    model=tiny-mamba2"``), so runs of two models or seeds never pool under one name."""
+    out = []
+    for base, settings in idents:
+        peers = [s for b, s in idents if b == base]
+        differ = [k for k, _ in _LABEL_FIELDS
+                  if len({repr(s.get(k)) for s in peers}) > 1]
+        out.append(" ".join([base, *(f"{k}={settings.get(k)}" for k in differ)]))
+    return out
 
 
 def _context(rec) -> str | None:
@@ -88,6 +138,10 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
 
     Returns:
         pandas DataFrame with columns ``run, task, doc_id, gen_len, metric, value``
+        (``run``: ``"<policy> L=<window>"`` from the results JSON written with each samples
+        file, or the directory's name for other models; where runs of one policy and window
+        differ in model, seed, dtype, dt limit, softmax dtype or drafts, the label adds the
+        settings that differ, e.g. ``"fp32 L=16 model=tiny-gdn"``)
         (``gen_len``: the length measured, response or context; ``doc_hash``: lm-eval's hash
         of the document, which pairs a sample across runs). A perplexity metric's per-sample
         ``(log-likelihood, words or bytes)`` pair becomes the sample's negative log-likelihood
@@ -99,7 +153,9 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
         FileNotFoundError: a path does not exist or holds no samples files.
         NotADirectoryError: a path is a file.
         ValueError: ``length`` is neither ``"response"`` nor ``"context"``; a directory is
-            given twice, or inside another given one.
+            given twice, or inside another given one; one run (label) scores a document of a
+            task in two files (a rerun with the same settings written into the same folder,
+            or a copy).
     """
     import pandas as pd
 
@@ -109,49 +165,63 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
     # once each: a directory given twice or inside another would count its samples twice
     check_distinct_dirs(paths, "lm-eval output directory", "lm-eval output directories",
                         nested=True)
+    files, idents = [], []
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"no such lm-eval output directory: {p}")
         if not p.is_dir():
             raise NotADirectoryError(f"{p} is not a directory: give the lm-eval --output_path "
                                      "directory of a --log_samples run, not a file in it")
-        files = sorted(p.rglob("samples_*.jsonl"))
-        if not files:
+        found = sorted(p.rglob("samples_*.jsonl"))
+        if not found:
             raise FileNotFoundError(f"{p} holds no samples_*.jsonl files (run lm-eval with --log_samples)")
-        label = _run_label(p)
-        for f in files:
-            task = f.name[len("samples_"):].rsplit("_", 1)[0]
-            for i, line in enumerate(f.read_text().splitlines(), 1):
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}, line {i}: not a JSON record ({e}); expected lm-eval's "
-                                     "--log_samples output, one JSON object per line") from None
-                if not isinstance(rec, dict):
-                    raise ValueError(f"{f}, line {i}: a JSON {type(rec).__name__}, not an "
-                                     "object; expected lm-eval's --log_samples records")
-                if length == "context":
-                    text = _context(rec)
-                elif not _is_generation(rec):  # log-likelihood requests generate nothing
-                    continue
-                else:
-                    resp = rec.get("resps") or [[""]]
-                    text = resp[0][0] if isinstance(resp[0], list) else resp[0]
-                if not isinstance(text, str):  # loglikelihood tasks: no generation
-                    continue
-                n = len(tokenizer.encode(text)) if tokenizer is not None else len(text.split())
-                for m in rec.get("metrics", []):
-                    v = rec.get(m)
-                    if (isinstance(v, (list, tuple)) and len(v) == 2
-                            and all(isinstance(x, (int, float)) for x in v) and v[1]):
-                        v = -float(v[0]) / float(v[1])  # perplexity pair (loglik, count)
-                        if m == "bits_per_byte":
-                            v /= math.log(2)
-                        m = PAIR_METRICS.get(m, m)
-                    if isinstance(v, (int, float, bool)):
-                        rows.append(dict(run=label, task=task, doc_id=rec.get("doc_id"),
-                                         doc_hash=rec.get("doc_hash", rec.get("doc_id")),
-                                         gen_len=n, metric=m, value=float(v)))
+        files += found
+        idents += [_identity(_results_for(f), p.name) for f in found]
+    first = {}  # (label, task, doc_hash, metric) -> the file that scored it first
+    for f, label in zip(files, _labels(idents), strict=True):
+        task = f.name[len("samples_"):].rsplit("_", 1)[0]
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}, line {i}: not a JSON record ({e}); expected lm-eval's "
+                                 "--log_samples output, one JSON object per line") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{f}, line {i}: a JSON {type(rec).__name__}, not an "
+                                 "object; expected lm-eval's --log_samples records")
+            if length == "context":
+                text = _context(rec)
+            elif not _is_generation(rec):  # log-likelihood requests generate nothing
+                continue
+            else:
+                resp = rec.get("resps") or [[""]]
+                text = resp[0][0] if isinstance(resp[0], list) else resp[0]
+            if not isinstance(text, str):  # loglikelihood tasks: no generation
+                continue
+            n = len(tokenizer.encode(text)) if tokenizer is not None else len(text.split())
+            for m in rec.get("metrics", []):
+                v = rec.get(m)
+                if (isinstance(v, (list, tuple)) and len(v) == 2
+                        and all(isinstance(x, (int, float)) for x in v) and v[1]):
+                    v = -float(v[0]) / float(v[1])  # perplexity pair (loglik, count)
+                    if m == "bits_per_byte":
+                        v /= math.log(2)
+                    m = PAIR_METRICS.get(m, m)
+                if isinstance(v, (int, float, bool)):
+                    doc = rec.get("doc_hash", rec.get("doc_id"))
+                    # lm-eval's doc_hash names a document whatever the run; without it (an
+                    # older lm-eval) doc_ids of runs at other context lengths would collide
+                    seen = first.setdefault((label, task, str(doc), m), f) \
+                        if "doc_hash" in rec else f
+                    if seen != f:
+                        raise ValueError(
+                            f"run {label!r} scores document {doc} of task {task!r} in two "
+                            f"files, {str(seen)!r} and {str(f)!r}: lm-eval writes every run "
+                            "of one model into one folder, so a rerun with the same "
+                            "settings (or a copy) would pool with the first; give each "
+                            "run's samples once")
+                    rows.append(dict(run=label, task=task, doc_id=rec.get("doc_id"),
+                                     doc_hash=doc, gen_len=n, metric=m, value=float(v)))
     return pd.DataFrame(rows, columns=["run", "task", "doc_id", "doc_hash", "gen_len", "metric",
                                        "value"])
 
@@ -276,7 +346,11 @@ def main(argv=None) -> int:
         print(f"replayssm-bin-by-length: warning: {n_out} of {n_all} sample(s) fall outside the "
               f"bins [{a.bins[0]}, {a.bins[-1]}) (length {span} {unit}) and are left out of "
               "the table; widen --bins to count them", file=sys.stderr)
-    if table.empty:
+    if samples.empty and a.length == "response":
+        print("replayssm-bin-by-length: warning: these runs hold no generation samples: "
+              "--length response bins generated text; for log-likelihood, multiple-choice "
+              "and perplexity tasks bin by the prompt with --length context", file=sys.stderr)
+    elif table.empty:
         print(f"replayssm-bin-by-length: warning: no sample falls in the bins "
               f"[{a.bins[0]}, {a.bins[-1]})", file=sys.stderr)
     print(table.to_string(index=False))

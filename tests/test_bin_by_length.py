@@ -157,3 +157,66 @@ def test_output_under_a_file_is_refused_before_reading(tmp_path, capsys):
     assert main([str(tmp_path / "missing"), "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "is not a directory" in err and "afile" in err and "\n" not in err
+
+
+def _lm_eval_run(folder, date, model, policy, seed, docs, value, task="mytask"):
+    """One lm-eval run as lm-eval writes it: ``results_<date>.json`` and
+    ``samples_<task>_<date>.jsonl`` in ``folder`` (lm-eval's ``<output_path>/<model>/``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"results_{date}.json").write_text(json.dumps({
+        "model_name": model, "config": {"replayssm_state": policy, "replayssm_window": 16,
+                                        "replayssm_seed": seed, "model_dtype": "torch.float32"}}))
+    with open(folder / f"samples_{task}_{date}.jsonl", "w") as f:
+        for i, h in enumerate(docs):
+            f.write(json.dumps({"doc_id": i, "doc_hash": h, "resps": [["w w w"]],
+                                "metrics": ["acc"], "acc": value}) + "\n")
+
+
+def test_runs_of_one_policy_never_pool(tmp_path, capsys):
+    """Two models under one policy get two labels, each samples file takes the label of the
+    results JSON written with it (two policies in one lm-eval folder), and a run that scores
+    a document twice (a rerun into the same folder) is refused, naming both files."""
+    docs = ["h0", "h1", "h2"]
+    _lm_eval_run(tmp_path / "g" / "tiny-gdn", "2026-12-06T01", "tiny-gdn", "fp32", 0, docs, 1.0)
+    _lm_eval_run(tmp_path / "m" / "tiny-mamba2", "2026-12-06T02", "tiny-mamba2", "fp32", 0, docs,
+                 0.0)
+    df = load_samples([tmp_path / "g", tmp_path / "m"])
+    runs = df.groupby("run")["value"].agg(["count", "mean"])
+    assert runs.to_dict("index") == {"fp32 L=16 model=tiny-gdn": {"count": 3, "mean": 1.0},
+                                     "fp32 L=16 model=tiny-mamba2": {"count": 3, "mean": 0.0}}
+    t = bin_by_length(df, [0, 10], baseline="fp32 L=16 model=tiny-gdn")
+    assert sorted(t["delta_mean"]) == [-1.0, 0.0]  # the baseline pairs with itself: 0
+
+    mix = tmp_path / "mix" / "tiny-gdn"  # two policies written into one lm-eval folder
+    _lm_eval_run(mix, "2026-12-06T03", "tiny-gdn", "fp32", 0, docs, 1.0)
+    _lm_eval_run(mix, "2026-12-06T04", "tiny-gdn", "shared:nvfp4+sr", 0, docs, 0.5)
+    df = load_samples([tmp_path / "mix"])
+    assert df.groupby("run")["value"].mean().to_dict() == {"fp32 L=16": 1.0,
+                                                           "shared:nvfp4+sr L=16": 0.5}
+    seeds = tmp_path / "seeds" / "tiny-gdn"  # one policy, two SR seeds
+    _lm_eval_run(seeds, "2026-12-06T05", "tiny-gdn", "shared:nvfp4+sr", 0, docs, 1.0)
+    _lm_eval_run(seeds, "2026-12-06T06", "tiny-gdn", "shared:nvfp4+sr", 1, docs, 0.0)
+    assert set(load_samples([tmp_path / "seeds"])["run"]) == {
+        "shared:nvfp4+sr L=16 seed=0", "shared:nvfp4+sr L=16 seed=1"}
+
+    _lm_eval_run(mix, "2026-12-06T07", "tiny-gdn", "fp32", 0, docs, 0.0)  # a rerun of fp32
+    with pytest.raises(ValueError, match=r"run 'fp32 L=16' scores document h0 of task "
+                                         r"'mytask' in two files, .*T03.*T07"):
+        load_samples([tmp_path / "mix"])
+    assert main([str(tmp_path / "mix")]) == 2
+    assert "scores document h0" in capsys.readouterr().err
+
+
+def test_no_generation_samples_points_to_context(tmp_path, capsys):
+    d = tmp_path / "ppl" / "tiny-gdn"
+    d.mkdir(parents=True)
+    (d / "results_2026-12-06T01.json").write_text(json.dumps({"config": {"replayssm_state": "fp32",
+                                                                        "replayssm_window": 16}}))
+    rec = {"doc_id": 0, "doc_hash": "h", "arguments": {"gen_args_0": {"arg_0": "a b c"}},
+           "metrics": ["word_perplexity"], "word_perplexity": [-3.0, 3]}
+    (d / "samples_ppl_2026-12-06T01.jsonl").write_text(json.dumps(rec) + "\n")
+    assert main([str(tmp_path / "ppl")]) == 0
+    err = capsys.readouterr().err
+    assert "hold no generation samples" in err and "--length context" in err
+    assert main([str(tmp_path / "ppl"), "--length", "context"]) == 0
+    assert "nll_per_word" in capsys.readouterr().out

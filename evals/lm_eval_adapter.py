@@ -55,7 +55,7 @@ import torch
 from replayssm_quant.adapters import sequence_id
 from replayssm_quant.adapters.segments import forward_segment
 from replayssm_quant.config import GDNFold
-from replayssm_quant.outpaths import output_file_problem
+from replayssm_quant.outpaths import output_dir_problem, output_file_problem
 from replayssm_quant.policy import GRAMMAR, StatePolicy
 from replayssm_quant.policymap import PolicyMap, load_decay_stats, parse_state_arg
 
@@ -98,19 +98,56 @@ def _check_drafts(max_drafts: int, window: int, policy) -> None:
             + ": drafts must fit in one window to be verified (docs/replay.md, decision 7)")
 
 
-def _as_int(name: str, value, minimum: int) -> int:
+def _as_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
     """An integer model argument (lm-eval passes strings), with a clear error."""
-    # lm-eval's argument parser turns "-3" into -3.0: show such values as the user typed them
-    shown = repr(int(value)) if isinstance(value, float) and value.is_integer() else repr(value)
+    # lm-eval's argument parser turns "-3" into -3.0 (a positive "3" into 3): show such values
+    # as the user typed them; "16.0" or "1e3" stay floats in the message
+    neg = isinstance(value, float) and value.is_integer() and value < 0
+    shown = repr(int(value)) if neg else repr(value)
+    rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     try:
         if isinstance(value, bool) or isinstance(value, float):
             raise ValueError
         v = int(str(value).strip())
     except (TypeError, ValueError):
-        raise ValueError(f"model argument {name} must be an integer >= {minimum}, got {shown}") from None
-    if v < minimum:
-        raise ValueError(f"model argument {name} must be an integer >= {minimum}, got {shown}")
+        raise ValueError(f"model argument {name} must be an integer {rng}, got {shown}") from None
+    if v < minimum or (maximum is not None and v > maximum):
+        raise ValueError(f"model argument {name} must be an integer {rng}, got {shown}")
     return v
+
+
+#: torch floating dtypes by name, as HFLM's ``dtype`` / ``softmax_dtype`` take them
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _check_dtype(name: str, value, auto: bool) -> None:
+    """``dtype`` (``auto`` too) or ``softmax_dtype``: None, a torch floating dtype or its name
+    (HFLM reads a string as ``getattr(torch, s)``)."""
+    if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
+        return
+    text = str(value).removeprefix("torch.")
+    if (auto and text == "auto") or text in DTYPE_NAMES:
+        return
+    names = ", ".join((("auto",) if auto else ()) + DTYPE_NAMES)
+    raise ValueError(f"model argument {name} must be one of {names} (a torch dtype name), "
+                     f"got {value!r}")
+
+
+def _check_batch_size(value, where: str) -> None:
+    """A batch size as lm-eval takes it: a positive integer, ``auto`` or ``auto:N`` (N >= 1).
+    HFLM itself takes 0 and runs."""
+    text = str(value).strip()
+    if text.startswith("auto"):
+        tail = text[len("auto"):]
+        ok = not tail or (tail.startswith(":") and tail[1:].isdigit() and int(tail[1:]) >= 1)
+    else:
+        try:
+            ok = not isinstance(value, (bool, float)) and int(text) >= 1
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{where} {value!r}: expected a positive integer, 'auto' or 'auto:N' "
+                         "(N >= 1)")
 
 
 class _Row(NamedTuple):
@@ -164,10 +201,12 @@ class ReplaySSMLM(HFLM):
 
     Raises:
         ValueError: an unknown argument, or a bad ``state``/``window``/``seed``/``max_drafts``/
-            ``gdn_fold``/``dt_limit``/``device_map``, or ``logits_cache=True`` (all before
-            the model loads).
+            ``gdn_fold``/``dt_limit``/``device_map``, HFLM's ``dtype``/``softmax_dtype``/
+            ``max_length``/``max_batch_size``/``batch_size``, a ``pretrained`` directory
+            without ``config.json``, or ``logits_cache=True`` (all before the model loads).
         ModelArgumentError: (a ValueError) the policy does not fit the loaded model, e.g. a
-            policy map naming a layer that is not an SSM layer.
+            policy map naming a layer that is not an SSM layer, or a window whose L x L
+            matrices cannot fit the model's device for one sequence.
     """
 
     def __init__(self, pretrained="tiny-gdn", state="fp32", window=16, seed=0, max_drafts=0,
@@ -176,7 +215,7 @@ class ReplaySSMLM(HFLM):
         self.policy = _parse_policy(state)
         self.decay_stats = _check_decay_stats(decay_stats)
         self.window = _as_int("window", window, 1)
-        self.seed = _as_int("seed", seed, 0)
+        self.seed = _as_int("seed", seed, 0, 2**63 - 1)
         self.max_drafts = _as_int("max_drafts", max_drafts, 0)
         _check_drafts(self.max_drafts, self.window, self.policy)
         _check_gdn_fold(gdn_fold)
@@ -185,6 +224,7 @@ class ReplaySSMLM(HFLM):
         # a state policy the logits also depend on where the prefill ends, so it stays off.
         _check_logits_cache(kwargs.get("logits_cache", False))
         _check_device_map(kwargs.get("device_map"))
+        _check_hflm_args(kwargs)
         pretrained = _check_pretrained(pretrained)
         if "device" not in kwargs or kwargs["device"] is None:
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
@@ -407,37 +447,75 @@ def _check_logits_cache(value) -> None:
                          f"logits depend on where the prefill ends), got {value!r}")
 
 
-def check_model_args(model_args: str | dict | None) -> None:
+def _check_hflm_args(kv: dict) -> None:
+    """HFLM's own arguments that it would take and fail on late (a traceback from deep in
+    torch or lm-eval) or ignore: ``dtype``, ``softmax_dtype``, ``max_length``, ``batch_size``
+    and ``max_batch_size``."""
+    _check_dtype("dtype", kv.get("dtype"), auto=True)
+    _check_dtype("softmax_dtype", kv.get("softmax_dtype"), auto=False)
+    for name in ("max_length", "max_batch_size"):
+        if kv.get(name) is not None:
+            _as_int(name, kv[name], 1)
+    if kv.get("batch_size") is not None:
+        _check_batch_size(kv["batch_size"], "model argument batch_size")
+
+
+#: model arguments that lm-eval's command line passes to the model itself (from
+#: ``--batch_size``, ``--max_batch_size`` and ``--device``): in ``--model_args`` they collide
+CLI_OWNED_ARGS = {"batch_size": "--batch_size", "max_batch_size": "--max_batch_size",
+                  "device": "--device"}
+
+
+def _model_args_dict(model_args) -> dict:
+    """``--model_args`` as a dict: ``"k=v,k=v"`` (parsed as lm-eval parses it), a JSON
+    object string, or a dict."""
+    if isinstance(model_args, str):
+        s = model_args.strip()
+        if s.startswith("{"):
+            import json
+
+            return json.loads(s)
+        from lm_eval.utils import simple_parse_args_string
+
+        return simple_parse_args_string(s)
+    return dict(model_args)
+
+
+def check_model_args(model_args: str | dict | None, *, cli: bool = False) -> None:
     """Validate ReplaySSM model arguments before lm-eval loads anything.
 
     Args:
         model_args: ``"key=value,key=value"`` or a JSON object string (as ``--model_args``
             takes them), a dict (as lm-eval's command line parses them), or None.
 
+        cli: the arguments come from ``replayssm-lm-eval``'s command line, whose own
+            ``--batch_size``, ``--max_batch_size`` and ``--device`` reach the model too, so
+            these keys in ``--model_args`` are refused (lm-eval would fail with "got multiple
+            values for keyword argument").
+
     Raises:
         ValueError: an unknown key (the message lists :func:`accepted_model_args`), or a bad
-            ``state``, ``window``, ``seed``, ``max_drafts`` (also: more than the window),
-            ``gdn_fold`` or ``logits_cache``.
+            ``state``, ``window``, ``seed`` (an int in [0, 2^63)), ``max_drafts`` (also: more
+            than the window), ``gdn_fold``, ``logits_cache``, ``dtype``, ``softmax_dtype``,
+            ``max_length``, ``batch_size`` or ``pretrained`` (also: a directory without
+            ``config.json``).
     """
     if not model_args:
         return
-    if isinstance(model_args, str):
-        s = model_args.strip()
-        if s.startswith("{"):
-            import json
-
-            kv = json.loads(s)
-        else:
-            from lm_eval.utils import simple_parse_args_string
-
-            kv = simple_parse_args_string(s)
-    else:
-        kv = dict(model_args)
+    kv = _model_args_dict(model_args)
     _refuse_unknown(kv)
+    if cli:
+        owned = [k for k in CLI_OWNED_ARGS if k in kv]
+        if owned:
+            k = owned[0]
+            raise ValueError(f"model argument {k}={kv[k]!r}: lm-eval's command line passes its "
+                             f"own {CLI_OWNED_ARGS[k]} to the model, so give "
+                             f"{CLI_OWNED_ARGS[k]} {kv[k]} instead of {k}= in --model_args")
     if "state" in kv:
         _parse_policy(kv["state"])
-    ints = {name: _as_int(name, kv[name], minimum)
-            for name, minimum in (("window", 1), ("seed", 0), ("max_drafts", 0)) if name in kv}
+    ints = {name: _as_int(name, kv[name], lo, hi)
+            for name, lo, hi in (("window", 1, None), ("seed", 0, 2**63 - 1),
+                                 ("max_drafts", 0, None)) if name in kv}
     if "max_drafts" in ints:
         defaults = inspect.signature(ReplaySSMLM.__init__).parameters
         _check_drafts(ints["max_drafts"], ints.get("window", defaults["window"].default),
@@ -447,14 +525,22 @@ def check_model_args(model_args: str | dict | None) -> None:
     _check_logits_cache(kv.get("logits_cache", False))
     _check_device_map(kv.get("device_map"))
     _check_decay_stats(kv.get("decay_stats"))
+    _check_hflm_args(kv)
     if "pretrained" in kv:
         _check_pretrained(kv["pretrained"])
 
 
 def _check_pretrained(pretrained) -> str:
     """``pretrained`` resolved as the model loader will (embedded name, local directory, hub
-    id ``org/name``); a bad one is refused before anything loads."""
-    if not isinstance(pretrained, str) or os.path.isdir(pretrained):
+    id ``org/name``); a bad one is refused before anything loads, as is a local directory
+    without ``config.json`` (not a transformers model folder)."""
+    if not isinstance(pretrained, str):
+        return pretrained
+    if os.path.isdir(pretrained):
+        if not os.path.isfile(os.path.join(pretrained, "config.json")):
+            raise ValueError(f"model argument pretrained={pretrained!r}: the directory holds no "
+                             "config.json (expected a transformers model folder: config.json "
+                             "and weights)")
         return pretrained
     from replayssm_quant.models import resolve_model_path
 
@@ -498,13 +584,17 @@ def cli(argv: list[str] | None = None) -> int:
     model, margs = _cli_model_args(args)
     try:
         if model == "replayssm":
-            check_model_args(margs)
+            check_model_args(margs, cli=True)
         check_run_args(args)
     except ValueError as e:
         print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
         return 2
     try:
         parser.execute(args)
+    except KeyboardInterrupt:  # as replayssm-kl: one line, exit 130
+        print("replayssm-lm-eval: interrupted (nothing saved: lm-eval writes its results "
+              "when the whole evaluation ends)", file=sys.stderr)
+        return 130
     except ModelArgumentError as e:  # found once the model has loaded
         print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
         return 2
@@ -542,28 +632,29 @@ def check_run_args(args) -> None:
         ValueError: naming the flag, the value and what is expected.
     """
     device = getattr(args, "device", None)
+    if device:
+        try:
+            torch.device(str(device))
+        except RuntimeError:  # lm-eval would log "Device not specified" and run on the CPU
+            raise ValueError(f"--device {device!r}: not a torch device (expected cpu, cuda, "
+                             "cuda:N or mps)") from None
     if device and str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available (torch "
                          f"{torch.__version__}); use --device cpu")
     bs = getattr(args, "batch_size", None)
     if bs is not None:
-        text = str(bs).strip()
-        if text.startswith("auto"):
-            tail = text[len("auto"):]
-            if tail and not (tail.startswith(":") and tail[1:].isdigit() and int(tail[1:]) >= 1):
-                raise ValueError(f"--batch_size {bs!r}: expected a positive integer, 'auto' or "
-                                 "'auto:N' (N >= 1)")
-        else:
-            try:
-                n = int(text)
-            except ValueError:
-                n = 0
-            if n < 1:
-                raise ValueError(f"--batch_size {bs!r}: expected a positive integer, 'auto' or "
-                                 "'auto:N' (N >= 1)")
+        _check_batch_size(bs, "--batch_size")
     out = getattr(args, "output_path", None)
-    if out and not Path(out).is_dir():
-        problem = output_file_problem(out, "--output_path")
+    if out:
+        # lm-eval writes <stem>_<date>.json beside a path ending in .json, and a folder of
+        # results and samples at any other path (EvaluationTracker)
+        if Path(out).suffix == ".json":
+            problem = output_file_problem(out, "--output_path")
+        else:
+            problem = output_dir_problem(out, "--output_path")
+            if problem and Path(out).is_file():
+                problem += (" (lm-eval writes a folder at a path that does not end in .json; "
+                            "give a folder, or a file name ending in .json)")
         if problem:
             raise ValueError(problem)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["output_file_problem", "nearest_existing", "ancestor_problem", "check_distinct_dirs"]
+__all__ = ["output_file_problem", "output_dir_problem", "nearest_existing", "ancestor_problem",
+           "check_distinct_dirs"]
 
 
 def nearest_existing(path) -> tuple[Path | None, list[Path]]:
@@ -77,3 +78,25 @@ def output_file_problem(path, flag: str = "--output") -> str | None:
     parent, _ = nearest_existing(Path(path).absolute().parent)
     reason = ancestor_problem(parent)
     return f"{flag} {str(path)!r} cannot be written: {str(parent)!r} is {reason}" if reason else None
+
+
+def output_dir_problem(path, flag: str = "--output") -> str | None:
+    """Why the directory ``path`` could not be written into, or None if it can.
+
+    Creates nothing: an existing directory must be writable; a missing one must be creatable
+    (its nearest existing ancestor a writable directory); an existing file is refused.
+
+    Returns:
+        None, or a message naming ``flag``, the path and the reason.
+    """
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            return f"{flag} {str(path)!r} exists and is not a directory"
+        if not os.access(p, os.W_OK | os.X_OK):
+            return f"{flag} {str(path)!r} is not writable"
+        return None
+    parent, _ = nearest_existing(p)
+    reason = ancestor_problem(parent)
+    return f"{flag} {str(path)!r} cannot be created: {str(parent)!r} is {reason}" if reason \
+        else None

@@ -281,7 +281,7 @@ class PolicyMap:
             key, eq, pol = rule.partition("=")
             if not eq:
                 raise ValueError(f"bad rule {rule!r} in policy map {text!r}: expected KEY=POLICY; {MAP_GRAMMAR}")
-            key = key.lower()
+            typed, key = key, key.lower()
             p = _policy(pol, f"rule {rule!r} of {text!r}")
             m = _LAYER_RULE.match(key)
             if m:
@@ -295,7 +295,7 @@ class PolicyMap:
             if m:
                 decay.append(DecayRule(float(m.group(1)), None if m.group(2) is None else float(m.group(2)), p))
                 continue
-            raise ValueError(f"bad rule key {key!r} in policy map {text!r}: expected L<layers>, "
+            raise ValueError(f"bad rule key {typed!r} in policy map {text!r}: expected L<layers>, "
                              f"L<layers>H<heads> or D<min>[-<max>]; {MAP_GRAMMAR}")
         return cls(default, tuple(layers), tuple(heads), tuple(decay))
 

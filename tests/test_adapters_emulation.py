@@ -256,14 +256,22 @@ def test_window_beyond_memory_refused_by_name(decode):
     before anything is allocated (the allocator's own error names no argument, and a lazily
     granted allocation can get the process killed while it writes the zeros)."""
     model = tiny_model("qwen3_5")
+    match = r"window.*=1000000000000.* GiB on cpu, more than"
+    if decode == "window":  # the window form's L x L matrices: refused when applied
+        with pytest.raises(ValueError, match=match):
+            apply_state_policy(model, "shared:fp16", window=10**12, decode=decode)
+        assert not hasattr(model, "_replayssm_handle")  # nothing was patched
+        return
     with torch.no_grad(), apply_state_policy(model, "shared:fp16", window=10**12, decode=decode):
-        with pytest.raises(ValueError, match=r"window.*=1000000000000.* GiB on cpu, more than"):
+        with pytest.raises(ValueError, match=match):  # the decode state's record ring
             model.generate(_ids(1, 6), max_new_tokens=2, do_sample=False)
 
 
 def test_window_whose_matrices_exceed_memory_refused_by_name():
     """A window whose padded records fit but whose L x L decay and solve matrices cannot is
-    refused by name too, before they are built."""
+    refused by name too, before they are built: when the policy is applied (even one
+    sequence's matrices would not fit), and, for a window that fits one sequence, at the
+    call whose batch does not (checked here with the patch-time check bypassed)."""
     from replayssm_quant.capabilities import device_memory_bytes
 
     total = device_memory_bytes(torch.device("cpu"))
@@ -271,6 +279,13 @@ def test_window_whose_matrices_exceed_memory_refused_by_name():
         pytest.skip("this machine's memory size cannot be read")
     model = tiny_model("qwen3_5")
     L = 1 << 22  # 4M: records of a few hundred MiB, matrices of terabytes
-    with torch.no_grad(), apply_state_policy(model, "shared:fp16", window=L):
-        with pytest.raises(ValueError, match=rf"window L={L}: the window form's L x L decay"):
-            model.generate(_ids(1, 6), max_new_tokens=2, do_sample=False)
+    match = rf"window L={L}: the window form's L x L decay"
+    with pytest.raises(ValueError, match=match + r".*\(1 sequence\(s\) x 4 heads\)"):
+        apply_state_policy(model, "shared:fp16", window=L)
+    import replayssm_quant.adapters as A
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(A.StatePolicyHandle, "_check_window_memory", lambda self: None)
+        with torch.no_grad(), apply_state_policy(model, "shared:fp16", window=L):
+            with pytest.raises(ValueError, match=match):
+                model.generate(_ids(1, 6), max_new_tokens=2, do_sample=False)

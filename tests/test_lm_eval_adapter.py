@@ -6,6 +6,7 @@ here on a few KJV books is saved to a temporary directory, so these tests exerci
 """
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -202,7 +203,22 @@ def test_cli_issue_command_limit8_both_forms(tmp_path):
                                         ('{"pretrained": "tiny-gdn", "seed": -2}', "seed"),
                                         ("pretrained=no-such-model", "pretrained='no-such-model'"),
                                         ("pretrained=tiny-gdn,window=-3", "got -3\n"),
-                                        ("pretrained=tiny-mamba2,dt_limit=clip", "dt_limit")])
+                                        ("pretrained=tiny-mamba2,dt_limit=clip", "dt_limit"),
+                                        # a float is shown as typed, not as the int it equals
+                                        ("pretrained=tiny-gdn,window=16.0", "got 16.0\n"),
+                                        ("pretrained=tiny-gdn,seed=9223372036854775808",
+                                         "seed must be an integer in [0, 9223372036854775807]"),
+                                        # lm-eval's command line passes these itself
+                                        ("pretrained=tiny-gdn,batch_size=4",
+                                         "give --batch_size 4 instead"),
+                                        ("pretrained=tiny-gdn,device=cpu", "give --device cpu"),
+                                        ("pretrained=tiny-gdn,softmax_dtype=float33",
+                                         "softmax_dtype must be one of float16, bfloat16"),
+                                        ("pretrained=tiny-gdn,dtype=float33",
+                                         "dtype must be one of auto, float16"),
+                                        ("pretrained=tiny-gdn,max_length=-5",
+                                         "max_length must be an integer >= 1, got -5\n"),
+                                        ("pretrained=tiny-gdn,max_length=0", "max_length")])
 def test_cli_bad_model_args_exit_2(margs, word, capsys):
     from replayssm_quant.evals.lm_eval_adapter import cli
 
@@ -481,7 +497,10 @@ def test_model_info_records_the_softmax_dtype():
     (["--batch_size", "auto:0"], "--batch_size 'auto:0'"),
     (["--batch_size", "many"], "--batch_size 'many'"),
     (["--output_path", "{afile}/out"], "is not a directory"),
+    # an existing file where lm-eval would write a folder (the path does not end in .json)
+    (["--output_path", "{afile}"], "exists and is not a directory (lm-eval writes a folder"),
     (["--device", "cuda"], "CUDA is not available"),
+    (["--device", "foo"], "--device 'foo': not a torch device"),
 ])
 def test_cli_run_args_refused_before_loading(extra, word, tmp_path, capsys, monkeypatch):
     """lm-eval values that would fail late or pass silently exit 2 in one line before any
@@ -512,8 +531,59 @@ def test_check_run_args_accepts_lm_eval_forms(tmp_path):
 
     for bs in ("1", "8", "auto", "auto:4", 16, None):
         check_run_args(SimpleNamespace(batch_size=bs, output_path=None, device="cpu"))
-    for out in (tmp_path, tmp_path / "new" / "results.json"):
+    for out in (tmp_path, tmp_path / "new" / "results.json", tmp_path / "new_dir" / "sub"):
         check_run_args(SimpleNamespace(batch_size=None, output_path=str(out), device=None))
+    assert not (tmp_path / "new_dir").exists()  # checked, nothing made
+
+
+def test_hflm_args_refused_before_loading(tmp_path, monkeypatch):
+    """The Python API checks HFLM's own arguments before the model loads: a batch size below
+    1 (HFLM takes it and runs), an unknown dtype name (torch's AttributeError otherwise), a
+    max_length below 1, and a model directory without config.json."""
+    monkeypatch.setattr(HFLM, "__init__", _no_load(HFLM.__init__))
+    for kw, word in ((dict(batch_size=0), "batch_size 0: expected a positive integer"),
+                     (dict(batch_size=-3), "batch_size -3"),
+                     (dict(batch_size="auto:0"), "'auto:0'"),
+                     (dict(softmax_dtype="float33"), "softmax_dtype must be one of"),
+                     (dict(dtype="half-ish"), "dtype must be one of auto"),
+                     (dict(max_length=0), "max_length must be an integer >= 1, got 0")):
+        with pytest.raises(ValueError, match=re.escape(word)):
+            ReplaySSMLM(pretrained="tiny-gdn", **kw)
+    empty = tmp_path / "not_a_model"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="holds no config.json"):
+        ReplaySSMLM(pretrained=str(empty))
+
+
+def test_cli_window_beyond_memory_exit_2(capsys):
+    """A window whose L x L matrices cannot fit even one sequence is refused in one line,
+    exit 2, when the policy is applied to the loaded model (before any request is scored)."""
+    from replayssm_quant.evals.lm_eval_adapter import cli
+
+    rc = cli(["--model", "replayssm", "--model_args",
+              "pretrained=tiny-gdn,state=shared:nvfp4,window=100000", "--tasks",
+              "kjv_longctx_mc", "--include_path", str(REPO / "evals" / "tasks"), "--limit", "1",
+              "--device", "cpu", "--metadata", '{"context_chars": 600, "n_items": 1}'])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after lm-eval's own log lines
+    assert err.startswith("replayssm-lm-eval: error: model arguments do not fit")
+    assert "window L=100000: the window form's L x L" in err
+
+
+def test_cli_interrupt_is_one_line_exit_130(capsys, monkeypatch):
+    from lm_eval._cli.harness import HarnessCLI
+
+    from replayssm_quant.evals.lm_eval_adapter import cli
+
+    def stop(self, args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HarnessCLI, "execute", stop)
+    rc = cli(["--model", "replayssm", "--model_args", "pretrained=tiny-gdn", "--tasks",
+              "kjv_longctx_mc", "--include_path", str(REPO / "evals" / "tasks")])
+    assert rc == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("replayssm-lm-eval: interrupted") and "\n" not in err
 
 
 def test_cli_kjv_tasks_without_include_path_hint(capsys, monkeypatch):

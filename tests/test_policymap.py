@@ -64,7 +64,7 @@ def test_bad_maps_name_the_problem(bad, msg):
 
 @pytest.mark.parametrize("bad,msg", [
     ("map:", "bad policy"),
-    ("map:fp32@X3=fp32", "bad rule key 'x3'"),
+    ("map:fp32@X3=fp32", "bad rule key 'X3'"),
     ("map:fp32@L3", "expected KEY=POLICY"),
     ("map:fp32@L3=fp32,L4=fp32", "no commas"),
     ("map:fp32@D2=fp32", "min_decay must be"),

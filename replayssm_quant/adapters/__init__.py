@@ -71,6 +71,7 @@ from ..philox import STREAM_FIELDS
 from ..config import GDNFold, LayerwiseConfig, StateConfig
 from ..policy import StatePolicy
 from ..policymap import PolicyMap, load_decay_stats, parse_state_arg
+from ..replay.window import _check_window_matrices
 from . import gdn as _gdn
 from . import mamba2 as _mamba2
 from .mamba2 import DtLimit
@@ -245,6 +246,8 @@ class StatePolicyHandle:
         self._decay_recorder: dict | None = None  # measure_head_decay's accumulators
         self.config = self.build_config(policy, window=window, seed=seed, fold=gdn_fold)
         self.window = window  # as asked for (config.window is 1 under eager policies)
+        if decode == "window":  # serving steps one token at a time from the exact prefill
+            self._check_window_memory()
         if not isinstance(prefill, bool):  # bool("false") is True
             raise ValueError(f"prefill must be True or False, got {prefill!r}")
         self.prefill = prefill
@@ -263,6 +266,19 @@ class StatePolicyHandle:
         self._generate_method = None  # the guarded generate this handle installed
         self._auto_ids: torch.Tensor | None = None  # content ids of the current fresh-cache call
         self._signature = inspect.signature(model.forward)
+
+    def _check_window_memory(self) -> None:
+        """Refuse, when the policy is applied, a window whose L x L decay and solve matrices
+        would not fit the model's device even for one sequence (the window form builds them
+        for every window call; docs/replay.md), naming L, instead of failing at the first
+        forward call."""
+        L = int(getattr(self.config, "window", 1))
+        heads = max(self.ssm_heads().values(), default=0)
+        param = next(self.model.parameters(), None)
+        if L <= 1 or not heads or param is None or param.device.type == "meta":
+            return
+        dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+        _check_window_matrices(1, heads, L, torch.empty(0, dtype=dtype, device=param.device))
 
     def _check_serving(self) -> None:
         """``decode="serving"``: the decode state objects need the exact prefill (they step one

@@ -205,7 +205,7 @@ def _check_window_matrices(B: int, H: int, L: int, t: torch.Tensor) -> None:
     device's memory, naming L, before any is built."""
     check_allocation(4 * B * H * L * L * t.element_size(), t.device,
                      lambda: f"window L={L}: the window form's L x L decay and solve matrices "
-                             f"({B} sequences x {H} heads)")
+                             f"({B} sequence(s) x {H} heads)")
 
 
 def _check_fit(h0: int, W: int, L: int) -> None:

@@ -617,6 +617,38 @@ def _tasks_hint(message: str) -> str:
             "evals/tasks)")
 
 
+#: the options the package's kjv_* tasks read from ``--metadata`` (evals/tasks/kjv_longctx)
+#: and their least values
+KJV_OPTIONS = {"context_chars": 1, "n_items": 1, "n_words": 1, "item_seed": 0}
+
+
+def _check_kjv_metadata(tasks, metadata) -> None:
+    """Where the package's ``kjv_*`` tasks run: their ``--metadata`` options as integers of
+    at least their least value (else the task code fails with a traceback after the model
+    loads), and a warning naming keys that no kjv task and no model argument reads (lm-eval
+    hands tasks their metadata merged with the model arguments, so other keys are allowed)."""
+    if not isinstance(metadata, dict) or not tasks:
+        return
+    names = tasks if isinstance(tasks, (list, tuple)) else str(tasks).split(",")
+    if not any(str(t).strip().startswith("kjv_") for t in names):
+        return
+    for key, least in KJV_OPTIONS.items():
+        if key in metadata:
+            v = metadata[key]  # lm-eval's key=val form parses "-5" as -5.0; the tasks int() it
+            try:
+                n = None if isinstance(v, bool) or float(v) != int(float(v)) else int(float(v))
+            except (TypeError, ValueError, OverflowError):
+                n = None
+            if n is None or n < least:
+                shown = n if n is not None else repr(v)
+                raise ValueError(f"--metadata {key}={shown}: the kjv_* tasks take an integer >= "
+                                 f"{least}")
+    unread = [k for k in metadata if k not in KJV_OPTIONS and k not in accepted_model_args()]
+    if unread:
+        print(f"replayssm-lm-eval: warning: --metadata {', '.join(map(repr, unread))} is read by "
+              f"no kjv_* task (they read {', '.join(KJV_OPTIONS)})", file=sys.stderr)
+
+
 def check_run_args(args) -> None:
     """Refuse lm-eval command-line values that would otherwise fail late or pass silently,
     before anything loads: ``--device cuda...`` where torch has no CUDA device (HFLM asserts
@@ -644,6 +676,7 @@ def check_run_args(args) -> None:
     bs = getattr(args, "batch_size", None)
     if bs is not None:
         _check_batch_size(bs, "--batch_size")
+    _check_kjv_metadata(getattr(args, "tasks", None), getattr(args, "metadata", None))
     out = getattr(args, "output_path", None)
     if out:
         # lm-eval writes <stem>_<date>.json beside a path ending in .json, and a folder of

@@ -501,6 +501,8 @@ def test_model_info_records_the_softmax_dtype():
     (["--output_path", "{afile}"], "exists and is not a directory (lm-eval writes a folder"),
     (["--device", "cuda"], "CUDA is not available"),
     (["--device", "foo"], "--device 'foo': not a torch device"),
+    (["--metadata", "context_chars=-5"], "--metadata context_chars=-5: the kjv_* tasks"),
+    (["--metadata", "n_items=0"], "n_items=0"),
 ])
 def test_cli_run_args_refused_before_loading(extra, word, tmp_path, capsys, monkeypatch):
     """lm-eval values that would fail late or pass silently exit 2 in one line before any

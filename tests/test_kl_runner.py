@@ -356,6 +356,22 @@ def test_damaged_part_file_is_named_and_exits_2(tmp_path, capsys):
     pd.testing.assert_frame_equal(pd.read_parquet(out / "positions.parquet"), table)
 
 
+def test_part_copied_over_another_is_named(tmp_path, capsys):
+    """A part file copied over another cell's by hand (the same positions, so the position
+    check passes) is named with exit code 2: each part records the cell it was written for."""
+    out = tmp_path / "run"
+    args = ["--model", "tiny-mamba2", "--max-docs", "1", "-N", "16", "--policies",
+            "shared:fp16", "shared:nvfp4", "--windows", "4", "--stepwise-check", "0",
+            "--no-progress", "-o", str(out)]
+    assert main(args) == 0
+    a, b = sorted((out / "parts").glob("*.parquet"))
+    b.write_bytes(a.read_bytes())
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"part file {b} was written for another cell ({a.stem})" in err, err
+
+
 def test_state_error_names_the_windows_the_segment_does_not_divide(tmp_path, capsys):
     """--state-error needs --segment-len a multiple of every window; the message names the
     windows it is not a multiple of, under their own flag."""

@@ -796,10 +796,31 @@ def _sum_timings(items: list) -> dict:
     return out
 
 
+#: parquet schema metadata key of a part file: the (document, cell) key it was written for
+#: (its file name's stem), so a part copied over another is named, not read as that cell
+PART_KEY = b"replayssm_part"
+
+
 def _write_parquet(df, f: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                           PART_KEY: f.stem.encode()})
     tmp = f.with_suffix(".tmp")
-    df.to_parquet(tmp, index=False)
+    pq.write_table(table, tmp)
     os.replace(tmp, f)
+
+
+def _part_key(f: Path) -> str | None:
+    """The (document, cell) key a part file was written for (None: written before
+    2026-12-06, which recorded none)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(f).metadata or {}
+    key = meta.get(PART_KEY)
+    return key.decode() if key is not None else None
 
 
 def _assemble(token_docs, cells, part, columns, positions):
@@ -814,9 +835,14 @@ def _assemble(token_docs, cells, part, columns, positions):
             f = part(d, c)
             try:
                 df = pd.read_parquet(f)
+                written_for = _part_key(f)
             except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
                 raise DamagedPart(f"part file {f} cannot be read ({str(e).splitlines()[0][:160]}); "
                                   f"delete it and rerun to recompute that cell") from None
+            if written_for is not None and written_for != f.stem:
+                raise DamagedPart(f"part file {f} was written for another cell ({written_for}): "
+                                  "a part copied or renamed by hand; delete it and rerun to "
+                                  "recompute that cell")
             missing = [k for k in columns if k not in df.columns and k != "doc"]
             if missing:
                 raise DamagedPart(f"part file {f} lacks the columns {missing}; delete it and "

@@ -108,7 +108,9 @@ def _summary_notes(summ: pd.DataFrame, clipped: int, unit: str) -> list:
                   ""]
     bad = summ[summ["nonfinite"] > 0]
     if len(bad):
-        cells = ", ".join(f"`{r.policy}` L = {r.window} ({r.nonfinite} positions, "
+        multi = "run" in summ.columns and summ["run"].nunique() > 1
+        cells = ", ".join((f"`{r.run}`: " if multi else "")
+                          + f"`{r.policy}` L = {r.window} ({r.nonfinite} positions, "
                           f"{r.nonfinite_frac:.1%})" for r in bad.itertuples())
         lines += [f"**Non-finite logits** in {cells}: the `kl_*` columns are over the finite "
                   "positions only, so they leave out the positions where the run diverged "

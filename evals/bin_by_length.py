@@ -31,21 +31,28 @@ from replayssm_quant.outpaths import check_distinct_dirs, output_file_problem
 __all__ = ["load_samples", "check_bins", "outside_bins", "bin_by_length", "main"]
 
 
+def _lm_eval_results(f: Path) -> dict | None:
+    try:
+        res = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return res if isinstance(res, dict) and isinstance(res.get("config"), dict) else None
+
+
 def _results_for(samples_file: Path) -> dict | None:
-    """The results JSON that lm-eval wrote with ``samples_file``: the one in its folder with
-    the same date suffix (``samples_<task>_<date>.jsonl`` beside ``results_<date>.json``),
-    else the folder's first one that reads as lm-eval's (a ``config`` object); None if there
-    is none."""
+    """The results JSON that lm-eval wrote with ``samples_file``: the JSON in its folder with
+    the same date suffix (``samples_<task>_<date>.jsonl`` beside ``results_<date>.json``, or
+    ``<name>_<date>.json`` for an ``--output_path`` ending in ``<name>.json``); else the
+    folder's only lm-eval results JSON (one with a ``config`` object); else None (the label
+    is then the directory's name)."""
     date = samples_file.stem.rsplit("_", 1)[-1]
     folder = samples_file.parent
-    for f in [folder / f"results_{date}.json", *sorted(folder.glob("results_*.json"))]:
-        try:
-            res = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(res, dict) and isinstance(res.get("config"), dict):  # lm-eval's
+    for f in sorted(folder.glob(f"*_{date}.json")):
+        res = _lm_eval_results(f)
+        if res is not None:
             return res
-    return None
+    found = [r for f in sorted(folder.glob("*.json")) if (r := _lm_eval_results(f)) is not None]
+    return found[0] if len(found) == 1 else None
 
 
 def _pretrained(cfg: dict):
@@ -154,14 +161,14 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
         NotADirectoryError: a path is a file.
         ValueError: ``length`` is neither ``"response"`` nor ``"context"``; a directory is
             given twice, or inside another given one; one run (label) scores a document of a
-            task in two files (a rerun with the same settings written into the same folder,
-            or a copy).
+            task in two files of one folder (a rerun written into the same --output_path, or
+            runs differing only in settings the label does not name). Such runs in different
+            folders get the folder in their labels instead (:func:`_separate`).
     """
     import pandas as pd
 
     if length not in ("response", "context"):
         raise ValueError(f"length must be 'response' or 'context', got {length!r}")
-    rows = []
     # once each: a directory given twice or inside another would count its samples twice
     check_distinct_dirs(paths, "lm-eval output directory", "lm-eval output directories",
                         nested=True)
@@ -177,9 +184,10 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
             raise FileNotFoundError(f"{p} holds no samples_*.jsonl files (run lm-eval with --log_samples)")
         files += found
         idents += [_identity(_results_for(f), p.name) for f in found]
-    first = {}  # (label, task, doc_hash, metric) -> the file that scored it first
+    per_file = []
     for f, label in zip(files, _labels(idents), strict=True):
         task = f.name[len("samples_"):].rsplit("_", 1)[0]
+        rows = []
         for i, line in enumerate(f.read_text().splitlines(), 1):
             try:
                 rec = json.loads(line)
@@ -208,22 +216,49 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
                         v /= math.log(2)
                     m = PAIR_METRICS.get(m, m)
                 if isinstance(v, (int, float, bool)):
-                    doc = rec.get("doc_hash", rec.get("doc_id"))
-                    # lm-eval's doc_hash names a document whatever the run; without it (an
-                    # older lm-eval) doc_ids of runs at other context lengths would collide
-                    seen = first.setdefault((label, task, str(doc), m), f) \
-                        if "doc_hash" in rec else f
-                    if seen != f:
-                        raise ValueError(
-                            f"run {label!r} scores document {doc} of task {task!r} in two "
-                            f"files, {str(seen)!r} and {str(f)!r}: lm-eval writes every run "
-                            "of one model into one folder, so a rerun with the same "
-                            "settings (or a copy) would pool with the first; give each "
-                            "run's samples once")
                     rows.append(dict(run=label, task=task, doc_id=rec.get("doc_id"),
-                                     doc_hash=doc, gen_len=n, metric=m, value=float(v)))
+                                     doc_hash=rec.get("doc_hash", rec.get("doc_id")),
+                                     gen_len=n, metric=m, value=float(v),
+                                     _hashed="doc_hash" in rec))
+        per_file.append((f, rows))
+    rows = [r for _, rs in _separate(per_file) for r in rs]
+    for r in rows:
+        del r["_hashed"]
     return pd.DataFrame(rows, columns=["run", "task", "doc_id", "doc_hash", "gen_len", "metric",
                                        "value"])
+
+
+def _separate(per_file: list) -> list:
+    """Files whose runs share a label but score the same document (task, lm-eval doc_hash,
+    metric) are different runs: in one folder that is refused (a rerun written into the same
+    ``--output_path``, or runs whose settings differ only where the label does not look:
+    ``num_fewshot``, ``limit``, ``gen_kwargs``, ...); in different folders every run of such a
+    label adds its folder (``"fp32 L=16 [runs/a/tiny-gdn]"``). Runs of one label that score
+    other documents (e.g. one policy at several context lengths) pool. Records without a
+    ``doc_hash`` (an older lm-eval: doc_ids repeat across runs) are never compared."""
+    first: dict = {}
+    split: set = set()
+    for f, rows in per_file:
+        for r in rows:
+            if not r["_hashed"]:
+                continue
+            key = (r["run"], r["task"], str(r["doc_hash"]), r["metric"])
+            seen = first.setdefault(key, f)
+            if seen == f:
+                continue
+            if seen.parent == f.parent:
+                raise ValueError(
+                    f"run {r['run']!r} scores document {r['doc_hash']} of task {r['task']!r} in "
+                    f"two files of one folder, {str(seen)!r} and {str(f)!r}: a rerun written "
+                    "into the same --output_path, or two runs whose settings differ only where "
+                    "the label does not look (num_fewshot, limit, gen_kwargs, ...); give each "
+                    "run its own --output_path")
+            split.add(r["run"])
+    for f, rows in per_file:
+        for r in rows:
+            if r["run"] in split:
+                r["run"] = f"{r['run']} [{f.parent}]"
+    return per_file
 
 
 def check_bins(bins) -> list[int]:

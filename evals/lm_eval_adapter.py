@@ -44,7 +44,6 @@ imports this module (which registers ``replayssm``) and hands the command line t
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 from collections import defaultdict, deque
 from pathlib import Path
@@ -55,7 +54,7 @@ import torch
 from replayssm_quant.adapters import sequence_id
 from replayssm_quant.adapters.segments import forward_segment
 from replayssm_quant.config import GDNFold
-from replayssm_quant.outpaths import output_dir_problem, output_file_problem
+from replayssm_quant.outpaths import output_dir_problem
 from replayssm_quant.policy import GRAMMAR, StatePolicy
 from replayssm_quant.policymap import PolicyMap, load_decay_stats, parse_state_arg
 
@@ -116,21 +115,23 @@ def _as_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
     return v
 
 
-#: torch floating dtypes by name, as HFLM's ``dtype`` / ``softmax_dtype`` take them
+#: the torch dtypes a model or its log-softmax runs in; HFLM reads a string ``s`` as
+#: ``getattr(torch, s)``, so their aliases (``half``, ``float``, ``double``) work too
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _check_dtype(name: str, value, auto: bool) -> None:
-    """``dtype`` (``auto`` too) or ``softmax_dtype``: None, a torch floating dtype or its name
-    (HFLM reads a string as ``getattr(torch, s)``)."""
-    if value is None or isinstance(value, torch.dtype) and value.is_floating_point:
+    """``dtype`` (``auto`` too) or ``softmax_dtype``: None, one of :data:`MODEL_DTYPES` or
+    a name HFLM resolves to one (``getattr(torch, s)``: ``bfloat16``, ``half``, ...)."""
+    if value is None or value in MODEL_DTYPES:
         return
-    text = str(value).removeprefix("torch.")
-    if (auto and text == "auto") or text in DTYPE_NAMES:
+    if isinstance(value, str) and ((auto and value == "auto")
+                                   or getattr(torch, value, None) in MODEL_DTYPES):
         return
     names = ", ".join((("auto",) if auto else ()) + DTYPE_NAMES)
-    raise ValueError(f"model argument {name} must be one of {names} (a torch dtype name), "
-                     f"got {value!r}")
+    raise ValueError(f"model argument {name} must be one of {names} (a torch dtype name, as "
+                     f"HFLM reads it: getattr(torch, name)), got {value!r}")
 
 
 def _check_batch_size(value, where: str) -> None:
@@ -460,10 +461,11 @@ def _check_hflm_args(kv: dict) -> None:
         _check_batch_size(kv["batch_size"], "model argument batch_size")
 
 
-#: model arguments that lm-eval's command line passes to the model itself (from
-#: ``--batch_size``, ``--max_batch_size`` and ``--device``): in ``--model_args`` they collide
-CLI_OWNED_ARGS = {"batch_size": "--batch_size", "max_batch_size": "--max_batch_size",
-                  "device": "--device"}
+#: model arguments that lm-eval's command line always passes to the model itself (from
+#: ``--batch_size``, default 1, and ``--device``): in ``--model_args`` they collide ("got
+#: multiple values for keyword argument"); ``max_batch_size`` collides only where
+#: ``--max_batch_size`` is given (lm-eval drops its None)
+CLI_OWNED_ARGS = {"batch_size": "--batch_size", "device": "--device"}
 
 
 def _model_args_dict(model_args) -> dict:
@@ -481,7 +483,8 @@ def _model_args_dict(model_args) -> dict:
     return dict(model_args)
 
 
-def check_model_args(model_args: str | dict | None, *, cli: bool = False) -> None:
+def check_model_args(model_args: str | dict | None, *, cli: bool = False,
+                     cli_max_batch_size=None) -> None:
     """Validate ReplaySSM model arguments before lm-eval loads anything.
 
     Args:
@@ -489,9 +492,10 @@ def check_model_args(model_args: str | dict | None, *, cli: bool = False) -> Non
             takes them), a dict (as lm-eval's command line parses them), or None.
 
         cli: the arguments come from ``replayssm-lm-eval``'s command line, whose own
-            ``--batch_size``, ``--max_batch_size`` and ``--device`` reach the model too, so
-            these keys in ``--model_args`` are refused (lm-eval would fail with "got multiple
-            values for keyword argument").
+            ``--batch_size`` and ``--device`` reach the model too, so these keys in
+            ``--model_args`` are refused (lm-eval would fail with "got multiple values for
+            keyword argument"); so is ``max_batch_size`` where ``cli_max_batch_size`` (the
+            command line's ``--max_batch_size``) is not None.
 
     Raises:
         ValueError: an unknown key (the message lists :func:`accepted_model_args`), or a bad
@@ -505,12 +509,15 @@ def check_model_args(model_args: str | dict | None, *, cli: bool = False) -> Non
     kv = _model_args_dict(model_args)
     _refuse_unknown(kv)
     if cli:
-        owned = [k for k in CLI_OWNED_ARGS if k in kv]
+        flags = dict(CLI_OWNED_ARGS)
+        if cli_max_batch_size is not None:
+            flags["max_batch_size"] = "--max_batch_size"
+        owned = [k for k in flags if k in kv]
         if owned:
             k = owned[0]
             raise ValueError(f"model argument {k}={kv[k]!r}: lm-eval's command line passes its "
-                             f"own {CLI_OWNED_ARGS[k]} to the model, so give "
-                             f"{CLI_OWNED_ARGS[k]} {kv[k]} instead of {k}= in --model_args")
+                             f"own {flags[k]} to the model, so give {flags[k]} {kv[k]} instead "
+                             f"of {k}= in --model_args")
     if "state" in kv:
         _parse_policy(kv["state"])
     ints = {name: _as_int(name, kv[name], lo, hi)
@@ -531,16 +538,11 @@ def check_model_args(model_args: str | dict | None, *, cli: bool = False) -> Non
 
 
 def _check_pretrained(pretrained) -> str:
-    """``pretrained`` resolved as the model loader will (embedded name, local directory, hub
-    id ``org/name``); a bad one is refused before anything loads, as is a local directory
-    without ``config.json`` (not a transformers model folder)."""
+    """``pretrained`` resolved as the model loader will (embedded name first, then a local
+    directory, then a hub id ``org/name``: ``resolve_model_path``); a bad one is refused
+    before anything loads, as is a local directory without ``config.json`` (not a
+    transformers model folder)."""
     if not isinstance(pretrained, str):
-        return pretrained
-    if os.path.isdir(pretrained):
-        if not os.path.isfile(os.path.join(pretrained, "config.json")):
-            raise ValueError(f"model argument pretrained={pretrained!r}: the directory holds no "
-                             "config.json (expected a transformers model folder: config.json "
-                             "and weights)")
         return pretrained
     from replayssm_quant.models import resolve_model_path
 
@@ -584,7 +586,8 @@ def cli(argv: list[str] | None = None) -> int:
     model, margs = _cli_model_args(args)
     try:
         if model == "replayssm":
-            check_model_args(margs, cli=True)
+            check_model_args(margs, cli=True,
+                             cli_max_batch_size=getattr(args, "max_batch_size", None))
         check_run_args(args)
     except ValueError as e:
         print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
@@ -629,8 +632,9 @@ def _check_kjv_metadata(tasks, metadata) -> None:
     hands tasks their metadata merged with the model arguments, so other keys are allowed)."""
     if not isinstance(metadata, dict) or not tasks:
         return
-    names = tasks if isinstance(tasks, (list, tuple)) else str(tasks).split(",")
-    if not any(str(t).strip().startswith("kjv_") for t in names):
+    names = [str(t).strip() for t in (tasks if isinstance(tasks, (list, tuple))
+                                      else str(tasks).split(","))]
+    if not any(t.startswith("kjv_") for t in names):
         return
     for key, least in KJV_OPTIONS.items():
         if key in metadata:
@@ -644,21 +648,24 @@ def _check_kjv_metadata(tasks, metadata) -> None:
                 raise ValueError(f"--metadata {key}={shown}: the kjv_* tasks take an integer >= "
                                  f"{least}")
     unread = [k for k in metadata if k not in KJV_OPTIONS and k not in accepted_model_args()]
-    if unread:
+    if unread and all(t.startswith("kjv_") for t in names):  # other tasks may read them
         print(f"replayssm-lm-eval: warning: --metadata {', '.join(map(repr, unread))} is read by "
               f"no kjv_* task (they read {', '.join(KJV_OPTIONS)})", file=sys.stderr)
 
 
 def check_run_args(args) -> None:
     """Refuse lm-eval command-line values that would otherwise fail late or pass silently,
-    before anything loads: ``--device cuda...`` where torch has no CUDA device (HFLM asserts
-    after the tokenizer loads), a ``--batch_size`` below 1 (HFLM takes 0 and runs), and an
+    before anything loads: a ``--device`` torch cannot parse (lm-eval runs on the CPU with a
+    warning), ``--device cuda...`` where torch has no CUDA device (HFLM asserts after the
+    tokenizer loads), a ``--batch_size`` below 1 (HFLM takes 0 and runs), an
     ``--output_path`` that cannot be written (lm-eval logs that after the whole evaluation
-    and exits 0 with nothing saved).
+    and exits 0 with nothing saved: a path ending in ``.json`` needs a writable folder, any
+    other path is a folder, so not an existing file), and, for the ``kjv_*`` tasks, a
+    ``--metadata`` option that is not an integer of at least its least value.
 
     Args:
-        args: the namespace of lm-eval's parser (``device``, ``batch_size``, ``output_path``;
-            absent ones are skipped).
+        args: the namespace of lm-eval's parser (``device``, ``batch_size``, ``output_path``,
+            ``tasks``, ``metadata``; absent ones are skipped).
 
     Raises:
         ValueError: naming the flag, the value and what is expected.
@@ -681,8 +688,8 @@ def check_run_args(args) -> None:
     if out:
         # lm-eval writes <stem>_<date>.json beside a path ending in .json, and a folder of
         # results and samples at any other path (EvaluationTracker)
-        if Path(out).suffix == ".json":
-            problem = output_file_problem(out, "--output_path")
+        if Path(out).suffix == ".json":  # written beside it: only its folder matters
+            problem = output_dir_problem(Path(out).absolute().parent, "--output_path's folder")
         else:
             problem = output_dir_problem(out, "--output_path")
             if problem and Path(out).is_file():

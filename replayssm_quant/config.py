@@ -199,7 +199,7 @@ class LayerwiseConfig:
             if (c.seed, c.fold) != (self.default.seed, self.default.fold):
                 raise ValueError(f"layer {i}: seed/fold differ from the default's")
             seen.add(i)
-        check_window(self.window)
+        object.__setattr__(self, "window", check_window(self.window))  # numpy ints as int
 
     def __repr__(self) -> str:
         per = ", ".join(f"{i}: {c.policy}" for i, c in self.layers)

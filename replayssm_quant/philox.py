@@ -161,8 +161,9 @@ def random_bits_matrix(seed: int, stream: torch.Tensor, M: int, K: int) -> torch
             ints, or M * K > 2^32 (the element index is a 32-bit counter).
     """
     seed = _check_seed(seed)
-    if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in (M, K)):
+    if any(as_int(x) is None or x < 1 for x in (M, K)):
         raise ValueError(f"M and K must be positive ints, got M={M!r}, K={K!r}")
+    M, K = int(M), int(K)
     if M * K > 2**32:
         raise ValueError(f"M * K = {M * K} elements exceed the 2^32 element indices of a "
                          f"matrix's SR stream (M={M}, K={K})")

@@ -282,10 +282,20 @@ def test_window_whose_matrices_exceed_memory_refused_by_name():
     match = rf"window L={L}: the window form's L x L decay"
     with pytest.raises(ValueError, match=match + r".*\(1 sequence\(s\) x 4 heads\)"):
         apply_state_policy(model, "shared:fp16", window=L)
+    # eager layers run with window 1 (a map too); switching to such a window is refused
+    for pol in ("eager:fp16", "map:eager:fp16"):
+        apply_state_policy(model, pol, window=L).remove()
+    h = apply_state_policy(model, "shared:fp16", window=4)
+    with pytest.raises(ValueError, match=match):
+        h.set_policy("shared:fp16", window=L)
+    with pytest.raises(ValueError, match=match):
+        h.use(h.build_config("map:eager:fp16@L0=shared:fp16", window=L))
+    assert h.window == 4 and h.config.window == 4  # the refused switch changed nothing
+    h.remove()
     import replayssm_quant.adapters as A
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(A.StatePolicyHandle, "_check_window_memory", lambda self: None)
+        mp.setattr(A.StatePolicyHandle, "_check_window_memory", lambda self, config: None)
         with torch.no_grad(), apply_state_policy(model, "shared:fp16", window=L):
             with pytest.raises(ValueError, match=match):
                 model.generate(_ids(1, 6), max_new_tokens=2, do_sample=False)

@@ -199,9 +199,36 @@ def test_runs_of_one_policy_never_pool(tmp_path, capsys):
     assert set(load_samples([tmp_path / "seeds"])["run"]) == {
         "shared:nvfp4+sr L=16 seed=0", "shared:nvfp4+sr L=16 seed=1"}
 
+    # the same policy and settings in two folders (e.g. num_fewshot, which the label does not
+    # name, differs): every run of that label is told apart by folder (a third folder of other
+    # documents could pool with either, so it is named too)
+    _lm_eval_run(tmp_path / "shot0" / "tiny-gdn", "2026-12-06T08", "tiny-gdn", "fp32", 0, docs,
+                 1.0)
+    _lm_eval_run(tmp_path / "shot5" / "tiny-gdn", "2026-12-06T09", "tiny-gdn", "fp32", 0, docs,
+                 0.0)
+    _lm_eval_run(tmp_path / "long" / "tiny-gdn", "2026-12-06T10", "tiny-gdn", "fp32", 0,
+                 ["h7", "h8"], 0.5)
+    df = load_samples([tmp_path / "shot0", tmp_path / "shot5", tmp_path / "long"])
+    assert df.groupby("run")["value"].agg(["count", "mean"]).to_dict("index") == {
+        f"fp32 L=16 [{tmp_path / 'shot0' / 'tiny-gdn'}]": {"count": 3, "mean": 1.0},
+        f"fp32 L=16 [{tmp_path / 'shot5' / 'tiny-gdn'}]": {"count": 3, "mean": 0.0},
+        f"fp32 L=16 [{tmp_path / 'long' / 'tiny-gdn'}]": {"count": 2, "mean": 0.5}}
+    # without the clash, one policy at two context lengths (other documents) pools
+    df = load_samples([tmp_path / "shot0", tmp_path / "long"])
+    assert df.groupby("run")["value"].count().to_dict() == {"fp32 L=16": 5}
+
+    # lm-eval's layout for --output_path <name>.json: <name>_<date>.json beside the samples
+    js = tmp_path / "js"
+    _lm_eval_run(js, "2026-12-06T11", "tiny-gdn", "fp32", 0, docs, 1.0)
+    _lm_eval_run(js, "2026-12-06T12", "tiny-gdn", "shared:nvfp4+sr", 0, docs, 0.5)
+    for date, name in (("2026-12-06T11", "fp32"), ("2026-12-06T12", "nvfp4")):
+        (js / f"results_{date}.json").rename(js / f"{name}_{date}.json")
+    assert load_samples([js]).groupby("run")["value"].mean().to_dict() == {
+        "fp32 L=16": 1.0, "shared:nvfp4+sr L=16": 0.5}
+
     _lm_eval_run(mix, "2026-12-06T07", "tiny-gdn", "fp32", 0, docs, 0.0)  # a rerun of fp32
     with pytest.raises(ValueError, match=r"run 'fp32 L=16' scores document h0 of task "
-                                         r"'mytask' in two files, .*T03.*T07"):
+                                         r"'mytask' in two files of one folder, .*T03.*T07"):
         load_samples([tmp_path / "mix"])
     assert main([str(tmp_path / "mix")]) == 2
     assert "scores document h0" in capsys.readouterr().err

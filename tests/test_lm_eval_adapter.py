@@ -553,8 +553,33 @@ def test_hflm_args_refused_before_loading(tmp_path, monkeypatch):
             ReplaySSMLM(pretrained="tiny-gdn", **kw)
     empty = tmp_path / "not_a_model"
     empty.mkdir()
-    with pytest.raises(ValueError, match="holds no config.json"):
+    with pytest.raises(ValueError, match="has no config.json"):
         ReplaySSMLM(pretrained=str(empty))
+
+
+def test_lm_eval_forms_that_pass_the_checks(tmp_path):
+    """What lm-eval itself takes passes the early checks: dtype names HFLM resolves through
+    getattr(torch, ...) (``auto``, ``half``, ``double``), JSON model args, max_batch_size in
+    --model_args when --max_batch_size is not given, devices torch parses, an output path
+    ending in .json (written beside it, also where a folder of that name exists)."""
+    from types import SimpleNamespace
+
+    from replayssm_quant.evals.lm_eval_adapter import check_model_args, check_run_args
+
+    for margs in ("pretrained=tiny-gdn,dtype=auto,softmax_dtype=float32",
+                  "pretrained=tiny-gdn,dtype=half,softmax_dtype=double",
+                  '{"pretrained": "tiny-gdn", "dtype": "bfloat16", "max_length": 64}',
+                  "pretrained=tiny-gdn,max_batch_size=8"):
+        check_model_args(margs, cli=True)
+    with pytest.raises(ValueError, match="give --max_batch_size 8 instead"):
+        check_model_args("pretrained=tiny-gdn,max_batch_size=8", cli=True, cli_max_batch_size=4)
+    with pytest.raises(ValueError, match="dtype must be one of auto"):
+        check_model_args("dtype=torch.float16")  # getattr(torch, "torch.float16") fails in HFLM
+    (tmp_path / "runs.json").mkdir()
+    for device in ("cpu", "cuda:0" if torch.cuda.is_available() else "cpu", "mps"):
+        for out in (tmp_path / "results.json", tmp_path / "runs.json", tmp_path / "d" / "r.json"):
+            check_run_args(SimpleNamespace(batch_size="auto:4", output_path=str(out),
+                                           device=device))
 
 
 def test_cli_window_beyond_memory_exit_2(capsys):
@@ -562,14 +587,18 @@ def test_cli_window_beyond_memory_exit_2(capsys):
     exit 2, when the policy is applied to the loaded model (before any request is scored)."""
     from replayssm_quant.evals.lm_eval_adapter import cli
 
+    from replayssm_quant.capabilities import device_memory_bytes
+
+    if device_memory_bytes(torch.device("cpu")) is None:
+        pytest.skip("this machine's memory size cannot be read")
     rc = cli(["--model", "replayssm", "--model_args",
-              "pretrained=tiny-gdn,state=shared:nvfp4,window=100000", "--tasks",
+              "pretrained=tiny-gdn,state=shared:nvfp4,window=4194304", "--tasks",
               "kjv_longctx_mc", "--include_path", str(REPO / "evals" / "tasks"), "--limit", "1",
               "--device", "cpu", "--metadata", '{"context_chars": 600, "n_items": 1}'])
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after lm-eval's own log lines
     assert err.startswith("replayssm-lm-eval: error: model arguments do not fit")
-    assert "window L=100000: the window form's L x L" in err
+    assert "window L=4194304: the window form's L x L" in err
 
 
 def test_cli_interrupt_is_one_line_exit_130(capsys, monkeypatch):

@@ -67,7 +67,7 @@ import zlib
 
 import torch
 
-from ..philox import STREAM_FIELDS
+from ..philox import STREAM_FIELDS, as_int
 from ..config import GDNFold, LayerwiseConfig, StateConfig
 from ..policy import StatePolicy
 from ..policymap import PolicyMap, load_decay_stats, parse_state_arg
@@ -245,9 +245,8 @@ class StatePolicyHandle:
         self._decays = None  # loaded decay stats (cache)
         self._decay_recorder: dict | None = None  # measure_head_decay's accumulators
         self.config = self.build_config(policy, window=window, seed=seed, fold=gdn_fold)
-        self.window = window  # as asked for (config.window is 1 under eager policies)
-        if decode == "window":  # serving steps one token at a time from the exact prefill
-            self._check_window_memory()
+        self.window = as_int(window)  # as asked for (config.window is 1 under eager policies)
+        self._check_window_memory(self.config)
         if not isinstance(prefill, bool):  # bool("false") is True
             raise ValueError(f"prefill must be True or False, got {prefill!r}")
         self.prefill = prefill
@@ -267,18 +266,23 @@ class StatePolicyHandle:
         self._auto_ids: torch.Tensor | None = None  # content ids of the current fresh-cache call
         self._signature = inspect.signature(model.forward)
 
-    def _check_window_memory(self) -> None:
-        """Refuse, when the policy is applied, a window whose L x L decay and solve matrices
-        would not fit the model's device even for one sequence (the window form builds them
-        for every window call; docs/replay.md), naming L, instead of failing at the first
-        forward call."""
-        L = int(getattr(self.config, "window", 1))
-        heads = max(self.ssm_heads().values(), default=0)
-        param = next(self.model.parameters(), None)
-        if L <= 1 or not heads or param is None or param.device.type == "meta":
+    def _check_window_memory(self, config) -> None:
+        """Refuse, when a policy is applied (or switched to by :meth:`set_policy` /
+        :meth:`use`), a window whose L x L decay and solve matrices would not fit the layer's
+        device even for one sequence (the torch window form builds them for every window call,
+        the CUDA chain for partial windows; docs/replay.md), naming L, instead of failing at
+        the first forward call. Per layer: its own window (1 under ``eager:``), heads and
+        device. ``decode="serving"`` steps from the exact prefill and skips the check."""
+        if self.decode != "window":
             return
-        dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
-        _check_window_matrices(1, heads, L, torch.empty(0, dtype=dtype, device=param.device))
+        for _, mixer, fam in self.mixers:
+            L = int(config.for_layer(int(mixer.layer_idx)).window)
+            param = next(mixer.parameters(), None)
+            if L <= 1 or param is None or param.device.type == "meta":
+                continue
+            heads = _family_module(fam).dims(mixer)[0]
+            dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+            _check_window_matrices(1, heads, L, torch.empty(0, dtype=dtype, device=param.device))
 
     def _check_serving(self) -> None:
         """``decode="serving"``: the decode state objects need the exact prefill (they step one
@@ -372,8 +376,10 @@ class StatePolicyHandle:
         """Switch policy or policy map (and optionally window / seed) for states created from
         now on: the settings are parsed here, once, into :attr:`config`."""
         window = self.window if window is None else window
-        self.config = self.build_config(policy, window=window, seed=seed)
-        self.window = window
+        config = self.build_config(policy, window=window, seed=seed)
+        self._check_window_memory(config)
+        self.config = config
+        self.window = as_int(window)
 
     def use(self, config) -> None:
         """Create states from now on with an already parsed ``config`` (a
@@ -383,6 +389,7 @@ class StatePolicyHandle:
         if not isinstance(config, (StateConfig, LayerwiseConfig)):
             raise TypeError(f"use() takes a StateConfig or LayerwiseConfig, got {type(config).__name__}; "
                             "use set_policy() for strings")
+        self._check_window_memory(config)
         self.config = config
         self.window = config.window  # what a later set_policy() without a window keeps
 

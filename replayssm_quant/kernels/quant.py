@@ -1054,7 +1054,8 @@ def _nvfp4_nibbles(x0, x1, x2, x3, safe, rcp, seed, call, lo, hi, SR: tl.constex
     ``rcp = RN(1 / safe)``; RTN by :func:`_e2m1_rtn_code_lean`, or SR with the words of Philox
     call ``call``) as one 16-bit value (uint64): byte 0 holds elements 0 (low nibble) and 1,
     byte 1 elements 2 and 3. For finite quotients only: a block with a NaN or inf can give
-    negative codes, so the caller zeroes the whole block-row word of such blocks (``ok``)."""
+    negative codes, so the caller zeroes the whole block-row word of such blocks, and keeps
+    only the sign bits of a block whose scale is 0 (``ok``, ``bad``)."""
     if RCP:
         y0 = _div_by_rcp(x0, safe, rcp)
         y1 = _div_by_rcp(x1, safe, rcp)

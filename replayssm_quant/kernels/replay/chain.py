@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ...formats import parse_spec
-from ...philox import stream_keys_to
+from ...philox import as_int, stream_keys_to
 from .codec import (KERNELS_INTERPRETED, _K_MATRIX, _K_NVFP4, _alloc_copy, _as_stored,
                     _cast_consts, _cast_store,
                     _check_supported, _decode_consts, _dequant_tile, _finite_abs, _kind,
@@ -507,8 +507,9 @@ def anchor_chain(anchor, la, k, v, beta, spec, *, L: int, seed: int, streams, q=
         raise ValueError(f"anchor must be [B, H, V, K], got shape {list(anchor.shape)}")
     B, H, V, K = (int(d) for d in anchor.shape)
     _check_supported(K, anchor.dtype)
-    if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+    if as_int(L) is None or L < 1:
         raise ValueError(f"window L must be an int >= 1, got {L!r}")
+    L = int(L)
     T = la.shape[1]
     NW = T // L
     if NW * L != T or NW < 1:

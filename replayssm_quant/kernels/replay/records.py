@@ -60,6 +60,7 @@ import triton.language as tl
 
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
+from ...philox import as_int
 from .codec import (KERNELS_INTERPRETED, _assert_ranges, _check_devices, _check_f32,
                     _check_index, _kind,
                     _check_maxnreg, _check_records, _maxnreg_launch,
@@ -3517,7 +3518,7 @@ def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_
     if u_known is not None:
         _check_f32(where, "u_known", u_known, (B, J, H, V))
     _check_index(where, "start", start, B)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if as_int(window) is None or window < 1:
         raise ValueError(f"{where}: window must be an int >= 1, got {window!r}")
     msg = f"{where}: start + T must be in [T, J = {J}] (the drafts fit the ring)"
     if T > J:  # no start fits: known on the host

@@ -55,15 +55,23 @@ def _results_for(samples_file: Path) -> dict | None:
     return found[0] if len(found) == 1 else None
 
 
-def _pretrained(cfg: dict):
+def _task_of(samples_file: Path) -> str:
+    """The task of ``samples_<task>_<date>.jsonl``."""
+    return samples_file.name[len("samples_"):].rsplit("_", 1)[0]
+
+
+def _model_args(cfg: dict) -> dict:
+    """The run's ``--model_args`` as a dict (lm-eval records a dict, or the string given)."""
     args = cfg.get("model_args")
     if isinstance(args, dict):
-        return args.get("pretrained")
+        return args
+    out = {}
     if isinstance(args, str):
         for part in args.replace(" ", ",").split(","):
-            if part.startswith("pretrained="):
-                return part[len("pretrained="):]
-    return None
+            k, eq, v = part.partition("=")
+            if eq:
+                out[k.strip()] = v.strip()
+    return out
 
 
 #: settings of a ReplaySSM run that a label names when two runs share a policy and window:
@@ -71,18 +79,33 @@ def _pretrained(cfg: dict):
 _LABEL_FIELDS = (("model", None), ("seed", "replayssm_seed"), ("dtype", "model_dtype"),
                  ("dt_limit", "replayssm_dt_limit"), ("softmax_dtype", "replayssm_softmax_dtype"),
                  ("max_drafts", "replayssm_max_drafts"))
+#: model arguments that do not change a score, or that the label names already
+_NEUTRAL_ARGS = {"pretrained", "state", "window", "seed", "max_drafts", "dtype", "dt_limit",
+                 "softmax_dtype", "batch_size", "max_batch_size", "device", "parallelize",
+                 "device_map", "max_memory_per_gpu", "max_cpu_memory", "offload_folder",
+                 "trust_remote_code", "use_fast_tokenizer"}
 
 
-def _identity(res: dict | None, fallback: str) -> tuple[str, dict]:
+def _identity(res: dict | None, fallback: str, task: str) -> tuple[str, dict]:
     """A samples file's short label (``"<policy> L=<window>"`` from its results JSON, else
-    ``fallback``: the directory name) and the settings that tell runs of one label apart."""
+    ``fallback``: the directory name) and the settings that tell runs of one label apart:
+    :data:`_LABEL_FIELDS`, every other model argument that can change a score (e.g.
+    ``mixed_precision_dtype``, ``gdn_fold``, ``revision``), the task's ``num_fewshot`` and
+    the run's ``gen_kwargs``."""
     cfg = res.get("config") if isinstance(res, dict) else None
     if not isinstance(cfg, dict):
         return fallback, {}
+    margs = _model_args(cfg)
     settings = {}
     for key, field in _LABEL_FIELDS:
-        settings[key] = (res.get("model_name") or _pretrained(cfg)) if field is None \
+        settings[key] = (res.get("model_name") or margs.get("pretrained")) if field is None \
             else cfg.get(field)
+    for k in sorted(margs):
+        if k not in _NEUTRAL_ARGS:
+            settings[k] = margs[k]
+    nshot = res.get("n-shot")
+    settings["num_fewshot"] = nshot.get(task) if isinstance(nshot, dict) else None
+    settings["gen_kwargs"] = cfg.get("gen_kwargs") or None
     if cfg.get("replayssm_state"):
         return f"{cfg['replayssm_state']} L={cfg.get('replayssm_window')}", settings
     return fallback, settings
@@ -91,12 +114,14 @@ def _identity(res: dict | None, fallback: str) -> tuple[str, dict]:
 def _labels(idents: list[tuple[str, dict]]) -> list[str]:
     """One label per file: the short label, extended by the settings that differ between
     files of the same short label (e.g. ``"fp32 L=16 model=tiny-gdn"`` beside ``"fp32 L=16
-    model=tiny-mamba2"``), so runs of two models or seeds never pool under one name."""
+    model=tiny-mamba2"``, or ``mixed_precision_dtype=bfloat16``, ``num_fewshot=1``), so
+    runs whose settings differ never pool under one name."""
     out = []
     for base, settings in idents:
         peers = [s for b, s in idents if b == base]
-        differ = [k for k, _ in _LABEL_FIELDS
-                  if len({repr(s.get(k)) for s in peers}) > 1]
+        keys = [k for k, _ in _LABEL_FIELDS]
+        keys += sorted({k for s in peers for k in s} - set(keys))
+        differ = [k for k in keys if len({repr(s.get(k)) for s in peers}) > 1]
         out.append(" ".join([base, *(f"{k}={settings.get(k)}" for k in differ)]))
     return out
 
@@ -183,10 +208,10 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
         if not found:
             raise FileNotFoundError(f"{p} holds no samples_*.jsonl files (run lm-eval with --log_samples)")
         files += found
-        idents += [_identity(_results_for(f), p.name) for f in found]
+        idents += [_identity(_results_for(f), p.name, _task_of(f)) for f in found]
     per_file = []
     for f, label in zip(files, _labels(idents), strict=True):
-        task = f.name[len("samples_"):].rsplit("_", 1)[0]
+        task = _task_of(f)
         rows = []
         for i, line in enumerate(f.read_text().splitlines(), 1):
             try:

@@ -602,6 +602,9 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
+        if str(e).startswith(TASK_ERROR_PREFIX):  # the kjv_* tasks' own refusals
+            print(f"replayssm-lm-eval: error: {e}", file=sys.stderr)
+            return 2
         if not str(e).startswith("Tasks not found"):
             raise
         print(f"replayssm-lm-eval: error: {e}{_tasks_hint(str(e))}", file=sys.stderr)
@@ -620,6 +623,9 @@ def _tasks_hint(message: str) -> str:
             "evals/tasks)")
 
 
+#: how the kjv_* tasks' own errors start (evals/tasks/kjv_longctx/utils.py), reported in one
+#: line with exit code 2
+TASK_ERROR_PREFIX = "kjv_longctx:"
 #: the options the package's kjv_* tasks read from ``--metadata`` (evals/tasks/kjv_longctx)
 #: and their least values
 KJV_OPTIONS = {"context_chars": 1, "n_items": 1, "n_words": 1, "item_seed": 0}
@@ -673,13 +679,21 @@ def check_run_args(args) -> None:
     device = getattr(args, "device", None)
     if device:
         try:
-            torch.device(str(device))
-        except RuntimeError:  # lm-eval would log "Device not specified" and run on the CPU
-            raise ValueError(f"--device {device!r}: not a torch device (expected cpu, cuda, "
-                             "cuda:N or mps)") from None
-    if device and str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available (torch "
-                         f"{torch.__version__}); use --device cpu")
+            dev = torch.device(str(device))
+        except RuntimeError:
+            dev = None
+        # anything else HFLM logs as "Device not specified" and runs on the CPU
+        if dev is None or dev.type not in ("cpu", "cuda", "mps") \
+                or (dev.type == "cpu" and dev.index is not None):
+            raise ValueError(f"--device {device!r}: expected cpu, cuda, cuda:N or mps (lm-eval "
+                             "would run anything else on the CPU)")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available (torch "
+                             f"{torch.__version__}); use --device cpu")
+        mps = getattr(torch.backends, "mps", None)
+        if dev.type == "mps" and not (mps is not None and mps.is_available()):
+            raise ValueError(f"--device {device}: MPS is not available (torch "
+                             f"{torch.__version__}); use --device cpu")
     bs = getattr(args, "batch_size", None)
     if bs is not None:
         _check_batch_size(bs, "--batch_size")

@@ -247,3 +247,32 @@ def test_no_generation_samples_points_to_context(tmp_path, capsys):
     assert "hold no generation samples" in err and "--length context" in err
     assert main([str(tmp_path / "ppl"), "--length", "context"]) == 0
     assert "nll_per_word" in capsys.readouterr().out
+
+
+def test_settings_that_change_scores_split_labels(tmp_path):
+    """Runs of one policy whose other settings change the scores (a model argument such as
+    mixed_precision_dtype, the task's num_fewshot, gen_kwargs) get labels naming what
+    differs, even where they score different documents and so would pool silently."""
+    def run(folder, date, model_args, nshot, docs, value):
+        folder.mkdir(parents=True)
+        cfg = {"replayssm_state": "fp32", "replayssm_window": 16, "model_args": model_args}
+        (folder / f"results_{date}.json").write_text(json.dumps(
+            {"model_name": "tiny-gdn", "n-shot": {"mytask": nshot}, "config": cfg}))
+        with open(folder / f"samples_mytask_{date}.jsonl", "w") as f:
+            for i, h in enumerate(docs):
+                f.write(json.dumps({"doc_id": i, "doc_hash": h, "resps": [["w"]],
+                                    "metrics": ["acc"], "acc": value}) + "\n")
+
+    run(tmp_path / "a" / "m", "T1", "pretrained=tiny-gdn,state=fp32,batch_size=4", 0,
+        ["h0", "h1"], 1.0)
+    run(tmp_path / "b" / "m", "T2", {"pretrained": "tiny-gdn", "state": "fp32",
+                                     "mixed_precision_dtype": "bfloat16"}, 0, ["h2"], 0.0)
+    run(tmp_path / "c" / "m", "T3", "pretrained=tiny-gdn,state=fp32", 1, ["h3"], 0.5)
+    df = load_samples([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
+    assert df.groupby("run")["value"].mean().to_dict() == {
+        "fp32 L=16 mixed_precision_dtype=None num_fewshot=0": 1.0,
+        "fp32 L=16 mixed_precision_dtype=bfloat16 num_fewshot=0": 0.0,
+        "fp32 L=16 mixed_precision_dtype=None num_fewshot=1": 0.5}
+    # settings that change no score (batch_size) do not split a label
+    assert set(load_samples([tmp_path / "a", tmp_path / "c"])["run"]) == {
+        "fp32 L=16 num_fewshot=0", "fp32 L=16 num_fewshot=1"}

@@ -500,7 +500,9 @@ def test_model_info_records_the_softmax_dtype():
     # an existing file where lm-eval would write a folder (the path does not end in .json)
     (["--output_path", "{afile}"], "exists and is not a directory (lm-eval writes a folder"),
     (["--device", "cuda"], "CUDA is not available"),
-    (["--device", "foo"], "--device 'foo': not a torch device"),
+    (["--device", "foo"], "--device 'foo': expected cpu, cuda, cuda:N or mps"),
+    (["--device", "meta"], "--device 'meta': expected cpu, cuda, cuda:N or mps"),
+    (["--device", "cpu:1"], "--device 'cpu:1': expected"),
     (["--metadata", "context_chars=-5"], "--metadata context_chars=-5: the kjv_* tasks"),
     (["--metadata", "n_items=0"], "n_items=0"),
 ])
@@ -555,6 +557,24 @@ def test_hflm_args_refused_before_loading(tmp_path, monkeypatch):
     empty.mkdir()
     with pytest.raises(ValueError, match="has no config.json"):
         ReplaySSMLM(pretrained=str(empty))
+    afile = tmp_path / "weights.bin"
+    afile.write_bytes(b"x")
+    with pytest.raises(ValueError, match="is a file; expected a model directory"):
+        ReplaySSMLM(pretrained=str(afile))
+
+
+def test_cli_task_that_builds_no_items_exit_2(capsys):
+    """A kjv_* option no held-out passage fits (context_chars beyond every book) is one line,
+    exit 2, naming the options, not lm-eval's IndexError on an empty task."""
+    from replayssm_quant.evals.lm_eval_adapter import cli
+
+    rc = cli(["--model", "replayssm", "--model_args", "pretrained=tiny-gdn", "--tasks",
+              "kjv_longctx_mc", "--include_path", str(REPO / "evals" / "tasks"), "--limit", "1",
+              "--device", "cpu", "--metadata", "context_chars=1000000000"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("replayssm-lm-eval: error: kjv_longctx: no held-out passage fits "
+                          "context_chars=1000000000")
 
 
 def test_lm_eval_forms_that_pass_the_checks(tmp_path):
@@ -576,7 +596,12 @@ def test_lm_eval_forms_that_pass_the_checks(tmp_path):
     with pytest.raises(ValueError, match="dtype must be one of auto"):
         check_model_args("dtype=torch.float16")  # getattr(torch, "torch.float16") fails in HFLM
     (tmp_path / "runs.json").mkdir()
-    for device in ("cpu", "cuda:0" if torch.cuda.is_available() else "cpu", "mps"):
+    mps = torch.backends.mps.is_available()
+    if not mps:
+        with pytest.raises(ValueError, match="--device mps: MPS is not available"):
+            check_run_args(SimpleNamespace(batch_size=None, output_path=None, device="mps"))
+    for device in ("cpu", "cuda:0" if torch.cuda.is_available() else "cpu",
+                   "mps" if mps else "cpu"):
         for out in (tmp_path / "results.json", tmp_path / "runs.json", tmp_path / "d" / "r.json"):
             check_run_args(SimpleNamespace(batch_size="auto:4", output_path=str(out),
                                            device=device))

@@ -62,8 +62,8 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
 
     Raises:
         FileNotFoundError: a short name whose shipped directory is missing (broken install),
-            or something that looks like a local path but does not exist / is not a model
-            directory.
+            or something that looks like a local path but does not exist, is a file, or is
+            a directory without config.json.
         ValueError: an empty name, or a bare name that is neither embedded, a local
             directory, nor a hub id of the form ``org/name``.
         TypeError: ``name_or_path`` is not a str or os.PathLike (e.g. None).
@@ -84,7 +84,11 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
         return str(path)
     p = Path(name).expanduser()
     if p.exists():
-        if p.is_dir() and not (p / "config.json").is_file():
+        if not p.is_dir():
+            raise FileNotFoundError(f"model path {str(p)!r} is a file; expected a model directory "
+                                    f"(config.json and weights), an embedded model "
+                                    f"({', '.join(EMBEDDED_MODELS)}) or a hub id 'org/name'")
+        if not (p / "config.json").is_file():
             raise FileNotFoundError(f"model directory {str(p)!r} has no config.json")
         return str(p)
     if not _HUB_ID.match(name):

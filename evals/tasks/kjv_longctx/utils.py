@@ -41,7 +41,7 @@ def _items(context_chars=12000, n_items=64, n_words=8, item_seed=1234, n_choices
 
     context_chars, n_items, n_words = int(context_chars), int(n_items), int(n_words)
     if context_chars < 1 or n_items < 1 or n_words < 1:
-        raise ValueError(f"context_chars, n_items and n_words must be >= 1, got "
+        raise ValueError(f"kjv_longctx: context_chars, n_items and n_words must be >= 1, got "
                          f"{context_chars}, {n_items}, {n_words}")
     rng = random.Random(int(item_seed))
     docs = load_corpus("kjv", "heldout")
@@ -72,6 +72,11 @@ def _items(context_chars=12000, n_items=64, n_words=8, item_seed=1234, n_choices
             rng.shuffle(choices)
             items.append({"id": f"{d['title']}@{p}", "book": d["title"], "context": ctx,
                           "target": target, "choices": choices, "label": choices.index(target)})
+    if not items:  # lm-eval would fail on task_docs[0] with an IndexError
+        raise ValueError(f"kjv_longctx: no held-out passage fits context_chars={context_chars} "
+                         f"and n_words={n_words} (each book needs at least {n_choices} sentence "
+                         f"starts with that much text before them and n_words words after); "
+                         f"lower them")
     return items[:n_items]
 
 

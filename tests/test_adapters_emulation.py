@@ -257,14 +257,20 @@ def test_window_beyond_memory_refused_by_name(decode):
     granted allocation can get the process killed while it writes the zeros)."""
     model = tiny_model("qwen3_5")
     match = r"window.*=1000000000000.* GiB on cpu, more than"
-    if decode == "window":  # the window form's L x L matrices: refused when applied
-        with pytest.raises(ValueError, match=match):
-            apply_state_policy(model, "shared:fp16", window=10**12, decode=decode)
-        assert not hasattr(model, "_replayssm_handle")  # nothing was patched
-        return
-    with torch.no_grad(), apply_state_policy(model, "shared:fp16", window=10**12, decode=decode):
-        with pytest.raises(ValueError, match=match):  # the decode state's record ring
-            model.generate(_ids(1, 6), max_new_tokens=2, do_sample=False)
+    # refused when applied: the window form's L x L matrices, or (serving) the decode
+    # state's record ring of one sequence
+    with pytest.raises(ValueError, match=match):
+        apply_state_policy(model, "shared:fp16", window=10**12, decode=decode)
+    assert not hasattr(model, "_replayssm_handle")  # nothing was patched
+    if decode == "serving":  # and at the first generate, for a batch whose ring cannot fit
+        import replayssm_quant.adapters as A
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(A.StatePolicyHandle, "_check_window_memory", lambda self, config: None)
+            with torch.no_grad(), apply_state_policy(model, "shared:fp16", window=10**12,
+                                                     decode=decode):
+                with pytest.raises(ValueError, match=match):
+                    model.generate(_ids(1, 6), max_new_tokens=2, do_sample=False)
 
 
 def test_window_whose_matrices_exceed_memory_refused_by_name():
@@ -291,6 +297,10 @@ def test_window_whose_matrices_exceed_memory_refused_by_name():
     with pytest.raises(ValueError, match=match):
         h.use(h.build_config("map:eager:fp16@L0=shared:fp16", window=L))
     assert h.window == 4 and h.config.window == 4  # the refused switch changed nothing
+    h.set_policy("eager:fp16", window=L)  # fine: eager runs with window 1
+    with pytest.raises(ValueError, match=match + r".*\(the window set earlier, kept since "
+                                               r"set_policy\(\) was given none"):
+        h.set_policy("shared:fp16")  # inherits L
     h.remove()
     import replayssm_quant.adapters as A
 

@@ -71,6 +71,7 @@ from ..philox import STREAM_FIELDS, as_int
 from ..config import GDNFold, LayerwiseConfig, StateConfig
 from ..policy import StatePolicy
 from ..policymap import PolicyMap, load_decay_stats, parse_state_arg
+from ..capabilities import check_allocation
 from ..replay.window import _check_window_matrices
 from . import gdn as _gdn
 from . import mamba2 as _mamba2
@@ -272,16 +273,22 @@ class StatePolicyHandle:
         device even for one sequence (the torch window form builds them for every window call,
         the CUDA chain for partial windows; docs/replay.md), naming L, instead of failing at
         the first forward call. Per layer: its own window (1 under ``eager:``), heads and
-        device. ``decode="serving"`` steps from the exact prefill and skips the check."""
-        if self.decode != "window":
-            return
+        device. ``decode="serving"`` steps from the exact prefill without the window form;
+        there the decode state's record ring of one sequence is checked instead (its values
+        alone: ``L x heads x value dim``, a lower bound, so nothing that fits is refused)."""
         for _, mixer, fam in self.mixers:
             L = int(config.for_layer(int(mixer.layer_idx)).window)
             param = next(mixer.parameters(), None)
             if L <= 1 or param is None or param.device.type == "meta":
                 continue
-            heads = _family_module(fam).dims(mixer)[0]
+            heads, V, _ = _family_module(fam).dims(mixer)
             dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+            if self.decode == "serving":
+                size = torch.finfo(dtype).bits // 8
+                check_allocation(L * heads * V * size, param.device,
+                                 lambda: f"window={L}: the decode state's record ring of one "
+                                         f"sequence ({L} slots x {heads} heads x {V} values)")
+                continue
             _check_window_matrices(1, heads, L, torch.empty(0, dtype=dtype, device=param.device))
 
     def _check_serving(self) -> None:
@@ -375,9 +382,16 @@ class StatePolicyHandle:
     def set_policy(self, policy, *, window=None, seed=None) -> None:
         """Switch policy or policy map (and optionally window / seed) for states created from
         now on: the settings are parsed here, once, into :attr:`config`."""
-        window = self.window if window is None else window
+        inherited = window is None
+        window = self.window if inherited else window
         config = self.build_config(policy, window=window, seed=seed)
-        self._check_window_memory(config)
+        try:
+            self._check_window_memory(config)
+        except ValueError as e:
+            if not inherited:
+                raise
+            raise ValueError(f"{e} (the window set earlier, kept since set_policy() was given "
+                             "none: pass window= to change it)") from None
         self.config = config
         self.window = as_int(window)
 

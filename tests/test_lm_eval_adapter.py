@@ -655,3 +655,17 @@ def test_cli_kjv_tasks_without_include_path_hint(capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("replayssm-lm-eval: error: Tasks not found")
     assert f"--include_path {TASKS_DIR}" in err
+
+
+def test_console_entry_interrupt_before_cli_guard(capsys, monkeypatch):
+    """The console script's entry imports the adapter inside its own Ctrl-C guard: an
+    interrupt there (or in the argument parsing) is one line, exit 130."""
+    import replayssm_quant.evals.lm_eval_adapter as adapter
+    from replayssm_quant.evals.lm_eval_main import main
+
+    def stop(argv=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(adapter, "cli", stop)
+    assert main([]) == 130
+    assert capsys.readouterr().err.strip() == "replayssm-lm-eval: interrupted"

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -39,19 +40,20 @@ def _lm_eval_results(f: Path) -> dict | None:
     return res if isinstance(res, dict) and isinstance(res.get("config"), dict) else None
 
 
-def _results_for(samples_file: Path) -> dict | None:
+def _results_for(samples_file: Path, read=_lm_eval_results) -> dict | None:
     """The results JSON that lm-eval wrote with ``samples_file``: the JSON in its folder with
     the same date suffix (``samples_<task>_<date>.jsonl`` beside ``results_<date>.json``, or
     ``<name>_<date>.json`` for an ``--output_path`` ending in ``<name>.json``); else the
     folder's only lm-eval results JSON (one with a ``config`` object); else None (the label
-    is then the directory's name)."""
+    is then the directory's name). ``read``: the JSON reader (a per-call cache: a folder's
+    results files are read once for all its samples files)."""
     date = samples_file.stem.rsplit("_", 1)[-1]
     folder = samples_file.parent
     for f in sorted(folder.glob(f"*_{date}.json")):
-        res = _lm_eval_results(f)
+        res = read(f)
         if res is not None:
             return res
-    found = [r for f in sorted(folder.glob("*.json")) if (r := _lm_eval_results(f)) is not None]
+    found = [r for f in sorted(folder.glob("*.json")) if (r := read(f)) is not None]
     return found[0] if len(found) == 1 else None
 
 
@@ -198,6 +200,7 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
     check_distinct_dirs(paths, "lm-eval output directory", "lm-eval output directories",
                         nested=True)
     files, idents = [], []
+    read = functools.lru_cache(maxsize=None)(_lm_eval_results)  # each results file once
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"no such lm-eval output directory: {p}")
@@ -208,7 +211,7 @@ def load_samples(paths, tokenizer=None, length: str = "response"):
         if not found:
             raise FileNotFoundError(f"{p} holds no samples_*.jsonl files (run lm-eval with --log_samples)")
         files += found
-        idents += [_identity(_results_for(f), p.name, _task_of(f)) for f in found]
+        idents += [_identity(_results_for(f, read), p.name, _task_of(f)) for f in found]
     per_file = []
     for f, label in zip(files, _labels(idents), strict=True):
         task = _task_of(f)

@@ -648,12 +648,11 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     # (a crash between writing it and removing the ledger), and none when this invocation
     # computed every cell (their parts are gone)
     counted = set(earlier.get("invocations_counted", []))
-    ledger = ([e for e in _ledger_read(out) if e.get("id") not in counted]
-              if n_new < len(ucells) * len(token_docs) else [])
+    resumed = n_new < len(ucells) * len(token_docs)  # some cells came from earlier runs
+    ledger = [e for e in _ledger_read(out) if e.get("id") not in counted] if resumed else []
     n_tok = sum(len(d["ids"]) for d in token_docs)  # N + 1 per document (the last is a target only)
     nf_by_policy = upos.groupby("policy")[["nonfinite", "nonfinite_ref", "nonfinite_policy"]].sum()
-    all_timings = (_add_timings(earlier.get("timings"), timings)
-                   if n_new < len(ucells) * len(token_docs) else timings)
+    all_timings = _add_timings(earlier.get("timings"), timings) if resumed else timings
     for e in ledger:
         all_timings = _add_timings(e.get("timings"), all_timings)
     manifest = {
@@ -813,14 +812,14 @@ def _write_parquet(df, f: Path) -> None:
     os.replace(tmp, f)
 
 
-def _part_key(f: Path) -> str | None:
-    """The (document, cell) key a part file was written for (None: written before
-    2026-12-06, which recorded none)."""
+def _read_part(f: Path):
+    """A part file's rows (pandas) and the (document, cell) key it was written for (None:
+    written before 2026-12-06, which recorded none), in one read."""
     import pyarrow.parquet as pq
 
-    meta = pq.read_schema(f).metadata or {}
-    key = meta.get(PART_KEY)
-    return key.decode() if key is not None else None
+    table = pq.read_table(f)
+    key = (table.schema.metadata or {}).get(PART_KEY)
+    return table.to_pandas(), (key.decode() if key is not None else None)
 
 
 def _assemble(token_docs, cells, part, columns, positions):
@@ -834,8 +833,7 @@ def _assemble(token_docs, cells, part, columns, positions):
         for c in cells:
             f = part(d, c)
             try:
-                df = pd.read_parquet(f)
-                written_for = _part_key(f)
+                df, written_for = _read_part(f)
             except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
                 raise DamagedPart(f"part file {f} cannot be read ({str(e).splitlines()[0][:160]}); "
                                   f"delete it and rerun to recompute that cell") from None

@@ -284,12 +284,11 @@ class StatePolicyHandle:
             heads, V, _ = _family_module(fam).dims(mixer)
             dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
             if self.decode == "serving":
-                size = torch.finfo(dtype).bits // 8
-                check_allocation(L * heads * V * size, param.device,
+                check_allocation(L * heads * V * (torch.finfo(dtype).bits // 8), param.device,
                                  lambda: f"window={L}: the decode state's record ring of one "
                                          f"sequence ({L} slots x {heads} heads x {V} values)")
-                continue
-            _check_window_matrices(1, heads, L, torch.empty(0, dtype=dtype, device=param.device))
+            else:
+                _check_window_matrices(1, heads, L, dtype, param.device)
 
     def _check_serving(self) -> None:
         """``decode="serving"``: the decode state objects need the exact prefill (they step one

@@ -9,7 +9,6 @@ validation (every public method validates all of its inputs before it mutates an
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
@@ -342,13 +341,11 @@ class ReplayStateBase:
                                  "committed (verify() new drafts first)")
             raise ValueError("commit() called before verify(): nothing to commit")
         T = self._pending
-        if isinstance(accepted, bool):
-            raise ValueError(f"accepted must be an int or an integer tensor, got {accepted!r}")
-        if isinstance(accepted, numbers.Integral):  # int, numpy integers
-            accepted = int(accepted)
-            if not 0 <= accepted <= T:  # before torch.full, which cannot hold 2**63 and up
-                raise _acceptance_error(T, accepted)
-            a = torch.full((self.batch,), accepted, dtype=torch.int64, device=self.device)
+        n = as_int(accepted)  # int, numpy integers; not bool
+        if n is not None:
+            if not 0 <= n <= T:  # before torch.full, which cannot hold 2**63 and up
+                raise _acceptance_error(T, n)
+            a = torch.full((self.batch,), n, dtype=torch.int64, device=self.device)
         elif isinstance(accepted, torch.Tensor) and not accepted.is_floating_point() \
                 and accepted.dtype != torch.bool:
             if accepted.shape not in ((), (self.batch,)):

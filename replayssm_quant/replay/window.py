@@ -199,11 +199,12 @@ def _padded(t: torch.Tensor, L: int, at: int = 0) -> torch.Tensor:
     return out
 
 
-def _check_window_matrices(B: int, H: int, L: int, t: torch.Tensor) -> None:
+def _check_window_matrices(B: int, H: int, L: int, dtype: torch.dtype,
+                           device: torch.device) -> None:
     """Refuse a window whose L x L decay and solve matrices (``core.window_outputs``,
-    ``core.solve_corrections``: about four ``[B, L, L, H]`` tensors live at once) exceed the
-    device's memory, naming L, before any is built."""
-    check_allocation(4 * B * H * L * L * t.element_size(), t.device,
+    ``core.solve_corrections``: about four ``[B, L, L, H]`` tensors of ``dtype`` live at
+    once) exceed ``device``'s memory, naming L, before any is built."""
+    check_allocation(4 * B * H * L * L * (torch.finfo(dtype).bits // 8), device,
                      lambda: f"window L={L}: the window form's L x L decay and solve matrices "
                              f"({B} sequence(s) x {H} heads)")
 
@@ -265,7 +266,7 @@ def mamba2_window(carry: WindowCarry, x, dt, A, B, C, D=None, *, config: StateCo
     H = x.shape[2]
     h0, W = carry.h, x.shape[1]
     _check_fit(h0, W, L)
-    _check_window_matrices(x.shape[0], H, L, x)
+    _check_window_matrices(x.shape[0], H, L, x.dtype, x.device)
     la, v, k = mamba2_records(x, dt, A, B)
     recs = _cat_records(carry, {"la": la, "v": v, "k": k})
     J = h0 + W
@@ -319,7 +320,7 @@ def gdn_window(carry: WindowCarry, q, k, v, g, beta, *, config: StateConfig):
     W, HV = v.shape[1], v.shape[2]
     h0 = carry.h
     _check_fit(h0, W, L)
-    _check_window_matrices(v.shape[0], HV, L, v)
+    _check_window_matrices(v.shape[0], HV, L, v.dtype, v.device)
     new = {"la": g, "beta": beta, "v": v, "k": k, "uR": torch.zeros_like(v)}
     recs = _cat_records(carry, new)
     J = h0 + W

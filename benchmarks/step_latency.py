@@ -385,8 +385,54 @@ def reference(st):
     return o, un
 
 
+_CUDA = None
+
+
+def cuda_ext():
+    """The CUDA C++ stand-ins (``benchmarks/cuda/step_standin.cu``), built once per process by
+    ``torch.utils.cpp_extension.load`` for the device's architecture (nvcc and ninja needed;
+    device only)."""
+    global _CUDA
+    if _CUDA is None:
+        from torch.utils.cpp_extension import load_inline
+        cap = torch.cuda.get_device_capability()
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{cap[0]}.{cap[1]}")
+        src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda",
+                                "step_standin.cu")).read()
+        decl = ("void bare(torch::Tensor S, torch::Tensor q, torch::Tensor o, int64_t G, "
+                "int64_t nw, bool cs);\n"
+                "void read2(torch::Tensor S, torch::Tensor kn, torch::Tensor q, torch::Tensor y, "
+                "int64_t G, int64_t nw, bool cs);\n"
+                "void epi(torch::Tensor S, torch::Tensor U, torch::Tensor la, torch::Tensor rk, "
+                "torch::Tensor kn, torch::Tensor q, torch::Tensor vn, torch::Tensor bn, "
+                "torch::Tensor lan, torch::Tensor Z, torch::Tensor h, torch::Tensor o, int64_t G, "
+                "int64_t CAP, int64_t nw, bool zin, bool cs);\n")
+        _CUDA = load_inline("replayssm_step_standin", cpp_sources=decl, cuda_sources=src,
+                            functions=["bare", "read2", "epi"],
+                            extra_cuda_cflags=["-O3", "-std=c++17", "-Xptxas=-v"],
+                            verbose=True)
+    return _CUDA
+
+
+def launch_cuda(st, var, warps):
+    """``cuda_{bare,read2,epi,epi_z}[_cs]``: the CUDA stand-in on ``warps`` warps per state
+    matrix (``_cs``: C loaded with the streaming cache hint)."""
+    ext = cuda_ext()
+    base = var[len("cuda_"):]
+    cs = base.endswith("_cs")
+    base = base.removesuffix("_cs")
+    if base == "bare":
+        return ext.bare(st["S"], st["q"], st["o"], G, warps, cs)
+    if base == "read2":
+        return ext.read2(st["S"], st["kn"], st["q"], st["y"], G, warps, cs)
+    return ext.epi(st["S"], st["U"], st["la"], st["rk"], st["kn"], st["q"], st["vn"], st["bn"],
+                   st["lan"], st["Z"], st["h"], st["o"], G, CAP, warps, base == "epi_z", cs)
+
+
 def launch(st, var, bv, warps, waves=4):
     grid = (B * H, triton.cdiv(V, bv))
+    if var.startswith("cuda_"):
+        return launch_cuda(st, var, warps)
     if var == "bare":
         return dc._read_kernel[(B * H, triton.cdiv(V, bv))](st["S"], st["q"], st["o"], H, G, V,
                                                              K=K, BV=bv, num_warps=warps)
@@ -428,6 +474,7 @@ def check(st, var, bv, warps, waves):
     launch(st, var, bv, warps, waves)
     if DEV == "cuda":
         torch.cuda.synchronize()
+    var = var.removeprefix("cuda_").removesuffix("_cs")
     if var == "bare":
         gi = torch.arange(H, device=DEV) // (H // G)
         want = torch.einsum("bhvk,bhk->bhv", st["S"].double(), st["q"].double()[:, gi])
@@ -470,7 +517,8 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--pool", type=int, default=2)
     ap.add_argument("--waves", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--set", default="all", choices=("all", "early", "light", "ulate", "pipe"),
+    ap.add_argument("--set", default="all",
+                    choices=("all", "early", "light", "ulate", "pipe", "cuda"),
                     help="all: the first run's variants (bare, read2, epi, epi_z, persistent); "
                          "early: bare, read2, epi and epi_z with and without their small "
                          "operands before the stream; light: the ring's sums in a launch "
@@ -482,7 +530,10 @@ def main():
                          "persistent grid whose (item, key chunk) loop the compiler "
                          "pipelines through shared memory (pipe_*: async copies, tma_*: "
                          "tensor descriptors; _sN stages, _kN key chunk, _flat: the loop "
-                         "nest flattened, _ws: warp specialised; --waves programs per SM)")
+                         "nest flattened, _ws: warp specialised; --waves programs per SM); "
+                         "cuda: the CUDA C++ stand-ins (benchmarks/cuda/step_standin.cu: "
+                         "cuda_{bare,read2,epi,epi_z}[_cs] on 4 and 8 warps per matrix) "
+                         "beside the Triton bare, read2, epi and epi_z")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU under the Triton interpreter: a small shape, checks only")
     a = ap.parse_args()
@@ -518,6 +569,13 @@ def main():
             ("tma_s3_k32_flat_ws", 64, 4, w) for w in a.waves]
         # a TMA tile must not span two matrices, a key chunk not two rows
         cases = [c for c in cases if c[1] <= V and "_k64" not in c[0] or K >= 64]
+    if a.set == "cuda":
+        cases = [("bare", 32, 4, None), ("read2", 64, 2, None), ("epi", 64, 2, None),
+                 ("epi_z", 64, 2, None)] + [
+            (f"cuda_{v}{c}", V, w, None) for v in ("bare", "read2", "epi", "epi_z")
+            for c in ("", "_cs") for w in (4, 8)]
+        if DEV != "cuda":
+            cases = cases[:4]
     for w in (a.waves if a.set == "all" else []):
         cases += [("epi_persist", 64, 2, w), ("epi_persist", 32, 2, w), ("epi_persist", 32, 4, w),
                   ("epi_z_persist", 64, 2, w), ("epi_z_persist", 32, 2, w)]

@@ -406,7 +406,7 @@ def cuda_ext():
                 "void epi(torch::Tensor S, torch::Tensor U, torch::Tensor la, torch::Tensor rk, "
                 "torch::Tensor kn, torch::Tensor q, torch::Tensor vn, torch::Tensor bn, "
                 "torch::Tensor lan, torch::Tensor Z, torch::Tensor h, torch::Tensor o, int64_t G, "
-                "int64_t CAP, int64_t nw, bool zin, bool cs);\n")
+                "int64_t CAP, int64_t nw, bool zin, bool cs, bool cf);\n")
         _CUDA = load_inline("replayssm_step_standin", cpp_sources=decl, cuda_sources=src,
                             functions=["bare", "read2", "epi"],
                             extra_cuda_cflags=["-O3", "-std=c++17", "-Xptxas=-v"],
@@ -415,18 +415,21 @@ def cuda_ext():
 
 
 def launch_cuda(st, var, warps):
-    """``cuda_{bare,read2,epi,epi_z}[_cs]``: the CUDA stand-in on ``warps`` warps per state
-    matrix (``_cs``: C loaded with the streaming cache hint)."""
+    """``cuda_{bare,read2,epi,epi_z}[_cf][_cs]``: the CUDA stand-in on ``warps`` warps per
+    state matrix (``_cs``: C loaded with the streaming cache hint; ``_cf``: epi's C loads
+    issued first, before the ring's loads and the key products)."""
     ext = cuda_ext()
     base = var[len("cuda_"):]
     cs = base.endswith("_cs")
     base = base.removesuffix("_cs")
+    cf = base.endswith("_cf")
+    base = base.removesuffix("_cf")
     if base == "bare":
         return ext.bare(st["S"], st["q"], st["o"], G, warps, cs)
     if base == "read2":
         return ext.read2(st["S"], st["kn"], st["q"], st["y"], G, warps, cs)
     return ext.epi(st["S"], st["U"], st["la"], st["rk"], st["kn"], st["q"], st["vn"], st["bn"],
-                   st["lan"], st["Z"], st["h"], st["o"], G, CAP, warps, base == "epi_z", cs)
+                   st["lan"], st["Z"], st["h"], st["o"], G, CAP, warps, base == "epi_z", cs, cf)
 
 
 def launch(st, var, bv, warps, waves=4):
@@ -474,7 +477,7 @@ def check(st, var, bv, warps, waves):
     launch(st, var, bv, warps, waves)
     if DEV == "cuda":
         torch.cuda.synchronize()
-    var = var.removeprefix("cuda_").removesuffix("_cs")
+    var = var.removeprefix("cuda_").removesuffix("_cs").removesuffix("_cf")
     if var == "bare":
         gi = torch.arange(H, device=DEV) // (H // G)
         want = torch.einsum("bhvk,bhk->bhv", st["S"].double(), st["q"].double()[:, gi])
@@ -572,7 +575,8 @@ def main():
     if a.set == "cuda":
         cases = [("bare", 32, 4, None), ("read2", 64, 2, None), ("epi", 64, 2, None),
                  ("epi_z", 64, 2, None)] + [
-            (f"cuda_{v}{c}", V, w, None) for v in ("bare", "read2", "epi", "epi_z")
+            (f"cuda_{v}{c}", V, w, None) for v in ("bare", "read2", "epi", "epi_z", "epi_cf",
+                                                   "epi_z_cf")
             for c in ("", "_cs") for w in (4, 8)]
         if DEV != "cuda":
             cases = cases[:4]

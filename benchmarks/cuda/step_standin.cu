@@ -92,18 +92,18 @@ __global__ void __launch_bounds__(NW * 32) bare_kernel(const float* __restrict__
   }
 }
 
-// The warp's two columns [k, q] over its R rows; returns (y0, y1) of the lane's row `rr`.
-// Values are interleaved v[2r + c], so after the reduce-scatter: R = 32: lane l holds row l
-// (both columns); R = 16: lane l holds row l >> 1, column l & 1 (the other from lane l ^ 1).
-template <int R, bool CS>
-__device__ __forceinline__ void stream2(const float4* sm, float4 k4, float4 q4, int lane,
-                                        float& y0, float& y1, int& rr) {
+// The warp's two columns [k, q] over its R rows, from its C rows already in registers; returns
+// (y0, y1) of the lane's row `rr`. Values are interleaved v[2r + c], so after the
+// reduce-scatter: R = 32: lane l holds row l (both columns); R = 16: lane l holds row l >> 1,
+// column l & 1 (the other from lane l ^ 1).
+template <int R>
+__device__ __forceinline__ void dots2(const float4 (&c)[R], float4 k4, float4 q4, int lane,
+                                      float& y0, float& y1, int& rr) {
   float v[2 * R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const float4 c = ld_c<CS>(sm + r * (K / 4));
-    v[2 * r] = dot4(c, k4);
-    v[2 * r + 1] = dot4(c, q4);
+    v[2 * r] = dot4(c[r], k4);
+    v[2 * r + 1] = dot4(c[r], q4);
   }
   rs<2 * R, 16>(v, lane);
   if constexpr (R == 32) {
@@ -118,6 +118,20 @@ __device__ __forceinline__ void stream2(const float4* sm, float4 k4, float4 q4, 
     y1 = odd ? v[0] : other;
     rr = lane >> 1;
   }
+}
+
+template <int R, bool CS>
+__device__ __forceinline__ void load_rows(const float4* sm, float4 (&c)[R]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) c[r] = ld_c<CS>(sm + r * (K / 4));
+}
+
+template <int R, bool CS>
+__device__ __forceinline__ void stream2(const float4* sm, float4 k4, float4 q4, int lane,
+                                        float& y0, float& y1, int& rr) {
+  float4 c[R];
+  load_rows<R, CS>(sm, c);
+  dots2<R>(c, k4, q4, lane, y0, y1, rr);
 }
 
 // y = S [k, q] (two columns, stored [.., V, 2]).
@@ -145,7 +159,7 @@ __global__ void __launch_bounds__(NW * 32) read2_kernel(const float* __restrict_
 // The stand-in step: y0 = C k, y1 = C q; ek / eq = sum_{i<hh} U_i dec_i zk_i / zq_i with
 // dec_i = exp(ctot - c_i), c_i = sum_{j<=i} la_j, ctot = sum_{i<hh} la_i + lan; gam =
 // exp(ctot); un = bn (vn - gam y0 - ek) into ring slot hh; o = gam y1 + eq + un (k . q).
-template <int NW, bool ZIN, bool CS>
+template <int NW, bool ZIN, bool CS, bool CF>
 __global__ void __launch_bounds__(NW * 32) epi_kernel(
     const float* __restrict__ S, float* __restrict__ U, const float* __restrict__ la,
     const float* __restrict__ rk, const float* __restrict__ kn, const float* __restrict__ q,
@@ -158,8 +172,12 @@ __global__ void __launch_bounds__(NW * 32) epi_kernel(
   const int mat = blockIdx.x, b = mat / H, h = mat - b * H, g = h / (H / G);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = warp * R;
-  const int hh = (int)hptr[b];
   const float4* sm = reinterpret_cast<const float4*>(S + ((size_t)mat * V + row0) * K) + lane;
+  // CF: the stream's loads first, so that the ring's loads and the key products overlap them
+  // (else after those, as the Triton stand-in orders them)
+  float4 c[R];
+  if constexpr (CF) load_rows<R, CS>(sm, c);
+  const int hh = (int)hptr[b];
   const float4 k4 = reinterpret_cast<const float4*>(kn + ((size_t)b * G + g) * K)[lane];
   const float4 q4 = reinterpret_cast<const float4*>(q + ((size_t)b * G + g) * K)[lane];
   // the lane's row for the epilogue (as stream2 leaves it)
@@ -203,9 +221,10 @@ __global__ void __launch_bounds__(NW * 32) epi_kernel(
     }
   }
   const float kq = warp_sum(dot4(k4, q4));
+  if constexpr (!CF) load_rows<R, CS>(sm, c);
   float y0, y1;
   int rr2;
-  stream2<R, CS>(sm, k4, q4, lane, y0, y1, rr2);
+  dots2<R>(c, k4, q4, lane, y0, y1, rr2);
   __syncthreads();
   float cvec = 0.f, ctot = lanv;
 #pragma unroll
@@ -268,27 +287,29 @@ void read2(torch::Tensor S, torch::Tensor kn, torch::Tensor q, torch::Tensor y, 
 void epi(torch::Tensor S, torch::Tensor U, torch::Tensor la, torch::Tensor rk, torch::Tensor kn,
          torch::Tensor q, torch::Tensor vn, torch::Tensor bn, torch::Tensor lan, torch::Tensor Z,
          torch::Tensor h, torch::Tensor o, int64_t G, int64_t CAP, int64_t nw, bool zin,
-         bool cs) {
+         bool cs, bool cf) {
   const int64_t H = S.size(1);
   check_mats(S, H);
   TORCH_CHECK(CAP == CAPMAX, "CAP must be 16, got ", CAP);
   TORCH_CHECK(h.scalar_type() == torch::kInt64, "h must be int64");
   const dim3 grid(S.size(0) * H);
   auto st = at::cuda::getCurrentCUDAStream();
-#define L(NW, ZI, C) epi_kernel<NW, ZI, C><<<grid, NW * 32, 0, st>>>(                   \
+#define L(NW, ZI, C, F) epi_kernel<NW, ZI, C, F><<<grid, NW * 32, 0, st>>>(           \
       S.data_ptr<float>(), U.data_ptr<float>(), la.data_ptr<float>(), rk.data_ptr<float>(), \
       kn.data_ptr<float>(), q.data_ptr<float>(), vn.data_ptr<float>(), bn.data_ptr<float>(), \
       lan.data_ptr<float>(), Z.data_ptr<float>(), h.data_ptr<int64_t>(), o.data_ptr<float>(), \
       (int)H, (int)G, (int)CAP)
+#define L2(NW, ZI, C) { if (cf) L(NW, ZI, C, true); else L(NW, ZI, C, false); }
   if (nw == 4) {
-    if (zin) { if (cs) L(4, true, true); else L(4, true, false); }
-    else { if (cs) L(4, false, true); else L(4, false, false); }
+    if (zin) { if (cs) L2(4, true, true) else L2(4, true, false) }
+    else { if (cs) L2(4, false, true) else L2(4, false, false) }
   } else if (nw == 8) {
-    if (zin) { if (cs) L(8, true, true); else L(8, true, false); }
-    else { if (cs) L(8, false, true); else L(8, false, false); }
+    if (zin) { if (cs) L2(8, true, true) else L2(8, true, false) }
+    else { if (cs) L2(8, false, true) else L2(8, false, false) }
   } else {
     TORCH_CHECK(false, "nw must be 4 or 8, got ", nw);
   }
+#undef L2
 #undef L
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

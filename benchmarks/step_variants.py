@@ -35,6 +35,7 @@ import op_kernels as ok  # noqa: E402
 import replay_kernels as rk  # noqa: E402
 from _commit import code_commit  # noqa: E402
 
+from replayssm_quant.kernels import cuda as kcuda  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 
 VARIANTS = [("default", {}), ("pdl_off", dict(pdl=False)),
@@ -47,8 +48,10 @@ VARIANTS = [("default", {}), ("pdl_off", dict(pdl=False)),
             ("rp32x2", dict(read_pass=(32, 2, "lean_out"))),
             ("rp64x2", dict(read_pass=(64, 2, "lean_out"))),
             ("rp64x4", dict(read_pass=(64, 4, "lean_out"))),
-            ("rp128x4", dict(read_pass=(128, 4, "lean_out")))]
-PROFILED = ("default", "pdl_off", "products_w1", "products_w4", "products_kc32")
+            ("rp128x4", dict(read_pass=(128, 4, "lean_out"))),
+            # the CUDA C++ step (kernels.cuda, REPLAYSSM_CUDA_KERNELS=on for the variant)
+            ("cuda", dict(cuda=True))]
+PROFILED = ("default", "pdl_off", "products_w1", "products_w4", "products_kc32", "cuda")
 NVFP4_VARIANTS = ("default", "pdl_off", "products_w1", "products_w4", "products_kc64",
                   "products_kc32", "products_kc32_w1")  # k_chunk >= 32 for a blocked copy
 
@@ -61,6 +64,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--policies", default="fp32,nvfp4", help="comma list of fp32, nvfp4")
+    ap.add_argument("--variants", default=None,
+                    help="comma list of variant names (default all): " +
+                         ", ".join(n for n, _ in VARIANTS))
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("step_variants.py times CUDA launches; run it on the device")
@@ -72,7 +78,8 @@ def main(argv=None):
         pol = StatePolicy.parse(dc.POLICIES[pname])
         gen = torch.Generator(device="cuda").manual_seed(0)
         pool = [dc.make_set(M, gen, pol, 8, False) for _ in range(2)]
-        variants = [v for v in VARIANTS if pname == "fp32" or v[0] in NVFP4_VARIANTS]
+        variants = [v for v in VARIANTS if (pname == "fp32" or v[0] in NVFP4_VARIANTS)
+                    and (a.variants is None or v[0] in a.variants.split(","))]
         run_policy(M, pname, pool, variants, a, res)
         pool = None
     with open(a.out, "w") as f:
@@ -87,6 +94,9 @@ def run_policy(M, pname, pool, variants, a, res):
         base = dc.run_step(M, pool[0], h).clone()
         for rnd in range(a.rounds):
             for name, cfg in variants:
+                cuda = cfg.get("cuda", False)
+                cfg = {k: v for k, v in cfg.items() if k != "cuda"}
+                os.environ[kcuda.ENV] = "on" if cuda else "off"
                 row = {"policy": pname, "h": hv, "variant": name,
                        "options": {k: list(v) if isinstance(v, tuple) else v
                                    for k, v in cfg.items()}, "round": rnd}
@@ -104,6 +114,7 @@ def run_policy(M, pname, pool, variants, a, res):
                         row["kernels"] = kernels
                 except Exception as e:  # noqa: BLE001  (a variant that fails is recorded)
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                os.environ[kcuda.ENV] = "off"
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
 

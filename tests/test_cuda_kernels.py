@@ -207,12 +207,28 @@ def test_gdn_f32_step_slot_out_of_range(ext):
         assert torch.equal(r[n][0], ring[n][0]) and torch.equal(r[n][2], ring[n][2]), n
 
 
-@cuda_only
-def test_gdn_f32_step_refuses_mismatches(ext):
-    read, ring, q, k, v, g, beta, h = _case(torch.Generator().manual_seed(5), device="cuda")
-    with pytest.raises(RuntimeError, match=r"gdn_f32_step: q has shape \[3, 2, 64\]"):
-        kc.gdn_f32_step(read, ring, q[..., :64].contiguous(), k, v, g, beta, h)
-    with pytest.raises(RuntimeError, match="gdn_f32_step: beta has dtype Half"):
-        kc.gdn_f32_step(read, ring, q, k, v, g, beta.half(), h)
-    with pytest.raises(RuntimeError, match="gdn_f32_step: K must be 128, got 64"):
-        kc.gdn_f32_step(read[..., :64].contiguous(), ring, q, k, v, g, beta, h)
+@pytest.mark.parametrize("bad, match", [
+    (lambda a: a.update(q=a["q"][..., :64].contiguous()), r"q has shape \(3, 2, 64\), expected "
+                                                           r"\(3, 2, 128\)"),
+    (lambda a: a.update(beta=a["beta"].double()), "beta has dtype torch.float64"),
+    (lambda a: a.update(read=a["read"][..., :64].contiguous()), r"K = 128 and V in \(64, 128\)"),
+    (lambda a: a.update(v=a["v"].transpose(1, 2).contiguous().transpose(1, 2)),
+     "v must be contiguous"),
+    (lambda a: a["ring"].pop("uR"), r"ring lacks \['uR'\]"),
+    (lambda a: a.update(h=a["h"].float()), "h must be an int64 or int32 \\[3\\] tensor"),
+    (lambda a: a.update({n: ({m: u.to("meta") for m, u in t.items()} if isinstance(t, dict)
+                             else t.to("meta")) for n, t in a.items()}),
+     "the operands are on meta, expected a CUDA device"),
+    (lambda a: a.update(g=a["g"].to("meta")), r"g is on meta, expected (cpu|cuda:0)"),
+])
+def test_gdn_f32_step_refuses_mismatches(bad, match):
+    """Checked before anything is built or launched (so on CPU too: the device is checked
+    last)."""
+    read, ring, q, k, v, g, beta, h = _case(torch.Generator().manual_seed(5))
+    a = dict(read=read, ring=ring, q=q, k=k, v=v, g=g, beta=beta, h=h)
+    if CUDA:
+        a = {n: ({m: u.cuda() for m, u in t.items()} if isinstance(t, dict) else t.cuda())
+             for n, t in a.items()}
+    bad(a)
+    with pytest.raises(ValueError, match=match):
+        kc.gdn_f32_step(**a)

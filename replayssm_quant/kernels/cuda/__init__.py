@@ -32,7 +32,7 @@ import torch
 
 ENV = "REPLAYSSM_CUDA_KERNELS"
 MODES = ("off", "on", "auto")
-_SRC = Path(__file__).with_name("gdn_step.cu")
+_SRC = [Path(__file__).with_name("gdn_step.cpp"), Path(__file__).with_name("gdn_step.cu")]
 _LOCK = threading.Lock()
 _EXT = None
 _ERROR: "str | None" = None
@@ -58,10 +58,10 @@ def build():
             raise RuntimeError(_ERROR)
         try:
             from torch.utils.cpp_extension import load
-            _EXT = load(name="replayssm_cuda_gdn_step", sources=[str(_SRC)],
+            _EXT = load(name="replayssm_cuda_gdn_step", sources=[str(p) for p in _SRC],
                         extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
         except Exception as err:  # noqa: BLE001  (any build failure is reported the same way)
-            _ERROR = (f"{ENV}: could not build the CUDA kernels ({_SRC.name}): "
+            _ERROR = (f"{ENV}: could not build the CUDA kernels ({_SRC[1].name}): "
                       f"{type(err).__name__}: {str(err)[-500:]}")
             raise RuntimeError(_ERROR) from err
         return _EXT
@@ -103,6 +103,51 @@ def use_gdn_step(read, ring, q, k, v, g, beta, h) -> bool:
     return True
 
 
+def _check_operands(read, ring, q, k, v, g, beta, h):
+    """ValueError naming the first operand of a step call that the CUDA kernel cannot take."""
+    if not isinstance(read, torch.Tensor) or read.dim() != 4:
+        raise ValueError(f"gdn_f32_step: read must be a [B, H, V, K] tensor, got "
+                         f"{getattr(read, 'shape', type(read).__name__)}")
+    B, H, V, K = (int(x) for x in read.shape)
+    if K != 128 or V not in (64, 128):
+        raise ValueError(f"gdn_f32_step: read is [B, H, V, K] = {tuple(read.shape)}; the CUDA "
+                         f"kernel takes K = 128 and V in (64, 128)")
+    missing = [n for n in ("la", "beta", "v", "uR", "k") if n not in ring]
+    if missing:
+        raise ValueError(f"gdn_f32_step: ring lacks {missing}")
+    CAP = int(ring["la"].shape[1]) if ring["la"].dim() == 3 else -1
+    G = int(ring["k"].shape[2]) if ring["k"].dim() == 4 else -1
+    if not 1 <= CAP <= 32:
+        raise ValueError(f"gdn_f32_step: ring la must be [B, CAP, H] with 1 <= CAP <= 32, got "
+                         f"{tuple(ring['la'].shape)}")
+    if G < 1 or H % G:
+        raise ValueError(f"gdn_f32_step: ring k must be [B, CAP, G, K] with G dividing H = {H}, "
+                         f"got {tuple(ring['k'].shape)}")
+    want = {"read": (read, (B, H, V, K)), "ring la": (ring["la"], (B, CAP, H)),
+            "ring beta": (ring["beta"], (B, CAP, H)), "ring v": (ring["v"], (B, CAP, H, V)),
+            "ring uR": (ring["uR"], (B, CAP, H, V)), "ring k": (ring["k"], (B, CAP, G, K)),
+            "q": (q, (B, G, K)), "k": (k, (B, G, K)), "v": (v, (B, H, V)), "g": (g, (B, H)),
+            "beta": (beta, (B, H))}
+    for name, (t, shape) in want.items():
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"gdn_f32_step: {name} has shape "
+                             f"{tuple(getattr(t, 'shape', ()))}, expected {shape}")
+        if t.dtype != torch.float32:
+            raise ValueError(f"gdn_f32_step: {name} has dtype {t.dtype}, expected torch.float32")
+        if t.device != read.device:
+            raise ValueError(f"gdn_f32_step: {name} is on {t.device}, expected {read.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"gdn_f32_step: {name} must be contiguous")
+    if (not isinstance(h, torch.Tensor) or tuple(h.shape) != (B,) or h.device != read.device
+            or h.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"gdn_f32_step: h must be an int64 or int32 [{B}] tensor on "
+                         f"{read.device}, got {getattr(h, 'dtype', type(h).__name__)} "
+                         f"{tuple(getattr(h, 'shape', ()))}")
+    if read.device.type != "cuda":
+        raise ValueError(f"gdn_f32_step: the operands are on {read.device}, expected a CUDA "
+                         f"device")
+
+
 def gdn_f32_step(read, ring: dict, q, k, v, g, beta, h) -> torch.Tensor:
     """GDN decode step from an FP32 read copy in one CUDA launch (``gdn_step.cu``; the
     formula of :func:`replayssm_quant.replay.gdn.gdn_step_output` plus the ring append, paper
@@ -115,8 +160,9 @@ def gdn_f32_step(read, ring: dict, q, k, v, g, beta, h) -> torch.Tensor:
     ``[0, CAP)`` (a sequence outside it gets NaN outputs and no ring write). All float32,
     contiguous, on one CUDA device. Returns ``o [B, H, V]`` float32.
 
-    Raises RuntimeError (from the extension) naming a shape, dtype or device mismatch, or
-    where the extension cannot be built."""
+    Raises ValueError naming an operand of the wrong shape, dtype, device or layout;
+    RuntimeError where the extension cannot be built."""
+    _check_operands(read, ring, q, k, v, g, beta, h)
     ext = build()
     return ext.gdn_f32_step(read, ring["la"], ring["beta"], ring["v"], ring["uR"], ring["k"],
                             q, k, v, g, beta, h.to(torch.int64))

@@ -17,10 +17,7 @@
 // a reduce-scatter butterfly, so lane l ends with row l >> 1 (both lanes of a pair compute it,
 // the even one stores). Every value's arithmetic is a fixed sequence that depends on its own
 // sequence's data only: results do not depend on the batch, its order or its size.
-#include <torch/extension.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <cstdint>
 #include <cuda_runtime.h>
 
 namespace {
@@ -163,57 +160,18 @@ __global__ void __launch_bounds__(NW * 32) gdn_f32_step_kernel(
     reinterpret_cast<float4*>(ring_k + (((size_t)b * CAP + p) * G + g) * K)[lane] = k4;
 }
 
-void check(const torch::Tensor& t, const char* name, at::IntArrayRef shape,
-           const torch::Device& dev, c10::ScalarType dtype = torch::kFloat32) {
-  TORCH_CHECK(t.device() == dev, "gdn_f32_step: ", name, " is on ", t.device(),
-              ", expected ", dev);
-  TORCH_CHECK(t.scalar_type() == dtype, "gdn_f32_step: ", name, " has dtype ",
-              t.scalar_type(), ", expected ", dtype);
-  TORCH_CHECK(t.sizes() == shape, "gdn_f32_step: ", name, " has shape ", t.sizes(),
-              ", expected ", shape);
-  TORCH_CHECK(t.is_contiguous(), "gdn_f32_step: ", name, " must be contiguous");
-}
-
 }  // namespace
 
-// read [B, H, V, K] float32; ring la, beta [B, CAP, H], v, uR [B, CAP, H, V], k [B, CAP, G, K]
-// (updated in place); q, k [B, G, K]; v [B, H, V]; g, beta [B, H]; h int64 [B]. Returns o
-// [B, H, V]. V in {64, 128}, K = 128, CAP <= 32.
-torch::Tensor gdn_f32_step(torch::Tensor read, torch::Tensor ring_la, torch::Tensor ring_beta,
-                           torch::Tensor ring_v, torch::Tensor ring_u, torch::Tensor ring_k,
-                           torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                           torch::Tensor beta, torch::Tensor h) {
-  TORCH_CHECK(read.is_cuda() && read.dim() == 4, "gdn_f32_step: read must be a CUDA [B, H, V, K]"
-              " tensor, got ", read.sizes());
-  const auto dev = read.device();
-  const int64_t B = read.size(0), H = read.size(1), V = read.size(2);
-  const int64_t CAP = ring_la.size(1), G = ring_k.size(2);
-  TORCH_CHECK(read.size(3) == K, "gdn_f32_step: K must be 128, got ", read.size(3));
-  TORCH_CHECK(V == 64 || V == 128, "gdn_f32_step: V must be 64 or 128, got ", V);
-  TORCH_CHECK(CAP >= 1 && CAP <= 32, "gdn_f32_step: ring capacity must be 1..32, got ", CAP);
-  TORCH_CHECK(G >= 1 && H % G == 0, "gdn_f32_step: key groups ", G, " must divide heads ", H);
-  check(read, "read", {B, H, V, K}, dev);
-  check(ring_la, "ring la", {B, CAP, H}, dev);
-  check(ring_beta, "ring beta", {B, CAP, H}, dev);
-  check(ring_v, "ring v", {B, CAP, H, V}, dev);
-  check(ring_u, "ring uR", {B, CAP, H, V}, dev);
-  check(ring_k, "ring k", {B, CAP, G, K}, dev);
-  check(q, "q", {B, G, K}, dev);
-  check(k, "k", {B, G, K}, dev);
-  check(v, "v", {B, H, V}, dev);
-  check(g, "g", {B, H}, dev);
-  check(beta, "beta", {B, H}, dev);
-  check(h, "h", {B}, dev, torch::kInt64);
-  auto o = torch::empty({B, H, V}, read.options());
-  if (B == 0 || H == 0) return o;
-  const c10::cuda::CUDAGuard guard(dev);
-  auto st = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid(B * H);
-#define L(NW, CM) gdn_f32_step_kernel<NW, CM><<<grid, NW * 32, 0, st>>>(                       \
-      read.data_ptr<float>(), ring_la.data_ptr<float>(), ring_beta.data_ptr<float>(),          \
-      ring_v.data_ptr<float>(), ring_u.data_ptr<float>(), ring_k.data_ptr<float>(),            \
-      q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),      \
-      beta.data_ptr<float>(), h.data_ptr<int64_t>(), o.data_ptr<float>(), (int)H, (int)G,      \
+// Launches the kernel on `stream` (the caller, gdn_step.cpp, has checked every operand: float32,
+// contiguous, on one device, the shapes above; V in {64, 128}, K = 128, 1 <= CAP <= 32).
+void launch_gdn_f32_step(const float* read, float* ring_la, float* ring_beta, float* ring_v,
+                         float* ring_u, float* ring_k, const float* q, const float* k,
+                         const float* v, const float* g, const float* beta, const int64_t* h,
+                         float* o, int64_t B, int64_t H, int64_t G, int64_t V, int64_t CAP,
+                         cudaStream_t stream) {
+  const dim3 grid((unsigned)(B * H));
+#define L(NW, CM) gdn_f32_step_kernel<NW, CM><<<grid, NW * 32, 0, stream>>>(                  \
+      read, ring_la, ring_beta, ring_v, ring_u, ring_k, q, k, v, g, beta, h, o, (int)H, (int)G, \
       (int)CAP)
   if (V == 128) {
     if (CAP <= 16) L(8, 16); else L(8, 32);
@@ -221,11 +179,4 @@ torch::Tensor gdn_f32_step(torch::Tensor read, torch::Tensor ring_la, torch::Ten
     if (CAP <= 16) L(4, 16); else L(4, 32);
   }
 #undef L
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return o;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gdn_f32_step", &gdn_f32_step,
-        "GDN decode step from an FP32 read copy (one launch; see gdn_step.cu)");
 }

@@ -49,8 +49,9 @@ VARIANTS = [("default", {}), ("pdl_off", dict(pdl=False)),
             ("rp64x2", dict(read_pass=(64, 2, "lean_out"))),
             ("rp64x4", dict(read_pass=(64, 4, "lean_out"))),
             ("rp128x4", dict(read_pass=(128, 4, "lean_out"))),
-            # the CUDA C++ step (kernels.cuda, REPLAYSSM_CUDA_KERNELS=on for the variant)
-            ("cuda", dict(cuda=True))]
+            # the CUDA C++ step (kernels.cuda, REPLAYSSM_CUDA_KERNELS=on for the variant) and its
+            # experiment's forms (REPLAYSSM_CUDA_STEP_VARIANT, gdn_step.cu's VAR)
+            ("cuda", dict(cuda=0)), ("cuda_v1", dict(cuda=1)), ("cuda_v2", dict(cuda=2))]
 PROFILED = ("default", "pdl_off", "products_w1", "products_w4", "products_kc32", "cuda")
 NVFP4_VARIANTS = ("default", "pdl_off", "products_w1", "products_w4", "products_kc64",
                   "products_kc32", "products_kc32_w1")  # k_chunk >= 32 for a blocked copy
@@ -94,9 +95,10 @@ def run_policy(M, pname, pool, variants, a, res):
         base = dc.run_step(M, pool[0], h).clone()
         for rnd in range(a.rounds):
             for name, cfg in variants:
-                cuda = cfg.get("cuda", False)
+                cuda = cfg.get("cuda")  # None: the Triton step; else gdn_step.cu's VAR
                 cfg = {k: v for k, v in cfg.items() if k != "cuda"}
-                os.environ[kcuda.ENV] = "on" if cuda else "off"
+                os.environ[kcuda.ENV] = "off" if cuda is None else "on"
+                os.environ["REPLAYSSM_CUDA_STEP_VARIANT"] = str(cuda or 0)
                 row = {"policy": pname, "h": hv, "variant": name,
                        "options": {k: list(v) if isinstance(v, tuple) else v
                                    for k, v in cfg.items()}, "round": rnd}

@@ -164,5 +164,7 @@ def gdn_f32_step(read, ring: dict, q, k, v, g, beta, h) -> torch.Tensor:
     RuntimeError where the extension cannot be built."""
     _check_operands(read, ring, q, k, v, g, beta, h)
     ext = build()
+    # REPLAYSSM_CUDA_STEP_VARIANT: an experiment's knob (gdn_step.cu, VAR), 0 by default
+    variant = int(os.environ.get("REPLAYSSM_CUDA_STEP_VARIANT", "0") or 0)
     return ext.gdn_f32_step(read, ring["la"], ring["beta"], ring["v"], ring["uR"], ring["k"],
-                            q, k, v, g, beta, h.to(torch.int64))
+                            q, k, v, g, beta, h.to(torch.int64), variant)

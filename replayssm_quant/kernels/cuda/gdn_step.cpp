@@ -10,12 +10,12 @@ void launch_gdn_f32_step(const float* read, float* ring_la, float* ring_beta, fl
                          float* ring_u, float* ring_k, const float* q, const float* k,
                          const float* v, const float* g, const float* beta, const int64_t* h,
                          float* o, int64_t B, int64_t H, int64_t G, int64_t V, int64_t CAP,
-                         cudaStream_t stream);
+                         int variant, cudaStream_t stream);
 
 torch::Tensor gdn_f32_step(torch::Tensor read, torch::Tensor ring_la, torch::Tensor ring_beta,
                            torch::Tensor ring_v, torch::Tensor ring_u, torch::Tensor ring_k,
                            torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                           torch::Tensor beta, torch::Tensor h) {
+                           torch::Tensor beta, torch::Tensor h, int64_t variant) {
   TORCH_CHECK(read.is_cuda() && read.dim() == 4 && read.size(3) == 128, "gdn_f32_step: read");
   const int64_t B = read.size(0), H = read.size(1), V = read.size(2);
   const int64_t CAP = ring_la.size(1), G = ring_k.size(2);
@@ -34,7 +34,7 @@ torch::Tensor gdn_f32_step(torch::Tensor read, torch::Tensor ring_la, torch::Ten
                       ring_u.data_ptr<float>(), ring_k.data_ptr<float>(), q.data_ptr<float>(),
                       k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
                       beta.data_ptr<float>(), h.data_ptr<int64_t>(), o.data_ptr<float>(), B, H,
-                      G, V, CAP, c10::cuda::getCurrentCUDAStream());
+                      G, V, CAP, (int)variant, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return o;
 }

@@ -51,7 +51,7 @@ VARIANTS = [("default", {}), ("pdl_off", dict(pdl=False)),
             ("rp128x4", dict(read_pass=(128, 4, "lean_out"))),
             # the CUDA C++ step (kernels.cuda, REPLAYSSM_CUDA_KERNELS=on for the variant) and its
             # experiment's forms (REPLAYSSM_CUDA_STEP_VARIANT, gdn_step.cu's VAR)
-            ("cuda", dict(cuda=0)), ("cuda_v1", dict(cuda=1)), ("cuda_v2", dict(cuda=2))]
+            ("cuda", dict(cuda=0)), ("cuda_v2", dict(cuda=2)), ("cuda_v3", dict(cuda=3))]
 PROFILED = ("default", "pdl_off", "products_w1", "products_w4", "products_kc32", "cuda")
 NVFP4_VARIANTS = ("default", "pdl_off", "products_w1", "products_w4", "products_kc64",
                   "products_kc32", "products_kc32_w1")  # k_chunk >= 32 for a blocked copy

@@ -50,28 +50,17 @@ __device__ __forceinline__ float dot4(float4 a, float4 b) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
 }
 
-// A read-only 16-byte load that the compiler keeps in program order (volatile asm): the
-// stream's loads must be issued before the ring's loads and the key products.
-__device__ __forceinline__ float4 ld_first(const float4* p) {
-  float4 v;
-  asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL, x, o);
   return x;
 }
 
-// VAR (an experiment of the forty-first pass, chosen by REPLAYSSM_CUDA_STEP_VARIANT): 0 the ring's
-// loads and the key products before the rows' products (the registers bound to 2 CTAs per SM);
-// 1 the same with up to 255 registers (1 CTA per SM); 2 only the ring keys' loads before, the
-// key products and the ring's other loads after the rows' products.
+// VAR (an experiment of the forty-first pass, chosen by REPLAYSSM_CUDA_STEP_VARIANT): where the
+// key products (2) and also the ring's loads (3) sit: 0 both before the rows' products, 2 the key
+// products after them, 3 both after them.
 template <int NW, int CAPMAX, int VAR>
-__global__ void __launch_bounds__(NW * 32, VAR == 1 ? 1 : 2) gdn_f32_step_kernel(
+__global__ void __launch_bounds__(NW * 32) gdn_f32_step_kernel(
     const float* __restrict__ Rc, float* __restrict__ ring_la, float* __restrict__ ring_beta,
     float* __restrict__ ring_v, float* __restrict__ ring_u, float* __restrict__ ring_k,
     const float* __restrict__ q, const float* __restrict__ kn, const float* __restrict__ vn,
@@ -85,46 +74,39 @@ __global__ void __launch_bounds__(NW * 32, VAR == 1 ? 1 : 2) gdn_f32_step_kernel
   const int b = mat / H, hd = mat - b * H, g = hd / (H / G);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row0 = warp * R;
-  // the stream's loads first
   const float4* sm =
       reinterpret_cast<const float4*>(Rc + ((size_t)mat * V + row0) * K) + lane;
   float4 c[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) c[r] = ld_first(sm + r * (K / 4));
-  // (With __ldg and branchy masked loads after them, the first version had nvcc sink these
-  // loads below the ring's loads and the key products, so each CTA waited for those before
-  // streaming its rows: H100, +15-20 us at h = 2..5. The ring's loads below are branch-free.)
+  for (int r = 0; r < R; ++r) c[r] = __ldg(sm + r * (K / 4));
   const int p = (int)hp[b];
-  const bool ok = p >= 0 && p < CAP;  // else: NaN outputs, no ring write (below)
-  const int pc = ok ? p : 0;
-  const int last = pc > 0 ? pc - 1 : 0;  // slots >= p re-read slot p - 1 (no branch)
   const int row = row0 + (lane >> 1);
+  if (p < 0 || p >= CAP) {  // the caller's range check failed: NaN outputs, no ring write
+    if ((lane & 1) == 0) o[(size_t)mat * V + row] = __int_as_float(0x7fc00000);
+    return;
+  }
   const float4 k4 = reinterpret_cast<const float4*>(kn + ((size_t)b * G + g) * K)[lane];
   const float4 q4 = reinterpret_cast<const float4*>(q + ((size_t)b * G + g) * K)[lane];
-  float4 r4[SLOTS];  // this warp's ring keys
-#pragma unroll
-  for (int s = 0; s < SLOTS; ++s) {
-    const int j = warp * SLOTS + s;
-    const int jj = j < pc ? j : last;
-    r4[s] = reinterpret_cast<const float4*>(ring_k + (((size_t)b * CAP + jj) * G + g) * K)[lane];
-  }
   float u[CAPMAX], lv[CAPMAX];
   auto ring_loads = [&]() {
 #pragma unroll
     for (int j = 0; j < CAPMAX; ++j) {
-      const int jj = j < pc ? j : last;
-      const float uu = ring_u[(((size_t)b * CAP + jj) * H + hd) * V + row];
-      const float ll = ring_la[((size_t)b * CAP + jj) * H + hd];
-      u[j] = j < pc ? uu : 0.f;
-      lv[j] = j < pc ? ll : 0.f;
+      const bool in = j < p;
+      u[j] = in ? ring_u[(((size_t)b * CAP + j) * H + hd) * V + row] : 0.f;
+      lv[j] = in ? ring_la[((size_t)b * CAP + j) * H + hd] : 0.f;
     }
   };
   auto key_products = [&]() {
 #pragma unroll
     for (int s = 0; s < SLOTS; ++s) {
       const int j = warp * SLOTS + s;
-      float pk = j < pc ? dot4(r4[s], k4) : 0.f;
-      float pq = j < pc ? dot4(r4[s], q4) : 0.f;
+      float pk = 0.f, pq = 0.f;
+      if (j < p) {
+        const float4 r4 =
+            reinterpret_cast<const float4*>(ring_k + (((size_t)b * CAP + j) * G + g) * K)[lane];
+        pk = dot4(r4, k4);
+        pq = dot4(r4, q4);
+      }
       pk = warp_sum(pk);
       pq = warp_sum(pq);
       if (lane == 0) {
@@ -133,10 +115,8 @@ __global__ void __launch_bounds__(NW * 32, VAR == 1 ? 1 : 2) gdn_f32_step_kernel
       }
     }
   };
-  if constexpr (VAR != 2) {
-    ring_loads();
-    key_products();
-  }
+  if constexpr (VAR < 3) ring_loads();
+  if constexpr (VAR < 2) key_products();
   const float vr = vn[(size_t)mat * V + row];
   const float beta = bn[mat];
   const float gl = gn[mat];
@@ -153,10 +133,8 @@ __global__ void __launch_bounds__(NW * 32, VAR == 1 ? 1 : 2) gdn_f32_step_kernel
   const bool odd = lane & 1;
   const float y0 = odd ? other : v[0];
   const float y1 = odd ? v[0] : other;
-  if constexpr (VAR == 2) {
-    key_products();
-    ring_loads();
-  }
+  if constexpr (VAR >= 2) key_products();
+  if constexpr (VAR >= 3) ring_loads();
   __syncthreads();
   float cv[CAPMAX];
   float acc = 0.f;
@@ -170,7 +148,7 @@ __global__ void __launch_bounds__(NW * 32, VAR == 1 ? 1 : 2) gdn_f32_step_kernel
   float corr = 0.f, eo = 0.f;
 #pragma unroll
   for (int j = 0; j < CAPMAX; ++j) {
-    if (j < pc) {  // uniform over the CTA
+    if (j < p) {
       const float d = expf(cp - cv[j]);
       corr = fmaf(beta * d * zs[j][0], u[j], corr);
       eo = fmaf(d * zs[j][1], u[j], eo);
@@ -178,10 +156,6 @@ __global__ void __launch_bounds__(NW * 32, VAR == 1 ? 1 : 2) gdn_f32_step_kernel
   }
   const float un = beta * (vr - ep * y0) - corr;
   const float ov = ep * y1 + eo + kq * un;
-  if (!ok) {  // the caller's range check failed: NaN outputs, nothing written to the ring
-    if (!odd) o[(size_t)mat * V + row] = __int_as_float(0x7fc00000);
-    return;
-  }
   if (!odd) {
     o[(size_t)mat * V + row] = ov;
     const size_t slot = (((size_t)b * CAP + p) * H + hd) * V + row;
@@ -209,7 +183,7 @@ void launch_gdn_f32_step(const float* read, float* ring_la, float* ring_beta, fl
 #define L(NW, CM, VA) gdn_f32_step_kernel<NW, CM, VA><<<grid, NW * 32, 0, stream>>>(           \
       read, ring_la, ring_beta, ring_v, ring_u, ring_k, q, k, v, g, beta, h, o, (int)H, (int)G, \
       (int)CAP)
-#define LV(NW, CM) { if (variant == 1) L(NW, CM, 1); else if (variant == 2) L(NW, CM, 2); \
+#define LV(NW, CM) { if (variant == 2) L(NW, CM, 2); else if (variant == 3) L(NW, CM, 3); \
                      else L(NW, CM, 0); }
   if (V == 128) {
     if (CAP <= 16) LV(8, 16) else LV(8, 32)

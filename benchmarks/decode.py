@@ -103,7 +103,6 @@ import replay_kernels as rk  # noqa: E402  (Model, eager baselines, stats helper
 
 from replayssm_quant.config import GDNFold  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
-from replayssm_quant.kernels import cuda as kcuda  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.quant import PackedTensor, pack  # noqa: E402
 from replayssm_quant.replay import (core, gdn_flush, gdn_step_output, gdn_verify,  # noqa: E402
@@ -880,9 +879,6 @@ def main(argv=None):
                       "gdn": "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule",
                       "mamba2": "fla.ops.simple_gla.fused_recurrent_simple_gla"},
               "overrides": overrides,
-              # REPLAYSSM_CUDA_KERNELS (kernels.cuda): "on"/"auto" run GDN's FP32 step as one
-              # CUDA C++ launch where it fits
-              "cuda_kernels": kcuda.mode(),
               "window_L": L, "verify_T": T, "batches": batches, "policies": POLICIES,
               "timing": f"median of {args.reps} calls, CUDA events per call, pool rotated "
                         f"(>= {POOL_L2_MULTIPLE} x L2 = {POOL_L2_MULTIPLE * l2_bytes()} bytes); "

@@ -35,7 +35,6 @@ import op_kernels as ok  # noqa: E402
 import replay_kernels as rk  # noqa: E402
 from _commit import code_commit  # noqa: E402
 
-from replayssm_quant.kernels import cuda as kcuda  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 
 VARIANTS = [("default", {}), ("pdl_off", dict(pdl=False)),
@@ -48,11 +47,10 @@ VARIANTS = [("default", {}), ("pdl_off", dict(pdl=False)),
             ("rp32x2", dict(read_pass=(32, 2, "lean_out"))),
             ("rp64x2", dict(read_pass=(64, 2, "lean_out"))),
             ("rp64x4", dict(read_pass=(64, 4, "lean_out"))),
-            ("rp128x4", dict(read_pass=(128, 4, "lean_out"))),
-            # the CUDA C++ step (kernels.cuda, REPLAYSSM_CUDA_KERNELS=on for the variant) and its
-            # experiment's forms (REPLAYSSM_CUDA_STEP_VARIANT, gdn_step.cu's VAR)
-            ("cuda", dict(cuda=0)), ("cuda_v2", dict(cuda=2)), ("cuda_v3", dict(cuda=3))]
-PROFILED = ("default", "pdl_off", "products_w1", "products_w4", "products_kc32", "cuda")
+            ("rp128x4", dict(read_pass=(128, 4, "lean_out")))]
+# (the forty-first pass's "cuda" variants timed a CUDA C++ step, since removed: see
+# docs/kernels-replay.md, "Forty-first pass")
+PROFILED = ("default", "pdl_off", "products_w1", "products_w4", "products_kc32")
 NVFP4_VARIANTS = ("default", "pdl_off", "products_w1", "products_w4", "products_kc64",
                   "products_kc32", "products_kc32_w1")  # k_chunk >= 32 for a blocked copy
 
@@ -69,6 +67,9 @@ def main(argv=None):
                     help="comma list of variant names (default all): " +
                          ", ".join(n for n, _ in VARIANTS))
     a = ap.parse_args(argv)
+    unknown = sorted(set((a.variants or "").split(",")) - {"", *(n for n, _ in VARIANTS)})
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; known: {', '.join(n for n, _ in VARIANTS)}")
     if not torch.cuda.is_available():
         raise SystemExit("step_variants.py times CUDA launches; run it on the device")
     M = rk.Model("gdn", a.B, 32, 16, 128, 128, 16)
@@ -95,10 +96,6 @@ def run_policy(M, pname, pool, variants, a, res):
         base = dc.run_step(M, pool[0], h).clone()
         for rnd in range(a.rounds):
             for name, cfg in variants:
-                cuda = cfg.get("cuda")  # None: the Triton step; else gdn_step.cu's VAR
-                cfg = {k: v for k, v in cfg.items() if k != "cuda"}
-                os.environ[kcuda.ENV] = "off" if cuda is None else "on"
-                os.environ["REPLAYSSM_CUDA_STEP_VARIANT"] = str(cuda or 0)
                 row = {"policy": pname, "h": hv, "variant": name,
                        "options": {k: list(v) if isinstance(v, tuple) else v
                                    for k, v in cfg.items()}, "round": rnd}
@@ -116,7 +113,6 @@ def run_policy(M, pname, pool, variants, a, res):
                         row["kernels"] = kernels
                 except Exception as e:  # noqa: BLE001  (a variant that fails is recorded)
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                os.environ[kcuda.ENV] = "off"
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
 

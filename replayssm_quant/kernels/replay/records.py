@@ -61,7 +61,6 @@ import triton.language as tl
 from ...checkpoints import Checkpoints, length_mask
 from ...packed import PackedTensor
 from ...philox import as_int
-from .. import cuda as _cuda
 from .codec import (KERNELS_INTERPRETED, _assert_ranges, _check_devices, _check_f32,
                     _check_index, _kind,
                     _check_maxnreg, _check_records, _maxnreg_launch,
@@ -3468,10 +3467,7 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     for the records kernel's (:func:`records_outputs`); a default ``lean_records`` is
     dropped where the step has no read pass, takes a matrix form of ``solve`` or the
     read-pass forms ``"lean_out"``, ``"lean_one"``, ``"idot_one"`` and ``"idot_out"``; a given one without
-    ``read_pass`` runs the default tile in ``"lean"`` / ``"idot"``). With
-    ``REPLAYSSM_CUDA_KERNELS`` = ``on`` / ``auto``, an FP32 read copy on a CUDA device and no
-    launch option given, the step is one CUDA C++ launch instead
-    (:func:`replayssm_quant.kernels.cuda.gdn_f32_step`; the same formula, other last bits)."""
+    ``read_pass`` runs the default tile in ``"lean"`` / ``"idot"``)."""
     wide = not isinstance(read, PackedTensor) or read.spec.info.scaling == "none"
     blocked = isinstance(read, PackedTensor) and read.spec.info.scaling in ("nvfp4", "mx")
     f32 = not isinstance(read, PackedTensor) or _kind(read.spec) == _K_FLOAT
@@ -3492,11 +3488,6 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
         cfg["pdl"] = GDN_STEP_WIDE_CONFIG["pdl"]  # one launch from FP32: its timed form
     _check_x16_dot(read, cfg)
     _check_devices("gdn_step_kernel", read=read, q=q, k=k, v=v, g=g, beta=beta, h=h, ring=ring)
-    options = (block_v, num_warps, k_chunk, num_stages, use_dot, prefetch, solve, keys_first,
-               shared_products, e2m1_decode, read_pass, pdl, late_sum, lean_records)
-    if f32 and all(x is None for x in options) and _cuda.use_gdn_step(read, ring, q, k, v, g,
-                                                                      beta, h):
-        return _cuda.gdn_f32_step(read, ring, q, k, v, g, beta, h)  # REPLAYSSM_CUDA_KERNELS
     draft = {"la": g[:, None], "k": k[:, None], "v": v[:, None], "beta": beta[:, None]}
     o = records_outputs(read, ring_la=ring["la"], ring_k=ring["k"], ring_w=ring["uR"],
                         q=q[:, None], start=h, rows=1, out_start=0, draft=draft, gdn=True,

@@ -214,3 +214,62 @@ def test_replay_rmse_table_refuses_bad_arguments_and_runs(capsys):
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| gdn |")]
     assert len(rows) == 1 and "`shared:fp16`" in rows[0]
     assert all(float(x) < 1e-2 for x in rows[0].strip("| ").split(" | ")[3:])
+
+
+def test_step_latency_cuda_set_runs_its_triton_cases_on_cpu(tmp_path):
+    """``step_latency.py --set cuda`` on CPU: the Triton stand-ins it times the CUDA ones
+    against run under the interpreter and pass their float64 checks; the CUDA ones (device
+    only) are not listed."""
+    out = tmp_path / "sl.json"
+    p = _run("step_latency.py", "--set", "cuda", "--hs", "3", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["bare", "read2", "epi", "epi_z"]
+    assert all(r["check"]["passed"] for r in rows), rows
+
+
+def test_flush_cuda_oracle_matches_the_shipped_fold():
+    """``flush_cuda.reference`` (the float64 fold the CUDA stand-in is checked against on the
+    device) against the shipped Triton fold of cached corrections, store-state form, on the
+    tiny geometry (under the interpreter on CPU)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import flush_cuda as fc
+        import flush_tma
+        import flush_tune as ft
+        import torch
+
+        from replayssm_quant.policy import StatePolicy
+        M = next(m for m in ft.geometries(True, True) if m.name == "gdn")
+        pol = StatePolicy.parse("fp32")
+        st = ft.make_set(M, torch.Generator(device=ft.DEV).manual_seed(5), pol)
+        cfg, extra = flush_tma.launch(M, {})
+        res, y = ft.run_flush(M, st, pol, ft.flush_kw(M), cfg, store_state=True,
+                              dequantize=True, **extra)
+        S, yr = fc.reference(st, 2)
+        assert fc.err(res.state[:2], S) <= 1 and fc.err(y[:2].reshape(yr.shape), yr) <= 1
+        # and it is not trivially satisfied: a fold without the corrections is far off
+        S0, _ = fc.reference(dict(st, u=torch.zeros_like(st["u"])), 2)
+        assert fc.err(res.state[:2], S0) > 10
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_flush_cuda_and_step_variants_refuse(tmp_path):
+    """``flush_cuda.py`` times CUDA launches only (without a GPU: a message naming it);
+    ``step_variants.py --variants`` names unknown variants."""
+    import torch
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    bad = subprocess.run([sys.executable, "benchmarks/step_variants.py", "--out",
+                          str(tmp_path / "s.json"), "--variants", "default,nope"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown ['nope']" in bad.stderr, bad.stderr
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    p = subprocess.run([sys.executable, "benchmarks/flush_cuda.py", "--out",
+                        str(tmp_path / "f.json")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0 and "run it on the device" in p.stderr
+    assert not (tmp_path / "f.json").exists()

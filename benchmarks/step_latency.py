@@ -390,8 +390,8 @@ _CUDA = None
 
 def cuda_ext():
     """The CUDA C++ stand-ins (``benchmarks/cuda/step_standin.cu``), built once per process by
-    ``torch.utils.cpp_extension.load`` for the device's architecture (nvcc and ninja needed;
-    device only)."""
+    ``torch.utils.cpp_extension.load_inline`` for the device's architecture (nvcc and ninja
+    needed; device only; forty-first pass, docs/kernels-replay.md)."""
     global _CUDA
     if _CUDA is None:
         from torch.utils.cpp_extension import load_inline
@@ -535,7 +535,8 @@ def main():
                          "tensor descriptors; _sN stages, _kN key chunk, _flat: the loop "
                          "nest flattened, _ws: warp specialised; --waves programs per SM); "
                          "cuda: the CUDA C++ stand-ins (benchmarks/cuda/step_standin.cu: "
-                         "cuda_{bare,read2,epi,epi_z}[_cs] on 4 and 8 warps per matrix) "
+                         "cuda_{bare,read2,epi,epi_z}[_cs] and cuda_{epi,epi_z}_cf[_cs] on 4 "
+                         "and 8 warps per matrix) "
                          "beside the Triton bare, read2, epi and epi_z")
     ap.add_argument("--tiny", action="store_true",
                     help="CPU under the Triton interpreter: a small shape, checks only")

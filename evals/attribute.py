@@ -38,7 +38,7 @@ from pathlib import Path
 
 from replayssm_quant.policy import StatePolicy
 
-from .kl import EXIT_BAD_ARGS, BadArgs, check_output_dir
+from .kl import EXIT_BAD_ARGS, BadArgs, check_device, check_output_dir
 from .kl import main as kl_main
 
 __all__ = ["Unit", "units_for", "kl_argv", "run_cells", "cell_stats", "ssm_structure",
@@ -153,6 +153,7 @@ def check_run_arguments(a, n_flag: str = "--max-tokens", n_least: int = 1) -> No
                                ("--segment-len", a.segment_len, 1), ("--threads", a.threads, 0)):
         if value < least:
             raise BadArgs(f"{flag} must be >= {least}, got {value}")
+    check_device(a.device)
     check_output_dir(a.output_dir)
 
 

@@ -108,6 +108,9 @@ def test_bad_arguments_exit_2(capsys, tmp_path):
     (tmp_path / "afile").write_text("x")
     assert main(["-o", str(tmp_path / "afile")]) == 2
     assert "exists and is not a directory" in capsys.readouterr().err
+    assert main(["--device", "gpu", "-o", str(tmp_path / "g")]) == 2
+    assert "--device must be cpu, cuda or cuda:I, got 'gpu'" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()
     for pol in ("fp32", "shared:fp32", "read:fp32/rec:fp32+sr", "eager:fp32"):  # the reference
         assert main(["--policy", pol, "-o", str(tmp_path / "f")]) == 2
         err = capsys.readouterr().err

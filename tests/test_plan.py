@@ -123,6 +123,16 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     for flag, value, least in (("--group-size", "0", 1), ("--bins", "9", 10), ("--max-iter", "0", 1)):
         assert main(["--budget", "1e-4", flag, value, "-o", str(tmp_path / "y")]) == 2
         assert f"{flag} must be >= {least}, got {value}" in capsys.readouterr().err
+    # a bad --device is refused before the decays are measured (a traceback from
+    # model.to(device) before; found by a new-user trial, 2026-12-06)
+    for dev, msg in (("gpu", "--device must be cpu, cuda or cuda:I, got 'gpu'"),
+                     ("meta", "--device must be cpu, cuda or cuda:I, got 'meta'")):
+        assert main(["--budget", "1e-4", "--device", dev, "-o", str(tmp_path / "d")]) == 2
+        assert msg in capsys.readouterr().err and not (tmp_path / "d").exists()
+    import torch
+    if not torch.cuda.is_available():
+        assert main(["--budget", "1e-4", "--device", "cuda", "-o", str(tmp_path / "d")]) == 2
+        assert "--device cuda: CUDA is not available" in capsys.readouterr().err
 
 
 @pytest.mark.slow

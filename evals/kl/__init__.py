@@ -152,6 +152,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_device(device: str) -> None:
+    """``--device`` as the runners take it: ``cpu``, ``cuda`` or ``cuda:I``, with CUDA
+    available and device I present.
+
+    Raises:
+        BadArgs: naming the value and what is expected.
+    """
+    if device == "cuda" or device.startswith("cuda:"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BadArgs(f"--device {device}: CUDA is not available")
+        idx = device[len("cuda:"):]
+        if device != "cuda" and (not idx.isdigit() or int(idx) >= torch.cuda.device_count()):
+            raise BadArgs(f"--device must be cpu, cuda or cuda:I with I < "
+                          f"{torch.cuda.device_count()}, got {device!r}")
+    elif device != "cpu":
+        raise BadArgs(f"--device must be cpu, cuda or cuda:I, got {device!r}")
+
+
 def check_output_dir(path, flag: str = "--output-dir") -> None:
     """Refuse an output directory that cannot hold a run, before anything loads: a path that
     exists and is not a writable directory, or one that cannot be created (a file or an
@@ -255,13 +275,7 @@ def _check_args(a) -> list:
         desc = "; ".join(" and ".join(repr(x) for x in v) + f" are both the policy {k!r}"
                          for k, v in dup.items())
         raise BadArgs(f"duplicate policies: {desc}; give each policy once")
-    if a.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise BadArgs(f"--device {a.device}: CUDA is not available")
-    elif a.device != "cpu":
-        raise BadArgs(f"--device must be cpu, cuda or cuda:I, got {a.device!r}")
+    check_device(a.device)
     if a.device_map and a.device.startswith("cuda:"):
         raise BadArgs(f"--device-map auto places the model on the rank's GPUs itself; give "
                       f"--device cuda, not {a.device}")

@@ -228,9 +228,14 @@ def ssm_structure(model: str) -> tuple[dict[int, int], dict[int, tuple[int, int]
     return ssm_layout(cfg)
 
 
-def token_documents(a) -> list[list[int]]:
+def token_documents(a, n_flag: str = "--max-tokens") -> list[list[int]]:
     """The token ids the KL run of ``a`` evaluates (the runner's own loading and tokenisation:
-    N + 1 ids per document)."""
+    N + 1 ids per document).
+
+    Raises:
+        BadArgs: the dataset holds no document of N + 1 tokens (the runner's message, with
+            this command's name for N, ``n_flag``).
+    """
     from .kl import _load_config, _load_docs, build_parser as kl_parser
     from .kl.documents import load_tokenization, make_documents
 
@@ -238,18 +243,23 @@ def token_documents(a) -> list[list[int]]:
     path, cfg, _ = _load_config(ka.model)
     vocab = cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size
     tokz = load_tokenization(path, vocab, ka.add_bos_token)
-    return [d["ids"] for d in make_documents(_load_docs(ka), tokz, ka.max_tokens + 1, ka.max_docs)]
+    docs = [d["ids"] for d in make_documents(_load_docs(ka), tokz, ka.max_tokens + 1, ka.max_docs)]
+    if not docs:
+        raise BadArgs(f"dataset {ka.dataset} has fewer than {ka.max_tokens} tokens in all; "
+                      f"lower {n_flag}")
+    return docs
 
 
-def measured_decays(a) -> dict[int, tuple[float, ...]]:
-    """Per-head mean decay on the run's own documents (:func:`measure_head_decay`)."""
+def measured_decays(a, n_flag: str = "--max-tokens") -> dict[int, tuple[float, ...]]:
+    """Per-head mean decay on the run's own documents (:func:`measure_head_decay`; BadArgs
+    from :func:`token_documents` where there are none)."""
     import torch
 
     from replayssm_quant.adapters import measure_head_decay
     from replayssm_quant.models import load_model
 
     model, _ = load_model(a.model, dtype=getattr(torch, a.dtype), device=a.device, tokenizer=False)
-    return measure_head_decay(model, token_documents(a), dt_limit=a.dt_limit)
+    return measure_head_decay(model, token_documents(a, n_flag), dt_limit=a.dt_limit)
 
 
 def decay_json(decays: dict[int, tuple[float, ...]], what: str) -> dict:

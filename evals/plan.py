@@ -280,10 +280,10 @@ def run_plan(a) -> dict:
     lo = N // 2
     heads, dims = ssm_structure(a.model)  # a missing model fails here, before OUT exists
     _check_eager(cands, heads, a.group_size)
+    decays = measured_decays(a, "--at-N")  # a dataset too short for N fails here, before OUT
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("plan-*.json"):  # plans of an earlier invocation are not this run's
         old.unlink()
-    decays = measured_decays(a)
     (out / "decay.json").write_text(json.dumps(decay_json(
         decays, f"per-head mean decay over the {a.max_docs} x {N}-token documents of this plan"), indent=1))
     units = units_for(heads, "head", a.group_size, decays if a.group_size > 1 else None)

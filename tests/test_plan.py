@@ -129,6 +129,13 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
                      ("meta", "--device must be cpu, cuda or cuda:I, got 'meta'")):
         assert main(["--budget", "1e-4", "--device", dev, "-o", str(tmp_path / "d")]) == 2
         assert msg in capsys.readouterr().err and not (tmp_path / "d").exists()
+    short = tmp_path / "short.txt"  # shorter than N: the runner's message, N as typed here
+    short.write_text("hello world\n")
+    assert main(["--budget", "1e-4", "--dataset", str(short), "--at-N", "64", "--no-progress",
+                 "-o", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "has fewer than 64 tokens in all; lower --at-N" in err, err
+    assert not (tmp_path / "s").exists()
     import torch
     if not torch.cuda.is_available():
         assert main(["--budget", "1e-4", "--device", "cuda", "-o", str(tmp_path / "d")]) == 2

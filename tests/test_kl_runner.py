@@ -403,3 +403,27 @@ def test_max_cells_ledger_counted_once(tmp_path, capsys):
     assert len(again["commands"]) == 3  # this rerun's own command, not the ledger's again
     assert again["timings"]["policies_s"] == man["timings"]["policies_s"]  # nothing twice
     capsys.readouterr()
+
+
+def test_summary_clips_the_kl_interval_at_zero():
+    """``summary.csv``'s normal interval over positions: KL >= 0, so a lower bound below 0 (few,
+    spread positions) is clipped; the mean, the upper bound and NaN (one position) are not
+    touched. Checked against the interval computed here from the rows."""
+    import math
+
+    import numpy as np
+
+    from replayssm_quant.evals.kl.metrics import summarize
+
+    kl = np.array([1e-6, 1e-2, 2e-6, 5e-6, 3e-2])  # bucket 2 (positions 3-6): wide interval
+    df = pd.DataFrame({"position": [3, 4, 5, 6, 0], "kl": kl, "policy": "p", "window": 16,
+                       "top1_agree": True, "nonfinite": False, "nonfinite_ref": False,
+                       "nonfinite_policy": False})
+    s = summarize(df).set_index("bucket")
+    v = kl[:4]
+    half = 1.96 * v.std(ddof=1) / math.sqrt(4)
+    assert v.mean() - half < 0  # the unclipped bound
+    assert s.loc[2, "kl_ci_lo"] == 0.0
+    assert s.loc[2, "kl_mean"] == pytest.approx(v.mean(), rel=1e-12)
+    assert s.loc[2, "kl_ci_hi"] == pytest.approx(v.mean() + half, rel=1e-12)
+    assert math.isnan(s.loc[0, "kl_ci_lo"])  # one position: no interval

@@ -196,7 +196,8 @@ def _stats(values: np.ndarray) -> dict:
 def summarize(df, stepwise=None):
     """Per (policy, window, log2 position bucket) summary; ``bucket = floor(log2(position+1))``.
 
-    Columns: ``n`` rows, KL mean with a normal 95% interval over positions, median, p90, p99,
+    Columns: ``n`` rows, KL mean with a normal 95% interval over positions (its lower bound
+    clipped at 0, since KL >= 0; as the report clips its own), median, p90, p99,
     p99.9, max (finite rows only), ``top1_agree`` (non-finite rows count as disagreement),
     ``nonfinite`` (either side), ``nonfinite_ref``, ``nonfinite_policy``. With ``stepwise``
     (the ``--stepwise-check`` table) also ``path_n``, ``path_kl_mean``, ``path_kl_max``
@@ -221,6 +222,8 @@ def summarize(df, stepwise=None):
     rows = []
     for (pol, win, b), g in d.groupby(["policy", "window", "bucket"], sort=True):
         st = _stats(g.loc[~g["nonfinite"], "kl"].to_numpy(np.float64))
+        if st["ci_lo"] < 0:  # KL >= 0: the interval's lower bound is clipped (NaN stays NaN)
+            st["ci_lo"] = 0.0
         row = {"policy": pol, "window": int(win), "bucket": int(b),
                "pos_lo": int(2 ** b - 1), "pos_hi": int(2 ** (b + 1) - 2), "n": int(len(g)),
                **{f"kl_{k}": v for k, v in st.items()},

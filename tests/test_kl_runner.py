@@ -97,11 +97,15 @@ def test_document_order_does_not_change_numbers(model_dir, data_file, tmp_path, 
     assert "the SR stream version: None there" in capsys.readouterr().err
 
 
-def test_fp32_policy_gives_zero_kl(model_dir, data_file, tmp_path):
+def test_fp32_policy_gives_zero_kl(model_dir, data_file, tmp_path, capsys):
     out = tmp_path / "ref"
     args = _args(model_dir, data_file, out)
     args[args.index("shared:nvfp4+sr")] = "fp32"
+    args = [a for a in args if a != "--no-progress"]
     assert main(args) == 0
+    # stderr is not a terminal here: no progress bars, even without --no-progress
+    err = capsys.readouterr().err
+    assert "documents:" not in err and "cells:" not in err, err
     pos = pd.read_parquet(out / "positions.parquet")
     assert pos.loc[pos.policy == "fp32", "kl"].abs().max() < 1e-6
 

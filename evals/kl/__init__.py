@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (cells per rank) and the memory plan per rank, then exit; "
                    "exit 2 if a rank's plan does not fit its devices")
-    p.add_argument("--no-progress", action="store_true", help="disable progress bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="disable progress bars (they are off anyway where stderr is not a "
+                        "terminal)")
     return p
 
 

@@ -415,7 +415,9 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
     rank = group.rank if group is not None else 0
     world = group.world_size if group is not None else 1
     device = device or a.device
-    quiet = a.no_progress or rank != 0
+    # no bars with --no-progress, off rank 0, or where stderr is not a terminal (tqdm's
+    # disable=None: a log file gets no redrawn bars)
+    quiet = True if a.no_progress or rank != 0 else None
     if rank == 0:
         write_identity(a, cfg)
     (out / "parts").mkdir(parents=True, exist_ok=True)

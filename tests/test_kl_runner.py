@@ -431,3 +431,29 @@ def test_summary_clips_the_kl_interval_at_zero():
     assert s.loc[2, "kl_mean"] == pytest.approx(v.mean(), rel=1e-12)
     assert s.loc[2, "kl_ci_hi"] == pytest.approx(v.mean() + half, rel=1e-12)
     assert math.isnan(s.loc[0, "kl_ci_lo"])  # one position: no interval
+
+
+def test_unreachable_hub_id_hints_at_offline_mode(monkeypatch, tmp_path):
+    """A hub id whose config cannot be loaded: the message names it and, unless
+    HF_HUB_OFFLINE=1 is already set, says that setting it fails at once (the hub client
+    otherwise retries for about 26 s offline; found by a new-user trial). A local path or an
+    embedded name gets no such hint."""
+    import transformers
+
+    from replayssm_quant.evals import kl
+
+    def refuse(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(kl.BadArgs, match=r"cannot load model config 'org/model': We couldn't "
+                                         r"connect.*HF_HUB_OFFLINE=1 makes this fail at once"):
+        kl._load_config("org/model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(kl.BadArgs) as e:
+        kl._load_config("org/model")
+    assert "HF_HUB_OFFLINE" not in str(e.value)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(kl.BadArgs) as e:
+        kl._load_config(str(tmp_path))
+    assert "HF_HUB_OFFLINE" not in str(e.value)

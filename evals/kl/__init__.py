@@ -315,7 +315,11 @@ def _load_config(model: str):
         path = resolve_model_path(model)
         cfg = AutoConfig.from_pretrained(path, local_files_only=is_embedded(model) or os.path.isdir(path))
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
-        raise BadArgs(f"cannot load model config {model!r}: {e}") from None
+        hint = ("" if is_embedded(model) or os.path.exists(model) or
+                os.environ.get("HF_HUB_OFFLINE") == "1" else
+                " (a hub id; on a machine without the hub, HF_HUB_OFFLINE=1 makes this fail at "
+                "once instead of after the hub client's retries)")
+        raise BadArgs(f"cannot load model config {model!r}: {e}{hint}") from None
     mt = getattr(cfg, "model_type", "")
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     arch = getattr(text, "model_type", mt)

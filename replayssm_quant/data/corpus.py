@@ -266,7 +266,8 @@ def load_pg19(split: str | None = "test", max_docs: int | None = None, **load_kw
         raise RuntimeError(
             f"could not load {PG19_HUB_ID!r} split {split!r} through datasets ({type(e).__name__}: {e}). "
             "Offline, download a PG-19 parquet/JSONL shard and pass its path instead "
-            "(load_corpus(path), or replayssm-kl --dataset PATH)."
+            "(load_corpus(path), or replayssm-kl --dataset PATH); HF_HUB_OFFLINE=1 makes this "
+            "fail at once instead of after the hub client's retries."
         ) from e
     docs = []
     for i, rec in enumerate(ds):

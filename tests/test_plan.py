@@ -179,7 +179,7 @@ def _fake_plan_cells(monkeypatch, seen=None):
                               "nonfinite": False, "top1_agree": True}
                              for p in policies for i in range(a.max_tokens)])
 
-    def decays(a):
+    def decays(a, n_flag="--max-tokens"):
         if seen is not None:
             seen.append(hf_logging.is_progress_bar_enabled())
         return {i: (0.5,) * h for i, h in pl.ssm_structure(a.model)[0].items()}

@@ -31,6 +31,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cuda_ext  # noqa: E402
 import decode as dc  # noqa: E402
 import flush_tma  # noqa: E402
 import flush_tune as ft  # noqa: E402
@@ -45,17 +46,10 @@ TOL = 1e-5
 
 def ext():
     """The CUDA stand-in, built once per process for the device's architecture."""
-    from torch.utils.cpp_extension import load_inline
-    cap = torch.cuda.get_device_capability()
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{cap[0]}.{cap[1]}")
-    src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda",
-                            "fold_standin.cu")).read()
     decl = ("void fold(torch::Tensor C, torch::Tensor Snew, torch::Tensor U, torch::Tensor la, "
             "torch::Tensor rk, torch::Tensor q, torch::Tensor y, int64_t G, int64_t nw, "
             "int64_t ch, bool cs);\n")
-    return load_inline("replayssm_fold_standin", cpp_sources=decl, cuda_sources=src,
-                       functions=["fold"], extra_cuda_cflags=["-O3", "-std=c++17", "-Xptxas=-v"],
-                       verbose=True)
+    return _cuda_ext.build("replayssm_fold_standin", "fold_standin.cu", decl, ["fold"])
 
 
 def reference(st, n):

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cuda_ext  # noqa: E402
 import decode as dc  # noqa: E402
 from _commit import code_commit  # noqa: E402
 
@@ -389,16 +390,10 @@ _CUDA = None
 
 
 def cuda_ext():
-    """The CUDA C++ stand-ins (``benchmarks/cuda/step_standin.cu``), built once per process by
-    ``torch.utils.cpp_extension.load_inline`` for the device's architecture (nvcc and ninja
-    needed; device only; forty-first pass, docs/kernels-replay.md)."""
+    """The CUDA C++ stand-ins (``benchmarks/cuda/step_standin.cu``), built once per process
+    (``_cuda_ext.build``; device only; forty-first pass, docs/kernels-replay.md)."""
     global _CUDA
     if _CUDA is None:
-        from torch.utils.cpp_extension import load_inline
-        cap = torch.cuda.get_device_capability()
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{cap[0]}.{cap[1]}")
-        src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda",
-                                "step_standin.cu")).read()
         decl = ("void bare(torch::Tensor S, torch::Tensor q, torch::Tensor o, int64_t G, "
                 "int64_t nw, bool cs);\n"
                 "void read2(torch::Tensor S, torch::Tensor kn, torch::Tensor q, torch::Tensor y, "
@@ -407,10 +402,8 @@ def cuda_ext():
                 "torch::Tensor kn, torch::Tensor q, torch::Tensor vn, torch::Tensor bn, "
                 "torch::Tensor lan, torch::Tensor Z, torch::Tensor h, torch::Tensor o, int64_t G, "
                 "int64_t CAP, int64_t nw, bool zin, bool cs, bool cf);\n")
-        _CUDA = load_inline("replayssm_step_standin", cpp_sources=decl, cuda_sources=src,
-                            functions=["bare", "read2", "epi"],
-                            extra_cuda_cflags=["-O3", "-std=c++17", "-Xptxas=-v"],
-                            verbose=True)
+        _CUDA = _cuda_ext.build("replayssm_step_standin", "step_standin.cu", decl,
+                                ["bare", "read2", "epi"])
     return _CUDA
 
 

@@ -273,3 +273,20 @@ def test_flush_cuda_and_step_variants_refuse(tmp_path):
                        text=True, timeout=120)
     assert p.returncode != 0 and "run it on the device" in p.stderr
     assert not (tmp_path / "f.json").exists()
+
+
+def test_cuda_stand_in_sources_inline_their_shared_header():
+    """``benchmarks/_cuda_ext.source``: each CUDA stand-in gets ``warp.cuh``'s text in place of
+    its include (so the extension's build hash follows the header), and nothing of it twice."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _cuda_ext
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    header = (ROOT / "benchmarks" / "cuda" / "warp.cuh").read_text()
+    for name in ("step_standin.cu", "fold_standin.cu"):
+        raw = (ROOT / "benchmarks" / "cuda" / name).read_text()
+        assert raw.count('#include "warp.cuh"') == 1
+        src = _cuda_ext.source(name)
+        assert '#include "warp.cuh"' not in src and src.count(header) == 1
+        assert src.count("void rs(float* v, int lane)") == 1

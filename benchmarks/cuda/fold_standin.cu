@@ -17,45 +17,13 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime.h>
 
+#include "warp.cuh"
+
 namespace {
 
 constexpr int V = 128;
 constexpr int K = 128;
 constexpr int CAP = 16;
-constexpr unsigned FULL = 0xffffffffu;
-
-template <int N, int OFF>
-__device__ __forceinline__ void rs(float* v, int lane) {
-  if constexpr (OFF > 0) {
-    if constexpr (N >= 2) {
-      const bool up = (lane & OFF) != 0;
-#pragma unroll
-      for (int i = 0; i < N / 2; ++i) {
-        const float lo = v[i], hi = v[i + N / 2];
-        const float send = up ? lo : hi;
-        const float keep = up ? hi : lo;
-        v[i] = keep + __shfl_xor_sync(FULL, send, OFF);
-      }
-      rs<N / 2, OFF / 2>(v, lane);
-    } else {
-      v[0] += __shfl_xor_sync(FULL, v[0], OFF);
-      rs<1, OFF / 2>(v, lane);
-    }
-  }
-}
-
-__device__ __forceinline__ float dot4(float4 a, float4 b) {
-  return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
-}
-
-template <bool CS>
-__device__ __forceinline__ float4 ld_c(const float4* p) {
-  if constexpr (CS) {
-    return __ldcs(p);
-  } else {
-    return __ldg(p);
-  }
-}
 
 template <bool CS>
 __device__ __forceinline__ void st_s(float4* p, float4 v) {

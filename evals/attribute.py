@@ -157,6 +157,13 @@ def check_run_arguments(a, n_flag: str = "--max-tokens", n_least: int = 1) -> No
     check_output_dir(a.output_dir)
 
 
+def splits_layers(heads: dict[int, int], group_size: int) -> bool:
+    """Whether head groups of ``group_size`` leave some layer (``heads``: layer -> head count)
+    in more than one unit: then an ``eager:`` unit would sit beside windowed heads of its layer,
+    which one flush schedule per layer forbids (docs/planner.md)."""
+    return any(group_size < h for h in heads.values())
+
+
 def kl_argv(a, policies, out: Path) -> list[str]:
     """The ``replayssm-kl`` command line of a run of ``policies`` (strings) into ``out``: one
     window, one seed, no stepwise check (the runner measures it separately when asked)."""
@@ -294,7 +301,7 @@ def attribute(a, out: Path) -> dict:
 
     policy = StatePolicy.parse(a.policy)
     heads, _ = ssm_structure(a.model)
-    if policy.is_eager and a.by == "head" and any(a.group_size < h for h in heads.values()):
+    if policy.is_eager and a.by == "head" and splits_layers(heads, a.group_size):
         most = max(heads.values())
         raise BadArgs(
             f"--policy {policy} with --by head: eager: policies round the state after every "

@@ -52,7 +52,8 @@ from replayssm_quant.policy import StatePolicy
 from replayssm_quant.policymap import PolicyMap
 
 from .attribute import (_fmt_se, _runs, _span, add_run_arguments, cell_stats, check_run_arguments,
-                        decay_json, measured_decays, run_cells, ssm_structure, units_for)
+                        decay_json, measured_decays, run_cells, splits_layers, ssm_structure,
+                        units_for)
 from .kl import EXIT_BAD_ARGS, BadArgs
 
 __all__ = ["DEFAULT_CANDIDATES", "DEFAULT_UNIFORM", "policy_bytes", "solve_plan", "plan_map",
@@ -259,7 +260,7 @@ def _check_eager(cands, heads: dict[int, int], group_size: int) -> None:
         BadArgs: naming the eager candidates and what to do instead.
     """
     eager = [str(c) for c in cands if c.is_eager]
-    if eager and any(group_size < h for h in heads.values()):
+    if eager and splits_layers(heads, group_size):
         most = max(heads.values())
         raise BadArgs(
             f"--candidates {' '.join(eager)}: eager: policies round the state after every token "

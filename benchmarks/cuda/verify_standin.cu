@@ -1,0 +1,327 @@
+// GDN verify (T <= 8 drafts, FP32 read copy that is the anchor: the `fp32` policy's decode
+// state) as one CUDA C++ kernel, for benchmarks/verify_cuda.py (issue 15, forty-second pass).
+// The formula is replay/gdn.py's gdn_verify with fold=CACHED and anchor == read:
+//
+//   c_j   = sum_{i<=j} la_i                       (records masked to n = start + T slots)
+//   u_p   = beta_p (v_p - e^{c_p} R k_p) - sum_{j<p} beta_p e^{c_p - c_j} (k_j . k_p) u_j
+//           for the draft slots p = start .. n-1 (slots j < start: the cached corrections)
+//   o_t   = e^{c_p} R q_t + sum_{j<=p} e^{c_p - c_j} (k_j . q_t) u_j,    p = start + t
+//
+// One CTA per (sequence b, value head h), 4 warps. The products with the state, Y = R X with
+// X [K, 16] = [the 8 drafts' keys | the 8 queries] (zero columns past T), run on the tensor
+// cores (mma.sync m16n8k8, 3xTF32: a_lo b_hi + a_hi b_lo + a_hi b_hi, FP32 accumulation),
+// with R's rows loaded straight from global memory into the A fragments: a lane reads 16
+// contiguous bytes of a row and uses them as the (t, t + 4) columns of two k-steps, and X's
+// fragments in shared memory follow the same permutation of K, so no shared-memory staging
+// of R is needed. Each warp streams 32 rows (two m-tiles). The products of the 16 ring keys
+// with X (the Gram terms k_j . k_p and k_j . q_t) are one more m-tile, on warps 0 and 1 (one
+// n-tile each). Then one thread per value row solves the drafts' corrections and forms the
+// outputs from the row's 16 products and the per-CTA coefficient tables.
+//
+// The order of every sum is fixed by the CTA's code alone: a sequence's bits do not depend on
+// the batch, its position or its neighbours.
+#ifndef VERIFY_STANDIN_DEVICE_ONLY  // (nvcc -DVERIFY_STANDIN_DEVICE_ONLY: the kernels alone)
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#endif
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int V = 128;
+constexpr int K = 128;
+constexpr int JMAX = 16;  // ring slots (window L)
+constexpr int TMAX = 8;   // drafts
+constexpr int NX = 16;    // X columns: TMAX keys, TMAX queries
+constexpr int XS = K + 16;  // X row stride in shared memory (floats): conflict-free float4
+constexpr int YS = NX + 1;  // Y row stride
+
+__device__ __forceinline__ uint32_t tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 3xTF32 of one k-step: d += A B with A = (x0, x1) of row g and (y0, y1) of row g + 8 as the
+// (t, t + 4) columns, B = (b0, b1) hi and lo parts.
+__device__ __forceinline__ void mma3(float (&d)[4], float x0, float x1, float y0, float y1,
+                                     uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
+  const uint32_t ah0 = tf32(x0), ah1 = tf32(y0), ah2 = tf32(x1), ah3 = tf32(y1);
+  const uint32_t al0 = tf32(x0 - __uint_as_float(ah0)), al1 = tf32(y0 - __uint_as_float(ah1)),
+                 al2 = tf32(x1 - __uint_as_float(ah2)), al3 = tf32(y1 - __uint_as_float(ah3));
+  mma(d, al0, al1, al2, al3, bh0, bh1);
+  mma(d, ah0, ah1, ah2, ah3, bl0, bl1);
+  mma(d, ah0, ah1, ah2, ah3, bh0, bh1);
+}
+
+// One 16-column chunk s of K (two k-steps) for one m-tile whose rows g and g + 8 the lane holds
+// as float4 ra, rb; NT n-tiles from N0 (X rows N0 * 8 + g in shared memory).
+template <int NT, int N0>
+__device__ __forceinline__ void chunk(float (&d)[NT][4], float4 ra, float4 rb,
+                                      const float* xh, const float* xl, int s, int g, int t) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int off = ((N0 + n) * 8 + g) * XS + 16 * s + 4 * t;
+    const float4 bh = *reinterpret_cast<const float4*>(xh + off);
+    const float4 bl = *reinterpret_cast<const float4*>(xl + off);
+    mma3(d[n], ra.x, ra.y, rb.x, rb.y, __float_as_uint(bh.x), __float_as_uint(bh.y),
+         __float_as_uint(bl.x), __float_as_uint(bl.y));
+    mma3(d[n], ra.z, ra.w, rb.z, rb.w, __float_as_uint(bh.z), __float_as_uint(bh.w),
+         __float_as_uint(bl.z), __float_as_uint(bl.w));
+  }
+}
+
+template <bool CS>
+__device__ __forceinline__ float4 ldr(const float* p) {
+  if constexpr (CS) {
+    return __ldcs(reinterpret_cast<const float4*>(p));
+  } else {
+    return __ldg(reinterpret_cast<const float4*>(p));
+  }
+}
+
+struct Smem {
+  float xh[NX * XS];
+  float xl[NX * XS];
+  float y[V * YS];
+  float z[JMAX * YS];        // ring keys . X
+  float c[JMAX];             // cumulative log decays (masked)
+  float beta[JMAX];
+  float ac[TMAX][JMAX];      // draft i x committed slot j: beta e^{c_p - c_j} k_j . k_p
+  float ad[TMAX][TMAX];      // draft i x earlier draft i'
+  float bc[TMAX][JMAX];      // query t x committed slot j: e^{c_p - c_j} k_j . q_t
+  float bd[TMAX][TMAX];      // query t x draft i <= t
+  float gk[TMAX], gq[TMAX], bp[TMAX];
+};
+
+// PF: chunks of R loaded ahead of the one in the tensor cores (1 or 2). CS: streaming hint.
+template <int PF, bool CS>
+__global__ void __launch_bounds__(128) verify_kernel(
+    const float* __restrict__ R, const float* __restrict__ la, const float* __restrict__ beta,
+    const float* __restrict__ v, const float* __restrict__ kr, const float* __restrict__ q,
+    const float* __restrict__ uk, const int64_t* __restrict__ startp, float* __restrict__ o,
+    float* __restrict__ uout, int H, int G, int J, int T) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  const int mat = blockIdx.x, b = mat / H, h = mat - b * H, grp = h / (H / G);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int start = (int)startp[b];
+  const int n = start + T;
+
+  // R's first chunks, before anything else: the stream is the long pole
+  const float* rw = R + ((size_t)mat * V + warp * 32) * K + 4 * t;
+  float4 buf[PF + 1][4];
+#pragma unroll
+  for (int s = 0; s < PF; ++s) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      buf[s][2 * m] = ldr<CS>(rw + (16 * m + g) * K + 16 * s);
+      buf[s][2 * m + 1] = ldr<CS>(rw + (16 * m + g + 8) * K + 16 * s);
+    }
+  }
+
+  // X: column c < 8 the key of ring slot start + c, 8 + c the query of draft c; zero past T.
+  // 16 x 128 floats = 512 float4, 4 per thread, split into TF32 hi / lo parts.
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int f = tid + 128 * r, col = f >> 5, k4 = (f & 31) * 4;
+    const int d = col & 7;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (d < T) {
+      const float* src = col < 8 ? kr + (((size_t)b * J + start + d) * G + grp) * K
+                                 : q + (((size_t)b * T + d) * G + grp) * K;
+      x = *reinterpret_cast<const float4*>(src + k4);
+    }
+    float4 hi, lo;
+    hi.x = __uint_as_float(tf32(x.x)); lo.x = __uint_as_float(tf32(x.x - hi.x));
+    hi.y = __uint_as_float(tf32(x.y)); lo.y = __uint_as_float(tf32(x.y - hi.y));
+    hi.z = __uint_as_float(tf32(x.z)); lo.z = __uint_as_float(tf32(x.z - hi.z));
+    hi.w = __uint_as_float(tf32(x.w)); lo.w = __uint_as_float(tf32(x.w - hi.w));
+    *reinterpret_cast<float4*>(sm.xh + col * XS + k4) = hi;
+    *reinterpret_cast<float4*>(sm.xl + col * XS + k4) = lo;
+  }
+  if (tid < JMAX) {
+    const bool live = tid < n && tid < J;
+    sm.c[tid] = live ? la[((size_t)b * J + tid) * H + h] : 0.f;
+    sm.beta[tid] = live ? beta[((size_t)b * J + tid) * H + h] : 0.f;
+  }
+  __syncthreads();
+  if (tid == 0) {  // the masked cumulative sum, in slot order
+    float a = 0.f;
+#pragma unroll
+    for (int j = 0; j < JMAX; ++j) {
+      a += sm.c[j];
+      sm.c[j] = a;
+    }
+  }
+
+  // the ring keys' products with X: warps 0 and 1, one n-tile each (slots past J: zero rows)
+  if (warp < 2) {
+    float dz[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    const float* kw = kr + ((size_t)b * J * G + grp) * K + 4 * t;
+    const bool ra_ok = g < J, rb_ok = g + 8 < J;
+#pragma unroll 2
+    for (int s = 0; s < K / 16; ++s) {
+      const float4 ra = ra_ok ? __ldg(reinterpret_cast<const float4*>(kw + (size_t)g * G * K + 16 * s))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4 rb = rb_ok ? __ldg(reinterpret_cast<const float4*>(kw + (size_t)(g + 8) * G * K + 16 * s))
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
+      if (warp == 0) {
+        chunk<1, 0>(dz, ra, rb, sm.xh, sm.xl, s, g, t);
+      } else {
+        chunk<1, 1>(dz, ra, rb, sm.xh, sm.xl, s, g, t);
+      }
+    }
+    const int c0 = warp * 8 + 2 * t;
+    sm.z[g * YS + c0] = dz[0][0];
+    sm.z[g * YS + c0 + 1] = dz[0][1];
+    sm.z[(g + 8) * YS + c0] = dz[0][2];
+    sm.z[(g + 8) * YS + c0 + 1] = dz[0][3];
+  }
+
+  // the stream: Y = R X over this warp's 32 rows
+  float d[2][2][4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) d[m][nn][e] = 0.f;
+#pragma unroll
+  for (int s = 0; s < K / 16; ++s) {
+    if (s + PF < K / 16) {
+      const int sl = (s + PF) % (PF + 1);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        buf[sl][2 * m] = ldr<CS>(rw + (16 * m + g) * K + 16 * (s + PF));
+        buf[sl][2 * m + 1] = ldr<CS>(rw + (16 * m + g + 8) * K + 16 * (s + PF));
+      }
+    }
+    const int cur = s % (PF + 1);
+    chunk<2, 0>(d[0], buf[cur][0], buf[cur][1], sm.xh, sm.xl, s, g, t);
+    chunk<2, 0>(d[1], buf[cur][2], buf[cur][3], sm.xh, sm.xl, s, g, t);
+  }
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const int r0 = warp * 32 + 16 * m + g;
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn) {
+      const int c0 = nn * 8 + 2 * t;
+      sm.y[r0 * YS + c0] = d[m][nn][0];
+      sm.y[r0 * YS + c0 + 1] = d[m][nn][1];
+      sm.y[(r0 + 8) * YS + c0] = d[m][nn][2];
+      sm.y[(r0 + 8) * YS + c0 + 1] = d[m][nn][3];
+    }
+  }
+  __syncthreads();
+
+  // coefficient tables (zero outside their ranges): 384 entries + 24 scalars over 128 threads
+  for (int e = tid; e < 2 * TMAX * JMAX + 2 * TMAX * TMAX; e += 128) {
+    float val = 0.f;
+    if (e < TMAX * JMAX) {  // ac[i][j], committed j < start
+      const int i = e / JMAX, j = e % JMAX, p = start + i;
+      if (i < T && j < start) val = sm.beta[p] * __expf(sm.c[p] - sm.c[j]) * sm.z[j * YS + i];
+      (&sm.ac[0][0])[e] = val;
+    } else if (e < 2 * TMAX * JMAX) {  // bc[t][j]
+      const int e2 = e - TMAX * JMAX, tt = e2 / JMAX, j = e2 % JMAX, p = start + tt;
+      if (tt < T && j < start) val = __expf(sm.c[p] - sm.c[j]) * sm.z[j * YS + 8 + tt];
+      (&sm.bc[0][0])[e2] = val;
+    } else if (e < 2 * TMAX * JMAX + TMAX * TMAX) {  // ad[i][i'], i' < i
+      const int e2 = e - 2 * TMAX * JMAX, i = e2 / TMAX, i2 = e2 % TMAX;
+      const int p = start + i, p2 = start + i2;
+      if (i < T && i2 < i)
+        val = sm.beta[p] * __expf(sm.c[p] - sm.c[p2]) * sm.z[p2 * YS + i];
+      (&sm.ad[0][0])[e2] = val;
+    } else {  // bd[t][i], i <= t
+      const int e2 = e - 2 * TMAX * JMAX - TMAX * TMAX, tt = e2 / TMAX, i = e2 % TMAX;
+      const int p = start + tt, p2 = start + i;
+      if (tt < T && i <= tt) val = __expf(sm.c[p] - sm.c[p2]) * sm.z[p2 * YS + 8 + tt];
+      (&sm.bd[0][0])[e2] = val;
+    }
+  }
+  if (tid < TMAX) {
+    const int p = start + tid;
+    const bool live = tid < T;
+    sm.gk[tid] = live ? __expf(sm.c[p]) : 0.f;
+    sm.gq[tid] = live ? __expf(sm.c[p]) : 0.f;
+    sm.bp[tid] = live ? sm.beta[p] : 0.f;
+  }
+  __syncthreads();
+
+  // one value row per thread: the drafts' corrections, then the outputs
+  const int row = tid;
+  const size_t HV = (size_t)H * V;
+  const float* ukr = uk + (size_t)b * J * HV + (size_t)h * V + row;
+  float uc[JMAX];
+#pragma unroll
+  for (int j = 0; j < JMAX; ++j) uc[j] = (j < start && j < J) ? ukr[j * HV] : 0.f;
+  const float* yr = sm.y + row * YS;
+  const float* vr = v + (size_t)b * J * HV + (size_t)h * V + row;
+  float ud[TMAX];
+#pragma unroll
+  for (int i = 0; i < TMAX; ++i) {
+    float acc = 0.f;
+    if (i < T) acc = sm.bp[i] * (vr[(start + i) * HV] - sm.gk[i] * yr[i]);
+#pragma unroll
+    for (int j = 0; j < JMAX; ++j) acc = fmaf(-sm.ac[i][j], uc[j], acc);
+#pragma unroll
+    for (int i2 = 0; i2 < i; ++i2) acc = fmaf(-sm.ad[i][i2], ud[i2], acc);
+    ud[i] = acc;
+  }
+  float* orow = o + (size_t)b * T * HV + (size_t)h * V + row;
+#pragma unroll
+  for (int tt = 0; tt < TMAX; ++tt) {
+    float acc = sm.gq[tt] * yr[8 + tt];
+#pragma unroll
+    for (int j = 0; j < JMAX; ++j) acc = fmaf(sm.bc[tt][j], uc[j], acc);
+#pragma unroll
+    for (int i = 0; i <= tt; ++i) acc = fmaf(sm.bd[tt][i], ud[i], acc);
+    if (tt < T) orow[tt * HV] = acc;
+  }
+  float* urow = uout + (size_t)b * J * HV + (size_t)h * V + row;
+#pragma unroll
+  for (int j = 0; j < JMAX; ++j)
+    if (j < J && (j < start || j >= n)) urow[j * HV] = uc[j];  // known rows; zeros past n
+#pragma unroll
+  for (int i = 0; i < TMAX; ++i)
+    if (i < T) urow[(start + i) * HV] = ud[i];
+}
+
+}  // namespace
+
+#ifndef VERIFY_STANDIN_DEVICE_ONLY
+// Checks are the caller's (benchmarks/verify_cuda.py): shapes, dtypes, contiguity, T <= 8,
+// J <= 16, start + T <= J.
+void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v,
+            torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start,
+            torch::Tensor o, torch::Tensor uout, int64_t pf, bool cs) {
+  const int B = (int)R.size(0), H = (int)R.size(1), J = (int)la.size(1), G = (int)k.size(2);
+  const int T = (int)q.size(1);
+  const dim3 grid(B * H);
+  const size_t shm = sizeof(Smem);
+  auto st = at::cuda::getCurrentCUDAStream();
+#define L(P, C)                                                                              \
+  {                                                                                          \
+    auto fn = verify_kernel<P, C>;                                                           \
+    cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);         \
+    fn<<<grid, 128, shm, st>>>(R.data_ptr<float>(), la.data_ptr<float>(),                   \
+                               beta.data_ptr<float>(), v.data_ptr<float>(),                 \
+                               k.data_ptr<float>(), q.data_ptr<float>(), uk.data_ptr<float>(), \
+                               start.data_ptr<int64_t>(), o.data_ptr<float>(),              \
+                               uout.data_ptr<float>(), H, G, J, T);                         \
+  }
+  if (pf == 1) { if (cs) L(1, true) else L(1, false) }
+  else { if (cs) L(2, true) else L(2, false) }
+#undef L
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+#endif

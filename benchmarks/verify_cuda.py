@@ -1,0 +1,206 @@
+"""GDN verify of T = 8 drafts as one CUDA C++ kernel with the products on the tensor cores
+(``benchmarks/cuda/verify_standin.cu``; issue 15, forty-second pass), against the shipped
+Triton verify and the shipped step.
+
+The verify target is <= 1.3x a standard non-flush step; the shipped kernel reaches 2.38x on
+the H200 (``decode_h200.json`` at 5037ba1). Its time is not DRAM time: one program per
+(sequence, value head, row block) at 12 % occupancy and 255 registers runs the key
+products, the coefficients, the solve and the epilogue in series with the stream of R.
+The CUDA kernel loads R's rows straight into ``mma.sync`` fragments (3xTF32, FP32
+accumulation: the shipped kernel's ``tf32x3`` class of accuracy), forms the ring keys'
+products as one more m-tile, and solves one value row per thread, at 80 registers (6 CTAs
+per SM), so that one CTA's chain runs beside other CTAs' streams. It covers the ``fp32``
+policy's verify (read copy = anchor, FP32, cached corrections folded: what the decode
+state runs), DK = DV = 128, T <= 8, J <= 16. Nothing shipped uses it.
+
+On ``decode.py``'s GDN geometry at B = 256 (4 rotated FP32 sets, CUDA-graph medians,
+``decode.timer``): for each start h = 0..L-T the shipped ``gdn_verify_kernel`` and each CUDA
+variant (``pf``: chunks of R loaded ahead, ``cs``: streaming hint); the shipped step at
+h = 0..L-2 (its mean is the target's denominator); a bare read of the state
+(``decode.read_pass``). Checks at every h: outputs and corrections of every variant
+against a float64 ``gdn_verify`` of the first ``--ref-seqs`` sequences (``1e-5 + 1e-5 |ref|``,
+as ``decode.py``), against the shipped kernel on all sequences (max abs difference), and
+batch invariance (the first 8 sequences alone, and the batch reversed, give the same bits).
+
+Usage (device; nvcc and ninja, as the lent image has)::
+
+    python3 benchmarks/verify_cuda.py --out $OUT/verify_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cuda_ext  # noqa: E402
+import decode as dc  # noqa: E402
+import replay_kernels as rk  # noqa: E402
+from _commit import code_commit  # noqa: E402
+
+from replayssm_quant.config import GDNFold  # noqa: E402
+from replayssm_quant.policy import StatePolicy  # noqa: E402
+from replayssm_quant.replay import gdn_verify  # noqa: E402
+
+VARIANTS = [(pf, cs) for pf in (1, 2) for cs in (False, True)]
+T_MAX, J_MAX, DIM = 8, 16, 128
+
+
+def ext():
+    """The CUDA kernel, built once per process for the device's architecture."""
+    decl = ("void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v, "
+            "torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start, "
+            "torch::Tensor o, torch::Tensor uout, int64_t pf, bool cs);\n")
+    return _cuda_ext.build("replayssm_verify_standin", "verify_standin.cu", decl, ["verify"])
+
+
+def check_args(R, la, beta, v, k, q, uk, start, pf):
+    """The kernel's preconditions, checked here (a failed check in nvcc-compiled host code
+    took the process down in the forty-first pass). Raises ValueError naming the input."""
+    if not isinstance(R, torch.Tensor) or R.dim() != 4 or tuple(R.shape[2:]) != (DIM, DIM):
+        raise ValueError(f"R must be [B, H, {DIM}, {DIM}], got "
+                         f"{tuple(R.shape) if isinstance(R, torch.Tensor) else type(R)}")
+    B, H = R.shape[:2]
+    J = la.shape[1] if la.dim() == 3 else -1
+    T = q.shape[1] if q.dim() == 4 else -1
+    G = k.shape[2] if k.dim() == 4 else -1
+    want = {"la": (B, J, H), "beta": (B, J, H), "v": (B, J, H, DIM), "k": (B, J, G, DIM),
+            "q": (B, T, G, DIM), "uk": (B, J, H, DIM)}
+    for name, t in (("la", la), ("beta", beta), ("v", v), ("k", k), ("q", q), ("uk", uk),
+                    ("R", R)):
+        if name != "R" and tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} must be {want[name]}, got {tuple(t.shape)}")
+        if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cuda:
+            raise ValueError(f"{name} must be a contiguous float32 CUDA tensor, got "
+                             f"{t.dtype}, contiguous={t.is_contiguous()}, {t.device}")
+    if G < 1 or H % G:
+        raise ValueError(f"key heads G={G} must divide value heads H={H}")
+    if not 1 <= T <= T_MAX:
+        raise ValueError(f"T must be in 1..{T_MAX}, got {T}")
+    if not 1 <= J <= J_MAX:
+        raise ValueError(f"J (ring slots) must be in 1..{J_MAX}, got {J}")
+    if start.dtype != torch.int64 or tuple(start.shape) != (B,) or not start.is_cuda:
+        raise ValueError(f"start must be int64 [{B}] on CUDA, got {start.dtype} "
+                         f"{tuple(start.shape)}")
+    if bool(((start < 0) | (start + T > J)).any()):
+        raise ValueError(f"start must be in 0..J-T = 0..{J - T}, got {start.tolist()}")
+    if pf not in (1, 2):
+        raise ValueError(f"pf must be 1 or 2, got {pf}")
+
+
+def cuda_verify(mod, R, la, beta, v, k, q, uk, start, pf=1, cs=False, out=None, check=True):
+    """``(o [B, T, H, V], uR [B, J, H, V])`` of the CUDA kernel (``out``: preallocated pair)."""
+    if check:
+        check_args(R, la, beta, v, k, q, uk, start, pf)
+    B, H, J, T = R.shape[0], R.shape[1], la.shape[1], q.shape[1]
+    o, u = out if out is not None else (
+        torch.empty(B, T, H, DIM, device=R.device), torch.empty(B, J, H, DIM, device=R.device))
+    mod.verify(R, la, beta, v, k, q, uk, start, o, u, pf, cs)
+    return o, u
+
+
+def _inputs(st):
+    r = st["ring"]
+    return (st["R"], r["la"], r["beta"], r["v"], r["k"], st["qT"], r["uR"])
+
+
+def _sel(args, idx):
+    return tuple(t[idx].contiguous() for t in args)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--ref-seqs", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("verify_cuda.py times CUDA launches; run it on the device")
+    mod = ext()
+    T, L, B = 8, 16, 256
+    M = rk.Model("gdn", B, 32, 16, DIM, DIM, L)
+    pol = StatePolicy.parse("fp32")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    pool = [dc.make_set(M, gen, pol, T, False) for _ in range(4)]
+    assert pool[0]["fold"] is GDNFold.CACHED and pool[0]["R"] is pool[0]["A"]
+    outs = [(torch.empty(B, T, M.H, DIM, device="cuda"), torch.empty(B, L, M.H, DIM,
+                                                                     device="cuda"))
+            for _ in pool]
+    res = {"command": "python3 " + " ".join([sys.argv[0]] + sys.argv[1:]),
+           "code_commit": code_commit(), "device": torch.cuda.get_device_name(0),
+           "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+           "timing": "CUDA graph medians, decode.timer, 4 sets rotated",
+           "shape": dict(B=B, H=M.H, G=M.G, V=M.V, K=M.K, L=L, T=T),
+           "checks": {}, "rows": []}
+    st0 = pool[0]
+    args0 = _inputs(st0)
+    nref = min(a.ref_seqs, B)
+    ok = True
+    for h in range(L - T + 1):
+        start = torch.full((B,), h, dtype=torch.int64, device="cuda")
+        o_tr, u_tr = dc.run_verify(M, st0, start)
+        Rd, lad, bd, vd, kd, qd, ud = (t[:nref].double() for t in args0)
+        ref = gdn_verify(Rd, Rd, lad, bd, vd, kd, qd, ud, start[:nref], L, GDNFold.CACHED)
+        chk = {"shipped": {"outputs": dc.stats(o_tr[:nref], ref[0]),
+                           "corrections": dc.stats(u_tr[:nref], ref[1])}}
+        for pf, cs in VARIANTS:
+            o, u = cuda_verify(mod, st0["R"], *args0[1:], start, pf, cs)
+            # batch invariance: the first 8 sequences alone; the batch reversed
+            o8, u8 = cuda_verify(mod, *_sel(args0, slice(0, 8)), start[:8].contiguous(), pf, cs)
+            rev = torch.arange(B - 1, -1, -1, device="cuda")
+            orv, urv = cuda_verify(mod, *_sel(args0, rev), start[rev].contiguous(), pf, cs)
+            c = {"outputs": dc.stats(o[:nref], ref[0]),
+                 "corrections": dc.stats(u[:nref], ref[1]),
+                 "max_abs_vs_shipped": {"outputs": float((o - o_tr).abs().max()),
+                                        "corrections": float((u - u_tr).abs().max())},
+                 "batch_invariant": bool(torch.equal(o8, o[:8]) and torch.equal(u8, u[:8])
+                                         and torch.equal(orv, o[rev])
+                                         and torch.equal(urv, u[rev]))}
+            c["passed"] = (c["outputs"]["passed"] and c["corrections"]["passed"]
+                           and c["batch_invariant"])
+            ok &= c["passed"]
+            chk[f"pf{pf}{'_cs' if cs else ''}"] = c
+        res["checks"][f"h{h}"] = chk
+        print(f"h{h}", json.dumps({k: (v.get("passed"), v.get("max_abs_vs_shipped"))
+                                   for k, v in chk.items() if "passed" in v}), flush=True)
+    res["checks_passed"] = ok
+
+    def tm(fn):
+        return round(dc.timer(fn, len(pool), a.reps, 3, mode="graph")["median_us"], 1)
+
+    for rnd in range(a.rounds):
+        row = {"round": rnd, "verify": {}, "step": {}}
+        row["read_only_us"] = tm(lambda i: dc.read_pass(pool[i]["S"], pool[i]["q"]))
+        for h in range(L - T + 1):
+            start = torch.full((B,), h, dtype=torch.int64, device="cuda")
+            v = row["verify"][f"h{h}"] = {
+                "shipped": tm(lambda i, s=start: dc.run_verify(M, pool[i], s))}
+            for pf, cs in VARIANTS:
+                v[f"pf{pf}{'_cs' if cs else ''}"] = tm(
+                    lambda i, s=start, pf=pf, cs=cs: cuda_verify(
+                        mod, pool[i]["R"], *_inputs(pool[i])[1:], s, pf, cs, out=outs[i],
+                        check=False))
+            print(f"verify h{h}", json.dumps(v), flush=True)
+        for h in range(L - 1):
+            start = torch.full((B,), h, dtype=torch.int64, device="cuda")
+            row["step"][f"h{h}"] = tm(lambda i, s=start: dc.run_step(M, pool[i], s))
+        row["step_mean_us"] = round(statistics.mean(row["step"].values()), 1)
+        keys = row["verify"]["h0"].keys()
+        row["verify_max_us"] = {k: max(v[k] for v in row["verify"].values()) for k in keys}
+        row["verify_max_vs_step"] = {k: round(x / row["step_mean_us"], 3)
+                                     for k, x in row["verify_max_us"].items()}
+        res["rows"].append(row)
+        print(json.dumps({k: row[k] for k in ("read_only_us", "step_mean_us", "verify_max_us",
+                                              "verify_max_vs_step")}), flush=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

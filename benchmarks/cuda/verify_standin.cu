@@ -13,10 +13,13 @@
 // with R's rows loaded straight from global memory into the A fragments: a lane reads 16
 // contiguous bytes of a row and uses them as the (t, t + 4) columns of two k-steps, and X's
 // fragments in shared memory follow the same permutation of K, so no shared-memory staging
-// of R is needed. Each warp streams 32 rows (two m-tiles). The products of the 16 ring keys
-// with X (the Gram terms k_j . k_p and k_j . q_t) are one more m-tile, on warps 0 and 1 (one
-// n-tile each). Then one thread per value row solves the drafts' corrections and forms the
-// outputs from the row's 16 products and the per-CTA coefficient tables.
+// of R is needed. Each warp streams 32 rows (two m-tiles) in 16 units of 16 rows x 16 columns
+// of K, PF units loaded ahead. The products of the 16 ring keys with X (the Gram terms
+// k_j . k_p and k_j . q_t) are one more m-tile, split over the four warps by quarters of K
+// (one round of loads, issued with the stream's first) and summed in warp order. Then one
+// thread per value row solves the drafts' corrections and forms the outputs from the row's
+// 16 products and the per-CTA coefficient tables; its ring operands are loaded right after
+// the stream's last loads.
 //
 // The order of every sum is fixed by the CTA's code alone: a sequence's bits do not depend on
 // the batch, its position or its neighbours.
@@ -94,6 +97,7 @@ struct Smem {
   float xl[NX * XS];
   float y[V * YS];
   float z[JMAX * YS];        // ring keys . X
+  float zp[4][JMAX * NX];    // the warps' partial ring-key products
   float c[JMAX];             // cumulative log decays (masked)
   float beta[JMAX];
   float ac[TMAX][JMAX];      // draft i x committed slot j: beta e^{c_p - c_j} k_j . k_p
@@ -103,9 +107,12 @@ struct Smem {
   float gk[TMAX], gq[TMAX], bp[TMAX];
 };
 
-// PF: chunks of R loaded ahead of the one in the tensor cores (1 or 2). CS: streaming hint.
-template <int PF, bool CS>
-__global__ void __launch_bounds__(128) verify_kernel(
+// PF: units of R (one m-tile's 16 rows x 16 columns of K: two float4 a lane) loaded ahead of
+// the one in the tensor cores. CS: streaming hint on R's loads. MB: CTAs per SM asked of
+// ptxas (__launch_bounds__' register cap; 0: none). EP: the epilogue's ring operands loaded
+// right after the stream (else after the coefficient tables).
+template <int PF, bool CS, int MB, bool EP>
+__global__ void __launch_bounds__(128, MB) verify_kernel(
     const float* __restrict__ R, const float* __restrict__ la, const float* __restrict__ beta,
     const float* __restrict__ v, const float* __restrict__ kr, const float* __restrict__ q,
     const float* __restrict__ uk, const int64_t* __restrict__ startp, float* __restrict__ o,
@@ -116,16 +123,29 @@ __global__ void __launch_bounds__(128) verify_kernel(
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int start = (int)startp[b];
   const int n = start + T;
+  constexpr int NU = 2 * (K / 16);  // units: (chunk s, m-tile m) = (u >> 1, u & 1)
 
-  // R's first chunks, before anything else: the stream is the long pole
-  const float* rw = R + ((size_t)mat * V + warp * 32) * K + 4 * t;
-  float4 buf[PF + 1][4];
+  // R's first units, before anything else: the stream is the long pole
+  const float* rw = R + ((size_t)mat * V + warp * 32 + g) * K + 4 * t;
+  float4 buf[PF + 1][2];
 #pragma unroll
-  for (int s = 0; s < PF; ++s) {
+  for (int u = 0; u < PF; ++u) {
+    const float* p = rw + (16 * (u & 1)) * K + 16 * (u >> 1);
+    buf[u][0] = ldr<CS>(p);
+    buf[u][1] = ldr<CS>(p + 8 * K);
+  }
+  // the ring keys' rows for this warp's quarter of K (chunks 2 warp, 2 warp + 1), slots g and
+  // g + 8 (slots past J: zero rows)
+  float4 kq[2][2];
+  {
+    const float* kw = kr + ((size_t)b * J * G + grp) * K + 4 * t + 32 * warp;
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      buf[s][2 * m] = ldr<CS>(rw + (16 * m + g) * K + 16 * s);
-      buf[s][2 * m + 1] = ldr<CS>(rw + (16 * m + g + 8) * K + 16 * s);
+    for (int c = 0; c < 2; ++c) {
+      kq[c][0] = g < J ? __ldg(reinterpret_cast<const float4*>(kw + (size_t)g * G * K + 16 * c))
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+      kq[c][1] = g + 8 < J
+                     ? __ldg(reinterpret_cast<const float4*>(kw + (size_t)(g + 8) * G * K + 16 * c))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
 
@@ -163,32 +183,23 @@ __global__ void __launch_bounds__(128) verify_kernel(
       sm.c[j] = a;
     }
   }
-
-  // the ring keys' products with X: warps 0 and 1, one n-tile each (slots past J: zero rows)
-  if (warp < 2) {
-    float dz[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-    const float* kw = kr + ((size_t)b * J * G + grp) * K + 4 * t;
-    const bool ra_ok = g < J, rb_ok = g + 8 < J;
-#pragma unroll 2
-    for (int s = 0; s < K / 16; ++s) {
-      const float4 ra = ra_ok ? __ldg(reinterpret_cast<const float4*>(kw + (size_t)g * G * K + 16 * s))
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
-      const float4 rb = rb_ok ? __ldg(reinterpret_cast<const float4*>(kw + (size_t)(g + 8) * G * K + 16 * s))
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
-      if (warp == 0) {
-        chunk<1, 0>(dz, ra, rb, sm.xh, sm.xl, s, g, t);
-      } else {
-        chunk<1, 1>(dz, ra, rb, sm.xh, sm.xl, s, g, t);
-      }
+  // this warp's partial products of the ring keys with X (summed over the warps, in warp
+  // order, in the coefficient phase)
+  {
+    float dz[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) chunk<2, 0>(dz, kq[c][0], kq[c][1], sm.xh, sm.xl, 2 * warp + c, g, t);
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn) {
+      const int c0 = nn * 8 + 2 * t;
+      sm.zp[warp][g * NX + c0] = dz[nn][0];
+      sm.zp[warp][g * NX + c0 + 1] = dz[nn][1];
+      sm.zp[warp][(g + 8) * NX + c0] = dz[nn][2];
+      sm.zp[warp][(g + 8) * NX + c0 + 1] = dz[nn][3];
     }
-    const int c0 = warp * 8 + 2 * t;
-    sm.z[g * YS + c0] = dz[0][0];
-    sm.z[g * YS + c0 + 1] = dz[0][1];
-    sm.z[(g + 8) * YS + c0] = dz[0][2];
-    sm.z[(g + 8) * YS + c0 + 1] = dz[0][3];
   }
 
-  // the stream: Y = R X over this warp's 32 rows
+  // the stream: Y = R X over this warp's 32 rows, in 16 units
   float d[2][2][4];
 #pragma unroll
   for (int m = 0; m < 2; ++m)
@@ -197,19 +208,29 @@ __global__ void __launch_bounds__(128) verify_kernel(
 #pragma unroll
       for (int e = 0; e < 4; ++e) d[m][nn][e] = 0.f;
 #pragma unroll
-  for (int s = 0; s < K / 16; ++s) {
-    if (s + PF < K / 16) {
-      const int sl = (s + PF) % (PF + 1);
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        buf[sl][2 * m] = ldr<CS>(rw + (16 * m + g) * K + 16 * (s + PF));
-        buf[sl][2 * m + 1] = ldr<CS>(rw + (16 * m + g + 8) * K + 16 * (s + PF));
-      }
+  for (int u = 0; u < NU; ++u) {
+    if (u + PF < NU) {
+      const int w = u + PF, sl = w % (PF + 1);
+      const float* p = rw + (16 * (w & 1)) * K + 16 * (w >> 1);
+      buf[sl][0] = ldr<CS>(p);
+      buf[sl][1] = ldr<CS>(p + 8 * K);
     }
-    const int cur = s % (PF + 1);
-    chunk<2, 0>(d[0], buf[cur][0], buf[cur][1], sm.xh, sm.xl, s, g, t);
-    chunk<2, 0>(d[1], buf[cur][2], buf[cur][3], sm.xh, sm.xl, s, g, t);
+    const int cur = u % (PF + 1);
+    chunk<2, 0>(d[u & 1], buf[cur][0], buf[cur][1], sm.xh, sm.xl, u >> 1, g, t);
   }
+  // the row's epilogue operands (one value row per thread), before the syncs
+  const int row = tid;
+  const size_t HV = (size_t)H * V;
+  const float* ukr = uk + (size_t)b * J * HV + (size_t)h * V + row;
+  const float* vr = v + (size_t)b * J * HV + (size_t)h * V + row;
+  float uc[JMAX], vv[TMAX];
+  auto load_ring = [&]() {
+#pragma unroll
+    for (int j = 0; j < JMAX; ++j) uc[j] = (j < start && j < J) ? ukr[j * HV] : 0.f;
+#pragma unroll
+    for (int i = 0; i < TMAX; ++i) vv[i] = i < T ? vr[(start + i) * HV] : 0.f;
+  };
+  if constexpr (EP) load_ring();
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
     const int r0 = warp * 32 + 16 * m + g;
@@ -221,6 +242,12 @@ __global__ void __launch_bounds__(128) verify_kernel(
       sm.y[(r0 + 8) * YS + c0] = d[m][nn][2];
       sm.y[(r0 + 8) * YS + c0 + 1] = d[m][nn][3];
     }
+  }
+  __syncthreads();
+  // Z = the warps' partial products summed in warp order
+  for (int e = tid; e < JMAX * NX; e += 128) {
+    const int j = e / NX, col = e % NX;
+    sm.z[j * YS + col] = ((sm.zp[0][e] + sm.zp[1][e]) + sm.zp[2][e]) + sm.zp[3][e];
   }
   __syncthreads();
 
@@ -258,19 +285,13 @@ __global__ void __launch_bounds__(128) verify_kernel(
   __syncthreads();
 
   // one value row per thread: the drafts' corrections, then the outputs
-  const int row = tid;
-  const size_t HV = (size_t)H * V;
-  const float* ukr = uk + (size_t)b * J * HV + (size_t)h * V + row;
-  float uc[JMAX];
-#pragma unroll
-  for (int j = 0; j < JMAX; ++j) uc[j] = (j < start && j < J) ? ukr[j * HV] : 0.f;
+  if constexpr (!EP) load_ring();
   const float* yr = sm.y + row * YS;
-  const float* vr = v + (size_t)b * J * HV + (size_t)h * V + row;
   float ud[TMAX];
 #pragma unroll
   for (int i = 0; i < TMAX; ++i) {
     float acc = 0.f;
-    if (i < T) acc = sm.bp[i] * (vr[(start + i) * HV] - sm.gk[i] * yr[i]);
+    if (i < T) acc = sm.bp[i] * (vv[i] - sm.gk[i] * yr[i]);
 #pragma unroll
     for (int j = 0; j < JMAX; ++j) acc = fmaf(-sm.ac[i][j], uc[j], acc);
 #pragma unroll
@@ -303,15 +324,15 @@ __global__ void __launch_bounds__(128) verify_kernel(
 // J <= 16, start + T <= J.
 void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v,
             torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start,
-            torch::Tensor o, torch::Tensor uout, int64_t pf, bool cs) {
+            torch::Tensor o, torch::Tensor uout, int64_t pf, int64_t mb, bool ep) {
   const int B = (int)R.size(0), H = (int)R.size(1), J = (int)la.size(1), G = (int)k.size(2);
   const int T = (int)q.size(1);
   const dim3 grid(B * H);
   const size_t shm = sizeof(Smem);
   auto st = at::cuda::getCurrentCUDAStream();
-#define L(P, C)                                                                              \
+#define L(P, C, M, E)                                                                        \
   {                                                                                          \
-    auto fn = verify_kernel<P, C>;                                                           \
+    auto fn = verify_kernel<P, C, M, E>;                                                     \
     cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);         \
     fn<<<grid, 128, shm, st>>>(R.data_ptr<float>(), la.data_ptr<float>(),                   \
                                beta.data_ptr<float>(), v.data_ptr<float>(),                 \
@@ -319,8 +340,11 @@ void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor
                                start.data_ptr<int64_t>(), o.data_ptr<float>(),              \
                                uout.data_ptr<float>(), H, G, J, T);                         \
   }
-  if (pf == 1) { if (cs) L(1, true) else L(1, false) }
-  else { if (cs) L(2, true) else L(2, false) }
+#define LM(P, M) { if (ep) L(P, false, M, true) else L(P, false, M, false) }
+#define LP(P) { if (mb == 6) LM(P, 6) else if (mb == 5) LM(P, 5) else LM(P, 0) }
+  if (pf == 2) LP(2) else if (pf == 3) LP(3) else LP(4)
+#undef LP
+#undef LM
 #undef L
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -129,6 +129,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--ref-seqs", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--profile", metavar="PF,MB,EP",
+                    help="only run this variant 3 times at h = 4 (for ncu), e.g. 3,0,1")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verify_cuda.py times CUDA launches; run it on the device")
@@ -150,6 +152,15 @@ def main(argv=None):
            "checks": {}, "rows": []}
     st0 = pool[0]
     args0 = _inputs(st0)
+    if a.profile:
+        var = tuple(int(x) for x in a.profile.split(","))
+        if len(var) != 3:
+            raise SystemExit(f"--profile takes PF,MB,EP, got {a.profile!r}")
+        start = torch.full((B,), 4, dtype=torch.int64, device="cuda")
+        for _ in range(3):
+            cuda_verify(mod, *args0, start, var[0], var[1], bool(var[2]))
+        torch.cuda.synchronize()
+        return
     nref = min(a.ref_seqs, B)
     ok = True
     for h in range(L - T + 1):

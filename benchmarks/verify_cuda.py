@@ -62,7 +62,9 @@ def ext():
 
 def check_args(R, la, beta, v, k, q, uk, start, pf, mb):
     """The kernel's preconditions, checked here (a failed check in nvcc-compiled host code
-    took the process down in the forty-first pass). Raises ValueError naming the input."""
+    took the process down in the forty-first pass): shapes, then ranges (T <= 8, J <= 16,
+    0 <= start <= J - T, the launch variant), then dtypes and device. Raises ValueError
+    naming the input."""
     if not isinstance(R, torch.Tensor) or R.dim() != 4 or tuple(R.shape[2:]) != (DIM, DIM):
         raise ValueError(f"R must be [B, H, {DIM}, {DIM}], got "
                          f"{tuple(R.shape) if isinstance(R, torch.Tensor) else type(R)}")
@@ -70,30 +72,33 @@ def check_args(R, la, beta, v, k, q, uk, start, pf, mb):
     J = la.shape[1] if la.dim() == 3 else -1
     T = q.shape[1] if q.dim() == 4 else -1
     G = k.shape[2] if k.dim() == 4 else -1
+    ins = {"la": la, "beta": beta, "v": v, "k": k, "q": q, "uk": uk}
     want = {"la": (B, J, H), "beta": (B, J, H), "v": (B, J, H, DIM), "k": (B, J, G, DIM),
             "q": (B, T, G, DIM), "uk": (B, J, H, DIM)}
-    for name, t in (("la", la), ("beta", beta), ("v", v), ("k", k), ("q", q), ("uk", uk),
-                    ("R", R)):
-        if name != "R" and tuple(t.shape) != want[name]:
-            raise ValueError(f"{name} must be {want[name]}, got {tuple(t.shape)}")
-        if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cuda:
-            raise ValueError(f"{name} must be a contiguous float32 CUDA tensor, got "
-                             f"{t.dtype}, contiguous={t.is_contiguous()}, {t.device}")
-    if G < 1 or H % G:
+    for name, t in ins.items():
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} must be {want[name]} (from R, la, k and q), got "
+                             f"{tuple(t.shape)}")
+    if H % G:
         raise ValueError(f"key heads G={G} must divide value heads H={H}")
     if not 1 <= T <= T_MAX:
-        raise ValueError(f"T must be in 1..{T_MAX}, got {T}")
+        raise ValueError(f"T (drafts) must be in 1..{T_MAX}, got {T}")
     if not 1 <= J <= J_MAX:
         raise ValueError(f"J (ring slots) must be in 1..{J_MAX}, got {J}")
-    if start.dtype != torch.int64 or tuple(start.shape) != (B,) or not start.is_cuda:
-        raise ValueError(f"start must be int64 [{B}] on CUDA, got {start.dtype} "
-                         f"{tuple(start.shape)}")
+    if start.dtype != torch.int64 or tuple(start.shape) != (B,):
+        raise ValueError(f"start must be int64 [{B}], got {start.dtype} {tuple(start.shape)}")
     if bool(((start < 0) | (start + T > J)).any()):
         raise ValueError(f"start must be in 0..J-T = 0..{J - T}, got {start.tolist()}")
     if pf not in (2, 3, 4):
         raise ValueError(f"pf must be 2, 3 or 4, got {pf}")
     if mb not in (0, 5, 6):
         raise ValueError(f"mb must be 0, 5 or 6, got {mb}")
+    for name, t in {"R": R, **ins}.items():
+        if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cuda:
+            raise ValueError(f"{name} must be a contiguous float32 CUDA tensor, got "
+                             f"{t.dtype}, contiguous={t.is_contiguous()}, {t.device}")
+    if start.device != R.device:
+        raise ValueError(f"start must be on {R.device}, got {start.device}")
 
 
 def cuda_verify(mod, R, la, beta, v, k, q, uk, start, pf=3, mb=0, ep=True, out=None,
@@ -107,6 +112,59 @@ def cuda_verify(mod, R, la, beta, v, k, q, uk, start, pf=3, mb=0, ep=True, out=N
         torch.empty(B, T, H, DIM, device=R.device), torch.empty(B, J, H, DIM, device=R.device))
     mod.verify(R, la, beta, v, k, q, uk, start, o, u, pf, mb, ep)
     return o, u
+
+
+def decomposition(R, la, beta, v, k, q, uk, start):
+    """The kernel's decomposition of ``gdn_verify`` (fold=CACHED, anchor = read) in torch, in
+    the inputs' dtype: ``Y = R X`` with ``X = [the T drafts' keys | the T queries]``, the
+    ring keys' products ``Z = K X``, the coefficient tables, then per value row the drafts'
+    corrections by forward substitution and the outputs (formula in verify_standin.cu's
+    header). Shapes as :func:`cuda_verify`; returns ``(o [B, T, H, V], uR [B, J, H, V])``.
+    The CPU oracle of what the CUDA kernel computes (``tests/test_profile_scripts.py``)."""
+    B, H = R.shape[:2]
+    J, T, G = la.shape[1], q.shape[1], k.shape[2]
+    gi = torch.arange(H, device=R.device) // (H // G)
+    bi = torch.arange(B, device=R.device)[:, None]
+    slots = torch.arange(J, device=R.device)
+    pos = start[:, None] + torch.arange(T, device=R.device)[None]  # [B, T] draft slots
+    n = start + T
+    live = (slots[None] < n[:, None])[..., None]  # [B, J, 1]
+    c = torch.where(live, la, 0.0).cumsum(1)  # [B, J, H]
+    bet = torch.where(live, beta, 0.0)
+    kh = k[:, :, gi]  # [B, J, H, K]
+    X = torch.cat([kh[bi, pos], q[:, :, gi]], 1)  # [B, 2T, H, K]
+    Y = torch.einsum("bhvk,bchk->bchv", R, X)  # [B, 2T, H, V]
+    Z = torch.einsum("bjhk,bchk->bjch", kh, X)  # [B, J, 2T, H]
+    cp = c[bi, pos]  # [B, T, H]
+    dec = torch.exp(cp[:, :, None] - c[:, None])  # [B, T, J, H]: e^{c_p - c_j}
+    committed = (slots[None] < start[:, None])[:, None, :, None]  # [B, 1, J, 1]
+    ac = torch.where(committed, bet[bi, pos][:, :, None] * dec * Z[:, :, :T].transpose(1, 2), 0.0)
+    bc = torch.where(committed, dec * Z[:, :, T:].transpose(1, 2), 0.0)
+    uc = torch.where((slots[None] < start[:, None])[..., None, None], uk, 0.0)
+    ud = []
+    for i in range(T):
+        acc = bet[bi[:, 0], pos[:, i]][..., None] * (
+            v[bi[:, 0], pos[:, i]] - torch.exp(cp[:, i])[..., None] * Y[:, i])
+        acc = acc - torch.einsum("bjh,bjhv->bhv", ac[:, i], uc)
+        for i2 in range(i):
+            p2 = pos[:, i2]
+            a = (bet[bi[:, 0], pos[:, i]] * torch.exp(cp[:, i] - c[bi[:, 0], p2])
+                 * Z[bi[:, 0], p2, i])
+            acc = acc - a[..., None] * ud[i2]
+        ud.append(acc)
+    o = []
+    for t in range(T):
+        acc = torch.exp(cp[:, t])[..., None] * Y[:, T + t] + torch.einsum(
+            "bjh,bjhv->bhv", bc[:, t], uc)
+        for i in range(t + 1):
+            p2 = pos[:, i]
+            acc = acc + (torch.exp(cp[:, t] - c[bi[:, 0], p2]) * Z[bi[:, 0], p2, T + t])[
+                ..., None] * ud[i]
+        o.append(acc)
+    u = uc.clone()
+    for i in range(T):
+        u[bi[:, 0], pos[:, i]] = ud[i]
+    return torch.stack(o, 1), u
 
 
 def label(var):

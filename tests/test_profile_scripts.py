@@ -290,3 +290,81 @@ def test_cuda_stand_in_sources_inline_their_shared_header():
         src = _cuda_ext.source(name)
         assert '#include "warp.cuh"' not in src and src.count(header) == 1
         assert src.count("void rs(float* v, int lane)") == 1
+
+
+def _verify_inputs(B, H, G, V, K, J, T, seed=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    d = torch.float64
+    la = torch.log(0.9 + 0.0999 * torch.rand(B, J, H, generator=g, dtype=d))
+    k = torch.nn.functional.normalize(torch.randn(B, J, G, K, generator=g, dtype=d), dim=-1)
+    return dict(R=torch.randn(B, H, V, K, generator=g, dtype=d) * 0.3, la=la,
+                beta=torch.sigmoid(torch.randn(B, J, H, generator=g, dtype=d)),
+                v=torch.randn(B, J, H, V, generator=g, dtype=d), k=k,
+                q=torch.randn(B, T, G, K, generator=g, dtype=d),
+                uk=torch.randn(B, J, H, V, generator=g, dtype=d) * 0.1)
+
+
+@pytest.mark.parametrize("T", [8, 3])
+def test_verify_cuda_decomposition_is_gdn_verify(T):
+    """``verify_cuda.decomposition`` (the CUDA verify kernel's split into ``Y = R X``, the ring
+    keys' products, coefficient tables and a per-row forward substitution) equals the float64
+    ``gdn_verify`` with cached corrections and anchor = read copy, at every start including
+    the one whose last draft lands on the flush slot; and the committed corrections matter
+    (zeroing them moves the outputs)."""
+    import torch
+
+    from replayssm_quant.config import GDNFold
+    from replayssm_quant.replay import gdn_verify
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import verify_cuda as vc
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    J = 16
+    x = _verify_inputs(J - T + 1, 4, 2, 8, 16, J, T)
+    start = torch.arange(J - T + 1)  # every start, one per sequence
+    o, u = vc.decomposition(*x.values(), start)
+    R = x["R"]
+    want_o, want_u = gdn_verify(R, R, x["la"], x["beta"], x["v"], x["k"], x["q"], x["uk"],
+                                start, J, GDNFold.CACHED)
+    assert torch.allclose(o, want_o, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(u, want_u, rtol=1e-12, atol=1e-12)
+    o0, _ = vc.decomposition(*dict(x, uk=torch.zeros_like(x["uk"])).values(), start)
+    assert (o0[1:] - want_o[1:]).abs().amax() > 1e-3  # start 0 has no committed rows
+
+
+def test_verify_cuda_refuses_bad_inputs(tmp_path):
+    """``verify_cuda.check_args`` names the input it refuses (the kernel's host code checks
+    nothing: a failed check there took the process down in the forty-first pass); the script
+    without a GPU says where to run it."""
+    import torch
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import verify_cuda as vc
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    x = {n: t.float() for n, t in _verify_inputs(2, 4, 2, 128, 128, 16, 8).items()}
+    start = torch.zeros(2, dtype=torch.int64)
+
+    def refused(match, start=start, pf=3, mb=0, **kw):
+        with pytest.raises(ValueError, match=match):
+            vc.check_args(*{**x, **kw}.values(), start, pf, mb)
+
+    refused(r"R must be \[B, H, 128, 128\], got \(2, 4, 64, 128\)", R=x["R"][:, :, :64])
+    refused(r"v must be \(2, 16, 4, 128\) \(from R, la, k and q\), got \(2, 15, 4, 128\)",
+            v=x["v"][:, :15])
+    refused(r"T \(drafts\) must be in 1..8, got 9", q=torch.zeros(2, 9, 2, 128))
+    refused(r"start must be in 0..J-T = 0..8, got \[0, 9\]", start=torch.tensor([0, 9]))
+    refused(r"start must be int64 \[2\]", start=start.int())
+    refused(r"pf must be 2, 3 or 4, got 1", pf=1)
+    refused(r"mb must be 0, 5 or 6, got 4", mb=4)
+    if not torch.cuda.is_available():
+        refused(r"R must be a contiguous float32 CUDA tensor, got torch.float32, "
+                r"contiguous=True, cpu")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        p = subprocess.run([sys.executable, "benchmarks/verify_cuda.py", "--out",
+                            str(tmp_path / "v.json")], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode != 0 and "run it on the device" in p.stderr
+        assert not (tmp_path / "v.json").exists()

@@ -15,8 +15,8 @@ state runs), DK = DV = 128, T <= 8, J <= 16. Nothing shipped uses it.
 
 On ``decode.py``'s GDN geometry at B = 256 (4 rotated FP32 sets, CUDA-graph medians,
 ``decode.timer``): for each start h = 0..L-T the shipped ``gdn_verify_kernel`` and each CUDA
-variant (``pf``: units of R loaded ahead, ``mb``: CTAs per SM asked of ptxas, ``ep``: the
-epilogue's ring operands loaded right after the stream); the shipped step at
+variant (``nw``: warps a CTA, ``pf``: units of R loaded ahead, ``mb``: CTAs per SM asked of
+ptxas, ``ep``: the epilogue's ring operands loaded right after the stream); the shipped step at
 h = 0..L-2 (its mean is the target's denominator); a bare read of the state
 (``decode.read_pass``). Checks at every h: outputs and corrections of every variant
 against a float64 ``gdn_verify`` of the first ``--ref-seqs`` sequences (``1e-5 + 1e-5 |ref|``,
@@ -48,7 +48,11 @@ from replayssm_quant.config import GDNFold  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.replay import gdn_verify  # noqa: E402
 
-VARIANTS = [(pf, mb, ep) for pf in (2, 3, 4) for mb in (0, 5, 6) for ep in (True, False)]
+# (warps, units ahead, CTAs per SM asked of ptxas, epilogue operands loaded early)
+VARIANTS = ([(4, pf, mb, True) for pf in (2, 3, 4) for mb in (0, 6)]
+            + [(4, 3, 0, False), (4, 3, 5, True)]
+            + [(8, pf, mb, True) for pf in (3, 7) for mb in (0, 2, 3)] + [(8, 7, 0, False)])
+LAUNCH = {4: {"pf": (2, 3, 4), "mb": (0, 5, 6)}, 8: {"pf": (3, 7), "mb": (0, 2, 3)}}
 T_MAX, J_MAX, DIM = 8, 16, 128
 
 
@@ -56,11 +60,11 @@ def ext():
     """The CUDA kernel, built once per process for the device's architecture."""
     decl = ("void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v, "
             "torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start, "
-            "torch::Tensor o, torch::Tensor uout, int64_t pf, int64_t mb, bool ep);\n")
+            "torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb, bool ep);\n")
     return _cuda_ext.build("replayssm_verify_standin", "verify_standin.cu", decl, ["verify"])
 
 
-def check_args(R, la, beta, v, k, q, uk, start, pf, mb):
+def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb):
     """The kernel's preconditions, checked here (a failed check in nvcc-compiled host code
     took the process down in the forty-first pass): shapes, then ranges (T <= 8, J <= 16,
     0 <= start <= J - T, the launch variant), then dtypes and device. Raises ValueError
@@ -89,10 +93,12 @@ def check_args(R, la, beta, v, k, q, uk, start, pf, mb):
         raise ValueError(f"start must be int64 [{B}], got {start.dtype} {tuple(start.shape)}")
     if bool(((start < 0) | (start + T > J)).any()):
         raise ValueError(f"start must be in 0..J-T = 0..{J - T}, got {start.tolist()}")
-    if pf not in (2, 3, 4):
-        raise ValueError(f"pf must be 2, 3 or 4, got {pf}")
-    if mb not in (0, 5, 6):
-        raise ValueError(f"mb must be 0, 5 or 6, got {mb}")
+    if nw not in LAUNCH:
+        raise ValueError(f"nw must be one of {tuple(LAUNCH)}, got {nw}")
+    for name, val in (("pf", pf), ("mb", mb)):
+        if val not in LAUNCH[nw][name]:
+            raise ValueError(f"{name} must be one of {LAUNCH[nw][name]} with nw={nw}, "
+                             f"got {val}")
     for name, t in {"R": R, **ins}.items():
         if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cuda:
             raise ValueError(f"{name} must be a contiguous float32 CUDA tensor, got "
@@ -101,16 +107,16 @@ def check_args(R, la, beta, v, k, q, uk, start, pf, mb):
         raise ValueError(f"start must be on {R.device}, got {start.device}")
 
 
-def cuda_verify(mod, R, la, beta, v, k, q, uk, start, pf=3, mb=0, ep=True, out=None,
+def cuda_verify(mod, R, la, beta, v, k, q, uk, start, nw=4, pf=3, mb=0, ep=True, out=None,
                 check=True):
     """``(o [B, T, H, V], uR [B, J, H, V])`` of the CUDA kernel (``out``: preallocated pair;
-    ``pf, mb, ep``: the kernel's template parameters PF, MB, EP)."""
+    ``nw, pf, mb, ep``: the kernel's template parameters NW, PF, MB, EP)."""
     if check:
-        check_args(R, la, beta, v, k, q, uk, start, pf, mb)
+        check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb)
     B, H, J, T = R.shape[0], R.shape[1], la.shape[1], q.shape[1]
     o, u = out if out is not None else (
         torch.empty(B, T, H, DIM, device=R.device), torch.empty(B, J, H, DIM, device=R.device))
-    mod.verify(R, la, beta, v, k, q, uk, start, o, u, pf, mb, ep)
+    mod.verify(R, la, beta, v, k, q, uk, start, o, u, nw, pf, mb, ep)
     return o, u
 
 
@@ -168,8 +174,8 @@ def decomposition(R, la, beta, v, k, q, uk, start):
 
 
 def label(var):
-    pf, mb, ep = var
-    return f"pf{pf}_mb{mb}{'_ep' if ep else ''}"
+    nw, pf, mb, ep = var
+    return f"nw{nw}_pf{pf}_mb{mb}{'_ep' if ep else ''}"
 
 
 def _inputs(st):
@@ -187,8 +193,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--ref-seqs", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--profile", metavar="PF,MB,EP",
-                    help="only run this variant 3 times at h = 4 (for ncu), e.g. 3,0,1")
+    ap.add_argument("--profile", metavar="NW,PF,MB,EP",
+                    help="only run this variant 3 times at h = 4 (for ncu), e.g. 4,3,0,1")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verify_cuda.py times CUDA launches; run it on the device")
@@ -212,11 +218,11 @@ def main(argv=None):
     args0 = _inputs(st0)
     if a.profile:
         var = tuple(int(x) for x in a.profile.split(","))
-        if len(var) != 3:
-            raise SystemExit(f"--profile takes PF,MB,EP, got {a.profile!r}")
+        if len(var) != 4:
+            raise SystemExit(f"--profile takes NW,PF,MB,EP, got {a.profile!r}")
         start = torch.full((B,), 4, dtype=torch.int64, device="cuda")
         for _ in range(3):
-            cuda_verify(mod, *args0, start, var[0], var[1], bool(var[2]))
+            cuda_verify(mod, *args0, start, *var[:3], bool(var[3]))
         torch.cuda.synchronize()
         return
     nref = min(a.ref_seqs, B)

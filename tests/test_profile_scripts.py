@@ -347,9 +347,9 @@ def test_verify_cuda_refuses_bad_inputs(tmp_path):
     x = {n: t.float() for n, t in _verify_inputs(2, 4, 2, 128, 128, 16, 8).items()}
     start = torch.zeros(2, dtype=torch.int64)
 
-    def refused(match, start=start, pf=3, mb=0, **kw):
+    def refused(match, start=start, nw=4, pf=3, mb=0, **kw):
         with pytest.raises(ValueError, match=match):
-            vc.check_args(*{**x, **kw}.values(), start, pf, mb)
+            vc.check_args(*{**x, **kw}.values(), start, nw, pf, mb)
 
     refused(r"R must be \[B, H, 128, 128\], got \(2, 4, 64, 128\)", R=x["R"][:, :, :64])
     refused(r"v must be \(2, 16, 4, 128\) \(from R, la, k and q\), got \(2, 15, 4, 128\)",
@@ -357,8 +357,9 @@ def test_verify_cuda_refuses_bad_inputs(tmp_path):
     refused(r"T \(drafts\) must be in 1..8, got 9", q=torch.zeros(2, 9, 2, 128))
     refused(r"start must be in 0..J-T = 0..8, got \[0, 9\]", start=torch.tensor([0, 9]))
     refused(r"start must be int64 \[2\]", start=start.int())
-    refused(r"pf must be 2, 3 or 4, got 1", pf=1)
-    refused(r"mb must be 0, 5 or 6, got 4", mb=4)
+    refused(r"pf must be one of \(2, 3, 4\) with nw=4, got 1", pf=1)
+    refused(r"mb must be one of \(0, 2, 3\) with nw=8, got 5", nw=8, pf=7, mb=5)
+    refused(r"nw must be one of \(4, 8\), got 2", nw=2)
     if not torch.cuda.is_available():
         refused(r"R must be a contiguous float32 CUDA tensor, got torch.float32, "
                 r"contiguous=True, cpu")

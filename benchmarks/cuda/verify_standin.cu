@@ -7,7 +7,7 @@
 //           for the draft slots p = start .. n-1 (slots j < start: the cached corrections)
 //   o_t   = e^{c_p} R q_t + sum_{j<=p} e^{c_p - c_j} (k_j . q_t) u_j,    p = start + t
 //
-// One CTA per (sequence b, value head h), 4 warps. The products with the state, Y = R X with
+// One CTA per (sequence b, value head h), 4 or 8 warps. The products with the state, Y = R X with
 // X [K, 16] = [the 8 drafts' keys | the 8 queries] (zero columns past T), run on the tensor
 // cores (mma.sync m16n8k8, 3xTF32: a_lo b_hi + a_hi b_lo + a_hi b_hi, FP32 accumulation),
 // with R's rows loaded straight from global memory into the A fragments: a lane reads 16
@@ -97,7 +97,7 @@ struct Smem {
   float xl[NX * XS];
   float y[V * YS];
   float z[JMAX * YS];        // ring keys . X
-  float zp[4][JMAX * NX];    // the warps' partial ring-key products
+  float zp[8][JMAX * NX];    // the warps' partial ring-key products
   float c[JMAX];             // cumulative log decays (masked)
   float beta[JMAX];
   float ac[TMAX][JMAX];      // draft i x committed slot j: beta e^{c_p - c_j} k_j . k_p
@@ -110,9 +110,10 @@ struct Smem {
 // PF: units of R (one m-tile's 16 rows x 16 columns of K: two float4 a lane) loaded ahead of
 // the one in the tensor cores. CS: streaming hint on R's loads. MB: CTAs per SM asked of
 // ptxas (__launch_bounds__' register cap; 0: none). EP: the epilogue's ring operands loaded
-// right after the stream (else after the coefficient tables).
-template <int PF, bool CS, int MB, bool EP>
-__global__ void __launch_bounds__(128, MB) verify_kernel(
+// right after the stream (else after the coefficient tables). NW: warps (4: 32 rows each,
+// two m-tiles; 8: 16 rows each, and threads 128.. sit out the per-row epilogue).
+template <int NW, int PF, bool CS, int MB, bool EP>
+__global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     const float* __restrict__ R, const float* __restrict__ la, const float* __restrict__ beta,
     const float* __restrict__ v, const float* __restrict__ kr, const float* __restrict__ q,
     const float* __restrict__ uk, const int64_t* __restrict__ startp, float* __restrict__ o,
@@ -123,24 +124,30 @@ __global__ void __launch_bounds__(128, MB) verify_kernel(
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int start = (int)startp[b];
   const int n = start + T;
-  constexpr int NU = 2 * (K / 16);  // units: (chunk s, m-tile m) = (u >> 1, u & 1)
+  constexpr int NTH = NW * 32;
+  constexpr int MT = 8 / NW;           // m-tiles a warp
+  constexpr int RW = 16 * MT;          // rows a warp
+  constexpr int NU = MT * (K / 16);    // units: (chunk s, m-tile m) = (u / MT, u % MT)
+  constexpr int CPW = (K / 16) / NW;   // chunks of the ring keys' products a warp
+  static_assert(NW == 4 || NW == 8, "NW = 4 or 8");
+  static_assert(PF >= 1 && PF < NU, "PF in 1 .. NU - 1");
 
   // R's first units, before anything else: the stream is the long pole
-  const float* rw = R + ((size_t)mat * V + warp * 32 + g) * K + 4 * t;
+  const float* rw = R + ((size_t)mat * V + warp * RW + g) * K + 4 * t;
   float4 buf[PF + 1][2];
 #pragma unroll
   for (int u = 0; u < PF; ++u) {
-    const float* p = rw + (16 * (u & 1)) * K + 16 * (u >> 1);
+    const float* p = rw + (16 * (u % MT)) * K + 16 * (u / MT);
     buf[u][0] = ldr<CS>(p);
     buf[u][1] = ldr<CS>(p + 8 * K);
   }
-  // the ring keys' rows for this warp's quarter of K (chunks 2 warp, 2 warp + 1), slots g and
-  // g + 8 (slots past J: zero rows)
-  float4 kq[2][2];
+  // the ring keys' rows for this warp's share of K (chunks CPW warp ..), slots g and g + 8
+  // (slots past J: zero rows)
+  float4 kq[CPW][2];
   {
-    const float* kw = kr + ((size_t)b * J * G + grp) * K + 4 * t + 32 * warp;
+    const float* kw = kr + ((size_t)b * J * G + grp) * K + 4 * t + 16 * CPW * warp;
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < CPW; ++c) {
       kq[c][0] = g < J ? __ldg(reinterpret_cast<const float4*>(kw + (size_t)g * G * K + 16 * c))
                        : make_float4(0.f, 0.f, 0.f, 0.f);
       kq[c][1] = g + 8 < J
@@ -150,10 +157,10 @@ __global__ void __launch_bounds__(128, MB) verify_kernel(
   }
 
   // X: column c < 8 the key of ring slot start + c, 8 + c the query of draft c; zero past T.
-  // 16 x 128 floats = 512 float4, 4 per thread, split into TF32 hi / lo parts.
+  // 16 x 128 floats = 512 float4, split into TF32 hi / lo parts.
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int f = tid + 128 * r, col = f >> 5, k4 = (f & 31) * 4;
+  for (int r = 0; r < 512 / NTH; ++r) {
+    const int f = tid + NTH * r, col = f >> 5, k4 = (f & 31) * 4;
     const int d = col & 7;
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
     if (d < T) {
@@ -188,7 +195,8 @@ __global__ void __launch_bounds__(128, MB) verify_kernel(
   {
     float dz[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int c = 0; c < 2; ++c) chunk<2, 0>(dz, kq[c][0], kq[c][1], sm.xh, sm.xl, 2 * warp + c, g, t);
+    for (int c = 0; c < CPW; ++c)
+      chunk<2, 0>(dz, kq[c][0], kq[c][1], sm.xh, sm.xl, CPW * warp + c, g, t);
 #pragma unroll
     for (int nn = 0; nn < 2; ++nn) {
       const int c0 = nn * 8 + 2 * t;
@@ -199,10 +207,10 @@ __global__ void __launch_bounds__(128, MB) verify_kernel(
     }
   }
 
-  // the stream: Y = R X over this warp's 32 rows, in 16 units
-  float d[2][2][4];
+  // the stream: Y = R X over this warp's rows, in NU units
+  float d[MT][2][4];
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+  for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
@@ -211,15 +219,16 @@ __global__ void __launch_bounds__(128, MB) verify_kernel(
   for (int u = 0; u < NU; ++u) {
     if (u + PF < NU) {
       const int w = u + PF, sl = w % (PF + 1);
-      const float* p = rw + (16 * (w & 1)) * K + 16 * (w >> 1);
+      const float* p = rw + (16 * (w % MT)) * K + 16 * (w / MT);
       buf[sl][0] = ldr<CS>(p);
       buf[sl][1] = ldr<CS>(p + 8 * K);
     }
     const int cur = u % (PF + 1);
-    chunk<2, 0>(d[u & 1], buf[cur][0], buf[cur][1], sm.xh, sm.xl, u >> 1, g, t);
+    chunk<2, 0>(d[u % MT], buf[cur][0], buf[cur][1], sm.xh, sm.xl, u / MT, g, t);
   }
-  // the row's epilogue operands (one value row per thread), before the syncs
+  // the row's epilogue operands (one value row per thread of the first V), before the syncs
   const int row = tid;
+  const bool rowed = tid < V;
   const size_t HV = (size_t)H * V;
   const float* ukr = uk + (size_t)b * J * HV + (size_t)h * V + row;
   const float* vr = v + (size_t)b * J * HV + (size_t)h * V + row;
@@ -230,10 +239,12 @@ __global__ void __launch_bounds__(128, MB) verify_kernel(
 #pragma unroll
     for (int i = 0; i < TMAX; ++i) vv[i] = i < T ? vr[(start + i) * HV] : 0.f;
   };
-  if constexpr (EP) load_ring();
+  if constexpr (EP) {
+    if (rowed) load_ring();
+  }
 #pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    const int r0 = warp * 32 + 16 * m + g;
+  for (int m = 0; m < MT; ++m) {
+    const int r0 = warp * RW + 16 * m + g;
 #pragma unroll
     for (int nn = 0; nn < 2; ++nn) {
       const int c0 = nn * 8 + 2 * t;
@@ -245,14 +256,17 @@ __global__ void __launch_bounds__(128, MB) verify_kernel(
   }
   __syncthreads();
   // Z = the warps' partial products summed in warp order
-  for (int e = tid; e < JMAX * NX; e += 128) {
+  for (int e = tid; e < JMAX * NX; e += NTH) {
     const int j = e / NX, col = e % NX;
-    sm.z[j * YS + col] = ((sm.zp[0][e] + sm.zp[1][e]) + sm.zp[2][e]) + sm.zp[3][e];
+    float z = sm.zp[0][e];
+#pragma unroll
+    for (int w = 1; w < NW; ++w) z += sm.zp[w][e];
+    sm.z[j * YS + col] = z;
   }
   __syncthreads();
 
   // coefficient tables (zero outside their ranges): 384 entries + 24 scalars over 128 threads
-  for (int e = tid; e < 2 * TMAX * JMAX + 2 * TMAX * TMAX; e += 128) {
+  for (int e = tid; e < 2 * TMAX * JMAX + 2 * TMAX * TMAX; e += NTH) {
     float val = 0.f;
     if (e < TMAX * JMAX) {  // ac[i][j], committed j < start
       const int i = e / JMAX, j = e % JMAX, p = start + i;
@@ -285,6 +299,7 @@ __global__ void __launch_bounds__(128, MB) verify_kernel(
   __syncthreads();
 
   // one value row per thread: the drafts' corrections, then the outputs
+  if (!rowed) return;
   if constexpr (!EP) load_ring();
   const float* yr = sm.y + row * YS;
   float ud[TMAX];
@@ -324,27 +339,33 @@ __global__ void __launch_bounds__(128, MB) verify_kernel(
 // J <= 16, start + T <= J.
 void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v,
             torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start,
-            torch::Tensor o, torch::Tensor uout, int64_t pf, int64_t mb, bool ep) {
+            torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb, bool ep) {
   const int B = (int)R.size(0), H = (int)R.size(1), J = (int)la.size(1), G = (int)k.size(2);
   const int T = (int)q.size(1);
   const dim3 grid(B * H);
   const size_t shm = sizeof(Smem);
   auto st = at::cuda::getCurrentCUDAStream();
-#define L(P, C, M, E)                                                                        \
+#define L(W, P, M, E)                                                                        \
   {                                                                                          \
-    auto fn = verify_kernel<P, C, M, E>;                                                     \
+    auto fn = verify_kernel<W, P, false, M, E>;                                              \
     cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);         \
-    fn<<<grid, 128, shm, st>>>(R.data_ptr<float>(), la.data_ptr<float>(),                   \
-                               beta.data_ptr<float>(), v.data_ptr<float>(),                 \
-                               k.data_ptr<float>(), q.data_ptr<float>(), uk.data_ptr<float>(), \
-                               start.data_ptr<int64_t>(), o.data_ptr<float>(),              \
-                               uout.data_ptr<float>(), H, G, J, T);                         \
+    fn<<<grid, W * 32, shm, st>>>(R.data_ptr<float>(), la.data_ptr<float>(),                \
+                                  beta.data_ptr<float>(), v.data_ptr<float>(),              \
+                                  k.data_ptr<float>(), q.data_ptr<float>(),                 \
+                                  uk.data_ptr<float>(), start.data_ptr<int64_t>(),          \
+                                  o.data_ptr<float>(), uout.data_ptr<float>(), H, G, J, T); \
   }
-#define LM(P, M) { if (ep) L(P, false, M, true) else L(P, false, M, false) }
-#define LP(P) { if (mb == 6) LM(P, 6) else if (mb == 5) LM(P, 5) else LM(P, 0) }
-  if (pf == 2) LP(2) else if (pf == 3) LP(3) else LP(4)
-#undef LP
+#define LE(W, P, M) { if (ep) L(W, P, M, true) else L(W, P, M, false) }
+  if (nw == 4) {
+#define LM(P) { if (mb == 6) LE(4, P, 6) else if (mb == 5) LE(4, P, 5) else LE(4, P, 0) }
+    if (pf == 2) LM(2) else if (pf == 3) LM(3) else LM(4)
 #undef LM
+  } else {
+#define LM(P) { if (mb == 3) LE(8, P, 3) else if (mb == 2) LE(8, P, 2) else LE(8, P, 0) }
+    if (pf == 3) LM(3) else LM(7)
+#undef LM
+  }
+#undef LE
 #undef L
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

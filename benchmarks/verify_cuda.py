@@ -49,10 +49,10 @@ from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.replay import gdn_verify  # noqa: E402
 
 # (warps, units ahead, CTAs per SM asked of ptxas, epilogue operands loaded early)
-VARIANTS = ([(4, pf, mb, True) for pf in (2, 3, 4) for mb in (0, 6)]
-            + [(4, 3, 0, False), (4, 3, 5, True)]
-            + [(8, pf, mb, True) for pf in (3, 7) for mb in (0, 2, 3)] + [(8, 7, 0, False)])
-LAUNCH = {4: {"pf": (2, 3, 4), "mb": (0, 5, 6)}, 8: {"pf": (3, 7), "mb": (0, 2, 3)}}
+VARIANTS = ([(4, pf, mb, False) for pf in (3, 4, 5, 6) for mb in (0, 5, 6)]
+            + [(4, 3, 0, True), (4, 4, 0, True)]
+            + [(8, pf, mb, False) for pf in (3, 4, 5) for mb in (0, 3)] + [(8, 3, 3, True)])
+LAUNCH = {4: {"pf": (2, 3, 4, 5, 6), "mb": (0, 5, 6)}, 8: {"pf": (3, 4, 5, 7), "mb": (0, 2, 3)}}
 T_MAX, J_MAX, DIM = 8, 16, 128
 
 

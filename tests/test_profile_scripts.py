@@ -357,7 +357,7 @@ def test_verify_cuda_refuses_bad_inputs(tmp_path):
     refused(r"T \(drafts\) must be in 1..8, got 9", q=torch.zeros(2, 9, 2, 128))
     refused(r"start must be in 0..J-T = 0..8, got \[0, 9\]", start=torch.tensor([0, 9]))
     refused(r"start must be int64 \[2\]", start=start.int())
-    refused(r"pf must be one of \(2, 3, 4\) with nw=4, got 1", pf=1)
+    refused(r"pf must be one of \(2, 3, 4, 5, 6\) with nw=4, got 1", pf=1)
     refused(r"mb must be one of \(0, 2, 3\) with nw=8, got 5", nw=8, pf=7, mb=5)
     refused(r"nw must be one of \(4, 8\), got 2", nw=2)
     if not torch.cuda.is_available():

@@ -16,7 +16,7 @@ state runs), DK = DV = 128, T <= 8, J <= 16. Nothing shipped uses it.
 On ``decode.py``'s GDN geometry at B = 256 (4 rotated FP32 sets, CUDA-graph medians,
 ``decode.timer``): for each start h = 0..L-T the shipped ``gdn_verify_kernel`` and each CUDA
 variant (``nw``: warps a CTA, ``pf``: units of R loaded ahead, ``mb``: CTAs per SM asked of
-ptxas, ``ep``: the epilogue's ring operands loaded right after the stream); the shipped step at
+ptxas, ``ep``: where the epilogue's ring operands are loaded, see ``VARIANTS``); the shipped step at
 h = 0..L-2 (its mean is the target's denominator); a bare read of the state
 (``decode.read_pass``). Checks at every h: outputs and corrections of every variant
 against a float64 ``gdn_verify`` of the first ``--ref-seqs`` sequences (``1e-5 + 1e-5 |ref|``,
@@ -48,10 +48,11 @@ from replayssm_quant.config import GDNFold  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.replay import gdn_verify  # noqa: E402
 
-# (warps, units ahead, CTAs per SM asked of ptxas, epilogue operands loaded early)
-VARIANTS = ([(4, pf, mb, False) for pf in (3, 4, 5, 6) for mb in (0, 5, 6)]
-            + [(4, 3, 0, True), (4, 4, 0, True)]
-            + [(8, pf, mb, False) for pf in (3, 4, 5) for mb in (0, 3)] + [(8, 3, 3, True)])
+# (warps, units ahead, CTAs per SM asked of ptxas, where the epilogue's ring operands load:
+# 0 late into registers, 1 early into registers, 2 by cp.async into shared memory)
+VARIANTS = ([(4, 3, 0, 0), (4, 4, 0, 0), (4, 5, 0, 0), (4, 4, 5, 0)]
+            + [(4, pf, 0, 2) for pf in (3, 4, 5)] + [(4, 3, 5, 2)]
+            + [(8, 3, 3, 0), (8, 4, 0, 0), (8, 3, 0, 2), (8, 4, 0, 2), (8, 3, 3, 2)])
 LAUNCH = {4: {"pf": (2, 3, 4, 5, 6), "mb": (0, 5, 6)}, 8: {"pf": (3, 4, 5, 7), "mb": (0, 2, 3)}}
 T_MAX, J_MAX, DIM = 8, 16, 128
 
@@ -60,11 +61,11 @@ def ext():
     """The CUDA kernel, built once per process for the device's architecture."""
     decl = ("void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v, "
             "torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start, "
-            "torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb, bool ep);\n")
+            "torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb, int64_t ep);\n")
     return _cuda_ext.build("replayssm_verify_standin", "verify_standin.cu", decl, ["verify"])
 
 
-def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb):
+def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb, ep=0):
     """The kernel's preconditions, checked here (a failed check in nvcc-compiled host code
     took the process down in the forty-first pass): shapes, then ranges (T <= 8, J <= 16,
     0 <= start <= J - T, the launch variant), then dtypes and device. Raises ValueError
@@ -95,6 +96,8 @@ def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb):
         raise ValueError(f"start must be in 0..J-T = 0..{J - T}, got {start.tolist()}")
     if nw not in LAUNCH:
         raise ValueError(f"nw must be one of {tuple(LAUNCH)}, got {nw}")
+    if ep not in (0, 1, 2):
+        raise ValueError(f"ep must be 0, 1 or 2, got {ep}")
     for name, val in (("pf", pf), ("mb", mb)):
         if val not in LAUNCH[nw][name]:
             raise ValueError(f"{name} must be one of {LAUNCH[nw][name]} with nw={nw}, "
@@ -107,12 +110,12 @@ def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb):
         raise ValueError(f"start must be on {R.device}, got {start.device}")
 
 
-def cuda_verify(mod, R, la, beta, v, k, q, uk, start, nw=4, pf=3, mb=0, ep=True, out=None,
+def cuda_verify(mod, R, la, beta, v, k, q, uk, start, nw=4, pf=3, mb=0, ep=0, out=None,
                 check=True):
     """``(o [B, T, H, V], uR [B, J, H, V])`` of the CUDA kernel (``out``: preallocated pair;
     ``nw, pf, mb, ep``: the kernel's template parameters NW, PF, MB, EP)."""
     if check:
-        check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb)
+        check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb, ep)
     B, H, J, T = R.shape[0], R.shape[1], la.shape[1], q.shape[1]
     o, u = out if out is not None else (
         torch.empty(B, T, H, DIM, device=R.device), torch.empty(B, J, H, DIM, device=R.device))
@@ -175,7 +178,7 @@ def decomposition(R, la, beta, v, k, q, uk, start):
 
 def label(var):
     nw, pf, mb, ep = var
-    return f"nw{nw}_pf{pf}_mb{mb}{'_ep' if ep else ''}"
+    return f"nw{nw}_pf{pf}_mb{mb}{('', '_ep', '_cpa')[ep]}"
 
 
 def _inputs(st):
@@ -222,7 +225,7 @@ def main(argv=None):
             raise SystemExit(f"--profile takes NW,PF,MB,EP, got {a.profile!r}")
         start = torch.full((B,), 4, dtype=torch.int64, device="cuda")
         for _ in range(3):
-            cuda_verify(mod, *args0, start, *var[:3], bool(var[3]))
+            cuda_verify(mod, *args0, start, *var)
         torch.cuda.synchronize()
         return
     nref = min(a.ref_seqs, B)

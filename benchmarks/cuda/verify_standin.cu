@@ -95,7 +95,13 @@ __device__ __forceinline__ float4 ldr(const float* p) {
 struct Smem {
   float xh[NX * XS];
   float xl[NX * XS];
-  float y[V * YS];
+  union {
+    float y[V * YS];         // EP = 0, 1 (EP = 2: Y in xh's space)
+    struct {
+      float ru[JMAX][V];     // EP = 2: committed corrections (zero from start on)
+      float rv[TMAX][V];     // EP = 2: the drafts' values (zero past T)
+    };
+  };
   float z[JMAX * YS];        // ring keys . X
   float zp[8][JMAX * NX];    // the warps' partial ring-key products
   float c[JMAX];             // cumulative log decays (masked)
@@ -109,10 +115,12 @@ struct Smem {
 
 // PF: units of R (one m-tile's 16 rows x 16 columns of K: two float4 a lane) loaded ahead of
 // the one in the tensor cores. CS: streaming hint on R's loads. MB: CTAs per SM asked of
-// ptxas (__launch_bounds__' register cap; 0: none). EP: the epilogue's ring operands loaded
-// right after the stream (else after the coefficient tables). NW: warps (4: 32 rows each,
+// ptxas (__launch_bounds__' register cap; 0: none). EP: where the epilogue's ring operands
+// (the committed corrections, the drafts' values) are loaded: 0 into registers after the
+// coefficient tables, 1 into registers right after the stream, 2 into shared memory by
+// cp.async at the kernel's start (Y then shares X's space, one more barrier). NW: warps (4: 32 rows each,
 // two m-tiles; 8: 16 rows each, and threads 128.. sit out the per-row epilogue).
-template <int NW, int PF, bool CS, int MB, bool EP>
+template <int NW, int PF, bool CS, int MB, int EP>
 __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     const float* __restrict__ R, const float* __restrict__ la, const float* __restrict__ beta,
     const float* __restrict__ v, const float* __restrict__ kr, const float* __restrict__ q,
@@ -154,6 +162,23 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
                      ? __ldg(reinterpret_cast<const float4*>(kw + (size_t)(g + 8) * G * K + 16 * c))
                      : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+  }
+
+  if constexpr (EP == 2) {  // the epilogue's ring operands, by cp.async (zero-filled)
+    for (int e = tid; e < (JMAX + TMAX) * (V / 4); e += NTH) {
+      const int slot = e / (V / 4), c4 = (e % (V / 4)) * 4;
+      const bool u_row = slot < JMAX;
+      const int i = slot - JMAX;
+      const bool ok = u_row ? (slot < start && slot < J) : (i < T);
+      const float* src = !ok ? uk
+                       : u_row ? uk + (((size_t)b * J + slot) * H + h) * V + c4
+                               : v + (((size_t)b * J + start + i) * H + h) * V + c4;
+      float* dst = u_row ? &sm.ru[slot][c4] : &sm.rv[i][c4];
+      const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(src),
+                   "r"(ok ? 16 : 0));
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
   }
 
   // X: column c < 8 the key of ring slot start + c, 8 + c the query of draft c; zero past T.
@@ -239,21 +264,24 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
 #pragma unroll
     for (int i = 0; i < TMAX; ++i) vv[i] = i < T ? vr[(start + i) * HV] : 0.f;
   };
-  if constexpr (EP) {
+  if constexpr (EP == 1) {
     if (rowed) load_ring();
   }
+  if constexpr (EP == 2) __syncthreads();  // every warp is done with X: Y takes its space
+  float* ys = EP == 2 ? sm.xh : sm.y;
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
     const int r0 = warp * RW + 16 * m + g;
 #pragma unroll
     for (int nn = 0; nn < 2; ++nn) {
       const int c0 = nn * 8 + 2 * t;
-      sm.y[r0 * YS + c0] = d[m][nn][0];
-      sm.y[r0 * YS + c0 + 1] = d[m][nn][1];
-      sm.y[(r0 + 8) * YS + c0] = d[m][nn][2];
-      sm.y[(r0 + 8) * YS + c0 + 1] = d[m][nn][3];
+      ys[r0 * YS + c0] = d[m][nn][0];
+      ys[r0 * YS + c0 + 1] = d[m][nn][1];
+      ys[(r0 + 8) * YS + c0] = d[m][nn][2];
+      ys[(r0 + 8) * YS + c0 + 1] = d[m][nn][3];
     }
   }
+  if constexpr (EP == 2) asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
   // Z = the warps' partial products summed in warp order
   for (int e = tid; e < JMAX * NX; e += NTH) {
@@ -300,8 +328,14 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
 
   // one value row per thread: the drafts' corrections, then the outputs
   if (!rowed) return;
-  if constexpr (!EP) load_ring();
-  const float* yr = sm.y + row * YS;
+  if constexpr (EP == 0) load_ring();
+  if constexpr (EP == 2) {
+#pragma unroll
+    for (int j = 0; j < JMAX; ++j) uc[j] = sm.ru[j][row];
+#pragma unroll
+    for (int i = 0; i < TMAX; ++i) vv[i] = sm.rv[i][row];
+  }
+  const float* yr = (EP == 2 ? sm.xh : sm.y) + row * YS;
   float ud[TMAX];
 #pragma unroll
   for (int i = 0; i < TMAX; ++i) {
@@ -339,7 +373,7 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
 // J <= 16, start + T <= J.
 void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v,
             torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start,
-            torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb, bool ep) {
+            torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb, int64_t ep) {
   const int B = (int)R.size(0), H = (int)R.size(1), J = (int)la.size(1), G = (int)k.size(2);
   const int T = (int)q.size(1);
   const dim3 grid(B * H);
@@ -355,7 +389,7 @@ void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor
                                   uk.data_ptr<float>(), start.data_ptr<int64_t>(),          \
                                   o.data_ptr<float>(), uout.data_ptr<float>(), H, G, J, T); \
   }
-#define LE(W, P, M) { if (ep) L(W, P, M, true) else L(W, P, M, false) }
+#define LE(W, P, M) { if (ep == 2) L(W, P, M, 2) else if (ep == 1) L(W, P, M, 1) else L(W, P, M, 0) }
   if (nw == 4) {
 #define LM(P) { if (mb == 6) LE(4, P, 6) else if (mb == 5) LE(4, P, 5) else LE(4, P, 0) }
     if (pf == 2) LM(2) else if (pf == 3) LM(3) else if (pf == 4) LM(4)

@@ -45,14 +45,15 @@ import replay_kernels as rk  # noqa: E402
 from _commit import code_commit  # noqa: E402
 
 from replayssm_quant.config import GDNFold  # noqa: E402
+from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 from replayssm_quant.replay import gdn_verify  # noqa: E402
 
 # (warps, units ahead, CTAs per SM asked of ptxas, where the epilogue's ring operands load:
 # 0 late into registers, 1 early into registers, 2 by cp.async into shared memory)
-VARIANTS = ([(4, 3, 0, 0), (4, 4, 0, 0), (4, 5, 0, 0), (4, 4, 5, 0)]
-            + [(4, pf, 0, 2) for pf in (3, 4, 5)] + [(4, 3, 5, 2)]
-            + [(8, 3, 3, 0), (8, 4, 0, 0), (8, 3, 0, 2), (8, 4, 0, 2), (8, 3, 3, 2)])
+VARIANTS = ([(4, 3, 0, 0), (4, 4, 5, 0), (4, 3, 6, 0), (4, 2, 6, 0)]
+            + [(4, pf, 0, 2) for pf in (3, 4)] + [(4, 3, 6, 2)]
+            + [(8, 3, 3, 0), (8, 3, 0, 2), (8, 4, 0, 2)])
 LAUNCH = {4: {"pf": (2, 3, 4, 5, 6), "mb": (0, 5, 6)}, 8: {"pf": (3, 4, 5, 7), "mb": (0, 2, 3)}}
 T_MAX, J_MAX, DIM = 8, 16, 128
 
@@ -84,7 +85,7 @@ def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb, ep=0):
         if tuple(t.shape) != want[name]:
             raise ValueError(f"{name} must be {want[name]} (from R, la, k and q), got "
                              f"{tuple(t.shape)}")
-    if H % G:
+    if G < 1 or H % G:
         raise ValueError(f"key heads G={G} must divide value heads H={H}")
     if not 1 <= T <= T_MAX:
         raise ValueError(f"T (drafts) must be in 1..{T_MAX}, got {T}")
@@ -108,6 +109,10 @@ def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb, ep=0):
                              f"{t.dtype}, contiguous={t.is_contiguous()}, {t.device}")
     if start.device != R.device:
         raise ValueError(f"start must be on {R.device}, got {start.device}")
+    for name, t in {"R": R, **ins}.items():  # the kernel's float4 loads and cp.async
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (a view at an offset "
+                             f"of a multiple of 4 floats), got address {t.data_ptr():#x}")
 
 
 def cuda_verify(mod, R, la, beta, v, k, q, uk, start, nw=4, pf=3, mb=0, ep=0, out=None,
@@ -116,6 +121,14 @@ def cuda_verify(mod, R, la, beta, v, k, q, uk, start, nw=4, pf=3, mb=0, ep=0, ou
     ``nw, pf, mb, ep``: the kernel's template parameters NW, PF, MB, EP)."""
     if check:
         check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb, ep)
+        if out is not None:
+            want = ((R.shape[0], q.shape[1], R.shape[1], DIM), (R.shape[0], la.shape[1],
+                                                               R.shape[1], DIM))
+            for name, t, w in (("o", out[0], want[0]), ("uR", out[1], want[1])):
+                if tuple(t.shape) != w or t.dtype != torch.float32 or not t.is_contiguous() \
+                        or t.device != R.device:
+                    raise ValueError(f"out {name} must be a contiguous float32 {w} tensor on "
+                                     f"{R.device}, got {t.dtype} {tuple(t.shape)} {t.device}")
     B, H, J, T = R.shape[0], R.shape[1], la.shape[1], q.shape[1]
     o, u = out if out is not None else (
         torch.empty(B, T, H, DIM, device=R.device), torch.empty(B, J, H, DIM, device=R.device))
@@ -194,7 +207,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--ref-seqs", type=int, default=8)
+    ap.add_argument("--ref-seqs", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", metavar="NW,PF,MB,EP",
                     help="only run this variant 3 times at h = 4 (for ncu), e.g. 4,3,0,1")
@@ -230,19 +243,21 @@ def main(argv=None):
         return
     nref = min(a.ref_seqs, B)
     ok = True
-    for h in range(L - T + 1):
-        start = torch.full((B,), h, dtype=torch.int64, device="cuda")
-        o_tr, u_tr = dc.run_verify(M, st0, start)
-        Rd, lad, bd, vd, kd, qd, ud = (t[:nref].double() for t in args0)
-        ref = gdn_verify(Rd, Rd, lad, bd, vd, kd, qd, ud, start[:nref], L, GDNFold.CACHED)
+    def check_case(args, start, J):
+        """Every variant on ``args`` (R, la, beta, v, k, q, uk) at ``start`` against float64
+        ``gdn_verify`` (first ``nref`` sequences), the shipped kernel (all) and itself on the
+        first 8 sequences alone and on the batch reversed (the same bits)."""
+        R_, la_, beta_, v_, k_, q_, uk_ = args
+        o_tr, u_tr = kr.gdn_verify_kernel(R_, R_, la_, beta_, v_, k_, q_, uk_, start, J, True)
+        Rd, lad, bd, vd, kd, qd, ud = (t[:nref].double() for t in args)
+        ref = gdn_verify(Rd, Rd, lad, bd, vd, kd, qd, ud, start[:nref], J, GDNFold.CACHED)
         chk = {"shipped": {"outputs": dc.stats(o_tr[:nref], ref[0]),
                            "corrections": dc.stats(u_tr[:nref], ref[1])}}
+        rev = torch.arange(B - 1, -1, -1, device="cuda")
         for var in VARIANTS:
-            o, u = cuda_verify(mod, st0["R"], *args0[1:], start, *var)
-            # batch invariance: the first 8 sequences alone; the batch reversed
-            o8, u8 = cuda_verify(mod, *_sel(args0, slice(0, 8)), start[:8].contiguous(), *var)
-            rev = torch.arange(B - 1, -1, -1, device="cuda")
-            orv, urv = cuda_verify(mod, *_sel(args0, rev), start[rev].contiguous(), *var)
+            o, u = cuda_verify(mod, *args, start, *var)
+            o8, u8 = cuda_verify(mod, *_sel(args, slice(0, 8)), start[:8].contiguous(), *var)
+            orv, urv = cuda_verify(mod, *_sel(args, rev), start[rev].contiguous(), *var)
             c = {"outputs": dc.stats(o[:nref], ref[0]),
                  "corrections": dc.stats(u[:nref], ref[1]),
                  "max_abs_vs_shipped": {"outputs": float((o - o_tr).abs().max()),
@@ -252,11 +267,23 @@ def main(argv=None):
                                          and torch.equal(urv, u[rev]))}
             c["passed"] = (c["outputs"]["passed"] and c["corrections"]["passed"]
                            and c["batch_invariant"])
-            ok &= c["passed"]
             chk[label(var)] = c
-        res["checks"][f"h{h}"] = chk
+        return chk
+
+    cases = [(f"h{h}", args0, torch.full((B,), h, dtype=torch.int64, device="cuda"), L)
+             for h in range(L - T + 1)]
+    # per-sequence starts (every start in the first L - T + 1 sequences); and T = 3 drafts on
+    # a ring of J = 12 slots (zero X columns, fewer slots), starts mixed likewise
+    cases.append(("mixed", args0, torch.arange(B, device="cuda") % (L - T + 1), L))
+    small = (args0[0], *(t[:, :12].contiguous() for t in args0[1:5]),
+             args0[5][:, :3].contiguous(), args0[6][:, :12].contiguous())
+    cases.append(("T3_J12_mixed", small, torch.arange(B, device="cuda") % 10, 12))
+    for name, args, start, J in cases:
+        chk = check_case(args, start, J)
+        ok &= all(c["passed"] for k_, c in chk.items() if k_ != "shipped")
+        res["checks"][name] = chk
         cuda = [c for k_, c in chk.items() if k_ != "shipped"]
-        print(f"h{h} shipped passed {chk['shipped']['outputs']['passed']} "
+        print(f"{name} shipped passed {chk['shipped']['outputs']['passed']} "
               f"{chk['shipped']['corrections']['passed']}; cuda variants passed "
               f"{sum(c['passed'] for c in cuda)}/{len(cuda)}; max abs vs shipped "
               f"{max(c['max_abs_vs_shipped']['outputs'] for c in cuda):.2e} (outputs) "

@@ -13,13 +13,13 @@
 // with R's rows loaded straight from global memory into the A fragments: a lane reads 16
 // contiguous bytes of a row and uses them as the (t, t + 4) columns of two k-steps, and X's
 // fragments in shared memory follow the same permutation of K, so no shared-memory staging
-// of R is needed. Each warp streams 32 rows (two m-tiles) in 16 units of 16 rows x 16 columns
-// of K, PF units loaded ahead. The products of the 16 ring keys with X (the Gram terms
-// k_j . k_p and k_j . q_t) are one more m-tile, split over the four warps by quarters of K
-// (one round of loads, issued with the stream's first) and summed in warp order. Then one
-// thread per value row solves the drafts' corrections and forms the outputs from the row's
-// 16 products and the per-CTA coefficient tables; its ring operands are loaded right after
-// the stream's last loads.
+// of R is needed. Each warp streams 128 / NW rows (two m-tiles or one) in units of 16 rows
+// x 16 columns of K, PF units loaded ahead. The products of the 16 ring keys with X (the
+// Gram terms k_j . k_p and k_j . q_t) are one more m-tile, split over the warps by shares of
+// K (one round of loads, issued with the stream's first) and summed in warp order. Then one
+// thread per value row (the first 128 threads) solves the drafts' corrections and forms the
+// outputs from the row's 16 products and the per-CTA coefficient tables; its ring operands
+// (committed corrections, drafts' values) load where EP says.
 //
 // The order of every sum is fixed by the CTA's code alone: a sequence's bits do not depend on
 // the batch, its position or its neighbours.
@@ -92,18 +92,16 @@ __device__ __forceinline__ float4 ldr(const float* p) {
   }
 }
 
+// Shared memory of a CTA; sized per variant (zp by the warps, the ring buffers only for
+// EP = 2, where Y takes X's space instead of its own), so that NW = 4 fits 6 CTAs an SM.
+template <int NW, int EP>
 struct Smem {
+  static constexpr int YN = EP == 2 ? (JMAX + TMAX) * V : V * YS;
   float xh[NX * XS];
   float xl[NX * XS];
-  union {
-    float y[V * YS];         // EP = 0, 1 (EP = 2: Y in xh's space)
-    struct {
-      float ru[JMAX][V];     // EP = 2: committed corrections (zero from start on)
-      float rv[TMAX][V];     // EP = 2: the drafts' values (zero past T)
-    };
-  };
+  float y[YN];               // EP = 0, 1: Y; EP = 2: ru [JMAX][V] then rv [TMAX][V]
   float z[JMAX * YS];        // ring keys . X
-  float zp[8][JMAX * NX];    // the warps' partial ring-key products
+  float zp[NW][JMAX * NX];   // the warps' partial ring-key products
   float c[JMAX];             // cumulative log decays (masked)
   float beta[JMAX];
   float ac[TMAX][JMAX];      // draft i x committed slot j: beta e^{c_p - c_j} k_j . k_p
@@ -118,8 +116,9 @@ struct Smem {
 // ptxas (__launch_bounds__' register cap; 0: none). EP: where the epilogue's ring operands
 // (the committed corrections, the drafts' values) are loaded: 0 into registers after the
 // coefficient tables, 1 into registers right after the stream, 2 into shared memory by
-// cp.async at the kernel's start (Y then shares X's space, one more barrier). NW: warps (4: 32 rows each,
-// two m-tiles; 8: 16 rows each, and threads 128.. sit out the per-row epilogue).
+// cp.async at the kernel's start (Y then shares X's space, one more barrier). NW: warps (4:
+// 32 rows each, two m-tiles; 8: 16 rows each, and threads 128.. sit out the per-row
+// epilogue).
 template <int NW, int PF, bool CS, int MB, int EP>
 __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     const float* __restrict__ R, const float* __restrict__ la, const float* __restrict__ beta,
@@ -127,7 +126,9 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     const float* __restrict__ uk, const int64_t* __restrict__ startp, float* __restrict__ o,
     float* __restrict__ uout, int H, int G, int J, int T) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  Smem<NW, EP>& sm = *reinterpret_cast<Smem<NW, EP>*>(smem_raw);
+  float(&ru)[JMAX][V] = *reinterpret_cast<float(*)[JMAX][V]>(sm.y);              // EP = 2
+  float(&rv)[TMAX][V] = *reinterpret_cast<float(*)[TMAX][V]>(sm.y + JMAX * V);   // EP = 2
   const int mat = blockIdx.x, b = mat / H, h = mat - b * H, grp = h / (H / G);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int start = (int)startp[b];
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
       const float* src = !ok ? uk
                        : u_row ? uk + (((size_t)b * J + slot) * H + h) * V + c4
                                : v + (((size_t)b * J + start + i) * H + h) * V + c4;
-      float* dst = u_row ? &sm.ru[slot][c4] : &sm.rv[i][c4];
+      float* dst = u_row ? &ru[slot][c4] : &rv[i][c4];
       const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(src),
                    "r"(ok ? 16 : 0));
@@ -298,30 +299,30 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     float val = 0.f;
     if (e < TMAX * JMAX) {  // ac[i][j], committed j < start
       const int i = e / JMAX, j = e % JMAX, p = start + i;
-      if (i < T && j < start) val = sm.beta[p] * __expf(sm.c[p] - sm.c[j]) * sm.z[j * YS + i];
+      if (i < T && j < start) val = sm.beta[p] * expf(sm.c[p] - sm.c[j]) * sm.z[j * YS + i];
       (&sm.ac[0][0])[e] = val;
     } else if (e < 2 * TMAX * JMAX) {  // bc[t][j]
       const int e2 = e - TMAX * JMAX, tt = e2 / JMAX, j = e2 % JMAX, p = start + tt;
-      if (tt < T && j < start) val = __expf(sm.c[p] - sm.c[j]) * sm.z[j * YS + 8 + tt];
+      if (tt < T && j < start) val = expf(sm.c[p] - sm.c[j]) * sm.z[j * YS + 8 + tt];
       (&sm.bc[0][0])[e2] = val;
     } else if (e < 2 * TMAX * JMAX + TMAX * TMAX) {  // ad[i][i'], i' < i
       const int e2 = e - 2 * TMAX * JMAX, i = e2 / TMAX, i2 = e2 % TMAX;
       const int p = start + i, p2 = start + i2;
       if (i < T && i2 < i)
-        val = sm.beta[p] * __expf(sm.c[p] - sm.c[p2]) * sm.z[p2 * YS + i];
+        val = sm.beta[p] * expf(sm.c[p] - sm.c[p2]) * sm.z[p2 * YS + i];
       (&sm.ad[0][0])[e2] = val;
     } else {  // bd[t][i], i <= t
       const int e2 = e - 2 * TMAX * JMAX - TMAX * TMAX, tt = e2 / TMAX, i = e2 % TMAX;
       const int p = start + tt, p2 = start + i;
-      if (tt < T && i <= tt) val = __expf(sm.c[p] - sm.c[p2]) * sm.z[p2 * YS + 8 + tt];
+      if (tt < T && i <= tt) val = expf(sm.c[p] - sm.c[p2]) * sm.z[p2 * YS + 8 + tt];
       (&sm.bd[0][0])[e2] = val;
     }
   }
   if (tid < TMAX) {
     const int p = start + tid;
     const bool live = tid < T;
-    sm.gk[tid] = live ? __expf(sm.c[p]) : 0.f;
-    sm.gq[tid] = live ? __expf(sm.c[p]) : 0.f;
+    sm.gk[tid] = live ? expf(sm.c[p]) : 0.f;
+    sm.gq[tid] = live ? expf(sm.c[p]) : 0.f;
     sm.bp[tid] = live ? sm.beta[p] : 0.f;
   }
   __syncthreads();
@@ -331,9 +332,9 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
   if constexpr (EP == 0) load_ring();
   if constexpr (EP == 2) {
 #pragma unroll
-    for (int j = 0; j < JMAX; ++j) uc[j] = sm.ru[j][row];
+    for (int j = 0; j < JMAX; ++j) uc[j] = ru[j][row];
 #pragma unroll
-    for (int i = 0; i < TMAX; ++i) vv[i] = sm.rv[i][row];
+    for (int i = 0; i < TMAX; ++i) vv[i] = rv[i][row];
   }
   const float* yr = (EP == 2 ? sm.xh : sm.y) + row * YS;
   float ud[TMAX];
@@ -377,11 +378,11 @@ void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor
   const int B = (int)R.size(0), H = (int)R.size(1), J = (int)la.size(1), G = (int)k.size(2);
   const int T = (int)q.size(1);
   const dim3 grid(B * H);
-  const size_t shm = sizeof(Smem);
   auto st = at::cuda::getCurrentCUDAStream();
 #define L(W, P, M, E)                                                                        \
   {                                                                                          \
     auto fn = verify_kernel<W, P, false, M, E>;                                              \
+    const size_t shm = sizeof(Smem<W, E>);                                                   \
     cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);         \
     fn<<<grid, W * 32, shm, st>>>(R.data_ptr<float>(), la.data_ptr<float>(),                \
                                   beta.data_ptr<float>(), v.data_ptr<float>(),              \

@@ -209,9 +209,18 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--ref-seqs", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--variants", help="comma-separated labels of VARIANTS to run (default all), "
+                    "e.g. nw8_pf3_mb0_cpa,nw4_pf3_mb0")
     ap.add_argument("--profile", metavar="NW,PF,MB,EP",
                     help="only run this variant 3 times at h = 4 (for ncu), e.g. 4,3,0,1")
     a = ap.parse_args(argv)
+    global VARIANTS
+    if a.variants:
+        by = {label(v): v for v in VARIANTS}
+        bad = [x for x in a.variants.split(",") if x not in by]
+        if bad:
+            ap.error(f"--variants: unknown {bad}; known: {sorted(by)}")
+        VARIANTS = [by[x] for x in a.variants.split(",")]
     if not torch.cuda.is_available():
         raise SystemExit("verify_cuda.py times CUDA launches; run it on the device")
     mod = ext()

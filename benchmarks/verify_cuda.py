@@ -8,24 +8,28 @@ the H200 (``decode_h200.json`` at 5037ba1). Its time is not DRAM time: one progr
 products, the coefficients, the solve and the epilogue in series with the stream of R.
 The CUDA kernel loads R's rows straight into ``mma.sync`` fragments (3xTF32, FP32
 accumulation: the shipped kernel's ``tf32x3`` class of accuracy), forms the ring keys'
-products as one more m-tile, and solves one value row per thread, at 80 registers (6 CTAs
-per SM), so that one CTA's chain runs beside other CTAs' streams. It covers the ``fp32``
-policy's verify (read copy = anchor, FP32, cached corrections folded: what the decode
-state runs), DK = DV = 128, T <= 8, J <= 16. Nothing shipped uses it.
+products as one more m-tile, and solves one value row per thread, at 80-104 registers (3-6
+CTAs per SM, by variant), so that one CTA's chain runs beside other CTAs' streams. It covers
+the ``fp32`` policy's verify (read copy = anchor, FP32, cached corrections folded: what the
+decode state runs), DK = DV = 128, T <= 8, J <= 16. Nothing shipped uses it. On the H100
+(744aff1) its best variant ran at 1.32x the step against the shipped kernel's 1.89x
+(docs/kernels-replay.md, "Forty-second pass").
 
 On ``decode.py``'s GDN geometry at B = 256 (4 rotated FP32 sets, CUDA-graph medians,
 ``decode.timer``): for each start h = 0..L-T the shipped ``gdn_verify_kernel`` and each CUDA
 variant (``nw``: warps a CTA, ``pf``: units of R loaded ahead, ``mb``: CTAs per SM asked of
-ptxas, ``ep``: where the epilogue's ring operands are loaded, see ``VARIANTS``); the shipped step at
-h = 0..L-2 (its mean is the target's denominator); a bare read of the state
-(``decode.read_pass``). Checks at every h: outputs and corrections of every variant
-against a float64 ``gdn_verify`` of the first ``--ref-seqs`` sequences (``1e-5 + 1e-5 |ref|``,
-as ``decode.py``), against the shipped kernel on all sequences (max abs difference), and
-batch invariance (the first 8 sequences alone, and the batch reversed, give the same bits).
+ptxas, ``ep``: where the epilogue's ring operands are loaded, see ``VARIANTS``); the
+shipped step at h = 0..L-2 (its mean is the target's denominator); a bare read of the state
+(``decode.read_pass``). Checks at every h, at per-sequence starts, and with T = 3 drafts on
+a 12-slot ring: outputs and corrections of every variant against a float64 ``gdn_verify``
+of the first ``--ref-seqs`` sequences (``1e-5 + 1e-5 |ref|``, as ``decode.py``), against the
+shipped kernel on all sequences (max abs difference), and batch invariance (the first 8
+sequences alone, and the batch reversed, give the same bits).
 
 Usage (device; nvcc and ninja, as the lent image has)::
 
     python3 benchmarks/verify_cuda.py --out $OUT/verify_cuda.json
+    python3 benchmarks/verify_cuda.py --variants nw8_pf3_mb0_cpa,nw4_pf3_mb0 --out ...
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def ext():
     """The CUDA kernel, built once per process for the device's architecture."""
     decl = ("void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v, "
             "torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start, "
-            "torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb, int64_t ep);\n")
+            "torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb, "
+            "int64_t ep);\n")
     return _cuda_ext.build("replayssm_verify_standin", "verify_standin.cu", decl, ["verify"])
 
 
@@ -107,8 +112,9 @@ def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb, ep=0):
         if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cuda:
             raise ValueError(f"{name} must be a contiguous float32 CUDA tensor, got "
                              f"{t.dtype}, contiguous={t.is_contiguous()}, {t.device}")
-    if start.device != R.device:
-        raise ValueError(f"start must be on {R.device}, got {start.device}")
+    if start.device != R.device or not start.is_contiguous():
+        raise ValueError(f"start must be contiguous on {R.device}, got {start.device}, "
+                         f"contiguous={start.is_contiguous()}")
     for name, t in {"R": R, **ins}.items():  # the kernel's float4 loads and cp.async
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must start on a 16-byte boundary (a view at an offset "

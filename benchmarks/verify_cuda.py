@@ -57,8 +57,12 @@ from replayssm_quant.replay import gdn_verify  # noqa: E402
 # 0 late into registers, 1 early into registers, 2 by cp.async into shared memory)
 VARIANTS = ([(4, 3, 0, 0), (4, 4, 5, 0), (4, 3, 6, 0), (4, 2, 6, 0)]
             + [(4, pf, 0, 2) for pf in (3, 4)] + [(4, 3, 6, 2)]
-            + [(8, 3, 3, 0), (8, 3, 0, 2), (8, 4, 0, 2)])
-LAUNCH = {4: {"pf": (2, 3, 4, 5, 6), "mb": (0, 5, 6)}, 8: {"pf": (3, 4, 5, 7), "mb": (0, 2, 3)}}
+            + [(8, 3, 3, 0), (8, 3, 0, 2), (8, 4, 0, 2)]
+            # untimed yet: 64 registers, 4 CTAs of 8 warps an SM (ptxas spills 12-16 bytes,
+            # outside the stream's loop in the static SASS)
+            + [(8, 2, 4, 2), (8, 2, 0, 2)])
+LAUNCH = {4: {"pf": (2, 3, 4, 5, 6), "mb": (0, 5, 6)},
+          8: {"pf": (2, 3, 4, 5, 7), "mb": (0, 2, 3, 4)}}
 T_MAX, J_MAX, DIM = 8, 16, 128
 
 

@@ -358,7 +358,7 @@ def test_verify_cuda_refuses_bad_inputs(tmp_path):
     refused(r"start must be in 0..J-T = 0..8, got \[0, 9\]", start=torch.tensor([0, 9]))
     refused(r"start must be int64 \[2\]", start=start.int())
     refused(r"pf must be one of \(2, 3, 4, 5, 6\) with nw=4, got 1", pf=1)
-    refused(r"mb must be one of \(0, 2, 3\) with nw=8, got 5", nw=8, pf=7, mb=5)
+    refused(r"mb must be one of \(0, 2, 3, 4\) with nw=8, got 5", nw=8, pf=7, mb=5)
     refused(r"nw must be one of \(4, 8\), got 2", nw=2)
     with pytest.raises(ValueError, match="ep must be 0, 1 or 2, got 3"):
         vc.check_args(*x.values(), start, 4, 3, 0, 3)

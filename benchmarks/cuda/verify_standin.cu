@@ -397,8 +397,11 @@ void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor
     else if (pf == 5) LM(5) else LM(6)
 #undef LM
   } else {
-#define LM(P) { if (mb == 3) LE(8, P, 3) else if (mb == 2) LE(8, P, 2) else LE(8, P, 0) }
-    if (pf == 3) LM(3) else if (pf == 4) LM(4) else if (pf == 5) LM(5) else LM(7)
+#define LM(P)                                                                                \
+  { if (mb == 4) LE(8, P, 4) else if (mb == 3) LE(8, P, 3) else if (mb == 2) LE(8, P, 2)     \
+    else LE(8, P, 0) }
+    if (pf == 2) LM(2) else if (pf == 3) LM(3) else if (pf == 4) LM(4) else if (pf == 5) LM(5)
+    else LM(7)
 #undef LM
   }
 #undef LE

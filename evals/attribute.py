@@ -41,7 +41,7 @@ from replayssm_quant.policy import StatePolicy
 from .kl import EXIT_BAD_ARGS, BadArgs, check_device, check_output_dir
 from .kl import main as kl_main
 
-__all__ = ["Unit", "units_for", "kl_argv", "run_cells", "cell_stats", "ssm_structure",
+__all__ = ["Unit", "units_for", "kl_argv", "run_cells", "check_rerun", "cell_stats", "ssm_structure",
            "token_documents", "main", "build_parser"]
 
 
@@ -201,6 +201,27 @@ def run_cells(a, policies, out: Path):
     if rc != 0:
         raise BadArgs(f"replayssm-kl exited with {rc} (see the message above and {out / 'runner.log'})")
     return pd.read_parquet(out / "positions.parquet")
+
+
+def check_rerun(a, out: Path) -> None:
+    """Where ``out`` already holds a ``replayssm-kl`` run, have the runner check, by a dry run
+    that computes and writes nothing, that this invocation's settings are that run's (its
+    identity check, naming what differs), so that a refused rerun is refused before the
+    caller touches anything beside it (an earlier plan's files stay as they were).
+
+    Raises:
+        BadArgs: the runner refused (its message is on stderr).
+    """
+    import os
+
+    out = Path(out)
+    if not out.is_dir():
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        rc = kl_main(kl_argv(a, ["fp32"], out) + ["--dry-run"])
+    if rc != 0:
+        raise BadArgs(f"{out} holds a replayssm-kl run this invocation cannot resume (see the "
+                      f"message above); nothing in {out.parent} was changed")
 
 
 def cell_stats(pos, policy: str, min_position: int = 0) -> dict:

@@ -51,9 +51,9 @@ from pathlib import Path
 from replayssm_quant.policy import StatePolicy
 from replayssm_quant.policymap import PolicyMap
 
-from .attribute import (_fmt_se, _runs, _span, add_run_arguments, cell_stats, check_run_arguments,
-                        decay_json, measured_decays, run_cells, splits_layers, ssm_structure,
-                        units_for)
+from .attribute import (_fmt_se, _runs, _span, add_run_arguments, cell_stats, check_rerun,
+                        check_run_arguments, decay_json, measured_decays, run_cells, splits_layers,
+                        ssm_structure, units_for)
 from .kl import EXIT_BAD_ARGS, BadArgs
 
 __all__ = ["DEFAULT_CANDIDATES", "DEFAULT_UNIFORM", "policy_bytes", "solve_plan", "plan_map",
@@ -281,6 +281,7 @@ def run_plan(a) -> dict:
     lo = N // 2
     heads, dims = ssm_structure(a.model)  # a missing model fails here, before OUT exists
     _check_eager(cands, heads, a.group_size)
+    check_rerun(a, out / "kl")  # a rerun with other settings: refused before OUT is touched
     decays = measured_decays(a, "--at-N")  # a dataset too short for N fails here, before OUT
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("plan-*.json"):  # plans of an earlier invocation are not this run's

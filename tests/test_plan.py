@@ -225,3 +225,21 @@ def test_no_progress_silences_the_weight_loading_bar(tmp_path, monkeypatch):
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         (hf_logging.enable_progress_bar if was_on else hf_logging.disable_progress_bar)()
+
+
+def test_refused_rerun_leaves_the_earlier_plan_untouched(tmp_path, capsys):
+    """A rerun into the same folder with another --at-N is refused by the runner's identity
+    check before anything is written: the earlier plan file, decay.json and plan.json stay
+    byte for byte (a new-user trial lost its plan-*.json and got a decay.json of the refused
+    settings beside a plan.json of the old ones)."""
+    out = tmp_path / "plan"
+    args = ["--model", "tiny-mamba2", "--budget", "1e-4", "--max-docs", "1", "--group-size", "8",
+            "--candidates", "shared:fp16", "--uniform", "--no-progress", "-o", str(out)]
+    assert main([*args, "--at-N", "16"]) in (0, 1), capsys.readouterr().err
+    files = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    assert "plan-0.0001.json" in files and "decay.json" in files
+    assert main([*args, "--at-N", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run with other settings" in err and "--max-tokens" in err
+    assert "nothing in" in err and "was changed" in err
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == files

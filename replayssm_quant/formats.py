@@ -277,14 +277,17 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
                 f"'{SR_SUFFIX}' (stochastic rounding; RTN is the default) and, for block-scaled "
                 f"formats, a scale mode ({_scale_help()})")
     head = f"bad format spec {spec!r}"
-    bad = SpecError(f"{head}: {expected}", head)
     if name not in FORMATS:
         close = difflib.get_close_matches(name, FORMAT_NAMES, n=1)
         what = f"{head}: unknown format {name!r}" + (f" (did you mean {close[0]!r}?)" if close
                                                       else "")
         raise SpecError(f"{what}; {expected}", what)
+    def why(what: str) -> SpecError:
+        what = f"{head}: {what}"
+        return SpecError(f"{what}; {expected}", what)
+
     if len(set(suffixes)) != len(suffixes):
-        raise bad
+        raise why("a suffix repeats")
     sr, scale = False, ""
     modes = SCALE_MODES.get(FORMATS[name].scaling, ())
     for suf in suffixes:
@@ -292,6 +295,14 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
             sr = True
         elif suf in modes and not scale:
             scale = "" if suf == modes[0] else suf
+        elif suf in modes:
+            raise why("more than one scale mode")
+        elif not modes and any(suf in m for m in SCALE_MODES.values()):
+            raise why(f"{name} has no block scales, so no scale mode ('+{suf}')")
+        elif modes:
+            raise why(f"'+{suf}' is not a scale mode of {name} (its modes: "
+                      + ", ".join(f"'+{m}'" + (" (default)" if i == 0 else "")
+                                  for i, m in enumerate(modes)) + ")")
         else:
-            raise bad
+            raise why(f"unknown suffix '+{suf}'")
     return QuantSpec(name, sr, scale)  # ('+sr' on fp32 is dropped there)

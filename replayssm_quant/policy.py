@@ -26,8 +26,8 @@ POLICY_KINDS = ("fp32", "shared", "eager", "separate")
 GRAMMAR = (
     "expected one of: 'fp32' | 'shared:F' | 'eager:F' | 'read:F/rec:G', where F and G are "
     f"one of {', '.join(FORMAT_NAMES)}, optionally followed by '+sr' "
-    "and, for block-scaled formats, a scale mode ('+rceil' or '+even' for mxfp8/mxfp4, '+up' "
-    "for nvfp4) "
+    "and, for block-scaled formats, a scale mode ('+floor' (default), '+rceil' or '+even' for "
+    "mxfp8/mxfp4; '+rn' (default) or '+up' for nvfp4) "
     "(examples: 'shared:nvfp4+sr', 'read:nvfp4/rec:fp32', 'read:nvfp4/rec:fp16+sr', "
     "'shared:nvfp4+up+sr')"
 )
@@ -83,6 +83,9 @@ class StatePolicy:
         head, sep, rest = text.partition(":")
         if not sep:
             raise ValueError(f"bad state policy {s!r}; {GRAMMAR}")
+        if head not in ("shared", "eager", "read"):
+            raise ValueError(f"bad state policy {s!r}: unknown kind {head + ':'!r} (the kinds "
+                             f"are 'shared:', 'eager:' and 'read:', or 'fp32' alone); {GRAMMAR}")
         if head in ("shared", "eager"):
             if "/" in rest or ":" in rest:
                 raise ValueError(f"bad state policy {s!r}; {GRAMMAR}")
@@ -93,7 +96,10 @@ class StatePolicy:
         if head == "read":
             read_tok, sep2, rec_part = rest.partition("/")
             if not sep2 or not rec_part.startswith("rec:"):
-                raise ValueError(f"bad state policy {s!r}; {GRAMMAR}")
+                spec(read_tok)  # an unknown read format first: the more specific reason
+                raise ValueError(f"bad state policy {s!r}: 'read:F' needs the anchor's format "
+                                 f"after it, 'read:F/rec:G' (e.g. 'read:{read_tok}/rec:fp32'); "
+                                 f"{GRAMMAR}")
             f, g = spec(read_tok), spec(rec_part[len("rec:"):])
             if f.is_identity and g.is_identity:
                 return cls("fp32", _FP32, _FP32)

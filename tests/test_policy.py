@@ -61,6 +61,31 @@ def test_misspelled_format_suggests_the_nearest(bad, hint):
     assert msg.count("fp8e4m3") == 1 and msg.count("read:F/rec:G") == 1
 
 
+@pytest.mark.parametrize("bad,reason", [
+    ("read:nvfp4", "'read:F' needs the anchor's format after it, 'read:F/rec:G' "
+                   "(e.g. 'read:nvfp4/rec:fp32')"),
+    ("read:nvfp5", "unknown format 'nvfp5' (did you mean 'nvfp4'?)"),
+    ("foo:fp16", "unknown kind 'foo:'"),
+    ("shared:nvfp4+floor", "'+floor' is not a scale mode of nvfp4 (its modes: '+rn' (default), "
+                           "'+up')"),
+    ("shared:mxfp4+up", "'+up' is not a scale mode of mxfp4 (its modes: '+floor' (default), "
+                        "'+rceil', '+even')"),
+    ("shared:fp16+rceil", "fp16 has no block scales, so no scale mode ('+rceil')"),
+    ("shared:nvfp4+up+rn", "more than one scale mode"),
+    ("shared:fp16+sr+sr", "a suffix repeats"),
+    ("shared:fp16+xyz", "unknown suffix '+xyz'"),
+])
+def test_bad_policy_says_what_is_wrong(bad, reason):
+    """Each refusal says what is wrong before the grammar (a new-user trial got only the
+    grammar for 'read:nvfp5' and 'shared:nvfp4+floor'); the grammar lists every scale mode
+    with its default."""
+    with pytest.raises(ValueError) as e:
+        StatePolicy.parse(bad)
+    msg = str(e.value)
+    assert reason in msg.split("; expected")[0], msg
+    assert "'+floor' (default)" in msg and "'+rn' (default)" in msg
+
+
 def test_non_string():
     with pytest.raises(ValueError, match="read:F/rec:G"):
         StatePolicy.parse(3)

@@ -282,7 +282,8 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
         what = f"{head}: unknown format {name!r}" + (f" (did you mean {close[0]!r}?)" if close
                                                       else "")
         raise SpecError(f"{what}; {expected}", what)
-    def why(what: str) -> SpecError:
+
+    def why(what: str) -> SpecError:  # a SpecError saying what is wrong, then the grammar
         what = f"{head}: {what}"
         return SpecError(f"{what}; {expected}", what)
 

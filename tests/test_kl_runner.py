@@ -457,3 +457,21 @@ def test_unreachable_hub_id_hints_at_offline_mode(monkeypatch, tmp_path):
     with pytest.raises(kl.BadArgs) as e:
         kl._load_config(str(tmp_path))
     assert "HF_HUB_OFFLINE" not in str(e.value)
+
+
+def test_rerun_with_other_policies_says_earlier_cells_are_not_in_the_tables(
+        model_dir, data_file, tmp_path, capsys):
+    """A rerun into the same folder with other --policies keeps the earlier cells' parts but
+    tables only this command's cells; the runner says how many other pieces parts/ holds (a
+    new-user trial saw an earlier policy drop out of summary.csv without a word)."""
+    out = tmp_path / "run"
+    base = [a for a in _args(model_dir, data_file, out)
+            if a not in ("--policies", "shared:nvfp4+sr", "eager:fp8e4m3")]
+    assert main(base + ["--policies", "shared:fp16"]) == 0
+    assert "not asked for by this command" not in capsys.readouterr().err
+    assert main(base + ["--policies", "shared:fp8e4m3"]) == 0
+    err = capsys.readouterr().err
+    assert "also holds 2 finished (document, cell) piece(s)" in err, err
+    assert set(pd.read_csv(out / "summary.csv")["policy"]) == {"shared:fp8e4m3"}
+    assert main(base + ["--policies", "shared:fp16", "shared:fp8e4m3"]) == 0  # both: no note
+    assert "not asked for by this command" not in capsys.readouterr().err

@@ -746,6 +746,12 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
         took = "every cell already in the output, nothing recomputed"
     print(f"{'' if a.no_progress else chr(10)}replayssm-kl: {docs} x {N} tokens, "
           f"model {a.model} ({arch}), {took}{where}; output {out}")
+    mine = {part_path(out, d, c).name for d in token_docs for c in ucells}
+    other = sum(1 for f in (out / "parts").glob("*.parquet") if f.name not in mine)
+    if other:  # earlier invocations' cells: kept, resumable, not in these tables
+        print(f"replayssm-kl: note: {out / 'parts'} also holds {other} finished (document, "
+              "cell) piece(s) of cells not asked for by this command; the tables and summary "
+              "cover this command's cells only (docs/kl-runner.md, resuming)", file=sys.stderr)
     with pd.option_context("display.width", 160, "display.max_columns", 20):
         print("KL(P_fp32 || P_policy) per position in nats: the policy's next-token distribution "
               "against the same model with FP32 state, teacher forcing; kl_p99 / kl_max over "

@@ -171,7 +171,8 @@ def kl_argv(a, policies, out: Path) -> list[str]:
             "--max-tokens", str(a.max_tokens), "--windows", str(a.window), "--seeds", str(a.seed),
             "--segment-len", str(a.segment_len), "--dtype", a.dtype, "--device", a.device,
             "--threads", str(a.threads), "--dt-limit", a.dt_limit, "--gdn-fold", a.gdn_fold,
-            "--stepwise-check", "0", "-o", str(out), "--policies", *policies]
+            "--stepwise-check", "0", "--no-other-cells-note", "-o", str(out), "--policies",
+            *policies]
     if a.split:
         argv += ["--split", a.split]
     if a.no_progress:

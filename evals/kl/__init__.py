@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true",
                    help="disable progress bars (they are off anyway where stderr is not a "
                         "terminal)")
+    # replayssm-plan / replayssm-attribute run cell sets of their own into one folder: the
+    # note on other cells' parts would only repeat itself there
+    p.add_argument("--no-other-cells-note", action="store_true", help=argparse.SUPPRESS)
     return p
 
 

@@ -235,6 +235,10 @@ def _check_args(a) -> list:
         raise BadArgs(f"--prefill must be in [0, max-tokens) = [0, {a.max_tokens}), got {a.prefill}")
     if a.threads < 0:
         raise BadArgs(f"--threads must be >= 0, got {a.threads}")
+    if a.threads > (os.cpu_count() or 1):
+        print(f"replayssm-kl: note: --threads {a.threads} is more than the {os.cpu_count()} "
+              "CPU(s) here; oversubscribed intra-op threads slow the run (0 chooses)",
+              file=sys.stderr)
     check_output_dir(a.output_dir)
     for name in ("segment_len", "batch_size", "max_docs"):
         if getattr(a, name) <= 0:

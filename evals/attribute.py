@@ -405,6 +405,8 @@ def main(argv=None) -> int:
                           f"as '{pol}', which rounds no state): every unit's KL would be "
                           "float32 rounding noise, not a contribution; give a policy that "
                           "rounds the state (e.g. read:nvfp4/rec:fp32)")
+        if a.group_size < 1:
+            raise BadArgs(f"--group-size must be >= 1 (heads per unit), got {a.group_size}")
         if a.group_size != 1 and a.by != "head":
             raise BadArgs(f"--group-size {a.group_size} needs --by head (layers are whole units)")
         check_run_arguments(a)

@@ -90,10 +90,11 @@ def test_head_group_of_a_whole_layer_is_noted(tmp_path, capsys):
 def test_bad_arguments_exit_2(capsys, tmp_path):
     assert main(["--policy", "shared:nvfp5", "-o", str(tmp_path / "x")]) == 2
     assert "nvfp5" in capsys.readouterr().err
-    assert main(["--by", "head", "--group-size", "0", "-o", str(tmp_path / "x")]) == 2
-    assert "group size" in capsys.readouterr().err
     assert main(["--group-size", "2", "-o", str(tmp_path / "x")]) == 2  # layers are whole units
     assert "--by head" in capsys.readouterr().err
+    assert main(["--by", "head", "--group-size", "0", "-o", str(tmp_path / "x")]) == 2
+    assert ("replayssm-attribute: error: --group-size must be >= 1 (heads per unit), got 0"
+            in capsys.readouterr().err)
     assert main(["--window", "0", "-o", str(tmp_path / "z")]) == 2
     assert "--window" in capsys.readouterr().err and not (tmp_path / "z").exists()
     assert main(["--policy", "map:fp32@L0=shared:nvfp4", "-o", str(tmp_path / "x")]) == 2

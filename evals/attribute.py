@@ -205,24 +205,22 @@ def run_cells(a, policies, out: Path):
 
 
 def check_rerun(a, out: Path) -> None:
-    """Where ``out`` already holds a ``replayssm-kl`` run, have the runner check, by a dry run
-    that computes and writes nothing, that this invocation's settings are that run's (its
-    identity check, naming what differs), so that a refused rerun is refused before the
-    caller touches anything beside it (an earlier plan's files stay as they were).
+    """Where ``out`` already holds a ``replayssm-kl`` run, check that this invocation's
+    settings are that run's (the runner's own identity check, naming what differs), so that
+    a refused rerun is refused before the caller touches anything beside it (an earlier
+    plan's files stay as they were).
 
     Raises:
-        BadArgs: the runner refused (its message is on stderr).
+        BadArgs: the settings differ (the runner's message, then that nothing changed).
     """
-    import os
+    from .kl import _check_identity, _load_config, build_parser as kl_parser
 
     out = Path(out)
-    if not out.is_dir():
-        return
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        rc = kl_main(kl_argv(a, ["fp32"], out) + ["--dry-run"])
-    if rc != 0:
-        raise BadArgs(f"{out} holds a replayssm-kl run this invocation cannot resume (see the "
-                      f"message above); nothing in {out.parent} was changed")
+    ka = kl_parser().parse_args(kl_argv(a, ["fp32"], out))
+    try:
+        _check_identity(ka, _load_config(ka.model)[1])  # no identity file there: nothing to check
+    except BadArgs as e:
+        raise BadArgs(f"{e}; nothing in {out.parent} was changed") from None
 
 
 def cell_stats(pos, policy: str, min_position: int = 0) -> dict:
@@ -265,18 +263,16 @@ def token_documents(a, n_flag: str = "--max-tokens") -> list[list[int]]:
         BadArgs: the dataset holds no document of N + 1 tokens (the runner's message, with
             this command's name for N, ``n_flag``).
     """
-    from .kl import _load_config, _load_docs, build_parser as kl_parser
+    from .kl import _load_config, _load_docs, build_parser as kl_parser, check_found_documents
     from .kl.documents import load_tokenization, make_documents
 
     ka = kl_parser().parse_args(kl_argv(a, ["fp32"], Path("unused")))
     path, cfg, _ = _load_config(ka.model)
     vocab = cfg.get_text_config().vocab_size if hasattr(cfg, "get_text_config") else cfg.vocab_size
     tokz = load_tokenization(path, vocab, ka.add_bos_token)
-    docs = [d["ids"] for d in make_documents(_load_docs(ka), tokz, ka.max_tokens + 1, ka.max_docs)]
-    if not docs:
-        raise BadArgs(f"dataset {ka.dataset} has fewer than {ka.max_tokens} tokens in all; "
-                      f"lower {n_flag}")
-    return docs
+    docs = make_documents(_load_docs(ka), tokz, ka.max_tokens + 1, ka.max_docs)
+    check_found_documents(docs, ka, n_flag)
+    return [d["ids"] for d in docs]
 
 
 def measured_decays(a, n_flag: str = "--max-tokens") -> dict[int, tuple[float, ...]]:

@@ -537,6 +537,14 @@ def refusal(plans, passes=None) -> str:
             "detected budget)")
 
 
+def check_found_documents(token_docs, a, n_flag: str = "--max-tokens") -> None:
+    """Refuse a dataset that holds no document of N + 1 tokens (``a.max_tokens`` = N;
+    ``n_flag``: the calling command's name for N, as the user typed it)."""
+    if not token_docs:
+        raise BadArgs(f"dataset {a.dataset} has fewer than {a.max_tokens} tokens in all; "
+                      f"lower {n_flag}")
+
+
 def _check_documents(token_docs) -> None:
     """Refuse repeated documents (same id, or same tokens): their rows would collide."""
     seen_id, seen_sha = {}, {}
@@ -649,9 +657,7 @@ def main(argv=None) -> int:
             print(f"replayssm-kl: note: {tokz.fallback}", file=sys.stderr)
         token_docs = make_documents(docs, tokz, a.max_tokens + 1, a.max_docs)
         _check_identity(a, cfg)
-        if not token_docs:
-            raise BadArgs(f"dataset {a.dataset} has fewer than {a.max_tokens} tokens in all; "
-                          "lower --max-tokens")
+        check_found_documents(token_docs, a)
         if len(token_docs) < a.max_docs:
             print(f"replayssm-kl: note: --max-docs {a.max_docs}, but the dataset holds "
                   f"{len(token_docs)} document(s) of {a.max_tokens + 1} tokens: running "

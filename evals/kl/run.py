@@ -748,7 +748,7 @@ def run(a, policies, cfg_path, cfg, arch, token_docs, tokz, *, work=None, group=
           f"model {a.model} ({arch}), {took}{where}; output {out}")
     mine = {part_path(out, d, c).name for d in token_docs for c in ucells}
     other = sum(1 for f in (out / "parts").glob("*.parquet") if f.name not in mine)
-    if other and not getattr(a, "no_other_cells_note", False):  # earlier invocations' cells
+    if other and not a.no_other_cells_note:  # earlier invocations' cells: kept, resumable
         print(f"replayssm-kl: note: {out / 'parts'} also holds {other} finished (document, "
               "cell) piece(s) of cells not asked for by this command; the tables and summary "
               "cover this command's cells only (docs/kl-runner.md, resuming)", file=sys.stderr)

@@ -116,13 +116,12 @@ def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb, ep=0):
         if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cuda:
             raise ValueError(f"{name} must be a contiguous float32 CUDA tensor, got "
                              f"{t.dtype}, contiguous={t.is_contiguous()}, {t.device}")
+        if t.data_ptr() % 16:  # the kernel's float4 loads and cp.async
+            raise ValueError(f"{name} must start on a 16-byte boundary (a view at an offset "
+                             f"of a multiple of 4 floats), got address {t.data_ptr():#x}")
     if start.device != R.device or not start.is_contiguous():
         raise ValueError(f"start must be contiguous on {R.device}, got {start.device}, "
                          f"contiguous={start.is_contiguous()}")
-    for name, t in {"R": R, **ins}.items():  # the kernel's float4 loads and cp.async
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name} must start on a 16-byte boundary (a view at an offset "
-                             f"of a multiple of 4 floats), got address {t.data_ptr():#x}")
 
 
 def cuda_verify(mod, R, la, beta, v, k, q, uk, start, nw=4, pf=3, mb=0, ep=0, out=None,

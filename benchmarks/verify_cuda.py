@@ -322,7 +322,7 @@ def main(argv=None):
             for var in VARIANTS:
                 v[label(var)] = tm(
                     lambda i, s=start, var=var: cuda_verify(
-                        mod, pool[i]["R"], *_inputs(pool[i])[1:], s, *var, out=outs[i],
+                        mod, *_inputs(pool[i]), s, *var, out=outs[i],
                         check=False))
             print(f"verify h{h}", json.dumps(v), flush=True)
         for h in range(L - 1):

@@ -387,15 +387,22 @@ def run_step(M, st, h, **cfg):
     return kr.mamba2_step_kernel(st["R"], r, st["nla"], st["nv"], st["nk"], st["q"], h, **cfg)
 
 
+#: GDN's verify kernel (--gdn-verify): "triton" (gdn_verify_kernel) or "cuda"
+#: (gdn_verify_cuda: the CUDA C++ kernel where it applies, the fp32 policy here; the Triton
+#: kernel for the other policies)
+GDN_VERIFY = "triton"
+
+
 def run_verify(M, st, start, **cfg):
     """Verify of ``T`` drafts at slots ``start..start+T-1`` (int64 ``[B]``), records from the
     ring (committed then drafts); returns ``o [B, T, H, V]`` (GDN: ``(o, uR [B, L, H, V])``).
-    ``cfg``: launch options of the verify wrappers (default: theirs)."""
+    ``cfg``: launch options of the verify wrappers (default: theirs; GDN: of the kernel that
+    ``GDN_VERIFY`` names)."""
     r = st["ring"]
     if M.gdn:
-        return kr.gdn_verify_kernel(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"],
-                                    st["qT"], r["uR"], start, M.L,
-                                    st["fold"] is GDNFold.CACHED, **cfg)
+        fn = kr.gdn_verify_cuda if GDN_VERIFY == "cuda" else kr.gdn_verify_kernel
+        return fn(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"], st["qT"], r["uR"],
+                  start, M.L, st["fold"] is GDNFold.CACHED, **cfg)
     return kr.mamba2_verify_kernel(st["R"], st["A"], r["la"], r["v"], r["k"], st["qT"],
                                    start, M.L, **cfg)
 
@@ -821,6 +828,10 @@ def main(argv=None):
                          "loads (=none): replay.flush.FLUSH_ANCHOR_TMA, e.g. 0,128,128,fp32=2 "
                          "for GDN's fp32 fold; the table is recorded under "
                          "'overrides' (repeatable)")
+    ap.add_argument("--gdn-verify", default="triton", choices=("triton", "cuda"),
+                    help="GDN's verify kernel: triton (gdn_verify_kernel, default) or cuda "
+                         "(gdn_verify_cuda: the CUDA C++ kernel where it applies, the fp32 "
+                         "policy; the Triton kernel elsewhere; needs nvcc)")
     ap.add_argument("--resummarize", default=None, metavar="JSON",
                     help="time nothing: recompute the summary of this decode result (with "
                          "--emulation) and write it to --out")
@@ -839,6 +850,10 @@ def main(argv=None):
             overrides["FLUSH_ANCHOR_TMA"] = apply_flush_tma_overrides(args.flush_tma)
     except ValueError as e:
         ap.error(str(e))
+    global GDN_VERIFY
+    GDN_VERIFY = args.gdn_verify
+    if GDN_VERIFY == "cuda" and DEV != "cuda":
+        ap.error("--gdn-verify cuda needs a CUDA device")
     if args.tiny != INTERPRET:
         raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before triton is imported "
                          "(decode.py sets it when --tiny is on its command line)")
@@ -878,7 +893,7 @@ def main(argv=None):
               "fla": {"available": fla_fns is not None, "skip_reason": fla_reason,
                       "gdn": "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule",
                       "mamba2": "fla.ops.simple_gla.fused_recurrent_simple_gla"},
-              "overrides": overrides,
+              "overrides": overrides, "gdn_verify": GDN_VERIFY,
               "window_L": L, "verify_T": T, "batches": batches, "policies": POLICIES,
               "timing": f"median of {args.reps} calls, CUDA events per call, pool rotated "
                         f"(>= {POOL_L2_MULTIPLE} x L2 = {POOL_L2_MULTIPLE * l2_bytes()} bytes); "

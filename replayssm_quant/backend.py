@@ -8,8 +8,8 @@ Setting, in order of precedence:
 
 1. ``backend=`` where the API has one (:func:`replayssm_quant.quantize`, :func:`~replayssm_quant.pack`,
    the state objects :class:`~replayssm_quant.Mamba2ReplayState` / :class:`~replayssm_quant.GDNReplayState`);
-2. the environment variable ``REPLAYSSM_BACKEND`` = ``auto`` | ``torch`` | ``triton``
-   (:class:`Backend`), one setting for every operation;
+2. the environment variable ``REPLAYSSM_BACKEND`` = ``auto`` | ``torch`` | ``triton`` |
+   ``cuda`` (:class:`Backend`), one setting for every operation;
 3. the deprecated per-family variables (a :class:`DeprecationWarning` names the new one):
    ``REPLAYSSM_QUANT_BACKEND`` (quantizers), ``REPLAYSSM_REPLAY_BACKEND`` (state objects and
    the anchor chain), ``REPLAYSSM_ANCHOR_CHAIN`` (anchor chain; before the previous one);
@@ -20,7 +20,11 @@ Operations come in families (:class:`OpFamily`) that share one decision rule
 and the anchor chain run theirs on CUDA for float32 and a key dim that is a power of two >= 32
 (:func:`replayssm_quant.capabilities.replay_kernels_supported`), the torch references otherwise.
 ``triton`` forces the kernels (a ValueError where they cannot run; on CPU they run under
-``TRITON_INTERPRET=1``).
+``TRITON_INTERPRET=1``). ``cuda`` (opt-in) is ``triton`` on a CUDA device, except that an
+operation with a CUDA C++ kernel (``_CUDA_KERNELS``: today GDN's verify, which covers the
+single-checkpoint FP32 policy at DK = DV = 128, T <= 8, L <= 16 and hands every other call to
+its Triton kernel) runs that one; the extension is built with nvcc when the state object is
+made (:func:`select`).
 
 Registry: a torch reference declares the operation it implements with :func:`reference`; the
 kernel of each operation is named in ``_KERNELS`` and imported on first use (so CPU-only runs
@@ -45,7 +49,7 @@ import torch
 from .capabilities import REPLAY_MIN_KEY_DIM, replay_kernels_supported, triton_interpreting
 
 __all__ = ["Backend", "OpFamily", "ENV", "DEPRECATED_ENV", "parse_backend", "requested_backend",
-           "use_kernels", "reference", "select", "ops", "kernel", "kernel_ops",
+           "implementation", "use_kernels", "reference", "select", "ops", "kernel", "kernel_ops",
            "triton_interpreting"]
 
 ENV = "REPLAYSSM_BACKEND"
@@ -62,6 +66,10 @@ class Backend(str, enum.Enum):
     #: the Triton kernel, or a ValueError where it cannot run (on CPU only under
     #: ``TRITON_INTERPRET=1``, set before triton is imported).
     TRITON = "triton"
+    #: as ``triton`` on a CUDA device (a ValueError elsewhere), with the CUDA C++ kernels of
+    #: the operations that have one (``_CUDA_KERNELS``; built with nvcc at first use, a
+    #: RuntimeError naming what is missing where it cannot be built). Opt-in.
+    CUDA = "cuda"
 
 
 class OpFamily(str, enum.Enum):
@@ -119,41 +127,60 @@ def requested_backend(family, backend=None) -> Backend:
     return Backend.AUTO
 
 
-def use_kernels(family, backend=None, *, device, dtype: torch.dtype | None = None,
-                key_dim: int | None = None) -> bool:
-    """True when an operation of ``family`` on ``device`` (replay and chain: with ``dtype`` and
-    key dim ``key_dim``) runs its Triton kernel, False for the torch reference.
+def implementation(family, backend=None, *, device, dtype: torch.dtype | None = None,
+                   key_dim: int | None = None) -> Backend:
+    """What an operation of ``family`` on ``device`` (replay and chain: with ``dtype`` and key
+    dim ``key_dim``) runs: ``Backend.TORCH`` (the reference), ``Backend.TRITON`` (its Triton
+    kernel) or ``Backend.CUDA`` (the CUDA C++ kernel where the operation has one, its Triton
+    kernel otherwise). Never ``AUTO``: it is resolved here.
 
     Raises:
-        ValueError: a bad backend value or device, or ``triton`` where the kernel cannot run.
+        ValueError: a bad backend value or device, or ``triton`` / ``cuda`` where the kernels
+            cannot run (naming the setting and what it needs).
     """
     family = OpFamily(family)
     b = requested_backend(family, backend)
     if b is Backend.TORCH:
-        return False
+        return b
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device must be a torch.device or a device string such as 'cpu' or "
                          f"'cuda:0', got {device!r} ({e})") from None
     on_cuda = device.type == "cuda"
+    if b is Backend.CUDA and not on_cuda:
+        raise ValueError(f"backend='cuda' needs a CUDA device, got {device} (backend='triton' "
+                         "runs the Triton kernels on CPU under TRITON_INTERPRET=1)")
     if family is OpFamily.QUANT:
         if b is Backend.AUTO:
-            return on_cuda
+            return Backend.TRITON if on_cuda else Backend.TORCH
         if not on_cuda and not triton_interpreting():
             raise ValueError(
                 f"backend 'triton' on a {device} tensor needs the Triton interpreter: set "
                 "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
-        return True
+        return b
     ok = replay_kernels_supported(key_dim, dtype)
     if b is Backend.AUTO:
-        return ok and on_cuda
+        return Backend.TRITON if ok and on_cuda else Backend.TORCH
     if not ok:
-        raise ValueError(f"backend='triton' needs float32 and a key dim that is a power of two "
-                         f">= {REPLAY_MIN_KEY_DIM}, got {dtype} and key_dim={key_dim}")
+        raise ValueError(f"backend={b.value!r} needs float32 and a key dim that is a power of "
+                         f"two >= {REPLAY_MIN_KEY_DIM}, got {dtype} and key_dim={key_dim}")
     if not on_cuda and not triton_interpreting():
         raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
-    return True
+    return b
+
+
+def use_kernels(family, backend=None, *, device, dtype: torch.dtype | None = None,
+                key_dim: int | None = None) -> bool:
+    """True when an operation of ``family`` on ``device`` (replay and chain: with ``dtype`` and
+    key dim ``key_dim``) runs a kernel (:func:`implementation` is not ``TORCH``), False for
+    the torch reference.
+
+    Raises:
+        ValueError: as :func:`implementation`.
+    """
+    return implementation(family, backend, device=device, dtype=dtype,
+                          key_dim=key_dim) is not Backend.TORCH
 
 
 # ------------------------------------------------------------------------------ registry
@@ -170,6 +197,13 @@ _KERNELS: dict[str, tuple[str, str]] = {
     "gdn_state_flush": ("replay", "gdn_state_flush"),
     "anchor_chain": ("replay", "anchor_chain"),  # kernel only: the window form calls it
 }
+#: operation -> attribute of :mod:`replayssm_quant.kernels.replay.cuda_verify`: the CUDA C++
+#: kernels that ``Backend.CUDA`` runs instead of the Triton one. Each hands the calls it does
+#: not cover to the Triton kernel; the module's ``build()`` compiles the extension (or raises
+#: RuntimeError naming what is missing) when the kernel is selected.
+_CUDA_KERNELS: dict[str, str] = {
+    "gdn_state_verify": "gdn_state_verify_cuda",
+}
 
 
 def reference(op: str) -> Callable:
@@ -184,12 +218,23 @@ def reference(op: str) -> Callable:
     return register
 
 
-def kernel(op: str) -> Callable:
-    """The Triton entry point of operation ``op`` (imports its kernel module on first use)."""
+def kernel(op: str, cuda: bool = False) -> Callable:
+    """The Triton entry point of operation ``op`` (imports its kernel module on first use);
+    with ``cuda``, its CUDA C++ kernel where it has one (``_CUDA_KERNELS``), built here.
+
+    Raises:
+        ValueError: an unknown operation.
+        RuntimeError: the CUDA extension cannot be built (what is missing).
+    """
     try:
         module, attr = _KERNELS[op]
     except KeyError:
         raise ValueError(f"no kernel operation {op!r}; known: {sorted(_KERNELS)}") from None
+    if cuda and op in _CUDA_KERNELS:
+        from .kernels.replay import cuda_verify
+
+        cuda_verify.build()
+        return getattr(cuda_verify, _CUDA_KERNELS[op])
     if module == "quant":
         from .kernels import quant as m
     else:
@@ -197,18 +242,25 @@ def kernel(op: str) -> Callable:
     return getattr(m, attr)
 
 
-def select(ref: Callable, kernels: bool) -> Callable:
-    """``ref`` (a function declared with :func:`reference`), or its kernel when ``kernels``."""
+def select(ref: Callable, kernels: "bool | Backend") -> Callable:
+    """``ref`` (a function declared with :func:`reference`), or its kernel when ``kernels``
+    (True or ``Backend.TRITON``: the Triton kernel; ``Backend.CUDA``: the CUDA C++ kernel
+    where the operation has one, built now; False or ``Backend.TORCH``: ``ref``)."""
     op = getattr(ref, "backend_op", None)
     if op is None:
         raise ValueError(f"{getattr(ref, '__qualname__', ref)!r} is not declared as the "
                          "reference of a kernel operation (backend.reference)")
+    if isinstance(kernels, Backend):
+        if kernels is Backend.AUTO:
+            raise ValueError("select() takes a resolved backend (backend.implementation), "
+                             "not 'auto'")
+        return ref if kernels is Backend.TORCH else kernel(op, cuda=kernels is Backend.CUDA)
     return kernel(op) if kernels else ref
 
 
-def ops(kernels: bool, **refs: Callable) -> types.SimpleNamespace:
+def ops(kernels: "bool | Backend", **refs: Callable) -> types.SimpleNamespace:
     """A namespace of implementations, looked up once: ``ops(k, step=ref_step, ...).step`` is
-    ``ref_step`` or its kernel."""
+    ``ref_step`` or its kernel (``kernels`` as :func:`select`)."""
     return types.SimpleNamespace(**{name: select(fn, kernels) for name, fn in refs.items()})
 
 

@@ -34,12 +34,13 @@ def test_default_is_auto_without_warning():
         assert not B.use_kernels("replay", device="cpu", dtype=torch.float32, key_dim=32)
 
 
-@pytest.mark.parametrize("value", ["cuda", "TRITON", "gpu"])
+@pytest.mark.parametrize("value", ["cudnn", "TRITON", "gpu"])
 def test_bad_values_name_value_and_accepted(monkeypatch, value):
-    with pytest.raises(ValueError, match=rf"backend={value!r} .*'auto', 'torch', 'triton'"):
+    with pytest.raises(ValueError, match=rf"backend={value!r} .*'auto', 'torch', 'triton', 'cuda'"):
         quantize(torch.zeros(2, 16), "nvfp4", backend=value)
     monkeypatch.setenv(B.ENV, value)
-    with pytest.raises(ValueError, match=rf"REPLAYSSM_BACKEND={value!r} .*'auto', 'torch', 'triton'"):
+    with pytest.raises(ValueError,
+                       match=rf"REPLAYSSM_BACKEND={value!r} .*'auto', 'torch', 'triton', 'cuda'"):
         quantize(torch.zeros(2, 16), "nvfp4")
     with pytest.raises(ValueError, match="REPLAYSSM_BACKEND"):
         Mamba2ReplayState("fp32", batch=1, heads=1, head_dim=4, d_state=32)
@@ -83,9 +84,9 @@ def test_anchor_chain_variable_before_replay_variable(monkeypatch):
 
 
 def test_bad_old_value_names_the_old_variable(monkeypatch):
-    monkeypatch.setenv("REPLAYSSM_QUANT_BACKEND", "cuda")
+    monkeypatch.setenv("REPLAYSSM_QUANT_BACKEND", "cudnn")
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError,
-                                                         match="REPLAYSSM_QUANT_BACKEND='cuda'"):
+                                                         match="REPLAYSSM_QUANT_BACKEND='cudnn'"):
         quantize(torch.zeros(2, 16), "nvfp4")
 
 
@@ -126,3 +127,51 @@ def test_triton_selects_the_kernels(monkeypatch):
     assert W.chain_kernel_enabled(torch.zeros(1, 1, 4, 32))
     assert B.select(quantize.__globals__["quantize_reference"], True) is kq.quantize_triton
     assert B.kernel_ops.anchor_chain is kr.anchor_chain
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a CPU device")
+def test_cuda_backend_needs_a_cuda_device(monkeypatch):
+    """``cuda`` (opt-in: the CUDA C++ kernels where an operation has one) is refused off a
+    CUDA device, for every family and through the environment too, naming the device and the
+    setting that runs there; it is never resolved to the torch path silently."""
+    msg = r"backend='cuda' needs a CUDA device, got cpu \(backend='triton' runs"
+    for fam in B.OpFamily:
+        with pytest.raises(ValueError, match=msg):
+            B.implementation(fam, "cuda", device="cpu", dtype=torch.float32, key_dim=128)
+    with pytest.raises(ValueError, match=msg):
+        GDNReplayState("fp32", batch=1, key_heads=1, value_heads=1, key_dim=128, value_dim=128,
+                       backend="cuda")
+    monkeypatch.setenv(B.ENV, "cuda")
+    with pytest.raises(ValueError, match=msg):
+        Mamba2ReplayState("fp32", batch=1, heads=1, head_dim=4, d_state=32)
+    with pytest.raises(ValueError, match=msg):
+        quantize(torch.zeros(2, 16), "nvfp4")
+
+
+def test_implementation_resolves_auto():
+    """``implementation`` never returns ``auto``; ``select`` takes resolved values only (and
+    the booleans of ``use_kernels``)."""
+    for fam in B.OpFamily:
+        for b in ("auto", "torch"):
+            assert B.implementation(fam, b, device="cpu", dtype=torch.float32,
+                                    key_dim=32) is B.Backend.TORCH
+    assert B.implementation("replay", "auto", device="cpu", dtype=torch.float64,
+                            key_dim=128) is B.Backend.TORCH
+    ref = G.gdn_state_verify
+    assert B.select(ref, B.Backend.TORCH) is ref and B.select(ref, False) is ref
+    with pytest.raises(ValueError, match="resolved backend"):
+        B.select(ref, B.Backend.AUTO)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal of the CUDA build")
+def test_cuda_kernel_selection_without_a_gpu():
+    """``kernel(op, cuda=True)``: an operation without a CUDA C++ kernel gets its Triton one;
+    GDN's verify builds its extension, which without a GPU is a RuntimeError saying what is
+    missing and what runs instead."""
+    from replayssm_quant.kernels import replay as kr
+
+    assert B.kernel("gdn_state_step", cuda=True) is kr.gdn_state_step
+    assert B.kernel("mamba2_state_verify", cuda=True) is kr.mamba2_state_verify
+    assert B.select(M.mamba2_state_verify, B.Backend.CUDA) is kr.mamba2_state_verify
+    with pytest.raises(RuntimeError, match="needs a CUDA device; backend='triton'"):
+        B.kernel("gdn_state_verify", cuda=True)

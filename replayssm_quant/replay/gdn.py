@@ -164,12 +164,17 @@ class GDNReplayState(ReplayStateBase):
             R is A, so they are the anchor system's solution (:meth:`GDNFold.folds_cached`;
             the torch path re-solves, bit-identical to the window form).
         backend: ``"auto"`` (Triton kernels of :mod:`replayssm_quant.kernels.replay` for step,
-            verify and flush on CUDA, float32, key_dim a power of two >= 32), ``"torch"`` or
-            ``"triton"``; None defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
+            verify and flush on CUDA, float32, key_dim a power of two >= 32), ``"torch"``,
+            ``"triton"`` or ``"cuda"`` (opt-in: as ``"triton"``, with verify on one CUDA C++
+            kernel where it applies: a single-checkpoint FP32 policy, key and value dims 128,
+            T <= 8, window <= 16; built with nvcc here, the first time on a machine);
+            None defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
 
     Raises:
         ValueError: as :class:`~replayssm_quant.replay.mamba2.Mamba2ReplayState`, and
             ``key_heads`` not dividing ``value_heads``.
+        RuntimeError: ``backend="cuda"`` where the CUDA verify kernel cannot be built (no
+            nvcc or ninja, or a device below compute capability 8.0; the message says which).
     """
 
     def __init__(self, policy, *, batch: int, key_heads: int, value_heads: int, key_dim: int,
@@ -180,10 +185,12 @@ class GDNReplayState(ReplayStateBase):
             _check_int(name, val, 1) for name, val in (
                 ("key_heads", key_heads), ("value_heads", value_heads), ("key_dim", key_dim),
                 ("value_dim", value_dim)))
-        self._kernels = B.use_kernels(B.OpFamily.REPLAY, backend, device=device, dtype=dtype,
-                                      key_dim=key_dim)
-        self._ops = B.ops(self._kernels, step=gdn_state_step, verify=gdn_state_verify,
-                          flush=gdn_state_flush)  # torch references or their kernels
+        impl = B.implementation(B.OpFamily.REPLAY, backend, device=device, dtype=dtype,
+                                key_dim=key_dim)
+        self._kernels = impl is not B.Backend.TORCH
+        # torch references or their kernels (under "cuda", verify's CUDA C++ kernel, built here)
+        self._ops = B.ops(impl, step=gdn_state_step, verify=gdn_state_verify,
+                          flush=gdn_state_flush)
         if value_heads % key_heads:
             raise ValueError(f"key_heads={key_heads} must divide value_heads={value_heads}")
         self.key_heads = key_heads

@@ -127,8 +127,9 @@ class Mamba2ReplayState(ReplayStateBase):
         device: where the state lives; every input must be there.
         backend: ``"auto"`` (Triton kernels of :mod:`replayssm_quant.kernels.replay` for step,
             verify and flush on CUDA, float32, d_state a power of two >= 32), ``"torch"``
-            (the references here) or ``"triton"``; None defers to ``REPLAYSSM_BACKEND``
-            (:mod:`replayssm_quant.backend`).
+            (the references here), ``"triton"`` or ``"cuda"`` (the Triton kernels: Mamba-2 has
+            no CUDA C++ kernel; a CUDA device is required); None defers to
+            ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
 
     The state starts as zeros (cast as flush 0). See ``step``, ``verify``, ``commit``,
     ``flush``, ``prefill`` and the properties of

@@ -1,5 +1,8 @@
 // GDN verify (T <= 8 drafts, FP32 read copy that is the anchor: the `fp32` policy's decode
-// state) as one CUDA C++ kernel, for benchmarks/verify_cuda.py (issue 15, forty-second pass).
+// state) as one CUDA C++ kernel (issue 15, forty-second and forty-third passes). Built and
+// called by replayssm_quant/kernels/replay/cuda_verify.py (which checks every input first:
+// this file's host code checks nothing), and with every launch variant by
+// benchmarks/verify_cuda.py (-DGDN_VERIFY_ALL_VARIANTS).
 // The formula is replay/gdn.py's gdn_verify with fold=CACHED and anchor == read:
 //
 //   c_j   = sum_{i<=j} la_i                       (records masked to n = start + T slots)
@@ -21,9 +24,13 @@
 // outputs from the row's 16 products and the per-CTA coefficient tables; its ring operands
 // (committed corrections, drafts' values) load where EP says.
 //
+// The ring tensors (la, beta, v, k, uk) may be the first J slots of a ring of JS >= J slots
+// per sequence (a decode state's ring has window + max_drafts slots): they are indexed with
+// the batch stride JS; o and uout are fresh [B, T, H, V] and [B, J, H, V] tensors.
+//
 // The order of every sum is fixed by the CTA's code alone: a sequence's bits do not depend on
 // the batch, its position or its neighbours.
-#ifndef VERIFY_STANDIN_DEVICE_ONLY  // (nvcc -DVERIFY_STANDIN_DEVICE_ONLY: the kernels alone)
+#ifndef GDN_VERIFY_DEVICE_ONLY  // (nvcc -DGDN_VERIFY_DEVICE_ONLY: the kernels alone)
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #endif
@@ -124,7 +131,7 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     const float* __restrict__ R, const float* __restrict__ la, const float* __restrict__ beta,
     const float* __restrict__ v, const float* __restrict__ kr, const float* __restrict__ q,
     const float* __restrict__ uk, const int64_t* __restrict__ startp, float* __restrict__ o,
-    float* __restrict__ uout, int H, int G, int J, int T) {
+    float* __restrict__ uout, int H, int G, int J, int JS, int T) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<NW, EP>& sm = *reinterpret_cast<Smem<NW, EP>*>(smem_raw);
   float(&ru)[JMAX][V] = *reinterpret_cast<float(*)[JMAX][V]>(sm.y);              // EP = 2
@@ -154,7 +161,7 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
   // (slots past J: zero rows)
   float4 kq[CPW][2];
   {
-    const float* kw = kr + ((size_t)b * J * G + grp) * K + 4 * t + 16 * CPW * warp;
+    const float* kw = kr + ((size_t)b * JS * G + grp) * K + 4 * t + 16 * CPW * warp;
 #pragma unroll
     for (int c = 0; c < CPW; ++c) {
       kq[c][0] = g < J ? __ldg(reinterpret_cast<const float4*>(kw + (size_t)g * G * K + 16 * c))
@@ -172,8 +179,8 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
       const int i = slot - JMAX;
       const bool ok = u_row ? (slot < start && slot < J) : (i < T);
       const float* src = !ok ? uk
-                       : u_row ? uk + (((size_t)b * J + slot) * H + h) * V + c4
-                               : v + (((size_t)b * J + start + i) * H + h) * V + c4;
+                       : u_row ? uk + (((size_t)b * JS + slot) * H + h) * V + c4
+                               : v + (((size_t)b * JS + start + i) * H + h) * V + c4;
       float* dst = u_row ? &ru[slot][c4] : &rv[i][c4];
       const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(src),
@@ -190,7 +197,7 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     const int d = col & 7;
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
     if (d < T) {
-      const float* src = col < 8 ? kr + (((size_t)b * J + start + d) * G + grp) * K
+      const float* src = col < 8 ? kr + (((size_t)b * JS + start + d) * G + grp) * K
                                  : q + (((size_t)b * T + d) * G + grp) * K;
       x = *reinterpret_cast<const float4*>(src + k4);
     }
@@ -204,8 +211,8 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
   }
   if (tid < JMAX) {
     const bool live = tid < n && tid < J;
-    sm.c[tid] = live ? la[((size_t)b * J + tid) * H + h] : 0.f;
-    sm.beta[tid] = live ? beta[((size_t)b * J + tid) * H + h] : 0.f;
+    sm.c[tid] = live ? la[((size_t)b * JS + tid) * H + h] : 0.f;
+    sm.beta[tid] = live ? beta[((size_t)b * JS + tid) * H + h] : 0.f;
   }
   __syncthreads();
   if (tid == 0) {  // the masked cumulative sum, in slot order
@@ -256,8 +263,8 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
   const int row = tid;
   const bool rowed = tid < V;
   const size_t HV = (size_t)H * V;
-  const float* ukr = uk + (size_t)b * J * HV + (size_t)h * V + row;
-  const float* vr = v + (size_t)b * J * HV + (size_t)h * V + row;
+  const float* ukr = uk + (size_t)b * JS * HV + (size_t)h * V + row;
+  const float* vr = v + (size_t)b * JS * HV + (size_t)h * V + row;
   float uc[JMAX], vv[TMAX];
   auto load_ring = [&]() {
 #pragma unroll
@@ -369,14 +376,20 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
 
 }  // namespace
 
-#ifndef VERIFY_STANDIN_DEVICE_ONLY
-// Checks are the caller's (benchmarks/verify_cuda.py): shapes, dtypes, contiguity, T <= 8,
-// J <= 16, start + T <= J.
-void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v,
-            torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start,
-            torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb, int64_t ep) {
+#ifndef GDN_VERIFY_DEVICE_ONLY
+// No checks here (a failed check in nvcc-compiled host code took the process down in the
+// forty-first pass): cuda_verify.check_args has checked shapes, dtypes, the device, 16-byte
+// alignment, the ring layout (every ring tensor [B, JS, ...] with its first J slots used,
+// slot-contiguous), T <= 8, J <= 16 and the launch variant before this is called, and
+// start + T <= J is asserted on the device before the launch.
+// R [B, H, V, K]; la, beta [B, J(S), H]; v, uk [B, J(S), H, V]; k [B, J(S), G, K];
+// q [B, T, G, K]; start int64 [B]; o [B, T, H, V] and uout [B, J, H, V] written.
+void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v,
+                     torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start,
+                     torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb,
+                     int64_t ep) {
   const int B = (int)R.size(0), H = (int)R.size(1), J = (int)la.size(1), G = (int)k.size(2);
-  const int T = (int)q.size(1);
+  const int T = (int)q.size(1), JS = (int)(la.stride(0) / H);
   const dim3 grid(B * H);
   auto st = at::cuda::getCurrentCUDAStream();
 #define L(W, P, M, E)                                                                        \
@@ -388,8 +401,10 @@ void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor
                                   beta.data_ptr<float>(), v.data_ptr<float>(),              \
                                   k.data_ptr<float>(), q.data_ptr<float>(),                 \
                                   uk.data_ptr<float>(), start.data_ptr<int64_t>(),          \
-                                  o.data_ptr<float>(), uout.data_ptr<float>(), H, G, J, T); \
+                                  o.data_ptr<float>(), uout.data_ptr<float>(), H, G, J, JS, \
+                                  T);                                                        \
   }
+#ifdef GDN_VERIFY_ALL_VARIANTS  // benchmarks/verify_cuda.py: every variant it can time
 #define LE(W, P, M) { if (ep == 2) L(W, P, M, 2) else if (ep == 1) L(W, P, M, 1) else L(W, P, M, 0) }
   if (nw == 4) {
 #define LM(P) { if (mb == 6) LE(4, P, 6) else if (mb == 5) LE(4, P, 5) else LE(4, P, 0) }
@@ -405,6 +420,11 @@ void verify(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor
 #undef LM
   }
 #undef LE
+#else  // the library's variants (cuda_verify.LIBRARY_VARIANTS; the default first)
+  if (nw == 8 && pf == 3 && mb == 0 && ep == 2) L(8, 3, 0, 2)
+  else if (nw == 4 && pf == 3 && mb == 0 && ep == 0) L(4, 3, 0, 0)
+  else if (nw == 8 && pf == 2 && mb == 4 && ep == 2) L(8, 2, 4, 2)
+#endif
 #undef L
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

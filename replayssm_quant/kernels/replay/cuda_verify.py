@@ -1,0 +1,288 @@
+"""GDN's verify of T <= 8 drafts as one CUDA C++ kernel on the tensor cores
+(``gdn_verify.cu``), opt-in through the backend seam (``backend="cuda"``,
+:mod:`replayssm_quant.backend`), with :func:`~.records.gdn_verify_kernel` (Triton) wherever it
+does not apply.
+
+What it computes: :func:`replayssm_quant.replay.gdn.gdn_verify` with the read copy as the
+anchor and the cached corrections folded (``fold=CACHED``), which is what a decode state runs
+under a single-checkpoint FP32 policy (``fp32``; :meth:`GDNFold.folds_cached`). In the
+notation of DESIGN.md section 3 ("Verify") and the file's header, with ``c_j`` the masked
+cumulative log decays of the ring's first ``n = start + T`` slots::
+
+    u_p = beta_p (v_p - e^{c_p} R k_p) - sum_{j<p} beta_p e^{c_p - c_j} (k_j . k_p) u_j
+    o_t = e^{c_p} R q_t + sum_{j<=p} e^{c_p - c_j} (k_j . q_t) u_j,         p = start + t
+
+(slots ``j < start``: the cached corrections ``u_known``). The products with the state,
+``Y = R [k_start..k_n-1 | q_0..q_T-1]``, run on ``mma.sync m16n8k8`` in 3xTF32 with FP32
+accumulation (the Triton kernel's ``tf32x3`` accuracy class: both within ``1e-5 + 1e-5 |ref|``
+of float64, and a few units of 1e-7 apart); one CTA per (sequence, value head) at 64-102
+registers, so 4-6 CTAs share an SM where the Triton kernel runs one program of 255 registers.
+Every sum's order is fixed by the CTA's code: a sequence's bits do not depend on its batch,
+position or neighbours (checked on the device by ``tests/test_replay_kernels.py`` and
+``benchmarks/verify_cuda.py``). Issue 15, forty-second and forty-third passes
+(``docs/kernels-replay.md``).
+
+Covered (:func:`unsupported` says why not, otherwise): a plain FP32 read copy that is the
+anchor, ``fold_cached_corrections``, DK = DV = 128, 1 <= T <= 8, J <= 16 ring slots, CUDA
+compute capability >= 8.0, every input 16-byte aligned with contiguous rows, the ring
+tensors sharing one slot stride (a state's ring of ``window + max_drafts`` slots, of which the
+first J are passed). Building needs nvcc and ninja (``torch.utils.cpp_extension``); the
+extension is built once per machine and cached by torch (``TORCH_EXTENSIONS_DIR``).
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+
+import torch
+
+__all__ = ["SOURCE", "DIM", "T_MAX", "J_MAX", "LAUNCH", "LIBRARY_VARIANTS",
+           "GDN_VERIFY_CUDA_CONFIG", "build", "unsupported", "gdn_verify_cuda",
+           "gdn_state_verify_cuda", "decomposition"]
+
+SOURCE = Path(__file__).resolve().parent / "gdn_verify.cu"
+DIM, T_MAX, J_MAX = 128, 8, 16
+MIN_CAPABILITY = (8, 0)  # mma.sync tf32, cp.async
+#: every launch variant the kernel has (``benchmarks/verify_cuda.py`` builds them all):
+#: warps ``nw`` -> units of R loaded ahead ``pf`` and CTAs per SM asked of ptxas ``mb``; the
+#: epilogue's ring operands ``ep`` 0 (late into registers), 1 (early), 2 (cp.async to shared)
+LAUNCH = {4: {"pf": (2, 3, 4, 5, 6), "mb": (0, 5, 6)},
+          8: {"pf": (2, 3, 4, 5, 7), "mb": (0, 2, 3, 4)}}
+#: the variants the library's build holds ``(nw, pf, mb, ep)`` (the host dispatch of
+#: gdn_verify.cu without GDN_VERIFY_ALL_VARIANTS names the same ones)
+LIBRARY_VARIANTS = ((8, 3, 0, 2), (4, 3, 0, 0), (8, 2, 4, 2))
+#: the default launch: the fastest variant measured (H100, 744aff1: 283.3 us at B = 256, the
+#: worst start, against 405.1 us for the Triton kernel; docs/kernels-replay.md)
+GDN_VERIFY_CUDA_CONFIG = {"nw": 8, "pf": 3, "mb": 0, "ep": 2}
+
+_DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor beta, "
+         "torch::Tensor v, torch::Tensor k, torch::Tensor q, torch::Tensor uk, "
+         "torch::Tensor start, torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, "
+         "int64_t mb, int64_t ep);\n")
+
+
+@functools.lru_cache(maxsize=2)
+def build(all_variants: bool = False):
+    """The compiled extension (``torch.utils.cpp_extension.load_inline`` of ``SOURCE`` for the
+    visible GPUs' architectures), built on first use and cached for the process (torch keeps
+    the build on disk, so later processes load it). ``all_variants``: every variant of
+    :data:`LAUNCH` (about 100 instantiations, for the benchmark) instead of
+    :data:`LIBRARY_VARIANTS`.
+
+    Raises:
+        RuntimeError: no CUDA device, one below compute capability 8.0, no nvcc (CUDA
+            toolkit) or ninja, or a failed build; the message says what is missing and that
+            ``backend="triton"`` runs without it.
+    """
+    fix = "; backend='triton' (REPLAYSSM_BACKEND=triton) runs the Triton kernel without it"
+    if not torch.cuda.is_available():
+        raise RuntimeError("the CUDA verify kernel needs a CUDA device" + fix)
+    cap = torch.cuda.get_device_capability()
+    if cap < MIN_CAPABILITY:
+        raise RuntimeError(f"the CUDA verify kernel needs compute capability >= 8.0 (mma.sync "
+                           f"tf32, cp.async), got {cap[0]}.{cap[1]}" + fix)
+    from torch.utils import cpp_extension as ce
+
+    if ce.CUDA_HOME is None and shutil.which("nvcc") is None:
+        raise RuntimeError("the CUDA verify kernel is built at first use and needs nvcc (a "
+                           "CUDA toolkit; set CUDA_HOME), found none" + fix)
+    if not ce.is_ninja_available():
+        raise RuntimeError("the CUDA verify kernel is built at first use and needs ninja "
+                           "(pip install ninja)" + fix)
+    flags = ["-O3", "-std=c++17"] + (["-DGDN_VERIFY_ALL_VARIANTS"] if all_variants else [])
+    try:
+        return ce.load_inline("replayssm_gdn_verify" + ("_all" if all_variants else ""),
+                              cpp_sources=_DECL, cuda_sources=SOURCE.read_text(),
+                              functions=["gdn_verify_cuda"], extra_cuda_cflags=flags,
+                              verbose=False)
+    except Exception as e:  # compiler and linker errors come as several exception types
+        raise RuntimeError(f"building the CUDA verify kernel ({SOURCE}) failed: {e}"
+                           + fix) from e
+
+
+def _ring_slots(t: torch.Tensor, per_slot: int) -> int | None:
+    """The ring's slots per sequence (batch stride / slot size) when ``t [B, J, ...]`` has
+    contiguous slots of ``per_slot`` elements and a batch stride of whole slots; else None."""
+    if t.shape[0] == 0 or t.shape[1] == 0:
+        return None
+    inner = t[0, 0] if t.dim() > 2 else None
+    if inner is not None and not inner.is_contiguous():
+        return None
+    if t.dim() >= 2 and t.shape[1] > 1 and t.stride(1) != per_slot:
+        return None
+    if t.shape[0] > 1 and t.stride(0) % per_slot:
+        return None
+    return t.stride(0) // per_slot if t.shape[0] > 1 else t.shape[1]
+
+
+def unsupported(read, anchor, la, beta, v, k, q, u_known, start,
+                fold_cached_corrections: bool = False) -> str | None:
+    """Why :func:`gdn_verify_cuda` would hand this call to the Triton kernel, or None when the
+    CUDA kernel covers it (module docstring). Arguments as :func:`gdn_verify_cuda`; never
+    raises (inputs the kernels refuse are left to their checks)."""
+    ts = {"read": read, "la": la, "beta": beta, "v": v, "k": k, "q": q, "u_known": u_known}
+    bad = [n for n, t in ts.items() if type(t) is not torch.Tensor]
+    if bad:
+        return f"{bad[0]} is not a plain torch.Tensor (a packed read copy, or not a tensor)"
+    if anchor is not read:
+        return "the read copy is not the anchor (a dual policy)"
+    if fold_cached_corrections is not True:
+        return "fold_cached_corrections is off (the A path re-solves against the anchor)"
+    if not isinstance(start, torch.Tensor) or start.dim() != 1 or start.dtype not in (
+            torch.int32, torch.int64):
+        return "start is not an integer [B] tensor"
+    if any(t.dtype != torch.float32 for t in ts.values()):
+        return "an input is not float32"
+    if read.dim() != 4 or tuple(read.shape[2:]) != (DIM, DIM) or not read.is_contiguous():
+        return f"the state is not a contiguous [B, H, {DIM}, {DIM}] tensor"
+    if (la.dim(), beta.dim(), v.dim(), k.dim(), q.dim(), u_known.dim()) != (3, 3, 4, 4, 4, 4):
+        return "a record or draft tensor has the wrong number of dimensions"
+    B, H = read.shape[:2]
+    J, G, T = la.shape[1], k.shape[2], q.shape[1]
+    if B == 0 or J < T:
+        return "an empty batch, or fewer ring slots than drafts"
+    if not 1 <= T <= T_MAX:
+        return f"T = {T} drafts (the kernel takes 1..{T_MAX})"
+    if J > J_MAX:
+        return f"J = {J} ring slots (the kernel takes at most {J_MAX})"
+    if G < 1 or H % G or k.shape[3] != DIM or v.shape[3] != DIM or q.shape[3] != DIM:
+        return "key or value dims other than 128, or key heads not dividing value heads"
+    js = {n: _ring_slots(t, s) for n, t, s in (
+        ("la", la, H), ("beta", beta, H), ("v", v, H * DIM), ("k", k, G * DIM),
+        ("u_known", u_known, H * DIM))}
+    if None in js.values() or len(set(js.values())) != 1 or next(iter(js.values())) < J:
+        return "the ring tensors do not share one layout of contiguous slots"
+    if not q.is_contiguous():
+        return "q is not contiguous"
+    if any(t.data_ptr() % 16 for t in ts.values()):
+        return "an input does not start on a 16-byte boundary"
+    if read.device.type != "cuda" or any(t.device != read.device for t in (*ts.values(), start)):
+        return "the inputs are not all on one CUDA device"
+    if torch.cuda.get_device_capability(read.device) < MIN_CAPABILITY:
+        return "the device is below compute capability 8.0"
+    return None
+
+
+def _variant(nw, pf, mb, ep, all_variants: bool) -> tuple[int, int, int, int]:
+    d = GDN_VERIFY_CUDA_CONFIG
+    var = tuple(d[n] if x is None else x for n, x in zip(("nw", "pf", "mb", "ep"),
+                                                         (nw, pf, mb, ep)))
+    if all_variants:
+        if var[0] in LAUNCH and var[1] in LAUNCH[var[0]]["pf"] and \
+                var[2] in LAUNCH[var[0]]["mb"] and var[3] in (0, 1, 2):
+            return var
+        raise ValueError(f"gdn_verify_cuda: (nw, pf, mb, ep) = {var} is not a launch variant; "
+                         f"nw in {tuple(LAUNCH)}, pf and mb by nw {LAUNCH}, ep in (0, 1, 2)")
+    if var not in LIBRARY_VARIANTS:
+        raise ValueError(f"gdn_verify_cuda: (nw, pf, mb, ep) = {var} is not one of the "
+                         f"library's variants {LIBRARY_VARIANTS} (all_variants=True builds "
+                         f"every one)")
+    return var
+
+
+def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int,
+                    fold_cached_corrections: bool = False, *, nw: int | None = None,
+                    pf: int | None = None, mb: int | None = None, ep: int | None = None,
+                    all_variants: bool = False, fallback: bool = True):
+    """:func:`~.records.gdn_verify_kernel` (same arguments and results) on the CUDA kernel
+    where it applies (:func:`unsupported` is None), else on the Triton kernel.
+
+    Shapes: ``read`` = ``anchor`` ``[B, H, 128, 128]`` FP32 (the stored copy), ``la, beta
+    [B, J, H]``, ``v, u_known [B, J, H, 128]``, ``k [B, J, G, 128]`` (J <= 16 ring slots,
+    committed then drafts; may be the first J slots of a longer ring), ``q [B, T, G, 128]``
+    (T <= 8), ``start`` integer ``[B]`` with ``start + T <= J`` (asserted on the device, as the
+    Triton path does). Returns ``(o [B, T, H, 128], uR [B, J, H, 128])`` float32: the drafts'
+    outputs, and the corrections (the known ones before ``start``, the drafts' solved ones,
+    zeros after). ``window`` is checked but not read (the flush-slot draft's A path is the R
+    path here). ``nw, pf, mb, ep``: the launch variant (default
+    :data:`GDN_VERIFY_CUDA_CONFIG`; with ``all_variants`` any of :data:`LAUNCH`).
+    ``fallback=False``: raise instead of running the Triton kernel.
+
+    Raises:
+        ValueError: inputs the Triton kernel's checks refuse (naming them); a launch variant
+            not built; with ``fallback=False``, a call the CUDA kernel does not cover (naming
+            why).
+        RuntimeError: the extension cannot be built (:func:`build`); ``start + T > J``
+            (device-side assertion, at the next synchronisation).
+    """
+    from .records import _check_verify, gdn_verify_kernel
+
+    why = unsupported(read, anchor, la, beta, v, k, q, u_known, start, fold_cached_corrections)
+    if why is not None:
+        if not fallback:
+            raise ValueError(f"gdn_verify_cuda: the CUDA kernel does not cover this call: {why}")
+        return gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window,
+                                 fold_cached_corrections)
+    var = _variant(nw, pf, mb, ep, all_variants)
+    _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
+                  u_known=u_known)  # shapes, and start + T <= J on the device
+    mod = build(all_variants)
+    B, H, J, T = read.shape[0], read.shape[1], la.shape[1], q.shape[1]
+    start = start.to(torch.int64).contiguous()
+    o = torch.empty(B, T, H, DIM, device=read.device)
+    u = torch.empty(B, J, H, DIM, device=read.device)
+    mod.gdn_verify_cuda(read, la, beta, v, k, q, u_known, start, o, u, *var)
+    return o, u
+
+
+def gdn_state_verify_cuda(cps, la, beta, v, k, q, u_known, start, window: int,
+                          fold_cached_corrections: bool = False):
+    """CUDA kernel of :func:`replay.gdn.gdn_state_verify` (the state objects' verify under
+    ``backend="cuda"``): :func:`gdn_verify_cuda` on the stored checkpoints ``cps``."""
+    return gdn_verify_cuda(cps.read_stored, cps.anchor_stored, la, beta, v, k, q, u_known,
+                           start, window, fold_cached_corrections)
+
+
+def decomposition(R, la, beta, v, k, q, uk, start):
+    """The CUDA kernel's decomposition of ``gdn_verify`` (fold=CACHED, anchor = read) in
+    torch, in the inputs' dtype (any device): ``Y = R X`` with ``X = [the T drafts' keys |
+    the T queries]``, the ring keys' products ``Z = K X``, the coefficient tables, then per
+    value row the drafts' corrections by forward substitution and the outputs (formulas in
+    the module docstring). Shapes as :func:`gdn_verify_cuda` (contiguous ring of J slots);
+    returns ``(o [B, T, H, V], uR [B, J, H, V])``. The CPU oracle of what the kernel computes:
+    ``tests/test_replay_kernels.py`` checks it against float64 ``gdn_verify``."""
+    B, H = R.shape[:2]
+    J, T, G = la.shape[1], q.shape[1], k.shape[2]
+    gi = torch.arange(H, device=R.device) // (H // G)
+    bi = torch.arange(B, device=R.device)[:, None]
+    slots = torch.arange(J, device=R.device)
+    pos = start[:, None] + torch.arange(T, device=R.device)[None]  # [B, T] draft slots
+    n = start + T
+    live = (slots[None] < n[:, None])[..., None]  # [B, J, 1]
+    c = torch.where(live, la, 0.0).cumsum(1)  # [B, J, H]
+    bet = torch.where(live, beta, 0.0)
+    kh = k[:, :, gi]  # [B, J, H, K]
+    X = torch.cat([kh[bi, pos], q[:, :, gi]], 1)  # [B, 2T, H, K]
+    Y = torch.einsum("bhvk,bchk->bchv", R, X)  # [B, 2T, H, V]
+    Z = torch.einsum("bjhk,bchk->bjch", kh, X)  # [B, J, 2T, H]
+    cp = c[bi, pos]  # [B, T, H]
+    dec = torch.exp(cp[:, :, None] - c[:, None])  # [B, T, J, H]: e^{c_p - c_j}
+    committed = (slots[None] < start[:, None])[:, None, :, None]  # [B, 1, J, 1]
+    ac = torch.where(committed, bet[bi, pos][:, :, None] * dec * Z[:, :, :T].transpose(1, 2), 0.0)
+    bc = torch.where(committed, dec * Z[:, :, T:].transpose(1, 2), 0.0)
+    uc = torch.where((slots[None] < start[:, None])[..., None, None], uk, 0.0)
+    b0 = bi[:, 0]
+    ud = []
+    for i in range(T):
+        acc = bet[b0, pos[:, i]][..., None] * (
+            v[b0, pos[:, i]] - torch.exp(cp[:, i])[..., None] * Y[:, i])
+        acc = acc - torch.einsum("bjh,bjhv->bhv", ac[:, i], uc)
+        for i2 in range(i):
+            p2 = pos[:, i2]
+            a = bet[b0, pos[:, i]] * torch.exp(cp[:, i] - c[b0, p2]) * Z[b0, p2, i]
+            acc = acc - a[..., None] * ud[i2]
+        ud.append(acc)
+    o = []
+    for t in range(T):
+        acc = torch.exp(cp[:, t])[..., None] * Y[:, T + t] + torch.einsum(
+            "bjh,bjhv->bhv", bc[:, t], uc)
+        for i in range(t + 1):
+            p2 = pos[:, i]
+            acc = acc + (torch.exp(cp[:, t] - c[b0, p2]) * Z[b0, p2, T + t])[..., None] * ud[i]
+        o.append(acc)
+    u = uc.clone()
+    for i in range(T):
+        u[b0, pos[:, i]] = ud[i]
+    return torch.stack(o, 1), u

@@ -1,0 +1,273 @@
+"""GDN's verify as one CUDA C++ kernel (``replayssm_quant/kernels/replay/cuda_verify.py``,
+``backend="cuda"``; issue 15).
+
+On CPU: the kernel's decomposition of the verify (what ``gdn_verify.cu`` computes,
+written in torch) against float64 ``gdn_verify``; which calls the kernel covers and why the
+others go to the Triton kernel; the refusals. On a CUDA device (skipped here): the kernel
+against float64 ``gdn_verify`` at every start, on a state's ring layout, batch invariance,
+and the decode state under ``backend="cuda"`` against ``"triton"`` and the float64 state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replayssm_quant.config import GDNFold
+from replayssm_quant.kernels.replay import cuda_verify as cv
+from replayssm_quant.replay import gdn_verify
+
+CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= cv.MIN_CAPABILITY
+needs_gpu = pytest.mark.skipif(not CUDA, reason="the CUDA kernel runs on a GPU of compute "
+                                                "capability >= 8.0 (nvcc to build it)")
+
+
+def _inputs(B, H, G, V, K, J, T, seed=0, dtype=torch.float64, device="cpu"):
+    """R [B,H,V,K], la, beta [B,J,H], v, uk [B,J,H,V], k [B,J,G,K] (unit rows), q [B,T,G,K]."""
+    g = torch.Generator().manual_seed(seed)
+    d = torch.float64
+    la = torch.log(0.9 + 0.0999 * torch.rand(B, J, H, generator=g, dtype=d))
+    k = torch.nn.functional.normalize(torch.randn(B, J, G, K, generator=g, dtype=d), dim=-1)
+    x = dict(R=torch.randn(B, H, V, K, generator=g, dtype=d) * 0.3, la=la,
+             beta=torch.sigmoid(torch.randn(B, J, H, generator=g, dtype=d)),
+             v=torch.randn(B, J, H, V, generator=g, dtype=d), k=k,
+             q=torch.randn(B, T, G, K, generator=g, dtype=d),
+             uk=torch.randn(B, J, H, V, generator=g, dtype=d) * 0.1)
+    return {n: t.to(dtype=dtype, device=device) for n, t in x.items()}
+
+
+def _ring(t, slots):
+    """``t [B, J, ...]`` as the first J slots of a ring of ``slots`` per sequence (NaN past J,
+    so that a kernel reading beyond J shows it)."""
+    big = torch.full((t.shape[0], slots, *t.shape[2:]), float("nan"), dtype=t.dtype,
+                     device=t.device)
+    big[:, :t.shape[1]] = t
+    return big[:, :t.shape[1]]
+
+
+@pytest.mark.parametrize("T", [8, 3])
+def test_decomposition_is_gdn_verify(T):
+    """``decomposition`` (the kernel's split into ``Y = R X``, the ring keys' products,
+    coefficient tables and a per-row forward substitution) equals the float64 ``gdn_verify``
+    with cached corrections and anchor = read copy, at every start including the one whose
+    last draft lands on the flush slot; and the committed corrections matter (zeroing them
+    moves the outputs)."""
+    J = 16
+    x = _inputs(J - T + 1, 4, 2, 8, 16, J, T)
+    start = torch.arange(J - T + 1)  # every start, one per sequence
+    o, u = cv.decomposition(*x.values(), start)
+    R = x["R"]
+    want_o, want_u = gdn_verify(R, R, x["la"], x["beta"], x["v"], x["k"], x["q"], x["uk"],
+                                start, J, GDNFold.CACHED)
+    assert torch.allclose(o, want_o, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(u, want_u, rtol=1e-12, atol=1e-12)
+    o0, _ = cv.decomposition(*dict(x, uk=torch.zeros_like(x["uk"])).values(), start)
+    assert (o0[1:] - want_o[1:]).abs().amax() > 1e-3  # start 0 has no committed rows
+
+
+def _covered_args(device="cpu", ring_slots=None, B=2, T=8, J=16):
+    x = _inputs(B, 4, 2, 128, 128, J, T, dtype=torch.float32, device=device)
+    ring = [x[n] if ring_slots is None else _ring(x[n], ring_slots)
+            for n in ("la", "beta", "v", "k", "uk")]
+    start = torch.zeros(B, dtype=torch.int64, device=device)
+    return dict(read=x["R"], anchor=x["R"], la=ring[0], beta=ring[1], v=ring[2], k=ring[3],
+                q=x["q"], u_known=ring[4], start=start, fold_cached_corrections=True)
+
+
+def test_unsupported_names_why():
+    """Every call the kernel does not cover goes to the Triton kernel, and ``unsupported``
+    says why (the first reason that applies); on CPU the last reason, the device, is what
+    stops a call that is covered otherwise (including the first J slots of a longer ring, a
+    decode state's layout)."""
+    dev = "the inputs are not all on one CUDA device"
+    a = _covered_args()
+    assert cv.unsupported(**a) == dev
+    assert cv.unsupported(**_covered_args(ring_slots=24)) == dev  # a state's ring slices
+    assert cv.unsupported(**_covered_args(T=3, J=12)) == dev
+    assert cv.unsupported(**_covered_args(B=1, T=1, J=1)) == dev
+
+    def why(**kw):
+        return cv.unsupported(**{**a, **kw})
+
+    from replayssm_quant.quant import pack
+    assert "read is not a plain torch.Tensor" in why(read=pack(a["read"], "fp16"))
+    assert "dual policy" in why(anchor=a["read"].clone())
+    assert "fold_cached_corrections is off" in why(fold_cached_corrections=False)
+    assert "start is not an integer [B] tensor" in why(start=a["start"].float())
+    assert "not float32" in why(q=a["q"].double())
+    x64 = a["read"][..., :64].contiguous()
+    assert "[B, H, 128, 128]" in why(read=x64, anchor=x64)
+    assert "T = 9 drafts (the kernel takes 1..8)" in why(q=torch.zeros(2, 9, 2, 128))
+    assert "T = 0 drafts" in why(q=torch.zeros(2, 0, 2, 128))
+    big = _covered_args(T=8, J=17)
+    assert "J = 17 ring slots (the kernel takes at most 16)" in cv.unsupported(**big)
+    assert "fewer ring slots than drafts" in why(q=torch.zeros(2, 8, 2, 128),
+                                                 **{n: a[n][:, :4] for n in
+                                                    ("la", "beta", "v", "k", "u_known")})
+    assert "key or value dims other than 128" in why(q=torch.zeros(2, 8, 2, 64))
+    assert "one layout of contiguous slots" in why(la=_ring(a["la"], 20))  # the others: 16
+    assert "one layout of contiguous slots" in why(v=a["v"].transpose(2, 3).contiguous()
+                                                   .transpose(2, 3))
+    assert "q is not contiguous" in why(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3))
+    off = torch.zeros(a["q"].numel() + 1)[1:].view(a["q"].shape)  # 4 bytes off
+    assert "16-byte boundary" in why(q=off)
+    assert "not a plain torch.Tensor" in why(v=None)
+
+
+def test_refusals():
+    """``fallback=False`` refuses an uncovered call naming why; a launch variant the build
+    lacks is refused naming the library's variants; the build without a GPU says what is
+    missing and what runs instead."""
+    a = _covered_args()
+    with pytest.raises(ValueError, match="does not cover this call: the inputs are not all "
+                                         "on one CUDA device"):
+        cv.gdn_verify_cuda(a["read"], a["anchor"], a["la"], a["beta"], a["v"], a["k"], a["q"],
+                           a["u_known"], a["start"], 16, True, fallback=False)
+    assert cv._variant(None, None, None, None, False) == tuple(
+        cv.GDN_VERIFY_CUDA_CONFIG[n] for n in ("nw", "pf", "mb", "ep"))
+    assert cv._variant(4, None, None, 0, False) == (4, 3, 0, 0)
+    with pytest.raises(ValueError, match=r"\(4, 4, 0, 0\) is not one of the library's variants"):
+        cv._variant(4, 4, 0, 0, False)
+    assert cv._variant(4, 4, 0, 0, True) == (4, 4, 0, 0)
+    with pytest.raises(ValueError, match=r"\(8, 6, 0, 2\) is not a launch variant"):
+        cv._variant(8, 6, 0, 2, True)
+    with pytest.raises(ValueError, match=r"\(4, 3, 0, 3\) is not a launch variant"):
+        cv._variant(4, 3, 0, 3, True)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA device; backend='triton'"):
+            cv.build()
+
+
+# ------------------------------------------------------------------------ on the device
+@needs_gpu
+@pytest.mark.parametrize("T,J", [(8, 16), (3, 12), (1, 1)])
+def test_kernel_matches_float64_at_every_start(T, J):
+    """The kernel (through ``gdn_verify_cuda``, on the first J slots of a longer ring) against
+    float64 ``gdn_verify`` at every start, one per sequence, at ``1e-5 + 1e-5 |ref|``; every
+    launch variant of the library's build gives outputs of that accuracy; and no call fell
+    back (``fallback=False``)."""
+    B = J - T + 1
+    x = _inputs(B, 4, 2, 128, 128, J, T, seed=3, dtype=torch.float32, device="cuda")
+    start = torch.arange(B, device="cuda")
+    ring = {n: _ring(x[n], J + 5) for n in ("la", "beta", "v", "k", "uk")}
+    xd = {n: t.double() for n, t in x.items()}
+    want_o, want_u = gdn_verify(xd["R"], xd["R"], xd["la"], xd["beta"], xd["v"], xd["k"],
+                                xd["q"], xd["uk"], start, J, GDNFold.CACHED)
+    for nw, pf, mb, ep in cv.LIBRARY_VARIANTS:
+        o, u = cv.gdn_verify_cuda(x["R"], x["R"], ring["la"], ring["beta"], ring["v"],
+                                  ring["k"], x["q"], ring["uk"], start, J, True, nw=nw, pf=pf,
+                                  mb=mb, ep=ep, fallback=False)
+        assert o.shape == (B, T, 4, 128) and u.shape == (B, J, 4, 128)
+        assert ((o.double() - want_o).abs() <= 1e-5 + 1e-5 * want_o.abs()).all()
+        assert ((u.double() - want_u).abs() <= 1e-5 + 1e-5 * want_u.abs()).all()
+
+
+@needs_gpu
+def test_kernel_batch_invariant():
+    """A sequence's bits do not depend on its batch, position or neighbours: the first 5
+    sequences alone, the batch reversed, and a batch with other neighbours give the same
+    outputs and corrections."""
+    B, T, J = 24, 8, 16
+    x = _inputs(B, 4, 2, 128, 128, J, T, seed=5, dtype=torch.float32, device="cuda")
+    y = _inputs(B, 4, 2, 128, 128, J, T, seed=6, dtype=torch.float32, device="cuda")
+    start = torch.arange(B, device="cuda") % (J - T + 1)
+    order = ("R", "R", "la", "beta", "v", "k", "q", "uk")
+
+    def run(d, s):
+        return cv.gdn_verify_cuda(*(d[n] for n in order), s, J, True, fallback=False)
+
+    o, u = run(x, start)
+    sub = {n: t[:5].contiguous() for n, t in x.items()}
+    o5, u5 = run(sub, start[:5].contiguous())
+    assert torch.equal(o5, o[:5]) and torch.equal(u5, u[:5])
+    rev = torch.arange(B - 1, -1, -1, device="cuda")
+    orv, urv = run({n: t[rev].contiguous() for n, t in x.items()}, start[rev].contiguous())
+    assert torch.equal(orv, o[rev]) and torch.equal(urv, u[rev])
+    mix = {n: torch.cat([x[n][:5], y[n][5:]]) for n in x}
+    om, um = run(mix, start)
+    assert torch.equal(om[:5], o[:5]) and torch.equal(um[:5], u[:5])
+
+
+def _decode(backend, policy, dtype=torch.float32, B=5, seed=0):
+    """A GDN decode state (HK = 2, HV = 4, DK = DV = 128, L = 16, T = 8) through prefill,
+    3 steps, verify, a per-sequence commit, verify (starts 3..11), commit and a verify that
+    reaches the flush slot; returns the three verifies' outputs."""
+    from replayssm_quant.replay import GDNReplayState
+
+    g = torch.Generator().manual_seed(seed)
+    HK, HV, D, L, T = 2, 4, 128, 16, 8
+
+    def tok(n):
+        q = torch.nn.functional.normalize(torch.randn(B, n, HK, D, generator=g, dtype=torch.float64), dim=-1)
+        k = torch.nn.functional.normalize(torch.randn(B, n, HK, D, generator=g, dtype=torch.float64), dim=-1)
+        v = torch.randn(B, n, HV, D, generator=g, dtype=torch.float64)
+        gg = torch.log(0.9 + 0.0999 * torch.rand(B, n, HV, generator=g, dtype=torch.float64))
+        beta = torch.sigmoid(torch.randn(B, n, HV, generator=g, dtype=torch.float64))
+        return [t.to(dtype=dtype, device="cuda") for t in (q * D ** -0.5, k, v, gg, beta)]
+
+    S0 = (torch.randn(B, HV, D, D, generator=g, dtype=torch.float64) * 0.1).to(dtype=dtype,
+                                                                             device="cuda")
+    st = GDNReplayState(policy, batch=B, key_heads=HK, value_heads=HV, key_dim=D, value_dim=D,
+                        window=L, max_drafts=T, dtype=dtype, device="cuda", backend=backend)
+    st.prefill(S0)
+    outs = []
+    for _ in range(3):
+        st.step(*(t[:, 0] for t in tok(1)))
+    outs.append(st.verify(*tok(T)))
+    st.commit(torch.tensor([0, 2, 5, 8, 1][:B], device="cuda"))
+    outs.append(st.verify(*tok(T)))
+    st.commit(torch.tensor([5, 3, 0, 2, 4][:B], device="cuda"))
+    outs.append(st.verify(*tok(T)))
+    return outs
+
+
+@needs_gpu
+def test_state_under_cuda_backend():
+    """``GDNReplayState(backend="cuda")`` under ``fp32``: verify within ``1e-5 + 1e-5 |ref|``
+    of the float64 torch state, within 1e-5 of the Triton backend, and not the Triton kernel's
+    bits (the CUDA kernel ran); under a policy the kernel does not cover (a packed or dual read
+    copy) the same bits as ``"triton"`` (the Triton kernel ran)."""
+    ref = _decode("torch", "fp32", dtype=torch.float64)
+    got = _decode("cuda", "fp32")
+    tri = _decode("triton", "fp32")
+    for o, r, t in zip(got, ref, tri, strict=True):
+        assert ((o.double() - r).abs() <= 1e-5 + 1e-5 * r.abs()).all()
+        assert (o - t).abs().max() <= 1e-5
+    assert any(not torch.equal(o, t) for o, t in zip(got, tri, strict=True))
+    for pol in ("read:nvfp4/rec:fp16+sr", "shared:fp16"):
+        for o, t in zip(_decode("cuda", pol), _decode("triton", pol), strict=True):
+            assert torch.equal(o, t)
+
+
+@needs_gpu
+def test_state_under_cuda_backend_batch_invariant():
+    """The decode state's verifies under ``backend="cuda"``: a batch of 3 gives the bits that
+    the same 3 sequences get as the first rows of a batch of 5 (same inputs, same per-sequence
+    commits, starts that differ by sequence)."""
+    from replayssm_quant.replay import GDNReplayState
+
+    g = torch.Generator().manual_seed(1)
+    B, HK, HV, D, L, T = 5, 2, 4, 128, 16, 8
+    toks = []
+    for n in (1, 1, T, T):
+        q = torch.nn.functional.normalize(torch.randn(B, n, HK, D, generator=g), dim=-1)
+        k = torch.nn.functional.normalize(torch.randn(B, n, HK, D, generator=g), dim=-1)
+        toks.append([t.cuda() for t in (q * D ** -0.5, k, torch.randn(B, n, HV, D, generator=g),
+                                        torch.log(0.9 + 0.0999 * torch.rand(B, n, HV, generator=g)),
+                                        torch.sigmoid(torch.randn(B, n, HV, generator=g)))])
+    S0 = (torch.randn(B, HV, D, D, generator=g) * 0.1).cuda()
+    acc = torch.tensor([3, 0, 6, 8, 1], device="cuda")
+
+    def run(b):
+        st = GDNReplayState("fp32", batch=b, key_heads=HK, value_heads=HV, key_dim=D,
+                            value_dim=D, window=L, max_drafts=T, device="cuda", backend="cuda")
+        st.prefill(S0[:b].contiguous())
+        for t in toks[:2]:
+            st.step(*(x[:b, 0] for x in t))
+        o1 = st.verify(*(x[:b] for x in toks[2]))
+        st.commit(acc[:b])
+        return o1, st.verify(*(x[:b] for x in toks[3]))
+
+    full, part = run(B), run(3)
+    for f, p in zip(full, part, strict=True):
+        assert torch.equal(f[:3], p)

@@ -198,7 +198,8 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
     zeros after). ``window`` is checked but not read (the flush-slot draft's A path is the R
     path here). ``nw, pf, mb, ep``: the launch variant (default
     :data:`GDN_VERIFY_CUDA_CONFIG`; with ``all_variants`` any of :data:`LAUNCH`).
-    ``fallback=False``: raise instead of running the Triton kernel.
+    ``fallback=False``: raise instead of running the Triton kernel. A non-contiguous ``q`` is
+    copied first.
 
     Raises:
         ValueError: inputs the Triton kernel's checks refuse (naming them); a launch variant
@@ -209,6 +210,8 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
     """
     from .records import _check_verify, gdn_verify_kernel
 
+    if isinstance(q, torch.Tensor) and not q.is_contiguous():
+        q = q.contiguous()  # the drafts' queries as a caller sliced them: 4 MiB at B = 256
     why = unsupported(read, anchor, la, beta, v, k, q, u_known, start, fold_cached_corrections)
     if why is not None:
         if not fallback:

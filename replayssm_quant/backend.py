@@ -23,8 +23,8 @@ and the anchor chain run theirs on CUDA for float32 and a key dim that is a powe
 ``TRITON_INTERPRET=1``). ``cuda`` (opt-in) is ``triton`` on a CUDA device, except that an
 operation with a CUDA C++ kernel (``_CUDA_KERNELS``: today GDN's verify, which covers the
 single-checkpoint FP32 policy at DK = DV = 128, T <= 8, L <= 16 and hands every other call to
-its Triton kernel) runs that one; the extension is built with nvcc when the state object is
-made (:func:`select`).
+its Triton kernel) runs that one; the extension is built with nvcc at the first call it
+covers.
 
 Registry: a torch reference declares the operation it implements with :func:`reference`; the
 kernel of each operation is named in ``_KERNELS`` and imported on first use (so CPU-only runs
@@ -67,8 +67,8 @@ class Backend(str, enum.Enum):
     #: ``TRITON_INTERPRET=1``, set before triton is imported).
     TRITON = "triton"
     #: as ``triton`` on a CUDA device (a ValueError elsewhere), with the CUDA C++ kernels of
-    #: the operations that have one (``_CUDA_KERNELS``; built with nvcc at first use, a
-    #: RuntimeError naming what is missing where it cannot be built). Opt-in.
+    #: the operations that have one (``_CUDA_KERNELS``; built with nvcc at the first call one
+    #: covers, a RuntimeError naming what is missing where it cannot be built). Opt-in.
     CUDA = "cuda"
 
 
@@ -117,7 +117,7 @@ def requested_backend(family, backend=None) -> Backend:
     value = os.environ.get(ENV) or None
     old = [(n, os.environ[n]) for n in DEPRECATED_ENV[family] if os.environ.get(n)]
     for name, _ in old:
-        warnings.warn(f"{name} is deprecated: set {ENV}=auto|torch|triton (one setting for "
+        warnings.warn(f"{name} is deprecated: set {ENV}=auto|torch|triton|cuda (one setting for "
                       f"every operation)" + (f"; {ENV} is set and takes precedence" if value
                                              else ""), DeprecationWarning, stacklevel=3)
     if value is not None:
@@ -199,8 +199,8 @@ _KERNELS: dict[str, tuple[str, str]] = {
 }
 #: operation -> attribute of :mod:`replayssm_quant.kernels.replay.cuda_verify`: the CUDA C++
 #: kernels that ``Backend.CUDA`` runs instead of the Triton one. Each hands the calls it does
-#: not cover to the Triton kernel; the module's ``build()`` compiles the extension (or raises
-#: RuntimeError naming what is missing) when the kernel is selected.
+#: not cover to the Triton kernel, and compiles the extension at the first call it covers
+#: (the module's ``build()``: a RuntimeError naming what is missing, nvcc or ninja).
 _CUDA_KERNELS: dict[str, str] = {
     "gdn_state_verify": "gdn_state_verify_cuda",
 }
@@ -220,11 +220,11 @@ def reference(op: str) -> Callable:
 
 def kernel(op: str, cuda: bool = False) -> Callable:
     """The Triton entry point of operation ``op`` (imports its kernel module on first use);
-    with ``cuda``, its CUDA C++ kernel where it has one (``_CUDA_KERNELS``), built here.
+    with ``cuda``, its CUDA C++ kernel where it has one (``_CUDA_KERNELS``; built at its first
+    covered call).
 
     Raises:
         ValueError: an unknown operation.
-        RuntimeError: the CUDA extension cannot be built (what is missing).
     """
     try:
         module, attr = _KERNELS[op]
@@ -233,7 +233,6 @@ def kernel(op: str, cuda: bool = False) -> Callable:
     if cuda and op in _CUDA_KERNELS:
         from .kernels.replay import cuda_verify
 
-        cuda_verify.build()
         return getattr(cuda_verify, _CUDA_KERNELS[op])
     if module == "quant":
         from .kernels import quant as m
@@ -245,7 +244,7 @@ def kernel(op: str, cuda: bool = False) -> Callable:
 def select(ref: Callable, kernels: "bool | Backend") -> Callable:
     """``ref`` (a function declared with :func:`reference`), or its kernel when ``kernels``
     (True or ``Backend.TRITON``: the Triton kernel; ``Backend.CUDA``: the CUDA C++ kernel
-    where the operation has one, built now; False or ``Backend.TORCH``: ``ref``)."""
+    where the operation has one; False or ``Backend.TORCH``: ``ref``)."""
     op = getattr(ref, "backend_op", None)
     if op is None:
         raise ValueError(f"{getattr(ref, '__qualname__', ref)!r} is not declared as the "

@@ -108,6 +108,23 @@ def test_unsupported_names_why():
     assert "one layout of contiguous slots" in why(la=_ring(a["la"], 20))  # the others: 16
     assert "one layout of contiguous slots" in why(v=a["v"].transpose(2, 3).contiguous()
                                                    .transpose(2, 3))
+    ring = ("la", "beta", "v", "k", "u_known")
+
+    def restrided(t, slot_stride, batch_slots):
+        """``t [B, J, ...]`` re-viewed with slot stride ``slot_stride`` slots and a batch stride
+        of ``batch_slots`` slots (in a buffer large enough for both)."""
+        per = t[0, 0].numel()
+        buf = torch.zeros(t.shape[0] * int(batch_slots * per) + t.shape[1] * slot_stride * per)
+        inner = t.stride()[2:]
+        return buf.as_strided(t.shape, (int(batch_slots * per), slot_stride * per, *inner))
+
+    # every ring tensor with a slot stride of 2 slots (a [:, ::2] view): one layout, but not
+    # contiguous slots
+    assert "one layout of contiguous slots" in why(**{n: restrided(a[n], 2, 32) for n in ring})
+    # a batch stride that is not a whole number of slots; sequences overlapping (JS < J)
+    assert "one layout of contiguous slots" in why(**{n: restrided(a[n], 1, 16.5) for n in ring})
+    assert "one layout of contiguous slots" in why(**{n: restrided(a[n], 1, 8) for n in ring})
+    assert why(**{n: restrided(a[n], 1, 16) for n in ring}) == dev  # (the helper itself)
     assert "q is not contiguous" in why(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3))
     off = torch.zeros(a["q"].numel() + 1)[1:].view(a["q"].shape)  # 4 bytes off
     assert "16-byte boundary" in why(q=off)
@@ -144,8 +161,8 @@ def test_refusals():
 def test_kernel_matches_float64_at_every_start(T, J):
     """The kernel (through ``gdn_verify_cuda``, on the first J slots of a longer ring) against
     float64 ``gdn_verify`` at every start, one per sequence, at ``1e-5 + 1e-5 |ref|``; every
-    launch variant of the library's build gives outputs of that accuracy; and no call fell
-    back (``fallback=False``)."""
+    launch variant of the library's build gives outputs of that accuracy; int32 starts give
+    the int64 starts' bits; and no call fell back (``fallback=False``)."""
     B = J - T + 1
     x = _inputs(B, 4, 2, 128, 128, J, T, seed=3, dtype=torch.float32, device="cuda")
     start = torch.arange(B, device="cuda")
@@ -153,6 +170,9 @@ def test_kernel_matches_float64_at_every_start(T, J):
     xd = {n: t.double() for n, t in x.items()}
     want_o, want_u = gdn_verify(xd["R"], xd["R"], xd["la"], xd["beta"], xd["v"], xd["k"],
                                 xd["q"], xd["uk"], start, J, GDNFold.CACHED)
+    o32, u32 = cv.gdn_verify_cuda(x["R"], x["R"], ring["la"], ring["beta"], ring["v"],
+                                  ring["k"], x["q"], ring["uk"], start.int(), J, True,
+                                  fallback=False)  # int32 starts
     for nw, pf, mb, ep in cv.LIBRARY_VARIANTS:
         o, u = cv.gdn_verify_cuda(x["R"], x["R"], ring["la"], ring["beta"], ring["v"],
                                   ring["k"], x["q"], ring["uk"], start, J, True, nw=nw, pf=pf,
@@ -160,6 +180,8 @@ def test_kernel_matches_float64_at_every_start(T, J):
         assert o.shape == (B, T, 4, 128) and u.shape == (B, J, 4, 128)
         assert ((o.double() - want_o).abs() <= 1e-5 + 1e-5 * want_o.abs()).all()
         assert ((u.double() - want_u).abs() <= 1e-5 + 1e-5 * want_u.abs()).all()
+        if (nw, pf, mb, ep) == cv._variant(None, None, None, None, False):
+            assert torch.equal(o32, o) and torch.equal(u32, u)
 
 
 @needs_gpu

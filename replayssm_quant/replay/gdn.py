@@ -167,14 +167,12 @@ class GDNReplayState(ReplayStateBase):
             verify and flush on CUDA, float32, key_dim a power of two >= 32), ``"torch"``,
             ``"triton"`` or ``"cuda"`` (opt-in: as ``"triton"``, with verify on one CUDA C++
             kernel where it applies: a single-checkpoint FP32 policy, key and value dims 128,
-            T <= 8, window <= 16; built with nvcc here, the first time on a machine);
+            T <= 8, window <= 16; built with nvcc at its first such call, once per machine);
             None defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
 
     Raises:
         ValueError: as :class:`~replayssm_quant.replay.mamba2.Mamba2ReplayState`, and
             ``key_heads`` not dividing ``value_heads``.
-        RuntimeError: ``backend="cuda"`` where the CUDA verify kernel cannot be built (no
-            nvcc or ninja, or a device below compute capability 8.0; the message says which).
     """
 
     def __init__(self, policy, *, batch: int, key_heads: int, value_heads: int, key_dim: int,
@@ -188,7 +186,7 @@ class GDNReplayState(ReplayStateBase):
         impl = B.implementation(B.OpFamily.REPLAY, backend, device=device, dtype=dtype,
                                 key_dim=key_dim)
         self._kernels = impl is not B.Backend.TORCH
-        # torch references or their kernels (under "cuda", verify's CUDA C++ kernel, built here)
+        # torch references or their kernels (under "cuda", verify's CUDA C++ kernel)
         self._ops = B.ops(impl, step=gdn_state_step, verify=gdn_state_verify,
                           flush=gdn_state_flush)
         if value_heads % key_heads:
@@ -275,6 +273,9 @@ class GDNReplayState(ReplayStateBase):
                 documented shape (one T for all), of the state's dtype (float32 or float64,
                 the working precision it was built with) or on its device (the message names
                 the argument, its shape and the expected one).
+            RuntimeError: ``backend="cuda"`` where the CUDA verify kernel applies but cannot
+                be built (no nvcc or ninja; the message says which and that ``"triton"`` runs
+                without it).
         """
         self._check_not_pending("verify")
         if not isinstance(v, torch.Tensor) or v.dim() != 4:

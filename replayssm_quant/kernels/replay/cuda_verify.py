@@ -27,7 +27,8 @@ anchor, ``fold_cached_corrections``, DK = DV = 128, 1 <= T <= 8, J <= 16 ring sl
 compute capability >= 8.0, every input 16-byte aligned with contiguous rows, the ring
 tensors sharing one slot stride (a state's ring of ``window + max_drafts`` slots, of which the
 first J are passed). Building needs nvcc and ninja (``torch.utils.cpp_extension``); the
-extension is built once per machine and cached by torch (``TORCH_EXTENSIONS_DIR``).
+extension is built at the first call the kernel covers, once per machine (torch caches it in
+``TORCH_EXTENSIONS_DIR``), and loaded once per process.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def unsupported(read, anchor, la, beta, v, k, q, u_known, start,
         return "the ring tensors do not share one layout of contiguous slots"
     if not q.is_contiguous():
         return "q is not contiguous"
-    if any(t.data_ptr() % 16 for t in ts.values()):
+    if any(t.data_ptr() % 16 for t in (read, v, k, q, u_known)):  # float4 loads, cp.async
         return "an input does not start on a 16-byte boundary"
     if read.device.type != "cuda" or any(t.device != read.device for t in (*ts.values(), start)):
         return "the inputs are not all on one CUDA device"
@@ -224,9 +225,10 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
     mod = build(all_variants)
     B, H, J, T = read.shape[0], read.shape[1], la.shape[1], q.shape[1]
     start = start.to(torch.int64).contiguous()
-    o = torch.empty(B, T, H, DIM, device=read.device)
-    u = torch.empty(B, J, H, DIM, device=read.device)
-    mod.gdn_verify_cuda(read, la, beta, v, k, q, u_known, start, o, u, *var)
+    o = torch.empty(B, T, H, DIM, dtype=torch.float32, device=read.device)
+    u = torch.empty(B, J, H, DIM, dtype=torch.float32, device=read.device)
+    with torch.cuda.device(read.device):  # the launch takes the current device and stream
+        mod.gdn_verify_cuda(read, la, beta, v, k, q, u_known, start, o, u, *var)
     return o, u
 
 

@@ -378,7 +378,8 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
 
 #ifndef GDN_VERIFY_DEVICE_ONLY
 // No checks here (a failed check in nvcc-compiled host code took the process down in the
-// forty-first pass): cuda_verify.check_args has checked shapes, dtypes, the device, 16-byte
+// forty-first pass): cuda_verify.unsupported and records._check_verify have checked shapes,
+// dtypes, the device, 16-byte
 // alignment, the ring layout (every ring tensor [B, JS, ...] with its first J slots used,
 // slot-contiguous), T <= 8, J <= 16 and the launch variant before this is called, and
 // start + T <= J is asserted on the device before the launch.

@@ -69,10 +69,15 @@ T_MAX, J_MAX, DIM = cv.T_MAX, cv.J_MAX, cv.DIM
 decomposition = cv.decomposition  # the kernel's formula in torch (the CPU oracle)
 
 
+#: build every variant of LAUNCH (False when the variants asked are all in the library's
+#: build, LIBRARY_VARIANTS: one short build, shared with the library's own)
+ALL = True
+
+
 def ext():
-    """The CUDA kernel with every variant of ``LAUNCH``, built once per process for the
-    device's architecture (``cuda_verify.build``)."""
-    return cv.build(all_variants=True)
+    """The CUDA kernel with every variant of ``LAUNCH`` (or the library's, ``ALL``), built once
+    per process for the device's architecture (``cuda_verify.build``)."""
+    return cv.build(all_variants=ALL)
 
 
 def check_args(R, la, beta, v, k, q, uk, start, nw, pf, mb, ep=0):
@@ -170,13 +175,14 @@ def main(argv=None):
     ap.add_argument("--profile", metavar="NW,PF,MB,EP",
                     help="only run this variant 3 times at h = 4 (for ncu), e.g. 4,3,0,1")
     a = ap.parse_args(argv)
-    global VARIANTS
+    global VARIANTS, ALL
     if a.variants:
         by = {label(v): v for v in VARIANTS}
         bad = [x for x in a.variants.split(",") if x not in by]
         if bad:
             ap.error(f"--variants: unknown {bad}; known: {sorted(by)}")
         VARIANTS = [by[x] for x in a.variants.split(",")]
+        ALL = any(v not in cv.LIBRARY_VARIANTS for v in VARIANTS)
     if not torch.cuda.is_available():
         raise SystemExit("verify_cuda.py times CUDA launches; run it on the device")
     mod = ext()
@@ -230,7 +236,7 @@ def main(argv=None):
             o, u = cuda_verify(mod, *args, start, *var)
             nw, pf, mb, ep = var
             ol, ul = cv.gdn_verify_cuda(R_, R_, *ring[:4], q_, ring[4], start, J, True, nw=nw,
-                                        pf=pf, mb=mb, ep=ep, all_variants=True,
+                                        pf=pf, mb=mb, ep=ep, all_variants=ALL,
                                         fallback=False)
             o8, u8 = cuda_verify(mod, *_sel(args, slice(0, 8)), start[:8].contiguous(), *var)
             orv, urv = cuda_verify(mod, *_sel(args, rev), start[rev].contiguous(), *var)

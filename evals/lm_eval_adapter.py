@@ -666,7 +666,8 @@ def check_run_args(args) -> None:
     tokenizer loads), a ``--batch_size`` below 1 (HFLM takes 0 and runs), an
     ``--output_path`` that cannot be written (lm-eval logs that after the whole evaluation
     and exits 0 with nothing saved: a path ending in ``.json`` needs a writable folder, any
-    other path is a folder, so not an existing file), and, for the ``kjv_*`` tasks, a
+    other path is a folder, so not an existing file), a ``REPLAYSSM_BACKEND`` that names no
+    backend or cannot run on the device (``cuda`` off a GPU), and, for the ``kjv_*`` tasks, a
     ``--metadata`` option that is not an integer of at least its least value.
 
     Args:
@@ -694,6 +695,11 @@ def check_run_args(args) -> None:
         if dev.type == "mps" and not (mps is not None and mps.is_available()):
             raise ValueError(f"--device {device}: MPS is not available (torch "
                              f"{torch.__version__}); use --device cpu")
+    from replayssm_quant.backend import check_setting
+
+    # REPLAYSSM_BACKEND: a backend, and one that runs on the device (HFLM's default without
+    # --device: cuda where available); otherwise a traceback at the first request
+    check_setting(str(device) if device else "cuda" if torch.cuda.is_available() else "cpu")
     bs = getattr(args, "batch_size", None)
     if bs is not None:
         _check_batch_size(bs, "--batch_size")

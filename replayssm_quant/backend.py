@@ -49,7 +49,7 @@ import torch
 from .capabilities import REPLAY_MIN_KEY_DIM, replay_kernels_supported, triton_interpreting
 
 __all__ = ["Backend", "OpFamily", "ENV", "DEPRECATED_ENV", "parse_backend", "requested_backend",
-           "implementation", "use_kernels", "reference", "select", "ops", "kernel", "kernel_ops",
+           "implementation", "check_setting", "use_kernels", "reference", "select", "ops", "kernel", "kernel_ops",
            "triton_interpreting"]
 
 ENV = "REPLAYSSM_BACKEND"
@@ -127,6 +127,16 @@ def requested_backend(family, backend=None) -> Backend:
     return Backend.AUTO
 
 
+def _source(family: OpFamily, backend) -> str:
+    """Where the backend setting of ``family`` comes from: ``backend`` (the argument),
+    ``REPLAYSSM_BACKEND`` or a deprecated per-family variable (for error messages)."""
+    if backend is not None and backend != "":
+        return "backend"
+    if os.environ.get(ENV):
+        return ENV
+    return next((n for n in DEPRECATED_ENV[family] if os.environ.get(n)), "backend")
+
+
 def implementation(family, backend=None, *, device, dtype: torch.dtype | None = None,
                    key_dim: int | None = None) -> Backend:
     """What an operation of ``family`` on ``device`` (replay and chain: with ``dtype`` and key
@@ -142,6 +152,7 @@ def implementation(family, backend=None, *, device, dtype: torch.dtype | None = 
     b = requested_backend(family, backend)
     if b is Backend.TORCH:
         return b
+    src = f"{_source(family, backend)}={b.value!r}"  # where the refused setting came from
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -149,25 +160,44 @@ def implementation(family, backend=None, *, device, dtype: torch.dtype | None = 
                          f"'cuda:0', got {device!r} ({e})") from None
     on_cuda = device.type == "cuda"
     if b is Backend.CUDA and not on_cuda:
-        raise ValueError(f"backend='cuda' needs a CUDA device, got {device} (backend='triton' "
-                         "runs the Triton kernels on CPU under TRITON_INTERPRET=1)")
+        raise ValueError(f"{src} needs a CUDA device, got {device} ('triton' runs the Triton "
+                         "kernels on CPU under TRITON_INTERPRET=1)")
     if family is OpFamily.QUANT:
         if b is Backend.AUTO:
             return Backend.TRITON if on_cuda else Backend.TORCH
         if not on_cuda and not triton_interpreting():
             raise ValueError(
-                f"backend 'triton' on a {device} tensor needs the Triton interpreter: set "
-                "TRITON_INTERPRET=1 before triton is imported, or use backend='torch'")
+                f"{src} on a {device} tensor needs the Triton interpreter: set "
+                "TRITON_INTERPRET=1 before triton is imported, or use 'torch'")
         return b
     ok = replay_kernels_supported(key_dim, dtype)
     if b is Backend.AUTO:
         return Backend.TRITON if ok and on_cuda else Backend.TORCH
     if not ok:
-        raise ValueError(f"backend={b.value!r} needs float32 and a key dim that is a power of "
-                         f"two >= {REPLAY_MIN_KEY_DIM}, got {dtype} and key_dim={key_dim}")
+        raise ValueError(f"{src} needs float32 and a key dim that is a power of two >= "
+                         f"{REPLAY_MIN_KEY_DIM}, got {dtype} and key_dim={key_dim}")
     if not on_cuda and not triton_interpreting():
-        raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+        raise ValueError(f"{src} needs a CUDA device (or TRITON_INTERPRET=1 on CPU), got "
+                         f"{device}")
     return b
+
+
+def check_setting(device=None) -> None:
+    """Check the environment's backend setting for every family before any work (the command
+    lines call this): ``REPLAYSSM_BACKEND`` (or a deprecated per-family variable) names a
+    backend, and, with ``device``, can run there with float32 state and a supported key dim
+    (``cuda`` off a GPU, ``triton`` on CPU without ``TRITON_INTERPRET=1`` cannot). Deprecation
+    warnings are left to the first operation.
+
+    Raises:
+        ValueError: naming the variable, its value and what it needs.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for family in OpFamily:
+            requested_backend(family)
+            if device is not None:
+                implementation(family, device=device, dtype=torch.float32, key_dim=128)
 
 
 def use_kernels(family, backend=None, *, device, dtype: torch.dtype | None = None,

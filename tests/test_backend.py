@@ -96,10 +96,16 @@ def test_triton_where_kernels_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="power of two"):
         B.use_kernels("chain", "triton", device="cpu", dtype=torch.float32, key_dim=24)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+    with pytest.raises(ValueError, match=r"backend='triton' needs a CUDA device \(or "
+                                         r"TRITON_INTERPRET=1 on CPU\), got cpu"):
         B.use_kernels("replay", "triton", device="cpu", dtype=torch.float32, key_dim=32)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+    with pytest.raises(ValueError, match="backend='triton' on a cpu tensor needs the Triton "
+                                         "interpreter: set TRITON_INTERPRET=1"):
         pack(torch.zeros(2, 16), "fp16", backend="triton")
+    monkeypatch.setenv("REPLAYSSM_QUANT_BACKEND", "triton")  # deprecated: named as the source
+    with pytest.warns(DeprecationWarning), pytest.raises(
+            ValueError, match="REPLAYSSM_QUANT_BACKEND='triton' on a cpu tensor"):
+        pack(torch.zeros(2, 16), "fp16")
 
 
 def test_references_and_kernels_are_looked_up_once():
@@ -134,17 +140,17 @@ def test_cuda_backend_needs_a_cuda_device(monkeypatch):
     """``cuda`` (opt-in: the CUDA C++ kernels where an operation has one) is refused off a
     CUDA device, for every family and through the environment too, naming the device and the
     setting that runs there; it is never resolved to the torch path silently."""
-    msg = r"backend='cuda' needs a CUDA device, got cpu \(backend='triton' runs"
+    msg = r"needs a CUDA device, got cpu \('triton' runs the Triton kernels on CPU under"
     for fam in B.OpFamily:
-        with pytest.raises(ValueError, match=msg):
+        with pytest.raises(ValueError, match="backend='cuda' " + msg):
             B.implementation(fam, "cuda", device="cpu", dtype=torch.float32, key_dim=128)
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match="backend='cuda' " + msg):
         GDNReplayState("fp32", batch=1, key_heads=1, value_heads=1, key_dim=128, value_dim=128,
                        backend="cuda")
-    monkeypatch.setenv(B.ENV, "cuda")
-    with pytest.raises(ValueError, match=msg):
+    monkeypatch.setenv(B.ENV, "cuda")  # the message names the variable the setting came from
+    with pytest.raises(ValueError, match="REPLAYSSM_BACKEND='cuda' " + msg):
         Mamba2ReplayState("fp32", batch=1, heads=1, head_dim=4, d_state=32)
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match="REPLAYSSM_BACKEND='cuda' " + msg):
         quantize(torch.zeros(2, 16), "nvfp4")
 
 

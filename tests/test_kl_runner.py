@@ -127,19 +127,24 @@ def test_bad_arguments_exit_2(model_dir, data_file, tmp_path, bad, capsys):
     assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.parametrize("bad", [["--seeds", str(2 ** 70)], ["env", "bogus"]])
+@pytest.mark.parametrize("bad", [["--seeds", str(2 ** 70)], ["env", "bogus"], ["env", "cuda"]])
 def test_bad_seed_or_backend_exit_2_before_any_work(model_dir, data_file, tmp_path, bad, capsys,
                                                      monkeypatch):
-    """A seed beyond Philox's key and a REPLAYSSM_BACKEND that names no backend are refused
-    up front (exit 2, the value named), not by a traceback after the output folder exists."""
+    """A seed beyond Philox's key, a REPLAYSSM_BACKEND that names no backend, and one that
+    cannot run on ``--device cpu`` (``cuda``) are refused up front (exit 2, the value named),
+    not by a traceback after the output folder exists."""
     args = _args(model_dir, data_file, tmp_path / "bad")
+    assert "--device" not in args  # the default, cpu
     if bad[0] == "env":
         monkeypatch.setenv("REPLAYSSM_BACKEND", bad[1])
     else:
         args += bad
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert ("2^63" in err and str(2 ** 70) in err) if bad[0] != "env" else "'bogus'" in err
+    want = {"bogus": ["'bogus' is not a backend"],
+            "cuda": ["REPLAYSSM_BACKEND='cuda' needs a CUDA device, got cpu"]}.get(
+        bad[1], ["2^63", str(2 ** 70)])
+    assert all(w in err for w in want), err
     assert not (tmp_path / "bad").exists()
 
 

@@ -526,6 +526,25 @@ def test_cli_run_args_refused_before_loading(extra, word, tmp_path, capsys, monk
     assert err.startswith("replayssm-lm-eval: error:") and word in err and "\n" not in err
 
 
+@pytest.mark.parametrize("value, word", [
+    ("bogus", "REPLAYSSM_BACKEND='bogus' is not a backend: use one of 'auto', 'torch'"),
+    ("cuda", "REPLAYSSM_BACKEND='cuda' needs a CUDA device, got cpu"),
+])
+def test_cli_backend_env_refused_before_loading(value, word, capsys, monkeypatch):
+    """A ``REPLAYSSM_BACKEND`` that names no backend, or one that cannot run on ``--device``,
+    exits 2 in one line before any model loads (it was a traceback at the first request)."""
+    from replayssm_quant.evals.lm_eval_adapter import cli
+
+    monkeypatch.setenv("REPLAYSSM_BACKEND", value)
+    monkeypatch.setattr(HFLM, "__init__", _no_load(HFLM.__init__))
+    rc = cli(["--model", "replayssm", "--model_args", "pretrained=tiny-gdn", "--tasks",
+              "kjv_longctx_mc", "--include_path", str(REPO / "evals" / "tasks"), "--limit", "1",
+              "--device", "cpu"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("replayssm-lm-eval: error:") and word in err and "\n" not in err
+
+
 def test_check_run_args_accepts_lm_eval_forms(tmp_path):
     """``auto``, ``auto:N`` and positive integers pass, as does an output path that is an
     existing directory or a new file under one."""

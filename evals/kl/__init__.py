@@ -207,21 +207,18 @@ def check_output_dir(path, flag: str = "--output-dir") -> None:
                 d.rmdir()
 
 
-def check_backend_env() -> None:
+def check_backend_env(device: str | None = None) -> None:
     """BadArgs for a ``REPLAYSSM_BACKEND`` (or a deprecated per-family variable) that names no
-    backend, before any work: otherwise the first operation that reads it fails mid-run,
-    after the output directory has been written to."""
-    import warnings
+    backend, or (with ``device``, the run's ``--device``) one that cannot run there (``cuda``
+    off a GPU, ``triton`` on CPU without ``TRITON_INTERPRET=1``), before any work
+    (:func:`replayssm_quant.backend.check_setting`): otherwise the first operation that reads
+    it fails mid-run, after the output directory has been written to."""
+    from replayssm_quant.backend import check_setting
 
-    from replayssm_quant.backend import OpFamily, requested_backend
-
-    with warnings.catch_warnings():  # the deprecation warnings come again at first use
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for family in OpFamily:
-            try:
-                requested_backend(family)
-            except ValueError as e:
-                raise BadArgs(str(e)) from None
+    try:
+        check_setting(device)
+    except ValueError as e:
+        raise BadArgs(str(e)) from None
 
 
 def _check_args(a) -> list:
@@ -285,6 +282,7 @@ def _check_args(a) -> list:
                          for k, v in dup.items())
         raise BadArgs(f"duplicate policies: {desc}; give each policy once")
     check_device(a.device)
+    check_backend_env(a.device)
     if a.device_map and a.device.startswith("cuda:"):
         raise BadArgs(f"--device-map auto places the model on the rank's GPUs itself; give "
                       f"--device cuda, not {a.device}")

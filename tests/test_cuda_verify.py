@@ -293,3 +293,46 @@ def test_state_under_cuda_backend_batch_invariant():
     full, part = run(B), run(3)
     for f, p in zip(full, part, strict=True):
         assert torch.equal(f[:3], p)
+
+
+def test_failed_build_leaves_the_state_unchanged(monkeypatch):
+    """A decode state's verify under the CUDA kernel builds it (``prepare``) before anything
+    changes: where the build fails (no nvcc), the RuntimeError leaves the state as it was,
+    including the early flush a verify past the window would do. Run on CPU with the kernel
+    swapped in and the coverage rule patched to say it covers the call (the CPU path cannot
+    reach a covered call otherwise)."""
+    from _replay_inputs import same_snapshot, snapshot
+
+    from replayssm_quant.kernels import replay as kr
+    from replayssm_quant.replay import GDNReplayState
+
+    B, HK, HV, D, L, T = 2, 1, 2, 32, 4, 3
+    st = GDNReplayState("fp32", batch=B, key_heads=HK, value_heads=HV, key_dim=D,
+                        value_dim=D, window=L, max_drafts=T, backend="torch")
+    g = torch.Generator().manual_seed(0)
+
+    def tok(*lead):
+        k = torch.nn.functional.normalize(torch.randn(*lead, HK, D, generator=g), dim=-1)
+        return (k * D ** -0.5, k, torch.randn(*lead, HV, D, generator=g),
+                -0.01 * torch.rand(*lead, HV, generator=g), torch.rand(*lead, HV, generator=g))
+
+    for _ in range(2):  # h = 2: a verify of 3 drafts flushes the committed part first
+        st.step(*tok(B))
+    st._ops.verify = kr.gdn_state_verify_cuda
+    calls = []
+
+    def fail_build(all_variants=False):
+        calls.append(all_variants)
+        raise RuntimeError("the CUDA verify kernel is built at first use and needs nvcc")
+
+    monkeypatch.setattr(cv, "unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(cv, "build", fail_build)
+    monkeypatch.setattr(cv, "_BUILT", set())
+    before = snapshot(st)
+    with pytest.raises(RuntimeError, match="needs nvcc"):
+        st.verify(*tok(B, T))
+    assert calls == [False]
+    assert same_snapshot(before, snapshot(st)) and st.pending_drafts is None
+    st._ops.verify = kr.gdn_state_verify  # the state goes on
+    st.verify(*tok(B, T))
+    st.commit(1)

@@ -275,7 +275,7 @@ class GDNReplayState(ReplayStateBase):
                 the argument, its shape and the expected one).
             RuntimeError: ``backend="cuda"`` where the CUDA verify kernel applies but cannot
                 be built (no nvcc or ninja; the message says which and that ``"triton"`` runs
-                without it).
+                without it); the state is left unchanged.
         """
         self._check_not_pending("verify")
         if not isinstance(v, torch.Tensor) or v.dim() != 4:
@@ -284,13 +284,19 @@ class GDNReplayState(ReplayStateBase):
         T = v.shape[1]
         self._check_drafts(T)
         self._check_inputs(q, k, v, g, beta, T=T)
+        J = self.window  # committed + drafts <= window after the early flush; a fixed shape
+        r = self._ring
+
+        def args():
+            return (self._checkpoints(), r["la"][:, :J], r["beta"][:, :J], r["v"][:, :J],
+                    r["k"][:, :J], q, r["uR"][:, :J], self._h, self.window, self._fold_cached)
+
+        prepare = getattr(self._ops.verify, "prepare", None)
+        if prepare is not None:  # a kernel built at its first covered call: before any change
+            prepare(*args())
         self._begin_verify(T)
         self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
         self._pending = T
-        J = self.window  # committed + drafts <= window after the early flush; a fixed shape
-        r = self._ring
-        o, uR = self._ops.verify(self._checkpoints(), r["la"][:, :J], r["beta"][:, :J],
-                                 r["v"][:, :J], r["k"][:, :J], q, r["uR"][:, :J], self._h,
-                                 self.window, self._fold_cached)
+        o, uR = self._ops.verify(*args())
         r["uR"][:, :J] = uR
         return o

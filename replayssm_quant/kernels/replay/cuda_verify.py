@@ -64,6 +64,9 @@ _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor 
          "int64_t mb, int64_t ep);\n")
 
 
+_BUILT: set[bool] = set()  # the builds this process holds (all_variants False / True)
+
+
 @functools.lru_cache(maxsize=2)
 def build(all_variants: bool = False):
     """The compiled extension (``torch.utils.cpp_extension.load_inline`` of ``SOURCE`` for the
@@ -94,13 +97,15 @@ def build(all_variants: bool = False):
                            "(pip install ninja)" + fix)
     flags = ["-O3", "-std=c++17"] + (["-DGDN_VERIFY_ALL_VARIANTS"] if all_variants else [])
     try:
-        return ce.load_inline("replayssm_gdn_verify" + ("_all" if all_variants else ""),
-                              cpp_sources=_DECL, cuda_sources=SOURCE.read_text(),
-                              functions=["gdn_verify_cuda"], extra_cuda_cflags=flags,
-                              verbose=False)
+        mod = ce.load_inline("replayssm_gdn_verify" + ("_all" if all_variants else ""),
+                             cpp_sources=_DECL, cuda_sources=SOURCE.read_text(),
+                             functions=["gdn_verify_cuda"], extra_cuda_cflags=flags,
+                             verbose=False)
     except Exception as e:  # compiler and linker errors come as several exception types
         raise RuntimeError(f"building the CUDA verify kernel ({SOURCE}) failed: {e}"
                            + fix) from e
+    _BUILT.add(all_variants)
+    return mod
 
 
 def _ring_slots(t: torch.Tensor, per_slot: int) -> int | None:
@@ -235,9 +240,26 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
 def gdn_state_verify_cuda(cps, la, beta, v, k, q, u_known, start, window: int,
                           fold_cached_corrections: bool = False):
     """CUDA kernel of :func:`replay.gdn.gdn_state_verify` (the state objects' verify under
-    ``backend="cuda"``): :func:`gdn_verify_cuda` on the stored checkpoints ``cps``."""
+    ``backend="cuda"``): :func:`gdn_verify_cuda` on the stored checkpoints ``cps``. Its
+    ``prepare`` (same arguments) builds the extension when this call is one the kernel covers:
+    the state calls it before it changes anything, so that a failed build leaves it as it
+    was."""
     return gdn_verify_cuda(cps.read_stored, cps.anchor_stored, la, beta, v, k, q, u_known,
                            start, window, fold_cached_corrections)
+
+
+def _prepare_state_verify(cps, la, beta, v, k, q, u_known, start, window: int,
+                          fold_cached_corrections: bool = False) -> None:
+    if False in _BUILT:  # the library's build is loaded
+        return
+    if isinstance(q, torch.Tensor) and not q.is_contiguous():
+        q = q.contiguous()  # as gdn_verify_cuda does
+    if unsupported(cps.read_stored, cps.anchor_stored, la, beta, v, k, q, u_known, start,
+                   fold_cached_corrections) is None:
+        build()
+
+
+gdn_state_verify_cuda.prepare = _prepare_state_verify
 
 
 def decomposition(R, la, beta, v, k, q, uk, start):

@@ -18,13 +18,14 @@ accumulation (the Triton kernel's ``tf32x3`` accuracy class: both within ``1e-5 
 of float64, and a few units of 1e-7 apart); one CTA per (sequence, value head) at 64-102
 registers, so 4-6 CTAs share an SM where the Triton kernel runs one program of 255 registers.
 Every sum's order is fixed by the CTA's code: a sequence's bits do not depend on its batch,
-position or neighbours (checked on the device by ``tests/test_replay_kernels.py`` and
+position or neighbours (checked on the device by ``tests/test_cuda_verify.py`` and
 ``benchmarks/verify_cuda.py``). Issue 15, forty-second and forty-third passes
 (``docs/kernels-replay.md``).
 
 Covered (:func:`unsupported` says why not, otherwise): a plain FP32 read copy that is the
 anchor, ``fold_cached_corrections``, DK = DV = 128, 1 <= T <= 8, J <= 16 ring slots, CUDA
-compute capability >= 8.0, every input 16-byte aligned with contiguous rows, the ring
+compute capability >= 8.0, the float4 operands (R, v, k, q, u_known) 16-byte aligned with
+contiguous rows (a non-contiguous ``q`` is copied), the ring
 tensors sharing one slot stride (a state's ring of ``window + max_drafts`` slots, of which the
 first J are passed). Building needs nvcc and ninja (``torch.utils.cpp_extension``); the
 extension is built at the first call the kernel covers, once per machine (torch caches it in
@@ -54,8 +55,9 @@ LAUNCH = {4: {"pf": (2, 3, 4, 5, 6), "mb": (0, 5, 6)},
 #: the variants the library's build holds ``(nw, pf, mb, ep)`` (the host dispatch of
 #: gdn_verify.cu without GDN_VERIFY_ALL_VARIANTS names the same ones)
 LIBRARY_VARIANTS = ((8, 3, 0, 2), (4, 3, 0, 0), (8, 2, 4, 2))
-#: the default launch: the fastest variant measured (H100, 744aff1: 283.3 us at B = 256, the
-#: worst start, against 405.1 us for the Triton kernel; docs/kernels-replay.md)
+#: the default launch: the fastest variant at the worst start (H100, B = 256: 283.3 us at
+#: 744aff1, 278.9 at 9faf565, against 405.1 / 401.6 us for the Triton kernel;
+#: docs/kernels-replay.md)
 GDN_VERIFY_CUDA_CONFIG = {"nw": 8, "pf": 3, "mb": 0, "ep": 2}
 
 _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor beta, "

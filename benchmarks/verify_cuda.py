@@ -63,7 +63,7 @@ VARIANTS = ([(4, 3, 0, 0), (4, 4, 5, 0), (4, 3, 6, 0), (4, 2, 6, 0)]
             + [(8, 3, 3, 0), (8, 3, 0, 2), (8, 4, 0, 2)]
             # 64 registers, 4 CTAs of 8 warps an SM (ptxas spills 12-16 bytes, outside the
             # stream's loop in the static SASS): nw8_pf2_mb4_cpa 279.7 us on the H100 at
-            # 9faf565, fastest at h = 0..7, against 278.9 for the default)
+            # 9faf565, fastest at h = 0..7, against 278.9 for the default
             + [(8, 2, 4, 2), (8, 2, 0, 2)])
 LAUNCH = cv.LAUNCH
 T_MAX, J_MAX, DIM = cv.T_MAX, cv.J_MAX, cv.DIM

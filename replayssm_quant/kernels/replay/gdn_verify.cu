@@ -379,10 +379,9 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
 #ifndef GDN_VERIFY_DEVICE_ONLY
 // No checks here (a failed check in nvcc-compiled host code took the process down in the
 // forty-first pass): cuda_verify.unsupported and records._check_verify have checked shapes,
-// dtypes, the device, 16-byte
-// alignment, the ring layout (every ring tensor [B, JS, ...] with its first J slots used,
-// slot-contiguous), T <= 8, J <= 16 and the launch variant before this is called, and
-// start + T <= J is asserted on the device before the launch.
+// dtypes, the device, 16-byte alignment, the ring layout (every ring tensor [B, JS, ...] with
+// its first J slots used, slot-contiguous), T <= 8, J <= 16 and the launch variant before
+// this is called, and start + T <= J is asserted on the device before the launch.
 // R [B, H, V, K]; la, beta [B, J(S), H]; v, uk [B, J(S), H, V]; k [B, J(S), G, K];
 // q [B, T, G, K]; start int64 [B]; o [B, T, H, V] and uout [B, J, H, V] written.
 void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v,

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from replayssm_quant.policy import StatePolicy
 
-from .kl import EXIT_BAD_ARGS, BadArgs, check_device, check_output_dir
+from .kl import EXIT_BAD_ARGS, BadArgs, check_backend_env, check_device, check_output_dir
 from .kl import main as kl_main
 
 __all__ = ["Unit", "units_for", "kl_argv", "run_cells", "check_rerun", "cell_stats", "ssm_structure",
@@ -143,6 +143,7 @@ def add_run_arguments(p: argparse.ArgumentParser, n_flags=("--max-tokens", "-N")
 def check_run_arguments(a, n_flag: str = "--max-tokens", n_least: int = 1) -> None:
     """The options :func:`add_run_arguments` adds, checked with the names the user typed
     before any runner starts (``n_flag``: this command's name for N, at least ``n_least``),
+    ``REPLAYSSM_BACKEND`` against the device (:func:`~replayssm_quant.evals.kl.check_backend_env`)
     and the output directory (:func:`replayssm_quant.evals.kl.check_output_dir`).
 
     Raises:
@@ -154,6 +155,7 @@ def check_run_arguments(a, n_flag: str = "--max-tokens", n_least: int = 1) -> No
         if value < least:
             raise BadArgs(f"{flag} must be >= {least}, got {value}")
     check_device(a.device)
+    check_backend_env(a.device)  # REPLAYSSM_BACKEND: a backend that runs on the device
     check_output_dir(a.output_dir)
 
 

@@ -450,8 +450,8 @@ def _check_logits_cache(value) -> None:
 
 def _check_hflm_args(kv: dict) -> None:
     """HFLM's own arguments that it would take and fail on late (a traceback from deep in
-    torch or lm-eval) or ignore: ``dtype``, ``softmax_dtype``, ``max_length``, ``batch_size``
-    and ``max_batch_size``."""
+    torch or lm-eval) or ignore: ``dtype``, ``softmax_dtype``, ``max_length``, ``batch_size``,
+    ``max_batch_size`` and ``backend`` (HFLM's model class, not the kernels')."""
     _check_dtype("dtype", kv.get("dtype"), auto=True)
     _check_dtype("softmax_dtype", kv.get("softmax_dtype"), auto=False)
     for name in ("max_length", "max_batch_size"):
@@ -459,6 +459,15 @@ def _check_hflm_args(kv: dict) -> None:
             _as_int(name, kv[name], 1)
     if kv.get("batch_size") is not None:
         _check_batch_size(kv["batch_size"], "model argument batch_size")
+    backend = kv.get("backend")
+    if backend is not None and backend not in HFLM_BACKENDS:
+        raise ValueError(f"model argument backend={backend!r}: this is HFLM's model class, one "
+                         f"of {', '.join(HFLM_BACKENDS)}; the kernels are chosen with the "
+                         "environment variable REPLAYSSM_BACKEND=auto|torch|triton|cuda")
+
+
+#: HFLM's ``backend`` model argument (its model class; lm-eval asserts on anything else)
+HFLM_BACKENDS = ("default", "causal", "seq2seq")
 
 
 #: model arguments that lm-eval's command line always passes to the model itself (from

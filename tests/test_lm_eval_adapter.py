@@ -529,15 +529,22 @@ def test_cli_run_args_refused_before_loading(extra, word, tmp_path, capsys, monk
 @pytest.mark.parametrize("value, word", [
     ("bogus", "REPLAYSSM_BACKEND='bogus' is not a backend: use one of 'auto', 'torch'"),
     ("cuda", "REPLAYSSM_BACKEND='cuda' needs a CUDA device, got cpu"),
+    # HFLM's backend model argument is its model class (lm-eval asserts), not the kernels'
+    ("margs", "model argument backend='cuda': this is HFLM's model class, one of default, "
+              "causal, seq2seq; the kernels are chosen with the environment variable "
+              "REPLAYSSM_BACKEND"),
 ])
 def test_cli_backend_env_refused_before_loading(value, word, capsys, monkeypatch):
     """A ``REPLAYSSM_BACKEND`` that names no backend, or one that cannot run on ``--device``,
-    exits 2 in one line before any model loads (it was a traceback at the first request)."""
+    and a ``backend=`` model argument HFLM would assert on, exit 2 in one line before any
+    model loads (they were tracebacks)."""
     from replayssm_quant.evals.lm_eval_adapter import cli
 
-    monkeypatch.setenv("REPLAYSSM_BACKEND", value)
+    margs = "pretrained=tiny-gdn" + (",backend=cuda" if value == "margs" else "")
+    if value != "margs":
+        monkeypatch.setenv("REPLAYSSM_BACKEND", value)
     monkeypatch.setattr(HFLM, "__init__", _no_load(HFLM.__init__))
-    rc = cli(["--model", "replayssm", "--model_args", "pretrained=tiny-gdn", "--tasks",
+    rc = cli(["--model", "replayssm", "--model_args", margs, "--tasks",
               "kjv_longctx_mc", "--include_path", str(REPO / "evals" / "tasks"), "--limit", "1",
               "--device", "cpu"])
     assert rc == 2

@@ -104,7 +104,15 @@ def test_plan_end_to_end_budget_holds_in_a_fresh_run(tmp_path, capsys):
     assert {"uniform", "plan"} <= set(fr["kind"]) and (out / "frontier.png").exists()
 
 
-def test_bad_arguments_exit_2(tmp_path, capsys):
+def test_bad_arguments_exit_2(tmp_path, capsys, monkeypatch):
+    # a REPLAYSSM_BACKEND that cannot run on --device cpu: one line, nothing written (it was
+    # the runner's error and a second line, after decay.json; found by a new-user trial)
+    monkeypatch.setenv("REPLAYSSM_BACKEND", "cuda")
+    assert main(["--budget", "1e-4", "-o", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "REPLAYSSM_BACKEND='cuda' needs a CUDA device, got cpu" in err and "\n" not in err
+    assert not (tmp_path / "b").exists()
+    monkeypatch.delenv("REPLAYSSM_BACKEND")
     assert main(["--budget", "-1", "-o", str(tmp_path / "x")]) == 2
     assert "--budget" in capsys.readouterr().err
     assert main(["--budget", "1e-4", "--candidates", "shared:nvfp5", "-o", str(tmp_path / "x")]) == 2

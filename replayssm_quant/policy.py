@@ -83,6 +83,11 @@ class StatePolicy:
         head, sep, rest = text.partition(":")
         if not sep:
             raise ValueError(f"bad state policy {s!r}; {GRAMMAR}")
+        if head == "map":  # (policymap.MAP_PREFIX; this module is below policymap)
+            raise ValueError(f"bad state policy {s!r}: a policy map ('map:...') sets the "
+                             "policies of a whole model's layers and heads (state_policy, "
+                             "replayssm-kl --policies); one layer's state takes one policy, "
+                             f"e.g. 'read:nvfp4/rec:fp32'; {GRAMMAR}")
         if head not in ("shared", "eager", "read"):
             raise ValueError(f"bad state policy {s!r}: unknown kind {head + ':'!r} (the kinds "
                              f"are 'shared:', 'eager:' and 'read:', or 'fp32' alone); {GRAMMAR}")

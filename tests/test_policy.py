@@ -66,6 +66,9 @@ def test_misspelled_format_suggests_the_nearest(bad, hint):
                    "(e.g. 'read:nvfp4/rec:fp32')"),
     ("read:nvfp5", "unknown format 'nvfp5' (did you mean 'nvfp4'?)"),
     ("foo:fp16", "unknown kind 'foo:'"),
+    ("map:fp32@L9=shared:fp16", "a policy map ('map:...') sets the policies of a whole "
+                                "model's layers and heads (state_policy, replayssm-kl "
+                                "--policies); one layer's state takes one policy"),
     ("shared:nvfp4+floor", "'+floor' is not a scale mode of nvfp4 (its modes: '+rn' (default), "
                            "'+up')"),
     ("shared:mxfp4+up", "'+up' is not a scale mode of mxfp4 (its modes: '+floor' (default), "

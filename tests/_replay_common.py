@@ -206,6 +206,15 @@ def check_bad_inputs(M):
     with pytest.raises(ValueError, match="3 drafts"):
         st.verify(*drafts)
     assert same_snapshot(before, snapshot(st))
+    # inputs that disagree on T: every input's T named (the shape check blamed whichever
+    # input differed from the first one's T; a new-user trial)
+    mixed = list(M.tok(inp, slice(0, 2)))
+    mixed[-2 if M.name == "mamba2" else 0] = M.tok(inp, slice(0, 1))[-2 if M.name == "mamba2"
+                                                                       else 0]
+    with pytest.raises(ValueError, match=r"verify\(\) takes one T \(drafts, dim 1\) for every "
+                                         r"input, got (?=.*: 1)(?=.*: 2)"):
+        st.verify(*mixed)
+    assert same_snapshot(before, snapshot(st))
     st.verify(*M.tok(inp, slice(0, 2)))
     pending = snapshot(st)
     with pytest.raises(ValueError, match="pending"):

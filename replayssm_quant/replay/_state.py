@@ -59,6 +59,16 @@ def _scatter_stored(dst, idx: torch.Tensor, src):
     return out
 
 
+def check_one_T(**drafts) -> None:
+    """Raise ValueError when the draft inputs of a verify (``name=tensor``, drafts on dim 1)
+    disagree on T, naming each input's T (otherwise the shape check blames whichever input
+    differs from the first one's T)."""
+    ts = {n: t.shape[1] for n, t in drafts.items() if isinstance(t, torch.Tensor) and t.dim() >= 2}
+    if len(set(ts.values())) > 1:
+        raise ValueError("verify() takes one T (drafts, dim 1) for every input, got "
+                         + ", ".join(f"{n}: {T}" for n, T in ts.items()))
+
+
 def check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     """Raise ValueError unless ``t`` is a tensor of exactly ``shape``/``dtype``/``device``."""
     if not isinstance(t, torch.Tensor):

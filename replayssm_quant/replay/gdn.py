@@ -28,7 +28,7 @@ from .. import backend as B
 from ..checkpoints import Checkpoints
 from ..config import GDNFold
 from . import core
-from ._state import ReplayStateBase, _check_int, check_tensor
+from ._state import ReplayStateBase, _check_int, check_one_T, check_tensor
 
 
 def gdn_flush(anchor, la, beta, v, k, policy, *, seed: int, layer: int, sequence_ids,
@@ -281,6 +281,7 @@ class GDNReplayState(ReplayStateBase):
         if not isinstance(v, torch.Tensor) or v.dim() != 4:
             raise ValueError(f"verify() v must be [B, T, HV, DV], got "
                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v)}")
+        check_one_T(q=q, k=k, v=v, g=g, beta=beta)
         T = v.shape[1]
         self._check_drafts(T)
         self._check_inputs(q, k, v, g, beta, T=T)

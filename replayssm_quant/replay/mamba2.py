@@ -14,7 +14,7 @@ import torch
 from .. import backend as B
 from ..checkpoints import Checkpoints
 from . import core
-from ._state import ReplayStateBase, _check_int, check_tensor
+from ._state import ReplayStateBase, _check_int, check_one_T, check_tensor
 
 
 def mamba2_records(x, dt, A, B):
@@ -234,6 +234,7 @@ class Mamba2ReplayState(ReplayStateBase):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"verify() x must be [B, T, H, P], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
+        check_one_T(x=x, dt=dt, B=B, C=C)
         T = x.shape[1]
         self._check_drafts(T)
         self._check_inputs(x, dt, A, B, C, D, T=T)

@@ -60,10 +60,12 @@ def _scatter_stored(dst, idx: torch.Tensor, src):
 
 
 def check_one_T(**drafts) -> None:
-    """Raise ValueError when the draft inputs of a verify (``name=tensor``, drafts on dim 1)
-    disagree on T, naming each input's T (otherwise the shape check blames whichever input
-    differs from the first one's T)."""
-    ts = {n: t.shape[1] for n, t in drafts.items() if isinstance(t, torch.Tensor) and t.dim() >= 2}
+    """Raise ValueError when the draft inputs of a verify (``name=(tensor, rank)``, drafts on
+    dim 1) disagree on T, naming each input's T (otherwise the shape check blames whichever
+    input differs from the first one's T). Inputs that are not tensors of their rank are left
+    to the shape check."""
+    ts = {n: t.shape[1] for n, (t, rank) in drafts.items()
+          if isinstance(t, torch.Tensor) and t.dim() == rank}
     if len(set(ts.values())) > 1:
         raise ValueError("verify() takes one T (drafts, dim 1) for every input, got "
                          + ", ".join(f"{n}: {T}" for n, T in ts.items()))

@@ -281,7 +281,7 @@ class GDNReplayState(ReplayStateBase):
         if not isinstance(v, torch.Tensor) or v.dim() != 4:
             raise ValueError(f"verify() v must be [B, T, HV, DV], got "
                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v)}")
-        check_one_T(q=q, k=k, v=v, g=g, beta=beta)
+        check_one_T(q=(q, 4), k=(k, 4), v=(v, 4), g=(g, 3), beta=(beta, 3))
         T = v.shape[1]
         self._check_drafts(T)
         self._check_inputs(q, k, v, g, beta, T=T)

@@ -234,7 +234,7 @@ class Mamba2ReplayState(ReplayStateBase):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"verify() x must be [B, T, H, P], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
-        check_one_T(x=x, dt=dt, B=B, C=C)
+        check_one_T(x=(x, 4), dt=(dt, 3), B=(B, 4), C=(C, 4))
         T = x.shape[1]
         self._check_drafts(T)
         self._check_inputs(x, dt, A, B, C, D, T=T)

@@ -243,6 +243,24 @@ class QuantSpec:
         return self.name == "fp32"
 
 
+def _mode_names(modes: tuple[str, ...]) -> list[str]:
+    """``["'+floor' (default)", "'+rceil'", ...]``: a format's scale modes as written in
+    messages, the default (first) marked."""
+    return [f"'+{m}'" + (" (default)" if i == 0 else "") for i, m in enumerate(modes)]
+
+
+def scale_modes_text() -> str:
+    """The scale modes of every block-scaled format, from :data:`SCALE_MODES`, for grammars:
+    ``'+floor' (default), '+rceil' or '+even' for mxfp8/mxfp4; '+rn' (default) or '+up' for
+    nvfp4``."""
+    parts = []
+    for scaling, modes in SCALE_MODES.items():
+        names = "/".join(n for n in FORMAT_NAMES if FORMATS[n].scaling == scaling)
+        ms = _mode_names(modes)
+        parts.append(f"{', '.join(ms[:-1])} or {ms[-1]} for {names}")
+    return "; ".join(parts)
+
+
 def _scale_help() -> str:
     return ("scale modes: mxfp8/mxfp4 '+floor' (OCP, default), '+rceil', '+even'; "
             "nvfp4 '+rn' (default), '+up'")
@@ -302,8 +320,7 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
             raise why(f"{name} has no block scales, so no scale mode ('+{suf}')")
         elif modes:
             raise why(f"'+{suf}' is not a scale mode of {name} (its modes: "
-                      + ", ".join(f"'+{m}'" + (" (default)" if i == 0 else "")
-                                  for i, m in enumerate(modes)) + ")")
+                      + ", ".join(_mode_names(modes)) + ")")
         else:
             raise why(f"unknown suffix '+{suf}'")
     return QuantSpec(name, sr, scale)  # ('+sr' on fp32 is dropped there)

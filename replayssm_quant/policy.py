@@ -19,15 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .formats import FORMAT_NAMES, QuantSpec, SpecError, parse_spec
+from .formats import FORMAT_NAMES, QuantSpec, SpecError, parse_spec, scale_modes_text
 
 POLICY_KINDS = ("fp32", "shared", "eager", "separate")
 
 GRAMMAR = (
     "expected one of: 'fp32' | 'shared:F' | 'eager:F' | 'read:F/rec:G', where F and G are "
     f"one of {', '.join(FORMAT_NAMES)}, optionally followed by '+sr' "
-    "and, for block-scaled formats, a scale mode ('+floor' (default), '+rceil' or '+even' for "
-    "mxfp8/mxfp4; '+rn' (default) or '+up' for nvfp4) "
+    f"and, for block-scaled formats, a scale mode ({scale_modes_text()}) "
     "(examples: 'shared:nvfp4+sr', 'read:nvfp4/rec:fp32', 'read:nvfp4/rec:fp16+sr', "
     "'shared:nvfp4+up+sr')"
 )

@@ -244,7 +244,6 @@ def _check_args(a) -> list:
         raise BadArgs(f"--windows must be >= 1, got {a.windows}")
     if any(not 0 <= s < 2 ** 63 for s in a.seeds):
         raise BadArgs(f"--seeds must be ints in [0, 2^63) (SR's Philox key), got {a.seeds}")
-    check_backend_env()
     for flag, vals in (("--windows", a.windows), ("--seeds", a.seeds)):
         rep = sorted({v for v in vals if vals.count(v) > 1})
         if rep:
@@ -282,7 +281,7 @@ def _check_args(a) -> list:
                          for k, v in dup.items())
         raise BadArgs(f"duplicate policies: {desc}; give each policy once")
     check_device(a.device)
-    check_backend_env(a.device)
+    check_backend_env(a.device)  # names a backend, and one that runs on the device
     if a.device_map and a.device.startswith("cuda:"):
         raise BadArgs(f"--device-map auto places the model on the rank's GPUs itself; give "
                       f"--device cuda, not {a.device}")

@@ -318,7 +318,7 @@ def test_failed_build_leaves_the_state_unchanged(monkeypatch):
 
     for _ in range(2):  # h = 2: a verify of 3 drafts flushes the committed part first
         st.step(*tok(B))
-    st._ops.verify = kr.gdn_state_verify_cuda
+    torch_verify, st._ops.verify = st._ops.verify, kr.gdn_state_verify_cuda
     calls = []
 
     def fail_build(all_variants=False):
@@ -333,6 +333,6 @@ def test_failed_build_leaves_the_state_unchanged(monkeypatch):
         st.verify(*tok(B, T))
     assert calls == [False]
     assert same_snapshot(before, snapshot(st)) and st.pending_drafts is None
-    st._ops.verify = kr.gdn_state_verify  # the state goes on
+    st._ops.verify = torch_verify  # the state goes on (its own torch op: no interpreter needed)
     st.verify(*tok(B, T))
     st.commit(1)

@@ -344,13 +344,16 @@ def make_set(M, gen, policy, T, with_fla):
     ring = {"la": la, "v": w, "k": k}
     if M.gdn:
         ring.update(beta=beta, uR=torch.randn_like(w) * 0.1)
+    extra = {}
+    if M.gdn and GDN_VERIFY == "cuda":  # run_verify's out= (made here, not in a graph capture)
+        extra["uR_out"] = ring["uR"].clone()
     nla, nv, nk, nbeta = (t[:, 0] for t in M.records(gen, 1))
     st = {"S": S, "A": A, "R": R, "ring": ring, "nla": nla, "nv": nv.contiguous(),
           "nk": nk.contiguous(), "nbeta": nbeta, "q": M.query(gen), "qT": M.query(gen, T),
           # GDN: what the decode state's flush and verify fold (GDNFold.folds_cached): the
           # cached corrections where R is A, else corrections re-solved against A
           "fold": GDNFold.CACHED if GDNFold.RECOMPUTE.folds_cached(policy)
-          else GDNFold.RECOMPUTE}
+          else GDNFold.RECOMPUTE, **extra}
     if with_fla:
         # fla: [B, 1, heads, K]; Mamba-2's single group expanded to the H heads
         for n_, t in (("fla_q", st["q"]), ("fla_k", st["nk"])):
@@ -393,16 +396,21 @@ def run_step(M, st, h, **cfg):
 GDN_VERIFY = "triton"
 
 
-def run_verify(M, st, start, **cfg):
+def run_verify(M, st, start, out=None, **cfg):
     """Verify of ``T`` drafts at slots ``start..start+T-1`` (int64 ``[B]``), records from the
     ring (committed then drafts); returns ``o [B, T, H, V]`` (GDN: ``(o, uR [B, L, H, V])``).
     ``cfg``: launch options of the verify wrappers (default: theirs; GDN: of the kernel that
-    ``GDN_VERIFY`` names)."""
+    ``GDN_VERIFY`` names). GDN under ``--gdn-verify cuda``: the decode state's form, the
+    corrections written from ``start`` on into ``out`` (default: ``st["uR_out"]``, a copy of
+    the ring's made by :func:`make_set`, so the inputs stay as they are; the state writes its
+    ring in place), the known ones not rewritten."""
     r = st["ring"]
     if M.gdn:
-        fn = kr.gdn_verify_cuda if GDN_VERIFY == "cuda" else kr.gdn_verify_kernel
-        return fn(st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"], st["qT"], r["uR"],
-                  start, M.L, st["fold"] is GDNFold.CACHED, **cfg)
+        args = (st["R"], st["A"], r["la"], r["beta"], r["v"], r["k"], st["qT"], r["uR"],
+                start, M.L, st["fold"] is GDNFold.CACHED)
+        if GDN_VERIFY == "cuda":
+            return kr.gdn_verify_cuda(*args, out=st["uR_out"] if out is None else out, **cfg)
+        return kr.gdn_verify_kernel(*args, **cfg)
     return kr.mamba2_verify_kernel(st["R"], st["A"], r["la"], r["v"], r["k"], st["qT"],
                                    start, M.L, **cfg)
 
@@ -461,7 +469,7 @@ def check_verify(M, st, start):
     R, A = deq(st["R"]), deq(st["A"])
     res = {}
     if M.gdn:
-        got, ug = run_verify(M, st, start)
+        got, ug = run_verify(M, st, start, out=r["uR"].clone())  # (cuda: slots < start kept)
         want, uw = gdn_verify(R, A, r["la"], r["beta"], r["v"], r["k"], st["qT"], r["uR"],
                               start, M.L, st["fold"])
         res["corrections"] = stats(ug, uw)
@@ -932,7 +940,10 @@ def main(argv=None):
                         "per comparison",
                         "verify_T8_vs_step: worst start h over the mean FP32 non-flush step",
                         "verify timings include, for GDN, the clone/mask of the correction "
-                        "buffer (the wrappers no longer synchronise with the host)",
+                        "buffer (the wrappers no longer synchronise with the host); under "
+                        "--gdn-verify cuda (since 2026-12-06) the decode state's in-place "
+                        "form instead: the corrections written from the start on into a "
+                        "ring-shaped buffer (out=), the known ones not rewritten",
                         "summary[gdn|mamba2] is at the largest batch (the issue's targets are at"
                         " B = 256); by_batch has every batch"],
               "models": {}}

@@ -12,7 +12,8 @@ accumulation: the shipped kernel's ``tf32x3`` class of accuracy), forms the ring
 products as one more m-tile, and solves one value row per thread, at 80-104 registers (3-6
 CTAs per SM, by variant), so that one CTA's chain runs beside other CTAs' streams. It covers
 the ``fp32`` policy's verify (read copy = anchor, FP32, cached corrections folded: what the
-decode state runs), DK = DV = 128, T <= 8, J <= 16. Nothing shipped uses it. On the H100
+decode state runs), DK = DV = 128, T <= 8, J <= 16; the library runs it under
+backend="cuda" (cuda_verify.py). On the H100
 (744aff1) its best variant ran at 1.32x the step against the shipped kernel's 1.89x
 (docs/kernels-replay.md, "Forty-second pass").
 
@@ -26,8 +27,10 @@ a 12-slot ring: outputs and corrections of every variant against a float64 ``gdn
 of the first ``--ref-seqs`` sequences (``1e-5 + 1e-5 |ref|``, as ``decode.py``), against the
 shipped kernel on all sequences (max abs difference), batch invariance (the first 8
 sequences alone, and the batch reversed, give the same bits), and the library's wrapper
-``gdn_verify_cuda`` on the first J slots of a longer ring (a decode state's layout) giving the
-same bits as the bare call.
+``gdn_verify_cuda`` on the first J slots of a longer ring (a decode state's layout), and in
+place there (``out=u_known``, as the decode state runs it), giving the same bits as the bare
+call. Timed besides: the library's wrapper (``library``) and its in-place form
+(``library_in_place``: corrections written only from the start on).
 
 Usage (device; nvcc and ninja, as the lent image has)::
 
@@ -147,7 +150,7 @@ def cuda_verify(mod, R, la, beta, v, k, q, uk, start, nw=4, pf=3, mb=0, ep=0, ou
     B, H, J, T = R.shape[0], R.shape[1], la.shape[1], q.shape[1]
     o, u = out if out is not None else (
         torch.empty(B, T, H, DIM, device=R.device), torch.empty(B, J, H, DIM, device=R.device))
-    mod.gdn_verify_cuda(R, la, beta, v, k, q, uk, start, o, u, nw, pf, mb, ep)
+    mod.gdn_verify_cuda(R, la, beta, v, k, q, uk, start, o, u, 1, nw, pf, mb, ep)
     return o, u
 
 
@@ -196,6 +199,7 @@ def main(argv=None):
     outs = [(torch.empty(B, T, M.H, DIM, device="cuda"), torch.empty(B, L, M.H, DIM,
                                                                      device="cuda"))
             for _ in pool]
+    scratch = [st["ring"]["uR"].clone() for st in pool]  # out= of "library_in_place"
     res = {"command": "python3 " + " ".join([sys.argv[0]] + sys.argv[1:]),
            "code_commit": code_commit(), "device": torch.cuda.get_device_name(0),
            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
@@ -239,6 +243,12 @@ def main(argv=None):
             ol, ul = cv.gdn_verify_cuda(R_, R_, *ring[:4], q_, ring[4], start, J, True, nw=nw,
                                         pf=pf, mb=mb, ep=ep, all_variants=ALL,
                                         fallback=False)
+            # in place in the ring's correction slots (out=u_known, as the decode state runs)
+            big = torch.full((B, J + 4, M.H, DIM), float("nan"), device="cuda")
+            big[:, :J] = uk_
+            oi, ui = cv.gdn_verify_cuda(R_, R_, *ring[:4], q_, big[:, :J], start, J, True,
+                                        out=big[:, :J], nw=nw, pf=pf, mb=mb, ep=ep,
+                                        all_variants=ALL, fallback=False)
             o8, u8 = cuda_verify(mod, *_sel(args, slice(0, 8)), start[:8].contiguous(), *var)
             orv, urv = cuda_verify(mod, *_sel(args, rev), start[rev].contiguous(), *var)
             c = {"outputs": dc.stats(o[:nref], ref[0]),
@@ -248,9 +258,12 @@ def main(argv=None):
                  "batch_invariant": bool(torch.equal(o8, o[:8]) and torch.equal(u8, u[:8])
                                          and torch.equal(orv, o[rev])
                                          and torch.equal(urv, u[rev])),
-                 "ring_slices_same_bits": bool(torch.equal(ol, o) and torch.equal(ul, u))}
+                 "ring_slices_same_bits": bool(torch.equal(ol, o) and torch.equal(ul, u)),
+                 "in_place_same_bits": bool(torch.equal(oi, o) and torch.equal(ui, u)
+                                            and big[:, J:].isnan().all())}
             c["passed"] = (c["outputs"]["passed"] and c["corrections"]["passed"]
-                           and c["batch_invariant"] and c["ring_slices_same_bits"])
+                           and c["batch_invariant"] and c["ring_slices_same_bits"]
+                           and c["in_place_same_bits"])
             chk[label(var)] = c
         return chk
 
@@ -288,7 +301,12 @@ def main(argv=None):
                 # the library's path (backend="cuda"): gdn_verify_cuda's checks, the range
                 # assertion and the allocations included, as they are in "shipped"
                 "library": tm(lambda i, s=start: kr.gdn_verify_cuda(
-                    pool[i]["R"], pool[i]["R"], *_inputs(pool[i])[1:], s, L, True))}
+                    pool[i]["R"], pool[i]["R"], *_inputs(pool[i])[1:], s, L, True)),
+                # the decode state's form: the corrections written into the ring's slots from
+                # the start on (out=; here into a copy of the ring's, so the inputs stay)
+                "library_in_place": tm(lambda i, s=start: kr.gdn_verify_cuda(
+                    pool[i]["R"], pool[i]["R"], *_inputs(pool[i])[1:], s, L, True,
+                    out=scratch[i]))}
             for var in VARIANTS:
                 v[label(var)] = tm(
                     lambda i, s=start, var=var: cuda_verify(
@@ -303,7 +321,7 @@ def main(argv=None):
         row["verify_max_us"] = {k: max(v[k] for v in row["verify"].values()) for k in keys}
         row["verify_max_vs_step"] = {k: round(x / row["step_mean_us"], 3)
                                      for k, x in row["verify_max_us"].items()}
-        best = min((k_ for k_ in keys if k_ not in ("shipped", "library")),
+        best = min((k_ for k_ in keys if k_ not in ("shipped", "library", "library_in_place")),
                    key=row["verify_max_us"].get)
         row["best_cuda"] = {"variant": best, "verify_max_us": row["verify_max_us"][best],
                             "verify_max_vs_step": row["verify_max_vs_step"][best]}

@@ -155,6 +155,75 @@ def test_refusals():
             cv.build()
 
 
+def test_out_refusals_and_coverage():
+    """``out``: another shape, dtype or device than ``u_known``, a non-tensor, and memory
+    overlapping an input (other than ``u_known`` itself, the in-place use) are refused naming
+    the problem; ``u_known``'s own view and memory of its own pass; an ``out`` without
+    contiguous slots goes to the Triton kernel, saying so."""
+    a = _covered_args()
+    args = [a[n] for n in ("read", "anchor", "la", "beta", "v", "k", "q", "u_known", "start")]
+
+    def call(out):
+        return cv.gdn_verify_cuda(*args, 16, True, out=out, fallback=False)
+
+    with pytest.raises(ValueError, match=r"out must be float32 \(2, 16, 4, 128\) on cpu "
+                                         r"\(like u_known\), got torch.float32 \(2, 15, 4"):
+        call(a["u_known"][:, :15])
+    with pytest.raises(ValueError, match="out must be float32.*got torch.float64"):
+        call(a["u_known"].double())
+    with pytest.raises(ValueError, match="out must be a tensor like u_known, got list"):
+        call([])
+    with pytest.raises(ValueError, match="out must be float32.* on meta"):
+        call(torch.empty_like(a["u_known"], device="meta"))
+    with pytest.raises(ValueError, match="out overlaps v in memory"):
+        call(a["v"])
+    shifted = torch.zeros(a["u_known"].numel() * 2)
+    uk = shifted[:a["u_known"].numel()].view(a["u_known"].shape)
+    uk.copy_(a["u_known"])
+    args[7] = uk
+    with pytest.raises(ValueError, match="out overlaps u_known in memory; out must be u_known "
+                                         "itself"):
+        call(shifted[128:128 + uk.numel()].view(uk.shape))
+    dev = "does not cover this call: the inputs are not all on one CUDA device"
+    for ok in (uk, uk[:, :], torch.empty_like(uk)):  # checked; then only the device is missing
+        with pytest.raises(ValueError, match=dev):
+            call(ok)
+    assert cv.unsupported(*args, True, out=uk) == "the inputs are not all on one CUDA device"
+    strided = torch.zeros(2, 32, 4, 128)[:, ::2]
+    assert cv.unsupported(*args, True, out=strided) == "out does not have contiguous slots"
+    per = 4 * 128  # sequences 8 slots apart: the second overlaps the first's last 8 slots
+    packed = torch.zeros(2 * 16 * per).as_strided(uk.shape, (8 * per, per, 128, 1))
+    assert cv.unsupported(*args, True, out=packed) == "out does not have contiguous slots"
+
+
+def test_out_on_the_triton_fallback(monkeypatch):
+    """An uncovered call with ``out`` (here: on CPU, the Triton kernel swapped for the float64
+    reference) writes the slots from ``start`` on, the drafts' corrections then zeros, and
+    leaves the slots below ``start`` as they were; ``out=u_known`` gives the whole result in
+    place."""
+    from replayssm_quant.kernels.replay import records
+
+    def reference(read, anchor, la, beta, v, k, q, uk, start, window, fold):
+        return gdn_verify(read, anchor, la, beta, v, k, q, uk, start, window,
+                          GDNFold.CACHED if fold else GDNFold.RECOMPUTE)
+
+    monkeypatch.setattr(records, "gdn_verify_kernel", reference)
+    J, T, B = 12, 3, 10
+    x = _inputs(B, 4, 2, 128, 128, J, T, seed=2, dtype=torch.float32)
+    start = torch.arange(B)
+    args = [x[n] for n in ("R", "R", "la", "beta", "v", "k", "q")]
+    want_o, want_u = reference(*args, x["uk"], start, J, True)
+    assert (want_u[0, T:] == 0).all() and (want_u[-1, -1] != 0).all()  # zeros past start + T
+    own = torch.full_like(x["uk"], 7.0)
+    o, u = cv.gdn_verify_cuda(*args, x["uk"], start, J, True, out=own)
+    below = (torch.arange(J) < start[:, None])[:, :, None, None]
+    assert u is own and torch.equal(o, want_o) and torch.equal(own, torch.where(below, 7.0,
+                                                                                want_u))
+    uk = x["uk"].clone()
+    o, u = cv.gdn_verify_cuda(*args, uk, start, J, True, out=uk)
+    assert u is uk and torch.equal(o, want_o) and torch.equal(uk, want_u)
+
+
 # ------------------------------------------------------------------------ on the device
 @needs_gpu
 @pytest.mark.parametrize("T,J", [(8, 16), (3, 12), (1, 1)])
@@ -182,6 +251,20 @@ def test_kernel_matches_float64_at_every_start(T, J):
         assert ((u.double() - want_u).abs() <= 1e-5 + 1e-5 * want_u.abs()).all()
         if (nw, pf, mb, ep) == cv._variant(None, None, None, None, False):
             assert torch.equal(o32, o) and torch.equal(u32, u)
+    # out: in place in a ring slice (as the decode state runs it), and into memory of its own
+    # (slots below start left as they were); the same bits as the fresh tensor
+    base = torch.full((B, J + 5, 4, 128), float("nan"), device="cuda")
+    base[:, :J] = x["uk"]
+    inplace = base[:, :J]
+    oi, ui = cv.gdn_verify_cuda(x["R"], x["R"], ring["la"], ring["beta"], ring["v"], ring["k"],
+                                x["q"], inplace, start, J, True, out=inplace, fallback=False)
+    assert ui is inplace and torch.equal(oi, o32) and torch.equal(inplace, u32)
+    assert base[:, J:].isnan().all()  # the ring's slots past J untouched
+    own = torch.full((B, J, 4, 128), 7.0, device="cuda")
+    _, uo = cv.gdn_verify_cuda(x["R"], x["R"], ring["la"], ring["beta"], ring["v"], ring["k"],
+                               x["q"], ring["uk"], start, J, True, out=own, fallback=False)
+    below = (torch.arange(J, device="cuda") < start[:, None])[:, :, None, None]
+    assert uo is own and torch.equal(own, torch.where(below, 7.0, u32))
 
 
 @needs_gpu

@@ -299,5 +299,7 @@ class GDNReplayState(ReplayStateBase):
         self._write_drafts({"la": g, "beta": beta, "v": v, "k": k}, T)
         self._pending = T
         o, uR = self._ops.verify(*args())
-        r["uR"][:, :J] = uR
+        ring_uR = r["uR"][:, :J]
+        if uR.data_ptr() != ring_uR.data_ptr():  # (the CUDA kernel writes the ring in place)
+            ring_uR.copy_(uR)
         return o

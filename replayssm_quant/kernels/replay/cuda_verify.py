@@ -62,8 +62,8 @@ GDN_VERIFY_CUDA_CONFIG = {"nw": 8, "pf": 3, "mb": 0, "ep": 2}
 
 _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor beta, "
          "torch::Tensor v, torch::Tensor k, torch::Tensor q, torch::Tensor uk, "
-         "torch::Tensor start, torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, "
-         "int64_t mb, int64_t ep);\n")
+         "torch::Tensor start, torch::Tensor o, torch::Tensor uout, int64_t known, "
+         "int64_t nw, int64_t pf, int64_t mb, int64_t ep);\n")
 
 
 _BUILT: set[bool] = set()  # the builds this process holds (all_variants False / True)
@@ -126,11 +126,14 @@ def _ring_slots(t: torch.Tensor, per_slot: int) -> int | None:
 
 
 def unsupported(read, anchor, la, beta, v, k, q, u_known, start,
-                fold_cached_corrections: bool = False) -> str | None:
+                fold_cached_corrections: bool = False, out=None) -> str | None:
     """Why :func:`gdn_verify_cuda` would hand this call to the Triton kernel, or None when the
     CUDA kernel covers it (module docstring). Arguments as :func:`gdn_verify_cuda`; never
-    raises (inputs the kernels refuse are left to their checks)."""
+    raises (inputs the kernels refuse are left to their checks, ``out`` to
+    :func:`_check_out`)."""
     ts = {"read": read, "la": la, "beta": beta, "v": v, "k": k, "q": q, "u_known": u_known}
+    if out is not None:
+        ts["out"] = out
     bad = [n for n, t in ts.items() if type(t) is not torch.Tensor]
     if bad:
         return f"{bad[0]} is not a plain torch.Tensor (a packed read copy, or not a tensor)"
@@ -162,6 +165,10 @@ def unsupported(read, anchor, la, beta, v, k, q, u_known, start,
         ("u_known", u_known, H * DIM))}
     if None in js.values() or len(set(js.values())) != 1 or next(iter(js.values())) < J:
         return "the ring tensors do not share one layout of contiguous slots"
+    if out is not None:
+        us = _ring_slots(out, H * DIM)
+        if us is None or us < J:
+            return "out does not have contiguous slots"
     if not q.is_contiguous():
         return "q is not contiguous"
     if any(t.data_ptr() % 16 for t in (read, v, k, q, u_known)):  # float4 loads, cp.async
@@ -190,10 +197,45 @@ def _variant(nw, pf, mb, ep, all_variants: bool) -> tuple[int, int, int, int]:
     return var
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[first, last)`` a tensor's elements occupy."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _check_out(out, read, la, beta, v, k, q, u_known, start) -> None:
+    """:func:`gdn_verify_cuda`'s ``out``: float32, ``u_known``'s shape and device,
+    and either ``u_known`` itself (the same view: the in-place use) or overlapping no input.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"gdn_verify_cuda: out must be a tensor like u_known, got "
+                         f"{type(out).__name__}")
+    if out.dtype != torch.float32 or out.shape != u_known.shape or out.device != u_known.device:
+        raise ValueError(f"gdn_verify_cuda: out must be float32 {tuple(u_known.shape)} on "
+                         f"{u_known.device} (like u_known), got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    same = (out.data_ptr() == u_known.data_ptr() and out.stride() == u_known.stride())
+    o0, o1 = _span(out)
+    for name, t in (("read", read), ("la", la), ("beta", beta), ("v", v), ("k", k), ("q", q),
+                    ("u_known", u_known), ("start", start)):
+        if name == "u_known" and same:
+            continue
+        if isinstance(t, torch.Tensor) and t.device == out.device:
+            t0, t1 = _span(t)
+            if o0 < t1 and t0 < o1:
+                raise ValueError(f"gdn_verify_cuda: out overlaps {name} in memory; out must be "
+                                 f"u_known itself (the same view) or memory of its own")
+
+
 def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int,
-                    fold_cached_corrections: bool = False, *, nw: int | None = None,
-                    pf: int | None = None, mb: int | None = None, ep: int | None = None,
-                    all_variants: bool = False, fallback: bool = True):
+                    fold_cached_corrections: bool = False, *, out: torch.Tensor | None = None,
+                    nw: int | None = None, pf: int | None = None, mb: int | None = None,
+                    ep: int | None = None, all_variants: bool = False, fallback: bool = True):
     """:func:`~.records.gdn_verify_kernel` (same arguments and results) on the CUDA kernel
     where it applies (:func:`unsupported` is None), else on the Triton kernel.
 
@@ -209,10 +251,19 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
     ``fallback=False``: raise instead of running the Triton kernel. A non-contiguous ``q`` is
     copied first.
 
+    ``out`` (float32, ``u_known``'s shape and device): write the corrections there instead of into a
+    fresh tensor, and return it as ``uR``. Only its slots ``start .. J-1`` of each sequence are
+    written (the drafts' solved corrections, then zeros); its slots below ``start`` are left
+    as they are. So ``out=u_known`` is the in-place form the decode state runs (its ring
+    already holds the known corrections): it saves writing them, and the state's copy of
+    ``uR`` back into the ring (64 MiB at GDN's B = 256). ``out`` must be ``u_known`` itself
+    or overlap no input. On the Triton fallback the same slots are written, by a masked copy.
+
     Raises:
-        ValueError: inputs the Triton kernel's checks refuse (naming them); a launch variant
-            not built; with ``fallback=False``, a call the CUDA kernel does not cover (naming
-            why).
+        ValueError: inputs the Triton kernel's checks refuse (naming them); an ``out`` of
+            another shape, dtype or device than ``u_known`` (on ``read``'s device), or one
+            overlapping an input other than as ``u_known`` itself; a launch variant not built;
+            with ``fallback=False``, a call the CUDA kernel does not cover (naming why).
         RuntimeError: the extension cannot be built (:func:`build`); ``start + T > J``
             (device-side assertion, at the next synchronisation).
     """
@@ -220,22 +271,36 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
 
     if isinstance(q, torch.Tensor) and not q.is_contiguous():
         q = q.contiguous()  # the drafts' queries as a caller sliced them: 4 MiB at B = 256
-    why = unsupported(read, anchor, la, beta, v, k, q, u_known, start, fold_cached_corrections)
+    if out is not None:  # checked before anything is written to it
+        _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
+                      u_known=u_known)
+        _check_out(out, read, la, beta, v, k, q, u_known, start)
+    why = unsupported(read, anchor, la, beta, v, k, q, u_known, start, fold_cached_corrections,
+                      out)
     if why is not None:
         if not fallback:
             raise ValueError(f"gdn_verify_cuda: the CUDA kernel does not cover this call: {why}")
-        return gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window,
+        o, u = gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window,
                                  fold_cached_corrections)
+        if out is None:
+            return o, u
+        drafts_on = (torch.arange(u.shape[1], device=u.device)
+                     >= start.to(u.device)[:, None])[:, :, None, None]  # slots >= start
+        out.copy_(torch.where(drafts_on, u, out))
+        return o, out
     var = _variant(nw, pf, mb, ep, all_variants)
-    _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
-                  u_known=u_known)  # shapes, and start + T <= J on the device
+    if out is None:  # (else checked above)
+        _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
+                      u_known=u_known)  # shapes, and start + T <= J on the device
     mod = build(all_variants)
     B, H, J, T = read.shape[0], read.shape[1], la.shape[1], q.shape[1]
     start = start.to(torch.int64).contiguous()
     o = torch.empty(B, T, H, DIM, dtype=torch.float32, device=read.device)
-    u = torch.empty(B, J, H, DIM, dtype=torch.float32, device=read.device)
+    u = torch.empty(B, J, H, DIM, dtype=torch.float32, device=read.device) if out is None \
+        else out
     with torch.cuda.device(read.device):  # the launch takes the current device and stream
-        mod.gdn_verify_cuda(read, la, beta, v, k, q, u_known, start, o, u, *var)
+        mod.gdn_verify_cuda(read, la, beta, v, k, q, u_known, start, o, u, int(out is None),
+                            *var)
     return o, u
 
 
@@ -245,9 +310,10 @@ def gdn_state_verify_cuda(cps, la, beta, v, k, q, u_known, start, window: int,
     ``backend="cuda"``): :func:`gdn_verify_cuda` on the stored checkpoints ``cps``. Its
     ``prepare`` (same arguments) builds the extension when this call is one the kernel covers:
     the state calls it before it changes anything, so that a failed build leaves it as it
-    was."""
+    was. The corrections are written into ``u_known`` in place (``out=u_known``: the ring's
+    slots from ``start`` on), and ``u_known`` is returned as ``uR``."""
     return gdn_verify_cuda(cps.read_stored, cps.anchor_stored, la, beta, v, k, q, u_known,
-                           start, window, fold_cached_corrections)
+                           start, window, fold_cached_corrections, out=u_known)
 
 
 def _prepare_state_verify(cps, la, beta, v, k, q, u_known, start, window: int,

@@ -26,7 +26,11 @@
 //
 // The ring tensors (la, beta, v, k, uk) may be the first J slots of a ring of JS >= J slots
 // per sequence (a decode state's ring has window + max_drafts slots): they are indexed with
-// the batch stride JS; o and uout are fresh [B, T, H, V] and [B, J, H, V] tensors.
+// the batch stride JS; o is a fresh [B, T, H, V] tensor. uout [B, J, H, V] (slot stride US):
+// with KNOWN = 1 a fresh tensor, every slot written (the known corrections copied); with
+// KNOWN = 0 only its slots start .. J-1 are written (the drafts' corrections, then zeros), so
+// uout may be uk itself (US = JS: the decode state's in-place write) -- the CTA reads uk's
+// slots < start only, and writes slots >= start only, of its own (b, h).
 //
 // The order of every sum is fixed by the CTA's code alone: a sequence's bits do not depend on
 // the batch, its position or its neighbours.
@@ -131,7 +135,7 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     const float* __restrict__ R, const float* __restrict__ la, const float* __restrict__ beta,
     const float* __restrict__ v, const float* __restrict__ kr, const float* __restrict__ q,
     const float* __restrict__ uk, const int64_t* __restrict__ startp, float* __restrict__ o,
-    float* __restrict__ uout, int H, int G, int J, int JS, int T) {
+    float* __restrict__ uout, int H, int G, int J, int JS, int US, int KNOWN, int T) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem<NW, EP>& sm = *reinterpret_cast<Smem<NW, EP>*>(smem_raw);
   float(&ru)[JMAX][V] = *reinterpret_cast<float(*)[JMAX][V]>(sm.y);              // EP = 2
@@ -365,10 +369,10 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     for (int i = 0; i <= tt; ++i) acc = fmaf(sm.bd[tt][i], ud[i], acc);
     if (tt < T) orow[tt * HV] = acc;
   }
-  float* urow = uout + (size_t)b * J * HV + (size_t)h * V + row;
+  float* urow = uout + (size_t)b * US * HV + (size_t)h * V + row;
 #pragma unroll
-  for (int j = 0; j < JMAX; ++j)
-    if (j < J && (j < start || j >= n)) urow[j * HV] = uc[j];  // known rows; zeros past n
+  for (int j = 0; j < JMAX; ++j)  // known rows (KNOWN = 1); zeros past n
+    if (j < J && ((KNOWN && j < start) || j >= n)) urow[j * HV] = uc[j];
 #pragma unroll
   for (int i = 0; i < TMAX; ++i)
     if (i < T) urow[(start + i) * HV] = ud[i];
@@ -383,13 +387,15 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
 // its first J slots used, slot-contiguous), T <= 8, J <= 16 and the launch variant before
 // this is called, and start + T <= J is asserted on the device before the launch.
 // R [B, H, V, K]; la, beta [B, J(S), H]; v, uk [B, J(S), H, V]; k [B, J(S), G, K];
-// q [B, T, G, K]; start int64 [B]; o [B, T, H, V] and uout [B, J, H, V] written.
+// q [B, T, G, K]; start int64 [B]; o [B, T, H, V] written; uout [B, J(S), H, V] written
+// (known = 1: every slot of a fresh tensor; 0: slots start .. J-1, uout possibly uk).
 void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torch::Tensor v,
                      torch::Tensor k, torch::Tensor q, torch::Tensor uk, torch::Tensor start,
-                     torch::Tensor o, torch::Tensor uout, int64_t nw, int64_t pf, int64_t mb,
-                     int64_t ep) {
+                     torch::Tensor o, torch::Tensor uout, int64_t known, int64_t nw, int64_t pf,
+                     int64_t mb, int64_t ep) {
   const int B = (int)R.size(0), H = (int)R.size(1), J = (int)la.size(1), G = (int)k.size(2);
   const int T = (int)q.size(1), JS = (int)(la.stride(0) / H);
+  const int US = B > 1 ? (int)(uout.stride(0) / ((int64_t)H * V)) : J;
   const dim3 grid(B * H);
   auto st = at::cuda::getCurrentCUDAStream();
 #define L(W, P, M, E)                                                                        \
@@ -402,7 +408,7 @@ void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor beta, torc
                                   k.data_ptr<float>(), q.data_ptr<float>(),                 \
                                   uk.data_ptr<float>(), start.data_ptr<int64_t>(),          \
                                   o.data_ptr<float>(), uout.data_ptr<float>(), H, G, J, JS, \
-                                  T);                                                        \
+                                  US, (int)known, T);                                        \
   }
 #ifdef GDN_VERIFY_ALL_VARIANTS  // benchmarks/verify_cuda.py: every variant it can time
 #define LE(W, P, M) { if (ep == 2) L(W, P, M, 2) else if (ep == 1) L(W, P, M, 1) else L(W, P, M, 0) }

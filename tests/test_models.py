@@ -104,6 +104,15 @@ def test_resolve_errors(tmp_path):
         resolve_model_path(tmp_path)
     with pytest.raises(ValueError, match="unknown model name 'tiny-foo'"):
         resolve_model_path("tiny-foo")
+    with pytest.raises(ValueError, match="unknown model name 'qwen'") as e:
+        resolve_model_path("qwen")
+    assert "did you mean" not in str(e.value)  # nothing close
+    # a near miss names the embedded model it is close to, for both kinds of error
+    first = next(iter(EMBEDDED_MODELS))
+    with pytest.raises(ValueError, match=rf"unknown model name .*did you mean {first!r}\?$"):
+        resolve_model_path(first[:-1] + "x")
+    with pytest.raises(FileNotFoundError, match=rf"does not exist: .*did you mean {first!r}\?$"):
+        resolve_model_path(first.replace("-", "_") + "!")
     with pytest.raises(ValueError, match="empty"):
         resolve_model_path("  ")
     for bad in (None, 3):

@@ -21,6 +21,7 @@ models are always loaded with ``local_files_only=True``, so nothing touches the 
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -53,6 +54,13 @@ def _normalise(name: str) -> str:
 def is_embedded(name_or_path: str | os.PathLike) -> bool:
     """True if ``name_or_path`` is one of the short names in :data:`EMBEDDED_MODELS`."""
     return isinstance(name_or_path, str) and _normalise(name_or_path) in EMBEDDED_MODELS
+
+
+def _did_you_mean(name: str) -> str:
+    """``"; did you mean 'tiny-gdn'?"`` when ``name`` is close to an embedded model's name
+    (difflib's ratio >= 0.6, compared in lower case), else ``""``."""
+    close = difflib.get_close_matches(name.strip().lower(), list(EMBEDDED_MODELS), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
@@ -94,11 +102,13 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     if not _HUB_ID.match(name):
         raise FileNotFoundError(
             f"model path does not exist: {name!r} (embedded models: {', '.join(EMBEDDED_MODELS)})"
+            + _did_you_mean(name)
         )
     if "/" not in name:
         raise ValueError(
             f"unknown model name {name!r}: not an embedded model ({', '.join(EMBEDDED_MODELS)}), "
             "not an existing directory, and not a hub id of the form 'org/name'"
+            + _did_you_mean(name)
         )
     return name  # a hub id; from_pretrained decides (and fails clearly when offline)
 

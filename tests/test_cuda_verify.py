@@ -273,6 +273,35 @@ def test_kernel_matches_float64_at_every_start(T, J):
 
 
 @needs_gpu
+def test_kernel_asserts_the_ring_range():
+    """A start outside ``0 .. J - T`` (drafts that do not fit the ring) stops the kernel with
+    a device-side assert (RuntimeError at the next synchronisation), after it prints each bad
+    sequence and its start. In a subprocess: the assert leaves its CUDA context unusable."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from replayssm_quant.kernels.replay import cuda_verify as cv\n"
+        "B, H, G, D, J, T = 3, 4, 2, 128, 16, 8\n"
+        "f = lambda *s: torch.randn(*s, device='cuda')\n"
+        "R = f(B, H, D, D)\n"
+        "o, u = cv.gdn_verify_cuda(R, R, f(B, J, H), f(B, J, H), f(B, J, H, D), f(B, J, G, D),\n"
+        "                          f(B, T, G, D), f(B, J, H, D),\n"
+        "                          torch.tensor([-1, 8, 9], device='cuda'), J, True,\n"
+        "                          fallback=False)\n"
+        "torch.cuda.synchronize()\n"
+        "print('NO ASSERT')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "NO ASSERT" not in out
+    assert "sequence 0 has start -1 with T = 8" in out
+    assert "sequence 2 has start 9 with T = 8" in out and "sequence 1 " not in out
+    assert "device-side assert" in out
+
+
+@needs_gpu
 def test_kernel_batch_invariant():
     """A sequence's bits do not depend on its batch, position or neighbours: the first 5
     sequences alone, the batch reversed, and a batch with other neighbours give the same

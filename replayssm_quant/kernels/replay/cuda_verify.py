@@ -22,6 +22,10 @@ position or neighbours (checked on the device by ``tests/test_cuda_verify.py`` a
 ``benchmarks/verify_cuda.py``). Issue 15, forty-second and forty-third passes
 (``docs/kernels-replay.md``).
 
+The decode state runs it in place (``out=u_known``): the corrections go straight into its
+ring from each sequence's start on, with no copy back. The kernel itself asserts that the
+drafts fit the ring (``0 <= start <= J - T``), so a covered call has no extra check launch.
+
 Covered (:func:`unsupported` says why not, otherwise): a plain FP32 read copy that is the
 anchor, ``fold_cached_corrections``, DK = DV = 128, 1 <= T <= 8, J <= 16 ring slots, CUDA
 compute capability >= 8.0, the float4 operands (R, v, k, q, u_known) 16-byte aligned with
@@ -264,16 +268,18 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
             another shape, dtype or device than ``u_known`` (on ``read``'s device), or one
             overlapping an input other than as ``u_known`` itself; a launch variant not built;
             with ``fallback=False``, a call the CUDA kernel does not cover (naming why).
-        RuntimeError: the extension cannot be built (:func:`build`); ``start + T > J``
-            (device-side assertion, at the next synchronisation).
+        RuntimeError: the extension cannot be built (:func:`build`); a start outside
+            ``0 .. J - T`` (the kernel's device-side assertion, at the next synchronisation,
+            after it prints the sequence and its start; the Triton path asserts the same in
+            a launch of its own).
     """
     from .records import _check_verify, gdn_verify_kernel
 
     if isinstance(q, torch.Tensor) and not q.is_contiguous():
         q = q.contiguous()  # the drafts' queries as a caller sliced them: 4 MiB at B = 256
-    if out is not None:  # checked before anything is written to it
+    if out is not None:  # checked before anything is written to it (the range: by the kernel)
         _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
-                      u_known=u_known)
+                      u_known=u_known, assert_range=False)
         _check_out(out, read, la, beta, v, k, q, u_known, start)
     why = unsupported(read, anchor, la, beta, v, k, q, u_known, start, fold_cached_corrections,
                       out)
@@ -291,7 +297,7 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
     var = _variant(nw, pf, mb, ep, all_variants)
     if out is None:  # (else checked above)
         _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
-                      u_known=u_known)  # shapes, and start + T <= J on the device
+                      u_known=u_known, assert_range=False)  # shapes; the range: the kernel
     mod = build(all_variants)
     B, H, J, T = read.shape[0], read.shape[1], la.shape[1], q.shape[1]
     start = start.to(torch.int64).contiguous()

@@ -1,8 +1,9 @@
 // GDN verify (T <= 8 drafts, FP32 read copy that is the anchor: the `fp32` policy's decode
 // state) as one CUDA C++ kernel (issue 15, forty-second and forty-third passes). Built and
-// called by replayssm_quant/kernels/replay/cuda_verify.py (which checks every input first:
-// this file's host code checks nothing), and with every launch variant by
-// benchmarks/verify_cuda.py (-DGDN_VERIFY_ALL_VARIANTS).
+// called by replayssm_quant/kernels/replay/cuda_verify.py (which checks every input first,
+// all but the ring range, which the kernel asserts on the device; this file's host code
+// checks nothing), and with every launch variant by benchmarks/verify_cuda.py
+// (-DGDN_VERIFY_ALL_VARIANTS).
 // The formula is replay/gdn.py's gdn_verify with fold=CACHED and anchor == read:
 //
 //   c_j   = sum_{i<=j} la_i                       (records masked to n = start + T slots)
@@ -40,6 +41,15 @@
 #endif
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdio.h>
+// The ring-range check below is an assert that must not compile away under NDEBUG.
+#ifdef NDEBUG
+#undef NDEBUG
+#include <assert.h>
+#define NDEBUG
+#else
+#include <assert.h>
+#endif
 
 namespace {
 
@@ -94,6 +104,17 @@ __device__ __forceinline__ void chunk(float (&d)[NT][4], float4 ra, float4 rb,
   }
 }
 
+// A start outside 0 .. J - T: the drafts do not fit the ring. Prints the sequence (once, by
+// `say`) and fails a device-side assert (RuntimeError at the host's next synchronisation).
+// Out of line, so the kernels' registers do not pay for the printf.
+__device__ __noinline__ void range_fail(int J, int b, long long start, int T, bool say) {
+  if (say)
+    printf("gdn_verify_cuda: start + T must be in [T, J = %d] (the drafts fit the ring); "
+           "sequence %d has start %lld with T = %d\n", J, b, start, T);
+  assert(start >= 0 && start <= J - T);
+  __trap();  // (the assert has stopped the kernel; this tells the compiler so)
+}
+
 template <bool CS>
 __device__ __forceinline__ float4 ldr(const float* p) {
   if constexpr (CS) {
@@ -142,7 +163,12 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
   float(&rv)[TMAX][V] = *reinterpret_cast<float(*)[TMAX][V]>(sm.y + JMAX * V);   // EP = 2
   const int mat = blockIdx.x, b = mat / H, h = mat - b * H, grp = h / (H / G);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int start = (int)startp[b];
+  const int64_t start64 = startp[b];
+  if (start64 < 0 || start64 > J - T) {
+    range_fail(J, b, (long long)start64, T, h == 0 && tid == 0);
+    __builtin_unreachable();  // (nothing is live across the call)
+  }
+  const int start = (int)start64;
   const int n = start + T;
   constexpr int NTH = NW * 32;
   constexpr int MT = 8 / NW;           // m-tiles a warp
@@ -385,7 +411,7 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
 // forty-first pass): cuda_verify.unsupported and records._check_verify have checked shapes,
 // dtypes, the device, 16-byte alignment, the ring layout (every ring tensor [B, JS, ...] with
 // its first J slots used, slot-contiguous), T <= 8, J <= 16 and the launch variant before
-// this is called, and start + T <= J is asserted on the device before the launch.
+// this is called; 0 <= start <= J - T is asserted by the kernel itself (no extra launch).
 // R [B, H, V, K]; la, beta [B, J(S), H]; v, uk [B, J(S), H, V]; k [B, J(S), G, K];
 // q [B, T, G, K]; start int64 [B]; o [B, T, H, V] written; uout [B, J(S), H, V] written
 // (known = 1: every slot of a fresh tensor; 0: slots start .. J-1, uout possibly uk).

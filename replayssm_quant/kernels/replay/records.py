@@ -3497,12 +3497,14 @@ def gdn_step_kernel(read, ring: dict, q, k, v, g, beta, h, *, block_v: int | Non
     return o[:, 0]
 
 
-def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_known=None):
+def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_known=None,
+                  assert_range: bool = True):
     """Shapes and dtypes of a verify's inputs against the read copy ``[B, H, V, K]``: records
     ``la [B,J,H]``, ``v [B,J,H,V]``, ``k [B,J,G,K]`` (G dividing H), drafts ``q [B,T,G,K]``,
     ``start`` integer ``[B]`` (GDN: ``beta [B,J,H]``, ``u_known [B,J,H,V]``); the drafts must
-    fit the ring (``start + T <= J``, checked on the device: no host synchronisation). Raises
-    ValueError naming the input (the kernels index by these extents)."""
+    fit the ring (``start + T <= J``, checked on the device: no host synchronisation; with
+    ``assert_range=False`` left to the caller's kernel, as the CUDA verify checks it itself).
+    Raises ValueError naming the input (the kernels index by these extents)."""
     _check_devices(where, read=read, anchor=anchor, la=la, v=v, k=k, q=q, start=start,
                    beta=beta, u_known=u_known)
     B, H, V, K = (int(x) for x in read.shape)
@@ -3523,7 +3525,8 @@ def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_
     msg = f"{where}: start + T must be in [T, J = {J}] (the drafts fit the ring)"
     if T > J:  # no start fits: known on the host
         raise ValueError(f"{msg}; T = {T} drafts exceed the J = {J} record slots")
-    _assert_ranges(msg, (start, 0, J - T))  # one launch and one assertion (no host sync)
+    if assert_range:
+        _assert_ranges(msg, (start, 0, J - T))  # one launch and one assertion (no host sync)
 
 
 # ---------------------------------------------------------------- verify

@@ -231,6 +231,9 @@ _KERNELS: dict[str, tuple[str, str]] = {
 #: kernels that ``Backend.CUDA`` runs instead of the Triton one. Each hands the calls it does
 #: not cover to the Triton kernel, and compiles the extension at the first call it covers
 #: (the module's ``build()``: a RuntimeError naming what is missing, nvcc or ninja).
+#: ``gdn_state_verify_cuda`` writes the corrections into its ``u_known`` argument (the state's
+#: ring) and returns it, where the reference returns a new tensor: the state copies back only
+#: what is not already its ring.
 _CUDA_KERNELS: dict[str, str] = {
     "gdn_state_verify": "gdn_state_verify_cuda",
 }

@@ -300,6 +300,6 @@ class GDNReplayState(ReplayStateBase):
         self._pending = T
         o, uR = self._ops.verify(*args())
         ring_uR = r["uR"][:, :J]
-        if uR.data_ptr() != ring_uR.data_ptr():  # (the CUDA kernel writes the ring in place)
-            ring_uR.copy_(uR)
+        if uR.data_ptr() != ring_uR.data_ptr() or uR.stride() != ring_uR.stride():
+            ring_uR.copy_(uR)  # (the CUDA kernel writes the ring in place: nothing to copy)
         return o

@@ -170,7 +170,7 @@ def unsupported(read, anchor, la, beta, v, k, q, u_known, start,
     if None in js.values() or len(set(js.values())) != 1 or next(iter(js.values())) < J:
         return "the ring tensors do not share one layout of contiguous slots"
     if out is not None:
-        us = _ring_slots(out, H * DIM)
+        us = _ring_slots(out, H * DIM) if out.dim() == 4 else None
         if us is None or us < J:
             return "out does not have contiguous slots"
     if not q.is_contiguous():
@@ -209,13 +209,24 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements in the same order (address, shape,
+    strides)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.device == b.device)
+
+
 def _check_out(out, read, la, beta, v, k, q, u_known, start) -> None:
     """:func:`gdn_verify_cuda`'s ``out``: float32, ``u_known``'s shape and device,
-    and either ``u_known`` itself (the same view: the in-place use) or overlapping no input.
+    and either ``u_known`` itself (the same view: the in-place use) or overlapping no input
+    (by byte span: a view sharing a buffer with an input, even without sharing an element,
+    is refused).
 
     Raises:
         ValueError: naming what is wrong.
     """
+    if not isinstance(u_known, torch.Tensor):
+        return  # (the kernels' checks name it)
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"gdn_verify_cuda: out must be a tensor like u_known, got "
                          f"{type(out).__name__}")
@@ -223,7 +234,7 @@ def _check_out(out, read, la, beta, v, k, q, u_known, start) -> None:
         raise ValueError(f"gdn_verify_cuda: out must be float32 {tuple(u_known.shape)} on "
                          f"{u_known.device} (like u_known), got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
-    same = (out.data_ptr() == u_known.data_ptr() and out.stride() == u_known.stride())
+    same = _same_view(out, u_known)
     o0, o1 = _span(out)
     for name, t in (("read", read), ("la", la), ("beta", beta), ("v", v), ("k", k), ("q", q),
                     ("u_known", u_known), ("start", start)):
@@ -277,9 +288,7 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
 
     if isinstance(q, torch.Tensor) and not q.is_contiguous():
         q = q.contiguous()  # the drafts' queries as a caller sliced them: 4 MiB at B = 256
-    if out is not None:  # checked before anything is written to it (the range: by the kernel)
-        _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
-                      u_known=u_known, assert_range=False)
+    if out is not None:  # before anything is written to it
         _check_out(out, read, la, beta, v, k, q, u_known, start)
     why = unsupported(read, anchor, la, beta, v, k, q, u_known, start, fold_cached_corrections,
                       out)
@@ -287,17 +296,19 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
         if not fallback:
             raise ValueError(f"gdn_verify_cuda: the CUDA kernel does not cover this call: {why}")
         o, u = gdn_verify_kernel(read, anchor, la, beta, v, k, q, u_known, start, window,
-                                 fold_cached_corrections)
+                                 fold_cached_corrections)  # (its checks: shapes, the range)
         if out is None:
             return o, u
-        drafts_on = (torch.arange(u.shape[1], device=u.device)
-                     >= start.to(u.device)[:, None])[:, :, None, None]  # slots >= start
-        out.copy_(torch.where(drafts_on, u, out))
+        if _same_view(out, u_known):  # u holds u_known's bits below start: one plain copy
+            out.copy_(u)
+        else:
+            drafts_on = (torch.arange(u.shape[1], device=u.device)
+                         >= start.to(u.device)[:, None])[:, :, None, None]  # slots >= start
+            torch.where(drafts_on, u, out, out=out)
         return o, out
     var = _variant(nw, pf, mb, ep, all_variants)
-    if out is None:  # (else checked above)
-        _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
-                      u_known=u_known, assert_range=False)  # shapes; the range: the kernel
+    _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
+                  u_known=u_known, assert_range=False)  # shapes; the range: the kernel
     mod = build(all_variants)
     B, H, J, T = read.shape[0], read.shape[1], la.shape[1], q.shape[1]
     start = start.to(torch.int64).contiguous()
@@ -316,8 +327,10 @@ def gdn_state_verify_cuda(cps, la, beta, v, k, q, u_known, start, window: int,
     ``backend="cuda"``): :func:`gdn_verify_cuda` on the stored checkpoints ``cps``. Its
     ``prepare`` (same arguments) builds the extension when this call is one the kernel covers:
     the state calls it before it changes anything, so that a failed build leaves it as it
-    was. The corrections are written into ``u_known`` in place (``out=u_known``: the ring's
-    slots from ``start`` on), and ``u_known`` is returned as ``uR``."""
+    was. Unlike the reference and the Triton op, it changes an input: the corrections are
+    written into ``u_known`` in place (``out=u_known``: the ring's slots from ``start`` on,
+    the same values the other ops return there), and ``u_known`` is returned as ``uR``; the
+    state then has nothing to copy back."""
     return gdn_verify_cuda(cps.read_stored, cps.anchor_stored, la, beta, v, k, q, u_known,
                            start, window, fold_cached_corrections, out=u_known)
 

@@ -104,15 +104,15 @@ __device__ __forceinline__ void chunk(float (&d)[NT][4], float4 ra, float4 rb,
   }
 }
 
-// A start outside 0 .. J - T: the drafts do not fit the ring. Prints the sequence (once, by
-// `say`) and fails a device-side assert (RuntimeError at the host's next synchronisation).
-// Out of line, so the kernels' registers do not pay for the printf.
-__device__ __noinline__ void range_fail(int J, int b, long long start, int T, bool say) {
-  if (say)
-    printf("gdn_verify_cuda: start + T must be in [T, J = %d] (the drafts fit the ring); "
-           "sequence %d has start %lld with T = %d\n", J, b, start, T);
+// A start outside 0 .. J - T: the drafts do not fit the ring. Prints the sequence, then fails
+// a device-side assert (RuntimeError at the host's next synchronisation). Called by thread 0
+// of every CTA of a bad sequence, so whichever CTA stops the grid first has printed (at most
+// H lines a bad sequence). Out of line, to keep the printf's code out of the kernels.
+__device__ __noinline__ void range_fail(int J, int b, long long start, int T) {
+  printf("gdn_verify_cuda: start + T must be in [T, J = %d] (the drafts fit the ring); "
+         "sequence %d has start %lld with T = %d\n", J, b, start, T);
   assert(start >= 0 && start <= J - T);
-  __trap();  // (the assert has stopped the kernel; this tells the compiler so)
+  __trap();  // (the assert has stopped the kernel)
 }
 
 template <bool CS>
@@ -164,9 +164,9 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
   const int mat = blockIdx.x, b = mat / H, h = mat - b * H, grp = h / (H / G);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int64_t start64 = startp[b];
-  if (start64 < 0 || start64 > J - T) {
-    range_fail(J, b, (long long)start64, T, h == 0 && tid == 0);
-    __builtin_unreachable();  // (nothing is live across the call)
+  if (start64 < 0 || start64 > J - T) {  // thread 0 prints and asserts; the others leave
+    if (tid == 0) range_fail(J, b, (long long)start64, T);
+    return;
   }
   const int start = (int)start64;
   const int n = start + T;

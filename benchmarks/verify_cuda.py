@@ -298,8 +298,9 @@ def main(argv=None):
             start = torch.full((B,), h, dtype=torch.int64, device="cuda")
             v = row["verify"][f"h{h}"] = {
                 "shipped": tm(lambda i, s=start: dc.run_verify(M, pool[i], s)),
-                # the library's path (backend="cuda"): gdn_verify_cuda's checks, the range
-                # assertion and the allocations included, as they are in "shipped"
+                # the library's path (backend="cuda"): gdn_verify_cuda's checks and the
+                # allocations included, as they are in "shipped" (its range assertion is in
+                # the kernel since fc2ec4d; "shipped" launches its own)
                 "library": tm(lambda i, s=start: kr.gdn_verify_cuda(
                     pool[i]["R"], pool[i]["R"], *_inputs(pool[i])[1:], s, L, True)),
                 # the decode state's form: the corrections written into the ring's slots from

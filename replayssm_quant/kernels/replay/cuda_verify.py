@@ -276,7 +276,7 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
 
     Raises:
         ValueError: inputs the Triton kernel's checks refuse (naming them); an ``out`` of
-            another shape, dtype or device than ``u_known`` (on ``read``'s device), or one
+            another dtype (float32 is required), shape or device than ``u_known``, or one
             overlapping an input other than as ``u_known`` itself; a launch variant not built;
             with ``fallback=False``, a call the CUDA kernel does not cover (naming why).
         RuntimeError: the extension cannot be built (:func:`build`); a start outside

@@ -142,3 +142,28 @@ def test_kl_runner_batch_invariance(model, tmp_path):
                       .reset_index(drop=True))
     assert len(tables[0]) == 3 * 3 * 24
     pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=True)
+
+
+def test_kl_runner_thread_count_invariance(tmp_path):
+    """``replayssm-kl --threads 1`` and ``--threads 2`` give the same bits in every table,
+    the stepwise check's included: its one-token calls over a cache run torch's CPU attention
+    for a single query, whose sums follow the thread count (tiny-gdn has attention layers), so
+    ``forward_segment`` runs them on one thread (a new-user trial found ``stepwise.parquet``
+    moving with ``--threads``, 2026-12-06)."""
+    from replayssm_quant.evals.kl import main
+
+    common = ["--model", "tiny-gdn", "--max-docs", "1", "-N", "40", "--windows", "4",
+              "--segment-len", "20", "--policies", "shared:nvfp4+sr", "--stepwise-check", "16",
+              "--no-progress"]
+    before = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            assert main(common + ["--threads", str(t), "-o", str(tmp_path / f"t{t}")]) == 0
+    finally:
+        torch.set_num_threads(before)
+    for name in ("positions", "stepwise"):
+        a, b = (pd.read_parquet(tmp_path / f"t{t}" / f"{name}.parquet") for t in (1, 2))
+        assert len(a) > 0
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+    assert (tmp_path / "t1" / "summary.csv").read_text() == \
+        (tmp_path / "t2" / "summary.csv").read_text()

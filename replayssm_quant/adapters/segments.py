@@ -34,12 +34,35 @@ def _has_attention(model) -> bool:
     return getattr(model.config, "model_type", "") != "mamba2"
 
 
+class _OneThread:
+    """Context: one CPU intra-op thread inside, the caller's count restored after."""
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+        return False
+
+
 def forward_segment(model, input_ids: torch.Tensor, cache=None, *, start: int = 0,
                     logits_to_keep: int = 0):
     """Run ``input_ids [B, T]`` (positions ``start .. start+T-1`` of the documents) through
     ``model`` continuing from ``cache``; returns ``(logits [B, T, V], cache)``.
+
+    On CPU a one-token call with a cache runs on one intra-op thread: torch's CPU attention
+    for a single query over the cached keys sums in an order that follows the thread count
+    (last-bit differences in the embedded tiny-gdn's attention output at 1 vs 2 threads,
+    2026-12-06), and a rounding decision downstream can flip on them. Longer calls were
+    measured invariant (2 and 4 tokens over a cache, and whole segments).
     """
     B, T = input_ids.shape
+    if T == 1 and cache is not None and input_ids.device.type == "cpu" \
+            and torch.get_num_threads() > 1:
+        with _OneThread():
+            return forward_segment(model, input_ids, cache, start=start,
+                                   logits_to_keep=logits_to_keep)
     kw = dict(use_cache=True)
     if cache is not None:
         kw[cache_kwarg(model)] = cache

@@ -148,6 +148,14 @@ def test_refusals():
     assert cv._variant(4, 4, 0, 0, True) == (4, 4, 0, 0)
     with pytest.raises(ValueError, match=r"\(8, 6, 0, 2\) is not a launch variant"):
         cv._variant(8, 6, 0, 2, True)
+    # refused before the coverage rule: also where the call would go to the Triton kernel
+    with pytest.raises(ValueError, match=r"\(3, 3, 0, 2\) is not one of the library's"):
+        cv.gdn_verify_cuda(a["read"], a["anchor"], a["la"], a["beta"], a["v"], a["k"], a["q"],
+                           a["u_known"], a["start"], 16, True, nw=3)
+    # a missing anchor is named (by the Triton kernel's checks, where the call goes)
+    with pytest.raises(ValueError, match="anchor must be a stored checkpoint .* got NoneType"):
+        cv.gdn_verify_cuda(a["read"], None, a["la"], a["beta"], a["v"], a["k"], a["q"],
+                           a["u_known"], a["start"], 16, True)
     with pytest.raises(ValueError, match=r"\(4, 3, 0, 3\) is not a launch variant"):
         cv._variant(4, 3, 0, 3, True)
     if not torch.cuda.is_available():
@@ -177,6 +185,10 @@ def test_out_refusals_and_coverage():
         call(torch.empty_like(a["u_known"], device="meta"))
     with pytest.raises(ValueError, match="out overlaps v in memory"):
         call(a["v"])
+    with pytest.raises(ValueError, match="out requires grad"):
+        call(torch.zeros_like(a["u_known"]).requires_grad_())
+    with pytest.raises(ValueError, match=r"out has a dimension of stride 0 \(an expanded view"):
+        call(torch.zeros(1, 1, 1, 128).expand(a["u_known"].shape))
     shifted = torch.zeros(a["u_known"].numel() * 2)
     uk = shifted[:a["u_known"].numel()].view(a["u_known"].shape)
     uk.copy_(a["u_known"])

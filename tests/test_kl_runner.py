@@ -475,6 +475,12 @@ def test_unreachable_hub_id_hints_at_offline_mode(monkeypatch, tmp_path):
     with pytest.raises(kl.BadArgs) as e:
         kl._load_config(str(tmp_path))
     assert "HF_HUB_OFFLINE" not in str(e.value)
+    # nor a typo of an embedded name, or a missing path (not hub ids: resolve_model_path says so)
+    for bad, why in (("tiny-gdm", "did you mean 'tiny-gdn'"),
+                     (str(tmp_path / "missing"), "model path does not exist")):
+        with pytest.raises(kl.BadArgs, match=why) as e:
+            kl._load_config(bad)
+        assert "HF_HUB_OFFLINE" not in str(e.value) and "a hub id;" not in str(e.value)
 
 
 def test_rerun_with_other_policies_says_earlier_cells_are_not_in_the_tables(

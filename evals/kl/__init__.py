@@ -317,6 +317,9 @@ def _load_config(model: str):
 
     try:
         path = resolve_model_path(model)
+    except (ValueError, FileNotFoundError, TypeError) as e:  # not a model name, path or hub id
+        raise BadArgs(f"cannot load model config {model!r}: {e}") from None
+    try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=is_embedded(model) or os.path.isdir(path))
     except Exception as e:  # noqa: BLE001 - any load failure is a bad --model
         hint = ("" if is_embedded(model) or os.path.exists(model) or

@@ -230,6 +230,12 @@ def _check_out(out, read, la, beta, v, k, q, u_known, start) -> None:
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"gdn_verify_cuda: out must be a tensor like u_known, got "
                          f"{type(out).__name__}")
+    if out.requires_grad:
+        raise ValueError("gdn_verify_cuda: out requires grad; the verify writes it in place "
+                         "(pass a tensor that does not, e.g. under torch.no_grad())")
+    if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+        raise ValueError(f"gdn_verify_cuda: out has a dimension of stride 0 (an expanded view, "
+                         f"strides {tuple(out.stride())}): its elements overlap one another")
     if out.dtype != torch.float32 or out.shape != u_known.shape or out.device != u_known.device:
         raise ValueError(f"gdn_verify_cuda: out must be float32 {tuple(u_known.shape)} on "
                          f"{u_known.device} (like u_known), got {out.dtype} "
@@ -286,6 +292,7 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
     """
     from .records import _check_verify, gdn_verify_kernel
 
+    var = _variant(nw, pf, mb, ep, all_variants)  # (a variant not built is refused either way)
     if isinstance(q, torch.Tensor) and not q.is_contiguous():
         q = q.contiguous()  # the drafts' queries as a caller sliced them: 4 MiB at B = 256
     if out is not None:  # before anything is written to it
@@ -306,7 +313,6 @@ def gdn_verify_cuda(read, anchor, la, beta, v, k, q, u_known, start, window: int
                          >= start.to(u.device)[:, None])[:, :, None, None]  # slots >= start
             torch.where(drafts_on, u, out, out=out)
         return o, out
-    var = _variant(nw, pf, mb, ep, all_variants)
     _check_verify("gdn_verify_cuda", read, anchor, la, v, k, q, start, window, beta=beta,
                   u_known=u_known, assert_range=False)  # shapes; the range: the kernel
     mod = build(all_variants)

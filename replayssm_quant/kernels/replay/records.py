@@ -3505,6 +3505,10 @@ def _check_verify(where, read, anchor, la, v, k, q, start, window, beta=None, u_
     fit the ring (``start + T <= J``, checked on the device: no host synchronisation; with
     ``assert_range=False`` left to the caller's kernel, as the CUDA verify checks it itself).
     Raises ValueError naming the input (the kernels index by these extents)."""
+    for name, t in (("read", read), ("anchor", anchor)):
+        if not isinstance(t, (torch.Tensor, PackedTensor)):
+            raise ValueError(f"{where}: {name} must be a stored checkpoint [B, H, V, K] (a "
+                             f"float32 tensor or a PackedTensor), got {type(t).__name__}")
     _check_devices(where, read=read, anchor=anchor, la=la, v=v, k=k, q=q, start=start,
                    beta=beta, u_known=u_known)
     B, H, V, K = (int(x) for x in read.shape)

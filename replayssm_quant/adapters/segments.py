@@ -8,6 +8,7 @@ segment calls pass explicit ``position_ids``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -34,16 +35,18 @@ def _has_attention(model) -> bool:
     return getattr(model.config, "model_type", "") != "mamba2"
 
 
-class _OneThread:
-    """Context: one CPU intra-op thread inside, the caller's count restored after."""
-
-    def __enter__(self):
-        self.before = torch.get_num_threads()
-        torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.before)
-        return False
+@contextlib.contextmanager
+def _one_thread(on: bool):
+    """One CPU intra-op thread inside when ``on``, the caller's count restored after."""
+    if not on:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def forward_segment(model, input_ids: torch.Tensor, cache=None, *, start: int = 0,
@@ -58,11 +61,6 @@ def forward_segment(model, input_ids: torch.Tensor, cache=None, *, start: int = 
     measured invariant (2 and 4 tokens over a cache, and whole segments).
     """
     B, T = input_ids.shape
-    if T == 1 and cache is not None and input_ids.device.type == "cpu" \
-            and torch.get_num_threads() > 1:
-        with _OneThread():
-            return forward_segment(model, input_ids, cache, start=start,
-                                   logits_to_keep=logits_to_keep)
     kw = dict(use_cache=True)
     if cache is not None:
         kw[cache_kwarg(model)] = cache
@@ -70,7 +68,8 @@ def forward_segment(model, input_ids: torch.Tensor, cache=None, *, start: int = 
         kw["position_ids"] = torch.arange(start, start + T, device=input_ids.device)[None].expand(B, -1)
     if logits_to_keep:
         kw["logits_to_keep"] = logits_to_keep
-    out = model(input_ids, **kw)
+    with _one_thread(T == 1 and cache is not None and input_ids.device.type == "cpu"):
+        out = model(input_ids, **kw)
     return out.logits, cache_of(out)
 
 

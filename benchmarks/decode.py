@@ -382,13 +382,18 @@ def flush_args(M, st):
 def run_step(M, st, h, **cfg):
     """Non-flush decode step on set ``st`` at ``h`` (int64 ``[B]`` committed records):
     appends the new record to ring slot h, returns ``o [B, H, V]``. ``cfg``: launch options
-    of the step wrappers (default: theirs)."""
+    of the Triton step wrappers (default: theirs; given, the Triton kernel runs even under
+    ``--gdn-step cuda``). GDN under ``--gdn-step cuda``: ``gdn_step_cuda``."""
     r = st["ring"]
     if M.gdn:
-        return kr.gdn_step_kernel(st["R"], r, st["q"], st["nk"], st["nv"], st["nla"],
-                                  st["nbeta"], h, **cfg)
+        step = kr.gdn_step_cuda if GDN_STEP == "cuda" and not cfg else kr.gdn_step_kernel
+        return step(st["R"], r, st["q"], st["nk"], st["nv"], st["nla"], st["nbeta"], h, **cfg)
     return kr.mamba2_step_kernel(st["R"], r, st["nla"], st["nv"], st["nk"], st["q"], h, **cfg)
 
+
+#: GDN's step kernel (--gdn-step): "triton" (gdn_step_kernel) or "cuda" (gdn_step_cuda: the
+#: CUDA C++ kernel where it applies, FP32 and NVFP4 read copies; the Triton kernel elsewhere)
+GDN_STEP = "triton"
 
 #: GDN's verify kernel (--gdn-verify): "triton" (gdn_verify_kernel) or "cuda"
 #: (gdn_verify_cuda: the CUDA C++ kernel where it applies, the fp32 policy here; the Triton
@@ -840,6 +845,10 @@ def main(argv=None):
                     help="GDN's verify kernel: triton (gdn_verify_kernel, default) or cuda "
                          "(gdn_verify_cuda: the CUDA C++ kernel where it applies, the fp32 "
                          "policy; the Triton kernel elsewhere; needs nvcc)")
+    ap.add_argument("--gdn-step", default="triton", choices=("triton", "cuda"),
+                    help="GDN's step kernel: triton (gdn_step_kernel, default) or cuda "
+                         "(gdn_step_cuda: the CUDA C++ kernel where it applies, FP32 and "
+                         "NVFP4 read copies; the Triton kernel elsewhere; needs nvcc)")
     ap.add_argument("--resummarize", default=None, metavar="JSON",
                     help="time nothing: recompute the summary of this decode result (with "
                          "--emulation) and write it to --out")
@@ -862,6 +871,10 @@ def main(argv=None):
     GDN_VERIFY = args.gdn_verify
     if GDN_VERIFY == "cuda" and DEV != "cuda":
         ap.error("--gdn-verify cuda needs a CUDA device")
+    global GDN_STEP
+    GDN_STEP = args.gdn_step
+    if GDN_STEP == "cuda" and DEV != "cuda":
+        ap.error("--gdn-step cuda needs a CUDA device")
     if args.tiny != INTERPRET:
         raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before triton is imported "
                          "(decode.py sets it when --tiny is on its command line)")
@@ -901,7 +914,7 @@ def main(argv=None):
               "fla": {"available": fla_fns is not None, "skip_reason": fla_reason,
                       "gdn": "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule",
                       "mamba2": "fla.ops.simple_gla.fused_recurrent_simple_gla"},
-              "overrides": overrides, "gdn_verify": GDN_VERIFY,
+              "overrides": overrides, "gdn_verify": GDN_VERIFY, "gdn_step": GDN_STEP,
               "window_L": L, "verify_T": T, "batches": batches, "policies": POLICIES,
               "timing": f"median of {args.reps} calls, CUDA events per call, pool rotated "
                         f"(>= {POOL_L2_MULTIPLE} x L2 = {POOL_L2_MULTIPLE * l2_bytes()} bytes); "

@@ -22,9 +22,10 @@ and the anchor chain run theirs on CUDA for float32 and a key dim that is a powe
 ``triton`` forces the kernels (a ValueError where they cannot run; on CPU they run under
 ``TRITON_INTERPRET=1``). ``cuda`` (opt-in) is ``triton`` on a CUDA device, except that an
 operation with a CUDA C++ kernel (``_CUDA_KERNELS``: today GDN's verify, which covers the
-single-checkpoint FP32 policy at DK = DV = 128, T <= 8, L <= 16 and hands every other call to
-its Triton kernel) runs that one; the extension is built with nvcc at the first call it
-covers.
+single-checkpoint FP32 policy at DK = DV = 128, T <= 8, L <= 16, and GDN's decode step, which
+covers FP32 and NVFP4 read copies at DK = DV = 128 and rings of up to 32 slots; each hands every
+other call to its Triton kernel) runs that one; the extension is built with nvcc at the first
+call it covers.
 
 Registry: a torch reference declares the operation it implements with :func:`reference`; the
 kernel of each operation is named in ``_KERNELS`` and imported on first use (so CPU-only runs
@@ -39,6 +40,7 @@ This module imports only leaf modules at import time; it is the one place outsid
 from __future__ import annotations
 
 import enum
+import importlib
 import os
 import types
 import warnings
@@ -227,15 +229,16 @@ _KERNELS: dict[str, tuple[str, str]] = {
     "gdn_state_flush": ("replay", "gdn_state_flush"),
     "anchor_chain": ("replay", "anchor_chain"),  # kernel only: the window form calls it
 }
-#: operation -> attribute of :mod:`replayssm_quant.kernels.replay.cuda_verify`: the CUDA C++
+#: operation -> (module of :mod:`replayssm_quant.kernels.replay`, attribute): the CUDA C++
 #: kernels that ``Backend.CUDA`` runs instead of the Triton one. Each hands the calls it does
 #: not cover to the Triton kernel, and compiles the extension at the first call it covers
-#: (the module's ``build()``: a RuntimeError naming what is missing, nvcc or ninja).
-#: ``gdn_state_verify_cuda`` writes the corrections into its ``u_known`` argument (the state's
-#: ring) and returns it, where the reference returns a new tensor: the state copies back only
-#: what is not already its ring.
-_CUDA_KERNELS: dict[str, str] = {
-    "gdn_state_verify": "gdn_state_verify_cuda",
+#: (``cuda_verify.build()``, one extension for both: a RuntimeError naming what is missing,
+#: nvcc or ninja). ``gdn_state_verify_cuda`` writes the corrections into its ``u_known``
+#: argument (the state's ring) and returns it, where the reference returns a new tensor: the
+#: state copies back only what is not already its ring.
+_CUDA_KERNELS: dict[str, tuple[str, str]] = {
+    "gdn_state_verify": ("cuda_verify", "gdn_state_verify_cuda"),
+    "gdn_state_step": ("cuda_step", "gdn_state_step_cuda"),
 }
 
 
@@ -264,9 +267,8 @@ def kernel(op: str, cuda: bool = False) -> Callable:
     except KeyError:
         raise ValueError(f"no kernel operation {op!r}; known: {sorted(_KERNELS)}") from None
     if cuda and op in _CUDA_KERNELS:
-        from .kernels.replay import cuda_verify
-
-        return getattr(cuda_verify, _CUDA_KERNELS[op])
+        cmod, cattr = _CUDA_KERNELS[op]
+        return getattr(importlib.import_module(f".kernels.replay.{cmod}", __package__), cattr)
     if module == "quant":
         from .kernels import quant as m
     else:

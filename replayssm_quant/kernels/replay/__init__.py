@@ -21,6 +21,9 @@ Files (each with its kernel, its host wrapper and a pointer to its torch referen
 * :mod:`.cuda_verify` -- GDN's verify under a single-checkpoint FP32 policy as one CUDA C++
   kernel on the tensor cores (``gdn_verify.cu``, built at first use with nvcc), the
   backend ``cuda``'s kernel of ``gdn_state_verify``; the Triton kernel where it does not apply;
+* :mod:`.cuda_step` -- GDN's decode step from an FP32 or NVFP4 read copy as one CUDA C++ kernel
+  (``gdn_step.cu``, in the same extension), the backend ``cuda``'s kernel of ``gdn_state_step``;
+  the Triton kernel where it does not apply;
 * :mod:`.chain` -- ``_chain_kernel`` (:func:`anchor_chain`): the anchor recurrence of many
   windows in one launch for the adapters and the teacher-forced emulation (``replay/window.py``).
 
@@ -50,6 +53,7 @@ Callers outside ``replayssm_quant.kernels`` reach these through the backend seam
 from .chain import (CHAIN_EXCHANGE, CHAIN_PREFETCH, CHAIN_TILE_ELEMENTS, CHAIN_WARPS, ChainResult,
                     anchor_chain, chain_block_v)
 from .codec import kernels_supported
+from .cuda_step import gdn_state_step_cuda, gdn_step_cuda
 from .cuda_verify import gdn_state_verify_cuda, gdn_verify_cuda
 from .flush import (DEFAULT_BV_FLUSH, flush_kernel, gdn_flush_kernel, gdn_state_flush,
                     mamba2_flush_kernel, mamba2_state_flush)
@@ -65,6 +69,8 @@ __all__ = [
     "gdn_verify_kernel",
     "gdn_verify_cuda",
     "gdn_state_verify_cuda",
+    "gdn_step_cuda",
+    "gdn_state_step_cuda",
     "gdn_corrections_kernel",
     "flush_kernel",
     "mamba2_flush_kernel",

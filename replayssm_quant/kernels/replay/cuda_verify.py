@@ -64,10 +64,18 @@ LIBRARY_VARIANTS = ((8, 3, 0, 2), (4, 3, 0, 0), (8, 2, 4, 2))
 #: docs/kernels-replay.md)
 GDN_VERIFY_CUDA_CONFIG = {"nw": 8, "pf": 3, "mb": 0, "ep": 2}
 
+#: the decode step's kernel, built into the same extension (:mod:`.cuda_step`)
+STEP_SOURCE = Path(__file__).resolve().parent / "gdn_step.cu"
+
 _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor beta, "
          "torch::Tensor v, torch::Tensor k, torch::Tensor q, torch::Tensor uk, "
          "torch::Tensor start, torch::Tensor o, torch::Tensor uout, int64_t known, "
-         "int64_t nw, int64_t pf, int64_t mb, int64_t ep);\n")
+         "int64_t nw, int64_t pf, int64_t mb, int64_t ep);\n"
+         "void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale, "
+         "torch::Tensor mscale, int64_t fmt, torch::Tensor rla, torch::Tensor rbeta, "
+         "torch::Tensor rv, torch::Tensor rk, torch::Tensor ru, torch::Tensor q, "
+         "torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta, "
+         "torch::Tensor h, torch::Tensor o);\n")
 
 
 _BUILT: set[bool] = set()  # the builds this process holds (all_variants False / True)
@@ -75,9 +83,10 @@ _BUILT: set[bool] = set()  # the builds this process holds (all_variants False /
 
 @functools.lru_cache(maxsize=2)
 def build(all_variants: bool = False):
-    """The compiled extension (``torch.utils.cpp_extension.load_inline`` of ``SOURCE`` for the
-    visible GPUs' architectures), built on first use and cached for the process (torch keeps
-    the build on disk, so later processes load it). ``all_variants``: every variant of
+    """The compiled extension (``torch.utils.cpp_extension.load_inline`` of ``SOURCE``, the
+    verify, and ``STEP_SOURCE``, the decode step of :mod:`.cuda_step`, for the visible GPUs'
+    architectures), built on first use and cached for the process (torch keeps the build on
+    disk, so later processes load it). ``all_variants``: every verify variant of
     :data:`LAUNCH` (about 100 instantiations, for the benchmark) instead of
     :data:`LIBRARY_VARIANTS`.
 
@@ -86,30 +95,31 @@ def build(all_variants: bool = False):
             toolkit) or ninja, or a failed build; the message says what is missing and that
             ``backend="triton"`` runs without it.
     """
-    fix = "; backend='triton' (REPLAYSSM_BACKEND=triton) runs the Triton kernel without it"
+    fix = "; backend='triton' (REPLAYSSM_BACKEND=triton) runs the Triton kernels without them"
     if not torch.cuda.is_available():
-        raise RuntimeError("the CUDA verify kernel needs a CUDA device" + fix)
+        raise RuntimeError("the CUDA kernels (GDN verify and step) need a CUDA device" + fix)
     cap = torch.cuda.get_device_capability()
     if cap < MIN_CAPABILITY:
-        raise RuntimeError(f"the CUDA verify kernel needs compute capability >= 8.0 (mma.sync "
-                           f"tf32, cp.async), got {cap[0]}.{cap[1]}" + fix)
+        raise RuntimeError(f"the CUDA kernels (GDN verify and step) need compute capability "
+                           f">= 8.0 (mma.sync tf32, cp.async), got {cap[0]}.{cap[1]}" + fix)
     from torch.utils import cpp_extension as ce
 
     if ce.CUDA_HOME is None and shutil.which("nvcc") is None:
-        raise RuntimeError("the CUDA verify kernel is built at first use and needs nvcc (a "
-                           "CUDA toolkit; set CUDA_HOME), found none" + fix)
+        raise RuntimeError("the CUDA kernels (GDN verify and step) are built at first use and "
+                           "need nvcc (a CUDA toolkit; set CUDA_HOME), found none" + fix)
     if not ce.is_ninja_available():
-        raise RuntimeError("the CUDA verify kernel is built at first use and needs ninja "
-                           "(pip install ninja)" + fix)
+        raise RuntimeError("the CUDA kernels (GDN verify and step) are built at first use and "
+                           "need ninja (pip install ninja)" + fix)
     flags = ["-O3", "-std=c++17"] + (["-DGDN_VERIFY_ALL_VARIANTS"] if all_variants else [])
     try:
-        mod = ce.load_inline("replayssm_gdn_verify" + ("_all" if all_variants else ""),
-                             cpp_sources=_DECL, cuda_sources=SOURCE.read_text(),
-                             functions=["gdn_verify_cuda"], extra_cuda_cflags=flags,
-                             verbose=False)
+        mod = ce.load_inline("replayssm_gdn_cuda" + ("_all" if all_variants else ""),
+                             cpp_sources=_DECL,
+                             cuda_sources=[SOURCE.read_text(), STEP_SOURCE.read_text()],
+                             functions=["gdn_verify_cuda", "gdn_step_cuda"],
+                             extra_cuda_cflags=flags, verbose=False)
     except Exception as e:  # compiler and linker errors come as several exception types
-        raise RuntimeError(f"building the CUDA verify kernel ({SOURCE}) failed: {e}"
-                           + fix) from e
+        raise RuntimeError(f"building the CUDA kernels ({SOURCE.name}, {STEP_SOURCE.name}) "
+                           f"failed: {e}" + fix) from e
     _BUILT.add(all_variants)
     return mod
 

@@ -1,0 +1,198 @@
+"""GDN's decode step as one CUDA C++ kernel (``gdn_step.cu``), opt-in through the backend seam
+(``backend="cuda"``, :mod:`replayssm_quant.backend`), with :func:`~.records.gdn_step_kernel`
+(Triton) wherever it does not apply.
+
+What it computes: :func:`replayssm_quant.replay.gdn.gdn_state_step`, the reference: the new
+token's record ``(g, beta, v, k)`` is written to ring slot ``p = h[b]``, its read-path
+correction is solved against the read copy R and the ring's cached corrections and cached in
+slot ``p`` of ``ring["uR"]``, and the output is read in output-only form. With ``c_j`` the
+cumulative log decays of slots ``0..p`` (DESIGN.md section 3, "Decode step")::
+
+    u_p = beta_p (v_p - e^{c_p} R k_p) - sum_{j<p} beta_p e^{c_p - c_j} (k_j . k_p) u_j
+    o   = e^{c_p} R q + sum_{j<p} e^{c_p - c_j} (k_j . q) u_j + (k_p . q) u_p
+
+One CTA per (sequence, value head), one value row a thread; the products ``R k_p`` and ``R q``
+are FP32 FMAs in a fixed order (no tensor cores: two columns). An NVFP4 read copy is decoded
+exactly by integer operations (``gdn_step.cu``'s header; :func:`nvfp4_tiny_decode` is the same
+decode in torch). Every sum's order is fixed by the CTA's code: a sequence's bits do not
+depend on its batch, position or neighbours. Its bits differ from the Triton kernel's (another
+order of the same sums); both are within FP32 tolerance of the float64 reference
+(``tests/test_cuda_verify.py`` on a device). Issue 15, forty-fifth pass
+(``docs/kernels-replay.md``).
+
+Covered (:func:`unsupported` says why not, otherwise): a read copy stored as FP32 (a plain
+tensor, or a PackedTensor of an identity format) or NVFP4, ``[B, H, 128, 128]``; float32
+ring and token tensors; ring tensors ``[B, JS, ...]`` contiguous with ``JS <= 32`` slots
+(window + max drafts); key heads dividing value heads; CUDA compute capability >= 8.0; the
+float4 operands 16-byte aligned. The token's tensors are made contiguous (a copy where they
+are not). The ring position ``h`` is asserted on the device (``0 <= h < JS``). The extension
+is :func:`.cuda_verify.build`'s (one build holds the verify and the step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...packed import PackedTensor
+from .cuda_verify import DIM, MIN_CAPABILITY, build
+
+__all__ = ["J_MAX", "unsupported", "gdn_step_cuda", "gdn_state_step_cuda", "nvfp4_tiny_decode"]
+
+J_MAX = 32  # ring slots a sequence (gdn_step.cu's JMAX)
+_RING = ("la", "beta", "v", "k", "uR")
+
+
+def _format(read) -> str | None:
+    """``"f32"`` for an FP32 stored copy, ``"nvfp4"`` for an NVFP4 one, else None."""
+    if type(read) is torch.Tensor:
+        return "f32"
+    if isinstance(read, PackedTensor):
+        if read.spec.is_identity and read.codes.dtype == torch.float32:
+            return "f32"
+        info = read.spec.info
+        if info.scaling == "nvfp4" and read.codes.dtype == torch.uint8:
+            return "nvfp4"
+    return None
+
+
+def unsupported(read, ring, q, k, v, g, beta, h) -> str | None:
+    """Why :func:`gdn_step_cuda` would hand this call to the Triton kernel, or None when the
+    CUDA kernel covers it (module docstring). Arguments as :func:`gdn_step_cuda`; never raises
+    (inputs the kernels refuse are left to the Triton kernel's checks)."""
+    fmt = _format(read)
+    if fmt is None:
+        return "the read copy is neither FP32 nor NVFP4 (or not a stored copy)"
+    if not isinstance(ring, dict) or any(type(ring.get(n)) is not torch.Tensor for n in _RING):
+        return "ring is not a dict of the tensors la, beta, v, k, uR"
+    tok = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    if any(type(t) is not torch.Tensor for t in tok.values()):
+        return "a token input is not a plain torch.Tensor"
+    if not isinstance(h, torch.Tensor) or h.dim() != 1 or h.dtype not in (torch.int32,
+                                                                           torch.int64):
+        return "h is not an integer [B] tensor"
+    if tuple(read.shape[2:]) != (DIM, DIM) or len(read.shape) != 4:
+        return f"the state is not [B, H, {DIM}, {DIM}]"
+    B, H = (int(x) for x in read.shape[:2])
+    rla = ring["la"]
+    if rla.dim() != 3 or rla.shape[0] != B or rla.shape[2] != H:
+        return "ring['la'] is not [B, JS, H] for the state's B and H"
+    JS = rla.shape[1]
+    G = ring["k"].shape[2] if ring["k"].dim() == 4 else 0
+    want = {"la": (B, JS, H), "beta": (B, JS, H), "v": (B, JS, H, DIM), "k": (B, JS, G, DIM),
+            "uR": (B, JS, H, DIM)}
+    if any(tuple(ring[n].shape) != s for n, s in want.items()):
+        return "the ring tensors are not [B, JS, ...] of one JS with DK = DV = 128"
+    if B == 0 or not 1 <= JS <= J_MAX:
+        return f"an empty batch, or JS = {JS} ring slots (the kernel takes 1..{J_MAX})"
+    if G < 1 or H % G:
+        return "the key heads do not divide the value heads"
+    if any(tuple(t.shape) != s for t, s in ((q, (B, G, DIM)), (k, (B, G, DIM)),
+                                            (v, (B, H, DIM)), (g, (B, H)), (beta, (B, H)))):
+        return "a token input does not have the ring's shapes"
+    if h.shape[0] != B:
+        return "h is not [B]"
+    if any(t.dtype != torch.float32 for t in (*tok.values(), *(ring[n] for n in _RING))):
+        return "an input is not float32"
+    if not all(ring[n].is_contiguous() for n in _RING):
+        return "a ring tensor is not contiguous"
+    if fmt == "f32":
+        R = read if type(read) is torch.Tensor else read.codes
+        stored = (R,)
+        if not R.is_contiguous():
+            return "the read copy is not contiguous"
+    else:
+        cs = (read.codes, read.block_scales, read.matrix_scale)
+        shapes = ((B, H, DIM, DIM // 2), (B, H, DIM, DIM // 16), (B, H))
+        if any(c is None or tuple(c.shape) != s or not c.is_contiguous()
+               for c, s in zip(cs, shapes)):
+            return "the NVFP4 codes, block scales or matrix scales are not contiguous " \
+                   f"{shapes}"
+        if read.block_scales.dtype != torch.uint8 or read.matrix_scale.dtype != torch.float32:
+            return "the NVFP4 block scales are not uint8 codes or the matrix scales not float32"
+        stored = cs
+    if any(t.data_ptr() % 16 for t in (*stored[:1], ring["v"], ring["k"], ring["uR"], q, k)):
+        return "an input does not start on a 16-byte boundary"
+    dev = stored[0].device
+    alls = (*stored, *tok.values(), *(ring[n] for n in _RING), h)
+    if dev.type != "cuda" or any(t.device != dev for t in alls):
+        return "the inputs are not all on one CUDA device"
+    if torch.cuda.get_device_capability(dev) < MIN_CAPABILITY:
+        return "the device is below compute capability 8.0"
+    return None
+
+
+def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, fallback: bool = True):
+    """:func:`~.records.gdn_step_kernel` (same arguments and effect) on the CUDA kernel where it
+    applies (:func:`unsupported` is None), else on the Triton kernel.
+
+    Shapes: ``read`` the stored read copy ``[B, H, 128, 128]`` (FP32, or an NVFP4
+    PackedTensor); ``ring``: ``la, beta [B, JS, H]``, ``v, uR [B, JS, H, 128]``,
+    ``k [B, JS, G, 128]`` float32 (JS <= 32), updated in place at slot ``h[b]``; the token's
+    ``q, k [B, G, 128]``, ``v [B, H, 128]``, ``g`` (log decay), ``beta [B, H]``; ``h``
+    integer ``[B]``, the records each sequence holds (``0 <= h < JS``, asserted on the
+    device). Returns ``o [B, H, 128]`` float32.
+
+    Raises:
+        ValueError: with ``fallback=False``, a call the CUDA kernel does not cover (naming
+            why); otherwise what the Triton kernel's checks refuse.
+        RuntimeError: the extension cannot be built (:func:`.cuda_verify.build`); a ring
+            position outside ``0 .. JS - 1`` (the kernel's device-side assertion, at the next
+            synchronisation, after it prints the sequence and its position).
+    """
+    from .records import gdn_step_kernel
+
+    tok = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)]
+    why = unsupported(read, ring, *tok, h)
+    if why is not None:
+        if not fallback:
+            raise ValueError(f"gdn_step_cuda: the CUDA kernel does not cover this call: {why}")
+        return gdn_step_kernel(read, ring, q, k, v, g, beta, h)
+    q, k, v, g, beta = tok
+    mod = build()
+    B, H = int(read.shape[0]), int(read.shape[1])
+    h = h.to(torch.int64).contiguous()
+    o = torch.empty(B, H, DIM, dtype=torch.float32, device=h.device)
+    if _format(read) == "f32":
+        R = read if type(read) is torch.Tensor else read.codes
+        args = (R, R, R, R, 0)  # (codes and scales unused)
+    else:
+        args = (read.codes, read.codes, read.block_scales, read.matrix_scale, 1)
+    with torch.cuda.device(h.device):  # the launch takes the current device and stream
+        mod.gdn_step_cuda(*args, ring["la"], ring["beta"], ring["v"], ring["k"], ring["uR"],
+                          q, k, v, g, beta, h, o)
+    return o
+
+
+def gdn_state_step_cuda(cps, ring: dict, h, q, k, v, g, beta):
+    """CUDA kernel of :func:`replay.gdn.gdn_state_step` (the state objects' step under
+    ``backend="cuda"``): :func:`gdn_step_cuda` on the stored read copy of ``cps``. A failed
+    build raises before anything is written."""
+    return gdn_step_cuda(cps.read_stored, ring, q, k, v, g, beta, h)
+
+
+def nvfp4_tiny_decode(codes: torch.Tensor, block_scales: torch.Tensor):
+    """The step kernel's exact NVFP4 decode in torch (the oracle of its integer operations):
+    E2M1 codes ``uint8 [..., K/2]`` (element 2i in the low nibble) as float32 values times
+    2^-126, and E4M3 block-scale codes ``uint8 [..., K/16]`` as float32 values (0x7F, 0xFF:
+    NaN), by the same shifts and masks as ``gdn_step.cu``'s ``e2m1_tiny`` and ``e4m3``.
+    ``tiny * 2^126 * scale * matrix_scale`` is PackedTensor.dequantize's value, bit for bit.
+    Returns ``(tiny [..., K], scales [..., K/16])``."""
+    c = codes.to(torch.int64)
+    K2 = c.shape[-1]
+    words = c.reshape(*c.shape[:-1], K2 // 4, 4)
+    w = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+    m32 = 0xFFFFFFFF
+    out = []
+    for n in range(8):  # element n of each 32-bit word
+        mag = ((w << (22 - 4 * n)) if n <= 5 else (w >> (4 * n - 22))) & m32
+        sgn = (w << (28 - 4 * n)) & m32
+        bits = (mag & 0x01C00000) | (sgn & 0x80000000)
+        out.append(bits)
+    bits = torch.stack(out, -1).reshape(*c.shape[:-1], K2 * 2)
+    tiny = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+    s = block_scales.to(torch.int64)
+    m = s & 0x7F
+    sb = ((s & 0x80) << 24) | (m << 20)
+    sf = (sb - ((sb >> 31) << 32)).to(torch.int32).view(torch.float32) * 2.0 ** 120
+    sf = torch.where(m == 0x7F, torch.full_like(sf, float("nan")), sf)
+    return tiny, sf

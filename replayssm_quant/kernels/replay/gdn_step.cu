@@ -1,0 +1,346 @@
+// GDN decode step (one token per sequence, the read copy FP32 or NVFP4) as one CUDA C++ kernel
+// (issue 15, forty-fifth pass). Built with gdn_verify.cu into one extension and called by
+// replayssm_quant/kernels/replay/cuda_step.py, which checks every input first, all but the
+// ring position, which the kernel asserts on the device; this file's host code checks nothing.
+// The formula is replay/gdn.py's gdn_step_output plus the append of gdn_state_step: with the
+// new token's record written to ring slot p = h and c_j = sum_{i<=j} la_i over slots 0..p,
+//
+//   u_p = beta_p (v_p - e^{c_p} R k_p) - sum_{j<p} beta_p e^{c_p - c_j} (k_j . k_p) u_j
+//   o   = e^{c_p} R q + sum_{j<p} e^{c_p - c_j} (k_j . q) u_j + (k_p . q) u_p
+//
+// (slots j < p: the ring's cached corrections). It is the verify's formula at T = 1 with the
+// epilogue in the same order (gdn_verify.cu).
+//
+// One CTA of 128 threads per (sequence b, value head h); thread r owns value row r of R and
+// forms its two products R[r] . k_p and R[r] . q with FP32 FMAs in element order (four
+// partial sums by element index mod 4, added in a fixed order); no shuffles, no tensor cores
+// (two columns are two FMAs a loaded element, far below the FMA rate). Rows of an FP32 R are
+// read in 128-byte lines, two lines ahead. An NVFP4 row (64 bytes of E2M1 codes, 8 E4M3 block
+// scales, the head's FP32 matrix scale) is decoded exactly with integer operations: an E2M1
+// code placed in a float32's exponent and mantissa bits (sign to bit 31, magnitude to bits
+// 24..22) is the element times 2^-126, and an E4M3 code's seven bits at 20..26 are the scale
+// times 2^-120 (0x7F: NaN). The key and query are stored pre-scaled by 2^(126 - e), with 2^e
+// above their largest magnitude, so that the code's 2^-126 cancels and no product is
+// subnormal; each 16-element block's two sums are multiplied by its scale, and the row's
+// sums by the matrix scale and 2^e at the end. (Non-finite inputs give non-finite outputs,
+// as the reference does, though not always the same ones: an infinite key element makes
+// every other element's product overflow too.)
+//
+// The Gram terms k_j . k_p and k_j . q (j <= p) are warp dot products (one slot a warp,
+// slots warp, warp + 4, ...), reduced by an xor butterfly, whose result every lane holds
+// with the same bits. The order of every sum is fixed by the CTA's code alone: a sequence's
+// bits do not depend on the batch, its position or its neighbours.
+//
+// The ring tensors (la, beta [B, JS, H], v, u [B, JS, H, V], k [B, JS, G, K]) have JS slots
+// a sequence (window + max drafts, at most JMAX); the kernel reads slots < p and writes slot
+// p: la, beta, v and u of its head, and, in the first value head of each key group, k. The
+// other heads of the group read the new key from the token's k, never from slot p.
+#ifndef GDN_VERIFY_DEVICE_ONLY
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#endif
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#ifdef NDEBUG  // (the position check must not compile away under NDEBUG)
+#undef NDEBUG
+#include <assert.h>
+#define NDEBUG
+#else
+#include <assert.h>
+#endif
+
+namespace gdn_step {
+
+constexpr int V = 128;
+constexpr int K = 128;
+constexpr int JMAX = 32;  // ring slots a sequence (window + max drafts)
+constexpr int NTH = 128;  // threads: one value row each
+
+struct Smem {
+  float ks[K];          // the new key (NVFP4: scaled by 2^(126 - e_k))
+  float qs[K];          // the query (NVFP4: scaled by 2^(126 - e_q))
+  float ru[JMAX][V];    // the ring's corrections of this head, slots < p (cp.async)
+  float la[JMAX];       // log decays of slots 0..p
+  float zk[JMAX];       // k_j . k_p
+  float zq[JMAX];       // k_j . q
+  float ac[JMAX];       // beta_p e^{c_p - c_j} k_j . k_p, j < p
+  float bc[JMAX];       // e^{c_p - c_j} k_j . q, j < p
+};
+
+// A ring position outside 0 .. min(JS, JMAX) - 1: prints the sequence, then fails a
+// device-side assert (RuntimeError at the host's next synchronisation). Called by thread 0 of
+// every CTA of a bad sequence; out of line, to keep the printf's code out of the kernel.
+__device__ __noinline__ void position_fail(int JS, int b, long long p) {
+  printf("gdn_step_cuda: the ring position h must be in [0, %d) (the ring's slots, at most "
+         "%d); sequence %d has h = %lld\n", JS < JMAX ? JS : JMAX, JMAX, b, p);
+  assert(p >= 0 && p < JS && p < JMAX);
+  __trap();
+}
+
+// E2M1 code n (0..7) of the 32-bit word w (element n in bits 4n .. 4n + 3, sign the top one),
+// as float32 bits: the element times 2^-126 (code 1, 0.5, is the subnormal 2^-127).
+template <int N>
+__device__ __forceinline__ float e2m1_tiny(uint32_t w) {
+  const uint32_t mag = N <= 5 ? (w << (22 - 4 * N)) : (w >> (4 * N - 22));
+  const uint32_t sgn = w << (28 - 4 * N);
+  return __uint_as_float((mag & 0x01C00000u) | (sgn & 0x80000000u));
+}
+
+// An E4M3 code as float32 (exact; 0x7F and 0xFF: NaN).
+__device__ __forceinline__ float e4m3(uint32_t c) {
+  const uint32_t m = c & 0x7Fu;
+  if (m == 0x7Fu) return __uint_as_float(0x7FC00000u);
+  return __uint_as_float(((c & 0x80u) << 24) | (m << 20)) * 0x1p120f;
+}
+
+// Eight elements of a word against eight consecutive elements of the key and query from
+// shared memory (float4 broadcasts), into the two pairs of partial sums.
+__device__ __forceinline__ void word8(uint32_t w, const float* ks, const float* qs, float& k0,
+                                      float& k1, float& q0, float& q1) {
+  const float4 ka = *reinterpret_cast<const float4*>(ks);
+  const float4 kb = *reinterpret_cast<const float4*>(ks + 4);
+  const float4 qa = *reinterpret_cast<const float4*>(qs);
+  const float4 qb = *reinterpret_cast<const float4*>(qs + 4);
+  float x;
+  x = e2m1_tiny<0>(w); k0 = fmaf(x, ka.x, k0); q0 = fmaf(x, qa.x, q0);
+  x = e2m1_tiny<1>(w); k1 = fmaf(x, ka.y, k1); q1 = fmaf(x, qa.y, q1);
+  x = e2m1_tiny<2>(w); k0 = fmaf(x, ka.z, k0); q0 = fmaf(x, qa.z, q0);
+  x = e2m1_tiny<3>(w); k1 = fmaf(x, ka.w, k1); q1 = fmaf(x, qa.w, q1);
+  x = e2m1_tiny<4>(w); k0 = fmaf(x, kb.x, k0); q0 = fmaf(x, qb.x, q0);
+  x = e2m1_tiny<5>(w); k1 = fmaf(x, kb.y, k1); q1 = fmaf(x, qb.y, q1);
+  x = e2m1_tiny<6>(w); k0 = fmaf(x, kb.z, k0); q0 = fmaf(x, qb.z, q0);
+  x = e2m1_tiny<7>(w); k1 = fmaf(x, kb.w, k1); q1 = fmaf(x, qb.w, q1);
+}
+
+// Four FP32 elements (a float4 of the row) against the key and query.
+__device__ __forceinline__ void f32x4(float4 x, const float* ks, const float* qs,
+                                      float (&ak)[4], float (&aq)[4]) {
+  const float4 kk = *reinterpret_cast<const float4*>(ks);
+  const float4 qq = *reinterpret_cast<const float4*>(qs);
+  ak[0] = fmaf(x.x, kk.x, ak[0]); aq[0] = fmaf(x.x, qq.x, aq[0]);
+  ak[1] = fmaf(x.y, kk.y, ak[1]); aq[1] = fmaf(x.y, qq.y, aq[1]);
+  ak[2] = fmaf(x.z, kk.z, ak[2]); aq[2] = fmaf(x.z, qq.z, aq[2]);
+  ak[3] = fmaf(x.w, kk.w, ak[3]); aq[3] = fmaf(x.w, qq.w, aq[3]);
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {  // every lane: the same bits
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// The exponent e with |x| < 2^e for the largest magnitude m (0 for m = 0 or not finite).
+__device__ __forceinline__ int above_exp(float m) {
+  int e = 0;
+  if (m > 0.f && m <= 3.402823466e38f) frexpf(m, &e);
+  return e;
+}
+
+// FMT 0: R is FP32 [B, H, V, K]. FMT 1: NVFP4, codes [B, H, V, K / 2] (element 2i in the low
+// nibble), E4M3 block scales [B, H, V, K / 16], FP32 matrix scales [B, H].
+template <int FMT>
+__global__ void __launch_bounds__(NTH) step_kernel(
+    const float* __restrict__ R, const uint8_t* __restrict__ codes,
+    const uint8_t* __restrict__ bscale, const float* __restrict__ mscale,
+    float* __restrict__ rla, float* __restrict__ rbeta, float* __restrict__ rv,
+    float* __restrict__ rk, float* __restrict__ ru, const float* __restrict__ q,
+    const float* __restrict__ kn, const float* __restrict__ vn, const float* __restrict__ gn,
+    const float* __restrict__ bn, const int64_t* __restrict__ hp, float* __restrict__ o, int H,
+    int G, int JS) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  const int mat = blockIdx.x, b = mat / H, hd = mat - b * H, grp = hd / (H / G);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, row = tid;
+  const int64_t p64 = hp[b];
+  if (p64 < 0 || p64 >= JS || p64 >= JMAX) {  // thread 0 prints and asserts; the others leave
+    if (tid == 0) position_fail(JS, b, (long long)p64);
+    return;
+  }
+  const int p = (int)p64;
+
+  // the row of R first: it is the long pole
+  float4 fb[2][8];   // FMT 0: two 128-byte lines
+  uint4 cw[4];       // FMT 1: the row's codes
+  uint2 sw;          // FMT 1: its block scales
+  const float4* rr =
+      FMT == 0 ? reinterpret_cast<const float4*>(R + ((size_t)mat * V + row) * K) : nullptr;
+  if constexpr (FMT == 0) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) fb[c][i] = __ldg(rr + 8 * c + i);
+  } else {
+    const uint4* cr = reinterpret_cast<const uint4*>(codes + ((size_t)mat * V + row) * (K / 2));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cw[i] = __ldg(cr + i);
+    sw = __ldg(reinterpret_cast<const uint2*>(bscale + ((size_t)mat * V + row) * (K / 16)));
+  }
+
+  // the ring's corrections of this head, slots < p, into shared memory
+  const size_t HV = (size_t)H * V;
+  for (int e = tid; e < p * (V / 4); e += NTH) {
+    const int slot = e / (V / 4), c4 = (e % (V / 4)) * 4;
+    const float* src = ru + ((size_t)b * JS + slot) * HV + (size_t)hd * V + c4;
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(&sm.ru[slot][c4]);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(src));
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  // the token's key and query of this key group: four elements a lane, in every warp
+  const float* kg = kn + ((size_t)b * G + grp) * K;
+  const float* qg = q + ((size_t)b * G + grp) * K;
+  const float4 kl = __ldg(reinterpret_cast<const float4*>(kg) + lane);
+  const float4 ql = __ldg(reinterpret_cast<const float4*>(qg) + lane);
+  if constexpr (FMT == 0) {
+    if (warp == 0) reinterpret_cast<float4*>(sm.ks)[lane] = kl;
+    if (warp == 1) reinterpret_cast<float4*>(sm.qs)[lane] = ql;
+  } else {  // pre-scaled: see the header
+    const float4 x = warp == 0 ? kl : ql;
+    if (warp < 2) {
+      const float m = warp_max(fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
+      const int sh = 126 - above_exp(m);
+      const float4 y = make_float4(ldexpf(x.x, sh), ldexpf(x.y, sh), ldexpf(x.z, sh),
+                                   ldexpf(x.w, sh));
+      reinterpret_cast<float4*>(warp == 0 ? sm.ks : sm.qs)[lane] = y;
+    }
+  }
+  const float g_p = gn[(size_t)b * H + hd], beta_p = bn[(size_t)b * H + hd];
+  if (tid < JMAX) sm.la[tid] = tid < p ? rla[((size_t)b * JS + tid) * H + hd] : tid == p ? g_p : 0.f;
+  // the Gram terms: slot j = warp, warp + 4, ... <= p (slot p: the token's key)
+  for (int j = warp; j <= p; j += NTH / 32) {
+    const float4 kj = j < p ? __ldg(reinterpret_cast<const float4*>(
+                                        rk + ((size_t)b * JS + j) * G * K + (size_t)grp * K) + lane)
+                            : kl;
+    float zk = kj.x * kl.x, zq = kj.x * ql.x;
+    zk = fmaf(kj.y, kl.y, zk); zq = fmaf(kj.y, ql.y, zq);
+    zk = fmaf(kj.z, kl.z, zk); zq = fmaf(kj.z, ql.z, zq);
+    zk = fmaf(kj.w, kl.w, zk); zq = fmaf(kj.w, ql.w, zq);
+    zk = warp_sum(zk);
+    zq = warp_sum(zq);
+    if (lane == 0) {
+      sm.zk[j] = zk;
+      sm.zq[j] = zq;
+    }
+  }
+  __syncthreads();
+
+  // c_j by one serial sum in slot order (every thread the same bits); the coefficient tables
+  float cp = 0.f;
+  for (int j = 0; j <= p; ++j) cp += sm.la[j];
+  if (tid < p) {
+    float cj = 0.f;
+    for (int j = 0; j <= tid; ++j) cj += sm.la[j];
+    const float d = expf(cp - cj);
+    sm.ac[tid] = beta_p * d * sm.zk[tid];
+    sm.bc[tid] = d * sm.zq[tid];
+  }
+
+  // the row's products with the key and the query
+  float rk_, rq_;
+  if constexpr (FMT == 0) {
+    float ak[4] = {0.f, 0.f, 0.f, 0.f}, aq[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f32x4(fb[c & 1][i], sm.ks + 32 * c + 4 * i, sm.qs + 32 * c + 4 * i, ak, aq);
+      if (c < 2) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) fb[c & 1][i] = __ldg(rr + 8 * (c + 2) + i);
+      }
+    }
+    rk_ = (ak[0] + ak[1]) + (ak[2] + ak[3]);
+    rq_ = (aq[0] + aq[1]) + (aq[2] + aq[3]);
+  } else {
+    const uint32_t wd[16] = {cw[0].x, cw[0].y, cw[0].z, cw[0].w, cw[1].x, cw[1].y, cw[1].z,
+                             cw[1].w, cw[2].x, cw[2].y, cw[2].z, cw[2].w, cw[3].x, cw[3].y,
+                             cw[3].z, cw[3].w};
+    float ak = 0.f, aq = 0.f;
+#pragma unroll
+    for (int blk = 0; blk < K / 16; ++blk) {
+      float k0 = 0.f, k1 = 0.f, q0 = 0.f, q1 = 0.f;
+      word8(wd[2 * blk], sm.ks + 16 * blk, sm.qs + 16 * blk, k0, k1, q0, q1);
+      word8(wd[2 * blk + 1], sm.ks + 16 * blk + 8, sm.qs + 16 * blk + 8, k0, k1, q0, q1);
+      const float s = e4m3(((blk < 4 ? sw.x : sw.y) >> (8 * (blk & 3))) & 0xFFu);
+      ak = fmaf(s, k0 + k1, ak);
+      aq = fmaf(s, q0 + q1, aq);
+    }
+    const float ms = mscale[mat];
+    const int ek = above_exp(warp_max(fmaxf(fmaxf(fabsf(kl.x), fabsf(kl.y)), fmaxf(fabsf(kl.z), fabsf(kl.w)))));
+    const int eq = above_exp(warp_max(fmaxf(fmaxf(fabsf(ql.x), fabsf(ql.y)), fmaxf(fabsf(ql.z), fabsf(ql.w)))));
+    rk_ = ldexpf(ak * ms, ek);
+    rq_ = ldexpf(aq * ms, eq);
+  }
+
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  __syncthreads();
+
+  // the row's correction and output (the verify's epilogue at T = 1)
+  const float gk = expf(cp);
+  const float vnew = vn[((size_t)b * H + hd) * V + row];
+  float u = beta_p * (vnew - gk * rk_);
+  float oo = gk * rq_;
+  for (int j = 0; j < p; ++j) {
+    const float uj = sm.ru[j][row];
+    u = fmaf(-sm.ac[j], uj, u);
+    oo = fmaf(sm.bc[j], uj, oo);
+  }
+  oo = fmaf(sm.zq[p], u, oo);
+
+  const size_t slot = ((size_t)b * JS + p) * HV + (size_t)hd * V + row;
+  ru[slot] = u;
+  rv[slot] = vnew;
+  o[((size_t)b * H + hd) * V + row] = oo;
+  if (tid == 0) {
+    rla[((size_t)b * JS + p) * H + hd] = g_p;
+    rbeta[((size_t)b * JS + p) * H + hd] = beta_p;
+  }
+  if (hd % (H / G) == 0) rk[((size_t)b * JS + p) * G * K + (size_t)grp * K + row] = kg[row];
+}
+
+}  // namespace gdn_step
+
+#ifndef GDN_VERIFY_DEVICE_ONLY
+// No checks here (cuda_step.unsupported and the Python wrapper have checked shapes, dtypes,
+// the device, contiguity, 16-byte alignment, H % G, JS <= JMAX); 0 <= h < JS is asserted by
+// the kernel. fmt 0: R float32 [B, H, V, K] (codes, bscale, mscale unused); fmt 1: codes
+// uint8 [B, H, V, K / 2], bscale uint8 [B, H, V, K / 16], mscale float32 [B, H] (R unused).
+// Ring: rla, rbeta [B, JS, H]; rv, ru [B, JS, H, V]; rk [B, JS, G, K] (slot h written).
+// Token: q, k [B, G, K]; v [B, H, V]; g, beta [B, H]; h int64 [B]; o [B, H, V] written.
+void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
+                   torch::Tensor mscale, int64_t fmt, torch::Tensor rla, torch::Tensor rbeta,
+                   torch::Tensor rv, torch::Tensor rk, torch::Tensor ru, torch::Tensor q,
+                   torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                   torch::Tensor h, torch::Tensor o) {
+  const int B = (int)rla.size(0), JS = (int)rla.size(1), H = (int)rla.size(2);
+  const int G = (int)rk.size(2);
+  const dim3 grid(B * H);
+  auto st = at::cuda::getCurrentCUDAStream();
+  const size_t shm = sizeof(gdn_step::Smem);
+#define GDN_STEP_LAUNCH(F)                                                                   \
+  {                                                                                          \
+    auto fn = gdn_step::step_kernel<F>;                                                      \
+    cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);         \
+    fn<<<grid, gdn_step::NTH, shm, st>>>(                                                    \
+        static_cast<const float*>(R.data_ptr()), static_cast<const uint8_t*>(codes.data_ptr()), \
+        static_cast<const uint8_t*>(bscale.data_ptr()),                                      \
+        static_cast<const float*>(mscale.data_ptr()), static_cast<float*>(rla.data_ptr()),   \
+        static_cast<float*>(rbeta.data_ptr()), static_cast<float*>(rv.data_ptr()),           \
+        static_cast<float*>(rk.data_ptr()), static_cast<float*>(ru.data_ptr()),              \
+        static_cast<const float*>(q.data_ptr()), static_cast<const float*>(k.data_ptr()),    \
+        static_cast<const float*>(v.data_ptr()), static_cast<const float*>(g.data_ptr()),    \
+        static_cast<const float*>(beta.data_ptr()),                                          \
+        static_cast<const int64_t*>(h.data_ptr()), static_cast<float*>(o.data_ptr()), H, G,  \
+        JS);                                                                                 \
+  }
+  if (fmt == 1) GDN_STEP_LAUNCH(1) else GDN_STEP_LAUNCH(0)
+#undef GDN_STEP_LAUNCH
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+#endif

@@ -36,9 +36,15 @@ import torch
 from ...packed import PackedTensor
 from .cuda_verify import DIM, MIN_CAPABILITY, build
 
-__all__ = ["J_MAX", "unsupported", "gdn_step_cuda", "gdn_state_step_cuda", "nvfp4_tiny_decode"]
+__all__ = ["J_MAX", "GDN_STEP_CUDA_CONFIG", "unsupported", "gdn_step_cuda",
+           "gdn_state_step_cuda", "nvfp4_tiny_decode"]
 
 J_MAX = 32  # ring slots a sequence (gdn_step.cu's JMAX)
+#: the launch form by read-copy format: ``stage`` 0, each thread loads its value row from
+#: global memory (a warp's 32 rows, 32 lines an instruction), or 1, the CTA copies the whole
+#: tile into shared memory by coalesced cp.async first (64 KiB FP32, 8 KiB NVFP4 codes) and
+#: each thread reads its row from there. Not yet timed on a device (2026-12-06).
+GDN_STEP_CUDA_CONFIG = {"f32": {"stage": 1}, "nvfp4": {"stage": 1}}
 _RING = ("la", "beta", "v", "k", "uR")
 
 
@@ -121,7 +127,8 @@ def unsupported(read, ring, q, k, v, g, beta, h) -> str | None:
     return None
 
 
-def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, fallback: bool = True):
+def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, stage: int | None = None,
+                  fallback: bool = True):
     """:func:`~.records.gdn_step_kernel` (same arguments and effect) on the CUDA kernel where it
     applies (:func:`unsupported` is None), else on the Triton kernel.
 
@@ -130,17 +137,22 @@ def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, fallback: bool = Tru
     ``k [B, JS, G, 128]`` float32 (JS <= 32), updated in place at slot ``h[b]``; the token's
     ``q, k [B, G, 128]``, ``v [B, H, 128]``, ``g`` (log decay), ``beta [B, H]``; ``h``
     integer ``[B]``, the records each sequence holds (``0 <= h < JS``, asserted on the
-    device). Returns ``o [B, H, 128]`` float32.
+    device). Returns ``o [B, H, 128]`` float32. ``stage``: the launch form, 0 or 1
+    (default :data:`GDN_STEP_CUDA_CONFIG` by format; both give the same bits).
 
     Raises:
-        ValueError: with ``fallback=False``, a call the CUDA kernel does not cover (naming
-            why); otherwise what the Triton kernel's checks refuse.
+        ValueError: ``stage`` not 0, 1 or None; with ``fallback=False``, a call the CUDA
+            kernel does not cover (naming why); otherwise what the Triton kernel's checks
+            refuse.
         RuntimeError: the extension cannot be built (:func:`.cuda_verify.build`); a ring
             position outside ``0 .. JS - 1`` (the kernel's device-side assertion, at the next
             synchronisation, after it prints the sequence and its position).
     """
     from .records import gdn_step_kernel
 
+    if stage not in (None, 0, 1):
+        raise ValueError(f"gdn_step_cuda: stage must be 0, 1 or None (the default), got "
+                         f"{stage!r}")
     tok = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)]
     why = unsupported(read, ring, *tok, h)
     if why is not None:
@@ -152,14 +164,17 @@ def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, fallback: bool = Tru
     B, H = int(read.shape[0]), int(read.shape[1])
     h = h.to(torch.int64).contiguous()
     o = torch.empty(B, H, DIM, dtype=torch.float32, device=h.device)
-    if _format(read) == "f32":
+    fmt = _format(read)
+    if fmt == "f32":
         R = read if type(read) is torch.Tensor else read.codes
         args = (R, R, R, R, 0)  # (codes and scales unused)
     else:
         args = (read.codes, read.codes, read.block_scales, read.matrix_scale, 1)
+    if stage is None:
+        stage = GDN_STEP_CUDA_CONFIG[fmt]["stage"]
     with torch.cuda.device(h.device):  # the launch takes the current device and stream
         mod.gdn_step_cuda(*args, ring["la"], ring["beta"], ring["v"], ring["k"], ring["uR"],
-                          q, k, v, g, beta, h, o)
+                          q, k, v, g, beta, h, o, int(stage))
     return o
 
 

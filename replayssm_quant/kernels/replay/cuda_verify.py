@@ -75,7 +75,7 @@ _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor 
          "torch::Tensor mscale, int64_t fmt, torch::Tensor rla, torch::Tensor rbeta, "
          "torch::Tensor rv, torch::Tensor rk, torch::Tensor ru, torch::Tensor q, "
          "torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta, "
-         "torch::Tensor h, torch::Tensor o);\n")
+         "torch::Tensor h, torch::Tensor o, int64_t stage);\n")
 
 
 _BUILT: set[bool] = set()  # the builds this process holds (all_variants False / True)

@@ -67,6 +67,7 @@ struct Smem {
   float ac[JMAX];       // beta_p e^{c_p - c_j} k_j . k_p, j < p
   float bc[JMAX];       // e^{c_p - c_j} k_j . q, j < p
 };
+static_assert(sizeof(Smem) % 16 == 0, "the staged tile after Smem is 16-byte aligned");
 
 // A ring position outside 0 .. min(JS, JMAX) - 1: prints the sequence, then fails a
 // device-side assert (RuntimeError at the host's next synchronisation). Called by thread 0 of
@@ -143,9 +144,32 @@ __device__ __forceinline__ int above_exp(float m) {
   return e;
 }
 
-// FMT 0: R is FP32 [B, H, V, K]. FMT 1: NVFP4, codes [B, H, V, K / 2] (element 2i in the low
-// nibble), E4M3 block scales [B, H, V, K / 16], FP32 matrix scales [B, H].
+// The staged tile (ST = 1) after Smem: rows padded so that a thread's row reads from shared
+// memory do not conflict (FMT 0: K + 4 floats; FMT 1: 64 bytes of codes, 8 of block scales,
+// 8 of padding).
+constexpr int F32_ROW = K + 4;   // floats
+constexpr int FP4_ROW = 80;      // bytes
 template <int FMT>
+constexpr size_t staged_bytes() {
+  return FMT == 0 ? sizeof(float) * V * F32_ROW : (size_t)V * FP4_ROW;
+}
+
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+  const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(src));
+}
+
+__device__ __forceinline__ void cp8(void* dst, const void* src) {
+  const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(sa), "l"(src));
+}
+
+// FMT 0: R is FP32 [B, H, V, K]. FMT 1: NVFP4, codes [B, H, V, K / 2] (element 2i in the low
+// nibble), E4M3 block scales [B, H, V, K / 16], FP32 matrix scales [B, H]. ST 0: each thread
+// loads its own row from global memory (32 rows of a warp in 32 lines an instruction); ST 1:
+// the CTA copies the whole tile into shared memory first by cp.async, consecutive threads
+// taking consecutive 16 bytes (coalesced), and each thread reads its row from there.
+template <int FMT, int ST>
 __global__ void __launch_bounds__(NTH) step_kernel(
     const float* __restrict__ R, const uint8_t* __restrict__ codes,
     const uint8_t* __restrict__ bscale, const float* __restrict__ mscale,
@@ -169,9 +193,27 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   float4 fb[2][8];   // FMT 0: two 128-byte lines
   uint4 cw[4];       // FMT 1: the row's codes
   uint2 sw;          // FMT 1: its block scales
+  unsigned char* tile = smem_raw + sizeof(Smem);  // ST 1
   const float4* rr =
       FMT == 0 ? reinterpret_cast<const float4*>(R + ((size_t)mat * V + row) * K) : nullptr;
-  if constexpr (FMT == 0) {
+  if constexpr (ST == 1) {
+    if constexpr (FMT == 0) {
+      const float* src = R + (size_t)mat * V * K;
+#pragma unroll 4
+      for (int e = tid; e < V * K / 4; e += NTH) {
+        const int r = e / (K / 4), c4 = (e % (K / 4)) * 4;
+        cp16(reinterpret_cast<float*>(tile) + r * F32_ROW + c4, src + (size_t)r * K + c4);
+      }
+    } else {
+      const uint8_t* src = codes + (size_t)mat * V * (K / 2);
+#pragma unroll
+      for (int e = tid; e < V * K / 32; e += NTH) {
+        const int r = e / (K / 32), c16 = (e % (K / 32)) * 16;
+        cp16(tile + r * FP4_ROW + c16, src + (size_t)r * (K / 2) + c16);
+      }
+      cp8(tile + tid * FP4_ROW + K / 2, bscale + ((size_t)mat * V + tid) * (K / 16));
+    }
+  } else if constexpr (FMT == 0) {
 #pragma unroll
     for (int c = 0; c < 2; ++c)
 #pragma unroll
@@ -244,13 +286,20 @@ __global__ void __launch_bounds__(NTH) step_kernel(
 
   // the row's products with the key and the query
   float rk_, rq_;
+  if constexpr (ST == 1) {  // the tile is in shared memory
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+  }
   if constexpr (FMT == 0) {
     float ak[4] = {0.f, 0.f, 0.f, 0.f}, aq[4] = {0.f, 0.f, 0.f, 0.f};
+    const float4* tr = reinterpret_cast<const float4*>(reinterpret_cast<float*>(tile) + row * F32_ROW);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) f32x4(fb[c & 1][i], sm.ks + 32 * c + 4 * i, sm.qs + 32 * c + 4 * i, ak, aq);
-      if (c < 2) {
+      for (int i = 0; i < 8; ++i)
+        f32x4(ST == 1 ? tr[8 * c + i] : fb[c & 1][i], sm.ks + 32 * c + 4 * i,
+              sm.qs + 32 * c + 4 * i, ak, aq);
+      if (ST == 0 && c < 2) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) fb[c & 1][i] = __ldg(rr + 8 * (c + 2) + i);
       }
@@ -258,6 +307,12 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     rk_ = (ak[0] + ak[1]) + (ak[2] + ak[3]);
     rq_ = (aq[0] + aq[1]) + (aq[2] + aq[3]);
   } else {
+    if constexpr (ST == 1) {
+      const uint4* tr = reinterpret_cast<const uint4*>(tile + row * FP4_ROW);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cw[i] = tr[i];
+      sw = *reinterpret_cast<const uint2*>(tile + row * FP4_ROW + K / 2);
+    }
     const uint32_t wd[16] = {cw[0].x, cw[0].y, cw[0].z, cw[0].w, cw[1].x, cw[1].y, cw[1].z,
                              cw[1].w, cw[2].x, cw[2].y, cw[2].z, cw[2].w, cw[3].x, cw[3].y,
                              cw[3].z, cw[3].w};
@@ -278,7 +333,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     rq_ = ldexpf(aq * ms, eq);
   }
 
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  if constexpr (ST == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
 
   // the row's correction and output (the verify's epilogue at T = 1)
@@ -313,19 +368,20 @@ __global__ void __launch_bounds__(NTH) step_kernel(
 // uint8 [B, H, V, K / 2], bscale uint8 [B, H, V, K / 16], mscale float32 [B, H] (R unused).
 // Ring: rla, rbeta [B, JS, H]; rv, ru [B, JS, H, V]; rk [B, JS, G, K] (slot h written).
 // Token: q, k [B, G, K]; v [B, H, V]; g, beta [B, H]; h int64 [B]; o [B, H, V] written.
+// stage: 0 or 1, the kernel's ST.
 void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
                    torch::Tensor mscale, int64_t fmt, torch::Tensor rla, torch::Tensor rbeta,
                    torch::Tensor rv, torch::Tensor rk, torch::Tensor ru, torch::Tensor q,
                    torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-                   torch::Tensor h, torch::Tensor o) {
+                   torch::Tensor h, torch::Tensor o, int64_t stage) {
   const int B = (int)rla.size(0), JS = (int)rla.size(1), H = (int)rla.size(2);
   const int G = (int)rk.size(2);
   const dim3 grid(B * H);
   auto st = at::cuda::getCurrentCUDAStream();
-  const size_t shm = sizeof(gdn_step::Smem);
-#define GDN_STEP_LAUNCH(F)                                                                   \
+#define GDN_STEP_LAUNCH(F, S)                                                                \
   {                                                                                          \
-    auto fn = gdn_step::step_kernel<F>;                                                      \
+    auto fn = gdn_step::step_kernel<F, S>;                                                   \
+    const size_t shm = sizeof(gdn_step::Smem) + (S ? gdn_step::staged_bytes<F>() : 0);      \
     cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);         \
     fn<<<grid, gdn_step::NTH, shm, st>>>(                                                    \
         static_cast<const float*>(R.data_ptr()), static_cast<const uint8_t*>(codes.data_ptr()), \
@@ -339,7 +395,11 @@ void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
         static_cast<const int64_t*>(h.data_ptr()), static_cast<float*>(o.data_ptr()), H, G,  \
         JS);                                                                                 \
   }
-  if (fmt == 1) GDN_STEP_LAUNCH(1) else GDN_STEP_LAUNCH(0)
+  if (fmt == 1) {
+    if (stage) GDN_STEP_LAUNCH(1, 1) else GDN_STEP_LAUNCH(1, 0)
+  } else {
+    if (stage) GDN_STEP_LAUNCH(0, 1) else GDN_STEP_LAUNCH(0, 0)
+  }
 #undef GDN_STEP_LAUNCH
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

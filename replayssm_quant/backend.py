@@ -97,7 +97,8 @@ _ACCEPTED = ", ".join(repr(b.value) for b in Backend)
 
 
 def parse_backend(value, *, source: str = "backend") -> Backend:
-    """``value`` (a :class:`Backend` or its string) as a :class:`Backend`.
+    """``value`` (a :class:`Backend` or its string, in any case and with surrounding spaces, as
+    policy strings are read) as a :class:`Backend`.
 
     Raises:
         ValueError: naming ``source`` (the argument or variable), the value and the accepted ones.
@@ -105,7 +106,7 @@ def parse_backend(value, *, source: str = "backend") -> Backend:
     if isinstance(value, Backend):
         return value
     try:
-        return Backend(value)
+        return Backend(value.strip().lower() if isinstance(value, str) else value)
     except ValueError:
         raise ValueError(f"{source}={value!r} is not a backend: use one of {_ACCEPTED}") from None
 

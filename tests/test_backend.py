@@ -34,7 +34,15 @@ def test_default_is_auto_without_warning():
         assert not B.use_kernels("replay", device="cpu", dtype=torch.float32, key_dim=32)
 
 
-@pytest.mark.parametrize("value", ["cudnn", "TRITON", "gpu"])
+def test_backend_names_ignore_case_and_spaces(monkeypatch):
+    """Backend names are read as policy strings are: any case, surrounding spaces ignored."""
+    assert B.parse_backend("TRITON") is B.Backend.TRITON
+    assert B.parse_backend(" Torch ") is B.Backend.TORCH
+    monkeypatch.setenv(B.ENV, "TORCH")
+    assert B.requested_backend("replay") is B.Backend.TORCH
+
+
+@pytest.mark.parametrize("value", ["cudnn", "TRITN", "gpu"])
 def test_bad_values_name_value_and_accepted(monkeypatch, value):
     with pytest.raises(ValueError, match=rf"backend={value!r} .*'auto', 'torch', 'triton', 'cuda'"):
         quantize(torch.zeros(2, 16), "nvfp4", backend=value)

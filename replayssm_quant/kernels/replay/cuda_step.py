@@ -40,11 +40,14 @@ __all__ = ["J_MAX", "GDN_STEP_CUDA_CONFIG", "unsupported", "gdn_step_cuda",
            "gdn_state_step_cuda", "nvfp4_tiny_decode"]
 
 J_MAX = 32  # ring slots a sequence (gdn_step.cu's JMAX)
-#: the launch form by read-copy format: ``stage`` 0, each thread loads its value row from
-#: global memory (a warp's 32 rows, 32 lines an instruction), or 1, the CTA copies the whole
+#: the launch form by read-copy format (``gdn_step.cu``'s ST; every form sums in the same
+#: order, so they give the same bits): ``stage`` 0, each thread loads its value row from
+#: global memory (a warp's 32 rows, 32 lines an instruction); 1, the CTA copies the whole
 #: tile into shared memory by coalesced cp.async first (64 KiB FP32, 8 KiB NVFP4 codes) and
-#: each thread reads its row from there. Not yet timed on a device (2026-12-06).
-GDN_STEP_CUDA_CONFIG = {"f32": {"stage": 1}, "nvfp4": {"stage": 1}}
+#: each thread reads its row from there; 2, 8 lanes a row (4 rows a warp an instruction,
+#: coalesced), the 8 column groups' sums joined by shuffles. Not yet timed on a device
+#: (2026-12-06).
+GDN_STEP_CUDA_CONFIG = {"f32": {"stage": 2}, "nvfp4": {"stage": 2}}
 _RING = ("la", "beta", "v", "k", "uR")
 
 
@@ -137,11 +140,11 @@ def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, stage: int | None = 
     ``k [B, JS, G, 128]`` float32 (JS <= 32), updated in place at slot ``h[b]``; the token's
     ``q, k [B, G, 128]``, ``v [B, H, 128]``, ``g`` (log decay), ``beta [B, H]``; ``h``
     integer ``[B]``, the records each sequence holds (``0 <= h < JS``, asserted on the
-    device). Returns ``o [B, H, 128]`` float32. ``stage``: the launch form, 0 or 1
-    (default :data:`GDN_STEP_CUDA_CONFIG` by format; both give the same bits).
+    device). Returns ``o [B, H, 128]`` float32. ``stage``: the launch form, 0, 1 or 2
+    (default :data:`GDN_STEP_CUDA_CONFIG` by format; all give the same bits).
 
     Raises:
-        ValueError: ``stage`` not 0, 1 or None; with ``fallback=False``, a call the CUDA
+        ValueError: ``stage`` not 0, 1, 2 or None; with ``fallback=False``, a call the CUDA
             kernel does not cover (naming why); otherwise what the Triton kernel's checks
             refuse.
         RuntimeError: the extension cannot be built (:func:`.cuda_verify.build`); a ring
@@ -150,8 +153,8 @@ def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, stage: int | None = 
     """
     from .records import gdn_step_kernel
 
-    if stage not in (None, 0, 1):
-        raise ValueError(f"gdn_step_cuda: stage must be 0, 1 or None (the default), got "
+    if stage not in (None, 0, 1, 2):
+        raise ValueError(f"gdn_step_cuda: stage must be 0, 1, 2 or None (the default), got "
                          f"{stage!r}")
     tok = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)]
     why = unsupported(read, ring, *tok, h)

@@ -11,20 +11,26 @@
 // (slots j < p: the ring's cached corrections). It is the verify's formula at T = 1 with the
 // epilogue in the same order (gdn_verify.cu).
 //
-// One CTA of 128 threads per (sequence b, value head h); thread r owns value row r of R and
-// forms its two products R[r] . k_p and R[r] . q with FP32 FMAs in element order (four
-// partial sums by element index mod 4, added in a fixed order); no shuffles, no tensor cores
-// (two columns are two FMAs a loaded element, far below the FMA rate). Rows of an FP32 R are
-// read in 128-byte lines, two lines ahead. An NVFP4 row (64 bytes of E2M1 codes, 8 E4M3 block
-// scales, the head's FP32 matrix scale) is decoded exactly with integer operations: an E2M1
-// code placed in a float32's exponent and mantissa bits (sign to bit 31, magnitude to bits
-// 24..22) is the element times 2^-126, and an E4M3 code's seven bits at 20..26 are the scale
-// times 2^-120 (0x7F: NaN). The key and query are stored pre-scaled by 2^(126 - e), with 2^e
-// above their largest magnitude, so that the code's 2^-126 cancels and no product is
-// subnormal; each 16-element block's two sums are multiplied by its scale, and the row's
-// sums by the matrix scale and 2^e at the end. (Non-finite inputs give non-finite outputs,
-// as the reference does, though not always the same ones: an infinite key element makes
-// every other element's product overflow too.)
+// One CTA of 128 threads per (sequence b, value head h); thread r forms the epilogue of value
+// row r. The products R[r] . k_p and R[r] . q are FP32 FMAs (two columns are two FMAs a loaded
+// element, far below the FMA rate: no tensor cores) in one order for every launch form: the
+// row's 128 columns in 8 groups (FP32: group g is the float4s g, g + 8, g + 16, g + 24, a
+// chain of FMAs in column order; NVFP4: group g is the 16-element block g, its E4M3 scale
+// times the sum of its even and odd elements' chains), joined by a fixed tree
+// ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)), the one an xor butterfly over 8 lanes
+// leaves in every lane. Launch forms (ST): 0, each thread loads its own row (FP32: two
+// 128-byte lines ahead); 1, the CTA copies its tile into padded shared memory by coalesced
+// cp.async first; 2, 8 lanes a row (lane g: group g), 4 rows a warp an instruction, coalesced,
+// two rows ahead, the groups joined by shuffles.
+//
+// An NVFP4 row (64 bytes of E2M1 codes, 8 E4M3 block scales, the head's FP32 matrix scale)
+// is decoded exactly with integer operations: an E2M1 code placed in a float32's sign bit and
+// bits 24..22 is the element times 2^-126, and an E4M3 code's seven bits at 20..26 are the
+// scale times 2^-120 (0x7F: NaN). The key and query are stored pre-scaled by 2^(126 - e),
+// with 2^e above their largest magnitude, so that the code's 2^-126 cancels and no product
+// is subnormal; the row's sums are multiplied by the matrix scale and 2^e at the end.
+// (Non-finite inputs give non-finite outputs, as the reference does, though not always the
+// same ones: an infinite key element makes every other element's product overflow too.)
 //
 // The Gram terms k_j . k_p and k_j . q (j <= p) are warp dot products (one slot a warp,
 // slots warp, warp + 4, ...), reduced by an xor butterfly, whose result every lane holds
@@ -66,6 +72,8 @@ struct Smem {
   float zq[JMAX];       // k_j . q
   float ac[JMAX];       // beta_p e^{c_p - c_j} k_j . k_p, j < p
   float bc[JMAX];       // e^{c_p - c_j} k_j . q, j < p
+  float yk[V];          // ST 2: R k_p by row
+  float yq[V];          // ST 2: R q by row
 };
 static_assert(sizeof(Smem) % 16 == 0, "the staged tile after Smem is 16-byte aligned");
 
@@ -95,14 +103,10 @@ __device__ __forceinline__ float e4m3(uint32_t c) {
   return __uint_as_float(((c & 0x80u) << 24) | (m << 20)) * 0x1p120f;
 }
 
-// Eight elements of a word against eight consecutive elements of the key and query from
-// shared memory (float4 broadcasts), into the two pairs of partial sums.
-__device__ __forceinline__ void word8(uint32_t w, const float* ks, const float* qs, float& k0,
-                                      float& k1, float& q0, float& q1) {
-  const float4 ka = *reinterpret_cast<const float4*>(ks);
-  const float4 kb = *reinterpret_cast<const float4*>(ks + 4);
-  const float4 qa = *reinterpret_cast<const float4*>(qs);
-  const float4 qb = *reinterpret_cast<const float4*>(qs + 4);
+// Eight elements of a word against eight consecutive elements (ka, kb) of the key and (qa,
+// qb) of the query, into the two pairs of partial sums (even and odd elements).
+__device__ __forceinline__ void word8(uint32_t w, float4 ka, float4 kb, float4 qa, float4 qb,
+                                      float& k0, float& k1, float& q0, float& q1) {
   float x;
   x = e2m1_tiny<0>(w); k0 = fmaf(x, ka.x, k0); q0 = fmaf(x, qa.x, q0);
   x = e2m1_tiny<1>(w); k1 = fmaf(x, ka.y, k1); q1 = fmaf(x, qa.y, q1);
@@ -114,15 +118,40 @@ __device__ __forceinline__ void word8(uint32_t w, const float* ks, const float* 
   x = e2m1_tiny<7>(w); k1 = fmaf(x, kb.w, k1); q1 = fmaf(x, qb.w, q1);
 }
 
-// Four FP32 elements (a float4 of the row) against the key and query.
-__device__ __forceinline__ void f32x4(float4 x, const float* ks, const float* qs,
-                                      float (&ak)[4], float (&aq)[4]) {
-  const float4 kk = *reinterpret_cast<const float4*>(ks);
-  const float4 qq = *reinterpret_cast<const float4*>(qs);
-  ak[0] = fmaf(x.x, kk.x, ak[0]); aq[0] = fmaf(x.x, qq.x, aq[0]);
-  ak[1] = fmaf(x.y, kk.y, ak[1]); aq[1] = fmaf(x.y, qq.y, aq[1]);
-  ak[2] = fmaf(x.z, kk.z, ak[2]); aq[2] = fmaf(x.z, qq.z, aq[2]);
-  ak[3] = fmaf(x.w, kk.w, ak[3]); aq[3] = fmaf(x.w, qq.w, aq[3]);
+// One 16-element block of an NVFP4 row (words w0, w1; E4M3 scale code sc) against the key's
+// and query's 16 elements kk, qq: the block's products times its scale (the canonical
+// per-block term; see products()).
+__device__ __forceinline__ void nvfp4_block(uint32_t w0, uint32_t w1, uint32_t sc,
+                                            const float4 (&kk)[4], const float4 (&qq)[4],
+                                            float& tk, float& tq) {
+  float k0 = 0.f, k1 = 0.f, q0 = 0.f, q1 = 0.f;
+  word8(w0, kk[0], kk[1], qq[0], qq[1], k0, k1, q0, q1);
+  word8(w1, kk[2], kk[3], qq[2], qq[3], k0, k1, q0, q1);
+  const float s = e4m3(sc);
+  tk = s * (k0 + k1);
+  tq = s * (q0 + q1);
+}
+
+// One float4 of an FP32 row against the key's and query's four elements, into the partial
+// sums of its column group (the canonical order; see products()).
+__device__ __forceinline__ void f32x4(float4 x, float4 kk, float4 qq, float& ak, float& aq) {
+  ak = fmaf(x.x, kk.x, ak); aq = fmaf(x.x, qq.x, aq);
+  ak = fmaf(x.y, kk.y, ak); aq = fmaf(x.y, qq.y, aq);
+  ak = fmaf(x.z, kk.z, ak); aq = fmaf(x.z, qq.z, aq);
+  ak = fmaf(x.w, kk.w, ak); aq = fmaf(x.w, qq.w, aq);
+}
+
+// The fixed tree over the eight column groups: what an xor butterfly over 8 lanes (4, 2, 1)
+// leaves in every lane.
+__device__ __forceinline__ float tree8(const float (&t)[8]) {
+  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
+__device__ __forceinline__ float lanes8(float x) {  // the same tree across 8 lanes
+  x += __shfl_xor_sync(0xffffffffu, x, 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x;
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -182,6 +211,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int mat = blockIdx.x, b = mat / H, hd = mat - b * H, grp = hd / (H / G);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, row = tid;
+  const int gi = lane >> 3, li = lane & 7;  // ST 2: a warp's 4 rows at a time, 8 lanes a row
   const int64_t p64 = hp[b];
   if (p64 < 0 || p64 >= JS || p64 >= JMAX) {  // thread 0 prints and asserts; the others leave
     if (tid == 0) position_fail(JS, b, (long long)p64);
@@ -189,13 +219,28 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   }
   const int p = (int)p64;
 
-  // the row of R first: it is the long pole
-  float4 fb[2][8];   // FMT 0: two 128-byte lines
-  uint4 cw[4];       // FMT 1: the row's codes
-  uint2 sw;          // FMT 1: its block scales
+  // R first: it is the long pole
+  float4 fb[2][8];   // FMT 0, ST 0: the thread's row, two 128-byte lines ahead
+  uint4 cw[4];       // FMT 1, ST 0 / 1: the row's codes
+  uint2 sw;          // FMT 1, ST 0 / 1: its block scales
+  float4 xb[2][4];   // FMT 0, ST 2: a lane's four float4 of a row, two rows ahead
+  uint2 cb[2];       // FMT 1, ST 2: a lane's block (8 bytes of codes), two rows ahead
+  uint32_t sb[2];    //                and its scale code
   unsigned char* tile = smem_raw + sizeof(Smem);  // ST 1
   const float4* rr =
       FMT == 0 ? reinterpret_cast<const float4*>(R + ((size_t)mat * V + row) * K) : nullptr;
+  // ST 2: row 32 warp + 4 it + gi of iteration it
+  auto r2 = [&](int it) { return (size_t)mat * V + 32 * warp + 4 * it + gi; };
+  auto load2 = [&](int it, int slot) {
+    if constexpr (FMT == 0) {
+      const float4* src = reinterpret_cast<const float4*>(R + r2(it) * K);
+#pragma unroll
+      for (int s4 = 0; s4 < 4; ++s4) xb[slot][s4] = __ldg(src + li + 8 * s4);
+    } else {
+      cb[slot] = __ldg(reinterpret_cast<const uint2*>(codes + r2(it) * (K / 2)) + li);
+      sb[slot] = __ldg(bscale + r2(it) * (K / 16) + li);
+    }
+  };
   if constexpr (ST == 1) {
     if constexpr (FMT == 0) {
       const float* src = R + (size_t)mat * V * K;
@@ -213,6 +258,9 @@ __global__ void __launch_bounds__(NTH) step_kernel(
       }
       cp8(tile + tid * FP4_ROW + K / 2, bscale + ((size_t)mat * V + tid) * (K / 16));
     }
+  } else if constexpr (ST == 2) {
+    load2(0, 0);
+    load2(1, 1);
   } else if constexpr (FMT == 0) {
 #pragma unroll
     for (int c = 0; c < 2; ++c)
@@ -229,9 +277,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   const size_t HV = (size_t)H * V;
   for (int e = tid; e < p * (V / 4); e += NTH) {
     const int slot = e / (V / 4), c4 = (e % (V / 4)) * 4;
-    const float* src = ru + ((size_t)b * JS + slot) * HV + (size_t)hd * V + c4;
-    const unsigned sa = (unsigned)__cvta_generic_to_shared(&sm.ru[slot][c4]);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(src));
+    cp16(&sm.ru[slot][c4], ru + ((size_t)b * JS + slot) * HV + (size_t)hd * V + c4);
   }
   asm volatile("cp.async.commit_group;\n" ::);
 
@@ -240,17 +286,18 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   const float* qg = q + ((size_t)b * G + grp) * K;
   const float4 kl = __ldg(reinterpret_cast<const float4*>(kg) + lane);
   const float4 ql = __ldg(reinterpret_cast<const float4*>(qg) + lane);
+  int ek = 0, eq = 0;  // FMT 1: the scaling exponents (every warp computes them)
   if constexpr (FMT == 0) {
     if (warp == 0) reinterpret_cast<float4*>(sm.ks)[lane] = kl;
     if (warp == 1) reinterpret_cast<float4*>(sm.qs)[lane] = ql;
   } else {  // pre-scaled: see the header
-    const float4 x = warp == 0 ? kl : ql;
+    ek = above_exp(warp_max(fmaxf(fmaxf(fabsf(kl.x), fabsf(kl.y)), fmaxf(fabsf(kl.z), fabsf(kl.w)))));
+    eq = above_exp(warp_max(fmaxf(fmaxf(fabsf(ql.x), fabsf(ql.y)), fmaxf(fabsf(ql.z), fabsf(ql.w)))));
     if (warp < 2) {
-      const float m = warp_max(fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
-      const int sh = 126 - above_exp(m);
-      const float4 y = make_float4(ldexpf(x.x, sh), ldexpf(x.y, sh), ldexpf(x.z, sh),
-                                   ldexpf(x.w, sh));
-      reinterpret_cast<float4*>(warp == 0 ? sm.ks : sm.qs)[lane] = y;
+      const float4 x = warp == 0 ? kl : ql;
+      const int sh = 126 - (warp == 0 ? ek : eq);
+      reinterpret_cast<float4*>(warp == 0 ? sm.ks : sm.qs)[lane] =
+          make_float4(ldexpf(x.x, sh), ldexpf(x.y, sh), ldexpf(x.z, sh), ldexpf(x.w, sh));
     }
   }
   const float g_p = gn[(size_t)b * H + hd], beta_p = bn[(size_t)b * H + hd];
@@ -284,29 +331,62 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     sm.bc[tid] = d * sm.zq[tid];
   }
 
-  // the row's products with the key and the query
+  // The row's products with the key and the query, in one order for every launch form: the
+  // row's columns in 8 groups (FMT 0: group g = the float4s g, g + 8, g + 16, g + 24, each a
+  // chain of FMAs in column order; FMT 1: group g = block g, its scale times the sum of its
+  // even and odd elements' chains), then tree8 over the groups (FMT 1: times the matrix scale,
+  // and 2^e).
   float rk_, rq_;
   if constexpr (ST == 1) {  // the tile is in shared memory
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();
   }
-  if constexpr (FMT == 0) {
-    float ak[4] = {0.f, 0.f, 0.f, 0.f}, aq[4] = {0.f, 0.f, 0.f, 0.f};
+  if constexpr (ST == 2) {  // 8 lanes a row, 4 rows a warp at a time; lane li: group li
+    float4 kk[4], qq[4];
+#pragma unroll
+    for (int s4 = 0; s4 < 4; ++s4) {
+      kk[s4] = reinterpret_cast<const float4*>(sm.ks)[FMT == 0 ? li + 8 * s4 : 4 * li + s4];
+      qq[s4] = reinterpret_cast<const float4*>(sm.qs)[FMT == 0 ? li + 8 * s4 : 4 * li + s4];
+    }
+#pragma unroll
+    for (int it = 0; it < 8; ++it) {
+      const int slot = it & 1;
+      float tk = 0.f, tq = 0.f;
+      if constexpr (FMT == 0) {
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) f32x4(xb[slot][s4], kk[s4], qq[s4], tk, tq);
+      } else {
+        nvfp4_block(cb[slot].x, cb[slot].y, sb[slot], kk, qq, tk, tq);
+      }
+      if (it + 2 < 8) load2(it + 2, slot);
+      tk = lanes8(tk);
+      tq = lanes8(tq);
+      if (li == 0) {
+        sm.yk[32 * warp + 4 * it + gi] = tk;
+        sm.yq[32 * warp + 4 * it + gi] = tq;
+      }
+    }
+  }
+  if constexpr (FMT == 0 && ST != 2) {
+    float pk[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float pq[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     const float4* tr = reinterpret_cast<const float4*>(reinterpret_cast<float*>(tile) + row * F32_ROW);
+    const float4* ks4 = reinterpret_cast<const float4*>(sm.ks);
+    const float4* qs4 = reinterpret_cast<const float4*>(sm.qs);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        f32x4(ST == 1 ? tr[8 * c + i] : fb[c & 1][i], sm.ks + 32 * c + 4 * i,
-              sm.qs + 32 * c + 4 * i, ak, aq);
+      for (int i = 0; i < 8; ++i)  // float4 8 c + i: group i
+        f32x4(ST == 1 ? tr[8 * c + i] : fb[c & 1][i], ks4[8 * c + i], qs4[8 * c + i], pk[i],
+              pq[i]);
       if (ST == 0 && c < 2) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) fb[c & 1][i] = __ldg(rr + 8 * (c + 2) + i);
       }
     }
-    rk_ = (ak[0] + ak[1]) + (ak[2] + ak[3]);
-    rq_ = (aq[0] + aq[1]) + (aq[2] + aq[3]);
-  } else {
+    rk_ = tree8(pk);
+    rq_ = tree8(pq);
+  } else if constexpr (FMT == 1 && ST != 2) {
     if constexpr (ST == 1) {
       const uint4* tr = reinterpret_cast<const uint4*>(tile + row * FP4_ROW);
 #pragma unroll
@@ -316,25 +396,31 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     const uint32_t wd[16] = {cw[0].x, cw[0].y, cw[0].z, cw[0].w, cw[1].x, cw[1].y, cw[1].z,
                              cw[1].w, cw[2].x, cw[2].y, cw[2].z, cw[2].w, cw[3].x, cw[3].y,
                              cw[3].z, cw[3].w};
-    float ak = 0.f, aq = 0.f;
+    const float4* ks4 = reinterpret_cast<const float4*>(sm.ks);
+    const float4* qs4 = reinterpret_cast<const float4*>(sm.qs);
+    float tk[8], tq[8];
 #pragma unroll
-    for (int blk = 0; blk < K / 16; ++blk) {
-      float k0 = 0.f, k1 = 0.f, q0 = 0.f, q1 = 0.f;
-      word8(wd[2 * blk], sm.ks + 16 * blk, sm.qs + 16 * blk, k0, k1, q0, q1);
-      word8(wd[2 * blk + 1], sm.ks + 16 * blk + 8, sm.qs + 16 * blk + 8, k0, k1, q0, q1);
-      const float s = e4m3(((blk < 4 ? sw.x : sw.y) >> (8 * (blk & 3))) & 0xFFu);
-      ak = fmaf(s, k0 + k1, ak);
-      aq = fmaf(s, q0 + q1, aq);
+    for (int blk = 0; blk < 8; ++blk) {
+      const float4 kk[4] = {ks4[4 * blk], ks4[4 * blk + 1], ks4[4 * blk + 2], ks4[4 * blk + 3]};
+      const float4 qq[4] = {qs4[4 * blk], qs4[4 * blk + 1], qs4[4 * blk + 2], qs4[4 * blk + 3]};
+      nvfp4_block(wd[2 * blk], wd[2 * blk + 1],
+                  ((blk < 4 ? sw.x : sw.y) >> (8 * (blk & 3))) & 0xFFu, kk, qq, tk[blk], tq[blk]);
     }
-    const float ms = mscale[mat];
-    const int ek = above_exp(warp_max(fmaxf(fmaxf(fabsf(kl.x), fabsf(kl.y)), fmaxf(fabsf(kl.z), fabsf(kl.w)))));
-    const int eq = above_exp(warp_max(fmaxf(fmaxf(fabsf(ql.x), fabsf(ql.y)), fmaxf(fabsf(ql.z), fabsf(ql.w)))));
-    rk_ = ldexpf(ak * ms, ek);
-    rq_ = ldexpf(aq * ms, eq);
+    rk_ = tree8(tk);
+    rq_ = tree8(tq);
   }
 
-  if constexpr (ST == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");
+  if constexpr (ST != 1) asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
+  if constexpr (ST == 2) {
+    rk_ = sm.yk[row];
+    rq_ = sm.yq[row];
+  }
+  if constexpr (FMT == 1) {
+    const float ms = mscale[mat];
+    rk_ = ldexpf(rk_ * ms, ek);
+    rq_ = ldexpf(rq_ * ms, eq);
+  }
 
   // the row's correction and output (the verify's epilogue at T = 1)
   const float gk = expf(cp);
@@ -368,7 +454,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
 // uint8 [B, H, V, K / 2], bscale uint8 [B, H, V, K / 16], mscale float32 [B, H] (R unused).
 // Ring: rla, rbeta [B, JS, H]; rv, ru [B, JS, H, V]; rk [B, JS, G, K] (slot h written).
 // Token: q, k [B, G, K]; v [B, H, V]; g, beta [B, H]; h int64 [B]; o [B, H, V] written.
-// stage: 0 or 1, the kernel's ST.
+// stage: 0, 1 or 2, the kernel's ST.
 void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
                    torch::Tensor mscale, int64_t fmt, torch::Tensor rla, torch::Tensor rbeta,
                    torch::Tensor rv, torch::Tensor rk, torch::Tensor ru, torch::Tensor q,
@@ -381,7 +467,7 @@ void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
 #define GDN_STEP_LAUNCH(F, S)                                                                \
   {                                                                                          \
     auto fn = gdn_step::step_kernel<F, S>;                                                   \
-    const size_t shm = sizeof(gdn_step::Smem) + (S ? gdn_step::staged_bytes<F>() : 0);      \
+    const size_t shm = sizeof(gdn_step::Smem) + (S == 1 ? gdn_step::staged_bytes<F>() : 0);      \
     cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);         \
     fn<<<grid, gdn_step::NTH, shm, st>>>(                                                    \
         static_cast<const float*>(R.data_ptr()), static_cast<const uint8_t*>(codes.data_ptr()), \
@@ -396,9 +482,11 @@ void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
         JS);                                                                                 \
   }
   if (fmt == 1) {
-    if (stage) GDN_STEP_LAUNCH(1, 1) else GDN_STEP_LAUNCH(1, 0)
+    if (stage == 2) GDN_STEP_LAUNCH(1, 2) else if (stage == 1) GDN_STEP_LAUNCH(1, 1)
+    else GDN_STEP_LAUNCH(1, 0)
   } else {
-    if (stage) GDN_STEP_LAUNCH(0, 1) else GDN_STEP_LAUNCH(0, 0)
+    if (stage == 2) GDN_STEP_LAUNCH(0, 2) else if (stage == 1) GDN_STEP_LAUNCH(0, 1)
+    else GDN_STEP_LAUNCH(0, 0)
   }
 #undef GDN_STEP_LAUNCH
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -146,6 +146,31 @@ def test_unsupported_names_why():
     assert "not contiguous" in why(ring=dict(ring, v=ring["v"].transpose(0, 1).contiguous(
     ).transpose(0, 1)))
     assert "not [B, JS" in why(ring=dict(ring, uR=ring["uR"][:, :-1]))
+    assert "not a float32 [B, H, 128, 128]" in why(read=read.to(torch.bfloat16))
+    assert "not a float32 [B, H, 128, 128]" in why(read=read.double())
+    empty = {n: t[:, :, :0] if n != "k" else t for n, t in ring.items()}
+    assert "empty batch or head axis" in why(read=read[:, :0], ring=empty, v=tok["v"][:, :0],
+                                             g=tok["g"][:, :0], beta=tok["beta"][:, :0])
+
+
+def test_unsupported_alignment():
+    """A read copy, NVFP4 block scales or ring tensor that does not start on a 16-byte
+    boundary is not covered (float4 and 8-byte loads). (The alignment rule comes before the
+    device rule: aligned CPU inputs get only the device reason.)"""
+    read, ring, tok = _step_inputs(2, 4, 2, 8)
+    args = (tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"], torch.tensor([0, 3]))
+    assert "one CUDA device" in cs.unsupported(read, ring, *args)
+    p = pack(read, "nvfp4")
+    assert "one CUDA device" in cs.unsupported(p, ring, *args)
+    raw = torch.zeros(p.block_scales.numel() + 8, dtype=torch.uint8)
+    shifted = raw[8:].view(p.block_scales.shape)  # 8 bytes past a 16-byte boundary
+    bad = PackedTensor(p.spec, p.shape, p.codes, shifted, p.matrix_scale)
+    assert raw.data_ptr() % 16 == 0 and "16-byte boundary" in cs.unsupported(bad, ring, *args)
+    buf = torch.zeros(read.numel() + 1)
+    assert "16-byte boundary" in cs.unsupported(buf[1:].view(read.shape), ring, *args)
+    vb = torch.zeros(ring["v"].numel() + 2)
+    assert "16-byte boundary" in cs.unsupported(
+        read, dict(ring, v=vb[2:].view(ring["v"].shape)), *args)
 
 
 def test_fallback_is_the_triton_kernel(monkeypatch):
@@ -261,6 +286,31 @@ def test_kernel_matches_float64_at_every_position(fmt, JS):
     other = torch.ones_like(ring["uR"], dtype=torch.bool)
     other[b, h] = False
     assert torch.equal(ring["uR"][other], want_ring["uR"][other])
+
+
+@needs_gpu
+def test_kernel_decodes_every_nvfp4_code():
+    """The kernel on a read copy whose codes cover every E2M1 pair and whose block scales
+    cover every E4M3 code (subnormal, negative, NaN): against the float64 step on the
+    dequantized copy, NaN exactly in the rows with a NaN block scale, the other rows within
+    ``1e-5 + 1e-5 |ref|`` (relative to the rows' scale), every launch form the same bits."""
+    B, H, G, JS = 2, 3, 1, 8
+    read = _all_codes_nvfp4(B, H).to("cuda")
+    _, ring0, tok = _step_inputs(B, H, G, JS, seed=4, device="cuda")
+    h = torch.tensor([0, 5], device="cuda")
+    want_o, want_u, _ = _reference_step(read, ring0, tok, h)
+    outs = []
+    for stage in (0, 1, 2):
+        ring = {n: t.clone() for n, t in ring0.items()}
+        outs.append(cs.gdn_step_cuda(read, ring, tok["q"], tok["k"], tok["v"], tok["g"],
+                                     tok["beta"], h, stage=stage, fallback=False))
+    for o in outs[1:]:
+        assert torch.equal(torch.nan_to_num(o, 1e30), torch.nan_to_num(outs[0], 1e30))
+    o = outs[0].double()
+    nan = torch.isnan(want_o)
+    assert nan.any() and (~nan).any() and torch.equal(torch.isnan(o), nan)
+    scale = want_o.nan_to_num(0).abs().amax() + 1.0
+    assert ((o - want_o).abs()[~nan] <= 1e-5 * scale).all()
 
 
 @needs_gpu

@@ -167,7 +167,9 @@ class GDNReplayState(ReplayStateBase):
             verify and flush on CUDA, float32, key_dim a power of two >= 32), ``"torch"``,
             ``"triton"`` or ``"cuda"`` (opt-in: as ``"triton"``, with verify on one CUDA C++
             kernel where it applies: a single-checkpoint FP32 policy, key and value dims 128,
-            T <= 8, window <= 16; built with nvcc at its first such call, once per machine);
+            T <= 8, window <= 16; and the step on another: an FP32 or NVFP4 read copy, key
+            and value dims 128, window + max_drafts <= 32; built with nvcc at the first call
+            either covers, once per machine);
             None defers to ``REPLAYSSM_BACKEND`` (:mod:`replayssm_quant.backend`).
 
     Raises:

@@ -17,7 +17,7 @@ exactly by integer operations (``gdn_step.cu``'s header; :func:`nvfp4_tiny_decod
 decode in torch). Every sum's order is fixed by the CTA's code: a sequence's bits do not
 depend on its batch, position or neighbours. Its bits differ from the Triton kernel's (another
 order of the same sums); both are within FP32 tolerance of the float64 reference
-(``tests/test_cuda_verify.py`` on a device). Issue 15, forty-fifth pass
+(``tests/test_cuda_step.py`` on a device). Issue 15, forty-fifth pass
 (``docs/kernels-replay.md``).
 
 Covered (:func:`unsupported` says why not, otherwise): a read copy stored as FP32 (a plain
@@ -91,8 +91,9 @@ def unsupported(read, ring, q, k, v, g, beta, h) -> str | None:
             "uR": (B, JS, H, DIM)}
     if any(tuple(ring[n].shape) != s for n, s in want.items()):
         return "the ring tensors are not [B, JS, ...] of one JS with DK = DV = 128"
-    if B == 0 or not 1 <= JS <= J_MAX:
-        return f"an empty batch, or JS = {JS} ring slots (the kernel takes 1..{J_MAX})"
+    if B == 0 or H == 0 or not 1 <= JS <= J_MAX:
+        return f"an empty batch or head axis, or JS = {JS} ring slots (the kernel takes " \
+               f"1..{J_MAX})"
     if G < 1 or H % G:
         return "the key heads do not divide the value heads"
     if any(tuple(t.shape) != s for t, s in ((q, (B, G, DIM)), (k, (B, G, DIM)),
@@ -107,6 +108,8 @@ def unsupported(read, ring, q, k, v, g, beta, h) -> str | None:
     if fmt == "f32":
         R = read if type(read) is torch.Tensor else read.codes
         stored = (R,)
+        if R.dtype != torch.float32 or tuple(R.shape) != (B, H, DIM, DIM):
+            return "the read copy is not a float32 [B, H, 128, 128] tensor"
         if not R.is_contiguous():
             return "the read copy is not contiguous"
     else:
@@ -119,7 +122,7 @@ def unsupported(read, ring, q, k, v, g, beta, h) -> str | None:
         if read.block_scales.dtype != torch.uint8 or read.matrix_scale.dtype != torch.float32:
             return "the NVFP4 block scales are not uint8 codes or the matrix scales not float32"
         stored = cs
-    if any(t.data_ptr() % 16 for t in (*stored[:1], ring["v"], ring["k"], ring["uR"], q, k)):
+    if any(t.data_ptr() % 16 for t in (*stored[:2], ring["v"], ring["k"], ring["uR"], q, k)):
         return "an input does not start on a 16-byte boundary"
     dev = stored[0].device
     alls = (*stored, *tok.values(), *(ring[n] for n in _RING), h)
@@ -193,7 +196,8 @@ def nvfp4_tiny_decode(codes: torch.Tensor, block_scales: torch.Tensor):
     E2M1 codes ``uint8 [..., K/2]`` (element 2i in the low nibble) as float32 values times
     2^-126, and E4M3 block-scale codes ``uint8 [..., K/16]`` as float32 values (0x7F, 0xFF:
     NaN), by the same shifts and masks as ``gdn_step.cu``'s ``e2m1_tiny`` and ``e4m3``.
-    ``tiny * 2^126 * scale * matrix_scale`` is PackedTensor.dequantize's value, bit for bit.
+    ``(tiny * 2^126) * (scale * matrix_scale)`` (the scales' product rounded first, as
+    PackedTensor.dequantize rounds it) is dequantize's value, bit for bit.
     Returns ``(tiny [..., K], scales [..., K/16])``."""
     c = codes.to(torch.int64)
     K2 = c.shape[-1]

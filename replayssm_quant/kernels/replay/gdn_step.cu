@@ -128,8 +128,8 @@ __device__ __forceinline__ void nvfp4_block(uint32_t w0, uint32_t w1, uint32_t s
   word8(w0, kk[0], kk[1], qq[0], qq[1], k0, k1, q0, q1);
   word8(w1, kk[2], kk[3], qq[2], qq[3], k0, k1, q0, q1);
   const float s = e4m3(sc);
-  tk = s * (k0 + k1);
-  tq = s * (q0 + q1);
+  tk = __fmul_rn(s, k0 + k1);  // (never contracted into the tree's first add: ST 2 cannot)
+  tq = __fmul_rn(s, q0 + q1);
 }
 
 // One float4 of an FP32 row against the key's and query's four elements, into the partial
@@ -143,14 +143,16 @@ __device__ __forceinline__ void f32x4(float4 x, float4 kk, float4 qq, float& ak,
 
 // The fixed tree over the eight column groups: what an xor butterfly over 8 lanes (4, 2, 1)
 // leaves in every lane.
+// (Rounded adds: the forms must not differ by what the compiler contracts.)
 __device__ __forceinline__ float tree8(const float (&t)[8]) {
-  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+  return __fadd_rn(__fadd_rn(__fadd_rn(t[0], t[4]), __fadd_rn(t[2], t[6])),
+                   __fadd_rn(__fadd_rn(t[1], t[5]), __fadd_rn(t[3], t[7])));
 }
 
 __device__ __forceinline__ float lanes8(float x) {  // the same tree across 8 lanes
-  x += __shfl_xor_sync(0xffffffffu, x, 4);
-  x += __shfl_xor_sync(0xffffffffu, x, 2);
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return x;
 }
 

@@ -45,9 +45,10 @@ J_MAX = 32  # ring slots a sequence (gdn_step.cu's JMAX)
 #: global memory (a warp's 32 rows, 32 lines an instruction); 1, the CTA copies the whole
 #: tile into shared memory by coalesced cp.async first (64 KiB FP32, 8 KiB NVFP4 codes) and
 #: each thread reads its row from there; 2, 8 lanes a row (4 rows a warp an instruction,
-#: coalesced), the 8 column groups' sums joined by shuffles. Not yet timed on a device
-#: (2026-12-06).
-GDN_STEP_CUDA_CONFIG = {"f32": {"stage": 2}, "nvfp4": {"stage": 2}}
+#: coalesced), the 8 column groups' sums joined by shuffles. On an H100 at 66607e6 (B = 256,
+#: mean of h = 0, 7, 14; ``benchmarks/results/step_cuda_66607e6_h100.json``): FP32 239.5 /
+#: 268.0 / 214.5 us, NVFP4 91.4 / 95.9 / 99.3 us for stages 0 / 1 / 2.
+GDN_STEP_CUDA_CONFIG = {"f32": {"stage": 2}, "nvfp4": {"stage": 0}}
 _RING = ("la", "beta", "v", "k", "uR")
 
 

@@ -43,7 +43,6 @@ from _commit import code_commit  # noqa: E402
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.kernels.replay import cuda_step as cs  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
-from replayssm_quant.quant import PackedTensor  # noqa: E402
 
 POLICIES = ("fp32", "read:nvfp4/rec:fp16+sr")
 HS = (0, 7, 14)
@@ -55,15 +54,10 @@ def _step_args(st, h):
 
 
 def _first(st, n):
-    """The first ``n`` sequences of set ``st`` (read copy, ring, token) as fresh tensors."""
-    R = st["R"]
-    if isinstance(R, PackedTensor):
-        R = PackedTensor(R.spec, (n, *R.shape[1:]), R.codes[:n].contiguous(),
-                         R.block_scales[:n].contiguous(), R.matrix_scale[:n].contiguous())
-    else:
-        R = R[:n].contiguous()
-    return dict(st, R=R, ring={k: t[:n].clone() for k, t in st["ring"].items()},
-                **{k: st[k][:n].contiguous() for k in ("q", "nk", "nv", "nla", "nbeta")})
+    """The first ``n`` sequences of set ``st``: the read copy (``decode.sub``: leading rows,
+    contiguous), a copy of the ring (the step writes it), the token."""
+    return dict(st, R=dc.sub(st["R"], n), ring={k: t[:n].clone() for k, t in st["ring"].items()},
+                **{k: st[k][:n] for k in ("q", "nk", "nv", "nla", "nbeta")})
 
 
 def main(argv=None):

@@ -259,3 +259,19 @@ def check_rmse_ordering(model, seed=0):
     assert 0 < nv_fp16sr["anchor_rmse"] < 1e-3
     assert shared["anchor_rmse"] > 0.05
     assert shared["anchor_rmse"] > 100 * nv_fp16sr["anchor_rmse"]
+
+
+def run_expecting_device_assert(code: str) -> str:
+    """Run ``code`` (which ends by printing ``NO ASSERT`` after a synchronisation) in a fresh
+    Python process, assert that a device-side assert stopped it first, and return its stdout
+    and stderr. (A subprocess: the assert leaves its CUDA context unusable.)"""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "NO ASSERT" not in out
+    assert "device-side assert" in out
+    return out
+

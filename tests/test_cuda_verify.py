@@ -293,8 +293,7 @@ def test_kernel_asserts_the_ring_range():
     a device-side assert (RuntimeError at the next synchronisation), after it prints a bad
     sequence and its start (the CTA that stops the grid first has printed; others may not have
     run). In a subprocess: the assert leaves its CUDA context unusable."""
-    import subprocess
-    import sys
+    from _replay_common import run_expecting_device_assert
 
     code = (
         "import torch\n"
@@ -308,13 +307,9 @@ def test_kernel_asserts_the_ring_range():
         "                          fallback=False)\n"
         "torch.cuda.synchronize()\n"
         "print('NO ASSERT')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode != 0 and "NO ASSERT" not in out
+    out = run_expecting_device_assert(code)
     assert ("sequence 0 has start -1 with T = 8" in out
             or "sequence 2 has start 9 with T = 8" in out) and "sequence 1 " not in out
-    assert "device-side assert" in out
 
 
 @needs_gpu

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ...packed import PackedTensor
-from .cuda_verify import DIM, MIN_CAPABILITY, build
+from .cuda_verify import DIM, build, placement
 
 __all__ = ["J_MAX", "GDN_STEP_CUDA_CONFIG", "unsupported", "gdn_step_cuda",
            "gdn_state_step_cuda", "nvfp4_tiny_decode"]
@@ -123,15 +123,9 @@ def unsupported(read, ring, q, k, v, g, beta, h) -> str | None:
         if read.block_scales.dtype != torch.uint8 or read.matrix_scale.dtype != torch.float32:
             return "the NVFP4 block scales are not uint8 codes or the matrix scales not float32"
         stored = cs
-    if any(t.data_ptr() % 16 for t in (*stored[:2], ring["v"], ring["k"], ring["uR"], q, k)):
-        return "an input does not start on a 16-byte boundary"
-    dev = stored[0].device
-    alls = (*stored, *tok.values(), *(ring[n] for n in _RING), h)
-    if dev.type != "cuda" or any(t.device != dev for t in alls):
-        return "the inputs are not all on one CUDA device"
-    if torch.cuda.get_device_capability(dev) < MIN_CAPABILITY:
-        return "the device is below compute capability 8.0"
-    return None
+    return placement(stored[0].device,
+                     (*stored[:2], ring["v"], ring["k"], ring["uR"], q, k),
+                     (*stored, *tok.values(), *(ring[n] for n in _RING), h))
 
 
 def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, stage: int | None = None,

@@ -188,11 +188,20 @@ def unsupported(read, anchor, la, beta, v, k, q, u_known, start,
             return "out does not have contiguous slots"
     if not q.is_contiguous():
         return "q is not contiguous"
-    if any(t.data_ptr() % 16 for t in (read, v, k, q, u_known)):  # float4 loads, cp.async
+    # float4 loads, cp.async
+    return placement(read.device, (read, v, k, q, u_known), (*ts.values(), start))
+
+
+def placement(device, aligned, tensors) -> str | None:
+    """The placement rule the CUDA kernels share (:func:`unsupported` and
+    :func:`.cuda_step.unsupported`): why not, or None when every tensor of ``aligned`` starts
+    on a 16-byte boundary, every tensor of ``tensors`` is on ``device``, a CUDA device of
+    compute capability >= 8.0."""
+    if any(t.data_ptr() % 16 for t in aligned):
         return "an input does not start on a 16-byte boundary"
-    if read.device.type != "cuda" or any(t.device != read.device for t in (*ts.values(), start)):
+    if device.type != "cuda" or any(t.device != device for t in tensors):
         return "the inputs are not all on one CUDA device"
-    if torch.cuda.get_device_capability(read.device) < MIN_CAPABILITY:
+    if torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
         return "the device is below compute capability 8.0"
     return None
 

@@ -112,8 +112,8 @@ def unsupported(anchor, la, beta, v, k, length, policy, *, sequence_ids, flush_i
             and fi.numel() in (1, B)) and as_int(fi) is None:
         return "flush_index is not an int or an integer tensor of 1 or B elements"
     if q is not None and (type(q) is not torch.Tensor or q.dtype != torch.float32
-                          or tuple(q.shape) != (B, G, DIM)):
-        return "q is not a float32 [B, G, 128] tensor"
+                          or tuple(q.shape) != (B, G, DIM) or not q.is_contiguous()):
+        return "q is not a contiguous float32 [B, G, 128] tensor"
     dev = A.device
     extra = [length, sequence_ids] + ([fi] if isinstance(fi, torch.Tensor) else []) + \
         ([q] if q is not None else [])
@@ -133,7 +133,7 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
     ``la, beta [B, J, H]``, ``v [B, J, H, 128]``, grouped ``k [B, J, G, 128]`` float32,
     slots ``< length[b]`` folded (``length`` integer ``[B]``, ``0 <= length <= J``, asserted
     on the device); ``q [B, G, 128]`` the flush token's query or None; ``seed`` in
-    ``[0, 2^64)``; ``sequence_ids`` integer ``[B]``; ``flush_index`` an int or integer
+    ``[0, 2^63)``; ``sequence_ids`` integer ``[B]``; ``flush_index`` an int or integer
     ``[B]`` (or one element). Returns ``(FlushResult, y)``: the state S ``[B, H, 128, 128]``
     float32 with ``store_state`` (else None), the new checkpoints (stored: the fp16 anchor
     and the NVFP4 read copy as PackedTensors; their values with ``dequantize``), the solved
@@ -142,7 +142,7 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
 
     Raises:
         ValueError: with ``fallback=False``, a call the CUDA kernel does not cover (naming
-            why); a seed outside ``[0, 2^64)`` or a layer or head count beyond the stream
+            why); a seed outside ``[0, 2^63)`` or a layer or head count beyond the stream
             key's fields; otherwise what the Triton kernel's checks refuse.
         RuntimeError: the extension cannot be built (:func:`.cuda_verify.build`); a length,
             sequence id or flush index out of range (the kernel's device-side assertion, at
@@ -163,8 +163,8 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
                                 store_state=store_state, dequantize=dequantize,
                                 return_w=return_w, **triton_options)
     s = as_int(seed)
-    if s is None or not 0 <= s < 2 ** 64:
-        raise ValueError(f"gdn_flush_cuda: seed must be an int in [0, 2^64), got {seed!r}")
+    if s is None or not 0 <= s < 2 ** 63:  # (the quantizers' range: quant._check_seed)
+        raise ValueError(f"gdn_flush_cuda: seed must be an int in [0, 2^63), got {seed!r}")
     A = anchor.codes
     B, H = int(A.shape[0]), int(A.shape[1])
     stream_key(layer=layer, head=H - 1)  # host range check of the host fields (ValueError)

@@ -316,12 +316,14 @@ __global__ void __launch_bounds__(NTH, 2) flush_kernel(
     for (int p = 0; p < JF; ++p)
       if (p < J) wout[(((size_t)b * J + p) * H + hd) * D + r] = p < n ? u[p] : 0.f;
   }
-  // the fold: S = e^{c_{n-1}} A + sum_j (e^{c_{n-1} - c_j} u_j) k_j^T, slot order
+  // the fold: S = e^{c_{n-1}} A + sum_j (e^{c_{n-1} - c_j} u_j) k_j^T, slot order (n = 0: S
+  // is A, untouched)
   const float en = sm.en;
 #pragma unroll
   for (int p = 0; p < JF; ++p) u[p] = p < n ? __fmul_rn(sm.fj[p], u[p]) : 0.f;
 #pragma unroll
   for (int c4 = 0; c4 < HALF / 4; ++c4) {
+    if (n == 0) break;
     float z0 = __fmul_rn(en, s[4 * c4]), z1 = __fmul_rn(en, s[4 * c4 + 1]);
     float z2 = __fmul_rn(en, s[4 * c4 + 2]), z3 = __fmul_rn(en, s[4 * c4 + 3]);
 #pragma unroll

@@ -9,7 +9,8 @@ reads the fp16 anchor once and writes the two copies, S never leaves the chip.
 
 On ``decode.py``'s GDN geometry (``make_set``: 32 value / 16 key heads, 128 x 128, a ring of
 16 records, all committed; 4 rotated sets, CUDA-graph medians, ``decode.timer``): the serving
-flush of each kernel (stored anchor in, the copies and ``y = S q`` out, S not written) and a
+flush of each kernel (stored anchor in, the copies and ``y = S q`` out, S not written; the
+CUDA kernel in each launch variant of ``cuda_flush.VARIANTS``, which must give the same bits) and a
 device copy of the anchor's bytes (a floor). Checks: ``decode.check_flush`` under the CUDA
 kernel (S, corrections and ``y`` against the torch reference, the copies against the torch
 casts of the kernel's own S, bit for bit); the batch's first 8 sequences alone give the same
@@ -113,15 +114,31 @@ def main(argv=None):
             "read_code_bytes_differing": _diff_share(ca.read_stored.codes, ta.read_stored.codes),
             "read_scale_bytes_differing": _diff_share(ca.read_stored.block_scales,
                                                       ta.read_stored.block_scales)}
-        passed = bool(chk.get("passed", False) and chk["batch_invariant"])
+        same = {}
+        for var in kr.cuda_flush.VARIANTS:
+            cv_, yv = _serve(lambda *x, **k: kr.gdn_flush_cuda(*x, variant=var, **k), M, st,
+                             pol, fa)
+            c = cv_.checkpoints
+            same[var] = bool(torch.equal(yv, ycu)
+                             and torch.equal(c.anchor_stored.codes, ca.anchor_stored.codes)
+                             and torch.equal(c.read_stored.codes, ca.read_stored.codes)
+                             and torch.equal(c.read_stored.block_scales,
+                                             ca.read_stored.block_scales))
+        chk["variants_same_bits"] = same
+        passed = bool(chk.get("passed", False) and chk["batch_invariant"]
+                      and all(same.values()))
         ok &= passed
         res["checks"][pol_s] = chk
         row = {"policy": pol_s}
         fas = [dc.flush_args(M, p) for p in pool]
         row["triton"] = dc.timer(lambda i: _serve(kr.gdn_flush_kernel, M, pool[i], pol, fas[i]),
                                  n, a.reps, 5, "graph")["median_us"]
-        row["cuda"] = dc.timer(lambda i: _serve(kr.gdn_flush_cuda, M, pool[i], pol, fas[i]),
-                               n, a.reps, 5, "graph")["median_us"]
+        for var in kr.cuda_flush.VARIANTS:
+            row[f"cuda_v{var}"] = dc.timer(
+                lambda i, v=var: _serve(lambda *x, **k: kr.gdn_flush_cuda(*x, variant=v, **k),
+                                        M, pool[i], pol, fas[i]),
+                n, a.reps, 5, "graph")["median_us"]
+        row["cuda"] = min(row[f"cuda_v{v}"] for v in kr.cuda_flush.VARIANTS)
         codes = [p["A"].codes for p in pool]
         outs = [torch.empty_like(c) for c in codes]
         row["anchor_copy"] = dc.timer(lambda i: outs[i].copy_(codes[i]), n, a.reps, 5,

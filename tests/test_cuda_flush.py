@@ -131,6 +131,8 @@ def test_fallback_is_the_triton_kernel(monkeypatch):
     assert kw["q"] is q and kw["seed"] == 5 and kw["layer"] == 1 and kw["block_v"] == 32
     assert kw["store_state"] is False and kw["return_w"] is False
     assert kw["sequence_ids"] is seq and kw["flush_index"] is fi
+    with pytest.raises(ValueError, match="variant must be one of"):
+        cf.gdn_flush_cuda(*args, seed=5, layer=1, sequence_ids=seq, flush_index=fi, variant=7)
     with pytest.raises(ValueError, match="does not cover this call: the inputs are not all "
                                          "on one CUDA device"):
         cf.gdn_flush_cuda(*args, seed=5, layer=1, sequence_ids=seq, flush_index=fi,
@@ -278,16 +280,18 @@ def test_kernel_casts_special_values(policy):
 
 @needs_gpu
 def test_serving_form_and_batch_invariance():
-    """Without S and w (the serving form) the copies and ``y`` are the same bits; a sequence's
+    """Without S and w (the serving form), in every launch variant, the copies and ``y`` are
+    the same bits; a sequence's
     bits do not depend on the batch it is flushed in, its position or its neighbours."""
     B, H, G, J = 7, 4, 2, 16
     A, recs, q, length, seq, fi = _inputs(B, H, G, J, device="cuda", seed=3)
     res, y = _run(A, recs, q, length, seq, fi)
-    res2, y2 = _run(A, recs, q, length, seq, fi, store_state=False, return_w=False,
-                    dequantize=False)
-    assert res2.state is None and res2.w is None and res2.checkpoints.anchor is None
-    _same_copies(res.checkpoints, res2.checkpoints)
-    assert torch.equal(y, y2)
+    for var in cf.VARIANTS:  # every launch variant: the same bits
+        res2, y2 = _run(A, recs, q, length, seq, fi, store_state=False, return_w=False,
+                        dequantize=False, variant=var)
+        assert res2.state is None and res2.w is None and res2.checkpoints.anchor is None
+        _same_copies(res.checkpoints, res2.checkpoints)
+        assert torch.equal(y, y2)
     idx = torch.tensor([5, 2, 6], device="cuda")
     sub = PackedTensor(A.spec, (3, H, D, D), A.codes[idx].contiguous(), None, None)
     rs, ys = _run(sub, {n: t[idx].contiguous() for n, t in recs.items()}, q[idx], length[idx],

@@ -42,9 +42,18 @@ from ...philox import STREAM_SHIFTS, as_int, stream_key
 from ...policy import StatePolicy, require_policy
 from .cuda_verify import DIM, _ring_slots, build, placement
 
-__all__ = ["J_MAX", "unsupported", "gdn_flush_cuda", "gdn_state_flush_cuda"]
+__all__ = ["J_MAX", "VARIANTS", "GDN_FLUSH_CUDA_CONFIG", "unsupported", "gdn_flush_cuda",
+           "gdn_state_flush_cuda"]
 
 J_MAX = 16  # record slots (gdn_flush.cu's JF)
+#: the launch variants (``gdn_flush.cu``; all give the same bits): CTAs an SM asked of ptxas
+#: (``mb``: 2, 128 registers with a few spills; 1, about 190 registers) and the NVFP4
+#: division (``rcp``: by a reciprocal and four FMAs, quant.py's ``_div_by_rcp``, where the
+#: matrix scale allows; else ``__fdiv_rn``)
+VARIANTS = {0: {"mb": 2, "rcp": False}, 1: {"mb": 1, "rcp": False},
+            2: {"mb": 2, "rcp": True}, 3: {"mb": 1, "rcp": True}}
+#: the default variant (not yet timed: variant 0)
+GDN_FLUSH_CUDA_CONFIG = {"variant": 0}
 _F_SR, _F_Y, _F_S, _F_W = 1, 2, 4, 8
 # gdn_flush.cu's constants
 assert NVFP4_SCALE_DIVISOR == 2688.0
@@ -124,7 +133,7 @@ def unsupported(anchor, la, beta, v, k, length, policy, *, sequence_ids, flush_i
 def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, sequence_ids,
                    flush_index, u_cached=None, fold_cached_corrections: bool = False, q=None,
                    store_state: bool = True, dequantize: bool = True, return_w: bool = True,
-                   fallback: bool = True, **triton_options):
+                   fallback: bool = True, variant: int | None = None, **triton_options):
     """:func:`~.flush.gdn_flush_kernel` (same arguments and results) on the CUDA kernel where
     it applies (:func:`unsupported` is None), else on the Triton kernel (with
     ``triton_options``, its launch options).
@@ -138,10 +147,12 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
     float32 with ``store_state`` (else None), the new checkpoints (stored: the fp16 anchor
     and the NVFP4 read copy as PackedTensors; their values with ``dequantize``), the solved
     corrections ``w [B, J, H, 128]`` (zero at slots ``>= length``) with ``return_w`` (else
-    None); ``y = S q`` ``[B, H, 128]`` float32, or None without ``q``.
+    None); ``y = S q`` ``[B, H, 128]`` float32, or None without ``q``. ``variant``: the
+    launch variant (:data:`VARIANTS`; default :data:`GDN_FLUSH_CUDA_CONFIG`; the same bits).
 
     Raises:
-        ValueError: with ``fallback=False``, a call the CUDA kernel does not cover (naming
+        ValueError: ``variant`` not a key of :data:`VARIANTS` or None; with
+            ``fallback=False``, a call the CUDA kernel does not cover (naming
             why); a seed outside ``[0, 2^63)`` or a layer or head count beyond the stream
             key's fields; otherwise what the Triton kernel's checks refuse.
         RuntimeError: the extension cannot be built (:func:`.cuda_verify.build`); a length,
@@ -150,6 +161,9 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
     """
     from .flush import gdn_flush_kernel
 
+    if variant is not None and (as_int(variant) is None or int(variant) not in VARIANTS):
+        raise ValueError(f"gdn_flush_cuda: variant must be one of {sorted(VARIANTS)} or None, "
+                         f"got {variant!r}")
     why = unsupported(anchor, la, beta, v, k, length, policy, sequence_ids=sequence_ids,
                       flush_index=flush_index, q=q,
                       fold_cached_corrections=fold_cached_corrections)
@@ -192,7 +206,8 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
                            a_out, codes, bs, ms, y if y is not None else dummy,
                            S if S is not None else dummy, w if w is not None else dummy, J,
                            s & 0xFFFFFFFF, s >> 32, int(layer) << STREAM_SHIFTS["layer"],
-                           flags)
+                           flags, GDN_FLUSH_CUDA_CONFIG["variant"] if variant is None
+                           else int(variant))
     shape = torch.Size((B, H, DIM, DIM))
     a_st = PackedTensor(pol.rec, shape, a_out.view(torch.float16), None, None)
     r_st = PackedTensor(pol.read, shape, codes, bs, ms)

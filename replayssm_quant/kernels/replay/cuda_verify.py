@@ -83,7 +83,7 @@ _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor 
          "torch::Tensor seq, torch::Tensor fl, torch::Tensor aout, torch::Tensor codes, "
          "torch::Tensor bscale, torch::Tensor mscale, torch::Tensor y, torch::Tensor S, "
          "torch::Tensor w, int64_t J, int64_t seed_lo, int64_t seed_hi, int64_t kbits, "
-         "int64_t flags);\n")
+         "int64_t flags, int64_t variant);\n")
 
 
 _BUILT: set[bool] = set()  # the builds this process holds (all_variants False / True)

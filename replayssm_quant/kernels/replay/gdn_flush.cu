@@ -176,7 +176,24 @@ __device__ __noinline__ void range_fail(int b, long long n, int J, long long seq
   assert(0 && "gdn_flush_cuda: a per-sequence field is out of range");
 }
 
-__global__ void __launch_bounds__(NTH, 2) flush_kernel(
+// RN(x / b) for divisors b in [2^-95, 2^95] given with y = RN(1 / b): quant.py's
+// _div_by_rcp (a product and four FMAs; equal to __fdiv_rn wherever the quotient is at least
+// 2^-3, and below that still below 2^-3 (1 + 2^-20), which is all an E2M1 RTN code reads)
+__device__ __forceinline__ float div_by_rcp(float x, float b, float y) {
+  float q = __fmul_rn(x, y);
+  float r = fmaf(-q, b, x);
+  q = fmaf(r, y, q);
+  r = fmaf(-q, b, x);
+  q = fmaf(r, y, q);
+  return __int_as_float(__float_as_int(q) | (__float_as_int(x) & 0x80000000));
+}
+
+// Launch variants (the same bits): MB CTAs an SM asked of ptxas (1: up to 255 registers, no
+// spills; 2: 128 registers); RCP divides the NVFP4 elements by div_by_rcp where the matrix
+// scale is in quant.RCP_MATRIX_SCALE_RANGE (2^-86 .. 2^86; else __fdiv_rn), as the lean pair
+// cast's "lean_rcp" form.
+template <int MB, int RCP>
+__global__ void __launch_bounds__(NTH, MB) flush_kernel(
     const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
     const float* __restrict__ rv, const float* __restrict__ rk,
     const long long* __restrict__ length, const float* __restrict__ q,
@@ -379,6 +396,7 @@ __global__ void __launch_bounds__(NTH, 2) flush_kernel(
   sg = sg > 0.f ? sg : 1.0f;
   if (tid == 0) mscale[mat] = sg;
   const float sg6 = __fmul_rn(sg, 6.0f);
+  const bool use_rcp = RCP && sg >= 0x1p-86f && sg <= 0x1p86f;  // (the NVFP4 cast is RTN)
 
   // the casts, block by block (16 key columns: 4 Philox calls, 8 code bytes, 1 scale byte)
   const long long key = (fi << SH_FLUSH) | (sq << SH_SEQ) | ((long long)hd << SH_HEAD) | kbits;
@@ -423,10 +441,11 @@ __global__ void __launch_bounds__(NTH, 2) flush_kernel(
     }
     const bool ok = scale > 0.f;
     const float safe = ok ? scale : 1.0f;
+    const float rcp = use_rcp ? __fdiv_rn(1.0f, safe) : 0.f;
     uint32_t w0 = 0, w1 = 0;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      uint32_t c = e2m1_code(__fdiv_rn(x[i], safe));
+      uint32_t c = e2m1_code(use_rcp ? div_by_rcp(x[i], safe, rcp) : __fdiv_rn(x[i], safe));
       if (!ok) c = bad ? 0u : (c & 8u);
       if (i < 8) w0 |= c << (4 * i);
       else w1 |= c << (4 * (i - 8));
@@ -445,20 +464,26 @@ void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, torch
                     torch::Tensor fl, torch::Tensor aout, torch::Tensor codes,
                     torch::Tensor bscale, torch::Tensor mscale, torch::Tensor y,
                     torch::Tensor S, torch::Tensor w, int64_t J, int64_t seed_lo,
-                    int64_t seed_hi, int64_t kbits, int64_t flags) {
+                    int64_t seed_hi, int64_t kbits, int64_t flags, int64_t variant) {
   const int B = static_cast<int>(A.size(0)), H = static_cast<int>(A.size(1));
   const int G = static_cast<int>(k.size(2));
   const int JS = static_cast<int>(la.stride(0) / H);
   if (B == 0) return;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  gdn_flush::flush_kernel<<<B * H, gdn_flush::NTH, 0, stream>>>(
+  auto kern = variant == 0 ? gdn_flush::flush_kernel<2, 0>
+             : variant == 1 ? gdn_flush::flush_kernel<1, 0>
+             : variant == 2 ? gdn_flush::flush_kernel<2, 1>
+                            : gdn_flush::flush_kernel<1, 1>;
+  kern<<<B * H, gdn_flush::NTH, 0, stream>>>(
       reinterpret_cast<const __half*>(A.data_ptr()), la.data_ptr<float>(),
       beta.data_ptr<float>(), v.data_ptr<float>(), k.data_ptr<float>(),
-      reinterpret_cast<const long long*>(length.data_ptr<int64_t>()), q.data_ptr<float>(), reinterpret_cast<const long long*>(seq.data_ptr<int64_t>()),
-      reinterpret_cast<const long long*>(fl.data_ptr<int64_t>()), reinterpret_cast<unsigned short*>(aout.data_ptr()),
-      codes.data_ptr<uint8_t>(), bscale.data_ptr<uint8_t>(), mscale.data_ptr<float>(),
-      y.data_ptr<float>(), S.data_ptr<float>(), w.data_ptr<float>(), H, G, JS,
-      static_cast<int>(J), static_cast<uint32_t>(seed_lo), static_cast<uint32_t>(seed_hi),
+      reinterpret_cast<const long long*>(length.data_ptr<int64_t>()), q.data_ptr<float>(),
+      reinterpret_cast<const long long*>(seq.data_ptr<int64_t>()),
+      reinterpret_cast<const long long*>(fl.data_ptr<int64_t>()),
+      reinterpret_cast<unsigned short*>(aout.data_ptr()), codes.data_ptr<uint8_t>(),
+      bscale.data_ptr<uint8_t>(), mscale.data_ptr<float>(), y.data_ptr<float>(),
+      S.data_ptr<float>(), w.data_ptr<float>(), H, G, JS, static_cast<int>(J),
+      static_cast<uint32_t>(seed_lo), static_cast<uint32_t>(seed_hi),
       static_cast<long long>(kbits), static_cast<int>(flags));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

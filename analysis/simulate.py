@@ -32,7 +32,6 @@ that extra rounding (2^-24 relative) is negligible next to every format studied.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 from typing import Callable, Iterable, Sequence
@@ -40,6 +39,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import pandas as pd
 import torch
+
+from replayssm_quant.capabilities import torch_threads
 
 from . import theory
 
@@ -60,17 +61,6 @@ FRAME_COLUMNS = (
     "pred_state_mean", "pred_state_var", "pred_read_mean", "pred_read_var",
     "apriori_state_var", "apriori_read_var", "cf_state_var",
 )  # fmt: skip
-
-
-@contextlib.contextmanager
-def _threads(n: int | None):
-    old = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _default_quantizer() -> Callable:
@@ -329,7 +319,7 @@ def simulate(
         raise ValueError(f"beta must lie in (0, 2], got {beta}")
     quantizer = quantizer or _default_quantizer()
     frames = []
-    with _threads(threads):
+    with torch_threads(threads):
         for i, (f, r, p, w) in enumerate(itertools.product(formats, roundings, policies, windows)):
             frames.append(
                 _run_one(
@@ -373,7 +363,7 @@ def stuck_state(
     quantizer = quantizer or _default_quantizer()
     rows = []
     streams = torch.arange(trials, dtype=torch.int64)
-    with _threads(1):
+    with torch_threads(1):
         return _stuck_loop(fmt, decay, x0, steps, trials, seed, quantizer, rows, streams)
 
 

@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["TRITON_INTERPRET_ENV", "triton_interpreting", "REPLAY_MIN_KEY_DIM",
            "replay_kernels_supported", "available_device", "device_memory_bytes",
-           "allocation", "check_allocation", "is_allocation_error"]
+           "allocation", "check_allocation", "is_allocation_error", "torch_threads"]
 
 TRITON_INTERPRET_ENV = "TRITON_INTERPRET"  # Triton's own switch for its interpreter
 REPLAY_MIN_KEY_DIM = 32  # replay kernels: whole nvfp4 (16) and mx (32) blocks along the key axis
@@ -125,3 +125,18 @@ def is_allocation_error(e: BaseException) -> bool:
         return True
     text = str(e)
     return "can't allocate memory" in text or "out of memory" in text.lower()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block with ``n`` torch intra-op CPU threads (``torch.set_num_threads``), the
+    caller's count restored after, also on an exception; ``None`` leaves the count alone.
+    (Results do not depend on it: the toolkit's CPU paths are batch- and thread-invariant,
+    ``tests/test_invariance.py``; small tensors run faster on one thread than on a pool.)"""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -198,3 +198,26 @@ def test_cuda_kernel_selection_without_a_gpu():
     assert B.kernel("gdn_state_verify") is kr.gdn_state_verify
     with pytest.raises(RuntimeError, match="need a CUDA device; backend='triton'"):
         kr.cuda_verify.build()
+
+
+def test_torch_threads_sets_and_restores():
+    """``capabilities.torch_threads(n)``: n intra-op threads inside, the caller's count after
+    (also after an exception); None changes nothing (the one helper of the adapters' segment
+    forward and the analysis simulation)."""
+    from replayssm_quant.capabilities import torch_threads
+
+    before = torch.get_num_threads()
+    outer = 3 if before != 3 else 2
+    torch.set_num_threads(outer)
+    try:
+        with torch_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == outer
+        with torch_threads(None):
+            assert torch.get_num_threads() == outer
+        with pytest.raises(KeyError):
+            with torch_threads(1):
+                raise KeyError("x")
+        assert torch.get_num_threads() == outer
+    finally:
+        torch.set_num_threads(before)

@@ -8,10 +8,11 @@ segment calls pass explicit ``position_ids``.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
+
+from ..capabilities import torch_threads
 
 __all__ = ["cache_of", "cache_kwarg", "forward_segment", "forward_each"]
 
@@ -35,20 +36,6 @@ def _has_attention(model) -> bool:
     return getattr(model.config, "model_type", "") != "mamba2"
 
 
-@contextlib.contextmanager
-def _one_thread(on: bool):
-    """One CPU intra-op thread inside when ``on``, the caller's count restored after."""
-    if not on:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def forward_segment(model, input_ids: torch.Tensor, cache=None, *, start: int = 0,
                     logits_to_keep: int = 0):
     """Run ``input_ids [B, T]`` (positions ``start .. start+T-1`` of the documents) through
@@ -68,7 +55,8 @@ def forward_segment(model, input_ids: torch.Tensor, cache=None, *, start: int = 
         kw["position_ids"] = torch.arange(start, start + T, device=input_ids.device)[None].expand(B, -1)
     if logits_to_keep:
         kw["logits_to_keep"] = logits_to_keep
-    with _one_thread(T == 1 and cache is not None and input_ids.device.type == "cpu"):
+    with torch_threads(1 if T == 1 and cache is not None and input_ids.device.type == "cpu"
+                       else None):
         out = model(input_ids, **kw)
     return out.logits, cache_of(out)
 

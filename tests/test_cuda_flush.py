@@ -140,8 +140,9 @@ def test_fallback_is_the_triton_kernel(monkeypatch):
 
 
 def test_state_builds_the_flush_kernel_before_its_first_step(monkeypatch):
-    """A decode state whose flush runs the CUDA kernel builds it at its first step, before the
-    step writes anything (a flush comes after the step's record is appended): where the build
+    """A decode state whose flush runs the CUDA kernel builds it at its first step or verify,
+    before anything is written (a flush comes after a step's record is appended, or after a
+    commit moves the position): where the build
     fails, the RuntimeError leaves the ring, the position and the checkpoints as they were.
     The build is asked only where the kernel would run (policy, dims, window). On CPU, with
     the kernel's prepare hook swapped in."""
@@ -168,7 +169,7 @@ def test_state_builds_the_flush_kernel_before_its_first_step(monkeypatch):
 
     def state(policy):
         st = GDNReplayState(policy, batch=B, key_heads=HK, value_heads=HV, key_dim=D,
-                            value_dim=D, window=L, backend="torch")
+                            value_dim=D, window=L, max_drafts=2, backend="torch")
         st._ops.flush = kr.gdn_state_flush_cuda  # (a namespace of this state's own ops)
         return st
 
@@ -177,6 +178,15 @@ def test_state_builds_the_flush_kernel_before_its_first_step(monkeypatch):
     with pytest.raises(RuntimeError, match="need nvcc"):
         st.step(*tok())
     assert same_snapshot(before, snapshot(st)) and len(asked) == 1
+    st = state(POLICY)  # a verify first (its commit may flush): the same
+    T = 2
+    q, k, v, gg, beta = (torch.stack([t] * T, 1) for t in tok())
+    before = snapshot(st)
+    with pytest.raises(RuntimeError, match="need nvcc"):
+        st.verify(q, k, v, gg, beta)
+    assert same_snapshot(before, snapshot(st)) and len(asked) == 2
+    asked.clear()
+    asked.append(1)
     prep = kr.gdn_state_flush_cuda.prepare
     for policy, kw in ((StatePolicy.parse("read:nvfp4/rec:fp32"), {}),
                        (StatePolicy.parse("fp32"), {}), (POLICY, {"window": 17}),

@@ -224,9 +224,10 @@ class GDNReplayState(ReplayStateBase):
 
     def _prepare_flush(self) -> None:
         """Build the flush's kernel (``backend="cuda"``: :func:`.cuda_flush.gdn_state_flush_cuda`
-        ``.prepare``, where it covers this state) at the first step, before the step writes
-        anything: a step that fills the window flushes after its record is appended, so a
-        build failing there would leave the state half-updated. Once per state."""
+        ``.prepare``, where it covers this state) at the first step or verify, before anything
+        is written: a step that fills the window flushes after its record is appended, and a
+        commit after its position moves, so a build failing there would leave the state
+        half-updated. Once per state."""
         if self._flush_prepared:
             return
         prepare = getattr(self._ops.flush, "prepare", None)
@@ -295,6 +296,7 @@ class GDNReplayState(ReplayStateBase):
                 without it); the state is left unchanged.
         """
         self._check_not_pending("verify")
+        self._prepare_flush()  # (commit() may flush)
         if not isinstance(v, torch.Tensor) or v.dim() != 4:
             raise ValueError(f"verify() v must be [B, T, HV, DV], got "
                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v)}")

@@ -40,7 +40,6 @@ from ...formats import NVFP4_SCALE_DIVISOR
 from ...packed import PackedTensor
 from ...philox import STREAM_SHIFTS, as_int, stream_key
 from ...policy import StatePolicy, require_policy
-from ...quant import _check_seed
 from .cuda_verify import DIM, _ring_slots, build, placement
 
 __all__ = ["J_MAX", "VARIANTS", "GDN_FLUSH_CUDA_CONFIG", "unsupported", "gdn_flush_cuda",
@@ -177,7 +176,9 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
                                 fold_cached_corrections=fold_cached_corrections, q=q,
                                 store_state=store_state, dequantize=dequantize,
                                 return_w=return_w, **triton_options)
-    s = _check_seed(seed)  # the quantizers' range, [0, 2^63)
+    s = as_int(seed)
+    if s is None or not 0 <= s < 2 ** 63:  # (the quantizers' range: quant._check_seed)
+        raise ValueError(f"gdn_flush_cuda: seed must be an int in [0, 2^63), got {seed!r}")
     A = anchor.codes
     B, H = int(A.shape[0]), int(A.shape[1])
     stream_key(layer=layer, head=H - 1)  # host range check of the host fields (ValueError)

@@ -38,7 +38,7 @@ import torch
 from ...checkpoints import FlushResult
 from ...formats import NVFP4_SCALE_DIVISOR
 from ...packed import PackedTensor
-from ...philox import STREAM_SHIFTS, as_int, stream_key
+from ...philox import STREAM_SHIFTS, as_int, check_seed, stream_key
 from ...policy import StatePolicy, require_policy
 from .cuda_verify import DIM, _ring_slots, build, placement
 
@@ -176,9 +176,7 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
                                 fold_cached_corrections=fold_cached_corrections, q=q,
                                 store_state=store_state, dequantize=dequantize,
                                 return_w=return_w, **triton_options)
-    s = as_int(seed)
-    if s is None or not 0 <= s < 2 ** 63:  # (the quantizers' range: quant._check_seed)
-        raise ValueError(f"gdn_flush_cuda: seed must be an int in [0, 2^63), got {seed!r}")
+    s = check_seed(seed, "gdn_flush_cuda")
     A = anchor.codes
     B, H = int(A.shape[0]), int(A.shape[1])
     stream_key(layer=layer, head=H - 1)  # host range check of the host fields (ValueError)

@@ -79,6 +79,7 @@ __device__ __forceinline__ int kx(int c) { return c + ((c >> 6) << 2); }
 struct Smem {
   float ks[JF][KP];     // the records' keys (key group of this head), slots < n
   float qs[KP];         // the flush token's query
+  float vs[JF][D];      // the records' values (this value head), slots < n
   float la[JF], be[JF];
   float cum[JF];        // c_j
   float gram[JF][JF];   // [p][i]: k_i . k_p, i < p
@@ -192,7 +193,7 @@ __device__ __forceinline__ float div_by_rcp(float x, float b, float y) {
 // spills; 2: 128 registers); RCP divides the NVFP4 elements by div_by_rcp where the matrix
 // scale is in quant.RCP_MATRIX_SCALE_RANGE (2^-86 .. 2^86; else __fdiv_rn), as the lean pair
 // cast's "lean_rcp" form.
-template <int MB, int RCP>
+template <int MB, int RCP, int SR>
 __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
     const float* __restrict__ rv, const float* __restrict__ rk,
@@ -216,13 +217,22 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   }
   const int n = static_cast<int>(nn);
 
-  // the records' keys and the query into shared memory (cp.async), A's row half into registers
+  // the records' keys and values and the query into shared memory (cp.async), A's row half
+  // into registers
   for (int e = tid; e < n * (D / 4); e += NTH) {
     const int j = e / (D / 4), c4 = (e % (D / 4)) * 4;
     cp16(&sm.ks[j][kx(c4)], rk + (((size_t)b * JS + j) * G + grp) * D + c4);
   }
+  for (int e = tid; e < n * (D / 4); e += NTH) {
+    const int j = e / (D / 4), c4 = (e % (D / 4)) * 4;
+    cp16(&sm.vs[j][c4], rv + (((size_t)b * JS + j) * H + hd) * D + c4);
+  }
   if ((flags & F_Y) && tid < D / 4) cp16(&sm.qs[kx(4 * tid)], q + ((size_t)b * G + grp) * D + 4 * tid);
   asm volatile("cp.async.commit_group;\n" ::);
+  // the rows of the slots n.. are +0: the products and the fold run over all JF slots
+  // without predicates (the fold's terms of those slots add -0, which leaves every value as
+  // it is; see the fold)
+  for (int e = tid; e < (JF - n) * KP; e += NTH) (&sm.ks[n][0])[e] = 0.f;
   uint4 araw[8];
   const uint4* ap = reinterpret_cast<const uint4*>(A + (mat * D + r) * D + c0);
 #pragma unroll
@@ -231,9 +241,6 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     sm.la[tid] = tid < n ? rla[((size_t)b * JS + tid) * H + hd] : 0.f;
     sm.be[tid] = tid < n ? rbe[((size_t)b * JS + tid) * H + hd] : 0.f;
   }
-  float vr[JF];
-#pragma unroll
-  for (int p = 0; p < JF; ++p) vr[p] = p < n ? rv[(((size_t)b * JS + p) * H + hd) * D + r] : 0.f;
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   __syncthreads();
 
@@ -285,34 +292,30 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   }
   __syncthreads();
 
-  // A's values, the products A k_p (the thread's half, then the row), the corrections
-  float s[HALF];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const __half2* h2 = reinterpret_cast<const __half2*>(&araw[i]);
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const float2 f = __half22float2(h2[t]);
-      s[8 * i + 2 * t] = f.x;
-      s[8 * i + 2 * t + 1] = f.y;
-    }
-  }
+  // the products A k_p (the thread's half, then the row), the corrections. A stays in its
+  // fp16 codes until the fold (32 registers, not 64), each group of four columns widened
+  // where it is used (exact)
+  const __half2* ah = reinterpret_cast<const __half2*>(araw);
+  // (the thread's key columns in shared memory: kx(c0 + c) = c0 + 4 hf + c for c < 64, so
+  // every address below is this base plus a constant)
+  const float* kb = &sm.ks[0][c0 + 4 * hf];
   float u[JF];
 #pragma unroll
   for (int p = 0; p < JF; ++p) u[p] = 0.f;
 #pragma unroll
-  for (int c4 = 0; c4 < HALF / 4; ++c4) {
+  for (int p0 = 0; p0 < JF; p0 += JF / 2)  // (two passes of 8 slots: fewer loads in flight)
 #pragma unroll
-    for (int p = 0; p < JF; ++p) {
-      if (p < n) {
-        const float4 kv = *reinterpret_cast<const float4*>(&sm.ks[p][kx(c0 + 4 * c4)]);
-        float z = u[p];
-        z = fmaf(s[4 * c4], kv.x, z);
-        z = fmaf(s[4 * c4 + 1], kv.y, z);
-        z = fmaf(s[4 * c4 + 2], kv.z, z);
-        z = fmaf(s[4 * c4 + 3], kv.w, z);
-        u[p] = z;
-      }
+  for (int c4 = 0; c4 < HALF / 4; ++c4) {
+    const float2 a01 = __half22float2(ah[2 * c4]), a23 = __half22float2(ah[2 * c4 + 1]);
+#pragma unroll
+    for (int p = p0; p < p0 + JF / 2; ++p) {  // (slots p >= n: products with +0 keys, never read)
+      const float4 kv = *reinterpret_cast<const float4*>(kb + p * KP + 4 * c4);
+      float z = u[p];
+      z = fmaf(a01.x, kv.x, z);
+      z = fmaf(a01.y, kv.y, z);
+      z = fmaf(a23.x, kv.z, z);
+      z = fmaf(a23.y, kv.w, z);
+      u[p] = z;
     }
   }
 #pragma unroll
@@ -321,7 +324,7 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
 #pragma unroll
   for (int p = 0; p < JF; ++p) {
     if (p < n) {
-      float z = __fmul_rn(sm.be[p], vr[p]);
+      float z = __fmul_rn(sm.be[p], sm.vs[p][r]);
       z = fmaf(-sm.dp[p], u[p], z);
 #pragma unroll
       for (int i = 0; i < p; ++i) z = fmaf(-sm.mc[p][i], u[i], z);
@@ -334,29 +337,40 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
       if (p < J) wout[(((size_t)b * J + p) * H + hd) * D + r] = p < n ? u[p] : 0.f;
   }
   // the fold: S = e^{c_{n-1}} A + sum_j (e^{c_{n-1} - c_j} u_j) k_j^T, slot order (n = 0: S
-  // is A, untouched)
-  const float en = sm.en;
+  // is A, untouched). The slots p >= n take u = -0 against +0 keys: fmaf(-0, +0, z) is z
+  // exactly for every z (the exact product is -0, and z + -0 = z, also for z = +-0), and z is
+  // already the output of an FP32 operation (a NaN already the canonical one), so the bits
+  // are those of skipping the slot.
+  float s[HALF];
+  if (n > 0) {
+    const float en = sm.en;
 #pragma unroll
-  for (int p = 0; p < JF; ++p) u[p] = p < n ? __fmul_rn(sm.fj[p], u[p]) : 0.f;
+    for (int p = 0; p < JF; ++p) u[p] = p < n ? __fmul_rn(sm.fj[p], u[p]) : -0.0f;
 #pragma unroll
-  for (int c4 = 0; c4 < HALF / 4; ++c4) {
-    if (n == 0) break;
-    float z0 = __fmul_rn(en, s[4 * c4]), z1 = __fmul_rn(en, s[4 * c4 + 1]);
-    float z2 = __fmul_rn(en, s[4 * c4 + 2]), z3 = __fmul_rn(en, s[4 * c4 + 3]);
+    for (int c4 = 0; c4 < HALF / 4; ++c4) {
+      const float2 a01 = __half22float2(ah[2 * c4]), a23 = __half22float2(ah[2 * c4 + 1]);
+      float z0 = __fmul_rn(en, a01.x), z1 = __fmul_rn(en, a01.y);
+      float z2 = __fmul_rn(en, a23.x), z3 = __fmul_rn(en, a23.y);
 #pragma unroll
-    for (int p = 0; p < JF; ++p) {
-      if (p < n) {
-        const float4 kv = *reinterpret_cast<const float4*>(&sm.ks[p][kx(c0 + 4 * c4)]);
+      for (int p = 0; p < JF; ++p) {
+        const float4 kv = *reinterpret_cast<const float4*>(kb + p * KP + 4 * c4);
         z0 = fmaf(u[p], kv.x, z0);
         z1 = fmaf(u[p], kv.y, z1);
         z2 = fmaf(u[p], kv.z, z2);
         z3 = fmaf(u[p], kv.w, z3);
       }
+      s[4 * c4] = z0;
+      s[4 * c4 + 1] = z1;
+      s[4 * c4 + 2] = z2;
+      s[4 * c4 + 3] = z3;
     }
-    s[4 * c4] = z0;
-    s[4 * c4 + 1] = z1;
-    s[4 * c4 + 2] = z2;
-    s[4 * c4 + 3] = z3;
+  } else {
+#pragma unroll
+    for (int c2 = 0; c2 < HALF / 2; ++c2) {
+      const float2 a = __half22float2(ah[c2]);
+      s[2 * c2] = a.x;
+      s[2 * c2 + 1] = a.y;
+    }
   }
   if (flags & F_S) {
     float4* so = reinterpret_cast<float4*>(sout + (mat * D + r) * D + c0);
@@ -368,7 +382,7 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     float z = 0.f;
 #pragma unroll
     for (int i = 0; i < HALF / 4; ++i) {
-      const float4 qv = *reinterpret_cast<const float4*>(&sm.qs[kx(c0 + 4 * i)]);
+      const float4 qv = *reinterpret_cast<const float4*>(&sm.qs[c0 + 4 * hf + 4 * i]);
       z = fmaf(s[4 * i], qv.x, z);
       z = fmaf(s[4 * i + 1], qv.y, z);
       z = fmaf(s[4 * i + 2], qv.z, z);
@@ -398,19 +412,22 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   const float sg6 = __fmul_rn(sg, 6.0f);
   const bool use_rcp = RCP && sg >= 0x1p-86f && sg <= 0x1p86f;  // (the NVFP4 cast is RTN)
 
-  // the casts, block by block (16 key columns: 4 Philox calls, 8 code bytes, 1 scale byte)
+  // the casts, block by block (16 key columns: 4 Philox calls, 8 code bytes, 1 scale byte).
+  // One copy of a block's code, not four: block bk is always s[0..15], the registers moving
+  // down 16 after each block (unrolled four times, the casts overflowed the instruction
+  // cache: ncu, forty-seventh pass)
   const long long key = (fi << SH_FLUSH) | (sq << SH_SEQ) | ((long long)hd << SH_HEAD) | kbits;
   const uint32_t klo = static_cast<uint32_t>(key & 0xFFFFFFFFLL);
   const uint32_t khi = static_cast<uint32_t>((key >> 32) & 0xFFFFFFFFLL);
   uint4* ao = reinterpret_cast<uint4*>(aout + (mat * D + r) * D + c0);
   uint2* co = reinterpret_cast<uint2*>(codes + (mat * D + r) * (D / 2) + c0 / 2);
   uint32_t scw = 0;
-#pragma unroll
+#pragma unroll 1
   for (int bk = 0; bk < HALF / 16; ++bk) {
-    const float* x = &s[16 * bk];
+    const float* x = s;
     // the anchor: fp16 codes, two 16-byte stores
     uint32_t hw[8];
-    if (flags & F_SR) {
+    if (SR) {
       const uint32_t call0 = static_cast<uint32_t>(r * (D / 4) + (c0 + 16 * bk) / 4);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -452,6 +469,8 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     }
     co[bk] = make_uint2(w0, w1);
     scw |= static_cast<uint32_t>(sbc) << (8 * bk);
+#pragma unroll
+    for (int i = 0; i < HALF - 16; ++i) s[i] = s[i + 16];
   }
   *reinterpret_cast<uint32_t*>(bscale + (mat * D + r) * (D / 16) + c0 / 16) = scw;
 }
@@ -470,10 +489,12 @@ void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, torch
   const int JS = static_cast<int>(la.stride(0) / H);
   if (B == 0) return;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  auto kern = variant == 0 ? gdn_flush::flush_kernel<2, 0>
-             : variant == 1 ? gdn_flush::flush_kernel<1, 0>
-             : variant == 2 ? gdn_flush::flush_kernel<2, 1>
-                            : gdn_flush::flush_kernel<1, 1>;
+  // (SR, the F_SR flag, is a template argument: one cast path a kernel)
+  const bool sr = (flags & gdn_flush::F_SR) != 0;
+  auto kern = variant == 0 ? (sr ? gdn_flush::flush_kernel<2, 0, 1> : gdn_flush::flush_kernel<2, 0, 0>)
+             : variant == 1 ? (sr ? gdn_flush::flush_kernel<1, 0, 1> : gdn_flush::flush_kernel<1, 0, 0>)
+             : variant == 2 ? (sr ? gdn_flush::flush_kernel<2, 1, 1> : gdn_flush::flush_kernel<2, 1, 0>)
+                            : (sr ? gdn_flush::flush_kernel<1, 1, 1> : gdn_flush::flush_kernel<1, 1, 0>);
   kern<<<B * H, gdn_flush::NTH, 0, stream>>>(
       reinterpret_cast<const __half*>(A.data_ptr()), la.data_ptr<float>(),
       beta.data_ptr<float>(), v.data_ptr<float>(), k.data_ptr<float>(),

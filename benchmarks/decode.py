@@ -395,6 +395,10 @@ def run_step(M, st, h, **cfg):
 #: CUDA C++ kernel where it applies, FP32 and NVFP4 read copies; the Triton kernel elsewhere)
 GDN_STEP = "triton"
 
+#: GDN's flush kernel (--gdn-flush): "triton" (gdn_flush_kernel) or "cuda" (gdn_flush_cuda:
+#: the CUDA C++ kernel where it applies, read:nvfp4/rec:fp16[+sr]; the Triton kernel elsewhere)
+GDN_FLUSH = "triton"
+
 #: GDN's verify kernel (--gdn-verify): "triton" (gdn_verify_kernel) or "cuda"
 #: (gdn_verify_cuda: the CUDA C++ kernel where it applies, the fp32 policy here; the Triton
 #: kernel for the other policies)
@@ -431,11 +435,11 @@ def run_flush(M, st, policy, fa, store_state=False):
     length = fa["length"]
     kw = {k_: v for k_, v in fa.items() if k_ != "length"}
     if M.gdn:
-        return kr.gdn_flush_kernel(st["A"], r["la"], r["beta"], r["v"], r["k"], length, policy,
-                                   q=st["q"], store_state=store_state,
-                                   dequantize=store_state, u_cached=r["uR"],
-                                   fold_cached_corrections=st["fold"] is GDNFold.CACHED,
-                                   return_w=store_state, **kw)
+        flush = kr.gdn_flush_cuda if GDN_FLUSH == "cuda" else kr.gdn_flush_kernel
+        return flush(st["A"], r["la"], r["beta"], r["v"], r["k"], length, policy,
+                     q=st["q"], store_state=store_state, dequantize=store_state,
+                     u_cached=r["uR"], fold_cached_corrections=st["fold"] is GDNFold.CACHED,
+                     return_w=store_state, **kw)
     return kr.mamba2_flush_kernel(st["A"], r["la"], r["v"], r["k"], length, policy, q=st["q"],
                                   store_state=store_state, dequantize=store_state,
                                   return_w=store_state, **kw)
@@ -849,6 +853,10 @@ def main(argv=None):
                     help="GDN's step kernel: triton (gdn_step_kernel, default) or cuda "
                          "(gdn_step_cuda: the CUDA C++ kernel where it applies, FP32 and "
                          "NVFP4 read copies; the Triton kernel elsewhere; needs nvcc)")
+    ap.add_argument("--gdn-flush", default="triton", choices=("triton", "cuda"),
+                    help="GDN's flush kernel: triton (gdn_flush_kernel, default) or cuda "
+                         "(gdn_flush_cuda: the CUDA C++ kernel where it applies, "
+                         "read:nvfp4/rec:fp16[+sr]; the Triton kernel elsewhere; needs nvcc)")
     ap.add_argument("--resummarize", default=None, metavar="JSON",
                     help="time nothing: recompute the summary of this decode result (with "
                          "--emulation) and write it to --out")
@@ -875,6 +883,10 @@ def main(argv=None):
     GDN_STEP = args.gdn_step
     if GDN_STEP == "cuda" and DEV != "cuda":
         ap.error("--gdn-step cuda needs a CUDA device")
+    global GDN_FLUSH
+    GDN_FLUSH = args.gdn_flush
+    if GDN_FLUSH == "cuda" and DEV != "cuda":
+        ap.error("--gdn-flush cuda needs a CUDA device")
     if args.tiny != INTERPRET:
         raise SystemExit("--tiny needs TRITON_INTERPRET=1 set before triton is imported "
                          "(decode.py sets it when --tiny is on its command line)")
@@ -915,6 +927,7 @@ def main(argv=None):
                       "gdn": "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule",
                       "mamba2": "fla.ops.simple_gla.fused_recurrent_simple_gla"},
               "overrides": overrides, "gdn_verify": GDN_VERIFY, "gdn_step": GDN_STEP,
+              "gdn_flush": GDN_FLUSH,
               "window_L": L, "verify_T": T, "batches": batches, "policies": POLICIES,
               "timing": f"median of {args.reps} calls, CUDA events per call, pool rotated "
                         f"(>= {POOL_L2_MULTIPLE} x L2 = {POOL_L2_MULTIPLE * l2_bytes()} bytes); "

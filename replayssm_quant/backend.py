@@ -22,9 +22,10 @@ and the anchor chain run theirs on CUDA for float32 and a key dim that is a powe
 ``triton`` forces the kernels (a ValueError where they cannot run; on CPU they run under
 ``TRITON_INTERPRET=1``). ``cuda`` (opt-in) is ``triton`` on a CUDA device, except that an
 operation with a CUDA C++ kernel (``_CUDA_KERNELS``: today GDN's verify, which covers the
-single-checkpoint FP32 policy at DK = DV = 128, T <= 8, L <= 16, and GDN's decode step, which
-covers FP32 and NVFP4 read copies at DK = DV = 128 and rings of up to 32 slots; each hands every
-other call to its Triton kernel) runs that one; the extension is built with nvcc at the first
+single-checkpoint FP32 policy at DK = DV = 128, T <= 8, L <= 16; GDN's decode step, which
+covers FP32 and NVFP4 read copies at DK = DV = 128 and rings of up to 32 slots; and GDN's flush,
+which covers ``read:nvfp4/rec:fp16[+sr]`` at DK = DV = 128 and L <= 16; each hands every other
+call to its Triton kernel) runs that one; the extension is built with nvcc at the first
 call it covers.
 
 Registry: a torch reference declares the operation it implements with :func:`reference`; the
@@ -240,6 +241,7 @@ _KERNELS: dict[str, tuple[str, str]] = {
 _CUDA_KERNELS: dict[str, tuple[str, str]] = {
     "gdn_state_verify": ("cuda_verify", "gdn_state_verify_cuda"),
     "gdn_state_step": ("cuda_step", "gdn_state_step_cuda"),
+    "gdn_state_flush": ("cuda_flush", "gdn_state_flush_cuda"),
 }
 
 

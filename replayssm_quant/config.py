@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .philox import as_int
+from .philox import as_int, check_seed
 from .policy import HeadPolicy, StatePolicy
 
 __all__ = ["Family", "GDNFold", "StateConfig", "LayerwiseConfig", "check_window", "check_seed"]
@@ -89,15 +89,6 @@ def check_window(window) -> int:
     if w is None or w < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
     return w
-
-
-def check_seed(seed) -> int:
-    """``seed`` as an int in [0, 2^63) (a numpy integer is taken as its int; ValueError
-    naming the value otherwise)."""
-    s = as_int(seed)
-    if s is None or not 0 <= s < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
-    return s
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,25 @@ def as_int(value) -> int | None:
     return int(value)
 
 
-def _check_seed(seed) -> int:
+SEED_LIMIT = 2**63
+"""Seeds of the rounding streams are ints in [0, SEED_LIMIT): they travel as int64 (torch,
+the kernels' arguments), so the top bit is not theirs."""
+
+
+def check_seed(seed, who: str = "") -> int:
+    """``seed`` as a Python int in [0, 2^63) (:data:`SEED_LIMIT`; a numpy integer is taken
+    as its int). The one rule for the seeds of the quantizers, the state configs and the
+    kernels. ``who`` prefixes the message. Raises ValueError naming the value otherwise."""
+    s = as_int(seed)
+    if s is None or not 0 <= s < SEED_LIMIT:
+        raise ValueError(f"{who + ': ' if who else ''}seed must be an int in [0, 2^63), "
+                         f"got {seed!r}")
+    return s
+
+
+def _check_key(seed) -> int:
+    """The Philox key's own range, [0, 2^64) (two 32-bit words); the generators below take
+    any such key, the package's callers pass seeds already checked by :func:`check_seed`."""
     s = as_int(seed)
     if s is None or not 0 <= s < 2**64:
         raise ValueError(f"seed must be an int in [0, 2^64), got {seed!r}")
@@ -137,7 +155,7 @@ def random_bits(seed: int, stream: torch.Tensor, element: torch.Tensor) -> torch
     Raises:
         ValueError: ``seed`` not an int in [0, 2^64), or float stream keys.
     """
-    seed = _check_seed(seed)
+    seed = _check_key(seed)
     stream = _check_stream(stream)
     element = torch.as_tensor(element, dtype=torch.int64, device=stream.device)
     w0, w1, w2, w3 = _calls(seed, stream, element >> 2)
@@ -160,7 +178,7 @@ def random_bits_matrix(seed: int, stream: torch.Tensor, M: int, K: int) -> torch
         ValueError: ``seed`` not an int in [0, 2^64), float stream keys, M or K not positive
             ints, or M * K > 2^32 (the element index is a 32-bit counter).
     """
-    seed = _check_seed(seed)
+    seed = _check_key(seed)
     if any(as_int(x) is None or x < 1 for x in (M, K)):
         raise ValueError(f"M and K must be positive ints, got M={M!r}, K={K!r}")
     M, K = int(M), int(K)

@@ -52,7 +52,7 @@ from . import formats as F
 from .formats import QuantSpec, parse_spec
 from .packed import (PackedTensor, _as_float32, _e2m1_encode, _e8m0_decode, _fp8_encode,
                      _pack_nibbles, _pow2)
-from .philox import _check_stream, as_int, random_bits_matrix, stream_keys_to
+from .philox import _check_stream, check_seed, random_bits_matrix, stream_keys_to
 
 __all__ = [
     "quantize",
@@ -355,13 +355,6 @@ def _use_kernels(x: torch.Tensor, backend) -> bool:
     return B.use_kernels(B.OpFamily.QUANT, backend, device=x.device)
 
 
-def _check_seed(seed) -> int:
-    s = as_int(seed)
-    if s is None or not 0 <= s < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
-    return s
-
-
 def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None = None):
     """Fake-quantise ``x`` to the format ``spec`` and return the dequantised values.
 
@@ -392,7 +385,7 @@ def quantize(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | N
             device (no values).
     """
     spec = parse_spec(spec)
-    seed = _check_seed(seed)
+    seed = check_seed(seed)
     stream = _check_stream(stream)  # int64 keys, not checked again by the casts
     _check_input(x)
     if spec.is_identity:
@@ -411,7 +404,7 @@ def pack(x: torch.Tensor, spec, *, seed: int = 0, stream=0, backend: str | None 
     stores float32, its storage format, so its values are rounded (and saturated) to float32.
     """
     spec = parse_spec(spec)
-    seed = _check_seed(seed)
+    seed = check_seed(seed)
     stream = _check_stream(stream)
     _check_input(x)
     kernels = not spec.is_identity and _use_kernels(x, backend)

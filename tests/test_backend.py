@@ -180,7 +180,7 @@ def test_implementation_resolves_auto():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal of the CUDA build")
 def test_cuda_kernel_selection_without_a_gpu():
     """``kernel(op, cuda=True)``: an operation without a CUDA C++ kernel gets its Triton one,
-    GDN's verify and step their CUDA kernels (which build nothing until a call they cover, so
+    GDN's verify, step and flush their CUDA kernels (which build nothing until a call they cover, so
     selecting them needs no toolkit); the build without a GPU is a RuntimeError saying what is
     missing and what runs instead."""
     from replayssm_quant.kernels import replay as kr
@@ -188,6 +188,9 @@ def test_cuda_kernel_selection_without_a_gpu():
     assert B.kernel("gdn_state_step", cuda=True) is kr.gdn_state_step_cuda
     assert B.select(G.gdn_state_step, B.Backend.CUDA) is kr.gdn_state_step_cuda
     assert B.kernel("gdn_state_step") is kr.gdn_state_step
+    assert B.kernel("gdn_state_flush", cuda=True) is kr.gdn_state_flush_cuda
+    assert B.kernel("gdn_state_flush") is kr.gdn_state_flush
+    assert B.kernel("mamba2_state_flush", cuda=True) is kr.mamba2_state_flush
     assert B.kernel("mamba2_state_step", cuda=True) is kr.mamba2_state_step
     assert B.kernel("mamba2_state_verify", cuda=True) is kr.mamba2_state_verify
     assert B.select(M.mamba2_state_verify, B.Backend.CUDA) is kr.mamba2_state_verify

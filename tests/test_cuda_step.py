@@ -403,11 +403,12 @@ def test_state_steps_under_cuda_backend(policy):
     bits. Under ``shared:nvfp4`` the flush folds the cached corrections, whose last bits
     differ between the kernels, and a rounding decision of the new read copy may then differ:
     there only the first window (16 steps, the flush's own output included) is compared.
-    (``read:nvfp4/rec:fp16+sr`` re-solves against the anchor, so its checkpoints stay the
-    same bits: all 40 steps are compared.)"""
+    Under ``read:nvfp4/rec:fp16+sr`` the flush itself runs on the CUDA flush kernel
+    (``tests/test_cuda_flush.py``), whose S differs from the Triton flush's in last bits, so
+    the same holds there."""
     got = _decode_steps("cuda", policy)
     tri = _decode_steps("triton", policy)
-    n = 16 if policy == "shared:nvfp4" else len(got)
+    n = len(got) if policy == "fp32" else 16
     assert torch.isfinite(got).all()
     assert (got[:n] - tri[:n]).abs().max() <= 1e-5
     assert not torch.equal(got[:n], tri[:n])

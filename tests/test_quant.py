@@ -516,6 +516,27 @@ def test_bad_shapes_and_inputs_raise():
         quantize(torch.zeros(2, 2), "nvfp4", backend="cuda")
 
 
+def test_one_seed_rule_for_quantizers_configs_and_states():
+    """Seeds are ints in [0, 2^63) wherever they enter (they travel as int64); the edge
+    values are accepted or refused alike by the quantizers, StateConfig and the decode
+    state, with the value named."""
+    from replayssm_quant.config import StateConfig
+    from replayssm_quant.replay import GDNReplayState
+
+    top = 2 ** 63 - 1
+    quantize(torch.zeros(2, 2), "fp16+sr", seed=np.int64(top))
+    StateConfig.build("read:nvfp4/rec:fp16+sr", 4, top)
+    for bad in (2 ** 63, -1, 1.0, True):
+        for make in (lambda s: quantize(torch.zeros(2, 2), "fp16+sr", seed=s),
+                     lambda s: pack(torch.zeros(2, 2), "fp16+sr", seed=s),
+                     lambda s: StateConfig.build("fp32", 4, s),
+                     lambda s: GDNReplayState("fp32", batch=1, key_heads=1, value_heads=1,
+                                              key_dim=32, value_dim=4, seed=s)):
+            with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\^63\)") as e:
+                make(bad)
+            assert repr(bad) in str(e.value)
+
+
 def test_backend_and_stream_errors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):

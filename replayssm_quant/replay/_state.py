@@ -16,7 +16,7 @@ from ..capabilities import allocation, available_device
 from ..checkpoints import PREFILL_FLUSH_INDEX, Checkpoints, FlushResult
 from ..config import GDNFold, StateConfig
 from ..packed import PackedTensor
-from ..philox import STREAM_FIELDS, as_int, stream_key
+from ..philox import STREAM_FIELDS, as_int, check_seed, stream_key
 from ..policy import StatePolicy
 from .core import cast_checkpoints
 
@@ -116,7 +116,7 @@ class ReplayStateBase:
         window = _check_int("window", window, 1)
         max_drafts = _check_int("max_drafts", max_drafts, 0)
         batch = _check_int("batch", batch, 1)
-        seed = _check_int("seed", seed, 0, 2**63 - 1)
+        seed = check_seed(seed)
         layer = _check_int("layer", layer, 0)
         # the edge: parse once (eager policies run with window 1: conventional decoding rounds
         # the state after every token)

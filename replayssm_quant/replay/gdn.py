@@ -209,6 +209,7 @@ class GDNReplayState(ReplayStateBase):
         # RECOMPUTE when the read copy is the anchor (they were solved against it;
         # GDNFold.folds_cached); the torch path re-solves as the window form does
         self._fold_cached = fold.folds_cached(self.policy, kernels=self._kernels)
+        self._flush_prepared = False
 
     # ------------------------------------------------------------------ validation
     def _check_inputs(self, q, k, v, g, beta, T=None):
@@ -220,6 +221,20 @@ class GDNReplayState(ReplayStateBase):
         check_tensor("v", v, lead + (HV, DV), *args)
         check_tensor("g", g, lead + (HV,), *args)
         check_tensor("beta", beta, lead + (HV,), *args)
+
+    def _prepare_flush(self) -> None:
+        """Build the flush's kernel (``backend="cuda"``: :func:`.cuda_flush.gdn_state_flush_cuda`
+        ``.prepare``, where it covers this state) at the first step or verify, before anything
+        is written: a step that fills the window flushes after its record is appended, and a
+        commit after its position moves, so a build failing there would leave the state
+        half-updated. Once per state."""
+        if self._flush_prepared:
+            return
+        prepare = getattr(self._ops.flush, "prepare", None)
+        if prepare is not None:
+            prepare(self.policy, key_dim=self.key_dim, value_dim=self.value_dim,
+                    window=self.window, fold_cached_corrections=self._fold_cached)
+        self._flush_prepared = True
 
     def _flush_records(self, anchor, recs, length, sequence_ids, flush_index):
         return self._ops.flush(anchor, recs, length, self.policy, seed=self.seed,
@@ -247,6 +262,7 @@ class GDNReplayState(ReplayStateBase):
         """
         self._check_not_pending("step")
         self._check_inputs(q, k, v, g, beta)
+        self._prepare_flush()
         qe = core.expand_heads(q, self.heads, 1)
         o = self._ops.step(self._checkpoints(), self._ring, self._h, q, k, v, g, beta)  # + append
         self._h += 1
@@ -280,6 +296,7 @@ class GDNReplayState(ReplayStateBase):
                 without it); the state is left unchanged.
         """
         self._check_not_pending("verify")
+        self._prepare_flush()  # (commit() may flush)
         if not isinstance(v, torch.Tensor) or v.dim() != 4:
             raise ValueError(f"verify() v must be [B, T, HV, DV], got "
                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v)}")

@@ -24,6 +24,9 @@ Files (each with its kernel, its host wrapper and a pointer to its torch referen
 * :mod:`.cuda_step` -- GDN's decode step from an FP32 or NVFP4 read copy as one CUDA C++ kernel
   (``gdn_step.cu``, in the same extension), the backend ``cuda``'s kernel of ``gdn_state_step``;
   the Triton kernel where it does not apply;
+* :mod:`.cuda_flush` -- GDN's flush with an fp16 anchor and an NVFP4 read copy as one CUDA C++
+  kernel (``gdn_flush.cu``, in the same extension), the backend ``cuda``'s kernel of
+  ``gdn_state_flush``; the Triton kernel where it does not apply;
 * :mod:`.chain` -- ``_chain_kernel`` (:func:`anchor_chain`): the anchor recurrence of many
   windows in one launch for the adapters and the teacher-forced emulation (``replay/window.py``).
 
@@ -53,6 +56,7 @@ Callers outside ``replayssm_quant.kernels`` reach these through the backend seam
 from .chain import (CHAIN_EXCHANGE, CHAIN_PREFETCH, CHAIN_TILE_ELEMENTS, CHAIN_WARPS, ChainResult,
                     anchor_chain, chain_block_v)
 from .codec import kernels_supported
+from .cuda_flush import gdn_flush_cuda, gdn_state_flush_cuda
 from .cuda_step import gdn_state_step_cuda, gdn_step_cuda
 from .cuda_verify import gdn_state_verify_cuda, gdn_verify_cuda
 from .flush import (DEFAULT_BV_FLUSH, flush_kernel, gdn_flush_kernel, gdn_state_flush,
@@ -71,6 +75,8 @@ __all__ = [
     "gdn_state_verify_cuda",
     "gdn_step_cuda",
     "gdn_state_step_cuda",
+    "gdn_flush_cuda",
+    "gdn_state_flush_cuda",
     "gdn_corrections_kernel",
     "flush_kernel",
     "mamba2_flush_kernel",

@@ -66,6 +66,8 @@ GDN_VERIFY_CUDA_CONFIG = {"nw": 8, "pf": 3, "mb": 0, "ep": 2}
 
 #: the decode step's kernel, built into the same extension (:mod:`.cuda_step`)
 STEP_SOURCE = Path(__file__).resolve().parent / "gdn_step.cu"
+#: the flush's kernel (fp16 anchor, NVFP4 read copy), built into it too (:mod:`.cuda_flush`)
+FLUSH_SOURCE = Path(__file__).resolve().parent / "gdn_flush.cu"
 
 _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor beta, "
          "torch::Tensor v, torch::Tensor k, torch::Tensor q, torch::Tensor uk, "
@@ -75,7 +77,13 @@ _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor 
          "torch::Tensor mscale, int64_t fmt, torch::Tensor rla, torch::Tensor rbeta, "
          "torch::Tensor rv, torch::Tensor rk, torch::Tensor ru, torch::Tensor q, "
          "torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta, "
-         "torch::Tensor h, torch::Tensor o, int64_t stage);\n")
+         "torch::Tensor h, torch::Tensor o, int64_t stage);\n"
+         "void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, "
+         "torch::Tensor v, torch::Tensor k, torch::Tensor length, torch::Tensor q, "
+         "torch::Tensor seq, torch::Tensor fl, torch::Tensor aout, torch::Tensor codes, "
+         "torch::Tensor bscale, torch::Tensor mscale, torch::Tensor y, torch::Tensor S, "
+         "torch::Tensor w, int64_t J, int64_t seed_lo, int64_t seed_hi, int64_t kbits, "
+         "int64_t flags, int64_t variant);\n")
 
 
 _BUILT: set[bool] = set()  # the builds this process holds (all_variants False / True)
@@ -97,18 +105,18 @@ def build(all_variants: bool = False):
     """
     fix = "; backend='triton' (REPLAYSSM_BACKEND=triton) runs the Triton kernels without them"
     if not torch.cuda.is_available():
-        raise RuntimeError("the CUDA kernels (GDN verify and step) need a CUDA device" + fix)
+        raise RuntimeError("the CUDA kernels (GDN verify, step and flush) need a CUDA device" + fix)
     cap = torch.cuda.get_device_capability()
     if cap < MIN_CAPABILITY:
-        raise RuntimeError(f"the CUDA kernels (GDN verify and step) need compute capability "
+        raise RuntimeError(f"the CUDA kernels (GDN verify, step and flush) need compute capability "
                            f">= 8.0 (mma.sync tf32, cp.async), got {cap[0]}.{cap[1]}" + fix)
     from torch.utils import cpp_extension as ce
 
     if ce.CUDA_HOME is None and shutil.which("nvcc") is None:
-        raise RuntimeError("the CUDA kernels (GDN verify and step) are built at first use and "
+        raise RuntimeError("the CUDA kernels (GDN verify, step and flush) are built at first use and "
                            "need nvcc (a CUDA toolkit; set CUDA_HOME), found none" + fix)
     if not ce.is_ninja_available():
-        raise RuntimeError("the CUDA kernels (GDN verify and step) are built at first use and "
+        raise RuntimeError("the CUDA kernels (GDN verify, step and flush) are built at first use and "
                            "need ninja (pip install ninja)" + fix)
     # (-ftz=false, nvcc's default, spelled out: the step's NVFP4 decode holds E2M1 0.5 and the
     # E4M3 subnormal scales as float32 subnormals)
@@ -117,11 +125,13 @@ def build(all_variants: bool = False):
     try:
         mod = ce.load_inline("replayssm_gdn_cuda" + ("_all" if all_variants else ""),
                              cpp_sources=_DECL,
-                             cuda_sources=[SOURCE.read_text(), STEP_SOURCE.read_text()],
-                             functions=["gdn_verify_cuda", "gdn_step_cuda"],
+                             cuda_sources=[SOURCE.read_text(), STEP_SOURCE.read_text(),
+                                           FLUSH_SOURCE.read_text()],
+                             functions=["gdn_verify_cuda", "gdn_step_cuda", "gdn_flush_cuda"],
                              extra_cuda_cflags=flags, verbose=False)
     except Exception as e:  # compiler and linker errors come as several exception types
-        raise RuntimeError(f"building the CUDA kernels ({SOURCE.name}, {STEP_SOURCE.name}) "
+        raise RuntimeError(f"building the CUDA kernels ({SOURCE.name}, {STEP_SOURCE.name}, "
+                           f"{FLUSH_SOURCE.name}) "
                            f"failed: {e}" + fix) from e
     _BUILT.add(all_variants)
     return mod

@@ -32,10 +32,10 @@
 // (Non-finite inputs give non-finite outputs, as the reference does, though not always the
 // same ones: an infinite key element makes every other element's product overflow too.)
 //
-// The Gram terms k_j . k_p and k_j . q (j <= p) are warp dot products (one slot a warp,
-// slots warp, warp + 4, ...), reduced by an xor butterfly, whose result every lane holds
-// with the same bits. The order of every sum is fixed by the CTA's code alone: a sequence's
-// bits do not depend on the batch, its position or its neighbours.
+// The Gram terms k_j . k_p and k_j . q (j <= p) are formed all at once from the ring's keys in
+// shared memory (cp.async, issued with R): 4 threads a slot, each a chain of FMAs over 32
+// columns, joined by a fixed tree. The order of every sum is fixed by the CTA's code alone: a
+// sequence's bits do not depend on the batch, its position or its neighbours.
 //
 // The ring tensors (la, beta [B, JS, H], v, u [B, JS, H, V], k [B, JS, G, K]) have JS slots
 // a sequence (window + max drafts, at most JMAX); the kernel reads slots < p and writes slot
@@ -68,12 +68,13 @@ struct Smem {
   float qs[K];          // the query (NVFP4: scaled by 2^(126 - e_q))
   float ru[JMAX][V];    // the ring's corrections of this head, slots < p (cp.async)
   float la[JMAX];       // log decays of slots 0..p
-  float zk[JMAX];       // k_j . k_p
-  float zq[JMAX];       // k_j . q
+  float zq[JMAX];       // k_j . q (only j = p is kept: the coefficients take the rest)
   float ac[JMAX];       // beta_p e^{c_p - c_j} k_j . k_p, j < p
   float bc[JMAX];       // e^{c_p - c_j} k_j . q, j < p
   float yk[V];          // ST 2: R k_p by row
   float yq[V];          // ST 2: R q by row
+  float rkey[JMAX][K + 4];  // the ring's keys of this group, slots < p (cp.async), and k_p
+  float qraw[K];        // the query, unscaled
 };
 static_assert(sizeof(Smem) % 16 == 0, "the staged tile after Smem is 16-byte aligned");
 
@@ -159,12 +160,6 @@ __device__ __forceinline__ float lanes8(float x) {  // the same tree across 8 la
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {  // every lane: the same bits
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
   return x;
 }
 
@@ -275,7 +270,13 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     sw = __ldg(reinterpret_cast<const uint2*>(bscale + ((size_t)mat * V + row) * (K / 16)));
   }
 
-  // the ring's corrections of this head, slots < p, into shared memory
+  // the ring's keys of this group, slots < p (the Gram terms' operands; their own group, so
+  // that the Gram terms wait for them alone), then its corrections of this head
+  for (int e = tid; e < p * (K / 4); e += NTH) {
+    const int slot = e / (K / 4), c4 = (e % (K / 4)) * 4;
+    cp16(&sm.rkey[slot][c4], rk + (((size_t)b * JS + slot) * G + grp) * K + c4);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
   const size_t HV = (size_t)H * V;
   for (int e = tid; e < p * (V / 4); e += NTH) {
     const int slot = e / (V / 4), c4 = (e % (V / 4)) * 4;
@@ -302,35 +303,42 @@ __global__ void __launch_bounds__(NTH) step_kernel(
           make_float4(ldexpf(x.x, sh), ldexpf(x.y, sh), ldexpf(x.z, sh), ldexpf(x.w, sh));
     }
   }
+  if (warp == 2) reinterpret_cast<float4*>(sm.rkey[p])[lane] = kl;
+  if (warp == 3) reinterpret_cast<float4*>(sm.qraw)[lane] = ql;
   const float g_p = gn[(size_t)b * H + hd], beta_p = bn[(size_t)b * H + hd];
   if (tid < JMAX) sm.la[tid] = tid < p ? rla[((size_t)b * JS + tid) * H + hd] : tid == p ? g_p : 0.f;
-  // the Gram terms: slot j = warp, warp + 4, ... <= p (slot p: the token's key)
-  for (int j = warp; j <= p; j += NTH / 32) {
-    const float4 kj = j < p ? __ldg(reinterpret_cast<const float4*>(
-                                        rk + ((size_t)b * JS + j) * G * K + (size_t)grp * K) + lane)
-                            : kl;
-    float zk = kj.x * kl.x, zq = kj.x * ql.x;
-    zk = fmaf(kj.y, kl.y, zk); zq = fmaf(kj.y, ql.y, zq);
-    zk = fmaf(kj.z, kl.z, zk); zq = fmaf(kj.z, ql.z, zq);
-    zk = fmaf(kj.w, kl.w, zk); zq = fmaf(kj.w, ql.w, zq);
-    zk = warp_sum(zk);
-    zq = warp_sum(zq);
-    if (lane == 0) {
-      sm.zk[j] = zk;
-      sm.zq[j] = zq;
-    }
-  }
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // the ring's keys
   __syncthreads();
 
-  // c_j by one serial sum in slot order (every thread the same bits); the coefficient tables
+  // c_p by one serial sum in slot order (every thread the same bits)
   float cp = 0.f;
   for (int j = 0; j <= p; ++j) cp += sm.la[j];
-  if (tid < p) {
-    float cj = 0.f;
-    for (int j = 0; j <= tid; ++j) cj += sm.la[j];
-    const float d = expf(cp - cj);
-    sm.ac[tid] = beta_p * d * sm.zk[tid];
-    sm.bc[tid] = d * sm.zq[tid];
+  // The Gram terms k_j . k_p and k_j . q, j <= p, all at once: 4 threads a slot (thread t:
+  // slot t / 4, columns 32 (t % 4) .. + 31, one chain of FMAs in column order), joined by
+  // (c0 + c1) + (c2 + c3); the slot's first thread then forms its coefficients (c_j by the
+  // same serial sum).
+  {
+    const int j = tid >> 2, qq = tid & 3;
+    float zk = 0.f, zq = 0.f;
+    if (j <= p) {
+      const float4* a = reinterpret_cast<const float4*>(&sm.rkey[j][32 * qq]);
+      const float4* kp = reinterpret_cast<const float4*>(&sm.rkey[p][32 * qq]);
+      const float4* qv = reinterpret_cast<const float4*>(&sm.qraw[32 * qq]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f32x4(a[i], kp[i], qv[i], zk, zq);
+    }
+    zk = __fadd_rn(zk, __shfl_xor_sync(0xffffffffu, zk, 1));
+    zq = __fadd_rn(zq, __shfl_xor_sync(0xffffffffu, zq, 1));
+    zk = __fadd_rn(zk, __shfl_xor_sync(0xffffffffu, zk, 2));
+    zq = __fadd_rn(zq, __shfl_xor_sync(0xffffffffu, zq, 2));
+    if (qq == 0 && j < p) {
+      float cj = 0.f;
+      for (int i = 0; i <= j; ++i) cj += sm.la[i];
+      const float d = expf(cp - cj);
+      sm.ac[j] = beta_p * d * zk;
+      sm.bc[j] = d * zq;
+    }
+    if (qq == 0 && j == p) sm.zq[p] = zq;
   }
 
   // The row's products with the key and the query, in one order for every launch form: the

@@ -468,3 +468,36 @@ def test_failed_build_leaves_the_state_unchanged(monkeypatch):
     st._ops.verify = torch_verify  # the state goes on (its own torch op: no interpreter needed)
     st.verify(*tok(B, T))
     st.commit(1)
+
+
+def test_build_warns_where_the_build_lock_is_held(monkeypatch, tmp_path):
+    """torch waits without a word on its build lock, forever where an interrupted build left
+    it: ``build`` warns first, naming the file, and only where the file exists (a build
+    stubbed: no GPU or nvcc here)."""
+    import warnings
+
+    from torch.utils import cpp_extension as ce
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(ce, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(ce, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(ce, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
+    loaded = []
+    monkeypatch.setattr(ce, "load_inline", lambda name, **kw: loaded.append(name) or object())
+    monkeypatch.setattr(cv, "_BUILT", set())
+    (tmp_path / "replayssm_gdn_cuda").mkdir()
+    cv.build.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cv.build()  # no lock: no warning
+        cv.build.cache_clear()
+        lock = tmp_path / "replayssm_gdn_cuda" / "lock"
+        lock.write_text("")
+        with pytest.warns(RuntimeWarning, match="interrupted.*delete it") as rec:
+            cv.build()
+        assert str(lock) in str(rec[0].message)
+        assert loaded == ["replayssm_gdn_cuda"] * 2
+    finally:
+        cv.build.cache_clear()

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import functools
 import shutil
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -89,6 +91,25 @@ _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor 
 _BUILT: set[bool] = set()  # the builds this process holds (all_variants False / True)
 
 
+def _warn_if_locked(ce, name: str) -> None:
+    """Warn (once, before the build waits) where torch's build lock of extension ``name`` is
+    held. torch waits on that file without a word, forever where a build was interrupted
+    (killed or Ctrl-C while nvcc ran) and left it behind; the warning names the file to
+    delete. Nothing happens where the build directory cannot be found (a private torch
+    helper, ``_get_build_directory``, that a later torch may rename)."""
+    try:
+        lock = Path(ce._get_build_directory(name, False)) / "lock"
+        if not lock.exists():
+            return
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lock.stat().st_mtime))
+    except Exception:  # (the lock can vanish between the two calls; an unknown torch)
+        return
+    warnings.warn(f"the CUDA kernels' build lock {lock} exists (since {since}): another "
+                  f"process is building them, or an earlier build was interrupted and left "
+                  f"it; this process waits until the file is gone, so where no build is "
+                  f"running, delete it", RuntimeWarning, stacklevel=3)
+
+
 @functools.lru_cache(maxsize=2)
 def build(all_variants: bool = False):
     """The compiled extension (``torch.utils.cpp_extension.load_inline`` of ``SOURCE``, the
@@ -102,6 +123,9 @@ def build(all_variants: bool = False):
         RuntimeError: no CUDA device, one below compute capability 8.0, no nvcc (CUDA
             toolkit) or ninja, or a failed build; the message says what is missing and that
             ``backend="triton"`` runs without it.
+
+    Warns (RuntimeWarning) before it waits where torch's build lock is held: another
+    process builds, or an interrupted build left the lock (:func:`_warn_if_locked`).
     """
     fix = "; backend='triton' (REPLAYSSM_BACKEND=triton) runs the Triton kernels without them"
     if not torch.cuda.is_available():
@@ -122,8 +146,10 @@ def build(all_variants: bool = False):
     # E4M3 subnormal scales as float32 subnormals)
     flags = ["-O3", "-std=c++17", "-ftz=false"] + (
         ["-DGDN_VERIFY_ALL_VARIANTS"] if all_variants else [])
+    name = "replayssm_gdn_cuda" + ("_all" if all_variants else "")
+    _warn_if_locked(ce, name)
     try:
-        mod = ce.load_inline("replayssm_gdn_cuda" + ("_all" if all_variants else ""),
+        mod = ce.load_inline(name,
                              cpp_sources=_DECL,
                              cuda_sources=[SOURCE.read_text(), STEP_SOURCE.read_text(),
                                            FLUSH_SOURCE.read_text()],

@@ -55,6 +55,7 @@ from replayssm_quant.adapters import sequence_id
 from replayssm_quant.adapters.segments import forward_segment
 from replayssm_quant.config import GDNFold
 from replayssm_quant.outpaths import output_dir_problem
+from replayssm_quant.philox import SEED_LIMIT
 from replayssm_quant.policy import GRAMMAR, StatePolicy
 from replayssm_quant.policymap import PolicyMap, load_decay_stats, parse_state_arg
 
@@ -216,7 +217,7 @@ class ReplaySSMLM(HFLM):
         self.policy = _parse_policy(state)
         self.decay_stats = _check_decay_stats(decay_stats)
         self.window = _as_int("window", window, 1)
-        self.seed = _as_int("seed", seed, 0, 2**63 - 1)
+        self.seed = _as_int("seed", seed, 0, SEED_LIMIT - 1)
         self.max_drafts = _as_int("max_drafts", max_drafts, 0)
         _check_drafts(self.max_drafts, self.window, self.policy)
         _check_gdn_fold(gdn_fold)
@@ -530,7 +531,7 @@ def check_model_args(model_args: str | dict | None, *, cli: bool = False,
     if "state" in kv:
         _parse_policy(kv["state"])
     ints = {name: _as_int(name, kv[name], lo, hi)
-            for name, lo, hi in (("window", 1, None), ("seed", 0, 2**63 - 1),
+            for name, lo, hi in (("window", 1, None), ("seed", 0, SEED_LIMIT - 1),
                                  ("max_drafts", 0, None)) if name in kv}
     if "max_drafts" in ints:
         defaults = inspect.signature(ReplaySSMLM.__init__).parameters

@@ -26,7 +26,7 @@ import numbers
 import torch
 
 __all__ = ["philox4x32", "random_bits", "random_bits_matrix", "stream_key", "stream_keys_to",
-           "STREAM_FIELDS", "WORDS_PER_CALL"]
+           "check_seed", "SEED_LIMIT", "STREAM_FIELDS", "WORDS_PER_CALL"]
 
 _M32 = 0xFFFFFFFF
 PHILOX_KEY_A = 0x9E3779B9

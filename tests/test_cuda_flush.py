@@ -107,6 +107,12 @@ def test_unsupported_names_why():
     raw = torch.zeros(A.codes.numel() + 4, dtype=torch.float16)
     bad = PackedTensor(A.spec, A.shape, raw[4:].view(A.codes.shape), None, None)  # 8 bytes on
     assert raw.data_ptr() % 16 == 0 and "16-byte boundary" in _why(bad, recs, length, seq, fi)
+    for name in ("k", "v"):  # the operands of cp.async (4 bytes on: a float32 view at 1)
+        t = recs[name]
+        flat = torch.zeros(t.numel() + 1)
+        assert flat.data_ptr() % 16 == 0
+        moved = dict(recs, **{name: flat[1:].view(t.shape)})
+        assert "16-byte boundary" in _why(A, moved, length, seq, fi), name
 
 
 def test_fallback_is_the_triton_kernel(monkeypatch):
@@ -131,6 +137,11 @@ def test_fallback_is_the_triton_kernel(monkeypatch):
     assert kw["q"] is q and kw["seed"] == 5 and kw["layer"] == 1 and kw["block_v"] == 32
     assert kw["store_state"] is False and kw["return_w"] is False
     assert kw["sequence_ids"] is seq and kw["flush_index"] is fi
+    # the seed rule (philox.check_seed) holds before the fallback, not only in the kernel
+    for bad in (2 ** 63, -1, 2.0):
+        with pytest.raises(ValueError, match=r"gdn_flush_cuda: seed must be an int in \[0, 2\^63\)"):
+            cf.gdn_flush_cuda(*args, seed=bad, layer=1, sequence_ids=seq, flush_index=fi)
+    assert len(calls) == 1
     with pytest.raises(ValueError, match="variant must be one of"):
         cf.gdn_flush_cuda(*args, seed=5, layer=1, sequence_ids=seq, flush_index=fi, variant=7)
     with pytest.raises(ValueError, match="does not cover this call: the inputs are not all "

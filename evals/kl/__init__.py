@@ -40,6 +40,7 @@ from pathlib import Path
 
 from replayssm_quant.config import GDNFold
 from replayssm_quant.outpaths import ancestor_problem, nearest_existing
+from replayssm_quant.philox import SEED_LIMIT
 
 from .documents import BOS_CHOICES, BadTokenizer, load_tokenization, make_documents
 from .metrics import PERCENTILES, pair_kl, position_metrics, summarize  # noqa: F401 (re-exported)
@@ -242,7 +243,7 @@ def _check_args(a) -> list:
             raise BadArgs(f"--{name.replace('_', '-')} must be > 0, got {getattr(a, name)}")
     if any(w < 1 for w in a.windows):
         raise BadArgs(f"--windows must be >= 1, got {a.windows}")
-    if any(not 0 <= s < 2 ** 63 for s in a.seeds):
+    if any(not 0 <= s < SEED_LIMIT for s in a.seeds):
         raise BadArgs(f"--seeds must be ints in [0, 2^63) (SR's Philox key), got {a.seeds}")
     for flag, vals in (("--windows", a.windows), ("--seeds", a.seeds)):
         rep = sorted({v for v in vals if vals.count(v) > 1})

@@ -128,7 +128,8 @@ def unsupported(anchor, la, beta, v, k, length, policy, *, sequence_ids, flush_i
     dev = A.device
     extra = [length, sequence_ids] + ([fi] if isinstance(fi, torch.Tensor) else []) + \
         ([q] if q is not None else [])
-    return placement(dev, (A, k) + ((q,) if q is not None else ()),
+    # (the cp.async operands: the keys, the values, the query; the anchor's 16-byte loads)
+    return placement(dev, (A, k, v) + ((q,) if q is not None else ()),
                      (A, *recs.values(), *extra))
 
 
@@ -166,19 +167,19 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
     if variant is not None and (as_int(variant) is None or int(variant) not in VARIANTS):
         raise ValueError(f"gdn_flush_cuda: variant must be one of {sorted(VARIANTS)} or None, "
                          f"got {variant!r}")
+    s = check_seed(seed, "gdn_flush_cuda")  # (before the fallback: one rule either way)
     why = unsupported(anchor, la, beta, v, k, length, policy, sequence_ids=sequence_ids,
                       flush_index=flush_index, q=q,
                       fold_cached_corrections=fold_cached_corrections)
     if why is not None:
         if not fallback:
             raise ValueError(f"gdn_flush_cuda: the CUDA kernel does not cover this call: {why}")
-        return gdn_flush_kernel(anchor, la, beta, v, k, length, policy, seed=seed, layer=layer,
+        return gdn_flush_kernel(anchor, la, beta, v, k, length, policy, seed=s, layer=layer,
                                 sequence_ids=sequence_ids, flush_index=flush_index,
                                 u_cached=u_cached,
                                 fold_cached_corrections=fold_cached_corrections, q=q,
                                 store_state=store_state, dequantize=dequantize,
                                 return_w=return_w, **triton_options)
-    s = check_seed(seed, "gdn_flush_cuda")
     A = anchor.codes
     B, H = int(A.shape[0]), int(A.shape[1])
     stream_key(layer=layer, head=H - 1)  # host range check of the host fields (ValueError)

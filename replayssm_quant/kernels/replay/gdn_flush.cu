@@ -77,7 +77,7 @@ constexpr long long SEQ_LIMIT = 1LL << 20, FLUSH_LIMIT = 1LL << 24;
 __device__ __forceinline__ int kx(int c) { return c + ((c >> 6) << 2); }
 
 struct Smem {
-  float ks[JF][KP];     // the records' keys (key group of this head), slots < n
+  float ks[JF][KP];     // the records' keys (key group of this head): slots < n, rows n.. +0
   float qs[KP];         // the flush token's query
   float vs[JF][D];      // the records' values (this value head), slots < n
   float la[JF], be[JF];

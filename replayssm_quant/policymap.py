@@ -267,7 +267,9 @@ class PolicyMap:
         """Parse ``map:DEFAULT@RULE...`` (module docstring; case-insensitive).
 
         Raises:
-            ValueError: naming the bad rule and giving the grammar.
+            ValueError: naming the bad rule and giving the grammar; where a file name (a
+                ``.json`` name or an existing file) stands for the default policy, saying
+                that a map file is given by its path alone, without ``map:``.
         """
         s = text.strip()
         if not s.lower().startswith(MAP_PREFIX):
@@ -275,7 +277,14 @@ class PolicyMap:
         if "," in s or any(c.isspace() for c in s):
             raise ValueError(f"bad policy map {text!r}: no commas or spaces allowed; {MAP_GRAMMAR}")
         parts = s[len(MAP_PREFIX):].split("@")
-        default = _policy(parts[0], f"{text!r} (default)")
+        try:
+            default = _policy(parts[0], f"{text!r} (default)")
+        except ValueError:
+            if parts[0].lower().endswith(".json") or os.path.isfile(parts[0]):
+                raise ValueError(f"bad policy map {text!r}: {parts[0]!r} is a file name, not a "
+                                 f"policy; a policy map file is given by its path alone, "
+                                 f"without {MAP_PREFIX!r} (here {parts[0]!r})") from None
+            raise
         layers, heads, decay = [], [], []
         for rule in parts[1:]:
             key, eq, pol = rule.partition("=")

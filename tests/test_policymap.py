@@ -70,11 +70,26 @@ def test_bad_maps_name_the_problem(bad, msg):
     ("map:fp32@D2=fp32", "min_decay must be"),
     ("{bad json", "bad policy map JSON"),
     ("nope/missing.json", "not found"),
+    ("map:nope/missing.json", "'nope/missing.json' is a file name, not a policy; a policy map "
+                              "file is given by its path alone, without 'map:'"),
+    ("map:bogus", "bad state policy 'bogus'"),
 ])
 def test_bad_compact_and_files(bad, msg):
     with pytest.raises(ValueError) as e:
         parse_state_arg(bad)
     assert msg in str(e.value)
+
+
+def test_map_prefix_before_an_existing_file_says_to_drop_it(tmp_path):
+    """``map:`` before a map file's path (a file without the .json suffix too) is refused with
+    the fix; a dual policy, which holds a '/', is still a policy."""
+    f = tmp_path / "layers.map"
+    f.write_text(json.dumps({"default": "fp32"}))
+    with pytest.raises(ValueError, match="is a file name, not a policy") as e:
+        parse_state_arg(f"map:{f}")
+    assert repr(str(f)) in str(e.value)
+    m = parse_state_arg("map:read:nvfp4/rec:fp16+sr@L0=fp32")
+    assert m.default == StatePolicy.parse("read:nvfp4/rec:fp16+sr")
 
 
 def test_bad_json_file(tmp_path):

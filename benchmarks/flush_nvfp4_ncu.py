@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode as dc  # noqa: E402
 import replay_kernels as rk  # noqa: E402
+from flush_nvfp4_cuda import _serve  # noqa: E402
 
 from replayssm_quant.kernels import replay as kr  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
@@ -39,13 +40,9 @@ def main(argv=None) -> None:
     pol = StatePolicy.parse(args.policy)
     st = dc.make_set(M, torch.Generator(device="cuda").manual_seed(5), pol, 8, False)
     fa = dc.flush_args(M, st)
-    r = st["ring"]
-    for v in (0, 0, 1, 2):
-        kr.gdn_flush_cuda(st["A"], r["la"], r["beta"], r["v"], r["k"], fa["length"], pol,
-                          q=st["q"], seed=fa["seed"], layer=fa["layer"],
-                          sequence_ids=fa["sequence_ids"], flush_index=fa["flush_index"],
-                          store_state=False, dequantize=False, return_w=False, variant=v,
-                          fallback=False)
+    for v in (0, 0, 1, 2):  # the serving form, as flush_nvfp4_cuda.py times it
+        _serve(lambda *x, v=v, **k: kr.gdn_flush_cuda(*x, variant=v, fallback=False, **k),
+               M, st, pol, fa)
     torch.cuda.synchronize()
 
 

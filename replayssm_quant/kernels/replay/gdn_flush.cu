@@ -190,10 +190,11 @@ __device__ __forceinline__ float div_by_rcp(float x, float b, float y) {
 }
 
 // Launch variants (the same bits): MB CTAs an SM asked of ptxas (1: up to 255 registers, no
-// spills; 2: 128 registers); RCP divides the NVFP4 elements by div_by_rcp where the matrix
-// scale is in quant.RCP_MATRIX_SCALE_RANGE (2^-86 .. 2^86; else __fdiv_rn), as the lean pair
-// cast's "lean_rcp" form; ROLL: the casts' block loop unrolled 1 or 2 times. SR (the F_SR
-// flag) is a template argument too, so that a kernel holds one cast path.
+// spills; 2: 128 registers; the host launches MB = 2 only, 1 was slower); RCP divides the
+// NVFP4 elements by div_by_rcp where the matrix scale is in quant.RCP_MATRIX_SCALE_RANGE
+// (2^-86 .. 2^86; else __fdiv_rn), as the lean pair cast's "lean_rcp" form; ROLL: the casts'
+// block loop unrolled 1 or 2 times. SR (the F_SR flag) is a template argument too, so that a
+// kernel holds one cast path.
 template <int MB, int RCP, int SR, int ROLL>
 __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
@@ -500,10 +501,8 @@ void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, torch
   // [variant][sr]: cuda_flush.VARIANTS (MB, RCP, ROLL)
   static const Kern table[][2] = {
       {gdn_flush::flush_kernel<2, 0, 0, 1>, gdn_flush::flush_kernel<2, 0, 1, 1>},
-      {gdn_flush::flush_kernel<1, 0, 0, 1>, gdn_flush::flush_kernel<1, 0, 1, 1>},
-      {gdn_flush::flush_kernel<2, 1, 0, 1>, gdn_flush::flush_kernel<2, 1, 1, 1>},
-      {gdn_flush::flush_kernel<1, 1, 0, 1>, gdn_flush::flush_kernel<1, 1, 1, 1>},
       {gdn_flush::flush_kernel<2, 0, 0, 2>, gdn_flush::flush_kernel<2, 0, 1, 2>},
+      {gdn_flush::flush_kernel<2, 1, 0, 1>, gdn_flush::flush_kernel<2, 1, 1, 1>},
       {gdn_flush::flush_kernel<2, 1, 0, 2>, gdn_flush::flush_kernel<2, 1, 1, 2>}};
   const Kern kern = table[variant][sr ? 1 : 0];
   kern<<<B * H, gdn_flush::NTH, 0, stream>>>(

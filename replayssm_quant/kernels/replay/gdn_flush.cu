@@ -224,9 +224,6 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   for (int e = tid; e < n * (D / 4); e += NTH) {
     const int j = e / (D / 4), c4 = (e % (D / 4)) * 4;
     cp16(&sm.ks[j][kx(c4)], rk + (((size_t)b * JS + j) * G + grp) * D + c4);
-  }
-  for (int e = tid; e < n * (D / 4); e += NTH) {
-    const int j = e / (D / 4), c4 = (e % (D / 4)) * 4;
     cp16(&sm.vs[j][c4], rv + (((size_t)b * JS + j) * H + hd) * D + c4);
   }
   if ((flags & F_Y) && tid < D / 4) cp16(&sm.qs[kx(4 * tid)], q + ((size_t)b * G + grp) * D + 4 * tid);

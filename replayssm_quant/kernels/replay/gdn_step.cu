@@ -46,6 +46,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 #include <cuda_runtime.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #ifdef NDEBUG  // (the position check must not compile away under NDEBUG)
@@ -75,8 +76,12 @@ struct Smem {
   float yq[V];          // ST 2: R q by row
   float rkey[JMAX][K + 4];  // the ring's keys of this group, slots < p (cp.async), and k_p
   float qraw[K];        // the query, unscaled
-  uint32_t bfr[8][4][8][2];  // ST 3: the B fragments [part][lane % 4][k-step][register]
 };
+// ST 3's B fragments [part][lane % 4][k-step][register] (2 KiB) reuse rkey once the Gram
+// terms have read it (a larger Smem would cost the other forms a CTA an SM)
+using BFrag = uint32_t[4][8][2];
+static_assert(sizeof(Smem::rkey) >= 8 * sizeof(BFrag) && offsetof(Smem, rkey) % 16 == 0,
+              "the B fragments fit in rkey, 16-byte aligned");
 static_assert(sizeof(Smem) % 16 == 0, "the staged tile after Smem is 16-byte aligned");
 
 // A ring position outside 0 .. min(JS, JMAX) - 1: prints the sequence, then fails a
@@ -371,27 +376,6 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // the ring's keys
   __syncthreads();
 
-  // ST 3: the B fragments, [k_hi k_mid k_lo 0 q_hi q_mid q_lo 0] (the key and query, scaled,
-  // each the exact sum of three bf16), thread c writing column c's six parts where the
-  // fragment of its k-step holds them (see the products)
-  if constexpr (ST == 3) {
-    const int c = tid, tg = c >> 5, j = (c >> 3) & 3, n = c & 7;
-    const int ks = 2 * j + ((n >> 1) & 1), rg = n & 1, half = n >> 2;
-    uint16_t* bf = reinterpret_cast<uint16_t*>(&sm.bfr[0][0][0][0]);
-    const float xs[2] = {sm.ks[c], sm.qs[c]};
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      const uint16_t hi = bf16_rn(xs[w]);
-      const float r1 = xs[w] - __uint_as_float((uint32_t)hi << 16);
-      const uint16_t mid = bf16_rn(r1);
-      const uint16_t lo = bf16_rn(r1 - __uint_as_float((uint32_t)mid << 16));
-      const uint16_t part[4] = {hi, mid, lo, 0};
-#pragma unroll
-      for (int q4 = 0; q4 < 4; ++q4)
-        bf[((((4 * w + q4) * 4 + tg) * 8 + ks) * 2 + rg) * 2 + half] = part[q4];
-    }
-  }
-
   // c_p by one serial sum in slot order (every thread the same bits)
   float cp = 0.f;
   for (int j = 0; j <= p; ++j) cp += sm.la[j];
@@ -421,6 +405,28 @@ __global__ void __launch_bounds__(NTH) step_kernel(
       sm.bc[j] = d * zq;
     }
     if (qq == 0 && j == p) sm.zq[p] = zq;
+  }
+
+  // ST 3: the B fragments, [k_hi k_mid k_lo 0 q_hi q_mid q_lo 0] (the key and query, scaled,
+  // each the exact sum of three bf16), thread c writing column c's six parts where the
+  // fragment of its k-step holds them (see the products)
+  if constexpr (ST == 3) {
+    __syncthreads();  // (the Gram terms have read rkey)
+    const int c = tid, tg = c >> 5, j = (c >> 3) & 3, n = c & 7;
+    const int ks = 2 * j + ((n >> 1) & 1), rg = n & 1, half = n >> 2;
+    uint16_t* bf = reinterpret_cast<uint16_t*>(&sm.rkey[0][0]);
+    const float xs[2] = {sm.ks[c], sm.qs[c]};
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const uint16_t hi = bf16_rn(xs[w]);
+      const float r1 = xs[w] - __uint_as_float((uint32_t)hi << 16);
+      const uint16_t mid = bf16_rn(r1);
+      const uint16_t lo = bf16_rn(r1 - __uint_as_float((uint32_t)mid << 16));
+      const uint16_t part[4] = {hi, mid, lo, 0};
+#pragma unroll
+      for (int q4 = 0; q4 < 4; ++q4)
+        bf[((((4 * w + q4) * 4 + tg) * 8 + ks) * 2 + rg) * 2 + half] = part[q4];
+    }
   }
 
   // The row's products with the key and the query, in one order for every launch form: the
@@ -477,7 +483,8 @@ __global__ void __launch_bounds__(NTH) step_kernel(
 #pragma unroll
       for (int i = 0; i < 8; ++i) bq[i][0] = bq[i][1] = 0u;
     } else {
-      const uint4* src = reinterpret_cast<const uint4*>(&sm.bfr[g][t][0][0]);
+      const BFrag* bfr = reinterpret_cast<const BFrag*>(&sm.rkey[0][0]);
+      const uint4* src = reinterpret_cast<const uint4*>(&bfr[g][t][0][0]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint4 x = src[i];

@@ -96,6 +96,96 @@ def test_kernel_nvfp4_products_are_exact_to_float32(scale):
     assert ((got.double() - want).abs() <= bound).all()
 
 
+def test_mma_column_order_is_a_permutation_the_fragments_share():
+    """Stage 3's column order: over its 8 k-steps and 16 k-indices (each held by lanes
+    ``t = (kk % 8) // 2``) every column 0..127 comes exactly once; the B-fragment writer's
+    inverse (``gdn_step.cu``: column c to k-step, register, half) lands each column where
+    ``mma_column`` reads it; and the A registers (word j's code pairs ``(n, n + 4)``) hold the
+    same columns."""
+    seen = {}
+    for ks in range(8):
+        for kk in range(16):
+            t = (kk & 7) >> 1
+            seen[(ks, kk)] = cs.mma_column(ks, t, kk)
+            for other in {0, 1, 2, 3} - {t}:
+                with pytest.raises(ValueError, match="does not hold"):
+                    cs.mma_column(ks, other, kk)
+    assert sorted(seen.values()) == list(range(128))
+    for c in range(128):  # the writer's formula, as in the kernel
+        tg, j, n = c >> 5, (c >> 3) & 3, c & 7
+        ks, rg, half = 2 * j + ((n >> 1) & 1), n & 1, n >> 2
+        assert cs.mma_column(ks, tg, 2 * tg + 8 * rg + half) == c
+    for ks in range(8):  # the A registers: a0/a1 = pair 2s of word j, a2/a3 = pair 2s + 1
+        j, s_ = ks >> 1, ks & 1
+        for t in range(4):
+            for reg in range(2):
+                for half in range(2):
+                    nib = 2 * s_ + reg + 4 * half  # the pair's low or high code
+                    assert cs.mma_column(ks, t, 2 * t + 8 * reg + half) == 32 * t + 8 * j + nib
+    for bad in ((8, 0, 0), (0, 4, 0), (0, 0, 16), (-1, 0, 0)):
+        with pytest.raises(ValueError, match="kstep"):
+            cs.mma_column(*bad)
+
+
+def test_nvfp4_mma_operands_are_exact():
+    """Stage 3's operands (the kernel's shifts and masks, bf16 scale and bf16 product, in
+    torch): every element times its block scale times 2^-16, bit for bit against
+    the E2M1 value table times the E4M3 scales (every E2M1 pair, every E4M3 code; NaN where
+    the scale is NaN); and the three bf16 parts of a key sum to it scaled by
+    2^(16 - e) exactly, for keys of any magnitude (and the zero key)."""
+    p = _all_codes_nvfp4()
+    x = torch.randn(2, 3, D)
+    a, parts, e = cs.nvfp4_mma_operands(p.codes, p.block_scales, x)
+    table = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
+                         dtype=torch.float64)
+    nib = torch.stack([p.codes & 0xF, p.codes >> 4], -1).flatten(-2).long()
+    _, sf = cs.nvfp4_tiny_decode(p.codes, p.block_scales)  # (dequantize's scales: above)
+    want = table[nib] * sf.double().repeat_interleave(16, -1) * 2.0 ** -16
+    nan = torch.isnan(want)
+    assert nan.any() and torch.equal(torch.isnan(a), nan)
+    assert torch.equal(a.double()[~nan], want[~nan])
+    assert torch.equal(torch.signbit(a[~nan]), torch.signbit(want[~nan].float()))
+    for scale in (1.0, 1e-20, 1e12, 0.0):
+        xs = torch.randn(4, D) * scale
+        _, parts, e = cs.nvfp4_mma_operands(p.codes[0, :4], p.block_scales[0, :4], xs)
+        total = parts.double().sum(-2)
+        assert torch.equal(total, torch.ldexp(xs.double(), (16 - e).double()))
+        assert (parts[..., 0, :].abs() < 2.0 ** 16).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-20, 1e12])
+def test_kernel_mma_products_are_exact_to_float32(scale):
+    """Stage 3's products, emulated from its operands in float32 (each part's sum, then hi +
+    (mid + lo), times the matrix scale and 2^e), are within float32 rounding of the float64
+    products with the dequantized copy, for keys of any magnitude: no overflow and no lost
+    part."""
+    g = torch.Generator().manual_seed(5)
+    S = torch.randn(2, 3, D, D, generator=g)
+    read = pack(S, "nvfp4")
+    x = torch.randn(2, 3, D, generator=g) * scale
+    a, parts, e = cs.nvfp4_mma_operands(read.codes, read.block_scales, x)
+    y = torch.einsum("bhvk,bhpk->bhvp", a, parts)
+    got = torch.ldexp((y[..., 0] + (y[..., 1] + y[..., 2])) * read.matrix_scale[..., None], e)
+    R = read.dequantize().double()
+    want = torch.einsum("bhvk,bhk->bhv", R, x.double())
+    bound = torch.einsum("bhvk,bhk->bhv", R.abs(), x.double().abs()) * 2e-6
+    assert torch.isfinite(got).all()
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_stage_is_checked():
+    """``stage`` outside 0..3 and stage 3 (the tensor cores, NVFP4's form) with an FP32 read
+    copy are refused by name, before any other check."""
+    read, ring, tok = _step_inputs(2, 4, 2, 8)
+    args = (ring, tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"], torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2, 3 or None.*got 4"):
+        cs.gdn_step_cuda(read, *args, stage=4)
+    with pytest.raises(ValueError, match="stage 3 .* NVFP4 read copy's form"):
+        cs.gdn_step_cuda(read, *args, stage=3)
+    assert cs.STAGES["nvfp4"] == (0, 1, 2, 3) and 3 not in cs.STAGES["f32"]
+    assert all(c["stage"] in cs.STAGES[f] for f, c in cs.GDN_STEP_CUDA_CONFIG.items())
+
+
 def _step_inputs(B, H, G, JS, seed=0, device="cpu", fmt="f32"):
     """A read copy (FP32 or NVFP4) ``[B, H, 128, 128]``, a ring of JS slots, a token."""
     g = torch.Generator().manual_seed(seed)
@@ -264,28 +354,29 @@ def test_kernel_matches_float64_at_every_position(fmt, JS):
     step: output and new correction within ``1e-5 + 1e-5 |ref|``; the record appended to slot
     h bit for bit (la, beta, v, and k once per key group); every other slot untouched (slots
     past h hold random values that must stay); every launch form (``stage``) the same
-    bits."""
+    bits (NVFP4's stage 3, the tensor cores, its own bits, checked the same way)."""
     B = JS
     read, ring0, tok = _step_inputs(B, 4, 2, JS, seed=JS, device="cuda", fmt=fmt)
     h = torch.arange(B, device="cuda")
     want_o, want_u, want_ring = _reference_step(read, ring0, tok, h)
-    runs = []
-    for stage in (0, 1, 2):  # every launch form: the same bits
+    runs = {}
+    for stage in cs.STAGES[fmt]:
         ring = {n: t.clone() for n, t in ring0.items()}
-        runs.append((cs.gdn_step_cuda(read, ring, tok["q"], tok["k"], tok["v"], tok["g"],
-                                      tok["beta"], h, stage=stage, fallback=False), ring))
-    for o_, ring_ in runs[1:]:
-        assert torch.equal(runs[0][0], o_)
-        assert all(torch.equal(runs[0][1][n], ring_[n]) for n in ring0)
-    o, ring = runs[0]
+        runs[stage] = (cs.gdn_step_cuda(read, ring, tok["q"], tok["k"], tok["v"], tok["g"],
+                                        tok["beta"], h, stage=stage, fallback=False), ring)
+    for stage in (1, 2):  # the FMA forms: the same bits
+        assert torch.equal(runs[0][0], runs[stage][0])
+        assert all(torch.equal(runs[0][1][n], runs[stage][1][n]) for n in ring0)
     b = torch.arange(B, device="cuda")
-    assert ((o.double() - want_o).abs() <= 1e-5 + 1e-5 * want_o.abs()).all()
-    assert ((ring["uR"][b, h].double() - want_u).abs() <= 1e-5 + 1e-5 * want_u.abs()).all()
-    for n in ("la", "beta", "v", "k"):
-        assert torch.equal(ring[n], want_ring[n]), n
-    other = torch.ones_like(ring["uR"], dtype=torch.bool)
-    other[b, h] = False
-    assert torch.equal(ring["uR"][other], want_ring["uR"][other])
+    for stage, (o, ring) in runs.items():
+        assert ((o.double() - want_o).abs() <= 1e-5 + 1e-5 * want_o.abs()).all(), stage
+        assert ((ring["uR"][b, h].double() - want_u).abs()
+                <= 1e-5 + 1e-5 * want_u.abs()).all(), stage
+        for n in ("la", "beta", "v", "k"):
+            assert torch.equal(ring[n], want_ring[n]), (stage, n)
+        other = torch.ones_like(ring["uR"], dtype=torch.bool)
+        other[b, h] = False
+        assert torch.equal(ring["uR"][other], want_ring["uR"][other]), stage
 
 
 @needs_gpu
@@ -293,32 +384,33 @@ def test_kernel_decodes_every_nvfp4_code():
     """The kernel on a read copy whose codes cover every E2M1 pair and whose block scales
     cover every E4M3 code (subnormal, negative, NaN): against the float64 step on the
     dequantized copy, NaN exactly in the rows with a NaN block scale, the other rows within
-    ``1e-5 + 1e-5 |ref|`` (relative to the rows' scale), every launch form the same bits."""
+    ``1e-5 + 1e-5 |ref|`` (relative to the rows' scale), the FMA forms the same bits, and
+    stage 3 (the tensor cores: bf16 subnormal code 0.5, every scale) checked the same way."""
     B, H, G, JS = 2, 3, 1, 8
     read = _all_codes_nvfp4(B, H).to("cuda")
     _, ring0, tok = _step_inputs(B, H, G, JS, seed=4, device="cuda")
     h = torch.tensor([0, 5], device="cuda")
     want_o, want_u, _ = _reference_step(read, ring0, tok, h)
     outs = []
-    for stage in (0, 1, 2):
+    for stage in cs.STAGES["nvfp4"]:
         ring = {n: t.clone() for n, t in ring0.items()}
         outs.append(cs.gdn_step_cuda(read, ring, tok["q"], tok["k"], tok["v"], tok["g"],
                                      tok["beta"], h, stage=stage, fallback=False))
-    for o in outs[1:]:
+    for o in outs[1:3]:
         assert torch.equal(torch.nan_to_num(o, 1e30), torch.nan_to_num(outs[0], 1e30))
-    o = outs[0].double()
     nan = torch.isnan(want_o)
-    assert nan.any() and (~nan).any() and torch.equal(torch.isnan(o), nan)
     scale = want_o.nan_to_num(0).abs().amax() + 1.0
-    assert ((o - want_o).abs()[~nan] <= 1e-5 * scale).all()
+    for o in (outs[0].double(), outs[3].double()):
+        assert nan.any() and (~nan).any() and torch.equal(torch.isnan(o), nan)
+        assert ((o - want_o).abs()[~nan] <= 1e-5 * scale).all()
 
 
 @needs_gpu
 def test_kernel_batch_invariant():
     """A sequence's bits do not depend on its batch, position or neighbours (FP32 and NVFP4
-    read copies): the first 5 sequences alone, the batch reversed and other neighbours give
-    the same outputs and rings."""
-    for fmt in ("f32", "nvfp4"):
+    read copies, every launch form): the first 5 sequences alone, the batch reversed and other
+    neighbours give the same outputs and rings."""
+    for fmt, stage in ((f, s) for f in ("f32", "nvfp4") for s in cs.STAGES[f]):
         B, JS = 20, 24
         read, ring, tok = _step_inputs(B, 4, 2, JS, seed=7, device="cuda", fmt=fmt)
         h = torch.arange(B, device="cuda") % 16
@@ -337,7 +429,7 @@ def test_kernel_batch_invariant():
 
         def run(r, rg, t, hh):
             o = cs.gdn_step_cuda(r, rg, t["q"], t["k"], t["v"], t["g"], t["beta"], hh,
-                                 fallback=False)
+                                 stage=stage, fallback=False)
             return o, rg
 
         full_o, full_r = run(*sel(torch.arange(B, device="cuda")))

@@ -484,7 +484,7 @@ def test_build_warns_where_the_build_lock_is_held(monkeypatch, tmp_path):
     monkeypatch.setattr(ce, "is_ninja_available", lambda: True)
     monkeypatch.setattr(ce, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
     loaded = []
-    monkeypatch.setattr(ce, "load_inline", lambda name, **kw: loaded.append(name) or object())
+    monkeypatch.setattr(ce, "load", lambda name, **kw: loaded.append((name, kw)) or object())
     monkeypatch.setattr(cv, "_BUILT", set())
     (tmp_path / "replayssm_gdn_cuda").mkdir()
     cv.build.cache_clear()
@@ -498,6 +498,30 @@ def test_build_warns_where_the_build_lock_is_held(monkeypatch, tmp_path):
         with pytest.warns(RuntimeWarning, match="interrupted.*delete it") as rec:
             cv.build()
         assert str(lock) in str(rec[0].message)
-        assert loaded == ["replayssm_gdn_cuda"] * 2
+        assert [n for n, _ in loaded] == ["replayssm_gdn_cuda"] * 2
+        # three translation units of kernels (built in parallel) and the binding, written
+        # into the extension's build directory
+        bind, *units = loaded[0][1]["sources"]
+        assert units == [str(cv.SOURCE), str(cv.STEP_SOURCE), str(cv.FLUSH_SOURCE)]
+        assert bind == str(tmp_path / "replayssm_gdn_cuda" / "replayssm_binding.cpp")
+        assert open(bind).read() == cv.binding_source()
     finally:
         cv.build.cache_clear()
+
+
+def test_binding_declares_what_the_kernel_files_define():
+    """The binding (its own translation unit) declares each host function with the
+    signature its .cu file defines, and binds all three: a mismatch would be a link error at
+    the first build on a GPU."""
+    import re
+
+    src = cv.binding_source()
+    norm = lambda t: re.sub(r"\s+", " ", t).strip()  # noqa: E731
+    for fn, path in (("gdn_verify_cuda", cv.SOURCE), ("gdn_step_cuda", cv.STEP_SOURCE),
+                     ("gdn_flush_cuda", cv.FLUSH_SOURCE)):
+        defined = re.search(r"\nvoid " + fn + r"\(([^)]*)\)\s*\{", path.read_text())
+        declared = re.search(r"void " + fn + r"\(([^)]*)\);", src)
+        assert defined and declared, fn
+        assert norm(defined.group(1)) == norm(declared.group(1)), fn
+        assert f'm.def("{fn}", &{fn}' in src
+    assert "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)" in src

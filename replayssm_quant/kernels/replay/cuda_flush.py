@@ -46,15 +46,18 @@ __all__ = ["J_MAX", "VARIANTS", "GDN_FLUSH_CUDA_CONFIG", "unsupported", "gdn_flu
            "gdn_state_flush_cuda"]
 
 J_MAX = 16  # record slots (gdn_flush.cu's JF)
-#: the launch variants (``gdn_flush.cu``; all give the same bits): CTAs an SM asked of ptxas
-#: (``mb``: 2, 128 registers with 12-52 bytes of spills; 1, about 168 registers) and the NVFP4
-#: division (``rcp``: by a reciprocal and four FMAs, quant.py's ``_div_by_rcp``, where the
-#: matrix scale allows; else ``__fdiv_rn``)
-VARIANTS = {0: {"mb": 2, "rcp": False}, 1: {"mb": 1, "rcp": False},
-            2: {"mb": 2, "rcp": True}, 3: {"mb": 1, "rcp": True}}
+#: the launch variants (``gdn_flush.cu``; all give the same bits), each at 2 CTAs an SM (128
+#: registers with 12-52 bytes of spills; 1 CTA an SM, about 168 registers, took 1.15-1.30x as
+#: long on an H100 at 9989e20 and was dropped): the NVFP4 division (``rcp``: by a reciprocal
+#: and four FMAs, quant.py's ``_div_by_rcp``, where the matrix scale allows; else
+#: ``__fdiv_rn``) and ``roll``, the casts' block loop unrolled 1 or 2 times (the registers
+#: move down after each step; 4, no loop, overflowed the i-cache)
+VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1}, 1: {"mb": 2, "rcp": False, "roll": 2},
+            2: {"mb": 2, "rcp": True, "roll": 1}, 3: {"mb": 2, "rcp": True, "roll": 2}}
 #: the default variant: 0, the fastest on an H100 at 9989e20 (B = 256, 32 heads, J = 16; us,
-#: fp16+sr / RTN anchor: 890 / 760, against 1155 / 1043, 968 / 767 and 1093 / 987 for
-#: variants 1-3 and 1094 / 1047 for the Triton split flush; flush_nvfp4_cuda_9989e20_h100.json)
+#: fp16+sr / RTN anchor: 890 / 760, against 968 / 767 for rcp and 1155 / 1043, 1093 / 987 for
+#: the 1-CTA forms, and 1094 / 1047 for the Triton split flush;
+#: flush_nvfp4_cuda_9989e20_h100.json); roll 2 not yet timed
 GDN_FLUSH_CUDA_CONFIG = {"variant": 0}
 _F_SR, _F_Y, _F_S, _F_W = 1, 2, 4, 8
 # gdn_flush.cu's constants

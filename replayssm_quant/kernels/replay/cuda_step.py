@@ -12,9 +12,13 @@ cumulative log decays of slots ``0..p`` (DESIGN.md section 3, "Decode step")::
     o   = e^{c_p} R q + sum_{j<p} e^{c_p - c_j} (k_j . q) u_j + (k_p . q) u_p
 
 One CTA per (sequence, value head), one value row a thread; the products ``R k_p`` and ``R q``
-are FP32 FMAs in a fixed order (no tensor cores: two columns). An NVFP4 read copy is decoded
-exactly by integer operations (``gdn_step.cu``'s header; :func:`nvfp4_tiny_decode` is the same
-decode in torch). Every sum's order is fixed by the CTA's code: a sequence's bits do not
+are FP32 FMAs in a fixed order (stages 0-2). An NVFP4 read copy is decoded exactly by integer
+operations (``gdn_step.cu``'s header; :func:`nvfp4_tiny_decode` is the same decode in torch).
+Stage 3, NVFP4 only, puts the decode's ALU work on the tensor cores instead: each element
+times its block scale is an exact bf16, the key and query are each the exact sum of three
+bf16 (hi, mid, lo), and one m16n8k16 MMA a k-step forms all six products with FP32
+accumulation (:func:`nvfp4_mma_operands` and :func:`mma_column` are its operands and column
+order in torch). Every sum's order is fixed by the CTA's code: a sequence's bits do not
 depend on its batch, position or neighbours. Its bits differ from the Triton kernel's (another
 order of the same sums); both are within FP32 tolerance of the float64 reference
 (``tests/test_cuda_step.py`` on a device). Issue 15, forty-fifth pass
@@ -36,8 +40,9 @@ import torch
 from ...packed import PackedTensor
 from .cuda_verify import DIM, build, placement
 
-__all__ = ["J_MAX", "GDN_STEP_CUDA_CONFIG", "unsupported", "gdn_step_cuda",
-           "gdn_state_step_cuda", "nvfp4_tiny_decode"]
+__all__ = ["J_MAX", "GDN_STEP_CUDA_CONFIG", "STAGES", "unsupported", "gdn_step_cuda",
+           "gdn_state_step_cuda", "nvfp4_tiny_decode", "nvfp4_mma_operands",
+           "mma_column"]
 
 J_MAX = 32  # ring slots a sequence (gdn_step.cu's JMAX)
 #: the launch form by read-copy format (``gdn_step.cu``'s ST; every form sums in the same
@@ -47,8 +52,13 @@ J_MAX = 32  # ring slots a sequence (gdn_step.cu's JMAX)
 #: each thread reads its row from there; 2, 8 lanes a row (4 rows a warp an instruction,
 #: coalesced), the 8 column groups' sums joined by shuffles. On an H100 at 66607e6 (B = 256,
 #: mean of h = 0, 7, 14; ``benchmarks/results/step_cuda_66607e6_h100.json``): FP32 239.5 /
-#: 268.0 / 214.5 us, NVFP4 91.4 / 95.9 / 99.3 us for stages 0 / 1 / 2.
-GDN_STEP_CUDA_CONFIG = {"f32": {"stage": 2}, "nvfp4": {"stage": 0}}
+#: 268.0 / 214.5 us, NVFP4 91.4 / 95.9 / 99.3 us for stages 0 / 1 / 2. Stage 3 (NVFP4
+#: only) forms the products on the tensor cores (``gdn_step.cu``, ST 3; :func:`mma_column`,
+#: :func:`nvfp4_mma_operands`): another order of the sums, so its own bits, within FP32
+#: tolerance of the same float64 reference.
+GDN_STEP_CUDA_CONFIG = {"f32": {"stage": 2}, "nvfp4": {"stage": 3}}
+#: the launch forms each read-copy format has
+STAGES = {"f32": (0, 1, 2), "nvfp4": (0, 1, 2, 3)}
 _RING = ("la", "beta", "v", "k", "uR")
 
 
@@ -138,11 +148,13 @@ def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, stage: int | None = 
     ``k [B, JS, G, 128]`` float32 (JS <= 32), updated in place at slot ``h[b]``; the token's
     ``q, k [B, G, 128]``, ``v [B, H, 128]``, ``g`` (log decay), ``beta [B, H]``; ``h``
     integer ``[B]``, the records each sequence holds (``0 <= h < JS``, asserted on the
-    device). Returns ``o [B, H, 128]`` float32. ``stage``: the launch form, 0, 1 or 2
-    (default :data:`GDN_STEP_CUDA_CONFIG` by format; all give the same bits).
+    device). Returns ``o [B, H, 128]`` float32. ``stage``: the launch form, 0, 1 or 2 (FP32
+    FMAs in one order: the same bits), or for an NVFP4 copy 3 (the tensor cores: bits of its
+    own); default :data:`GDN_STEP_CUDA_CONFIG` by format.
 
     Raises:
-        ValueError: ``stage`` not 0, 1, 2 or None; with ``fallback=False``, a call the CUDA
+        ValueError: ``stage`` not 0, 1, 2, 3 or None, or 3 with an FP32 read copy; with
+            ``fallback=False``, a call the CUDA
             kernel does not cover (naming why); otherwise what the Triton kernel's checks
             refuse.
         RuntimeError: the extension cannot be built (:func:`.cuda_verify.build`); a ring
@@ -151,9 +163,12 @@ def gdn_step_cuda(read, ring: dict, q, k, v, g, beta, h, *, stage: int | None = 
     """
     from .records import gdn_step_kernel
 
-    if stage not in (None, 0, 1, 2):
-        raise ValueError(f"gdn_step_cuda: stage must be 0, 1, 2 or None (the default), got "
+    if stage not in (None, 0, 1, 2, 3):
+        raise ValueError(f"gdn_step_cuda: stage must be 0, 1, 2, 3 or None (the default), got "
                          f"{stage!r}")
+    if stage == 3 and _format(read) != "nvfp4":
+        raise ValueError("gdn_step_cuda: stage 3 (the tensor cores) is the NVFP4 read copy's "
+                         "form; an FP32 read copy takes stage 0, 1 or 2")
     tok = [t.contiguous() if isinstance(t, torch.Tensor) else t for t in (q, k, v, g, beta)]
     why = unsupported(read, ring, *tok, h)
     if why is not None:
@@ -213,3 +228,65 @@ def nvfp4_tiny_decode(codes: torch.Tensor, block_scales: torch.Tensor):
     sf = (sb - ((sb >> 31) << 32)).to(torch.int32).view(torch.float32) * 2.0 ** 120
     sf = torch.where(m == 0x7F, torch.full_like(sf, float("nan")), sf)
     return tiny, sf
+
+
+def mma_column(kstep: int, lane_t: int, kk: int) -> int:
+    """The read copy's column that ``gdn_step.cu``'s ST 3 puts at MMA k-index ``kk`` (0..15)
+    of k-step ``kstep`` (0..7) for the lanes ``lane % 4 == lane_t``: the lane holds the
+    columns ``32 t .. 32 t + 31`` (words ``j = kstep // 2``), and its registers a0 / a1
+    (``kk = 2 t, 2 t + 1``) and a2 / a3 (``kk = 2 t + 8, 2 t + 9``) are the code pairs
+    ``(n, n + 4)`` of word j with ``n = 2 (kstep % 2)`` and ``n + 1``. (m16n8k16: a lane
+    holds k = 2 t, 2 t + 1, 2 t + 8, 2 t + 9.) Raises ValueError for a ``kk`` that lane does
+    not hold or an index out of range."""
+    if not (0 <= kstep < 8 and 0 <= lane_t < 4 and 0 <= kk < 16):
+        raise ValueError(f"mma_column: kstep {kstep} (0..7), lane_t {lane_t} (0..3), kk {kk} "
+                         f"(0..15)")
+    if (kk & 7) >> 1 != lane_t:
+        raise ValueError(f"mma_column: lane_t {lane_t} does not hold kk {kk}")
+    j, s = kstep >> 1, kstep & 1
+    n = 2 * s + (kk >> 3) + 4 * (kk & 1)
+    return 32 * lane_t + 8 * j + n
+
+
+def nvfp4_mma_operands(codes: torch.Tensor, block_scales: torch.Tensor, x: torch.Tensor):
+    """ST 3's operands in torch, by ``gdn_step.cu``'s own bit operations (its oracle):
+
+    - ``a [..., V, K]`` float32: each element times its block scale times 2^-16, from the
+      bf16x2 code pairs (``e2m1x2_tiny_bf16``: element times 2^-126) times the bf16 scale
+      ``scale * 2^110`` (``e4m3_bf16x2_2p110``), multiplied in bf16 (exact);
+    - ``parts [..., 3, K]`` float32: ``x * 2^(16 - e)`` (2^e above ``x``'s largest magnitude)
+      as three bf16 (``hi, mid, lo``, each rounded to nearest from the remainder), which the
+      kernel's B fragments hold;
+    - ``e [..., 1]``: the exponent, so that ``R x = (a @ (hi + mid + lo)) * 2^e`` (times the
+      matrix scale), with every ``a`` and part exact.
+
+    ``codes uint8 [..., V, K/2]``, ``block_scales uint8 [..., V, K/16]``, ``x float32
+    [..., K]`` (the leading axes as the codes'). Returns ``(a, parts, e)``."""
+    c = codes.to(torch.int64)
+    K2 = c.shape[-1]
+    words = c.reshape(*c.shape[:-1], K2 // 4, 4)
+    w = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+    m32 = 0xFFFFFFFF
+
+    def as_bf16(bits16):  # int64 holding 16 bits -> bfloat16
+        return (bits16 - ((bits16 >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+
+    pairs = [None] * 8
+    for n in range(4):  # the pair (n, n + 4) of each word, as the kernel forms it
+        mag = ((w << (6 - 4 * n)) if n <= 1 else (w >> (4 * n - 6))) & m32
+        sgn = (w << (12 - 4 * n)) & m32
+        bits = (mag & 0x01C001C0) | (sgn & 0x80008000)
+        pairs[n], pairs[n + 4] = as_bf16(bits & 0xFFFF), as_bf16(bits >> 16)
+    tiny = torch.stack(pairs, -1).reshape(*c.shape[:-1], K2 * 2)  # element n of word: n
+    _, sf = nvfp4_tiny_decode(codes, block_scales)
+    sbf = (sf * 2.0 ** 110).to(torch.bfloat16).repeat_interleave(16, -1)
+    a = (tiny * sbf).float()  # bf16 * bf16 (torch rounds to nearest: exact here)
+    m = x.abs().amax(-1, keepdim=True)
+    e = torch.where(torch.isfinite(m) & (m > 0), torch.frexp(m).exponent,
+                    torch.zeros_like(m, dtype=torch.int32))
+    xs = torch.ldexp(x, 16 - e)
+    hi = xs.to(torch.bfloat16).float()
+    r1 = xs - hi
+    mid = r1.to(torch.bfloat16).float()
+    lo = (r1 - mid).to(torch.bfloat16).float()
+    return a, torch.stack([hi, mid, lo], -2), e

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -89,6 +90,17 @@ _DECL = ("void gdn_verify_cuda(torch::Tensor R, torch::Tensor la, torch::Tensor 
 
 
 _BUILT: set[bool] = set()  # the builds this process holds (all_variants False / True)
+_FUNCTIONS = ("gdn_verify_cuda", "gdn_step_cuda", "gdn_flush_cuda")
+
+
+def binding_source() -> str:
+    """The extension's C++ binding: the three host functions' declarations (``_DECL``) and
+    their Python module (``TORCH_EXTENSION_NAME``, which torch's build defines). The kernels
+    are three translation units of their own, which ninja compiles in parallel (one unit of
+    all three took the first build past a 90 s timeout in the forty-seventh pass)."""
+    defs = "".join(f'  m.def("{f}", &{f}, "{f}");\n' for f in _FUNCTIONS)
+    return ("#include <torch/extension.h>\n" + _DECL +
+            "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n" + defs + "}\n")
 
 
 def _warn_if_locked(ce, name: str) -> None:
@@ -112,12 +124,13 @@ def _warn_if_locked(ce, name: str) -> None:
 
 @functools.lru_cache(maxsize=2)
 def build(all_variants: bool = False):
-    """The compiled extension (``torch.utils.cpp_extension.load_inline`` of ``SOURCE``, the
-    verify, and ``STEP_SOURCE``, the decode step of :mod:`.cuda_step`, for the visible GPUs'
-    architectures), built on first use and cached for the process (torch keeps the build on
-    disk, so later processes load it). ``all_variants``: every verify variant of
-    :data:`LAUNCH` (about 100 instantiations, for the benchmark) instead of
-    :data:`LIBRARY_VARIANTS`.
+    """The compiled extension (``torch.utils.cpp_extension.load`` of ``SOURCE``, the verify,
+    ``STEP_SOURCE``, the decode step of :mod:`.cuda_step`, and ``FLUSH_SOURCE``, the flush of
+    :mod:`.cuda_flush`, as three translation units that ninja compiles in parallel, plus
+    :func:`binding_source`; for the visible GPUs' architectures), built on first use and
+    cached for the process (torch keeps the build on disk, so later processes load it).
+    ``all_variants``: every verify variant of :data:`LAUNCH` (about 100 instantiations, for
+    the benchmark) instead of :data:`LIBRARY_VARIANTS`.
 
     Raises:
         RuntimeError: no CUDA device, one below compute capability 8.0, no nvcc (CUDA
@@ -149,12 +162,20 @@ def build(all_variants: bool = False):
     name = "replayssm_gdn_cuda" + ("_all" if all_variants else "")
     _warn_if_locked(ce, name)
     try:
-        mod = ce.load_inline(name,
-                             cpp_sources=_DECL,
-                             cuda_sources=[SOURCE.read_text(), STEP_SOURCE.read_text(),
-                                           FLUSH_SOURCE.read_text()],
-                             functions=["gdn_verify_cuda", "gdn_step_cuda", "gdn_flush_cuda"],
-                             extra_cuda_cflags=flags, verbose=False)
+        # the binding goes into torch's build directory of the extension (written where it
+        # changed only: its content is part of torch's rebuild decision)
+        try:
+            where = Path(ce._get_build_directory(name, False))
+        except AttributeError:  # (a private torch helper; a later torch may rename it)
+            where = Path(tempfile.gettempdir()) / f"{name}_binding"
+            where.mkdir(parents=True, exist_ok=True)
+        bind = where / "replayssm_binding.cpp"
+        text = binding_source()
+        if not bind.exists() or bind.read_text() != text:
+            bind.write_text(text)
+        mod = ce.load(name, sources=[str(bind), str(SOURCE), str(STEP_SOURCE),
+                                     str(FLUSH_SOURCE)],
+                      extra_cuda_cflags=flags, verbose=False)
     except Exception as e:  # compiler and linker errors come as several exception types
         raise RuntimeError(f"building the CUDA kernels ({SOURCE.name}, {STEP_SOURCE.name}, "
                            f"{FLUSH_SOURCE.name}) "

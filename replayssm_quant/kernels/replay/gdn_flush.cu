@@ -190,10 +190,12 @@ __device__ __forceinline__ float div_by_rcp(float x, float b, float y) {
 }
 
 // Launch variants (the same bits): MB CTAs an SM asked of ptxas (1: up to 255 registers, no
-// spills; 2: 128 registers); RCP divides the NVFP4 elements by div_by_rcp where the matrix
-// scale is in quant.RCP_MATRIX_SCALE_RANGE (2^-86 .. 2^86; else __fdiv_rn), as the lean pair
-// cast's "lean_rcp" form.
-template <int MB, int RCP, int SR>
+// spills; 2: 128 registers; the host launches MB = 2 only, 1 was slower); RCP divides the
+// NVFP4 elements by div_by_rcp where the matrix scale is in quant.RCP_MATRIX_SCALE_RANGE
+// (2^-86 .. 2^86; else __fdiv_rn), as the lean pair cast's "lean_rcp" form; ROLL: the casts'
+// block loop unrolled 1 or 2 times. SR (the F_SR flag) is a template argument too, so that a
+// kernel holds one cast path.
+template <int MB, int RCP, int SR, int ROLL>
 __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
     const float* __restrict__ rv, const float* __restrict__ rk,
@@ -222,9 +224,6 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   for (int e = tid; e < n * (D / 4); e += NTH) {
     const int j = e / (D / 4), c4 = (e % (D / 4)) * 4;
     cp16(&sm.ks[j][kx(c4)], rk + (((size_t)b * JS + j) * G + grp) * D + c4);
-  }
-  for (int e = tid; e < n * (D / 4); e += NTH) {
-    const int j = e / (D / 4), c4 = (e % (D / 4)) * 4;
     cp16(&sm.vs[j][c4], rv + (((size_t)b * JS + j) * H + hd) * D + c4);
   }
   if ((flags & F_Y) && tid < D / 4) cp16(&sm.qs[kx(4 * tid)], q + ((size_t)b * G + grp) * D + 4 * tid);
@@ -413,9 +412,9 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   const bool use_rcp = RCP && sg >= 0x1p-86f && sg <= 0x1p86f;  // (the NVFP4 cast is RTN)
 
   // the casts, block by block (16 key columns: 4 Philox calls, 8 code bytes, 1 scale byte).
-  // One copy of a block's code, not four: block bk is always s[0..15], the registers moving
-  // down 16 after each block (unrolled four times, the casts overflowed the instruction
-  // cache: ncu, forty-seventh pass)
+  // ROLL copies of a block's code, not four: blocks bk .. bk + ROLL - 1 are always
+  // s[0 .. 16 ROLL - 1], the registers moving down 16 ROLL after each step (unrolled four
+  // times, the casts overflowed the instruction cache: ncu, forty-seventh pass)
   const long long key = (fi << SH_FLUSH) | (sq << SH_SEQ) | ((long long)hd << SH_HEAD) | kbits;
   const uint32_t klo = static_cast<uint32_t>(key & 0xFFFFFFFFLL);
   const uint32_t khi = static_cast<uint32_t>((key >> 32) & 0xFFFFFFFFLL);
@@ -423,8 +422,11 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   uint2* co = reinterpret_cast<uint2*>(codes + (mat * D + r) * (D / 2) + c0 / 2);
   uint32_t scw = 0;
 #pragma unroll 1
-  for (int bk = 0; bk < HALF / 16; ++bk) {
-    const float* x = s;
+  for (int b0 = 0; b0 < HALF / 16; b0 += ROLL) {
+#pragma unroll
+  for (int sub = 0; sub < ROLL; ++sub) {
+    const int bk = b0 + sub;
+    const float* x = s + 16 * sub;
     // the anchor: fp16 codes, two 16-byte stores
     uint32_t hw[8];
     if (SR) {
@@ -469,8 +471,9 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     }
     co[bk] = make_uint2(w0, w1);
     scw |= static_cast<uint32_t>(sbc) << (8 * bk);
+  }
 #pragma unroll
-    for (int i = 0; i < HALF - 16; ++i) s[i] = s[i + 16];
+  for (int i = 0; i < HALF - 16 * ROLL; ++i) s[i] = s[i + 16 * ROLL];
   }
   *reinterpret_cast<uint32_t*>(bscale + (mat * D + r) * (D / 16) + c0 / 16) = scw;
 }
@@ -491,10 +494,14 @@ void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, torch
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // (SR, the F_SR flag, is a template argument: one cast path a kernel)
   const bool sr = (flags & gdn_flush::F_SR) != 0;
-  auto kern = variant == 0 ? (sr ? gdn_flush::flush_kernel<2, 0, 1> : gdn_flush::flush_kernel<2, 0, 0>)
-             : variant == 1 ? (sr ? gdn_flush::flush_kernel<1, 0, 1> : gdn_flush::flush_kernel<1, 0, 0>)
-             : variant == 2 ? (sr ? gdn_flush::flush_kernel<2, 1, 1> : gdn_flush::flush_kernel<2, 1, 0>)
-                            : (sr ? gdn_flush::flush_kernel<1, 1, 1> : gdn_flush::flush_kernel<1, 1, 0>);
+  using Kern = decltype(&gdn_flush::flush_kernel<2, 0, 0, 1>);
+  // [variant][sr]: cuda_flush.VARIANTS (MB, RCP, ROLL)
+  static const Kern table[][2] = {
+      {gdn_flush::flush_kernel<2, 0, 0, 1>, gdn_flush::flush_kernel<2, 0, 1, 1>},
+      {gdn_flush::flush_kernel<2, 0, 0, 2>, gdn_flush::flush_kernel<2, 0, 1, 2>},
+      {gdn_flush::flush_kernel<2, 1, 0, 1>, gdn_flush::flush_kernel<2, 1, 1, 1>},
+      {gdn_flush::flush_kernel<2, 1, 0, 2>, gdn_flush::flush_kernel<2, 1, 1, 2>}};
+  const Kern kern = table[variant][sr ? 1 : 0];
   kern<<<B * H, gdn_flush::NTH, 0, stream>>>(
       reinterpret_cast<const __half*>(A.data_ptr()), la.data_ptr<float>(),
       beta.data_ptr<float>(), v.data_ptr<float>(), k.data_ptr<float>(),

@@ -46,6 +46,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 #include <cuda_runtime.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #ifdef NDEBUG  // (the position check must not compile away under NDEBUG)
@@ -76,6 +77,11 @@ struct Smem {
   float rkey[JMAX][K + 4];  // the ring's keys of this group, slots < p (cp.async), and k_p
   float qraw[K];        // the query, unscaled
 };
+// ST 3's B fragments [part][lane % 4][k-step][register] (2 KiB) reuse rkey once the Gram
+// terms have read it (a larger Smem would cost the other forms a CTA an SM)
+using BFrag = uint32_t[4][8][2];
+static_assert(sizeof(Smem::rkey) >= 8 * sizeof(BFrag) && offsetof(Smem, rkey) % 16 == 0,
+              "the B fragments fit in rkey, 16-byte aligned");
 static_assert(sizeof(Smem) % 16 == 0, "the staged tile after Smem is 16-byte aligned");
 
 // A ring position outside 0 .. min(JS, JMAX) - 1: prints the sequence, then fails a
@@ -102,6 +108,53 @@ __device__ __forceinline__ float e4m3(uint32_t c) {
   const uint32_t m = c & 0x7Fu;
   if (m == 0x7Fu) return __uint_as_float(0x7FC00000u);
   return __uint_as_float(((c & 0x80u) << 24) | (m << 20)) * 0x1p120f;
+}
+
+// ST 3 (NVFP4 on the tensor cores). The pair N (0..3) of the word w's E2M1 codes N and N + 4
+// as a bf16x2 (code N in the low half): each element times 2^-126 (code 1, 0.5, is the bf16
+// subnormal 2^-127), by the float32 decode's trick at bf16's bit positions: the magnitude's
+// three bits to 8..6 (and 24..22), the sign to 15 (and 31). Codes N and N + 4 are 16 bits
+// apart, as the halves are, so one shift serves both.
+template <int N>
+__device__ __forceinline__ uint32_t e2m1x2_tiny_bf16(uint32_t w) {
+  const uint32_t mag = N <= 1 ? (w << (6 - 4 * N)) : (w >> (4 * N - 6));
+  const uint32_t sgn = w << (12 - 4 * N);
+  return (mag & 0x01C001C0u) | (sgn & 0x80008000u);
+}
+
+// An E4M3 block scale code as a bf16x2 of (scale times 2^110) in both halves: exact (four
+// significant bits; 2^101 .. 2^118.8, normal), NaN for 0x7F and 0xFF.
+__device__ __forceinline__ uint32_t e4m3_bf16x2_2p110(uint32_t c) {
+  const float s = e4m3(c) * 0x1p110f;
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(s), "f"(s));
+  return r;
+}
+
+// a * b on bf16x2, rounded to nearest (here always exact: an E2M1 element times an E4M3
+// scale has at most 6 significant bits); as fma with -0, which sm_80 has (mul.bf16x2 is
+// sm_90's); subnormal inputs are not flushed (no .ftz exists for bf16)
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+  return r;
+}
+
+// d += A B on the tensor cores: m16n8k16, bf16 operands, FP32 accumulation
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// a float32 as bf16 bits, rounded to nearest even
+__device__ __forceinline__ uint16_t bf16_rn(float x) {
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
 }
 
 // Eight elements of a word against eight consecutive elements (ka, kb) of the key and (qa,
@@ -223,6 +276,8 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   float4 xb[2][4];   // FMT 0, ST 2: a lane's four float4 of a row, two rows ahead
   uint2 cb[2];       // FMT 1, ST 2: a lane's block (8 bytes of codes), two rows ahead
   uint32_t sb[2];    //                and its scale code
+  uint4 c3[2][2];    // FMT 1, ST 3: [m-tile][row g, g + 8]: 16 bytes of codes (lane % 4's)
+  uint32_t s3[2][2]; //                and their two block scale codes
   unsigned char* tile = smem_raw + sizeof(Smem);  // ST 1
   const float4* rr =
       FMT == 0 ? reinterpret_cast<const float4*>(R + ((size_t)mat * V + row) * K) : nullptr;
@@ -238,7 +293,18 @@ __global__ void __launch_bounds__(NTH) step_kernel(
       sb[slot] = __ldg(bscale + r2(it) * (K / 16) + li);
     }
   };
-  if constexpr (ST == 1) {
+  static_assert(ST != 3 || FMT == 1, "ST 3 is the NVFP4 read copy's form");
+  if constexpr (ST == 3) {  // rows 32 warp + 16 m + lane / 4 (+ 8): lane % 4's 16 bytes
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const size_t rw = (size_t)mat * V + 32 * warp + 16 * m + 8 * hh + (lane >> 2);
+        c3[m][hh] = __ldg(reinterpret_cast<const uint4*>(codes + rw * (K / 2)) + (lane & 3));
+        s3[m][hh] = __ldg(reinterpret_cast<const unsigned short*>(bscale + rw * (K / 16)) +
+                          (lane & 3));
+      }
+  } else if constexpr (ST == 1) {
     if constexpr (FMT == 0) {
       const float* src = R + (size_t)mat * V * K;
 #pragma unroll 4
@@ -296,9 +362,9 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   } else {  // pre-scaled: see the header
     ek = above_exp(warp_max(fmaxf(fmaxf(fabsf(kl.x), fabsf(kl.y)), fmaxf(fabsf(kl.z), fabsf(kl.w)))));
     eq = above_exp(warp_max(fmaxf(fmaxf(fabsf(ql.x), fabsf(ql.y)), fmaxf(fabsf(ql.z), fabsf(ql.w)))));
-    if (warp < 2) {
+    if (warp < 2) {  // (ST 3: by 2^(16 - e), see there)
       const float4 x = warp == 0 ? kl : ql;
-      const int sh = 126 - (warp == 0 ? ek : eq);
+      const int sh = (ST == 3 ? 16 : 126) - (warp == 0 ? ek : eq);
       reinterpret_cast<float4*>(warp == 0 ? sm.ks : sm.qs)[lane] =
           make_float4(ldexpf(x.x, sh), ldexpf(x.y, sh), ldexpf(x.z, sh), ldexpf(x.w, sh));
     }
@@ -341,6 +407,28 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     if (qq == 0 && j == p) sm.zq[p] = zq;
   }
 
+  // ST 3: the B fragments, [k_hi k_mid k_lo 0 q_hi q_mid q_lo 0] (the key and query, scaled,
+  // each the exact sum of three bf16), thread c writing column c's six parts where the
+  // fragment of its k-step holds them (see the products)
+  if constexpr (ST == 3) {
+    __syncthreads();  // (the Gram terms have read rkey)
+    const int c = tid, tg = c >> 5, j = (c >> 3) & 3, n = c & 7;
+    const int ks = 2 * j + ((n >> 1) & 1), rg = n & 1, half = n >> 2;
+    uint16_t* bf = reinterpret_cast<uint16_t*>(&sm.rkey[0][0]);
+    const float xs[2] = {sm.ks[c], sm.qs[c]};
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const uint16_t hi = bf16_rn(xs[w]);
+      const float r1 = xs[w] - __uint_as_float((uint32_t)hi << 16);
+      const uint16_t mid = bf16_rn(r1);
+      const uint16_t lo = bf16_rn(r1 - __uint_as_float((uint32_t)mid << 16));
+      const uint16_t part[4] = {hi, mid, lo, 0};
+#pragma unroll
+      for (int q4 = 0; q4 < 4; ++q4)
+        bf[((((4 * w + q4) * 4 + tg) * 8 + ks) * 2 + rg) * 2 + half] = part[q4];
+    }
+  }
+
   // The row's products with the key and the query, in one order for every launch form: the
   // row's columns in 8 groups (FMT 0: group g = the float4s g, g + 8, g + 16, g + 24, each a
   // chain of FMAs in column order; FMT 1: group g = block g, its scale times the sum of its
@@ -377,6 +465,64 @@ __global__ void __launch_bounds__(NTH) step_kernel(
       }
     }
   }
+  if constexpr (ST == 3) {
+    // The products on the tensor cores: Y [128, 8] = A [128, 128] B [128, 8], A the read copy's
+    // elements times their block scales times 2^-16 as bf16 (exact), B the parts above. Warp w
+    // takes rows 32 w .. + 31 as two m-tiles of 16; lane (g = lane / 4, t = lane % 4) holds
+    // the 16 bytes t of rows g and g + 8 of each, columns 32 t .. 32 t + 31 (words j = 0..3,
+    // blocks 2 t and 2 t + 1). The k-step 2 j + s takes word j's code pairs (2 s, 2 s + 4)
+    // and (2 s + 1, 2 s + 5) as its registers a0 / a1 (k = 2 t, 2 t + 1) and a2 / a3 (k = 2 t
+    // + 8, 2 t + 9): the MMA's K runs over the columns in that permuted order, and B's
+    // fragments (written above) follow it. Each m-tile is one sum of the 128 columns in the
+    // tensor cores' FP32 accumulation, over 8 k-steps in order; then per row and operand
+    // hi + (mid + lo). Every sum's order is the CTA's own.
+    __syncthreads();  // the B fragments
+    const int g = lane >> 2, t = lane & 3;
+    uint32_t bq[8][2];
+    if ((g & 3) == 3) {  // the zero columns
+#pragma unroll
+      for (int i = 0; i < 8; ++i) bq[i][0] = bq[i][1] = 0u;
+    } else {
+      const BFrag* bfr = reinterpret_cast<const BFrag*>(&sm.rkey[0][0]);
+      const uint4* src = reinterpret_cast<const uint4*>(&bfr[g][t][0][0]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint4 x = src[i];
+        bq[2 * i][0] = x.x; bq[2 * i][1] = x.y; bq[2 * i + 1][0] = x.z; bq[2 * i + 1][1] = x.w;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      const uint32_t wa[4] = {c3[m][0].x, c3[m][0].y, c3[m][0].z, c3[m][0].w};
+      const uint32_t wb[4] = {c3[m][1].x, c3[m][1].y, c3[m][1].z, c3[m][1].w};
+      const uint32_t sa[2] = {e4m3_bf16x2_2p110(s3[m][0] & 0xFFu), e4m3_bf16x2_2p110(s3[m][0] >> 8)};
+      const uint32_t sg[2] = {e4m3_bf16x2_2p110(s3[m][1] & 0xFFu), e4m3_bf16x2_2p110(s3[m][1] >> 8)};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t ua = sa[j >> 1], ub = sg[j >> 1];
+        mma_bf16(d, bf16x2_mul(e2m1x2_tiny_bf16<0>(wa[j]), ua),
+                 bf16x2_mul(e2m1x2_tiny_bf16<0>(wb[j]), ub),
+                 bf16x2_mul(e2m1x2_tiny_bf16<1>(wa[j]), ua),
+                 bf16x2_mul(e2m1x2_tiny_bf16<1>(wb[j]), ub), bq[2 * j][0], bq[2 * j][1]);
+        mma_bf16(d, bf16x2_mul(e2m1x2_tiny_bf16<2>(wa[j]), ua),
+                 bf16x2_mul(e2m1x2_tiny_bf16<2>(wb[j]), ub),
+                 bf16x2_mul(e2m1x2_tiny_bf16<3>(wa[j]), ua),
+                 bf16x2_mul(e2m1x2_tiny_bf16<3>(wb[j]), ub), bq[2 * j + 1][0],
+                 bq[2 * j + 1][1]);
+      }
+      // d: rows g (d0, d1) and g + 8 (d2, d3), columns 2 t and 2 t + 1: lane t = 0 holds
+      // k_hi, k_mid, lane 1 k_lo, lane 2 q_hi, q_mid, lane 3 q_lo
+      const float lo0 = __shfl_down_sync(0xffffffffu, d[0], 1);
+      const float lo2 = __shfl_down_sync(0xffffffffu, d[2], 1);
+      if ((t & 1) == 0) {
+        float* y = t == 0 ? sm.yk : sm.yq;
+        const int r0 = 32 * warp + 16 * m + g;
+        y[r0] = __fadd_rn(d[0], __fadd_rn(d[1], lo0));
+        y[r0 + 8] = __fadd_rn(d[2], __fadd_rn(d[3], lo2));
+      }
+    }
+  }
   if constexpr (FMT == 0 && ST != 2) {
     float pk[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float pq[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -396,7 +542,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     }
     rk_ = tree8(pk);
     rq_ = tree8(pq);
-  } else if constexpr (FMT == 1 && ST != 2) {
+  } else if constexpr (FMT == 1 && ST != 2 && ST != 3) {
     if constexpr (ST == 1) {
       const uint4* tr = reinterpret_cast<const uint4*>(tile + row * FP4_ROW);
 #pragma unroll
@@ -422,7 +568,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
 
   if constexpr (ST != 1) asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
-  if constexpr (ST == 2) {
+  if constexpr (ST == 2 || ST == 3) {
     rk_ = sm.yk[row];
     rq_ = sm.yq[row];
   }
@@ -492,8 +638,8 @@ void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
         JS);                                                                                 \
   }
   if (fmt == 1) {
-    if (stage == 2) GDN_STEP_LAUNCH(1, 2) else if (stage == 1) GDN_STEP_LAUNCH(1, 1)
-    else GDN_STEP_LAUNCH(1, 0)
+    if (stage == 3) GDN_STEP_LAUNCH(1, 3) else if (stage == 2) GDN_STEP_LAUNCH(1, 2)
+    else if (stage == 1) GDN_STEP_LAUNCH(1, 1) else GDN_STEP_LAUNCH(1, 0)
   } else {
     if (stage == 2) GDN_STEP_LAUNCH(0, 2) else if (stage == 1) GDN_STEP_LAUNCH(0, 1)
     else GDN_STEP_LAUNCH(0, 0)

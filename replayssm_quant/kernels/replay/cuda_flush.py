@@ -57,7 +57,9 @@ VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1}, 1: {"mb": 2, "rcp": False, "r
 #: the default variant: 0, the fastest on an H100 at 9989e20 (B = 256, 32 heads, J = 16; us,
 #: fp16+sr / RTN anchor: 890 / 760, against 968 / 767 for rcp and 1155 / 1043, 1093 / 987 for
 #: the 1-CTA forms, and 1094 / 1047 for the Triton split flush;
-#: flush_nvfp4_cuda_9989e20_h100.json); roll 2 not yet timed
+#: flush_nvfp4_cuda_9989e20_h100.json). Roll 2, at 792db29 (flush_nvfp4_cuda_792db29_h100.json):
+#: 911 / 770 (variant 1), 892 / 753 (variant 3, rcp), against 889 / 759 for variant 0 in the
+#: same run: no better where SR matters, so 0 stays
 GDN_FLUSH_CUDA_CONFIG = {"variant": 0}
 _F_SR, _F_Y, _F_S, _F_W = 1, 2, 4, 8
 # gdn_flush.cu's constants

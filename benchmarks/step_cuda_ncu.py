@@ -1,7 +1,7 @@
 """Launch GDN's CUDA decode step (``kernels/replay/gdn_step.cu``) three times on
 ``decode.py``'s geometry (B = 256, 32 value heads, 16 key heads, 128 x 128, L = 16, the ring
-``decode.make_set`` builds for 8 drafts), every sequence at ring position ``--h``, for Nsight Compute to profile one launch
-(launch 0 builds and warms).
+``decode.make_set`` builds for 8 drafts), every sequence at ring position ``--h``, for
+Nsight Compute to profile one launch (launch 0 builds and warms).
 
 Usage (on the device)::
 

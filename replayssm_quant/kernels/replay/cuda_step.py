@@ -283,7 +283,8 @@ def nvfp4_mma_operands(codes: torch.Tensor, block_scales: torch.Tensor, x: torch
     _, sf = nvfp4_tiny_decode(codes, block_scales)
     sbf = (sf * 2.0 ** 110).to(torch.bfloat16).repeat_interleave(16, -1)
     a = (tiny * sbf).float()  # bf16 * bf16 (torch rounds to nearest: exact here)
-    m = x.abs().amax(-1, keepdim=True)
+    # (the kernel's fmaxf passes over a NaN element, as nan=0 here; an infinite one gives e = 0)
+    m = torch.nan_to_num(x.abs(), nan=0.0, posinf=float("inf")).amax(-1, keepdim=True)
     e = torch.where(torch.isfinite(m) & (m > 0), torch.frexp(m).exponent,
                     torch.zeros_like(m, dtype=torch.int32))
     xs = torch.ldexp(x, 16 - e)

@@ -12,8 +12,8 @@
 // epilogue in the same order (gdn_verify.cu).
 //
 // One CTA of 128 threads per (sequence b, value head h); thread r forms the epilogue of value
-// row r. The products R[r] . k_p and R[r] . q are FP32 FMAs (two columns are two FMAs a loaded
-// element, far below the FMA rate: no tensor cores) in one order for every launch form: the
+// row r. In the launch forms 0-2 the products R[r] . k_p and R[r] . q are FP32 FMAs (two
+// columns are two FMAs a loaded element) in one order for every such form: the
 // row's 128 columns in 8 groups (FP32: group g is the float4s g, g + 8, g + 16, g + 24, a
 // chain of FMAs in column order; NVFP4: group g is the 16-element block g, its E4M3 scale
 // times the sum of its even and odd elements' chains), joined by a fixed tree
@@ -21,7 +21,8 @@
 // leaves in every lane. Launch forms (ST): 0, each thread loads its own row (FP32: two
 // 128-byte lines ahead); 1, the CTA copies its tile into padded shared memory by coalesced
 // cp.async first; 2, 8 lanes a row (lane g: group g), 4 rows a warp an instruction, coalesced,
-// two rows ahead, the groups joined by shuffles.
+// two rows ahead, the groups joined by shuffles. Form 3 (NVFP4 only) forms the products on
+// the tensor cores, every operand exact in bf16 (see there): another order, its own bits.
 //
 // An NVFP4 row (64 bytes of E2M1 codes, 8 E4M3 block scales, the head's FP32 matrix scale)
 // is decoded exactly with integer operations: an E2M1 code placed in a float32's sign bit and
@@ -65,15 +66,15 @@ constexpr int JMAX = 32;  // ring slots a sequence (window + max drafts)
 constexpr int NTH = 128;  // threads: one value row each
 
 struct Smem {
-  float ks[K];          // the new key (NVFP4: scaled by 2^(126 - e_k))
-  float qs[K];          // the query (NVFP4: scaled by 2^(126 - e_q))
+  float ks[K];          // the new key (NVFP4: scaled by 2^(126 - e_k); ST 3: 2^(16 - e_k))
+  float qs[K];          // the query (NVFP4: scaled by 2^(126 - e_q); ST 3: 2^(16 - e_q))
   float ru[JMAX][V];    // the ring's corrections of this head, slots < p (cp.async)
   float la[JMAX];       // log decays of slots 0..p
   float zq[JMAX];       // k_j . q (only j = p is kept: the coefficients take the rest)
   float ac[JMAX];       // beta_p e^{c_p - c_j} k_j . k_p, j < p
   float bc[JMAX];       // e^{c_p - c_j} k_j . q, j < p
-  float yk[V];          // ST 2: R k_p by row
-  float yq[V];          // ST 2: R q by row
+  float yk[V];          // ST 2, 3: R k_p by row
+  float yq[V];          // ST 2, 3: R q by row
   float rkey[JMAX][K + 4];  // the ring's keys of this group, slots < p (cp.async), and k_p
   float qraw[K];        // the query, unscaled
 };
@@ -610,7 +611,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
 // uint8 [B, H, V, K / 2], bscale uint8 [B, H, V, K / 16], mscale float32 [B, H] (R unused).
 // Ring: rla, rbeta [B, JS, H]; rv, ru [B, JS, H, V]; rk [B, JS, G, K] (slot h written).
 // Token: q, k [B, G, K]; v [B, H, V]; g, beta [B, H]; h int64 [B]; o [B, H, V] written.
-// stage: 0, 1 or 2, the kernel's ST.
+// stage: 0, 1, 2 or (fmt 1) 3, the kernel's ST.
 void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
                    torch::Tensor mscale, int64_t fmt, torch::Tensor rla, torch::Tensor rbeta,
                    torch::Tensor rv, torch::Tensor rk, torch::Tensor ru, torch::Tensor q,

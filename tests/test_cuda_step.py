@@ -78,17 +78,28 @@ def _kernel_products(read: PackedTensor, x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(acc * read.matrix_scale[..., None], e)
 
 
+def _mma_products(read: PackedTensor, x: torch.Tensor) -> torch.Tensor:
+    """Stage 3's products ``R x`` emulated from its operands (``nvfp4_mma_operands``) in
+    float32: each bf16 part's sum, then ``hi + (mid + lo)``, times the matrix scale and 2^e."""
+    a, parts, e = cs.nvfp4_mma_operands(read.codes, read.block_scales, x)
+    y = torch.einsum("bhvk,bhpk->bhvp", a, parts)
+    return torch.ldexp((y[..., 0] + (y[..., 1] + y[..., 2])) * read.matrix_scale[..., None], e)
+
+
+@pytest.mark.parametrize("products", [_kernel_products, _mma_products],
+                         ids=["fma_forms", "stage3"])
 @pytest.mark.parametrize("scale", [1.0, 1e-20, 1e12])
-def test_kernel_nvfp4_products_are_exact_to_float32(scale):
-    """The kernel's factorised NVFP4 products (emulated in torch) are within float32 rounding
-    of the float64 products with the dequantized copy, for keys of any magnitude (the 2^126
-    of the decode cancels against the keys' scaling, with no overflow and no subnormal
-    product)."""
+def test_kernel_nvfp4_products_are_exact_to_float32(scale, products):
+    """The kernel's factorised NVFP4 products (emulated in torch: the FMA forms' per-block
+    factorisation, and stage 3's bf16 operands) are within float32 rounding of the float64
+    products with the dequantized copy, for keys of any magnitude (the decode's 2^126, or
+    stage 3's 2^-16, cancels against the keys' scaling, with no overflow, no subnormal
+    product and no lost part)."""
     g = torch.Generator().manual_seed(3)
     S = torch.randn(2, 3, D, D, generator=g)
     read = pack(S, "nvfp4")
     x = torch.randn(2, 3, D, generator=g) * scale
-    got = _kernel_products(read, x)
+    got = products(read, x)
     R = read.dequantize().double()
     want = torch.einsum("bhvk,bhk->bhv", R, x.double())
     bound = torch.einsum("bhvk,bhk->bhv", R.abs(), x.double().abs()) * 2e-6
@@ -151,26 +162,6 @@ def test_nvfp4_mma_operands_are_exact():
         total = parts.double().sum(-2)
         assert torch.equal(total, torch.ldexp(xs.double(), (16 - e).double()))
         assert (parts[..., 0, :].abs() < 2.0 ** 16).all()
-
-
-@pytest.mark.parametrize("scale", [1.0, 1e-20, 1e12])
-def test_kernel_mma_products_are_exact_to_float32(scale):
-    """Stage 3's products, emulated from its operands in float32 (each part's sum, then hi +
-    (mid + lo), times the matrix scale and 2^e), are within float32 rounding of the float64
-    products with the dequantized copy, for keys of any magnitude: no overflow and no lost
-    part."""
-    g = torch.Generator().manual_seed(5)
-    S = torch.randn(2, 3, D, D, generator=g)
-    read = pack(S, "nvfp4")
-    x = torch.randn(2, 3, D, generator=g) * scale
-    a, parts, e = cs.nvfp4_mma_operands(read.codes, read.block_scales, x)
-    y = torch.einsum("bhvk,bhpk->bhvp", a, parts)
-    got = torch.ldexp((y[..., 0] + (y[..., 1] + y[..., 2])) * read.matrix_scale[..., None], e)
-    R = read.dequantize().double()
-    want = torch.einsum("bhvk,bhk->bhv", R, x.double())
-    bound = torch.einsum("bhvk,bhk->bhv", R.abs(), x.double().abs()) * 2e-6
-    assert torch.isfinite(got).all()
-    assert ((got.double() - want).abs() <= bound).all()
 
 
 def test_stage_is_checked():

@@ -203,6 +203,24 @@ def gdn_state_step_cuda(cps, ring: dict, h, q, k, v, g, beta):
     return gdn_step_cuda(cps.read_stored, ring, q, k, v, g, beta, h)
 
 
+def _code_words(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes ``uint8 [..., K/2]`` as the kernel's 32-bit words ``int64 [..., K/8]``
+    (little-endian: element n of a word in bits 4n .. 4n + 3)."""
+    c = codes.to(torch.int64)
+    b = c.reshape(*c.shape[:-1], c.shape[-1] // 4, 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _e4m3_values(block_scales: torch.Tensor) -> torch.Tensor:
+    """E4M3 block-scale codes ``uint8`` as float32 values by ``gdn_step.cu``'s ``e4m3`` (its
+    seven bits at 20..26 times 2^120; 0x7F, 0xFF: NaN)."""
+    s = block_scales.to(torch.int64)
+    m = s & 0x7F
+    sb = ((s & 0x80) << 24) | (m << 20)
+    sf = (sb - ((sb >> 31) << 32)).to(torch.int32).view(torch.float32) * 2.0 ** 120
+    return torch.where(m == 0x7F, torch.full_like(sf, float("nan")), sf)
+
+
 def nvfp4_tiny_decode(codes: torch.Tensor, block_scales: torch.Tensor):
     """The step kernel's exact NVFP4 decode in torch (the oracle of its integer operations):
     E2M1 codes ``uint8 [..., K/2]`` (element 2i in the low nibble) as float32 values times
@@ -211,10 +229,7 @@ def nvfp4_tiny_decode(codes: torch.Tensor, block_scales: torch.Tensor):
     ``(tiny * 2^126) * (scale * matrix_scale)`` (the scales' product rounded first, as
     PackedTensor.dequantize rounds it) is dequantize's value, bit for bit.
     Returns ``(tiny [..., K], scales [..., K/16])``."""
-    c = codes.to(torch.int64)
-    K2 = c.shape[-1]
-    words = c.reshape(*c.shape[:-1], K2 // 4, 4)
-    w = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+    w = _code_words(codes)
     m32 = 0xFFFFFFFF
     out = []
     for n in range(8):  # element n of each 32-bit word
@@ -222,14 +237,9 @@ def nvfp4_tiny_decode(codes: torch.Tensor, block_scales: torch.Tensor):
         sgn = (w << (28 - 4 * n)) & m32
         bits = (mag & 0x01C00000) | (sgn & 0x80000000)
         out.append(bits)
-    bits = torch.stack(out, -1).reshape(*c.shape[:-1], K2 * 2)
+    bits = torch.stack(out, -1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
     tiny = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
-    s = block_scales.to(torch.int64)
-    m = s & 0x7F
-    sb = ((s & 0x80) << 24) | (m << 20)
-    sf = (sb - ((sb >> 31) << 32)).to(torch.int32).view(torch.float32) * 2.0 ** 120
-    sf = torch.where(m == 0x7F, torch.full_like(sf, float("nan")), sf)
-    return tiny, sf
+    return tiny, _e4m3_values(block_scales)
 
 
 def mma_column(kstep: int, lane_t: int, kk: int) -> int:
@@ -264,10 +274,7 @@ def nvfp4_mma_operands(codes: torch.Tensor, block_scales: torch.Tensor, x: torch
 
     ``codes uint8 [..., V, K/2]``, ``block_scales uint8 [..., V, K/16]``, ``x float32
     [..., K]`` (the leading axes as the codes'). Returns ``(a, parts, e)``."""
-    c = codes.to(torch.int64)
-    K2 = c.shape[-1]
-    words = c.reshape(*c.shape[:-1], K2 // 4, 4)
-    w = words[..., 0] | (words[..., 1] << 8) | (words[..., 2] << 16) | (words[..., 3] << 24)
+    w = _code_words(codes)
     m32 = 0xFFFFFFFF
 
     def as_bf16(bits16):  # int64 holding 16 bits -> bfloat16
@@ -279,9 +286,8 @@ def nvfp4_mma_operands(codes: torch.Tensor, block_scales: torch.Tensor, x: torch
         sgn = (w << (12 - 4 * n)) & m32
         bits = (mag & 0x01C001C0) | (sgn & 0x80008000)
         pairs[n], pairs[n + 4] = as_bf16(bits & 0xFFFF), as_bf16(bits >> 16)
-    tiny = torch.stack(pairs, -1).reshape(*c.shape[:-1], K2 * 2)  # element n of word: n
-    _, sf = nvfp4_tiny_decode(codes, block_scales)
-    sbf = (sf * 2.0 ** 110).to(torch.bfloat16).repeat_interleave(16, -1)
+    tiny = torch.stack(pairs, -1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)  # (word order)
+    sbf = (_e4m3_values(block_scales) * 2.0 ** 110).to(torch.bfloat16).repeat_interleave(16, -1)
     a = (tiny * sbf).float()  # bf16 * bf16 (torch rounds to nearest: exact here)
     # (the kernel's fmaxf passes over a NaN element, as nan=0 here; an infinite one gives e = 0)
     m = torch.nan_to_num(x.abs(), nan=0.0, posinf=float("inf")).amax(-1, keepdim=True)

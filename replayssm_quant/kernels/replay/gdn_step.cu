@@ -270,7 +270,21 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   }
   const int p = (int)p64;
 
-  // R first: it is the long pole
+  // the token's operands first (a few words each, on the critical path: the key's and
+  // query's scaling exponents come before any product), and the epilogue's, so that no
+  // load waits at the end; then R, the long pole
+  const float* kg = kn + ((size_t)b * G + grp) * K;
+  const float* qg = q + ((size_t)b * G + grp) * K;
+  const float4 kl = __ldg(reinterpret_cast<const float4*>(kg) + lane);
+  const float4 ql = __ldg(reinterpret_cast<const float4*>(qg) + lane);
+  const float g_p = __ldg(gn + (size_t)b * H + hd), beta_p = __ldg(bn + (size_t)b * H + hd);
+  const float la_t = tid < p && tid < JMAX ? rla[((size_t)b * JS + tid) * H + hd] : 0.f;
+  // (the FP32 stage 2 keeps these two for the end: its loads ahead take the registers)
+  constexpr bool EARLY = !(FMT == 0 && ST == 2);
+  const bool first_head = hd % (H / G) == 0;  // (it appends the key to the ring)
+  float vnew = EARLY ? __ldg(vn + ((size_t)b * H + hd) * V + row) : 0.f;
+  float k_row = EARLY && first_head ? __ldg(kg + row) : 0.f;
+  const float ms = FMT == 1 ? __ldg(mscale + mat) : 1.f;
   float4 fb[2][8];   // FMT 0, ST 0: the thread's row, two 128-byte lines ahead
   uint4 cw[4];       // FMT 1, ST 0 / 1: the row's codes
   uint2 sw;          // FMT 1, ST 0 / 1: its block scales
@@ -294,6 +308,13 @@ __global__ void __launch_bounds__(NTH) step_kernel(
       sb[slot] = __ldg(bscale + r2(it) * (K / 16) + li);
     }
   };
+  // the ring's keys of this group, slots < p: the Gram terms' operands, before R (they are
+  // needed first), in their own group so that the Gram terms wait for them alone
+  for (int e = tid; e < p * (K / 4); e += NTH) {
+    const int slot = e / (K / 4), c4 = (e % (K / 4)) * 4;
+    cp16(&sm.rkey[slot][c4], rk + (((size_t)b * JS + slot) * G + grp) * K + c4);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
   static_assert(ST != 3 || FMT == 1, "ST 3 is the NVFP4 read copy's form");
   if constexpr (ST == 3) {  // rows 32 warp + 16 m + lane / 4 (+ 8): lane % 4's 16 bytes
 #pragma unroll
@@ -337,13 +358,8 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     sw = __ldg(reinterpret_cast<const uint2*>(bscale + ((size_t)mat * V + row) * (K / 16)));
   }
 
-  // the ring's keys of this group, slots < p (the Gram terms' operands; their own group, so
-  // that the Gram terms wait for them alone), then its corrections of this head
-  for (int e = tid; e < p * (K / 4); e += NTH) {
-    const int slot = e / (K / 4), c4 = (e % (K / 4)) * 4;
-    cp16(&sm.rkey[slot][c4], rk + (((size_t)b * JS + slot) * G + grp) * K + c4);
-  }
-  asm volatile("cp.async.commit_group;\n" ::);
+  // then the ring's corrections of this head (their own group, with ST 1's tile: the
+  // epilogue waits for them)
   const size_t HV = (size_t)H * V;
   for (int e = tid; e < p * (V / 4); e += NTH) {
     const int slot = e / (V / 4), c4 = (e % (V / 4)) * 4;
@@ -351,11 +367,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   }
   asm volatile("cp.async.commit_group;\n" ::);
 
-  // the token's key and query of this key group: four elements a lane, in every warp
-  const float* kg = kn + ((size_t)b * G + grp) * K;
-  const float* qg = q + ((size_t)b * G + grp) * K;
-  const float4 kl = __ldg(reinterpret_cast<const float4*>(kg) + lane);
-  const float4 ql = __ldg(reinterpret_cast<const float4*>(qg) + lane);
+  // the token's key and query of this key group (four elements a lane, in every warp)
   int ek = 0, eq = 0;  // FMT 1: the scaling exponents (every warp computes them)
   if constexpr (FMT == 0) {
     if (warp == 0) reinterpret_cast<float4*>(sm.ks)[lane] = kl;
@@ -372,18 +384,31 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   }
   if (warp == 2) reinterpret_cast<float4*>(sm.rkey[p])[lane] = kl;
   if (warp == 3) reinterpret_cast<float4*>(sm.qraw)[lane] = ql;
-  const float g_p = gn[(size_t)b * H + hd], beta_p = bn[(size_t)b * H + hd];
-  if (tid < JMAX) sm.la[tid] = tid < p ? rla[((size_t)b * JS + tid) * H + hd] : tid == p ? g_p : 0.f;
+  if (tid < JMAX) sm.la[tid] = tid < p ? la_t : tid == p ? g_p : 0.f;
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // the ring's keys
   __syncthreads();
 
-  // c_p by one serial sum in slot order (every thread the same bits)
-  float cp = 0.f;
-  for (int j = 0; j <= p; ++j) cp += sm.la[j];
+  // c_j, j <= p, by one serial sum in slot order, once (thread 0, in place of la: the slots'
+  // loads all issued first, then the chain of adds; the slots past p add 0)
+  if (tid == 0) {
+    float c = 0.f;
+#pragma unroll
+    for (int j0 = 0; j0 < JMAX; j0 += 8) {  // (8 loads in flight at a time)
+      float lr[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) lr[j] = sm.la[j0 + j];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c += lr[j];
+        sm.la[j0 + j] = c;
+      }
+    }
+  }
+  float cp;  // c_p (read once the sum is in)
   // The Gram terms k_j . k_p and k_j . q, j <= p, all at once: 4 threads a slot (thread t:
   // slot t / 4, columns 32 (t % 4) .. + 31, one chain of FMAs in column order), joined by
-  // (c0 + c1) + (c2 + c3); the slot's first thread then forms its coefficients (c_j by the
-  // same serial sum).
+  // (c0 + c1) + (c2 + c3); the slot's first thread then forms its coefficients (from the c_j
+  // above, once they are in: the barrier also ends every read of the ring's keys).
   {
     const int j = tid >> 2, qq = tid & 3;
     float zk = 0.f, zq = 0.f;
@@ -398,10 +423,10 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     zq = __fadd_rn(zq, __shfl_xor_sync(0xffffffffu, zq, 1));
     zk = __fadd_rn(zk, __shfl_xor_sync(0xffffffffu, zk, 2));
     zq = __fadd_rn(zq, __shfl_xor_sync(0xffffffffu, zq, 2));
+    __syncthreads();  // (c_j)
+    cp = sm.la[p];
     if (qq == 0 && j < p) {
-      float cj = 0.f;
-      for (int i = 0; i <= j; ++i) cj += sm.la[i];
-      const float d = expf(cp - cj);
+      const float d = expf(cp - sm.la[j]);
       sm.ac[j] = beta_p * d * zk;
       sm.bc[j] = d * zq;
     }
@@ -411,8 +436,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   // ST 3: the B fragments, [k_hi k_mid k_lo 0 q_hi q_mid q_lo 0] (the key and query, scaled,
   // each the exact sum of three bf16), thread c writing column c's six parts where the
   // fragment of its k-step holds them (see the products)
-  if constexpr (ST == 3) {
-    __syncthreads();  // (the Gram terms have read rkey)
+  if constexpr (ST == 3) {  // (after the (c_j) barrier: the Gram terms have read rkey)
     const int c = tid, tg = c >> 5, j = (c >> 3) & 3, n = c & 7;
     const int ks = 2 * j + ((n >> 1) & 1), rg = n & 1, half = n >> 2;
     uint16_t* bf = reinterpret_cast<uint16_t*>(&sm.rkey[0][0]);
@@ -574,16 +598,19 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     rq_ = sm.yq[row];
   }
   if constexpr (FMT == 1) {
-    const float ms = mscale[mat];
     rk_ = ldexpf(rk_ * ms, ek);
     rq_ = ldexpf(rq_ * ms, eq);
   }
 
   // the row's correction and output (the verify's epilogue at T = 1)
+  if constexpr (!EARLY) {
+    vnew = __ldg(vn + ((size_t)b * H + hd) * V + row);
+    if (first_head) k_row = __ldg(kg + row);
+  }
   const float gk = expf(cp);
-  const float vnew = vn[((size_t)b * H + hd) * V + row];
   float u = beta_p * (vnew - gk * rk_);
   float oo = gk * rq_;
+#pragma unroll 4
   for (int j = 0; j < p; ++j) {
     const float uj = sm.ru[j][row];
     u = fmaf(-sm.ac[j], uj, u);
@@ -599,7 +626,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     rla[((size_t)b * JS + p) * H + hd] = g_p;
     rbeta[((size_t)b * JS + p) * H + hd] = beta_p;
   }
-  if (hd % (H / G) == 0) rk[((size_t)b * JS + p) * G * K + (size_t)grp * K + row] = kg[row];
+  if (first_head) rk[((size_t)b * JS + p) * G * K + (size_t)grp * K + row] = k_row;
 }
 
 }  // namespace gdn_step

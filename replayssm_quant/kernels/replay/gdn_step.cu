@@ -68,21 +68,29 @@ constexpr int NTH = 128;  // threads: one value row each
 struct Smem {
   float ks[K];          // the new key (NVFP4: scaled by 2^(126 - e_k); ST 3: 2^(16 - e_k))
   float qs[K];          // the query (NVFP4: scaled by 2^(126 - e_q); ST 3: 2^(16 - e_q))
-  float ru[JMAX][V];    // the ring's corrections of this head, slots < p (cp.async)
   float la[JMAX];       // log decays of slots 0..p
   float zq[JMAX];       // k_j . q (only j = p is kept: the coefficients take the rest)
   float ac[JMAX];       // beta_p e^{c_p - c_j} k_j . k_p, j < p
   float bc[JMAX];       // e^{c_p - c_j} k_j . q, j < p
   float yk[V];          // ST 2, 3: R k_p by row
   float yq[V];          // ST 2, 3: R q by row
-  float rkey[JMAX][K + 4];  // the ring's keys of this group, slots < p (cp.async), and k_p
   float qraw[K];        // the query, unscaled
 };
-// ST 3's B fragments [part][lane % 4][k-step][register] (2 KiB) reuse rkey once the Gram
-// terms have read it (a larger Smem would cost the other forms a CTA an SM)
+// After Smem, sized by the launch's JS (the ring's slots a sequence; a decode state's is
+// window + max drafts, 24 for L = 16, T = 8, against JMAX = 32: 8 KiB less a CTA): the
+// ring's corrections of this head, slots < p, [JS][V] (cp.async); the ring's keys of this
+// group, slots < p, and k_p, [max(JS, 4)][K + 4] (cp.async); then ST 1's tile. ST 3's B
+// fragments [part][lane % 4][k-step][register] (2 KiB) reuse the keys' rows once the Gram
+// terms have read them.
+constexpr int KROW = K + 4;
 using BFrag = uint32_t[4][8][2];
-static_assert(sizeof(Smem::rkey) >= 8 * sizeof(BFrag) && offsetof(Smem, rkey) % 16 == 0,
-              "the B fragments fit in rkey, 16-byte aligned");
+static_assert(4 * KROW * sizeof(float) >= 8 * sizeof(BFrag), "the B fragments fit in 4 key rows");
+static_assert((V * sizeof(float)) % 16 == 0 && (KROW * sizeof(float)) % 16 == 0,
+              "the ring's rows are 16-byte aligned");
+__host__ __device__ constexpr int key_rows(int js) { return js > 4 ? js : 4; }
+__host__ __device__ constexpr size_t ring_bytes(int js) {
+  return sizeof(float) * ((size_t)js * V + (size_t)key_rows(js) * KROW);
+}
 static_assert(sizeof(Smem) % 16 == 0, "the staged tile after Smem is 16-byte aligned");
 
 // A ring position outside 0 .. min(JS, JMAX) - 1: prints the sequence, then fails a
@@ -250,7 +258,7 @@ __device__ __forceinline__ void cp8(void* dst, const void* src) {
 // the CTA copies the whole tile into shared memory first by cp.async, consecutive threads
 // taking consecutive 16 bytes (coalesced), and each thread reads its row from there.
 template <int FMT, int ST>
-__global__ void __launch_bounds__(NTH) step_kernel(
+__global__ void __launch_bounds__(NTH, ST == 3 ? 7 : 0) step_kernel(
     const float* __restrict__ R, const uint8_t* __restrict__ codes,
     const uint8_t* __restrict__ bscale, const float* __restrict__ mscale,
     float* __restrict__ rla, float* __restrict__ rbeta, float* __restrict__ rv,
@@ -293,7 +301,9 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   uint32_t sb[2];    //                and its scale code
   uint4 c3[2][2];    // FMT 1, ST 3: [m-tile][row g, g + 8]: 16 bytes of codes (lane % 4's)
   uint32_t s3[2][2]; //                and their two block scale codes
-  unsigned char* tile = smem_raw + sizeof(Smem);  // ST 1
+  float* const ring_u = reinterpret_cast<float*>(smem_raw + sizeof(Smem));  // [JS][V]
+  float* const ring_k = ring_u + (size_t)JS * V;                              // [.][KROW]
+  unsigned char* tile = smem_raw + sizeof(Smem) + ring_bytes(JS);  // ST 1
   const float4* rr =
       FMT == 0 ? reinterpret_cast<const float4*>(R + ((size_t)mat * V + row) * K) : nullptr;
   // ST 2: row 32 warp + 4 it + gi of iteration it
@@ -312,7 +322,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   // needed first), in their own group so that the Gram terms wait for them alone
   for (int e = tid; e < p * (K / 4); e += NTH) {
     const int slot = e / (K / 4), c4 = (e % (K / 4)) * 4;
-    cp16(&sm.rkey[slot][c4], rk + (((size_t)b * JS + slot) * G + grp) * K + c4);
+    cp16(ring_k + slot * KROW + c4, rk + (((size_t)b * JS + slot) * G + grp) * K + c4);
   }
   asm volatile("cp.async.commit_group;\n" ::);
   static_assert(ST != 3 || FMT == 1, "ST 3 is the NVFP4 read copy's form");
@@ -363,7 +373,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   const size_t HV = (size_t)H * V;
   for (int e = tid; e < p * (V / 4); e += NTH) {
     const int slot = e / (V / 4), c4 = (e % (V / 4)) * 4;
-    cp16(&sm.ru[slot][c4], ru + ((size_t)b * JS + slot) * HV + (size_t)hd * V + c4);
+    cp16(ring_u + slot * V + c4, ru + ((size_t)b * JS + slot) * HV + (size_t)hd * V + c4);
   }
   asm volatile("cp.async.commit_group;\n" ::);
 
@@ -382,7 +392,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
           make_float4(ldexpf(x.x, sh), ldexpf(x.y, sh), ldexpf(x.z, sh), ldexpf(x.w, sh));
     }
   }
-  if (warp == 2) reinterpret_cast<float4*>(sm.rkey[p])[lane] = kl;
+  if (warp == 2) reinterpret_cast<float4*>(ring_k + p * KROW)[lane] = kl;
   if (warp == 3) reinterpret_cast<float4*>(sm.qraw)[lane] = ql;
   if (tid < JMAX) sm.la[tid] = tid < p ? la_t : tid == p ? g_p : 0.f;
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // the ring's keys
@@ -413,8 +423,8 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     const int j = tid >> 2, qq = tid & 3;
     float zk = 0.f, zq = 0.f;
     if (j <= p) {
-      const float4* a = reinterpret_cast<const float4*>(&sm.rkey[j][32 * qq]);
-      const float4* kp = reinterpret_cast<const float4*>(&sm.rkey[p][32 * qq]);
+      const float4* a = reinterpret_cast<const float4*>(ring_k + j * KROW + 32 * qq);
+      const float4* kp = reinterpret_cast<const float4*>(ring_k + p * KROW + 32 * qq);
       const float4* qv = reinterpret_cast<const float4*>(&sm.qraw[32 * qq]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) f32x4(a[i], kp[i], qv[i], zk, zq);
@@ -439,7 +449,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   if constexpr (ST == 3) {  // (after the (c_j) barrier: the Gram terms have read rkey)
     const int c = tid, tg = c >> 5, j = (c >> 3) & 3, n = c & 7;
     const int ks = 2 * j + ((n >> 1) & 1), rg = n & 1, half = n >> 2;
-    uint16_t* bf = reinterpret_cast<uint16_t*>(&sm.rkey[0][0]);
+    uint16_t* bf = reinterpret_cast<uint16_t*>(ring_k);
     const float xs[2] = {sm.ks[c], sm.qs[c]};
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
@@ -508,7 +518,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
 #pragma unroll
       for (int i = 0; i < 8; ++i) bq[i][0] = bq[i][1] = 0u;
     } else {
-      const BFrag* bfr = reinterpret_cast<const BFrag*>(&sm.rkey[0][0]);
+      const BFrag* bfr = reinterpret_cast<const BFrag*>(ring_k);
       const uint4* src = reinterpret_cast<const uint4*>(&bfr[g][t][0][0]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -612,7 +622,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   float oo = gk * rq_;
 #pragma unroll 4
   for (int j = 0; j < p; ++j) {
-    const float uj = sm.ru[j][row];
+    const float uj = ring_u[j * V + row];
     u = fmaf(-sm.ac[j], uj, u);
     oo = fmaf(sm.bc[j], uj, oo);
   }
@@ -651,7 +661,8 @@ void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
 #define GDN_STEP_LAUNCH(F, S)                                                                \
   {                                                                                          \
     auto fn = gdn_step::step_kernel<F, S>;                                                   \
-    const size_t shm = sizeof(gdn_step::Smem) + (S == 1 ? gdn_step::staged_bytes<F>() : 0);      \
+    const size_t shm = sizeof(gdn_step::Smem) + gdn_step::ring_bytes(JS) +                  \
+                       (S == 1 ? gdn_step::staged_bytes<F>() : 0);                          \
     cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);         \
     fn<<<grid, gdn_step::NTH, shm, st>>>(                                                    \
         static_cast<const float*>(R.data_ptr()), static_cast<const uint8_t*>(codes.data_ptr()), \

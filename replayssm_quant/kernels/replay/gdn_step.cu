@@ -68,21 +68,29 @@ constexpr int NTH = 128;  // threads: one value row each
 struct Smem {
   float ks[K];          // the new key (NVFP4: scaled by 2^(126 - e_k); ST 3: 2^(16 - e_k))
   float qs[K];          // the query (NVFP4: scaled by 2^(126 - e_q); ST 3: 2^(16 - e_q))
-  float ru[JMAX][V];    // the ring's corrections of this head, slots < p (cp.async)
   float la[JMAX];       // log decays of slots 0..p
   float zq[JMAX];       // k_j . q (only j = p is kept: the coefficients take the rest)
   float ac[JMAX];       // beta_p e^{c_p - c_j} k_j . k_p, j < p
   float bc[JMAX];       // e^{c_p - c_j} k_j . q, j < p
   float yk[V];          // ST 2, 3: R k_p by row
   float yq[V];          // ST 2, 3: R q by row
-  float rkey[JMAX][K + 4];  // the ring's keys of this group, slots < p (cp.async), and k_p
   float qraw[K];        // the query, unscaled
 };
-// ST 3's B fragments [part][lane % 4][k-step][register] (2 KiB) reuse rkey once the Gram
-// terms have read it (a larger Smem would cost the other forms a CTA an SM)
+// After Smem, sized by the launch's JS (the ring's slots a sequence; a decode state's is
+// window + max drafts, 24 for L = 16, T = 8, against JMAX = 32: 8 KiB less a CTA): the
+// ring's corrections of this head, slots < p, [JS][V] (cp.async); the ring's keys of this
+// group, slots < p, and k_p, [max(JS, 4)][K + 4] (cp.async); then ST 1's tile. ST 3's B
+// fragments [part][lane % 4][k-step][register] (2 KiB) reuse the keys' rows once the Gram
+// terms have read them.
+constexpr int KROW = K + 4;
 using BFrag = uint32_t[4][8][2];
-static_assert(sizeof(Smem::rkey) >= 8 * sizeof(BFrag) && offsetof(Smem, rkey) % 16 == 0,
-              "the B fragments fit in rkey, 16-byte aligned");
+static_assert(4 * KROW * sizeof(float) >= 8 * sizeof(BFrag), "the B fragments fit in 4 key rows");
+static_assert((V * sizeof(float)) % 16 == 0 && (KROW * sizeof(float)) % 16 == 0,
+              "the ring's rows are 16-byte aligned");
+__host__ __device__ constexpr int key_rows(int js) { return js > 4 ? js : 4; }
+__host__ __device__ constexpr size_t ring_bytes(int js) {
+  return sizeof(float) * ((size_t)js * V + (size_t)key_rows(js) * KROW);
+}
 static_assert(sizeof(Smem) % 16 == 0, "the staged tile after Smem is 16-byte aligned");
 
 // A ring position outside 0 .. min(JS, JMAX) - 1: prints the sequence, then fails a
@@ -250,7 +258,7 @@ __device__ __forceinline__ void cp8(void* dst, const void* src) {
 // the CTA copies the whole tile into shared memory first by cp.async, consecutive threads
 // taking consecutive 16 bytes (coalesced), and each thread reads its row from there.
 template <int FMT, int ST>
-__global__ void __launch_bounds__(NTH) step_kernel(
+__global__ void __launch_bounds__(NTH, ST == 3 ? 7 : 0) step_kernel(
     const float* __restrict__ R, const uint8_t* __restrict__ codes,
     const uint8_t* __restrict__ bscale, const float* __restrict__ mscale,
     float* __restrict__ rla, float* __restrict__ rbeta, float* __restrict__ rv,
@@ -270,7 +278,21 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   }
   const int p = (int)p64;
 
-  // R first: it is the long pole
+  // the token's operands first (a few words each, on the critical path: the key's and
+  // query's scaling exponents come before any product), and the epilogue's, so that no
+  // load waits at the end; then R, the long pole
+  const float* kg = kn + ((size_t)b * G + grp) * K;
+  const float* qg = q + ((size_t)b * G + grp) * K;
+  const float4 kl = __ldg(reinterpret_cast<const float4*>(kg) + lane);
+  const float4 ql = __ldg(reinterpret_cast<const float4*>(qg) + lane);
+  const float g_p = __ldg(gn + (size_t)b * H + hd), beta_p = __ldg(bn + (size_t)b * H + hd);
+  const float la_t = tid < p && tid < JMAX ? rla[((size_t)b * JS + tid) * H + hd] : 0.f;
+  // (the FP32 stage 2 keeps these two for the end: its loads ahead take the registers)
+  constexpr bool EARLY = !(FMT == 0 && ST == 2);
+  const bool first_head = hd % (H / G) == 0;  // (it appends the key to the ring)
+  float vnew = EARLY ? __ldg(vn + ((size_t)b * H + hd) * V + row) : 0.f;
+  float k_row = EARLY && first_head ? __ldg(kg + row) : 0.f;
+  const float ms = FMT == 1 ? __ldg(mscale + mat) : 1.f;
   float4 fb[2][8];   // FMT 0, ST 0: the thread's row, two 128-byte lines ahead
   uint4 cw[4];       // FMT 1, ST 0 / 1: the row's codes
   uint2 sw;          // FMT 1, ST 0 / 1: its block scales
@@ -279,7 +301,9 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   uint32_t sb[2];    //                and its scale code
   uint4 c3[2][2];    // FMT 1, ST 3: [m-tile][row g, g + 8]: 16 bytes of codes (lane % 4's)
   uint32_t s3[2][2]; //                and their two block scale codes
-  unsigned char* tile = smem_raw + sizeof(Smem);  // ST 1
+  float* const ring_u = reinterpret_cast<float*>(smem_raw + sizeof(Smem));  // [JS][V]
+  float* const ring_k = ring_u + (size_t)JS * V;                              // [.][KROW]
+  unsigned char* tile = smem_raw + sizeof(Smem) + ring_bytes(JS);  // ST 1
   const float4* rr =
       FMT == 0 ? reinterpret_cast<const float4*>(R + ((size_t)mat * V + row) * K) : nullptr;
   // ST 2: row 32 warp + 4 it + gi of iteration it
@@ -294,6 +318,13 @@ __global__ void __launch_bounds__(NTH) step_kernel(
       sb[slot] = __ldg(bscale + r2(it) * (K / 16) + li);
     }
   };
+  // the ring's keys of this group, slots < p: the Gram terms' operands, before R (they are
+  // needed first), in their own group so that the Gram terms wait for them alone
+  for (int e = tid; e < p * (K / 4); e += NTH) {
+    const int slot = e / (K / 4), c4 = (e % (K / 4)) * 4;
+    cp16(ring_k + slot * KROW + c4, rk + (((size_t)b * JS + slot) * G + grp) * K + c4);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
   static_assert(ST != 3 || FMT == 1, "ST 3 is the NVFP4 read copy's form");
   if constexpr (ST == 3) {  // rows 32 warp + 16 m + lane / 4 (+ 8): lane % 4's 16 bytes
 #pragma unroll
@@ -337,25 +368,16 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     sw = __ldg(reinterpret_cast<const uint2*>(bscale + ((size_t)mat * V + row) * (K / 16)));
   }
 
-  // the ring's keys of this group, slots < p (the Gram terms' operands; their own group, so
-  // that the Gram terms wait for them alone), then its corrections of this head
-  for (int e = tid; e < p * (K / 4); e += NTH) {
-    const int slot = e / (K / 4), c4 = (e % (K / 4)) * 4;
-    cp16(&sm.rkey[slot][c4], rk + (((size_t)b * JS + slot) * G + grp) * K + c4);
-  }
-  asm volatile("cp.async.commit_group;\n" ::);
+  // then the ring's corrections of this head (their own group, with ST 1's tile: the
+  // epilogue waits for them)
   const size_t HV = (size_t)H * V;
   for (int e = tid; e < p * (V / 4); e += NTH) {
     const int slot = e / (V / 4), c4 = (e % (V / 4)) * 4;
-    cp16(&sm.ru[slot][c4], ru + ((size_t)b * JS + slot) * HV + (size_t)hd * V + c4);
+    cp16(ring_u + slot * V + c4, ru + ((size_t)b * JS + slot) * HV + (size_t)hd * V + c4);
   }
   asm volatile("cp.async.commit_group;\n" ::);
 
-  // the token's key and query of this key group: four elements a lane, in every warp
-  const float* kg = kn + ((size_t)b * G + grp) * K;
-  const float* qg = q + ((size_t)b * G + grp) * K;
-  const float4 kl = __ldg(reinterpret_cast<const float4*>(kg) + lane);
-  const float4 ql = __ldg(reinterpret_cast<const float4*>(qg) + lane);
+  // the token's key and query of this key group (four elements a lane, in every warp)
   int ek = 0, eq = 0;  // FMT 1: the scaling exponents (every warp computes them)
   if constexpr (FMT == 0) {
     if (warp == 0) reinterpret_cast<float4*>(sm.ks)[lane] = kl;
@@ -370,26 +392,39 @@ __global__ void __launch_bounds__(NTH) step_kernel(
           make_float4(ldexpf(x.x, sh), ldexpf(x.y, sh), ldexpf(x.z, sh), ldexpf(x.w, sh));
     }
   }
-  if (warp == 2) reinterpret_cast<float4*>(sm.rkey[p])[lane] = kl;
+  if (warp == 2) reinterpret_cast<float4*>(ring_k + p * KROW)[lane] = kl;
   if (warp == 3) reinterpret_cast<float4*>(sm.qraw)[lane] = ql;
-  const float g_p = gn[(size_t)b * H + hd], beta_p = bn[(size_t)b * H + hd];
-  if (tid < JMAX) sm.la[tid] = tid < p ? rla[((size_t)b * JS + tid) * H + hd] : tid == p ? g_p : 0.f;
+  if (tid < JMAX) sm.la[tid] = tid < p ? la_t : tid == p ? g_p : 0.f;
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // the ring's keys
   __syncthreads();
 
-  // c_p by one serial sum in slot order (every thread the same bits)
-  float cp = 0.f;
-  for (int j = 0; j <= p; ++j) cp += sm.la[j];
+  // c_j, j <= p, by one serial sum in slot order, once (thread 0, in place of la: the slots'
+  // loads all issued first, then the chain of adds; the slots past p add 0)
+  if (tid == 0) {
+    float c = 0.f;
+#pragma unroll
+    for (int j0 = 0; j0 < JMAX; j0 += 8) {  // (8 loads in flight at a time)
+      float lr[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) lr[j] = sm.la[j0 + j];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c += lr[j];
+        sm.la[j0 + j] = c;
+      }
+    }
+  }
+  float cp;  // c_p (read once the sum is in)
   // The Gram terms k_j . k_p and k_j . q, j <= p, all at once: 4 threads a slot (thread t:
   // slot t / 4, columns 32 (t % 4) .. + 31, one chain of FMAs in column order), joined by
-  // (c0 + c1) + (c2 + c3); the slot's first thread then forms its coefficients (c_j by the
-  // same serial sum).
+  // (c0 + c1) + (c2 + c3); the slot's first thread then forms its coefficients (from the c_j
+  // above, once they are in: the barrier also ends every read of the ring's keys).
   {
     const int j = tid >> 2, qq = tid & 3;
     float zk = 0.f, zq = 0.f;
     if (j <= p) {
-      const float4* a = reinterpret_cast<const float4*>(&sm.rkey[j][32 * qq]);
-      const float4* kp = reinterpret_cast<const float4*>(&sm.rkey[p][32 * qq]);
+      const float4* a = reinterpret_cast<const float4*>(ring_k + j * KROW + 32 * qq);
+      const float4* kp = reinterpret_cast<const float4*>(ring_k + p * KROW + 32 * qq);
       const float4* qv = reinterpret_cast<const float4*>(&sm.qraw[32 * qq]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) f32x4(a[i], kp[i], qv[i], zk, zq);
@@ -398,10 +433,10 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     zq = __fadd_rn(zq, __shfl_xor_sync(0xffffffffu, zq, 1));
     zk = __fadd_rn(zk, __shfl_xor_sync(0xffffffffu, zk, 2));
     zq = __fadd_rn(zq, __shfl_xor_sync(0xffffffffu, zq, 2));
+    __syncthreads();  // (c_j)
+    cp = sm.la[p];
     if (qq == 0 && j < p) {
-      float cj = 0.f;
-      for (int i = 0; i <= j; ++i) cj += sm.la[i];
-      const float d = expf(cp - cj);
+      const float d = expf(cp - sm.la[j]);
       sm.ac[j] = beta_p * d * zk;
       sm.bc[j] = d * zq;
     }
@@ -411,11 +446,10 @@ __global__ void __launch_bounds__(NTH) step_kernel(
   // ST 3: the B fragments, [k_hi k_mid k_lo 0 q_hi q_mid q_lo 0] (the key and query, scaled,
   // each the exact sum of three bf16), thread c writing column c's six parts where the
   // fragment of its k-step holds them (see the products)
-  if constexpr (ST == 3) {
-    __syncthreads();  // (the Gram terms have read rkey)
+  if constexpr (ST == 3) {  // (after the (c_j) barrier: the Gram terms have read rkey)
     const int c = tid, tg = c >> 5, j = (c >> 3) & 3, n = c & 7;
     const int ks = 2 * j + ((n >> 1) & 1), rg = n & 1, half = n >> 2;
-    uint16_t* bf = reinterpret_cast<uint16_t*>(&sm.rkey[0][0]);
+    uint16_t* bf = reinterpret_cast<uint16_t*>(ring_k);
     const float xs[2] = {sm.ks[c], sm.qs[c]};
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
@@ -484,7 +518,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
 #pragma unroll
       for (int i = 0; i < 8; ++i) bq[i][0] = bq[i][1] = 0u;
     } else {
-      const BFrag* bfr = reinterpret_cast<const BFrag*>(&sm.rkey[0][0]);
+      const BFrag* bfr = reinterpret_cast<const BFrag*>(ring_k);
       const uint4* src = reinterpret_cast<const uint4*>(&bfr[g][t][0][0]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -574,18 +608,21 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     rq_ = sm.yq[row];
   }
   if constexpr (FMT == 1) {
-    const float ms = mscale[mat];
     rk_ = ldexpf(rk_ * ms, ek);
     rq_ = ldexpf(rq_ * ms, eq);
   }
 
   // the row's correction and output (the verify's epilogue at T = 1)
+  if constexpr (!EARLY) {
+    vnew = __ldg(vn + ((size_t)b * H + hd) * V + row);
+    if (first_head) k_row = __ldg(kg + row);
+  }
   const float gk = expf(cp);
-  const float vnew = vn[((size_t)b * H + hd) * V + row];
   float u = beta_p * (vnew - gk * rk_);
   float oo = gk * rq_;
+#pragma unroll 4
   for (int j = 0; j < p; ++j) {
-    const float uj = sm.ru[j][row];
+    const float uj = ring_u[j * V + row];
     u = fmaf(-sm.ac[j], uj, u);
     oo = fmaf(sm.bc[j], uj, oo);
   }
@@ -599,7 +636,7 @@ __global__ void __launch_bounds__(NTH) step_kernel(
     rla[((size_t)b * JS + p) * H + hd] = g_p;
     rbeta[((size_t)b * JS + p) * H + hd] = beta_p;
   }
-  if (hd % (H / G) == 0) rk[((size_t)b * JS + p) * G * K + (size_t)grp * K + row] = kg[row];
+  if (first_head) rk[((size_t)b * JS + p) * G * K + (size_t)grp * K + row] = k_row;
 }
 
 }  // namespace gdn_step
@@ -624,7 +661,8 @@ void gdn_step_cuda(torch::Tensor R, torch::Tensor codes, torch::Tensor bscale,
 #define GDN_STEP_LAUNCH(F, S)                                                                \
   {                                                                                          \
     auto fn = gdn_step::step_kernel<F, S>;                                                   \
-    const size_t shm = sizeof(gdn_step::Smem) + (S == 1 ? gdn_step::staged_bytes<F>() : 0);      \
+    const size_t shm = sizeof(gdn_step::Smem) + gdn_step::ring_bytes(JS) +                  \
+                       (S == 1 ? gdn_step::staged_bytes<F>() : 0);                          \
     cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);         \
     fn<<<grid, gdn_step::NTH, shm, st>>>(                                                    \
         static_cast<const float*>(R.data_ptr()), static_cast<const uint8_t*>(codes.data_ptr()), \

@@ -10,8 +10,9 @@ reads the fp16 anchor once and writes the two copies, S never leaves the chip.
 On ``decode.py``'s GDN geometry (``make_set``: 32 value / 16 key heads, 128 x 128, a ring of
 16 records, all committed; 4 rotated sets, CUDA-graph medians, ``decode.timer``): the serving
 flush of each kernel (stored anchor in, the copies and ``y = S q`` out, S not written; the
-CUDA kernel in each launch variant of ``cuda_flush.VARIANTS``, which must give the same bits) and a
-device copy of the anchor's bytes (a floor). Checks: ``decode.check_flush`` under the CUDA
+CUDA kernel in each launch variant of ``cuda_flush.VARIANTS``) and a device copy of the
+anchor's bytes (a floor). Checks, for each of the kernel's two forms (FMA variants 0-3, which
+must give the same bits, and the tensor-core variant 4): ``decode.check_flush`` under the CUDA
 kernel (S, corrections and ``y`` against the torch reference, the copies against the torch
 casts of the kernel's own S, bit for bit); the batch's first 8 sequences alone give the same
 bits; against the Triton flush, the largest difference of S and ``y`` and the share of anchor
@@ -89,44 +90,59 @@ def main(argv=None):
         n = len(pool)
         st = pool[0]
         fa = dc.flush_args(M, st)
-        dc.GDN_FLUSH = "cuda"
-        chk = dc.check_flush(M, st, pol, fa, 8)
-        dc.GDN_FLUSH = "triton"
-        cu, ycu = _serve(kr.gdn_flush_cuda, M, st, pol, fa)
-        s8, f8 = _first(st, fa, 8)
-        cu8, y8 = _serve(kr.gdn_flush_cuda, M, s8, pol, f8)
-        ca, c8 = cu.checkpoints, cu8.checkpoints
-        chk["batch_invariant"] = bool(
-            torch.equal(y8, ycu[:8])
-            and torch.equal(c8.anchor_stored.codes, ca.anchor_stored.codes[:8])
-            and torch.equal(c8.read_stored.codes, ca.read_stored.codes[:8])
-            and torch.equal(c8.read_stored.block_scales, ca.read_stored.block_scales[:8])
-            and torch.equal(c8.read_stored.matrix_scale, ca.read_stored.matrix_scale[:8]))
-        full_c, _ = _flush(kr.gdn_flush_cuda, M, st, pol, fa, store_state=True,
-                           dequantize=False, fallback=False)
-        full_t, yt = _flush(kr.gdn_flush_kernel, M, st, pol, fa, store_state=True,
-                            dequantize=False)
-        ta = full_t.checkpoints
-        chk["vs_triton"] = {
-            "S_max_abs": float((full_c.state - full_t.state).abs().max()),
-            "y_max_abs": float((ycu - yt).abs().max()),
-            "anchor_bytes_differing": _diff_share(ca.anchor_stored.codes, ta.anchor_stored.codes),
-            "read_code_bytes_differing": _diff_share(ca.read_stored.codes, ta.read_stored.codes),
-            "read_scale_bytes_differing": _diff_share(ca.read_stored.block_scales,
-                                                      ta.read_stored.block_scales)}
-        same = {}
-        for var in kr.cuda_flush.VARIANTS:
-            cv_, yv = _serve(lambda *x, **k: kr.gdn_flush_cuda(*x, variant=var, **k), M, st,
-                             pol, fa)
-            c = cv_.checkpoints
-            same[var] = bool(torch.equal(yv, ycu)
-                             and torch.equal(c.anchor_stored.codes, ca.anchor_stored.codes)
-                             and torch.equal(c.read_stored.codes, ca.read_stored.codes)
-                             and torch.equal(c.read_stored.block_scales,
-                                             ca.read_stored.block_scales))
-        chk["variants_same_bits"] = same
-        passed = bool(chk.get("passed", False) and chk["batch_invariant"]
-                      and all(same.values()))
+        cfg = kr.cuda_flush.GDN_FLUSH_CUDA_CONFIG
+        forms = {}  # per form (its first variant): the checks of its bits
+        for form in sorted({min(v for v, c in kr.cuda_flush.VARIANTS.items() if c["tc"] == tc)
+                            for tc in (False, True)}):
+            old = cfg["variant"]
+            cfg["variant"] = form  # (check_flush runs the library's default variant)
+            try:
+                dc.GDN_FLUSH = "cuda"
+                chk = dc.check_flush(M, st, pol, fa, 8)
+            finally:
+                dc.GDN_FLUSH = "triton"
+                cfg["variant"] = old
+            cu, ycu = _serve(kr.gdn_flush_cuda, M, st, pol, fa, variant=form)
+            s8, f8 = _first(st, fa, 8)
+            cu8, y8 = _serve(kr.gdn_flush_cuda, M, s8, pol, f8, variant=form)
+            ca, c8 = cu.checkpoints, cu8.checkpoints
+            chk["batch_invariant"] = bool(
+                torch.equal(y8, ycu[:8])
+                and torch.equal(c8.anchor_stored.codes, ca.anchor_stored.codes[:8])
+                and torch.equal(c8.read_stored.codes, ca.read_stored.codes[:8])
+                and torch.equal(c8.read_stored.block_scales, ca.read_stored.block_scales[:8])
+                and torch.equal(c8.read_stored.matrix_scale, ca.read_stored.matrix_scale[:8]))
+            full_c, _ = _flush(kr.gdn_flush_cuda, M, st, pol, fa, store_state=True,
+                               dequantize=False, fallback=False, variant=form)
+            full_t, yt = _flush(kr.gdn_flush_kernel, M, st, pol, fa, store_state=True,
+                                dequantize=False)
+            ta = full_t.checkpoints
+            chk["vs_triton"] = {
+                "S_max_abs": float((full_c.state - full_t.state).abs().max()),
+                "y_max_abs": float((ycu - yt).abs().max()),
+                "anchor_bytes_differing": _diff_share(ca.anchor_stored.codes,
+                                                      ta.anchor_stored.codes),
+                "read_code_bytes_differing": _diff_share(ca.read_stored.codes,
+                                                         ta.read_stored.codes),
+                "read_scale_bytes_differing": _diff_share(ca.read_stored.block_scales,
+                                                          ta.read_stored.block_scales)}
+            same = {}  # the form's other variants: its bits
+            tc = kr.cuda_flush.VARIANTS[form]["tc"]
+            for var in [v for v, c in kr.cuda_flush.VARIANTS.items() if c["tc"] == tc]:
+                cv_, yv = _serve(lambda *x, **k: kr.gdn_flush_cuda(*x, variant=var, **k), M,
+                                 st, pol, fa)
+                c = cv_.checkpoints
+                same[var] = bool(torch.equal(yv, ycu)
+                                 and torch.equal(c.anchor_stored.codes, ca.anchor_stored.codes)
+                                 and torch.equal(c.read_stored.codes, ca.read_stored.codes)
+                                 and torch.equal(c.read_stored.block_scales,
+                                                 ca.read_stored.block_scales))
+            chk["variants_same_bits"] = same
+            chk["form_passed"] = bool(chk.get("passed", False) and chk["batch_invariant"]
+                                      and all(same.values()))
+            forms["tensor_cores" if tc else "fma"] = chk
+        chk = forms
+        passed = all(c["form_passed"] for c in forms.values())
         ok &= passed
         res["checks"][pol_s] = chk
         row = {"policy": pol_s}

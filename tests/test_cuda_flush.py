@@ -247,17 +247,22 @@ def _own_casts(S, policy, seq, fi):
                                  seed=SEED, layer=LAYER)
 
 
+#: the kernel's forms: FMAs (variant 0; 1-3 give its bits) and the tensor cores (4)
+FORMS = [0, 4]
+
+
 @needs_gpu
+@pytest.mark.parametrize("variant", FORMS)
 @pytest.mark.parametrize("policy", [POLICY, RTN])
 @pytest.mark.parametrize("J", [16, 5])
-def test_kernel_matches_float64_and_casts_its_own_state(policy, J):
+def test_kernel_matches_float64_and_casts_its_own_state(policy, J, variant):
     """S, the solved corrections and ``y = S q`` within FP32 tolerance of the float64
     reference (``gdn_flush``, corrections re-solved); the fp16 anchor (RTN and SR) and the
     NVFP4 read copy equal the torch casts of the kernel's own S, bit for bit, with the SR bits
-    of ``checkpoint_streams``; lengths 0..J per sequence."""
+    of ``checkpoint_streams``; lengths 0..J per sequence; both forms of the kernel."""
     B, H, G = 6, 4, 2
     A, recs, q, length, seq, fi = _inputs(B, H, G, J, device="cuda")
-    res, y = _run(A, recs, q, length, seq, fi, policy=policy)
+    res, y = _run(A, recs, q, length, seq, fi, policy=policy, variant=variant)
     ref = _reference(A, recs, length, H)
     assert ((res.state.double() - ref.state).abs() <= 1e-5 + 1e-5 * ref.state.abs()).all()
     assert ((res.w.double() - ref.w).abs() <= 1e-5 + 1e-5 * ref.w.abs()).all()
@@ -270,8 +275,35 @@ def test_kernel_matches_float64_and_casts_its_own_state(policy, J):
 
 
 @needs_gpu
+@pytest.mark.parametrize("variant", FORMS)
+def test_kernel_products_and_fold_to_float32(variant):
+    """The products and the fold alone, bounded by FP32 rounding: one committed slot with
+    decay 0, beta 1 and value 0 makes the correction exactly ``-A k`` (the kernel's product)
+    and S exactly ``A + u k^T`` (its fold). The product within 1e-6 relative Frobenius error
+    of float64, S within its own FP32 rounding (2^-24 relative an element, at most two
+    roundings) plus 1e-6 of the term ``u k^T`` (the tensor-core form without a key's third
+    bf16 part, or the anchor's second, is off by 1e-5 of them and more)."""
+    B, H, G, J = 4, 4, 2, 16
+    A, recs, q, length, seq, fi = _inputs(B, H, G, J, device="cuda", seed=7, scale=1.0)
+    recs = dict(recs, la=torch.zeros_like(recs["la"]), beta=torch.ones_like(recs["beta"]),
+                v=torch.zeros_like(recs["v"]))
+    length = torch.ones_like(length)
+    res, _ = _run(A, recs, q, length, seq, fi, variant=variant)
+    A64 = A.dequantize().double()
+    k0 = core.expand_heads(recs["k"].double(), H, 2)[:, 0]  # [B, H, 128]
+    prod = torch.einsum("bhrc,bhc->bhr", A64, k0)
+    w0 = res.w[:, 0].double()  # [B, H, 128]
+    assert (w0 + prod).norm() <= 1e-6 * prod.norm()
+    term = w0.unsqueeze(-1) * k0.unsqueeze(-2)
+    fold = A64 + term
+    assert (res.state.double() - fold).norm() <= 2 ** -23 * fold.norm() + 1e-6 * term.norm()
+    assert (res.w[:, 1:] == 0).all()
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", FORMS)
 @pytest.mark.parametrize("policy", [POLICY, RTN])
-def test_kernel_casts_special_values(policy):
+def test_kernel_casts_special_values(policy, variant):
     """The casts on states with what a cast must handle: NaN and inf elements (an NVFP4 block
     with one is marked NaN, its codes 0; fp16 keeps them), fp16 subnormals (the SR subnormal
     path), values at and beyond 65504 (fp16 saturates), all-zero blocks and an all-zero matrix
@@ -290,7 +322,7 @@ def test_kernel_casts_special_values(policy):
     A2 = pack(x, "fp16")
     length = torch.tensor([0, 0, 2, 4], device="cuda")
     recs = dict(recs, v=recs["v"] * 1e5)  # |S| up to about 9e4
-    res, y = _run(A2, recs, q, length, seq[:B], fi[:B], policy=policy)
+    res, y = _run(A2, recs, q, length, seq[:B], fi[:B], policy=policy, variant=variant)
     assert torch.equal(_bits(res.state[:2]), _bits(A2.dequantize()[:2]))
     own = _own_casts(res.state, policy, seq[:B], fi[:B])
     _same_copies(res.checkpoints, own)
@@ -300,23 +332,29 @@ def test_kernel_casts_special_values(policy):
 
 
 @needs_gpu
-def test_serving_form_and_batch_invariance():
-    """Without S and w (the serving form), in every launch variant, the copies and ``y`` are
-    the same bits; a sequence's
-    bits do not depend on the batch it is flushed in, its position or its neighbours."""
+@pytest.mark.parametrize("variant", FORMS)
+def test_serving_form_and_batch_invariance(variant):
+    """Without S and w (the serving form) the copies and ``y`` are the full form's bits, in
+    every launch variant of the form (variants 0-3 share their bits; the tensor-core variant
+    4 has its own, within FP32 tolerance of them); a sequence's bits do not depend on the batch
+    it is flushed in, its position or its neighbours."""
     B, H, G, J = 7, 4, 2, 16
     A, recs, q, length, seq, fi = _inputs(B, H, G, J, device="cuda", seed=3)
-    res, y = _run(A, recs, q, length, seq, fi)
-    for var in cf.VARIANTS:  # every launch variant: the same bits
+    res, y = _run(A, recs, q, length, seq, fi, variant=variant)
+    tc = cf.VARIANTS[variant]["tc"]
+    for var in [v for v, c in cf.VARIANTS.items() if c["tc"] == tc]:
         res2, y2 = _run(A, recs, q, length, seq, fi, store_state=False, return_w=False,
                         dequantize=False, variant=var)
         assert res2.state is None and res2.w is None and res2.checkpoints.anchor is None
         _same_copies(res.checkpoints, res2.checkpoints)
         assert torch.equal(y, y2)
+    other, _ = _run(A, recs, q, length, seq, fi, variant=4 if variant == 0 else 0)
+    assert not torch.equal(other.state, res.state)  # (the two forms ran: their last bits)
+    assert ((other.state - res.state).abs() <= 1e-5 + 1e-5 * res.state.abs()).all()
     idx = torch.tensor([5, 2, 6], device="cuda")
     sub = PackedTensor(A.spec, (3, H, D, D), A.codes[idx].contiguous(), None, None)
     rs, ys = _run(sub, {n: t[idx].contiguous() for n, t in recs.items()}, q[idx], length[idx],
-                  seq[idx], fi[idx])
+                  seq[idx], fi[idx], variant=variant)
     assert torch.equal(ys, y[idx]) and torch.equal(rs.state, res.state[idx])
     a, r = res.checkpoints.anchor_stored, res.checkpoints.read_stored
     assert torch.equal(_bits(rs.checkpoints.anchor_stored.codes), _bits(a.codes[idx]))

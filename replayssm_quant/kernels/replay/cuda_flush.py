@@ -14,8 +14,9 @@ decays of the ``n = length[b]`` committed slots::
 
 One CTA per (sequence, value head) holds the head's S in registers, so the anchor is read
 once and S is written only when asked (``store_state``); the Triton split flush writes S and
-reads it back for its pair cast. The sums are FP32 FMAs in an order fixed by the CTA's code
-(a sequence's bits do not depend on its batch, position or neighbours), different from the
+reads it back for its pair cast. The sums are FP32 FMAs (or, in the tensor-core variant,
+FP32-accumulated products of exact bf16 parts) in an order fixed by the CTA's code (a
+sequence's bits do not depend on its batch, position or neighbours), different from the
 Triton kernel's order, so S agrees with it and with the reference to FP32 tolerance. The casts
 are the lean pair cast's operations (``kernels/quant.py``), so A' and R' are the torch casts of
 the kernel's own S, bit for bit, with the SR bits of :func:`~replayssm_quant.checkpoints.
@@ -46,20 +47,27 @@ __all__ = ["J_MAX", "VARIANTS", "GDN_FLUSH_CUDA_CONFIG", "unsupported", "gdn_flu
            "gdn_state_flush_cuda"]
 
 J_MAX = 16  # record slots (gdn_flush.cu's JF)
-#: the launch variants (``gdn_flush.cu``; all give the same bits), each at 2 CTAs an SM (128
-#: registers with 12-52 bytes of spills; 1 CTA an SM, about 168 registers, took 1.15-1.30x as
-#: long on an H100 at 9989e20 and was dropped): the NVFP4 division (``rcp``: by a reciprocal
+#: the launch variants (``gdn_flush.cu``), each at 2 CTAs an SM (128 registers with 12-52 bytes
+#: of spills; 1 CTA an SM, about 168 registers, took 1.15-1.30x as long on an H100 at 9989e20
+#: and was dropped). Variants 0-3 (``tc`` False) form the products and the fold with FP32
+#: FMAs and give the same bits; they differ in the NVFP4 division (``rcp``: by a reciprocal
 #: and four FMAs, quant.py's ``_div_by_rcp``, where the matrix scale allows; else
 #: ``__fdiv_rn``) and ``roll``, the casts' block loop unrolled 1 or 2 times (the registers
-#: move down after each step; 4, no loop, overflowed the i-cache)
-VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1}, 1: {"mb": 2, "rcp": False, "roll": 2},
-            2: {"mb": 2, "rcp": True, "roll": 1}, 3: {"mb": 2, "rcp": True, "roll": 2}}
+#: move down after each step; 4, no loop, overflowed the i-cache). Variant 4 (``tc``) forms
+#: them on the tensor cores (mma.sync, exact bf16 parts, FP32 accumulation; forty-ninth
+#: pass): another order of the sums, so its S has its own last bits (FP32 tolerance of the
+#: reference) and its copies are the casts of that S
+VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1, "tc": False},
+            1: {"mb": 2, "rcp": False, "roll": 2, "tc": False},
+            2: {"mb": 2, "rcp": True, "roll": 1, "tc": False},
+            3: {"mb": 2, "rcp": True, "roll": 2, "tc": False},
+            4: {"mb": 2, "rcp": False, "roll": 1, "tc": True}}
 #: the default variant: 0, the fastest on an H100 at 9989e20 (B = 256, 32 heads, J = 16; us,
 #: fp16+sr / RTN anchor: 890 / 760, against 968 / 767 for rcp and 1155 / 1043, 1093 / 987 for
 #: the 1-CTA forms, and 1094 / 1047 for the Triton split flush;
 #: flush_nvfp4_cuda_9989e20_h100.json). Roll 2, at 792db29 (flush_nvfp4_cuda_792db29_h100.json):
 #: 911 / 770 (variant 1), 892 / 753 (variant 3, rcp), against 889 / 759 for variant 0 in the
-#: same run: no better where SR matters, so 0 stays
+#: same run: no better where SR matters, so 0 stays. Variant 4: not yet timed
 GDN_FLUSH_CUDA_CONFIG = {"variant": 0}
 _F_SR, _F_Y, _F_S, _F_W = 1, 2, 4, 8
 # gdn_flush.cu's constants
@@ -156,7 +164,8 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
     and the NVFP4 read copy as PackedTensors; their values with ``dequantize``), the solved
     corrections ``w [B, J, H, 128]`` (zero at slots ``>= length``) with ``return_w`` (else
     None); ``y = S q`` ``[B, H, 128]`` float32, or None without ``q``. ``variant``: the
-    launch variant (:data:`VARIANTS`; default :data:`GDN_FLUSH_CUDA_CONFIG`; the same bits).
+    launch variant (:data:`VARIANTS`; default :data:`GDN_FLUSH_CUDA_CONFIG`; 0-3 give the same
+    bits, 4, the tensor-core form, its own).
 
     Raises:
         ValueError: ``variant`` not a key of :data:`VARIANTS` or None; with

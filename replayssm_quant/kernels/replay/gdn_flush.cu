@@ -189,38 +189,19 @@ __device__ __forceinline__ float div_by_rcp(float x, float b, float y) {
   return __int_as_float(__float_as_int(q) | (__float_as_int(x) & 0x80000000));
 }
 
-// Launch variants (the same bits): MB CTAs an SM asked of ptxas (1: up to 255 registers, no
-// spills; 2: 128 registers; the host launches MB = 2 only, 1 was slower); RCP divides the
-// NVFP4 elements by div_by_rcp where the matrix scale is in quant.RCP_MATRIX_SCALE_RANGE
-// (2^-86 .. 2^86; else __fdiv_rn), as the lean pair cast's "lean_rcp" form; ROLL: the casts'
-// block loop unrolled 1 or 2 times. SR (the F_SR flag) is a template argument too, so that a
-// kernel holds one cast path.
-template <int MB, int RCP, int SR, int ROLL>
-__global__ void __launch_bounds__(NTH, MB) flush_kernel(
-    const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
-    const float* __restrict__ rv, const float* __restrict__ rk,
-    const long long* __restrict__ length, const float* __restrict__ q,
-    const long long* __restrict__ seqid, const long long* __restrict__ flidx,
-    unsigned short* __restrict__ aout, uint8_t* __restrict__ codes,
-    uint8_t* __restrict__ bscale, float* __restrict__ mscale, float* __restrict__ yout,
-    float* __restrict__ sout, float* __restrict__ wout, int H, int G, int JS, int J,
-    uint32_t seed_lo, uint32_t seed_hi, long long kbits, int flags) {
-  __shared__ __align__(16) Smem sm;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int hd = blockIdx.x % H, b = blockIdx.x / H;
-  const int grp = hd / (H / G);
-  const int r = tid >> 1, hf = tid & 1, c0 = HALF * hf;
-  const size_t mat = (size_t)b * H + hd;
-
-  const long long nn = length[b], sq = seqid[b], fi = flidx[b];
-  if (nn < 0 || nn > J || sq < 0 || sq >= SEQ_LIMIT || fi < 0 || fi >= FLUSH_LIMIT) {
-    if (tid == 0) range_fail(b, nn, J, sq, fi);
-    return;
-  }
-  const int n = static_cast<int>(nn);
-
-  // the records' keys and values and the query into shared memory (cp.async), A's row half
-  // into registers
+// The records' keys and values (and with F_Y the query) into shared memory by cp.async, the
+// slots n.. of the keys +0, c_j (one serial sum, thread 0), the Gram terms k_i . k_p (i < p <
+// n: two threads a pair, 64 columns each in column order, joined by one rounded add) and the
+// coefficient tables; both forms of the kernel. load_anchor() issues the caller's anchor loads
+// (after the cp.async group), tables_phase() runs beside the tables (the keys are still in
+// shared memory); a barrier follows it.
+template <class LoadAnchor, class TablesPhase>
+__device__ __forceinline__ void records_prologue(
+    Smem& sm, const float* __restrict__ rla, const float* __restrict__ rbe,
+    const float* __restrict__ rv, const float* __restrict__ rk, const float* __restrict__ q,
+    int b, int hd, int grp, int H, int G, int JS, int n, int flags, LoadAnchor&& load_anchor,
+    TablesPhase&& tables_phase) {
+  const int tid = threadIdx.x, hf = tid & 1, c0 = HALF * hf;
   for (int e = tid; e < n * (D / 4); e += NTH) {
     const int j = e / (D / 4), c4 = (e % (D / 4)) * 4;
     cp16(&sm.ks[j][kx(c4)], rk + (((size_t)b * JS + j) * G + grp) * D + c4);
@@ -232,10 +213,7 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   // without predicates (the fold's terms of those slots add -0, which leaves every value as
   // it is; see the fold)
   for (int e = tid; e < (JF - n) * KP; e += NTH) (&sm.ks[n][0])[e] = 0.f;
-  uint4 araw[8];
-  const uint4* ap = reinterpret_cast<const uint4*>(A + (mat * D + r) * D + c0);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) araw[i] = __ldg(ap + i);
+  load_anchor();
   if (tid < JF) {
     sm.la[tid] = tid < n ? rla[((size_t)b * JS + tid) * H + hd] : 0.f;
     sm.be[tid] = tid < n ? rbe[((size_t)b * JS + tid) * H + hd] : 0.f;
@@ -289,7 +267,48 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     }
     if (tid == 0) sm.en = n > 0 ? expf(cn) : 1.f;
   }
+  tables_phase();
   __syncthreads();
+
+}
+
+// Launch variants (the same bits): MB CTAs an SM asked of ptxas (1: up to 255 registers, no
+// spills; 2: 128 registers; the host launches MB = 2 only, 1 was slower); RCP divides the
+// NVFP4 elements by div_by_rcp where the matrix scale is in quant.RCP_MATRIX_SCALE_RANGE
+// (2^-86 .. 2^86; else __fdiv_rn), as the lean pair cast's "lean_rcp" form; ROLL: the casts'
+// block loop unrolled 1 or 2 times. SR (the F_SR flag) is a template argument too, so that a
+// kernel holds one cast path.
+template <int MB, int RCP, int SR, int ROLL>
+__global__ void __launch_bounds__(NTH, MB) flush_kernel(
+    const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
+    const float* __restrict__ rv, const float* __restrict__ rk,
+    const long long* __restrict__ length, const float* __restrict__ q,
+    const long long* __restrict__ seqid, const long long* __restrict__ flidx,
+    unsigned short* __restrict__ aout, uint8_t* __restrict__ codes,
+    uint8_t* __restrict__ bscale, float* __restrict__ mscale, float* __restrict__ yout,
+    float* __restrict__ sout, float* __restrict__ wout, int H, int G, int JS, int J,
+    uint32_t seed_lo, uint32_t seed_hi, long long kbits, int flags) {
+  __shared__ __align__(16) Smem sm;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int hd = blockIdx.x % H, b = blockIdx.x / H;
+  const int grp = hd / (H / G);
+  const int r = tid >> 1, hf = tid & 1, c0 = HALF * hf;
+  const size_t mat = (size_t)b * H + hd;
+
+  const long long nn = length[b], sq = seqid[b], fi = flidx[b];
+  if (nn < 0 || nn > J || sq < 0 || sq >= SEQ_LIMIT || fi < 0 || fi >= FLUSH_LIMIT) {
+    if (tid == 0) range_fail(b, nn, J, sq, fi);
+    return;
+  }
+  const int n = static_cast<int>(nn);
+
+  // the records and the coefficient tables (records_prologue); A's row half into registers
+  uint4 araw[8];
+  records_prologue(sm, rla, rbe, rv, rk, q, b, hd, grp, H, G, JS, n, flags, [&] {
+    const uint4* ap = reinterpret_cast<const uint4*>(A + (mat * D + r) * D + c0);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) araw[i] = __ldg(ap + i);
+  }, [] {});
 
   // the products A k_p (the thread's half, then the row), the corrections. A stays in its
   // fp16 codes until the fold (32 registers, not 64), each group of four columns widened
@@ -478,6 +497,363 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   *reinterpret_cast<uint32_t*>(bscale + (mat * D + r) * (D / 16) + c0 / 16) = scw;
 }
 
+// ------------------------------------------------------------------------------------------
+// The tensor-core form (variant 4; issue 15, forty-ninth pass): the products A k_p and the
+// fold S = e^{c_{n-1}} A + U' K on mma.sync m16n8k16 (bf16 operands, FP32 accumulation); the
+// records, the solve and the casts as in flush_kernel, in another thread layout.
+// * Layout: warp w holds rows 16 w .. 16 w + 15; lane (g, t) = (lane / 4, lane % 4) holds
+//   rows r0 = 16 w + g and r0 + 8, columns 16 c + 4 t .. + 3 of every 16-column block c: the
+//   A operand of the products (k-step c; its k indices 2t, 2t+1, 2t+8, 2t+9 taken as the
+//   columns 4t .. 4t+3 of the block, the B operand permuted alike) and the accumulators of
+//   the fold (n-tiles 2c and 2c+1: columns 4t, 4t+1 and 4t+2, 4t+3 of the block).
+// * Exact operands: an fp16 element of A is hi + lo in bf16 (8 + 3 significant bits), a
+//   float32 key or correction hi + mid + lo (8 + 8 + 8), each part rounded to nearest from the
+//   remainder (exact unless a part falls below bf16's normal range, 2^-126). Of the products
+//   of parts, those below about 2^-24 of the largest are left out (A: lo x lo; the fold: mid
+//   x lo, lo x mid, lo x lo); the rest accumulate in FP32, the smallest first.
+// * The products leave the accumulators through shared memory ([slot][row], in the keys'
+//   buffer, which is free once the fragments are built), the lanes of a row solve as in
+//   flush_kernel (two lanes a row, the same bits), and the corrections u'_j = e^{c_{n-1} -
+//   c_j} u_j come back the same way as the fold's A operand. The fold's terms accumulate from
+//   zero; S = fma(e^{c_{n-1}}, A, terms), one rounding.
+// * The casts read S in this layout: a lane's four columns of a row are one Philox call (as
+//   in flush_kernel), an NVFP4 block's amax is a max over the lane's quad (two shuffles; a
+//   non-finite element counts as inf, so a block is bad where the max is not finite).
+// The sums run in another order than flush_kernel's: this form's S has its own last bits, to
+// FP32 tolerance of the reference; the copies are the torch casts of its own S, and the order
+// is fixed by the CTA's code alone (a sequence's bits do not depend on the batch).
+
+struct SmemTC {
+  Smem c;
+  uint2 pf[D / 16][JF / 8][3][32];  // the products' B fragments [k-step][n-tile][part][lane]
+  uint2 ff[D / 8][3][32];           // the fold's B fragments [n-tile][part][lane]
+};
+constexpr int EXS = KP;  // the exchange [slot][row] in sm.ks: row stride (floats)
+static_assert(JF * EXS <= JF * KP && D <= EXS, "the exchange fits the keys' buffer");
+
+// two float32 as a bf16x2, each rounded to nearest even (x0 the low half)
+__device__ __forceinline__ uint32_t bf16x2_rn(float x0, float x1) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+  return r;
+}
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// x = h + m + l exactly (a pair of float32 as three bf16x2): each part the remainder rounded
+__device__ __forceinline__ void split3(float x0, float x1, uint32_t& h, uint32_t& m,
+                                       uint32_t& l) {
+  h = bf16x2_rn(x0, x1);
+  const float r0 = __fsub_rn(x0, bf16_lo(h)), r1 = __fsub_rn(x1, bf16_hi(h));
+  m = bf16x2_rn(r0, r1);
+  l = bf16x2_rn(__fsub_rn(r0, bf16_lo(m)), __fsub_rn(r1, bf16_hi(m)));
+}
+
+// an fp16 pair (a 32-bit word, low half first) as h + l exactly, two bf16x2
+__device__ __forceinline__ void split2(uint32_t w, uint32_t& h, uint32_t& l) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+  h = bf16x2_rn(f.x, f.y);
+  l = bf16x2_rn(__fsub_rn(f.x, bf16_lo(h)), __fsub_rn(f.y, bf16_hi(h)));
+}
+
+// d += A B on the tensor cores: m16n8k16, bf16 operands, FP32 accumulation
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint2 bb) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(bb.x), "r"(bb.y));
+}
+
+template <int SR>
+__global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
+    const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
+    const float* __restrict__ rv, const float* __restrict__ rk,
+    const long long* __restrict__ length, const float* __restrict__ q,
+    const long long* __restrict__ seqid, const long long* __restrict__ flidx,
+    unsigned short* __restrict__ aout, uint8_t* __restrict__ codes,
+    uint8_t* __restrict__ bscale, float* __restrict__ mscale, float* __restrict__ yout,
+    float* __restrict__ sout, float* __restrict__ wout, int H, int G, int JS, int J,
+    uint32_t seed_lo, uint32_t seed_hi, long long kbits, int flags) {
+  __shared__ __align__(16) SmemTC st;
+  Smem& sm = st.c;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int hd = blockIdx.x % H, b = blockIdx.x / H;
+  const int grp = hd / (H / G);
+  const int r0 = 16 * warp + g;  // the lane's rows r0 and r0 + 8
+  const size_t mat = (size_t)b * H + hd;
+
+  const long long nn = length[b], sq = seqid[b], fi = flidx[b];
+  if (nn < 0 || nn > J || sq < 0 || sq >= SEQ_LIMIT || fi < 0 || fi >= FLUSH_LIMIT) {
+    if (tid == 0) range_fail(b, nn, J, sq, fi);
+    return;
+  }
+  const int n = static_cast<int>(nn);
+
+  // A's codes: ar[8 rs + c] holds columns 16 c + 4 t .. + 3 of row r0 + 8 rs (low half first)
+  uint2 ar[16];
+  records_prologue(sm, rla, rbe, rv, rk, q, b, hd, grp, H, G, JS, n, flags, [&] {
+    const __half* ap = A + (mat * D + r0) * D + 4 * t;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      ar[i] = __ldg(reinterpret_cast<const uint2*>(ap + (i >> 3) * 8 * D + 16 * (i & 7)));
+  }, [&] {
+    // the B fragments, three parts each, from the keys (slots n.. are +0)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // products: (k-step c, n-tile nt, lane): slot 8 nt + g',
+      const int i = tid + NTH * j;  // columns 16 c + 4 t' .. + 3
+      const int ln = i & 31, nt = (i >> 5) & 1, c = i >> 6;
+      const float4 kv = *reinterpret_cast<const float4*>(
+          &sm.ks[8 * nt + (ln >> 2)][kx(16 * c + 4 * (ln & 3))]);
+      uint32_t h0, m0, l0, h1, m1, l1;
+      split3(kv.x, kv.y, h0, m0, l0);
+      split3(kv.z, kv.w, h1, m1, l1);
+      st.pf[c][nt][0][ln] = make_uint2(h0, h1);
+      st.pf[c][nt][1][ln] = make_uint2(m0, m1);
+      st.pf[c][nt][2][ln] = make_uint2(l0, l1);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // the fold: (n-tile nt = 2 c + hb, lane): column 16 c +
+      const int i = tid + NTH * j;  // 4 (g' / 2) + 2 hb + g' % 2, slots 2t', 2t'+1, 2t'+8, 2t'+9
+      const int ln = i & 31, nt = i >> 5, gg = ln >> 2, tt = ln & 3;
+      const int col = kx(16 * (nt >> 1) + 4 * (gg >> 1) + 2 * (nt & 1) + (gg & 1));
+      uint32_t h0, m0, l0, h1, m1, l1;
+      split3(sm.ks[2 * tt][col], sm.ks[2 * tt + 1][col], h0, m0, l0);
+      split3(sm.ks[2 * tt + 8][col], sm.ks[2 * tt + 9][col], h1, m1, l1);
+      st.ff[nt][0][ln] = make_uint2(h0, h1);
+      st.ff[nt][1][ln] = make_uint2(m0, m1);
+      st.ff[nt][2][ln] = make_uint2(l0, l1);
+    }
+  });
+
+  float s[64];  // S: s[8 c + 4 rs + e] = S[r0 + 8 rs][16 c + 4 t + e]
+  const int rsol = 16 * warp + (lane >> 1), hf = lane & 1;  // the row this lane solves
+  if (n > 0) {
+    float* ex = &sm.ks[0][0];  // [slot][row], stride EXS
+    // the products A k_p: 8 k-steps, 2 n-tiles of slots; big (hi x hi) and small sums apart
+    {
+      float pb[2][4], ps[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pb[nt][e] = ps[nt][e] = 0.f;
+#pragma unroll
+      for (int c = 0; c < D / 16; ++c) {
+        uint32_t ah[4], al[4];
+        split2(ar[c].x, ah[0], al[0]);      // row r0, columns 4t, 4t+1
+        split2(ar[8 + c].x, ah[1], al[1]);  // row r0 + 8
+        split2(ar[c].y, ah[2], al[2]);      // row r0, columns 4t+2, 4t+3
+        split2(ar[8 + c].y, ah[3], al[3]);  // row r0 + 8
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint2 bh = st.pf[c][nt][0][lane], bm = st.pf[c][nt][1][lane],
+                      bl = st.pf[c][nt][2][lane];
+          mma_bf16(ps[nt], ah, bl);
+          mma_bf16(ps[nt], al, bm);
+          mma_bf16(ps[nt], ah, bm);
+          mma_bf16(ps[nt], al, bh);
+          mma_bf16(pb[nt], ah, bh);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {  // accumulators: rows g, g + 8; slots 8 nt + 2t, + 1
+        const int p = 8 * nt + 2 * t;
+        ex[p * EXS + r0] = __fadd_rn(pb[nt][0], ps[nt][0]);
+        ex[(p + 1) * EXS + r0] = __fadd_rn(pb[nt][1], ps[nt][1]);
+        ex[p * EXS + r0 + 8] = __fadd_rn(pb[nt][2], ps[nt][2]);
+        ex[(p + 1) * EXS + r0 + 8] = __fadd_rn(pb[nt][3], ps[nt][3]);
+      }
+    }
+    __syncwarp();
+    // forward substitution (flush_kernel's, on the products from the exchange)
+    float u[JF];
+#pragma unroll
+    for (int p = 0; p < JF; ++p) {
+      u[p] = 0.f;
+      if (p < n) {
+        float z = __fmul_rn(sm.be[p], sm.vs[p][rsol]);
+        z = fmaf(-sm.dp[p], ex[p * EXS + rsol], z);
+#pragma unroll
+        for (int i = 0; i < p; ++i) z = fmaf(-sm.mc[p][i], u[i], z);
+        u[p] = z;
+      }
+    }
+    if ((flags & F_W) && hf == 0) {
+#pragma unroll
+      for (int p = 0; p < JF; ++p)
+        if (p < J) wout[(((size_t)b * J + p) * H + hd) * D + rsol] = u[p];
+    }
+    __syncwarp();  // (every lane has read its products)
+#pragma unroll
+    for (int p = 0; p < JF / 2; ++p) {  // u'_j into the exchange: lane hf writes 8 hf .. + 7
+      const int j = p + (JF / 2) * hf;
+      ex[j * EXS + rsol] = j < n ? __fmul_rn(sm.fj[j], hf ? u[p + JF / 2] : u[p]) : 0.f;
+    }
+    __syncwarp();
+    // the fold's A operand: u' of rows r0, r0 + 8 at slots 2t, 2t+1 (registers 0, 1) and
+    // 2t+8, 2t+9 (registers 2, 3), three parts
+    uint32_t uh[4], um[4], ul[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = r0 + 8 * (i & 1), sl = 2 * t + 8 * (i >> 1);
+      split3(ex[sl * EXS + row], ex[(sl + 1) * EXS + row], uh[i], um[i], ul[i]);
+    }
+    const float en = sm.en;
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c) {
+#pragma unroll
+      for (int hb = 0; hb < 2; ++hb) {  // n-tile 2c + hb: columns 16 c + 4t + 2 hb, + 1
+        const int nt = 2 * c + hb;
+        float z[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint2 kh = st.ff[nt][0][lane], km = st.ff[nt][1][lane], kl = st.ff[nt][2][lane];
+        mma_bf16(z, um, km);
+        mma_bf16(z, uh, kl);
+        mma_bf16(z, ul, kh);
+        mma_bf16(z, um, kh);
+        mma_bf16(z, uh, km);
+        mma_bf16(z, uh, kh);
+        const uint32_t w0 = hb ? ar[c].y : ar[c].x, w1 = hb ? ar[8 + c].y : ar[8 + c].x;
+        const float2 a0 = __half22float2(*reinterpret_cast<const __half2*>(&w0));
+        const float2 a1 = __half22float2(*reinterpret_cast<const __half2*>(&w1));
+        s[8 * c + 2 * hb] = fmaf(en, a0.x, z[0]);
+        s[8 * c + 2 * hb + 1] = fmaf(en, a0.y, z[1]);
+        s[8 * c + 4 + 2 * hb] = fmaf(en, a1.x, z[2]);
+        s[8 * c + 4 + 2 * hb + 1] = fmaf(en, a1.y, z[3]);
+      }
+    }
+  } else {  // n = 0: S is A, untouched
+    if ((flags & F_W) && hf == 0) {
+#pragma unroll
+      for (int p = 0; p < JF; ++p)
+        if (p < J) wout[(((size_t)b * J + p) * H + hd) * D + rsol] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float2 a0 = __half22float2(*reinterpret_cast<const __half2*>(&ar[i].x));
+      const float2 a1 = __half22float2(*reinterpret_cast<const __half2*>(&ar[i].y));
+      const int o = 8 * (i & 7) + 4 * (i >> 3);
+      s[o] = a0.x;
+      s[o + 1] = a0.y;
+      s[o + 2] = a1.x;
+      s[o + 3] = a1.y;
+    }
+  }
+  if (flags & F_S) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {  // (block c = i % 8, row r0 + 8 (i / 8))
+      const int o = 8 * (i & 7) + 4 * (i >> 3);
+      *reinterpret_cast<float4*>(sout + (mat * D + r0 + 8 * (i >> 3)) * D + 16 * (i & 7) + 4 * t) =
+          make_float4(s[o], s[o + 1], s[o + 2], s[o + 3]);
+    }
+  }
+  if (flags & F_Y) {  // y = S q: the lane's columns in block order, then over the quad
+    float y0 = 0.f, y1 = 0.f;
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c) {
+      const float4 qv = *reinterpret_cast<const float4*>(&sm.qs[kx(16 * c + 4 * t)]);
+      y0 = fmaf(s[8 * c], qv.x, y0);
+      y0 = fmaf(s[8 * c + 1], qv.y, y0);
+      y0 = fmaf(s[8 * c + 2], qv.z, y0);
+      y0 = fmaf(s[8 * c + 3], qv.w, y0);
+      y1 = fmaf(s[8 * c + 4], qv.x, y1);
+      y1 = fmaf(s[8 * c + 5], qv.y, y1);
+      y1 = fmaf(s[8 * c + 6], qv.z, y1);
+      y1 = fmaf(s[8 * c + 7], qv.w, y1);
+    }
+    // (a rounded add is commutative: after each step every lane of a pair holds the same bits)
+    y0 = __fadd_rn(y0, __shfl_xor_sync(0xffffffffu, y0, 1));
+    y1 = __fadd_rn(y1, __shfl_xor_sync(0xffffffffu, y1, 1));
+    y0 = __fadd_rn(y0, __shfl_xor_sync(0xffffffffu, y0, 2));
+    y1 = __fadd_rn(y1, __shfl_xor_sync(0xffffffffu, y1, 2));
+    if (t == 0) yout[mat * D + r0] = y0;
+    if (t == 1) yout[mat * D + r0 + 8] = y1;
+  }
+
+  // the matrix amax over the finite |S| and s_g (flush_kernel's)
+  float am = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const float a = fabsf(s[i]);
+    am = fmaxf(am, a < INFINITY ? a : 0.f);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, off));
+  if (lane == 0) sm.wmax[warp] = am;
+  __syncthreads();
+  am = sm.wmax[0];
+#pragma unroll
+  for (int w = 1; w < NTH / 32; ++w) am = fmaxf(am, sm.wmax[w]);
+  float sg = __fdiv_rn(am, 2688.0f);
+  sg = sg > 0.f ? sg : 1.0f;
+  if (tid == 0) mscale[mat] = sg;
+  const float sg6 = __fmul_rn(sg, 6.0f);
+
+  // the casts: two blocks a step (s[0 .. 15]: blocks 2 cp, 2 cp + 1 of both rows), the
+  // registers moving down 16 after each step (as flush_kernel's ROLL 1)
+  const long long key = (fi << SH_FLUSH) | (sq << SH_SEQ) | ((long long)hd << SH_HEAD) | kbits;
+  const uint32_t klo = static_cast<uint32_t>(key & 0xFFFFFFFFLL);
+  const uint32_t khi = static_cast<uint32_t>((key >> 32) & 0xFFFFFFFFLL);
+  unsigned long long scw0 = 0, scw1 = 0;  // the block scale codes of rows r0, r0 + 8
+#pragma unroll 1
+  for (int cp = 0; cp < D / 32; ++cp) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int c = 2 * cp + (i >> 1), rs = i & 1;  // block c, row r0 + 8 rs
+      const float* x = s + 8 * (i >> 1) + 4 * rs;
+      const int row = r0 + 8 * rs;
+      // the anchor: four fp16 codes, one 8-byte store
+      uint32_t hw0, hw1;
+      if (SR) {
+        const uint4 rw = philox(static_cast<uint32_t>(row * (D / 4) + 4 * c + t), klo, khi, 0u,
+                                seed_lo, seed_hi);
+        hw0 = f16_sr(x[0], rw.x) | (f16_sr(x[1], rw.y) << 16);
+        hw1 = f16_sr(x[2], rw.z) | (f16_sr(x[3], rw.w) << 16);
+      } else {
+        hw0 = f16_rtn(x[0]) | (f16_rtn(x[1]) << 16);
+        hw1 = f16_rtn(x[2]) | (f16_rtn(x[3]) << 16);
+      }
+      *reinterpret_cast<uint2*>(aout + (mat * D + row) * D + 16 * c + 4 * t) =
+          make_uint2(hw0, hw1);
+      // the read copy: the block's amax over the quad (a non-finite element as inf)
+      float bm = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float a = fabsf(x[e]);
+        bm = fmaxf(bm, a < INFINITY ? a : INFINITY);
+      }
+      bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
+      bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
+      const bool bad = !(bm < INFINITY);
+      int sbc = e4m3_rtn_code(__fdiv_rn(bm, sg6));
+      float scale = __fmul_rn(e4m3_value(sbc), sg);
+      if (bad) {
+        sbc = 0x7F;
+        scale = NAN;
+      }
+      const bool ok = scale > 0.f;
+      const float safe = ok ? scale : 1.0f;
+      uint32_t w = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        uint32_t cd = e2m1_code(__fdiv_rn(x[e], safe));
+        if (!ok) cd = bad ? 0u : (cd & 8u);
+        w |= cd << (4 * e);
+      }
+      *reinterpret_cast<unsigned short*>(codes + (mat * D + row) * (D / 2) + 8 * c + 2 * t) =
+          static_cast<unsigned short>(w);
+      const unsigned long long sb = static_cast<unsigned long long>(sbc) << (8 * c);
+      if (rs) scw1 |= sb;
+      else scw0 |= sb;
+    }
+#pragma unroll
+    for (int i = 0; i < 64 - 16; ++i) s[i] = s[i + 16];
+  }
+  if (t < 2)
+    *reinterpret_cast<unsigned long long*>(bscale + (mat * D + r0 + 8 * t) * (D / 16)) =
+        t ? scw1 : scw0;
+}
+
 }  // namespace gdn_flush
 
 #ifndef GDN_FLUSH_DEVICE_ONLY
@@ -500,7 +876,8 @@ void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, torch
       {gdn_flush::flush_kernel<2, 0, 0, 1>, gdn_flush::flush_kernel<2, 0, 1, 1>},
       {gdn_flush::flush_kernel<2, 0, 0, 2>, gdn_flush::flush_kernel<2, 0, 1, 2>},
       {gdn_flush::flush_kernel<2, 1, 0, 1>, gdn_flush::flush_kernel<2, 1, 1, 1>},
-      {gdn_flush::flush_kernel<2, 1, 0, 2>, gdn_flush::flush_kernel<2, 1, 1, 2>}};
+      {gdn_flush::flush_kernel<2, 1, 0, 2>, gdn_flush::flush_kernel<2, 1, 1, 2>},
+      {gdn_flush::flush_tc_kernel<0>, gdn_flush::flush_tc_kernel<1>}};
   const Kern kern = table[variant][sr ? 1 : 0];
   kern<<<B * H, gdn_flush::NTH, 0, stream>>>(
       reinterpret_cast<const __half*>(A.data_ptr()), la.data_ptr<float>(),

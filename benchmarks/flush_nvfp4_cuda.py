@@ -50,8 +50,8 @@ def _flush(fn, M, st, pol, fa, **kw):
               flush_index=fa["flush_index"], **kw)
 
 
-def _serve(fn, M, st, pol, fa):
-    return _flush(fn, M, st, pol, fa, store_state=False, dequantize=False, return_w=False)
+def _serve(fn, M, st, pol, fa, **kw):
+    return _flush(fn, M, st, pol, fa, store_state=False, dequantize=False, return_w=False, **kw)
 
 
 def _first(st, fa, n):

@@ -62,13 +62,12 @@ VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1, "tc": False},
             2: {"mb": 2, "rcp": True, "roll": 1, "tc": False},
             3: {"mb": 2, "rcp": True, "roll": 2, "tc": False},
             4: {"mb": 2, "rcp": False, "roll": 1, "tc": True}}
-#: the default variant: 0, the fastest on an H100 at 9989e20 (B = 256, 32 heads, J = 16; us,
-#: fp16+sr / RTN anchor: 890 / 760, against 968 / 767 for rcp and 1155 / 1043, 1093 / 987 for
-#: the 1-CTA forms, and 1094 / 1047 for the Triton split flush;
-#: flush_nvfp4_cuda_9989e20_h100.json). Roll 2, at 792db29 (flush_nvfp4_cuda_792db29_h100.json):
-#: 911 / 770 (variant 1), 892 / 753 (variant 3, rcp), against 889 / 759 for variant 0 in the
-#: same run: no better where SR matters, so 0 stays. Variant 4: not yet timed
-GDN_FLUSH_CUDA_CONFIG = {"variant": 0}
+#: the default variant: 4, the tensor-core form (H100, b8680d2, flush_nvfp4_cuda_b8680d2_h100.json;
+#: B = 256, 32 heads, J = 16; us, fp16+sr / RTN anchor): 788 / 689, against 888 / 763 for
+#: variant 0, 902 / 768, 947 / 760 and 899 / 749 for 1-3 and 1063 / 1053 for the Triton
+#: split flush. Earlier: 0 was the fastest FMA form (9989e20, 792db29: 889-890 / 759-760;
+#: the 1-CTA forms 1093-1155 / 987-1043)
+GDN_FLUSH_CUDA_CONFIG = {"variant": 4}
 _F_SR, _F_Y, _F_S, _F_W = 1, 2, 4, 8
 # gdn_flush.cu's constants
 assert NVFP4_SCALE_DIVISOR == 2688.0

@@ -47,7 +47,7 @@ __all__ = ["J_MAX", "VARIANTS", "GDN_FLUSH_CUDA_CONFIG", "unsupported", "gdn_flu
            "gdn_state_flush_cuda"]
 
 J_MAX = 16  # record slots (gdn_flush.cu's JF)
-#: the launch variants (``gdn_flush.cu``), 0-4 at 2 CTAs an SM (about 128 registers, 0-60 bytes
+#: the launch variants (``gdn_flush.cu``), each at 2 CTAs an SM (128 registers with 12-52 bytes
 #: of spills; 1 CTA an SM, about 168 registers, took 1.15-1.30x as long on an H100 at 9989e20
 #: and was dropped). Variants 0-3 (``tc`` False) form the products and the fold with FP32
 #: FMAs and give the same bits; they differ in the NVFP4 division (``rcp``: by a reciprocal
@@ -56,16 +56,12 @@ J_MAX = 16  # record slots (gdn_flush.cu's JF)
 #: move down after each step; 4, no loop, overflowed the i-cache). Variant 4 (``tc``) forms
 #: them on the tensor cores (mma.sync, exact bf16 parts, FP32 accumulation; forty-ninth
 #: pass): another order of the sums, so its S has its own last bits (FP32 tolerance of the
-#: reference) and its copies are the casts of that S. Variant 5 (``stream``) is variant 4 at
-#: 3 CTAs an SM (80 registers): it does not hold S for the casts but forms it twice, block by
-#: block (once for the matrix amax, once for the casts; the same operations, so variant 4's
-#: bits)
-VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1, "tc": False, "stream": False},
-            1: {"mb": 2, "rcp": False, "roll": 2, "tc": False, "stream": False},
-            2: {"mb": 2, "rcp": True, "roll": 1, "tc": False, "stream": False},
-            3: {"mb": 2, "rcp": True, "roll": 2, "tc": False, "stream": False},
-            4: {"mb": 2, "rcp": False, "roll": 1, "tc": True, "stream": False},
-            5: {"mb": 3, "rcp": False, "roll": 1, "tc": True, "stream": True}}
+#: reference) and its copies are the casts of that S
+VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1, "tc": False},
+            1: {"mb": 2, "rcp": False, "roll": 2, "tc": False},
+            2: {"mb": 2, "rcp": True, "roll": 1, "tc": False},
+            3: {"mb": 2, "rcp": True, "roll": 2, "tc": False},
+            4: {"mb": 2, "rcp": False, "roll": 1, "tc": True}}
 #: the default variant: 4, the tensor-core form (H100, b8680d2, flush_nvfp4_cuda_b8680d2_h100.json;
 #: B = 256, 32 heads, J = 16; us, fp16+sr / RTN anchor): 788 / 689, against 888 / 763 for
 #: variant 0, 902 / 768, 947 / 760 and 899 / 749 for 1-3 and 1063 / 1053 for the Triton

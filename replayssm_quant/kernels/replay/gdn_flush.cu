@@ -565,8 +565,8 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(bb.x), "r"(bb.y));
 }
 
-template <int SR, int STREAM>
-__global__ void __launch_bounds__(NTH, STREAM ? 3 : 2) flush_tc_kernel(
+template <int SR>
+__global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
     const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
     const float* __restrict__ rv, const float* __restrict__ rk,
     const long long* __restrict__ length, const float* __restrict__ q,
@@ -627,10 +627,8 @@ __global__ void __launch_bounds__(NTH, STREAM ? 3 : 2) flush_tc_kernel(
     }
   });
 
+  float s[64];  // S: s[8 c + 4 rs + e] = S[r0 + 8 rs][16 c + 4 t + e]
   const int rsol = 16 * warp + (lane >> 1), hf = lane & 1;  // the row this lane solves
-  // the fold's A operand: u' of rows r0, r0 + 8 at slots 2t, 2t+1 (registers 0, 1) and
-  // 2t+8, 2t+9 (registers 2, 3), three parts (n > 0)
-  uint32_t uh[4], um[4], ul[4];
   if (n > 0) {
     float* ex = &sm.ks[0][0];  // [slot][row], stride EXS
     // the products A k_p: 8 k-steps, 2 n-tiles of slots; big (hi x hi) and small sums apart
@@ -693,26 +691,19 @@ __global__ void __launch_bounds__(NTH, STREAM ? 3 : 2) flush_tc_kernel(
       ex[j * EXS + rsol] = j < n ? __fmul_rn(sm.fj[j], hf ? u[p + JF / 2] : u[p]) : 0.f;
     }
     __syncwarp();
+    // the fold's A operand: u' of rows r0, r0 + 8 at slots 2t, 2t+1 (registers 0, 1) and
+    // 2t+8, 2t+9 (registers 2, 3), three parts
+    uint32_t uh[4], um[4], ul[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int row = r0 + 8 * (i & 1), sl = 2 * t + 8 * (i >> 1);
       split3(ex[sl * EXS + row], ex[(sl + 1) * EXS + row], uh[i], um[i], ul[i]);
     }
-  } else if ((flags & F_W) && hf == 0) {  // n = 0: S is A, untouched; no corrections
+    const float en = sm.en;
 #pragma unroll
-    for (int p = 0; p < JF; ++p)
-      if (p < J) wout[(((size_t)b * J + p) * H + hd) * D + rsol] = 0.f;
-  }
-  const float en = sm.en;
-  // S's block c for this lane from A's codes of the block (x0: row r0, x1: row r0 + 8):
-  // v[4 rs + e] = S[r0 + 8 rs][16 c + 4 t + e]; n-tile 2c + hb holds columns 4t + 2 hb, + 1
-  auto block_of_s = [&](int c, uint2 x0, uint2 x1, float (&v)[8]) {
+    for (int c = 0; c < D / 16; ++c) {
 #pragma unroll
-    for (int hb = 0; hb < 2; ++hb) {
-      const uint32_t w0 = hb ? x0.y : x0.x, w1 = hb ? x1.y : x1.x;
-      const float2 a0 = __half22float2(*reinterpret_cast<const __half2*>(&w0));
-      const float2 a1 = __half22float2(*reinterpret_cast<const __half2*>(&w1));
-      if (n > 0) {
+      for (int hb = 0; hb < 2; ++hb) {  // n-tile 2c + hb: columns 16 c + 4t + 2 hb, + 1
         const int nt = 2 * c + hb;
         float z[4] = {0.f, 0.f, 0.f, 0.f};
         const uint2 kh = st.ff[nt][0][lane], km = st.ff[nt][1][lane], kl = st.ff[nt][2][lane];
@@ -722,57 +713,54 @@ __global__ void __launch_bounds__(NTH, STREAM ? 3 : 2) flush_tc_kernel(
         mma_bf16(z, um, kh);
         mma_bf16(z, uh, km);
         mma_bf16(z, uh, kh);
-        v[2 * hb] = fmaf(en, a0.x, z[0]);
-        v[2 * hb + 1] = fmaf(en, a0.y, z[1]);
-        v[4 + 2 * hb] = fmaf(en, a1.x, z[2]);
-        v[4 + 2 * hb + 1] = fmaf(en, a1.y, z[3]);
-      } else {
-        v[2 * hb] = a0.x;
-        v[2 * hb + 1] = a0.y;
-        v[4 + 2 * hb] = a1.x;
-        v[4 + 2 * hb + 1] = a1.y;
+        const uint32_t w0 = hb ? ar[c].y : ar[c].x, w1 = hb ? ar[8 + c].y : ar[8 + c].x;
+        const float2 a0 = __half22float2(*reinterpret_cast<const __half2*>(&w0));
+        const float2 a1 = __half22float2(*reinterpret_cast<const __half2*>(&w1));
+        s[8 * c + 2 * hb] = fmaf(en, a0.x, z[0]);
+        s[8 * c + 2 * hb + 1] = fmaf(en, a0.y, z[1]);
+        s[8 * c + 4 + 2 * hb] = fmaf(en, a1.x, z[2]);
+        s[8 * c + 4 + 2 * hb + 1] = fmaf(en, a1.y, z[3]);
       }
     }
-  };
-  // the stored S, y = S q (the lane's columns in block order, then over the quad) and the
-  // matrix amax over the finite |S| (flush_kernel's), block by block
-  float y0 = 0.f, y1 = 0.f, am = 0.f;
-  auto block_outputs = [&](int c, const float (&v)[8]) {
-    if (flags & F_S) {
+  } else {  // n = 0: S is A, untouched
+    if ((flags & F_W) && hf == 0) {
 #pragma unroll
-      for (int rs = 0; rs < 2; ++rs)
-        *reinterpret_cast<float4*>(sout + (mat * D + r0 + 8 * rs) * D + 16 * c + 4 * t) =
-            make_float4(v[4 * rs], v[4 * rs + 1], v[4 * rs + 2], v[4 * rs + 3]);
-    }
-    if (flags & F_Y) {
-      const float4 qv = *reinterpret_cast<const float4*>(&sm.qs[kx(16 * c + 4 * t)]);
-      y0 = fmaf(v[0], qv.x, y0);
-      y0 = fmaf(v[1], qv.y, y0);
-      y0 = fmaf(v[2], qv.z, y0);
-      y0 = fmaf(v[3], qv.w, y0);
-      y1 = fmaf(v[4], qv.x, y1);
-      y1 = fmaf(v[5], qv.y, y1);
-      y1 = fmaf(v[6], qv.z, y1);
-      y1 = fmaf(v[7], qv.w, y1);
+      for (int p = 0; p < JF; ++p)
+        if (p < J) wout[(((size_t)b * J + p) * H + hd) * D + rsol] = 0.f;
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float a = fabsf(v[i]);
-      am = fmaxf(am, a < INFINITY ? a : 0.f);
-    }
-  };
-  float s[STREAM ? 1 : 64];  // (held S: s[8 c + 4 rs + e] = v[4 rs + e] of block c)
-#pragma unroll
-  for (int c = 0; c < D / 16; ++c) {
-    float v[8];
-    block_of_s(c, ar[c], ar[8 + c], v);
-    block_outputs(c, v);
-    if constexpr (!STREAM) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[8 * c + i] = v[i];
+    for (int i = 0; i < 16; ++i) {
+      const float2 a0 = __half22float2(*reinterpret_cast<const __half2*>(&ar[i].x));
+      const float2 a1 = __half22float2(*reinterpret_cast<const __half2*>(&ar[i].y));
+      const int o = 8 * (i & 7) + 4 * (i >> 3);
+      s[o] = a0.x;
+      s[o + 1] = a0.y;
+      s[o + 2] = a1.x;
+      s[o + 3] = a1.y;
     }
   }
-  if (flags & F_Y) {
+  if (flags & F_S) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {  // (block c = i % 8, row r0 + 8 (i / 8))
+      const int o = 8 * (i & 7) + 4 * (i >> 3);
+      *reinterpret_cast<float4*>(sout + (mat * D + r0 + 8 * (i >> 3)) * D + 16 * (i & 7) + 4 * t) =
+          make_float4(s[o], s[o + 1], s[o + 2], s[o + 3]);
+    }
+  }
+  if (flags & F_Y) {  // y = S q: the lane's columns in block order, then over the quad
+    float y0 = 0.f, y1 = 0.f;
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c) {
+      const float4 qv = *reinterpret_cast<const float4*>(&sm.qs[kx(16 * c + 4 * t)]);
+      y0 = fmaf(s[8 * c], qv.x, y0);
+      y0 = fmaf(s[8 * c + 1], qv.y, y0);
+      y0 = fmaf(s[8 * c + 2], qv.z, y0);
+      y0 = fmaf(s[8 * c + 3], qv.w, y0);
+      y1 = fmaf(s[8 * c + 4], qv.x, y1);
+      y1 = fmaf(s[8 * c + 5], qv.y, y1);
+      y1 = fmaf(s[8 * c + 6], qv.z, y1);
+      y1 = fmaf(s[8 * c + 7], qv.w, y1);
+    }
     // (a rounded add is commutative: after each step every lane of a pair holds the same bits)
     y0 = __fadd_rn(y0, __shfl_xor_sync(0xffffffffu, y0, 1));
     y1 = __fadd_rn(y1, __shfl_xor_sync(0xffffffffu, y1, 1));
@@ -780,6 +768,14 @@ __global__ void __launch_bounds__(NTH, STREAM ? 3 : 2) flush_tc_kernel(
     y1 = __fadd_rn(y1, __shfl_xor_sync(0xffffffffu, y1, 2));
     if (t == 0) yout[mat * D + r0] = y0;
     if (t == 1) yout[mat * D + r0 + 8] = y1;
+  }
+
+  // the matrix amax over the finite |S| and s_g (flush_kernel's)
+  float am = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const float a = fabsf(s[i]);
+    am = fmaxf(am, a < INFINITY ? a : 0.f);
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, off));
@@ -793,78 +789,65 @@ __global__ void __launch_bounds__(NTH, STREAM ? 3 : 2) flush_tc_kernel(
   if (tid == 0) mscale[mat] = sg;
   const float sg6 = __fmul_rn(sg, 6.0f);
 
-  // the casts of a lane's four columns 16 c + 4 t .. + 3 of a row (x[0..3])
+  // the casts: two blocks a step (s[0 .. 15]: blocks 2 cp, 2 cp + 1 of both rows), the
+  // registers moving down 16 after each step (as flush_kernel's ROLL 1)
   const long long key = (fi << SH_FLUSH) | (sq << SH_SEQ) | ((long long)hd << SH_HEAD) | kbits;
   const uint32_t klo = static_cast<uint32_t>(key & 0xFFFFFFFFLL);
   const uint32_t khi = static_cast<uint32_t>((key >> 32) & 0xFFFFFFFFLL);
   unsigned long long scw0 = 0, scw1 = 0;  // the block scale codes of rows r0, r0 + 8
-  auto cast4 = [&](const float* x, int c, int rs) {
-    const int row = r0 + 8 * rs;
-    // the anchor: four fp16 codes, one 8-byte store
-    uint32_t hw0, hw1;
-    if (SR) {
-      const uint4 rw = philox(static_cast<uint32_t>(row * (D / 4) + 4 * c + t), klo, khi, 0u,
-                              seed_lo, seed_hi);
-      hw0 = f16_sr(x[0], rw.x) | (f16_sr(x[1], rw.y) << 16);
-      hw1 = f16_sr(x[2], rw.z) | (f16_sr(x[3], rw.w) << 16);
-    } else {
-      hw0 = f16_rtn(x[0]) | (f16_rtn(x[1]) << 16);
-      hw1 = f16_rtn(x[2]) | (f16_rtn(x[3]) << 16);
-    }
-    *reinterpret_cast<uint2*>(aout + (mat * D + row) * D + 16 * c + 4 * t) = make_uint2(hw0, hw1);
-    // the read copy: the block's amax over the quad (a non-finite element as inf)
-    float bm = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float a = fabsf(x[e]);
-      bm = fmaxf(bm, a < INFINITY ? a : INFINITY);
-    }
-    bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
-    bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
-    const bool bad = !(bm < INFINITY);
-    int sbc = e4m3_rtn_code(__fdiv_rn(bm, sg6));
-    float scale = __fmul_rn(e4m3_value(sbc), sg);
-    if (bad) {
-      sbc = 0x7F;
-      scale = NAN;
-    }
-    const bool ok = scale > 0.f;
-    const float safe = ok ? scale : 1.0f;
-    uint32_t w = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      uint32_t cd = e2m1_code(__fdiv_rn(x[e], safe));
-      if (!ok) cd = bad ? 0u : (cd & 8u);
-      w |= cd << (4 * e);
-    }
-    *reinterpret_cast<unsigned short*>(codes + (mat * D + row) * (D / 2) + 8 * c + 2 * t) =
-        static_cast<unsigned short>(w);
-    const unsigned long long sb = static_cast<unsigned long long>(sbc) << (8 * c);
-    if (rs) scw1 |= sb;
-    else scw0 |= sb;
-  };
-  if constexpr (STREAM) {
-    // S again, block by block (the same operations on the same operands: the same bits), A's
-    // codes read again (from L2 where they stay)
-    const __half* ap = A + (mat * D + r0) * D + 4 * t;
 #pragma unroll 1
-    for (int c = 0; c < D / 16; ++c) {
-      float v[8];
-      block_of_s(c, __ldg(reinterpret_cast<const uint2*>(ap + 16 * c)),
-                 __ldg(reinterpret_cast<const uint2*>(ap + 8 * D + 16 * c)), v);
-      cast4(v, c, 0);
-      cast4(v + 4, c, 1);
-    }
-  } else {
-    // two blocks a step (s[0 .. 15]: blocks 2 cp, 2 cp + 1 of both rows), the registers
-    // moving down 16 after each step (as flush_kernel's ROLL 1)
-#pragma unroll 1
-    for (int cp = 0; cp < D / 32; ++cp) {
+  for (int cp = 0; cp < D / 32; ++cp) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) cast4(s + 8 * (i >> 1) + 4 * (i & 1), 2 * cp + (i >> 1), i & 1);
+    for (int i = 0; i < 4; ++i) {
+      const int c = 2 * cp + (i >> 1), rs = i & 1;  // block c, row r0 + 8 rs
+      const float* x = s + 8 * (i >> 1) + 4 * rs;
+      const int row = r0 + 8 * rs;
+      // the anchor: four fp16 codes, one 8-byte store
+      uint32_t hw0, hw1;
+      if (SR) {
+        const uint4 rw = philox(static_cast<uint32_t>(row * (D / 4) + 4 * c + t), klo, khi, 0u,
+                                seed_lo, seed_hi);
+        hw0 = f16_sr(x[0], rw.x) | (f16_sr(x[1], rw.y) << 16);
+        hw1 = f16_sr(x[2], rw.z) | (f16_sr(x[3], rw.w) << 16);
+      } else {
+        hw0 = f16_rtn(x[0]) | (f16_rtn(x[1]) << 16);
+        hw1 = f16_rtn(x[2]) | (f16_rtn(x[3]) << 16);
+      }
+      *reinterpret_cast<uint2*>(aout + (mat * D + row) * D + 16 * c + 4 * t) =
+          make_uint2(hw0, hw1);
+      // the read copy: the block's amax over the quad (a non-finite element as inf)
+      float bm = 0.f;
 #pragma unroll
-      for (int i = 0; i < 64 - 16; ++i) s[i] = s[i + 16];
+      for (int e = 0; e < 4; ++e) {
+        const float a = fabsf(x[e]);
+        bm = fmaxf(bm, a < INFINITY ? a : INFINITY);
+      }
+      bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
+      bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
+      const bool bad = !(bm < INFINITY);
+      int sbc = e4m3_rtn_code(__fdiv_rn(bm, sg6));
+      float scale = __fmul_rn(e4m3_value(sbc), sg);
+      if (bad) {
+        sbc = 0x7F;
+        scale = NAN;
+      }
+      const bool ok = scale > 0.f;
+      const float safe = ok ? scale : 1.0f;
+      uint32_t w = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        uint32_t cd = e2m1_code(__fdiv_rn(x[e], safe));
+        if (!ok) cd = bad ? 0u : (cd & 8u);
+        w |= cd << (4 * e);
+      }
+      *reinterpret_cast<unsigned short*>(codes + (mat * D + row) * (D / 2) + 8 * c + 2 * t) =
+          static_cast<unsigned short>(w);
+      const unsigned long long sb = static_cast<unsigned long long>(sbc) << (8 * c);
+      if (rs) scw1 |= sb;
+      else scw0 |= sb;
     }
+#pragma unroll
+    for (int i = 0; i < 64 - 16; ++i) s[i] = s[i + 16];
   }
   if (t < 2)
     *reinterpret_cast<unsigned long long*>(bscale + (mat * D + r0 + 8 * t) * (D / 16)) =
@@ -894,8 +877,7 @@ void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, torch
       {gdn_flush::flush_kernel<2, 0, 0, 2>, gdn_flush::flush_kernel<2, 0, 1, 2>},
       {gdn_flush::flush_kernel<2, 1, 0, 1>, gdn_flush::flush_kernel<2, 1, 1, 1>},
       {gdn_flush::flush_kernel<2, 1, 0, 2>, gdn_flush::flush_kernel<2, 1, 1, 2>},
-      {gdn_flush::flush_tc_kernel<0, 0>, gdn_flush::flush_tc_kernel<1, 0>},
-      {gdn_flush::flush_tc_kernel<0, 1>, gdn_flush::flush_tc_kernel<1, 1>}};
+      {gdn_flush::flush_tc_kernel<0>, gdn_flush::flush_tc_kernel<1>}};
   const Kern kern = table[variant][sr ? 1 : 0];
   kern<<<B * H, gdn_flush::NTH, 0, stream>>>(
       reinterpret_cast<const __half*>(A.data_ptr()), la.data_ptr<float>(),

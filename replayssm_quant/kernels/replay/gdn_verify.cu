@@ -23,9 +23,7 @@
 // K (one round of loads, issued with the stream's first) and summed in warp order. Then one
 // thread per value row (the first 128 threads) solves the drafts' corrections and forms the
 // outputs from the row's 16 products and the per-CTA coefficient tables; its ring operands
-// (committed corrections, drafts' values) load where EP says. With 8 warps the other 128
-// threads solve the same rows again (the same bits), and the two halves share the outputs
-// (even / odd drafts) and the ring writes (forty-ninth pass).
+// (committed corrections, drafts' values) load where EP says.
 //
 // The ring tensors (la, beta, v, k, uk) may be the first J slots of a ring of JS >= J slots
 // per sequence (a decode state's ring has window + max_drafts slots): they are indexed with
@@ -291,12 +289,9 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     const int cur = u % (PF + 1);
     chunk<2, 0>(d[u % MT], buf[cur][0], buf[cur][1], sm.xh, sm.xl, u / MT, g, t);
   }
-  // the row's epilogue operands, before the syncs: one value row per thread of the first V
-  // threads; with NW = 8 the second V threads take the same rows (warp-uniform halves: part
-  // 1 forms the odd outputs and writes the drafts' corrections, part 0 the rest)
-  const int row = tid & (V - 1);
-  const int part = NW == 8 ? tid / V : 0;
-  const bool rowed = NW == 8 || tid < V;
+  // the row's epilogue operands (one value row per thread of the first V), before the syncs
+  const int row = tid;
+  const bool rowed = tid < V;
   const size_t HV = (size_t)H * V;
   const float* ukr = uk + (size_t)b * JS * HV + (size_t)h * V + row;
   const float* vr = v + (size_t)b * JS * HV + (size_t)h * V + row;
@@ -393,7 +388,6 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
   float* orow = o + (size_t)b * T * HV + (size_t)h * V + row;
 #pragma unroll
   for (int tt = 0; tt < TMAX; ++tt) {
-    if (NW == 8 && (tt & 1) != part) continue;
     float acc = sm.gq[tt] * yr[8 + tt];
 #pragma unroll
     for (int j = 0; j < JMAX; ++j) acc = fmaf(sm.bc[tt][j], uc[j], acc);
@@ -402,16 +396,12 @@ __global__ void __launch_bounds__(NW * 32, MB) verify_kernel(
     if (tt < T) orow[tt * HV] = acc;
   }
   float* urow = uout + (size_t)b * US * HV + (size_t)h * V + row;
-  if (part == 0) {
 #pragma unroll
-    for (int j = 0; j < JMAX; ++j)  // known rows (KNOWN = 1); zeros past n
-      if (j < J && ((KNOWN && j < start) || j >= n)) urow[j * HV] = uc[j];
-  }
-  if (NW != 8 || part == 1) {
+  for (int j = 0; j < JMAX; ++j)  // known rows (KNOWN = 1); zeros past n
+    if (j < J && ((KNOWN && j < start) || j >= n)) urow[j * HV] = uc[j];
 #pragma unroll
-    for (int i = 0; i < TMAX; ++i)
-      if (i < T) urow[(start + i) * HV] = ud[i];
-  }
+  for (int i = 0; i < TMAX; ++i)
+    if (i < T) urow[(start + i) * HV] = ud[i];
 }
 
 }  // namespace

@@ -95,13 +95,18 @@ __device__ __forceinline__ void cp16(void* s, const void* g) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g));
 }
 
-// Philox-4x32-10 (Triton's tl.philox round for round; replayssm_quant/philox.py)
+// Philox-4x32-10 (Triton's tl.philox round for round; replayssm_quant/philox.py); each
+// round's two 32 x 32 -> 64-bit products as one mul.wide.u32 each (high and low words of
+// one product, the bits of __umulhi and of the 32-bit product)
 __device__ __forceinline__ uint4 philox(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
                                         uint32_t k0, uint32_t k1) {
 #pragma unroll
   for (int i = 0; i < 10; ++i) {
-    const uint32_t hb = __umulhi(0xCD9E8D57u, c2), lb = 0xCD9E8D57u * c2;
-    const uint32_t ha = __umulhi(0xD2511F53u, c0), lo_a = 0xD2511F53u * c0;
+    unsigned long long pb, pa;
+    asm("mul.wide.u32 %0, %1, %2;" : "=l"(pb) : "r"(0xCD9E8D57u), "r"(c2));
+    asm("mul.wide.u32 %0, %1, %2;" : "=l"(pa) : "r"(0xD2511F53u), "r"(c0));
+    const uint32_t hb = static_cast<uint32_t>(pb >> 32), lb = static_cast<uint32_t>(pb);
+    const uint32_t ha = static_cast<uint32_t>(pa >> 32), lo_a = static_cast<uint32_t>(pa);
     c0 = hb ^ c1 ^ k0;
     c1 = lb;
     c2 = ha ^ c3 ^ k1;
@@ -126,6 +131,30 @@ __device__ __forceinline__ uint32_t f16_sr(float x, uint32_t r) {
   int code = min(m < 0x38800000 ? sub : nrm, 0x7BFF);
   if (m >= 0x7F800000) code = m == 0x7F800000 ? 0x7C00 : 0x7E00;
   return static_cast<uint32_t>(code | ((bits >> 16) & 0x8000));
+}
+
+// f16_sr's code where |x| >= 2^-14 (the normal path; also inf and NaN)
+__device__ __forceinline__ uint32_t f16_sr_normal(float x, uint32_t r) {
+  const int bits = __float_as_int(x);
+  const int m = bits & 0x7FFFFFFF;
+  const int nrm = static_cast<int>((static_cast<uint32_t>(m) + 0x1FFFu - (r >> 19)) >> 13) -
+                  (112 << 10);
+  int code = min(nrm, 0x7BFF);
+  if (m >= 0x7F800000) code = m == 0x7F800000 ? 0x7C00 : 0x7E00;
+  return static_cast<uint32_t>(code | ((bits >> 16) & 0x8000));
+}
+
+// The fp16 SR codes of four elements and one Philox call's draws, as two words (low half
+// first): f16_sr's codes, with its subnormal path (|x| < 2^-14) run only where a lane of the
+// warp has such an element (a warp vote; every lane of the warp must call it)
+__device__ __forceinline__ uint2 f16_sr4(float x0, float x1, float x2, float x3, uint4 r) {
+  const uint32_t m = min(min(__float_as_uint(x0) & 0x7FFFFFFFu, __float_as_uint(x1) & 0x7FFFFFFFu),
+                         min(__float_as_uint(x2) & 0x7FFFFFFFu, __float_as_uint(x3) & 0x7FFFFFFFu));
+  if (__any_sync(0xffffffffu, m < 0x38800000u))
+    return make_uint2(f16_sr(x0, r.x) | (f16_sr(x1, r.y) << 16),
+                      f16_sr(x2, r.z) | (f16_sr(x3, r.w) << 16));
+  return make_uint2(f16_sr_normal(x0, r.x) | (f16_sr_normal(x1, r.y) << 16),
+                    f16_sr_normal(x2, r.z) | (f16_sr_normal(x3, r.w) << 16));
 }
 
 // fp16 RTN code with sign (quant.py _f16_rtn_signed)
@@ -453,8 +482,9 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint4 rw = philox(call0 + i, klo, khi, 0u, seed_lo, seed_hi);
-        hw[2 * i] = f16_sr(x[4 * i], rw.x) | (f16_sr(x[4 * i + 1], rw.y) << 16);
-        hw[2 * i + 1] = f16_sr(x[4 * i + 2], rw.z) | (f16_sr(x[4 * i + 3], rw.w) << 16);
+        const uint2 cw = f16_sr4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], rw);
+        hw[2 * i] = cw.x;
+        hw[2 * i + 1] = cw.y;
       }
     } else {
 #pragma unroll
@@ -807,8 +837,9 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
       if (SR) {
         const uint4 rw = philox(static_cast<uint32_t>(row * (D / 4) + 4 * c + t), klo, khi, 0u,
                                 seed_lo, seed_hi);
-        hw0 = f16_sr(x[0], rw.x) | (f16_sr(x[1], rw.y) << 16);
-        hw1 = f16_sr(x[2], rw.z) | (f16_sr(x[3], rw.w) << 16);
+        const uint2 cw = f16_sr4(x[0], x[1], x[2], x[3], rw);
+        hw0 = cw.x;
+        hw1 = cw.y;
       } else {
         hw0 = f16_rtn(x[0]) | (f16_rtn(x[1]) << 16);
         hw1 = f16_rtn(x[2]) | (f16_rtn(x[3]) << 16);

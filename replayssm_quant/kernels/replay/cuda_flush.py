@@ -62,11 +62,12 @@ VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1, "tc": False},
             2: {"mb": 2, "rcp": True, "roll": 1, "tc": False},
             3: {"mb": 2, "rcp": True, "roll": 2, "tc": False},
             4: {"mb": 2, "rcp": False, "roll": 1, "tc": True}}
-#: the default variant: 4, the tensor-core form (H100, b8680d2, flush_nvfp4_cuda_b8680d2_h100.json;
-#: B = 256, 32 heads, J = 16; us, fp16+sr / RTN anchor): 788 / 689, against 888 / 763 for
-#: variant 0, 902 / 768, 947 / 760 and 899 / 749 for 1-3 and 1063 / 1053 for the Triton
-#: split flush. Earlier: 0 was the fastest FMA form (9989e20, 792db29: 889-890 / 759-760;
-#: the 1-CTA forms 1093-1155 / 987-1043)
+#: the default variant: 4, the tensor-core form (H100, B = 256, 32 heads, J = 16; us, fp16+sr
+#: / RTN anchor): 778 / 688 at cd4cee4 (flush_nvfp4_cuda_cd4cee4_h100.json), against 810 / 756
+#: for variant 0, 869 / 771, 838 / 764 and 860 / 746 for 1-3 and 1100 / 1047 for the Triton
+#: split flush; 788 / 689 at b8680d2, before the Philox and SR changes of cd4cee4, against
+#: 888 / 763 for variant 0. Earlier: 0 was the fastest FMA form (9989e20, 792db29: 889-890 /
+#: 759-760; the 1-CTA forms 1093-1155 / 987-1043)
 GDN_FLUSH_CUDA_CONFIG = {"variant": 4}
 _F_SR, _F_Y, _F_S, _F_W = 1, 2, 4, 8
 # gdn_flush.cu's constants

@@ -538,9 +538,14 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
 //   the fold (n-tiles 2c and 2c+1: columns 4t, 4t+1 and 4t+2, 4t+3 of the block).
 // * Exact operands: an fp16 element of A is hi + lo in bf16 (8 + 3 significant bits), a
 //   float32 key or correction hi + mid + lo (8 + 8 + 8), each part rounded to nearest from the
-//   remainder (exact unless a part falls below bf16's normal range, 2^-126). Of the products
-//   of parts, those below about 2^-24 of the largest are left out (A: lo x lo; the fold: mid
-//   x lo, lo x mid, lo x lo); the rest accumulate in FP32, the smallest first.
+//   remainder (exact unless a part falls below bf16's normal range, 2^-126, or hi rounds to
+//   inf, |x| above about 3.39e38). Of the products of parts, those below about 2^-24 of the
+//   largest are left out (A: lo x lo; the fold: mid x lo, lo x mid, lo x lo); the rest
+//   accumulate in FP32, the smallest first.
+// * Non-finite inputs: an inf in A (or a key or correction beyond 3.39e38) splits into inf
+//   and NaN parts, so its row of S comes out NaN where flush_kernel's FMAs give +-inf there
+//   (both non-finite: the row's NVFP4 blocks are bad either way; the fp16 anchor keeps NaN
+//   codes instead of inf).
 // * The products leave the accumulators through shared memory ([slot][row], in the keys'
 //   buffer, which is free once the fragments are built), the lanes of a row solve as in
 //   flush_kernel (two lanes a row, the same bits), and the corrections u'_j = e^{c_{n-1} -

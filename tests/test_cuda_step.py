@@ -145,7 +145,8 @@ def test_nvfp4_mma_operands_are_exact():
     the scale is NaN); and the three bf16 parts of a key sum to it scaled by
     2^(16 - e) exactly, for keys of any magnitude (and the zero key)."""
     p = _all_codes_nvfp4()
-    x = torch.randn(2, 3, D)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 3, D, generator=g)
     a, parts, e = cs.nvfp4_mma_operands(p.codes, p.block_scales, x)
     table = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
                          dtype=torch.float64)
@@ -157,11 +158,16 @@ def test_nvfp4_mma_operands_are_exact():
     assert torch.equal(a.double()[~nan], want[~nan])
     assert torch.equal(torch.signbit(a[~nan]), torch.signbit(want[~nan].float()))
     for scale in (1.0, 1e-20, 1e12, 0.0):
-        xs = torch.randn(4, D) * scale
+        xs = torch.randn(4, D, generator=g) * scale
+        if scale:  # key 0's largest element just below a power of two: its hi part is 2^16
+            ex = torch.frexp(xs[0].abs().max()).exponent
+            xs[0, 0] = torch.ldexp(torch.tensor(1 - 2.0 ** -20), ex)
         _, parts, e = cs.nvfp4_mma_operands(p.codes[0, :4], p.block_scales[0, :4], xs)
         total = parts.double().sum(-2)
         assert torch.equal(total, torch.ldexp(xs.double(), (16 - e).double()))
-        assert (parts[..., 0, :].abs() < 2.0 ** 16).all()
+        # the scaled key is below 2^16; its hi part, rounded to nearest, at most 2^16
+        assert (parts[..., 0, :].abs() <= 2.0 ** 16).all()
+        assert (parts[0, 0, 0] == 2.0 ** 16) == (scale != 0)
 
 
 def test_stage_is_checked():

@@ -301,6 +301,62 @@ __device__ __forceinline__ void records_prologue(
 
 }
 
+// The matrix scale s_g = RN(amax / 2688) over the finite |S| of the CTA's matrix (1 where
+// that is 0; a max, exact in any order), from each thread's 64 elements of S; every thread
+// of the CTA calls it (a barrier inside; wmax: a word a warp in shared memory)
+__device__ __forceinline__ float matrix_scale(const float (&s)[HALF], float* wmax, int warp,
+                                              int lane) {
+  float am = 0.f;
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) {
+    const float a = fabsf(s[i]);
+    am = fmaxf(am, a < INFINITY ? a : 0.f);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, off));
+  if (lane == 0) wmax[warp] = am;
+  __syncthreads();
+  am = wmax[0];
+#pragma unroll
+  for (int w = 1; w < NTH / 32; ++w) am = fmaxf(am, wmax[w]);
+  const float sg = __fdiv_rn(am, 2688.0f);
+  return sg > 0.f ? sg : 1.0f;
+}
+
+// The SR stream key's two words (philox.stream_key: flush index, sequence id, head, and the
+// layer and copy fields in kbits)
+__device__ __forceinline__ uint2 stream_key_words(long long fi, long long sq, int hd,
+                                                  long long kbits) {
+  const long long key = (fi << SH_FLUSH) | (sq << SH_SEQ) | ((long long)hd << SH_HEAD) | kbits;
+  return make_uint2(static_cast<uint32_t>(key & 0xFFFFFFFFLL),
+                    static_cast<uint32_t>((key >> 32) & 0xFFFFFFFFLL));
+}
+
+// An NVFP4 block's E4M3 scale code and divisor (the lean pair cast's RTN rule) from the
+// block's amax over its |x| and whether it holds a non-finite element: a bad block gets code
+// 0x7F and codes 0, a block whose scale is 0 keeps its elements' signs only
+struct Nvfp4Block {
+  int code;    // the E4M3 scale code
+  float safe;  // the divisor (the scale, 1 where it is not positive or NaN)
+  bool ok, bad;
+};
+__device__ __forceinline__ Nvfp4Block nvfp4_block(float bm, bool bad, float sg, float sg6) {
+  int sbc = e4m3_rtn_code(__fdiv_rn(bm, sg6));
+  float scale = __fmul_rn(e4m3_value(sbc), sg);
+  if (bad) {
+    sbc = 0x7F;
+    scale = NAN;
+  }
+  const bool ok = scale > 0.f;
+  return {sbc, ok ? scale : 1.0f, ok, bad};
+}
+
+// an element's E2M1 code from its quotient RN(x / safe), under its block's rule
+__device__ __forceinline__ uint32_t e2m1_in_block(float quotient, const Nvfp4Block& bk) {
+  const uint32_t c = e2m1_code(quotient);
+  return bk.ok ? c : bk.bad ? 0u : (c & 8u);
+}
+
 // Launch variants (the same bits): MB CTAs an SM asked of ptxas (1: up to 255 registers, no
 // spills; 2: 128 registers; the host launches MB = 2 only, 1 was slower); RCP divides the
 // NVFP4 elements by div_by_rcp where the matrix scale is in quant.RCP_MATRIX_SCALE_RANGE
@@ -439,22 +495,7 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     if (hf == 0) yout[mat * D + r] = z;
   }
 
-  // the matrix amax over the finite |S| (a max: exact in any order) and s_g
-  float am = 0.f;
-#pragma unroll
-  for (int i = 0; i < HALF; ++i) {
-    const float a = fabsf(s[i]);
-    am = fmaxf(am, a < INFINITY ? a : 0.f);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, off));
-  if (lane == 0) sm.wmax[warp] = am;
-  __syncthreads();
-  am = sm.wmax[0];
-#pragma unroll
-  for (int w = 1; w < NTH / 32; ++w) am = fmaxf(am, sm.wmax[w]);
-  float sg = __fdiv_rn(am, 2688.0f);
-  sg = sg > 0.f ? sg : 1.0f;
+  const float sg = matrix_scale(s, sm.wmax, warp, lane);
   if (tid == 0) mscale[mat] = sg;
   const float sg6 = __fmul_rn(sg, 6.0f);
   const bool use_rcp = RCP && sg >= 0x1p-86f && sg <= 0x1p86f;  // (the NVFP4 cast is RTN)
@@ -463,9 +504,8 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   // ROLL copies of a block's code, not four: blocks bk .. bk + ROLL - 1 are always
   // s[0 .. 16 ROLL - 1], the registers moving down 16 ROLL after each step (unrolled four
   // times, the casts overflowed the instruction cache: ncu, forty-seventh pass)
-  const long long key = (fi << SH_FLUSH) | (sq << SH_SEQ) | ((long long)hd << SH_HEAD) | kbits;
-  const uint32_t klo = static_cast<uint32_t>(key & 0xFFFFFFFFLL);
-  const uint32_t khi = static_cast<uint32_t>((key >> 32) & 0xFFFFFFFFLL);
+  const uint2 kw = stream_key_words(fi, sq, hd, kbits);
+  const uint32_t klo = kw.x, khi = kw.y;
   uint4* ao = reinterpret_cast<uint4*>(aout + (mat * D + r) * D + c0);
   uint2* co = reinterpret_cast<uint2*>(codes + (mat * D + r) * (D / 2) + c0 / 2);
   uint32_t scw = 0;
@@ -501,25 +541,18 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
       bad |= !(a < INFINITY);
       bm = fmaxf(bm, a);
     }
-    int sbc = e4m3_rtn_code(__fdiv_rn(bm, sg6));
-    float scale = __fmul_rn(e4m3_value(sbc), sg);
-    if (bad) {
-      sbc = 0x7F;
-      scale = NAN;
-    }
-    const bool ok = scale > 0.f;
-    const float safe = ok ? scale : 1.0f;
-    const float rcp = use_rcp ? __fdiv_rn(1.0f, safe) : 0.f;
+    const Nvfp4Block blk = nvfp4_block(bm, bad, sg, sg6);
+    const float rcp = use_rcp ? __fdiv_rn(1.0f, blk.safe) : 0.f;
     uint32_t w0 = 0, w1 = 0;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      uint32_t c = e2m1_code(use_rcp ? div_by_rcp(x[i], safe, rcp) : __fdiv_rn(x[i], safe));
-      if (!ok) c = bad ? 0u : (c & 8u);
+      const uint32_t c = e2m1_in_block(
+          use_rcp ? div_by_rcp(x[i], blk.safe, rcp) : __fdiv_rn(x[i], blk.safe), blk);
       if (i < 8) w0 |= c << (4 * i);
       else w1 |= c << (4 * (i - 8));
     }
     co[bk] = make_uint2(w0, w1);
-    scw |= static_cast<uint32_t>(sbc) << (8 * bk);
+    scw |= static_cast<uint32_t>(blk.code) << (8 * bk);
   }
 #pragma unroll
   for (int i = 0; i < HALF - 16 * ROLL; ++i) s[i] = s[i + 16 * ROLL];
@@ -805,30 +838,14 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
     if (t == 1) yout[mat * D + r0 + 8] = y1;
   }
 
-  // the matrix amax over the finite |S| and s_g (flush_kernel's)
-  float am = 0.f;
-#pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    const float a = fabsf(s[i]);
-    am = fmaxf(am, a < INFINITY ? a : 0.f);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, off));
-  if (lane == 0) sm.wmax[warp] = am;
-  __syncthreads();
-  am = sm.wmax[0];
-#pragma unroll
-  for (int w = 1; w < NTH / 32; ++w) am = fmaxf(am, sm.wmax[w]);
-  float sg = __fdiv_rn(am, 2688.0f);
-  sg = sg > 0.f ? sg : 1.0f;
+  const float sg = matrix_scale(s, sm.wmax, warp, lane);
   if (tid == 0) mscale[mat] = sg;
   const float sg6 = __fmul_rn(sg, 6.0f);
 
   // the casts: two blocks a step (s[0 .. 15]: blocks 2 cp, 2 cp + 1 of both rows), the
   // registers moving down 16 after each step (as flush_kernel's ROLL 1)
-  const long long key = (fi << SH_FLUSH) | (sq << SH_SEQ) | ((long long)hd << SH_HEAD) | kbits;
-  const uint32_t klo = static_cast<uint32_t>(key & 0xFFFFFFFFLL);
-  const uint32_t khi = static_cast<uint32_t>((key >> 32) & 0xFFFFFFFFLL);
+  const uint2 kw = stream_key_words(fi, sq, hd, kbits);
+  const uint32_t klo = kw.x, khi = kw.y;
   unsigned long long scw0 = 0, scw1 = 0;  // the block scale codes of rows r0, r0 + 8
 #pragma unroll 1
   for (int cp = 0; cp < D / 32; ++cp) {
@@ -860,25 +877,13 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
       }
       bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
       bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
-      const bool bad = !(bm < INFINITY);
-      int sbc = e4m3_rtn_code(__fdiv_rn(bm, sg6));
-      float scale = __fmul_rn(e4m3_value(sbc), sg);
-      if (bad) {
-        sbc = 0x7F;
-        scale = NAN;
-      }
-      const bool ok = scale > 0.f;
-      const float safe = ok ? scale : 1.0f;
+      const Nvfp4Block blk = nvfp4_block(bm, !(bm < INFINITY), sg, sg6);
       uint32_t w = 0;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        uint32_t cd = e2m1_code(__fdiv_rn(x[e], safe));
-        if (!ok) cd = bad ? 0u : (cd & 8u);
-        w |= cd << (4 * e);
-      }
+      for (int e = 0; e < 4; ++e) w |= e2m1_in_block(__fdiv_rn(x[e], blk.safe), blk) << (4 * e);
       *reinterpret_cast<unsigned short*>(codes + (mat * D + row) * (D / 2) + 8 * c + 2 * t) =
           static_cast<unsigned short>(w);
-      const unsigned long long sb = static_cast<unsigned long long>(sbc) << (8 * c);
+      const unsigned long long sb = static_cast<unsigned long long>(blk.code) << (8 * c);
       if (rs) scw1 |= sb;
       else scw0 |= sb;
     }

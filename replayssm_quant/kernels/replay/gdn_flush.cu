@@ -117,31 +117,30 @@ __device__ __forceinline__ uint4 philox(uint32_t c0, uint32_t c1, uint32_t c2, u
   return make_uint4(c0, c1, c2, c3);
 }
 
-// fp16 SR code with sign of float32 x and draw r (quant.py _f16_sr_signed / _f16_sr_code)
-__device__ __forceinline__ uint32_t f16_sr(float x, uint32_t r) {
+// The fp16 SR code with sign of float32 x and draw r where |x| >= 2^-14 (the normal path;
+// also inf and NaN): quant.py _f16_sr_signed / _f16_sr_code
+__device__ __forceinline__ uint32_t f16_sr_normal(float x, uint32_t r) {
   const int bits = __float_as_int(x);
   const int m = bits & 0x7FFFFFFF;
   // (in unsigned arithmetic: a non-finite m would overflow an int; its code is replaced)
   const int nrm = static_cast<int>((static_cast<uint32_t>(m) + 0x1FFFu - (r >> 19)) >> 13) -
                   (112 << 10);
-  const float t = __fmul_rn(__int_as_float(min(m, 0x38800000)), 16777216.0f);  // <= 1024
-  const float fl = floorf(t);
-  const uint32_t thr = __float2uint_rz(ceilf(__fmul_rn(__fsub_rn(t, fl), 4294967296.0f)));
-  const int sub = static_cast<int>(fl) + (r < thr ? 1 : 0);
-  int code = min(m < 0x38800000 ? sub : nrm, 0x7BFF);
+  int code = min(nrm, 0x7BFF);
   if (m >= 0x7F800000) code = m == 0x7F800000 ? 0x7C00 : 0x7E00;
   return static_cast<uint32_t>(code | ((bits >> 16) & 0x8000));
 }
 
-// f16_sr's code where |x| >= 2^-14 (the normal path; also inf and NaN)
-__device__ __forceinline__ uint32_t f16_sr_normal(float x, uint32_t r) {
+// The fp16 SR code with sign of float32 x and draw r, any x (the same): below 2^-14 the
+// subnormal path (a code of at most 1024), both paths formed and one selected
+__device__ __forceinline__ uint32_t f16_sr(float x, uint32_t r) {
   const int bits = __float_as_int(x);
   const int m = bits & 0x7FFFFFFF;
-  const int nrm = static_cast<int>((static_cast<uint32_t>(m) + 0x1FFFu - (r >> 19)) >> 13) -
-                  (112 << 10);
-  int code = min(nrm, 0x7BFF);
-  if (m >= 0x7F800000) code = m == 0x7F800000 ? 0x7C00 : 0x7E00;
-  return static_cast<uint32_t>(code | ((bits >> 16) & 0x8000));
+  const float t = __fmul_rn(__int_as_float(min(m, 0x38800000)), 16777216.0f);  // <= 1024
+  const float fl = floorf(t);
+  const uint32_t thr = __float2uint_rz(ceilf(__fmul_rn(__fsub_rn(t, fl), 4294967296.0f)));
+  const int sub = static_cast<int>(fl) + (r < thr ? 1 : 0);
+  return m < 0x38800000 ? static_cast<uint32_t>(sub | ((bits >> 16) & 0x8000))
+                        : f16_sr_normal(x, r);
 }
 
 // The fp16 SR codes of four elements and one Philox call's draws, as two words (low half

@@ -92,8 +92,7 @@ def main(argv=None):
         fa = dc.flush_args(M, st)
         cfg = kr.cuda_flush.GDN_FLUSH_CUDA_CONFIG
         forms = {}  # per form (its first variant): the checks of its bits
-        for form in sorted({min(v for v, c in kr.cuda_flush.VARIANTS.items() if c["tc"] == tc)
-                            for tc in (False, True)}):
+        for form in sorted({min(kr.cuda_flush.same_bits(v)) for v in kr.cuda_flush.VARIANTS}):
             old = cfg["variant"]
             cfg["variant"] = form  # (check_flush runs the library's default variant)
             try:
@@ -128,7 +127,7 @@ def main(argv=None):
                                                           ta.read_stored.block_scales)}
             same = {}  # the form's other variants: its bits
             tc = kr.cuda_flush.VARIANTS[form]["tc"]
-            for var in [v for v, c in kr.cuda_flush.VARIANTS.items() if c["tc"] == tc]:
+            for var in kr.cuda_flush.same_bits(form):
                 cv_, yv = _serve(lambda *x, **k: kr.gdn_flush_cuda(*x, variant=var, **k), M,
                                  st, pol, fa)
                 c = cv_.checkpoints

@@ -150,6 +150,17 @@ def test_fallback_is_the_triton_kernel(monkeypatch):
                           fallback=False)
 
 
+def test_same_bits_is_the_form_of_a_variant():
+    """``same_bits`` groups the launch variants by form: the FMA forms 0-3 together, the
+    tensor-core form 4 alone; the variant asked for comes first; others are refused."""
+    assert cf.same_bits(0) == (0, 1, 2, 3) and cf.same_bits(2) == (2, 0, 1, 3)
+    assert cf.same_bits(4) == (4,)
+    for v in cf.VARIANTS:
+        assert {cf.VARIANTS[x]["tc"] for x in cf.same_bits(v)} == {cf.VARIANTS[v]["tc"]}
+    with pytest.raises(KeyError):
+        cf.same_bits(9)
+
+
 def test_state_builds_the_flush_kernel_before_its_first_step(monkeypatch):
     """A decode state whose flush runs the CUDA kernel builds it at its first step or verify,
     before anything is written (a flush comes after a step's record is appended, or after a
@@ -342,8 +353,7 @@ def test_serving_form_and_batch_invariance(variant):
     B, H, G, J = 7, 4, 2, 16
     A, recs, q, length, seq, fi = _inputs(B, H, G, J, device="cuda", seed=3)
     res, y = _run(A, recs, q, length, seq, fi, variant=variant)
-    tc = cf.VARIANTS[variant]["tc"]
-    for var in [v for v, c in cf.VARIANTS.items() if c["tc"] == tc]:
+    for var in cf.same_bits(variant):
         res2, y2 = _run(A, recs, q, length, seq, fi, store_state=False, return_w=False,
                         dequantize=False, variant=var)
         assert res2.state is None and res2.w is None and res2.checkpoints.anchor is None

@@ -43,8 +43,8 @@ from ...philox import STREAM_SHIFTS, as_int, check_seed, stream_key
 from ...policy import StatePolicy, require_policy
 from .cuda_verify import DIM, _ring_slots, build, placement
 
-__all__ = ["J_MAX", "VARIANTS", "GDN_FLUSH_CUDA_CONFIG", "unsupported", "gdn_flush_cuda",
-           "gdn_state_flush_cuda"]
+__all__ = ["J_MAX", "VARIANTS", "GDN_FLUSH_CUDA_CONFIG", "same_bits", "unsupported",
+           "gdn_flush_cuda", "gdn_state_flush_cuda"]
 
 J_MAX = 16  # record slots (gdn_flush.cu's JF)
 #: the launch variants (``gdn_flush.cu``), each at 2 CTAs an SM (128 registers with 12-52 bytes
@@ -69,6 +69,16 @@ VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1, "tc": False},
 #: 888 / 763 for variant 0. Earlier: 0 was the fastest FMA form (9989e20, 792db29: 889-890 /
 #: 759-760; the 1-CTA forms 1093-1155 / 987-1043)
 GDN_FLUSH_CUDA_CONFIG = {"variant": 4}
+
+
+def same_bits(variant: int) -> tuple[int, ...]:
+    """The launch variants (:data:`VARIANTS`) that give ``variant``'s bits: those of its form,
+    the FMAs (``tc`` False) or the tensor cores; ``variant`` first, then ascending. Raises
+    KeyError for a variant that is not a key of :data:`VARIANTS`."""
+    tc = VARIANTS[variant]["tc"]
+    return (variant,) + tuple(v for v, c in VARIANTS.items() if c["tc"] == tc and v != variant)
+
+
 _F_SR, _F_Y, _F_S, _F_W = 1, 2, 4, 8
 # gdn_flush.cu's constants
 assert NVFP4_SCALE_DIVISOR == 2688.0

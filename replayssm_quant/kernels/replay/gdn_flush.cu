@@ -205,6 +205,24 @@ __device__ __noinline__ void range_fail(int b, long long n, int J, long long seq
   assert(0 && "gdn_flush_cuda: a per-sequence field is out of range");
 }
 
+// Sequence b's length n (0 .. J), sequence id and flush index (within their stream-key
+// fields); false where one is out of range, after thread 0 has printed it and asserted
+// (range_fail): the caller's CTA returns
+__device__ __forceinline__ bool sequence_fields(const long long* __restrict__ length,
+                                                const long long* __restrict__ seqid,
+                                                const long long* __restrict__ flidx, int b,
+                                                int J, int& n, long long& sq, long long& fi) {
+  const long long nn = length[b];
+  sq = seqid[b];
+  fi = flidx[b];
+  if (nn < 0 || nn > J || sq < 0 || sq >= SEQ_LIMIT || fi < 0 || fi >= FLUSH_LIMIT) {
+    if (threadIdx.x == 0) range_fail(b, nn, J, sq, fi);
+    return false;
+  }
+  n = static_cast<int>(nn);
+  return true;
+}
+
 // RN(x / b) for divisors b in [2^-95, 2^95] given with y = RN(1 / b): quant.py's
 // _div_by_rcp (a product and four FMAs; equal to __fdiv_rn wherever the quotient is at least
 // 2^-3, and below that still below 2^-3 (1 + 2^-20), which is all an E2M1 RTN code reads)
@@ -379,12 +397,9 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   const int r = tid >> 1, hf = tid & 1, c0 = HALF * hf;
   const size_t mat = (size_t)b * H + hd;
 
-  const long long nn = length[b], sq = seqid[b], fi = flidx[b];
-  if (nn < 0 || nn > J || sq < 0 || sq >= SEQ_LIMIT || fi < 0 || fi >= FLUSH_LIMIT) {
-    if (tid == 0) range_fail(b, nn, J, sq, fi);
-    return;
-  }
-  const int n = static_cast<int>(nn);
+  int n;
+  long long sq, fi;
+  if (!sequence_fields(length, seqid, flidx, b, J, n, sq, fi)) return;
 
   // the records and the coefficient tables (records_prologue); A's row half into registers
   uint4 araw[8];
@@ -651,12 +666,9 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
   const int r0 = 16 * warp + g;  // the lane's rows r0 and r0 + 8
   const size_t mat = (size_t)b * H + hd;
 
-  const long long nn = length[b], sq = seqid[b], fi = flidx[b];
-  if (nn < 0 || nn > J || sq < 0 || sq >= SEQ_LIMIT || fi < 0 || fi >= FLUSH_LIMIT) {
-    if (tid == 0) range_fail(b, nn, J, sq, fi);
-    return;
-  }
-  const int n = static_cast<int>(nn);
+  int n;
+  long long sq, fi;
+  if (!sequence_fields(length, seqid, flidx, b, J, n, sq, fi)) return;
 
   // A's codes: ar[8 rs + c] holds columns 16 c + 4 t .. + 3 of row r0 + 8 rs (low half first)
   uint2 ar[16];

@@ -164,8 +164,15 @@ __device__ __forceinline__ uint32_t f16_rtn(float x) {
   return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(c)));
 }
 
-// E4M3 RTN code of a finite float32 y >= 0, saturating at 448 (quant.py _e4m3_rtn)
+// E4M3 RTN code of a finite float32 y >= 0, saturating at 448 (quant.py _e4m3_rtn): on sm_89
+// and later the hardware conversion (round to nearest even, subnormals kept, satfinite
+// clamping to 448 = code 0x7E), elsewhere in integers
 __device__ __forceinline__ int e4m3_rtn_code(float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short r;  // (the second source goes to the low byte)
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(y));
+  return r & 0xFF;
+#else
   const int bits = __float_as_int(y);
   const int ex = (bits >> 23) & 0xFF, mant = bits & 0x7FFFFF;
   const int sig = ex == 0 ? mant : (mant | 0x800000);
@@ -175,6 +182,7 @@ __device__ __forceinline__ int e4m3_rtn_code(float y) {
   const int fl = sig >> sh, rem = sig & ((1 << sh) - 1), half = 1 << (sh - 1);
   const int up = (rem > half || (rem == half && (fl & 1))) ? 1 : 0;
   return min(((e + 6) << 3) + fl + up, 0x7E);
+#endif
 }
 
 __device__ __forceinline__ float e4m3_value(int code) {  // code 0 .. 0x7E

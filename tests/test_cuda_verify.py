@@ -156,8 +156,8 @@ def test_refusals():
     with pytest.raises(ValueError, match="anchor must be a stored checkpoint .* got NoneType"):
         cv.gdn_verify_cuda(a["read"], None, a["la"], a["beta"], a["v"], a["k"], a["q"],
                            a["u_known"], a["start"], 16, True)
-    with pytest.raises(ValueError, match=r"\(4, 3, 0, 3\) is not a launch variant"):
-        cv._variant(4, 3, 0, 3, True)
+    with pytest.raises(ValueError, match=r"\(4, 3, 0, 4\) is not a launch variant"):
+        cv._variant(4, 3, 0, 4, True)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="need a CUDA device; backend='triton'"):
             cv.build()
@@ -336,6 +336,37 @@ def test_kernel_batch_invariant():
     mix = {n: torch.cat([x[n][:5], y[n][5:]]) for n in x}
     om, um = run(mix, start)
     assert torch.equal(om[:5], o[:5]) and torch.equal(um[:5], u[:5])
+
+
+@needs_gpu
+def test_kernel_non_finite_state_rows():
+    """A NaN or an infinity in the state R makes its value row's outputs and drafts'
+    corrections non-finite (NaN, +inf or -inf in R: never a finite number in their place,
+    whatever the TF32 split does with the bits), in every launch variant; every other value
+    row keeps the bits of the clean run (the rows do not mix)."""
+    B, T, J = 3, 8, 16
+    x = _inputs(B, 4, 2, 128, 128, J, T, seed=7, dtype=torch.float32, device="cuda")
+    start = torch.arange(B, device="cuda")
+    order = ("la", "beta", "v", "k", "q", "uk")
+    bad = [(0, 1, 5, 17, float("nan")), (1, 2, 9, 100, float("inf")),
+           (2, 0, 3, 0, float("-inf")),
+           (2, 3, 77, 64, torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32).item())]
+    R = x["R"].clone()
+    for b, h, row, k, val in bad:
+        R[b, h, row, k] = val
+    hit = torch.zeros(B, 4, 128, dtype=torch.bool, device="cuda")  # [b, h, row]
+    for b, h, row, _, _ in bad:
+        hit[b, h, row] = True
+    for nw, pf, mb, ep in cv.LIBRARY_VARIANTS:
+        kw = dict(nw=nw, pf=pf, mb=mb, ep=ep, fallback=False)
+        oc, uc = cv.gdn_verify_cuda(x["R"], x["R"], *(x[n] for n in order), start, J, True, **kw)
+        o, u = cv.gdn_verify_cuda(R, R, *(x[n] for n in order), start, J, True, **kw)
+        ho = hit[:, None].expand_as(o)  # o [B, T, H, V]
+        slot = torch.arange(J, device="cuda")[None]
+        drafts = ((slot >= start[:, None]) & (slot < start[:, None] + T))[:, :, None, None]
+        hu = hit[:, None] & drafts  # u [B, J, H, V]: the drafts' slots of a hit row
+        assert not o[ho].isfinite().any() and not u[hu].isfinite().any(), (nw, pf, mb, ep)
+        assert torch.equal(o[~ho], oc[~ho]) and torch.equal(u[~hu], uc[~hu]), (nw, pf, mb, ep)
 
 
 def _decode(backend, policy, dtype=torch.float32, B=5, seed=0):

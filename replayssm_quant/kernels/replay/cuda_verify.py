@@ -56,13 +56,12 @@ DIM, T_MAX, J_MAX = 128, 8, 16
 MIN_CAPABILITY = (8, 0)  # mma.sync tf32, cp.async
 #: every launch variant the kernel has (``benchmarks/verify_cuda.py`` builds them all):
 #: warps ``nw`` -> units of R loaded ahead ``pf`` and CTAs per SM asked of ptxas ``mb``; the
-#: epilogue's ring operands ``ep`` 0 (late into registers), 1 (early), 2 (cp.async to shared),
-#: 3 (as 2, and bytes 256..511 of every row of R prefetched to L2 at the CTA's start)
+#: epilogue's ring operands ``ep`` 0 (late into registers), 1 (early), 2 (cp.async to shared)
 LAUNCH = {4: {"pf": (2, 3, 4, 5, 6), "mb": (0, 5, 6)},
           8: {"pf": (2, 3, 4, 5, 7), "mb": (0, 2, 3, 4)}}
 #: the variants the library's build holds ``(nw, pf, mb, ep)`` (the host dispatch of
 #: gdn_verify.cu without GDN_VERIFY_ALL_VARIANTS names the same ones)
-LIBRARY_VARIANTS = ((8, 3, 0, 2), (4, 3, 0, 0), (8, 2, 4, 2), (8, 3, 0, 3), (8, 2, 4, 3))
+LIBRARY_VARIANTS = ((8, 3, 0, 2), (4, 3, 0, 0), (8, 2, 4, 2))
 #: the default launch: the fastest variant at the worst start (H100, B = 256: 283.3 us at
 #: 744aff1, 278.9 at 9faf565, against 405.1 / 401.6 us for the Triton kernel;
 #: docs/kernels-replay.md)
@@ -270,10 +269,10 @@ def _variant(nw, pf, mb, ep, all_variants: bool) -> tuple[int, int, int, int]:
                                                          (nw, pf, mb, ep)))
     if all_variants:
         if var[0] in LAUNCH and var[1] in LAUNCH[var[0]]["pf"] and \
-                var[2] in LAUNCH[var[0]]["mb"] and var[3] in (0, 1, 2, 3):
+                var[2] in LAUNCH[var[0]]["mb"] and var[3] in (0, 1, 2):
             return var
         raise ValueError(f"gdn_verify_cuda: (nw, pf, mb, ep) = {var} is not a launch variant; "
-                         f"nw in {tuple(LAUNCH)}, pf and mb by nw {LAUNCH}, ep in (0, 1, 2, 3)")
+                         f"nw in {tuple(LAUNCH)}, pf and mb by nw {LAUNCH}, ep in (0, 1, 2)")
     if var not in LIBRARY_VARIANTS:
         raise ValueError(f"gdn_verify_cuda: (nw, pf, mb, ep) = {var} is not one of the "
                          f"library's variants {LIBRARY_VARIANTS} (all_variants=True builds "

@@ -15,7 +15,8 @@ cumulative log decays of the ring's first ``n = start + T`` slots::
 (slots ``j < start``: the cached corrections ``u_known``). The products with the state,
 ``Y = R [k_start..k_n-1 | q_0..q_T-1]``, run on ``mma.sync m16n8k8`` in 3xTF32 with FP32
 accumulation (the Triton kernel's ``tf32x3`` accuracy class: both within ``1e-5 + 1e-5 |ref|``
-of float64, and a few units of 1e-7 apart); one CTA per (sequence, value head) at 64-102
+of float64; since the fiftieth pass R's low TF32 part is truncated, not rounded, leaving out
+less than ``2^-21 |R|`` an element against ``2^-22``); one CTA per (sequence, value head) at 64-102
 registers, so 4-6 CTAs share an SM where the Triton kernel runs one program of 255 registers.
 Every sum's order is fixed by the CTA's code: a sequence's bits do not depend on its batch,
 position or neighbours (checked on the device by ``tests/test_cuda_verify.py`` and

@@ -14,7 +14,7 @@
 // One CTA per (sequence b, value head h), 4 or 8 warps. The products with the state,
 // Y = R X with X [K, 16] = [the 8 drafts' keys | the 8 queries] (zero columns past T), run
 // on the tensor cores (mma.sync m16n8k8, 3xTF32: a_lo b_hi + a_hi b_lo + a_hi b_hi, FP32
-// accumulation), with R's rows loaded straight from global memory into the A fragments: a lane reads 16
+// accumulation; R's parts by split_a, its lo truncated), with R's rows loaded straight from global memory into the A fragments: a lane reads 16
 // contiguous bytes of a row and uses them as the (t, t + 4) columns of two k-steps, and X's
 // fragments in shared memory follow the same permutation of K, so no shared-memory staging
 // of R is needed. Each warp streams 128 / NW rows (two m-tiles or one) in units of 16 rows

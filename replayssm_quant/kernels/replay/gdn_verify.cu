@@ -11,19 +11,19 @@
 //           for the draft slots p = start .. n-1 (slots j < start: the cached corrections)
 //   o_t   = e^{c_p} R q_t + sum_{j<=p} e^{c_p - c_j} (k_j . q_t) u_j,    p = start + t
 //
-// One CTA per (sequence b, value head h), 4 or 8 warps. The products with the state,
-// Y = R X with X [K, 16] = [the 8 drafts' keys | the 8 queries] (zero columns past T), run
-// on the tensor cores (mma.sync m16n8k8, 3xTF32: a_lo b_hi + a_hi b_lo + a_hi b_hi, FP32
-// accumulation; R's parts by split_a, its lo truncated), with R's rows loaded straight from global memory into the A fragments: a lane reads 16
-// contiguous bytes of a row and uses them as the (t, t + 4) columns of two k-steps, and X's
-// fragments in shared memory follow the same permutation of K, so no shared-memory staging
-// of R is needed. Each warp streams 128 / NW rows (two m-tiles or one) in units of 16 rows
-// x 16 columns of K, PF units loaded ahead. The products of the 16 ring keys with X (the
-// Gram terms k_j . k_p and k_j . q_t) are one more m-tile, split over the warps by shares of
-// K (one round of loads, issued with the stream's first) and summed in warp order. Then one
-// thread per value row (the first 128 threads) solves the drafts' corrections and forms the
-// outputs from the row's 16 products and the per-CTA coefficient tables; its ring operands
-// (committed corrections, drafts' values) load where EP says.
+// One CTA per (sequence b, value head h), 4 or 8 warps. The products with the state, Y = R X with X
+// [K, 16] = [the 8 drafts' keys | the 8 queries] (zero columns past T), run on the tensor cores
+// (mma.sync m16n8k8, 3xTF32: a_lo b_hi + a_hi b_lo + a_hi b_hi, FP32 accumulation; R's parts by
+// split_a, its lo truncated), with R's rows loaded straight from global memory into the A
+// fragments: a lane reads 16 contiguous bytes of a row and uses them as the (t, t + 4) columns of
+// two k-steps, and X's fragments in shared memory follow the same permutation of K, so no
+// shared-memory staging of R is needed. Each warp streams 128 / NW rows (two m-tiles or one) in
+// units of 16 rows x 16 columns of K, PF units loaded ahead. The products of the 16 ring keys with
+// X (the Gram terms k_j . k_p and k_j . q_t) are one more m-tile, split over the warps by shares of
+// K (one round of loads, issued with the stream's first) and summed in warp order. Then one thread
+// per value row (the first 128 threads) solves the drafts' corrections and forms the outputs from
+// the row's 16 products and the per-CTA coefficient tables; its ring operands (committed
+// corrections, drafts' values) load where EP says.
 //
 // The ring tensors (la, beta, v, k, uk) may be the first J slots of a ring of JS >= J slots
 // per sequence (a decode state's ring has window + max_drafts slots): they are indexed with

@@ -241,6 +241,24 @@ def test_check_output_dir_creates_nothing_and_names_the_problem(tmp_path, monkey
     monkeypatch.setattr(Path, "mkdir", refuse)
     with pytest.raises(BadArgs, match="cannot be created: Permission denied"):
         check_output_dir(tmp_path / "new")
+    for empty in ("", "  "):  # (an unset $OUT): not the current directory by accident
+        with pytest.raises(BadArgs, match=r"^-o is empty \(.*\); give a directory, or '\.'"):
+            check_output_dir(empty, "-o")
+
+
+@pytest.mark.parametrize("tool", ["kl", "attribute", "plan"])
+def test_empty_output_dir_exit_2_and_writes_nothing(tool, tmp_path, monkeypatch, capsys):
+    """``-o ''`` (an unset variable in ``-o "$OUT"``) is refused in one line by every tool
+    that writes a run directory, and nothing is written into the current directory."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    mod = importlib.import_module(f"replayssm_quant.evals.{tool}")
+    extra = {"kl": [], "attribute": [], "plan": ["--budget", "4.5"]}[tool]
+    assert mod.main(["--model", "tiny-gdn", "-N", "16", "--max-docs", "1", "--no-progress",
+                     *extra, "-o", ""]) == 2
+    assert "--output-dir is empty ('')" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_interrupt_before_compute_exits_130_in_one_line(tmp_path, monkeypatch, capsys):

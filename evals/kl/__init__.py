@@ -185,8 +185,13 @@ def check_output_dir(path, flag: str = "--output-dir") -> None:
     missing directory is made and removed again, with the missing parents between.
 
     Raises:
-        BadArgs: naming ``flag``, the path and the reason.
+        BadArgs: naming ``flag``, the path and the reason; also for an empty path (an unset
+            shell variable in ``-o "$OUT"``), which would otherwise write into the current
+            directory (``.`` says that on purpose).
     """
+    if not str(path).strip():
+        raise BadArgs(f"{flag} is empty ({str(path)!r}); give a directory, or '.' for the "
+                      "current one")
     p = Path(path)
     if p.exists():
         if not p.is_dir():

@@ -38,7 +38,9 @@ from pathlib import Path
 
 from replayssm_quant.policy import StatePolicy
 
-from .kl import EXIT_BAD_ARGS, BadArgs, check_backend_env, check_device, check_output_dir
+from .kl import (EXIT_BAD_ARGS, EXIT_INTERRUPTED, EXIT_TERMINATED, BadArgs, Terminated,
+                 check_backend_env, check_device, check_output_dir, interrupt_exit,
+                 interrupt_on_sigterm)
 from .kl import main as kl_main
 
 __all__ = ["Unit", "units_for", "kl_argv", "run_cells", "check_rerun", "cell_stats", "ssm_structure",
@@ -190,8 +192,8 @@ def run_cells(a, policies, out: Path):
     Raises:
         BadArgs: the runner refused the arguments (its message is in ``out/runner.log`` and
             on stderr) or failed.
-        KeyboardInterrupt: the runner was interrupted (exit 130; its finished cells stay in
-            ``out`` for the next run).
+        KeyboardInterrupt: the runner was interrupted (exit 130; :class:`Terminated` for
+            SIGTERM, exit 143; its finished cells stay in ``out`` for the next run).
     """
     import pandas as pd
 
@@ -199,8 +201,8 @@ def run_cells(a, policies, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "runner.log", "a") as log, contextlib.redirect_stdout(log):
         rc = kl_main(kl_argv(a, list(policies), out))
-    if rc == 130:  # interrupted; its finished cells are kept for the next invocation
-        raise KeyboardInterrupt
+    if rc in (EXIT_INTERRUPTED, EXIT_TERMINATED):  # its finished cells are kept for the next run
+        raise Terminated if rc == EXIT_TERMINATED else KeyboardInterrupt
     if rc != 0:
         raise BadArgs(f"replayssm-kl exited with {rc} (see the message above and {out / 'runner.log'})")
     return pd.read_parquet(out / "positions.parquet")
@@ -392,6 +394,13 @@ def _markdown(df, s: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """``replayssm-attribute``; the exit code: 0, 2 for bad input, 130 when interrupted
+    (Ctrl-C), 143 when terminated (SIGTERM); the finished runs are kept either way."""
+    with interrupt_on_sigterm():
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
         if str(a.policy).lower().startswith("map:") or str(a.policy).endswith(".json"):
@@ -413,10 +422,11 @@ def main(argv=None) -> int:
     except (BadArgs, ValueError) as e:
         print(f"replayssm-attribute: error: {e}", file=sys.stderr)
         return EXIT_BAD_ARGS
-    except KeyboardInterrupt:
-        print(f"\nreplayssm-attribute: interrupted; the finished runs are kept under {a.output_dir}; run the "
+    except KeyboardInterrupt as e:
+        code, what = interrupt_exit(e)
+        print(f"\nreplayssm-attribute: {what}; the finished runs are kept under {a.output_dir}; run the "
               "same command again to resume", file=sys.stderr)
-        return 130
+        return code
     print(f"replayssm-attribute: {summary['model']}, {summary['policy']}: all layers "
           f"{summary['all_layers']['kl_mean']:.4g} nats, sum of {len(summary['units'])} units "
           f"{summary['sum_of_units']:.4g} (ratio {summary['additivity_ratio']:.3f}); output {a.output_dir}")

@@ -54,7 +54,7 @@ from replayssm_quant.policymap import PolicyMap
 from .attribute import (_fmt_se, _runs, _span, add_run_arguments, cell_stats, check_rerun,
                         check_run_arguments, decay_json, measured_decays, run_cells, splits_layers,
                         ssm_structure, units_for)
-from .kl import EXIT_BAD_ARGS, BadArgs
+from .kl import EXIT_BAD_ARGS, BadArgs, interrupt_exit, interrupt_on_sigterm
 
 __all__ = ["DEFAULT_CANDIDATES", "DEFAULT_UNIFORM", "policy_bytes", "solve_plan", "plan_map",
            "main", "build_parser"]
@@ -459,6 +459,14 @@ def _figure(fr, path: Path, title: str, objective: str = "per_token") -> None:
 
 
 def main(argv=None) -> int:
+    """``replayssm-plan``; the exit code: 0, 1 when a budget found no verified plan, 2 for bad
+    input, 130 when interrupted (Ctrl-C), 143 when terminated (SIGTERM); the finished runs
+    are kept either way."""
+    with interrupt_on_sigterm():
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     bar_was_on = None
     if a.no_progress:  # transformers' "Loading weights" bar too, restored on return
@@ -471,10 +479,11 @@ def main(argv=None) -> int:
     except (BadArgs, ValueError) as e:
         print(f"replayssm-plan: error: {e}", file=sys.stderr)
         return EXIT_BAD_ARGS
-    except KeyboardInterrupt:
-        print(f"\nreplayssm-plan: interrupted; the finished runs are kept under {a.output_dir}; run the "
+    except KeyboardInterrupt as e:
+        code, what = interrupt_exit(e)
+        print(f"\nreplayssm-plan: {what}; the finished runs are kept under {a.output_dir}; run the "
               "same command again to resume", file=sys.stderr)
-        return 130
+        return code
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()

@@ -180,4 +180,9 @@ def test_interrupted_runner_exits_130(tmp_path, monkeypatch, capsys):
     assert main(["-N", "16", "--max-docs", "1", "--no-progress", "-o", str(tmp_path / "o")]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "run the same command again to resume" in err
+    # a terminated runner (SIGTERM, its exit code 143): attribution exits 143 and says so
+    monkeypatch.setattr(at, "kl_main", lambda argv: 143)
+    assert main(["-N", "16", "--max-docs", "1", "--no-progress", "-o", str(tmp_path / "o")]) == 143
+    err = capsys.readouterr().err
+    assert "terminated (SIGTERM)" in err and "run the same command again to resume" in err
 

@@ -41,6 +41,15 @@ def test_run_outputs_and_resume(model_dir, data_file, tmp_path, capsys):
     assert man2["cells_computed_this_run"] == 0
     assert "every cell already in the output, nothing recomputed" in capsys.readouterr().out
     pd.testing.assert_frame_equal(pd.read_parquet(out / "positions.parquet"), pos)
+    # a partial resume (one cell's part lost, as after an interrupt) says what it reuses,
+    # recomputes that cell alone, and gives the same table
+    next(iter(sorted((out / "parts").glob("*.parquet")))).unlink()
+    assert main(_args(model_dir, data_file, out)) == 0
+    err = capsys.readouterr().err
+    assert "replayssm-kl: resuming: 3 of 4 (document, cell) pairs are already done in " in err
+    assert "; computing the other 1" in err
+    assert json.loads((out / "manifest.json").read_text())["cells_computed_this_run"] == 1
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "positions.parquet"), pos)
     # batch composition does not change a document's rows (SR keyed by the document's tokens)
     out1 = tmp_path / "run1"
     assert main(_args(model_dir, data_file, out1, "--batch-size", "1")) == 0
@@ -273,6 +282,42 @@ def test_interrupt_before_compute_exits_130_in_one_line(tmp_path, monkeypatch, c
     assert kl.main(["--model", "tiny-gdn", "-o", str(tmp_path / "o")]) == 130
     assert capsys.readouterr().err.strip() == ("replayssm-kl: interrupted before any cell of "
                                                "this invocation ran")
+
+
+def test_sigterm_is_handled_as_an_interrupt(tmp_path, monkeypatch, capsys):
+    """SIGTERM (kill, timeout, a batch system's pre-emption) inside ``interrupt_on_sigterm``
+    raises ``Terminated`` (a KeyboardInterrupt) where it arrives, and the earlier handler is
+    back afterwards; a run that is terminated during its cells exits 143 with the resume
+    hint, as Ctrl-C exits 130."""
+    import os
+    import signal
+
+    import replayssm_quant.evals.kl as kl
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(kl.Terminated):
+        with kl.interrupt_on_sigterm():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # (the handler runs between bytecodes)
+                pass
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert kl.interrupt_exit(kl.Terminated()) == (143, "terminated (SIGTERM)")
+    assert kl.interrupt_exit(KeyboardInterrupt()) == (130, "interrupted")
+
+    def terminated(*args, **kw):  # a real SIGTERM during the cells: main's handler raises
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):
+            pass
+        raise AssertionError("SIGTERM did not interrupt the run")
+
+    monkeypatch.setattr(kl, "run", terminated)
+    out = tmp_path / "o"
+    assert kl.main(["--model", "tiny-gdn", "-N", "8", "--max-docs", "1", "--no-progress",
+                    "-o", str(out)]) == 143
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("replayssm-kl: terminated (SIGTERM); 0 finished cells are saved in ")
+    assert err.endswith("run the same command again to resume")
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_output_dir_under_a_file_exit_2(tmp_path, capsys):

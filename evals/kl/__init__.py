@@ -35,7 +35,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from replayssm_quant.config import GDNFold
@@ -52,6 +54,41 @@ from .run import (COLUMNS, IDENTITY_FILE, METRICS_VERSION, STEP_COLUMNS, BadArgs
                   stepwise_summary)
 
 EXIT_BAD_ARGS = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
+EXIT_TERMINATED = 143   # SIGTERM (128 + SIGTERM): kill, timeout, a batch system's pre-emption
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the signal arrives (by :func:`interrupt_on_sigterm`), so that
+    the tools handle it as Ctrl-C: the finished cells stay on disk and the same command
+    resumes; the exit code is :data:`EXIT_TERMINATED`."""
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm():
+    """Inside the block, SIGTERM raises :class:`Terminated` (a KeyboardInterrupt) instead of
+    ending the process at once; the earlier handler is restored on exit. Only in the main
+    thread (Python delivers signals there); elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        raise Terminated
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def interrupt_exit(e: KeyboardInterrupt) -> tuple[int, str]:
+    """The exit code and the word for an interrupt: ``(143, "terminated (SIGTERM)")`` for
+    :class:`Terminated`, ``(130, "interrupted")`` for Ctrl-C."""
+    if isinstance(e, Terminated):
+        return EXIT_TERMINATED, "terminated (SIGTERM)"
+    return EXIT_INTERRUPTED, "interrupted"
 DEFAULT_POLICIES = ("shared:nvfp4+sr", "read:nvfp4/rec:fp32", "read:nvfp4/rec:fp16+sr",
                     "eager:fp8e4m3")
 DEFAULT_STEPWISE_CHECK = 64
@@ -635,7 +672,13 @@ def main(argv=None) -> int:
     """``replayssm-kl``: check the arguments and the plan, then run this process's share of the
     cells (a plain run, or one rank under torchrun / accelerate launch). Returns the exit
     code: 0, 2 for bad input or a plan that does not fit (before any compute), 130 when
-    interrupted."""
+    interrupted (Ctrl-C), 143 when terminated (SIGTERM); either way the finished cells are
+    kept and the same command resumes."""
+    with interrupt_on_sigterm():
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     from . import dist
 
     parser = build_parser()
@@ -705,6 +748,11 @@ def main(argv=None) -> int:
         todo = group.broadcast(pending_pairs(out, token_docs, ucells, a.stepwise_check, a.state_error)
                                if ranks.rank == 0 else None)
         missing = len(todo)
+        total = len(token_docs) * len(ucells)
+        if ranks.rank == 0 and 0 < missing < total:  # a resume: say what is reused
+            print(f"replayssm-kl: resuming: {total - missing} of {total} (document, cell) "
+                  f"pairs are already done in {a.output_dir}; computing the other {missing}",
+                  file=sys.stderr)
         todo = todo[:a.max_cells] if a.max_cells else todo
         mine, plans = None, []
         if shape is not None:
@@ -730,12 +778,13 @@ def main(argv=None) -> int:
         if group is not None:
             group.close()
         return EXIT_BAD_ARGS
-    except KeyboardInterrupt:
-        print("\nreplayssm-kl: interrupted before any cell of this invocation ran",
+    except KeyboardInterrupt as e:
+        code, what = interrupt_exit(e)
+        print(f"\nreplayssm-kl: {what} before any cell of this invocation ran",
               file=sys.stderr)
         if group is not None:
             group.close()
-        return 130
+        return code
     try:
         work = dist.shard(todo, ranks.world_size)[ranks.rank]
         return run(a, policies, cfg_path, cfg, arch, token_docs, tokz, work=work, group=group,
@@ -745,11 +794,12 @@ def main(argv=None) -> int:
     except DamagedPart as e:
         print(f"replayssm-kl: error: {e}", file=sys.stderr)
         return EXIT_BAD_ARGS
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        code, what = interrupt_exit(e)
         done = len(list((Path(a.output_dir) / "parts").glob("*.parquet")))
-        print(f"\nreplayssm-kl: interrupted; {done} finished cells are saved in "
+        print(f"\nreplayssm-kl: {what}; {done} finished cells are saved in "
               f"{a.output_dir}/parts; run the same command again to resume", file=sys.stderr)
-        return 130
+        return code
     finally:
         group.close()
 

@@ -125,7 +125,9 @@ def units_for(ssm_heads: dict[int, int], by: str, group: int = 1, decays=None) -
 def add_run_arguments(p: argparse.ArgumentParser, n_flags=("--max-tokens", "-N")) -> None:
     """The options passed through to ``replayssm-kl`` (shared with ``replayssm-plan``, which
     also names N ``--at-N``)."""
-    p.add_argument("--model", default="tiny-gdn", help="embedded name, model directory or hub id")
+    p.add_argument("--model", default="tiny-gdn",
+                   help="embedded name (tiny-gdn, tiny-mamba2), local model directory or hub id "
+                   "(default: tiny-gdn)")
     p.add_argument("--dataset", nargs="+", default=["kjv"], help="as replayssm-kl (default kjv)")
     p.add_argument("--split", default=None, help="corpus split (kjv: heldout)")
     p.add_argument("--max-docs", type=int, default=4, help="documents (default 4)")
@@ -134,11 +136,16 @@ def add_run_arguments(p: argparse.ArgumentParser, n_flags=("--max-tokens", "-N")
     p.add_argument("--window", type=int, default=16, help="flush window L (default 16)")
     p.add_argument("--seed", type=int, default=0, help="SR seed (default 0)")
     p.add_argument("--segment-len", type=int, default=512, help="tokens per forward call (default 512)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                   help="model dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:I (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="as replayssm-kl (0 = auto)")
-    p.add_argument("--dt-limit", default="decode", choices=("decode", "clamp"))
-    p.add_argument("--gdn-fold", default="recompute", choices=("recompute", "cached"))
+    p.add_argument("--dt-limit", default="decode", choices=("decode", "clamp"),
+                   help="Mamba-2 time_step_limit rule, as replayssm-kl (default decode: no clamp, "
+                   "as transformers' decode step)")
+    p.add_argument("--gdn-fold", default="recompute", choices=("recompute", "cached"),
+                   help="GDN flush: re-solve corrections against the anchor (default) or fold "
+                   "cached ones, as replayssm-kl")
     p.add_argument("--no-progress", action="store_true", help="disable progress bars")
 
 

@@ -296,9 +296,12 @@ def parse_spec(spec: "str | QuantSpec") -> QuantSpec:
                 f"formats, a scale mode ({_scale_help()})")
     head = f"bad format spec {spec!r}"
     if name not in FORMATS:
-        close = difflib.get_close_matches(name, FORMAT_NAMES, n=1)
-        what = f"{head}: unknown format {name!r}" + (f" (did you mean {close[0]!r}?)" if close
-                                                      else "")
+        # a family name ('fp8', 'fp4', 'e4m3'): every format that holds it; else the closest
+        close = ([f for f in FORMAT_NAMES if len(name) >= 2 and name in f]
+                 or difflib.get_close_matches(name, FORMAT_NAMES, n=1))
+        hint = (f" (did you mean {close[0]!r}?)" if len(close) == 1 else
+                f" (did you mean one of {', '.join(map(repr, close))}?)" if close else "")
+        what = f"{head}: unknown format {name!r}{hint}"
         raise SpecError(f"{what}; {expected}", what)
 
     def why(what: str) -> SpecError:  # a SpecError saying what is wrong, then the grammar

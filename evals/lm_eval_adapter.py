@@ -43,7 +43,9 @@ imports this module (which registers ``replayssm``) and hands the command line t
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import textwrap
 import sys
 from collections import defaultdict, deque
 from pathlib import Path
@@ -592,6 +594,7 @@ def cli(argv: list[str] | None = None) -> int:
         sys.argv = [sys.argv[0], *argv]
     setup_logging()  # as lm_eval.__main__.cli_evaluate, with the check between parse and run
     parser = HarnessCLI()
+    _add_replayssm_help(parser)
     args = parser.parse_args()
     model, margs = _cli_model_args(args)
     try:
@@ -620,6 +623,53 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"replayssm-lm-eval: error: {e}{_tasks_hint(str(e))}", file=sys.stderr)
         return 2
     return 0
+
+
+def replayssm_help() -> str:
+    """The ``replayssm`` section of ``replayssm-lm-eval --help`` (and of ``run --help``):
+    the model, its own arguments, an example, and where the package's tasks are."""
+    from replayssm_quant.evals import TASKS_DIR
+
+    return textwrap.dedent(f"""
+        replayssm-lm-eval is lm-eval with the model "replayssm" registered: an HFLM whose
+        Mamba-2 / Gated DeltaNet state runs under a ReplaySSM state policy.
+
+        replayssm model arguments (--model replayssm --model_args k=v,k=v; besides HFLM's):
+          pretrained=   embedded name (tiny-gdn: the default, tiny-mamba2), model
+                        directory or hub id
+          state=        state policy: fp32 (default) | shared:F | eager:F | read:F/rec:G,
+                        or a policy map (docs/replay.md, docs/planner.md)
+          window=       flush window L (default 16)
+          seed=         stochastic-rounding seed (default 0)
+          max_drafts=   drafts T for speculative decoding (default 0)
+          gdn_fold=     recompute (default) | cached;   dt_limit=  decode (default) | clamp
+          decay_stats=  per-head decays (JSON) for a policy map's decay buckets
+          An unknown name is refused before anything loads, with the accepted list.
+
+        example:
+          replayssm-lm-eval --model replayssm \\
+            --model_args pretrained=tiny-gdn,state=read:nvfp4/rec:fp32,window=16,seed=0 \\
+            --tasks kjv_longctx_mc,kjv_longctx_gen --include_path {TASKS_DIR} --limit 8
+
+        The kjv_* tasks need --include_path {TASKS_DIR} (in a checkout: evals/tasks).
+        docs/lm-eval.md covers the paper's tasks and binning by generation length.""")
+
+
+def _add_replayssm_help(parser) -> None:
+    """Name the tool ``replayssm-lm-eval`` in lm-eval's help and add :func:`replayssm_help`
+    to the top-level and ``run`` help (lm-eval's parser objects are private: where their
+    names change, the help stays lm-eval's own)."""
+    try:
+        top, run = parser._parser, parser._subparsers.choices["run"]
+    except (AttributeError, KeyError, TypeError):
+        return
+    top.prog = "replayssm-lm-eval"
+    run.prog = "replayssm-lm-eval run"
+    if isinstance(run.usage, str) and run.usage.startswith("lm-eval "):  # (its own usage line)
+        run.usage = "replayssm-" + run.usage
+    for p in (top, run):
+        p.epilog = (p.epilog or "") + "\n" + replayssm_help()
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def _tasks_hint(message: str) -> str:

@@ -695,3 +695,24 @@ def test_console_entry_interrupt_before_cli_guard(capsys, monkeypatch):
     monkeypatch.setattr(adapter, "cli", stop)
     assert main([]) == 130
     assert capsys.readouterr().err.strip() == "replayssm-lm-eval: interrupted"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"]])
+def test_help_names_the_tool_and_the_replayssm_model(argv, capsys):
+    """``replayssm-lm-eval --help`` and ``run --help`` are lm-eval's help under the tool's
+    name, with the ``replayssm`` model's own arguments (each with its default), an example
+    and the tasks' --include_path."""
+    from replayssm_quant.evals import TASKS_DIR
+    from replayssm_quant.evals.lm_eval_adapter import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(argv)
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: replayssm-lm-eval")
+    assert "replayssm model arguments (--model replayssm" in out
+    for arg in ("pretrained=", "state=", "window=", "seed=", "max_drafts=", "gdn_fold=",
+                "dt_limit=", "decay_stats="):
+        assert arg in out
+    assert f"--include_path {TASKS_DIR}" in out
+    assert "--tasks" in out  # lm-eval's own options are still there

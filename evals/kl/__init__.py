@@ -89,6 +89,8 @@ def interrupt_exit(e: KeyboardInterrupt) -> tuple[int, str]:
     if isinstance(e, Terminated):
         return EXIT_TERMINATED, "terminated (SIGTERM)"
     return EXIT_INTERRUPTED, "interrupted"
+
+
 DEFAULT_POLICIES = ("shared:nvfp4+sr", "read:nvfp4/rec:fp32", "read:nvfp4/rec:fp16+sr",
                     "eager:fp8e4m3")
 DEFAULT_STEPWISE_CHECK = 64

@@ -560,3 +560,31 @@ def test_binding_declares_what_the_kernel_files_define():
         assert norm(defined.group(1)) == norm(declared.group(1)), fn
         assert f'm.def("{fn}", &{fn}' in src
     assert "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)" in src
+
+
+def test_kernel_sources_local_includes_ship_with_them():
+    """Every quoted include of the three kernel files (``replay_device.cuh``, the helpers
+    they share) lies next to them, and the package data ships it: a missing header would be
+    a compile error at the first build on a GPU, after install."""
+    import fnmatch
+    import re
+    import tomllib
+    from pathlib import Path
+
+    here = cv.SOURCE.parent
+    patterns = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml")
+                             .read_text())["tool"]["setuptools"]["package-data"]["*"]
+    seen = set()
+    for path in (cv.SOURCE, cv.STEP_SOURCE, cv.FLUSH_SOURCE):
+        names = re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.M)
+        assert names, path.name
+        for name in names:
+            assert (here / name).is_file(), (path.name, name)
+            assert any(fnmatch.fnmatch(name, p) for p in patterns), name
+            seen.add(name)
+    assert "replay_device.cuh" in seen
+    # the shared helpers are defined once, in the header
+    for path in (cv.SOURCE, cv.STEP_SOURCE, cv.FLUSH_SOURCE):
+        text = path.read_text()
+        assert "cp.async.cg.shared.global [%0], [%1], 16;" not in text, path.name
+        assert "m16n8k16.row.col.f32.bf16.bf16.f32" not in text, path.name

@@ -46,16 +46,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
-#include <stdio.h>
-#ifdef NDEBUG
-#undef NDEBUG
-#include <assert.h>
-#define NDEBUG
-#else
-#include <assert.h>
-#endif
+
+#include "replay_device.cuh"
 
 namespace gdn_flush {
 
@@ -90,10 +82,7 @@ struct Smem {
   float wmax[NTH / 32];
 };
 
-__device__ __forceinline__ void cp16(void* s, const void* g) {
-  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(s));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g));
-}
+using replay_device::cp16;
 
 // Philox-4x32-10 (Triton's tl.philox round for round; replayssm_quant/philox.py); each
 // round's two 32 x 32 -> 64-bit products as one mul.wide.u32 each (high and low words of
@@ -646,13 +635,10 @@ __device__ __forceinline__ void split2(uint32_t w, uint32_t& h, uint32_t& l) {
   l = bf16x2_rn(__fsub_rn(f.x, bf16_lo(h)), __fsub_rn(f.y, bf16_hi(h)));
 }
 
-// d += A B on the tensor cores: m16n8k16, bf16 operands, FP32 accumulation
+// d += A B on the tensor cores (replay_device::mma_bf16), A's four registers as an array and
+// B's two as a uint2
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint2 bb) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(bb.x), "r"(bb.y));
+  replay_device::mma_bf16(d, a[0], a[1], a[2], a[3], bb.x, bb.y);
 }
 
 template <int SR>

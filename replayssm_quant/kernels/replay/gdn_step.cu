@@ -46,17 +46,7 @@
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #endif
-#include <cuda_runtime.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <stdio.h>
-#ifdef NDEBUG  // (the position check must not compile away under NDEBUG)
-#undef NDEBUG
-#include <assert.h>
-#define NDEBUG
-#else
-#include <assert.h>
-#endif
+#include "replay_device.cuh"  // (its assert stays on under NDEBUG: the position check)
 
 namespace gdn_step {
 
@@ -149,15 +139,7 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return r;
 }
 
-// d += A B on the tensor cores: m16n8k16, bf16 operands, FP32 accumulation
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using replay_device::mma_bf16;  // d += A B, m16n8k16 bf16, FP32 accumulation
 
 // a float32 as bf16 bits, rounded to nearest even
 __device__ __forceinline__ uint16_t bf16_rn(float x) {
@@ -242,10 +224,7 @@ constexpr size_t staged_bytes() {
   return FMT == 0 ? sizeof(float) * V * F32_ROW : (size_t)V * FP4_ROW;
 }
 
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-  const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(src));
-}
+using replay_device::cp16;
 
 __device__ __forceinline__ void cp8(void* dst, const void* src) {
   const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);

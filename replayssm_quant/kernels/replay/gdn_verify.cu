@@ -39,17 +39,7 @@
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #endif
-#include <cuda_runtime.h>
-#include <stdint.h>
-#include <stdio.h>
-// The ring-range check below is an assert that must not compile away under NDEBUG.
-#ifdef NDEBUG
-#undef NDEBUG
-#include <assert.h>
-#define NDEBUG
-#else
-#include <assert.h>
-#endif
+#include "replay_device.cuh"  // (its assert stays on under NDEBUG: the ring-range check)
 
 namespace {
 

@@ -641,7 +641,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
   replay_device::mma_bf16(d, a[0], a[1], a[2], a[3], bb.x, bb.y);
 }
 
-template <int SR>
+template <int SR, int RCP>
 __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
     const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
     const float* __restrict__ rv, const float* __restrict__ rk,
@@ -846,6 +846,7 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
   const float sg = matrix_scale(s, sm.wmax, warp, lane);
   if (tid == 0) mscale[mat] = sg;
   const float sg6 = __fmul_rn(sg, 6.0f);
+  const bool use_rcp = RCP && sg >= 0x1p-86f && sg <= 0x1p86f;  // (as flush_kernel's RCP)
 
   // the casts: two blocks a step (s[0 .. 15]: blocks 2 cp, 2 cp + 1 of both rows), the
   // registers moving down 16 after each step (as flush_kernel's ROLL 1)
@@ -884,8 +885,15 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
       bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
       const Nvfp4Block blk = nvfp4_block(bm, !(bm < INFINITY), sg, sg6);
       uint32_t w = 0;
+      if (use_rcp) {
+        const float rcp = __fdiv_rn(1.0f, blk.safe);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) w |= e2m1_in_block(__fdiv_rn(x[e], blk.safe), blk) << (4 * e);
+        for (int e = 0; e < 4; ++e)
+          w |= e2m1_in_block(div_by_rcp(x[e], blk.safe, rcp), blk) << (4 * e);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w |= e2m1_in_block(__fdiv_rn(x[e], blk.safe), blk) << (4 * e);
+      }
       *reinterpret_cast<unsigned short*>(codes + (mat * D + row) * (D / 2) + 8 * c + 2 * t) =
           static_cast<unsigned short>(w);
       const unsigned long long sb = static_cast<unsigned long long>(blk.code) << (8 * c);
@@ -923,7 +931,8 @@ void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, torch
       {gdn_flush::flush_kernel<2, 0, 0, 2>, gdn_flush::flush_kernel<2, 0, 1, 2>},
       {gdn_flush::flush_kernel<2, 1, 0, 1>, gdn_flush::flush_kernel<2, 1, 1, 1>},
       {gdn_flush::flush_kernel<2, 1, 0, 2>, gdn_flush::flush_kernel<2, 1, 1, 2>},
-      {gdn_flush::flush_tc_kernel<0>, gdn_flush::flush_tc_kernel<1>}};
+      {gdn_flush::flush_tc_kernel<0, 0>, gdn_flush::flush_tc_kernel<1, 0>},
+      {gdn_flush::flush_tc_kernel<0, 1>, gdn_flush::flush_tc_kernel<1, 1>}};
   const Kern kern = table[variant][sr ? 1 : 0];
   kern<<<B * H, gdn_flush::NTH, 0, stream>>>(
       reinterpret_cast<const __half*>(A.data_ptr()), la.data_ptr<float>(),

@@ -143,7 +143,7 @@ def test_fallback_is_the_triton_kernel(monkeypatch):
             cf.gdn_flush_cuda(*args, seed=bad, layer=1, sequence_ids=seq, flush_index=fi)
     assert len(calls) == 1
     with pytest.raises(ValueError, match="variant must be one of"):
-        cf.gdn_flush_cuda(*args, seed=5, layer=1, sequence_ids=seq, flush_index=fi, variant=7)
+        cf.gdn_flush_cuda(*args, seed=5, layer=1, sequence_ids=seq, flush_index=fi, variant=9)
     with pytest.raises(ValueError, match="does not cover this call: the inputs are not all "
                                          "on one CUDA device"):
         cf.gdn_flush_cuda(*args, seed=5, layer=1, sequence_ids=seq, flush_index=fi,
@@ -152,9 +152,9 @@ def test_fallback_is_the_triton_kernel(monkeypatch):
 
 def test_same_bits_is_the_form_of_a_variant():
     """``same_bits`` groups the launch variants by form: the FMA forms 0-3 together, the
-    tensor-core forms 4-5 together; the variant asked for comes first; others are refused."""
+    tensor-core forms 4-7 together; the variant asked for comes first; others are refused."""
     assert cf.same_bits(0) == (0, 1, 2, 3) and cf.same_bits(2) == (2, 0, 1, 3)
-    assert cf.same_bits(4) == (4, 5)
+    assert cf.same_bits(4) == (4, 5, 6, 7)
     for v in cf.VARIANTS:
         assert {cf.VARIANTS[x]["tc"] for x in cf.same_bits(v)} == {cf.VARIANTS[v]["tc"]}
     with pytest.raises(KeyError):

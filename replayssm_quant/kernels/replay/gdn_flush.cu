@@ -641,7 +641,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
   replay_device::mma_bf16(d, a[0], a[1], a[2], a[3], bb.x, bb.y);
 }
 
-template <int SR, int RCP>
+template <int SR, int RCP, int ROLL>
 __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
     const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
     const float* __restrict__ rv, const float* __restrict__ rk,
@@ -848,15 +848,15 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
   const float sg6 = __fmul_rn(sg, 6.0f);
   const bool use_rcp = RCP && sg >= 0x1p-86f && sg <= 0x1p86f;  // (as flush_kernel's RCP)
 
-  // the casts: two blocks a step (s[0 .. 15]: blocks 2 cp, 2 cp + 1 of both rows), the
-  // registers moving down 16 after each step (as flush_kernel's ROLL 1)
+  // the casts: 2 ROLL blocks a step (s[0 .. 16 ROLL - 1]: blocks 2 cp .. 2 cp + 2 ROLL - 1 of
+  // both rows), the registers moving down 16 ROLL after each step (as flush_kernel's ROLL)
   const uint2 kw = stream_key_words(fi, sq, hd, kbits);
   const uint32_t klo = kw.x, khi = kw.y;
   unsigned long long scw0 = 0, scw1 = 0;  // the block scale codes of rows r0, r0 + 8
 #pragma unroll 1
-  for (int cp = 0; cp < D / 32; ++cp) {
+  for (int cp = 0; cp < D / 32; cp += ROLL) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4 * ROLL; ++i) {
       const int c = 2 * cp + (i >> 1), rs = i & 1;  // block c, row r0 + 8 rs
       const float* x = s + 8 * (i >> 1) + 4 * rs;
       const int row = r0 + 8 * rs;
@@ -901,7 +901,7 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
       else scw0 |= sb;
     }
 #pragma unroll
-    for (int i = 0; i < 64 - 16; ++i) s[i] = s[i + 16];
+    for (int i = 0; i < 64 - 16 * ROLL; ++i) s[i] = s[i + 16 * ROLL];
   }
   if (t < 2)
     *reinterpret_cast<unsigned long long*>(bscale + (mat * D + r0 + 8 * t) * (D / 16)) =
@@ -931,8 +931,10 @@ void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, torch
       {gdn_flush::flush_kernel<2, 0, 0, 2>, gdn_flush::flush_kernel<2, 0, 1, 2>},
       {gdn_flush::flush_kernel<2, 1, 0, 1>, gdn_flush::flush_kernel<2, 1, 1, 1>},
       {gdn_flush::flush_kernel<2, 1, 0, 2>, gdn_flush::flush_kernel<2, 1, 1, 2>},
-      {gdn_flush::flush_tc_kernel<0, 0>, gdn_flush::flush_tc_kernel<1, 0>},
-      {gdn_flush::flush_tc_kernel<0, 1>, gdn_flush::flush_tc_kernel<1, 1>}};
+      {gdn_flush::flush_tc_kernel<0, 0, 1>, gdn_flush::flush_tc_kernel<1, 0, 1>},
+      {gdn_flush::flush_tc_kernel<0, 1, 1>, gdn_flush::flush_tc_kernel<1, 1, 1>},
+      {gdn_flush::flush_tc_kernel<0, 0, 2>, gdn_flush::flush_tc_kernel<1, 0, 2>},
+      {gdn_flush::flush_tc_kernel<0, 1, 2>, gdn_flush::flush_tc_kernel<1, 1, 2>}};
   const Kern kern = table[variant][sr ? 1 : 0];
   kern<<<B * H, gdn_flush::NTH, 0, stream>>>(
       reinterpret_cast<const __half*>(A.data_ptr()), la.data_ptr<float>(),

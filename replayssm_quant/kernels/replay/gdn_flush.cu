@@ -572,9 +572,10 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
 }
 
 // ------------------------------------------------------------------------------------------
-// The tensor-core form (variant 4; issue 15, forty-ninth pass): the products A k_p and the
-// fold S = e^{c_{n-1}} A + U' K on mma.sync m16n8k16 (bf16 operands, FP32 accumulation); the
-// records, the solve and the casts as in flush_kernel, in another thread layout.
+// The tensor-core form (variants 4-7, 6 the default; issue 15, forty-ninth pass): the
+// products A k_p and the fold S = e^{c_{n-1}} A + U' K on mma.sync m16n8k16 (bf16 operands,
+// FP32 accumulation); the records, the solve and the casts as in flush_kernel, in another
+// thread layout.
 // * Layout: warp w holds rows 16 w .. 16 w + 15; lane (g, t) = (lane / 4, lane % 4) holds
 //   rows r0 = 16 w + g and r0 + 8, columns 16 c + 4 t .. + 3 of every 16-column block c: the
 //   A operand of the products (k-step c; its k indices 2t, 2t+1, 2t+8, 2t+9 taken as the

@@ -143,7 +143,7 @@ def test_fallback_is_the_triton_kernel(monkeypatch):
             cf.gdn_flush_cuda(*args, seed=bad, layer=1, sequence_ids=seq, flush_index=fi)
     assert len(calls) == 1
     with pytest.raises(ValueError, match="variant must be one of"):
-        cf.gdn_flush_cuda(*args, seed=5, layer=1, sequence_ids=seq, flush_index=fi, variant=7)
+        cf.gdn_flush_cuda(*args, seed=5, layer=1, sequence_ids=seq, flush_index=fi, variant=9)
     with pytest.raises(ValueError, match="does not cover this call: the inputs are not all "
                                          "on one CUDA device"):
         cf.gdn_flush_cuda(*args, seed=5, layer=1, sequence_ids=seq, flush_index=fi,
@@ -152,9 +152,9 @@ def test_fallback_is_the_triton_kernel(monkeypatch):
 
 def test_same_bits_is_the_form_of_a_variant():
     """``same_bits`` groups the launch variants by form: the FMA forms 0-3 together, the
-    tensor-core form 4 alone; the variant asked for comes first; others are refused."""
+    tensor-core forms 4-7 together; the variant asked for comes first; others are refused."""
     assert cf.same_bits(0) == (0, 1, 2, 3) and cf.same_bits(2) == (2, 0, 1, 3)
-    assert cf.same_bits(4) == (4,)
+    assert cf.same_bits(4) == (4, 5, 6, 7)
     for v in cf.VARIANTS:
         assert {cf.VARIANTS[x]["tc"] for x in cf.same_bits(v)} == {cf.VARIANTS[v]["tc"]}
     with pytest.raises(KeyError):
@@ -258,8 +258,9 @@ def _own_casts(S, policy, seq, fi):
                                  seed=SEED, layer=LAYER)
 
 
-#: the kernel's forms: FMAs (variant 0; 1-3 give its bits) and the tensor cores (4)
-FORMS = [0, 4]
+#: the kernel's forms: FMAs (variant 0; 1-3 give its bits) and the tensor cores (6, the
+#: default; 4, 5 and 7 give its bits)
+FORMS = [0, 6]
 
 
 @needs_gpu
@@ -347,8 +348,8 @@ def test_kernel_casts_special_values(policy, variant):
 @pytest.mark.parametrize("variant", FORMS)
 def test_serving_form_and_batch_invariance(variant):
     """Without S and w (the serving form) the copies and ``y`` are the full form's bits, in
-    every launch variant of the form (variants 0-3 share their bits; the tensor-core variant
-    4 has its own, within FP32 tolerance of them); a sequence's bits do not depend on the batch
+    every launch variant of the form (variants 0-3 share their bits; the tensor-core variants
+    4-7 have their own, within FP32 tolerance of them); a sequence's bits do not depend on the batch
     it is flushed in, its position or its neighbours."""
     B, H, G, J = 7, 4, 2, 16
     A, recs, q, length, seq, fi = _inputs(B, H, G, J, device="cuda", seed=3)
@@ -359,7 +360,7 @@ def test_serving_form_and_batch_invariance(variant):
         assert res2.state is None and res2.w is None and res2.checkpoints.anchor is None
         _same_copies(res.checkpoints, res2.checkpoints)
         assert torch.equal(y, y2)
-    other, _ = _run(A, recs, q, length, seq, fi, variant=4 if variant == 0 else 0)
+    other, _ = _run(A, recs, q, length, seq, fi, variant=6 if variant == 0 else 0)
     assert not torch.equal(other.state, res.state)  # (the two forms ran: their last bits)
     assert ((other.state - res.state).abs() <= 1e-5 + 1e-5 * res.state.abs()).all()
     idx = torch.tensor([5, 2, 6], device="cuda")

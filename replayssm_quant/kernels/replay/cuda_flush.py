@@ -56,19 +56,27 @@ J_MAX = 16  # record slots (gdn_flush.cu's JF)
 #: move down after each step; 4, no loop, overflowed the i-cache). Variant 4 (``tc``) forms
 #: them on the tensor cores (mma.sync, exact bf16 parts, FP32 accumulation; forty-ninth
 #: pass): another order of the sums, so its S has its own last bits (FP32 tolerance of the
-#: reference) and its copies are the casts of that S
+#: reference) and its copies are the casts of that S; variants 5-7 are 4 with the reciprocal
+#: division, the casts rolled by 2, or both (the same bits as 4)
 VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1, "tc": False},
             1: {"mb": 2, "rcp": False, "roll": 2, "tc": False},
             2: {"mb": 2, "rcp": True, "roll": 1, "tc": False},
             3: {"mb": 2, "rcp": True, "roll": 2, "tc": False},
-            4: {"mb": 2, "rcp": False, "roll": 1, "tc": True}}
-#: the default variant: 4, the tensor-core form (H100, B = 256, 32 heads, J = 16; us, fp16+sr
-#: / RTN anchor): 778 / 688 at cd4cee4 (flush_nvfp4_cuda_cd4cee4_h100.json), against 810 / 756
+            4: {"mb": 2, "rcp": False, "roll": 1, "tc": True},
+            5: {"mb": 2, "rcp": True, "roll": 1, "tc": True},
+            6: {"mb": 2, "rcp": False, "roll": 2, "tc": True},
+            7: {"mb": 2, "rcp": True, "roll": 2, "tc": True}}
+#: the default variant: 6, the tensor-core form with its casts rolled by 2 (H100, B = 256, 32
+#: heads, J = 16; us, fp16+sr / RTN anchor, three runs at 60e1610,
+#: flush_nvfp4_cuda_60e1610_h100_*.json): 734.3-735.1 / 641.3-643.0, against 744.2-745.4 /
+#: 657.5-658.4 for 4, 755.4-757.2 / 677.1-679.4 for 5 and 746.4-755.0 / 661.8-661.9 for 7 (the
+#: reciprocal division is slower here) and 1091-1097 / 1041-1042 for the Triton split flush.
+#: Before it, 4 (roll 1): 778 / 688 at cd4cee4 (flush_nvfp4_cuda_cd4cee4_h100.json), against 810 / 756
 #: for variant 0, 869 / 771, 838 / 764 and 860 / 746 for 1-3 and 1100 / 1047 for the Triton
 #: split flush; 788 / 689 at b8680d2, before the Philox and SR changes of cd4cee4, against
 #: 888 / 763 for variant 0. Earlier: 0 was the fastest FMA form (9989e20, 792db29: 889-890 /
 #: 759-760; the 1-CTA forms 1093-1155 / 987-1043)
-GDN_FLUSH_CUDA_CONFIG = {"variant": 4}
+GDN_FLUSH_CUDA_CONFIG = {"variant": 6}
 
 
 def same_bits(variant: int) -> tuple[int, ...]:
@@ -175,7 +183,7 @@ def gdn_flush_cuda(anchor, la, beta, v, k, length, policy, *, seed, layer, seque
     corrections ``w [B, J, H, 128]`` (zero at slots ``>= length``) with ``return_w`` (else
     None); ``y = S q`` ``[B, H, 128]`` float32, or None without ``q``. ``variant``: the
     launch variant (:data:`VARIANTS`; default :data:`GDN_FLUSH_CUDA_CONFIG`; 0-3 give the same
-    bits, 4, the tensor-core form, its own).
+    bits, 4-7, the tensor-core form, theirs).
 
     Raises:
         ValueError: ``variant`` not a key of :data:`VARIANTS` or None; with

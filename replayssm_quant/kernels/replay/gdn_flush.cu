@@ -572,9 +572,10 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
 }
 
 // ------------------------------------------------------------------------------------------
-// The tensor-core form (variant 4; issue 15, forty-ninth pass): the products A k_p and the
-// fold S = e^{c_{n-1}} A + U' K on mma.sync m16n8k16 (bf16 operands, FP32 accumulation); the
-// records, the solve and the casts as in flush_kernel, in another thread layout.
+// The tensor-core form (variants 4-7, 6 the default; issue 15, forty-ninth pass): the
+// products A k_p and the fold S = e^{c_{n-1}} A + U' K on mma.sync m16n8k16 (bf16 operands,
+// FP32 accumulation); the records, the solve and the casts as in flush_kernel, in another
+// thread layout.
 // * Layout: warp w holds rows 16 w .. 16 w + 15; lane (g, t) = (lane / 4, lane % 4) holds
 //   rows r0 = 16 w + g and r0 + 8, columns 16 c + 4 t .. + 3 of every 16-column block c: the
 //   A operand of the products (k-step c; its k indices 2t, 2t+1, 2t+8, 2t+9 taken as the
@@ -641,7 +642,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
   replay_device::mma_bf16(d, a[0], a[1], a[2], a[3], bb.x, bb.y);
 }
 
-template <int SR>
+template <int SR, int RCP, int ROLL>
 __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
     const __half* __restrict__ A, const float* __restrict__ rla, const float* __restrict__ rbe,
     const float* __restrict__ rv, const float* __restrict__ rk,
@@ -846,16 +847,17 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
   const float sg = matrix_scale(s, sm.wmax, warp, lane);
   if (tid == 0) mscale[mat] = sg;
   const float sg6 = __fmul_rn(sg, 6.0f);
+  const bool use_rcp = RCP && sg >= 0x1p-86f && sg <= 0x1p86f;  // (as flush_kernel's RCP)
 
-  // the casts: two blocks a step (s[0 .. 15]: blocks 2 cp, 2 cp + 1 of both rows), the
-  // registers moving down 16 after each step (as flush_kernel's ROLL 1)
+  // the casts: 2 ROLL blocks a step (s[0 .. 16 ROLL - 1]: blocks 2 cp .. 2 cp + 2 ROLL - 1 of
+  // both rows), the registers moving down 16 ROLL after each step (as flush_kernel's ROLL)
   const uint2 kw = stream_key_words(fi, sq, hd, kbits);
   const uint32_t klo = kw.x, khi = kw.y;
   unsigned long long scw0 = 0, scw1 = 0;  // the block scale codes of rows r0, r0 + 8
 #pragma unroll 1
-  for (int cp = 0; cp < D / 32; ++cp) {
+  for (int cp = 0; cp < D / 32; cp += ROLL) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4 * ROLL; ++i) {
       const int c = 2 * cp + (i >> 1), rs = i & 1;  // block c, row r0 + 8 rs
       const float* x = s + 8 * (i >> 1) + 4 * rs;
       const int row = r0 + 8 * rs;
@@ -884,8 +886,15 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
       bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
       const Nvfp4Block blk = nvfp4_block(bm, !(bm < INFINITY), sg, sg6);
       uint32_t w = 0;
+      if (use_rcp) {
+        const float rcp = __fdiv_rn(1.0f, blk.safe);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) w |= e2m1_in_block(__fdiv_rn(x[e], blk.safe), blk) << (4 * e);
+        for (int e = 0; e < 4; ++e)
+          w |= e2m1_in_block(div_by_rcp(x[e], blk.safe, rcp), blk) << (4 * e);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w |= e2m1_in_block(__fdiv_rn(x[e], blk.safe), blk) << (4 * e);
+      }
       *reinterpret_cast<unsigned short*>(codes + (mat * D + row) * (D / 2) + 8 * c + 2 * t) =
           static_cast<unsigned short>(w);
       const unsigned long long sb = static_cast<unsigned long long>(blk.code) << (8 * c);
@@ -893,7 +902,7 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
       else scw0 |= sb;
     }
 #pragma unroll
-    for (int i = 0; i < 64 - 16; ++i) s[i] = s[i + 16];
+    for (int i = 0; i < 64 - 16 * ROLL; ++i) s[i] = s[i + 16 * ROLL];
   }
   if (t < 2)
     *reinterpret_cast<unsigned long long*>(bscale + (mat * D + r0 + 8 * t) * (D / 16)) =
@@ -923,7 +932,10 @@ void gdn_flush_cuda(torch::Tensor A, torch::Tensor la, torch::Tensor beta, torch
       {gdn_flush::flush_kernel<2, 0, 0, 2>, gdn_flush::flush_kernel<2, 0, 1, 2>},
       {gdn_flush::flush_kernel<2, 1, 0, 1>, gdn_flush::flush_kernel<2, 1, 1, 1>},
       {gdn_flush::flush_kernel<2, 1, 0, 2>, gdn_flush::flush_kernel<2, 1, 1, 2>},
-      {gdn_flush::flush_tc_kernel<0>, gdn_flush::flush_tc_kernel<1>}};
+      {gdn_flush::flush_tc_kernel<0, 0, 1>, gdn_flush::flush_tc_kernel<1, 0, 1>},
+      {gdn_flush::flush_tc_kernel<0, 1, 1>, gdn_flush::flush_tc_kernel<1, 1, 1>},
+      {gdn_flush::flush_tc_kernel<0, 0, 2>, gdn_flush::flush_tc_kernel<1, 0, 2>},
+      {gdn_flush::flush_tc_kernel<0, 1, 2>, gdn_flush::flush_tc_kernel<1, 1, 2>}};
   const Kern kern = table[variant][sr ? 1 : 0];
   kern<<<B * H, gdn_flush::NTH, 0, stream>>>(
       reinterpret_cast<const __half*>(A.data_ptr()), la.data_ptr<float>(),

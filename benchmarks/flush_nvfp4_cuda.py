@@ -12,10 +12,10 @@ On ``decode.py``'s GDN geometry (``make_set``: 32 value / 16 key heads, 128 x 12
 flush of each kernel (stored anchor in, the copies and ``y = S q`` out, S not written; the
 CUDA kernel in each launch variant of ``cuda_flush.VARIANTS``) and a device copy of the
 anchor's bytes (a floor). Checks, for each of the kernel's two forms (FMA variants 0-3, which
-must give the same bits, and the tensor-core variants 4-7, likewise): ``decode.check_flush`` under the CUDA
-kernel (S, corrections and ``y`` against the torch reference, the copies against the torch
-casts of the kernel's own S, bit for bit); the batch's first 8 sequences alone give the same
-bits; against the Triton flush, the largest difference of S and ``y`` and the share of anchor
+must give the same bits, and the tensor-core variants 4-7, likewise): ``decode.check_flush``
+under the CUDA kernel (S, corrections and ``y`` against the torch reference, the copies
+against the torch casts of the kernel's own S, bit for bit); the batch's first 8 sequences
+alone give the same bits; against the Triton flush, the largest difference of S and ``y`` and the share of anchor
 and read-copy bytes that differ (rounding decisions that S's last bits move).
 
 Usage (device; nvcc and ninja)::

@@ -349,8 +349,8 @@ def test_kernel_casts_special_values(policy, variant):
 def test_serving_form_and_batch_invariance(variant):
     """Without S and w (the serving form) the copies and ``y`` are the full form's bits, in
     every launch variant of the form (variants 0-3 share their bits; the tensor-core variants
-    4-7 have their own, within FP32 tolerance of them); a sequence's bits do not depend on the batch
-    it is flushed in, its position or its neighbours."""
+    4-7 have their own, within FP32 tolerance of them); a sequence's bits do not depend on the
+    batch it is flushed in, its position or its neighbours."""
     B, H, G, J = 7, 4, 2, 16
     A, recs, q, length, seq, fi = _inputs(B, H, G, J, device="cuda", seed=3)
     res, y = _run(A, recs, q, length, seq, fi, variant=variant)

@@ -71,11 +71,11 @@ VARIANTS = {0: {"mb": 2, "rcp": False, "roll": 1, "tc": False},
 #: flush_nvfp4_cuda_60e1610_h100_*.json): 734.3-735.1 / 641.3-643.0, against 744.2-745.4 /
 #: 657.5-658.4 for 4, 755.4-757.2 / 677.1-679.4 for 5 and 746.4-755.0 / 661.8-661.9 for 7 (the
 #: reciprocal division is slower here) and 1091-1097 / 1041-1042 for the Triton split flush.
-#: Before it, 4 (roll 1): 778 / 688 at cd4cee4 (flush_nvfp4_cuda_cd4cee4_h100.json), against 810 / 756
-#: for variant 0, 869 / 771, 838 / 764 and 860 / 746 for 1-3 and 1100 / 1047 for the Triton
-#: split flush; 788 / 689 at b8680d2, before the Philox and SR changes of cd4cee4, against
-#: 888 / 763 for variant 0. Earlier: 0 was the fastest FMA form (9989e20, 792db29: 889-890 /
-#: 759-760; the 1-CTA forms 1093-1155 / 987-1043)
+#: Before it, 4 (roll 1): 778 / 688 at cd4cee4 (flush_nvfp4_cuda_cd4cee4_h100.json), against
+#: 810 / 756 for variant 0, 869 / 771, 838 / 764 and 860 / 746 for 1-3 and 1100 / 1047 for
+#: the Triton split flush; 788 / 689 at b8680d2, before the Philox and SR changes of
+#: cd4cee4, against 888 / 763 for variant 0. Earlier: 0 was the fastest FMA form (9989e20,
+#: 792db29: 889-890 / 759-760; the 1-CTA forms 1093-1155 / 987-1043)
 GDN_FLUSH_CUDA_CONFIG = {"variant": 6}
 
 

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import textwrap
 import sys
+import textwrap
 from collections import defaultdict, deque
 from pathlib import Path
 from typing import NamedTuple

@@ -232,6 +232,12 @@ __device__ __forceinline__ float div_by_rcp(float x, float b, float y) {
   return __int_as_float(__float_as_int(q) | (__float_as_int(x) & 0x80000000));
 }
 
+// whether a matrix scale lets its NVFP4 elements be divided by div_by_rcp (quant.py's
+// RCP_MATRIX_SCALE_RANGE, 2^-86 .. 2^86: the block divisors then lie in 2^-95 .. 2^95)
+__device__ __forceinline__ bool rcp_scale_ok(float sg) {
+  return sg >= 0x1p-86f && sg <= 0x1p86f;
+}
+
 // The records' keys and values (and with F_Y the query) into shared memory by cp.async, the
 // slots n.. of the keys +0, c_j (one serial sum, thread 0), the Gram terms k_i . k_p (i < p <
 // n: two threads a pair, 64 columns each in column order, joined by one rounded add) and the
@@ -509,7 +515,7 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
   const float sg = matrix_scale(s, sm.wmax, warp, lane);
   if (tid == 0) mscale[mat] = sg;
   const float sg6 = __fmul_rn(sg, 6.0f);
-  const bool use_rcp = RCP && sg >= 0x1p-86f && sg <= 0x1p86f;  // (the NVFP4 cast is RTN)
+  const bool use_rcp = RCP && rcp_scale_ok(sg);  // (the NVFP4 cast is RTN)
 
   // the casts, block by block (16 key columns: 4 Philox calls, 8 code bytes, 1 scale byte).
   // ROLL copies of a block's code, not four: blocks bk .. bk + ROLL - 1 are always
@@ -847,7 +853,7 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
   const float sg = matrix_scale(s, sm.wmax, warp, lane);
   if (tid == 0) mscale[mat] = sg;
   const float sg6 = __fmul_rn(sg, 6.0f);
-  const bool use_rcp = RCP && sg >= 0x1p-86f && sg <= 0x1p86f;  // (as flush_kernel's RCP)
+  const bool use_rcp = RCP && rcp_scale_ok(sg);  // (the NVFP4 cast is RTN)
 
   // the casts: 2 ROLL blocks a step (s[0 .. 16 ROLL - 1]: blocks 2 cp .. 2 cp + 2 ROLL - 1 of
   // both rows), the registers moving down 16 ROLL after each step (as flush_kernel's ROLL)

@@ -425,11 +425,11 @@ class PolicyMap:
         out: dict[int, list[StatePolicy]] = {}
         layer_rule: dict[int, StatePolicy] = {}
         for r, p in self.layers:
-            for i in layers_of(r, f"'layers' {r}"):
+            for i in layers_of(r, "'layers' entry"):
                 layer_rule[i] = p
         head_rule: dict[tuple[int, int], StatePolicy] = {}
         for lr, hr, p in self.heads:
-            for i in layers_of(lr, f"'heads' layer {lr}"):
+            for i in layers_of(lr, "'heads' entry"):
                 if hr.hi >= ssm[i]:
                     raise ValueError(f"policy map 'heads' names heads {hr} of layer {i}, which has "
                                      f"{ssm[i]} heads (0-{ssm[i] - 1})")

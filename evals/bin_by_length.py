@@ -360,11 +360,22 @@ def bin_by_length(df, bins, baseline: str | None = None):
 DEFAULT_BINS = [0, 64, 256, 1024, 4096, 16384, 1 << 20]
 
 
+def _edge(text: str) -> int:
+    """``--bins`` edge parser: an int, or an error that says where the run directories go
+    (``--bins`` takes every word after it, so ``--bins 5 3 RUN`` reads RUN as an edge)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid length edge {text!r}: expected an integer (give the run directories "
+            "before --bins, or end its list with --)") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="replayssm-bin-by-length", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="lm-eval --output_path directories (with --log_samples)")
     ap.add_argument("--tokenizer", help="HF tokenizer (id or local dir) to count tokens; default: words")
-    ap.add_argument("--bins", nargs="+", type=int, metavar="EDGE", default=DEFAULT_BINS,
+    ap.add_argument("--bins", nargs="+", type=_edge, metavar="EDGE", default=DEFAULT_BINS,
                     help="increasing non-negative length edges: bins [e0, e1), [e1, e2), ...; "
                     "lengths outside [first, last) are left out, with a warning that counts "
                     f"them (default: {' '.join(map(str, DEFAULT_BINS))})")

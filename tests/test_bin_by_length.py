@@ -127,6 +127,22 @@ def test_bad_bins_and_a_file_are_refused(tmp_path, capsys):
         load_samples([f])
 
 
+def test_a_run_after_bins_is_named_as_a_bad_edge(tmp_path, capsys):
+    """``--bins`` takes every word after it: a run directory given after the edges is refused
+    as a non-integer edge with the way out, and the same call with the run first or after
+    ``--`` runs."""
+    _write_run(tmp_path / "a", "shared:nvfp4", [3, 12], [1.0, 0.0])
+    run = str(tmp_path / "a")
+    with pytest.raises(SystemExit) as e:
+        main(["--bins", "0", "100", run])
+    assert e.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"argument --bins: invalid length edge {run!r}: expected an integer" in err
+    assert "before --bins, or end its list with --" in err
+    assert main(["--bins", "0", "100", "--", run]) == 0
+    assert main([run, "--bins", "0", "100"]) == 0
+
+
 def test_bins_help_shows_the_default(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -1,11 +1,12 @@
 """Launch GDN's CUDA nvfp4 flush (``kernels/replay/gdn_flush.cu``) a few times on
 ``decode.py``'s geometry (B = 256, 32 value heads, 16 key heads, 128 x 128, J = 16), for
 Nsight Compute to profile one launch: launch 0 builds and warms, launch 1 is the default
-variant (0), launches 2 and 3 are variants 1 and 2.
+variant (``cuda_flush.GDN_FLUSH_CUDA_CONFIG``), launches 2 and 3 are variants 4 and 0 (the
+tensor-core form unrolled once, and the FMA form).
 
 Usage (on the device)::
 
-    ncu --kernel-name regex:flush_kernel --launch-skip 1 --launch-count 1 \\
+    ncu --kernel-name regex:'flush_tc_kernel|flush_kernel' --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats --section SourceCounters \\
         -o REPORT python3 benchmarks/flush_nvfp4_ncu.py [--policy read:nvfp4/rec:fp16]
     ncu -i REPORT.ncu-rep --page source --csv --print-source sass > src.csv
@@ -26,6 +27,7 @@ import replay_kernels as rk  # noqa: E402
 from flush_nvfp4_cuda import _serve  # noqa: E402
 
 from replayssm_quant.kernels import replay as kr  # noqa: E402
+from replayssm_quant.kernels.replay.cuda_flush import GDN_FLUSH_CUDA_CONFIG  # noqa: E402
 from replayssm_quant.policy import StatePolicy  # noqa: E402
 
 
@@ -40,7 +42,8 @@ def main(argv=None) -> None:
     pol = StatePolicy.parse(args.policy)
     st = dc.make_set(M, torch.Generator(device="cuda").manual_seed(5), pol, 8, False)
     fa = dc.flush_args(M, st)
-    for v in (0, 0, 1, 2):  # the serving form, as flush_nvfp4_cuda.py times it
+    default = GDN_FLUSH_CUDA_CONFIG["variant"]
+    for v in (default, default, 4, 0):  # the serving form, as flush_nvfp4_cuda.py times it
         _serve(lambda *x, v=v, **k: kr.gdn_flush_cuda(*x, variant=v, fallback=False, **k),
                M, st, pol, fa)
     torch.cuda.synchronize()

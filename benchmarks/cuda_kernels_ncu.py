@@ -104,7 +104,11 @@ def summarize(csv_path: str, labels_path: str) -> dict:
             v = _num(r["Metric Value"])
             if m == "Duration":
                 unit = r.get("Metric Unit", "")
-                v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1.0)
+                scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
+                         "msecond": 1e3}
+                if unit not in scale:
+                    raise ValueError(f"ncu's Duration unit {unit!r}: expected one of {sorted(scale)}")
+                v *= scale[unit]
             d[METRICS[m]] = v
     ids = sorted(by_id, key=int)
     if len(ids) != len(labels):

@@ -342,3 +342,43 @@ def test_verify_cuda_refuses_bad_inputs(tmp_path):
                            text=True, timeout=120)
         assert p.returncode != 0 and "run it on the device" in p.stderr
         assert not (tmp_path / "v.json").exists()
+
+
+def test_cuda_kernels_ncu_summary_reads_ncu_csv(tmp_path):
+    """``cuda_kernels_ncu.summarize``: ncu's ``--csv --page details`` rows (after the
+    program's own output) matched to the driver's launches by ID order, each case's second
+    launch kept, Duration converted from ncu's unit to us (and thousands separators read); an
+    unknown unit and a launch-count mismatch are refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cuda_kernels_ncu as cn
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    labels = [c[0] for c in cn.cases() for _ in range(2)]
+    assert len(labels) == 18 and labels[:2] == ["step_fp32_h0"] * 2
+    lab = tmp_path / "labels.json"
+    lab.write_text(json.dumps(labels))
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+            '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+            '"Metric Value"\n')
+
+    def write(unit="ns", n=len(labels)):
+        rows = []
+        for i in range(n):
+            for m, u, v in (("Duration", unit, f"{1000 + 10 * i:,}"), ("DRAM Throughput", "%", "80.5"),
+                            ("Registers Per Thread", "register/thread", "72")):
+                rows.append(f'"{i}","1","python3","h","void k<{i}>(const float *)","1","7",'
+                            f'"(128, 1, 1)","(8192, 1, 1)","0","9.0","S","{m}","{u}","{v}"\n')
+        p = tmp_path / f"ncu_{unit}_{n}.csv"
+        p.write_text("==PROF== Connected to process\nprogram output\n" + head + "".join(rows))
+        return p
+
+    res = cn.summarize(write(), lab)
+    assert list(res) == list(dict.fromkeys(labels))
+    assert res["step_fp32_h0"] == {"kernel": "void k<1>", "time_us": 1.01, "dram_pct": 80.5}
+    assert res["flush_nvfp4_sr"]["time_us"] == pytest.approx(1.17)
+    assert cn.summarize(write("msecond"), lab)["step_fp32_h0"]["time_us"] == pytest.approx(1.01e6)
+    with pytest.raises(ValueError, match="Duration unit 'cycle'"):
+        cn.summarize(write("cycle"), lab)
+    with pytest.raises(ValueError, match="ncu profiled 17 launches, the driver made 18"):
+        cn.summarize(write(n=17), lab)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -45,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from replayssm_quant import backend as be  # noqa: E402
 from replayssm_quant.adapters import state_policy  # noqa: E402
 from replayssm_quant.adapters.segments import forward_segment  # noqa: E402
 
@@ -180,6 +182,10 @@ def main(argv=None):
                     help="timed windows of L = 16 per patched run, after one warm-up window "
                          "(default 3; tiny 1)")
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--backend", choices=("auto", "triton", "cuda"), default=None,
+                    help="REPLAYSSM_BACKEND for the patched runs (default: the environment's, "
+                         "else auto); cuda runs GDN's CUDA C++ step, verify and flush where "
+                         "they apply (docs/kernels-replay.md)")
     ap.add_argument("--shared-products", choices=("on", "off"), default="on",
                     help="serving decode: the record-key products launch as in the committed "
                          "launch defaults (on) or switched off in every default that sets it "
@@ -189,6 +195,8 @@ def main(argv=None):
                     ("--new-tokens", a.new_tokens), ("--windows", a.windows)):
         if v is not None and v < 1:
             ap.error(f"{name} must be a positive int, got {v}")
+    if a.backend is not None:
+        os.environ[be.ENV] = a.backend
     models = a.models.split(",")
     if not models or any(m not in MODELS for m in models):
         ap.error(f"--models takes a comma list of {MODELS}, got {a.models!r}")
@@ -214,6 +222,7 @@ def main(argv=None):
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "fla": fla_ver},
+           "backend": os.environ.get(be.ENV) or "auto",
            "shared_products": a.shared_products, "batch": B, "gen_batch": GB,
            "new_tokens": new, "window_L": L, "models": {}}
 

@@ -202,11 +202,13 @@ def test_decode_model_tiny(tmp_path):
     window bookkeeping (one flush call per L = 4 calls) and the generate rates are recorded."""
     out = tmp_path / "decode_model.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("REPLAYSSM_BACKEND", None)
     p = subprocess.run([sys.executable, "benchmarks/decode_model.py", "--tiny", "--out", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["window_L"] == 4 and set(r["models"]) == {"qwen3_5", "nemotron_h"}
+    assert r["backend"] == "auto"  # (the setting the patched runs saw, recorded)
     for m in r["models"].values():
         for mode in ("window", "serving"):
             s = m[f"fp32_{mode}_step"]

@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _commit import code_commit  # noqa: E402
 from replayssm_quant import backend as be  # noqa: E402
 from replayssm_quant.adapters import state_policy  # noqa: E402
 from replayssm_quant.adapters.segments import forward_segment  # noqa: E402
@@ -222,6 +223,7 @@ def main(argv=None):
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "fla": fla_ver},
+           "code_commit": code_commit(short=True),
            "backend": os.environ.get(be.ENV) or "auto",
            "shared_products": a.shared_products, "batch": B, "gen_batch": GB,
            "new_tokens": new, "window_L": L, "models": {}}

@@ -161,6 +161,19 @@ def window_summary(ts: list[float], L: int, skip: int) -> dict:
             "all_us": [t * 1e6 for t in ts]}
 
 
+def peak_reset(device) -> None:
+    """Start a peak-memory window (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device) -> float | None:
+    """Peak bytes allocated by torch on ``device`` since :func:`peak_reset`, in GiB (None off
+    CUDA): what a run needs beyond the card's other tenants."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def gen_rate(model, B: int, new: int, vocab: int, device, timer) -> dict:
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(3, vocab, (B, GEN_PROMPT), generator=gen).to(device)
@@ -183,6 +196,7 @@ def main(argv=None):
                     help="timed windows of L = 16 per patched run, after one warm-up window "
                          "(default 3; tiny 1)")
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--skip-step", action="store_true", help="generate only (no step timings)")
     ap.add_argument("--backend", choices=("auto", "triton", "cuda"), default=None,
                     help="REPLAYSSM_BACKEND for the patched runs (default: the environment's, "
                          "else auto); cuda runs GDN's CUDA C++ step, verify and flush where "
@@ -238,13 +252,18 @@ def main(argv=None):
             vocab = model.config.vocab_size
             r = res["models"][name] = {"params": sum(p.numel() for p in model.parameters())}
             print(f"{name}: {r['params'] / 1e6:.1f} M params", flush=True)
-            ts = step_times(model, B, 4 + 12, vocab, dev, timer)
-            r["unpatched_step"] = {"median_us": median(ts[4:]) * 1e6,
-                                   "all_us": [t * 1e6 for t in ts[4:]]}
-            for mode in ("window", "serving"):
+            for mode in () if a.skip_step else (None, "window", "serving"):
+                peak_reset(dev)
+                if mode is None:
+                    ts = step_times(model, B, 4 + 12, vocab, dev, timer)
+                    r["unpatched_step"] = {"median_us": median(ts[4:]) * 1e6,
+                                           "all_us": [t * 1e6 for t in ts[4:]],
+                                           "peak_gib": peak_gib(dev)}
+                    continue
                 with state_policy(model, "fp32", window=L, decode=mode):
                     ts = step_times(model, B, (windows + 1) * L, vocab, dev, timer)
                 s = r[f"fp32_{mode}_step"] = window_summary(ts, L, 1)
+                s["peak_gib"] = peak_gib(dev)
                 s["amortised_vs_unpatched"] = r["unpatched_step"]["median_us"] / s["amortised_us"]
                 print(f"  step B={B}: unpatched {r['unpatched_step']['median_us']:.0f} us, fp32 "
                       f"{mode}: non-flush {s['nonflush_median_us']:.0f} flush "
@@ -252,14 +271,21 @@ def main(argv=None):
                       f"({s['amortised_vs_unpatched']:.2f}x unpatched)", flush=True)
                 save()
             if not a.skip_generate:
+                peak_reset(dev)
                 g = r["generate"] = {"unpatched": gen_rate(model, GB, new, vocab, dev, timer)}
+                g["unpatched"]["peak_gib"] = peak_gib(dev)
                 for mode in ("window", "serving"):
+                    peak_reset(dev)
                     with state_policy(model, "read:nvfp4/rec:fp16+sr", window=L, decode=mode):
                         g[f"nvfp4_{mode}"] = gen_rate(model, GB, new, vocab, dev, timer)
+                    g[f"nvfp4_{mode}"]["peak_gib"] = peak_gib(dev)
                     g[f"nvfp4_{mode}"]["vs_unpatched"] = (g[f"nvfp4_{mode}"]["tokens_per_s"]
                                                           / g["unpatched"]["tokens_per_s"])
-                print("  generate tok/s: " + ", ".join(f"{k} {v['tokens_per_s']:.0f}"
-                                                       for k, v in g.items()), flush=True)
+                    save()
+                print("  generate tok/s: " + ", ".join(
+                    f"{k} {v['tokens_per_s']:.0f}" + (f" (peak {v['peak_gib']:.1f} GiB)"
+                                                     if v["peak_gib"] is not None else "")
+                    for k, v in g.items()), flush=True)
             save()
             del model
             if dev.type == "cuda":

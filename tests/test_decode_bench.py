@@ -218,6 +218,14 @@ def test_decode_model_tiny(tmp_path):
         g = m["generate"]
         assert {"unpatched", "nvfp4_window", "nvfp4_serving"} <= set(g)
         assert all(v["new_tokens"] == 5 and v["tokens_per_s"] > 0 for v in g.values())
+        assert all(v["peak_gib"] is None for v in g.values())  # (CUDA only)
+    # generate alone: no step rows
+    p = subprocess.run([sys.executable, "benchmarks/decode_model.py", "--tiny", "--skip-step",
+                        "--models", "qwen3_5", "--out", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    m = json.loads(out.read_text())["models"]["qwen3_5"]
+    assert set(m) == {"params", "generate"} and m["generate"]["nvfp4_serving"]["new_tokens"] == 5
 
 
 def test_decode_model_shared_products_switch():

@@ -27,7 +27,11 @@ Measured (CUDA events around each call; medians):
 Usage::
 
     python benchmarks/decode_model.py --out $OUT/decode_model_h200.json      # the H200
+    python benchmarks/decode_model.py --backend cuda --out $OUT/decode_model_cuda.json  # GDN's CUDA kernels
     python benchmarks/decode_model.py --tiny --out /tmp/decode_model.json    # CPU smoke
+
+Every section records the peak GiB torch allocated on the GPU (``peak_gib``); ``--skip-step``
+and ``--skip-generate`` run one half alone.
 
 On the device machine carry fla 0.6.0 as wheels (``.whl/``, see docs/kernels-replay.md).
 """

@@ -1,9 +1,9 @@
 """Launch each of GDN's three CUDA C++ decode kernels at ``decode.py``'s B = 256 geometry (32
 value heads, 16 key heads, 128 x 128, L = 16, T = 8), each case twice (the first warms), for
 Nsight Compute to profile every launch; ``--summarize`` then reads ncu's CSV and reports, per
-case, the second launch's time, DRAM and SM throughput (% of peak), issue-slot use, achieved
-occupancy, and the share of the time that DRAM bandwidth alone accounts for (issue 15: which
-kernels will scale with the H200's 1.4x bandwidth and which will not).
+case, the second launch's time, DRAM and SM throughput (% of peak), achieved occupancy and
+warps issued per scheduler per cycle (issue 15: which kernels will scale with the H200's 1.4x
+bandwidth and which will not; docs/kernels-replay.md, fifty-second pass).
 
 Cases, in launch order (two launches each): the step at ring positions 0, 7 and 14 from an
 FP32 and from an NVFP4 read copy (``gdn_step.cu``, default stages); verify under ``fp32`` at

@@ -28,6 +28,7 @@ import io
 import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,8 +81,7 @@ def launch(labels_path: str) -> None:
                 dc.run_flush(M, st, p, dc.flush_args(M, st))
             torch.cuda.synchronize()
             labels.append(label)
-    with open(labels_path, "w") as f:
-        json.dump(labels, f)
+    Path(labels_path).write_text(json.dumps(labels))
 
 
 def _num(text: str) -> float:
@@ -92,8 +92,8 @@ def summarize(csv_path: str, labels_path: str) -> dict:
     """Per case, the second launch's metrics (:data:`METRICS`; Duration in us) from ncu's
     ``--csv --page details`` output, matched to the launches by order; raises ValueError if
     ncu profiled a different number of launches than the driver made."""
-    labels = json.load(open(labels_path))
-    text = open(csv_path).read()
+    labels = json.loads(Path(labels_path).read_text())
+    text = Path(csv_path).read_text()
     text = text[text.index('"ID"'):] if '"ID"' in text else text
     rows = list(csv.DictReader(io.StringIO(text)))
     by_id: dict[str, dict] = {}
@@ -136,8 +136,7 @@ def main(argv=None) -> int:
               f"{d.get('occupancy_pct', float('nan')):5.1f} %  issued/scheduler "
               f"{d.get('issued_per_scheduler', float('nan')):.2f}  {d['kernel']}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"cases": res, "metrics": METRICS}, f, indent=1)
+        Path(a.out).write_text(json.dumps({"cases": res, "metrics": METRICS}, indent=1))
     return 0
 
 

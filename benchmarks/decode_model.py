@@ -256,14 +256,14 @@ def main(argv=None):
             vocab = model.config.vocab_size
             r = res["models"][name] = {"params": sum(p.numel() for p in model.parameters())}
             print(f"{name}: {r['params'] / 1e6:.1f} M params", flush=True)
-            for mode in () if a.skip_step else (None, "window", "serving"):
+            if not a.skip_step:
                 peak_reset(dev)
-                if mode is None:
-                    ts = step_times(model, B, 4 + 12, vocab, dev, timer)
-                    r["unpatched_step"] = {"median_us": median(ts[4:]) * 1e6,
-                                           "all_us": [t * 1e6 for t in ts[4:]],
-                                           "peak_gib": peak_gib(dev)}
-                    continue
+                ts = step_times(model, B, 4 + 12, vocab, dev, timer)
+                r["unpatched_step"] = {"median_us": median(ts[4:]) * 1e6,
+                                       "all_us": [t * 1e6 for t in ts[4:]],
+                                       "peak_gib": peak_gib(dev)}
+            for mode in () if a.skip_step else ("window", "serving"):
+                peak_reset(dev)
                 with state_policy(model, "fp32", window=L, decode=mode):
                     ts = step_times(model, B, (windows + 1) * L, vocab, dev, timer)
                 s = r[f"fp32_{mode}_step"] = window_summary(ts, L, 1)

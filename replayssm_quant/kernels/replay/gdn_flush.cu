@@ -377,6 +377,13 @@ __device__ __forceinline__ uint32_t e2m1_in_block(float quotient, const Nvfp4Blo
   return bk.ok ? c : bk.bad ? 0u : (c & 8u);
 }
 
+// an element's E2M1 code in its block: the quotient RN(x / safe) by div_by_rcp with rcp =
+// RN(1 / safe) where use_rcp (rcp_scale_ok), else by __fdiv_rn (the same code either way)
+__device__ __forceinline__ uint32_t e2m1_of(float x, const Nvfp4Block& bk, bool use_rcp,
+                                            float rcp) {
+  return e2m1_in_block(use_rcp ? div_by_rcp(x, bk.safe, rcp) : __fdiv_rn(x, bk.safe), bk);
+}
+
 // Launch variants (the same bits): MB CTAs an SM asked of ptxas (1: up to 255 registers, no
 // spills; 2: 128 registers; the host launches MB = 2 only, 1 was slower); RCP divides the
 // NVFP4 elements by div_by_rcp where the matrix scale is in quant.RCP_MATRIX_SCALE_RANGE
@@ -563,8 +570,7 @@ __global__ void __launch_bounds__(NTH, MB) flush_kernel(
     uint32_t w0 = 0, w1 = 0;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const uint32_t c = e2m1_in_block(
-          use_rcp ? div_by_rcp(x[i], blk.safe, rcp) : __fdiv_rn(x[i], blk.safe), blk);
+      const uint32_t c = e2m1_of(x[i], blk, use_rcp, rcp);
       if (i < 8) w0 |= c << (4 * i);
       else w1 |= c << (4 * (i - 8));
     }
@@ -891,16 +897,10 @@ __global__ void __launch_bounds__(NTH, 2) flush_tc_kernel(
       bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 1));
       bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 2));
       const Nvfp4Block blk = nvfp4_block(bm, !(bm < INFINITY), sg, sg6);
+      const float rcp = use_rcp ? __fdiv_rn(1.0f, blk.safe) : 0.f;
       uint32_t w = 0;
-      if (use_rcp) {
-        const float rcp = __fdiv_rn(1.0f, blk.safe);
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          w |= e2m1_in_block(div_by_rcp(x[e], blk.safe, rcp), blk) << (4 * e);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) w |= e2m1_in_block(__fdiv_rn(x[e], blk.safe), blk) << (4 * e);
-      }
+      for (int e = 0; e < 4; ++e) w |= e2m1_of(x[e], blk, use_rcp, rcp) << (4 * e);
       *reinterpret_cast<unsigned short*>(codes + (mat * D + row) * (D / 2) + 8 * c + 2 * t) =
           static_cast<unsigned short>(w);
       const unsigned long long sb = static_cast<unsigned long long>(blk.code) << (8 * c);
